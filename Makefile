@@ -1,0 +1,28 @@
+# Two commands for a fresh machine: `make demo` (the main job) and `make test`.
+# Each builds .venv on first use: torch first and pinned (the CPU wheel, no CUDA
+# download), then recshard with its extras. `make demo EXTRA=cuda` on GPU machines.
+PYTHON ?= python3
+EXTRA ?= cpu
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(EXTRA)
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q torch==2.13.0
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[$(EXTRA),dev]'
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/python -m examples.dlrm.launch --nproc 2 -- --demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check recshard tests examples benchmarks
+
+clean:
+	rm -rf $(VENV)
