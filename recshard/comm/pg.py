@@ -1,0 +1,66 @@
+"""Process-group helpers: node layout from the torchrun environment and intra/cross-node groups.
+
+Table-row-wise sharding reduces within a node and exchanges across nodes. On one machine the
+node size can be set explicitly (`local_world_size`) so those paths run in tests.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Dict, Optional, Tuple
+
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("RECSHARD_PG_TIMEOUT_S", "300")))
+
+
+def get_local_size(world_size: Optional[int] = None) -> int:
+    """Ranks per node: torchrun's LOCAL_WORLD_SIZE, else the whole world (one node)."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    if world_size is not None:
+        return world_size
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def get_local_rank(rank: int, local_world_size: int) -> int:
+    """This rank's index inside its node (ranks are numbered node-major, as torchrun does)."""
+    return rank % local_world_size
+
+
+def get_node_index(rank: int, local_world_size: int) -> int:
+    return rank // local_world_size
+
+
+_GROUP_CACHE: Dict[Tuple[int, int], Tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def intra_and_cross_node_pg(
+    pg: dist.ProcessGroup, local_world_size: int
+) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Sub-groups of `pg`: the ranks of this node, and the ranks with this local rank on every
+    node. Every rank of `pg` must call this (group creation is collective); results are cached
+    per (pg, local_world_size)."""
+    key = (id(pg), local_world_size)
+    if key in _GROUP_CACHE:
+        return _GROUP_CACHE[key]
+    world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    if world_size % local_world_size != 0:
+        raise ValueError(f"local_world_size {local_world_size} must divide world_size {world_size}")
+    global_ranks = dist.get_process_group_ranks(pg)
+    num_nodes = world_size // local_world_size
+    intra = cross = None
+    for node in range(num_nodes):
+        members = [global_ranks[node * local_world_size + i] for i in range(local_world_size)]
+        group = dist.new_group(members, timeout=DEFAULT_TIMEOUT)
+        if node == get_node_index(rank, local_world_size):
+            intra = group
+    for local_rank in range(local_world_size):
+        members = [global_ranks[node * local_world_size + local_rank] for node in range(num_nodes)]
+        group = dist.new_group(members, timeout=DEFAULT_TIMEOUT)
+        if local_rank == get_local_rank(rank, local_world_size):
+            cross = group
+    assert intra is not None and cross is not None
+    _GROUP_CACHE[key] = (intra, cross)
+    return intra, cross

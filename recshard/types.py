@@ -1,0 +1,370 @@
+"""Shared vocabulary of recshard: sharding types, plans, the sharding environment and awaitables.
+
+Names follow TorchRec so that scripts port by changing imports. Everything here is plain data
+or a small protocol; the logic that dispatches on it lives in `recshard.sharding` and
+`recshard.distributed`.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Generic,
+    Iterator,
+    List,
+    Optional,
+    Protocol,
+    Type,
+    TypeVar,
+    runtime_checkable,
+)
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+W = TypeVar("W")
+M = TypeVar("M", bound=nn.Module)
+
+
+class ShardingType(enum.Enum):
+    """How one table is split over ranks."""
+
+    DATA_PARALLEL = "data_parallel"
+    TABLE_WISE = "table_wise"
+    ROW_WISE = "row_wise"
+    COLUMN_WISE = "column_wise"
+    TABLE_ROW_WISE = "table_row_wise"
+    TABLE_COLUMN_WISE = "table_column_wise"
+
+
+class EmbeddingComputeKernel(enum.Enum):
+    """How a shard's lookup runs: `fused` (TBE with the optimizer in backward), `dense`
+    (autograd weights for any torch optimizer), UVM variants on CUDA, `quant` for inference."""
+
+    DENSE = "dense"
+    FUSED = "fused"
+    FUSED_UVM = "fused_uvm"
+    FUSED_UVM_CACHING = "fused_uvm_caching"
+    QUANT = "quant"
+
+
+class BoundsCheckMode(enum.Enum):
+    """What to do with ids outside [0, num_embeddings): raise (default), warn and drop, drop,
+    or skip the check entirely."""
+
+    FATAL = "fatal"
+    WARNING = "warning"
+    IGNORE = "ignore"
+    NONE = "none"
+
+
+@dataclass
+class ShardMetadata:
+    """One shard of a table: where it starts, how big it is, and which rank holds it."""
+
+    shard_offsets: List[int]
+    shard_sizes: List[int]
+    placement: str  # "rank:<r>/<device>"
+
+    @property
+    def rank(self) -> int:
+        return int(self.placement.split("/")[0].split(":")[1])
+
+
+@dataclass
+class ParameterSharding:
+    """How one table is sharded: its type, kernel, ranks and per-shard geometry.
+
+    `shards` lists every shard in the global table (rows x cols offsets and sizes); for
+    data-parallel tables it is None (every rank holds the whole table).
+    """
+
+    sharding_type: str
+    compute_kernel: str
+    ranks: Optional[List[int]] = None
+    shards: Optional[List[ShardMetadata]] = None
+    bounds_check_mode: Optional[BoundsCheckMode] = None
+    cache_params: Optional[Dict[str, Any]] = None
+
+
+EmbeddingModuleShardingPlan = Dict[str, ParameterSharding]
+
+
+@dataclass
+class ShardingPlan:
+    """Per module path (FQN in the model), the per-table `ParameterSharding`s."""
+
+    plan: Dict[str, EmbeddingModuleShardingPlan] = field(default_factory=dict)
+
+    def get_plan_for_module(self, module_path: str) -> Optional[EmbeddingModuleShardingPlan]:
+        return self.plan.get(module_path)
+
+    def __str__(self) -> str:
+        lines = ["module | table | sharding type | compute kernel | ranks"]
+        for module_path, tables in self.plan.items():
+            for table, ps in tables.items():
+                lines.append(
+                    f"{module_path or '<root>'} | {table} | {ps.sharding_type} | "
+                    f"{ps.compute_kernel} | {ps.ranks}"
+                )
+        return "\n".join(lines)
+
+
+class ShardingEnv:
+    """The process group a sharded module runs on, with its world size and rank.
+
+    `local_world_size` is the number of ranks per node (table-row-wise sharding splits rows
+    within a node); it defaults to the torchrun `LOCAL_WORLD_SIZE`, else the world size.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        rank: int,
+        pg: Optional[dist.ProcessGroup] = None,
+        local_world_size: Optional[int] = None,
+    ) -> None:
+        self.world_size = world_size
+        self.rank = rank
+        self.pg = pg
+        if local_world_size is None:
+            from recshard.comm.pg import get_local_size
+
+            local_world_size = get_local_size(world_size)
+        if local_world_size < 1 or world_size % local_world_size != 0:
+            raise ValueError(
+                f"local_world_size {local_world_size} must divide world_size {world_size}"
+            )
+        self.local_world_size = local_world_size
+
+    @classmethod
+    def from_process_group(
+        cls, pg: dist.ProcessGroup, local_world_size: Optional[int] = None
+    ) -> ShardingEnv:
+        return cls(dist.get_world_size(pg), dist.get_rank(pg), pg, local_world_size)
+
+    @classmethod
+    def from_local(cls, world_size: int, rank: int) -> ShardingEnv:
+        return cls(world_size, rank, None, world_size)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardingEnv(world_size={self.world_size}, rank={self.rank}, "
+            f"local_world_size={self.local_world_size})"
+        )
+
+
+# --------------------------------------------------------------------------- awaitables
+
+
+class Awaitable(abc.ABC, Generic[W]):
+    """A result that may still be in flight. `wait()` finishes it, applies `callbacks` in
+    order, and caches the result: waiting twice returns the same object (TorchRec re-runs
+    the wait and fails)."""
+
+    def __init__(self) -> None:
+        self.callbacks: List[Callable[[W], W]] = []
+        self._done = False
+        self._result: Any = None
+
+    @abc.abstractmethod
+    def _wait_impl(self) -> W: ...
+
+    def wait(self) -> W:
+        if not self._done:
+            result = self._wait_impl()
+            for callback in self.callbacks:
+                result = callback(result)
+            self._result = result
+            self._done = True
+        return self._result
+
+
+class NoWait(Awaitable[W]):
+    """An awaitable of a value that is already there."""
+
+    def __init__(self, obj: W) -> None:
+        super().__init__()
+        self._obj = obj
+
+    def _wait_impl(self) -> W:
+        return self._obj
+
+
+class FnAwaitable(Awaitable[W]):
+    """An awaitable whose wait calls a function (e.g. wait on a work handle, then reshape)."""
+
+    def __init__(self, fn: Callable[[], W]) -> None:
+        super().__init__()
+        self._fn = fn
+
+    def _wait_impl(self) -> W:
+        return self._fn()
+
+
+def _wait_lazy(obj: Any) -> Any:
+    """Replace LazyAwaitables (also inside lists, tuples and dicts) by their results."""
+    if isinstance(obj, LazyAwaitable):
+        return obj.wait()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_wait_lazy(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _wait_lazy(v) for k, v in obj.items()}
+    return obj
+
+
+class LazyAwaitable(Awaitable[W]):
+    """An awaitable that waits by itself when its result is used: passed to a torch function,
+    or an attribute / item of it is read. Model code stays unaware of the communication."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+        return func(*_wait_lazy(args), **_wait_lazy(kwargs or {}))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("callbacks",):
+            raise AttributeError(name)
+        return getattr(self.wait(), name)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.wait()[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.wait())
+
+    def __len__(self) -> int:
+        return len(self.wait())
+
+
+def _lazy_binary(op: str) -> Callable[[LazyAwaitable, Any], Any]:
+    def method(self: LazyAwaitable, other: Any) -> Any:
+        return getattr(self.wait(), op)(_wait_lazy(other))
+
+    method.__name__ = op
+    return method
+
+
+for _op in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+            "__truediv__", "__rtruediv__", "__matmul__", "__rmatmul__", "__eq__"):
+    setattr(LazyAwaitable, _op, _lazy_binary(_op))
+LazyAwaitable.__hash__ = object.__hash__  # type: ignore[method-assign]
+
+
+class LazyNoWait(LazyAwaitable[W]):
+    """A lazy awaitable of a value that is already there."""
+
+    def __init__(self, obj: W) -> None:
+        super().__init__()
+        self._obj = obj
+
+    def _wait_impl(self) -> W:
+        return self._obj
+
+
+class LazyFnAwaitable(LazyAwaitable[W]):
+    """A lazy awaitable whose wait calls a function."""
+
+    def __init__(self, fn: Callable[[], W]) -> None:
+        super().__init__()
+        self._fn = fn
+
+    def _wait_impl(self) -> W:
+        return self._fn()
+
+
+# --------------------------------------------------------------------------- pipelineable
+
+
+@runtime_checkable
+class Pipelineable(Protocol):
+    """A batch the train pipeline can move between devices and CUDA streams."""
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Pipelineable: ...
+
+    def record_stream(self, stream: torch.Stream) -> None: ...
+
+    def pin_memory(self) -> Pipelineable: ...
+
+
+# --------------------------------------------------------------------------- sharded modules
+
+
+class ShardedModule(nn.Module, abc.ABC):
+    """A module whose forward is `input_dist -> compute -> output_dist`, each asynchronous.
+
+    `forward(*inputs)` runs the three steps in order; the train pipeline calls them apart
+    so that the input dist of the next batch overlaps this batch's compute.
+    """
+
+    def create_context(self) -> Any:
+        return None
+
+    @abc.abstractmethod
+    def input_dist(self, ctx: Any, *inputs: Any) -> Awaitable[Awaitable[Any]]: ...
+
+    @abc.abstractmethod
+    def compute(self, ctx: Any, dist_input: Any) -> Any: ...
+
+    @abc.abstractmethod
+    def output_dist(self, ctx: Any, output: Any) -> LazyAwaitable[Any]: ...
+
+    def compute_and_output_dist(self, ctx: Any, dist_input: Any) -> LazyAwaitable[Any]:
+        return self.output_dist(ctx, self.compute(ctx, dist_input))
+
+    def forward(self, *inputs: Any) -> LazyAwaitable[Any]:
+        ctx = self.create_context()
+        dist_input = self.input_dist(ctx, *inputs).wait().wait()
+        return self.compute_and_output_dist(ctx, dist_input)
+
+
+class ModuleSharder(abc.ABC, Generic[M]):
+    """Turns an unsharded module plus its per-table plan into a sharded module."""
+
+    def __init__(
+        self,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        self._fused_params = dict(fused_params) if fused_params else None
+        self._qcomm_codecs_registry = qcomm_codecs_registry
+
+    @property
+    @abc.abstractmethod
+    def module_type(self) -> Type[M]: ...
+
+    @property
+    def fused_params(self) -> Optional[Dict[str, Any]]:
+        return self._fused_params
+
+    @property
+    def qcomm_codecs_registry(self) -> Optional[Dict[str, Any]]:
+        return self._qcomm_codecs_registry
+
+    @abc.abstractmethod
+    def sharding_types(self, compute_device_type: str) -> List[str]: ...
+
+    @abc.abstractmethod
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]: ...
+
+    @abc.abstractmethod
+    def shardable_parameters(self, module: M) -> Dict[str, nn.Parameter]: ...
+
+    @abc.abstractmethod
+    def shard(
+        self,
+        module: M,
+        params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+    ) -> ShardedModule: ...
+
