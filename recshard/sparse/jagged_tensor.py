@@ -1,0 +1,123 @@
+"""JaggedTensor: a batch of variable-length rows, `[B, *]`, stored as values + lengths/offsets."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from recshard import ops
+
+
+def lengths_from_offsets(offsets: torch.Tensor) -> torch.Tensor:
+    return offsets[1:] - offsets[:-1]
+
+
+class JaggedTensor:
+    """Rows of different lengths: row i is `values[offsets[i]:offsets[i+1]]`.
+
+    values: `[N]` (ids) or `[N, D]` (embeddings); lengths: `[B]`; offsets: `[B+1]`;
+    weights: optional `[N]`, one per value. At least one of lengths/offsets is given; the
+    other is derived on first use and cached.
+    """
+
+    def __init__(
+        self,
+        values: torch.Tensor,
+        weights: Optional[torch.Tensor] = None,
+        lengths: Optional[torch.Tensor] = None,
+        offsets: Optional[torch.Tensor] = None,
+    ) -> None:
+        if lengths is None and offsets is None:
+            raise ValueError("JaggedTensor needs lengths or offsets")
+        self._values = values
+        self._weights = weights
+        self._lengths = lengths
+        self._offsets = offsets
+
+    @staticmethod
+    def from_dense(
+        values: List[torch.Tensor], weights: Optional[List[torch.Tensor]] = None
+    ) -> JaggedTensor:
+        """Build from one tensor per row."""
+        lengths = torch.tensor([v.size(0) for v in values], dtype=torch.int32)
+        flat = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        flat_weights = torch.cat(weights) if weights else None
+        return JaggedTensor(flat, flat_weights, lengths=lengths)
+
+    @staticmethod
+    def empty(values_dtype: torch.dtype = torch.int64, device: Optional[torch.device] = None) -> JaggedTensor:
+        return JaggedTensor(
+            torch.empty(0, dtype=values_dtype, device=device),
+            lengths=torch.empty(0, dtype=torch.int32, device=device),
+        )
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def weights(self) -> torch.Tensor:
+        if self._weights is None:
+            raise ValueError("this JaggedTensor has no weights")
+        return self._weights
+
+    def weights_or_none(self) -> Optional[torch.Tensor]:
+        return self._weights
+
+    def lengths(self) -> torch.Tensor:
+        if self._lengths is None:
+            self._lengths = lengths_from_offsets(self._offsets)
+        return self._lengths
+
+    def lengths_or_none(self) -> Optional[torch.Tensor]:
+        return self._lengths
+
+    def offsets(self) -> torch.Tensor:
+        if self._offsets is None:
+            self._offsets = ops.asynchronous_complete_cumsum(self._lengths)
+        return self._offsets
+
+    def offsets_or_none(self) -> Optional[torch.Tensor]:
+        return self._offsets
+
+    def to_dense(self) -> List[torch.Tensor]:
+        """One tensor per row."""
+        return list(torch.split(self._values, self.lengths().tolist()))
+
+    def to_dense_weights(self) -> Optional[List[torch.Tensor]]:
+        if self._weights is None:
+            return None
+        return list(torch.split(self._weights, self.lengths().tolist()))
+
+    def to_padded_dense(
+        self, desired_length: Optional[int] = None, padding_value: float = 0.0
+    ) -> torch.Tensor:
+        """`[B, L]` (or `[B, L, D]`): rows cut or padded to `desired_length` (default: longest)."""
+        lengths = self.lengths()
+        if desired_length is None:
+            desired_length = int(lengths.max().item()) if lengths.numel() else 0
+        return ops.jagged_to_padded_dense(self._values, self.offsets(), desired_length, padding_value)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> JaggedTensor:
+        def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return JaggedTensor(
+            move(self._values), move(self._weights), move(self._lengths), move(self._offsets)
+        )
+
+    def pin_memory(self) -> JaggedTensor:
+        def pin(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.pin_memory()
+
+        return JaggedTensor(pin(self._values), pin(self._weights), pin(self._lengths), pin(self._offsets))
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        for t in (self._values, self._weights, self._lengths, self._offsets):
+            if t is not None and t.is_cuda:
+                t.record_stream(stream)
+
+    def __repr__(self) -> str:
+        rows = [r.tolist() for r in self.to_dense()]
+        weights = self.to_dense_weights()
+        extra = f", weights={[w.tolist() for w in weights]}" if weights is not None else ""
+        return f"JaggedTensor({rows}{extra})"

@@ -1,0 +1,394 @@
+"""KeyedJaggedTensor: sparse ids for several features, `[F keys, B batch, L jagged]`, key-major.
+
+Layout (TorchRec's): `values` holds key 0's ids for batch positions 0..B-1, then key 1's, ...;
+`lengths[k * B + b]` is the number of ids of key k at position b. With a variable batch per
+key (`stride_per_key_per_rank`, one row per key, one column per source rank), key k owns
+`stride_per_key[k] = sum(stride_per_key_per_rank[k])` consecutive entries of `lengths`.
+
+Per-key sums (`length_per_key`, `offset_per_key`) need a host sync; they are computed once,
+on first use or eagerly by `sync()`, and cached.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from recshard import ops
+from recshard.sparse.jagged_tensor import JaggedTensor, lengths_from_offsets
+from recshard.sparse.keyed_tensor import _cumsum
+from recshard.sparse.validation import validate_kjt
+
+
+class KeyedJaggedTensor:
+    """Ids (and optional per-id weights) of several features for one batch."""
+
+    def __init__(
+        self,
+        keys: List[str],
+        values: torch.Tensor,
+        weights: Optional[torch.Tensor] = None,
+        lengths: Optional[torch.Tensor] = None,
+        offsets: Optional[torch.Tensor] = None,
+        stride: Optional[int] = None,
+        stride_per_key_per_rank: Optional[List[List[int]]] = None,
+        length_per_key: Optional[List[int]] = None,
+        offset_per_key: Optional[List[int]] = None,
+        inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
+        validate: bool = True,
+    ) -> None:
+        if lengths is None and offsets is None:
+            raise ValueError("KeyedJaggedTensor needs lengths or offsets")
+        self._keys = list(keys)
+        self._values = values
+        self._weights = weights
+        self._lengths = lengths
+        self._offsets = offsets
+        self._stride_per_key_per_rank = stride_per_key_per_rank
+        self._inverse_indices = inverse_indices
+        self._length_per_key = length_per_key
+        self._offset_per_key = offset_per_key
+        self._jt_dict: Optional[Dict[str, JaggedTensor]] = None
+        if stride_per_key_per_rank is not None:
+            self._stride_per_key = [sum(s) for s in stride_per_key_per_rank]
+            self._stride = max(self._stride_per_key, default=0) if stride is None else stride
+        else:
+            if stride is None:
+                num_entries = (
+                    lengths.numel() if lengths is not None else max(offsets.numel() - 1, 0)
+                )
+                stride = num_entries // len(self._keys) if self._keys else 0
+            self._stride = stride
+            self._stride_per_key = [stride] * len(self._keys)
+        if validate:
+            validate_kjt(self)
+
+    # ------------------------------------------------------------------ constructors
+
+    @staticmethod
+    def from_lengths_sync(
+        keys: List[str],
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: Optional[torch.Tensor] = None,
+        stride: Optional[int] = None,
+        stride_per_key_per_rank: Optional[List[List[int]]] = None,
+        inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
+        validate: bool = True,
+    ) -> KeyedJaggedTensor:
+        kjt = KeyedJaggedTensor(
+            keys, values, weights, lengths=lengths, stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices,
+            validate=validate,
+        )
+        return kjt.sync()
+
+    @staticmethod
+    def from_offsets_sync(
+        keys: List[str],
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: Optional[torch.Tensor] = None,
+        stride: Optional[int] = None,
+        stride_per_key_per_rank: Optional[List[List[int]]] = None,
+        inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
+        validate: bool = True,
+    ) -> KeyedJaggedTensor:
+        kjt = KeyedJaggedTensor(
+            keys, values, weights, offsets=offsets, stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices,
+            validate=validate,
+        )
+        return kjt.sync()
+
+    @staticmethod
+    def from_jt_dict(jt_dict: Dict[str, JaggedTensor]) -> KeyedJaggedTensor:
+        """One key per entry, in dict order; every JaggedTensor must have the same batch size."""
+        keys = list(jt_dict)
+        jts = list(jt_dict.values())
+        strides = {k: jt.lengths().numel() for k, jt in jt_dict.items()}
+        if len(set(strides.values())) > 1:
+            raise ValueError(f"from_jt_dict: batch sizes differ per key: {strides}")
+        has_weights = [jt.weights_or_none() is not None for jt in jts]
+        if any(has_weights) and not all(has_weights):
+            missing = [k for k, w in zip(keys, has_weights) if not w]
+            raise ValueError(f"from_jt_dict: keys {missing} have no weights but others do")
+        weights = torch.cat([jt.weights() for jt in jts]) if jts and all(has_weights) else None
+        return KeyedJaggedTensor.from_lengths_sync(
+            keys,
+            torch.cat([jt.values() for jt in jts]) if jts else torch.empty(0, dtype=torch.int64),
+            torch.cat([jt.lengths() for jt in jts]) if jts else torch.empty(0, dtype=torch.int32),
+            weights,
+            stride=next(iter(strides.values()), 0),
+        )
+
+    @staticmethod
+    def empty(
+        is_weighted: bool = False,
+        device: Optional[torch.device] = None,
+        values_dtype: torch.dtype = torch.int64,
+        weights_dtype: torch.dtype = torch.float32,
+        lengths_dtype: torch.dtype = torch.int32,
+    ) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(
+            [],
+            torch.empty(0, dtype=values_dtype, device=device),
+            torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
+            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
+            stride=0,
+            validate=False,
+        )
+
+    @staticmethod
+    def concat(kjts: List[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+        """Keys of all inputs side by side (inputs must share the batch size unless variable)."""
+        if not kjts:
+            raise ValueError("concat needs at least one KeyedJaggedTensor")
+        weighted = [k.weights_or_none() is not None for k in kjts]
+        if any(weighted) and not all(weighted):
+            raise ValueError("concat: either all or none of the KeyedJaggedTensors carry weights")
+        variable = any(k.variable_stride_per_key() for k in kjts)
+        strides = {k.stride() for k in kjts if k.keys()}
+        if not variable and len(strides) > 1:
+            raise ValueError(f"concat: batch sizes differ ({sorted(strides)}); use variable batch")
+        spkpr = None
+        if variable:
+            spkpr = [row for k in kjts for row in k.stride_per_key_per_rank()]
+        return KeyedJaggedTensor(
+            [key for k in kjts for key in k.keys()],
+            torch.cat([k.values() for k in kjts]),
+            torch.cat([k.weights() for k in kjts]) if all(weighted) else None,
+            lengths=torch.cat([k.lengths() for k in kjts]),
+            stride=None if variable else next(iter(strides), 0),
+            stride_per_key_per_rank=spkpr,
+            length_per_key=[n for k in kjts for n in k.length_per_key()],
+            validate=False,
+        )
+
+    # ------------------------------------------------------------------ accessors
+
+    def keys(self) -> List[str]:
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def weights(self) -> torch.Tensor:
+        if self._weights is None:
+            raise ValueError("this KeyedJaggedTensor has no weights")
+        return self._weights
+
+    def weights_or_none(self) -> Optional[torch.Tensor]:
+        return self._weights
+
+    def lengths(self) -> torch.Tensor:
+        if self._lengths is None:
+            self._lengths = lengths_from_offsets(self._offsets)
+        return self._lengths
+
+    def lengths_or_none(self) -> Optional[torch.Tensor]:
+        return self._lengths
+
+    def offsets(self) -> torch.Tensor:
+        if self._offsets is None:
+            self._offsets = ops.asynchronous_complete_cumsum(self._lengths)
+        return self._offsets
+
+    def offsets_or_none(self) -> Optional[torch.Tensor]:
+        return self._offsets
+
+    def stride(self) -> int:
+        return self._stride
+
+    def stride_per_key(self) -> List[int]:
+        return self._stride_per_key
+
+    def variable_stride_per_key(self) -> bool:
+        return self._stride_per_key_per_rank is not None
+
+    def stride_per_key_per_rank(self) -> List[List[int]]:
+        if self._stride_per_key_per_rank is None:
+            return [[s] for s in self._stride_per_key]
+        return self._stride_per_key_per_rank
+
+    def inverse_indices_or_none(self) -> Optional[Tuple[List[str], torch.Tensor]]:
+        return self._inverse_indices
+
+    def inverse_indices(self) -> Tuple[List[str], torch.Tensor]:
+        if self._inverse_indices is None:
+            raise ValueError("this KeyedJaggedTensor has no inverse_indices")
+        return self._inverse_indices
+
+    def lengths_offset_per_key(self) -> List[int]:
+        """Where each key's block starts in `lengths` (cumsum of stride_per_key)."""
+        return _cumsum(self._stride_per_key)
+
+    def length_per_key(self) -> List[int]:
+        """Number of ids of each key (one host sync on first call, then cached)."""
+        if self._length_per_key is None:
+            if not self._keys:
+                self._length_per_key = []
+            elif not self.variable_stride_per_key():
+                lengths = self.lengths()
+                self._length_per_key = (
+                    lengths.view(len(self._keys), -1).sum(dim=1).tolist()
+                    if lengths.numel() else [0] * len(self._keys)
+                )
+            else:
+                boundaries = torch.tensor(self.lengths_offset_per_key(), dtype=torch.long)
+                at = self.offsets().index_select(0, boundaries.to(self.offsets().device))
+                self._length_per_key = (at[1:] - at[:-1]).tolist()
+        return self._length_per_key
+
+    def offset_per_key(self) -> List[int]:
+        """Where each key's ids start in `values`, plus the total at the end."""
+        if self._offset_per_key is None:
+            self._offset_per_key = _cumsum(self.length_per_key())
+        return self._offset_per_key
+
+    def sync(self) -> KeyedJaggedTensor:
+        """Compute and cache the per-key sums now (one host sync)."""
+        self.offset_per_key()
+        return self
+
+    # ------------------------------------------------------------------ ops
+
+    def _with(
+        self,
+        keys: List[str],
+        values: torch.Tensor,
+        weights: Optional[torch.Tensor],
+        lengths: torch.Tensor,
+        stride_per_key_per_rank: Optional[List[List[int]]],
+        length_per_key: Optional[List[int]],
+    ) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(
+            keys, values, weights, lengths=lengths,
+            stride=None if stride_per_key_per_rank is not None else self._stride,
+            stride_per_key_per_rank=stride_per_key_per_rank,
+            length_per_key=length_per_key, validate=False,
+        )
+
+    def permute(
+        self, indices: Sequence[int], indices_tensor: Optional[torch.Tensor] = None
+    ) -> KeyedJaggedTensor:
+        """Keys in the order `indices` (indices may repeat a key or leave one out)."""
+        indices = list(indices)
+        num_keys = len(self._keys)
+        bad = [i for i in indices if not 0 <= i < num_keys]
+        if bad:
+            raise ValueError(f"permute: indices {bad} out of range for {num_keys} keys")
+        if indices_tensor is None:
+            indices_tensor = torch.tensor(indices, dtype=torch.int32, device=self._values.device)
+        lpk = self.length_per_key()
+        new_lpk = [lpk[i] for i in indices]
+        keys = [self._keys[i] for i in indices]
+        if not self.variable_stride_per_key():
+            lengths, values, weights = ops.permute_2D_sparse_data(
+                indices_tensor, self.lengths().view(num_keys, -1), self._values,
+                self._weights, sum(new_lpk),
+            )
+            return self._with(keys, values, weights, lengths.reshape(-1), None, new_lpk)
+        # Variable batch: permute lengths by per-key stride segments, values by per-key sums.
+        device = self._values.device
+        strides = torch.tensor(self._stride_per_key, dtype=torch.long, device=device)
+        _, lengths, _ = ops.permute_1D_sparse_data(
+            indices_tensor, strides, self.lengths(), None, sum(self._stride_per_key[i] for i in indices)
+        )
+        counts = torch.tensor(lpk, dtype=torch.long, device=device)
+        _, values, weights = ops.permute_1D_sparse_data(
+            indices_tensor, counts, self._values, self._weights, sum(new_lpk)
+        )
+        spkpr = [self._stride_per_key_per_rank[i] for i in indices]
+        return self._with(keys, values, weights, lengths, spkpr, new_lpk)
+
+    def split(self, segments: Sequence[int]) -> List[KeyedJaggedTensor]:
+        """Consecutive groups of `segments[i]` keys, as views of this tensor's storage."""
+        if sum(segments) != len(self._keys):
+            raise ValueError(
+                f"split: segments {list(segments)} sum to {sum(segments)}, "
+                f"but there are {len(self._keys)} keys"
+            )
+        opk, lopk = self.offset_per_key(), self.lengths_offset_per_key()
+        lpk = self.length_per_key()
+        out, start = [], 0
+        for seg in segments:
+            end = start + seg
+            v0, v1 = opk[start], opk[end]
+            l0, l1 = lopk[start], lopk[end]
+            out.append(
+                self._with(
+                    self._keys[start:end],
+                    self._values[v0:v1],
+                    None if self._weights is None else self._weights[v0:v1],
+                    self.lengths()[l0:l1],
+                    None if self._stride_per_key_per_rank is None
+                    else self._stride_per_key_per_rank[start:end],
+                    lpk[start:end],
+                )
+            )
+            start = end
+        return out
+
+    def __getitem__(self, key: str) -> JaggedTensor:
+        try:
+            index = self._keys.index(key)
+        except ValueError:
+            raise KeyError(f"KeyedJaggedTensor has no key '{key}' (keys: {self._keys})") from None
+        opk, lopk = self.offset_per_key(), self.lengths_offset_per_key()
+        v0, v1 = opk[index], opk[index + 1]
+        return JaggedTensor(
+            self._values[v0:v1],
+            None if self._weights is None else self._weights[v0:v1],
+            lengths=self.lengths()[lopk[index]:lopk[index + 1]],
+        )
+
+    def to_dict(self) -> Dict[str, JaggedTensor]:
+        if self._jt_dict is None:
+            self._jt_dict = {key: self[key] for key in self._keys}
+        return self._jt_dict
+
+    def _map(self, fn) -> KeyedJaggedTensor:  # noqa: ANN001 - tensor -> tensor
+        def apply(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else fn(t)
+
+        inverse = self._inverse_indices
+        return KeyedJaggedTensor(
+            self._keys, apply(self._values), apply(self._weights),
+            lengths=apply(self._lengths), offsets=apply(self._offsets),
+            stride=self._stride, stride_per_key_per_rank=self._stride_per_key_per_rank,
+            length_per_key=self._length_per_key, offset_per_key=self._offset_per_key,
+            inverse_indices=None if inverse is None else (inverse[0], fn(inverse[1])),
+            validate=False,
+        )
+
+    def to(
+        self, device: torch.device, non_blocking: bool = False, dtype: Optional[torch.dtype] = None
+    ) -> KeyedJaggedTensor:
+        moved = self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        if dtype is not None and moved._weights is not None:
+            moved._weights = moved._weights.to(dtype)
+        return moved
+
+    def pin_memory(self) -> KeyedJaggedTensor:
+        return self._map(lambda t: t.pin_memory())
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        for t in (self._values, self._weights, self._lengths, self._offsets):
+            if t is not None and t.is_cuda:
+                t.record_stream(stream)
+
+    @property
+    def device(self) -> torch.device:
+        return self._values.device
+
+    def __repr__(self) -> str:
+        if not self._keys:
+            return "KeyedJaggedTensor()"
+        parts = []
+        for key, jt in self.to_dict().items():
+            rows = [r.tolist() for r in jt.to_dense()]
+            parts.append(f"'{key}': {rows}")
+        weighted = ", weighted" if self._weights is not None else ""
+        return "KeyedJaggedTensor({" + ", ".join(parts) + "}" + weighted + ")"

@@ -1,0 +1,72 @@
+"""Register the sparse types as pytree nodes so torch utilities (tree_map, export, DDP input
+scanning) see through them to their tensors."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from recshard.sparse.jagged_tensor import JaggedTensor
+from recshard.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+from recshard.sparse.keyed_tensor import KeyedTensor
+
+Children = List[Optional[torch.Tensor]]
+
+
+def _present(tensors: Children) -> Tuple[List[torch.Tensor], Tuple[bool, ...]]:
+    """Only real tensors become leaves (so tree_map functions never see None)."""
+    return [t for t in tensors if t is not None], tuple(t is not None for t in tensors)
+
+
+def _restore(leaves: List[torch.Tensor], present: Tuple[bool, ...]) -> Children:
+    it = iter(leaves)
+    return [next(it) if p else None for p in present]
+
+
+def _kjt_flatten(kjt: KeyedJaggedTensor) -> Tuple[List[torch.Tensor], Any]:
+    leaves, present = _present(
+        [kjt.values(), kjt.weights_or_none(), kjt.lengths_or_none(), kjt.offsets_or_none()]
+    )
+    spkpr = kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None
+    return leaves, (kjt.keys(), kjt.stride(), spkpr, present)
+
+
+def _kjt_unflatten(leaves: List[torch.Tensor], context: Any) -> KeyedJaggedTensor:
+    keys, stride, spkpr, present = context
+    values, weights, lengths, offsets = _restore(leaves, present)
+    return KeyedJaggedTensor(
+        keys, values, weights, lengths=lengths, offsets=offsets,
+        stride=None if spkpr else stride, stride_per_key_per_rank=spkpr, validate=False,
+    )
+
+
+def _jt_flatten(jt: JaggedTensor) -> Tuple[List[torch.Tensor], Any]:
+    return _present([jt.values(), jt.weights_or_none(), jt.lengths_or_none(), jt.offsets_or_none()])
+
+
+def _jt_unflatten(leaves: List[torch.Tensor], present: Any) -> JaggedTensor:
+    values, weights, lengths, offsets = _restore(leaves, present)
+    return JaggedTensor(values, weights, lengths, offsets)
+
+
+def _kt_flatten(kt: KeyedTensor) -> Tuple[Children, Any]:
+    return [kt.values()], (kt.keys(), kt.length_per_key(), kt.key_dim())
+
+
+def _kt_unflatten(children: Children, context: Any) -> KeyedTensor:
+    keys, length_per_key, key_dim = context
+    return KeyedTensor(keys, length_per_key, children[0], key_dim)
+
+
+def register() -> None:
+    for cls, flatten, unflatten in (
+        (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten),
+        (JaggedTensor, _jt_flatten, _jt_unflatten),
+        (KeyedTensor, _kt_flatten, _kt_unflatten),
+    ):
+        if cls not in pytree.SUPPORTED_NODES:
+            pytree.register_pytree_node(
+                cls, flatten, unflatten, serialized_type_name=f"recshard.{cls.__name__}"
+            )
