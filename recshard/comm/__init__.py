@@ -1,0 +1,31 @@
+"""Communication layer: collectives with autograd, KJT and embedding dist modules, codecs."""
+
+from recshard.comm.codecs import (  # noqa: F401
+    BF16CommCodec,
+    CastCommCodec,
+    CommOp,
+    CommType,
+    FP16CommCodec,
+    NoOpQuantizedCommCodec,
+    QCommsConfig,
+    QuantizedCommCodec,
+    QuantizedCommCodecs,
+    codecs_from_registry,
+    get_qcomm_codecs_registry,
+)
+from recshard.comm.ops import (  # noqa: F401
+    all_gather_base_pooled,
+    alltoall_pooled,
+    alltoall_sequence,
+    alltoallv,
+    reduce_scatter_base_pooled,
+    reduce_scatter_pooled,
+    reduce_scatter_v_pooled,
+    variable_batch_alltoall_pooled,
+)
+from recshard.comm.request import (  # noqa: F401
+    comm_payload_bytes,
+    get_gradient_division,
+    reset_comm_payload_bytes,
+    set_gradient_division,
+)

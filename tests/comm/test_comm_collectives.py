@@ -1,0 +1,202 @@
+"""Every pooled collective, forward and backward, against a single-process reference.
+
+Each rank rebuilds all ranks' inputs from seeds, runs the collective for real, and checks
+its output and its input gradient (of a random linear function of every rank's output)
+against autograd on the reference. All cases of one world size run in one process group.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from comm_helpers import assert_close, reference_grads, seeded
+from multiprocess import run_ranks
+
+from recshard.comm import (
+    all_gather_base_pooled,
+    alltoall_pooled,
+    alltoallv,
+    get_gradient_division,
+    reduce_scatter_base_pooled,
+    reduce_scatter_pooled,
+    reduce_scatter_v_pooled,
+    set_gradient_division,
+    variable_batch_alltoall_pooled,
+)
+from recshard.comm.request import set_use_native_reduce_scatter
+
+Tensors = List[torch.Tensor]
+
+
+class Case(NamedTuple):
+    name: str
+    make_input: Callable[[int], torch.Tensor]  # rank -> that rank's input
+    run: Callable[[torch.Tensor], torch.Tensor]  # this rank's input -> output (waited)
+    reference: Callable[[Tensors], Tensors]  # all inputs -> all outputs
+    divides: bool = True
+
+
+def _pooled_case(name: str, ws: int, batch: List[int], dims: List[int], seed: int) -> Case:
+    starts = [sum(batch[:r]) for r in range(ws)]
+
+    def reference(xs: Tensors) -> Tensors:
+        return [torch.cat([x[starts[r]: starts[r] + batch[r]] for x in xs], 1) for r in range(ws)]
+
+    return Case(
+        name,
+        lambda r: seeded(seed + r, sum(batch), dims[r]),
+        lambda x: alltoall_pooled(x, batch, dims).wait(),
+        reference,
+    )
+
+
+def _reduce_scatter_cases(ws: int, seed: int) -> List[Case]:
+    splits = [2, 0, 3, 1][:ws]
+    starts = [sum(splits[:r]) for r in range(ws)]
+
+    def ref_v(xs: Tensors) -> Tensors:
+        total = torch.stack(xs).sum(0)
+        return [total[starts[r]: starts[r] + splits[r]] for r in range(ws)]
+
+    def ref_base(xs: Tensors) -> Tensors:
+        return list(torch.stack(xs).sum(0).chunk(ws))
+
+    sizes = [(r + 1, 2) for r in range(ws)]  # reduce_scatter_pooled: one shape per destination
+
+    def as_list(x: torch.Tensor) -> Tensors:
+        return [blk.view(s) for blk, s in zip(x.split([a * b for a, b in sizes]), sizes)]
+
+    def ref_list(xs: Tensors) -> Tensors:
+        return as_list(torch.stack(xs).sum(0))
+
+    return [
+        Case("rs_base", lambda r: seeded(seed + r, 3 * ws, 4),
+             lambda x: reduce_scatter_base_pooled(x).wait(), ref_base),
+        Case("rs_v", lambda r: seeded(seed + 10 + r, sum(splits), 3),
+             lambda x: reduce_scatter_v_pooled(x, splits).wait(), ref_v),
+        Case("rs_v_empty", lambda r: seeded(seed + 20 + r, 0, 3),
+             lambda x: reduce_scatter_v_pooled(x, [0] * ws).wait(),
+             lambda xs: [xs[0][:0] for _ in range(ws)]),
+        Case("rs_list", lambda r: seeded(seed + 30 + r, sum(a * b for a, b in sizes)),
+             lambda x: reduce_scatter_pooled(as_list(x)).wait(), ref_list),
+    ]
+
+
+def _all_gather_case(ws: int, seed: int) -> Case:
+    return Case("all_gather", lambda r: seeded(seed + r, 2, 3),
+                lambda x: all_gather_base_pooled(x).wait(), lambda xs: [torch.cat(xs)] * ws)
+
+
+def _alltoallv_case(ws: int, seed: int) -> Case:
+    b_global = 2 * ws + 1  # uneven: the first rank gets one more row
+    batch = [b_global // ws + (1 if r < b_global % ws else 0) for r in range(ws)]
+    starts = [sum(batch[:r]) for r in range(ws)]
+    local_dims = [[1, 2], [3], [], [2, 2]][:ws]  # tables per rank
+    out_split = [sum(d) for d in local_dims]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        tables = list(x.split(local_dims[dist.get_rank()], 1)) or [x]
+        return torch.cat(alltoallv(tables, out_split=out_split).wait(), 1)
+
+    def reference(xs: Tensors) -> Tensors:
+        return [torch.cat([x[starts[r]: starts[r] + batch[r]] for x in xs], 1) for r in range(ws)]
+
+    return Case("alltoallv", lambda r: seeded(seed + r, b_global, out_split[r]), run, reference,
+                divides=False)
+
+
+def _variable_batch_case(ws: int, seed: int) -> Case:
+    features = [[0, 1], [2], [], [3, 4]][:ws]  # global feature ids owned by each rank
+    num_features = sum(len(f) for f in features)
+    dim = [2, 3, 1, 2, 4]
+    # batch[r][k]: rank r's batch size for global feature k (0 allowed)
+    batch = [[(r + k) % 3 for k in range(num_features)] for r in range(ws)]
+
+    def size(s: int) -> int:
+        return sum(batch[r][k] * dim[k] for r in range(ws) for k in features[s])
+
+    def blocks(x: torch.Tensor, s: int) -> dict:
+        sizes = [batch[r][k] * dim[k] for r in range(ws) for k in features[s]]
+        keys = [(r, k) for r in range(ws) for k in features[s]]
+        return dict(zip(keys, x.split(sizes)))
+
+    def reference(xs: Tensors) -> Tensors:
+        per_source = [blocks(x, s) for s, x in enumerate(xs)]
+        return [torch.cat([per_source[s][(r, k)] for s in range(ws) for k in features[s]])
+                for r in range(ws)]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        me = dist.get_rank()
+        return variable_batch_alltoall_pooled(
+            x,
+            batch_size_per_rank_per_feature=[[batch[r][k] for k in features[me]] for r in range(ws)],
+            batch_size_per_feature_pre_a2a=[batch[me][k] for s in range(ws) for k in features[s]],
+            emb_dim_per_rank_per_feature=[[dim[k] for k in features[s]] for s in range(ws)],
+        ).wait()
+
+    return Case("variable_batch", lambda r: seeded(seed + r, size(r)), run, reference)
+
+
+def _cases(ws: int) -> List[Case]:
+    return [
+        _pooled_case("a2a_equal", ws, [3] * ws, [2, 1, 3, 1][:ws], 100),
+        _pooled_case("a2a_zero_dim", ws, [2] * ws, [2, 0, 1, 0][:ws], 200),
+        _pooled_case("a2a_unequal_batch", ws, [2, 0, 3, 1][:ws], [1, 2, 2, 3][:ws], 300),
+        _pooled_case("a2a_empty_batch", ws, [0] * ws, [2, 1, 1, 1][:ws], 400),
+        *_reduce_scatter_cases(ws, 500),
+        _all_gather_case(ws, 600),
+        _alltoallv_case(ws, 700),
+        _variable_batch_case(ws, 800),
+    ]
+
+
+def _check(case: Case, rank: int, ws: int) -> None:
+    inputs = [case.make_input(r) for r in range(ws)]
+    expected = case.reference(inputs)
+    weights = [seeded(9000 + r, *e.shape) for r, e in enumerate(expected)]
+    x = inputs[rank].clone().requires_grad_()
+    out = case.run(x)
+    assert_close(out, expected[rank], f"{case.name} forward")
+    (out * weights[rank]).sum().backward()
+    grad = reference_grads(inputs, case.reference, weights)[rank]
+    if case.divides and get_gradient_division():
+        grad = grad / ws
+    assert_close(x.grad if x.grad is not None else torch.zeros_like(x), grad,
+                 f"{case.name} backward (division {get_gradient_division()})")
+
+
+def _all_cases(rank: int, ws: int) -> List[str]:
+    torch.manual_seed(0)
+    done = []
+    for case in _cases(ws):
+        _check(case, rank, ws)
+        done.append(case.name)
+    set_gradient_division(False)
+    for case in _cases(ws)[:1] + _reduce_scatter_cases(ws, 50):
+        _check(case, rank, ws)
+    set_gradient_division(True)
+    set_use_native_reduce_scatter(False)  # all-to-all + local sum path
+    for case in _reduce_scatter_cases(ws, 60):
+        _check(case, rank, ws)
+    set_use_native_reduce_scatter(True)
+    return done
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_collectives_forward_and_backward(world_size: int) -> None:
+    results = run_ranks(world_size, _all_cases, timeout=90)
+    assert results[0] == [c.name for c in _cases(world_size)]
+
+
+def _world_size_one(rank: int, ws: int) -> None:
+    x = seeded(1, 4, 3).requires_grad_()
+    assert alltoall_pooled(x, [4], [3]).wait() is x
+    assert reduce_scatter_v_pooled(x, [4]).wait() is x
+    assert all_gather_base_pooled(x).wait() is x
+
+
+def test_world_size_one_returns_input() -> None:
+    run_ranks(1, _world_size_one, timeout=60)
