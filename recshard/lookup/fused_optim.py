@@ -1,0 +1,113 @@
+"""Fused (in-backward) optimizer settings and their row updates.
+
+Users name the optimizer with fbgemm's `EmbOptimType` in `fused_params` (TorchRec's
+vocabulary). fbgemm's CPU kernel runs EXACT_SGD, EXACT_ADAGRAD and EXACT_ROWWISE_ADAGRAD;
+recshard's pure-torch kernel runs the same three with the same formulas, so tables whose dim
+fbgemm cannot take (not a multiple of 4) and machines without fbgemm train identically.
+
+Duplicate ids in one batch: their gradients are summed first, then the row is updated once,
+as a dense optimizer would do with the summed gradient (fbgemm's "exact" optimizers).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+
+class OptimType(enum.Enum):
+    """Names match fbgemm's `EmbOptimType` values so either can be passed."""
+
+    EXACT_SGD = "exact_sgd"
+    EXACT_ADAGRAD = "exact_adagrad"
+    EXACT_ROWWISE_ADAGRAD = "exact_row_wise_adagrad"
+
+
+_ALIASES = {"sgd": OptimType.EXACT_SGD, "adagrad": OptimType.EXACT_ADAGRAD,
+            "rowwise_adagrad": OptimType.EXACT_ROWWISE_ADAGRAD,
+            "row_wise_adagrad": OptimType.EXACT_ROWWISE_ADAGRAD}
+SUPPORTED = ", ".join(o.name for o in OptimType)
+
+
+@dataclass(frozen=True)
+class FusedOptimSpec:
+    """What the fused kernel applies in backward. `state_names` are per-table state tensors."""
+
+    optim: OptimType
+    learning_rate: float
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    @property
+    def state_names(self) -> List[str]:
+        return {OptimType.EXACT_SGD: [], OptimType.EXACT_ADAGRAD: ["momentum1"],
+                OptimType.EXACT_ROWWISE_ADAGRAD: ["momentum1"]}[self.optim]
+
+    def state_shape(self, rows: int, cols: int) -> Optional[List[int]]:
+        if self.optim == OptimType.EXACT_ADAGRAD:
+            return [rows, cols]
+        if self.optim == OptimType.EXACT_ROWWISE_ADAGRAD:
+            return [rows]
+        return None
+
+
+def parse_fused_params(fused_params: Optional[Dict[str, Any]], table: str) -> FusedOptimSpec:
+    """Read `optimizer`, `learning_rate`, `eps`, `weight_decay` from fused params."""
+    params = dict(fused_params or {})
+    raw = params.get("optimizer", OptimType.EXACT_SGD)
+    name = getattr(raw, "value", raw)
+    name = str(name).lower()
+    optim = _ALIASES.get(name)
+    if optim is None:
+        try:
+            optim = OptimType(name)
+        except ValueError:
+            raise ValueError(
+                f"table '{table}': fused optimizer {raw!r} is not supported on this kernel; "
+                f"supported: {SUPPORTED} (use compute_kernel='dense' with any torch optimizer "
+                "for others)"
+            ) from None
+    if params.get("weight_decay", 0.0):
+        raise ValueError(f"table '{table}': fused weight_decay is not supported yet")
+    return FusedOptimSpec(
+        optim=optim,
+        learning_rate=float(params.get("learning_rate", 0.01)),
+        eps=float(params.get("eps", 1e-8)),
+    )
+
+
+def fbgemm_optim_kwargs(spec: FusedOptimSpec) -> Dict[str, Any]:
+    """Constructor arguments for fbgemm's TBE that implement `spec`."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    return {
+        "optimizer": EmbOptimType(spec.optim.value),
+        "learning_rate": spec.learning_rate,
+        "eps": spec.eps,
+    }
+
+
+def apply_row_update(
+    spec: FusedOptimSpec,
+    lr: float,
+    weight: torch.Tensor,
+    state: Dict[str, torch.Tensor],
+    rows: torch.Tensor,
+    grad: torch.Tensor,
+) -> None:
+    """Update `weight[rows]` in place from the summed gradient `grad` `[len(rows), D]`."""
+    if spec.optim == OptimType.EXACT_SGD:
+        weight.index_add_(0, rows, grad, alpha=-lr)
+        return
+    momentum = state["momentum1"]
+    if spec.optim == OptimType.EXACT_ADAGRAD:
+        m = momentum.index_select(0, rows) + grad * grad
+        momentum.index_copy_(0, rows, m)
+        weight.index_add_(0, rows, -lr * grad / (m.sqrt() + spec.eps))
+        return
+    m = momentum.index_select(0, rows) + (grad * grad).mean(dim=1)
+    momentum.index_copy_(0, rows, m)
+    weight.index_add_(0, rows, -(lr / (m.sqrt() + spec.eps)).unsqueeze(1) * grad)

@@ -1,0 +1,95 @@
+"""Grouped lookup: the local table shards of one sharding, one kernel per group.
+
+Tables are grouped by (dtype, pooling, compute kernel, implementation, fused params) and
+reordered so each group's features are contiguous; the sharding routes features to this rank
+in `GroupedLookup.tables` order, so the incoming KJT splits into groups without a permute.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from recshard import ops
+from recshard.lookup.fused_optim import FusedOptimSpec, parse_fused_params
+from recshard.lookup.kernels import DenseKernel, FbgemmFusedKernel, LookupKernel, TorchFusedKernel
+from recshard.lookup.tables import LocalTable, group_key
+from recshard.modules.embedding_configs import DataType, PoolingType
+from recshard.sparse import KeyedJaggedTensor
+from recshard.types import EmbeddingComputeKernel
+
+_FBGEMM_DTYPES = (DataType.FP32, DataType.FP16)
+
+
+def uses_fbgemm(table: LocalTable, is_weighted: bool) -> bool:
+    """fbgemm's TBE runs this shard: fused kernel, dim a multiple of 4, at least one row.
+
+    Weighted MEAN tables stay on the torch kernel: fbgemm 1.8's backward for them omits the
+    1/length its forward applies, so its update would not follow its own output.
+    """
+    return (
+        table.compute_kernel != EmbeddingComputeKernel.DENSE
+        and not (is_weighted and table.pooling == PoolingType.MEAN)
+        and ops.fbgemm_available()
+        and table.cols % 4 == 0
+        and table.rows > 0
+        and table.config.data_type in _FBGEMM_DTYPES
+    )
+
+
+def _build_kernel(
+    tables: List[LocalTable], pooled: bool, fbgemm: bool, device: torch.device
+) -> LookupKernel:
+    if tables[0].compute_kernel == EmbeddingComputeKernel.DENSE:
+        return DenseKernel(tables, pooled, device)
+    spec: FusedOptimSpec = parse_fused_params(tables[0].fused_params, tables[0].name)
+    if fbgemm:
+        return FbgemmFusedKernel(tables, pooled, spec, device)
+    return TorchFusedKernel(tables, pooled, spec, device)
+
+
+class GroupedLookup(nn.Module):
+    """Looks up all local shards of a sharding.
+
+    Input: KJT with keys `[f for t in self.tables for f in t.feature_names]`.
+    Output: pooled `[B, sum of those features' local dims]`; sequence `[N, D]`.
+    """
+
+    def __init__(
+        self, tables: List[LocalTable], pooled: bool, device: torch.device, is_weighted: bool = False
+    ) -> None:
+        super().__init__()
+        groups: Dict[Tuple, List[LocalTable]] = {}
+        for table in tables:
+            fbgemm = uses_fbgemm(table, is_weighted)
+            groups.setdefault(group_key(table, fbgemm), []).append(table)
+        self.pooled = pooled
+        self.kernels = nn.ModuleList(
+            _build_kernel(group, pooled, fbgemm=key[3], device=device)
+            for key, group in groups.items()
+        )
+        self.tables: List[LocalTable] = [t for k in self.kernels for t in k.tables]
+        self._features_per_kernel = [len(k.feature_table) for k in self.kernels]
+
+    @property
+    def feature_names(self) -> List[str]:
+        return [f for t in self.tables for f in t.feature_names]
+
+    @property
+    def feature_dims(self) -> List[int]:
+        return [t.cols for t in self.tables for _ in t.feature_names]
+
+    def table_weights(self) -> List[torch.Tensor]:
+        """Local shard weights in `self.tables` order."""
+        return [w for k in self.kernels for w in k.table_weights()]
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        if len(self.kernels) == 1:
+            return self.kernels[0](features)
+        parts = features.split(self._features_per_kernel)
+        outputs = [kernel(part) for kernel, part in zip(self.kernels, parts)]
+        if not outputs:
+            return torch.empty(features.stride(), 0)
+        return torch.cat(outputs, dim=1 if self.pooled else 0)

@@ -1,0 +1,263 @@
+"""Lookup kernels: one module looks up every feature of a group of local tables at once.
+
+Input: a KJT whose keys are the group's features in table order (stride B).
+Output: pooled `[B, sum of the features' dims]`, or sequence `[N, D]` (one row per id).
+
+- `FbgemmFusedKernel`: fbgemm's SplitTableBatchedEmbeddingBagsCodegen, optimizer in backward.
+- `TorchFusedKernel`: the same contract in pure torch (dims not divisible by 4, tables with
+  no local rows, or no fbgemm on the machine).
+- `DenseKernel`: ordinary parameters with autograd `.grad`, for any torch optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recshard.lookup.fused_optim import FusedOptimSpec, apply_row_update, fbgemm_optim_kwargs
+from recshard.lookup.tables import LocalTable
+from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE, PoolingType
+from recshard.sparse import JaggedTensor, KeyedJaggedTensor
+from recshard.types import EmbeddingComputeKernel
+
+
+class LookupKernel(nn.Module):
+    """Shared bookkeeping: tables, feature -> table map, per-feature output dims."""
+
+    is_fused = False
+
+    def __init__(self, tables: List[LocalTable], pooled: bool) -> None:
+        super().__init__()
+        self.tables = tables
+        self.pooled = pooled
+        self.pooling = tables[0].pooling
+        self.feature_table = [i for i, t in enumerate(tables) for _ in t.feature_names]
+        self.feature_dims = [tables[i].cols for i in self.feature_table]
+
+    def table_weights(self) -> List[torch.Tensor]:
+        """Each local table's `[rows, cols]` weight (views into the kernel's storage)."""
+        raise NotImplementedError
+
+    def _init_weights(self) -> None:
+        for table, weight in zip(self.tables, self.table_weights()):
+            if weight.numel():
+                table.config.init_weight(weight)
+
+
+def _mean_divisor(lengths: torch.Tensor) -> torch.Tensor:
+    return lengths.clamp(min=1).unsqueeze(1).to(torch.float32)
+
+
+class FbgemmFusedKernel(LookupKernel):
+    """One fbgemm TBE for the group; the optimizer update happens inside its backward."""
+
+    is_fused = True
+
+    def __init__(
+        self, tables: List[LocalTable], pooled: bool, spec: FusedOptimSpec, device: torch.device
+    ) -> None:
+        super().__init__(tables, pooled)
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        self.spec = spec
+        on_cuda = device.type == "cuda"
+        kernel_location = {
+            EmbeddingComputeKernel.FUSED: EmbeddingLocation.DEVICE,
+            EmbeddingComputeKernel.FUSED_UVM: EmbeddingLocation.MANAGED,
+            EmbeddingComputeKernel.FUSED_UVM_CACHING: EmbeddingLocation.MANAGED_CACHING,
+        }
+        specs = [
+            (
+                t.rows,
+                t.cols,
+                kernel_location[t.compute_kernel] if on_cuda else EmbeddingLocation.HOST,
+                ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU,
+            )
+            for t in tables
+        ]
+        pooling_mode = (
+            PoolingMode.NONE if not pooled
+            else PoolingMode.MEAN if self.pooling == PoolingType.MEAN else PoolingMode.SUM
+        )
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            specs,
+            feature_table_map=self.feature_table,
+            pooling_mode=pooling_mode,
+            device=device,
+            table_names=[t.name for t in tables],
+            **fbgemm_optim_kwargs(spec),
+        )
+        self._init_weights()
+
+    def table_weights(self) -> List[torch.Tensor]:
+        return list(self.tbe.split_embedding_weights())
+
+    def optimizer_states(self) -> List[Dict[str, torch.Tensor]]:
+        names = self.spec.state_names
+        return [dict(zip(names, states)) for states in self.tbe.split_optimizer_states()]
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.tbe.set_learning_rate(lr)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return self.tbe(
+            features.values().long(),
+            features.offsets().long(),
+            per_sample_weights=features.weights_or_none(),
+        )
+
+
+class _TorchFusedLookup(torch.autograd.Function):
+    """Forward: plain lookups. Backward: sum gradients per unique row, update in place."""
+
+    @staticmethod
+    def forward(ctx, placeholder: torch.Tensor, kernel: TorchFusedKernel,  # noqa: ANN001
+                features: KeyedJaggedTensor) -> torch.Tensor:
+        ctx.kernel, ctx.features = kernel, features
+        return kernel.lookup(features)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):  # noqa: ANN001, ANN205
+        ctx.kernel.update(ctx.features, grad_output)
+        return None, None, None
+
+
+class TorchFusedKernel(LookupKernel):
+    """The fused contract in pure torch: weights are buffers, updated during backward."""
+
+    is_fused = True
+
+    def __init__(
+        self, tables: List[LocalTable], pooled: bool, spec: FusedOptimSpec, device: torch.device
+    ) -> None:
+        super().__init__(tables, pooled)
+        self.spec = spec
+        self.lr = spec.learning_rate
+        for i, t in enumerate(tables):
+            dtype = DATA_TYPE_TO_DTYPE[t.config.data_type]
+            self.register_buffer(f"weight_{i}", torch.empty(t.rows, t.cols, dtype=dtype, device=device))
+            for name in spec.state_names:
+                shape = spec.state_shape(t.rows, t.cols)
+                self.register_buffer(f"{name}_{i}", torch.zeros(shape, device=device))
+        self._init_weights()
+
+    def table_weights(self) -> List[torch.Tensor]:
+        return [getattr(self, f"weight_{i}") for i in range(len(self.tables))]
+
+    def optimizer_states(self) -> List[Dict[str, torch.Tensor]]:
+        return [{n: getattr(self, f"{n}_{i}") for n in self.spec.state_names}
+                for i in range(len(self.tables))]
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.lr = lr
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        placeholder = torch.empty(0, requires_grad=torch.is_grad_enabled())
+        return _TorchFusedLookup.apply(placeholder, self, features)
+
+    def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return _plain_lookup(self.table_weights(), self, features)
+
+    def update(self, features: KeyedJaggedTensor, grad_output: torch.Tensor) -> None:
+        """Per table: gradient rows of every id, summed per unique id, then one update."""
+        per_table_ids: Dict[int, List[torch.Tensor]] = {}
+        per_table_grads: Dict[int, List[torch.Tensor]] = {}
+        columns = 0
+        offsets = features.offset_per_key()
+        for index, (jt, t_index, dim) in enumerate(
+            zip(jagged_by_index(features), self.feature_table, self.feature_dims)
+        ):
+            ids = jt.values().long()
+            if self.pooled:
+                grad = grad_output[:, columns:columns + dim]
+                columns += dim
+                lengths = jt.lengths()
+                if self.pooling == PoolingType.MEAN:
+                    grad = grad / _mean_divisor(lengths)
+                bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.long())
+                rows_grad = grad.index_select(0, bag)
+                if jt.weights_or_none() is not None:
+                    rows_grad = rows_grad * jt.weights().unsqueeze(1)
+            else:
+                rows_grad = grad_output[offsets[index]:offsets[index + 1]]
+            per_table_ids.setdefault(t_index, []).append(ids)
+            per_table_grads.setdefault(t_index, []).append(rows_grad)
+        states = self.optimizer_states()
+        weights = self.table_weights()
+        with torch.no_grad():
+            for t_index, ids_list in per_table_ids.items():
+                ids = torch.cat(ids_list)
+                if ids.numel() == 0:
+                    continue
+                unique, inverse = torch.unique(ids, return_inverse=True)
+                grad = torch.zeros(unique.numel(), self.tables[t_index].cols,
+                                   dtype=grad_output.dtype, device=grad_output.device)
+                grad.index_add_(0, inverse, torch.cat(per_table_grads[t_index]))
+                apply_row_update(self.spec, self.lr, weights[t_index], states[t_index], unique, grad)
+
+
+class DenseKernel(LookupKernel):
+    """Weights are `nn.Parameter`s (`weight_<i>`): gradients land in `.grad`."""
+
+    def __init__(self, tables: List[LocalTable], pooled: bool, device: torch.device) -> None:
+        super().__init__(tables, pooled)
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.empty(t.rows, t.cols, dtype=DATA_TYPE_TO_DTYPE[t.config.data_type],
+                                     device=device))
+            for t in tables
+        )
+        self._init_weights()
+
+    def table_weights(self) -> List[torch.Tensor]:
+        return list(self.weights)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return _plain_lookup(self.table_weights(), self, features)
+
+
+def jagged_by_index(features: KeyedJaggedTensor) -> List[JaggedTensor]:
+    """One JaggedTensor per key position (keys may repeat: column shards of one table)."""
+    values, weights, lengths = features.values(), features.weights_or_none(), features.lengths()
+    offsets, lengths_offsets = features.offset_per_key(), features.lengths_offset_per_key()
+    return [
+        JaggedTensor(
+            values[offsets[i]:offsets[i + 1]],
+            None if weights is None else weights[offsets[i]:offsets[i + 1]],
+            lengths=lengths[lengths_offsets[i]:lengths_offsets[i + 1]],
+        )
+        for i in range(len(features.keys()))
+    ]
+
+
+def _plain_lookup(
+    weights: List[torch.Tensor], kernel: LookupKernel, features: KeyedJaggedTensor
+) -> torch.Tensor:
+    """Look up every feature with torch ops; pooled `[B, sum dims]` or sequence `[N, D]`."""
+    outputs: List[torch.Tensor] = []
+    for jt, t_index in zip(jagged_by_index(features), kernel.feature_table):
+        weight = weights[t_index]
+        ids = jt.values().long()
+        if not kernel.pooled:
+            outputs.append(F.embedding(ids, weight))
+            continue
+        psw: Optional[torch.Tensor] = jt.weights_or_none()
+        pooled = F.embedding_bag(
+            ids, weight, jt.offsets().long(), mode="sum", per_sample_weights=psw,
+            include_last_offset=True,
+        ) if weight.numel() else torch.zeros(jt.lengths().numel(), weight.size(1), dtype=weight.dtype)
+        if kernel.pooling == PoolingType.MEAN:
+            pooled = pooled / _mean_divisor(jt.lengths())
+        outputs.append(pooled)
+    if not outputs:
+        return torch.empty(features.stride(), 0)
+    return torch.cat(outputs, dim=1 if kernel.pooled else 0)

@@ -1,0 +1,53 @@
+"""The local view of a table shard, and the rule that groups shards into one fused kernel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Tuple
+
+from recshard.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
+from recshard.types import EmbeddingComputeKernel
+
+
+@dataclass
+class LocalTable:
+    """One shard of one table held on this rank: `rows x cols` starting at
+    (`row_offset`, `col_offset`) of the global table, read by `feature_names`.
+
+    `shard_index` tells column shards of the same table apart.
+    """
+
+    config: BaseEmbeddingConfig
+    rows: int
+    cols: int
+    row_offset: int
+    col_offset: int
+    compute_kernel: EmbeddingComputeKernel
+    pooling: PoolingType
+    fused_params: Dict[str, Any] = field(default_factory=dict)
+    shard_index: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def feature_names(self) -> List[str]:
+        return self.config.feature_names
+
+    @property
+    def num_features(self) -> int:
+        return len(self.config.feature_names)
+
+
+def group_key(table: LocalTable, uses_fbgemm: bool) -> Tuple[Any, ...]:
+    """Tables with equal keys share one kernel: same dtype, pooling, kernel, implementation
+    and fused optimizer settings (a kernel applies one optimizer to all its tables)."""
+    params = tuple(sorted((k, repr(v)) for k, v in table.fused_params.items()))
+    return (
+        table.config.data_type.value,
+        table.pooling.value,
+        table.compute_kernel.value,
+        uses_fbgemm,
+        params,
+    )
