@@ -1,0 +1,327 @@
+"""Cost model: time (`EmbeddingPerfEstimator`) and memory (`EmbeddingStorageEstimator`) of one
+shard, and the memory held back for everything that is not a table (`StorageReservation`).
+
+Both estimators see one shard of `rows x cols` of a table and work from bytes moved. Notation
+(per training step, per rank): `B_f` batch size, `L_f` pooling factor, `P_f` poolings per
+sample of feature f; `ids = sum_f L_f P_f B_f` ids looked up in the table per rank and
+`bags = sum_f P_f B_f` pooled outputs (`bags = ids` for sequence tables); `W` ranks, `Lw` ranks
+per host, `H = W / Lw` hosts; `s_w` bytes per weight element, `s_out` bytes per output element
+(4, or 2 for 16-bit tables), 8 bytes per id (+4 per-id weight for weighted features).
+
+What one shard receives and produces (`frac = rows / table rows`):
+- table-wise, column-wise, table-column-wise: `ids_in = ids W`, `bags_out = bags W`
+- row-wise: `ids_in = ids W frac`, `bags_out = bags W` (partial sums for every bag)
+- table-row-wise: `ids_in = ids W frac`, `bags_out = bags W` (reduced inside the host first)
+- data-parallel: `ids_in = ids`, `bags_out = bags` (the local batch)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from recshard.planner.types import GIB, Perf, PlannerError, Storage, TableMeta, Topology
+
+logger = logging.getLogger(__name__)
+
+ID_BYTES = 8
+PER_ID_WEIGHT_BYTES = 4
+SECTOR_BYTES = 32  # a row read or write moves at least one 32-byte sector
+DEFAULT_CACHE_LOAD_FACTOR = 0.2
+
+# Optimizer state of the fused (fbgemm) optimizers: (fp32 bytes per element, bytes per row).
+_OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {
+    "sgd": (0, 0), "exactsgd": (0, 0), "none": (0, 0), "larssgd": (0, 0),
+    "adagrad": (4, 0), "exactadagrad": (4, 0),
+    "rowwiseadagrad": (0, 4), "exactrowwiseadagrad": (0, 4),
+    "exactrowwiseweightedadagrad": (0, 4), "emainplacerowwiseadagrad": (0, 4),
+    "ensemblerowwiseadagrad": (4, 4),
+    "adam": (8, 0), "lamb": (8, 0),
+    "partialrowwiseadam": (4, 4), "partialrowwiselamb": (4, 4),
+    "madgrad": (8, 4), "shampoo": (8, 0), "shampoov2": (8, 0),
+}
+_warned: set = set()
+
+
+def optimizer_state_bytes(optimizer: Optional[str], rows: int, cols: int) -> float:
+    """Bytes of optimizer state for a `rows x cols` shard: 0 for SGD (and no optimizer),
+    `4 rows cols` for Adagrad, `4 rows` for row-wise Adagrad, `8 rows cols` for Adam/LAMB,
+    `4 rows cols + 4 rows` for the partial row-wise ones. Unknown names count as Adam + a row
+    state, with a warning."""
+    key = (optimizer or "exact_sgd").replace("_", "").lower()
+    if key not in _OPTIMIZER_STATE:
+        if key not in _warned:
+            _warned.add(key)
+            logger.warning("unknown optimizer %r: counting 8 bytes/element + 4/row", optimizer)
+        per_elem, per_row = 8, 4
+    else:
+        per_elem, per_row = _OPTIMIZER_STATE[key]
+    return float(rows) * (cols * per_elem + per_row)
+
+
+def table_workload(table: TableMeta, batch_size: int) -> Tuple[float, float]:
+    """(ids, bags) one rank feeds into `table` per step (see the module docstring)."""
+    n = len(table.feature_names)
+    pooling = table.pooling_factors or [1.0] * n
+    poolings = table.num_poolings or [1.0] * n
+    batches = table.batch_sizes or [batch_size] * n
+    ids = sum(lf * pf * bf for lf, pf, bf in zip(pooling, poolings, batches))
+    bags = sum(pf * bf for pf, bf in zip(poolings, batches)) if table.pooled else ids
+    return float(ids), float(bags)
+
+
+def shard_traffic(
+    table: TableMeta, sharding_type: str, rows: int, topology: Topology, batch_size: int,
+    workload: Optional[Tuple[float, float]] = None,
+) -> Tuple[float, float]:
+    """(ids_in, bags_out) of one shard holding `rows` of the table's rows."""
+    ids, bags = workload or table_workload(table, batch_size)
+    world = topology.world_size
+    if sharding_type == "data_parallel":
+        return ids, bags
+    if sharding_type in ("row_wise", "table_row_wise"):
+        ids_in = ids * world * rows / table.num_embeddings
+        return ids_in, (bags * world if table.pooled else ids_in)
+    return ids * world, bags * world
+
+
+class _TableFacts:
+    """Per-table numbers both estimators reuse for every shard of every option."""
+
+    __slots__ = ("table", "workload", "s_w", "s_out", "id_bytes")
+
+    def __init__(self, table: TableMeta, batch_size: int) -> None:
+        self.table = table
+        self.workload = table_workload(table, batch_size)
+        self.s_w = table.data_type.element_size
+        self.s_out = 4.0 if self.s_w >= 4 else 2.0
+        self.id_bytes = ID_BYTES + (PER_ID_WEIGHT_BYTES if table.is_weighted else 0)
+
+
+def _facts(cache: Dict[int, _TableFacts], table: TableMeta, batch_size: int) -> _TableFacts:
+    facts = cache.get(id(table))
+    if facts is None or facts.table is not table:
+        if len(cache) > 4096:
+            cache.clear()
+        facts = cache[id(table)] = _TableFacts(table, batch_size)
+    return facts
+
+
+def _load_factor(cache_params: Optional[Dict[str, Any]]) -> float:
+    return float((cache_params or {}).get("load_factor") or DEFAULT_CACHE_LOAD_FACTOR)
+
+
+class EmbeddingPerfEstimator:
+    """Time of one shard per step (ms): compute from bytes moved at the kernel's memory
+    bandwidth, communication from bytes over the links each sharding type's collectives use.
+
+    Kernel bandwidth `bw`: fused = HBM (cuda) or DDR (cpu) bandwidth; dense = half of it;
+    fused_uvm = host<->device bandwidth x uvm_efficiency; fused_uvm_caching = harmonic mix,
+    `1 / (lf / hbm + (1 - lf) / uvm)` with cache hit rate ~ load factor `lf`.
+    With `row = ceil(cols s_w / 32) 32` bytes per row access and `out = cols s_out`:
+    - fwd_compute = (ids_in (id_bytes + row) + bags_out out) / bw   (+4 bytes/id if weighted)
+    - bwd_compute, fused = (bags_out out + ids_in (2 row + 2 state_row)) / bw, where the fused
+      optimizer reads and writes each looked-up row and its state (`state_row` = optimizer
+      state bytes per row); weighted features add `ids_in row` for the per-id weight grads.
+    - bwd_compute, dense kernel and data-parallel = (bags_out out + ids_in row + rows cols
+      (2 s_w + 4 + 2 state_elem)) / bw: a dense gradient and a full-table optimizer step.
+    - input_dist = ids_in id_bytes / a2a_bw (data-parallel: 0)
+    - fwd_comms = bwd_comms: table-wise/column-wise a2a of `bags_out out`; row-wise
+      reduce-scatter (fwd) / all-gather (bwd) of `bags_out out`; table-row-wise reduce-scatter
+      in the host then a2a of the `1/Lw` slice across hosts; sequence tables use a2a.
+      Data-parallel: fwd 0, bwd an all-reduce of the fp32 gradient `4 rows cols`.
+    Link models: a2a `1/bw = (1/H)/intra + (1 - 1/H)/inter`; ring reduce-scatter /
+    all-gather of `n` bytes, hierarchical: `n ((Lw-1)/Lw / intra + (H-1)/(H Lw) / inter)`;
+    all-reduce twice that.
+    """
+
+    def __init__(self, topology: Topology, batch_size: int = 512) -> None:
+        self.topology = topology
+        self.batch_size = batch_size
+        self._facts: Dict[int, _TableFacts] = {}
+        topo = topology
+        hosts = topo.num_hosts
+        self._a2a_bw = 1.0 / ((1.0 / hosts) / topo.intra_host_bw
+                              + (1.0 - 1.0 / hosts) / topo.inter_host_bw)
+        lw = topo.local_world_size
+        self._ring_s_per_byte = (lw - 1) / lw / topo.intra_host_bw + (
+            (hosts - 1) / (hosts * lw) / topo.inter_host_bw
+        )
+
+    def kernel_bw(self, kernel: str, cache_params: Optional[Dict[str, Any]] = None) -> float:
+        """Bytes/ms a compute kernel streams embedding rows at."""
+        topo = self.topology
+        fast = topo.hbm_mem_bw if topo.compute_device == "cuda" else topo.ddr_mem_bw
+        uvm = topo.hbm_to_ddr_mem_bw * topo.uvm_efficiency
+        if kernel == "fused":
+            return fast
+        if kernel == "dense":
+            return 0.5 * fast
+        if kernel == "fused_uvm":
+            return uvm
+        if kernel == "fused_uvm_caching":
+            lf = _load_factor(cache_params)
+            return 1.0 / (lf / fast + (1.0 - lf) / uvm)
+        raise ValueError(f"no bandwidth model for compute kernel {kernel!r}")
+
+    def estimate(
+        self,
+        table: TableMeta,
+        sharding_type: str,
+        compute_kernel: str,
+        rows: int,
+        cols: int,
+        cache_params: Optional[Dict[str, Any]] = None,
+    ) -> Perf:
+        """Perf of one `rows x cols` shard of `table` (formulas in the class docstring)."""
+        topo = self.topology
+        facts = _facts(self._facts, table, self.batch_size)
+        ids_in, bags_out = shard_traffic(table, sharding_type, rows, topo, self.batch_size,
+                                         facts.workload)
+        bw = self.kernel_bw(compute_kernel, cache_params)
+        s_w = facts.s_w
+        row = math.ceil(cols * s_w / SECTOR_BYTES) * SECTOR_BYTES
+        out_bytes = bags_out * cols * facts.s_out
+        id_bytes = ids_in * facts.id_bytes
+        fwd_compute = (id_bytes + ids_in * row + out_bytes) / bw
+        state_row = optimizer_state_bytes(table.optimizer, 1, cols)
+        if compute_kernel == "dense" or sharding_type == "data_parallel":
+            full_update = rows * (cols * (2 * s_w + 4) + 2 * state_row)
+            bwd_compute = (out_bytes + ids_in * row + full_update) / bw
+        else:
+            bwd_compute = (out_bytes + ids_in * (2 * row + 2 * state_row)) / bw
+        if table.is_weighted:
+            bwd_compute += ids_in * row / bw
+        if sharding_type == "data_parallel":
+            grad_bytes = 4.0 * rows * cols
+            return Perf(fwd_compute, 0.0, bwd_compute, 2 * grad_bytes * self._ring_s_per_byte, 0.0)
+        input_dist = id_bytes / self._a2a_bw
+        if not table.pooled or sharding_type in ("table_wise", "column_wise", "table_column_wise"):
+            comms = out_bytes / self._a2a_bw
+        elif sharding_type == "row_wise":
+            comms = out_bytes * self._ring_s_per_byte
+        else:  # table_row_wise: reduce-scatter inside the host, then a2a across hosts
+            lw, hosts = topo.local_world_size, topo.num_hosts
+            comms = out_bytes * (lw - 1) / lw / topo.intra_host_bw
+            comms += out_bytes / lw * (hosts - 1) / hosts / topo.inter_host_bw
+        return Perf(fwd_compute, comms, bwd_compute, comms, input_dist)
+
+
+class EmbeddingStorageEstimator:
+    """Memory of one shard (bytes) and where it lives.
+
+    - weights = rows cols s_w; optimizer state from the table's optimizer (taken from the
+      sharder's fused_params, counted whether or not an optimizer is attached yet; see
+      `optimizer_state_bytes`); dense kernel and data-parallel add an fp32 gradient
+      `4 rows cols` (data-parallel twice: DDP keeps a bucket copy).
+    - io = 2 ids_in id_bytes (this batch and the next one in flight) + 2 bags_out cols s_out
+      (the output and its gradient).
+    - cpu: everything in DDR. cuda, fused/dense: everything in HBM. fused_uvm: weights and
+      state in DDR, io in HBM. fused_uvm_caching: weights and state in DDR; HBM holds the cache
+      `lf weights`, its index `rows (4 + 16 lf)` and io.
+    """
+
+    def __init__(self, topology: Topology, batch_size: int = 512) -> None:
+        self.topology = topology
+        self.batch_size = batch_size
+        self._facts: Dict[int, _TableFacts] = {}
+
+    def estimate(
+        self,
+        table: TableMeta,
+        sharding_type: str,
+        compute_kernel: str,
+        rows: int,
+        cols: int,
+        cache_params: Optional[Dict[str, Any]] = None,
+    ) -> Storage:
+        """Storage of one `rows x cols` shard of `table` (formulas in the class docstring)."""
+        topo = self.topology
+        facts = _facts(self._facts, table, self.batch_size)
+        ids_in, bags_out = shard_traffic(table, sharding_type, rows, topo, self.batch_size,
+                                         facts.workload)
+        weights = float(rows) * cols * facts.s_w
+        state = optimizer_state_bytes(table.optimizer, rows, cols)
+        if compute_kernel == "dense" or sharding_type == "data_parallel":
+            copies = 2 if sharding_type == "data_parallel" else 1
+            state += copies * 4.0 * rows * cols
+        io = 2 * ids_in * facts.id_bytes + 2 * bags_out * cols * facts.s_out
+        if topo.compute_device == "cpu":
+            return Storage(0.0, weights + state + io)
+        if compute_kernel == "fused_uvm":
+            return Storage(io, weights + state)
+        if compute_kernel == "fused_uvm_caching":
+            lf = _load_factor(cache_params)
+            return Storage(lf * weights + rows * (4 + 16 * lf) + io, weights + state)
+        return Storage(weights + state + io, 0.0)
+
+
+@dataclass
+class Capacity:
+    """Per-rank memory left for tables after the reservation, and what was reserved."""
+
+    hbm: List[float]
+    ddr: List[float]
+    dense_bytes: float
+    kjt_bytes: float
+    fraction: float
+    local_world_size: int
+
+
+class StorageReservation:
+    """Memory held back on every rank before any table is placed, as explicit numbers.
+
+    `dense_bytes`: the dense model per rank (weights, gradients, optimizer state, DDP
+    buckets). None: 4 x the bytes of the module's non-embedding parameters (weight + grad +
+    two Adam states); 0 when planning from metadata alone (the CLI).
+    `kjt_bytes`: input batches in flight per rank. None: 3 batches (pipeline depth) x
+    (12 bytes per id + 4 per bag) summed over all tables' features at the planner batch size.
+    `fraction`: a share of each rank's capacity held back (allocator slack); default 0.
+    Reservations come out of HBM on cuda and DDR on cpu.
+    """
+
+    def __init__(
+        self,
+        dense_bytes: Optional[float] = None,
+        kjt_bytes: Optional[float] = None,
+        fraction: float = 0.0,
+    ) -> None:
+        if not 0.0 <= fraction < 1.0:
+            raise ValueError(f"reservation fraction must be in [0, 1), got {fraction}")
+        self.dense_bytes = dense_bytes
+        self.kjt_bytes = kjt_bytes
+        self.fraction = fraction
+
+    def reserve(
+        self,
+        topology: Topology,
+        tables: Sequence[TableMeta],
+        batch_size: int,
+        dense_param_bytes: float = 0.0,
+    ) -> Capacity:
+        """Per-rank capacity left for tables; PlannerError if the reservation alone is too big."""
+        dense = 4.0 * dense_param_bytes if self.dense_bytes is None else float(self.dense_bytes)
+        if self.kjt_bytes is None:
+            kjt = 0.0
+            for table in tables:
+                ids, bags = table_workload(table, batch_size)
+                kjt += 3 * (12 * ids + 4 * bags)
+        else:
+            kjt = float(self.kjt_bytes)
+        world = topology.world_size
+        on_hbm = topology.compute_device == "cuda"
+        hbm = topology.hbm_cap * (1 - self.fraction) - (dense + kjt if on_hbm else 0.0)
+        ddr = topology.ddr_cap * (1 - self.fraction) - (0.0 if on_hbm else dense + kjt)
+        if hbm < 0 or ddr < 0:
+            kind = "HBM" if on_hbm else "DDR"
+            cap = topology.hbm_cap if on_hbm else topology.ddr_cap
+            raise PlannerError(
+                f"the storage reservation alone does not fit: dense {dense / GIB:.3f} GiB + "
+                f"KJT {kjt / GIB:.3f} GiB + {self.fraction:.0%} of {cap / GIB:.3f} GiB {kind} "
+                "per rank; lower the batch size or the reservation, or add memory"
+            )
+        return Capacity(
+            [hbm] * world, [ddr] * world, dense, kjt, self.fraction, topology.local_world_size
+        )

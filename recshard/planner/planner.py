@@ -1,0 +1,244 @@
+"""`EmbeddingShardingPlanner`: enumerate options, estimate them, search proposals, keep the
+placement whose slowest rank is fastest, and turn it into a `ShardingPlan`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from torch import nn
+
+from recshard.planner.enumerator import EmbeddingEnumerator, tables_from_module
+from recshard.planner.estimators import Capacity, StorageReservation
+from recshard.planner.partitioners import GreedyPerfPartitioner, NoopPerfModel, PartitionResult
+from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
+from recshard.planner.stats import EmbeddingStats, PlannerStats, build_stats
+from recshard.planner.types import (
+    GIB,
+    ParameterConstraints,
+    PlannerError,
+    ShardingOption,
+    TableMeta,
+    Topology,
+)
+from recshard.shard_geometry import make_shards
+from recshard.types import ModuleSharder, ParameterSharding, ShardingPlan
+
+logger = logging.getLogger(__name__)
+
+
+def default_proposers() -> List[object]:
+    """Greedy local search, one all-same-type proposal per type, and a small grid search."""
+    return [GreedyProposer(), UniformProposer(), GridSearchProposer()]
+
+
+class EmbeddingShardingPlanner:
+    """Finds a `ShardingPlan` for the embedding tables of a model (or of plain table metadata).
+
+    Defaults: `topology` = all ranks of the default process group on one host (cuda if
+    available), `batch_size` = 512 per rank, proposers = `default_proposers()`, partitioner =
+    `GreedyPerfPartitioner()`, reservation = `StorageReservation()`. The plan minimises the
+    estimated time of the slowest rank among proposals that fit in memory. `last_stats` holds
+    the `PlannerStats` of the latest plan; with `debug` they are also logged.
+    """
+
+    def __init__(
+        self,
+        topology: Optional[Topology] = None,
+        batch_size: Optional[int] = None,
+        enumerator: Optional[EmbeddingEnumerator] = None,
+        storage_reservation: Optional[StorageReservation] = None,
+        proposer: Optional[Union[object, List[object]]] = None,
+        partitioner: Optional[object] = None,
+        performance_model: Optional[NoopPerfModel] = None,
+        stats: Optional[EmbeddingStats] = None,
+        constraints: Optional[Dict[str, ParameterConstraints]] = None,
+        debug: bool = True,
+        timeout_seconds: Optional[float] = None,
+    ) -> None:
+        self._topology = topology
+        self.batch_size = batch_size or 512
+        self._enumerator = enumerator
+        self.storage_reservation = storage_reservation or StorageReservation()
+        if proposer is None:
+            self.proposers = default_proposers()
+        else:
+            self.proposers = list(proposer) if isinstance(proposer, (list, tuple)) else [proposer]
+        self.partitioner = partitioner or GreedyPerfPartitioner()
+        self.performance_model = performance_model or NoopPerfModel()
+        self.stats = stats or EmbeddingStats()
+        self.constraints = constraints
+        self.debug = debug
+        self.timeout_seconds = timeout_seconds
+        self.last_stats: Optional[PlannerStats] = None
+        self.last_result: Optional[PartitionResult] = None
+
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            import torch
+            import torch.distributed as dist
+
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self._topology = Topology(world_size=world, compute_device=device)
+        return self._topology
+
+    def plan(self, module: nn.Module, sharders: Sequence[ModuleSharder]) -> ShardingPlan:
+        """Plan every table of every submodule one of `sharders` handles."""
+        tables, dense_bytes = tables_from_module(module, sharders, self.topology.compute_device)
+        if not tables:
+            raise PlannerError(
+                "no shardable tables found: no submodule matches the sharders' module types "
+                f"{[s.module_type.__name__ for s in sharders]}"
+            )
+        return self.plan_tables(tables, dense_param_bytes=dense_bytes)
+
+    def plan_tables(self, tables: Sequence[TableMeta], dense_param_bytes: float = 0.0) -> ShardingPlan:
+        """Plan from table metadata alone (the CLI's entry point)."""
+        start = time.perf_counter()
+        topo = self.topology
+        enumerator = self._enumerator or EmbeddingEnumerator(
+            topo, self.batch_size, self.constraints
+        )
+        space = enumerator.enumerate_tables(tables)
+        capacity = self.storage_reservation.reserve(
+            topo, [opts[0].table for opts in space], self.batch_size, dense_param_bytes
+        )
+        best, evaluated, feasible, failure = self._search(space, capacity, start)
+        if best is None:
+            raise PlannerError(self._no_plan_message(space, capacity, evaluated, failure))
+        self.last_result = best
+        self.last_stats = build_stats(best, capacity, topo, self.batch_size, evaluated, feasible,
+                                      time.perf_counter() - start)
+        if self.debug:
+            self.stats.log(self.last_stats)
+        return to_sharding_plan(best, topo)
+
+    def _search(
+        self, space: List[List[ShardingOption]], capacity: Capacity, start: float
+    ) -> Tuple[Optional[PartitionResult], int, int, Optional[PartitionResult]]:
+        seen: Dict[Tuple[int, ...], PartitionResult] = {}
+        best: Optional[PartitionResult] = None
+        failure: Optional[PartitionResult] = None
+        evaluated = feasible = 0
+        for proposer in self.proposers:
+            proposer.load(space)  # type: ignore[attr-defined]
+            while (proposal := proposer.propose()) is not None:  # type: ignore[attr-defined]
+                if self.timeout_seconds and time.perf_counter() - start > self.timeout_seconds:
+                    logger.info("planner timeout after %d proposals", evaluated)
+                    return best, evaluated, feasible, failure
+                key = tuple(map(id, proposal))
+                result = seen.get(key)
+                if result is None:
+                    result = self.partitioner.partition(proposal, capacity)  # type: ignore[attr-defined]
+                    seen[key] = result
+                    evaluated += 1
+                    if result.feasible:
+                        feasible += 1
+                        result.rating = self.performance_model.rate(result)
+                        if best is None or result.rating < best.rating:
+                            best = result
+                    else:
+                        failure = result
+                proposer.feedback(result)  # type: ignore[attr-defined]
+        return best, evaluated, feasible, failure
+
+    def _no_plan_message(
+        self,
+        space: List[List[ShardingOption]],
+        capacity: Capacity,
+        evaluated: int,
+        failure: Optional[PartitionResult],
+    ) -> str:
+        topo = self.topology
+        cap_h, cap_d = capacity.hbm[0], capacity.ddr[0]
+        lines = [
+            f"no sharding plan fits: evaluated {evaluated} proposals for {len(space)} tables "
+            f"on {topo.world_size} ranks ({topo.compute_device}).",
+            f"Per rank for tables: {cap_h / GIB:.3f} GiB HBM, {cap_d / GIB:.3f} GiB DDR "
+            f"(capacity {topo.hbm_cap / GIB:.3f} GiB HBM, {topo.ddr_cap / GIB:.3f} GiB DDR, "
+            f"minus reserved dense {capacity.dense_bytes / GIB:.3f} GiB, KJT "
+            f"{capacity.kjt_bytes / GIB:.3f} GiB, {capacity.fraction:.0%}).",
+            "Largest tables, memory per compute kernel (whole table incl. optimizer state):",
+        ]
+        sized = sorted(space, key=lambda opts: -(opts[0].table.num_embeddings
+                                                 * opts[0].table.embedding_dim
+                                                 * opts[0].table.data_type.element_size))
+        for options in sized[:5]:
+            table = options[0].table
+            per_kernel: Dict[str, Tuple[float, float]] = {}
+            for o in options:
+                if o.sharding_type == "data_parallel":
+                    continue
+                need = (o.total_hbm, o.total_ddr)
+                if o.compute_kernel not in per_kernel or sum(need) < sum(per_kernel[o.compute_kernel]):
+                    per_kernel[o.compute_kernel] = need
+            needs = ", ".join(f"{k} {h / GIB:.3f} GiB HBM + {d / GIB:.3f} GiB DDR"
+                              for k, (h, d) in per_kernel.items()) or "data-parallel only"
+            lines.append(f"  {table.key} ({table.num_embeddings} x {table.embedding_dim}, "
+                         f"{table.optimizer or 'exact_sgd'}): {needs}")
+        if failure is not None and failure.error:
+            lines.append(f"Last failure ({(failure.failed_resource or '').upper()} fell short): "
+                         f"{failure.error}")
+        lines.append("Possible fixes: more ranks (--world-size), more memory per rank "
+                     "(--hbm-gb / --ddr-gb), a smaller batch size or reservation, UVM kernels "
+                     "on cuda, or fewer constraints.")
+        return "\n".join(lines)
+
+    def collective_plan(
+        self, module: nn.Module, sharders: Sequence[ModuleSharder], pg: Optional[object] = None
+    ) -> ShardingPlan:
+        """Rank 0 of `pg` plans and broadcasts the plan; every rank returns the same plan. If
+        rank 0 fails, its error is broadcast and every rank raises (no rank hangs)."""
+        import torch.distributed as dist
+
+        group = pg if pg is not None else dist.group.WORLD
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if self._topology is None:
+            self._topology = Topology(world_size=world, compute_device=self.topology.compute_device)
+        if self.topology.world_size != world:
+            raise PlannerError(f"topology has world_size {self.topology.world_size} but the "
+                               f"process group has {world} ranks")
+        payload: List[object] = [None]
+        error: Optional[BaseException] = None
+        if rank == 0:
+            try:
+                payload[0] = ("ok", self.plan(module, sharders))
+            except Exception as e:  # noqa: BLE001 - forwarded to every rank
+                error = e
+                payload[0] = ("error", f"{type(e).__name__}: {e}")
+        src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+        dist.broadcast_object_list(payload, src=src, group=group)
+        status, value = payload[0]  # type: ignore[misc]
+        if status == "error":
+            if error is not None:
+                raise error
+            raise PlannerError(f"rank 0 failed to plan: {value}")
+        return value  # type: ignore[return-value]
+
+
+def to_sharding_plan(result: PartitionResult, topology: Topology) -> ShardingPlan:
+    """The `ShardingPlan` of a placement: per module FQN, per table, type, kernel, ranks and
+    shard geometry from `recshard.shard_geometry` (the same the sharded modules use)."""
+    plan: Dict[str, Dict[str, ParameterSharding]] = {}
+    device = topology.compute_device
+    for option, ranks in zip(result.proposal, result.ranks):
+        assert ranks is not None
+        table = option.table
+        if option.sharding_type == "data_parallel":
+            shards = None
+            ranks = list(range(topology.world_size))
+        else:
+            shards = make_shards(option.sharding_type, table.num_embeddings,
+                                 table.embedding_dim, ranks, device)
+        plan.setdefault(table.module_fqn, {})[table.name] = ParameterSharding(
+            sharding_type=option.sharding_type,
+            compute_kernel=option.compute_kernel,
+            ranks=list(ranks),
+            shards=shards,
+            bounds_check_mode=option.bounds_check_mode,
+            cache_params=dict(option.cache_params) if option.cache_params else None,
+        )
+    return ShardingPlan(plan)
