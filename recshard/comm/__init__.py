@@ -29,3 +29,17 @@ from recshard.comm.request import (  # noqa: F401
     reset_comm_payload_bytes,
     set_gradient_division,
 )
+from recshard.comm.dist_data import (  # noqa: F401
+    EmbeddingsAllToOne,
+    EmbeddingsAllToOneReduce,
+    PooledEmbeddingsAllGather,
+    PooledEmbeddingsAllToAll,
+    PooledEmbeddingsReduceScatter,
+    SequenceEmbeddingsAllToAll,
+    VariableBatchPooledEmbeddingsAllToAll,
+)
+from recshard.comm.kjt_all_to_all import (  # noqa: F401
+    KJTAllToAll,
+    KJTAllToAllSplitsAwaitable,
+    KJTAllToAllTensorsAwaitable,
+)
