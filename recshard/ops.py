@@ -105,6 +105,11 @@ def _segment_ranges(starts: Tensor, seg_lengths: Tensor, total: Optional[int] = 
     return shift[segment] + torch.arange(segment.numel(), device=segment.device)
 
 
+def _needs_grad(*tensors: Optional[Tensor]) -> bool:
+    """True when autograd must flow into one of `tensors`."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _check_permute(permute: Tensor, size: int, what: str) -> None:
     """Range-check a permute on CPU (fbgemm reads out of bounds on bad input; no sync cost)."""
     if permute.dim() != 1:
@@ -156,7 +161,8 @@ def permute_2D_sparse_data(
 
     permute `[F']` (may repeat or drop keys), lengths `[F, B]`, values `[N]`, weights `[N]`
     -> lengths `[F', B]`, values `[N']`, weights `[N']`. `permuted_lengths_sum` (= N')
-    saves a device sync. Gradients flow to `weights` on both paths.
+    saves a device sync. Gradients flow to `weights` through the torch path: fbgemm's
+    backward inverts `permute`, which is wrong for repeats and drops (1.8.0 segfaults).
     """
     if lengths.dim() != 2:
         raise ValueError(f"permute_2D_sparse_data: lengths must be 2-D [F, B], "
@@ -165,7 +171,8 @@ def permute_2D_sparse_data(
     _check_permute(permute, lengths.size(0), "permute_2D_sparse_data")
     supported = (lengths.dtype in _INDEX_DTYPES
                  and values.dtype in _INDEX_DTYPES + (torch.float16, torch.bfloat16, torch.float32)
-                 and (weights is None or weights.dtype in (torch.float16, torch.float32, torch.float64)))
+                 and (weights is None or weights.dtype in (torch.float16, torch.float32, torch.float64))
+                 and not _needs_grad(values, weights))
     op = _fbgemm("permute_2D_sparse_data", values.device, supported)
     if op is not None:
         return op(permute.int(), lengths, values, weights, permuted_lengths_sum)
@@ -188,12 +195,14 @@ def permute_1D_sparse_data(
 
     permute `[S']` (may repeat or drop), lengths `[S]`, values `[N]`, weights `[N]`
     -> lengths `[S']`, values `[N']`, weights `[N']`; `permuted_lengths_sum` = N'.
+    Gradients flow to `weights` through the torch path (fbgemm's op has no backward).
     """
     _check_1d("permute_1D_sparse_data", lengths=lengths, values=values, weights=weights)
     _check_permute(permute, lengths.numel(), "permute_1D_sparse_data")
     supported = (lengths.dtype in _INDEX_DTYPES
                  and values.dtype in _INDEX_DTYPES + (torch.float16, torch.bfloat16, torch.float32)
-                 and (weights is None or weights.dtype in (torch.float32, torch.float64)))
+                 and (weights is None or weights.dtype in (torch.float32, torch.float64))
+                 and not _needs_grad(values, weights))
     op = _fbgemm("permute_1D_sparse_data", values.device, supported)
     if op is not None:
         return op(permute.int(), lengths, values, weights, permuted_lengths_sum)
@@ -297,7 +306,8 @@ def block_bucketize_sparse_features(
                          f"into {num_features} features (block_sizes)")
     supported = (num_features > 0 and lengths.dtype in _INDEX_DTYPES
                  and indices.dtype in _INDEX_DTYPES
-                 and (weights is None or weights.dtype in (torch.float32, torch.float64)))
+                 and (weights is None or weights.dtype in (torch.float32, torch.float64))
+                 and not _needs_grad(weights))  # fbgemm's op has no backward
     op = _fbgemm("block_bucketize_sparse_features", indices.device, supported)
     if op is not None:
         return op(lengths, indices, bucketize_pos, sequence, block_sizes.to(indices.dtype),
@@ -340,7 +350,8 @@ def permute_pooled_embs(
     `[T+1]` offsets of the permuted blocks; inv_permute_list `[T]` the inverse permutation.
     Returns `[B, D_sum]`. Backward applies the inverse permutation (fbgemm's
     `permute_pooled_embs_auto_grad` with the inv lists; the torch path via the gather's
-    gradient, the same for a true permutation).
+    gradient, the same for a true permutation; only the torch path's gradient is right when
+    `permute_list` repeats or drops blocks).
     """
     if pooled_embs.dim() != 2:
         raise ValueError(f"permute_pooled_embs: pooled_embs must be 2-D [B, D_sum], "
@@ -361,10 +372,12 @@ def segment_sum_csr(batch_size: int, csr_seg: Tensor, values: Tensor) -> Tensor:
 
     csr_seg `[S+1]` -> `[S]`, dtype of values: `out[i] = values.flatten()[csr_seg[i] *
     batch_size : csr_seg[i+1] * batch_size].sum()`, summed in order in the values' dtype.
+    Differentiable (through the torch path).
     """
     _check_1d("segment_sum_csr", csr_seg=csr_seg)
     supported = values.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int32,
                                  torch.int64) and csr_seg.dtype in _INDEX_DTYPES
+    supported = supported and not _needs_grad(values)  # fbgemm's op has no backward
     op = _fbgemm("segment_sum_csr", values.device, supported)
     if op is not None:
         return op(batch_size, csr_seg, values)
