@@ -72,7 +72,7 @@ class RankResults:
 def seeded(seed: int, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A reproducible random tensor, the same on every rank."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
 def shard(full: torch.Tensor, dim: int, rank: int, world_size: int, stride: int = 1) -> torch.Tensor:
