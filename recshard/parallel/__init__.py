@@ -8,7 +8,11 @@ from recshard.parallel.cross_entropy import ParallelCrossEntropyLoss, vocab_para
 from recshard.parallel.dropout import ParallelDropout
 from recshard.parallel.embedding import ParallelEmbedding, VocabParallelEmbedding
 from recshard.parallel.init import shard_init_helper_
-from recshard.parallel.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelClassifier
+from recshard.parallel.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelClassifier,
+)
 from recshard.parallel.mappings import (
     mp_all_gather,
     mp_copy,

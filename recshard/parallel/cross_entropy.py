@@ -8,8 +8,6 @@ logits. Semantics follow `F.cross_entropy` with class-index targets.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor, nn
 
@@ -23,7 +21,7 @@ _OWNER = "vocab_parallel_cross_entropy"
 def _check_inputs(
     logits: Tensor,
     target: Tensor,
-    weight: Optional[Tensor],
+    weight: Tensor | None,
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
@@ -34,8 +32,10 @@ def _check_inputs(
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"{_OWNER}: label_smoothing must be in [0, 1], got {label_smoothing}")
     if logits.dim() < 1 or not logits.is_floating_point():
-        raise ValueError(f"{_OWNER}: logits must be a float tensor [*, C / ws], got {logits.dtype}"
-                         f" {tuple(logits.shape)}")  # fmt: skip
+        raise ValueError(
+            f"{_OWNER}: logits must be a float tensor [*, C / ws], got {logits.dtype}"
+            f" {tuple(logits.shape)}"
+        )
     if tuple(target.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"{_OWNER}: target shape {tuple(target.shape)} must equal the logits shape without "
@@ -59,11 +59,11 @@ def _check_inputs(
 def vocab_parallel_cross_entropy(
     logits: Tensor,
     target: Tensor,
-    weight: Optional[Tensor] = None,
+    weight: Tensor | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
-    pg: Optional[ProcessGroup] = None,
+    pg: ProcessGroup | None = None,
 ) -> Tensor:
     """Cross-entropy of class-sharded logits.
 
@@ -131,11 +131,11 @@ class ParallelCrossEntropyLoss(nn.Module):
 
     def __init__(
         self,
-        weight: Optional[Tensor] = None,
+        weight: Tensor | None = None,
         ignore_index: int = -100,
         reduction: str = "mean",
         label_smoothing: float = 0.0,
-        pg: Optional[ProcessGroup] = None,
+        pg: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         if reduction not in _REDUCTIONS:
@@ -148,6 +148,11 @@ class ParallelCrossEntropyLoss(nn.Module):
 
     def forward(self, logits: Tensor, target: Tensor) -> Tensor:
         return vocab_parallel_cross_entropy(
-            logits, target, self.weight, self.ignore_index, self.reduction,
-            self.label_smoothing, self.pg,
-        )  # fmt: skip
+            logits,
+            target,
+            self.weight,
+            self.ignore_index,
+            self.reduction,
+            self.label_smoothing,
+            self.pg,
+        )

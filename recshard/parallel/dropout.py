@@ -7,7 +7,7 @@ A replicated activation needs the same mask on every rank, or the copies would d
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ from recshard.parallel.utils import ProcessGroup, group_rank, group_size
 _RANK_SEED_OFFSET = 2718  # sharded streams: seed + 2718 * (rank + 1), never the shared seed
 
 
-def _shared_seed(pg: Optional[ProcessGroup]) -> int:
+def _shared_seed(pg: ProcessGroup | None) -> int:
     """A seed drawn from the default generator on the group's first rank, sent to all."""
     seed = [int(torch.randint(0, 2**31 - 1, (1,)).item())]
     if group_size(pg) > 1:
@@ -42,8 +42,8 @@ class ParallelDropout(nn.Module):
         self,
         p: float = 0.5,
         input_is_parallel: bool = True,
-        seed: Optional[int] = None,
-        pg: Optional[ProcessGroup] = None,
+        seed: int | None = None,
+        pg: ProcessGroup | None = None,
         inplace: bool = False,
     ) -> None:
         super().__init__()

@@ -7,7 +7,7 @@ Both take the same ids on every rank of `pg` and accept `nn.Embedding`'s options
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ def check_ids(ids: Tensor, num_embeddings: int, owner: str) -> None:
         raise ValueError(f"{owner}: id {value} is out of range [0, {num_embeddings})")
 
 
-def _normalize_padding_idx(padding_idx: Optional[int], num_embeddings: int, owner: str) -> Optional[int]:
+def _normalize_padding_idx(padding_idx: int | None, num_embeddings: int, owner: str) -> int | None:
     if padding_idx is None:
         return None
     if not -num_embeddings <= padding_idx < num_embeddings:
@@ -52,23 +52,25 @@ class _EmbeddingBase(nn.Module):
         self,
         num_embeddings: int,
         embedding_dim: int,
-        padding_idx: Optional[int],
-        max_norm: Optional[float],
+        padding_idx: int | None,
+        max_norm: float | None,
         norm_type: float,
         scale_grad_by_freq: bool,
         sparse: bool,
-        init_method: Optional[InitMethod],
-        pg: Optional[ProcessGroup],
+        init_method: InitMethod | None,
+        pg: ProcessGroup | None,
         device: Any,
-        dtype: Optional[torch.dtype],
-        _weight: Optional[Tensor],
+        dtype: torch.dtype | None,
+        _weight: Tensor | None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
         self.pg = pg
         self.world_size, self.rank = group_size(pg), group_rank(pg)
         what = "embedding_dim" if self.shard_dim == 1 else "num_embeddings"
-        divide(embedding_dim if self.shard_dim == 1 else num_embeddings, self.world_size, what, owner)
+        divide(
+            embedding_dim if self.shard_dim == 1 else num_embeddings, self.world_size, what, owner
+        )
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = _normalize_padding_idx(padding_idx, num_embeddings, owner)
         self.max_norm, self.norm_type = max_norm, norm_type
@@ -82,18 +84,27 @@ class _EmbeddingBase(nn.Module):
                 f"{owner}: _weight has shape {tuple(_weight.shape)}, "
                 f"expected {(num_embeddings, embedding_dim)}"
             )
-        self.weight = shard_parameter(_weight, ShardSpec(self.shard_dim, self.rank, self.world_size))
+        self.weight = shard_parameter(
+            _weight, ShardSpec(self.shard_dim, self.rank, self.world_size)
+        )
 
     @classmethod
     def from_embedding(
-        cls, embedding: nn.Embedding, pg: Optional[ProcessGroup] = None, **kwargs: Any
+        cls, embedding: nn.Embedding, pg: ProcessGroup | None = None, **kwargs: Any
     ) -> _EmbeddingBase:
         """This rank's part of an existing `nn.Embedding` (same options, same outputs)."""
         return cls(
-            embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
-            embedding.max_norm, embedding.norm_type, embedding.scale_grad_by_freq,
-            embedding.sparse, pg=pg, _weight=embedding.weight, **kwargs,
-        )  # fmt: skip
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            embedding.padding_idx,
+            embedding.max_norm,
+            embedding.norm_type,
+            embedding.scale_grad_by_freq,
+            embedding.sparse,
+            pg=pg,
+            _weight=embedding.weight,
+            **kwargs,
+        )
 
     @property
     def master_weight(self) -> Tensor:
@@ -110,7 +121,7 @@ class _EmbeddingBase(nn.Module):
 
 @torch.no_grad()
 def _renorm_split_rows_(
-    weight: Tensor, ids: Tensor, max_norm: float, norm_type: float, pg: Optional[ProcessGroup]
+    weight: Tensor, ids: Tensor, max_norm: float, norm_type: float, pg: ProcessGroup | None
 ) -> None:
     """`nn.Embedding`'s max_norm rule for rows split by columns: the norm of a row is taken
     over the whole row (all ranks), then every rank scales its part of the row."""
@@ -137,23 +148,33 @@ class ParallelEmbedding(_EmbeddingBase):
         self,
         num_embeddings: int,
         embedding_dim: int,
-        padding_idx: Optional[int] = None,
-        max_norm: Optional[float] = None,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
         norm_type: float = 2.0,
         scale_grad_by_freq: bool = False,
         sparse: bool = False,
-        init_method: Optional[InitMethod] = None,
-        pg: Optional[ProcessGroup] = None,
+        init_method: InitMethod | None = None,
+        pg: ProcessGroup | None = None,
         *,
         gather_output: bool = True,
         device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-        _weight: Optional[Tensor] = None,
+        dtype: torch.dtype | None = None,
+        _weight: Tensor | None = None,
     ) -> None:
         super().__init__(
-            num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
-            sparse, init_method, pg, device, dtype, _weight,
-        )  # fmt: skip
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            max_norm,
+            norm_type,
+            scale_grad_by_freq,
+            sparse,
+            init_method,
+            pg,
+            device,
+            dtype,
+            _weight,
+        )
         self.embedding_dim_per_rank = embedding_dim // self.world_size
         self.gather_output = gather_output
 
@@ -164,9 +185,14 @@ class ParallelEmbedding(_EmbeddingBase):
             _renorm_split_rows_(self.weight, ids, max_norm, self.norm_type, self.pg)
             max_norm = None  # done above, over whole rows
         out = F.embedding(
-            ids, self.weight, self.padding_idx, max_norm, self.norm_type,
-            self.scale_grad_by_freq, self.sparse,
-        )  # fmt: skip
+            ids,
+            self.weight,
+            self.padding_idx,
+            max_norm,
+            self.norm_type,
+            self.scale_grad_by_freq,
+            self.sparse,
+        )
         return mp_gather(out, -1, self.pg) if self.gather_output else out
 
 
@@ -184,23 +210,33 @@ class VocabParallelEmbedding(_EmbeddingBase):
         self,
         num_embeddings: int,
         embedding_dim: int,
-        padding_idx: Optional[int] = None,
-        max_norm: Optional[float] = None,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
         norm_type: float = 2.0,
         scale_grad_by_freq: bool = False,
         sparse: bool = False,
-        init_method: Optional[InitMethod] = None,
-        pg: Optional[ProcessGroup] = None,
+        init_method: InitMethod | None = None,
+        pg: ProcessGroup | None = None,
         *,
-        sequence_dim: Optional[int] = None,
+        sequence_dim: int | None = None,
         device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-        _weight: Optional[Tensor] = None,
+        dtype: torch.dtype | None = None,
+        _weight: Tensor | None = None,
     ) -> None:
         super().__init__(
-            num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
-            sparse, init_method, pg, device, dtype, _weight,
-        )  # fmt: skip
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            max_norm,
+            norm_type,
+            scale_grad_by_freq,
+            sparse,
+            init_method,
+            pg,
+            device,
+            dtype,
+            _weight,
+        )
         self.rows_per_rank = num_embeddings // self.world_size
         self.row_start = self.rank * self.rows_per_rank
         self.sequence_dim = sequence_dim

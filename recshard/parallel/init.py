@@ -9,7 +9,7 @@ at construction time, which is what dense tensor-parallel layers can afford.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -25,10 +25,10 @@ def linear_master_params(
     in_features: int,
     out_features: int,
     bias: bool,
-    init_method: Optional[InitMethod],
+    init_method: InitMethod | None,
     device: Any = None,
-    dtype: Optional[torch.dtype] = None,
-) -> Tuple[Tensor, Optional[Tensor]]:
+    dtype: torch.dtype | None = None,
+) -> Tuple[Tensor, Tensor | None]:
     """Full weight [out, in] and bias [out] (or None).
 
     `init_method=None` draws them as `nn.Linear` does (same generator calls, same order);
@@ -52,10 +52,10 @@ def linear_master_params(
 def embedding_master_weight(
     num_embeddings: int,
     embedding_dim: int,
-    padding_idx: Optional[int],
-    init_method: Optional[InitMethod],
+    padding_idx: int | None,
+    init_method: InitMethod | None,
     device: Any = None,
-    dtype: Optional[torch.dtype] = None,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Full table [V, D], drawn as `nn.Embedding` does (N(0, 1), padding row zero) unless
     `init_method` is given (then it fills the table; the padding row is still zeroed)."""
@@ -77,7 +77,7 @@ def shard_parameter(full: Tensor, spec: ShardSpec, requires_grad: bool = True) -
 
 
 @torch.no_grad()
-def gather_master(shard: Tensor, pg: Optional[ProcessGroup]) -> Tensor:
+def gather_master(shard: Tensor, pg: ProcessGroup | None) -> Tensor:
     """The full tensor of a sharded parameter (collective: every rank of `pg` must call).
     Unsharded tensors come back as a detached clone."""
     spec = shard_spec_of(shard)

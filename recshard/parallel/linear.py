@@ -8,7 +8,7 @@ A column-parallel layer without gather followed by a row-parallel layer with
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +28,16 @@ from recshard.parallel.mappings import (
     mp_reduce_scatter,
     mp_scatter,
 )
-from recshard.parallel.utils import ProcessGroup, ShardSpec, divide, group_rank, group_size, unstride
+from recshard.parallel.utils import (
+    ProcessGroup,
+    ShardSpec,
+    divide,
+    group_rank,
+    group_size,
+    unstride,
+)
 
-LinearOutput = Union[Tensor, Tuple[Tensor, Optional[Tensor]]]
+LinearOutput = Union[Tensor, Tuple[Tensor, Tensor | None]]
 
 
 def check_last_dim(x: Tensor, expected: int, owner: str, what: str) -> None:
@@ -43,9 +50,9 @@ def check_last_dim(x: Tensor, expected: int, owner: str, what: str) -> None:
 def column_parallel_linear(
     x: Tensor,
     weight: Tensor,
-    bias: Optional[Tensor],
-    pg: Optional[ProcessGroup],
-    sequence_dim: Optional[int] = None,
+    bias: Tensor | None,
+    pg: ProcessGroup | None,
+    sequence_dim: int | None = None,
 ) -> Tensor:
     """x [*, in] replicated (or sharded on `sequence_dim`) -> y [*, out / ws] on this rank."""
     x = mp_copy(x, pg) if sequence_dim is None else mp_all_gather(x, sequence_dim, pg)
@@ -55,9 +62,9 @@ def column_parallel_linear(
 def row_parallel_linear(
     x: Tensor,
     weight: Tensor,
-    bias: Optional[Tensor],
-    pg: Optional[ProcessGroup],
-    sequence_dim: Optional[int] = None,
+    bias: Tensor | None,
+    pg: ProcessGroup | None,
+    sequence_dim: int | None = None,
 ) -> Tensor:
     """x [*, in / ws] -> y [*, out] summed over ranks (or reduce-scattered on `sequence_dim`)."""
     y = F.linear(x, weight)
@@ -87,15 +94,15 @@ class ColumnParallelLinear(nn.Module):
         bias: bool = True,
         gather_output: bool = True,
         skip_bias_add: bool = False,
-        init_method: Optional[InitMethod] = None,
+        init_method: InitMethod | None = None,
         stride: int = 1,
-        pg: Optional[ProcessGroup] = None,
+        pg: ProcessGroup | None = None,
         *,
-        sequence_dim: Optional[int] = None,
+        sequence_dim: int | None = None,
         device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-        _weight: Optional[Tensor] = None,
-        _bias: Optional[Tensor] = None,
+        dtype: torch.dtype | None = None,
+        _weight: Tensor | None = None,
+        _bias: Tensor | None = None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
@@ -119,13 +126,18 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, pg: Optional[ProcessGroup] = None, **kwargs: Any
+        cls, linear: nn.Linear, pg: ProcessGroup | None = None, **kwargs: Any
     ) -> ColumnParallelLinear:
         """This rank's column-parallel slice of an existing `nn.Linear` (same outputs)."""
         return cls(
-            linear.in_features, linear.out_features, linear.bias is not None, pg=pg,
-            _weight=linear.weight, _bias=linear.bias, **kwargs,
-        )  # fmt: skip
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            pg=pg,
+            _weight=linear.weight,
+            _bias=linear.bias,
+            **kwargs,
+        )
 
     def _gather(self, y: Tensor) -> Tensor:
         return unstride(mp_gather(y, -1, self.pg), -1, self.world_size, self.stride)
@@ -148,7 +160,7 @@ class ColumnParallelLinear(nn.Module):
         return gather_master(self.weight, self.pg)
 
     @property
-    def master_bias(self) -> Optional[Tensor]:
+    def master_bias(self) -> Tensor | None:
         """The full bias [out] or None (collective: every rank must read it)."""
         return None if self.bias is None else gather_master(self.bias, self.pg)
 
@@ -176,14 +188,14 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         input_is_parallel: bool = False,
         skip_bias_add: bool = False,
-        init_method: Optional[InitMethod] = None,
-        pg: Optional[ProcessGroup] = None,
+        init_method: InitMethod | None = None,
+        pg: ProcessGroup | None = None,
         *,
-        sequence_dim: Optional[int] = None,
+        sequence_dim: int | None = None,
         device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-        _weight: Optional[Tensor] = None,
-        _bias: Optional[Tensor] = None,
+        dtype: torch.dtype | None = None,
+        _weight: Tensor | None = None,
+        _bias: Tensor | None = None,
     ) -> None:
         super().__init__()
         self.pg = pg
@@ -199,19 +211,24 @@ class RowParallelLinear(nn.Module):
             )
         self.weight = shard_parameter(_weight, ShardSpec(1, self.rank, self.world_size))
         if bias and _bias is not None:
-            self.bias: Optional[nn.Parameter] = nn.Parameter(_bias.detach().clone())
+            self.bias: nn.Parameter | None = nn.Parameter(_bias.detach().clone())
         else:
             self.bias = None
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, pg: Optional[ProcessGroup] = None, **kwargs: Any
+        cls, linear: nn.Linear, pg: ProcessGroup | None = None, **kwargs: Any
     ) -> RowParallelLinear:
         """This rank's row-parallel slice of an existing `nn.Linear` (same outputs)."""
         return cls(
-            linear.in_features, linear.out_features, linear.bias is not None, pg=pg,
-            _weight=linear.weight, _bias=linear.bias, **kwargs,
-        )  # fmt: skip
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            pg=pg,
+            _weight=linear.weight,
+            _bias=linear.bias,
+            **kwargs,
+        )
 
     def forward(self, x: Tensor) -> LinearOutput:
         owner = type(self).__name__
@@ -231,7 +248,7 @@ class RowParallelLinear(nn.Module):
         return gather_master(self.weight, self.pg)
 
     @property
-    def master_bias(self) -> Optional[Tensor]:
+    def master_bias(self) -> Tensor | None:
         """The bias [out] (replicated: no communication) or None."""
         return None if self.bias is None else self.bias.detach().clone()
 
@@ -252,16 +269,23 @@ class VocabParallelClassifier(ColumnParallelLinear):
         in_features: int,
         num_classes: int,
         bias: bool = True,
-        init_method: Optional[InitMethod] = None,
-        pg: Optional[ProcessGroup] = None,
+        init_method: InitMethod | None = None,
+        pg: ProcessGroup | None = None,
         *,
-        sequence_dim: Optional[int] = None,
+        sequence_dim: int | None = None,
         device: Any = None,
-        dtype: Optional[torch.dtype] = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         divide(num_classes, group_size(pg), "num_classes", type(self).__name__)
         super().__init__(
-            in_features, num_classes, bias, gather_output=False, init_method=init_method,
-            pg=pg, sequence_dim=sequence_dim, device=device, dtype=dtype,
-        )  # fmt: skip
+            in_features,
+            num_classes,
+            bias,
+            gather_output=False,
+            init_method=init_method,
+            pg=pg,
+            sequence_dim=sequence_dim,
+            device=device,
+            dtype=dtype,
+        )
         self.num_classes = num_classes

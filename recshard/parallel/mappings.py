@@ -16,7 +16,7 @@ mp_all_gather's backward reduce-scatters because each rank consumes it different
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -50,14 +50,14 @@ def _op_name(op: ReduceOp) -> str:
 # ----------------------------------------------------------------------------- raw collectives
 
 
-def all_reduce(x: Tensor, pg: Optional[ProcessGroup], op: str = "sum") -> Tensor:
+def all_reduce(x: Tensor, pg: ProcessGroup | None, op: str = "sum") -> Tensor:
     """All-reduce into a new tensor (the input is left untouched). Same shape."""
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "avg" else _OPS[op], group=pg)
     return out / group_size(pg) if op == "avg" else out
 
 
-def all_gather(x: Tensor, dim: int, pg: Optional[ProcessGroup]) -> Tensor:
+def all_gather(x: Tensor, dim: int, pg: ProcessGroup | None) -> Tensor:
     """Concatenate every rank's `x` along `dim`. [.., n, ..] -> [.., n * ws, ..]."""
     ws = group_size(pg)
     front = x.movedim(dim, 0).contiguous()
@@ -66,7 +66,7 @@ def all_gather(x: Tensor, dim: int, pg: Optional[ProcessGroup]) -> Tensor:
     return out.movedim(0, dim)
 
 
-def reduce_scatter(x: Tensor, dim: int, pg: Optional[ProcessGroup]) -> Tensor:
+def reduce_scatter(x: Tensor, dim: int, pg: ProcessGroup | None) -> Tensor:
     """Sum over ranks, keep this rank's slice along `dim`. [.., n, ..] -> [.., n / ws, ..]."""
     ws = group_size(pg)
     front = x.movedim(dim, 0).contiguous()
@@ -75,7 +75,7 @@ def reduce_scatter(x: Tensor, dim: int, pg: Optional[ProcessGroup]) -> Tensor:
     return out.movedim(0, dim)
 
 
-def local_slice(x: Tensor, dim: int, pg: Optional[ProcessGroup]) -> Tensor:
+def local_slice(x: Tensor, dim: int, pg: ProcessGroup | None) -> Tensor:
     """This rank's equal slice of `x` along `dim`. [.., n, ..] -> [.., n / ws, ..]."""
     return x.chunk(group_size(pg), dim=dim)[group_rank(pg)].contiguous()
 
@@ -85,7 +85,7 @@ def local_slice(x: Tensor, dim: int, pg: Optional[ProcessGroup]) -> Tensor:
 
 class _Copy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, pg: Optional[ProcessGroup]) -> Tensor:
+    def forward(ctx: Any, x: Tensor, pg: ProcessGroup | None) -> Tensor:
         ctx.pg = pg
         return x.view_as(x)
 
@@ -96,7 +96,7 @@ class _Copy(torch.autograd.Function):
 
 class _Reduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, pg: Optional[ProcessGroup], op: str) -> Tensor:
+    def forward(ctx: Any, x: Tensor, pg: ProcessGroup | None, op: str) -> Tensor:
         ctx.pg, ctx.op = pg, op
         out = all_reduce(x, pg, op)
         if op in ("max", "min"):
@@ -114,7 +114,7 @@ class _Reduce(torch.autograd.Function):
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, dim: int, pg: Optional[ProcessGroup]) -> Tensor:
+    def forward(ctx: Any, x: Tensor, dim: int, pg: ProcessGroup | None) -> Tensor:
         ctx.dim, ctx.pg = dim, pg
         return local_slice(x, dim, pg)
 
@@ -125,7 +125,7 @@ class _Scatter(torch.autograd.Function):
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, dim: int, pg: Optional[ProcessGroup]) -> Tensor:
+    def forward(ctx: Any, x: Tensor, dim: int, pg: ProcessGroup | None) -> Tensor:
         ctx.dim, ctx.pg = dim, pg
         return all_gather(x, dim, pg)
 
@@ -136,7 +136,7 @@ class _Gather(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, dim: int, pg: Optional[ProcessGroup]) -> Tensor:
+    def forward(ctx: Any, x: Tensor, dim: int, pg: ProcessGroup | None) -> Tensor:
         ctx.dim, ctx.pg = dim, pg
         return reduce_scatter(x, dim, pg)
 
@@ -147,7 +147,7 @@ class _ReduceScatter(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, dim: int, pg: Optional[ProcessGroup]) -> Tensor:
+    def forward(ctx: Any, x: Tensor, dim: int, pg: ProcessGroup | None) -> Tensor:
         ctx.dim, ctx.pg = dim, pg
         return all_gather(x, dim, pg)
 
@@ -159,19 +159,19 @@ class _AllGather(torch.autograd.Function):
 # ----------------------------------------------------------------------------- public functions
 
 
-def mp_copy(x: Tensor, pg: Optional[ProcessGroup] = None) -> Tensor:
+def mp_copy(x: Tensor, pg: ProcessGroup | None = None) -> Tensor:
     """Enter a parallel region: identity forward, all-reduce (sum) of the gradient backward."""
     return x if group_size(pg) == 1 else _Copy.apply(x, pg)
 
 
-def mp_reduce(x: Tensor, pg: Optional[ProcessGroup] = None, op: ReduceOp = "sum") -> Tensor:
+def mp_reduce(x: Tensor, pg: ProcessGroup | None = None, op: ReduceOp = "sum") -> Tensor:
     """Leave a parallel region: all-reduce forward (SUM, AVG, MAX or MIN), gradient passed
     through backward (divided by the group size for AVG, routed to the winners for MAX/MIN)."""
     name = _op_name(op)
     return x if group_size(pg) == 1 else _Reduce.apply(x, pg, name)
 
 
-def mp_scatter(x: Tensor, dim: int = -1, pg: Optional[ProcessGroup] = None) -> Tensor:
+def mp_scatter(x: Tensor, dim: int = -1, pg: ProcessGroup | None = None) -> Tensor:
     """Keep this rank's slice along `dim` forward, all-gather the gradient backward.
     [.., n, ..] -> [.., n / ws, ..]."""
     ws = group_size(pg)
@@ -179,7 +179,7 @@ def mp_scatter(x: Tensor, dim: int = -1, pg: Optional[ProcessGroup] = None) -> T
     return x if ws == 1 else _Scatter.apply(x, dim, pg)
 
 
-def mp_gather(x: Tensor, dim: int = -1, pg: Optional[ProcessGroup] = None) -> Tensor:
+def mp_gather(x: Tensor, dim: int = -1, pg: ProcessGroup | None = None) -> Tensor:
     """All-gather along `dim` forward, keep this rank's slice of the gradient backward.
     [.., n, ..] -> [.., n * ws, ..]; every rank must pass the same shape."""
     if x.dim() == 0:
@@ -187,7 +187,7 @@ def mp_gather(x: Tensor, dim: int = -1, pg: Optional[ProcessGroup] = None) -> Te
     return x if group_size(pg) == 1 else _Gather.apply(x, dim, pg)
 
 
-def mp_reduce_scatter(x: Tensor, dim: int = 0, pg: Optional[ProcessGroup] = None) -> Tensor:
+def mp_reduce_scatter(x: Tensor, dim: int = 0, pg: ProcessGroup | None = None) -> Tensor:
     """Sum over ranks and keep this rank's slice along `dim` forward, all-gather backward.
     [.., n, ..] -> [.., n / ws, ..] (leaving a row-parallel layer into sequence parallelism)."""
     ws = group_size(pg)
@@ -195,7 +195,7 @@ def mp_reduce_scatter(x: Tensor, dim: int = 0, pg: Optional[ProcessGroup] = None
     return x if ws == 1 else _ReduceScatter.apply(x, dim, pg)
 
 
-def mp_all_gather(x: Tensor, dim: int = 0, pg: Optional[ProcessGroup] = None) -> Tensor:
+def mp_all_gather(x: Tensor, dim: int = 0, pg: ProcessGroup | None = None) -> Tensor:
     """All-gather along `dim` forward, reduce-scatter the gradient backward.
     [.., n, ..] -> [.., n * ws, ..] (entering a column-parallel layer from sequence parallelism)."""
     if x.dim() == 0:

@@ -10,7 +10,7 @@ was cut from, so `convert_parallel_linear` can swap layers without changing a mo
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,14 +24,14 @@ from recshard.parallel.utils import ProcessGroup, ShardSpec, divide, group_rank,
 _VALID_DIMS = (None, 0, 1, -1)
 
 
-def _check_dim(dim: Any, owner: str) -> Optional[int]:
+def _check_dim(dim: Any, owner: str) -> int | None:
     if isinstance(dim, bool) or dim not in _VALID_DIMS:
         raise ValueError(f"{owner}: dim must be None, 0, 1 or -1, got {dim!r}")
     return dim
 
 
 def _check_divisible(
-    in_features: int, out_features: int, dim: Optional[int], world_size: int, owner: str
+    in_features: int, out_features: int, dim: int | None, world_size: int, owner: str
 ) -> None:
     if dim == 0:
         divide(in_features, world_size, "in_features", owner)
@@ -51,13 +51,13 @@ class ParallelLinear(nn.Module):
         in_features: int,
         out_features: int,
         bias: bool = True,
-        dim: Optional[int] = None,
-        pg: Optional[ProcessGroup] = None,
+        dim: int | None = None,
+        pg: ProcessGroup | None = None,
         *,
         device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-        _weight: Optional[Tensor] = None,
-        _bias: Optional[Tensor] = None,
+        dtype: torch.dtype | None = None,
+        _weight: Tensor | None = None,
+        _bias: Tensor | None = None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
@@ -75,9 +75,11 @@ class ParallelLinear(nn.Module):
             self.weight = nn.Parameter(_weight.detach().clone())
         else:
             weight_dim = 1 if dim == 0 else 0
-            self.weight = shard_parameter(_weight, ShardSpec(weight_dim, self.rank, self.world_size))
+            self.weight = shard_parameter(
+                _weight, ShardSpec(weight_dim, self.rank, self.world_size)
+            )
         if not bias or _bias is None:
-            self.bias: Optional[nn.Parameter] = None
+            self.bias: nn.Parameter | None = None
         elif dim in (1, -1):
             self.bias = shard_parameter(_bias, ShardSpec(0, self.rank, self.world_size))
         else:
@@ -97,7 +99,7 @@ class ParallelLinear(nn.Module):
         return gather_master(self.weight, self.pg)
 
     @property
-    def master_bias(self) -> Optional[Tensor]:
+    def master_bias(self) -> Tensor | None:
         """The full bias [out] or None (collective when split along 1/-1)."""
         return None if self.bias is None else gather_master(self.bias, self.pg)
 
@@ -109,17 +111,22 @@ class ParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, dim: Optional[int], pg: Optional[ProcessGroup] = None
+        cls, linear: nn.Linear, dim: int | None, pg: ProcessGroup | None = None
     ) -> ParallelLinear:
         """This rank's part of an existing `nn.Linear`, split along `dim` (same outputs)."""
         return cls(
-            linear.in_features, linear.out_features, linear.bias is not None, dim, pg,
-            _weight=linear.weight, _bias=linear.bias,
-        )  # fmt: skip
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            dim,
+            pg,
+            _weight=linear.weight,
+            _bias=linear.bias,
+        )
 
     @staticmethod
     def convert_parallel_linear(
-        module: nn.Module, dim: Optional[int], pg: Optional[ProcessGroup] = None
+        module: nn.Module, dim: int | None, pg: ProcessGroup | None = None
     ) -> nn.Module:
         """Replace every `nn.Linear` in `module` (itself included) by a `ParallelLinear` split
         along `dim`, cut from its current weights: the model's outputs do not change.
@@ -135,7 +142,9 @@ class ParallelLinear(nn.Module):
             (name, m) for name, m in module.named_modules() if type(m) is nn.Linear
         ]
         for name, linear in targets:
-            label = f"{owner}: layer {name or '<root>'!r} ({linear.in_features}->{linear.out_features})"
+            label = (
+                f"{owner}: layer {name or '<root>'!r} ({linear.in_features}->{linear.out_features})"
+            )
             _check_divisible(linear.in_features, linear.out_features, dim, world_size, label)
         converted: Dict[int, ParallelLinear] = {
             id(m): ParallelLinear.from_linear(m, dim, pg) for _, m in targets

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Tuple, Union
 
 from torch import nn
 
@@ -58,7 +58,7 @@ def _layout(value: Any, default: Layout, owner: str) -> Layout:
     raise ValueError(f"{owner}: unsupported layout {value!r}; use Replicate() or Shard(dim)")
 
 
-def _sequence_dim(layout: Layout, owner: str, what: str) -> Optional[int]:
+def _sequence_dim(layout: Layout, owner: str, what: str) -> int | None:
     """None for Replicate, the dim for Shard(d) with d != -1; Shard(-1) is refused."""
     if isinstance(layout, Replicate):
         return None
@@ -71,7 +71,7 @@ class ParallelStyle:
     """How one submodule is parallelized. `build` returns the module to put in its place and
     must not modify the given module (all checks happen before anything is swapped)."""
 
-    def build(self, module: nn.Module, pg: Optional[ProcessGroup]) -> nn.Module:
+    def build(self, module: nn.Module, pg: ProcessGroup | None) -> nn.Module:
         raise NotImplementedError
 
 
@@ -83,7 +83,7 @@ class ColwiseParallel(ParallelStyle):
     input_layouts: Any = None
     output_layouts: Any = None
 
-    def build(self, module: nn.Module, pg: Optional[ProcessGroup]) -> nn.Module:
+    def build(self, module: nn.Module, pg: ProcessGroup | None) -> nn.Module:
         owner = type(self).__name__
         inp = _layout(self.input_layouts, Replicate(), owner)
         out = _layout(self.output_layouts, Shard(-1), owner)
@@ -92,12 +92,16 @@ class ColwiseParallel(ParallelStyle):
         gather = out == Replicate()
         if type(module) is nn.Linear:
             seq = _sequence_dim(inp, owner, "input_layouts")
-            return ColumnParallelLinear.from_linear(module, pg, gather_output=gather, sequence_dim=seq)
+            return ColumnParallelLinear.from_linear(
+                module, pg, gather_output=gather, sequence_dim=seq
+            )
         if type(module) is nn.Embedding:
             if inp != Replicate():
                 raise ValueError(f"{owner}: embedding ids must be Replicate(), got {inp}")
             return ParallelEmbedding.from_embedding(module, pg, gather_output=gather)
-        raise ValueError(f"{owner} applies to nn.Linear or nn.Embedding, not {type(module).__name__}")
+        raise ValueError(
+            f"{owner} applies to nn.Linear or nn.Embedding, not {type(module).__name__}"
+        )
 
 
 @dataclass(frozen=True)
@@ -109,13 +113,17 @@ class RowwiseParallel(ParallelStyle):
     input_layouts: Any = None
     output_layouts: Any = None
 
-    def build(self, module: nn.Module, pg: Optional[ProcessGroup]) -> nn.Module:
+    def build(self, module: nn.Module, pg: ProcessGroup | None) -> nn.Module:
         owner = type(self).__name__
-        seq = _sequence_dim(_layout(self.output_layouts, Replicate(), owner), owner, "output_layouts")
+        seq = _sequence_dim(
+            _layout(self.output_layouts, Replicate(), owner), owner, "output_layouts"
+        )
         if type(module) is nn.Linear:
             inp = _layout(self.input_layouts, Shard(-1), owner)
             if inp not in (Shard(-1), Replicate()):
-                raise ValueError(f"{owner}: Linear input must be Shard(-1) or Replicate(), got {inp}")
+                raise ValueError(
+                    f"{owner}: Linear input must be Shard(-1) or Replicate(), got {inp}"
+                )
             return RowParallelLinear.from_linear(
                 module, pg, input_is_parallel=inp == Shard(-1), sequence_dim=seq
             )
@@ -124,7 +132,9 @@ class RowwiseParallel(ParallelStyle):
             if inp != Replicate():
                 raise ValueError(f"{owner}: embedding ids must be Replicate(), got {inp}")
             return VocabParallelEmbedding.from_embedding(module, pg, sequence_dim=seq)
-        raise ValueError(f"{owner} applies to nn.Linear or nn.Embedding, not {type(module).__name__}")
+        raise ValueError(
+            f"{owner} applies to nn.Linear or nn.Embedding, not {type(module).__name__}"
+        )
 
 
 @dataclass(frozen=True)
@@ -136,7 +146,7 @@ class SequenceParallel(ParallelStyle):
 
     sequence_dim: int = 1
 
-    def build(self, module: nn.Module, pg: Optional[ProcessGroup]) -> nn.Module:
+    def build(self, module: nn.Module, pg: ProcessGroup | None) -> nn.Module:
         owner = type(self).__name__
         if getattr(module, "_recshard_sequence_parallel", False):
             raise ValueError(f"{owner}: module is already sequence-parallel")
@@ -145,15 +155,16 @@ class SequenceParallel(ParallelStyle):
             raise ValueError(f"{owner}: parameters must be replicated, {sharded} are sharded")
         return module  # the in-place part runs in `finish`, after every check passed
 
-    def finish(self, module: nn.Module, pg: Optional[ProcessGroup]) -> nn.Module:
+    def finish(self, module: nn.Module, pg: ProcessGroup | None) -> nn.Module:
         if group_size(pg) > 1:
             for param in module.parameters():
                 if param.requires_grad:
                     param.register_hook(lambda grad, pg=pg: all_reduce(grad, pg))
         dropouts = {
             id(m): ParallelDropout(m.p, input_is_parallel=True, pg=pg, inplace=m.inplace)
-            for m in module.modules() if type(m) is nn.Dropout
-        }  # fmt: skip
+            for m in module.modules()
+            if type(m) is nn.Dropout
+        }
         module = _swap(module, dropouts)
         module._recshard_sequence_parallel = True  # type: ignore[assignment]
         return module
@@ -175,7 +186,7 @@ def _swap(root: nn.Module, replacements: Dict[int, nn.Module]) -> nn.Module:
 
 def parallelize_module(
     module: nn.Module,
-    pg: Optional[ProcessGroup] = None,
+    pg: ProcessGroup | None = None,
     plan: Union[ParallelStyle, Dict[str, ParallelStyle], None] = None,
 ) -> nn.Module:
     """Apply `plan` ({fqn pattern: style}, or one style for `module` itself) over `pg`.
@@ -199,7 +210,9 @@ def parallelize_module(
         targets.extend((fqn, m, style) for fqn, m in hits)
     names = [fqn for fqn, _, _ in targets]
     for fqn in names:
-        inner = [other for other in names if other != fqn and (not fqn or other.startswith(fqn + "."))]
+        inner = [
+            other for other in names if other != fqn and (not fqn or other.startswith(fqn + "."))
+        ]
         if names.count(fqn) > 1 or inner:
             clash = fqn if names.count(fqn) > 1 else inner[0]
             raise ValueError(f"parallelize_module: plan targets overlap at {clash!r} ({fqn!r})")

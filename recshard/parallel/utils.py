@@ -7,7 +7,6 @@ layers run as a group of one, so they also work in a plain single-process script
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -16,14 +15,14 @@ from torch import Tensor
 ProcessGroup = dist.ProcessGroup
 
 
-def group_size(pg: Optional[ProcessGroup] = None) -> int:
+def group_size(pg: ProcessGroup | None = None) -> int:
     """Number of ranks in `pg` (1 when torch.distributed is not initialized)."""
     if pg is None and not dist.is_initialized():
         return 1
     return dist.get_world_size(pg)
 
 
-def group_rank(pg: Optional[ProcessGroup] = None) -> int:
+def group_rank(pg: ProcessGroup | None = None) -> int:
     """This rank's index inside `pg` (0 when torch.distributed is not initialized)."""
     if pg is None and not dist.is_initialized():
         return 0
@@ -89,5 +88,5 @@ def mark_shard(param: Tensor, spec: ShardSpec) -> Tensor:
     return param
 
 
-def shard_spec_of(tensor: Tensor) -> Optional[ShardSpec]:
+def shard_spec_of(tensor: Tensor) -> ShardSpec | None:
     return getattr(tensor, "shard_spec", None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import re
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Type
 
 import pytest
 import torch
@@ -60,7 +60,9 @@ class RankResults:
         self.world_size, self.per_rank = world_size, per_rank
 
     def verify(self, name: str) -> None:
-        broken = [tb for out in self.per_rank[:1] for key, tb in out.items() if key.startswith("import")]
+        broken = [
+            tb for out in self.per_rank[:1] for key, tb in out.items() if key.startswith("import")
+        ]
         missing = [r for r, out in enumerate(self.per_rank) if name not in out]
         assert not missing, f"check {name} did not run on ranks {missing}" + "".join(broken)
         failed = {r: out[name] for r, out in enumerate(self.per_rank) if out[name]}
@@ -75,7 +77,9 @@ def seeded(seed: int, *shape: int, dtype: torch.dtype = torch.float32) -> torch.
     return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
-def shard(full: torch.Tensor, dim: int, rank: int, world_size: int, stride: int = 1) -> torch.Tensor:
+def shard(
+    full: torch.Tensor, dim: int, rank: int, world_size: int, stride: int = 1
+) -> torch.Tensor:
     """Rank `rank`'s slice of `full` along `dim` (with `stride` interleaved chunks)."""
     chunks = full.chunk(world_size * stride, dim=dim)
     return torch.cat([chunks[s * world_size + rank] for s in range(stride)], dim=dim)
@@ -102,5 +106,5 @@ def expect_error(fn: Callable[[], Any], match: str, error: Type[BaseException] =
     raise AssertionError(f"expected {error.__name__} matching {match!r}, nothing was raised")
 
 
-def grads(*tensors: Optional[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+def grads(*tensors: torch.Tensor | None) -> List[torch.Tensor | None]:
     return [None if t is None or t.grad is None else t.grad.clone() for t in tensors]

@@ -43,7 +43,9 @@ def check_cross_entropy_matches_f_cross_entropy(rank: int, world_size: int) -> N
         full = seeded(32, *shape, C) * scale
         target = _targets(shape, 33, ignore_index)
         weight = class_weight if weighted else None
-        kwargs = dict(weight=weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=smoothing)
+        kwargs = dict(
+            weight=weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=smoothing
+        )
 
         ref_logits = full.clone().requires_grad_()
         expected = F.cross_entropy(ref_logits.reshape(-1, C), target.reshape(-1), **kwargs)
@@ -57,7 +59,9 @@ def check_cross_entropy_matches_f_cross_entropy(rank: int, world_size: int) -> N
         assert torch.isfinite(loss).all(), f"{case}: not finite"
         tol = {"rtol": 1e-5, "atol": 1e-5 * scale}
         assert_close(loss, expected.detach(), f"{case} loss", **tol)
-        assert_close(logits.grad, shard(ref_logits.grad, -1, rank, world_size), f"{case} logit grad", **tol)
+        assert_close(
+            logits.grad, shard(ref_logits.grad, -1, rank, world_size), f"{case} logit grad", **tol
+        )
 
 
 def check_classifier_and_loss_module(rank: int, world_size: int) -> None:
@@ -81,7 +85,9 @@ def check_classifier_and_loss_module(rank: int, world_size: int) -> None:
     loss.backward()
     assert_close(loss, expected.detach(), "loss")
     assert_close(leaf.grad, ref_x.grad, "input grad")
-    assert_close(head.weight.grad, shard(ref_head.weight.grad, 0, rank, world_size), "head weight grad")
+    assert_close(
+        head.weight.grad, shard(ref_head.weight.grad, 0, rank, world_size), "head weight grad"
+    )
     assert_close(head.bias.grad, shard(ref_head.bias.grad, 0, rank, world_size), "head bias grad")
 
 
@@ -98,18 +104,38 @@ def check_cross_entropy_errors(rank: int, world_size: int) -> None:
     logits = torch.zeros(4, C // world_size)
     good = torch.tensor([0, 1, 2, 3])
     name = "vocab_parallel_cross_entropy"
-    expect_error(lambda: vocab_parallel_cross_entropy(logits, torch.tensor([0, 1, C, 3])),
-                 rf"^{name}: target {C} is out of range \[0, {C}\) \(and is not ignore_index=-100\)$")  # fmt: skip
-    expect_error(lambda: vocab_parallel_cross_entropy(logits, torch.tensor([0, -1, 2, 3])), rf"target -1 is out of range")
-    expect_error(lambda: vocab_parallel_cross_entropy(logits, good[:3]),
-                 r"target shape \(3,\) must equal the logits shape without the class dim, \(4,\)")  # fmt: skip
-    expect_error(lambda: vocab_parallel_cross_entropy(logits, good.float()), r"target must hold class indices")
-    expect_error(lambda: vocab_parallel_cross_entropy(logits, good, reduction="avg"),
-                 r"reduction must be one of \('mean', 'sum', 'none'\), got 'avg'")  # fmt: skip
-    expect_error(lambda: vocab_parallel_cross_entropy(logits, good, weight=torch.ones(C // world_size + 1)),
-                 rf"weight must have shape \({C},\) \(all classes, not a shard\)")  # fmt: skip
-    expect_error(lambda: vocab_parallel_cross_entropy(logits, good, label_smoothing=1.5), r"label_smoothing must be in \[0, 1\], got 1.5")
-    expect_error(lambda: ParallelCrossEntropyLoss(reduction="max"), r"ParallelCrossEntropyLoss: reduction must be one of")
+    expect_error(
+        lambda: vocab_parallel_cross_entropy(logits, torch.tensor([0, 1, C, 3])),
+        rf"^{name}: target {C} is out of range \[0, {C}\) \(and is not ignore_index=-100\)$",
+    )
+    expect_error(
+        lambda: vocab_parallel_cross_entropy(logits, torch.tensor([0, -1, 2, 3])),
+        r"target -1 is out of range",
+    )
+    expect_error(
+        lambda: vocab_parallel_cross_entropy(logits, good[:3]),
+        r"target shape \(3,\) must equal the logits shape without the class dim, \(4,\)",
+    )
+    expect_error(
+        lambda: vocab_parallel_cross_entropy(logits, good.float()),
+        r"target must hold class indices",
+    )
+    expect_error(
+        lambda: vocab_parallel_cross_entropy(logits, good, reduction="avg"),
+        r"reduction must be one of \('mean', 'sum', 'none'\), got 'avg'",
+    )
+    expect_error(
+        lambda: vocab_parallel_cross_entropy(logits, good, weight=torch.ones(C // world_size + 1)),
+        rf"weight must have shape \({C},\) \(all classes, not a shard\)",
+    )
+    expect_error(
+        lambda: vocab_parallel_cross_entropy(logits, good, label_smoothing=1.5),
+        r"label_smoothing must be in \[0, 1\], got 1.5",
+    )
+    expect_error(
+        lambda: ParallelCrossEntropyLoss(reduction="max"),
+        r"ParallelCrossEntropyLoss: reduction must be one of",
+    )
 
 
 @pytest.mark.parametrize("name", [f.__name__ for f in checks_of(sys.modules[__name__])])

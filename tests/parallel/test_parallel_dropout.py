@@ -66,7 +66,9 @@ def check_parallel_dropout_grad_and_modes(rank: int, world_size: int) -> None:
     z = torch.ones(4, 4)
     ParallelDropout(0.5, seed=1, inplace=True)(z)
     assert set(z.unique().tolist()) <= {0.0, 2.0}, "inplace"
-    expect_error(lambda: ParallelDropout(1.5, seed=1), r"ParallelDropout: p must be in \[0, 1\], got 1.5")
+    expect_error(
+        lambda: ParallelDropout(1.5, seed=1), r"ParallelDropout: p must be in \[0, 1\], got 1.5"
+    )
 
 
 @pytest.mark.parametrize("name", [f.__name__ for f in checks_of(sys.modules[__name__])])

@@ -15,7 +15,9 @@ from torch import nn
 from recshard.parallel import ParallelEmbedding, VocabParallelEmbedding
 
 NUM, DIM = 12, 8  # divisible by 1, 2 and 4
-IDS = torch.tensor([[0, 3, 3, 11, 5, 2], [7, 3, 0, 0, 10, 2], [1, 1, 1, 6, 9, 4], [8, 2, 3, 5, 5, 11]])
+IDS = torch.tensor(
+    [[0, 3, 3, 11, 5, 2], [7, 3, 0, 0, 10, 2], [1, 1, 1, 6, 9, 4], [8, 2, 3, 5, 5, 11]]
+)
 
 OPTIONS: List[Dict[str, Any]] = [
     {},
@@ -35,7 +37,9 @@ def _compare(rank: int, world_size: int, cls: type, shard_dim: int, extra: Dict[
         ref = nn.Embedding(NUM, DIM, **options)
         torch.manual_seed(21)
         layer = cls(NUM, DIM, **options, **extra)
-        assert_close(layer.weight, shard(ref.weight.detach(), shard_dim, rank, world_size), f"{case} init")
+        assert_close(
+            layer.weight, shard(ref.weight.detach(), shard_dim, rank, world_size), f"{case} init"
+        )
 
         expected = ref(IDS)
         upstream = seeded(22, *expected.shape)
@@ -44,16 +48,24 @@ def _compare(rank: int, world_size: int, cls: type, shard_dim: int, extra: Dict[
         local_out_dim = extra.get("sequence_dim")
         if extra.get("gather_output") is False:
             local_out_dim = -1
-        my_upstream = upstream if local_out_dim is None else shard(upstream, local_out_dim, rank, world_size)
+        my_upstream = (
+            upstream if local_out_dim is None else shard(upstream, local_out_dim, rank, world_size)
+        )
         (out * my_upstream).sum().backward()
         master = layer.master_weight
 
-        want = expected.detach() if local_out_dim is None else shard(expected.detach(), local_out_dim, rank, world_size)
+        want = (
+            expected.detach()
+            if local_out_dim is None
+            else shard(expected.detach(), local_out_dim, rank, world_size)
+        )
         assert_close(out, want, f"{case} forward")
         assert layer.weight.grad.is_sparse == options.get("sparse", False), f"{case} grad layout"
         want_grad = shard(ref.weight.grad.to_dense(), shard_dim, rank, world_size)
         assert_close(layer.weight.grad, want_grad, f"{case} weight grad")
-        assert_close(master, ref.weight.detach(), f"{case} master weight (after any max_norm renorm)")
+        assert_close(
+            master, ref.weight.detach(), f"{case} master weight (after any max_norm renorm)"
+        )
 
 
 def check_parallel_embedding(rank: int, world_size: int) -> None:
@@ -99,24 +111,44 @@ def check_init_method(rank: int, world_size: int) -> None:
         full[4] = 0
         torch.manual_seed(26)
         layer = cls(NUM, DIM, padding_idx=4, init_method=init)
-        assert_close(layer.weight, shard(full, dim, rank, world_size), f"{cls.__name__} init_method")
+        assert_close(
+            layer.weight, shard(full, dim, rank, world_size), f"{cls.__name__} init_method"
+        )
 
 
 def check_embedding_errors(rank: int, world_size: int) -> None:
     n = world_size + 1
     if world_size > 1:
-        expect_error(lambda: ParallelEmbedding(10, n),
-                     rf"^ParallelEmbedding: embedding_dim={n} is not divisible by the model-parallel group size {world_size}$")  # fmt: skip
-        expect_error(lambda: VocabParallelEmbedding(n, 8),
-                     rf"^VocabParallelEmbedding: num_embeddings={n} is not divisible by the model-parallel group size {world_size}$")  # fmt: skip
+        expect_error(
+            lambda: ParallelEmbedding(10, n),
+            rf"^ParallelEmbedding: embedding_dim={n} is not divisible by the model-parallel group size {world_size}$",
+        )
+        expect_error(
+            lambda: VocabParallelEmbedding(n, 8),
+            rf"^VocabParallelEmbedding: num_embeddings={n} is not divisible by the model-parallel group size {world_size}$",
+        )
     for cls in (ParallelEmbedding, VocabParallelEmbedding):
         name = cls.__name__
         layer = cls(NUM, DIM)
-        expect_error(lambda: layer(torch.tensor([1, NUM])), rf"^{name}: id {NUM} is out of range \[0, {NUM}\)$")
-        expect_error(lambda: layer(torch.tensor([[-3, 1]])), rf"{name}: id -3 is out of range")
-        expect_error(lambda: layer(torch.tensor([1.0])), rf"{name} expects int32/int64 ids, got dtype torch.float32")
-        expect_error(lambda: cls(NUM, DIM, padding_idx=NUM), rf"padding_idx={NUM} must be within num_embeddings={NUM}")
-        expect_error(lambda: cls(NUM, DIM, _weight=torch.zeros(3, 3)), r"_weight has shape \(3, 3\), expected \(12, 8\)")
+        expect_error(
+            lambda layer=layer: layer(torch.tensor([1, NUM])),
+            rf"^{name}: id {NUM} is out of range \[0, {NUM}\)$",
+        )
+        expect_error(
+            lambda layer=layer: layer(torch.tensor([[-3, 1]])), rf"{name}: id -3 is out of range"
+        )
+        expect_error(
+            lambda layer=layer: layer(torch.tensor([1.0])),
+            rf"{name} expects int32/int64 ids, got dtype torch.float32",
+        )
+        expect_error(
+            lambda cls=cls: cls(NUM, DIM, padding_idx=NUM),
+            rf"padding_idx={NUM} must be within num_embeddings={NUM}",
+        )
+        expect_error(
+            lambda cls=cls: cls(NUM, DIM, _weight=torch.zeros(3, 3)),
+            r"_weight has shape \(3, 3\), expected \(12, 8\)",
+        )
 
 
 @pytest.mark.parametrize("name", [f.__name__ for f in checks_of(sys.modules[__name__])])

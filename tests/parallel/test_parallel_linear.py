@@ -37,7 +37,9 @@ def _reference(
 
 def check_column_parallel_linear(rank: int, world_size: int) -> None:
     x = seeded(1, 3, 5, 6)
-    for bias, gather, stride, skip in itertools.product((True, False), (True, False), (1, 2), (False, True)):
+    for bias, gather, stride, skip in itertools.product(
+        (True, False), (True, False), (1, 2), (False, True)
+    ):
         case = f"bias={bias} gather={gather} stride={stride} skip_bias_add={skip}"
         out_features = 4 * world_size
         torch.manual_seed(11)
@@ -46,7 +48,9 @@ def check_column_parallel_linear(rank: int, world_size: int) -> None:
         layer = ColumnParallelLinear(6, out_features, bias, gather, skip, stride=stride)
         upstream = seeded(2, 3, 5, out_features)
         expected, expected_grad = _reference(ref, x, upstream)
-        assert_close(layer.weight, shard(ref.weight.detach(), 0, rank, world_size, stride), f"{case} init")
+        assert_close(
+            layer.weight, shard(ref.weight.detach(), 0, rank, world_size, stride), f"{case} init"
+        )
 
         leaf = x.clone().requires_grad_()
         out = layer(leaf)
@@ -61,10 +65,18 @@ def check_column_parallel_linear(rank: int, world_size: int) -> None:
         want = expected if gather else shard(expected, -1, rank, world_size, stride)
         assert_close(out, want, f"{case} forward")
         assert_close(leaf.grad, expected_grad, f"{case} input grad")
-        assert_close(layer.weight.grad, shard(ref.weight.grad, 0, rank, world_size, stride), f"{case} weight grad")
+        assert_close(
+            layer.weight.grad,
+            shard(ref.weight.grad, 0, rank, world_size, stride),
+            f"{case} weight grad",
+        )
         assert_close(master_w, ref.weight.detach(), f"{case} master_weight")
         if bias:
-            assert_close(layer.bias.grad, shard(ref.bias.grad, 0, rank, world_size, stride), f"{case} bias grad")
+            assert_close(
+                layer.bias.grad,
+                shard(ref.bias.grad, 0, rank, world_size, stride),
+                f"{case} bias grad",
+            )
             assert_close(master_b, ref.bias.detach(), f"{case} master_bias")
         else:
             assert layer.bias is None and master_b is None
@@ -94,7 +106,9 @@ def check_row_parallel_linear(rank: int, world_size: int) -> None:
         assert_close(out, expected, f"{case} forward")
         want_grad = shard(expected_grad, -1, rank, world_size) if parallel_in else expected_grad
         assert_close(leaf.grad, want_grad, f"{case} input grad")
-        assert_close(layer.weight.grad, shard(ref.weight.grad, 1, rank, world_size), f"{case} weight grad")
+        assert_close(
+            layer.weight.grad, shard(ref.weight.grad, 1, rank, world_size), f"{case} weight grad"
+        )
         assert_close(master_w, ref.weight.detach(), f"{case} master_weight")
         if bias:
             assert_close(layer.bias.grad, ref.bias.grad, f"{case} bias grad")
@@ -162,7 +176,9 @@ def check_parallel_linear(rank: int, world_size: int) -> None:
         assert_close(out, expected, f"{case} forward")
         assert_close(leaf.grad, expected_grad, f"{case} input grad")
         weight_dim = {None: None, 0: 1, 1: 0, -1: 0}[dim]
-        want = ref.weight.grad if dim is None else shard(ref.weight.grad, weight_dim, rank, world_size)
+        want = (
+            ref.weight.grad if dim is None else shard(ref.weight.grad, weight_dim, rank, world_size)
+        )
         assert_close(layer.weight.grad, want, f"{case} weight grad")
         assert_close(master_w, ref.weight.detach(), f"{case} master_weight")
         if bias:
@@ -223,31 +239,61 @@ def check_shard_init_helper(rank: int, world_size: int) -> None:
 def check_linear_errors(rank: int, world_size: int) -> None:
     n = world_size + 1  # never divisible by world_size > 1
     if world_size > 1:
-        expect_error(lambda: ColumnParallelLinear(8, n),
-                     rf"^ColumnParallelLinear: out_features={n} is not divisible by the model-parallel group size {world_size}$")  # fmt: skip
-        expect_error(lambda: RowParallelLinear(n, 8), rf"RowParallelLinear: in_features={n} is not divisible")
-        expect_error(lambda: ParallelLinear(n, 8, dim=0), rf"ParallelLinear: in_features={n} is not")
-        expect_error(lambda: ParallelLinear(8, n, dim=-1), rf"ParallelLinear: out_features={n} is not")
-        expect_error(lambda: VocabParallelClassifier(8, n), rf"VocabParallelClassifier: num_classes={n} is not")
+        expect_error(
+            lambda: ColumnParallelLinear(8, n),
+            rf"^ColumnParallelLinear: out_features={n} is not divisible by the model-parallel group size {world_size}$",
+        )
+        expect_error(
+            lambda: RowParallelLinear(n, 8), rf"RowParallelLinear: in_features={n} is not divisible"
+        )
+        expect_error(
+            lambda: ParallelLinear(n, 8, dim=0), rf"ParallelLinear: in_features={n} is not"
+        )
+        expect_error(
+            lambda: ParallelLinear(8, n, dim=-1), rf"ParallelLinear: out_features={n} is not"
+        )
+        expect_error(
+            lambda: VocabParallelClassifier(8, n),
+            rf"VocabParallelClassifier: num_classes={n} is not",
+        )
         model = nn.Sequential(nn.Linear(8, 2 * world_size), nn.Linear(2 * world_size, n))
-        expect_error(lambda: ParallelLinear.convert_parallel_linear(model, 1),
-                     rf"layer '1' \({2 * world_size}->{n}\): out_features={n} is not divisible")  # fmt: skip
+        expect_error(
+            lambda: ParallelLinear.convert_parallel_linear(model, 1),
+            rf"layer '1' \({2 * world_size}->{n}\): out_features={n} is not divisible",
+        )
         assert all(type(m) is nn.Linear for m in model), "nothing converted after an error"
         row = RowParallelLinear(2 * world_size, 3, input_is_parallel=True)
-        expect_error(lambda: row(torch.zeros(4, 2 * world_size)),
-                     rf"RowParallelLinear expected input with last dim in_features/world_size "
-                     rf"\({2 * world_size}/{world_size}\)=2, got {2 * world_size}")  # fmt: skip
-    expect_error(lambda: ColumnParallelLinear(8, 2 * world_size, stride=3),
-                 rf"out_features={2 * world_size} is not divisible by group size {world_size} x stride 3")  # fmt: skip
-    expect_error(lambda: ColumnParallelLinear(8, world_size, stride=0), r"stride must be a positive int, got 0")
+        expect_error(
+            lambda: row(torch.zeros(4, 2 * world_size)),
+            rf"RowParallelLinear expected input with last dim in_features/world_size "
+            rf"\({2 * world_size}/{world_size}\)=2, got {2 * world_size}",
+        )
+    expect_error(
+        lambda: ColumnParallelLinear(8, 2 * world_size, stride=3),
+        rf"out_features={2 * world_size} is not divisible by group size {world_size} x stride 3",
+    )
+    expect_error(
+        lambda: ColumnParallelLinear(8, world_size, stride=0),
+        r"stride must be a positive int, got 0",
+    )
     for dim in (2, -2, "1", True):
-        expect_error(lambda: ParallelLinear(4, 4, dim=dim), rf"dim must be None, 0, 1 or -1, got {dim!r}")
-        expect_error(lambda: ParallelLinear.convert_parallel_linear(nn.Linear(4, 4), dim), "dim must be")
+        expect_error(
+            lambda dim=dim: ParallelLinear(4, 4, dim=dim),
+            rf"dim must be None, 0, 1 or -1, got {dim!r}",
+        )
+        expect_error(
+            lambda dim=dim: ParallelLinear.convert_parallel_linear(nn.Linear(4, 4), dim),
+            "dim must be",
+        )
     col = ColumnParallelLinear(8, world_size)
-    expect_error(lambda: col(torch.zeros(2, 6)),
-                 r"^ColumnParallelLinear expected input with last dim in_features=8, got 6 \(shape \(2, 6\)\)$")  # fmt: skip
+    expect_error(
+        lambda: col(torch.zeros(2, 6)),
+        r"^ColumnParallelLinear expected input with last dim in_features=8, got 6 \(shape \(2, 6\)\)$",
+    )
     expect_error(lambda: RowParallelLinear(world_size, 2)(torch.zeros(3)), r"in_features=.*, got 3")
-    expect_error(lambda: ParallelLinear(4, 2 * world_size, dim=0)(torch.zeros(5)), r"in_features=4, got 5")
+    expect_error(
+        lambda: ParallelLinear(4, 2 * world_size, dim=0)(torch.zeros(5)), r"in_features=4, got 5"
+    )
 
 
 @pytest.mark.parametrize("name", [f.__name__ for f in checks_of(sys.modules[__name__])])

@@ -51,7 +51,9 @@ def check_mp_reduce(rank: int, world_size: int) -> None:
         (y * upstream).sum().backward()
         assert_close(y, expected, f"mp_reduce({op}) forward")
         assert_close(x.grad, expected_grad(x.detach(), expected), f"mp_reduce({op}) backward")
-    expect_error(lambda: mp_reduce(inputs[rank], op="product"), r"unsupported reduction op 'product'")
+    expect_error(
+        lambda: mp_reduce(inputs[rank], op="product"), r"unsupported reduction op 'product'"
+    )
 
 
 def check_mp_scatter(rank: int, world_size: int) -> None:

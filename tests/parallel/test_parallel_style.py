@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from typing import Dict, Optional
+from typing import Dict
 
 import pytest
 import torch
@@ -60,10 +60,17 @@ def _run(model: nn.Module, upstream: torch.Tensor) -> torch.Tensor:
 
 
 # parameter name -> (dim it is split along on this rank, or None when replicated)
-_SPLITS: Dict[str, Optional[int]] = {
-    "emb.weight": 0, "norm.weight": None, "norm.bias": None, "w1.weight": 0, "w1.bias": 0,
-    "w2.weight": 1, "w2.bias": None, "head.weight": 0, "head.bias": 0,
-}  # fmt: skip
+_SPLITS: Dict[str, int | None] = {
+    "emb.weight": 0,
+    "norm.weight": None,
+    "norm.bias": None,
+    "w1.weight": 0,
+    "w1.bias": 0,
+    "w2.weight": 1,
+    "w2.bias": None,
+    "head.weight": 0,
+    "head.bias": 0,
+}
 
 
 def _compare(rank: int, world_size: int, plan: dict, label: str) -> nn.Module:
@@ -91,7 +98,9 @@ def check_tensor_parallel_plan(rank: int, world_size: int) -> None:
         "head": ColwiseParallel(output_layouts=Replicate()),
     }
     model = _compare(rank, world_size, plan, "TP")
-    assert isinstance(model.emb, VocabParallelEmbedding) and isinstance(model.w1, ColumnParallelLinear)
+    assert isinstance(model.emb, VocabParallelEmbedding) and isinstance(
+        model.w1, ColumnParallelLinear
+    )
     assert isinstance(model.w2, RowParallelLinear) and model.w2.input_is_parallel
     assert type(model.norm) is nn.LayerNorm and type(model.drop) is nn.Dropout
 
@@ -108,7 +117,10 @@ def check_sequence_parallel_plan(rank: int, world_size: int) -> None:
     model = _compare(rank, world_size, plan, "SP")
     assert model.w1.sequence_dim == 1 and model.w2.sequence_dim == 1 and model.emb.sequence_dim == 1
     assert isinstance(model.drop, ParallelDropout) and model.drop.input_is_parallel
-    expect_error(lambda: parallelize_module(model, None, {"norm": SequenceParallel()}), "already sequence-parallel")
+    expect_error(
+        lambda: parallelize_module(model, None, {"norm": SequenceParallel()}),
+        "already sequence-parallel",
+    )
 
 
 class _Layer(nn.Module):
@@ -155,7 +167,9 @@ def check_wildcards_and_colwise_embedding(rank: int, world_size: int) -> None:
 def check_single_style_on_root(rank: int, world_size: int) -> None:
     torch.manual_seed(45)
     ref = nn.Linear(DIM, 2 * world_size)
-    layer = parallelize_module(copy.deepcopy(ref), None, ColwiseParallel(output_layouts=Replicate()))
+    layer = parallelize_module(
+        copy.deepcopy(ref), None, ColwiseParallel(output_layouts=Replicate())
+    )
     x = seeded(46, 3, DIM)
     assert isinstance(layer, ColumnParallelLinear) and layer.gather_output
     assert_close(layer(x), ref(x).detach(), "root Linear")
@@ -166,27 +180,50 @@ def check_single_style_on_root(rank: int, world_size: int) -> None:
 
 def check_style_errors(rank: int, world_size: int) -> None:
     model = _Block()
-    expect_error(lambda: parallelize_module(model, None, {"nope": ColwiseParallel()}),
-                 r"^parallelize_module: plan key 'nope' matches no submodule$")  # fmt: skip
-    expect_error(lambda: parallelize_module(model, None, {"w1": ColwiseParallel(), "norm": ColwiseParallel()}),
-                 r"^parallelize_module: 'norm': ColwiseParallel applies to nn.Linear or nn.Embedding, not LayerNorm$")  # fmt: skip
-    expect_error(lambda: parallelize_module(model, None, {"w1": "colwise"}), r"plan\['w1'\] is not a ParallelStyle")
-    expect_error(lambda: parallelize_module(model, None, {"": SequenceParallel(), "w1": ColwiseParallel()}),
-                 r"plan targets overlap at 'w1'")  # fmt: skip
-    expect_error(lambda: parallelize_module(model, None, {"w1": ColwiseParallel(output_layouts=Shard(1))}),
-                 r"'w1': ColwiseParallel: output_layouts must be Shard\(-1\) or Replicate\(\), got Shard\(dim=1\)")  # fmt: skip
-    expect_error(lambda: parallelize_module(model, None, {"emb": ColwiseParallel(input_layouts=Shard(1))}),
-                 r"'emb': ColwiseParallel: embedding ids must be Replicate\(\)")  # fmt: skip
-    expect_error(lambda: parallelize_module(model, None, {"w1": ColwiseParallel(input_layouts="x")}),
-                 r"unsupported layout 'x'; use Replicate\(\) or Shard\(dim\)")  # fmt: skip
+    expect_error(
+        lambda: parallelize_module(model, None, {"nope": ColwiseParallel()}),
+        r"^parallelize_module: plan key 'nope' matches no submodule$",
+    )
+    expect_error(
+        lambda: parallelize_module(
+            model, None, {"w1": ColwiseParallel(), "norm": ColwiseParallel()}
+        ),
+        r"^parallelize_module: 'norm': ColwiseParallel applies to nn.Linear or nn.Embedding, not LayerNorm$",
+    )
+    expect_error(
+        lambda: parallelize_module(model, None, {"w1": "colwise"}),
+        r"plan\['w1'\] is not a ParallelStyle",
+    )
+    expect_error(
+        lambda: parallelize_module(model, None, {"": SequenceParallel(), "w1": ColwiseParallel()}),
+        r"plan targets overlap at 'w1'",
+    )
+    expect_error(
+        lambda: parallelize_module(model, None, {"w1": ColwiseParallel(output_layouts=Shard(1))}),
+        r"'w1': ColwiseParallel: output_layouts must be Shard\(-1\) or Replicate\(\), got Shard\(dim=1\)",
+    )
+    expect_error(
+        lambda: parallelize_module(model, None, {"emb": ColwiseParallel(input_layouts=Shard(1))}),
+        r"'emb': ColwiseParallel: embedding ids must be Replicate\(\)",
+    )
+    expect_error(
+        lambda: parallelize_module(model, None, {"w1": ColwiseParallel(input_layouts="x")}),
+        r"unsupported layout 'x'; use Replicate\(\) or Shard\(dim\)",
+    )
     expect_error(lambda: parallelize_module(model, None), r"a plan is required")
     if world_size > 1:
-        bad = nn.Sequential(nn.Linear(DIM, 2 * world_size), nn.Linear(2 * world_size, world_size + 1))
-        expect_error(lambda: parallelize_module(bad, None, {"0": ColwiseParallel(), "1": ColwiseParallel()}),
-                     rf"^parallelize_module: '1': ColumnParallelLinear: out_features={world_size + 1} "
-                     rf"is not divisible by the model-parallel group size {world_size}$")  # fmt: skip
+        bad = nn.Sequential(
+            nn.Linear(DIM, 2 * world_size), nn.Linear(2 * world_size, world_size + 1)
+        )
+        expect_error(
+            lambda: parallelize_module(bad, None, {"0": ColwiseParallel(), "1": ColwiseParallel()}),
+            rf"^parallelize_module: '1': ColumnParallelLinear: out_features={world_size + 1} "
+            rf"is not divisible by the model-parallel group size {world_size}$",
+        )
         assert all(type(m) is nn.Linear for m in bad), "nothing replaced after an error"
-    assert all(type(getattr(model, n)) is nn.Linear for n in ("w1", "w2", "head")), "model untouched"
+    assert all(type(getattr(model, n)) is nn.Linear for n in ("w1", "w2", "head")), (
+        "model untouched"
+    )
 
 
 @pytest.mark.parametrize("name", [f.__name__ for f in checks_of(sys.modules[__name__])])
