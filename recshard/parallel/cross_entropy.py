@@ -9,6 +9,7 @@ logits. Semantics follow `F.cross_entropy` with class-index targets.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recshard.parallel.mappings import all_reduce, mp_reduce
@@ -76,6 +77,17 @@ def vocab_parallel_cross_entropy(
     local_classes = logits.shape[-1] if logits.dim() else 0
     num_classes = local_classes * ws
     _check_inputs(logits, target, weight, ignore_index, reduction, label_smoothing, num_classes)
+
+    if ws == 1:  # one rank holds every class: PyTorch's fused kernel is the same math
+        loss = F.cross_entropy(
+            logits.reshape(-1, local_classes),
+            target.reshape(-1).long(),
+            weight,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+        )
+        return loss.view(target.shape) if reduction == "none" else loss
 
     out_dtype = logits.dtype
     z = logits.reshape(-1, local_classes)
