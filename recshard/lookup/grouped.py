@@ -24,7 +24,10 @@ _FBGEMM_DTYPES = (DataType.FP32, DataType.FP16)
 
 
 def uses_fbgemm(table: LocalTable, is_weighted: bool) -> bool:
-    """fbgemm's TBE runs this shard: fused kernel, dim a multiple of 4, at least one row.
+    """fbgemm's TBE runs this shard: fused kernel, dim a multiple of 4, fp32/fp16.
+
+    The choice depends only on table-level facts (never on a shard's row count), so every
+    rank derives the same grouping, hence the same feature order, for every other rank.
 
     Weighted MEAN tables stay on the torch kernel: fbgemm 1.8's backward for them omits the
     1/length its forward applies, so its update would not follow its own output.
@@ -34,7 +37,6 @@ def uses_fbgemm(table: LocalTable, is_weighted: bool) -> bool:
         and not (is_weighted and table.pooling == PoolingType.MEAN)
         and ops.fbgemm_available()
         and table.cols % 4 == 0
-        and table.rows > 0
         and table.config.data_type in _FBGEMM_DTYPES
     )
 
@@ -50,6 +52,19 @@ def _build_kernel(
     return TorchFusedKernel(tables, pooled, spec, device)
 
 
+def group_tables(tables: List[LocalTable], is_weighted: bool) -> List[Tuple[bool, List[LocalTable]]]:
+    """Tables grouped by `group_key`, groups in order of first appearance: (fbgemm?, tables)."""
+    groups: Dict[Tuple, List[LocalTable]] = {}
+    for table in tables:
+        groups.setdefault(group_key(table, uses_fbgemm(table, is_weighted)), []).append(table)
+    return [(key[3], group) for key, group in groups.items()]
+
+
+def lookup_order(tables: List[LocalTable], is_weighted: bool) -> List[LocalTable]:
+    """The order in which `GroupedLookup` expects these tables' features."""
+    return [t for _, group in group_tables(tables, is_weighted) for t in group]
+
+
 class GroupedLookup(nn.Module):
     """Looks up all local shards of a sharding.
 
@@ -61,14 +76,10 @@ class GroupedLookup(nn.Module):
         self, tables: List[LocalTable], pooled: bool, device: torch.device, is_weighted: bool = False
     ) -> None:
         super().__init__()
-        groups: Dict[Tuple, List[LocalTable]] = {}
-        for table in tables:
-            fbgemm = uses_fbgemm(table, is_weighted)
-            groups.setdefault(group_key(table, fbgemm), []).append(table)
         self.pooled = pooled
         self.kernels = nn.ModuleList(
-            _build_kernel(group, pooled, fbgemm=key[3], device=device)
-            for key, group in groups.items()
+            _build_kernel(group, pooled, fbgemm, device)
+            for fbgemm, group in group_tables(tables, is_weighted)
         )
         self.tables: List[LocalTable] = [t for k in self.kernels for t in k.tables]
         self._features_per_kernel = [len(k.feature_table) for k in self.kernels]

@@ -105,9 +105,9 @@ class EmbeddingBagCollection(_EmbeddingTables):
         self._is_weighted = is_weighted
         self.embedding_bags = nn.ModuleDict()
         for config in tables:
-            mode = "mean" if config.pooling == PoolingType.MEAN else "sum"
+            # MEAN is pooled as SUM and divided here: torch's MEAN bag refuses per-id weights.
             bag = nn.EmbeddingBag(
-                config.num_embeddings, config.embedding_dim, mode=mode,
+                config.num_embeddings, config.embedding_dim, mode="sum",
                 include_last_offset=True, device="meta",
             )
             bag.weight = _make_weight(config, device)
@@ -128,9 +128,10 @@ class EmbeddingBagCollection(_EmbeddingTables):
             bag = self.embedding_bags[config.name]
             for feature in config.feature_names:
                 jt = jts[feature]
-                pooled.append(
-                    bag(jt.values().long(), jt.offsets().long(), per_sample_weights=jt.weights_or_none())
-                )
+                sums = bag(jt.values().long(), jt.offsets().long(), per_sample_weights=jt.weights_or_none())
+                if config.pooling == PoolingType.MEAN:
+                    sums = sums / jt.lengths().clamp(min=1).unsqueeze(1).to(sums.dtype)
+                pooled.append(sums)
         return KeyedTensor(self._feature_names, self._dims, torch.cat(pooled, dim=1))
 
 

@@ -1,0 +1,51 @@
+"""Build the shardings of a collection from its per-table plan.
+
+Table-wise, column-wise and table-column-wise tables share ONE placed sharding (one KJT
+all-to-all and one pooled all-to-all for all of them); row-wise, table-row-wise and
+data-parallel tables get one sharding each. Fewer collectives per step than one per type.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from recshard.comm.codecs import CommOp, codecs_from_registry
+from recshard.sharding.common import EmbeddingSharding, TableSpec
+from recshard.sharding.data_parallel import DataParallelPooledSharding
+from recshard.sharding.placed import PlacedPooledSharding
+from recshard.sharding.row_wise import RowWisePooledSharding
+from recshard.types import ShardingEnv, ShardingType
+
+_PLACED = {ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE}
+
+
+def build_pooled_shardings(
+    specs: List[TableSpec],
+    env: ShardingEnv,
+    device: torch.device,
+    is_weighted: bool,
+    qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+) -> Dict[str, EmbeddingSharding]:
+    """Shardings keyed by name ("placed", "row_wise", "table_row_wise", "data_parallel")."""
+    by_kind: Dict[str, List[TableSpec]] = {}
+    for spec in specs:
+        st = ShardingType(spec.sharding.sharding_type)
+        kind = "placed" if st in _PLACED else st.value
+        by_kind.setdefault(kind, []).append(spec)
+    a2a_codecs = codecs_from_registry(qcomm_codecs_registry, CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
+    rs_codecs = codecs_from_registry(qcomm_codecs_registry, CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER)
+    shardings: Dict[str, EmbeddingSharding] = {}
+    if "placed" in by_kind:
+        shardings["placed"] = PlacedPooledSharding(by_kind["placed"], env, device, is_weighted, a2a_codecs)
+    for kind, within_node in (("row_wise", False), ("table_row_wise", True)):
+        if kind in by_kind:
+            shardings[kind] = RowWisePooledSharding(
+                by_kind[kind], env, device, is_weighted, within_node, rs_codecs
+            )
+    if "data_parallel" in by_kind:
+        shardings["data_parallel"] = DataParallelPooledSharding(
+            by_kind["data_parallel"], env, device, is_weighted
+        )
+    return shardings

@@ -1,0 +1,133 @@
+"""What every sharding type shares: its tables, its local lookup, and its place in the module.
+
+A sharding type is a value (`ShardingType`) plus one module here per type that says how ids
+are routed (`input_dist`) and how outputs come back (`output_dist`). Each sharding reads the
+module's input features in its own *wire order* (`input_features`, which may repeat a feature
+for column shards); the sharded module permutes its input once into the concatenation of all
+wire orders and hands each sharding its slice.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from recshard.lookup.grouped import GroupedLookup
+from recshard.lookup.tables import LocalTable
+from recshard.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
+from recshard.sparse import KeyedJaggedTensor
+from recshard.types import (
+    Awaitable,
+    EmbeddingComputeKernel,
+    ParameterSharding,
+    ShardingEnv,
+    ShardMetadata,
+)
+
+OutputColumns = List[Tuple[str, int, int]]  # (feature, column offset inside it, width)
+
+
+@dataclass
+class TableSpec:
+    """A table as a sharded module sees it: config, plan entry and fused optimizer params."""
+
+    config: BaseEmbeddingConfig
+    sharding: ParameterSharding
+    fused_params: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kernel(self) -> EmbeddingComputeKernel:
+        return EmbeddingComputeKernel(self.sharding.compute_kernel)
+
+    @property
+    def pooling(self) -> PoolingType:
+        return getattr(self.config, "pooling", PoolingType.NONE)
+
+    def shards(self) -> List[ShardMetadata]:
+        assert self.sharding.shards is not None, self.config.name
+        return self.sharding.shards
+
+    def local_table(self, shard_index: int, pooling: Optional[PoolingType] = None) -> LocalTable:
+        shard = self.shards()[shard_index]
+        return LocalTable(
+            config=self.config,
+            rows=shard.shard_sizes[0],
+            cols=shard.shard_sizes[1],
+            row_offset=shard.shard_offsets[0],
+            col_offset=shard.shard_offsets[1],
+            compute_kernel=self.kernel,
+            pooling=self.pooling if pooling is None else pooling,
+            fused_params=self.fused_params,
+            shard_index=shard_index,
+        )
+
+    def whole_table(self) -> LocalTable:
+        """The full table as one local shard (data-parallel replicas)."""
+        c = self.config
+        return LocalTable(c, c.num_embeddings, c.embedding_dim, 0, 0, self.kernel, self.pooling,
+                          self.fused_params)
+
+
+class EmbeddingSharding(nn.Module, abc.ABC):
+    """One sharding type's part of a sharded collection.
+
+    `input_features`: module features in the order this sharding wants them (wire order).
+    `output_columns`: what each column of the output-dist result holds, in order.
+    """
+
+    input_features: List[str]
+    output_columns: OutputColumns
+    lookup: GroupedLookup
+    carries_input_error = True  # its input dist starts with a splits exchange
+
+    def __init__(self, env: ShardingEnv) -> None:
+        super().__init__()
+        self.env = env
+
+    @abc.abstractmethod
+    def input_dist(
+        self, features: KeyedJaggedTensor, ctx: Dict[str, Any], input_error: Optional[str]
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        """Route this rank's ids (`features` in wire order) to the ranks that own them."""
+
+    def compute(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """Local lookup. The result always joins autograd when gradients are on: a rank that
+        holds nothing for this sharding must still run the output dist's backward collective,
+        or its peers wait for it forever."""
+        local = self.lookup(features)
+        if torch.is_grad_enabled() and not local.requires_grad:
+            local = local.detach().requires_grad_()
+        return local
+
+    @abc.abstractmethod
+    def output_dist(self, local: torch.Tensor, ctx: Dict[str, Any]) -> Awaitable[torch.Tensor]:
+        """Bring looked-up embeddings back to the data-parallel layout `[B_local, cols]`."""
+
+    def local_shards(self) -> List[Tuple[LocalTable, torch.Tensor]]:
+        """This rank's shards with their weights (views of the kernel storage)."""
+        return list(zip(self.lookup.tables, self.lookup.table_weights()))
+
+
+def mean_divisor_columns(
+    output_columns: OutputColumns, mean_features: List[str], lengths_per_feature: Dict[str, torch.Tensor]
+) -> Optional[torch.Tensor]:
+    """`[B, cols]` divisors that turn summed MEAN features into means (1 elsewhere), or None.
+
+    Row-wise shardings split a bag over ranks, so they pool with SUM and divide afterwards.
+    """
+    if not mean_features:
+        return None
+    mean = set(mean_features)
+    batch = next(iter(lengths_per_feature.values())).numel()
+    blocks = []
+    for feature, _, width in output_columns:
+        if feature in mean:
+            blocks.append(lengths_per_feature[feature].clamp(min=1).to(torch.float32)
+                          .unsqueeze(1).expand(batch, width))
+        else:
+            blocks.append(torch.ones(batch, width))
+    return torch.cat(blocks, dim=1)

@@ -1,0 +1,58 @@
+"""Table-wise, column-wise and table-column-wise sharding: whole-row shards placed on ranks.
+
+A table-wise table is one shard holding every row and column; a column-wise table is several
+shards, each holding every row and a range of columns, and each shard is looked up like a
+table of its own. Both route a feature's ids whole to every rank that holds one of its shards
+(a feature with k column shards is sent k times), look up `[B_global, local cols]`, and send
+the pooled columns back with one all-to-all. Table-column-wise differs only in placement
+(shards inside one node), which the plan decides.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from recshard.comm import KJTAllToAll, PooledEmbeddingsAllToAll
+from recshard.lookup.grouped import GroupedLookup, lookup_order
+from recshard.lookup.tables import LocalTable
+from recshard.sharding.common import EmbeddingSharding, TableSpec
+from recshard.sparse import KeyedJaggedTensor
+from recshard.types import Awaitable, ShardingEnv
+
+
+class PlacedPooledSharding(EmbeddingSharding):
+    """TW / CW / TWCW for pooled (EmbeddingBagCollection) tables."""
+
+    def __init__(
+        self,
+        specs: List[TableSpec],
+        env: ShardingEnv,
+        device: torch.device,
+        is_weighted: bool,
+        codecs: Optional[Any] = None,
+    ) -> None:
+        super().__init__(env)
+        per_rank: List[List[LocalTable]] = [[] for _ in range(env.world_size)]
+        for spec in specs:
+            for index, shard in enumerate(spec.shards()):
+                per_rank[shard.rank].append(spec.local_table(index))
+        ordered = [lookup_order(tables, is_weighted) for tables in per_rank]
+        self.input_features = [f for tables in ordered for t in tables for f in t.feature_names]
+        self.output_columns = [
+            (f, t.col_offset, t.cols) for tables in ordered for t in tables for f in t.feature_names
+        ]
+        features_per_rank = [sum(t.num_features for t in tables) for tables in ordered]
+        dim_sum_per_rank = [sum(t.cols * t.num_features for t in tables) for tables in ordered]
+        self.lookup = GroupedLookup(ordered[env.rank], True, device, is_weighted)
+        self._kjt_a2a = KJTAllToAll(env.pg, features_per_rank)
+        self._pooled_a2a = PooledEmbeddingsAllToAll(env.pg, dim_sum_per_rank, device, codecs=codecs)
+
+    def input_dist(
+        self, features: KeyedJaggedTensor, ctx: Dict[str, Any], input_error: Optional[str]
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        return self._kjt_a2a(features, input_error=input_error)
+
+    def output_dist(self, local: torch.Tensor, ctx: Dict[str, Any]) -> Awaitable[torch.Tensor]:
+        return self._pooled_a2a(local, batch_size_per_rank=ctx.get("batch_size_per_rank"))

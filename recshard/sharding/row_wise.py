@@ -1,0 +1,148 @@
+"""Row-wise and table-row-wise sharding: each rank holds a block of every table's rows.
+
+Row-wise: the rows of a table are cut into `ceil(rows / W)` blocks, one per rank. Each bag is
+bucketized by `id // block` (fbgemm's `block_bucketize_sparse_features`, ids rebased to the
+block) and bucket r goes to rank r; every rank pools its part of every bag of the global batch,
+and a reduce-scatter sums the partial pools and hands each rank its batch slice.
+
+Table-row-wise: the same inside one node (rows cut over the node's ranks). The partial pools
+are reduce-scattered within the node, then exchanged across nodes with an all-to-all among
+ranks of equal local rank; rows of the global batch are first reordered so that local rank l
+receives the samples of every node's rank l.
+
+MEAN tables are pooled as SUM (a bag is split over ranks) and divided by the bag length after
+the output dist.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from recshard import ops
+from recshard.comm import KJTAllToAll, PooledEmbeddingsAllToAll, PooledEmbeddingsReduceScatter
+from recshard.comm.pg import intra_and_cross_node_pg
+from recshard.lookup.grouped import GroupedLookup, lookup_order
+from recshard.modules.embedding_configs import PoolingType
+from recshard.shard_geometry import row_block_size
+from recshard.sharding.common import EmbeddingSharding, TableSpec, mean_divisor_columns
+from recshard.sparse import KeyedJaggedTensor
+from recshard.types import Awaitable, FnAwaitable, ShardingEnv
+
+
+def bucketize(
+    features: KeyedJaggedTensor, block_sizes: torch.Tensor, num_buckets: int
+) -> KeyedJaggedTensor:
+    """Split every bag into `num_buckets` bags by `id // block` (ids rebased); bucket-major keys."""
+    lengths, values, weights, _, _ = ops.block_bucketize_sparse_features(
+        features.lengths(), features.values(), False, False, block_sizes.to(features.values().dtype),
+        num_buckets, features.weights_or_none(),
+    )
+    return KeyedJaggedTensor(
+        features.keys() * num_buckets, values, weights, lengths=lengths,
+        stride=features.stride(), validate=False,
+    )
+
+
+class RowWisePooledSharding(EmbeddingSharding):
+    """RW (over all ranks) or TWRW (over the ranks of each table's node)."""
+
+    def __init__(
+        self,
+        specs: List[TableSpec],
+        env: ShardingEnv,
+        device: torch.device,
+        is_weighted: bool,
+        within_node: bool,
+        codecs: Optional[Any] = None,
+    ) -> None:
+        super().__init__(env)
+        self.group_size = env.local_world_size if within_node else env.world_size
+        num_groups = env.world_size // self.group_size
+        my_group, my_index = divmod(env.rank, self.group_size)
+        # tables per group of ranks (one group for RW, one per node for TWRW), in lookup order
+        groups: List[List[TableSpec]] = [[] for _ in range(num_groups)]
+        for spec in specs:
+            groups[spec.shards()[0].rank // self.group_size].append(spec)
+        ordered = []
+        for group in groups:
+            tables = lookup_order([s.local_table(0, PoolingType.SUM) for s in group], is_weighted)
+            ordered.append([next(s for s in group if s.config.name == t.name) for t in tables])
+        self._groups = ordered
+        self.input_features = [f for group in ordered for s in group for f in s.config.feature_names]
+        self.output_columns = [
+            (f, 0, s.config.embedding_dim) for group in ordered for s in group
+            for f in s.config.feature_names
+        ]
+        self._mean_features = [
+            f for group in ordered for s in group if s.pooling == PoolingType.MEAN
+            for f in s.config.feature_names
+        ]
+        self._features_per_group = [sum(s.config.num_features for s in g) for g in ordered]
+        self._block_sizes = [
+            torch.tensor([row_block_size(s.config.num_embeddings, self.group_size)
+                          for s in g for _ in s.config.feature_names], dtype=torch.int64)
+            for g in ordered
+        ]
+        self.lookup = GroupedLookup(
+            [s.local_table(my_index, PoolingType.SUM) for s in ordered[my_group]], True, device,
+            is_weighted,
+        )
+        splits = [n for n in self._features_per_group for _ in range(self.group_size)]
+        self._kjt_a2a = KJTAllToAll(env.pg, splits)
+        self._dims_per_group = [
+            sum(s.config.embedding_dim * s.config.num_features for s in g) for g in ordered
+        ]
+        if within_node and num_groups > 1:
+            intra, cross = intra_and_cross_node_pg(env.pg, env.local_world_size)
+        else:
+            intra, cross = env.pg, None
+        self._reduce_scatter = PooledEmbeddingsReduceScatter(intra, codecs=codecs)
+        self._cross_a2a = (
+            PooledEmbeddingsAllToAll(cross, self._dims_per_group, device, codecs=codecs)
+            if cross is not None else None
+        )
+        self._num_groups = num_groups
+
+    def input_dist(
+        self, features: KeyedJaggedTensor, ctx: Dict[str, Any], input_error: Optional[str]
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        if self._mean_features:
+            ctx.setdefault("lengths", {}).update(
+                {f: features[f].lengths() for f in self._mean_features}
+            )
+        if input_error is None:
+            parts = features.split(self._features_per_group) if self._num_groups > 1 else [features]
+            buckets = [bucketize(part, block, self.group_size)
+                       for part, block in zip(parts, self._block_sizes)]
+            routed = KeyedJaggedTensor.concat(buckets) if len(buckets) > 1 else buckets[0]
+        else:
+            routed = features
+        return self._kjt_a2a(routed, input_error=input_error)
+
+    def output_dist(self, local: torch.Tensor, ctx: Dict[str, Any]) -> Awaitable[torch.Tensor]:
+        if self._cross_a2a is None:
+            pending = self._reduce_scatter(local)
+        else:
+            pending = self._node_reduce_then_exchange(local)
+        if not self._mean_features:
+            return pending
+
+        def divide() -> torch.Tensor:
+            pooled = pending.wait()
+            divisor = mean_divisor_columns(self.output_columns, self._mean_features, ctx["lengths"])
+            return pooled / divisor
+
+        return FnAwaitable(divide)
+
+    def _node_reduce_then_exchange(self, local: torch.Tensor) -> Awaitable[torch.Tensor]:
+        """TWRW output dist: `[B_global, D_node]` partial pools -> `[B_local, sum D_node]`."""
+        world, lws = self.env.world_size, self.group_size
+        batch = local.size(0) // world
+        # rows of global rank (n, l) first grouped by l, then n: local rank l's RS chunk holds
+        # the samples of every node's rank l, in node order.
+        order = torch.arange(local.size(0)).view(self._num_groups, lws, batch).transpose(0, 1)
+        regrouped = local.index_select(0, order.reshape(-1).to(local.device))
+        reduced = self._reduce_scatter(regrouped)
+        return FnAwaitable(lambda: self._cross_a2a(reduced.wait()).wait())

@@ -1,0 +1,137 @@
+"""Shared fixtures for sharded-vs-unsharded equivalence: tables, plans, batches, references."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from recshard.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_column_wise,
+    table_row_wise,
+    table_wise,
+)
+
+LR = 0.1
+EPS = 1e-8
+
+
+def tables() -> List[EmbeddingBagConfig]:
+    """Shared features, MEAN, fewer rows than ranks, dims 1..8 (not all multiples of 4)."""
+    return [
+        EmbeddingBagConfig(num_embeddings=11, embedding_dim=4, name="t0", feature_names=["f0", "f1"]),
+        EmbeddingBagConfig(num_embeddings=3, embedding_dim=3, name="t1", feature_names=["f2"],
+                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(num_embeddings=20, embedding_dim=6, name="t2", feature_names=["f3"]),
+        EmbeddingBagConfig(num_embeddings=8, embedding_dim=1, name="t3", feature_names=["f4"]),
+        EmbeddingBagConfig(num_embeddings=13, embedding_dim=8, name="t4", feature_names=["f5"]),
+    ]
+
+
+def make_ebc(weighted: bool, seed: int = 0) -> EmbeddingBagCollection:
+    torch.manual_seed(seed)
+    return EmbeddingBagCollection(tables(), is_weighted=weighted)
+
+
+def plan_for(kind: str, ws: int, lws: int, kernel: str) -> Dict:
+    """Per-table generators for a named plan kind."""
+    k = None if kernel == "fused" else "dense"
+    names = [t.name for t in tables()]
+    nodes = ws // lws
+    cw_ranks = [ws - 1 - (i % ws) for i in range(min(3, ws) if ws > 1 else 2)]
+    if kind == "table_wise":
+        return {n: table_wise(i % ws, k) for i, n in enumerate(names)}
+    if kind == "row_wise":
+        return {n: row_wise(k) for n in names}
+    if kind == "column_wise":
+        # t3 has dim 1: one column shard only
+        return {n: column_wise(cw_ranks if n != "t3" else [0], k) for n in names}
+    if kind == "table_row_wise":
+        return {n: table_row_wise(i % nodes, k) for i, n in enumerate(names)}
+    if kind == "table_column_wise":
+        return {n: table_column_wise(i % nodes, None if n != "t3" else [0], k)
+                for i, n in enumerate(names)}
+    if kind == "data_parallel":
+        return {n: data_parallel() for n in names}
+    if kind == "mixed":
+        return {"t0": table_wise(ws - 1, k), "t1": row_wise(k), "t2": column_wise(cw_ranks, k),
+                "t3": data_parallel(), "t4": table_row_wise(nodes - 1, k)}
+    raise ValueError(kind)
+
+
+def batch(rank: int, step: int, batch_size: int, weighted: bool, zero_feature: bool) -> KeyedJaggedTensor:
+    """Rank `rank`'s batch at `step` (every rank can rebuild every other rank's batch)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    rows = {f"f{i}": t.num_embeddings for t in tables() for i in
+            [int(f[1:]) for f in t.feature_names]}
+    keys = [f"f{i}" for i in [5, 3, 0, 2, 4, 1]]  # input key order differs from the module's
+    lengths = torch.randint(0, 4, (len(keys), batch_size), generator=g)
+    if zero_feature:
+        lengths[keys.index("f3")] = 0
+    values = torch.cat([
+        torch.randint(0, rows[k], (int(lengths[i].sum()),), generator=g) for i, k in enumerate(keys)
+    ])
+    weights = torch.rand(values.numel(), generator=g) + 0.5 if weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(keys, values, lengths.reshape(-1), weights)
+
+
+def global_batch(ws: int, step: int, batch_size: int, weighted: bool, zero: bool) -> KeyedJaggedTensor:
+    """All ranks' batches stacked along the batch dimension (rank-major), module key order."""
+    parts = [batch(r, step, batch_size, weighted, zero) for r in range(ws)]
+    keys = parts[0].keys()
+    values, lengths, weights = [], [], []
+    for key in keys:
+        for p in parts:
+            jt = p[key]
+            values.append(jt.values())
+            lengths.append(jt.lengths())
+            if weighted:
+                weights.append(jt.weights())
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys, torch.cat(values), torch.cat(lengths), torch.cat(weights) if weighted else None
+    )
+
+
+def output_grad(step: int, ws: int, batch_size: int, width: int) -> torch.Tensor:
+    return torch.randn(ws * batch_size, width, generator=torch.Generator().manual_seed(7 + step))
+
+
+def gather_tables(sharded, ws: int) -> Dict[str, torch.Tensor]:
+    """Every rank's shards, assembled into full tables on every rank."""
+    local: List[Tuple[str, int, int, torch.Tensor]] = []
+    for name, shards in sharded.local_table_shards().items():
+        for table, weight in shards:
+            local.append((name, table.row_offset, table.col_offset, weight.detach().clone()))
+    gathered: List = [None] * ws
+    dist.all_gather_object(gathered, local)
+    full = {t.name: torch.full((t.num_embeddings, t.embedding_dim), float("nan")) for t in tables()}
+    for part in gathered:
+        for name, row, col, weight in part:
+            full[name][row:row + weight.size(0), col:col + weight.size(1)] = weight
+    return full
+
+
+def reference_update(weight: torch.Tensor, grad: torch.Tensor, state: Dict[str, torch.Tensor],
+                     optimizer: str, column_blocks: List[int]) -> None:
+    """The update a dense optimizer makes with the averaged gradient `grad`.
+
+    Row-wise Adagrad keeps one accumulator per row per column shard (`column_blocks` widths):
+    a column shard's optimizer sees only its own columns.
+    """
+    with torch.no_grad():
+        if optimizer == "sgd":
+            weight -= LR * grad
+            return
+        start = 0
+        for i, width in enumerate(column_blocks):
+            g = grad[:, start:start + width]
+            m = state.setdefault(f"m{i}", torch.zeros(weight.size(0)))
+            m += (g * g).mean(dim=1)
+            weight[:, start:start + width] -= LR * g / (m.sqrt() + EPS).unsqueeze(1)
+            start += width

@@ -1,0 +1,124 @@
+"""Sharded EBC == unsharded EBC: forward, gradients and tables after 1 and 3 optimizer steps.
+
+Every sharding type and a mixed plan, fused (SGD, row-wise Adagrad) and dense kernels,
+weighted and unweighted, at world sizes 1-4; one spawned group per world size runs every case.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List
+
+import pytest
+import torch
+from ebc_cases import (
+    LR,
+    batch,
+    gather_tables,
+    global_batch,
+    make_ebc,
+    output_grad,
+    plan_for,
+    reference_update,
+)
+from multiprocess import run_ranks
+
+from recshard.distributed import EmbeddingBagCollectionSharder
+from recshard.distributed.sharding_plan import construct_module_sharding_plan
+from recshard.types import ShardingEnv
+
+KINDS = ["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise",
+         "data_parallel", "mixed"]
+
+
+def run_case(rank: int, ws: int, lws: int, kind: str, kernel: str, optimizer: str,
+             weighted: bool, batch_size: int, steps: int) -> List[str]:
+    """Returns a list of mismatch descriptions (empty when everything matches)."""
+    problems: List[str] = []
+    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD, local_world_size=lws)
+    reference = make_ebc(weighted)
+    plan = construct_module_sharding_plan(reference, plan_for(kind, ws, lws, kernel),
+                                          local_size=lws, world_size=ws)
+    fused_optim = "exact_sgd" if optimizer == "sgd" else "exact_row_wise_adagrad"
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": fused_optim, "learning_rate": LR})
+    sharded = sharder.shard(copy.deepcopy(reference), plan, env)
+    dense_params = [p for n, p in sharded.named_parameters() if "weights." in n]
+    dense_opt = torch.optim.SGD(dense_params, lr=LR) if dense_params else None
+    state: Dict[str, Dict[str, torch.Tensor]] = {}
+    for step in range(steps):
+        zero = step == 1
+        local = batch(rank, step, batch_size, weighted, zero)
+        out = sharded(local)
+        ref_out = reference(global_batch(ws, step, batch_size, weighted, zero))
+        width = ref_out.values().size(1)
+        grad = output_grad(step, ws, batch_size, width)
+        mine = slice(rank * batch_size, (rank + 1) * batch_size)
+        if out.keys() != ref_out.keys():
+            problems.append(f"step {step}: keys {out.keys()} != {ref_out.keys()}")
+        if not torch.allclose(out.values(), ref_out.values()[mine], atol=1e-5):
+            problems.append(f"step {step}: forward differs by "
+                            f"{(out.values() - ref_out.values()[mine]).abs().max():.3g}")
+        (out.values() * grad[mine]).sum().backward()
+        if dense_opt is not None:
+            dense_opt.step()
+            dense_opt.zero_grad()
+        reference.zero_grad()
+        # mean over ranks of per-rank gradients == gradient of the global loss / ws
+        ((ref_out.values() * grad).sum() / ws).backward()
+        for name, bag in reference.embedding_bags.items():
+            opt = "sgd" if kernel == "dense" or kind == "data_parallel" or (
+                kind == "mixed" and name == "t3") else optimizer
+            shards = plan[name].shards or []
+            blocks = [sh.shard_sizes[1] for sh in shards] if plan[name].sharding_type in (
+                "column_wise", "table_column_wise") else [bag.weight.size(1)]
+            reference_update(bag.weight, bag.weight.grad, state.setdefault(name, {}), opt, blocks)
+        if step in (0, steps - 1):
+            full = gather_tables(sharded, ws)
+            for name, bag in reference.embedding_bags.items():
+                if not torch.allclose(full[name], bag.weight, atol=1e-5):
+                    diff = (full[name] - bag.weight).abs().nan_to_num(float("inf")).max()
+                    problems.append(f"step {step}: table {name} differs by {diff:.3g}")
+    return problems
+
+
+def run_all(rank: int, ws: int, cases: List[tuple]) -> Dict[str, List[str]]:
+    results = {}
+    for case in cases:
+        lws = case[0]
+        try:
+            results[str(case)] = run_case(rank, ws, *case)
+        except Exception as e:  # report per case, keep the group going
+            import traceback
+
+            results[str(case)] = [f"raised {type(e).__name__}: {e}\n{traceback.format_exc()}"]
+        del lws
+    return results
+
+
+def cases_for(ws: int) -> List[tuple]:
+    lws = ws if ws < 4 else 2  # ws 4: two "nodes" of two ranks
+    cases = []
+    for kind in KINDS:
+        for optimizer in ("sgd", "rowwise_adagrad"):
+            cases.append((lws, kind, "fused", optimizer, False, 3, 3))
+        cases.append((lws, kind, "dense", "sgd", False, 3, 2))
+    cases.append((lws, "mixed", "fused", "sgd", True, 3, 2))   # weighted
+    cases.append((lws, "row_wise", "fused", "sgd", False, 1, 2))  # batch size 1
+    cases.append((lws, "table_row_wise", "fused", "sgd", True, 2, 2))
+    if ws == 2:
+        cases.append((1, "table_row_wise", "fused", "sgd", False, 2, 2))  # two nodes of one
+        cases.append((1, "mixed", "fused", "rowwise_adagrad", False, 2, 2))
+    return cases
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_sharded_ebc_equals_unsharded(world_size: int) -> None:
+    cases = cases_for(world_size)
+    results = run_ranks(world_size, run_all, cases, timeout=600)
+    failures = {case: problems for case, problems in results[0].items() if problems}
+    for rank_results in results[1:]:
+        for case, problems in rank_results.items():
+            if problems and case not in failures:
+                failures[case] = problems
+    assert not failures, "\n".join(f"{c}: {p}" for c, p in failures.items())
