@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recshard.parallel.mappings import all_reduce, mp_reduce
-from recshard.parallel.utils import ProcessGroup, group_rank, group_size
+from recshard.parallel.utils import HoldsGroup, ProcessGroup, group_rank, group_size
 
 _REDUCTIONS = ("mean", "sum", "none")
 _OWNER = "vocab_parallel_cross_entropy"
@@ -135,7 +135,7 @@ def vocab_parallel_cross_entropy(
     return (loss.sum() / row_weight.sum()).to(out_dtype)
 
 
-class ParallelCrossEntropyLoss(nn.Module):
+class ParallelCrossEntropyLoss(HoldsGroup, nn.Module):
     """`nn.CrossEntropyLoss` for class-sharded logits: (logits [*, C/ws], target [*]) -> loss.
 
     `weight` is the full per-class weight [C]; see `vocab_parallel_cross_entropy`.

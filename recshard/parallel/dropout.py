@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from recshard.parallel.utils import ProcessGroup, group_rank, group_size
+from recshard.parallel.utils import HoldsGroup, ProcessGroup, group_rank, group_size
 
 _RANK_SEED_OFFSET = 2718  # sharded streams: seed + 2718 * (rank + 1), never the shared seed
 
@@ -27,7 +27,7 @@ def _shared_seed(pg: ProcessGroup | None) -> int:
     return seed[0]
 
 
-class ParallelDropout(nn.Module):
+class ParallelDropout(HoldsGroup, nn.Module):
     """Dropout for tensor-parallel activations. x [*] -> x [*] (zeroed with prob `p`,
     survivors scaled by 1 / (1 - p), in training mode only).
 

@@ -20,7 +20,14 @@ from recshard.parallel.init import (
     shard_parameter,
 )
 from recshard.parallel.mappings import all_reduce, mp_gather, mp_reduce, mp_reduce_scatter
-from recshard.parallel.utils import ProcessGroup, ShardSpec, divide, group_rank, group_size
+from recshard.parallel.utils import (
+    HoldsGroup,
+    ProcessGroup,
+    ShardSpec,
+    divide,
+    group_rank,
+    group_size,
+)
 
 
 def check_ids(ids: Tensor, num_embeddings: int, owner: str) -> None:
@@ -43,7 +50,7 @@ def _normalize_padding_idx(padding_idx: int | None, num_embeddings: int, owner: 
     return padding_idx % num_embeddings
 
 
-class _EmbeddingBase(nn.Module):
+class _EmbeddingBase(HoldsGroup, nn.Module):
     """Options and master-weight plumbing shared by both embeddings."""
 
     shard_dim: int  # 1: embedding dim split; 0: rows split

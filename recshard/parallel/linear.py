@@ -29,6 +29,7 @@ from recshard.parallel.mappings import (
     mp_scatter,
 )
 from recshard.parallel.utils import (
+    HoldsGroup,
     ProcessGroup,
     ShardSpec,
     divide,
@@ -76,7 +77,7 @@ def row_parallel_linear(
     return y if bias is None else y + bias
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(HoldsGroup, nn.Module):
     """Linear layer with output features split across `pg`.
 
     x [*, in] -> y [*, out] with `gather_output` (all-gathered, replicated), else this rank's
@@ -172,7 +173,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(HoldsGroup, nn.Module):
     """Linear layer with input features split across `pg`.
 
     x [*, in] (scattered here) or, with `input_is_parallel`, this rank's x [*, in / ws]

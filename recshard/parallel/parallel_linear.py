@@ -19,7 +19,14 @@ from torch import Tensor, nn
 from recshard.parallel.init import gather_master, linear_master_params, shard_parameter
 from recshard.parallel.linear import check_last_dim, column_parallel_linear, row_parallel_linear
 from recshard.parallel.mappings import mp_gather, mp_scatter
-from recshard.parallel.utils import ProcessGroup, ShardSpec, divide, group_rank, group_size
+from recshard.parallel.utils import (
+    HoldsGroup,
+    ProcessGroup,
+    ShardSpec,
+    divide,
+    group_rank,
+    group_size,
+)
 
 _VALID_DIMS = (None, 0, 1, -1)
 
@@ -39,7 +46,7 @@ def _check_divisible(
         divide(out_features, world_size, "out_features", owner)
 
 
-class ParallelLinear(nn.Module):
+class ParallelLinear(HoldsGroup, nn.Module):
     """Linear layer split along `dim` (None, 0, 1 or -1) across `pg`. x [*, in] -> y [*, out].
 
     The weight keeps nn.Linear's [out, in] layout; this rank holds [out / ws, in] (dim 1/-1,

@@ -122,6 +122,7 @@ def _check_mlp(rank: int, world_size: int, pg: dist.ProcessGroup | None, label: 
     torch.manual_seed(13)
     col = ColumnParallelLinear(6, 8, gather_output=False, pg=pg)
     row = RowParallelLinear(8, 3, input_is_parallel=True, pg=pg)
+    assert copy.deepcopy(row).pg is pg, "copies share the process group (groups cannot be copied)"
     x, upstream = seeded(5, 4, 6), seeded(6, 4, 3)
     expected, expected_grad = _reference(ref, x, upstream)
     leaf = x.clone().requires_grad_()
