@@ -98,10 +98,21 @@ def plan_from_dict(data: Dict[str, Any]) -> ShardingPlan:
 
 def save_plan(plan: ShardingPlan, path: str, metadata: Optional[Dict[str, Any]] = None) -> None:
     """Write `plan` as JSON to `path` (written to a temp file, then renamed)."""
+    data = plan_to_dict(plan, metadata)
+    lines = ["{", f' "format": {json.dumps(data["format"])},', f' "version": {data["version"]},',
+             f' "metadata": {json.dumps(data["metadata"], sort_keys=True)},', ' "modules": {']
+    modules = list(data["modules"].items())
+    for m, (fqn, tables) in enumerate(modules):
+        lines.append(f"  {json.dumps(fqn)}: {{")
+        items = list(tables.items())
+        for t, (name, entry) in enumerate(items):  # one line per table keeps big plans small
+            comma = "," if t + 1 < len(items) else ""
+            lines.append(f"   {json.dumps(name)}: {json.dumps(entry, separators=(',', ':'))}{comma}")
+        lines.append("  }" + ("," if m + 1 < len(modules) else ""))
+    lines += [" }", "}", ""]
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(plan_to_dict(plan, metadata), f, indent=1)
-        f.write("\n")
+        f.write("\n".join(lines))
     os.replace(tmp, path)
 
 

@@ -180,6 +180,11 @@ def _gib(value: float) -> str:
     return f"{value / GIB:.3f}"
 
 
+def _size(value: float) -> str:
+    """Human-readable bytes: GiB, or MiB below 1 GiB."""
+    return f"{value / GIB:.3f} GiB" if value >= GIB else f"{value / 2**20:.3f} MiB"
+
+
 def _pct(used: float, cap: float) -> str:
     return f"{100.0 * used / cap:.1f}%" if cap > 0 else "-"
 
@@ -195,8 +200,8 @@ def format_stats(stats: PlannerStats, max_rows: int = 0) -> str:
         f"estimated step time: max {stats.max_time:.3f} ms, mean {stats.mean_time:.3f} ms, "
         f"imbalance (max/mean) {stats.imbalance:.3f}; memory imbalance "
         f"{stats.memory_imbalance:.3f}",
-        f"reserved per rank: dense {_gib(stats.reserved_dense_bytes)} GiB, KJT "
-        f"{_gib(stats.reserved_kjt_bytes)} GiB, fraction {stats.reserved_fraction:.0%}",
+        f"reserved per rank: dense {_size(stats.reserved_dense_bytes)}, KJT "
+        f"{_size(stats.reserved_kjt_bytes)}, fraction {stats.reserved_fraction:.0%}",
     ]
     rank_rows = [
         [str(r.rank), f"{_gib(r.hbm)} ({_pct(r.hbm, r.hbm_cap)})",

@@ -1,0 +1,7 @@
+"""`python -m recshard.planner TABLES_FILE ...` runs the `recshard-plan` CLI."""
+
+import sys
+
+from recshard.planner.cli import main
+
+sys.exit(main())

@@ -1,0 +1,243 @@
+"""`recshard-plan TABLES_FILE [--world-size N ...] [-o plan.json] [--png plan.png]`
+
+Plans embedding tables described in a file, without a model, and prints the planner's
+per-rank and per-table tables. The file is JSON (or YAML when PyYAML is installed): a list of
+tables, or {"tables": [...], "optimizer": ..., "batch_size": ...}. A table::
+
+    {"name": "user_id", "num_embeddings": 10000000, "embedding_dim": 128,
+     "feature_names": ["user_id"], "pooling_factor": 1.0, "data_type": "FP32",
+     "weighted": false, "pooled": true, "module": "sparse_arch.ebc",
+     "optimizer": "exact_row_wise_adagrad",
+     "constraints": {"sharding_types": ["table_wise", "row_wise"], "compute_kernels": ["fused"],
+                     "min_partition": 32, "enforce_hbm": true, "cache_params": {"load_factor": 0.2}}}
+
+Exit status: 0 planned, 1 bad input, 2 no plan fits (the PlannerError text on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from recshard.planner.estimators import StorageReservation
+from recshard.planner.partitioners import GreedyPerfPartitioner, MemoryBalancedPartitioner
+from recshard.planner.plan_io import save_plan
+from recshard.planner.planner import EmbeddingShardingPlanner
+from recshard.planner.stats import PlannerStats
+from recshard.planner.types import GIB, ParameterConstraints, PlannerError, TableMeta, Topology
+from recshard.types import BoundsCheckMode
+
+_TABLE_KEYS = {"name", "num_embeddings", "embedding_dim", "feature_names", "pooling_factor",
+               "pooling_factors", "num_poolings", "batch_sizes", "data_type", "weighted",
+               "is_weighted", "pooled", "module", "optimizer", "constraints"}
+_CONSTRAINT_KEYS = {"sharding_types", "compute_kernels", "min_partition", "enforce_hbm",
+                    "cache_params", "bounds_check_mode", "stochastic_rounding", "batch_sizes",
+                    "pooling_factors", "num_poolings"}
+
+
+class InputError(ValueError):
+    """The tables file is malformed; the message names the table and key."""
+
+
+def read_tables_file(path: str) -> Dict[str, Any]:
+    """Parse the tables file (JSON, or YAML if PyYAML is importable) into a dict."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as json_error:
+        try:
+            import yaml  # type: ignore[import-untyped]
+        except ImportError:
+            raise InputError(f"{path}: not valid JSON ({json_error}); install PyYAML to read "
+                             "YAML") from json_error
+        data = yaml.safe_load(text)
+    if isinstance(data, list):
+        data = {"tables": data}
+    if not isinstance(data, dict) or not isinstance(data.get("tables"), list):
+        raise InputError(f"{path}: expected a list of tables or an object with a 'tables' list")
+    return data
+
+
+def _per_feature(value: Any, n: int, key: str, name: str) -> Optional[List[Any]]:
+    if value is None:
+        return None
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+    if len(values) != n:
+        raise InputError(f"table '{name}': '{key}' has {len(values)} values for {n} features")
+    return values
+
+
+def parse_tables(
+    data: Dict[str, Any], default_optimizer: Optional[str] = None
+) -> Tuple[List[TableMeta], Dict[str, ParameterConstraints]]:
+    """Table metadata and constraints from the parsed tables file."""
+    tables: List[TableMeta] = []
+    constraints: Dict[str, ParameterConstraints] = {}
+    optimizer = data.get("optimizer", default_optimizer)
+    for index, entry in enumerate(data["tables"]):
+        if not isinstance(entry, dict) or "name" not in entry:
+            raise InputError(f"table #{index}: needs an object with a 'name'")
+        name = str(entry["name"])
+        unknown = sorted(set(entry) - _TABLE_KEYS)
+        if unknown:
+            raise InputError(f"table '{name}': unknown keys {unknown}; known: {sorted(_TABLE_KEYS)}")
+        for key in ("num_embeddings", "embedding_dim"):
+            if not isinstance(entry.get(key), int):
+                raise InputError(f"table '{name}': '{key}' must be an integer, got "
+                                 f"{entry.get(key)!r}")
+        features = list(entry.get("feature_names") or [name])
+        n = len(features)
+        pooling = entry.get("pooling_factors", entry.get("pooling_factor"))
+        try:
+            table = TableMeta(
+                name=name, num_embeddings=entry["num_embeddings"],
+                embedding_dim=entry["embedding_dim"], feature_names=features,
+                pooling_factors=_per_feature(pooling, n, "pooling_factor", name),
+                num_poolings=_per_feature(entry.get("num_poolings"), n, "num_poolings", name),
+                batch_sizes=_per_feature(entry.get("batch_sizes"), n, "batch_sizes", name),
+                data_type=entry.get("data_type", "FP32"),
+                is_weighted=bool(entry.get("weighted", entry.get("is_weighted", False))),
+                pooled=bool(entry.get("pooled", True)), module_fqn=str(entry.get("module", "")),
+                optimizer=entry.get("optimizer", optimizer),
+            )
+        except ValueError as e:
+            raise InputError(f"table '{name}': {e}") from e
+        tables.append(table)
+        if entry.get("constraints"):
+            constraints[table.key] = _parse_constraints(name, entry["constraints"])
+    return tables, constraints
+
+
+def _parse_constraints(name: str, raw: Dict[str, Any]) -> ParameterConstraints:
+    unknown = sorted(set(raw) - _CONSTRAINT_KEYS)
+    if unknown:
+        raise InputError(f"table '{name}': unknown constraint keys {unknown}; known: "
+                         f"{sorted(_CONSTRAINT_KEYS)}")
+    raw = dict(raw)
+    if raw.get("bounds_check_mode") is not None:
+        raw["bounds_check_mode"] = BoundsCheckMode(str(raw["bounds_check_mode"]).lower())
+    try:
+        return ParameterConstraints(**raw)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"table '{name}': bad constraints: {e}") from e
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="recshard-plan",
+        description="Plan how embedding tables are sharded over ranks, from a tables file.",
+    )
+    p.add_argument("tables_file", help="JSON (or YAML) list of tables")
+    p.add_argument("--world-size", type=int, default=None, help="ranks (default: file or 1)")
+    p.add_argument("--local-world-size", type=int, default=None,
+                   help="ranks per host (default: all ranks on one host)")
+    p.add_argument("--compute-device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--hbm-gb", type=float, default=None, help="HBM per rank, GiB (cuda)")
+    p.add_argument("--ddr-gb", type=float, default=None, help="DDR per rank, GiB")
+    p.add_argument("--batch-size", type=int, default=None, help="samples per rank (512)")
+    p.add_argument("--optimizer", default=None,
+                   help="fused optimizer for tables without one, e.g. exact_row_wise_adagrad")
+    p.add_argument("--dense-gb", type=float, default=0.0,
+                   help="per-rank memory reserved for the dense model, GiB (0)")
+    p.add_argument("--kjt-gb", type=float, default=None,
+                   help="per-rank memory reserved for input batches, GiB (default: estimated)")
+    p.add_argument("--balance-memory", action="store_true",
+                   help="after balancing time, even out memory (within 2%% of the best time)")
+    p.add_argument("--timeout", type=float, default=None, help="stop searching after N s")
+    p.add_argument("--max-table-rows", type=int, default=0,
+                   help="print at most N rows of the per-table table (0: all)")
+    p.add_argument("-o", "--output", default=None, help="write the plan as JSON here")
+    p.add_argument("--png", default=None, help="draw per-rank memory and time here")
+    p.add_argument("-v", "--verbose", action="store_true", help="log the planner's progress")
+    return p
+
+
+def gib(value: Optional[float]) -> Optional[float]:
+    """GiB -> bytes (None stays None)."""
+    return None if value is None else value * GIB
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("error: --png needs matplotlib (pip install matplotlib, or recshard[plot])",
+                  file=sys.stderr)
+            return 1
+    try:
+        data = read_tables_file(args.tables_file)
+        tables, constraints = parse_tables(data, args.optimizer)
+        topology = Topology(
+            world_size=args.world_size or int(data.get("world_size", 1)),
+            compute_device=args.compute_device, hbm_cap=gib(args.hbm_gb),
+            ddr_cap=gib(args.ddr_gb), local_world_size=args.local_world_size,
+        )
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    planner = EmbeddingShardingPlanner(
+        topology=topology, batch_size=args.batch_size or int(data.get("batch_size", 512)),
+        storage_reservation=StorageReservation(gib(args.dense_gb), gib(args.kjt_gb)),
+        partitioner=MemoryBalancedPartitioner() if args.balance_memory else GreedyPerfPartitioner(),
+        constraints=constraints, debug=False, timeout_seconds=args.timeout,
+    )
+    try:
+        plan = planner.plan_tables(tables)
+    except PlannerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    stats = planner.last_stats
+    assert stats is not None
+    print(stats.format(args.max_table_rows))
+    if args.output:
+        save_plan(plan, args.output, metadata=_metadata(stats))
+        print(f"plan written to {args.output}")
+    if args.png:
+        draw_png(stats, args.png)
+        print(f"chart written to {args.png}")
+    return 0
+
+
+def _metadata(stats: PlannerStats) -> Dict[str, Any]:
+    return {"world_size": stats.world_size, "local_world_size": stats.local_world_size,
+            "compute_device": stats.compute_device, "batch_size": stats.batch_size,
+            "estimated_max_rank_ms": stats.max_time, "estimated_mean_rank_ms": stats.mean_time,
+            "imbalance": stats.imbalance, "generator": "recshard-plan"}
+
+
+def draw_png(stats: PlannerStats, path: str) -> None:
+    """Bar charts of per-rank memory (GiB, with capacity) and estimated time (ms, by part)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = [r.rank for r in stats.ranks]
+    fig, (mem_ax, time_ax) = plt.subplots(2, 1, figsize=(max(6, len(ranks) * 0.25), 7))
+    hbm = [r.hbm / GIB for r in stats.ranks]
+    ddr = [r.ddr / GIB for r in stats.ranks]
+    mem_ax.bar(ranks, hbm, label="HBM")
+    mem_ax.bar(ranks, ddr, bottom=hbm, label="DDR")
+    mem_ax.set_ylabel("GiB for tables")
+    mem_ax.set_title("memory per rank")
+    mem_ax.legend()
+    bottom = [0.0] * len(ranks)
+    for part in ("fwd_compute", "fwd_comms", "bwd_compute", "bwd_comms", "input_dist"):
+        values = [getattr(r, part) for r in stats.ranks]
+        time_ax.bar(ranks, values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    time_ax.set_ylabel("estimated ms per step")
+    time_ax.set_xlabel("rank")
+    time_ax.set_title(f"estimated time per rank (imbalance {stats.imbalance:.3f})")
+    time_ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

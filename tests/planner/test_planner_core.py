@@ -1,0 +1,184 @@
+"""The planner on table metadata: feasibility, coverage, constraints, balance, errors."""
+
+from __future__ import annotations
+
+import pytest
+from planner_cases import assert_feasible_and_complete, random_tables
+
+from recshard.planner import (
+    EmbeddingShardingPlanner,
+    GreedyProposer,
+    GridSearchProposer,
+    MemoryBalancedPartitioner,
+    ParameterConstraints,
+    PlannerError,
+    StorageReservation,
+    TableMeta,
+    Topology,
+    UniformProposer,
+)
+from recshard.planner.types import GIB
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    "world, local, device, hbm_gb, ddr_gb",
+    [(4, 4, "cpu", None, 8.0), (8, 4, "cuda", 4.0, 64.0), (6, 3, "cuda", 2.0, 16.0)],
+)
+def test_random_tables_fit_and_are_all_planned(seed, world, local, device, hbm_gb, ddr_gb):
+    tables = random_tables(40, seed=seed)
+    topo = Topology(world, device, hbm_cap=hbm_gb and hbm_gb * GIB, ddr_cap=ddr_gb * GIB,
+                    local_world_size=local)
+    planner = EmbeddingShardingPlanner(topo, batch_size=256, debug=False)
+    plan = planner.plan_tables(tables)
+    assert_feasible_and_complete(planner, plan, tables)
+    for entries in plan.plan.values():
+        for ps in entries.values():
+            ranks = [s.rank for s in ps.shards] if ps.shards else ps.ranks
+            if ps.sharding_type in ("table_row_wise", "table_column_wise"):
+                assert len({r // local for r in ranks}) == 1, ps  # one host
+            if ps.sharding_type == "row_wise":
+                assert ranks == list(range(world))
+
+
+def test_memory_pressure_moves_tables_to_uvm():
+    tables = [TableMeta(f"big{i}", 4_000_000, 128, optimizer="adam") for i in range(4)]
+    topo = Topology(2, "cuda", hbm_cap=3 * GIB, ddr_cap=64 * GIB)
+    planner = EmbeddingShardingPlanner(topo, debug=False)
+    plan = planner.plan_tables(tables)
+    assert_feasible_and_complete(planner, plan, tables)
+    kernels = {ps.compute_kernel for ps in plan.plan[""].values()}
+    assert kernels & {"fused_uvm", "fused_uvm_caching"}
+
+
+def test_constraints_are_honored():
+    tables = random_tables(12, seed=3)
+    constraints = {
+        "t0": ParameterConstraints(sharding_types=["row_wise"]),
+        "t1": ParameterConstraints(sharding_types=["column_wise"], min_partition=32),
+        "t2": ParameterConstraints(compute_kernels=["dense"]),
+        "t3": ParameterConstraints(sharding_types=["table_wise", "data_parallel"]),
+        "t4": ParameterConstraints(sharding_types=["table_column_wise"], min_partition=16),
+        "t5": ParameterConstraints(compute_kernels=["fused_uvm_caching"],
+                                   cache_params={"load_factor": 0.5}),
+        "t6": ParameterConstraints(enforce_hbm=True),
+    }
+    topo = Topology(8, "cuda", local_world_size=4)
+    planner = EmbeddingShardingPlanner(topo, constraints=constraints, debug=False)
+    plan = planner.plan_tables(tables)
+    entries = plan.plan[""]
+    assert entries["t0"].sharding_type == "row_wise"
+    t1 = entries["t1"]
+    assert t1.sharding_type == "column_wise"
+    assert all(s.shard_sizes[1] >= 32 for s in t1.shards)
+    assert entries["t2"].compute_kernel == "dense"
+    assert entries["t3"].sharding_type in ("table_wise", "data_parallel")
+    t4 = entries["t4"]
+    assert t4.sharding_type == "table_column_wise"
+    assert all(s.shard_sizes[1] >= 16 for s in t4.shards)
+    assert len({s.rank // 4 for s in t4.shards}) == 1
+    assert entries["t5"].compute_kernel == "fused_uvm_caching"
+    assert entries["t5"].cache_params == {"load_factor": 0.5}
+    assert entries["t6"].compute_kernel not in ("fused_uvm", "fused_uvm_caching")
+
+
+def test_min_partition_sets_column_shard_counts():
+    table = TableMeta("wide", 1000, 256)
+    topo = Topology(16)
+    for min_partition, most in [(64, 4), (32, 8), (100, 2)]:
+        planner = EmbeddingShardingPlanner(
+            topo, debug=False,
+            constraints={"wide": ParameterConstraints(sharding_types=["column_wise"],
+                                                      min_partition=min_partition)},
+        )
+        from recshard.planner import EmbeddingEnumerator
+
+        space = EmbeddingEnumerator(topo, constraints=planner.constraints).enumerate_tables([table])
+        counts = sorted({o.num_shards for o in space[0]})
+        assert counts[-1] == most and all(256 // n >= min_partition for n in counts)
+
+
+def test_similar_tables_balance_within_ten_percent():
+    tables = [TableMeta(f"t{i}", 100_000 + 1000 * i, 64 + 8 * (i % 3), pooling_factors=[10.0])
+              for i in range(100)]
+    planner = EmbeddingShardingPlanner(Topology(8), debug=False)
+    planner.plan_tables(tables)
+    assert planner.last_stats.imbalance <= 1.1
+
+
+def test_random_set_balance_and_stats():
+    tables = random_tables(200, seed=5)
+    planner = EmbeddingShardingPlanner(Topology(16, "cuda", local_world_size=8), debug=False)
+    planner.plan_tables(tables)
+    stats = planner.last_stats
+    assert stats.imbalance <= 1.1
+    assert len(stats.ranks) == 16 and len(stats.tables) == 200
+    assert sum(r.num_shards for r in stats.ranks) >= 200
+    text = stats.format()
+    assert "imbalance" in text and "t199" in text and "HBM GiB" in text
+
+
+def test_infeasible_raises_planner_error_with_details():
+    tables = [TableMeta("huge", 100_000_000, 128, optimizer="adam"), TableMeta("small", 10, 8)]
+    planner = EmbeddingShardingPlanner(Topology(2, ddr_cap=8 * GIB), debug=False)
+    with pytest.raises(PlannerError) as info:
+        planner.plan_tables(tables)
+    text = str(info.value)
+    assert "no sharding plan fits" in text
+    assert "huge (100000000 x 128, adam): fused" in text
+    assert "8.000 GiB DDR" in text  # the capacity that fell short
+    assert "DDR fell short" in text
+
+
+def test_no_allowed_option_names_the_table():
+    tables = [TableMeta("t", 100, 16, sharding_types=["table_wise"])]
+    planner = EmbeddingShardingPlanner(
+        Topology(2), debug=False,
+        constraints={"t": ParameterConstraints(sharding_types=["row_wise"])},
+    )
+    with pytest.raises(PlannerError, match="table 't': no sharding type"):
+        planner.plan_tables(tables)
+
+
+def test_reservation_is_explicit_and_reported():
+    tables = random_tables(10, seed=1)
+    topo = Topology(2, ddr_cap=4 * GIB)
+    planner = EmbeddingShardingPlanner(
+        topo, storage_reservation=StorageReservation(dense_bytes=GIB, kjt_bytes=0.5 * GIB),
+        debug=False,
+    )
+    planner.plan_tables(tables)
+    stats = planner.last_stats
+    assert stats.ranks[0].ddr_cap == pytest.approx(2.5 * GIB)
+    assert stats.reserved_dense_bytes == GIB and stats.reserved_kjt_bytes == 0.5 * GIB
+    with pytest.raises(PlannerError, match="reservation alone does not fit"):
+        EmbeddingShardingPlanner(
+            topo, storage_reservation=StorageReservation(dense_bytes=5 * GIB), debug=False
+        ).plan_tables(tables)
+
+
+@pytest.mark.parametrize("proposer", [UniformProposer(), GridSearchProposer(), GreedyProposer(2)])
+def test_each_proposer_alone_finds_a_plan(proposer):
+    tables = random_tables(3, seed=7)
+    planner = EmbeddingShardingPlanner(Topology(4), proposer=proposer, debug=False)
+    plan = planner.plan_tables(tables)
+    assert_feasible_and_complete(planner, plan, tables)
+
+
+def test_memory_balanced_partitioner_keeps_time_and_evens_memory():
+    tables = random_tables(60, seed=11)
+    topo = Topology(8, "cuda")
+    greedy = EmbeddingShardingPlanner(topo, debug=False)
+    greedy.plan_tables(tables)
+    balanced = EmbeddingShardingPlanner(topo, partitioner=MemoryBalancedPartitioner(), debug=False)
+    plan = balanced.plan_tables(tables)
+    assert_feasible_and_complete(balanced, plan, tables)
+    assert balanced.last_stats.max_time <= greedy.last_stats.max_time * 1.02 + 1e-9
+    assert balanced.last_stats.memory_imbalance <= greedy.last_stats.memory_imbalance + 1e-9
+
+
+def test_duplicate_table_is_an_error():
+    with pytest.raises(PlannerError, match="appears twice"):
+        EmbeddingShardingPlanner(Topology(2), debug=False).plan_tables(
+            [TableMeta("t", 10, 8), TableMeta("t", 10, 8)]
+        )
