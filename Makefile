@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/python -m examples.dlrm.launch --nproc 2 -- --demo
+	$(BIN)/torchrun --standalone --nproc_per_node 2 -m examples.dlrm.train --demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
