@@ -73,10 +73,13 @@ _SPLITS: Dict[str, int | None] = {
 }
 
 
-def _compare(rank: int, world_size: int, plan: dict, label: str) -> nn.Module:
+def _compare(
+    rank: int, world_size: int, plan: dict, label: str, pg: dist.ProcessGroup | None = None
+) -> nn.Module:
+    rank, world_size = dist.get_rank(pg), dist.get_world_size(pg)
     torch.manual_seed(41)
     ref = _Block()
-    model = parallelize_module(copy.deepcopy(ref), None, plan)
+    model = parallelize_module(copy.deepcopy(ref), pg, plan)
     upstream = seeded(42, 2, SEQ, VOCAB)
     expected = _run(ref, upstream)
     out = _run(model, upstream)
@@ -98,6 +101,10 @@ def check_tensor_parallel_plan(rank: int, world_size: int) -> None:
         "head": ColwiseParallel(output_layouts=Replicate()),
     }
     model = _compare(rank, world_size, plan, "TP")
+    if world_size == 4:  # two independent tensor-parallel groups of 2
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        sub = _compare(rank, world_size, plan, "TP subgroup", groups[rank // 2])
+        assert sub.w1.world_size == 2 and sub.w1.pg is groups[rank // 2]
     assert isinstance(model.emb, VocabParallelEmbedding) and isinstance(
         model.w1, ColumnParallelLinear
     )
