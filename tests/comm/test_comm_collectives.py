@@ -16,6 +16,12 @@ from comm_helpers import assert_close, reference_grads, seeded
 from multiprocess import run_ranks
 
 from recshard.comm import (
+    EmbeddingsAllToOne,
+    EmbeddingsAllToOneReduce,
+    PooledEmbeddingsAllGather,
+    PooledEmbeddingsAllToAll,
+    PooledEmbeddingsReduceScatter,
+    VariableBatchPooledEmbeddingsAllToAll,
     all_gather_base_pooled,
     alltoall_pooled,
     alltoallv,
@@ -140,6 +146,42 @@ def _variable_batch_case(ws: int, seed: int) -> Case:
     return Case("variable_batch", lambda r: seeded(seed + r, size(r)), run, reference)
 
 
+def _module_cases(ws: int, seed: int) -> List[Case]:
+    """The dist modules: callbacks, unequal batches, and that they pick the right collective."""
+    pg = dist.group.WORLD
+    batch, dims = [1, 3, 0, 2][:ws], [2, 1, 2, 3][:ws]
+    a2a = _pooled_case("module_a2a", ws, batch, dims, seed)
+    splits = [3, 1, 0, 2][:ws]
+    rs = _reduce_scatter_cases(ws, seed + 10)[1]  # reduce-scatter-v over [2, 0, 3, 1]
+    vb = _variable_batch_case(ws, seed + 20)
+    return [
+        a2a._replace(run=lambda x: PooledEmbeddingsAllToAll(pg, dims, callbacks=[lambda t: 2 * t])(
+            x, batch).wait(),
+                     reference=lambda xs: [2 * o for o in a2a.reference(xs)]),
+        rs._replace(name="module_rs_v",
+                    run=lambda x: PooledEmbeddingsReduceScatter(pg)(x, [2, 0, 3, 1][:ws]).wait()),
+        Case("module_rs_equal", lambda r: seeded(seed + 30 + r, 2 * ws, 2),
+             lambda x: PooledEmbeddingsReduceScatter(pg)(x, [2] * ws).wait(),
+             lambda xs: list(torch.stack(xs).sum(0).chunk(ws))),
+        Case("module_all_gather", lambda r: seeded(seed + 40 + r, splits[0], 2),
+             lambda x: PooledEmbeddingsAllGather(pg)(x).wait(), lambda xs: [torch.cat(xs)] * ws),
+        vb._replace(name="module_variable_batch", run=lambda x: _run_variable_batch_module(x, ws)),
+    ]
+
+
+def _run_variable_batch_module(x: torch.Tensor, ws: int) -> torch.Tensor:
+    features = [[0, 1], [2], [], [3, 4]][:ws]
+    dim = [2, 3, 1, 2, 4]
+    batch = [[(r + k) % 3 for k in range(5)] for r in range(ws)]
+    me = dist.get_rank()
+    module = VariableBatchPooledEmbeddingsAllToAll(
+        dist.group.WORLD, [[dim[k] for k in features[s]] for s in range(ws)])
+    return module(
+        x, [[batch[r][k] for k in features[me]] for r in range(ws)],
+        [batch[me][k] for s in range(ws) for k in features[s]],
+    ).wait()
+
+
 def _cases(ws: int) -> List[Case]:
     return [
         _pooled_case("a2a_equal", ws, [3] * ws, [2, 1, 3, 1][:ws], 100),
@@ -150,6 +192,7 @@ def _cases(ws: int) -> List[Case]:
         _all_gather_case(ws, 600),
         _alltoallv_case(ws, 700),
         _variable_batch_case(ws, 800),
+        *_module_cases(ws, 900),
     ]
 
 
@@ -200,3 +243,16 @@ def _world_size_one(rank: int, ws: int) -> None:
 
 def test_world_size_one_returns_input() -> None:
     run_ranks(1, _world_size_one, timeout=60)
+
+
+def test_embeddings_all_to_one() -> None:
+    parts = [seeded(r, 3, r + 1).requires_grad_() for r in range(3)]
+    joined = EmbeddingsAllToOne(torch.device("cpu"), world_size=3, cat_dim=1)(parts)
+    assert_close(joined, torch.cat(parts, 1), "all to one")
+    joined.sum().backward()
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in parts)
+    same = [seeded(r, 2, 2) for r in range(3)]
+    summed = EmbeddingsAllToOneReduce(torch.device("cpu"), world_size=3)(same)
+    assert_close(summed, same[0] + same[1] + same[2], "all to one reduce")
+    with pytest.raises(ValueError, match="expected 3 tensors, got 2"):
+        EmbeddingsAllToOne(torch.device("cpu"), 3, 1)(parts[:2])
