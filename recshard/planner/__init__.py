@@ -17,7 +17,13 @@ from recshard.planner.partitioners import (
     NoopPerfModel,
     PartitionResult,
 )
-from recshard.planner.plan_io import load_plan, plan_from_dict, plan_to_dict, save_plan, validate_plan
+from recshard.planner.plan_io import (
+    load_plan,
+    plan_from_dict,
+    plan_to_dict,
+    save_plan,
+    validate_plan,
+)
 from recshard.planner.planner import EmbeddingShardingPlanner
 from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
 from recshard.planner.stats import EmbeddingStats, PlannerStats

@@ -13,7 +13,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from recshard.planner.estimators import Capacity
 from recshard.planner.types import GIB, ShardingOption
@@ -51,6 +51,14 @@ class NoopPerfModel:
 
     def rate(self, result: PartitionResult) -> float:
         return max(result.perf) if result.perf else 0.0
+
+
+def memory_deficit(proposal: Sequence[ShardingOption], capacity: Capacity) -> Dict[str, float]:
+    """Bytes by which the proposal's summed HBM / DDR exceed the summed capacity (< 0: room)."""
+    return {
+        "hbm": sum(o.total_hbm for o in proposal) - sum(capacity.hbm),
+        "ddr": sum(o.total_ddr for o in proposal) - sum(capacity.ddr),
+    }
 
 
 def _fits(need: float, used: float, cap: float) -> bool:
@@ -91,6 +99,8 @@ class GreedyPerfPartitioner:
             retry = self._partition(list(proposal), capacity, "storage")
             if retry.feasible:
                 return retry
+        if not result.feasible:
+            result.extra["deficit"] = memory_deficit(result.proposal, capacity)
         return result
 
     def _partition(self, proposal: List[ShardingOption], capacity: Capacity,

@@ -167,10 +167,16 @@ def _check_cover(where: str, ps: ParameterSharding, rows: int, cols: int) -> Non
         )
 
 
-def validate_plan(plan: ShardingPlan, module: nn.Module, world_size: Optional[int] = None) -> None:
+def validate_plan(
+    plan: ShardingPlan,
+    module: nn.Module,
+    world_size: Optional[int] = None,
+    local_world_size: Optional[int] = None,
+) -> None:
     """Check that `plan` fits `module`: every planned module and table exists, every table of a
-    planned module is planned, shards tile each table exactly, kernels and types are known and
-    ranks are below `world_size`. Raises PlanValidationError naming the table."""
+    planned module is planned, shards tile each table exactly, kernels and types are known,
+    ranks are below `world_size` and table-row/column-wise shards stay in one host of
+    `local_world_size` ranks. Raises PlanValidationError naming the table."""
     tables = _module_tables(module)
     for fqn, planned in plan.plan.items():
         if fqn not in tables:
@@ -188,11 +194,11 @@ def validate_plan(plan: ShardingPlan, module: nn.Module, world_size: Optional[in
                     f"{where} is in the plan but not in the model; module '{fqn}' has tables "
                     f"{sorted(tables[fqn])}"
                 )
-            _validate_entry(where, ps, *tables[fqn][name], world_size)
+            _validate_entry(where, ps, *tables[fqn][name], world_size, local_world_size)
 
 
 def _validate_entry(where: str, ps: ParameterSharding, rows: int, cols: int,
-                    world_size: Optional[int]) -> None:
+                    world_size: Optional[int], local_world_size: Optional[int]) -> None:
     st = getattr(ps.sharding_type, "value", ps.sharding_type)
     kernel = getattr(ps.compute_kernel, "value", ps.compute_kernel)
     if st not in ALL_SHARDING_TYPES:
@@ -204,7 +210,13 @@ def _validate_entry(where: str, ps: ParameterSharding, rows: int, cols: int,
         if st == "table_wise" and len(ps.shards or []) != 1:
             raise PlanValidationError(f"{where}: table-wise needs exactly one shard")
         _check_cover(where, ps, rows, cols)
-        ranks += [s.rank for s in ps.shards or []]
+        shard_ranks = [s.rank for s in ps.shards or []]
+        if local_world_size and st in ("table_row_wise", "table_column_wise"):
+            hosts = sorted({r // local_world_size for r in shard_ranks})
+            if len(hosts) != 1:
+                raise PlanValidationError(f"{where}: {st} shards span hosts {hosts} "
+                                          f"(local_world_size {local_world_size})")
+        ranks += shard_ranks
     if world_size is not None:
         bad = sorted({r for r in ranks if not 0 <= r < world_size})
         if bad:

@@ -49,8 +49,11 @@ class GreedyProposer:
     """Local search from the least total work, guided by where the plan hurts.
 
     Starts with every table at its cheapest option (least summed shard time). While no
-    proposal fits, it shrinks the table that did not fit (or, if it cannot shrink, the table
-    using most of the short memory) to its cheapest option that needs less of that memory.
+    proposal fits: if the summed need of the short memory exceeds the summed capacity (less
+    `memory_slack`), it moves as many tables as needed to options using less of it (e.g.
+    fused -> UVM caching), cheapest extra time per byte saved first; otherwise it shrinks the
+    table that did not fit (or the biggest user of that memory) to its cheapest option with
+    smaller shards.
     Once a plan fits, each step takes the slowest rank, and moves the table that puts most
     time on it to its cheapest option whose largest shard is smaller (e.g. table-wise ->
     column-wise -> row-wise). Moves that do not lower the slowest rank's time are undone and
@@ -58,9 +61,12 @@ class GreedyProposer:
     or after `max_proposals`.
     """
 
-    def __init__(self, patience: int = 12, max_proposals: int = 2000) -> None:
+    def __init__(
+        self, patience: int = 12, max_proposals: int = 2000, memory_slack: float = 0.02
+    ) -> None:
         self.patience = patience
         self.max_proposals = max_proposals
+        self.memory_slack = memory_slack
 
     def load(self, search_space: SearchSpace) -> None:
         self._space = [_by_perf(options) for options in search_space]
@@ -93,14 +99,16 @@ class GreedyProposer:
         self._move = None
         if self._stale >= self.patience or self._count >= self.max_proposals:
             self._done = True
-            return
-        move = self._memory_move(result) if self._best is None else self._balance_move(self._best)
-        if move is None:
-            self._done = True
-            return
-        t, index = move
-        self._move = (t, self._choice[t])
-        self._choice[t] = index
+        elif self._best is None:
+            self._done = not self._memory_step(result)
+        else:
+            move = self._balance_move(self._best)
+            if move is None:
+                self._done = True
+            else:
+                t, index = move
+                self._move = (t, self._choice[t])
+                self._choice[t] = index
 
     def _cheapest_smaller(self, t: int, resource: str, per_shard: bool) -> Optional[int]:
         options = self._space[t]
@@ -117,22 +125,58 @@ class GreedyProposer:
                 return k
         return None
 
-    def _memory_move(self, result: PartitionResult) -> Optional[Tuple[int, int]]:
+    def _memory_step(self, result: PartitionResult) -> bool:
+        """Change choices so the next proposal needs less of the memory that fell short:
+        many tables at once while the total need exceeds the total capacity (+ slack), else
+        the table that did not fit. False if nothing can shrink."""
         t, resource = result.failed_index, result.failed_resource or "hbm"
         if t is None:
-            return None
+            return False
+        total = sum((o.total_hbm if resource == "hbm" else o.total_ddr) for o in result.proposal)
+        excess = result.extra.get("deficit", {}).get(resource, 0.0) + self.memory_slack * total
+        if excess > 0 and self._shrink_many(resource, excess):
+            return True
         index = self._cheapest_smaller(t, resource, per_shard=True)
-        if index is not None:
-            return t, index
-        best_t, best_use = -1, -1.0
-        for u, options in enumerate(self._space):  # shrink the biggest user of that memory
-            option = options[self._choice[u]]
-            use = option.total_hbm if resource == "hbm" else option.total_ddr
-            if use > best_use and self._cheapest_smaller(u, resource, per_shard=False) is not None:
-                best_t, best_use = u, use
-        if best_t < 0:
-            return None
-        return best_t, self._cheapest_smaller(best_t, resource, per_shard=False)  # type: ignore[return-value]
+        if index is None:  # shrink the biggest user of that memory instead
+            users = [(options[self._choice[u]].total_hbm if resource == "hbm"
+                      else options[self._choice[u]].total_ddr, u)
+                     for u, options in enumerate(self._space)]
+            for _, u in sorted(users, reverse=True):
+                index = self._cheapest_smaller(u, resource, per_shard=False)
+                if index is not None:
+                    t = u
+                    break
+        if index is None:
+            return False
+        self._choice[t] = index
+        return True
+
+    def _shrink_many(self, resource: str, need: float) -> bool:
+        """Move tables to options that use less of `resource` (HBM -> UVM, DDR -> ...) until
+        `need` bytes are freed, cheapest time per byte first. False if nothing can move."""
+        moves = []
+        for t, options in enumerate(self._space):
+            current = options[self._choice[t]]
+            use = current.total_hbm if resource == "hbm" else current.total_ddr
+            best = None
+            for k, option in enumerate(options):
+                saved = use - (option.total_hbm if resource == "hbm" else option.total_ddr)
+                if saved > 0:
+                    cost = max(0.0, option.total_perf - current.total_perf) / saved
+                    if best is None or cost < best[0]:
+                        best = (cost, saved, t, k)
+            if best is not None:
+                moves.append(best)
+        if not moves:
+            return False
+        moves.sort()
+        freed = 0.0
+        for _, saved, t, k in moves:
+            if freed >= need:
+                break
+            self._choice[t] = k
+            freed += saved
+        return True
 
     def _balance_move(self, best: PartitionResult) -> Optional[Tuple[int, int]]:
         perf = best.perf

@@ -105,7 +105,8 @@ class ParameterConstraints:
     the narrowest column shard for column-wise types (default 64). `pooling_factors`,
     `num_poolings` and `batch_sizes` are per feature (ids per bag, bags per sample, samples
     per rank). `enforce_hbm` drops the UVM kernels. `cache_params` (e.g. `{"load_factor":
-    0.2}`), `bounds_check_mode` and `stochastic_rounding` are carried into the plan.
+    0.2}`) and `bounds_check_mode` are carried into the plan; `stochastic_rounding` is accepted
+    for TorchRec compatibility but `ParameterSharding` has no field for it yet.
     """
 
     sharding_types: Optional[List[str]] = None

@@ -106,6 +106,11 @@ def test_every_sharding_type_passes_module_checks():
     env = ShardingEnv(4, 0, None, local_world_size=2)
     check_module_plan(model.sparse.ebc.embedding_bag_configs(), plan.plan["sparse.ebc"], env,
                       "EmbeddingBagCollection", pooled=True)
+    validate_plan(plan, model, world_size=4, local_world_size=2)
+    twcw = plan.plan["sparse.ebc"]["bag5"]  # table_column_wise: move a shard to the other host
+    twcw.shards[0].placement = "rank:2/cpu" if twcw.shards[1].rank < 2 else "rank:0/cpu"
+    with pytest.raises(PlanValidationError, match="bag5'.*span hosts"):
+        validate_plan(plan, model, world_size=4, local_world_size=2)
 
 
 def test_optimizer_state_from_fused_params_and_dense_reservation():

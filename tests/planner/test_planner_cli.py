@@ -1,0 +1,81 @@
+"""`recshard-plan` end to end in a subprocess: tables printed, JSON written, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from recshard.planner import load_plan
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TABLES = {
+    "optimizer": "exact_row_wise_adagrad",
+    "tables": [
+        {"name": "user", "num_embeddings": 2_000_000, "embedding_dim": 128, "pooling_factor": 1},
+        {"name": "item", "num_embeddings": 500_000, "embedding_dim": 64,
+         "feature_names": ["item", "item_hist"], "pooling_factor": [1, 20], "module": "sparse.ebc"},
+        {"name": "tiny", "num_embeddings": 100, "embedding_dim": 16, "weighted": True},
+        {"name": "wide", "num_embeddings": 10_000, "embedding_dim": 256,
+         "constraints": {"sharding_types": ["column_wise"], "min_partition": 64}},
+    ],
+}
+
+
+def _run(args, cwd):
+    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "recshard.planner", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def tables_file(tmp_path):
+    path = tmp_path / "tables.json"
+    path.write_text(json.dumps(TABLES))
+    return str(path)
+
+
+def test_cli_prints_tables_and_writes_plan(tables_file, tmp_path):
+    out = str(tmp_path / "plan.json")
+    proc = _run([tables_file, "--world-size", "4", "--local-world-size", "2",
+                 "--compute-device", "cuda", "--hbm-gb", "16", "--batch-size", "256", "-o", out],
+                tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "imbalance (max/mean)" in proc.stdout
+    assert "| rank |" in proc.stdout and "sparse.ebc.item" in proc.stdout
+    plan = load_plan(out)
+    assert set(plan.plan) == {"", "sparse.ebc"}
+    assert plan.plan[""]["wide"].sharding_type == "column_wise"
+    assert len(plan.plan[""]["wide"].shards) in (2, 4)
+    data = json.loads(open(out).read())
+    assert data["version"] == 1 and data["metadata"]["world_size"] == 4
+
+
+def test_cli_exit_2_when_nothing_fits(tables_file, tmp_path):
+    proc = _run([tables_file, "--world-size", "2", "--ddr-gb", "0.5"], tmp_path)
+    assert proc.returncode == 2
+    assert "no sharding plan fits" in proc.stderr and "user (2000000 x 128" in proc.stderr
+
+
+def test_cli_bad_input_names_the_table(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([{"name": "t", "num_embeddings": 10, "embedding_dim": 4,
+                                 "pooling": 3}]))
+    proc = _run([str(path)], tmp_path)
+    assert proc.returncode == 1
+    assert "table 't': unknown keys ['pooling']" in proc.stderr
+
+
+def test_cli_png_without_matplotlib_says_so(tables_file, tmp_path):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        proc = _run([tables_file, "--png", str(tmp_path / "p.png")], tmp_path)
+        assert proc.returncode == 1 and "needs matplotlib" in proc.stderr
+    else:
+        proc = _run([tables_file, "--png", str(tmp_path / "p.png")], tmp_path)
+        assert proc.returncode == 0 and os.path.getsize(tmp_path / "p.png") > 0
