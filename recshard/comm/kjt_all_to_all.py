@@ -128,7 +128,9 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         self._output_splits = {"lengths": strides.sum(1).tolist(), "values": counts.sum(1).tolist()}
         if "weights" in tensors:
             self._output_splits["weights"] = self._output_splits["values"]
-        self._segment_strides, self._segment_counts = strides.reshape(-1), counts.reshape(-1)
+        device = tensors["lengths"].device if tensors else torch.device("cpu")
+        self._segment_strides = strides.reshape(-1).to(device)
+        self._segment_counts = counts.reshape(-1).to(device)
         self._pending: Dict[str, Pending] = {}
         for label, tensor in tensors.items():
             if world_size == 1:
@@ -153,7 +155,8 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         return self.stride_per_rank
 
     def _segment_recat(self) -> torch.Tensor:
-        return _get_recat(len(self._keys), self._world_size, self._stagger)
+        device = self._segment_strides.device
+        return _get_recat(len(self._keys), self._world_size, self._stagger, device)
 
     @property
     def recat(self) -> torch.Tensor:
@@ -212,7 +215,7 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         self._rank, world_size = dist.get_rank(pg), dist.get_world_size(pg)
         self._input_error = input_error or _check_input(kjt, splits)
         width = _FIXED + 2 * max(splits, default=0) + _MSG_WORDS
-        sent = torch.zeros(world_size, width, dtype=torch.int64)
+        sent = torch.zeros(world_size, width, dtype=torch.int64)  # built on the host
         self._tensors: Dict[str, torch.Tensor] = {}
         self._input_splits: Dict[str, List[int]] = {}
         self._keys: List[str] = []
@@ -221,10 +224,12 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             sent[:, width - _MSG_WORDS:] = _encode_message(self._input_error)
         else:
             self._fill(sent, kjt)
-        self._received = sent if world_size == 1 else torch.empty_like(sent)
-        self._work = None if world_size == 1 else dist.all_to_all_single(
-            self._received, sent, group=pg, async_op=True
-        )
+        if world_size == 1:
+            self._received, self._work = sent, None
+        else:  # NCCL needs device tensors; gloo takes host ones
+            sent = sent.to(kjt.values().device if dist.get_backend(pg) == "nccl" else "cpu")
+            self._received = torch.empty_like(sent)
+            self._work = dist.all_to_all_single(self._received, sent, group=pg, async_op=True)
 
     def _fill(self, sent: torch.Tensor, kjt: KeyedJaggedTensor) -> None:
         """Metadata rows (one per destination) and the tensors to send in stage 2."""
@@ -254,7 +259,7 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
     def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
         if self._work is not None:
             self._work.wait()
-        received = self._received
+        received = self._received.cpu()
         rejected = received[:, _REJECTED].nonzero().flatten().tolist()
         if self._input_error is not None:
             raise ValueError(self._input_error)
