@@ -70,7 +70,7 @@ def bench_pooled(sizes: List[tuple], repeats: int) -> None:
             codecs = QuantizedCommCodecs(codec, codec) if codec else None
             a2a = PooledEmbeddingsAllToAll(dist.group.WORLD, [dim] * ws, codecs=codecs)
 
-            def run(a2a: PooledEmbeddingsAllToAll = a2a) -> torch.Tensor:
+            def run(a2a: PooledEmbeddingsAllToAll = a2a, embs: torch.Tensor = embs) -> torch.Tensor:
                 return a2a(embs).wait()
 
             seconds, payload = _timed(run, repeats), _payload(run)

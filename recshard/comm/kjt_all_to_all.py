@@ -101,6 +101,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
       - `stride_per_rank`: each source rank's batch size, by rank
       - `stride_per_key_per_rank`: `[F_local][W]` batch size of each local key from each rank
       - `recat`: rank-major -> feature-major permute (see `_get_recat`)
+      - `variable_stride`: batch sizes differ per rank or per key (then `recat` is per bag)
       - `values_per_key_per_rank`: `[F_local][W]` ids of each local key from each rank
     """
 
@@ -123,8 +124,8 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         counts = received[:, _FIXED + num_local: _FIXED + 2 * num_local]
         self.stride_per_key_per_rank: List[List[int]] = strides.t().tolist()
         self.values_per_key_per_rank: List[List[int]] = counts.t().tolist()
-        self.variable_stride = bool(received[:, _VBE].any()) or len(set(self.stride_per_rank)) > 1
-        self._vbe = bool(received[:, _VBE].any())
+        self._vbe = bool(received[:, _VBE].any())  # some rank has a batch size per key
+        self.variable_stride = self._vbe or len(set(self.stride_per_rank)) > 1
         self._output_splits = {"lengths": strides.sum(1).tolist(), "values": counts.sum(1).tolist()}
         if "weights" in tensors:
             self._output_splits["weights"] = self._output_splits["values"]
@@ -140,7 +141,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
                     tensor, input_splits[label], self._output_splits[label], pg,
                     name=f"kjt_all_to_all_{label}",
                 )
-        self._recat: Optional[torch.Tensor] = None
+        self._recat_cache: Optional[torch.Tensor] = None
 
     @property
     def input_splits(self) -> Dict[str, List[int]]:
@@ -160,13 +161,15 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
 
     @property
     def recat(self) -> torch.Tensor:
-        """Segment-level permute for equal batch sizes, else bag-level (TorchRec's `_recat`)."""
-        if self._recat is None:
+        """Segment-level permute when every rank has one batch size, else bag-level."""
+        if self._recat_cache is None:
             segment = self._segment_recat()
-            self._recat = (
+            self._recat_cache = (
                 _expand(segment, self._segment_strides) if self.variable_stride else segment
             )
-        return self._recat
+        return self._recat_cache
+
+    _recat = recat  # TorchRec's attribute name
 
     def _wait_impl(self) -> KeyedJaggedTensor:
         got = {label: pending.wait() for label, pending in self._pending.items()}
@@ -213,7 +216,7 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         super().__init__()
         self._pg, self._splits, self._stagger = pg, splits, stagger
         self._rank, world_size = dist.get_rank(pg), dist.get_world_size(pg)
-        self._input_error = input_error or _check_input(kjt, splits)
+        self._input_error = input_error if input_error is not None else _check_input(kjt, splits)
         width = _FIXED + 2 * max(splits, default=0) + _MSG_WORDS
         sent = torch.zeros(world_size, width, dtype=torch.int64)  # built on the host
         self._tensors: Dict[str, torch.Tensor] = {}
