@@ -13,6 +13,20 @@ from recshard.comm.codecs import (  # noqa: F401
     codecs_from_registry,
     get_qcomm_codecs_registry,
 )
+from recshard.comm.dist_data import (  # noqa: F401
+    EmbeddingsAllToOne,
+    EmbeddingsAllToOneReduce,
+    PooledEmbeddingsAllGather,
+    PooledEmbeddingsAllToAll,
+    PooledEmbeddingsReduceScatter,
+    SequenceEmbeddingsAllToAll,
+    VariableBatchPooledEmbeddingsAllToAll,
+)
+from recshard.comm.kjt_all_to_all import (  # noqa: F401
+    KJTAllToAll,
+    KJTAllToAllSplitsAwaitable,
+    KJTAllToAllTensorsAwaitable,
+)
 from recshard.comm.ops import (  # noqa: F401
     all_gather_base_pooled,
     alltoall_pooled,
@@ -28,18 +42,4 @@ from recshard.comm.request import (  # noqa: F401
     get_gradient_division,
     reset_comm_payload_bytes,
     set_gradient_division,
-)
-from recshard.comm.dist_data import (  # noqa: F401
-    EmbeddingsAllToOne,
-    EmbeddingsAllToOneReduce,
-    PooledEmbeddingsAllGather,
-    PooledEmbeddingsAllToAll,
-    PooledEmbeddingsReduceScatter,
-    SequenceEmbeddingsAllToAll,
-    VariableBatchPooledEmbeddingsAllToAll,
-)
-from recshard.comm.kjt_all_to_all import (  # noqa: F401
-    KJTAllToAll,
-    KJTAllToAllSplitsAwaitable,
-    KJTAllToAllTensorsAwaitable,
 )
