@@ -1,0 +1,1 @@
+"""Runnable examples built on recshard (`python -m examples.dlrm.train --help`)."""
