@@ -1,0 +1,192 @@
+"""ShardedEmbeddingCollection: an EmbeddingCollection whose tables live on many ranks.
+
+forward = input_dist (the sharded EBC's: check the batch, permute it once into wire order,
+route ids with two-stage all-to-alls) -> compute (sequence lookups, one row per id) ->
+output_dist (sequence all-to-alls back), each step asynchronous. The result is
+`{feature: JaggedTensor}` like the unsharded module's: values `[N_f, D]` in the input's id
+order, the input's lengths, keys in the module's feature order, ids as weights when
+`need_indices`. Column shards of a feature are joined along dim 1 in column order.
+
+Tables may have different dims (TorchRec requires one): see `recshard/sharding/sequence.py`.
+Gradient convention as the sharded EBC: updates use the mean over ranks of the gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from recshard.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from recshard.distributed.module_state import ShardedTablesMixin
+from recshard.distributed.plan_checks import SEQUENCE_TYPES, check_module_plan
+from recshard.modules.embedding_modules import EmbeddingCollection
+from recshard.modules.input_checks import check_dtypes_and_weights, check_features, check_ids
+from recshard.sharding.common import EmbeddingSharding, TableSpec
+from recshard.sharding.sequence import build_sequence_shardings
+from recshard.sparse import JaggedTensor, KeyedJaggedTensor
+from recshard.types import (
+    Awaitable,
+    EmbeddingModuleShardingPlan,
+    LazyAwaitable,
+    ModuleSharder,
+    ShardedModule,
+    ShardingEnv,
+)
+
+# (sharding name, position among its output columns) of every piece of a feature, by column
+_Pieces = List[Tuple[str, int]]
+
+
+class _JaggedDictAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
+    """Waits every sharding's sequence all-to-all, cuts the rows per feature and joins the
+    column shards of each feature."""
+
+    def __init__(
+        self, pending: Dict[str, Awaitable[torch.Tensor]], features: KeyedJaggedTensor,
+        module: ShardedEmbeddingCollection,
+    ) -> None:
+        super().__init__()
+        self._pending, self._features, self._module = pending, features, module
+
+    def _wait_impl(self) -> Dict[str, JaggedTensor]:
+        module, inputs = self._module, self._features.to_dict()
+        ids_per_feature = dict(zip(self._features.keys(), self._features.length_per_key()))
+        chunks: Dict[str, List[torch.Tensor]] = {}
+        for name, pending in self._pending.items():
+            sizes = [ids_per_feature[f] for f in module._shardings[name].input_features]
+            chunks[name] = list(pending.wait().split(sizes))
+        out: Dict[str, JaggedTensor] = {}
+        for feature, pieces in module._pieces.items():
+            parts = [chunks[name][k] for name, k in pieces]
+            jt = inputs[feature]
+            out[feature] = JaggedTensor(
+                parts[0] if len(parts) == 1 else torch.cat(parts, dim=1),
+                weights=jt.values() if module._need_indices else None,
+                lengths=jt.lengths(), offsets=jt.offsets(),
+            )
+        return out
+
+
+class ShardedEmbeddingCollection(ShardedTablesMixin, ShardedModule):
+    """Sharded twin of `EmbeddingCollection` (DP, TW, CW, RW), built by
+    `EmbeddingCollectionSharder`."""
+
+    _tables_attr = "embeddings"
+    _owner = "ShardedEmbeddingCollection"
+
+    def __init__(
+        self,
+        module: EmbeddingCollection,
+        table_plans: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        super().__init__()
+        self.env = env
+        self._device = torch.device(device or "cpu")
+        configs = module.embedding_configs()
+        check_module_plan(configs, table_plans, env, "EmbeddingCollection", pooled=False)
+        self._configs = configs
+        self._need_indices = module.need_indices()
+        self._is_weighted = False
+        self._feature_names = [f for c in configs for f in c.feature_names]
+        self._feature_to_table = {f: (c.name, c.num_embeddings) for c in configs for f in c.feature_names}
+        specs = [TableSpec(c, table_plans[c.name], dict(fused_params or {})) for c in configs]
+        self._shardings: Dict[str, EmbeddingSharding] = build_sequence_shardings(
+            specs, env, self._device, qcomm_codecs_registry
+        )
+        for name, sharding in self._shardings.items():
+            self.add_module(f"sharding_{name}", sharding)
+        self._wire_features = [f for s in self._shardings.values() for f in s.input_features]
+        self._wire_splits = [len(s.input_features) for s in self._shardings.values()]
+        self._pieces = self._feature_pieces()
+        self._permute_cache: Dict[Tuple[str, ...], torch.Tensor] = {}
+        self._init_from(module)
+
+    def _feature_pieces(self) -> Dict[str, _Pieces]:
+        """Per module feature, where its column pieces come from, in column order."""
+        found: Dict[str, List[Tuple[int, str, int]]] = {f: [] for f in self._feature_names}
+        for name, sharding in self._shardings.items():
+            for k, (feature, col_offset, _) in enumerate(sharding.output_columns):
+                found[feature].append((col_offset, name, k))
+        return {f: [(name, k) for _, name, k in sorted(p)] for f, p in found.items()}
+
+    # The wire order and the input dist are the sharded EBC's, step for step.
+    _wire_permutation = ShardedEmbeddingBagCollection._wire_permutation
+
+    # ---------------------------------------------------------------- sharded module steps
+
+    def create_context(self) -> Dict[str, Any]:
+        return {}
+
+    def _reject_reason(self, features: KeyedJaggedTensor) -> Optional[str]:
+        try:
+            check_features(features, self._feature_names, self._owner)
+            check_dtypes_and_weights(features, False, self._owner)
+            check_ids(features, self._feature_to_table, self._owner)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def input_dist(
+        self, ctx: Dict[str, Any], features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[List[KeyedJaggedTensor]]]:
+        """Check the batch, permute it into wire order once, start every sharding's dist.
+
+        A rejected batch rides along in the splits exchange, so every rank raises at the
+        first wait (see `ShardedEmbeddingBagCollection.input_dist`).
+        """
+        ctx["features"] = features
+        return ShardedEmbeddingBagCollection.input_dist(self, ctx, features)
+
+    def compute(self, ctx: Dict[str, Any], dist_input: List[KeyedJaggedTensor]) -> List[torch.Tensor]:
+        return [s.compute(kjt) for s, kjt in zip(self._shardings.values(), dist_input)]
+
+    def output_dist(
+        self, ctx: Dict[str, Any], output: List[torch.Tensor]
+    ) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+        pending = {
+            name: s.output_dist(local, ctx)
+            for (name, s), local in zip(self._shardings.items(), output)
+        }
+        return _JaggedDictAwaitable(pending, ctx["features"], self)
+
+    def embedding_configs(self):  # noqa: ANN201 - mirrors the unsharded module
+        return self._configs
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+
+class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
+    """Data-parallel, table-wise, column-wise and row-wise, on CPU and CUDA."""
+
+    @property
+    def module_type(self) -> type:
+        return EmbeddingCollection
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return sorted(t.value for t in SEQUENCE_TYPES)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        from recshard.distributed.sharders import _kernels  # sharders.py imports this module
+
+        return _kernels(sharding_type, compute_device_type)
+
+    def shardable_parameters(self, module: EmbeddingCollection) -> Dict[str, nn.Parameter]:
+        return {name: emb.weight for name, emb in module.embeddings.items()}
+
+    def shard(
+        self,
+        module: EmbeddingCollection,
+        params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+    ) -> ShardedEmbeddingCollection:
+        return ShardedEmbeddingCollection(
+            module, params, env, device, self.fused_params, self.qcomm_codecs_registry
+        )

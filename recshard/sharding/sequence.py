@@ -1,0 +1,217 @@
+"""Sequence (unpooled) shardings for EmbeddingCollection: one embedding row per id.
+
+The routing of ids is the pooled shardings' (`placed.py`, `row_wise.py`); what differs is the
+way back. A sequence sharding looks up `[N_recv, D]` (one row per id it received) and the
+`SequenceEmbeddingsAllToAll` reverses the ids' all-to-all, so each rank gets `[N_sent, D]`:
+one row per id it sent, in the order it sent them. Row-wise shardings bucketize with
+`sequence=True` and apply the unbucketize permutation afterwards, restoring the order of the
+ids before bucketization.
+
+One sequence all-to-all moves rows of one width and dtype, so TorchRec requires every table
+of an EmbeddingCollection to share one dim. recshard instead builds one sharding per
+(sharding kind, row width, dtype): a collection with dims 4 and 8 runs two all-to-alls per
+kind, and the column shards of a table split unevenly (widths 3, 3, 2) travel in the
+all-to-all of their own width. Data-parallel tables are grouped the same way, because a
+sequence lookup stacks the rows of all its tables into one `[N, D]` tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from recshard import ops
+from recshard.comm import KJTAllToAll, SequenceEmbeddingsAllToAll
+from recshard.comm.codecs import CommOp, QuantizedCommCodecs, codecs_from_registry
+from recshard.lookup.grouped import GroupedLookup, lookup_order
+from recshard.lookup.tables import LocalTable
+from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE
+from recshard.shard_geometry import row_block_size
+from recshard.sharding.common import EmbeddingSharding, TableSpec
+from recshard.sharding.data_parallel import DataParallelPooledSharding
+from recshard.sparse import KeyedJaggedTensor
+from recshard.types import Awaitable, EmbeddingComputeKernel, ShardingEnv, ShardingType
+
+_PLACED = {ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE}
+
+
+class _SequenceSharding(EmbeddingSharding):
+    """Shared by the model-parallel sequence shardings: KJT all-to-all of ids, lookup of
+    `[N_recv, width]`, sequence all-to-all back. Subclasses set `input_features`,
+    `output_columns`, `lookup`, `_features_per_rank`, and route ids in `_route`."""
+
+    def __init__(
+        self, env: ShardingEnv, name: str, width: int, dtype: torch.dtype,
+        codecs: Optional[QuantizedCommCodecs],
+    ) -> None:
+        super().__init__(env)
+        self.name, self.width, self.dtype, self._codecs = name, width, dtype, codecs
+
+    def _make_dists(self, features_per_rank: List[int]) -> None:
+        self._kjt_a2a = KJTAllToAll(self.env.pg, features_per_rank)
+        self._seq_a2a = SequenceEmbeddingsAllToAll(self.env.pg, features_per_rank,
+                                                   codecs=self._codecs)
+
+    def _route(self, features: KeyedJaggedTensor, state: Dict[str, Any]) -> KeyedJaggedTensor:
+        return features
+
+    def input_dist(
+        self, features: KeyedJaggedTensor, ctx: Dict[str, Any], input_error: Optional[str]
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        """Send the ids; keep the all-to-all's metadata (splits, recat) and the received
+        lengths in `ctx[self.name]`, for the way back."""
+        state: Dict[str, Any] = ctx.setdefault(self.name, {})
+        routed = self._route(features, state) if input_error is None else features
+
+        def keep_received(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+            state["received_lengths"] = kjt.lengths()
+            return kjt
+
+        def keep_metadata(tensors: Awaitable[KeyedJaggedTensor]) -> Awaitable[KeyedJaggedTensor]:
+            state["a2a"] = tensors
+            tensors.callbacks.append(keep_received)
+            return tensors
+
+        splits = self._kjt_a2a(routed, input_error=input_error)
+        splits.callbacks.append(keep_metadata)
+        return splits
+
+    def compute(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """`[N_recv, width]`. A rank holding no rows of these tables receives no ids and
+        gives `[0, width]` without a lookup (fbgemm 1.8's CPU TBE rejects a kernel whose
+        tables are all empty, as a row-wise table with fewer rows than ranks has)."""
+        if all(t.rows == 0 for t in self.lookup.tables):
+            local = torch.zeros(0, self.width, dtype=self.dtype, device=features.values().device)
+            return local.requires_grad_(torch.is_grad_enabled())
+        return super().compute(features)
+
+    def output_dist(self, local: torch.Tensor, ctx: Dict[str, Any]) -> Awaitable[torch.Tensor]:
+        """`[N_recv, width]` -> `[N_sent, width]`, rows in the order this rank sent its ids."""
+        state = ctx[self.name]
+        a2a = state["a2a"]
+        return self._seq_a2a(
+            local, state["received_lengths"], a2a.input_splits["values"],
+            a2a.output_splits["values"], unbucketize_permute_tensor=state.get("unbucketize"),
+            batch_size_per_rank=a2a.stride_per_rank, sparse_features_recat=a2a.recat,
+        )
+
+
+class PlacedSequenceSharding(_SequenceSharding):
+    """TW / CW shards of one width: a feature goes whole to every rank holding one of its
+    shards (once per shard), each shard is looked up as a table of its own."""
+
+    def __init__(
+        self, shards: List[Tuple[TableSpec, int]], env: ShardingEnv, device: torch.device,
+        name: str, width: int, dtype: torch.dtype, codecs: Optional[QuantizedCommCodecs] = None,
+    ) -> None:
+        super().__init__(env, name, width, dtype, codecs)
+        per_rank: List[List[LocalTable]] = [[] for _ in range(env.world_size)]
+        for spec, index in shards:
+            per_rank[spec.shards()[index].rank].append(spec.local_table(index))
+        ordered = [lookup_order(tables, False) for tables in per_rank]
+        self.input_features = [f for tables in ordered for t in tables for f in t.feature_names]
+        self.output_columns = [
+            (f, t.col_offset, t.cols) for tables in ordered for t in tables for f in t.feature_names
+        ]
+        self.lookup = GroupedLookup(ordered[env.rank], False, device)
+        self._make_dists([sum(t.num_features for t in tables) for tables in ordered])
+
+
+class RowWiseSequenceSharding(_SequenceSharding):
+    """RW tables of one dim: ids bucketized by row block, bucket r to rank r; the
+    unbucketize permutation puts the returned rows back in the original id order."""
+
+    def __init__(
+        self, specs: List[TableSpec], env: ShardingEnv, device: torch.device,
+        name: str, width: int, dtype: torch.dtype, codecs: Optional[QuantizedCommCodecs] = None,
+    ) -> None:
+        super().__init__(env, name, width, dtype, codecs)
+        world = env.world_size
+        tables = lookup_order([s.local_table(0) for s in specs], False)
+        ordered = [next(s for s in specs if s.config.name == t.name) for t in tables]
+        self.input_features = [f for s in ordered for f in s.config.feature_names]
+        self.output_columns = [(f, 0, width) for f in self.input_features]
+        self._block_sizes = torch.tensor(
+            [row_block_size(s.config.num_embeddings, world) for s in ordered
+             for _ in s.config.feature_names], dtype=torch.int64,
+        )
+        self.lookup = GroupedLookup([s.local_table(env.rank) for s in ordered], False, device)
+        self._make_dists([len(self.input_features)] * world)
+
+    def _route(self, features: KeyedJaggedTensor, state: Dict[str, Any]) -> KeyedJaggedTensor:
+        """Bucket-major KJT (keys repeated once per rank, ids rebased to the row block)."""
+        world = self.env.world_size
+        lengths, values, _, _, unbucketize = ops.block_bucketize_sparse_features(
+            features.lengths(), features.values(), False, True,
+            self._block_sizes.to(features.values().dtype), world, None,
+        )
+        state["unbucketize"] = unbucketize
+        return KeyedJaggedTensor(features.keys() * world, values, lengths=lengths,
+                                 stride=features.stride(), validate=False)
+
+
+class DataParallelSequenceSharding(DataParallelPooledSharding):
+    """Replicated tables of one dim, looked up locally one row per id (TorchRec's DP
+    EmbeddingCollection pools instead); gradients averaged over ranks as in pooled DP."""
+
+    def __init__(
+        self, specs: List[TableSpec], env: ShardingEnv, device: torch.device, name: str,
+    ) -> None:
+        EmbeddingSharding.__init__(self, env)
+        self.name = name
+        for spec in specs:
+            if spec.kernel != EmbeddingComputeKernel.DENSE:
+                raise ValueError(
+                    f"table '{spec.config.name}': data_parallel sharding takes the 'dense' "
+                    f"kernel (replicas are averaged like dense parameters), got '{spec.kernel.value}'"
+                )
+        tables = lookup_order([s.whole_table() for s in specs], False)
+        self.input_features = [f for t in tables for f in t.feature_names]
+        self.output_columns = [(f, 0, t.cols) for t in tables for f in t.feature_names]
+        self.lookup = GroupedLookup(tables, False, device)
+        if env.world_size > 1:
+            for weight in self.lookup.table_weights():
+                weight.register_hook(self._average_over_ranks)
+
+
+def _group_name(kind: str, width: int, dtype: torch.dtype, single: bool) -> str:
+    return kind if single else f"{kind}_{width}_{str(dtype).replace('torch.', '')}"
+
+
+def build_sequence_shardings(
+    specs: List[TableSpec],
+    env: ShardingEnv,
+    device: torch.device,
+    qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+) -> Dict[str, EmbeddingSharding]:
+    """Shardings keyed by name: "placed", "row_wise", "data_parallel", each suffixed by
+    `_<width>_<dtype>` when the collection has shards of more than one width or dtype.
+
+    Every rank builds the same list in the same order (it depends on the plan only).
+    """
+    groups: Dict[Tuple[str, int, torch.dtype], List[Tuple[TableSpec, int]]] = {}
+    for spec in specs:
+        st = ShardingType(spec.sharding.sharding_type)
+        dtype = DATA_TYPE_TO_DTYPE[spec.config.data_type]
+        if st in _PLACED:
+            for index, shard in enumerate(spec.shards()):
+                groups.setdefault(("placed", shard.shard_sizes[1], dtype), []).append((spec, index))
+        else:
+            groups.setdefault((st.value, spec.config.embedding_dim, dtype), []).append((spec, 0))
+    codecs = codecs_from_registry(qcomm_codecs_registry, CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
+    single = len({(width, dtype) for _, width, dtype in groups}) <= 1
+    order = {"placed": 0, "row_wise": 1, "data_parallel": 2}
+    shardings: Dict[str, EmbeddingSharding] = {}
+    for kind, width, dtype in sorted(groups, key=lambda k: (order[k[0]], k[1], str(k[2]))):
+        members = groups[(kind, width, dtype)]
+        name = _group_name(kind, width, dtype, single)
+        if kind == "placed":
+            shardings[name] = PlacedSequenceSharding(members, env, device, name, width, dtype,
+                                                      codecs)
+        elif kind == "row_wise":
+            shardings[name] = RowWiseSequenceSharding(
+                [s for s, _ in members], env, device, name, width, dtype, codecs)
+        else:
+            shardings[name] = DataParallelSequenceSharding([s for s, _ in members], env, device, name)
+    return shardings

@@ -1,0 +1,91 @@
+"""Fixtures for sharded-vs-unsharded EmbeddingCollection equivalence: tables, plans, batches."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from recshard import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+from recshard.distributed.sharding_plan import column_wise, data_parallel, row_wise, table_wise
+
+KEYS = ["f5", "f3", "f0", "f2", "f4", "f1"]  # input key order differs from the module's
+
+
+def tables() -> List[EmbeddingConfig]:
+    """Shared features, fewer rows than ranks (t1), dims 4, 6 and 8 (one sequence
+    all-to-all per width), column splits that come out uneven (4 -> 2,1,1; 8 -> 3,3,2)."""
+    return [
+        EmbeddingConfig(num_embeddings=11, embedding_dim=4, name="t0", feature_names=["f0", "f1"]),
+        EmbeddingConfig(num_embeddings=3, embedding_dim=4, name="t1", feature_names=["f2"]),
+        EmbeddingConfig(num_embeddings=20, embedding_dim=6, name="t2", feature_names=["f3"]),
+        EmbeddingConfig(num_embeddings=8, embedding_dim=4, name="t3", feature_names=["f4"]),
+        EmbeddingConfig(num_embeddings=13, embedding_dim=8, name="t4", feature_names=["f5"]),
+    ]
+
+
+def make_ec(need_indices: bool = False, seed: int = 0) -> EmbeddingCollection:
+    torch.manual_seed(seed)
+    return EmbeddingCollection(tables(), need_indices=need_indices)
+
+
+def plan_for(kind: str, ws: int, kernel: str) -> Dict:
+    k = None if kernel == "fused" else "dense"
+    names = [t.name for t in tables()]
+    cw_ranks = [ws - 1 - (i % ws) for i in range(min(3, ws) if ws > 1 else 2)]
+    if kind == "table_wise":
+        return {n: table_wise(i % ws, k) for i, n in enumerate(names)}
+    if kind == "row_wise":
+        return {n: row_wise(k) for n in names}
+    if kind == "column_wise":
+        return {n: column_wise(cw_ranks, k) for n in names}
+    if kind == "data_parallel":
+        return {n: data_parallel() for n in names}
+    if kind == "mixed":
+        return {"t0": table_wise(ws - 1, k), "t1": row_wise(k), "t2": column_wise(cw_ranks, k),
+                "t3": data_parallel(), "t4": column_wise(cw_ranks[::-1], k)}
+    raise ValueError(kind)
+
+
+def batch(rank: int, step: int, batch_size: int, zero_feature: bool) -> KeyedJaggedTensor:
+    """Rank `rank`'s batch at `step` (every rank can rebuild every other rank's batch)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    rows = {f: t.num_embeddings for t in tables() for f in t.feature_names}
+    lengths = torch.randint(0, 4, (len(KEYS), batch_size), generator=g)
+    if zero_feature:
+        lengths[KEYS.index("f3")] = 0
+    values = torch.cat([
+        torch.randint(0, rows[k], (int(lengths[i].sum()),), generator=g) for i, k in enumerate(KEYS)
+    ])
+    return KeyedJaggedTensor.from_lengths_sync(KEYS, values, lengths.reshape(-1))
+
+
+def global_batch(parts: List[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    """All ranks' batches stacked along the batch dimension (rank-major)."""
+    keys = parts[0].keys()
+    values = [p[k].values() for k in keys for p in parts]
+    lengths = [p[k].lengths() for k in keys for p in parts]
+    return KeyedJaggedTensor.from_lengths_sync(keys, torch.cat(values), torch.cat(lengths))
+
+
+def output_grads(step: int, rank: int, kjt: KeyedJaggedTensor) -> Dict[str, torch.Tensor]:
+    """Upstream gradient of rank `rank`'s output, `[N_f, D_f]` per feature."""
+    g = torch.Generator().manual_seed(7 + 100 * step + rank)
+    dims = {f: t.embedding_dim for t in tables() for f in t.feature_names}
+    return {f: torch.randn(kjt[f].values().numel(), dims[f], generator=g) for f in kjt.keys()}
+
+
+def gather_tables(sharded, ws: int) -> Dict[str, torch.Tensor]:
+    """Every rank's shards, assembled into full tables on every rank."""
+    local = [
+        (name, table.row_offset, table.col_offset, weight.detach().clone())
+        for name, shards in sharded.local_table_shards().items() for table, weight in shards
+    ]
+    gathered: List = [None] * ws
+    dist.all_gather_object(gathered, local)
+    full = {t.name: torch.full((t.num_embeddings, t.embedding_dim), float("nan")) for t in tables()}
+    for part in gathered:
+        for name, row, col, weight in part:
+            full[name][row:row + weight.size(0), col:col + weight.size(1)] = weight
+    return full

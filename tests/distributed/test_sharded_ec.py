@@ -1,0 +1,188 @@
+"""Sharded EC == unsharded EC: forward values and lengths, tables after 1 and 3 steps.
+
+DP, TW, CW (uneven column splits), RW (fewer rows than ranks) and a mixed plan; fused (SGD,
+row-wise Adagrad) and dense kernels; tables of dims 4, 6 and 8 in one collection; batch
+size 1, a feature with no ids, `need_indices`; a bad id on rank 0 stops every rank. World
+sizes 1-4, one spawned group per world size running every case.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from typing import Dict, List
+
+import pytest
+import torch
+from ebc_cases import LR, reference_update
+from ec_cases import batch, gather_tables, global_batch, make_ec, output_grads, plan_for
+from multiprocess import run_ranks
+
+from recshard import KeyedJaggedTensor
+from recshard.distributed.embedding import EmbeddingCollectionSharder
+from recshard.distributed.sharding_plan import construct_module_sharding_plan, table_row_wise
+from recshard.types import ShardingEnv
+
+KINDS = ["table_wise", "row_wise", "column_wise", "data_parallel", "mixed"]
+
+
+def _env() -> ShardingEnv:
+    return ShardingEnv.from_process_group(torch.distributed.group.WORLD)
+
+
+def _shard(reference, kind: str, ws: int, kernel: str, optimizer: str):
+    plan = construct_module_sharding_plan(reference, plan_for(kind, ws, kernel), world_size=ws)
+    fused = "exact_sgd" if optimizer == "sgd" else "exact_row_wise_adagrad"
+    sharder = EmbeddingCollectionSharder(fused_params={"optimizer": fused, "learning_rate": LR})
+    return plan, sharder.shard(copy.deepcopy(reference), plan, _env())
+
+
+def run_case(rank: int, ws: int, kind: str, kernel: str, optimizer: str, batch_size: int,
+             steps: int, need_indices: bool) -> List[str]:
+    """Mismatch descriptions (empty when everything matches)."""
+    problems: List[str] = []
+    reference = make_ec(need_indices)
+    plan, sharded = _shard(reference, kind, ws, kernel, optimizer)
+    dense_params = [p for n, p in sharded.named_parameters() if "weights." in n]
+    dense_opt = torch.optim.SGD(dense_params, lr=LR) if dense_params else None
+    state: Dict[str, Dict[str, torch.Tensor]] = {}
+    for step in range(steps):
+        parts = [batch(r, step, batch_size, zero_feature=step == 1) for r in range(ws)]
+        out = sharded(parts[rank]).wait()
+        ref_out = reference(global_batch(parts))
+        if list(out) != list(ref_out):
+            problems.append(f"step {step}: keys {list(out)} != {list(ref_out)}")
+        local_loss = torch.zeros(())
+        ref_loss = torch.zeros(())
+        for feature, ref_jt in ref_out.items():
+            counts = [p[feature].values().numel() for p in parts]
+            ref_rows = list(ref_jt.values().split(counts))
+            jt = out[feature]
+            if jt.values().shape != ref_rows[rank].shape or not torch.allclose(
+                    jt.values(), ref_rows[rank], atol=1e-5):
+                problems.append(f"step {step}: feature {feature} values differ "
+                                f"({tuple(jt.values().shape)} vs {tuple(ref_rows[rank].shape)})")
+            if not torch.equal(jt.lengths(), parts[rank][feature].lengths()):
+                problems.append(f"step {step}: feature {feature} lengths differ")
+            ids = parts[rank][feature].values()
+            if need_indices and not torch.equal(jt.weights(), ids):
+                problems.append(f"step {step}: feature {feature} indices differ")
+            if not need_indices and jt.weights_or_none() is not None:
+                problems.append(f"step {step}: feature {feature} has weights without need_indices")
+            for r in range(ws):
+                grad = output_grads(step, r, parts[r])[feature]
+                ref_loss = ref_loss + (ref_rows[r] * grad).sum()
+                if r == rank:
+                    local_loss = local_loss + (jt.values() * grad).sum()
+        local_loss.backward()
+        if dense_opt is not None:
+            dense_opt.step()
+            dense_opt.zero_grad()
+        reference.zero_grad()
+        (ref_loss / ws).backward()  # the mean over ranks of the per-rank gradients
+        for name, emb in reference.embeddings.items():
+            ps = plan[name]
+            opt = "sgd" if kernel == "dense" or ps.sharding_type == "data_parallel" else optimizer
+            blocks = ([s.shard_sizes[1] for s in ps.shards] if ps.sharding_type == "column_wise"
+                      else [emb.weight.size(1)])
+            reference_update(emb.weight, emb.weight.grad, state.setdefault(name, {}), opt, blocks)
+        if step in (0, steps - 1):
+            full = gather_tables(sharded, ws)
+            for name, emb in reference.embeddings.items():
+                if not torch.allclose(full[name], emb.weight, atol=1e-5):
+                    diff = (full[name] - emb.weight).abs().nan_to_num(float("inf")).max()
+                    problems.append(f"step {step}: table {name} differs by {diff:.3g}")
+    return problems
+
+
+def run_rejected(rank: int, ws: int) -> List[str]:
+    """Rank 0 sends an id past t4's 13 rows: rank 0 names it, every other rank says rank 0
+    rejected its input; a later good batch still works."""
+    reference = make_ec()
+    _, sharded = _shard(reference, "mixed", ws, "fused", "sgd")
+    good = batch(rank, 0, 2, zero_feature=False)
+    values = good.values().clone()
+    if rank == 0:
+        values[good.offset_per_key()[good.keys().index("f5")]] = 42
+    bad = KeyedJaggedTensor.from_lengths_sync(good.keys(), values, good.lengths())
+    if good["f5"].values().numel() == 0:
+        return ["test batch has no f5 ids"]
+    try:
+        sharded(bad).wait()
+    except (ValueError, RuntimeError) as e:
+        message = str(e)
+    else:
+        return ["bad batch did not raise"]
+    expected = "table 't4', feature 'f5': id 42 is outside [0, 13)"
+    if expected not in message:
+        return [f"message {message!r} lacks {expected!r}"]
+    if rank > 0 and not message.startswith("rank 0 rejected its input"):
+        return [f"rank {rank}: {message!r}"]
+    sharded(good).wait()
+    return []
+
+
+def run_errors(rank: int, ws: int) -> List[str]:
+    """Plan and sharder checks: table_row_wise is refused, naming the table."""
+    problems = []
+    sharder = EmbeddingCollectionSharder()
+    if set(sharder.sharding_types("cpu")) != {"data_parallel", "table_wise", "column_wise",
+                                             "row_wise"}:
+        problems.append(f"sharding_types {sharder.sharding_types('cpu')}")
+    if sharder.compute_kernels("data_parallel", "cpu") != ["dense"]:
+        problems.append("data_parallel kernels")
+    reference = make_ec()
+    if set(sharder.shardable_parameters(reference)) != {t for t in reference.embeddings}:
+        problems.append("shardable_parameters")
+    plan = construct_module_sharding_plan(
+        reference, {"t0": table_row_wise(0), **{t: plan_for("row_wise", ws, "fused")[t]
+                                                for t in ["t1", "t2", "t3", "t4"]}},
+        world_size=ws)
+    try:
+        sharder.shard(reference, plan, _env())
+        problems.append("table_row_wise plan was accepted")
+    except ValueError as e:
+        if "table 't0'" not in str(e) or "table_row_wise" not in str(e):
+            problems.append(f"unclear plan error: {e}")
+    return problems
+
+
+def run_all(rank: int, ws: int, cases: List[tuple]) -> Dict[str, List[str]]:
+    results: Dict[str, List[str]] = {}
+    for case in cases:
+        try:
+            if case[0] == "rejected":
+                results[str(case)] = run_rejected(rank, ws)
+            elif case[0] == "errors":
+                results[str(case)] = run_errors(rank, ws)
+            else:
+                results[str(case)] = run_case(rank, ws, *case)
+        except Exception as e:  # report per case, keep the group going
+            results[str(case)] = [f"raised {type(e).__name__}: {e}\n{traceback.format_exc()}"]
+    return results
+
+
+def cases_for(ws: int) -> List[tuple]:
+    cases: List[tuple] = []
+    for kind in KINDS:
+        if kind != "data_parallel":
+            cases.append((kind, "fused", "sgd", 3, 3, False))
+            cases.append((kind, "fused", "rowwise_adagrad", 3, 3, False))
+        cases.append((kind, "dense", "sgd", 3, 2, False))
+    cases.append(("mixed", "fused", "sgd", 1, 2, True))  # batch size 1, need_indices
+    cases.append(("row_wise", "fused", "sgd", 1, 2, False))
+    cases.append(("rejected",))
+    if ws == 2:
+        cases.append(("errors",))
+    return cases
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_sharded_ec_equals_unsharded(world_size: int) -> None:
+    results = run_ranks(world_size, run_all, cases_for(world_size), timeout=300)
+    failures: Dict[str, List[str]] = {}
+    for rank_results in results:
+        for case, problems in rank_results.items():
+            if problems and case not in failures:
+                failures[case] = problems
+    assert not failures, "\n".join(f"{c}: {p}" for c, p in failures.items())
