@@ -1,6 +1,20 @@
-"""Sharded modules, their sharders, manual plans and (later) DMP and the train pipeline."""
+"""Sharded modules, their sharders, manual plans, DistributedModelParallel."""
 
 from recshard.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from recshard.distributed.sharders import EmbeddingBagCollectionSharder
+from recshard.distributed.model_parallel import (
+    DefaultDataParallelWrapper,
+    DistributedModelParallel,
+    get_module,
+    get_unwrapped_module,
+)
+from recshard.distributed.sharders import EmbeddingBagCollectionSharder, default_sharders
 
-__all__ = ["EmbeddingBagCollectionSharder", "ShardedEmbeddingBagCollection"]
+__all__ = [
+    "DefaultDataParallelWrapper",
+    "DistributedModelParallel",
+    "EmbeddingBagCollectionSharder",
+    "ShardedEmbeddingBagCollection",
+    "default_sharders",
+    "get_module",
+    "get_unwrapped_module",
+]

@@ -80,6 +80,8 @@ class ShardedEmbeddingBagCollection(ShardedTablesMixin, ShardedModule):
         check_module_plan(configs, table_plans, env, "EmbeddingBagCollection", pooled=True)
         self._is_weighted = module.is_weighted()
         self._configs = configs
+        self._table_plans = dict(table_plans)
+        self._fused_params = dict(fused_params or {})
         self._feature_names = [f for c in configs for f in c.feature_names]
         self._feature_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
         self._feature_to_table = {f: (c.name, c.num_embeddings) for c in configs for f in c.feature_names}

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from recshard.lookup.tables import LocalTable
+from recshard.optim.fused import FusedOptimizer
 
 
 class ShardedTablesMixin:
@@ -48,3 +49,23 @@ class ShardedTablesMixin:
         tables = getattr(module, self._tables_attr)
         full = {name: m.weight for name, m in tables.items() if m.weight.device.type != "meta"}
         self.load_full_tables(full)
+        for sharding in self._shardings.values():
+            sharding.after_init()
+
+    def shard_fqn(self, table: LocalTable, shards_on_rank: int) -> str:
+        """`embedding_bags.<table>.weight`, plus `@col<offset>` when this rank holds several
+        column shards of the table."""
+        name = f"{self._tables_attr}.{table.name}.weight"
+        return f"{name}@col{table.col_offset}" if shards_on_rank > 1 else name
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        """The in-backward optimizer of this module's fused tables (keyed by table FQN)."""
+        counts = {name: len(shards) for name, shards in self.local_table_shards().items()}
+        kernels, names = [], []
+        for sharding in self._shardings.values():
+            for kernel in sharding.lookup.kernels:
+                if kernel.is_fused:
+                    kernels.append(kernel)
+                    names.append([self.shard_fqn(t, counts[t.name]) for t in kernel.tables])
+        return FusedOptimizer(kernels, names)

@@ -54,3 +54,13 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
         return ShardedEmbeddingBagCollection(
             module, params, env, device, self.fused_params, self.qcomm_codecs_registry
         )
+
+
+def default_sharders() -> List[ModuleSharder]:
+    """The sharders DistributedModelParallel uses when none are given."""
+    sharders: List[ModuleSharder] = [EmbeddingBagCollectionSharder()]
+    try:
+        from recshard.distributed.embedding import EmbeddingCollectionSharder
+    except ImportError:  # the sequence sharder is optional until it lands
+        return sharders
+    return sharders + [EmbeddingCollectionSharder()]

@@ -97,6 +97,8 @@ class FbgemmFusedKernel(LookupKernel):
             table_names=[t.name for t in tables],
             **fbgemm_optim_kwargs(spec),
         )
+        for param in self.tbe.parameters():  # updated in backward: no dense optimizer, no DDP
+            param._in_backward_optimizers = True
         self._init_weights()
 
     def table_weights(self) -> List[torch.Tensor]:

@@ -107,6 +107,9 @@ class EmbeddingSharding(nn.Module, abc.ABC):
     def output_dist(self, local: torch.Tensor, ctx: Dict[str, Any]) -> Awaitable[torch.Tensor]:
         """Bring looked-up embeddings back to the data-parallel layout `[B_local, cols]`."""
 
+    def after_init(self) -> None:
+        """Called once the shards hold their initial weights."""
+
     def local_shards(self) -> List[Tuple[LocalTable, torch.Tensor]]:
         """This rank's shards with their weights (views of the kernel storage)."""
         return list(zip(self.lookup.tables, self.lookup.table_weights()))

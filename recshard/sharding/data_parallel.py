@@ -39,6 +39,14 @@ class DataParallelPooledSharding(EmbeddingSharding):
             for weight in self.lookup.table_weights():
                 weight.register_hook(self._average_over_ranks)
 
+    def after_init(self) -> None:
+        """Replicas start equal: rank 0's weights win (ranks may have drawn different inits)."""
+        if self.env.world_size > 1:
+            with torch.no_grad():
+                for weight in self.lookup.table_weights():
+                    dist.broadcast(weight.data, src=dist.get_global_rank(self.env.pg, 0)
+                                   if self.env.pg is not None else 0, group=self.env.pg)
+
     def _average_over_ranks(self, grad: torch.Tensor) -> torch.Tensor:
         grad = grad / self.env.world_size
         dist.all_reduce(grad, group=self.env.pg)

@@ -1,0 +1,200 @@
+"""Sharded state dicts: the unsharded model's keys, sharded tables as ShardedTensors.
+
+A model-parallel table `<path>.embedding_bags.<t>.weight` becomes a ShardedTensor with the
+table's global shape and this rank's shards (offsets, sizes, placement from the plan), so
+`torch.distributed.checkpoint` can load it into any other plan or world size by reading the
+overlapping regions. Data-parallel tables and dense parameters are plain tensors.
+
+Fused optimizer state follows the same layout: `<table fqn>.momentum1` is sharded like the
+weight (Adagrad) or by rows only (row-wise Adagrad, one value per row). A row-wise state of a
+column-sharded table has one accumulator per column shard (`...momentum1@col<offset>`); those
+do not convert to other layouts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch import nn
+from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
+from torch.distributed._shard.sharded_tensor import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+
+from recshard.lookup.tables import LocalTable
+from recshard.types import ShardedModule, ShardingType
+
+_COLUMN_TYPES = {ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value}
+
+
+def _sharded(
+    global_size: List[int], metas: List[TorchShardMetadata], local: List[Tuple[torch.Tensor, TorchShardMetadata]],
+    pg: Any, dtype: torch.dtype,
+) -> ShardedTensor:
+    meta = ShardedTensorMetadata(metas, torch.Size(global_size), TensorProperties(dtype=dtype))
+    shards = [Shard(tensor.detach(), m) for tensor, m in local]  # views: loads land in place
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=pg)
+
+
+def _torch_meta(offsets: List[int], sizes: List[int], rank: int) -> TorchShardMetadata:
+    return TorchShardMetadata(list(offsets), list(sizes), f"rank:{rank}/cpu")
+
+
+def _plan_metas(module: Any, table: str) -> List[TorchShardMetadata]:
+    return [_torch_meta(s.shard_offsets, s.shard_sizes, s.rank) for s in module._table_plans[table].shards]
+
+
+def _local_meta(table: LocalTable, rank: int) -> TorchShardMetadata:
+    return _torch_meta([table.row_offset, table.col_offset], [table.rows, table.cols], rank)
+
+
+def table_state(module: Any, prefix: str) -> Dict[str, Any]:
+    """`{prefix}<tables_attr>.<t>.weight` for every table of a sharded collection."""
+    out: Dict[str, Any] = {}
+    shards = module.local_table_shards()
+    rank = module.env.rank
+    for config in module._configs:
+        key = f"{prefix}{module._tables_attr}.{config.name}.weight"
+        local = shards.get(config.name, [])
+        if module._table_plans[config.name].sharding_type == ShardingType.DATA_PARALLEL.value:
+            out[key] = local[0][1].detach()
+            continue
+        out[key] = _sharded(
+            [config.num_embeddings, config.embedding_dim], _plan_metas(module, config.name),
+            [(w, _local_meta(t, rank)) for t, w in local], module.env.pg, local[0][1].dtype if local
+            else torch.float32,
+        )
+    return out
+
+
+def fused_state(module: Any, prefix: str) -> Dict[str, Any]:
+    """Fused optimizer state of a sharded collection, sharded like its tables."""
+    out: Dict[str, Any] = {}
+    rank = module.env.rank
+    per_table: Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]] = {}
+    for sharding in module._shardings.values():
+        for kernel in sharding.lookup.kernels:
+            if kernel.is_fused:
+                for table, states in zip(kernel.tables, kernel.optimizer_states()):
+                    per_table.setdefault(table.name, []).append((table, states))
+    for config in module._configs:
+        plan = module._table_plans[config.name]
+        if plan.sharding_type == ShardingType.DATA_PARALLEL.value or plan.compute_kernel == "dense":
+            continue
+        base = f"{prefix}{module._tables_attr}.{config.name}.weight"
+        local = per_table.get(config.name, [])
+        state_names = sorted({n for _, s in local for n in s}) or _state_names(module, config.name)
+        for name in state_names:
+            example = next((s[name] for _, s in local if name in s), None)
+            rowwise = example is not None and example.dim() == 1 or (
+                example is None and _rowwise(module, config.name))
+            if not rowwise:
+                out[f"{base}.{name}"] = _sharded(
+                    [config.num_embeddings, config.embedding_dim], _plan_metas(module, config.name),
+                    [(s[name], _local_meta(t, rank)) for t, s in local], module.env.pg, torch.float32)
+            elif plan.sharding_type in _COLUMN_TYPES:
+                for shard in plan.shards:
+                    mine = [(s[name], _torch_meta([0], [config.num_embeddings], rank))
+                            for t, s in local if t.col_offset == shard.shard_offsets[1]]
+                    out[f"{base}.{name}@col{shard.shard_offsets[1]}"] = _sharded(
+                        [config.num_embeddings], [_torch_meta([0], [config.num_embeddings], shard.rank)],
+                        mine, module.env.pg, torch.float32)
+            else:
+                metas = [_torch_meta([s.shard_offsets[0]], [s.shard_sizes[0]], s.rank) for s in plan.shards]
+                out[f"{base}.{name}"] = _sharded(
+                    [config.num_embeddings], metas,
+                    [(s[name], _torch_meta([t.row_offset], [t.rows], rank)) for t, s in local],
+                    module.env.pg, torch.float32)
+    return out
+
+
+def _fused_spec(module: Any, table: str) -> Any:
+    from recshard.lookup.fused_optim import parse_fused_params
+
+    return parse_fused_params(module._fused_params, table)
+
+
+def _state_names(module: Any, table: str) -> List[str]:
+    return _fused_spec(module, table).state_names
+
+
+def _rowwise(module: Any, table: str) -> bool:
+    return _fused_spec(module, table).state_shape(2, 2) == [2]
+
+
+def _walk(model: nn.Module) -> Tuple[List[Tuple[str, ShardedModule]], Dict[str, torch.Tensor]]:
+    """Sharded modules by path, and the plain parameters/buffers outside them."""
+    sharded: List[Tuple[str, ShardedModule]] = []
+    plain: Dict[str, torch.Tensor] = {}
+    skip: List[str] = []
+    for path, child in model.named_modules():
+        if any(path == s or path.startswith(s + ".") for s in skip):
+            continue
+        prefix = f"{path}." if path else ""
+        if isinstance(child, ShardedModule):
+            sharded.append((prefix, child))
+            skip.append(path)
+            continue
+        for name, param in child.named_parameters(recurse=False):
+            plain[prefix + name] = param
+        for name, buf in child.named_buffers(recurse=False):
+            if name not in child._non_persistent_buffers_set:
+                plain[prefix + name] = buf
+    return sharded, plain
+
+
+def model_state_dict(model: nn.Module, prefix: str = "") -> Dict[str, Any]:
+    sharded, plain = _walk(model)
+    out = {prefix + k: v.detach() for k, v in plain.items()}
+    for path, module in sharded:
+        out.update(table_state(module, prefix + path))
+    return out
+
+
+def fused_optimizer_state(model: nn.Module) -> Dict[str, Any]:
+    sharded, _ = _walk(model)
+    out: Dict[str, Any] = {}
+    for path, module in sharded:
+        if hasattr(module, "_shardings"):
+            out.update(fused_state(module, path))
+    return out
+
+
+def load_model_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> List[str]:
+    """Copy values into the live model: full tensors are sliced per shard, ShardedTensors
+    must already be in this model's layout (use `recshard.checkpoint.load` to reshard)."""
+    own = model_state_dict(model)
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if strict and (missing or unexpected):
+        raise ValueError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+    sharded, _ = _walk(model)
+    with torch.no_grad():
+        for key, target in own.items():
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            if isinstance(target, ShardedTensor):
+                if isinstance(value, ShardedTensor):
+                    for dst, src in zip(target.local_shards(), value.local_shards()):
+                        dst.tensor.copy_(src.tensor)
+                else:
+                    _load_full(sharded, key, value)
+            else:
+                if tuple(target.shape) != tuple(value.shape):
+                    raise ValueError(f"'{key}': checkpoint shape {tuple(value.shape)} != model "
+                                     f"shape {tuple(target.shape)}")
+                target.copy_(value)
+    return missing
+
+
+def _load_full(sharded: List[Tuple[str, ShardedModule]], key: str, value: torch.Tensor) -> None:
+    for path, module in sharded:
+        head = f"{path}{module._tables_attr}."
+        if key.startswith(head) and key.endswith(".weight"):
+            module.load_full_tables({key[len(head):-len(".weight")]: value})
+            return

@@ -1,0 +1,220 @@
+"""DistributedModelParallel: shard a whole model's embedding collections, DDP the rest.
+
+    model = DistributedModelParallel(DLRMTrain(dlrm_on_meta), device=torch.device("cpu"))
+    opt = CombinedOptimizer([model.fused_optimizer, KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(model.named_parameters())), torch_optimizer_factory)])
+
+Steps: (1) a plan — the given one, else the planner's `collective_plan` (rank 0 plans,
+everyone receives it); (2) every module the plan names is replaced by its sharded version
+(the same module object at two paths is sharded once); (3) parameters still on `meta` are
+materialized with `reset_parameters()` on every rank and broadcast from rank 0 by DDP;
+(4) the dense rest is wrapped in DDP, leaving out parameters of the sharded modules (fused
+tables update in backward; replicated tables average their own gradients).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from recshard.distributed.sharders import default_sharders
+from recshard.optim.keyed import CombinedOptimizer
+from recshard.types import ModuleSharder, ShardedModule, ShardingEnv, ShardingPlan
+
+
+class DefaultDataParallelWrapper:
+    """Wraps the sharded model in DDP (gloo on CPU, NCCL on GPU: the process group's backend)."""
+
+    def __init__(self, bucket_cap_mb: int = 25, static_graph: bool = False,
+                 find_unused_parameters: bool = False) -> None:
+        self._kwargs = dict(bucket_cap_mb=bucket_cap_mb, static_graph=static_graph,
+                            find_unused_parameters=find_unused_parameters)
+
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        module = dmp._dmp_wrapped_module
+        ignore = [name for name, _ in _sharded_parameter_names(module)]
+        dense = [p for n, p in module.named_parameters() if n not in set(ignore) and p.requires_grad]
+        if env.world_size == 1 or not dense:
+            return
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignore)
+        dmp._dmp_wrapped_module = DistributedDataParallel(
+            module,
+            device_ids=None if device.type == "cpu" else [device],
+            process_group=env.pg,
+            **self._kwargs,
+        )
+
+
+def _sharded_parameter_names(module: nn.Module) -> Iterator[Tuple[str, nn.Parameter]]:
+    for name, child in module.named_modules():
+        if isinstance(child, ShardedModule):
+            for pname, param in child.named_parameters(prefix=name):
+                yield pname, param
+            for bname, buf in child.named_buffers(prefix=name):
+                yield bname, buf
+
+
+def get_unwrapped_module(module: nn.Module) -> nn.Module:
+    """Strip DMP and DDP wrappers."""
+    while isinstance(module, (DistributedModelParallel, DistributedDataParallel)):
+        module = module._dmp_wrapped_module if isinstance(module, DistributedModelParallel) else module.module
+    return module
+
+
+def get_module(module: nn.Module) -> nn.Module:
+    """The user's module inside a DMP (sharded), else the module itself."""
+    return get_unwrapped_module(module)
+
+
+class DistributedModelParallel(nn.Module):
+    def __init__(
+        self,
+        module: nn.Module,
+        env: Optional[ShardingEnv] = None,
+        device: Optional[torch.device] = None,
+        plan: Optional[ShardingPlan] = None,
+        sharders: Optional[List[ModuleSharder]] = None,
+        init_data_parallel: bool = True,
+        init_parameters: bool = True,
+        data_parallel_wrapper: Optional[DefaultDataParallelWrapper] = None,
+    ) -> None:
+        super().__init__()
+        self._env = env or ShardingEnv.from_process_group(dist.group.WORLD)
+        self.device = torch.device(device or "cpu")
+        self._sharders = sharders or default_sharders()
+        self._sharder_map = {s.module_type: s for s in self._sharders}
+        if plan is None:
+            plan = self._collective_plan(module)
+        else:
+            _check_plan_paths(module, plan, self._sharder_map)
+        self._plan = plan
+        self._dmp_wrapped_module: nn.Module = self._shard(module)
+        if init_parameters:
+            self._init_parameters(self._dmp_wrapped_module)
+        self._data_parallel_wrapper = data_parallel_wrapper or DefaultDataParallelWrapper()
+        if init_data_parallel:
+            self.init_data_parallel()
+
+    # ---------------------------------------------------------------- construction
+
+    def _collective_plan(self, module: nn.Module) -> ShardingPlan:
+        from recshard.planner import EmbeddingShardingPlanner, Topology
+
+        topology = Topology(world_size=self._env.world_size, compute_device=self.device.type,
+                            local_world_size=self._env.local_world_size)
+        planner = EmbeddingShardingPlanner(topology=topology)
+        return planner.collective_plan(module, self._sharders, self._env.pg)
+
+    def _shard(self, module: nn.Module) -> nn.Module:
+        done: Dict[int, nn.Module] = {}
+
+        def visit(parent: nn.Module, path: str) -> nn.Module:
+            sharder = self._sharder_map.get(type(parent))
+            module_plan = self._plan.get_plan_for_module(path)
+            if sharder is not None and module_plan is not None:
+                if id(parent) not in done:
+                    done[id(parent)] = sharder.shard(parent, module_plan, self._env, self.device)
+                return done[id(parent)]
+            for name, child in list(parent.named_children()):
+                new_child = visit(child, f"{path}.{name}" if path else name)
+                if new_child is not child:
+                    setattr(parent, name, new_child)
+            return parent
+
+        return visit(module, "")
+
+    def _init_parameters(self, module: nn.Module) -> None:
+        """Materialize `meta` tensors of the unsharded parts (DDP then broadcasts rank 0's)."""
+        for child in module.modules():
+            if isinstance(child, ShardedModule):
+                continue
+            own = list(child.named_parameters(recurse=False)) + list(child.named_buffers(recurse=False))
+            if any(t.is_meta for _, t in own):
+                child.to_empty(device=self.device, recurse=False)
+                if hasattr(child, "reset_parameters"):
+                    child.reset_parameters()
+
+    def init_data_parallel(self) -> None:
+        """Wrap the dense part in DDP (call later for lazily initialized modules)."""
+        if not isinstance(self._dmp_wrapped_module, DistributedDataParallel):
+            self._data_parallel_wrapper.wrap(self, self._env, self.device)
+
+    # ---------------------------------------------------------------- user API
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._dmp_wrapped_module(*args, **kwargs)
+
+    @property
+    def module(self) -> nn.Module:
+        """The sharded model without DDP."""
+        return get_unwrapped_module(self)
+
+    @property
+    def plan(self) -> ShardingPlan:
+        return self._plan
+
+    @property
+    def env(self) -> ShardingEnv:
+        return self._env
+
+    @property
+    def fused_optimizer(self) -> CombinedOptimizer:
+        """Every sharded module's fused optimizer, keyed by FQN in the model."""
+        parts = [(path, m.fused_optimizer) for path, m in self.module.named_modules()
+                 if isinstance(m, ShardedModule) and hasattr(m, "fused_optimizer")]
+        return CombinedOptimizer(parts)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """The model's parameters under their unsharded names (no DMP/DDP prefix)."""
+        yield from self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def bare_named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Parameters that a dense optimizer should see (fused kernels' internals excluded)."""
+        for name, param in self.named_parameters(prefix, recurse):
+            if not getattr(param, "_in_backward_optimizers", False):
+                yield name, param
+
+    @property
+    def sparse_grad_parameter_names(self) -> List[str]:
+        """Parameters whose gradients are sparse tensors (none: dense kernels use dense grads)."""
+        return [n for n, p in self.named_parameters() if p.grad is not None and p.grad.is_sparse]
+
+    def state_dict(self, *args: Any, prefix: str = "", keep_vars: bool = False, **kwargs: Any) -> Dict[str, Any]:
+        """Unsharded keys; sharded tables as ShardedTensors (global shape, this rank's shards)."""
+        from recshard.checkpoint.state import model_state_dict
+
+        return model_state_dict(self.module, prefix)
+
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        from recshard.checkpoint.state import load_model_state_dict
+
+        return load_model_state_dict(self.module, state_dict, strict)
+
+    def copy(self, device: torch.device) -> DistributedModelParallel:
+        """A deep copy whose unsharded parts live on `device` (shards stay where they are)."""
+        other = copy.deepcopy(self)
+        for child in other.module.modules():
+            if not isinstance(child, ShardedModule):
+                child.to(device)
+        other.device = torch.device(device)
+        return other
+
+
+def _check_plan_paths(module: nn.Module, plan: ShardingPlan, sharder_map: Dict[type, ModuleSharder]) -> None:
+    """Every module path in the plan must name a module some sharder can shard."""
+    modules = dict(module.named_modules())
+    for path in plan.plan:
+        target = modules.get(path)
+        if target is None:
+            shardable = [p for p, m in modules.items() if type(m) in sharder_map]
+            raise ValueError(f"the plan names module '{path}', which the model lacks "
+                             f"(shardable modules: {shardable})")
+        if type(target) not in sharder_map:
+            raise ValueError(f"the plan names module '{path}' of type {type(target).__name__}, "
+                             "which no sharder handles")

@@ -1,0 +1,17 @@
+"""Keyed optimizers: fused (in-backward) embedding optimizer, dense wrappers, combination."""
+
+from recshard.optim.fused import FusedOptimizer
+from recshard.optim.keyed import (
+    CombinedOptimizer,
+    KeyedOptimizer,
+    KeyedOptimizerWrapper,
+    in_backward_optimizer_filter,
+)
+
+__all__ = [
+    "CombinedOptimizer",
+    "FusedOptimizer",
+    "KeyedOptimizer",
+    "KeyedOptimizerWrapper",
+    "in_backward_optimizer_filter",
+]
