@@ -1,5 +1,6 @@
 """Sharded modules, their sharders, manual plans, DistributedModelParallel."""
 
+from recshard.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from recshard.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from recshard.distributed.model_parallel import (
     DefaultDataParallelWrapper,
@@ -13,6 +14,8 @@ __all__ = [
     "DefaultDataParallelWrapper",
     "DistributedModelParallel",
     "EmbeddingBagCollectionSharder",
+    "EmbeddingCollectionSharder",
+    "ShardedEmbeddingCollection",
     "ShardedEmbeddingBagCollection",
     "default_sharders",
     "get_module",

@@ -58,9 +58,6 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
 
 def default_sharders() -> List[ModuleSharder]:
     """The sharders DistributedModelParallel uses when none are given."""
-    sharders: List[ModuleSharder] = [EmbeddingBagCollectionSharder()]
-    try:
-        from recshard.distributed.embedding import EmbeddingCollectionSharder
-    except ImportError:  # the sequence sharder is optional until it lands
-        return sharders
-    return sharders + [EmbeddingCollectionSharder()]
+    from recshard.distributed.embedding import EmbeddingCollectionSharder
+
+    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
