@@ -92,7 +92,7 @@ class _SequenceSharding(EmbeddingSharding):
         a2a = state["a2a"]
         return self._seq_a2a(
             local, state["received_lengths"], a2a.input_splits["values"],
-            a2a.output_splits["values"], unbucketize_permute_tensor=None,
+            a2a.output_splits["values"], unbucketize_permute_tensor=state.get("unbucketize"),
             batch_size_per_rank=a2a.stride_per_rank, sparse_features_recat=a2a.recat,
         )
 
