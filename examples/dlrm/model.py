@@ -11,7 +11,7 @@ parametrized module here has `reset_parameters`).
 
 from __future__ import annotations
 
-from typing import List, Tuple, Union
+from typing import Dict, List, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -74,52 +74,62 @@ class InteractionArch(nn.Module):
 
     def __init__(self, num_sparse_features: int) -> None:
         super().__init__()
-        rows, cols = torch.triu_indices(num_sparse_features + 1, num_sparse_features + 1, 1)
-        self.register_buffer("triu_rows", rows, persistent=False)
-        self.register_buffer("triu_cols", cols, persistent=False)
+        self.num_sparse_features = num_sparse_features
+        self._triu: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def output_dim(embedding_dim: int, num_sparse_features: int) -> int:
         return embedding_dim + num_sparse_features * (num_sparse_features + 1) // 2
 
+    def _triu_indices(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._triu:
+            n = self.num_sparse_features + 1
+            rows, cols = torch.triu_indices(n, n, 1, device=device)
+            self._triu[device] = (rows, cols)
+        return self._triu[device]
+
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         combined = torch.cat([dense.unsqueeze(1), sparse], dim=1)  # [B, F + 1, D]
         gram = torch.bmm(combined, combined.transpose(1, 2))  # [B, F + 1, F + 1]
-        return torch.cat([dense, gram[:, self.triu_rows, self.triu_cols]], dim=1)
+        rows, cols = self._triu_indices(gram.device)
+        return torch.cat([dense, gram[:, rows, cols]], dim=1)
+
+
+class LowRankCrossLayer(nn.Module):
+    """One DCN-v2 cross layer with a low-rank weight: `x0 * (U (V x) + b) + x`, `[B, N]`."""
+
+    def __init__(self, in_features: int, low_rank: int, device: DeviceLike = None) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.empty(low_rank, in_features, device=device))
+        self.u = nn.Parameter(torch.empty(in_features, low_rank, device=device))
+        self.bias = nn.Parameter(torch.empty(in_features, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.v.is_meta:
+            return
+        nn.init.xavier_normal_(self.v)
+        nn.init.xavier_normal_(self.u)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x0: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x0 * F.linear(F.linear(x, self.v), self.u, self.bias) + x
 
 
 class LowRankCrossNet(nn.Module):
-    """DCN-v2 cross layers with low-rank weights: `x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l`.
-
-    `[B, N]` -> `[B, N]`.
-    """
+    """DCN-v2 cross network: `x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l`, `[B, N]` -> `[B, N]`."""
 
     def __init__(self, in_features: int, num_layers: int, low_rank: int,
                  device: DeviceLike = None) -> None:
         super().__init__()
-        self.v = nn.ParameterList(
-            nn.Parameter(torch.empty(low_rank, in_features, device=device)) for _ in range(num_layers)
+        self.layers = nn.ModuleList(
+            LowRankCrossLayer(in_features, low_rank, device) for _ in range(num_layers)
         )
-        self.u = nn.ParameterList(
-            nn.Parameter(torch.empty(in_features, low_rank, device=device)) for _ in range(num_layers)
-        )
-        self.bias = nn.ParameterList(
-            nn.Parameter(torch.empty(in_features, device=device)) for _ in range(num_layers)
-        )
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if next(self.parameters()).device.type == "meta":
-            return
-        for v, u, bias in zip(self.v, self.u, self.bias):
-            nn.init.xavier_normal_(v)
-            nn.init.xavier_normal_(u)
-            nn.init.zeros_(bias)
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
         x = x0
-        for v, u, bias in zip(self.v, self.u, self.bias):
-            x = x0 * F.linear(F.linear(x, v), u, bias) + x
+        for layer in self.layers:
+            x = layer(x0, x)
         return x
 
 

@@ -69,3 +69,10 @@ def test_signal_is_learnable() -> None:
         optimizer.step()
         losses.append(loss.item())
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.03
+
+
+def test_start_batch_continues_the_stream() -> None:
+    config = SyntheticConfig(SIZES, 8, seed=5)
+    whole = list(SyntheticCriteo(config, rank=1, num_batches=4))
+    tail = list(SyntheticCriteo(config, rank=1, num_batches=2, start_batch=2))
+    assert _same(whole[2:], tail)

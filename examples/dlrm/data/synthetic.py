@@ -18,6 +18,7 @@ their embeddings learn their score: a DLRM reaches an eval AUC well above 0.5 qu
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Iterator, List
 
@@ -119,32 +120,39 @@ class HiddenModel:
 class SyntheticCriteo:
     """Infinite (or `num_batches`-long) stream of `Batch`es for one rank.
 
-    `split="eval"` draws a different stream from the same hidden model.
+    Batch `i` depends only on `(seed, rank, split, i)`, so a resumed run continues the same
+    stream with `start_batch`. `split="eval"` draws other samples from the same hidden model.
     """
 
     def __init__(self, config: SyntheticConfig, rank: int = 0, split: str = "train",
-                 num_batches: int | None = None) -> None:
+                 num_batches: Optional[int] = None, start_batch: int = 0) -> None:
         if split not in _SPLIT_CODE:
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         self.config = config
         self.rank = rank
         self.split = split
         self.num_batches = num_batches
+        self.start_batch = start_batch
         self.hidden = HiddenModel(config)
         self.keys = config.feature_names
 
     def __iter__(self) -> Iterator[Batch]:
-        seed = (self.config.seed * 1_000_003 + self.rank) * 4 + _SPLIT_CODE[self.split]
-        generator = torch.Generator().manual_seed(seed)
-        produced = 0
-        while self.num_batches is None or produced < self.num_batches:
+        generator = torch.Generator()
+        index = self.start_batch
+        while self.num_batches is None or index < self.start_batch + self.num_batches:
+            generator.manual_seed(self.batch_seed(index))
             yield self.make_batch(generator)
-            produced += 1
+            index += 1
 
     def __len__(self) -> int:
         if self.num_batches is None:
             raise TypeError("an infinite SyntheticCriteo stream has no length")
         return self.num_batches
+
+    def batch_seed(self, index: int) -> int:
+        """Seed of batch `index` of this rank's stream."""
+        key = (self.config.seed, self.rank, _SPLIT_CODE[self.split], index)
+        return zlib.crc32(repr(key).encode()) | (index << 32)
 
     def make_batch(self, generator: torch.Generator) -> Batch:
         """One batch of `config.batch_size` samples drawn with `generator`."""

@@ -1,0 +1,101 @@
+"""The sharding plan and optimizers the DLRM CLI uses (`--sharding`, `--plan`, `--kernel`,
+`--optimizer`)."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from recshard import EmbeddingBagConfig, ShardingPlan
+from recshard.distributed import EmbeddingBagCollectionSharder
+from recshard.distributed.sharding_plan import (
+    ShardingGenerator,
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from recshard.modules import EmbeddingBagCollection
+
+EBC_PATH = "model.sparse_arch.embedding_bag_collection"
+SHARDING_CHOICES = ["auto", "table_wise", "row_wise", "column_wise", "table_row_wise",
+                    "data_parallel"]
+OPTIMIZER_CHOICES = ["sgd", "adagrad", "rowwise_adagrad"]
+_FUSED_NAME = {"sgd": "exact_sgd", "adagrad": "exact_adagrad",
+               "rowwise_adagrad": "exact_row_wise_adagrad"}
+
+
+def _generator(kind: str, table_index: int, world_size: int, local_size: int,
+               kernel: str) -> ShardingGenerator:
+    """Per-table helper for one uniform sharding type; tables round-robin over ranks/hosts."""
+    if kind == "table_wise":
+        return table_wise(rank=table_index % world_size, compute_kernel=kernel)
+    if kind == "row_wise":
+        return row_wise(compute_kernel=kernel)
+    if kind == "column_wise":
+        return column_wise(ranks=list(range(world_size)), compute_kernel=kernel)
+    if kind == "table_row_wise":
+        num_hosts = max(1, world_size // local_size)
+        return table_row_wise(host_index=table_index % num_hosts, compute_kernel=kernel)
+    if kind == "data_parallel":
+        return data_parallel(compute_kernel="dense")
+    raise ValueError(f"unknown sharding {kind!r}; choose from {SHARDING_CHOICES}")
+
+
+def make_plan(kind: str, tables: List[EmbeddingBagConfig], world_size: int, local_size: int,
+              kernel: str, plan_path: Optional[str] = None) -> Optional[ShardingPlan]:
+    """A plan for the DLRM's EBC: from `plan_path` if given, None for "auto" (DMP asks the
+    planner), else every table sharded the same way."""
+    if plan_path:
+        from recshard.planner import load_plan
+
+        return load_plan(plan_path)
+    if kind == "auto":
+        return None
+    ebc = EmbeddingBagCollection(tables, device="meta")
+    per_table = {t.name: _generator(kind, i, world_size, local_size, kernel)
+                 for i, t in enumerate(tables)}
+    module_plan = construct_module_sharding_plan(
+        ebc, per_table, local_size=local_size, world_size=world_size
+    )
+    return ShardingPlan(plan={EBC_PATH: module_plan})
+
+
+def make_sharders(optimizer: str, lr: float, eps: float = 1e-8) -> List[EmbeddingBagCollectionSharder]:
+    """The EBC sharder with the fused (in-backward) embedding optimizer."""
+    fused = {"optimizer": _FUSED_NAME[optimizer], "learning_rate": lr, "eps": eps}
+    return [EmbeddingBagCollectionSharder(fused_params=fused)]
+
+
+def dense_optimizer_factory(optimizer: str, lr: float,
+                            eps: float = 1e-8) -> Callable[[List[torch.Tensor]], torch.optim.Optimizer]:
+    """Torch optimizer for the dense arch and dense-kernel tables: SGD, or Adagrad for both
+    Adagrad choices (as TorchRec's DLRM example)."""
+    if optimizer == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=lr)
+    return lambda params: torch.optim.Adagrad(params, lr=lr, eps=eps)
+
+
+def plan_table(plan: ShardingPlan, tables: List[EmbeddingBagConfig]) -> str:
+    """The plan as an aligned text table: one line per table with its shards."""
+    sizes: Dict[str, EmbeddingBagConfig] = {t.name: t for t in tables}
+    header = ["table", "rows x dim", "sharding", "kernel", "ranks", "shards (rows x cols @ rank)"]
+    rows = []
+    for module_path, module_plan in plan.plan.items():
+        for name, ps in module_plan.items():
+            config = sizes.get(name)
+            shape = f"{config.num_embeddings} x {config.embedding_dim}" if config else "?"
+            shards = "replicated" if not ps.shards else ", ".join(
+                f"{s.shard_sizes[0]}x{s.shard_sizes[1]}@{s.rank}" for s in ps.shards[:4]
+            ) + (f", ... ({len(ps.shards)} shards)" if len(ps.shards) > 4 else "")
+            ranks = "all" if ps.ranks is None else ",".join(map(str, ps.ranks))
+            rows.append([name, shape, ps.sharding_type, ps.compute_kernel, ranks, shards])
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+
+    def line(cells: List[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])

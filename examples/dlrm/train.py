@@ -1,0 +1,251 @@
+"""Train DLRM with sharded embeddings: `torchrun --nproc_per_node 2 -m examples.dlrm.train --demo`.
+
+One step, end to end: a `Batch` from `data/` is copied to the device; inside
+`DistributedModelParallel`, the sharded EmbeddingBagCollection sends each feature's ids to the
+ranks holding its rows (input all-to-all), looks them up in fused TBE kernels, and sends the
+pooled vectors back (output all-to-all); the dense arch runs under DDP. `backward()` updates
+the tables inside the kernels (fused optimizer); `optimizer.step()` updates the dense rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from examples.dlrm.args import parse_args
+from examples.dlrm.data.batch import Batch
+from examples.dlrm.data.criteo_spec import NUM_DENSE, SPARSE_NAMES
+from examples.dlrm.data.loaders import eval_batches, train_batches
+from examples.dlrm.metrics import EvalMetrics
+from examples.dlrm.model import build_dlrm
+from examples.dlrm.sharding import dense_optimizer_factory, make_plan, make_sharders, plan_table
+from recshard import EmbeddingBagConfig
+from recshard.distributed import DistributedModelParallel
+from recshard.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
+
+StepFn = Callable[[Iterator[Batch]], Any]
+
+
+def init_distributed(timeout_s: float) -> Tuple[int, int, int, torch.device]:
+    """Join (or reuse) the default process group: NCCL with one GPU per rank when CUDA is
+    there, else gloo on CPU. Without torchrun, a one-rank group. Returns
+    (rank, world size, local world size, device)."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python -m examples.dlrm.train`
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % local_size)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return rank, world_size, local_size, device
+
+
+def make_tables(args: argparse.Namespace) -> List[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(num_embeddings=rows, embedding_dim=args.embedding_dim,
+                           name=f"t_{feature}", feature_names=[feature])
+        for feature, rows in zip(SPARSE_NAMES, args.num_embeddings_per_feature)
+    ]
+
+
+def build_training(args: argparse.Namespace, device: torch.device, world_size: int,
+                   local_size: int) -> Tuple[DistributedModelParallel, CombinedOptimizer,
+                                             List[EmbeddingBagConfig]]:
+    """The DLRM built on `meta`, sharded and materialized by DMP, and its optimizers."""
+    torch.manual_seed(args.seed)
+    tables = make_tables(args)
+    model = build_dlrm(tables, NUM_DENSE, args.dense_arch_layers, args.over_arch_layers,
+                       args.interaction, device="meta", dcn_num_layers=args.dcn_num_layers,
+                       dcn_low_rank_dim=args.dcn_low_rank_dim)
+    plan = make_plan(args.sharding, tables, world_size, local_size, args.kernel, args.plan)
+    dmp = DistributedModelParallel(model, device=device, plan=plan,
+                                   sharders=make_sharders(args.optimizer, args.lr, args.eps))
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  dense_optimizer_factory(args.optimizer, args.lr, args.eps))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), tables
+
+
+def make_step_fn(dmp: DistributedModelParallel, optimizer: CombinedOptimizer,
+                 device: torch.device, pipeline: bool, say: Callable[[str], None]) -> StepFn:
+    """`step(iterator)` trains on the next batch(es) and returns `(loss, logits, labels)`;
+    raises StopIteration when the iterator is done."""
+    if pipeline:
+        try:
+            from recshard.distributed import TrainPipelineSparseDist
+        except ImportError:
+            say("notice: recshard has no TrainPipelineSparseDist yet; --pipeline runs the plain loop")
+        else:
+            return TrainPipelineSparseDist(dmp, optimizer, device).progress
+
+    def step(batches: Iterator[Batch]) -> Any:
+        batch = next(batches).to(device, non_blocking=True)
+        optimizer.zero_grad()
+        loss, output = dmp(batch)
+        loss.backward()
+        optimizer.step()
+        return output
+
+    return step
+
+
+def evaluate(dmp: DistributedModelParallel, batches: Iterator[Batch], device: torch.device,
+             metrics: EvalMetrics) -> Dict[str, float]:
+    """AUC, accuracy, NE and log loss over every rank's eval batches (collective)."""
+    dmp.eval()
+    metrics.reset()
+    with torch.no_grad():
+        for batch in batches:
+            _, (_, logits, labels) = dmp(batch.to(device, non_blocking=True))
+            metrics.update(logits, labels)
+    result = metrics.compute()
+    dmp.train()
+    return result
+
+
+def _progress_bar(total: Optional[int], initial: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                mininterval=0.5, file=sys.stderr)
+
+
+def _fmt(metrics: Dict[str, float]) -> str:
+    return (f"auc {metrics['auc']:.4f}  accuracy {metrics['accuracy']:.4f}  "
+            f"ne {metrics['ne']:.4f}  log_loss {metrics['log_loss']:.4f}  "
+            f"({metrics['samples']} samples)")
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    """Train and evaluate as `args` says; every rank returns the run's summary."""
+    rank, world_size, local_size, device = init_distributed(args.pg_timeout)
+    is_main = rank == 0
+
+    def say(text: str) -> None:
+        if is_main:
+            print(text, flush=True)
+
+    sync_group = dist.new_group(backend="gloo") if world_size > 1 else None
+    t_build = time.perf_counter()
+    dmp, optimizer, tables = build_training(args, device, world_size, local_size)
+    build_s = time.perf_counter() - t_build
+    say(f"DLRM on {world_size} rank(s), {device.type}, backend {dist.get_backend()}: "
+        f"{len(tables)} tables, {sum(t.num_embeddings for t in tables):,} rows x "
+        f"{args.embedding_dim}, interaction {args.interaction}, optimizer {args.optimizer}, "
+        f"lr {args.lr}, batch {args.batch_size}/rank ({args.batch_size * world_size} global)")
+    say(f"sharding plan ({'from ' + args.plan if args.plan else args.sharding}, "
+        f"built in {build_s:.1f}s):\n{plan_table(dmp.plan, tables)}")
+
+    start_step, history = 0, []
+    if args.resume and args.checkpoint_dir:
+        from recshard.checkpoint import load
+
+        try:
+            extra = load(args.checkpoint_dir, dmp, optimizer)
+        except FileNotFoundError:
+            say(f"no checkpoint in {args.checkpoint_dir}: starting from scratch")
+        else:
+            start_step, history = int(extra["step"]), list(extra.get("evals", []))
+            say(f"resumed from {args.checkpoint_dir} at step {start_step}")
+
+    metrics = EvalMetrics(device)
+    step_fn = make_step_fn(dmp, optimizer, device, args.pipeline, say)
+    bar = _progress_bar(args.steps, start_step, is_main and not args.no_progress)
+    batches = train_batches(args, rank, world_size, start_step, sync_group)
+    step, loss_ema, train_s = start_step, None, 0.0
+    t0 = time.perf_counter()
+
+    def checkpoint() -> None:
+        if args.checkpoint_dir:
+            from recshard.checkpoint import save
+
+            save(args.checkpoint_dir, dmp, optimizer, {"step": step, "evals": history})
+
+    def eval_now(final: bool) -> None:
+        nonlocal t0, train_s
+        train_s += time.perf_counter() - t0
+        result = evaluate(dmp, eval_batches(args, rank, world_size, sync_group), device, metrics)
+        history.append({"step": step, **result})
+        line = f"eval{' (final)' if final else ''} @ step {step}: {_fmt(result)}"
+        if bar is not None:
+            bar.write(line)
+        else:
+            say(line)
+        checkpoint()
+        t0 = time.perf_counter()
+
+    while True:
+        try:
+            loss, _, _ = step_fn(batches)
+        except StopIteration:
+            break
+        step += 1
+        value = float(loss)
+        loss_ema = value if loss_ema is None else 0.9 * loss_ema + 0.1 * value
+        if bar is not None:
+            elapsed = train_s + time.perf_counter() - t0
+            rate = (step - start_step) * args.batch_size * world_size / max(elapsed, 1e-9)
+            bar.set_postfix(loss=f"{loss_ema:.4f}", samples_per_s=f"{rate:,.0f}", refresh=False)
+            bar.update(1)
+        if args.eval_every and step % args.eval_every == 0 and step != args.steps:
+            eval_now(final=False)
+    train_s += time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    eval_now(final=True)
+
+    steps_run = step - start_step
+    samples = steps_run * args.batch_size * world_size
+    summary: Dict[str, Any] = {
+        "world_size": world_size, "device": device.type, "backend": dist.get_backend(),
+        "steps": step, "steps_this_run": steps_run, "global_samples": samples,
+        "train_seconds": train_s, "samples_per_s": samples / train_s if train_s > 0 else 0.0,
+        "final_loss_ema": loss_ema, "final_eval": history[-1], "evals": history,
+        "build_seconds": build_s,
+    }
+    say(f"done: {step} steps, {samples:,} samples in {train_s:.1f}s "
+        f"({summary['samples_per_s']:,.0f} samples/s over {world_size} rank(s)); "
+        f"final {_fmt(history[-1])}")
+    if args.metrics_json and is_main:
+        from recshard.planner import plan_to_dict
+
+        path = Path(args.metrics_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = {"config": {k: v for k, v in vars(args).items()}, **summary,
+                  "plan": plan_to_dict(dmp.plan)}
+        path.write_text(json.dumps(record, indent=2, default=str))
+        say(f"metrics written to {path}")
+    return summary
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    try:
+        run(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
