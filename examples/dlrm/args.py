@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import argparse
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 from examples.dlrm.data.criteo_spec import NUM_SPARSE, capped_num_embeddings
 from examples.dlrm.sharding import OPTIMIZER_CHOICES, SHARDING_CHOICES
 
 # What `--demo` changes (flags given explicitly still win): about a minute on 2 CPU ranks.
 DEMO = dict(
-    data="synthetic", steps=600, batch_size=512, embedding_dim=16,
+    data="synthetic", steps=400, batch_size=512, embedding_dim=16,
     num_embeddings_per_feature="100000", dense_arch_layers="64,16",
-    over_arch_layers="64,32,1", optimizer="rowwise_adagrad", lr=0.05, eval_every=200,
+    over_arch_layers="64,32,1", optimizer="rowwise_adagrad", lr=0.05, eval_every=100,
     eval_batches=20, sharding="auto", metrics_json="out/dlrm_demo_metrics.json",
 )
 
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse, apply `--demo` under explicit flags, and check the combination."""
     parser = build_parser()
     args = parser.parse_args(argv)

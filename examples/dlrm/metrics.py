@@ -6,7 +6,7 @@ no better than always predicting the base rate, lower is better.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,7 @@ class EvalMetrics:
     `compute()` is collective: every rank must call it (torchmetrics syncs over `process_group`).
     """
 
-    def __init__(self, device: torch.device, process_group: Optional[Any] = None) -> None:
+    def __init__(self, device: torch.device, process_group: Any | None = None) -> None:
         kwargs = {"process_group": process_group, "sync_on_compute": True}
         self.metrics = MetricCollection({
             "auc": BinaryAUROC(**kwargs),

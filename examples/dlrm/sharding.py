@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 
@@ -46,7 +46,7 @@ def _generator(kind: str, table_index: int, world_size: int, local_size: int,
 
 
 def make_plan(kind: str, tables: List[EmbeddingBagConfig], world_size: int, local_size: int,
-              kernel: str, plan_path: Optional[str] = None) -> Optional[ShardingPlan]:
+              kernel: str, plan_path: str | None = None) -> ShardingPlan | None:
     """A plan for the DLRM's EBC: from `plan_path` if given, None for "auto" (DMP asks the
     planner), else every table sharded the same way."""
     if plan_path:
@@ -84,7 +84,7 @@ def plan_table(plan: ShardingPlan, tables: List[EmbeddingBagConfig]) -> str:
     sizes: Dict[str, EmbeddingBagConfig] = {t.name: t for t in tables}
     header = ["table", "rows x dim", "sharding", "kernel", "ranks", "shards (rows x cols @ rank)"]
     rows = []
-    for module_path, module_plan in plan.plan.items():
+    for module_plan in plan.plan.values():
         for name, ps in module_plan.items():
             config = sizes.get(name)
             shape = f"{config.num_embeddings} x {config.embedding_dim}" if config else "?"

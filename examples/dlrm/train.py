@@ -17,7 +17,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -121,7 +121,7 @@ def evaluate(dmp: DistributedModelParallel, batches: Iterator[Batch], device: to
     return result
 
 
-def _progress_bar(total: Optional[int], initial: int, enabled: bool) -> Any:
+def _progress_bar(total: int | None, initial: int, enabled: bool) -> Any:
     if not enabled:
         return None
     from tqdm import tqdm
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return summary
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         run(args)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ class RankSynced:
     with the model's collectives.
     """
 
-    def __init__(self, iterable: Iterable[Batch], group: Optional[Any]) -> None:
+    def __init__(self, iterable: Iterable[Batch], group: Any | None) -> None:
         self._iterator = iter(iterable)
         self._group = group
         self._done = False
@@ -55,7 +55,7 @@ class RankSynced:
 
 
 def train_batches(args: argparse.Namespace, rank: int, world_size: int, start_step: int,
-                  group: Optional[Any]) -> Iterator[Batch]:
+                  group: Any | None) -> Iterator[Batch]:
     """The training stream from `start_step` on: `--steps` batches (synthetic, or Criteo
     cycled over), else `--epochs` passes over the Criteo train split."""
     if args.data == "synthetic":
@@ -81,7 +81,7 @@ def train_batches(args: argparse.Namespace, rank: int, world_size: int, start_st
 
 
 def eval_batches(args: argparse.Namespace, rank: int, world_size: int,
-                 group: Optional[Any]) -> Iterator[Batch]:
+                 group: Any | None) -> Iterator[Batch]:
     """The eval stream: fixed synthetic eval batches, or the Criteo eval split/files."""
     if args.data == "synthetic":
         return iter(SyntheticCriteo(synthetic_config(args), rank, "eval", args.eval_batches))

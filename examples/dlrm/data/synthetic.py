@@ -125,7 +125,7 @@ class SyntheticCriteo:
     """
 
     def __init__(self, config: SyntheticConfig, rank: int = 0, split: str = "train",
-                 num_batches: Optional[int] = None, start_batch: int = 0) -> None:
+                 num_batches: int | None = None, start_batch: int = 0) -> None:
         if split not in _SPLIT_CODE:
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         self.config = config
