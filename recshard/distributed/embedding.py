@@ -13,7 +13,7 @@ Gradient convention as the sharded EBC: updates use the mean over ranks of the g
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -44,7 +44,9 @@ class _JaggedDictAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
     column shards of each feature."""
 
     def __init__(
-        self, pending: Dict[str, Awaitable[torch.Tensor]], features: KeyedJaggedTensor,
+        self,
+        pending: Dict[str, Awaitable[torch.Tensor]],
+        features: KeyedJaggedTensor,
         module: ShardedEmbeddingCollection,
     ) -> None:
         super().__init__()
@@ -64,7 +66,8 @@ class _JaggedDictAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
             out[feature] = JaggedTensor(
                 parts[0] if len(parts) == 1 else torch.cat(parts, dim=1),
                 weights=jt.values() if module._need_indices else None,
-                lengths=jt.lengths(), offsets=jt.offsets(),
+                lengths=jt.lengths(),
+                offsets=jt.offsets(),
             )
         return out
 
@@ -81,9 +84,9 @@ class ShardedEmbeddingCollection(ShardedTablesMixin, ShardedModule):
         module: EmbeddingCollection,
         table_plans: EmbeddingModuleShardingPlan,
         env: ShardingEnv,
-        device: Optional[torch.device] = None,
-        fused_params: Optional[Dict[str, Any]] = None,
-        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+        device: torch.device | None = None,
+        fused_params: Dict[str, Any] | None = None,
+        qcomm_codecs_registry: Dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.env = env
@@ -91,10 +94,14 @@ class ShardedEmbeddingCollection(ShardedTablesMixin, ShardedModule):
         configs = module.embedding_configs()
         check_module_plan(configs, table_plans, env, "EmbeddingCollection", pooled=False)
         self._configs = configs
+        self._table_plans = dict(table_plans)
+        self._fused_params = dict(fused_params or {})
         self._need_indices = module.need_indices()
         self._is_weighted = False
         self._feature_names = [f for c in configs for f in c.feature_names]
-        self._feature_to_table = {f: (c.name, c.num_embeddings) for c in configs for f in c.feature_names}
+        self._feature_to_table = {
+            f: (c.name, c.num_embeddings) for c in configs for f in c.feature_names
+        }
         specs = [TableSpec(c, table_plans[c.name], dict(fused_params or {})) for c in configs]
         self._shardings: Dict[str, EmbeddingSharding] = build_sequence_shardings(
             specs, env, self._device, qcomm_codecs_registry
@@ -123,7 +130,7 @@ class ShardedEmbeddingCollection(ShardedTablesMixin, ShardedModule):
     def create_context(self) -> Dict[str, Any]:
         return {}
 
-    def _reject_reason(self, features: KeyedJaggedTensor) -> Optional[str]:
+    def _reject_reason(self, features: KeyedJaggedTensor) -> str | None:
         try:
             check_features(features, self._feature_names, self._owner)
             check_dtypes_and_weights(features, False, self._owner)
@@ -143,7 +150,9 @@ class ShardedEmbeddingCollection(ShardedTablesMixin, ShardedModule):
         ctx["features"] = features
         return ShardedEmbeddingBagCollection.input_dist(self, ctx, features)
 
-    def compute(self, ctx: Dict[str, Any], dist_input: List[KeyedJaggedTensor]) -> List[torch.Tensor]:
+    def compute(
+        self, ctx: Dict[str, Any], dist_input: List[KeyedJaggedTensor]
+    ) -> List[torch.Tensor]:
         return [s.compute(kjt) for s, kjt in zip(self._shardings.values(), dist_input)]
 
     def output_dist(
@@ -185,7 +194,7 @@ class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
         module: EmbeddingCollection,
         params: EmbeddingModuleShardingPlan,
         env: ShardingEnv,
-        device: Optional[torch.device] = None,
+        device: torch.device | None = None,
     ) -> ShardedEmbeddingCollection:
         return ShardedEmbeddingCollection(
             module, params, env, device, self.fused_params, self.qcomm_codecs_registry

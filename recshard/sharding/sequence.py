@@ -17,7 +17,7 @@ sequence lookup stacks the rows of all its tables into one `[N, D]` tensor.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -39,25 +39,30 @@ _PLACED = {ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE}
 class _SequenceSharding(EmbeddingSharding):
     """Shared by the model-parallel sequence shardings: KJT all-to-all of ids, lookup of
     `[N_recv, width]`, sequence all-to-all back. Subclasses set `input_features`,
-    `output_columns`, `lookup`, `_features_per_rank`, and route ids in `_route`."""
+    `output_columns` and `lookup`, call `_make_dists`, and may route ids in `_route`."""
 
     def __init__(
-        self, env: ShardingEnv, name: str, width: int, dtype: torch.dtype,
-        codecs: Optional[QuantizedCommCodecs],
+        self,
+        env: ShardingEnv,
+        name: str,
+        width: int,
+        dtype: torch.dtype,
+        codecs: QuantizedCommCodecs | None,
     ) -> None:
         super().__init__(env)
         self.name, self.width, self.dtype, self._codecs = name, width, dtype, codecs
 
     def _make_dists(self, features_per_rank: List[int]) -> None:
         self._kjt_a2a = KJTAllToAll(self.env.pg, features_per_rank)
-        self._seq_a2a = SequenceEmbeddingsAllToAll(self.env.pg, features_per_rank,
-                                                   codecs=self._codecs)
+        self._seq_a2a = SequenceEmbeddingsAllToAll(
+            self.env.pg, features_per_rank, codecs=self._codecs
+        )
 
     def _route(self, features: KeyedJaggedTensor, state: Dict[str, Any]) -> KeyedJaggedTensor:
         return features
 
     def input_dist(
-        self, features: KeyedJaggedTensor, ctx: Dict[str, Any], input_error: Optional[str]
+        self, features: KeyedJaggedTensor, ctx: Dict[str, Any], input_error: str | None
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         """Send the ids; keep the all-to-all's metadata (splits, recat) and the received
         lengths in `ctx[self.name]`, for the way back."""
@@ -91,9 +96,13 @@ class _SequenceSharding(EmbeddingSharding):
         state = ctx[self.name]
         a2a = state["a2a"]
         return self._seq_a2a(
-            local, state["received_lengths"], a2a.input_splits["values"],
-            a2a.output_splits["values"], unbucketize_permute_tensor=state.get("unbucketize"),
-            batch_size_per_rank=a2a.stride_per_rank, sparse_features_recat=a2a.recat,
+            local,
+            state["received_lengths"],
+            a2a.input_splits["values"],
+            a2a.output_splits["values"],
+            unbucketize_permute_tensor=state.get("unbucketize"),
+            batch_size_per_rank=a2a.stride_per_rank,
+            sparse_features_recat=a2a.recat,
         )
 
 
@@ -102,8 +111,14 @@ class PlacedSequenceSharding(_SequenceSharding):
     shards (once per shard), each shard is looked up as a table of its own."""
 
     def __init__(
-        self, shards: List[Tuple[TableSpec, int]], env: ShardingEnv, device: torch.device,
-        name: str, width: int, dtype: torch.dtype, codecs: Optional[QuantizedCommCodecs] = None,
+        self,
+        shards: List[Tuple[TableSpec, int]],
+        env: ShardingEnv,
+        device: torch.device,
+        name: str,
+        width: int,
+        dtype: torch.dtype,
+        codecs: QuantizedCommCodecs | None = None,
     ) -> None:
         super().__init__(env, name, width, dtype, codecs)
         per_rank: List[List[LocalTable]] = [[] for _ in range(env.world_size)]
@@ -123,8 +138,14 @@ class RowWiseSequenceSharding(_SequenceSharding):
     unbucketize permutation puts the returned rows back in the original id order."""
 
     def __init__(
-        self, specs: List[TableSpec], env: ShardingEnv, device: torch.device,
-        name: str, width: int, dtype: torch.dtype, codecs: Optional[QuantizedCommCodecs] = None,
+        self,
+        specs: List[TableSpec],
+        env: ShardingEnv,
+        device: torch.device,
+        name: str,
+        width: int,
+        dtype: torch.dtype,
+        codecs: QuantizedCommCodecs | None = None,
     ) -> None:
         super().__init__(env, name, width, dtype, codecs)
         world = env.world_size
@@ -133,8 +154,12 @@ class RowWiseSequenceSharding(_SequenceSharding):
         self.input_features = [f for s in ordered for f in s.config.feature_names]
         self.output_columns = [(f, 0, width) for f in self.input_features]
         self._block_sizes = torch.tensor(
-            [row_block_size(s.config.num_embeddings, world) for s in ordered
-             for _ in s.config.feature_names], dtype=torch.int64,
+            [
+                row_block_size(s.config.num_embeddings, world)
+                for s in ordered
+                for _ in s.config.feature_names
+            ],
+            dtype=torch.int64,
         )
         self.lookup = GroupedLookup([s.local_table(env.rank) for s in ordered], False, device)
         self._make_dists([len(self.input_features)] * world)
@@ -143,12 +168,22 @@ class RowWiseSequenceSharding(_SequenceSharding):
         """Bucket-major KJT (keys repeated once per rank, ids rebased to the row block)."""
         world = self.env.world_size
         lengths, values, _, _, unbucketize = ops.block_bucketize_sparse_features(
-            features.lengths(), features.values(), False, True,
-            self._block_sizes.to(features.values().dtype), world, None,
+            features.lengths(),
+            features.values(),
+            False,
+            True,
+            self._block_sizes.to(features.values().dtype),
+            world,
+            None,
         )
         state["unbucketize"] = unbucketize
-        return KeyedJaggedTensor(features.keys() * world, values, lengths=lengths,
-                                 stride=features.stride(), validate=False)
+        return KeyedJaggedTensor(
+            features.keys() * world,
+            values,
+            lengths=lengths,
+            stride=features.stride(),
+            validate=False,
+        )
 
 
 class DataParallelSequenceSharding(DataParallelPooledSharding):
@@ -156,7 +191,11 @@ class DataParallelSequenceSharding(DataParallelPooledSharding):
     EmbeddingCollection pools instead); gradients averaged over ranks as in pooled DP."""
 
     def __init__(
-        self, specs: List[TableSpec], env: ShardingEnv, device: torch.device, name: str,
+        self,
+        specs: List[TableSpec],
+        env: ShardingEnv,
+        device: torch.device,
+        name: str,
     ) -> None:
         EmbeddingSharding.__init__(self, env)
         self.name = name
@@ -183,7 +222,7 @@ def build_sequence_shardings(
     specs: List[TableSpec],
     env: ShardingEnv,
     device: torch.device,
-    qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+    qcomm_codecs_registry: Dict[str, Any] | None = None,
 ) -> Dict[str, EmbeddingSharding]:
     """Shardings keyed by name: "placed", "row_wise", "data_parallel", each suffixed by
     `_<width>_<dtype>` when the collection has shards of more than one width or dtype.
@@ -207,11 +246,15 @@ def build_sequence_shardings(
         members = groups[(kind, width, dtype)]
         name = _group_name(kind, width, dtype, single)
         if kind == "placed":
-            shardings[name] = PlacedSequenceSharding(members, env, device, name, width, dtype,
-                                                      codecs)
+            shardings[name] = PlacedSequenceSharding(
+                members, env, device, name, width, dtype, codecs
+            )
         elif kind == "row_wise":
             shardings[name] = RowWiseSequenceSharding(
-                [s for s, _ in members], env, device, name, width, dtype, codecs)
+                [s for s, _ in members], env, device, name, width, dtype, codecs
+            )
         else:
-            shardings[name] = DataParallelSequenceSharding([s for s, _ in members], env, device, name)
+            shardings[name] = DataParallelSequenceSharding(
+                [s for s, _ in members], env, device, name
+            )
     return shardings

@@ -43,22 +43,35 @@ def plan_for(kind: str, ws: int, kernel: str) -> Dict:
     if kind == "data_parallel":
         return {n: data_parallel() for n in names}
     if kind == "mixed":
-        return {"t0": table_wise(ws - 1, k), "t1": row_wise(k), "t2": column_wise(cw_ranks, k),
-                "t3": data_parallel(), "t4": column_wise(cw_ranks[::-1], k)}
+        return {
+            "t0": table_wise(ws - 1, k),
+            "t1": row_wise(k),
+            "t2": column_wise(cw_ranks, k),
+            "t3": data_parallel(),
+            "t4": column_wise(cw_ranks[::-1], k),
+        }
     raise ValueError(kind)
 
 
-def batch(rank: int, step: int, batch_size: int, zero_feature: bool) -> KeyedJaggedTensor:
-    """Rank `rank`'s batch at `step` (every rank can rebuild every other rank's batch)."""
+def batch(
+    rank: int, step: int, batch_size: int, zero_feature: bool, dtype: torch.dtype = torch.int64
+) -> KeyedJaggedTensor:
+    """Rank `rank`'s batch at `step` (every rank can rebuild every other rank's batch);
+    `dtype` of ids and lengths."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     rows = {f: t.num_embeddings for t in tables() for f in t.feature_names}
     lengths = torch.randint(0, 4, (len(KEYS), batch_size), generator=g)
     if zero_feature:
         lengths[KEYS.index("f3")] = 0
-    values = torch.cat([
-        torch.randint(0, rows[k], (int(lengths[i].sum()),), generator=g) for i, k in enumerate(KEYS)
-    ])
-    return KeyedJaggedTensor.from_lengths_sync(KEYS, values, lengths.reshape(-1))
+    values = torch.cat(
+        [
+            torch.randint(0, rows[k], (int(lengths[i].sum()),), generator=g)
+            for i, k in enumerate(KEYS)
+        ]
+    )
+    return KeyedJaggedTensor.from_lengths_sync(
+        KEYS, values.to(dtype), lengths.reshape(-1).to(dtype)
+    )
 
 
 def global_batch(parts: List[KeyedJaggedTensor]) -> KeyedJaggedTensor:
@@ -80,12 +93,13 @@ def gather_tables(sharded, ws: int) -> Dict[str, torch.Tensor]:
     """Every rank's shards, assembled into full tables on every rank."""
     local = [
         (name, table.row_offset, table.col_offset, weight.detach().clone())
-        for name, shards in sharded.local_table_shards().items() for table, weight in shards
+        for name, shards in sharded.local_table_shards().items()
+        for table, weight in shards
     ]
     gathered: List = [None] * ws
     dist.all_gather_object(gathered, local)
     full = {t.name: torch.full((t.num_embeddings, t.embedding_dim), float("nan")) for t in tables()}
     for part in gathered:
         for name, row, col, weight in part:
-            full[name][row:row + weight.size(0), col:col + weight.size(1)] = weight
+            full[name][row : row + weight.size(0), col : col + weight.size(1)] = weight
     return full

@@ -2,7 +2,7 @@
 
 DP, TW, CW (uneven column splits), RW (fewer rows than ranks) and a mixed plan; fused (SGD,
 row-wise Adagrad) and dense kernels; tables of dims 4, 6 and 8 in one collection; batch
-size 1, a feature with no ids, `need_indices`; a bad id on rank 0 stops every rank. World
+size 1, a feature with no ids, `need_indices` with int32 ids, unequal batch sizes; a bad id on rank 0 stops every rank. World
 sizes 1-4, one spawned group per world size running every case.
 """
 
@@ -37,17 +37,37 @@ def _shard(reference, kind: str, ws: int, kernel: str, optimizer: str):
     return plan, sharder.shard(copy.deepcopy(reference), plan, _env())
 
 
-def run_case(rank: int, ws: int, kind: str, kernel: str, optimizer: str, batch_size: int,
-             steps: int, need_indices: bool) -> List[str]:
-    """Mismatch descriptions (empty when everything matches)."""
+def run_case(
+    rank: int,
+    ws: int,
+    kind: str,
+    kernel: str,
+    optimizer: str,
+    batch_size: int,
+    steps: int,
+    variant: str = "",
+) -> List[str]:
+    """Mismatch descriptions (empty when everything matches). `variant`: "indices" (need_indices,
+    int32 ids and lengths), "uneven" (rank r's batch is `batch_size + r % 2`)."""
     problems: List[str] = []
+    need_indices = variant == "indices"
+    dtype = torch.int32 if need_indices else torch.int64
     reference = make_ec(need_indices)
     plan, sharded = _shard(reference, kind, ws, kernel, optimizer)
     dense_params = [p for n, p in sharded.named_parameters() if "weights." in n]
     dense_opt = torch.optim.SGD(dense_params, lr=LR) if dense_params else None
     state: Dict[str, Dict[str, torch.Tensor]] = {}
     for step in range(steps):
-        parts = [batch(r, step, batch_size, zero_feature=step == 1) for r in range(ws)]
+        parts = [
+            batch(
+                r,
+                step,
+                batch_size + (r % 2 if variant == "uneven" else 0),
+                zero_feature=step == 1,
+                dtype=dtype,
+            )
+            for r in range(ws)
+        ]
         out = sharded(parts[rank]).wait()
         ref_out = reference(global_batch(parts))
         if list(out) != list(ref_out):
@@ -59,9 +79,12 @@ def run_case(rank: int, ws: int, kind: str, kernel: str, optimizer: str, batch_s
             ref_rows = list(ref_jt.values().split(counts))
             jt = out[feature]
             if jt.values().shape != ref_rows[rank].shape or not torch.allclose(
-                    jt.values(), ref_rows[rank], atol=1e-5):
-                problems.append(f"step {step}: feature {feature} values differ "
-                                f"({tuple(jt.values().shape)} vs {tuple(ref_rows[rank].shape)})")
+                jt.values(), ref_rows[rank], atol=1e-5
+            ):
+                problems.append(
+                    f"step {step}: feature {feature} values differ "
+                    f"({tuple(jt.values().shape)} vs {tuple(ref_rows[rank].shape)})"
+                )
             if not torch.equal(jt.lengths(), parts[rank][feature].lengths()):
                 problems.append(f"step {step}: feature {feature} lengths differ")
             ids = parts[rank][feature].values()
@@ -83,8 +106,11 @@ def run_case(rank: int, ws: int, kind: str, kernel: str, optimizer: str, batch_s
         for name, emb in reference.embeddings.items():
             ps = plan[name]
             opt = "sgd" if kernel == "dense" or ps.sharding_type == "data_parallel" else optimizer
-            blocks = ([s.shard_sizes[1] for s in ps.shards] if ps.sharding_type == "column_wise"
-                      else [emb.weight.size(1)])
+            blocks = (
+                [s.shard_sizes[1] for s in ps.shards]
+                if ps.sharding_type == "column_wise"
+                else [emb.weight.size(1)]
+            )
             reference_update(emb.weight, emb.weight.grad, state.setdefault(name, {}), opt, blocks)
         if step in (0, steps - 1):
             full = gather_tables(sharded, ws)
@@ -126,8 +152,12 @@ def run_errors(rank: int, ws: int) -> List[str]:
     """Plan and sharder checks: table_row_wise is refused, naming the table."""
     problems = []
     sharder = EmbeddingCollectionSharder()
-    if set(sharder.sharding_types("cpu")) != {"data_parallel", "table_wise", "column_wise",
-                                             "row_wise"}:
+    if set(sharder.sharding_types("cpu")) != {
+        "data_parallel",
+        "table_wise",
+        "column_wise",
+        "row_wise",
+    }:
         problems.append(f"sharding_types {sharder.sharding_types('cpu')}")
     if sharder.compute_kernels("data_parallel", "cpu") != ["dense"]:
         problems.append("data_parallel kernels")
@@ -135,9 +165,13 @@ def run_errors(rank: int, ws: int) -> List[str]:
     if set(sharder.shardable_parameters(reference)) != {t for t in reference.embeddings}:
         problems.append("shardable_parameters")
     plan = construct_module_sharding_plan(
-        reference, {"t0": table_row_wise(0), **{t: plan_for("row_wise", ws, "fused")[t]
-                                                for t in ["t1", "t2", "t3", "t4"]}},
-        world_size=ws)
+        reference,
+        {
+            "t0": table_row_wise(0),
+            **{t: plan_for("row_wise", ws, "fused")[t] for t in ["t1", "t2", "t3", "t4"]},
+        },
+        world_size=ws,
+    )
     try:
         sharder.shard(reference, plan, _env())
         problems.append("table_row_wise plan was accepted")
@@ -166,11 +200,13 @@ def cases_for(ws: int) -> List[tuple]:
     cases: List[tuple] = []
     for kind in KINDS:
         if kind != "data_parallel":
-            cases.append((kind, "fused", "sgd", 3, 3, False))
-            cases.append((kind, "fused", "rowwise_adagrad", 3, 3, False))
-        cases.append((kind, "dense", "sgd", 3, 2, False))
-    cases.append(("mixed", "fused", "sgd", 1, 2, True))  # batch size 1, need_indices
-    cases.append(("row_wise", "fused", "sgd", 1, 2, False))
+            cases.append((kind, "fused", "sgd", 3, 3))
+            cases.append((kind, "fused", "rowwise_adagrad", 3, 3))
+        cases.append((kind, "dense", "sgd", 3, 2))
+    cases.append(("mixed", "fused", "sgd", 1, 2, "indices"))  # batch size 1
+    cases.append(("row_wise", "fused", "sgd", 1, 2))
+    if ws > 1:
+        cases.append(("mixed", "fused", "rowwise_adagrad", 2, 2, "uneven"))
     cases.append(("rejected",))
     if ws == 2:
         cases.append(("errors",))
