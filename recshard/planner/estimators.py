@@ -113,13 +113,25 @@ def _load_factor(cache_params: Optional[Dict[str, Any]]) -> float:
     return float((cache_params or {}).get("load_factor") or DEFAULT_CACHE_LOAD_FACTOR)
 
 
+def cache_hit_rate(cache_params: Optional[Dict[str, Any]], rows: int) -> float:
+    """Expected hit rate of a UVM cache holding `load_factor` of `rows` rows: for ids drawn
+    Zipf(1)-like (a few hot rows), caching the hottest `lf rows` hits `ln(1 + lf rows) /
+    ln(1 + rows)` of lookups (0.2 of 1e6 rows: 0.88). `cache_params["hit_rate"]` overrides."""
+    params = cache_params or {}
+    if params.get("hit_rate") is not None:
+        return float(params["hit_rate"])
+    if rows <= 1:
+        return 1.0
+    return math.log1p(_load_factor(cache_params) * rows) / math.log1p(rows)
+
+
 class EmbeddingPerfEstimator:
     """Time of one shard per step (ms): compute from bytes moved at the kernel's memory
     bandwidth, communication from bytes over the links each sharding type's collectives use.
 
     Kernel bandwidth `bw`: fused = HBM (cuda) or DDR (cpu) bandwidth; dense = half of it;
     fused_uvm = host<->device bandwidth x uvm_efficiency; fused_uvm_caching = harmonic mix,
-    `1 / (lf / hbm + (1 - lf) / uvm)` with cache hit rate ~ load factor `lf`.
+    `1 / (hit / hbm + (1 - hit) / uvm)` with `hit = cache_hit_rate(cache_params, rows)`.
     With `row = ceil(cols s_w / 32) 32` bytes per row access and `out = cols s_out`:
     - fwd_compute = (ids_in (id_bytes + row) + bags_out out) / bw   (+4 bytes/id if weighted)
     - bwd_compute, fused = (bags_out out + ids_in (2 row + 2 state_row)) / bw, where the fused
@@ -150,8 +162,10 @@ class EmbeddingPerfEstimator:
             (hosts - 1) / (hosts * lw) / topo.inter_host_bw
         )
 
-    def kernel_bw(self, kernel: str, cache_params: Optional[Dict[str, Any]] = None) -> float:
-        """Bytes/ms a compute kernel streams embedding rows at."""
+    def kernel_bw(
+        self, kernel: str, cache_params: Optional[Dict[str, Any]] = None, rows: int = 1
+    ) -> float:
+        """Bytes/ms a compute kernel streams embedding rows at (`rows`: of the shard)."""
         topo = self.topology
         fast = topo.hbm_mem_bw if topo.compute_device == "cuda" else topo.ddr_mem_bw
         uvm = topo.hbm_to_ddr_mem_bw * topo.uvm_efficiency
@@ -162,8 +176,8 @@ class EmbeddingPerfEstimator:
         if kernel == "fused_uvm":
             return uvm
         if kernel == "fused_uvm_caching":
-            lf = _load_factor(cache_params)
-            return 1.0 / (lf / fast + (1.0 - lf) / uvm)
+            hit = cache_hit_rate(cache_params, rows)
+            return 1.0 / (hit / fast + (1.0 - hit) / uvm)
         raise ValueError(f"no bandwidth model for compute kernel {kernel!r}")
 
     def estimate(
@@ -180,7 +194,7 @@ class EmbeddingPerfEstimator:
         facts = _facts(self._facts, table, self.batch_size)
         ids_in, bags_out = shard_traffic(table, sharding_type, rows, topo, self.batch_size,
                                          facts.workload)
-        bw = self.kernel_bw(compute_kernel, cache_params)
+        bw = self.kernel_bw(compute_kernel, cache_params, rows)
         s_w = facts.s_w
         row = math.ceil(cols * s_w / SECTOR_BYTES) * SECTOR_BYTES
         out_bytes = bags_out * cols * facts.s_out

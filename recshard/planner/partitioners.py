@@ -100,7 +100,10 @@ class GreedyPerfPartitioner:
             if retry.feasible:
                 return retry
         if not result.feasible:
+            result.extra["free"] = [(ch - h, cd - d) for ch, h, cd, d in
+                                    zip(capacity.hbm, result.hbm, capacity.ddr, result.ddr)]
             result.extra["deficit"] = memory_deficit(result.proposal, capacity)
+            result.extra["rank_capacity"] = {"hbm": max(capacity.hbm), "ddr": max(capacity.ddr)}
         return result
 
     def _partition(self, proposal: List[ShardingOption], capacity: Capacity,
@@ -116,7 +119,7 @@ class GreedyPerfPartitioner:
         if not self._place_hosts(result, capacity):
             return result
         if not self._place_devices(result, capacity, sort_by):
-            result.extra["device_pass"] = True
+            result.extra["device_pass"] = True  # failed placing table-/column-wise shards
             return result
         result.rating = self.perf_model.rate(result)
         return result
@@ -233,20 +236,19 @@ class GreedyPerfPartitioner:
         ranks = result.ranks
         for _, p, h, d, i, j in items:
             load, r = heap[0]
-            if h > room_h[r] or d > room_d[r]:
-                aside = []
-                while heap:
-                    load, r = heap[0]
-                    if h <= room_h[r] and d <= room_d[r]:
-                        break
+            if h <= room_h[r] and d <= room_d[r]:
+                heapreplace(heap, (load + p, r))
+            else:  # the least-loaded rank is full: set ranks aside until one has room
+                aside = [heappop(heap)]
+                while heap and (h > room_h[heap[0][1]] or d > room_d[heap[0][1]]):
                     aside.append(heappop(heap))
-                for entry in aside:
-                    heappush(heap, entry)
-                if h > room_h[r] or d > room_d[r]:
+                if not heap:
                     _device_failure(result, capacity, room_h, room_d, i, j, h, d)
                     return False
-                load, r = heap[0]
-            heapreplace(heap, (load + p, r))
+                load, r = heappop(heap)
+                heappush(heap, (load + p, r))
+                for entry in aside:
+                    heappush(heap, entry)
             room_h[r] -= h
             room_d[r] -= d
             ranks[i][j] = r  # type: ignore[index]

@@ -106,6 +106,7 @@ class EmbeddingShardingPlanner:
         capacity = self.storage_reservation.reserve(
             topo, [opts[0].table for opts in space], self.batch_size, dense_param_bytes
         )
+        space = self._drop_oversized(space, capacity)
         best, evaluated, feasible, failure = self._search(space, capacity, start)
         if best is None:
             raise PlannerError(self._no_plan_message(space, capacity, evaluated, failure))
@@ -115,6 +116,42 @@ class EmbeddingShardingPlanner:
         if self.debug:
             self.stats.log(self.last_stats)
         return to_sharding_plan(best, topo)
+
+    def _drop_oversized(
+        self, space: List[List[ShardingOption]], capacity: Capacity
+    ) -> List[List[ShardingOption]]:
+        """Options whose largest shard fits an empty rank; PlannerError naming the tables
+        that have none."""
+        cap_h, cap_d = max(capacity.hbm), max(capacity.ddr)
+        kept = [[o for o in options if o.max_hbm <= cap_h and o.max_ddr <= cap_d]
+                for options in space]
+        if all(kept):
+            return kept
+        lost = [options for options, k in zip(space, kept) if not k]
+        lines = [
+            f"no sharding plan fits: {len(lost)} table(s) have no option whose shards fit on one "
+            f"rank, which has {cap_h / GIB:.3f} GiB HBM and {cap_d / GIB:.3f} GiB DDR for tables "
+            f"(capacity {self.topology.hbm_cap / GIB:.3f} GiB HBM, "
+            f"{self.topology.ddr_cap / GIB:.3f} GiB DDR, minus reserved dense "
+            f"{capacity.dense_bytes / GIB:.3f} GiB, KJT {capacity.kjt_bytes / GIB:.3f} GiB, "
+            f"{capacity.fraction:.0%}).",
+            "Smallest shard per compute kernel:",
+        ]
+        for options in lost[:5]:
+            per_kernel: Dict[str, Tuple[float, float]] = {}
+            for o in options:
+                need = (o.max_hbm, o.max_ddr)
+                if o.compute_kernel not in per_kernel or sum(need) < sum(per_kernel[o.compute_kernel]):
+                    per_kernel[o.compute_kernel] = need
+            table = options[0].table
+            lines.append(f"  {table.key} ({table.num_embeddings} x {table.embedding_dim}, "
+                         f"{table.optimizer or 'exact_sgd'}): " + ", ".join(
+                             f"{k} {h / GIB:.3f} GiB HBM + {d / GIB:.3f} GiB DDR"
+                             for k, (h, d) in per_kernel.items()))
+        lines.append("Possible fixes: more memory per rank (--hbm-gb / --ddr-gb), more ranks "
+                     "with column-wise or row-wise sharding allowed, a smaller batch size or "
+                     "reservation, or fewer constraints.")
+        raise PlannerError("\n".join(lines))
 
     def _search(
         self, space: List[List[ShardingOption]], capacity: Capacity, start: float
@@ -161,8 +198,16 @@ class EmbeddingShardingPlanner:
             f"(capacity {topo.hbm_cap / GIB:.3f} GiB HBM, {topo.ddr_cap / GIB:.3f} GiB DDR, "
             f"minus reserved dense {capacity.dense_bytes / GIB:.3f} GiB, KJT "
             f"{capacity.kjt_bytes / GIB:.3f} GiB, {capacity.fraction:.0%}).",
-            "Largest tables, memory per compute kernel (whole table incl. optimizer state):",
         ]
+        min_h = sum(min(o.total_hbm for o in options) for options in space)
+        min_d = sum(min(o.total_ddr for o in options) for options in space)
+        lines.append(
+            f"All tables need at least {min_h / GIB:.3f} GiB HBM and {min_d / GIB:.3f} GiB DDR "
+            f"(each at its smallest option); {topo.world_size} ranks have "
+            f"{sum(capacity.hbm) / GIB:.3f} GiB HBM and {sum(capacity.ddr) / GIB:.3f} GiB DDR."
+        )
+        lines.append("Largest tables, memory per compute kernel (whole table incl. optimizer "
+                     "state):")
         sized = sorted(space, key=lambda opts: -(opts[0].table.num_embeddings
                                                  * opts[0].table.embedding_dim
                                                  * opts[0].table.data_type.element_size))

@@ -33,6 +33,13 @@ def _by_perf(options: List[ShardingOption]) -> List[ShardingOption]:
     return sorted(options, key=lambda o: (o.total_perf, o.max_perf))
 
 
+def _use(option: ShardingOption, resource: str, per_shard: bool = False) -> float:
+    """Bytes of HBM or DDR an option needs: in total, or on its largest shard."""
+    if resource == "hbm":
+        return option.max_hbm if per_shard else option.total_hbm
+    return option.max_ddr if per_shard else option.total_ddr
+
+
 def _contribution(option: ShardingOption, ranks: List[int], rank: int) -> float:
     """Time `option` puts on `rank`."""
     if option.partition_by == "uniform":
@@ -76,6 +83,7 @@ class GreedyProposer:
         self._tried: Set[Tuple[int, int]] = set()
         self._stale = 0
         self._count = 0
+        self._refitted: Set[int] = set()
         self._done = not self._space
 
     def propose(self) -> Optional[List[ShardingOption]]:
@@ -111,72 +119,98 @@ class GreedyProposer:
                 self._choice[t] = index
 
     def _cheapest_smaller(self, t: int, resource: str, per_shard: bool) -> Optional[int]:
+        """Index of table t's cheapest option using less of `resource` than its current one."""
         options = self._space[t]
-        current = options[self._choice[t]]
-
-        def usage(o: ShardingOption) -> float:
-            if per_shard:
-                return o.max_hbm if resource == "hbm" else o.max_ddr
-            return o.total_hbm if resource == "hbm" else o.total_ddr
-
-        limit = usage(current) * (1 - 1e-9)
+        limit = _use(options[self._choice[t]], resource, per_shard) * (1 - 1e-9)
         for k, option in enumerate(options):  # sorted by total perf: first hit is cheapest
-            if usage(option) < limit:
+            if _use(option, resource, per_shard) < limit:
                 return k
         return None
 
     def _memory_step(self, result: PartitionResult) -> bool:
-        """Change choices so the next proposal needs less of the memory that fell short:
-        many tables at once while the total need exceeds the total capacity (+ slack), else
-        the table that did not fit. False if nothing can shrink."""
+        """Change choices so the next proposal needs less of the memory that fell short.
+
+        1. The summed need exceeds the summed capacity (+ `memory_slack`): tables move to
+           options using less of that memory (e.g. HBM -> UVM), cheapest extra time per byte
+           first, until the excess is freed, without overflowing the other memory.
+        2. Else (fragmentation) a table-/column-wise shard that found no rank moves, once per
+           table, to its cheapest option that fits what some rank had left;
+        3. or tables move as in 1 until the failed table's need is freed;
+        4. else the failed table (or the biggest user) shrinks its largest shard.
+        False if nothing can shrink."""
         t, resource = result.failed_index, result.failed_resource or "hbm"
         if t is None:
             return False
-        total = sum((o.total_hbm if resource == "hbm" else o.total_ddr) for o in result.proposal)
-        excess = result.extra.get("deficit", {}).get(resource, 0.0) + self.memory_slack * total
-        if excess > 0 and self._shrink_many(resource, excess):
+        other = "ddr" if resource == "hbm" else "hbm"
+        deficit = result.extra.get("deficit", {resource: 0.0, other: 0.0})
+        rank_cap = result.extra.get("rank_capacity", {resource: math.inf})
+        failed = result.proposal[t]
+        fits_a_rank = _use(failed, resource, per_shard=True) <= rank_cap[resource]
+        total = sum(_use(o, resource) for o in result.proposal)
+        room = -deficit[other] - self.memory_slack * sum(_use(o, other) for o in result.proposal)
+        excess = deficit[resource] + self.memory_slack * total
+        if excess > 0 and fits_a_rank and self._shrink_many(resource, excess, room):
+            return True  # the sum does not fit: move the cheapest bytes out
+        if result.extra.get("device_pass") and t not in self._refitted:
+            index = self._fits_now(t, result.extra.get("free"))
+            if index is not None:  # fragmentation: split or offload just this table
+                self._refitted.add(t)
+                self._choice[t] = index
+                return True
+        if fits_a_rank and self._shrink_many(resource, _use(failed, resource), room):
             return True
-        index = self._cheapest_smaller(t, resource, per_shard=True)
-        if index is None:  # shrink the biggest user of that memory instead
-            users = [(options[self._choice[u]].total_hbm if resource == "hbm"
-                      else options[self._choice[u]].total_ddr, u)
-                     for u, options in enumerate(self._space)]
-            for _, u in sorted(users, reverse=True):
-                index = self._cheapest_smaller(u, resource, per_shard=False)
-                if index is not None:
-                    t = u
-                    break
-        if index is None:
-            return False
-        self._choice[t] = index
-        return True
+        for u in [t] + sorted(range(len(self._space)), reverse=True,
+                              key=lambda u: _use(self._space[u][self._choice[u]], resource)):
+            index = self._cheapest_smaller(u, resource, per_shard=u == t)
+            if index is not None:
+                self._choice[u] = index
+                return True
+        return False
 
-    def _shrink_many(self, resource: str, need: float) -> bool:
-        """Move tables to options that use less of `resource` (HBM -> UVM, DDR -> ...) until
-        `need` bytes are freed, cheapest time per byte first. False if nothing can move."""
+    def _fits_now(self, t: int, free: Optional[List[Tuple[float, float]]]) -> Optional[int]:
+        """Table t's cheapest other option whose largest shard fits the memory some rank had
+        left when the placement failed (splitting or offloading just enough)."""
+        if not free:
+            return None
+        room_h = max(h for h, _ in free)
+        room_d = max(d for _, d in free)
+        both = sorted(free, reverse=True)
+        for k, option in enumerate(self._space[t]):
+            if k == self._choice[t] or option.max_hbm > room_h or option.max_ddr > room_d:
+                continue
+            if any(option.max_hbm <= h and option.max_ddr <= d for h, d in both):
+                return k
+        return None
+
+    def _shrink_many(self, resource: str, need: float, room_other: float) -> bool:
+        """Move tables to options that use less of `resource` (e.g. HBM -> UVM) until `need`
+        bytes are freed, cheapest time per byte first, adding at most `room_other` bytes of
+        the other memory. False if nothing moved."""
+        other = "ddr" if resource == "hbm" else "hbm"
         moves = []
         for t, options in enumerate(self._space):
             current = options[self._choice[t]]
-            use = current.total_hbm if resource == "hbm" else current.total_ddr
             best = None
             for k, option in enumerate(options):
-                saved = use - (option.total_hbm if resource == "hbm" else option.total_ddr)
+                saved = _use(current, resource) - _use(option, resource)
                 if saved > 0:
                     cost = max(0.0, option.total_perf - current.total_perf) / saved
                     if best is None or cost < best[0]:
-                        best = (cost, saved, t, k)
+                        added = _use(option, other) - _use(current, other)
+                        best = (cost, saved, added, t, k)
             if best is not None:
                 moves.append(best)
-        if not moves:
-            return False
         moves.sort()
         freed = 0.0
-        for _, saved, t, k in moves:
+        for _, saved, added, t, k in moves:
             if freed >= need:
                 break
+            if added > room_other:
+                continue
             self._choice[t] = k
             freed += saved
-        return True
+            room_other -= added
+        return freed > 0
 
     def _balance_move(self, best: PartitionResult) -> Optional[Tuple[int, int]]:
         perf = best.perf

@@ -118,15 +118,27 @@ def test_random_set_balance_and_stats():
     assert "imbalance" in text and "t199" in text and "HBM GiB" in text
 
 
-def test_infeasible_raises_planner_error_with_details():
+def test_table_too_big_for_any_rank_is_named():
     tables = [TableMeta("huge", 100_000_000, 128, optimizer="adam"), TableMeta("small", 10, 8)]
     planner = EmbeddingShardingPlanner(Topology(2, ddr_cap=8 * GIB), debug=False)
     with pytest.raises(PlannerError) as info:
         planner.plan_tables(tables)
     text = str(info.value)
-    assert "no sharding plan fits" in text
-    assert "huge (100000000 x 128, adam): fused" in text
-    assert "8.000 GiB DDR" in text  # the capacity that fell short
+    assert "no sharding plan fits: 1 table(s) have no option whose shards fit" in text
+    assert "huge (100000000 x 128, adam): " in text and "fused 0.000 GiB HBM + 71.526" in text
+    assert "8.000 GiB DDR for tables" in text  # the capacity that fell short
+
+
+def test_tables_too_big_together_raise_with_details():
+    tables = [TableMeta(f"big{i}", 10_000_000, 128, optimizer="adam") for i in range(4)]
+    planner = EmbeddingShardingPlanner(Topology(2, ddr_cap=20 * GIB), debug=False)
+    with pytest.raises(PlannerError) as info:
+        planner.plan_tables(tables)
+    text = str(info.value)
+    assert "no sharding plan fits: evaluated" in text
+    assert "Per rank for tables: 0.000 GiB HBM, 20.000 GiB DDR" in text
+    assert "big0 (10000000 x 128, adam): fused 0.000 GiB HBM + 14.306 GiB DDR" in text
+    assert "2 ranks have 0.000 GiB HBM and 40.000 GiB DDR" in text
     assert "DDR fell short" in text
 
 
@@ -182,3 +194,46 @@ def test_duplicate_table_is_an_error():
         EmbeddingShardingPlanner(Topology(2), debug=False).plan_tables(
             [TableMeta("t", 10, 8), TableMeta("t", 10, 8)]
         )
+
+
+try:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+except ImportError:  # pragma: no cover - hypothesis is a dev dependency
+    given = None
+
+if given is not None:
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        sizes=st.lists(st.tuples(st.integers(1, 3_000_000), st.integers(1, 300),
+                                 st.floats(0.5, 50.0)), min_size=1, max_size=25),
+        world=st.sampled_from([(1, 1), (2, 2), (4, 2), (6, 3), (8, 4)]),
+        device=st.sampled_from(["cpu", "cuda"]),
+        mem_gb=st.floats(0.05, 4.0),
+        optimizer=st.sampled_from(["exact_sgd", "exact_row_wise_adagrad", "adam"]),
+    )
+    def test_property_plan_fits_or_planner_error(sizes, world, device, mem_gb, optimizer):
+        tables = [TableMeta(f"t{i}", rows, dim, pooling_factors=[pf], optimizer=optimizer)
+                  for i, (rows, dim, pf) in enumerate(sizes)]
+        ws, local = world
+        if device == "cuda":
+            topo = Topology(ws, "cuda", hbm_cap=mem_gb * GIB, ddr_cap=2 * mem_gb * GIB,
+                            local_world_size=local)
+        else:
+            topo = Topology(ws, ddr_cap=mem_gb * GIB, local_world_size=local)
+        planner = EmbeddingShardingPlanner(topo, batch_size=64, debug=False)
+        try:
+            plan = planner.plan_tables(tables)
+        except PlannerError as e:
+            assert "no sharding plan fits" in str(e) or "reservation" in str(e)
+            return
+        assert_feasible_and_complete(planner, plan, tables)
+
+
+def test_search_stops_early():
+    tables = random_tables(300, seed=2)
+    planner = EmbeddingShardingPlanner(Topology(16, "cuda", local_world_size=8),
+                                       proposer=GreedyProposer(patience=5), debug=False)
+    planner.plan_tables(tables)
+    assert planner.last_stats.num_proposals < 300
