@@ -23,6 +23,7 @@ from recshard.modules.input_checks import check_dtypes_and_weights, check_featur
 from recshard.sharding.build import build_pooled_shardings
 from recshard.sharding.common import EmbeddingSharding, TableSpec
 from recshard.sparse import KeyedJaggedTensor, KeyedTensor
+from recshard.sparse.validation import validate_kjt
 from recshard.types import (
     Awaitable,
     EmbeddingModuleShardingPlan,
@@ -129,6 +130,7 @@ class ShardedEmbeddingBagCollection(ShardedTablesMixin, ShardedModule):
     def _reject_reason(self, features: KeyedJaggedTensor) -> Optional[str]:
         owner = "ShardedEmbeddingBagCollection"
         try:
+            validate_kjt(features)
             check_features(features, self._feature_names, owner)
             check_dtypes_and_weights(features, self._is_weighted, owner)
             check_ids(features, self._feature_to_table, owner)
@@ -151,10 +153,18 @@ class ShardedEmbeddingBagCollection(ShardedTablesMixin, ShardedModule):
             if not any(s.carries_input_error for s in self._shardings.values()):
                 raise ValueError(error)
             parts = [_placeholder(s.input_features, features) for s in self._shardings.values()]
-        ctx["batch_size"] = features.stride()
         awaitables = [s.input_dist(part, ctx, error) for s, part in zip(self._shardings.values(), parts)]
         splits = _ListAwaitable(awaitables)
-        return FnAwaitable(lambda: _ListAwaitable(splits.wait()))
+
+        def start_tensors() -> Awaitable[List[KeyedJaggedTensor]]:
+            tensors = splits.wait()
+            # every rank's batch size, learned in the splits exchange (unequal batches work)
+            sizes = next((t.stride_per_rank for t in tensors if hasattr(t, "stride_per_rank")), None)
+            if sizes is not None and len(set(sizes)) > 1:
+                ctx["batch_size_per_rank"] = list(sizes)
+            return _ListAwaitable(tensors)
+
+        return FnAwaitable(start_tensors)
 
     def compute(self, ctx: Dict[str, Any], dist_input: List[KeyedJaggedTensor]) -> List[torch.Tensor]:
         return [s.compute(kjt) for s, kjt in zip(self._shardings.values(), dist_input)]

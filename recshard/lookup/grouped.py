@@ -47,7 +47,9 @@ def _build_kernel(
     if tables[0].compute_kernel == EmbeddingComputeKernel.DENSE:
         return DenseKernel(tables, pooled, device)
     spec: FusedOptimSpec = parse_fused_params(tables[0].fused_params, tables[0].name)
-    if fbgemm:
+    # fbgemm's CPU kernel fails when every table has 0 local rows (row-wise shard of a tiny
+    # table); the torch twin takes that group. Grouping, hence feature order, is unchanged.
+    if fbgemm and any(t.rows > 0 for t in tables):
         return FbgemmFusedKernel(tables, pooled, spec, device)
     return TorchFusedKernel(tables, pooled, spec, device)
 

@@ -122,8 +122,14 @@ class RowWisePooledSharding(EmbeddingSharding):
         return self._kjt_a2a(routed, input_error=input_error)
 
     def output_dist(self, local: torch.Tensor, ctx: Dict[str, Any]) -> Awaitable[torch.Tensor]:
+        batch_sizes = ctx.get("batch_size_per_rank")
         if self._cross_a2a is None:
-            pending = self._reduce_scatter(local)
+            pending = self._reduce_scatter(local, input_splits=batch_sizes)
+        elif batch_sizes is not None:
+            raise ValueError(
+                f"table-row-wise sharding needs equal batch sizes on every rank, got {batch_sizes} "
+                "(use row_wise or table_wise for these tables, or pad the batches)"
+            )
         else:
             pending = self._node_reduce_then_exchange(local)
         if not self._mean_features:

@@ -160,3 +160,17 @@ def test_grouped_lookup_mixes_dims_and_kernels() -> None:
 def test_unsupported_optimizer_names_the_table() -> None:
     with pytest.raises(ValueError, match="table 'big': fused optimizer 'adam' is not supported"):
         parse_fused_params({"optimizer": "adam"}, "big")
+
+
+def test_group_with_only_empty_shards_runs() -> None:
+    """A rank holding 0 rows of every table of a group (row-wise, tiny tables) still works."""
+    tables = local_tables([4, 8], PoolingType.SUM)
+    for t in tables:
+        t.rows = 0
+    lookup = GroupedLookup(tables, pooled=True, device=torch.device("cpu"))
+    empty = KeyedJaggedTensor.from_lengths_sync(
+        [f for t in tables for f in t.feature_names], torch.empty(0, dtype=torch.int64),
+        torch.zeros(9, dtype=torch.int32))
+    out = lookup(empty)
+    assert out.shape == (3, 16) and not out.any()
+    out.sum().backward()
