@@ -112,13 +112,17 @@ def evaluate(dmp: DistributedModelParallel, batches: Iterator[Batch], device: to
     """AUC, accuracy, NE and log loss over every rank's eval batches (collective)."""
     dmp.eval()
     metrics.reset()
+    seen = 0
     with torch.no_grad():
         for batch in batches:
             _, (_, logits, labels) = dmp(batch.to(device, non_blocking=True))
             metrics.update(logits, labels)
-    result = metrics.compute()
+            seen += 1
     dmp.train()
-    return result
+    if seen == 0:  # every rank stops together (equal synthetic counts, RankSynced for files)
+        nan = float("nan")
+        return {"auc": nan, "accuracy": nan, "ne": nan, "log_loss": nan, "samples": 0}
+    return metrics.compute()
 
 
 def _progress_bar(total: int | None, initial: int, enabled: bool) -> Any:
