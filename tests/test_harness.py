@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from multiprocess import RankError, run_ranks
 
 

@@ -53,10 +53,8 @@ class DefaultDataParallelWrapper:
 def _sharded_parameter_names(module: nn.Module) -> Iterator[Tuple[str, nn.Parameter]]:
     for name, child in module.named_modules():
         if isinstance(child, ShardedModule):
-            for pname, param in child.named_parameters(prefix=name):
-                yield pname, param
-            for bname, buf in child.named_buffers(prefix=name):
-                yield bname, buf
+            yield from child.named_parameters(prefix=name)
+            yield from child.named_buffers(prefix=name)
 
 
 def get_unwrapped_module(module: nn.Module) -> nn.Module:

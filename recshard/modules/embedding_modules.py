@@ -6,7 +6,7 @@ versions) and the numerical reference every sharded path is tested against.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Sequence, Tuple, Union
 
 import torch
 from torch import nn

@@ -10,7 +10,6 @@ import torch.distributed as dist
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from recshard.distributed.sharding_plan import (
     column_wise,
-    construct_module_sharding_plan,
     data_parallel,
     row_wise,
     table_column_wise,
