@@ -1,0 +1,25 @@
+"""Train pipelines: overlap the input dist and device copy of the next batches with this step.
+
+`TrainPipelineSparseDist` (and its eval twin `EvalPipelineSparseDist`) start batch i+1's input
+dist and batch i+2's copy while batch i runs; `TrainPipelineBase` overlaps only the copy.
+"""
+
+from recshard.distributed.train_pipeline.pipelines import (
+    EvalPipelineSparseDist,
+    TrainPipeline,
+    TrainPipelineBase,
+    TrainPipelineSparseDist,
+)
+from recshard.distributed.train_pipeline.tracing import ArgInfo, trace_sharded_inputs
+from recshard.distributed.train_pipeline.utils import PipelinedForward, TrainPipelineContext
+
+__all__ = [
+    "ArgInfo",
+    "EvalPipelineSparseDist",
+    "PipelinedForward",
+    "TrainPipeline",
+    "TrainPipelineBase",
+    "TrainPipelineContext",
+    "TrainPipelineSparseDist",
+    "trace_sharded_inputs",
+]

@@ -1,0 +1,176 @@
+"""What the train pipelines share: per-batch contexts, streams, the pipelined forward, and the
+per-batch vote that every rank still has data.
+
+Streams: on CUDA the host-to-device copy runs on a `memcpy` stream and the input dist on a
+`data_dist` stream; every hand-over between streams is a `wait_stream` plus `record_stream` on
+what crosses it (the batch, the routed KJTs, the module contexts). On CPU the streams are `None`,
+the stream helpers do nothing, and the same code runs: the overlap there comes from gloo, whose
+`async_op=True` collectives run on its own worker threads while the main thread computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from recshard.types import Awaitable, FnAwaitable, NoWait, ShardedModule
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- streams
+
+
+def new_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
+    """A high-priority side stream on CUDA; None elsewhere (work then runs in order)."""
+    return torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
+
+
+def stream_context(stream: Optional[torch.cuda.Stream]) -> ContextManager[Any]:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def record_stream(obj: Any, stream: torch.cuda.Stream) -> None:
+    """Mark every CUDA tensor in `obj` (tensor, Pipelineable, dict / list / tuple of them) as
+    used on `stream`, so the caching allocator does not reuse it while `stream` still reads it."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda:
+            obj.record_stream(stream)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            record_stream(value, stream)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            record_stream(value, stream)
+    elif hasattr(obj, "record_stream") and not isinstance(obj, Awaitable):
+        obj.record_stream(stream)
+
+
+def wait_for_batch(batch: Any, stream: Optional[torch.cuda.Stream]) -> None:
+    """Make the current stream wait for `stream` (which produced `batch`) and record `batch` on it."""
+    if stream is None:
+        return
+    current = torch.cuda.current_stream(stream.device)
+    current.wait_stream(stream)
+    record_stream(batch, current)
+
+
+def to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
+    """`batch.to(device, non_blocking=...)`; the batch must be Pipelineable (or a tensor)."""
+    if not hasattr(batch, "to"):
+        raise TypeError(
+            f"the train pipeline needs batches with a `to(device, non_blocking)` method "
+            f"(recshard.types.Pipelineable); got {type(batch).__name__}"
+        )
+    return batch.to(device, non_blocking=non_blocking)
+
+
+# ----------------------------------------------------------------------------- contexts
+
+
+@dataclass
+class TrainPipelineContext:
+    """One batch in flight: each pipelined module's context and its input dist.
+
+    `splits_requests[name]`: the input dist as `input_dist` returned it (splits exchange in
+    flight); `tensors_requests[name]`: after the first wait (tensors exchange in flight), consumed
+    by the module's pipelined forward. `has_batch`: every rank's vote that it has this batch.
+    """
+
+    index: int
+    has_batch: Awaitable[bool] = field(default_factory=lambda: NoWait(True))
+    module_contexts: Dict[str, Any] = field(default_factory=dict)
+    splits_requests: Dict[str, Awaitable[Awaitable[Any]]] = field(default_factory=dict)
+    tensors_requests: Dict[str, Awaitable[Any]] = field(default_factory=dict)
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        record_stream(self.module_contexts, stream)
+
+
+class ForwardSlot:
+    """Which batch's forward the pipeline is running now (None outside the pipeline)."""
+
+    def __init__(self) -> None:
+        self.context: Optional[TrainPipelineContext] = None
+
+
+class PipelinedForward:
+    """Replaces a sharded module's `forward` while a pipeline feeds it.
+
+    Inside the pipeline's forward of batch i it ignores the arguments (the same batch fields,
+    already routed) and takes batch i's input dist, started a step earlier: it waits for the
+    tensors exchange on the data-dist stream, hands the result to the current stream, and runs
+    `compute_and_output_dist`. Called anywhere else (a plain `model(batch)` outside the pipeline,
+    or a second call in one forward) it runs the module's ordinary forward.
+    """
+
+    def __init__(self, name: str, module: ShardedModule, slot: ForwardSlot,
+                 stream: Optional[torch.cuda.Stream]) -> None:
+        self._name = name
+        self._module = module
+        self._slot = slot
+        self._stream = stream
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ctx = self._slot.context
+        if ctx is None or (self._name not in ctx.tensors_requests
+                           and self._name not in ctx.splits_requests):
+            return type(self._module).forward(self._module, *args, **kwargs)
+        with stream_context(self._stream):
+            if self._name in ctx.splits_requests:  # its tensors exchange was not started yet
+                ctx.tensors_requests[self._name] = ctx.splits_requests.pop(self._name).wait()
+            data = ctx.tensors_requests.pop(self._name).wait()
+        module_ctx = ctx.module_contexts[self._name]
+        if self._stream is not None:
+            current = torch.cuda.current_stream(self._stream.device)
+            current.wait_stream(self._stream)
+            record_stream(data, current)
+            record_stream(module_ctx, current)
+        return self._module.compute_and_output_dist(module_ctx, data)
+
+
+# ----------------------------------------------------------------------------- uneven data
+
+
+class BatchVote:
+    """Every rank says, for each batch it fetches, whether it got one; a batch runs only if all did.
+
+    One all-reduce (MIN) of a one-element int tensor per fetched batch, issued without waiting
+    when the batch is fetched and read when its input dist is about to start (a step later), so
+    its latency hides behind a step. Without it a rank whose data ends first leaves the others
+    hanging in the next all-to-all (TorchRec issues #1014, #3132). The flag is a host value: on
+    a non-gloo group (NCCL) the vote runs on a gloo twin of the group, so that reading it never
+    synchronizes a CUDA stream.
+    """
+
+    def __init__(self, pg: Optional[dist.ProcessGroup]) -> None:
+        self._pg: Optional[dist.ProcessGroup] = None
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        pg = pg if pg is not None else dist.group.WORLD
+        if dist.get_world_size(pg) == 1:
+            return
+        if dist.get_backend(pg) != "gloo":  # every rank builds the pipeline: a safe point
+            pg = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo")
+        self._pg = pg
+
+    def ask(self, has_batch: bool) -> Awaitable[bool]:
+        if self._pg is None:
+            return NoWait(has_batch)
+        flag = torch.tensor([int(has_batch)], dtype=torch.int32)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._pg, async_op=True)
+
+        def verdict() -> bool:
+            work.wait()
+            return bool(flag.item())
+
+        return FnAwaitable(verdict)
