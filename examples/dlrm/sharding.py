@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
+from torch import nn
 
 from recshard import EmbeddingBagConfig, ShardingPlan
 from recshard.distributed import EmbeddingBagCollectionSharder
@@ -45,23 +46,50 @@ def _generator(kind: str, table_index: int, world_size: int, local_size: int,
     raise ValueError(f"unknown sharding {kind!r}; choose from {SHARDING_CHOICES}")
 
 
-def make_plan(kind: str, tables: List[EmbeddingBagConfig], world_size: int, local_size: int,
-              kernel: str, plan_path: str | None = None) -> ShardingPlan | None:
-    """A plan for the DLRM's EBC: from `plan_path` if given, None for "auto" (DMP asks the
-    planner), else every table sharded the same way."""
+def make_plan(kind: str, model: nn.Module, tables: List[EmbeddingBagConfig], world_size: int,
+              local_size: int, kernel: str, sharders: List[EmbeddingBagCollectionSharder],
+              batch_size: int, pooling_factor: float = 1.0, device_type: str = "cpu",
+              plan_path: str | None = None) -> Tuple[ShardingPlan, str]:
+    """The plan for the DLRM's EBC and a line about it (collective for "auto").
+
+    `plan_path`: a JSON plan file. "auto": recshard's planner (rank 0 plans for this batch
+    size and ids per bag, every rank gets the plan; `--kernel dense` restricts it to dense
+    kernels). Otherwise every table is sharded the same way.
+    """
     if plan_path:
         from recshard.planner import load_plan
 
-        return load_plan(plan_path)
+        return load_plan(plan_path), f"loaded from {plan_path}"
     if kind == "auto":
-        return None
+        from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+        constraints = {
+            t.name: ParameterConstraints(
+                compute_kernels=["dense"] if kernel == "dense" else None,
+                pooling_factors=[pooling_factor] * len(t.feature_names),
+            )
+            for t in tables
+        }
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=world_size, compute_device=device_type,
+                              local_world_size=local_size),
+            batch_size=batch_size, constraints=constraints, debug=False,
+        )
+        plan = planner.collective_plan(model, sharders)
+        stats = planner.last_stats  # rank 0 only: it planned
+        note = "recshard planner"
+        if stats is not None:
+            note += (f", {stats.num_proposals} proposals in {stats.plan_time_s:.2f}s, estimated "
+                     f"imbalance {stats.imbalance:.2f}, memory imbalance "
+                     f"{stats.memory_imbalance:.2f}")
+        return plan, note
     ebc = EmbeddingBagCollection(tables, device="meta")
     per_table = {t.name: _generator(kind, i, world_size, local_size, kernel)
                  for i, t in enumerate(tables)}
     module_plan = construct_module_sharding_plan(
-        ebc, per_table, local_size=local_size, world_size=world_size
+        ebc, per_table, local_size=local_size, world_size=world_size, device_type=device_type
     )
-    return ShardingPlan(plan={EBC_PATH: module_plan})
+    return ShardingPlan(plan={EBC_PATH: module_plan}), f"every table {kind}"
 
 
 def make_sharders(optimizer: str, lr: float, eps: float = 1e-8) -> List[EmbeddingBagCollectionSharder]:

@@ -67,21 +67,25 @@ def make_tables(args: argparse.Namespace) -> List[EmbeddingBagConfig]:
     ]
 
 
-def build_training(args: argparse.Namespace, device: torch.device, world_size: int,
-                   local_size: int) -> Tuple[DistributedModelParallel, CombinedOptimizer,
-                                             List[EmbeddingBagConfig]]:
-    """The DLRM built on `meta`, sharded and materialized by DMP, and its optimizers."""
+def build_training(
+    args: argparse.Namespace, device: torch.device, world_size: int, local_size: int
+) -> Tuple[DistributedModelParallel, CombinedOptimizer, List[EmbeddingBagConfig], str]:
+    """The DLRM built on `meta`, sharded and materialized by DMP, its optimizers, its tables
+    and a line about the plan."""
     torch.manual_seed(args.seed)
     tables = make_tables(args)
     model = build_dlrm(tables, NUM_DENSE, args.dense_arch_layers, args.over_arch_layers,
                        args.interaction, device="meta", dcn_num_layers=args.dcn_num_layers,
                        dcn_low_rank_dim=args.dcn_low_rank_dim)
-    plan = make_plan(args.sharding, tables, world_size, local_size, args.kernel, args.plan)
-    dmp = DistributedModelParallel(model, device=device, plan=plan,
-                                   sharders=make_sharders(args.optimizer, args.lr, args.eps))
+    sharders = make_sharders(args.optimizer, args.lr, args.eps)
+    plan, plan_note = make_plan(
+        args.sharding, model, tables, world_size, local_size, args.kernel, sharders,
+        args.batch_size, pooling_factor=(1 + args.multi_hot) / 2, device_type=device.type,
+        plan_path=args.plan)
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   dense_optimizer_factory(args.optimizer, args.lr, args.eps))
-    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), tables
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), tables, plan_note
 
 
 def make_step_fn(dmp: DistributedModelParallel, optimizer: CombinedOptimizer,
@@ -151,15 +155,18 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     sync_group = dist.new_group(backend="gloo") if world_size > 1 else None
     t_build = time.perf_counter()
-    dmp, optimizer, tables = build_training(args, device, world_size, local_size)
+    dmp, optimizer, tables, plan_note = build_training(args, device, world_size, local_size)
     build_s = time.perf_counter() - t_build
     say(f"DLRM on {world_size} rank(s), {device.type}, backend {dist.get_backend()}: "
         f"{len(tables)} tables, {sum(t.num_embeddings for t in tables):,} rows x "
         f"{args.embedding_dim}, interaction {args.interaction}, optimizer {args.optimizer}, "
         f"lr {args.lr}, batch {args.batch_size}/rank ({args.batch_size * world_size} global)")
-    say(f"sharding plan ({'from ' + args.plan if args.plan else args.sharding}, "
-        f"built in {build_s:.1f}s):\n{plan_table(dmp.plan, tables)}")
+    say(f"sharding plan ({plan_note}; model built and sharded in {build_s:.1f}s):\n"
+        f"{plan_table(dmp.plan, tables)}")
 
+    if args.kernel == "dense" and args.optimizer == "rowwise_adagrad":
+        say("notice: dense-kernel tables are updated by torch Adagrad (element-wise), not "
+            "row-wise Adagrad")
     start_step, history = 0, []
     if args.resume and args.checkpoint_dir:
         from recshard.checkpoint import load

@@ -26,7 +26,7 @@ def _train_losses(rank: int, world_size: int, argv: List[str]) -> List[float]:
 
     args = parse_args(argv)
     _, _, local_size, device = init_distributed(60)
-    dmp, optimizer, _ = build_training(args, device, world_size, local_size)
+    dmp, optimizer, _, _ = build_training(args, device, world_size, local_size)
     step = make_step_fn(dmp, optimizer, device, args.pipeline, lambda _: None)
     batches = train_batches(args, rank, world_size, 0, None)
     losses = []
