@@ -26,6 +26,7 @@ from recshard.planner.plan_io import (
 )
 from recshard.planner.planner import EmbeddingShardingPlanner
 from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
+from recshard.planner.refine import refine_placement
 from recshard.planner.stats import EmbeddingStats, PlannerStats
 from recshard.planner.types import (
     ParameterConstraints,
@@ -64,6 +65,7 @@ __all__ = [
     "load_plan",
     "plan_from_dict",
     "plan_to_dict",
+    "refine_placement",
     "save_plan",
     "tables_from_module",
     "validate_plan",

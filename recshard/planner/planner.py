@@ -13,6 +13,7 @@ from recshard.planner.enumerator import EmbeddingEnumerator, tables_from_module
 from recshard.planner.estimators import Capacity, StorageReservation
 from recshard.planner.partitioners import GreedyPerfPartitioner, NoopPerfModel, PartitionResult
 from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
+from recshard.planner.refine import refine_placement
 from recshard.planner.stats import EmbeddingStats, PlannerStats, build_stats
 from recshard.planner.types import (
     GIB,
@@ -40,7 +41,9 @@ class EmbeddingShardingPlanner:
     available), `batch_size` = 512 per rank, proposers = `default_proposers()`, partitioner =
     `GreedyPerfPartitioner()`, reservation = `StorageReservation()`. The plan minimises the
     estimated time of the slowest rank among proposals that fit in memory. `last_stats` holds
-    the `PlannerStats` of the latest plan; with `debug` they are also logged.
+    the `PlannerStats` of the latest plan; with `debug` they are also logged. With `refine`,
+    the best placement is polished by moving/swapping shards off the slowest rank
+    (`refine_placement`). `timeout_seconds` bounds the search.
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class EmbeddingShardingPlanner:
         constraints: Optional[Dict[str, ParameterConstraints]] = None,
         debug: bool = True,
         timeout_seconds: Optional[float] = None,
+        refine: bool = True,
     ) -> None:
         self._topology = topology
         self.batch_size = batch_size or 512
@@ -71,6 +75,7 @@ class EmbeddingShardingPlanner:
         self.constraints = constraints
         self.debug = debug
         self.timeout_seconds = timeout_seconds
+        self.refine = refine
         self.last_stats: Optional[PlannerStats] = None
         self.last_result: Optional[PartitionResult] = None
 
@@ -110,6 +115,11 @@ class EmbeddingShardingPlanner:
         best, evaluated, feasible, failure = self._search(space, capacity, start)
         if best is None:
             raise PlannerError(self._no_plan_message(space, capacity, evaluated, failure))
+        if self.refine:
+            refined = refine_placement(best, capacity)
+            refined.rating = self.performance_model.rate(refined)
+            if refined.rating <= best.rating:
+                best = refined
         self.last_result = best
         self.last_stats = build_stats(best, capacity, topo, self.batch_size, evaluated, feasible,
                                       time.perf_counter() - start)
