@@ -141,3 +141,49 @@ def run_unequal_batches(rank: int, ws: int) -> List[str]:
 
 def test_unequal_batch_sizes_across_ranks() -> None:
     assert run_ranks(2, run_unequal_batches, timeout=120) == [[], []]
+
+
+def run_bounds_modes(rank: int, ws: int) -> Dict[str, object]:
+    """t1 WARNING, t2 IGNORE, t3 NONE via the plan; others FATAL (the default)."""
+    import logging
+
+    from recshard.types import BoundsCheckMode
+
+    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
+    reference = make_ebc(False)
+    plan = construct_module_sharding_plan(reference, plan_for("table_wise", ws, ws, "fused"), world_size=ws)
+    plan["t1"].bounds_check_mode = BoundsCheckMode.WARNING
+    plan["t2"].bounds_check_mode = "ignore"
+    sharded = EmbeddingBagCollectionSharder().shard(copy.deepcopy(reference), plan, env)
+    keys = ["f0", "f1", "f2", "f3", "f4", "f5"]
+    # f2 (t1, 3 rows): id 7 is bad; f3 (t2, 20 rows): id 25 is bad
+    bad = KeyedJaggedTensor.from_lengths_sync(keys, torch.tensor([1, 2, 0, 7, 25, 3, 1, 4]),
+                                              torch.tensor([1, 1, 2, 2, 1, 1], dtype=torch.int32))
+    clean = KeyedJaggedTensor.from_lengths_sync(keys, torch.tensor([1, 2, 0, 3, 1, 4]),
+                                                torch.ones(6, dtype=torch.int32))
+    records: List[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("recshard.modules.input_checks").addHandler(handler)
+    got = sharded(bad).values()
+    sharded(bad).values()  # a second bad batch: no second warning
+    expected = sharded(clean).values()
+    fatal = KeyedJaggedTensor.from_lengths_sync(keys, torch.tensor([11, 2, 0, 3, 1, 4]),
+                                                torch.ones(6, dtype=torch.int32))
+    try:
+        sharded(fatal if rank == 1 else clean).values()
+        error = "none"
+    except (ValueError, RuntimeError) as e:
+        error = str(e)
+    return {"same": bool(torch.allclose(got, expected)), "warnings": records, "error": error}
+
+
+def test_bounds_check_modes_per_table() -> None:
+    results = run_ranks(2, run_bounds_modes, timeout=120)
+    for rank, result in enumerate(results):
+        assert result["same"], rank  # bad ids dropped, the rest pooled as without them
+        warnings = [w for w in result["warnings"] if "table 't1'" in w]
+        assert len(warnings) == 1 and "bounds_check_mode=WARNING" in warnings[0]
+        assert not any("table 't2'" in w for w in result["warnings"])  # IGNORE is silent
+    assert "table 't0', feature 'f0': id 11 is outside [0, 11)" in results[1]["error"]
+    assert "rank 1 rejected its input" in results[0]["error"]

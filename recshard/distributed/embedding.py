@@ -18,11 +18,9 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import nn
 
-from recshard.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from recshard.distributed.module_state import ShardedTablesMixin
 from recshard.distributed.plan_checks import SEQUENCE_TYPES, check_module_plan
 from recshard.modules.embedding_modules import EmbeddingCollection
-from recshard.modules.input_checks import check_dtypes_and_weights, check_features, check_ids
 from recshard.sharding.common import EmbeddingSharding, TableSpec
 from recshard.sharding.sequence import build_sequence_shardings
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor
@@ -99,19 +97,14 @@ class ShardedEmbeddingCollection(ShardedTablesMixin, ShardedModule):
         self._need_indices = module.need_indices()
         self._is_weighted = False
         self._feature_names = [f for c in configs for f in c.feature_names]
-        self._feature_to_table = {
-            f: (c.name, c.num_embeddings) for c in configs for f in c.feature_names
-        }
         specs = [TableSpec(c, table_plans[c.name], dict(fused_params or {})) for c in configs]
         self._shardings: Dict[str, EmbeddingSharding] = build_sequence_shardings(
             specs, env, self._device, qcomm_codecs_registry
         )
         for name, sharding in self._shardings.items():
             self.add_module(f"sharding_{name}", sharding)
-        self._wire_features = [f for s in self._shardings.values() for f in s.input_features]
-        self._wire_splits = [len(s.input_features) for s in self._shardings.values()]
+        self._init_input_side()
         self._pieces = self._feature_pieces()
-        self._permute_cache: Dict[Tuple[str, ...], torch.Tensor] = {}
         self._init_from(module)
 
     def _feature_pieces(self) -> Dict[str, _Pieces]:
@@ -122,38 +115,7 @@ class ShardedEmbeddingCollection(ShardedTablesMixin, ShardedModule):
                 found[feature].append((col_offset, name, k))
         return {f: [(name, k) for _, name, k in sorted(p)] for f, p in found.items()}
 
-    # The wire order and the input dist are the sharded EBC's, step for step.
-    _wire_permutation = ShardedEmbeddingBagCollection._wire_permutation
-
     # ---------------------------------------------------------------- sharded module steps
-
-    def create_context(self) -> Dict[str, Any]:
-        return {}
-
-    def _reject_reason(self, features: KeyedJaggedTensor) -> str | None:
-        try:
-            check_features(features, self._feature_names, self._owner)
-            check_dtypes_and_weights(features, False, self._owner)
-            check_ids(features, self._feature_to_table, self._owner)
-        except ValueError as e:
-            return str(e)
-        return None
-
-    def input_dist(
-        self, ctx: Dict[str, Any], features: KeyedJaggedTensor
-    ) -> Awaitable[Awaitable[List[KeyedJaggedTensor]]]:
-        """Check the batch, permute it into wire order once, start every sharding's dist.
-
-        A rejected batch rides along in the splits exchange, so every rank raises at the
-        first wait (see `ShardedEmbeddingBagCollection.input_dist`).
-        """
-        ctx["features"] = features
-        return ShardedEmbeddingBagCollection.input_dist(self, ctx, features)
-
-    def compute(
-        self, ctx: Dict[str, Any], dist_input: List[KeyedJaggedTensor]
-    ) -> List[torch.Tensor]:
-        return [s.compute(kjt) for s, kjt in zip(self._shardings.values(), dist_input)]
 
     def output_dist(
         self, ctx: Dict[str, Any], output: List[torch.Tensor]

@@ -1,24 +1,120 @@
-"""Table state shared by sharded collections: start from the unsharded weights, list shards.
+"""What sharded collections (EBC and EC) share: the input side and the table state.
 
-If the unsharded module already has real weights (not `meta`), the shards start from them —
-TorchRec re-initializes CPU modules silently; recshard keeps what the user built.
+Input side: check the batch (structure, features, dtypes, weights, each table's bounds-check
+mode) before any collective; a rejected batch still joins the splits exchange carrying the
+verdict, so every rank raises at the first wait instead of hanging. The accepted batch is
+permuted once into the shardings' concatenated wire order and split among them.
+
+Table state: if the unsharded module already has real weights (not `meta`), the shards start
+from them — TorchRec re-initializes CPU modules silently; recshard keeps what the user built.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
 from recshard.lookup.tables import LocalTable
+from recshard.modules.input_checks import bounds_check, check_dtypes_and_weights, check_features
 from recshard.optim.fused import FusedOptimizer
+from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse.validation import validate_kjt
+from recshard.types import Awaitable, BoundsCheckMode, FnAwaitable
+
+
+class _ListAwaitable(Awaitable[List[Any]]):
+    """Waits a list of awaitables; the result of each wait may itself be an awaitable."""
+
+    def __init__(self, awaitables: List[Awaitable[Any]]) -> None:
+        super().__init__()
+        self._awaitables = awaitables
+
+    def _wait_impl(self) -> List[Any]:
+        return [a.wait() for a in self._awaitables]
+
+
+def _mode(value: Any) -> Optional[BoundsCheckMode]:
+    if value is None or isinstance(value, BoundsCheckMode):
+        return value
+    return BoundsCheckMode(str(getattr(value, "name", value)).lower())
 
 
 class ShardedTablesMixin:
-    """Needs `self._shardings: Dict[str, EmbeddingSharding]`."""
+    """Needs `_shardings`, `_configs`, `_table_plans`, `_fused_params`, `_feature_names`,
+    `_is_weighted`, `env`; call `_init_input_side()` once the shardings exist."""
 
     _tables_attr = "embedding_bags"
+    _owner = "ShardedEmbeddingBagCollection"
+
+    # ---------------------------------------------------------------- input side
+
+    def _init_input_side(self) -> None:
+        self._feature_to_table = {
+            f: (c.name, c.num_embeddings) for c in self._configs for f in c.feature_names
+        }
+        default = _mode(self._fused_params.get("bounds_check_mode")) or BoundsCheckMode.FATAL
+        self._bounds_modes = {
+            c.name: _mode(self._table_plans[c.name].bounds_check_mode) or default for c in self._configs
+        }
+        self._warned: Set[str] = set()
+        self._wire_features = [f for s in self._shardings.values() for f in s.input_features]
+        self._wire_splits = [len(s.input_features) for s in self._shardings.values()]
+        self._permute_cache: Dict[Tuple[str, ...], torch.Tensor] = {}
+
+    def _checked(self, features: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, Optional[str]]:
+        """(the batch to route, None) or (the batch, why it is rejected)."""
+        try:
+            validate_kjt(features)
+            check_features(features, self._feature_names, self._owner)
+            check_dtypes_and_weights(features, self._is_weighted, self._owner)
+            features = bounds_check(features, self._feature_to_table, self._bounds_modes,
+                                    self._owner, self._warned)
+        except ValueError as e:
+            return features, str(e)
+        return features, None
+
+    def _wire_permutation(self, keys: List[str]) -> torch.Tensor:
+        cached = self._permute_cache.get(tuple(keys))
+        if cached is None:
+            index = {k: i for i, k in enumerate(keys)}
+            cached = torch.tensor([index[f] for f in self._wire_features], dtype=torch.int32)
+            self._permute_cache[tuple(keys)] = cached
+        return cached
+
+    def input_dist(self, ctx: Dict[str, Any], features: KeyedJaggedTensor) -> Awaitable[Awaitable[List[KeyedJaggedTensor]]]:
+        """Check the batch, permute it into wire order once, start every sharding's dist."""
+        features, error = self._checked(features)
+        ctx["features"] = features
+        if error is None:
+            permutation = self._wire_permutation(features.keys())
+            wired = features.permute(permutation.tolist(), permutation.to(features.device))
+            parts = wired.split(self._wire_splits)
+        else:
+            if not any(s.carries_input_error for s in self._shardings.values()):
+                raise ValueError(error)
+            parts = [_placeholder(s.input_features) for s in self._shardings.values()]
+        splits = _ListAwaitable([s.input_dist(part, ctx, error)
+                                 for s, part in zip(self._shardings.values(), parts)])
+
+        def start_tensors() -> Awaitable[List[KeyedJaggedTensor]]:
+            tensors = splits.wait()
+            # every rank's batch size, learned in the splits exchange (unequal batches work)
+            sizes = next((t.stride_per_rank for t in tensors if hasattr(t, "stride_per_rank")), None)
+            if sizes is not None and len(set(sizes)) > 1:
+                ctx["batch_size_per_rank"] = list(sizes)
+            return _ListAwaitable(tensors)
+
+        return FnAwaitable(start_tensors)
+
+    def compute(self, ctx: Dict[str, Any], dist_input: List[KeyedJaggedTensor]) -> List[torch.Tensor]:
+        return [s.compute(kjt) for s, kjt in zip(self._shardings.values(), dist_input)]
+
+    def create_context(self) -> Dict[str, Any]:
+        return {}
+
+    # ---------------------------------------------------------------- table state
 
     def local_table_shards(self) -> Dict[str, List[Tuple[LocalTable, torch.Tensor]]]:
         """Per table name, this rank's shards and their live weights (views)."""
@@ -69,3 +165,9 @@ class ShardedTablesMixin:
                     kernels.append(kernel)
                     names.append([self.shard_fqn(t, counts[t.name]) for t in kernel.tables])
         return FusedOptimizer(kernels, names)
+
+
+def _placeholder(keys: List[str]) -> KeyedJaggedTensor:
+    """An empty batch with the wire keys: lets a rejecting rank join the splits exchange."""
+    return KeyedJaggedTensor(keys, torch.empty(0, dtype=torch.int64),
+                             lengths=torch.zeros(0, dtype=torch.int32), stride=0, validate=False)

@@ -6,11 +6,15 @@ before any collective, so a bad batch fails on its rank instead of hanging the o
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import logging
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
 from recshard.sparse import KeyedJaggedTensor
+from recshard.types import BoundsCheckMode
+
+logger = logging.getLogger(__name__)
 
 ID_DTYPES = (torch.int32, torch.int64)
 
@@ -47,29 +51,33 @@ def check_dtypes_and_weights(kjt: KeyedJaggedTensor, is_weighted: bool, owner: s
         )
 
 
+def out_of_range_mask(kjt: KeyedJaggedTensor, rows_per_key: List[int]) -> torch.Tensor:
+    """`[N]` True where an id is outside [0, rows) of its key (one vectorized comparison)."""
+    values = kjt.values()
+    bounds = torch.repeat_interleave(
+        torch.tensor(rows_per_key, dtype=torch.int64, device=values.device),
+        torch.tensor(kjt.length_per_key(), device=values.device),
+    )
+    return (values < 0) | (values >= bounds)
+
+
+def _key_of(kjt: KeyedJaggedTensor, position: int) -> int:
+    offsets = kjt.offset_per_key()
+    return next(i for i in range(len(kjt.keys())) if offsets[i] <= position < offsets[i + 1])
+
+
 def find_out_of_range(
     kjt: KeyedJaggedTensor, rows_per_key: List[int]
 ) -> Optional[Tuple[int, int, int]]:
-    """First id outside [0, rows) of its key: (key index, id, count of bad ids), or None.
-
-    One vectorized comparison over all values (no per-feature Python loop).
-    """
-    values = kjt.values()
-    if values.numel() == 0:
+    """First id outside [0, rows) of its key: (key index, id, count of bad ids), or None."""
+    if kjt.values().numel() == 0:
         return None
-    lpk = kjt.length_per_key()
-    bounds = torch.repeat_interleave(
-        torch.tensor(rows_per_key, dtype=values.dtype, device=values.device),
-        torch.tensor(lpk, device=values.device),
-    )
-    bad = (values < 0) | (values >= bounds)
+    bad = out_of_range_mask(kjt, rows_per_key)
     count = int(bad.sum())
     if count == 0:
         return None
     position = int(torch.nonzero(bad)[0])
-    offsets = kjt.offset_per_key()
-    key_index = next(i for i in range(len(lpk)) if offsets[i] <= position < offsets[i + 1])
-    return key_index, int(values[position]), count
+    return _key_of(kjt, position), int(kjt.values()[position]), count
 
 
 def check_ids(
@@ -86,3 +94,63 @@ def check_ids(
             f"{owner}: table '{table}', feature '{feature}': id {bad_id} is outside "
             f"[0, {num_embeddings}) (num_embeddings={num_embeddings}; {count} bad id(s) in batch)"
         )
+
+
+def bounds_check(
+    kjt: KeyedJaggedTensor,
+    feature_to_table: Dict[str, Tuple[str, int]],
+    modes: Dict[str, BoundsCheckMode],
+    owner: str,
+    warned: Set[str],
+) -> KeyedJaggedTensor:
+    """Apply each table's bounds-check mode (default FATAL) to out-of-range ids.
+
+    FATAL: ValueError naming table, feature, id and num_embeddings. WARNING: drop the bad ids
+    and log once per table with the count. IGNORE: drop them silently. NONE: no check (the
+    kernel sees the ids as they are). Dropping removes the id from its bag.
+    """
+    keys = kjt.keys()
+    tables = [feature_to_table[k][0] for k in keys]
+    key_modes = [modes.get(t, BoundsCheckMode.FATAL) for t in tables]
+    if kjt.values().numel() == 0 or all(m == BoundsCheckMode.NONE for m in key_modes):
+        return kjt
+    unchecked = torch.iinfo(torch.int64).max
+    rows = [feature_to_table[k][1] if m != BoundsCheckMode.NONE else unchecked
+            for k, m in zip(keys, key_modes)]
+    bad = out_of_range_mask(kjt, rows)
+    if not bool(bad.any()):
+        return kjt
+    fatal = torch.tensor([m == BoundsCheckMode.FATAL for m in key_modes], device=bad.device)
+    per_value_fatal = torch.repeat_interleave(fatal, torch.tensor(kjt.length_per_key(), device=bad.device))
+    fatal_bad = bad & per_value_fatal
+    if bool(fatal_bad.any()):
+        position = int(torch.nonzero(fatal_bad)[0])
+        feature = keys[_key_of(kjt, position)]
+        table, num_embeddings = feature_to_table[feature]
+        raise ValueError(
+            f"{owner}: table '{table}', feature '{feature}': id {int(kjt.values()[position])} is "
+            f"outside [0, {num_embeddings}) (num_embeddings={num_embeddings}; "
+            f"{int(fatal_bad.sum())} bad id(s) in batch)"
+        )
+    for index in torch.nonzero(bad).flatten().tolist():
+        table = tables[_key_of(kjt, index)]
+        if modes.get(table) == BoundsCheckMode.WARNING and table not in warned:
+            warned.add(table)
+            logger.warning("%s: table '%s' got ids outside [0, %d); dropping them "
+                           "(bounds_check_mode=WARNING, %d bad id(s) in this batch; logged once)",
+                           owner, table, feature_to_table[keys[_key_of(kjt, index)]][1], int(bad.sum()))
+    return _drop(kjt, bad)
+
+
+def _drop(kjt: KeyedJaggedTensor, bad: torch.Tensor) -> KeyedJaggedTensor:
+    lengths = kjt.lengths()
+    bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths.long())
+    removed = torch.zeros_like(lengths).index_add_(0, bag[bad], torch.ones_like(bag[bad], dtype=lengths.dtype))
+    keep = ~bad
+    weights = kjt.weights_or_none()
+    return KeyedJaggedTensor(
+        kjt.keys(), kjt.values()[keep], None if weights is None else weights[keep],
+        lengths=lengths - removed, stride=None if kjt.variable_stride_per_key() else kjt.stride(),
+        stride_per_key_per_rank=kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None,
+        validate=False,
+    )
