@@ -1,0 +1,457 @@
+"""Sharded EmbeddingBagCollection training step: samples/s per sharding type, plus kernels.
+
+    python -m benchmarks.ebc                        # spawns 2 gloo ranks on this machine
+    python -m benchmarks.ebc --types table_wise,row_wise --steps 50
+    python -m benchmarks.ebc --quick                # tiny sizes (smoke test)
+    torchrun --nproc-per-node 2 -m benchmarks.ebc   # under torchrun
+
+Work (TARGETS.md, "Sharded EBC training step"): 26 Criteo-like tables (Kaggle sizes capped at
+200 k rows: 1.48 M rows), dim 64, one feature each, a fixed pooling factor 1-20 per table
+(seed 0: 606 k lookups per rank-batch), uniform ids, per-rank batch 2048. One step is
+forward + backward + update of the sharded EBC with `values().sum()` as the loss: the fused
+kernels update in backward (exact SGD), the dense ones take a `torch.optim.SGD` step.
+
+Configurations run interleaved (every configuration once per repeat, `--repeats` times); a
+repeat's figure is the median of `--steps` step times, each the slowest rank's, and the
+reported figure is the median over repeats. Also printed: a single-process kernel comparison
+(fbgemm TBE fused exact-SGD vs `nn.EmbeddingBag` + `torch.optim.SGD`) and a torch.profiler
+view of one table-wise step on rank 0. Every line on stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard.distributed import EmbeddingBagCollectionSharder
+from recshard.distributed.sharding_plan import (
+    ShardingGenerator,
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from recshard.types import ShardingEnv
+
+# Distinct values per categorical column of the Criteo Kaggle data (26 sparse features).
+CRITEO_KAGGLE_ROWS = [
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+]
+LEARNING_RATE = 0.01
+SHARDING_TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise"]
+# name -> (sharding type, compute kernel); "<type>_dense" is the dense kernel + torch SGD.
+CONFIGS: Dict[str, Tuple[str, str]] = {
+    **{t: (t, "fused") for t in SHARDING_TYPES},
+    "data_parallel": ("data_parallel", "dense"),
+    **{f"{t}_dense": (t, "dense") for t in SHARDING_TYPES},
+}
+DEFAULT_TYPES = SHARDING_TYPES + ["data_parallel", "table_wise_dense"]
+BASELINE = "table_wise"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Problem sizes: the sharded step, then the single-process kernel comparison."""
+
+    row_cap: int = 200_000
+    dim: int = 64
+    batch: int = 2048  # per rank
+    max_pooling: int = 20
+    kernel_tables: int = 8
+    kernel_rows: int = 100_000
+    kernel_batch: int = 2048
+    kernel_pooling: int = 20
+
+
+QUICK = Sizes(row_cap=1000, dim=16, batch=64, max_pooling=4, kernel_tables=2, kernel_rows=1000,
+              kernel_batch=64, kernel_pooling=4)
+
+
+# ----------------------------------------------------------------------------- work
+
+
+def criteo_tables(sizes: Sizes) -> List[EmbeddingBagConfig]:
+    """26 tables `t<i>`, each read by one feature `cat_<i>`, rows capped at `sizes.row_cap`."""
+    return [
+        EmbeddingBagConfig(num_embeddings=min(rows, sizes.row_cap), embedding_dim=sizes.dim,
+                           name=f"t{i}", feature_names=[f"cat_{i}"])
+        for i, rows in enumerate(CRITEO_KAGGLE_ROWS)
+    ]
+
+
+def pooling_factors(num_tables: int, max_pooling: int) -> List[int]:
+    """Ids per bag of each table, fixed (seed 0): the same on every rank and every step."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(1, max_pooling + 1, (num_tables,), generator=g).tolist()
+
+
+def make_batches(
+    tables: List[EmbeddingBagConfig], pooling: List[int], batch: int, seed: int, count: int
+) -> List[KeyedJaggedTensor]:
+    """`count` KJTs of `batch` samples: table t's bags hold `pooling[t]` uniform ids."""
+    g = torch.Generator().manual_seed(seed)
+    keys = [f for t in tables for f in t.feature_names]
+    lengths = torch.tensor(pooling, dtype=torch.int32).repeat_interleave(batch)
+    batches = []
+    for _ in range(count):
+        values = torch.cat([
+            torch.randint(0, t.num_embeddings, (p * batch,), generator=g)
+            for t, p in zip(tables, pooling)
+        ])
+        batches.append(KeyedJaggedTensor.from_lengths_sync(keys, values, lengths, stride=batch))
+    return batches
+
+
+def balanced_ranks(pooling: List[int], world_size: int) -> List[int]:
+    """Table-wise placement: heaviest tables first, each onto the rank with fewest lookups."""
+    load = [0] * world_size
+    ranks = [0] * len(pooling)
+    for t in sorted(range(len(pooling)), key=lambda t: -pooling[t]):
+        rank = min(range(world_size), key=lambda r: load[r])
+        ranks[t] = rank
+        load[rank] += pooling[t]
+    return ranks
+
+
+def per_table_plan(
+    sharding_type: str, kernel: str, tables: List[EmbeddingBagConfig], pooling: List[int],
+    world_size: int,
+) -> Dict[str, ShardingGenerator]:
+    ranks = balanced_ranks(pooling, world_size)
+    make: Dict[str, Callable[[int], ShardingGenerator]] = {
+        "table_wise": lambda t: table_wise(ranks[t], kernel),
+        "row_wise": lambda t: row_wise(kernel),
+        "column_wise": lambda t: column_wise(list(range(world_size)), kernel),
+        "table_row_wise": lambda t: table_row_wise(0, kernel),
+        "data_parallel": lambda t: data_parallel(),
+    }
+    return {table.name: make[sharding_type](t) for t, table in enumerate(tables)}
+
+
+@dataclass
+class Trainee:
+    """A sharded EBC and the dense optimizer its non-fused weights need (or None)."""
+
+    module: nn.Module
+    optimizer: Optional[torch.optim.Optimizer]
+
+
+def build(name: str, tables: List[EmbeddingBagConfig], pooling: List[int]) -> Trainee:
+    sharding_type, kernel = CONFIGS[name]
+    ebc = EmbeddingBagCollection(tables, device="meta")  # shards initialize from the configs
+    plan = construct_module_sharding_plan(
+        ebc, per_table_plan(sharding_type, kernel, tables, pooling, dist.get_world_size()),
+        world_size=dist.get_world_size(),
+    )
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE}
+    )
+    module = sharder.shard(ebc, plan, ShardingEnv.from_process_group(dist.group.WORLD))
+    dense = [p for p in module.parameters()
+             if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)]
+    optimizer = torch.optim.SGD(dense, lr=LEARNING_RATE) if dense else None
+    return Trainee(module, optimizer)
+
+
+def train_step(trainee: Trainee, kjt: KeyedJaggedTensor) -> None:
+    """Forward + backward (+ dense SGD step); fused kernels update inside backward."""
+    pooled = trainee.module(kjt)
+    pooled.values().sum().backward()
+    if trainee.optimizer is not None:
+        trainee.optimizer.step()
+        trainee.optimizer.zero_grad(set_to_none=True)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def timed_steps(trainee: Trainee, batches: List[KeyedJaggedTensor], steps: int,
+                warmup: int) -> List[float]:
+    """Seconds of each of `steps` steps, each the slowest rank's (after `warmup` steps)."""
+    for i in range(warmup):
+        train_step(trainee, batches[i % len(batches)])
+    dist.barrier()
+    times = []
+    for i in range(steps):
+        start = time.perf_counter()
+        train_step(trainee, batches[i % len(batches)])
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist()
+
+
+def emit(record: Dict[str, object]) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(json.dumps(record), flush=True)
+
+
+def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace) -> None:
+    """Every configuration once per repeat (interleaved); one JSON line per configuration."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    tables = criteo_tables(sizes)
+    pooling = pooling_factors(len(tables), sizes.max_pooling)
+    batches = make_batches(tables, pooling, sizes.batch, seed=1 + rank, count=args.batches)
+    lookups = batches[0].values().numel()
+    trainees = {name: build(name, tables, pooling) for name in names}
+    emit(dict(bench="ebc_setup", world_size=ws, tables=len(tables), dim=sizes.dim,
+              total_rows=sum(t.num_embeddings for t in tables), batch_per_rank=sizes.batch,
+              pooling_factors=pooling, lookups_per_rank_batch=lookups,
+              table_wise_ranks=balanced_ranks(pooling, ws), torch_threads=torch.get_num_threads()))
+    repeat_medians: Dict[str, List[float]] = {name: [] for name in names}
+    for _ in range(args.repeats):
+        for name in names:
+            times = timed_steps(trainees[name], batches, args.steps, args.warmup)
+            repeat_medians[name].append(statistics.median(times))
+    results = {name: statistics.median(m) for name, m in repeat_medians.items()}
+    base = results.get(BASELINE)
+    for name in names:
+        sharding_type, kernel = CONFIGS[name]
+        step_s = results[name]
+        record = dict(
+            bench="ebc_step", name=name, sharding_type=sharding_type, compute_kernel=kernel,
+            world_size=ws, batch=sizes.batch, steps=args.steps, repeats=args.repeats,
+            median_step_ms=round(1e3 * step_s, 2),
+            samples_per_s=round(ws * sizes.batch / step_s),
+            repeat_medians_ms=[round(1e3 * m, 2) for m in repeat_medians[name]],
+        )
+        if base is not None:
+            record["step_ms_vs_table_wise"] = round(step_s / base, 3)
+            record["samples_per_s_vs_table_wise"] = round(base / step_s, 3)
+        emit(record)
+    profile_name = BASELINE if BASELINE in trainees else names[0]
+    profile_step(profile_name, trainees[profile_name], batches, args.profile_steps)
+
+
+# ----------------------------------------------------------------------------- profile
+
+_PHASES = ["input_dist", "compute", "output_dist", "loss", "backward", "optimizer"]
+
+
+def _phased_step(trainee: Trainee, kjt: KeyedJaggedTensor) -> None:
+    """`train_step` with its phases labelled (ShardedModule.forward spelled out)."""
+    from torch.profiler import record_function
+
+    module = trainee.module
+    ctx = module.create_context()
+    with record_function("input_dist"):
+        dist_input = module.input_dist(ctx, kjt).wait().wait()
+    with record_function("compute"):
+        local = module.compute(ctx, dist_input)
+    with record_function("output_dist"):
+        pooled = module.output_dist(ctx, local).wait()
+    with record_function("loss"):
+        loss = pooled.values().sum()
+    with record_function("backward"):
+        loss.backward()
+    if trainee.optimizer is not None:
+        with record_function("optimizer"):
+            trainee.optimizer.step()
+            trainee.optimizer.zero_grad(set_to_none=True)
+
+
+def profile_step(name: str, trainee: Trainee, batches: List[KeyedJaggedTensor],
+                 steps: int) -> None:
+    """torch.profiler over `steps` steps on rank 0 (the other ranks run them unprofiled):
+    phase times, then the top 10 ops by self CPU time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _phased_step(trainee, batches[0])
+    dist.barrier()
+    if dist.get_rank() != 0:
+        for i in range(steps):
+            _phased_step(trainee, batches[i % len(batches)])
+        return
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for i in range(steps):
+            _phased_step(trainee, batches[i % len(batches)])
+        wall_us = 1e6 * (time.perf_counter() - start)
+    events = prof.key_averages()
+    phases = {e.key: e for e in events if e.key in _PHASES}
+    ops = sorted((e for e in events if e.key not in _PHASES),
+                 key=lambda e: e.self_cpu_time_total, reverse=True)
+    per_step_ms = 1e-3 / steps
+    emit(dict(
+        bench="profile", name=name, rank=0, steps=steps,
+        step_ms=round(wall_us * per_step_ms, 2),
+        phases_ms={k: round(phases[k].cpu_time_total * per_step_ms, 2)
+                   for k in _PHASES if k in phases},
+        phases_untraced_ms={k: round(phases[k].self_cpu_time_total * per_step_ms, 2)
+                            for k in _PHASES if k in phases},
+        top_ops=[dict(op=e.key, self_ms=round(e.self_cpu_time_total * per_step_ms, 2),
+                      self_pct=round(100 * e.self_cpu_time_total / wall_us, 1),
+                      total_ms=round(e.cpu_time_total * per_step_ms, 2),
+                      calls=round(e.count / steps, 1))
+                 for e in ops[:10]],
+    ))
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def bench_kernels(sizes: Sizes, args: argparse.Namespace) -> None:
+    """fbgemm TBE with fused exact-SGD vs `nn.EmbeddingBag` + `torch.optim.SGD`, one process.
+
+    Same ids for both: `kernel_tables` tables of `kernel_rows x dim`, every bag `kernel_pooling`
+    ids. Alternated per repeat; median step time over repeats of `steps`.
+    """
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    num, rows, dim = sizes.kernel_tables, sizes.kernel_rows, sizes.dim
+    batch, pooling = sizes.kernel_batch, sizes.kernel_pooling
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, rows, (num, batch * pooling), generator=g)
+    offsets = torch.arange(0, num * batch * pooling + 1, pooling)  # every bag `pooling` long
+    bag_offsets = torch.arange(0, batch * pooling + 1, pooling)
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)] * num,
+        optimizer=EmbOptimType.EXACT_SGD, learning_rate=LEARNING_RATE,
+    )
+    bags = nn.ModuleList(
+        nn.EmbeddingBag(rows, dim, mode="sum", include_last_offset=True) for _ in range(num)
+    )
+    sgd = torch.optim.SGD(bags.parameters(), lr=LEARNING_RATE)
+
+    def fused() -> None:
+        tbe(ids.reshape(-1), offsets).sum().backward()
+
+    def dense() -> None:
+        pooled = torch.cat([bag(ids[t], bag_offsets) for t, bag in enumerate(bags)], dim=1)
+        pooled.sum().backward()
+        sgd.step()
+        sgd.zero_grad(set_to_none=True)
+
+    cases = {"fbgemm_tbe_fused_exact_sgd": fused, "nn_embeddingbag_torch_sgd": dense}
+    repeat_medians: Dict[str, List[float]] = {name: [] for name in cases}
+    for _ in range(args.repeats):
+        for name, step in cases.items():
+            for _ in range(args.warmup):
+                step()
+            times = []
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+            repeat_medians[name].append(statistics.median(times))
+    results = {name: statistics.median(m) for name, m in repeat_medians.items()}
+    for name, step_s in results.items():
+        emit(dict(bench="kernel", name=name, world_size=1, tables=num, rows=rows, dim=dim,
+                  batch=batch, pooling=pooling, steps=args.steps, repeats=args.repeats,
+                  torch_threads=torch.get_num_threads(), median_step_ms=round(1e3 * step_s, 2),
+                  samples_per_s=round(batch / step_s),
+                  repeat_medians_ms=[round(1e3 * m, 2) for m in repeat_medians[name]]))
+    emit(dict(bench="kernel_ratio", name="fused_speedup_vs_dense",
+              value=round(results["nn_embeddingbag_torch_sgd"]
+                          / results["fbgemm_tbe_fused_exact_sgd"], 2), target=4.0))
+
+
+# ----------------------------------------------------------------------------- entry
+
+
+def main(args: argparse.Namespace) -> None:
+    sizes = QUICK if args.quick else Sizes()
+    names = args.types
+    if not args.no_kernels:
+        if dist.get_rank() == 0:  # the other ranks wait: the kernels have the machine
+            bench_kernels(sizes, args)
+        dist.barrier()
+    bench_ebc(names, sizes, args)
+
+
+def _setup_rank(rank: int, args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    if args.pin and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+
+
+def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    _setup_rank(rank, args)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=args.pg_timeout))
+    try:
+        main(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _parse_types(text: str) -> List[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown configuration(s) {unknown or text!r}; choose from {', '.join(CONFIGS)}"
+        )
+    return names
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (30)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run (3)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved runs (3)")
+    parser.add_argument("--types", type=_parse_types, default=list(DEFAULT_TYPES),
+                        help=f"comma-separated configurations, default {','.join(DEFAULT_TYPES)}; "
+                             f"any of {', '.join(CONFIGS)}")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--pin", action="store_true", help="pin rank r to the r-th allowed CPU")
+    parser.add_argument("--batches", type=int, default=4, help="distinct batches cycled")
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--no-kernels", action="store_true", help="skip the kernel comparison")
+    parser.add_argument("--pg-timeout", type=float, default=900.0, help="seconds")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, few steps (smoke test)")
+    args = parser.parse_args(argv)
+    defaults = (2, 1, 1) if args.quick else (30, 3, 3)
+    for attr, default in zip(("steps", "warmup", "repeats"), defaults):
+        if getattr(args, attr) is None:
+            setattr(args, attr, default)
+    if args.quick:
+        args.profile_steps = min(args.profile_steps, 1)
+        args.batches = min(args.batches, 2)
+    return args
+
+
+def cli(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # launched by torchrun
+        _setup_rank(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])), args)
+        dist.init_process_group(timeout=timedelta(seconds=args.pg_timeout))
+        try:
+            main(args)
+        finally:
+            dist.destroy_process_group()
+        return
+    torch.multiprocessing.spawn(_worker, args=(args.world_size, _free_port(), args),
+                                nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    cli()
