@@ -98,7 +98,8 @@ class GreedyPerfPartitioner:
         if not result.feasible and self.sort_by == "perf" and result.extra.get("device_pass"):
             retry = self._partition(list(proposal), capacity, "storage")
             if retry.feasible:
-                return retry
+                result = retry
+        result.extra["capacity"] = capacity  # what it was placed within (refinement keeps it)
         if not result.feasible:
             result.extra["free"] = [(ch - h, cd - d) for ch, h, cd, d in
                                     zip(capacity.hbm, result.hbm, capacity.ddr, result.ddr)]

@@ -116,7 +116,7 @@ class EmbeddingShardingPlanner:
         if best is None:
             raise PlannerError(self._no_plan_message(space, capacity, evaluated, failure))
         if self.refine:
-            refined = refine_placement(best, capacity)
+            refined = refine_placement(best, best.extra.get("capacity", capacity))
             refined.rating = self.performance_model.rate(refined)
             if refined.rating <= best.rating:
                 best = refined
