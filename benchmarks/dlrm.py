@@ -34,18 +34,16 @@ def _free_port() -> int:
 
 
 def _pipeline_available() -> bool:
-    try:
-        from recshard.distributed import TrainPipelineSparseDist  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    from examples.dlrm.train import _pipeline_classes
+
+    return _pipeline_classes() is not None
 
 
 def _run_case(bench: argparse.Namespace, loop: str, kernel: str, rank: int, world_size: int,
               device: torch.device) -> Dict[str, Any]:
     from examples.dlrm.args import parse_args
     from examples.dlrm.data.loaders import train_batches
-    from examples.dlrm.train import build_training, make_step_fn
+    from examples.dlrm.train import Runner, build_training
 
     argv = ["--demo", "--kernel", kernel, "--seed", str(bench.seed),
             "--pipeline" if loop == "pipeline" else "--no-pipeline"]
@@ -55,7 +53,7 @@ def _run_case(bench: argparse.Namespace, loop: str, kernel: str, rank: int, worl
     args.steps = bench.warmup + bench.steps * bench.repeats
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     dmp, optimizer, _, _ = build_training(args, device, world_size, local_size)
-    step = make_step_fn(dmp, optimizer, device, loop == "pipeline", lambda _: None)
+    step = Runner(dmp, optimizer, device, loop == "pipeline", lambda _: None).step
     batches = train_batches(args, rank, world_size, 0, None)
     for _ in range(bench.warmup):
         step(batches)

@@ -33,8 +33,6 @@ from recshard import EmbeddingBagConfig
 from recshard.distributed import DistributedModelParallel
 from recshard.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
 
-StepFn = Callable[[Iterator[Batch]], Any]
-
 
 def init_distributed(timeout_s: float) -> Tuple[int, int, int, torch.device]:
     """Join (or reuse) the default process group: NCCL with one GPU per rank when CUDA is
@@ -88,45 +86,64 @@ def build_training(
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), tables, plan_note
 
 
-def make_step_fn(dmp: DistributedModelParallel, optimizer: CombinedOptimizer,
-                 device: torch.device, pipeline: bool, say: Callable[[str], None]) -> StepFn:
-    """`step(iterator)` trains on the next batch(es) and returns `(loss, logits, labels)`;
-    raises StopIteration when the iterator is done."""
-    if pipeline:
-        try:
-            from recshard.distributed import TrainPipelineSparseDist
-        except ImportError:
-            say("notice: recshard has no TrainPipelineSparseDist yet; --pipeline runs the plain loop")
-        else:
-            return TrainPipelineSparseDist(dmp, optimizer, device).progress
+def _pipeline_classes() -> Tuple[Any, Any] | None:
+    try:  # TorchRec's module path
+        from recshard.distributed.train_pipeline import (
+            EvalPipelineSparseDist,
+            TrainPipelineSparseDist,
+        )
+    except ImportError:
+        return None
+    return TrainPipelineSparseDist, EvalPipelineSparseDist
 
-    def step(batches: Iterator[Batch]) -> Any:
-        batch = next(batches).to(device, non_blocking=True)
-        optimizer.zero_grad()
-        loss, output = dmp(batch)
+
+class Runner:
+    """One training step and one eval pass, pipelined (`TrainPipelineSparseDist`: batch i+1's
+    copy and input all-to-all overlap batch i) or plain. `step` returns `(loss, logits,
+    labels)` of one batch and raises StopIteration at the end of the data."""
+
+    def __init__(self, dmp: DistributedModelParallel, optimizer: CombinedOptimizer,
+                 device: torch.device, pipeline: bool, say: Callable[[str], None]) -> None:
+        self.dmp, self.optimizer, self.device = dmp, optimizer, device
+        classes = _pipeline_classes() if pipeline else None
+        if pipeline and classes is None:
+            say("notice: recshard has no TrainPipelineSparseDist; --pipeline runs the plain loop")
+        self.pipelined = classes is not None
+        if classes is not None:
+            self._train = classes[0](dmp, optimizer, device)
+            self._eval = classes[1](dmp, None, device)
+
+    def step(self, batches: Iterator[Batch]) -> Any:
+        if self.pipelined:
+            return self._train.progress(batches)
+        batch = next(batches).to(self.device, non_blocking=True)
+        self.optimizer.zero_grad()
+        loss, output = self.dmp(batch)
         loss.backward()
-        optimizer.step()
+        self.optimizer.step()
         return output
 
-    return step
-
-
-def evaluate(dmp: DistributedModelParallel, batches: Iterator[Batch], device: torch.device,
-             metrics: EvalMetrics) -> Dict[str, float]:
-    """AUC, accuracy, NE and log loss over every rank's eval batches (collective)."""
-    dmp.eval()
-    metrics.reset()
-    seen = 0
-    with torch.no_grad():
-        for batch in batches:
-            _, (_, logits, labels) = dmp(batch.to(device, non_blocking=True))
-            metrics.update(logits, labels)
-            seen += 1
-    dmp.train()
-    if seen == 0:  # every rank stops together (equal synthetic counts, RankSynced for files)
-        nan = float("nan")
-        return {"auc": nan, "accuracy": nan, "ne": nan, "log_loss": nan, "samples": 0}
-    return metrics.compute()
+    def evaluate(self, batches: Iterator[Batch], metrics: EvalMetrics) -> Dict[str, float]:
+        """AUC, accuracy, NE and log loss over every rank's eval batches (collective)."""
+        self.dmp.eval()
+        metrics.reset()
+        seen = 0
+        with torch.no_grad():
+            while True:
+                try:
+                    if self.pipelined:
+                        _, logits, labels = self._eval.progress(batches)
+                    else:
+                        _, (_, logits, labels) = self.dmp(next(batches).to(self.device))
+                except StopIteration:
+                    break
+                metrics.update(logits, labels)
+                seen += 1
+        self.dmp.train()
+        if seen == 0:  # every rank stops together (equal synthetic counts, or the rank vote)
+            nan = float("nan")
+            return {"auc": nan, "accuracy": nan, "ne": nan, "log_loss": nan, "samples": 0}
+        return metrics.compute()
 
 
 def _progress_bar(total: int | None, initial: int, enabled: bool) -> Any:
@@ -180,9 +197,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             say(f"resumed from {args.checkpoint_dir} at step {start_step}")
 
     metrics = EvalMetrics(device)
-    step_fn = make_step_fn(dmp, optimizer, device, args.pipeline, say)
+    runner = Runner(dmp, optimizer, device, args.pipeline, say)
+    vote_group = None if runner.pipelined else sync_group  # the pipeline votes by itself
     bar = _progress_bar(args.steps, start_step, is_main and not args.no_progress)
-    batches = train_batches(args, rank, world_size, start_step, sync_group)
+    batches = train_batches(args, rank, world_size, start_step, vote_group)
     step, loss_ema, train_s = start_step, None, 0.0
     t0 = time.perf_counter()
 
@@ -195,7 +213,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     def eval_now(final: bool) -> None:
         nonlocal t0, train_s
         train_s += time.perf_counter() - t0
-        result = evaluate(dmp, eval_batches(args, rank, world_size, sync_group), device, metrics)
+        result = runner.evaluate(eval_batches(args, rank, world_size, vote_group), metrics)
         history.append({"step": step, **result})
         line = f"eval{' (final)' if final else ''} @ step {step}: {_fmt(result)}"
         if bar is not None:
@@ -207,7 +225,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     while True:
         try:
-            loss, _, _ = step_fn(batches)
+            loss, _, _ = runner.step(batches)
         except StopIteration:
             break
         step += 1

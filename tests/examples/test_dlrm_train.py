@@ -22,16 +22,16 @@ TINY = ["--embedding-dim", "8", "--num-embeddings-per-feature", "500",
 def _train_losses(rank: int, world_size: int, argv: List[str]) -> List[float]:
     from examples.dlrm.args import parse_args
     from examples.dlrm.data.loaders import train_batches
-    from examples.dlrm.train import build_training, init_distributed, make_step_fn
+    from examples.dlrm.train import Runner, build_training, init_distributed
 
     args = parse_args(argv)
     _, _, local_size, device = init_distributed(60)
     dmp, optimizer, _, _ = build_training(args, device, world_size, local_size)
-    step = make_step_fn(dmp, optimizer, device, args.pipeline, lambda _: None)
+    runner = Runner(dmp, optimizer, device, args.pipeline, lambda _: None)
     batches = train_batches(args, rank, world_size, 0, None)
     losses = []
     for _ in range(args.steps):
-        loss, _, _ = step(batches)
+        loss, _, _ = runner.step(batches)
         losses.append(float(loss))
     return losses
 
@@ -56,7 +56,11 @@ def test_every_sharding_and_kernel_trains() -> None:
     argvs += [base + ["--sharding", "row_wise", "--kernel", "dense", "--optimizer", "adagrad"],
               base + ["--sharding", "table_wise", "--interaction", "dcn", "--optimizer", "sgd",
                       "--dcn-low-rank-dim", "4", "--multi-hot", "3"]]
+    argvs += [base + ["--sharding", "table_wise", "--no-pipeline", "--eval-every", "2"],
+              base + ["--sharding", "table_wise", "--eval-every", "2"]]
     summaries = run_ranks(2, _run_many, argvs, timeout=240)
+    plain, pipelined = summaries[0][-2:]
+    assert plain["evals"] == pipelined["evals"]  # the pipeline changes timing, not numbers
     for rank_summaries in summaries:
         for summary in rank_summaries:
             assert summary["steps"] == 3 and summary["world_size"] == 2
