@@ -109,3 +109,25 @@ def test_checkpoint_reshards_across_world_sizes_and_plans() -> None:
             torch.testing.assert_close(torch.tensor(resumed), torch.tensor(uninterrupted),
                                        atol=1e-5, rtol=0, msg=f"resumed on {ws} ranks, {kind}")
         assert abs(plain_first_loss(path) - uninterrupted[0]) < 1e-5
+
+
+def planned_from_meta(rank: int, ws: int) -> Dict[str, object]:
+    """No plan given: rank 0's planner decides, every rank gets the same plan; the model was
+    built on meta and DMP materializes it."""
+    torch.manual_seed(rank)  # different seeds: replicated parts must still agree
+    dmp = DistributedModelParallel(TinyDLRM("meta"), sharders=sharders(False))
+    opt = make_optimizer(dmp, True, False)
+    losses = train(dmp, opt, range(3), rank, ws)
+    dense = [p.detach().clone() for n, p in dmp.named_parameters() if n.startswith(("dense", "over"))]
+    gathered: List = [None] * ws
+    torch.distributed.all_gather_object(gathered, dense)
+    same = all(torch.equal(a, b) for other in gathered for a, b in zip(gathered[0], other))
+    plan = {t: (ps.sharding_type, ps.ranks) for t, ps in dmp.plan.plan["ebc"].items()}
+    return {"plan": plan, "losses": losses, "dense_equal": same}
+
+
+def test_dmp_plans_and_materializes_when_no_plan_is_given() -> None:
+    results = run_ranks(2, planned_from_meta, timeout=200)
+    assert results[0]["plan"] == results[1]["plan"] and set(results[0]["plan"]) == {"ta", "tb", "tc"}
+    assert all(r["dense_equal"] for r in results)
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in results)
