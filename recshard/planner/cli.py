@@ -219,6 +219,7 @@ def draw_png(stats: PlannerStats, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     ranks = [r.rank for r in stats.ranks]
     fig, (mem_ax, time_ax) = plt.subplots(2, 1, figsize=(max(6, len(ranks) * 0.25), 7))
@@ -226,9 +227,12 @@ def draw_png(stats: PlannerStats, path: str) -> None:
     ddr = [r.ddr / GIB for r in stats.ranks]
     mem_ax.bar(ranks, hbm, label="HBM")
     mem_ax.bar(ranks, ddr, bottom=hbm, label="DDR")
-    mem_ax.set_ylabel("GiB for tables")
+    cap = stats.ranks[0].hbm_cap if stats.compute_device == "cuda" else stats.ranks[0].ddr_cap
+    mem_ax.axhline(cap / GIB, linestyle="--", color="gray",
+                   label=f"{'HBM' if stats.compute_device == 'cuda' else 'DDR'} for tables")
+    mem_ax.set_ylabel("GiB")
     mem_ax.set_title("memory per rank")
-    mem_ax.legend()
+    mem_ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     bottom = [0.0] * len(ranks)
     for part in ("fwd_compute", "fwd_comms", "bwd_compute", "bwd_comms", "input_dist"):
         values = [getattr(r, part) for r in stats.ranks]
@@ -237,7 +241,9 @@ def draw_png(stats: PlannerStats, path: str) -> None:
     time_ax.set_ylabel("estimated ms per step")
     time_ax.set_xlabel("rank")
     time_ax.set_title(f"estimated time per rank (imbalance {stats.imbalance:.3f})")
-    time_ax.legend(fontsize="small")
+    time_ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    for ax in (mem_ax, time_ax):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

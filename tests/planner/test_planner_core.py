@@ -6,18 +6,24 @@ import pytest
 from planner_cases import assert_feasible_and_complete, random_tables
 
 from recshard.planner import (
+    EmbeddingEnumerator,
     EmbeddingShardingPlanner,
+    GreedyPerfPartitioner,
     GreedyProposer,
     GridSearchProposer,
     MemoryBalancedPartitioner,
     ParameterConstraints,
+    Perf,
     PlannerError,
+    ShardingOption,
+    Storage,
     StorageReservation,
     TableMeta,
     Topology,
     UniformProposer,
+    refine_placement,
 )
-from recshard.planner.types import GIB
+from recshard.planner.types import GIB, Segment
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -91,8 +97,6 @@ def test_min_partition_sets_column_shard_counts():
             constraints={"wide": ParameterConstraints(sharding_types=["column_wise"],
                                                       min_partition=min_partition)},
         )
-        from recshard.planner import EmbeddingEnumerator
-
         space = EmbeddingEnumerator(topo, constraints=planner.constraints).enumerate_tables([table])
         counts = sorted({o.num_shards for o in space[0]})
         assert counts[-1] == most and all(256 // n >= min_partition for n in counts)
@@ -237,3 +241,18 @@ def test_search_stops_early():
                                        proposer=GreedyProposer(patience=5), debug=False)
     planner.plan_tables(tables)
     assert planner.last_stats.num_proposals < 300
+
+
+def test_refinement_fixes_what_greedy_leaves_uneven():
+    def option(name, ms):
+        table = TableMeta(name, 10, 4)
+        return ShardingOption(table, "table_wise", "fused",
+                              [Segment(1, 10, 4, Perf(fwd_compute=ms), Storage(0.0, 100.0))])
+
+    proposal = [option(f"t{i}", ms) for i, ms in enumerate([3.0, 3.0, 2.0, 2.0, 2.0])]
+    capacity = StorageReservation(kjt_bytes=0).reserve(Topology(2), [], 1)
+    greedy = GreedyPerfPartitioner().partition(proposal, capacity)
+    assert sorted(greedy.perf) == [5.0, 7.0]  # LPT: 3+2+2 | 3+2
+    refined = refine_placement(greedy, capacity)
+    assert sorted(refined.perf) == [6.0, 6.0] and refined.rating == 6.0
+    assert greedy.perf == [7.0, 5.0] or greedy.perf == [5.0, 7.0]  # the input is not modified
