@@ -211,8 +211,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             save(args.checkpoint_dir, dmp, optimizer, {"step": step, "evals": history})
 
     def eval_now(final: bool) -> None:
-        nonlocal t0, train_s
-        train_s += time.perf_counter() - t0
+        nonlocal t0
         result = runner.evaluate(eval_batches(args, rank, world_size, vote_group), metrics)
         history.append({"step": step, **result})
         line = f"eval{' (final)' if final else ''} @ step {step}: {_fmt(result)}"
@@ -229,14 +228,17 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         except StopIteration:
             break
         step += 1
-        value = float(loss)
-        loss_ema = value if loss_ema is None else 0.9 * loss_ema + 0.1 * value
+        # an on-device running mean: reading it (a GPU sync) only every 10 steps
+        loss_ema = loss.detach() if loss_ema is None else loss_ema * 0.9 + loss.detach() * 0.1
         if bar is not None:
-            elapsed = train_s + time.perf_counter() - t0
-            rate = (step - start_step) * args.batch_size * world_size / max(elapsed, 1e-9)
-            bar.set_postfix(loss=f"{loss_ema:.4f}", samples_per_s=f"{rate:,.0f}", refresh=False)
+            if step % 10 == 0 or step == start_step + 1:
+                elapsed = train_s + time.perf_counter() - t0
+                rate = (step - start_step) * args.batch_size * world_size / max(elapsed, 1e-9)
+                bar.set_postfix(loss=f"{float(loss_ema):.4f}", samples_per_s=f"{rate:,.0f}",
+                                refresh=False)
             bar.update(1)
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
+            train_s += time.perf_counter() - t0  # eval time is not training time
             eval_now(final=False)
     train_s += time.perf_counter() - t0
     if bar is not None:
@@ -247,24 +249,40 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     samples = steps_run * args.batch_size * world_size
     summary: Dict[str, Any] = {
         "world_size": world_size, "device": device.type, "backend": dist.get_backend(),
-        "steps": step, "steps_this_run": steps_run, "global_samples": samples,
-        "train_seconds": train_s, "samples_per_s": samples / train_s if train_s > 0 else 0.0,
-        "final_loss_ema": loss_ema, "final_eval": history[-1], "evals": history,
-        "build_seconds": build_s,
+        "pipeline": runner.pipelined, "steps": step, "steps_this_run": steps_run,
+        "global_samples": samples, "train_seconds": train_s,
+        "samples_per_s": samples / train_s if train_s > 0 else 0.0,
+        "final_loss_ema": None if loss_ema is None else float(loss_ema),
+        "final_eval": history[-1], "evals": history, "build_seconds": build_s,
     }
-    say(f"done: {step} steps, {samples:,} samples in {train_s:.1f}s "
-        f"({summary['samples_per_s']:,.0f} samples/s over {world_size} rank(s)); "
-        f"final {_fmt(history[-1])}")
+    say(_summary_text(summary))
     if args.metrics_json and is_main:
-        from recshard.planner import plan_to_dict
-
-        path = Path(args.metrics_json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"config": {k: v for k, v in vars(args).items()}, **summary,
-                  "plan": plan_to_dict(dmp.plan)}
-        path.write_text(json.dumps(record, indent=2, default=str))
-        say(f"metrics written to {path}")
+        _write_metrics(Path(args.metrics_json), args, summary, dmp.plan)
+        say(f"metrics written to {args.metrics_json}")
     return summary
+
+
+def _summary_text(summary: Dict[str, Any]) -> str:
+    final = summary["final_eval"]
+    history = ", ".join(f"{e['step']}: {e['auc']:.4f}" for e in summary["evals"])
+    return "\n".join([
+        "summary",
+        f"  steps        {summary['steps']} ({summary['steps_this_run']} this run, "
+        f"{summary['global_samples']:,} samples over {summary['world_size']} rank(s))",
+        f"  train time   {summary['train_seconds']:.1f} s, {summary['samples_per_s']:,.0f} "
+        f"samples/s ({'pipelined' if summary['pipeline'] else 'plain loop'})",
+        f"  final eval   {_fmt(final)}",
+        f"  AUC by step  {history}",
+    ])
+
+
+def _write_metrics(path: Path, args: argparse.Namespace, summary: Dict[str, Any],
+                   plan: Any) -> None:
+    from recshard.planner import plan_to_dict
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"config": dict(vars(args)), **summary, "plan": plan_to_dict(plan)}
+    path.write_text(json.dumps(record, indent=2, default=str))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
