@@ -61,7 +61,7 @@ def _compare(rank: int, ws: int, make_pipeline: Any, batches: List[Batch], compu
     problems = []
     if [i for _, i in got] != [b.index for b in batches]:
         problems.append(f"batches run {[i for _, i in got]} != {[b.index for b in batches]}")
-    if not torch.allclose(torch.tensor([l for l, _ in got]), torch.tensor([l for l, _ in want]), atol=1e-6):
+    if not torch.allclose(torch.tensor([x for x, _ in got]), torch.tensor([x for x, _ in want]), atol=1e-6):
         problems.append(f"losses {got} != {want}")
     return problems + state_diff(model_state(model), model_state(reference))
 
@@ -89,7 +89,37 @@ def equivalence(rank: int, ws: int) -> Dict[str, List[str]]:
     loss, _ = model(batch_for(6, rank, ws))
     loss.backward()
     problems["restart"] = [] if run == [0, 1, 5] else [f"ran {run}"]
+    problems["schedule"] = schedule(rank, ws)
     return {k: v for k, v in problems.items() if v}
+
+
+def schedule(rank: int, ws: int) -> List[str]:
+    """Batch i+1's splits exchange starts before forward(i), its tensors exchange between
+    forward(i) and backward(i); the forward takes the pre-started dist (no input dist inside)."""
+    model = build(ws)
+    batches = [batch_for(s, rank, ws) for s in range(4)]
+    owner = {b.sparse_features.values().data_ptr(): b.index for b in batches}
+    events: List[str] = []
+    user = model.module.user
+    original = user.input_dist
+
+    def recording(ctx: Any, features: Any) -> Any:
+        index = owner.get(features.values().data_ptr(), "?")
+        events.append(f"dist{index}")
+        request = original(ctx, features)
+        first_wait = request.wait
+        request.wait = lambda: (events.append(f"tensors{index}"), first_wait())[1]
+        return request
+
+    user.input_dist = recording
+    model.module.dense.register_forward_pre_hook(lambda *_: events.append("fwd"))
+    model.module.dense.register_full_backward_hook(lambda *_: events.append("bwd"))
+    run_pipeline(TrainPipelineSparseDist(model, optimizer_for(model), "cpu"), batches)
+    want = ["dist0", "tensors0"]
+    for i in range(1, 4):
+        want += [f"dist{i}", "fwd", f"tensors{i}", "bwd"]
+    want += ["fwd", "bwd"]
+    return [] if events == want else [f"events {events} != {want}"]
 
 
 def test_pipeline_matches_plain_loop() -> None:
@@ -143,6 +173,10 @@ def uneven(rank: int, ws: int) -> Dict[str, Any]:
     model = build(ws)
     out["drop"] = run_pipeline(TrainPipelineSparseDist(model, optimizer_for(model), "cpu",
                                                        execute_all_batches=False), batches)
+    model = build(ws)  # the same, with 5 batches on both ranks
+    out["drop_even"] = run_pipeline(TrainPipelineSparseDist(
+        model, optimizer_for(model), "cpu", execute_all_batches=False),
+        [batch_for(s, rank, ws) for s in range(5)])
     out["warnings"] = capture.messages
     return out
 
@@ -157,20 +191,33 @@ def test_uneven_batch_counts_stop_every_rank_at_the_same_step() -> None:
         # execute_all_batches=False stops when the first rank's iterator ends (fetch of batch 3,
         # in step 1), dropping the batches in flight: as TorchRec, N batches give N - 2 steps
         assert [i for _, i in result["drop"]] == [0]
+        assert [i for _, i in result["drop_even"]] == [0, 1, 2]
         if rank == 0:  # only the rank that had more data says it stops early
             assert any("another rank has run out of data" in m for m in result["warnings"])
         else:
             assert result["warnings"] == []
 
 
-def drop_in_flight(rank: int, ws: int) -> List[int]:
+def bad_input(rank: int, ws: int) -> str:
+    """Rank 1's batch 2 has an id past its table: every rank raises, none hangs."""
+    batches = [batch_for(s, rank, ws) for s in range(4)]
+    if rank == 1:
+        kjt = batches[2].sparse_features
+        values = kjt.values().clone()
+        values[0] = 99
+        batches[2].sparse_features = type(kjt).from_lengths_sync(kjt.keys(), values, kjt.lengths())
     model = build(ws)
-    pipeline = TrainPipelineSparseDist(model, optimizer_for(model), "cpu", execute_all_batches=False)
-    return [i for _, i in run_pipeline(pipeline, [batch_for(s, rank, ws) for s in range(5)])]
+    try:
+        run_pipeline(TrainPipelineSparseDist(model, optimizer_for(model), "cpu"), batches)
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
-def test_execute_all_batches_false_drops_batches_in_flight() -> None:
-    assert run_ranks(WS, drop_in_flight, timeout=60) == [[0, 1, 2], [0, 1, 2]]
+def test_bad_input_on_one_rank_stops_every_rank() -> None:
+    errors = run_ranks(WS, bad_input, timeout=60)
+    assert errors[1].startswith("ValueError") and "99" in errors[1], errors
+    assert errors[0].startswith("RuntimeError: rank 1 rejected its input"), errors
 
 
 def evaluation(rank: int, ws: int) -> List[str]:

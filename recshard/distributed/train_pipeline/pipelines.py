@@ -133,6 +133,7 @@ class _BatchQueue:
         context = self.contexts[position]
         if context.has_batch.wait():
             return True
+        assert context is self.contexts[-1], "a batch was fetched before the vote ahead of it"
         batch = self.batches[position]
         del self.batches[position], self.contexts[position]
         self.stopped = True
@@ -361,7 +362,8 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     _run_backward = False
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                 device: torch.device = torch.device("cpu"), apply_jit: bool = False,
+                 device: Optional[torch.device] = None, apply_jit: bool = False,
                  strict: bool = False) -> None:
+        device = torch.device("cpu") if device is None else device
         super().__init__(model, optimizer, device, execute_all_batches=True,
                          apply_jit=apply_jit, strict=strict)

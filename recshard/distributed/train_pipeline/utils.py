@@ -141,6 +141,17 @@ class PipelinedForward:
 # ----------------------------------------------------------------------------- uneven data
 
 
+_GLOO_TWINS: Dict[dist.ProcessGroup, dist.ProcessGroup] = {}
+
+
+def _gloo_twin(pg: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A gloo group over the ranks of `pg`, made once per group. `new_group` is collective over
+    the default group: every rank builds its pipelines in the same order, so they all get here."""
+    if pg not in _GLOO_TWINS:
+        _GLOO_TWINS[pg] = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo")
+    return _GLOO_TWINS[pg]
+
+
 class BatchVote:
     """Every rank says, for each batch it fetches, whether it got one; a batch runs only if all did.
 
@@ -159,8 +170,8 @@ class BatchVote:
         pg = pg if pg is not None else dist.group.WORLD
         if dist.get_world_size(pg) == 1:
             return
-        if dist.get_backend(pg) != "gloo":  # every rank builds the pipeline: a safe point
-            pg = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo")
+        if dist.get_backend(pg) != "gloo":
+            pg = _gloo_twin(pg)
         self._pg = pg
 
     def ask(self, has_batch: bool) -> Awaitable[bool]:

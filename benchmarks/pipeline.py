@@ -1,0 +1,296 @@
+"""Step time of TrainPipelineSparseDist vs the plain loop, on a model whose input all-to-all is a
+large share of the step. Prints JSON lines.
+
+    python -m benchmarks.pipeline                    # spawns 2 gloo ranks on this machine
+    python -m benchmarks.pipeline --quick            # smaller, fewer blocks
+    torchrun --nproc-per-node 2 -m benchmarks.pipeline
+
+Two DMP models are built from the same seed and plan (tables table-wise, alternating ranks,
+fused SGD): one trained by the plain loop (`zero_grad, forward, backward, step`), one by the
+pipeline. Timed blocks of `--steps` steps alternate between the two (plain first in even blocks,
+pipeline first in odd ones), so load on the machine hits both alike; a block's time is the
+slowest rank's, and the lines report medians over blocks of ms per step
+(`pipelined_over_plain_paired`: the median of the per-block ratios, robust to load drifting
+between blocks). `*_cpu_ms` is rank 0's process CPU time per step (all threads): when it is close
+to the wall time, the ranks are CPU-bound and overlap has no idle core to use. `input_dist_ms` is the
+input dist alone (both all-to-all stages plus their host work) of one batch, and
+`input_dist_fraction` its share of the plain step. `plain_forward_all_to_all_ms` is what the
+plain loop's forward spends in its all-to-alls (input dist issue and waits, output dist wait;
+rank 0's clock), the share the target's ">= 30% of the step" refers to.
+Batches are generated before timing and reused cyclically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
+from recshard.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from recshard.distributed.train_pipeline import TrainPipelineSparseDist
+from recshard.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
+from recshard.types import ShardingPlan
+
+
+@dataclass
+class Batch:
+    dense_features: torch.Tensor
+    sparse_features: KeyedJaggedTensor
+    labels: torch.Tensor
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        return Batch(self.dense_features.to(device, non_blocking=non_blocking),
+                     self.sparse_features.to(device, non_blocking=non_blocking),
+                     self.labels.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        return Batch(self.dense_features.pin_memory(), self.sparse_features.pin_memory(),
+                     self.labels.pin_memory())
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        for t in (self.dense_features, self.labels):
+            if t.is_cuda:
+                t.record_stream(stream)
+        self.sparse_features.record_stream(stream)
+
+
+def _mlp(sizes: List[int]) -> nn.Sequential:
+    layers: List[nn.Module] = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+class Model(nn.Module):
+    """dense MLP + one EBC (many ids per feature, narrow tables) + over MLP -> (loss, output)."""
+
+    def __init__(self, tables: List[EmbeddingBagConfig], dense_in: int, hidden: int) -> None:
+        super().__init__()
+        dim = tables[0].embedding_dim
+        self.ebc = EmbeddingBagCollection(tables)
+        self.dense = _mlp([dense_in, hidden, dim])
+        self.over = _mlp([dim * (len(tables) + 1), hidden, hidden, 1])
+
+    def forward(self, batch: Batch) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        x = torch.cat([self.dense(batch.dense_features), self.ebc(batch.sparse_features).values()], 1)
+        logits = self.over(x).squeeze(1)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach())
+
+
+def _tables(args: argparse.Namespace) -> List[EmbeddingBagConfig]:
+    return [EmbeddingBagConfig(num_embeddings=args.rows, embedding_dim=args.dim, name=f"t{i}",
+                               feature_names=[f"f{i}"]) for i in range(args.features)]
+
+
+def _build(args: argparse.Namespace, world_size: int) -> Tuple[DistributedModelParallel, Any]:
+    torch.manual_seed(0)
+    model = Model(_tables(args), args.dense_in, args.hidden)
+    per_table = {f"t{i}": table_wise(i % world_size) for i in range(args.features)}
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, per_table,
+                                                               world_size=world_size)})
+    sharders = [EmbeddingBagCollectionSharder(fused_params={"optimizer": "exact_sgd",
+                                                            "learning_rate": 0.01})]
+    dmp = DistributedModelParallel(model, plan=plan, sharders=sharders)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda p: torch.optim.SGD(p, lr=0.01))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def _batches(args: argparse.Namespace, rank: int) -> List[Batch]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for _ in range(args.pool):
+        b = args.batch_size
+        lengths = torch.randint(0, 2 * args.pooling + 1, (args.features * b,), generator=g)
+        values = torch.randint(0, args.rows, (int(lengths.sum()),), generator=g)
+        kjt = KeyedJaggedTensor.from_lengths_sync([f"f{i}" for i in range(args.features)],
+                                                  values, lengths.int())
+        out.append(Batch(torch.randn(b, args.dense_in, generator=g), kjt,
+                         torch.randint(0, 2, (b,), generator=g).float()))
+    return out
+
+
+class _CommClock:
+    """Adds up the time the plain model's forward spends in its EBC's all-to-alls: issuing the
+    input dist (host work included), waiting for its two stages, and waiting for the output dist.
+    (The backward all-to-all and DDP's all-reduce are not counted.)"""
+
+    def __init__(self, ebc: nn.Module) -> None:
+        self.ms = 0.0
+        input_dist, output_dist = ebc.input_dist, ebc.output_dist
+
+        def timed_input_dist(ctx: Any, features: KeyedJaggedTensor) -> Any:
+            return self._timed(lambda: self._wrap(input_dist(ctx, features), depth=2))
+
+        def timed_output_dist(ctx: Any, output: Any) -> Any:
+            return self._wrap(output_dist(ctx, output), depth=1)
+
+        ebc.input_dist, ebc.output_dist = timed_input_dist, timed_output_dist
+
+    def _timed(self, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        result = fn()
+        self.ms += 1e3 * (time.perf_counter() - start)
+        return result
+
+    def _wrap(self, awaitable: Any, depth: int) -> Any:
+        """Time `awaitable.wait()` (and, for depth 2, the wait of the awaitable it returns)."""
+        wait = awaitable.wait
+        if depth == 2:
+            awaitable.wait = lambda: self._wrap(self._timed(wait), depth=1)
+        else:
+            awaitable.wait = lambda: self._timed(wait)
+        return awaitable
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _time_block(run_step: Callable[[], Any], steps: int) -> Tuple[float, float]:
+    """ms per step of `steps` steps (the slowest rank's wall time), and this process's CPU ms
+    per step (all its threads: main, gloo workers)."""
+    dist.barrier()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        run_step()
+    cpu = time.process_time() - cpu_start
+    return 1e3 * _slowest(time.perf_counter() - start) / steps, 1e3 * cpu / steps
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    pool = _batches(args, rank)
+    plain_model, plain_opt = _build(args, world_size)
+    piped_model, piped_opt = _build(args, world_size)
+    pipeline = TrainPipelineSparseDist(piped_model, piped_opt, torch.device("cpu"))
+    plain_iter: Iterator[Batch] = itertools.cycle(pool)
+    piped_iter: Iterator[Batch] = itertools.cycle(pool)
+
+    def plain_step() -> None:
+        batch = next(plain_iter)
+        plain_opt.zero_grad()
+        loss, _ = plain_model(batch)
+        loss.backward()
+        plain_opt.step()
+
+    def piped_step() -> None:
+        pipeline.progress(piped_iter)
+
+    ebc = plain_model.module.ebc
+
+    def input_dist() -> None:
+        ebc.input_dist(ebc.create_context(), pool[0].sparse_features).wait().wait()
+
+    for _ in range(args.warmup):
+        plain_step()
+        piped_step()
+        input_dist()
+    clock = _CommClock(ebc)
+    wall: Dict[str, List[float]] = {"plain": [], "pipelined": [], "input_dist": []}
+    cpu: Dict[str, List[float]] = {"plain": [], "pipelined": [], "input_dist": []}
+    comm_ms: List[float] = []
+    for block in range(args.blocks):
+        order = [("plain", plain_step), ("pipelined", piped_step)]
+        for name, step_fn in (order if block % 2 == 0 else order[::-1]) + [("input_dist", input_dist)]:
+            clock.ms = 0.0
+            block_wall, block_cpu = _time_block(step_fn, args.steps)
+            wall[name].append(block_wall)
+            cpu[name].append(block_cpu)
+            if name == "plain":
+                comm_ms.append(clock.ms / args.steps)
+    plain, piped, in_dist = (statistics.median(wall[k]) for k in ("plain", "pipelined", "input_dist"))
+    in_step_comm = statistics.median(comm_ms)
+    paired = statistics.median(p / q for p, q in zip(wall["pipelined"], wall["plain"]))
+    ids = sum(b.sparse_features.values().numel() for b in pool) / len(pool)
+    return {
+        "bench": "train_pipeline", "world_size": world_size, "backend": dist.get_backend(),
+        "torch_threads": torch.get_num_threads(), "batch_size_per_rank": args.batch_size,
+        "features": args.features, "mean_pooling": args.pooling, "dim": args.dim,
+        "ids_per_rank_per_batch": int(ids), "steps_per_block": args.steps, "blocks": args.blocks,
+        "plain_ms": round(plain, 3), "pipelined_ms": round(piped, 3),
+        "pipelined_over_plain": round(piped / plain, 3),
+        "pipelined_over_plain_paired": round(paired, 3),
+        "plain_cpu_ms": round(statistics.median(cpu["plain"]), 3),
+        "pipelined_cpu_ms": round(statistics.median(cpu["pipelined"]), 3),
+        "input_dist_ms": round(in_dist, 3), "input_dist_fraction": round(in_dist / plain, 3),
+        "plain_forward_all_to_all_ms": round(in_step_comm, 3),
+        "plain_forward_all_to_all_fraction": round(in_step_comm / plain, 3),
+        "pipelined_modules": pipeline.pipelined_modules,
+        "plain_ms_blocks": [round(x, 2) for x in wall["plain"]],
+        "pipelined_ms_blocks": [round(x, 2) for x in wall["pipelined"]],
+        "load_average_1min": round(os.getloadavg()[0], 2), "cpu_count": os.cpu_count(),
+    }
+
+
+def _main(args: argparse.Namespace) -> None:
+    result = run(args)
+    if dist.get_rank() == 0:
+        print(json.dumps(result), flush=True)
+
+
+def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=300))
+    try:
+        _main(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=2048, help="per rank")
+    p.add_argument("--features", type=int, default=8, help="one table per feature")
+    p.add_argument("--pooling", type=int, default=32, help="mean ids per feature and sample")
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--dense-in", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    p.add_argument("--blocks", type=int, default=7, help="timed blocks per loop (median)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--pool", type=int, default=4, help="distinct batches, reused cyclically")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--quick", action="store_true", help="smaller batch, fewer blocks")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch_size, args.steps, args.blocks, args.warmup = 512, 5, 3, 2
+    if "RANK" in os.environ:  # launched by torchrun
+        torch.set_num_threads(args.threads)
+        dist.init_process_group(timeout=timedelta(seconds=300))
+        try:
+            _main(args)
+        finally:
+            dist.destroy_process_group()
+        return
+    torch.multiprocessing.spawn(_worker, args=(args.world_size, _free_port(), args),
+                                nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    cli()
