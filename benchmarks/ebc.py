@@ -55,10 +55,13 @@ CRITEO_KAGGLE_ROWS = [
 LEARNING_RATE = 0.01
 SHARDING_TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise"]
 # name -> (sharding type, compute kernel); "<type>_dense" is the dense kernel + torch SGD.
+# "table_wise_in_order" (diagnostic, not run by default) places tables on ranks in contiguous
+# blocks, so the sharded output needs no column permutation back to module order.
 CONFIGS: Dict[str, Tuple[str, str]] = {
     **{t: (t, "fused") for t in SHARDING_TYPES},
     "data_parallel": ("data_parallel", "dense"),
     **{f"{t}_dense": (t, "dense") for t in SHARDING_TYPES},
+    "table_wise_in_order": ("table_wise", "fused"),
 }
 DEFAULT_TYPES = SHARDING_TYPES + ["data_parallel", "table_wise_dense"]
 BASELINE = "table_wise"
@@ -128,11 +131,22 @@ def balanced_ranks(pooling: List[int], world_size: int) -> List[int]:
     return ranks
 
 
+def contiguous_ranks(pooling: List[int], world_size: int) -> List[int]:
+    """Table-wise placement in table order: rank r takes the r-th run of tables, runs cut
+    where the running lookup count crosses r / world_size of the total."""
+    total, running, ranks = sum(pooling), 0, []
+    for p in pooling:
+        ranks.append(min(world_size - 1, int(world_size * (running + p / 2) / total)))
+        running += p
+    return ranks
+
+
 def per_table_plan(
-    sharding_type: str, kernel: str, tables: List[EmbeddingBagConfig], pooling: List[int],
-    world_size: int,
+    name: str, tables: List[EmbeddingBagConfig], pooling: List[int], world_size: int
 ) -> Dict[str, ShardingGenerator]:
-    ranks = balanced_ranks(pooling, world_size)
+    sharding_type, kernel = CONFIGS[name]
+    placement = contiguous_ranks if name == "table_wise_in_order" else balanced_ranks
+    ranks = placement(pooling, world_size)
     make: Dict[str, Callable[[int], ShardingGenerator]] = {
         "table_wise": lambda t: table_wise(ranks[t], kernel),
         "row_wise": lambda t: row_wise(kernel),
@@ -152,10 +166,9 @@ class Trainee:
 
 
 def build(name: str, tables: List[EmbeddingBagConfig], pooling: List[int]) -> Trainee:
-    sharding_type, kernel = CONFIGS[name]
     ebc = EmbeddingBagCollection(tables, device="meta")  # shards initialize from the configs
     plan = construct_module_sharding_plan(
-        ebc, per_table_plan(sharding_type, kernel, tables, pooling, dist.get_world_size()),
+        ebc, per_table_plan(name, tables, pooling, dist.get_world_size()),
         world_size=dist.get_world_size(),
     )
     sharder = EmbeddingBagCollectionSharder(
@@ -212,7 +225,8 @@ def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace) -> None:
     emit(dict(bench="ebc_setup", world_size=ws, tables=len(tables), dim=sizes.dim,
               total_rows=sum(t.num_embeddings for t in tables), batch_per_rank=sizes.batch,
               pooling_factors=pooling, lookups_per_rank_batch=lookups,
-              table_wise_ranks=balanced_ranks(pooling, ws), torch_threads=torch.get_num_threads()))
+              table_wise_ranks=balanced_ranks(pooling, ws),
+              table_wise_in_order_ranks=contiguous_ranks(pooling, ws), torch_threads=torch.get_num_threads()))
     repeat_medians: Dict[str, List[float]] = {name: [] for name in names}
     for _ in range(args.repeats):
         for name in names:
@@ -234,8 +248,9 @@ def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace) -> None:
             record["step_ms_vs_table_wise"] = round(step_s / base, 3)
             record["samples_per_s_vs_table_wise"] = round(base / step_s, 3)
         emit(record)
-    profile_name = BASELINE if BASELINE in trainees else names[0]
-    profile_step(profile_name, trainees[profile_name], batches, args.profile_steps)
+    for name in args.profile or ([BASELINE] if BASELINE in trainees else names[:1]):
+        if name in trainees:
+            profile_step(name, trainees[name], batches, args.profile_steps)
 
 
 # ----------------------------------------------------------------------------- profile
@@ -424,6 +439,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--pin", action="store_true", help="pin rank r to the r-th allowed CPU")
     parser.add_argument("--batches", type=int, default=4, help="distinct batches cycled")
+    parser.add_argument("--profile", type=_parse_types, default=None,
+                        help="configurations to profile on rank 0 (default table_wise)")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel comparison")
     parser.add_argument("--pg-timeout", type=float, default=900.0, help="seconds")
