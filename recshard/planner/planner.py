@@ -43,7 +43,8 @@ class EmbeddingShardingPlanner:
     estimated time of the slowest rank among proposals that fit in memory. `last_stats` holds
     the `PlannerStats` of the latest plan; with `debug` they are also logged. With `refine`,
     the best placement is polished by moving/swapping shards off the slowest rank
-    (`refine_placement`). `timeout_seconds` bounds the search.
+    (`refine_placement`). `timeout_seconds` bounds the search. An explicit `enumerator`
+    brings its own topology, batch size and constraints.
     """
 
     def __init__(

@@ -84,6 +84,8 @@ class GreedyProposer:
         self._stale = 0
         self._count = 0
         self._refitted: Set[int] = set()
+        self._visited: Set[int] = set()
+        self._escalation = 0
         self._done = not self._space
 
     def propose(self) -> Optional[List[ShardingOption]]:
@@ -109,6 +111,16 @@ class GreedyProposer:
             self._done = True
         elif self._best is None:
             self._done = not self._memory_step(result)
+            state = hash(tuple(self._choice))
+            if state in self._visited and not self._done:  # going in circles: free more
+                self._escalation += 1
+                resource = result.failed_resource or "hbm"
+                need = self.memory_slack * 2**self._escalation * sum(
+                    _use(o, resource) for o in result.proposal)
+                other = "ddr" if resource == "hbm" else "hbm"
+                room = -result.extra.get("deficit", {}).get(other, 0.0)
+                self._done = self._escalation > 8 or not self._shrink_many(resource, need, room)
+            self._visited.add(state)
         else:
             move = self._balance_move(self._best)
             if move is None:
@@ -137,7 +149,8 @@ class GreedyProposer:
            table, to its cheapest option that fits what some rank had left;
         3. or tables move as in 1 until the failed table's need is freed;
         4. else the failed table (or the biggest user) shrinks its largest shard.
-        False if nothing can shrink."""
+        If the choices come back to an earlier state, `feedback` frees a doubling share of
+        the memory instead. False if nothing can shrink."""
         t, resource = result.failed_index, result.failed_resource or "hbm"
         if t is None:
             return False

@@ -28,7 +28,7 @@ from recshard.planner import (
     validate_plan,
 )
 from recshard.planner.plan_io import PlanValidationError
-from recshard.types import ModuleSharder, ShardingEnv, ShardingType
+from recshard.types import BoundsCheckMode, ModuleSharder, ShardingEnv, ShardingType
 
 GIB = 1024**3
 
@@ -128,7 +128,11 @@ def test_optimizer_state_from_fused_params_and_dense_reservation():
 
 def test_plan_file_round_trip(tmp_path):
     model = _Model()
-    constraints = {"bag1": ParameterConstraints(sharding_types=["column_wise"], min_partition=8)}
+    constraints = {
+        "bag1": ParameterConstraints(sharding_types=["column_wise"], min_partition=8),
+        "sparse.ebc.bag2": ParameterConstraints(bounds_check_mode=BoundsCheckMode.WARNING,
+                                                cache_params={"load_factor": 0.3}),
+    }
     plan = EmbeddingShardingPlanner(Topology(3), constraints=constraints, debug=False).plan(
         model, _sharders())
     path = str(tmp_path / "plan.json")
@@ -136,6 +140,9 @@ def test_plan_file_round_trip(tmp_path):
     loaded = load_plan(path)
     assert plan_to_dict(loaded) == plan_to_dict(plan)
     assert loaded.plan["sparse.ebc"]["bag1"].shards == plan.plan["sparse.ebc"]["bag1"].shards
+    bag2 = loaded.plan["sparse.ebc"]["bag2"]
+    assert bag2.bounds_check_mode == BoundsCheckMode.WARNING
+    assert bag2.cache_params == {"load_factor": 0.3}
     validate_plan(loaded, model, world_size=3)
 
 
