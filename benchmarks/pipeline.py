@@ -312,7 +312,7 @@ def cli(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--dense-in", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--steps", type=int, default=10, help="steps per timed block")
     p.add_argument("--blocks", type=int, default=7, help="timed blocks per loop (median)")
     p.add_argument("--warmup", type=int, default=3)
