@@ -9,6 +9,13 @@ from recshard.distributed.model_parallel import (
     get_unwrapped_module,
 )
 from recshard.distributed.sharders import EmbeddingBagCollectionSharder, default_sharders
+from recshard.distributed.train_pipeline import (
+    EvalPipelineSparseDist,
+    TrainPipeline,
+    TrainPipelineBase,
+    TrainPipelineContext,
+    TrainPipelineSparseDist,
+)
 
 __all__ = [
     "DefaultDataParallelWrapper",
@@ -17,6 +24,11 @@ __all__ = [
     "EmbeddingCollectionSharder",
     "ShardedEmbeddingCollection",
     "ShardedEmbeddingBagCollection",
+    "EvalPipelineSparseDist",
+    "TrainPipeline",
+    "TrainPipelineBase",
+    "TrainPipelineContext",
+    "TrainPipelineSparseDist",
     "default_sharders",
     "get_module",
     "get_unwrapped_module",
