@@ -4,22 +4,31 @@ Layout under `path`: one directory per save (`ckpt-<id>/`, written by
 `torch.distributed.checkpoint`, each rank its own shards) and a `LATEST` file naming the
 newest complete one. `LATEST` is replaced atomically after every rank has finished writing,
 so a process killed mid-save leaves the previous checkpoint loadable. The previous directory
-is kept until the next save completes.
+is kept until the next save completes; a half-written one left by a killed save is removed
+by the next save that completes.
+
+`load` checks before it touches the model that every key it needs is in the checkpoint with
+the model's shape and that every shard file exists at full length; a failure names the
+checkpoint directory, the file or table, and both shapes or sizes. It never loads part of a
+checkpoint silently.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
+from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from recshard.checkpoint.state import fused_optimizer_state, model_state_dict
 from recshard.optim.keyed import CombinedOptimizer, KeyedOptimizer
@@ -84,18 +93,39 @@ def save(path: str, model: nn.Module, optimizer: Optional[KeyedOptimizer] = None
     dcp.save(_training_state(model, optimizer), checkpoint_id=str(directory))
     _barrier()
     if _rank() == 0:
-        (directory / "extra.json").write_text(json.dumps(extra or {}))
+        _write_durably(directory / "extra.json", json.dumps(extra or {}))
+        _fsync_directory(directory)
         previous = (root / LATEST).read_text().strip() if (root / LATEST).exists() else None
         tmp = root / f"{LATEST}.tmp"
-        tmp.write_text(directory.name)
-        with open(tmp) as f:
-            os.fsync(f.fileno())
+        _write_durably(tmp, directory.name)
         os.replace(tmp, root / LATEST)  # the commit point
+        _fsync_directory(root)
         for stale in root.glob("ckpt-*"):
             if stale.name not in (directory.name, previous):
                 shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return str(directory)
+
+
+def _write_durably(file: Path, text: str) -> None:
+    with open(file, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make renames and new entries in `directory` survive a machine crash (POSIX only)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. Windows cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def latest_checkpoint(path: str) -> Path:
@@ -109,18 +139,69 @@ def latest_checkpoint(path: str) -> Path:
     return directory
 
 
-def _check_shapes(template: Dict[str, Any], directory: Path) -> None:
+_TABLE_KEY = re.compile(r"(?:embedding_bags|embeddings)\.([^.]+)\.")
+
+
+def _describe_key(key: str) -> str:
+    """`table 't0' ('ebc.embedding_bags.t0.weight')` for table keys, else the quoted key."""
+    match = _TABLE_KEY.search(key)
+    return f"table '{match.group(1)}' ('{key}')" if match else f"'{key}'"
+
+
+def _read_metadata(directory: Path) -> Any:
+    try:
+        return dcp.FileSystemReader(str(directory)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a truncated .metadata unpickles with any error
+        raise ValueError(f"checkpoint {directory}: cannot read its .metadata "
+                         f"({type(e).__name__}: {e}); the checkpoint is corrupt") from e
+
+
+def _check_shapes(template: Dict[str, Any], directory: Path, metadata: Any) -> None:
     """Every key must exist in the checkpoint with the same global shape."""
-    saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    saved = metadata.state_dict_metadata
     for section, entries in template.items():
         for key, value in entries.items():
             full_key = f"{section}.{key}"
             if full_key not in saved:
-                raise ValueError(f"checkpoint {directory.name} has no '{key}' ({section})")
+                raise ValueError(
+                    f"checkpoint {directory}: no {_describe_key(key)} ({section}) in it")
             saved_size = tuple(getattr(saved[full_key], "size", ()))
             size = tuple(value.size())
             if saved_size != size:
-                raise ValueError(f"'{key}': checkpoint shape {saved_size} != model shape {size}")
+                raise ValueError(
+                    f"checkpoint {directory}: {_describe_key(key)} ({section}) has shape "
+                    f"{saved_size} in the checkpoint but {size} in the model")
+
+
+def _check_files(template: Dict[str, Any], directory: Path, metadata: Any) -> None:
+    """Every shard file holding a key to load exists and is as long as the metadata says."""
+    wanted: Set[str] = {f"{section}.{key}" for section, entries in template.items()
+                        for key in entries}
+    needed: Dict[str, int] = defaultdict(int)
+    holds: Dict[str, Set[str]] = defaultdict(set)
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        if index.fqn not in wanted:
+            continue
+        needed[info.relative_path] = max(needed[info.relative_path], info.offset + info.length)
+        holds[info.relative_path].add(index.fqn.split(".", 1)[1])
+    for name, length in sorted(needed.items()):
+        file = directory / name
+        keys = sorted(holds[name])
+        shown = ", ".join(_describe_key(k) for k in keys[:4]) + (" ..." if len(keys) > 4 else "")
+        if not file.exists():
+            raise ValueError(f"checkpoint {directory}: shard file {name} is missing "
+                             f"(it holds {shown})")
+        size = file.stat().st_size
+        if size < length:
+            raise ValueError(f"checkpoint {directory}: shard file {name} is truncated: "
+                             f"{size} bytes, the metadata needs {length} (it holds {shown})")
+
+
+def _first_cause(error: BaseException) -> str:
+    """The innermost error's last line (DCP nests rank tracebacks in its exception text)."""
+    text = str(error).strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def load(path: str, model: nn.Module, optimizer: Optional[KeyedOptimizer] = None) -> Dict[str, Any]:
@@ -128,8 +209,14 @@ def load(path: str, model: nn.Module, optimizer: Optional[KeyedOptimizer] = None
     model's current plan and world size. Returns the `extra` dict given to `save`."""
     directory = latest_checkpoint(path)
     template = _training_state(model, optimizer)
-    _check_shapes(template, directory)
-    dcp.load(template, checkpoint_id=str(directory))
+    metadata = _read_metadata(directory)
+    _check_shapes(template, directory, metadata)
+    _check_files(template, directory, metadata)
+    try:
+        dcp.load(template, checkpoint_id=str(directory))
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise RuntimeError(f"loading checkpoint {directory} failed; the model may be partly "
+                           f"loaded: {_first_cause(e)}") from e
     with torch.no_grad():  # DCP may replace plain tensors instead of copying into them
         live = _training_state(model, optimizer)
         for section, entries in template.items():

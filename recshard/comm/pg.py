@@ -10,9 +10,36 @@ import os
 from datetime import timedelta
 from typing import Dict, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("RECSHARD_PG_TIMEOUT_S", "300")))
+TIMEOUT_ENV = "RECSHARD_PG_TIMEOUT_S"
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+
+def pg_timeout(pg: Optional[dist.ProcessGroup] = None) -> timedelta:
+    """How long a collective may wait before it fails (a dead or stuck rank then raises).
+
+    `RECSHARD_PG_TIMEOUT_S` when set (read at call time, not import time), else the timeout
+    `pg` was created with (sub-groups inherit their parent's), else 300 s. Pass it to
+    `init_process_group(timeout=pg_timeout())` so the default group follows the variable too.
+    """
+    if os.environ.get(TIMEOUT_ENV):
+        text = os.environ[TIMEOUT_ENV]
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = -1.0
+        if not seconds > 0:
+            raise ValueError(f"{TIMEOUT_ENV}={text!r} must be a positive number of seconds")
+        return timedelta(seconds=seconds)
+    if pg is not None:
+        for device in ("cpu", "cuda"):
+            try:
+                return pg._get_backend(torch.device(device)).options._timeout
+            except Exception:  # noqa: BLE001 - no backend for that device, or no options
+                continue
+    return DEFAULT_TIMEOUT
 
 
 def get_local_size(world_size: Optional[int] = None) -> int:
@@ -50,15 +77,16 @@ def intra_and_cross_node_pg(
         raise ValueError(f"local_world_size {local_world_size} must divide world_size {world_size}")
     global_ranks = dist.get_process_group_ranks(pg)
     num_nodes = world_size // local_world_size
+    timeout = pg_timeout(pg)
     intra = cross = None
     for node in range(num_nodes):
         members = [global_ranks[node * local_world_size + i] for i in range(local_world_size)]
-        group = dist.new_group(members, timeout=DEFAULT_TIMEOUT)
+        group = dist.new_group(members, timeout=timeout)
         if node == get_node_index(rank, local_world_size):
             intra = group
     for local_rank in range(local_world_size):
         members = [global_ranks[node * local_world_size + local_rank] for node in range(num_nodes)]
-        group = dist.new_group(members, timeout=DEFAULT_TIMEOUT)
+        group = dist.new_group(members, timeout=timeout)
         if local_rank == get_local_rank(rank, local_world_size):
             cross = group
     assert intra is not None and cross is not None

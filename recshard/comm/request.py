@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -63,17 +63,103 @@ def reset_comm_payload_bytes() -> None:
     _PAYLOAD_BYTES.clear()
 
 
-class Pending:
-    """An issued collective: its work handle(s) and how to read the result when done."""
+# Payload names (`name=` of the issue_* functions, also the keys of `comm_payload_bytes`)
+# as people say them in an error message; a `_bwd` suffix is the autograd transpose.
+_READABLE = {
+    "alltoall_pooled": "pooled all-to-all",
+    "variable_batch_alltoall_pooled": "variable-batch pooled all-to-all",
+    "alltoall_sequence": "sequence all-to-all",
+    "alltoallv": "all-to-all-v",
+    "reduce_scatter_pooled": "pooled reduce-scatter",
+    "reduce_scatter_v_pooled": "pooled reduce-scatter-v",
+    "all_gather_base_pooled": "pooled all-gather",
+    "kjt_all_to_all_splits": "KJT all-to-all splits",
+    "kjt_all_to_all_lengths": "KJT all-to-all lengths",
+    "kjt_all_to_all_values": "KJT all-to-all values",
+    "kjt_all_to_all_weights": "KJT all-to-all weights",
+}
 
-    def __init__(self, works: List[Optional[dist.Work]], finish: Callable[[], torch.Tensor]):
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (a rank died, raised, or is in another collective).
+
+    The message names the collective and direction, e.g. "pooled all-to-all (forward) failed
+    on rank 0 of 2 [all_to_all_single]: <the backend's error>"; `collective` and `direction`
+    hold them for code that handles the error.
+    """
+
+    def __init__(self, message: str, collective: str, direction: str) -> None:
+        super().__init__(message)
+        self.collective, self.direction = collective, direction
+
+
+def describe_collective(name: str) -> Tuple[str, str]:
+    """`(readable name, "forward" | "backward")` for a payload name such as `alltoall_pooled_bwd`."""
+    direction = "backward" if name.endswith("_bwd") else "forward"
+    base = name[: -len("_bwd")] if direction == "backward" else name
+    return _READABLE.get(base, base.replace("_", " ")), direction
+
+
+def collective_error(
+    name: str, op: str, pg: Optional[dist.ProcessGroup], error: BaseException, stage: str = "failed"
+) -> CollectiveError:
+    """A `CollectiveError` for `error` raised by collective `name` (backend call `op`)."""
+    readable, direction = describe_collective(name)
+    where = ""
+    if pg is not None and dist.is_initialized():
+        try:
+            where = f" on rank {dist.get_rank(pg)} of {dist.get_world_size(pg)}"
+        except Exception:  # noqa: BLE001 - a broken group must not hide the real error
+            where = ""
+    text = str(error).strip() or type(error).__name__
+    hint = ""
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        hint = (" (the process-group timeout ran out: another rank died, hangs, or is waiting"
+                " in a different collective; RECSHARD_PG_TIMEOUT_S / init_process_group(timeout=)"
+                " set it)")
+    return CollectiveError(
+        f"{readable} ({direction}) {stage}{where} [{op}]: {text}{hint}", readable, direction
+    )
+
+
+def wait_work(work: Optional[dist.Work], name: str, op: str = "all_to_all_single",
+              pg: Optional[dist.ProcessGroup] = None) -> None:
+    """`work.wait()`, re-raising a backend error as a `CollectiveError` that names `name`."""
+    if work is None:
+        return
+    try:
+        work.wait()
+    except CollectiveError:
+        raise
+    except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses
+        raise collective_error(name, op, pg, e) from e
+
+
+def _start(name: str, op: str, pg: dist.ProcessGroup, issue: Callable[[], dist.Work]) -> dist.Work:
+    """Issue a backend collective; an error raised at issue time names the collective too."""
+    try:
+        return issue()
+    except RuntimeError as e:  # backend errors; ValueError/TypeError are argument bugs, kept
+        raise collective_error(name, op, pg, e, stage="could not start") from e
+
+
+class Pending:
+    """An issued collective: its work handle(s) and how to read the result when done.
+
+    `wait()` raises `CollectiveError` naming `name` (and `op`, the backend call) when the
+    backend reports a failure or the process-group timeout, instead of a bare gloo/NCCL error.
+    """
+
+    def __init__(self, works: List[Optional[dist.Work]], finish: Callable[[], torch.Tensor],
+                 name: str = "collective", op: str = "collective",
+                 pg: Optional[dist.ProcessGroup] = None) -> None:
         self._works = works
         self._finish = finish
+        self.name, self._op, self._pg = name, op, pg
 
     def wait(self) -> torch.Tensor:
         for work in self._works:
-            if work is not None:
-                work.wait()
+            wait_work(work, self.name, self._op, self._pg)
         return self._finish()
 
 
@@ -107,11 +193,11 @@ def issue_all_to_all(
     wire = _encode(x, codec)
     out = wire.new_empty(sum(_sizes(output_splits, codec)))
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
-    work = dist.all_to_all_single(
+    work = _start(name, "all_to_all_single", pg, lambda: dist.all_to_all_single(
         out, wire, _sizes(output_splits, codec), _sizes(input_splits, codec),
         group=pg, async_op=True,
-    )
-    return Pending([work], lambda: _decode(out, codec, x.dtype))
+    ))
+    return Pending([work], lambda: _decode(out, codec, x.dtype), name, "all_to_all_single", pg)
 
 
 def issue_reduce_scatter(
@@ -130,19 +216,23 @@ def issue_reduce_scatter(
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
     if not _USE_NATIVE_REDUCE_SCATTER:
         received = wire.new_empty(sizes[rank] * world_size)
-        work = dist.all_to_all_single(
+        work = _start(name, "all_to_all_single", pg, lambda: dist.all_to_all_single(
             received, wire, [sizes[rank]] * world_size, sizes, group=pg, async_op=True
-        )
+        ))
         return Pending(
             [work],
             lambda: _decode(received.view(world_size, -1).sum(0), codec, x.dtype),
+            name, "all_to_all_single", pg,
         )
     out = wire.new_empty(sizes[rank])
     if len(set(sizes)) == 1:
-        work = _reduce_scatter_single(out, wire, pg)
+        op = "reduce_scatter_tensor"
+        work = _start(name, op, pg, lambda: _reduce_scatter_single(out, wire, pg))
     else:
-        work = dist.reduce_scatter(out, list(wire.split(sizes)), group=pg, async_op=True)
-    return Pending([work], lambda: _decode(out, codec, x.dtype))
+        op = "reduce_scatter"
+        work = _start(name, op, pg, lambda: dist.reduce_scatter(
+            out, list(wire.split(sizes)), group=pg, async_op=True))
+    return Pending([work], lambda: _decode(out, codec, x.dtype), name, op, pg)
 
 
 def issue_all_gather(
@@ -161,15 +251,18 @@ def issue_all_gather(
     out = wire.new_empty(sum(sizes))
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
     if len(set(sizes)) == 1:
-        work = _all_gather_single(out, wire, pg)
+        op = "all_gather_into_tensor"
+        work = _start(name, op, pg, lambda: _all_gather_single(out, wire, pg))
     elif dist.get_backend(pg) == "nccl":
-        work = dist.all_gather(list(out.split(sizes)), wire, group=pg, async_op=True)
+        op = "all_gather"
+        work = _start(name, op, pg, lambda: dist.all_gather(
+            list(out.split(sizes)), wire, group=pg, async_op=True))
     else:
-        send = wire.repeat(world_size)
-        work = dist.all_to_all_single(
+        op, send = "all_to_all_single", wire.repeat(world_size)
+        work = _start(name, op, pg, lambda: dist.all_to_all_single(
             out, send, sizes, [wire.numel()] * world_size, group=pg, async_op=True
-        )
-    return Pending([work], lambda: _decode(out, codec, x.dtype))
+        ))
+    return Pending([work], lambda: _decode(out, codec, x.dtype), name, op, pg)
 
 
 def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, pg: dist.ProcessGroup):
