@@ -51,8 +51,22 @@ def check_dtypes_and_weights(kjt: KeyedJaggedTensor, is_weighted: bool, owner: s
         )
 
 
+def keys_with_bad_ids(kjt: KeyedJaggedTensor, rows_per_key: List[int]) -> List[int]:
+    """Indices of keys holding an id outside [0, rows): one min and one max per key over
+    views of `values`, then one comparison (no per-id temporaries on the good path)."""
+    segments = torch.split(kjt.values(), kjt.length_per_key())
+    nonempty = [i for i, segment in enumerate(segments) if segment.numel()]
+    if not nonempty:
+        return []
+    lows = torch.stack([segments[i].min() for i in nonempty])
+    highs = torch.stack([segments[i].max() for i in nonempty])
+    bounds = torch.tensor([rows_per_key[i] for i in nonempty], device=highs.device)
+    bad = (lows < 0) | (highs >= bounds)
+    return [nonempty[j] for j in torch.nonzero(bad).flatten().tolist()]
+
+
 def out_of_range_mask(kjt: KeyedJaggedTensor, rows_per_key: List[int]) -> torch.Tensor:
-    """`[N]` True where an id is outside [0, rows) of its key (one vectorized comparison)."""
+    """`[N]` True where an id is outside [0, rows) of its key (the slow, exact path)."""
     values = kjt.values()
     bounds = torch.repeat_interleave(
         torch.tensor(rows_per_key, dtype=torch.int64, device=values.device),
@@ -70,7 +84,7 @@ def find_out_of_range(
     kjt: KeyedJaggedTensor, rows_per_key: List[int]
 ) -> Optional[Tuple[int, int, int]]:
     """First id outside [0, rows) of its key: (key index, id, count of bad ids), or None."""
-    if kjt.values().numel() == 0:
+    if kjt.values().numel() == 0 or not keys_with_bad_ids(kjt, rows_per_key):
         return None
     bad = out_of_range_mask(kjt, rows_per_key)
     count = int(bad.sum())
@@ -117,9 +131,9 @@ def bounds_check(
     unchecked = torch.iinfo(torch.int64).max
     rows = [feature_to_table[k][1] if m != BoundsCheckMode.NONE else unchecked
             for k, m in zip(keys, key_modes)]
-    bad = out_of_range_mask(kjt, rows)
-    if not bool(bad.any()):
+    if not keys_with_bad_ids(kjt, rows):
         return kjt
+    bad = out_of_range_mask(kjt, rows)
     fatal = torch.tensor([m == BoundsCheckMode.FATAL for m in key_modes], device=bad.device)
     per_value_fatal = torch.repeat_interleave(fatal, torch.tensor(kjt.length_per_key(), device=bad.device))
     fatal_bad = bad & per_value_fatal
