@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from recshard.planner import load_plan
+from recshard.planner.cli import main
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,21 +62,21 @@ def test_cli_exit_2_when_nothing_fits(tables_file, tmp_path):
     assert "no sharding plan fits" in proc.stderr and "user (2000000 x 128" in proc.stderr
 
 
-def test_cli_bad_input_names_the_table(tmp_path):
+def test_cli_bad_input_names_the_table(tmp_path, capsys):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps([{"name": "t", "num_embeddings": 10, "embedding_dim": 4,
                                  "pooling": 3}]))
-    proc = _run([str(path)], tmp_path)
-    assert proc.returncode == 1
-    assert "table 't': unknown keys ['pooling']" in proc.stderr
+    assert main([str(path)]) == 1
+    assert "table 't': unknown keys ['pooling']" in capsys.readouterr().err
 
 
-def test_cli_png_without_matplotlib_says_so(tables_file, tmp_path):
+def test_cli_png(tables_file, tmp_path, capsys):
+    png = str(tmp_path / "p.png")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        proc = _run([tables_file, "--png", str(tmp_path / "p.png")], tmp_path)
-        assert proc.returncode == 1 and "needs matplotlib" in proc.stderr
+        assert main([tables_file, "--png", png]) == 1
+        assert "needs matplotlib" in capsys.readouterr().err
     else:
-        proc = _run([tables_file, "--png", str(tmp_path / "p.png")], tmp_path)
-        assert proc.returncode == 0 and os.path.getsize(tmp_path / "p.png") > 0
+        assert main([tables_file, "--png", png]) == 0
+        assert os.path.getsize(png) > 0

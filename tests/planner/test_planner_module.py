@@ -172,24 +172,26 @@ def test_no_shardable_module_is_an_error():
         EmbeddingShardingPlanner(Topology(2), debug=False).plan(nn.Linear(2, 2), _sharders())
 
 
-def _collective(rank: int, world_size: int, ddr_gb: float) -> dict:
+def _collective(rank: int, world_size: int, ddr_gbs: List[float]) -> List[dict]:
     torch.manual_seed(rank)  # nothing in planning may depend on per-rank state
-    planner = EmbeddingShardingPlanner(Topology(world_size, ddr_cap=ddr_gb * GIB), debug=False)
-    try:
-        plan = planner.collective_plan(_Model(), _sharders())
-    except PlannerError as e:
-        return {"error": str(e)}
-    return plan_to_dict(plan)
+    results = []
+    for ddr_gb in ddr_gbs:
+        planner = EmbeddingShardingPlanner(Topology(world_size, ddr_cap=ddr_gb * GIB), debug=False)
+        try:
+            results.append(plan_to_dict(planner.collective_plan(_Model(), _sharders())))
+        except PlannerError as e:
+            results.append({"error": str(e)})
+    return results
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_collective_plan_is_identical_on_every_rank(world_size):
-    results = run_ranks(world_size, _collective, 64.0, timeout=90)
-    assert all("error" not in r for r in results)
-    assert all(r == results[0] for r in results)
+def test_collective_plan_is_identical_on_every_rank_and_broadcasts_failure():
+    results = run_ranks(2, _collective, [64.0, 0.01], timeout=90)
+    assert results[0][0] == results[1][0] and "error" not in results[0][0]
+    assert results[0][1]["error"].startswith("no sharding plan fits")
+    assert results[1][1]["error"].startswith("rank 0 failed to plan: PlannerError: no sharding")
 
 
-def test_collective_plan_broadcasts_rank_zero_failure():
-    results = run_ranks(2, _collective, 0.01, timeout=90)
-    assert results[0]["error"].startswith("no sharding plan fits")
-    assert results[1]["error"].startswith("rank 0 failed to plan: PlannerError: no sharding plan")
+def test_collective_plan_on_three_ranks():
+    results = run_ranks(3, _collective, [64.0], timeout=90)
+    assert "error" not in results[0][0]
+    assert results[0] == results[1] == results[2]
