@@ -208,6 +208,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if args.checkpoint_dir:
             from recshard.checkpoint import save
 
+            # No leftover gradients: the checkpoint's optimizer-state init steps the dense
+            # optimizer at lr 0, which would fold them into Adagrad's sums once more.
+            optimizer.zero_grad(set_to_none=True)
             save(args.checkpoint_dir, dmp, optimizer, {"step": step, "evals": history})
 
     def eval_now(final: bool) -> None:

@@ -1,5 +1,5 @@
 """DLRM training on 2 gloo ranks: the loss falls, every sharding type trains, Criteo data
-flows, and the CLI runs end to end through torchrun (with a checkpoint and a resume)."""
+flows, a resumed run continues exactly, and the CLI runs end to end through torchrun."""
 
 from __future__ import annotations
 
@@ -90,23 +90,31 @@ def _torchrun(args: List[str], tmp_path: Path) -> subprocess.CompletedProcess:
          *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_cli_end_to_end_with_resume(tmp_path: Path) -> None:
+def test_cli_end_to_end(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.json"
-    common = TINY + ["--batch-size", "64", "--eval-batches", "2", "--sharding", "row_wise",
-                     "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-json", str(metrics)]
-    first = _torchrun(common + ["--steps", "4"], tmp_path)
-    assert first.returncode == 0, first.stdout + first.stderr
-    assert "t_cat_25" in first.stdout and "row_wise" in first.stdout  # the plan table
-    assert "eval (final) @ step 4: auc" in first.stdout
+    argv = TINY + ["--batch-size", "64", "--eval-batches", "2", "--sharding", "row_wise",
+                   "--steps", "4", "--metrics-json", str(metrics)]
+    done = _torchrun(argv, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "t_cat_25" in done.stdout and "row_wise" in done.stdout  # the plan table
+    assert "eval (final) @ step 4: auc" in done.stdout and "summary" in done.stdout
     record = json.loads(metrics.read_text())
-    assert record["steps"] == 4 and record["world_size"] == 2
+    assert record["steps"] == 4 and record["world_size"] == 2 and record["pipeline"]
     assert record["plan"]["modules"]["model.sparse_arch.embedding_bag_collection"]
-    second = _torchrun(common + ["--steps", "6", "--resume"], tmp_path)
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert "resumed from" in second.stdout and "at step 4" in second.stdout
-    record = json.loads(metrics.read_text())
-    assert record["steps"] == 6 and record["steps_this_run"] == 2
-    assert [e["step"] for e in record["evals"]] == [4, 6]
+
+
+def test_resume_continues_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    common = TINY + ["--batch-size", "32", "--eval-batches", "2", "--eval-every", "4",
+                     "--optimizer", "adagrad"]
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    argvs = [common + ["--steps", "6"],
+             common + ckpt + ["--steps", "4"],
+             common + ckpt + ["--steps", "6", "--resume"]]
+    straight, first, resumed = run_ranks(2, _run_many, argvs, timeout=180)[0]
+    assert first["steps"] == 4 and resumed["steps_this_run"] == 2
+    assert [e["step"] for e in resumed["evals"]] == [4, 6]
+    for key in ("auc", "log_loss", "ne"):
+        assert resumed["final_eval"][key] == pytest.approx(straight["final_eval"][key], abs=1e-5)
 
 
 def test_help_documents_every_flag() -> None:
