@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plan", default=None,
                    help="sharding plan JSON (from recshard-plan or a previous run); overrides "
                         "--sharding")
+    g.add_argument("--save-plan", default=None,
+                   help="write the plan this run uses as JSON (rank 0), for --plan later")
     g.add_argument("--kernel", choices=["fused", "dense"], default="fused",
                    help="fused: fbgemm TBE with the optimizer in backward; dense: autograd "
                         "weights updated by the dense optimizer (data_parallel is always dense)")

@@ -181,6 +181,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     say(f"sharding plan ({plan_note}; model built and sharded in {build_s:.1f}s):\n"
         f"{plan_table(dmp.plan, tables)}")
 
+    if args.save_plan and is_main:
+        from recshard.planner import save_plan
+
+        save_plan(dmp.plan, args.save_plan, {"world_size": world_size, "note": plan_note})
+        say(f"plan saved to {args.save_plan}")
     if args.kernel == "dense" and args.optimizer == "rowwise_adagrad":
         say("notice: dense-kernel tables are updated by torch Adagrad (element-wise), not "
             "row-wise Adagrad")

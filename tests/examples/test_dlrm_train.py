@@ -49,8 +49,9 @@ def _run_many(rank: int, world_size: int, argvs: List[List[str]]) -> List[Dict[s
     return [run(parse_args(argv)) for argv in argvs]
 
 
-def test_every_sharding_and_kernel_trains() -> None:
+def test_every_sharding_and_kernel_trains(tmp_path: Path) -> None:
     base = TINY + ["--steps", "3", "--batch-size", "32", "--eval-batches", "2"]
+    plan = str(tmp_path / "plan.json")
     argvs = [base + ["--sharding", s] for s in
              ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")]
     argvs += [base + ["--sharding", "row_wise", "--kernel", "dense", "--optimizer", "adagrad"],
@@ -58,8 +59,12 @@ def test_every_sharding_and_kernel_trains() -> None:
                       "--dcn-low-rank-dim", "4", "--multi-hot", "3"]]
     argvs += [base + ["--sharding", "table_wise", "--no-pipeline", "--eval-every", "2"],
               base + ["--sharding", "table_wise", "--eval-every", "2"]]
+    argvs += [base + ["--sharding", "column_wise", "--save-plan", plan], base + ["--plan", plan]]
     summaries = run_ranks(2, _run_many, argvs, timeout=240)
-    plain, pipelined = summaries[0][-2:]
+    saved, loaded = summaries[0][-2:]
+    assert saved["final_eval"] == loaded["final_eval"]  # --plan ran the saved column-wise plan
+    assert '"column_wise"' in Path(plan).read_text()
+    plain, pipelined = summaries[0][-4:-2]
     assert plain["evals"] == pipelined["evals"]  # the pipeline changes timing, not numbers
     for rank_summaries in summaries:
         for summary in rank_summaries:
