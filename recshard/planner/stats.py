@@ -232,4 +232,5 @@ class EmbeddingStats:
     """Logs the planner's statistics at INFO through `logging`."""
 
     def log(self, stats: PlannerStats) -> None:
-        logger.info("\n%s", stats.format())
+        if logger.isEnabledFor(logging.INFO):  # formatting 10k tables is not free
+            logger.info("\n%s", stats.format())
