@@ -105,7 +105,10 @@ class FbgemmFusedKernel(LookupKernel):
         return list(self.tbe.split_embedding_weights())
 
     def optimizer_states(self) -> List[Dict[str, torch.Tensor]]:
+        """One dict per table (empty for SGD: fbgemm then returns no states at all)."""
         names = self.spec.state_names
+        if not names:
+            return [{} for _ in self.tables]
         return [dict(zip(names, states)) for states in self.tbe.split_optimizer_states()]
 
     def set_learning_rate(self, lr: float) -> None:
