@@ -1,0 +1,27 @@
+"""Quantized embeddings for inference: INT8/INT4/INT2/FP16 rows in fbgemm's layout.
+
+    from recshard.quant import quantize_embeddings
+    model = quantize_embeddings(model, torch.quint4x2)     # every EBC/EC -> quantized twin
+
+Sharded inference: `recshard.distributed.QuantEmbeddingBagCollectionSharder` with plans whose
+compute_kernel is "quant".
+"""
+
+from recshard.quant.embedding_modules import (
+    QuantEmbeddingBagCollection,
+    QuantEmbeddingCollection,
+    quantize_embeddings,
+)
+from recshard.quant.kernel import QuantLookup, QuantTable
+from recshard.quant.rowwise import dequantize_rows, max_row_error, quantize_rows
+
+__all__ = [
+    "QuantEmbeddingBagCollection",
+    "QuantEmbeddingCollection",
+    "QuantLookup",
+    "QuantTable",
+    "dequantize_rows",
+    "max_row_error",
+    "quantize_embeddings",
+    "quantize_rows",
+]

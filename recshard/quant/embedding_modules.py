@@ -1,0 +1,302 @@
+"""Quantized EmbeddingBagCollection / EmbeddingCollection for inference, and the converter.
+
+    model = quantize_embeddings(trained_model, torch.quint4x2)   # EBCs and ECs -> INT4 rows
+    model(dense, kjt)                                             # same inputs, same outputs
+
+Each table's `data_type` (INT8, INT4, INT2, FP16, FP32) says how its rows are stored (see
+`recshard.quant.rowwise` for the layout and its error). Inputs are checked as the float
+modules check them; outputs are float32 (or `output_dtype`). State dict per table:
+`<attr>.<table>.weight` (packed codes, `uint8 [rows, D * bits / 8]`, or fp16/fp32 `[rows, D]`)
+and, for integer types, `.weight_qscale` / `.weight_qbias` (`fp16 [rows]`), all views of the
+kernel's storage, so `load_state_dict` writes straight into it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from recshard.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
+from recshard.modules.embedding_modules import (
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+    _check_unique,
+)
+from recshard.modules.input_checks import check_dtypes_and_weights, check_features, check_ids
+from recshard.quant.kernel import QuantLookup, QuantTable, check_output_dtype
+from recshard.quant.rowwise import DtypeLike, check_table_layout, data_type_of, quantize_rows
+from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+DeviceLike = Union[str, torch.device, None]
+QuantizedWeights = Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+def _quant_table(config: BaseEmbeddingConfig) -> QuantTable:
+    return QuantTable(config.name, config.num_embeddings, config.embedding_dim, config.data_type,
+                      list(config.feature_names), getattr(config, "pooling", PoolingType.NONE))
+
+
+class _QuantTables(nn.Module):
+    """What both quantized collections share: tables, kernels, input checks, weight views."""
+
+    _tables_attr = ""
+
+    def __init__(
+        self,
+        tables: Sequence[BaseEmbeddingConfig],
+        groups: List[List[int]],
+        pooled: bool,
+        device: DeviceLike,
+        output_dtype: torch.dtype,
+        table_name_to_quantized_weights: Optional[QuantizedWeights],
+    ) -> None:
+        super().__init__()
+        _check_unique(tables, type(self).__name__)
+        check_output_dtype(output_dtype)
+        for config in tables:
+            check_table_layout(config.name, config.embedding_dim, config.data_type)
+        self._configs = list(tables)
+        self._output_dtype = output_dtype
+        self._feature_names = [f for t in tables for f in t.feature_names]
+        self._feature_to_table = {
+            f: (t.name, t.num_embeddings) for t in tables for f in t.feature_names
+        }
+        device = torch.device(device or "cpu")
+        self.lookups = nn.ModuleList(
+            QuantLookup([_quant_table(self._configs[i]) for i in group], pooled, device, output_dtype)
+            for group in groups
+        )
+        # table name -> (kernel index, table index inside it)
+        self._where = {
+            self._configs[i].name: (k, j) for k, group in enumerate(groups) for j, i in enumerate(group)
+        }
+        self._register_weight_views()
+        quantized = table_name_to_quantized_weights
+        for config in self._configs:
+            k, j = self._where[config.name]
+            if quantized is not None and config.name in quantized:
+                self.lookups[k].load_quantized(j, *quantized[config.name])
+            else:  # a fresh module starts from each config's init, quantized
+                weight = torch.empty(config.num_embeddings, config.embedding_dim, device=device)
+                config.init_weight(weight)
+                self.lookups[k].load_float(j, weight)
+
+    def _register_weight_views(self) -> None:
+        tables = nn.ModuleDict()
+        for config in self._configs:
+            k, j = self._where[config.name]
+            values, scale_bias = self.lookups[k].storage()[j]
+            holder = nn.Module()
+            holder.register_buffer("weight", values)
+            if scale_bias is not None:
+                holder.register_buffer("weight_qscale", scale_bias[:, 0])
+                holder.register_buffer("weight_qbias", scale_bias[:, 1])
+            tables[config.name] = holder
+        setattr(self, self._tables_attr, tables)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lookups[0].tbe.current_device
+
+    def output_dtype(self) -> torch.dtype:
+        return self._output_dtype
+
+    def quantized_weights(self) -> QuantizedWeights:
+        """`{table: (values, scale_bias)}` as the kernel stores them (views)."""
+        out = {}
+        for config in self._configs:
+            k, j = self._where[config.name]
+            out[config.name] = self.lookups[k].storage()[j]
+        return out
+
+    def storage_bytes(self) -> int:
+        """Bytes the kernels hold for all tables (rows, scale/bias and alignment padding)."""
+        return sum(lookup.storage_bytes() for lookup in self.lookups)
+
+    def _check_input(self, features: KeyedJaggedTensor, is_weighted: bool) -> None:
+        owner = type(self).__name__
+        check_features(features, self._feature_names, owner)
+        check_dtypes_and_weights(features, is_weighted, owner)
+        check_ids(features, self._feature_to_table, owner)
+
+    def _in_order(self, features: KeyedJaggedTensor, order: List[str]) -> KeyedJaggedTensor:
+        if features.keys() == order:
+            return features
+        index = {k: i for i, k in enumerate(features.keys())}
+        return features.permute([index[f] for f in order])
+
+
+class QuantEmbeddingBagCollection(_QuantTables):
+    """`EmbeddingBagCollection` with quantized rows: `KeyedTensor [B, sum of dims]`, features
+    in config order. One fbgemm kernel holds every table (mixed dtypes and dims)."""
+
+    _tables_attr = "embedding_bags"
+
+    def __init__(
+        self,
+        tables: List[BaseEmbeddingConfig],
+        is_weighted: bool = False,
+        device: DeviceLike = None,
+        output_dtype: torch.dtype = torch.float32,
+        table_name_to_quantized_weights: Optional[QuantizedWeights] = None,
+    ) -> None:
+        super().__init__(tables, [list(range(len(tables)))], True, device, output_dtype,
+                         table_name_to_quantized_weights)
+        self._is_weighted = is_weighted
+        self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+
+    @classmethod
+    def from_float(
+        cls,
+        module: EmbeddingBagCollection,
+        dtype: Union[DtypeLike, Mapping[str, DtypeLike]] = torch.qint8,
+        output_dtype: torch.dtype = torch.float32,
+    ) -> QuantEmbeddingBagCollection:
+        """Quantize a trained EBC (on its device). `dtype`: one for all tables or per table."""
+        configs = _quantized_configs(module.embedding_bag_configs(), dtype)
+        weights = _quantize_tables(module.embedding_bags, configs)
+        return cls(configs, module.is_weighted(), module.device, output_dtype, weights)
+
+    def embedding_bag_configs(self) -> List[BaseEmbeddingConfig]:
+        return self._configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        self._check_input(features, self._is_weighted)
+        pooled = self.lookups[0](self._in_order(features, self._feature_names))
+        return KeyedTensor(self._feature_names, self._dims, pooled)
+
+
+class QuantEmbeddingCollection(_QuantTables):
+    """`EmbeddingCollection` with quantized rows: `{feature: JaggedTensor}` with values
+    `[N_f, D]`. fbgemm's sequence kernel takes one dim, so tables are grouped by dim."""
+
+    _tables_attr = "embeddings"
+
+    def __init__(
+        self,
+        tables: List[BaseEmbeddingConfig],
+        device: DeviceLike = None,
+        need_indices: bool = False,
+        output_dtype: torch.dtype = torch.float32,
+        table_name_to_quantized_weights: Optional[QuantizedWeights] = None,
+    ) -> None:
+        by_dim: Dict[int, List[int]] = {}
+        for i, config in enumerate(tables):
+            by_dim.setdefault(config.embedding_dim, []).append(i)
+        super().__init__(tables, list(by_dim.values()), False, device, output_dtype,
+                         table_name_to_quantized_weights)
+        self._need_indices = need_indices
+        self._group_features = [lookup.feature_names for lookup in self.lookups]
+        self._wire_order = [f for names in self._group_features for f in names]
+
+    @classmethod
+    def from_float(
+        cls,
+        module: EmbeddingCollection,
+        dtype: Union[DtypeLike, Mapping[str, DtypeLike]] = torch.qint8,
+        output_dtype: torch.dtype = torch.float32,
+    ) -> QuantEmbeddingCollection:
+        configs = _quantized_configs(module.embedding_configs(), dtype)
+        weights = _quantize_tables(module.embeddings, configs)
+        return cls(configs, module.device, module.need_indices(), output_dtype, weights)
+
+    def embedding_configs(self) -> List[BaseEmbeddingConfig]:
+        return self._configs
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        self._check_input(features, is_weighted=False)
+        wired = self._in_order(features, self._wire_order)
+        parts = wired.split([len(names) for names in self._group_features])
+        out: Dict[str, JaggedTensor] = {}
+        for lookup, part in zip(self.lookups, parts):
+            rows = lookup(part).split(part.length_per_key())
+            for feature, emb in zip(part.keys(), rows):
+                jt = part[feature]
+                out[feature] = JaggedTensor(
+                    emb, weights=jt.values() if self._need_indices else None,
+                    lengths=jt.lengths(), offsets=jt.offsets(),
+                )
+        return {f: out[f] for f in self._feature_names}
+
+
+# ------------------------------------------------------------------------------ conversion
+
+
+def _quantized_configs(
+    configs: Sequence[BaseEmbeddingConfig], dtype: Union[DtypeLike, Mapping[str, DtypeLike]]
+) -> List[BaseEmbeddingConfig]:
+    """Copies of `configs` with the storage type of `dtype`; checks every table first."""
+    out = []
+    for config in configs:
+        wanted = dtype.get(config.name, torch.qint8) if isinstance(dtype, Mapping) else dtype
+        data_type = data_type_of(wanted, config.name)
+        check_table_layout(config.name, config.embedding_dim, data_type)
+        out.append(dataclasses.replace(config, data_type=data_type))
+    return out
+
+
+def _quantize_tables(tables: nn.ModuleDict, configs: List[BaseEmbeddingConfig]) -> QuantizedWeights:
+    return {c.name: quantize_rows(tables[c.name].weight, c.data_type, c.name) for c in configs}
+
+
+def quantize_embeddings(
+    model: nn.Module,
+    dtype: DtypeLike = torch.qint8,
+    inplace: bool = True,
+    output_dtype: torch.dtype = torch.float32,
+    per_table_weight_dtype: Optional[Mapping[str, DtypeLike]] = None,
+) -> nn.Module:
+    """Replace every `EmbeddingBagCollection` / `EmbeddingCollection` in `model` by its
+    quantized twin; returns the model (the new module if `model` itself is one).
+
+    `dtype`: `torch.qint8` (INT8), `torch.quint4x2` (INT4), `torch.quint2x4` (INT2),
+    `torch.float16` or `torch.float32`; `per_table_weight_dtype` overrides it per table name.
+    Every table is checked before anything changes, so a bad dtype or dim (INT4 needs an even
+    dim, INT2 a multiple of 4) raises a ValueError naming the table and leaves `model` intact.
+    """
+    if not inplace:
+        model = copy.deepcopy(model)
+    per_table = dict(per_table_weight_dtype or {})
+
+    def dtypes_for(configs: Sequence[BaseEmbeddingConfig]) -> Dict[str, DtypeLike]:
+        return {c.name: per_table.get(c.name, dtype) for c in configs}
+
+    def convert(module: nn.Module) -> nn.Module:
+        if type(module) is EmbeddingBagCollection:
+            return QuantEmbeddingBagCollection.from_float(
+                module, dtypes_for(module.embedding_bag_configs()), output_dtype)
+        return QuantEmbeddingCollection.from_float(
+            module, dtypes_for(module.embedding_configs()), output_dtype)
+
+    collections = [m for m in model.modules()
+                   if type(m) in (EmbeddingBagCollection, EmbeddingCollection)]
+    for module in collections:  # validate everything before converting anything
+        configs = (module.embedding_bag_configs() if isinstance(module, EmbeddingBagCollection)
+                   else module.embedding_configs())
+        _quantized_configs(configs, dtypes_for(configs))
+    if type(model) in (EmbeddingBagCollection, EmbeddingCollection):
+        return convert(model)
+    done: Dict[int, nn.Module] = {}
+
+    def visit(parent: nn.Module) -> None:
+        for name, child in list(parent.named_children()):
+            if type(child) in (EmbeddingBagCollection, EmbeddingCollection):
+                if id(child) not in done:
+                    done[id(child)] = convert(child)
+                setattr(parent, name, done[id(child)])
+            else:
+                visit(child)
+
+    visit(model)
+    return model
+
