@@ -3,10 +3,11 @@
     python -m benchmarks.dlrm --world-size 2 --steps 50 --repeats 3
 
 For each case (pipeline on/off x fused/dense kernel) every rank builds the demo model
-(same seed), trains `--warmup` steps, then `--repeats` timed blocks of `--steps` steps on
+(same seed) and trains `--warmup` steps; then `--repeats` rounds time one block of `--steps`
+steps of every case in turn (interleaved, so a busy machine slows all cases alike), each on
 its own synthetic stream (batch generation included, as in the demo). A block's global
-samples/s is `steps * batch * world_size / seconds` on rank 0 between barriers; the line
-reports the median over blocks. Runs on gloo (CPU) or NCCL (one GPU per rank).
+samples/s is `steps * batch * world_size / seconds` between barriers; each line reports
+the median over blocks. Runs on gloo (CPU) or NCCL (one GPU per rank).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import socket
 import statistics
 import time
 from datetime import timedelta
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,9 @@ def _pipeline_available() -> bool:
     return _pipeline_classes() is not None
 
 
-def _run_case(bench: argparse.Namespace, loop: str, kernel: str, rank: int, world_size: int,
-              device: torch.device) -> Dict[str, Any]:
+def _build_case(bench: argparse.Namespace, loop: str, kernel: str, rank: int, world_size: int,
+                device: torch.device) -> Dict[str, Any]:
+    """One case's model, optimizer, step function and batch stream, warmed up."""
     from examples.dlrm.args import parse_args
     from examples.dlrm.data.loaders import train_batches
     from examples.dlrm.train import Runner, build_training
@@ -57,23 +59,33 @@ def _run_case(bench: argparse.Namespace, loop: str, kernel: str, rank: int, worl
     batches = train_batches(args, rank, world_size, 0, None)
     for _ in range(bench.warmup):
         step(batches)
-    rates: List[float] = []
-    for _ in range(bench.repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(bench.steps):
-            step(batches)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dist.barrier()
-        seconds = time.perf_counter() - start
-        rates.append(bench.steps * args.batch_size * world_size / seconds)
+    return {"loop": loop, "kernel": kernel, "args": args, "step": step, "batches": batches,
+            "rates": []}
+
+
+def _time_block(bench: argparse.Namespace, case: Dict[str, Any], world_size: int,
+                device: torch.device) -> None:
+    """Run `bench.steps` steps of one case between barriers; record global samples/s."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(bench.steps):
+        case["step"](case["batches"])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    case["rates"].append(bench.steps * case["args"].batch_size * world_size / seconds)
+
+
+def _report(bench: argparse.Namespace, case: Dict[str, Any], world_size: int,
+            device: torch.device) -> Dict[str, Any]:
+    args, rates = case["args"], case["rates"]
     median = statistics.median(rates)
     return {
-        "bench": "dlrm_e2e", "loop": loop, "kernel": kernel, "world_size": world_size,
-        "device": device.type, "batch_size_per_rank": args.batch_size,
+        "bench": "dlrm_e2e", "loop": case["loop"], "kernel": case["kernel"],
+        "world_size": world_size, "device": device.type, "batch_size_per_rank": args.batch_size,
         "embedding_dim": args.embedding_dim, "tables": len(args.num_embeddings_per_feature),
         "steps_per_block": bench.steps, "blocks": bench.repeats, "seed": bench.seed,
         "samples_per_s_median": round(median, 1),
@@ -94,6 +106,7 @@ def _worker(rank: int, world_size: int, port: int, bench: argparse.Namespace) ->
     if use_cuda:
         torch.cuda.set_device(device)
     try:
+        cases = []
         for loop, kernel in CASES:
             if kernel not in bench.kernels or loop not in bench.loops:
                 continue
@@ -103,9 +116,13 @@ def _worker(rank: int, world_size: int, port: int, bench: argparse.Namespace) ->
                                       "skipped": "recshard has no TrainPipelineSparseDist"}),
                           flush=True)
                 continue
-            result = _run_case(bench, loop, kernel, rank, world_size, device)
+            cases.append(_build_case(bench, loop, kernel, rank, world_size, device))
+        for _ in range(bench.repeats):  # interleaved, so load drift hits every case alike
+            for case in cases:
+                _time_block(bench, case, world_size, device)
+        for case in cases:
             if rank == 0:
-                print(json.dumps(result), flush=True)
+                print(json.dumps(_report(bench, case, world_size, device)), flush=True)
     finally:
         dist.destroy_process_group()
 
@@ -114,7 +131,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=50, help="steps per timed block")
-    p.add_argument("--repeats", type=int, default=3, help="timed blocks (median reported)")
+    p.add_argument("--repeats", type=int, default=5, help="timed blocks (median reported)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=0, help="per rank (0: the demo's)")
     p.add_argument("--kernels", nargs="+", default=["fused", "dense"])
