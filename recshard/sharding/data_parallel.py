@@ -22,7 +22,8 @@ class DataParallelPooledSharding(EmbeddingSharding):
     carries_input_error = False
 
     def __init__(
-        self, specs: List[TableSpec], env: ShardingEnv, device: torch.device, is_weighted: bool
+        self, specs: List[TableSpec], env: ShardingEnv, device: torch.device, is_weighted: bool,
+        pooled: bool = True,
     ) -> None:
         super().__init__(env)
         for spec in specs:
@@ -34,7 +35,7 @@ class DataParallelPooledSharding(EmbeddingSharding):
         tables = lookup_order([s.whole_table() for s in specs], is_weighted)
         self.input_features = [f for t in tables for f in t.feature_names]
         self.output_columns = [(f, 0, t.cols) for t in tables for f in t.feature_names]
-        self.lookup = GroupedLookup(tables, True, device, is_weighted)
+        self.lookup = GroupedLookup(tables, pooled, device, is_weighted)
         if env.world_size > 1:
             for weight in self.lookup.table_weights():
                 weight.register_hook(self._average_over_ranks)

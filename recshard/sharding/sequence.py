@@ -31,7 +31,7 @@ from recshard.shard_geometry import row_block_size
 from recshard.sharding.common import EmbeddingSharding, TableSpec
 from recshard.sharding.data_parallel import DataParallelPooledSharding
 from recshard.sparse import KeyedJaggedTensor
-from recshard.types import Awaitable, EmbeddingComputeKernel, ShardingEnv, ShardingType
+from recshard.types import Awaitable, ShardingEnv, ShardingType
 
 _PLACED = {ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE}
 
@@ -197,21 +197,8 @@ class DataParallelSequenceSharding(DataParallelPooledSharding):
         device: torch.device,
         name: str,
     ) -> None:
-        EmbeddingSharding.__init__(self, env)
+        super().__init__(specs, env, device, is_weighted=False, pooled=False)
         self.name = name
-        for spec in specs:
-            if spec.kernel != EmbeddingComputeKernel.DENSE:
-                raise ValueError(
-                    f"table '{spec.config.name}': data_parallel sharding takes the 'dense' "
-                    f"kernel (replicas are averaged like dense parameters), got '{spec.kernel.value}'"
-                )
-        tables = lookup_order([s.whole_table() for s in specs], False)
-        self.input_features = [f for t in tables for f in t.feature_names]
-        self.output_columns = [(f, 0, t.cols) for t in tables for f in t.feature_names]
-        self.lookup = GroupedLookup(tables, False, device)
-        if env.world_size > 1:
-            for weight in self.lookup.table_weights():
-                weight.register_hook(self._average_over_ranks)
 
 
 def _group_name(kind: str, width: int, dtype: torch.dtype, single: bool) -> str:

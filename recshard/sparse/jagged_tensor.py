@@ -13,7 +13,44 @@ def lengths_from_offsets(offsets: torch.Tensor) -> torch.Tensor:
     return offsets[1:] - offsets[:-1]
 
 
-class JaggedTensor:
+class JaggedStorage:
+    """values / weights / lengths / offsets, with lengths and offsets derived from each other
+    on first use and cached. Shared by JaggedTensor and KeyedJaggedTensor."""
+
+    _values: torch.Tensor
+    _weights: Optional[torch.Tensor]
+    _lengths: Optional[torch.Tensor]
+    _offsets: Optional[torch.Tensor]
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def weights(self) -> torch.Tensor:
+        if self._weights is None:
+            raise ValueError(f"this {type(self).__name__} has no weights")
+        return self._weights
+
+    def weights_or_none(self) -> Optional[torch.Tensor]:
+        return self._weights
+
+    def lengths(self) -> torch.Tensor:
+        if self._lengths is None:
+            self._lengths = lengths_from_offsets(self._offsets)
+        return self._lengths
+
+    def lengths_or_none(self) -> Optional[torch.Tensor]:
+        return self._lengths
+
+    def offsets(self) -> torch.Tensor:
+        if self._offsets is None:
+            self._offsets = ops.asynchronous_complete_cumsum(self._lengths)
+        return self._offsets
+
+    def offsets_or_none(self) -> Optional[torch.Tensor]:
+        return self._offsets
+
+
+class JaggedTensor(JaggedStorage):
     """Rows of different lengths: row i is `values[offsets[i]:offsets[i+1]]`.
 
     values: `[N]` (ids) or `[N, D]` (embeddings); lengths: `[B]`; offsets: `[B+1]`;
@@ -51,33 +88,6 @@ class JaggedTensor:
             torch.empty(0, dtype=values_dtype, device=device),
             lengths=torch.empty(0, dtype=torch.int32, device=device),
         )
-
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def weights(self) -> torch.Tensor:
-        if self._weights is None:
-            raise ValueError("this JaggedTensor has no weights")
-        return self._weights
-
-    def weights_or_none(self) -> Optional[torch.Tensor]:
-        return self._weights
-
-    def lengths(self) -> torch.Tensor:
-        if self._lengths is None:
-            self._lengths = lengths_from_offsets(self._offsets)
-        return self._lengths
-
-    def lengths_or_none(self) -> Optional[torch.Tensor]:
-        return self._lengths
-
-    def offsets(self) -> torch.Tensor:
-        if self._offsets is None:
-            self._offsets = ops.asynchronous_complete_cumsum(self._lengths)
-        return self._offsets
-
-    def offsets_or_none(self) -> Optional[torch.Tensor]:
-        return self._offsets
 
     def to_dense(self) -> List[torch.Tensor]:
         """One tensor per row."""

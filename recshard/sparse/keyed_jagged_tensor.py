@@ -16,12 +16,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from recshard import ops
-from recshard.sparse.jagged_tensor import JaggedTensor, lengths_from_offsets
+from recshard.sparse.jagged_tensor import JaggedStorage, JaggedTensor
 from recshard.sparse.keyed_tensor import _cumsum
 from recshard.sparse.validation import validate_kjt
 
 
-class KeyedJaggedTensor:
+class KeyedJaggedTensor(JaggedStorage):
     """Ids (and optional per-id weights) of several features for one batch."""
 
     def __init__(
@@ -170,33 +170,6 @@ class KeyedJaggedTensor:
 
     def keys(self) -> List[str]:
         return self._keys
-
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def weights(self) -> torch.Tensor:
-        if self._weights is None:
-            raise ValueError("this KeyedJaggedTensor has no weights")
-        return self._weights
-
-    def weights_or_none(self) -> Optional[torch.Tensor]:
-        return self._weights
-
-    def lengths(self) -> torch.Tensor:
-        if self._lengths is None:
-            self._lengths = lengths_from_offsets(self._offsets)
-        return self._lengths
-
-    def lengths_or_none(self) -> Optional[torch.Tensor]:
-        return self._lengths
-
-    def offsets(self) -> torch.Tensor:
-        if self._offsets is None:
-            self._offsets = ops.asynchronous_complete_cumsum(self._lengths)
-        return self._offsets
-
-    def offsets_or_none(self) -> Optional[torch.Tensor]:
-        return self._offsets
 
     def stride(self) -> int:
         return self._stride
