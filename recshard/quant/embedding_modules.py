@@ -289,7 +289,7 @@ def quantize_embeddings(
     done: Dict[int, nn.Module] = {}
 
     def visit(parent: nn.Module) -> None:
-        for name, child in list(parent.named_children()):
+        for name, child in list(parent._modules.items()):  # every path, aliases included
             if type(child) in (EmbeddingBagCollection, EmbeddingCollection):
                 if id(child) not in done:
                     done[id(child)] = convert(child)
