@@ -88,9 +88,10 @@ class ShardedTablesMixin:
         features, error = self._checked(features)
         ctx["features"] = features
         if error is None:
-            permutation = self._wire_permutation(features.keys())
-            wired = features.permute(permutation.tolist(), permutation.to(features.device))
-            parts = wired.split(self._wire_splits)
+            if features.keys() != self._wire_features:  # already in wire order: no copy
+                permutation = self._wire_permutation(features.keys())
+                features = features.permute(permutation.tolist(), permutation.to(features.device))
+            parts = features.split(self._wire_splits) if len(self._wire_splits) > 1 else [features]
         else:
             if not any(s.carries_input_error for s in self._shardings.values()):
                 raise ValueError(error)
