@@ -24,8 +24,9 @@ from typing import Iterator, List
 
 import torch
 
-from examples.dlrm.data.batch import Batch, make_kjt
+from examples.dlrm.data.batch import Batch
 from examples.dlrm.data.criteo_spec import NUM_DENSE, SPARSE_NAMES
+from recshard import KeyedJaggedTensor
 
 _MASK32 = 0xFFFFFFFF
 _SPLIT_CODE = {"train": 0, "eval": 1}
@@ -59,7 +60,7 @@ class SyntheticConfig:
         return SPARSE_NAMES[:n] if n <= len(SPARSE_NAMES) else [f"cat_{i}" for i in range(n)]
 
 
-def hash_score(feature: int, ids: torch.Tensor, seed: int) -> torch.Tensor:
+def hash_score(feature: torch.Tensor | int, ids: torch.Tensor, seed: int) -> torch.Tensor:
     """Deterministic pseudo-random score in [-1, 1] per (feature, id): `[N]` -> `[N]` float."""
     h = (ids * 2654435761 + (feature * 97 + seed * 7919 + 12345)) & _MASK32
     h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & _MASK32
@@ -68,22 +69,28 @@ def hash_score(feature: int, ids: torch.Tensor, seed: int) -> torch.Tensor:
     return (h & 0xFFFFFF).to(torch.float32) / float(0xFFFFFF) * 2.0 - 1.0
 
 
-def zipf_rows(num_rows: int, count: int, alpha: float, offset: int,
-              generator: torch.Generator) -> torch.Tensor:
-    """`count` ids in [0, num_rows), Zipf(alpha)-distributed by popularity rank, int64.
+def zipf_rows(num_rows: torch.Tensor | int, count: int, alpha: float,
+              offset: torch.Tensor | int, generator: torch.Generator,
+              stride: torch.Tensor | int | None = None) -> torch.Tensor:
+    """`count` ids, Zipf(alpha)-distributed by popularity rank, int64 `[count]`.
 
-    Ranks come from the inverse CDF of a continuous power law on [1, num_rows + 1); rank r
-    maps to row `(r * stride + offset) mod num_rows` so popular rows are spread over the table.
+    `num_rows`, `offset` (and `stride`) are ints or per-id `[count]` tensors (one table per
+    id). Ranks come from the inverse CDF of a continuous power law on [1, num_rows + 1);
+    rank r maps to row `(r * stride + offset) mod num_rows`, stride coprime with num_rows,
+    so popular rows are spread over the table.
     """
+    rows = torch.as_tensor(num_rows, dtype=torch.int64)
+    if stride is None:
+        stride = _coprime_stride(int(num_rows))
     u = torch.rand(count, generator=generator, dtype=torch.float64)
-    n1 = float(num_rows + 1)
+    n1 = (rows + 1).to(torch.float64)
     if abs(alpha - 1.0) < 1e-6:
-        x = n1 ** u
+        x = n1**u
     else:
         e = 1.0 - alpha
         x = (1.0 + u * (n1**e - 1.0)) ** (1.0 / e)
-    ranks = (x.floor().long() - 1).clamp_(0, num_rows - 1)
-    return (ranks * _coprime_stride(num_rows) + offset) % num_rows
+    ranks = torch.minimum((x.floor().long() - 1).clamp_(min=0), rows - 1)
+    return (ranks * stride + offset) % rows
 
 
 def _coprime_stride(num_rows: int) -> int:
@@ -112,8 +119,11 @@ class HiddenModel:
             weight[:num_signal] = sign * (0.6 + 0.6 * torch.rand(num_signal, generator=g))
         self.sparse_weight = weight
         self.pair = (0, 1) if num_sparse >= 2 else None
-        self.row_offset = [int(torch.randint(0, n, (1,), generator=g))
-                           for n in config.num_embeddings_per_feature]
+        sizes = config.num_embeddings_per_feature
+        self.num_rows = torch.tensor(sizes, dtype=torch.int64)
+        self.row_offset = torch.tensor(
+            [int(torch.randint(0, n, (1,), generator=g)) for n in sizes], dtype=torch.int64)
+        self.row_stride = torch.tensor([_coprime_stride(n) for n in sizes], dtype=torch.int64)
         self.bias = config.positive_rate_bias
 
 
@@ -166,26 +176,24 @@ class SyntheticCriteo:
         standardized = (dense - hidden.dense_mu) / hidden.dense_sigma
         logit = hidden.bias + standardized @ hidden.dense_weight
 
-        ids_per_feature, lengths_per_feature, scores = [], [], []
-        for f, num_rows in enumerate(cfg.num_embeddings_per_feature):
-            if cfg.multi_hot > 1:
-                lengths = torch.randint(1, cfg.multi_hot + 1, (b,), generator=generator)
-            else:
-                lengths = torch.ones(b, dtype=torch.long)
-            ids = zipf_rows(num_rows, int(lengths.sum()), cfg.zipf_alpha,
-                            hidden.row_offset[f], generator)
-            ids_per_feature.append(ids)
-            lengths_per_feature.append(lengths)
-            if hidden.sparse_weight[f] != 0 or (hidden.pair and f in hidden.pair):
-                per_id = hash_score(f, ids, hidden.seed)
-                sample = torch.repeat_interleave(torch.arange(b), lengths)
-                bag_mean = torch.zeros(b).index_add_(0, sample, per_id) / lengths
-                scores.append((f, bag_mean))
-        for f, bag_mean in scores:
-            logit = logit + hidden.sparse_weight[f] * bag_mean
+        # every feature at once, feature-major as the KJT stores them: lengths [F, B]
+        num_features = len(cfg.num_embeddings_per_feature)
+        if cfg.multi_hot > 1:
+            lengths = torch.randint(1, cfg.multi_hot + 1, (num_features, b), generator=generator)
+        else:
+            lengths = torch.ones(num_features, b, dtype=torch.int64)
+        feature_of_id = torch.repeat_interleave(torch.arange(num_features), lengths.sum(1))
+        ids = zipf_rows(hidden.num_rows[feature_of_id], feature_of_id.numel(), cfg.zipf_alpha,
+                        hidden.row_offset[feature_of_id], generator,
+                        stride=hidden.row_stride[feature_of_id])
+        bag_of_id = torch.repeat_interleave(torch.arange(num_features * b), lengths.flatten())
+        per_id = hash_score(feature_of_id, ids, hidden.seed)
+        bag_mean = (torch.zeros(num_features * b).index_add_(0, bag_of_id, per_id)
+                    / lengths.flatten()).view(num_features, b)
+        logit = logit + hidden.sparse_weight @ bag_mean
         if hidden.pair is not None:
-            by_feature = dict(scores)
-            logit = logit + 1.5 * by_feature[hidden.pair[0]] * by_feature[hidden.pair[1]]
+            logit = logit + 1.5 * bag_mean[hidden.pair[0]] * bag_mean[hidden.pair[1]]
         labels = (torch.rand(b, generator=generator) < torch.sigmoid(logit)).to(torch.int64)
-        sparse = make_kjt(self.keys, ids_per_feature, lengths_per_feature)
+        sparse = KeyedJaggedTensor.from_lengths_sync(
+            self.keys, ids, lengths.flatten().to(torch.int32))
         return Batch(dense, sparse, labels)
