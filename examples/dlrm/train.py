@@ -163,6 +163,7 @@ def _fmt(metrics: Dict[str, float]) -> str:
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     """Train and evaluate as `args` says; every rank returns the run's summary."""
+    t_start = time.perf_counter()
     rank, world_size, local_size, device = init_distributed(args.pg_timeout)
     is_main = rank == 0
 
@@ -206,7 +207,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     vote_group = None if runner.pipelined else sync_group  # the pipeline votes by itself
     bar = _progress_bar(args.steps, start_step, is_main and not args.no_progress)
     batches = train_batches(args, rank, world_size, start_step, vote_group)
-    step, loss_ema, train_s = start_step, None, 0.0
+    step, loss_ema, train_s, eval_s = start_step, None, 0.0, 0.0
     t0 = time.perf_counter()
 
     def checkpoint() -> None:
@@ -219,7 +220,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             save(args.checkpoint_dir, dmp, optimizer, {"step": step, "evals": history})
 
     def eval_now(final: bool) -> None:
-        nonlocal t0
+        nonlocal t0, eval_s
+        t_eval = time.perf_counter()
         result = runner.evaluate(eval_batches(args, rank, world_size, vote_group), metrics)
         history.append({"step": step, **result})
         line = f"eval{' (final)' if final else ''} @ step {step}: {_fmt(result)}"
@@ -227,6 +229,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             bar.write(line)
         else:
             say(line)
+        eval_s += time.perf_counter() - t_eval
         checkpoint()
         t0 = time.perf_counter()
 
@@ -262,6 +265,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "samples_per_s": samples / train_s if train_s > 0 else 0.0,
         "final_loss_ema": None if loss_ema is None else float(loss_ema),
         "final_eval": history[-1], "evals": history, "build_seconds": build_s,
+        "eval_seconds": eval_s, "wall_seconds": time.perf_counter() - t_start,
     }
     say(_summary_text(summary))
     if args.metrics_json and is_main:
@@ -279,6 +283,8 @@ def _summary_text(summary: Dict[str, Any]) -> str:
         f"{summary['global_samples']:,} samples over {summary['world_size']} rank(s))",
         f"  train time   {summary['train_seconds']:.1f} s, {summary['samples_per_s']:,.0f} "
         f"samples/s ({'pipelined' if summary['pipeline'] else 'plain loop'})",
+        f"  wall time    {summary['wall_seconds']:.1f} s (build {summary['build_seconds']:.1f} s, "
+        f"eval {summary['eval_seconds']:.1f} s, train {summary['train_seconds']:.1f} s)",
         f"  final eval   {_fmt(final)}",
         f"  AUC by step  {history}",
     ])
