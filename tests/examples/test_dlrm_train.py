@@ -82,7 +82,7 @@ def test_criteo_files_train_and_eval() -> None:
     summaries = run_ranks(2, _run_many, [argv], timeout=180)
     first, second = (s[0] for s in summaries)
     # 3 files over 2 ranks: rank 0 gets 2 files, rank 1 one; both stop with the shorter one
-    # rank 1: 90 train lines -> 11 batches of 8; 10 eval lines -> 1 batch
+    # rank 1 reads the 100-line file: 89 train lines -> 11 batches of 8; 11 eval lines -> 1
     assert first["steps"] == second["steps"] == 11
     assert first["final_eval"]["samples"] == second["final_eval"]["samples"] == 16
 

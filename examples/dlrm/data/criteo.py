@@ -6,8 +6,9 @@ value (8 hex digits) is hashed into its table: missing -> row 0, otherwise
 `1 + int(value, 16) mod (num_embeddings - 1)`, so row 0 is the "missing" row.
 
 Files are split over ranks (whole files when there are at least as many as readers, else
-every reader takes every k-th line), then over the DataLoader's workers the same way. Lines
-whose index in the file is `i % eval_every_n == eval_every_n - 1` form the "eval" split.
+every reader takes every k-th line), then over the DataLoader's workers the same way. About
+one line in `eval_every_n` forms the "eval" split: those whose hashed line index is 0 modulo
+`eval_every_n` (hashed, so that readers taking every k-th line all get their share).
 """
 
 from __future__ import annotations
@@ -97,6 +98,11 @@ def parse_line(line: str, sep: str, num_embeddings: Sequence[int], where: str) -
     return label, dense, ids
 
 
+def is_eval_line(index: int, eval_every_n: int) -> bool:
+    """Whether line `index` of a file belongs to the eval split (about 1 in `eval_every_n`)."""
+    return zlib.crc32(index.to_bytes(8, "little")) % eval_every_n == 0
+
+
 def _sniff(first_line: str) -> Tuple[str, bool]:
     """(separator, has_header) from a file's first line."""
     sep = "\t" if "\t" in first_line else ","
@@ -120,7 +126,7 @@ def read_rows(shard: FileShard, num_embeddings: Sequence[int], split: str = "all
         for index, line in enumerate(lines):
             if index % shard.stride != shard.offset or not line.strip():
                 continue
-            is_eval = index % eval_every_n == eval_every_n - 1
+            is_eval = is_eval_line(index, eval_every_n)
             if (split == "train" and is_eval) or (split == "eval" and not is_eval):
                 continue
             line_no = index + 1 + int(header)
