@@ -204,9 +204,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     metrics = EvalMetrics(device)
     runner = Runner(dmp, optimizer, device, args.pipeline, say)
-    vote_group = None if runner.pipelined else sync_group  # the pipeline votes by itself
     bar = _progress_bar(args.steps, start_step, is_main and not args.no_progress)
-    batches = train_batches(args, rank, world_size, start_step, vote_group)
+    batches = train_batches(args, rank, world_size, start_step, sync_group)
     step, loss_ema, train_s, eval_s = start_step, None, 0.0, 0.0
     t0 = time.perf_counter()
 
@@ -222,7 +221,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     def eval_now(final: bool) -> None:
         nonlocal t0, eval_s
         t_eval = time.perf_counter()
-        result = runner.evaluate(eval_batches(args, rank, world_size, vote_group), metrics)
+        result = runner.evaluate(eval_batches(args, rank, world_size, sync_group), metrics)
+        if result["samples"] == 0:
+            say("warning: no eval batch: some rank's share of the eval split (per DataLoader "
+                "worker) is smaller than --batch-size; use a smaller --batch-size, fewer "
+                "--num-workers, or --eval-data-path")
         history.append({"step": step, **result})
         line = f"eval{' (final)' if final else ''} @ step {step}: {_fmt(result)}"
         if bar is not None:

@@ -28,7 +28,8 @@ class RankSynced:
     Ranks may hold different numbers of batches (files split unevenly); a rank that stops
     while the others enter a collective would hang them. Each `next` all-reduces a
     "have a batch" flag (MIN) on `group`, a gloo group of its own so it never interleaves
-    with the model's collectives.
+    with the model's collectives. (recshard's pipelines vote the same way; stopping here
+    first makes every rank end on the same batch without their "ran out" warnings.)
     """
 
     def __init__(self, iterable: Iterable[Batch], group: Any | None) -> None:
