@@ -130,5 +130,6 @@ def test_help_documents_every_flag() -> None:
                  "--num-embeddings-per-feature", "--dense-arch-layers", "--over-arch-layers",
                  "--interaction", "--sharding", "--plan", "--kernel", "--optimizer", "--lr",
                  "--pipeline", "--no-pipeline", "--data", "--data-path", "--eval-every",
-                 "--checkpoint-dir", "--resume", "--seed", "--metrics-json", "--demo"):
+                 "--checkpoint-dir", "--resume", "--seed", "--metrics-json", "--demo",
+                 "--save-plan", "--eval-data-path", "--multi-hot"):
         assert flag in text, flag

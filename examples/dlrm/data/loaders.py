@@ -14,6 +14,11 @@ from examples.dlrm.data.criteo import criteo_loader, list_files
 from examples.dlrm.data.synthetic import SyntheticConfig, SyntheticCriteo
 
 
+def _pin() -> bool:
+    """Pinned host batches on GPU machines (the pipeline copies them asynchronously)."""
+    return torch.cuda.is_available()
+
+
 def synthetic_config(args: argparse.Namespace) -> SyntheticConfig:
     return SyntheticConfig(
         num_embeddings_per_feature=args.num_embeddings_per_feature,
@@ -71,7 +76,7 @@ def train_batches(args: argparse.Namespace, rank: int, world_size: int, start_st
             produced = 0
             for batch in criteo_loader(args.data_path, args.num_embeddings_per_feature,
                                        args.batch_size, rank, world_size, split,
-                                       args.num_workers, files=files):
+                                       args.num_workers, pin_memory=_pin(), files=files):
                 produced += 1
                 yield batch
             if produced == 0:  # too little data for one batch: do not cycle forever
@@ -89,6 +94,6 @@ def eval_batches(args: argparse.Namespace, rank: int, world_size: int,
     path = args.eval_data_path or args.data_path
     split = "all" if args.eval_data_path else "eval"
     loader = criteo_loader(path, args.num_embeddings_per_feature, args.batch_size, rank,
-                           world_size, split, args.num_workers)
+                           world_size, split, args.num_workers, pin_memory=_pin())
     limit = args.eval_batches or None
     return RankSynced(itertools.islice(loader, limit), group)
