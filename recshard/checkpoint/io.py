@@ -57,14 +57,17 @@ def _training_state(model: nn.Module, optimizer: Optional[KeyedOptimizer]) -> Di
     module = _unwrap(model)
     state: Dict[str, Any] = {"model": model_state_dict(module)}
     if optimizer is not None:
-        state["fused_optim"] = fused_optimizer_state(module)
+        fused = fused_optimizer_state(module)
+        if fused:
+            state["fused_optim"] = fused
         dense: Dict[str, torch.Tensor] = {}
         for opt in _dense_optimizers(optimizer):
             opt.init_state()
             for fqn, entry in opt.state_dict()["state"].items():
                 dense.update({f"{fqn}.{name}": value for name, value in entry.items()
                               if isinstance(value, torch.Tensor)})
-        state["dense_optim"] = dense
+        if dense:  # stateless optimizers (plain SGD) save no section, and load expects none
+            state["dense_optim"] = dense
     return state
 
 

@@ -29,12 +29,14 @@ def uses_fbgemm(table: LocalTable, is_weighted: bool) -> bool:
     The choice depends only on table-level facts (never on a shard's row count), so every
     rank derives the same grouping, hence the same feature order, for every other rank.
 
-    Weighted MEAN tables stay on the torch kernel: fbgemm 1.8's backward for them omits the
-    1/length its forward applies, so its update would not follow its own output.
+    Stay on the torch kernel: weighted MEAN tables (fbgemm 1.8's backward for them omits the
+    1/length its forward applies) and tables with an empty row shard anywhere (fbgemm's CPU
+    backward reads past its row bounds when a 0-row table sits in a kernel).
     """
     return (
         table.compute_kernel != EmbeddingComputeKernel.DENSE
         and not (is_weighted and table.pooling == PoolingType.MEAN)
+        and table.min_shard_rows > 0
         and ops.fbgemm_available()
         and table.cols % 4 == 0
         and table.config.data_type in _FBGEMM_DTYPES
@@ -47,9 +49,7 @@ def _build_kernel(
     if tables[0].compute_kernel == EmbeddingComputeKernel.DENSE:
         return DenseKernel(tables, pooled, device)
     spec: FusedOptimSpec = parse_fused_params(tables[0].fused_params, tables[0].name)
-    # fbgemm's CPU kernel fails when every table has 0 local rows (row-wise shard of a tiny
-    # table); the torch twin takes that group. Grouping, hence feature order, is unchanged.
-    if fbgemm and any(t.rows > 0 for t in tables):
+    if fbgemm:
         return FbgemmFusedKernel(tables, pooled, spec, device)
     return TorchFusedKernel(tables, pooled, spec, device)
 

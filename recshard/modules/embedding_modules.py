@@ -106,12 +106,11 @@ class EmbeddingBagCollection(_EmbeddingTables):
         self.embedding_bags = nn.ModuleDict()
         for config in tables:
             # MEAN is pooled as SUM and divided here: torch's MEAN bag refuses per-id weights.
-            bag = nn.EmbeddingBag(
+            # `_weight` given: torch's default init (slow on meta, and overwritten) is skipped
+            self.embedding_bags[config.name] = nn.EmbeddingBag(
                 config.num_embeddings, config.embedding_dim, mode="sum",
-                include_last_offset=True, device="meta",
+                include_last_offset=True, _weight=_make_weight(config, device),
             )
-            bag.weight = _make_weight(config, device)
-            self.embedding_bags[config.name] = bag
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
@@ -157,9 +156,9 @@ class EmbeddingCollection(_EmbeddingTables):
         self._need_indices = need_indices
         self.embeddings = nn.ModuleDict()
         for config in tables:
-            emb = nn.Embedding(config.num_embeddings, config.embedding_dim, device="meta")
-            emb.weight = _make_weight(config, device)
-            self.embeddings[config.name] = emb
+            self.embeddings[config.name] = nn.Embedding(
+                config.num_embeddings, config.embedding_dim, _weight=_make_weight(config, device)
+            )
 
     def embedding_configs(self) -> List[EmbeddingConfig]:
         return self._configs

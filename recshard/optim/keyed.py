@@ -105,17 +105,27 @@ class KeyedOptimizerWrapper(KeyedOptimizer):
         self._optimizer.zero_grad(set_to_none)
 
     def init_state(self) -> None:
-        """Run one step with zero gradients so every state tensor exists (for checkpoints)."""
-        for param in self.params.values():
-            if param.requires_grad and param.grad is None:
-                param.grad = torch.zeros_like(param)
+        """Create the state of parameters that have none yet (torch optimizers create it on
+        their first step) with one zero-gradient, zero-lr step over those parameters only;
+        existing state and pending gradients are left exactly as they were."""
+        missing = [p for p in self.params.values() if p.requires_grad and not self.state.get(p)]
+        if not missing:
+            return
+        stashed = {id(p): p.grad for p in self.params.values()}
         lrs = [g["lr"] for g in self.param_groups]
-        for g in self.param_groups:
-            g["lr"] = 0.0
-        self._optimizer.step()
-        for g, lr in zip(self.param_groups, lrs):
-            g["lr"] = lr
-        self.zero_grad()
+        try:
+            for p in self.params.values():
+                p.grad = None
+            for p in missing:
+                p.grad = torch.zeros_like(p)
+            for g in self.param_groups:
+                g["lr"] = 0.0
+            self._optimizer.step()
+        finally:
+            for g, lr in zip(self.param_groups, lrs):
+                g["lr"] = lr
+            for p in self.params.values():
+                p.grad = stashed[id(p)]
 
 
 class CombinedOptimizer(KeyedOptimizer):

@@ -63,6 +63,7 @@ class TableSpec:
             pooling=self.pooling if pooling is None else pooling,
             fused_params=self.fused_params,
             shard_index=shard_index,
+            min_shard_rows=min(s.shard_sizes[0] for s in self.shards()),
         )
 
     def whole_table(self) -> LocalTable:

@@ -162,15 +162,28 @@ def test_unsupported_optimizer_names_the_table() -> None:
         parse_fused_params({"optimizer": "adam"}, "big")
 
 
-def test_group_with_only_empty_shards_runs() -> None:
-    """A rank holding 0 rows of every table of a group (row-wise, tiny tables) still works."""
+def test_tables_with_an_empty_row_shard_avoid_fbgemm() -> None:
+    """A row-wise table with a 0-row shard on some rank runs on the torch kernel on every rank
+    (fbgemm's CPU backward misreads a 0-row table); here this rank holds 0 rows of both."""
     tables = local_tables([4, 8], PoolingType.SUM)
     for t in tables:
-        t.rows = 0
+        t.rows = t.min_shard_rows = 0
     lookup = GroupedLookup(tables, pooled=True, device=torch.device("cpu"))
+    assert [type(k).__name__ for k in lookup.kernels] == ["TorchFusedKernel"]
     empty = KeyedJaggedTensor.from_lengths_sync(
         [f for t in tables for f in t.feature_names], torch.empty(0, dtype=torch.int64),
         torch.zeros(9, dtype=torch.int32))
     out = lookup(empty)
     assert out.shape == (3, 16) and not out.any()
     out.sum().backward()
+
+
+@needs_fbgemm
+def test_empty_shard_decision_is_global_not_local() -> None:
+    """This rank holds rows of t0, but t0 has an empty shard elsewhere: t0 leaves fbgemm, so
+    every rank groups (and orders) the tables the same way."""
+    tables = local_tables([4, 8], PoolingType.SUM)
+    tables[0].min_shard_rows = 0
+    lookup = GroupedLookup(tables, pooled=True, device=torch.device("cpu"))
+    kinds = {t.name: type(k).__name__ for k in lookup.kernels for t in k.tables}
+    assert kinds == {"t0": "TorchFusedKernel", "t1": "FbgemmFusedKernel"}
