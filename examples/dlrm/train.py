@@ -191,13 +191,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         say("notice: dense-kernel tables are updated by torch Adagrad (element-wise), not "
             "row-wise Adagrad")
     start_step, history = 0, []
-    # plain SGD has no optimizer state to save (and recshard.checkpoint rejects empty sections)
-    stateful_optimizer = None if args.optimizer == "sgd" else optimizer
     if args.resume and args.checkpoint_dir:
         from recshard.checkpoint import load
 
         try:
-            extra = load(args.checkpoint_dir, dmp, stateful_optimizer)
+            extra = load(args.checkpoint_dir, dmp, optimizer)
         except FileNotFoundError:
             say(f"no checkpoint in {args.checkpoint_dir}: starting from scratch")
         else:
@@ -215,10 +213,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if args.checkpoint_dir:
             from recshard.checkpoint import save
 
-            # No leftover gradients: the checkpoint's optimizer-state init steps the dense
-            # optimizer at lr 0, which would fold them into Adagrad's sums once more.
-            optimizer.zero_grad(set_to_none=True)
-            save(args.checkpoint_dir, dmp, stateful_optimizer, {"step": step, "evals": history})
+            save(args.checkpoint_dir, dmp, optimizer, {"step": step, "evals": history})
 
     def eval_now(final: bool) -> None:
         nonlocal t0, eval_s
