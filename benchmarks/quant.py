@@ -164,7 +164,7 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=300))
     try:
-        sizes = [(256, 64), (2048, 128)] if args.quick else [(512, 64), (4096, 128), (16384, 256)]
+        sizes = [(256, 64), (2048, 128)] if args.quick else [(512, 64), (4096, 128), (8192, 256)]
         bench_collectives(sizes, args.repeats)
     finally:
         dist.destroy_process_group()
@@ -182,16 +182,20 @@ def cli(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="default 20 (5 with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", choices=["lookups", "collectives"], default=None)
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = 5 if args.quick else 20
     torch.set_num_threads(args.threads)
-    if args.quick:
-        bench_lookups(num_tables=4, rows=20_000, dim=64, batch=256, pooling=8, repeats=args.repeats)
-    else:
-        bench_lookups(num_tables=8, rows=200_000, dim=128, batch=2048, pooling=20, repeats=args.repeats)
-    torch.multiprocessing.spawn(_worker, args=(args.world_size, _free_port(), args),
-                                nprocs=args.world_size, join=True)
+    if args.only != "collectives":
+        if args.quick:
+            bench_lookups(num_tables=4, rows=20_000, dim=64, batch=256, pooling=8, repeats=args.repeats)
+        else:
+            bench_lookups(num_tables=8, rows=100_000, dim=128, batch=2048, pooling=20,
+                          repeats=args.repeats)
+    if args.only != "lookups":
+        torch.multiprocessing.spawn(_worker, args=(args.world_size, _free_port(), args),
+                                    nprocs=args.world_size, join=True)
 
 
 if __name__ == "__main__":
