@@ -133,9 +133,9 @@ def bench_collectives(sizes: List[tuple], repeats: int) -> None:
                     codecs=codecs_from_registry(registry, CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER)),
             }
             for bench, module in modules.items():
-                cases[(bench, precision, "forward")] = lambda m=module: m(embs).wait()
+                cases[(bench, precision, "forward")] = lambda m=module, x=embs: m(x).wait()
                 cases[(bench, precision, "forward_backward")] = (
-                    lambda m=module, grad=grads[bench]: _backward(m, embs, grad))
+                    lambda m=module, x=embs, grad=grads[bench]: _backward(m, x, grad))
         times: Dict[tuple, List[float]] = {key: [] for key in cases}
         for round_ in range(repeats + 2):  # two warm-up rounds
             for key, fn in cases.items():

@@ -64,12 +64,12 @@ class QuantLookup(nn.Module):
         output_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        from fbgemm_gpu.split_embedding_configs import SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
             BoundsCheckMode,
             EmbeddingLocation,
             PoolingMode,
         )
-        from fbgemm_gpu.split_embedding_configs import SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
             IntNBitTableBatchedEmbeddingBagsCodegen,
         )
