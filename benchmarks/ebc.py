@@ -1,9 +1,8 @@
 """Sharded EmbeddingBagCollection training step: samples/s per sharding type, plus kernels.
 
-    python -m benchmarks.ebc                        # spawns 2 gloo ranks on this machine
+    python -m benchmarks.ebc                        # 2 gloo ranks on this machine
     python -m benchmarks.ebc --types table_wise,row_wise --steps 50
     python -m benchmarks.ebc --quick                # tiny sizes (smoke test)
-    torchrun --nproc-per-node 2 -m benchmarks.ebc   # under torchrun
 
 Work (TARGETS.md, "Sharded EBC training step"): 26 Criteo-like tables (Kaggle sizes capped at
 200 k rows: 1.48 M rows), dim 64, one feature each, a fixed pooling factor 1-20 per table
@@ -11,9 +10,10 @@ Work (TARGETS.md, "Sharded EBC training step"): 26 Criteo-like tables (Kaggle si
 forward + backward + update of the sharded EBC with `values().sum()` as the loss: the fused
 kernels update in backward (exact SGD), the dense ones take a `torch.optim.SGD` step.
 
-Configurations run interleaved (every configuration once per repeat, `--repeats` times); a
-repeat's figure is the median of `--steps` step times, each the slowest rank's, and the
-reported figure is the median over repeats. Also printed: a single-process kernel comparison
+Configurations run interleaved (every configuration once per repeat, `--repeats` times), each
+run in fresh rank processes; a repeat's figure is the median of `--steps` step times, each the
+slowest rank's, and the reported figure is the median over repeats. `rss_growth_mb_per_step`
+is the resident memory a rank gains per timed step (0 when nothing outlives a step). Also printed: a single-process kernel comparison
 (fbgemm TBE fused exact-SGD vs `nn.EmbeddingBag` + `torch.optim.SGD`) and a torch.profiler
 view of one table-wise step on rank 0. Every line on stdout is one JSON object.
 """
@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
+import resource
 import socket
 import statistics
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -193,45 +196,66 @@ def train_step(trainee: Trainee, kjt: KeyedJaggedTensor) -> None:
 # ----------------------------------------------------------------------------- timing
 
 
-def timed_steps(trainee: Trainee, batches: List[KeyedJaggedTensor], steps: int,
-                warmup: int) -> List[float]:
-    """Seconds of each of `steps` steps, each the slowest rank's (after `warmup` steps)."""
-    for i in range(warmup):
-        train_step(trainee, batches[i % len(batches)])
-    dist.barrier()
-    times = []
-    for i in range(steps):
-        start = time.perf_counter()
-        train_step(trainee, batches[i % len(batches)])
-        times.append(time.perf_counter() - start)
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.tolist()
+def rss_mb() -> float:
+    """This process's resident memory now, MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def emit(record: Dict[str, object]) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(json.dumps(record), flush=True)
+def measure(name: str, sizes: Sizes, args: argparse.Namespace, profile: bool) -> Dict[str, object]:
+    """One run of one configuration on this rank (inside a fresh process group): build it,
+    `warmup` steps, then `steps` timed steps; with `profile`, the profiled steps instead.
 
-
-def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace) -> None:
-    """Every configuration once per repeat (interleaved); one JSON line per configuration."""
-    ws, rank = dist.get_world_size(), dist.get_rank()
+    Returns this rank's step seconds and resident memory before / after the timed steps
+    (a growing figure means memory kept across steps), and rank 0's profile record.
+    """
+    rank = dist.get_rank()
     tables = criteo_tables(sizes)
     pooling = pooling_factors(len(tables), sizes.max_pooling)
     batches = make_batches(tables, pooling, sizes.batch, seed=1 + rank, count=args.batches)
-    lookups = batches[0].values().numel()
-    trainees = {name: build(name, tables, pooling) for name in names}
+    trainee = build(name, tables, pooling)
+    for i in range(args.warmup):
+        train_step(trainee, batches[i % len(batches)])
+    dist.barrier()
+    if profile:
+        return {"profile": profile_steps(name, trainee, batches, args.profile_steps)}
+    rss_start = rss_mb()
+    times = []
+    for i in range(args.steps):
+        start = time.perf_counter()
+        train_step(trainee, batches[i % len(batches)])
+        times.append(time.perf_counter() - start)
+    return {"times": times, "rss_start_mb": rss_start, "rss_end_mb": rss_mb(),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def emit(record: Dict[str, object]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace) -> None:
+    """Every configuration once per repeat (interleaved), each run in fresh processes; one
+    JSON line per configuration, then the profiles."""
+    ws = args.world_size
+    tables = criteo_tables(sizes)
+    pooling = pooling_factors(len(tables), sizes.max_pooling)
     emit(dict(bench="ebc_setup", world_size=ws, tables=len(tables), dim=sizes.dim,
               total_rows=sum(t.num_embeddings for t in tables), batch_per_rank=sizes.batch,
-              pooling_factors=pooling, lookups_per_rank_batch=lookups,
+              pooling_factors=pooling, lookups_per_rank_batch=sum(pooling) * sizes.batch,
               table_wise_ranks=balanced_ranks(pooling, ws),
-              table_wise_in_order_ranks=contiguous_ranks(pooling, ws), torch_threads=torch.get_num_threads()))
+              table_wise_in_order_ranks=contiguous_ranks(pooling, ws),
+              torch_threads_per_rank=args.threads, pinned=args.pin))
     repeat_medians: Dict[str, List[float]] = {name: [] for name in names}
+    growth: Dict[str, List[float]] = {name: [] for name in names}
+    peak: Dict[str, float] = {name: 0.0 for name in names}
     for _ in range(args.repeats):
         for name in names:
-            times = timed_steps(trainees[name], batches, args.steps, args.warmup)
-            repeat_medians[name].append(statistics.median(times))
+            per_rank = run_ranks(ws, args, measure, name, sizes, args, False)
+            slowest = [max(step) for step in zip(*(r["times"] for r in per_rank))]
+            repeat_medians[name].append(statistics.median(slowest))
+            growth[name].append(max((r["rss_end_mb"] - r["rss_start_mb"]) / args.steps
+                                    for r in per_rank))
+            peak[name] = max([peak[name]] + [r["peak_rss_mb"] for r in per_rank])
     results = {name: statistics.median(m) for name, m in repeat_medians.items()}
     base = results.get(BASELINE)
     for name in names:
@@ -243,14 +267,15 @@ def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace) -> None:
             median_step_ms=round(1e3 * step_s, 2),
             samples_per_s=round(ws * sizes.batch / step_s),
             repeat_medians_ms=[round(1e3 * m, 2) for m in repeat_medians[name]],
+            rss_growth_mb_per_step=round(statistics.median(growth[name]), 2),
+            peak_rss_mb=round(peak[name]),
         )
         if base is not None:
             record["step_ms_vs_table_wise"] = round(step_s / base, 3)
             record["samples_per_s_vs_table_wise"] = round(base / step_s, 3)
         emit(record)
-    for name in args.profile or ([BASELINE] if BASELINE in trainees else names[:1]):
-        if name in trainees:
-            profile_step(name, trainees[name], batches, args.profile_steps)
+    for name in args.profile or ([BASELINE] if BASELINE in names else names[:1]):
+        emit(run_ranks(ws, args, measure, name, sizes, args, True)[0]["profile"])
 
 
 # ----------------------------------------------------------------------------- profile
@@ -280,18 +305,16 @@ def _phased_step(trainee: Trainee, kjt: KeyedJaggedTensor) -> None:
             trainee.optimizer.zero_grad(set_to_none=True)
 
 
-def profile_step(name: str, trainee: Trainee, batches: List[KeyedJaggedTensor],
-                 steps: int) -> None:
+def profile_steps(name: str, trainee: Trainee, batches: List[KeyedJaggedTensor],
+                  steps: int) -> Optional[Dict[str, object]]:
     """torch.profiler over `steps` steps on rank 0 (the other ranks run them unprofiled):
-    phase times, then the top 10 ops by self CPU time, per step."""
+    phase times, then the top 10 ops by self CPU time, per step. None on other ranks."""
     from torch.profiler import ProfilerActivity, profile
 
-    _phased_step(trainee, batches[0])
-    dist.barrier()
     if dist.get_rank() != 0:
         for i in range(steps):
             _phased_step(trainee, batches[i % len(batches)])
-        return
+        return None
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for i in range(steps):
@@ -302,7 +325,7 @@ def profile_step(name: str, trainee: Trainee, batches: List[KeyedJaggedTensor],
     ops = sorted((e for e in events if e.key not in _PHASES),
                  key=lambda e: e.self_cpu_time_total, reverse=True)
     per_step_ms = 1e-3 / steps
-    emit(dict(
+    return dict(
         bench="profile", name=name, rank=0, steps=steps,
         step_ms=round(wall_us * per_step_ms, 2),
         phases_ms={k: round(phases[k].cpu_time_total * per_step_ms, 2)
@@ -314,7 +337,7 @@ def profile_step(name: str, trainee: Trainee, batches: List[KeyedJaggedTensor],
                       total_ms=round(e.cpu_time_total * per_step_ms, 2),
                       calls=round(e.count / steps, 1))
                  for e in ops[:10]],
-    ))
+    )
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -381,40 +404,71 @@ def bench_kernels(sizes: Sizes, args: argparse.Namespace) -> None:
                           / results["fbgemm_tbe_fused_exact_sgd"], 2), target=4.0))
 
 
-# ----------------------------------------------------------------------------- entry
+# ----------------------------------------------------------------------------- processes
+
+# Ranks fork from a server that has imported torch, fbgemm and recshard once, so a fresh
+# group starts in about a second. Every (configuration, repeat) runs in fresh processes:
+# whatever a run leaves in memory (see `rss_growth_mb_per_step`) cannot pile up.
+_PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "recshard"]
 
 
-def main(args: argparse.Namespace) -> None:
-    sizes = QUICK if args.quick else Sizes()
-    names = args.types
-    if not args.no_kernels:
-        if dist.get_rank() == 0:  # the other ranks wait: the kernels have the machine
-            bench_kernels(sizes, args)
-        dist.barrier()
-    bench_ebc(names, sizes, args)
-
-
-def _setup_rank(rank: int, args: argparse.Namespace) -> None:
+def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace,
+               fn: Callable[..., Any], fn_args: tuple, queue: Any) -> None:
     torch.set_num_threads(args.threads)
     if args.pin and hasattr(os, "sched_setaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
-
-
-def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    _setup_rank(rank, args)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=args.pg_timeout))
     try:
-        main(args)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=args.timeout))
+        queue.put((rank, True, fn(*fn_args)))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        queue.put((rank, False, traceback.format_exc()))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def run_ranks(world_size: int, args: argparse.Namespace, fn: Callable[..., Any],
+              *fn_args: Any) -> List[Any]:
+    """`fn(*fn_args)` on `world_size` fresh gloo ranks; their results in rank order."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    queue = context.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    procs = [context.Process(target=_rank_main, daemon=True,
+                             args=(rank, world_size, port, args, fn, fn_args, queue))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    results: Dict[int, Any] = {}
+    deadline = time.monotonic() + args.timeout
+    try:
+        while len(results) < world_size:
+            try:
+                rank, ok, payload = queue.get(timeout=1.0)
+            except Exception:  # queue.Empty: is a rank gone (killed, e.g. out of memory)?
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    codes = {r: procs[r].exitcode for r in dead}
+                    raise RuntimeError(f"{fn.__name__}{fn_args[:1]}: ranks died or timed out "
+                                       f"(exit codes {codes})") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"{fn.__name__}{fn_args[:1]}: rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world_size)]
+
+
+# ----------------------------------------------------------------------------- entry
 
 
 def _parse_types(text: str) -> List[str]:
@@ -443,7 +497,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="configurations to profile on rank 0 (default table_wise)")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel comparison")
-    parser.add_argument("--pg-timeout", type=float, default=900.0, help="seconds")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few steps (smoke test)")
     args = parser.parse_args(argv)
     defaults = (2, 1, 1) if args.quick else (30, 3, 3)
@@ -458,16 +512,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def cli(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ:  # launched by torchrun
-        _setup_rank(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])), args)
-        dist.init_process_group(timeout=timedelta(seconds=args.pg_timeout))
-        try:
-            main(args)
-        finally:
-            dist.destroy_process_group()
-        return
-    torch.multiprocessing.spawn(_worker, args=(args.world_size, _free_port(), args),
-                                nprocs=args.world_size, join=True)
+    sizes = QUICK if args.quick else Sizes()
+    if not args.no_kernels:  # in this process, before any rank starts
+        torch.set_num_threads(args.threads)
+        bench_kernels(sizes, args)
+    bench_ebc(args.types, sizes, args)
 
 
 if __name__ == "__main__":
