@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "Adagrad choices")
     g.add_argument("--lr", type=float, default=0.05, help="learning rate (embeddings and dense)")
     g.add_argument("--eps", type=float, default=1e-8, help="Adagrad epsilon")
+    g.add_argument("--tp-over-arch", action="store_true",
+                   help="run the over arch's first two layers as a column->row tensor-parallel "
+                        "pair over all ranks on the global batch (recshard.parallel); trains "
+                        "like the data-parallel over arch")
     g.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
                    help="TrainPipelineSparseDist: overlap the next batch's copy and input "
                         "all-to-all with this batch's compute")

@@ -11,7 +11,7 @@ parametrized module here has `reset_parameters`).
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -214,12 +214,17 @@ class DLRMTrain(nn.Module):
         super().__init__()
         self.model = dlrm_module
         self.loss_fn = nn.BCEWithLogitsLoss()
+        self.global_batch: Optional[nn.Module] = None  # set by examples.dlrm.tp
 
     def forward(
         self, batch: Batch
     ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         logits = self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
-        loss = self.loss_fn(logits, batch.labels.float())
+        if self.global_batch is None:
+            loss = self.loss_fn(logits, batch.labels.float())
+        else:  # tensor-parallel over arch: logits cover every rank's batch
+            loss = self.loss_fn(logits, self.global_batch(batch.labels.float()))
+            logits = self.global_batch.mine(logits)
         return loss, (loss.detach(), logits.detach(), batch.labels.detach())
 
 

@@ -80,7 +80,13 @@ def build_training(
         args.sharding, model, tables, world_size, local_size, args.kernel, sharders,
         args.batch_size, pooling_factor=(1 + args.multi_hot) / 2, device_type=device.type,
         plan_path=args.plan)
-    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders,
+                                   init_data_parallel=not args.tp_over_arch)
+    if args.tp_over_arch:  # the over arch's first two layers tensor-parallel over all ranks
+        from examples.dlrm.tp import to_tensor_parallel
+
+        to_tensor_parallel(dmp.module)
+        dmp.init_data_parallel()
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   dense_optimizer_factory(args.optimizer, args.lr, args.eps))
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), tables, plan_note

@@ -36,8 +36,12 @@ class DefaultDataParallelWrapper:
                             find_unused_parameters=find_unused_parameters)
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        """Parameters of sharded modules and tensor-parallel shards (`recshard.parallel`,
+        marked `shard_spec`: each rank's gradient is already complete) stay out of DDP."""
         module = dmp._dmp_wrapped_module
         ignore = [name for name, _ in _sharded_parameter_names(module)]
+        ignore += [name for name, p in module.named_parameters()
+                   if getattr(getattr(p, "shard_spec", None), "world_size", 1) > 1]
         dense = [p for n, p in module.named_parameters() if n not in set(ignore) and p.requires_grad]
         if env.world_size == 1 or not dense:
             return
