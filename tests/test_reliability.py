@@ -414,3 +414,43 @@ def test_mismatched_checkpoint_raises_on_every_rank() -> None:
     for text in results:
         assert "table 'ta' ('ebc.embedding_bags.ta.weight') (model) has shape (10, 4) in the " \
                "checkpoint but (12, 4) in the model" in text, text
+
+
+def _save_twice_rank_1_dies(rank: int, ws: int, path: str) -> None:
+    """Save, train a step, save again; rank 1 dies inside the second save's shard writing."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    model = _dmp(ws)
+    optimizer = make_optimizer(model, fused=True, adagrad=False)
+    checkpoint.save(path, model, optimizer, extra={"save": 1})
+    dense, kjt, labels = batch_for(0, rank, ws)
+    model(dense, kjt, labels).backward()
+    optimizer.step()
+    if rank == 1:
+        fs._write_item = lambda *args, **kwargs: os._exit(1)
+    start = time.monotonic()
+    try:
+        checkpoint.save(path, model, optimizer, extra={"save": 2})
+    except Exception as e:
+        raise RuntimeError(f"rank {rank} raised after {time.monotonic() - start:.1f}s: "
+                           f"{type(e).__name__}: {e}") from e
+
+
+def test_rank_dying_during_a_sharded_save_leaves_the_previous_checkpoint() -> None:
+    """ws 2: rank 1 dies while writing; rank 0 raises (naming the save step, not hanging) and
+    the first checkpoint still loads, with the values from before the training step."""
+    with tempfile.TemporaryDirectory() as path:
+        with pytest.raises(RankError) as info:
+            run_ranks(2, _save_twice_rank_1_dies, path, timeout=120, pg_timeout_s=PG_TIMEOUT_S)
+        text = _rank_text(info.value, 0)
+        match = re.search(r"rank 0 raised after ([\d.]+)s: RuntimeError: saving checkpoint "
+                          r"\S+/ckpt-\w+: writing shards \(torch.distributed.checkpoint\) failed; "
+                          r"the previous checkpoint is still the latest", text)
+        assert match and float(match.group(1)) < PG_TIMEOUT_S + MARGIN_S, text
+        torch.manual_seed(0)
+        initial = TinyDLRM()  # what both ranks held at the first save
+        torch.manual_seed(1)
+        restored = TinyDLRM()
+        assert checkpoint.load(path, restored) == {"save": 1}
+        for key, value in initial.state_dict().items():
+            torch.testing.assert_close(restored.state_dict()[key], value, rtol=0, atol=0, msg=key)

@@ -22,7 +22,7 @@ import shutil
 import uuid
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -87,14 +87,29 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _step(what: str, where: Path, fn: Callable[[], Any], committed: bool = False) -> Any:
+    """Run one collective step of `save`; a failure (a rank died, the process-group timeout,
+    a full disk) says which step and which checkpoint. DCP raises `CheckpointException`, a
+    BaseException that `except Exception` would miss: it comes out as a RuntimeError."""
+    try:
+        return fn()
+    except (Exception, CheckpointException) as e:
+        state = ("rank 0 may have committed it (see LATEST)" if committed
+                 else "the previous checkpoint is still the latest")
+        raise RuntimeError(f"saving checkpoint {where}: {what} failed; {state}: "
+                           f"{_first_cause(e)}") from e
+
+
 def save(path: str, model: nn.Module, optimizer: Optional[KeyedOptimizer] = None,
          extra: Optional[Dict[str, Any]] = None) -> str:
     """Write a checkpoint (collective: every rank calls it). Returns its directory."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    directory = root / _shared_name()
-    dcp.save(_training_state(model, optimizer), checkpoint_id=str(directory))
-    _barrier()
+    directory = root / _step("agreeing on a directory name (broadcast)", root, _shared_name)
+    state = _training_state(model, optimizer)
+    _step("writing shards (torch.distributed.checkpoint)", directory,
+          lambda: dcp.save(state, checkpoint_id=str(directory)))
+    _step("waiting for every rank to finish writing (barrier)", directory, _barrier)
     if _rank() == 0:
         _write_durably(directory / "extra.json", json.dumps(extra or {}))
         _fsync_directory(directory)
@@ -106,7 +121,7 @@ def save(path: str, model: nn.Module, optimizer: Optional[KeyedOptimizer] = None
         for stale in root.glob("ckpt-*"):
             if stale.name not in (directory.name, previous):
                 shutil.rmtree(stale, ignore_errors=True)
-    _barrier()
+    _step("waiting for rank 0 to commit LATEST (barrier)", directory, _barrier, committed=True)
     return str(directory)
 
 

@@ -114,9 +114,9 @@ def collective_error(
     text = str(error).strip() or type(error).__name__
     hint = ""
     if "timed out" in text.lower() or "timeout" in text.lower():
-        hint = (" (the process-group timeout ran out: another rank died, hangs, or is waiting"
-                " in a different collective; RECSHARD_PG_TIMEOUT_S / init_process_group(timeout=)"
-                " set it)")
+        hint = (" (the process-group timeout ran out: another rank died, hangs, or waits in a"
+                " different collective; the timeout is init_process_group(timeout=...), e.g."
+                " recshard.comm.pg.pg_timeout(), which reads RECSHARD_PG_TIMEOUT_S)")
     return CollectiveError(
         f"{readable} ({direction}) {stage}{where} [{op}]: {text}{hint}", readable, direction
     )
