@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Adagrad choices")
     g.add_argument("--lr", type=float, default=0.05, help="learning rate (embeddings and dense)")
     g.add_argument("--eps", type=float, default=1e-8, help="Adagrad epsilon")
+    g.add_argument("--comm-precision", choices=["fp32", "fp16", "bf16"], default="fp32",
+                   help="precision of the pooled embedding all-to-alls / reduce-scatters on "
+                        "the wire, forward and backward (halves their bytes)")
     g.add_argument("--tp-over-arch", action="store_true",
                    help="run the over arch's first two layers as a column->row tensor-parallel "
                         "pair over all ranks on the global batch (recshard.parallel); trains "

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from recshard import EmbeddingBagConfig, ShardingPlan
+from recshard.comm import get_qcomm_codecs_registry
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import (
     ShardingGenerator,
@@ -92,10 +93,13 @@ def make_plan(kind: str, model: nn.Module, tables: List[EmbeddingBagConfig], wor
     return ShardingPlan(plan={EBC_PATH: module_plan}), f"every table {kind}"
 
 
-def make_sharders(optimizer: str, lr: float, eps: float = 1e-8) -> List[EmbeddingBagCollectionSharder]:
-    """The EBC sharder with the fused (in-backward) embedding optimizer."""
+def make_sharders(optimizer: str, lr: float, eps: float = 1e-8,
+                  comm_precision: str = "fp32") -> List[EmbeddingBagCollectionSharder]:
+    """The EBC sharder with the fused (in-backward) embedding optimizer, and fp16/bf16 codecs
+    on the pooled all-to-alls and reduce-scatters (forward and backward) if asked."""
     fused = {"optimizer": _FUSED_NAME[optimizer], "learning_rate": lr, "eps": eps}
-    return [EmbeddingBagCollectionSharder(fused_params=fused)]
+    registry = get_qcomm_codecs_registry(comm_precision)  # None for fp32
+    return [EmbeddingBagCollectionSharder(fused_params=fused, qcomm_codecs_registry=registry)]
 
 
 def dense_optimizer_factory(optimizer: str, lr: float,

@@ -75,7 +75,7 @@ def build_training(
     model = build_dlrm(tables, NUM_DENSE, args.dense_arch_layers, args.over_arch_layers,
                        args.interaction, device="meta", dcn_num_layers=args.dcn_num_layers,
                        dcn_low_rank_dim=args.dcn_low_rank_dim)
-    sharders = make_sharders(args.optimizer, args.lr, args.eps)
+    sharders = make_sharders(args.optimizer, args.lr, args.eps, args.comm_precision)
     plan, plan_note = make_plan(
         args.sharding, model, tables, world_size, local_size, args.kernel, sharders,
         args.batch_size, pooling_factor=(1 + args.multi_hot) / 2, device_type=device.type,

@@ -8,6 +8,10 @@ from recshard.distributed.model_parallel import (
     get_module,
     get_unwrapped_module,
 )
+from recshard.distributed.quant_embeddingbag import (
+    QuantEmbeddingBagCollectionSharder,
+    ShardedQuantEmbeddingBagCollection,
+)
 from recshard.distributed.sharders import EmbeddingBagCollectionSharder, default_sharders
 from recshard.distributed.train_pipeline import (
     EvalPipelineSparseDist,
@@ -22,6 +26,8 @@ __all__ = [
     "DistributedModelParallel",
     "EmbeddingBagCollectionSharder",
     "EmbeddingCollectionSharder",
+    "QuantEmbeddingBagCollectionSharder",
+    "ShardedQuantEmbeddingBagCollection",
     "ShardedEmbeddingCollection",
     "ShardedEmbeddingBagCollection",
     "EvalPipelineSparseDist",

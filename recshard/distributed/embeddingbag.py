@@ -12,43 +12,24 @@ data-parallel tables alike: the output dists divide gradients by the world size 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 
 from recshard.distributed.module_state import ShardedTablesMixin
 from recshard.distributed.plan_checks import check_module_plan
+from recshard.distributed.pooled_output import PooledOutputMixin
 from recshard.modules.embedding_modules import EmbeddingBagCollection
 from recshard.sharding.build import build_pooled_shardings
 from recshard.sharding.common import EmbeddingSharding, TableSpec
-from recshard.sparse import KeyedTensor
 from recshard.types import (
-    Awaitable,
     EmbeddingModuleShardingPlan,
-    LazyAwaitable,
     ShardedModule,
     ShardingEnv,
 )
 
 
-class _KeyedTensorAwaitable(LazyAwaitable[KeyedTensor]):
-    """Waits every sharding's output dist and lays the columns out in module key order."""
-
-    def __init__(self, pending: List[Awaitable[torch.Tensor]], module: ShardedEmbeddingBagCollection) -> None:
-        super().__init__()
-        self._pending = pending
-        self._module = module
-
-    def _wait_impl(self) -> KeyedTensor:
-        module = self._module
-        parts = [p.wait() for p in self._pending]
-        values = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        if module._column_order is not None:
-            values = values.index_select(1, module._column_order.to(values.device))
-        return KeyedTensor(module._feature_names, module._feature_dims, values)
-
-
-class ShardedEmbeddingBagCollection(ShardedTablesMixin, ShardedModule):
+class ShardedEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, ShardedModule):
     """Sharded twin of `EmbeddingBagCollection`, built by `EmbeddingBagCollectionSharder`."""
 
     def __init__(
@@ -80,30 +61,3 @@ class ShardedEmbeddingBagCollection(ShardedTablesMixin, ShardedModule):
         self._init_input_side()
         self._column_order = self._output_permutation()
         self._init_from(module)
-
-    # ---------------------------------------------------------------- layout
-
-    def _output_permutation(self) -> Optional[torch.Tensor]:
-        """Index mapping concatenated sharding columns to the module's feature order."""
-        where: Dict[Tuple[str, int], int] = {}
-        position = 0
-        for sharding in self._shardings.values():
-            for feature, col_offset, width in sharding.output_columns:
-                for c in range(width):
-                    where[(feature, col_offset + c)] = position + c
-                position += width
-        order = [where[(f, c)] for f, d in zip(self._feature_names, self._feature_dims) for c in range(d)]
-        if order == list(range(len(order))):
-            return None
-        return torch.tensor(order, dtype=torch.long)
-
-    def output_dist(self, ctx: Dict[str, Any], output: List[torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
-        pending = [s.output_dist(local, ctx) for s, local in zip(self._shardings.values(), output)]
-        return _KeyedTensorAwaitable(pending, self)
-
-    def embedding_bag_configs(self):  # noqa: ANN201 - mirrors the unsharded module
-        return self._configs
-
-    def is_weighted(self) -> bool:
-        return self._is_weighted
-

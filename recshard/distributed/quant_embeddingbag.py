@@ -23,9 +23,9 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from recshard.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from recshard.distributed.module_state import ShardedTablesMixin
 from recshard.distributed.plan_checks import check_module_plan
+from recshard.distributed.pooled_output import PooledOutputMixin
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import DataType
 from recshard.quant.embedding_modules import QuantEmbeddingBagCollection
@@ -93,13 +93,11 @@ def _check_plan(module: QuantEmbeddingBagCollection, plan: EmbeddingModuleShardi
                 )
 
 
-class ShardedQuantEmbeddingBagCollection(ShardedTablesMixin, ShardedModule):
+class ShardedQuantEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, ShardedModule):
     """Sharded twin of `QuantEmbeddingBagCollection`, built by its sharder. Inference only."""
 
     _owner = "ShardedQuantEmbeddingBagCollection"
     # the float sharded EBC's output side: columns back in module key order, as a KeyedTensor
-    _output_permutation = ShardedEmbeddingBagCollection._output_permutation
-    output_dist = ShardedEmbeddingBagCollection.output_dist
 
     def __init__(
         self,
@@ -163,11 +161,6 @@ class ShardedQuantEmbeddingBagCollection(ShardedTablesMixin, ShardedModule):
     def compute(self, ctx: Dict[str, Any], dist_input: List[KeyedJaggedTensor]) -> List[torch.Tensor]:
         return [s.lookup(kjt) for s, kjt in zip(self._shardings.values(), dist_input)]
 
-    def embedding_bag_configs(self):  # noqa: ANN201 - mirrors the unsharded module
-        return self._configs
-
-    def is_weighted(self) -> bool:
-        return self._is_weighted
 
     def output_dtype(self) -> torch.dtype:
         return self._output_dtype

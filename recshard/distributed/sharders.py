@@ -59,5 +59,7 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
 def default_sharders() -> List[ModuleSharder]:
     """The sharders DistributedModelParallel uses when none are given."""
     from recshard.distributed.embedding import EmbeddingCollectionSharder
+    from recshard.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
 
-    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder(),
+            QuantEmbeddingBagCollectionSharder()]

@@ -169,7 +169,7 @@ class EmbeddingPerfEstimator:
         topo = self.topology
         fast = topo.hbm_mem_bw if topo.compute_device == "cuda" else topo.ddr_mem_bw
         uvm = topo.hbm_to_ddr_mem_bw * topo.uvm_efficiency
-        if kernel == "fused":
+        if kernel in ("fused", "quant"):  # quant: inference lookups of packed rows
             return fast
         if kernel == "dense":
             return 0.5 * fast
@@ -232,6 +232,7 @@ class EmbeddingStorageEstimator:
       `4 rows cols` (data-parallel twice: DDP keeps a bucket copy).
     - io = 2 ids_in id_bytes (this batch and the next one in flight) + 2 bags_out cols s_out
       (the output and its gradient).
+    - quant kernel (inference): no optimizer state; 4 bytes per row of fp16 scale and bias.
     - cpu: everything in DDR. cuda, fused/dense: everything in HBM. fused_uvm: weights and
       state in DDR, io in HBM. fused_uvm_caching: weights and state in DDR; HBM holds the cache
       `lf weights`, its index `rows (4 + 16 lf)` and io.
@@ -258,7 +259,9 @@ class EmbeddingStorageEstimator:
                                          facts.workload)
         weights = float(rows) * cols * facts.s_w
         state = optimizer_state_bytes(table.optimizer, rows, cols)
-        if compute_kernel == "dense" or sharding_type == "data_parallel":
+        if compute_kernel == "quant":  # inference: no optimizer; per-row fp16 scale + bias
+            weights, state = weights + 4.0 * rows, 0.0
+        elif compute_kernel == "dense" or sharding_type == "data_parallel":
             copies = 2 if sharding_type == "data_parallel" else 1
             state += copies * 4.0 * rows * cols
         io = 2 * ids_in * facts.id_bytes + 2 * bags_out * cols * facts.s_out

@@ -42,7 +42,7 @@ def build_pooled_shardings(
     for kind, within_node in (("row_wise", False), ("table_row_wise", True)):
         if kind in by_kind:
             shardings[kind] = RowWisePooledSharding(
-                by_kind[kind], env, device, is_weighted, within_node, rs_codecs
+                by_kind[kind], env, device, is_weighted, within_node, rs_codecs, a2a_codecs
             )
     if "data_parallel" in by_kind:
         shardings["data_parallel"] = DataParallelPooledSharding(

@@ -56,7 +56,9 @@ class RowWisePooledSharding(EmbeddingSharding):
         is_weighted: bool,
         within_node: bool,
         codecs: Optional[Any] = None,
+        cross_codecs: Optional[Any] = None,
     ) -> None:
+        """`codecs` for the reduce-scatter, `cross_codecs` for TWRW's cross-node all-to-all."""
         super().__init__(env)
         self.group_size = env.local_world_size if within_node else env.world_size
         num_groups = env.world_size // self.group_size
@@ -100,7 +102,7 @@ class RowWisePooledSharding(EmbeddingSharding):
             intra, cross = env.pg, None
         self._reduce_scatter = PooledEmbeddingsReduceScatter(intra, codecs=codecs)
         self._cross_a2a = (
-            PooledEmbeddingsAllToAll(cross, self._dims_per_group, device, codecs=codecs)
+            PooledEmbeddingsAllToAll(cross, self._dims_per_group, device, codecs=cross_codecs)
             if cross is not None else None
         )
         self._num_groups = num_groups

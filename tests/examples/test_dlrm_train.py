@@ -98,7 +98,8 @@ def _torchrun(args: List[str], tmp_path: Path) -> subprocess.CompletedProcess:
 def test_cli_end_to_end(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.json"
     argv = TINY + ["--batch-size", "64", "--eval-batches", "2", "--sharding", "row_wise",
-                   "--steps", "4", "--metrics-json", str(metrics)]
+                   "--steps", "4", "--metrics-json", str(metrics),
+                   "--comm-precision", "fp16", "--tp-over-arch"]
     done = _torchrun(argv, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "t_cat_25" in done.stdout and "row_wise" in done.stdout  # the plan table

@@ -158,13 +158,7 @@ def test_codecs_reach_every_output_dist_both_ways(runs, kind: str) -> None:
                 assert encoded == STEPS * len(EXPECTED_OPS[kind]), (kind, precision, direction, counts)
 
 
-@pytest.mark.parametrize("kind", [
-    pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=(
-        "recshard/sharding/build.py gives table_row_wise's cross-node all-to-all the "
-        "reduce-scatter codecs; TorchRec takes them from POOLED_EMBEDDINGS_ALL_TO_ALL")))
-    if k == "table_row_wise_2nodes" else k
-    for k in KINDS
-])
+@pytest.mark.parametrize("kind", KINDS)
 def test_each_collective_takes_its_own_registry_entry(runs, kind: str) -> None:
     counts = runs[0][f"{kind}/fp16"][1]
     for op in EXPECTED_OPS[kind]:
