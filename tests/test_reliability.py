@@ -142,12 +142,7 @@ def test_rank_killed_before_backward_names_the_collective() -> None:
 
 def test_rank_killed_between_steps_stops_the_other() -> None:
     text = _rank_0_error("exit_between_steps")  # an error within the timeout, not a hang
-    if "KJT all-to-all splits (forward) failed on rank 0 of 2" not in text:
-        # Known gap, outside this change's files: KJTAllToAllSplitsAwaitable._wait_impl
-        # (recshard/comm/kjt_all_to_all.py) calls work.wait() directly, so gloo's bare
-        # "Connection closed by peer" comes out. Fix: recshard.comm.request.wait_work(
-        # self._work, "kjt_all_to_all_splits", pg=self._pg). The assertion then holds.
-        pytest.xfail("the KJT splits exchange does not name itself yet")
+    assert "KJT all-to-all splits (forward) failed on rank 0 of 2" in text, text
 
 
 def test_rank_raising_between_steps_stops_the_other() -> None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recshard import ops
-from recshard.comm.request import Pending, issue_all_to_all
+from recshard.comm.request import Pending, issue_all_to_all, wait_work
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import Awaitable
 
@@ -260,8 +260,7 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             self._tensors["weights"] = weights
 
     def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
-        if self._work is not None:
-            self._work.wait()
+        wait_work(self._work, "kjt_all_to_all_splits", pg=self._pg)
         received = self._received.cpu()
         rejected = received[:, _REJECTED].nonzero().flatten().tolist()
         if self._input_error is not None:

@@ -350,22 +350,36 @@ class AllGatherV(Collective):
 # ----------------------------------------------------------------------------- autograd
 
 
+class _Exchange:
+    """What the autograd pair shares: the collective and its in-flight handles. The autograd
+    nodes hold this, never the CommRequest: the request caches its result tensor, whose
+    grad_fn would otherwise hold the request back (a cycle torch's autograd graph keeps alive:
+    every step's activations leaked)."""
+
+    __slots__ = ("collective", "pending", "grad_pending")
+
+    def __init__(self, collective: Collective) -> None:
+        self.collective = collective
+        self.pending: Optional[Pending] = None
+        self.grad_pending: Optional[Pending] = None
+
+
 class _Issue(Function):
     """input -> token: issues the forward collective; backward waits for the transposed one."""
 
     @staticmethod
-    def forward(ctx, request: CommRequest, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        ctx.request = request
-        request._pending = request.collective.forward(x)
+    def forward(ctx, exchange: _Exchange, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.exchange = exchange
+        exchange.pending = exchange.collective.forward(x)
         return x.new_empty(0)
 
     @staticmethod
     def backward(ctx, _token_grad: torch.Tensor):  # noqa: ANN001, ANN205
-        request: CommRequest = ctx.request
-        assert request._grad_pending is not None, "the output's backward did not run"
-        grad = request._grad_pending.wait()
-        request._grad_pending = None
-        collective = request.collective
+        exchange: _Exchange = ctx.exchange
+        assert exchange.grad_pending is not None, "the output's backward did not run"
+        grad = exchange.grad_pending.wait()
+        exchange.grad_pending = None
+        collective = exchange.collective
         if collective.divide_grad and _GRADIENT_DIVISION:
             grad = grad / dist.get_world_size(collective.pg)
         return None, grad
@@ -375,15 +389,15 @@ class _Finish(Function):
     """token -> output: waits for the forward collective; backward issues the transpose."""
 
     @staticmethod
-    def forward(ctx, request: CommRequest, token: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        ctx.request = request
-        pending, request._pending = request._pending, None
+    def forward(ctx, exchange: _Exchange, token: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.exchange = exchange
+        pending, exchange.pending = exchange.pending, None
         return pending.wait()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        request: CommRequest = ctx.request
-        request._grad_pending = request.collective.backward(grad.contiguous())
+        exchange: _Exchange = ctx.exchange
+        exchange.grad_pending = exchange.collective.backward(grad.contiguous())
         return None, grad.new_empty(0)
 
 
@@ -403,11 +417,10 @@ class CommRequest(Awaitable[torch.Tensor]):
         super().__init__()
         self.collective = collective
         self._post = post
-        self._pending: Optional[Pending] = None
-        self._grad_pending: Optional[Pending] = None
-        self._token = _Issue.apply(self, x.contiguous())
+        self._exchange = _Exchange(collective)
+        self._token = _Issue.apply(self._exchange, x.contiguous())
 
     def _wait_impl(self) -> torch.Tensor:
-        out = _Finish.apply(self, self._token)
+        out = _Finish.apply(self._exchange, self._token)
         self._token = None
         return out if self._post is None else self._post(out)
