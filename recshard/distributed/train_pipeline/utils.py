@@ -18,6 +18,7 @@ from typing import Any, ContextManager, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from recshard.comm.request import wait_work
 from recshard.types import Awaitable, FnAwaitable, NoWait, ShardedModule
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class BatchVote:
         work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._pg, async_op=True)
 
         def verdict() -> bool:
-            work.wait()
+            wait_work(work, "pipeline has-batch vote", op="all_reduce", pg=self._pg)
             return bool(flag.item())
 
         return FnAwaitable(verdict)
