@@ -381,7 +381,7 @@ class _Issue(Function):
         exchange.grad_pending = None
         collective = exchange.collective
         if collective.divide_grad and _GRADIENT_DIVISION:
-            grad = grad / dist.get_world_size(collective.pg)
+            grad.div_(dist.get_world_size(collective.pg))  # a fresh receive buffer: in place
         return None, grad
 
 

@@ -59,5 +59,5 @@ class ShardedEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, Shard
         for name, sharding in self._shardings.items():
             self.add_module(f"sharding_{name}", sharding)
         self._init_input_side()
-        self._column_order = self._output_permutation()
+        self._block_permute = self._output_permute()
         self._init_from(module)

@@ -140,7 +140,7 @@ class ShardedQuantEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, 
             sharding.lookup = QuantShardLookup(tables, self._device, self._output_dtype)
             self.add_module(f"sharding_{name}", sharding)
         self._init_input_side()
-        self._column_order = self._output_permutation()
+        self._block_permute = self._output_permute()
         self._load_shards(module)
 
     def _load_shards(self, module: QuantEmbeddingBagCollection) -> None:

@@ -61,6 +61,9 @@ class FbgemmFusedKernel(LookupKernel):
     ) -> None:
         super().__init__(tables, pooled)
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            BoundsCheckMode as FbgemmBoundsCheckMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
             EmbeddingLocation,
             PoolingMode,
         )
@@ -95,6 +98,9 @@ class FbgemmFusedKernel(LookupKernel):
             pooling_mode=pooling_mode,
             device=device,
             table_names=[t.name for t in tables],
+            # ids were checked (per the table's BoundsCheckMode) before the input dist, and
+            # row-wise ids are rebased into range: no second pass over every id here
+            bounds_check_mode=FbgemmBoundsCheckMode.NONE,
             **fbgemm_optim_kwargs(spec),
         )
         for param in self.tbe.parameters():  # updated in backward: no dense optimizer, no DDP
