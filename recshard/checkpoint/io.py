@@ -30,7 +30,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from recshard.checkpoint.state import fused_optimizer_state, model_state_dict
+from recshard.checkpoint.state import (
+    fused_optimizer_state,
+    model_state_dict,
+    quiet_sharded_tensor,
+)
 from recshard.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 LATEST = "LATEST"
@@ -100,6 +104,7 @@ def _step(what: str, where: Path, fn: Callable[[], Any], committed: bool = False
                            f"{_first_cause(e)}") from e
 
 
+@quiet_sharded_tensor()
 def save(path: str, model: nn.Module, optimizer: Optional[KeyedOptimizer] = None,
          extra: Optional[Dict[str, Any]] = None) -> str:
     """Write a checkpoint (collective: every rank calls it). Returns its directory."""
@@ -222,6 +227,7 @@ def _first_cause(error: BaseException) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
+@quiet_sharded_tensor()
 def load(path: str, model: nn.Module, optimizer: Optional[KeyedOptimizer] = None) -> Dict[str, Any]:
     """Load the newest checkpoint under `path` into `model` (and `optimizer`), resharding to the
     model's current plan and world size. Returns the `extra` dict given to `save`."""

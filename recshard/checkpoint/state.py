@@ -13,7 +13,9 @@ do not convert to other layouts.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+import contextlib
+import warnings
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 from torch import nn
@@ -31,13 +33,24 @@ from recshard.types import ShardedModule, ShardingType
 _COLUMN_TYPES = {ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value}
 
 
+@contextlib.contextmanager
+def quiet_sharded_tensor() -> Iterator[None]:
+    """Silence torch's ShardedTensor deprecation notice where recshard uses it on purpose
+    (DTensor cannot place a table-wise shard on one rank of the group): users did not choose
+    it and cannot act on it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Please use DTensor instead.*", category=FutureWarning)
+        yield
+
+
 def _sharded(
     global_size: List[int], metas: List[TorchShardMetadata], local: List[Tuple[torch.Tensor, TorchShardMetadata]],
     pg: Any, dtype: torch.dtype,
 ) -> ShardedTensor:
     meta = ShardedTensorMetadata(metas, torch.Size(global_size), TensorProperties(dtype=dtype))
     shards = [Shard(tensor.detach(), m) for tensor, m in local]  # views: loads land in place
-    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=pg)
+    with quiet_sharded_tensor():
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=pg)
 
 
 def _torch_meta(offsets: List[int], sizes: List[int], rank: int) -> TorchShardMetadata:
