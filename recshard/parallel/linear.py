@@ -77,7 +77,23 @@ def row_parallel_linear(
     return y if bias is None else y + bias
 
 
-class ColumnParallelLinear(HoldsGroup, nn.Module):
+class _FromLinear:
+    """`from_linear`: this rank's slice of an existing `nn.Linear` (same outputs)."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, pg: ProcessGroup | None = None, **kwargs: Any) -> Any:
+        return cls(  # type: ignore[call-arg]
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            pg=pg,
+            _weight=linear.weight,
+            _bias=linear.bias,
+            **kwargs,
+        )
+
+
+class ColumnParallelLinear(_FromLinear, HoldsGroup, nn.Module):
     """Linear layer with output features split across `pg`.
 
     x [*, in] -> y [*, out] with `gather_output` (all-gathered, replicated), else this rank's
@@ -125,21 +141,6 @@ class ColumnParallelLinear(HoldsGroup, nn.Module):
         self.weight = shard_parameter(_weight, spec)
         self.bias = shard_parameter(_bias, spec) if bias and _bias is not None else None
 
-    @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, pg: ProcessGroup | None = None, **kwargs: Any
-    ) -> ColumnParallelLinear:
-        """This rank's column-parallel slice of an existing `nn.Linear` (same outputs)."""
-        return cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            pg=pg,
-            _weight=linear.weight,
-            _bias=linear.bias,
-            **kwargs,
-        )
-
     def _gather(self, y: Tensor) -> Tensor:
         return unstride(mp_gather(y, -1, self.pg), -1, self.world_size, self.stride)
 
@@ -173,7 +174,7 @@ class ColumnParallelLinear(HoldsGroup, nn.Module):
         )
 
 
-class RowParallelLinear(HoldsGroup, nn.Module):
+class RowParallelLinear(_FromLinear, HoldsGroup, nn.Module):
     """Linear layer with input features split across `pg`.
 
     x [*, in] (scattered here) or, with `input_is_parallel`, this rank's x [*, in / ws]
@@ -215,21 +216,6 @@ class RowParallelLinear(HoldsGroup, nn.Module):
             self.bias: nn.Parameter | None = nn.Parameter(_bias.detach().clone())
         else:
             self.bias = None
-
-    @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, pg: ProcessGroup | None = None, **kwargs: Any
-    ) -> RowParallelLinear:
-        """This rank's row-parallel slice of an existing `nn.Linear` (same outputs)."""
-        return cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            pg=pg,
-            _weight=linear.weight,
-            _bias=linear.bias,
-            **kwargs,
-        )
 
     def forward(self, x: Tensor) -> LinearOutput:
         owner = type(self).__name__
