@@ -19,9 +19,8 @@ import torch
 from torch import nn
 
 from recshard.distributed.module_state import ShardedTablesMixin
-from recshard.distributed.plan_checks import SEQUENCE_TYPES, check_module_plan
+from recshard.distributed.plan_checks import SEQUENCE_TYPES
 from recshard.modules.embedding_modules import EmbeddingCollection
-from recshard.sharding.common import EmbeddingSharding, TableSpec
 from recshard.sharding.sequence import build_sequence_shardings
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor
 from recshard.types import (
@@ -87,23 +86,11 @@ class ShardedEmbeddingCollection(ShardedTablesMixin, ShardedModule):
         qcomm_codecs_registry: Dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.env = env
-        self._device = torch.device(device or "cpu")
-        configs = module.embedding_configs()
-        check_module_plan(configs, table_plans, env, "EmbeddingCollection", pooled=False)
-        self._configs = configs
-        self._table_plans = dict(table_plans)
-        self._fused_params = dict(fused_params or {})
+        self._init_collection(module.embedding_configs(), table_plans, env, device, fused_params,
+                              pooled=False, is_weighted=False, what="EmbeddingCollection")
         self._need_indices = module.need_indices()
-        self._is_weighted = False
-        self._feature_names = [f for c in configs for f in c.feature_names]
-        specs = [TableSpec(c, table_plans[c.name], dict(fused_params or {})) for c in configs]
-        self._shardings: Dict[str, EmbeddingSharding] = build_sequence_shardings(
-            specs, env, self._device, qcomm_codecs_registry
-        )
-        for name, sharding in self._shardings.items():
-            self.add_module(f"sharding_{name}", sharding)
-        self._init_input_side()
+        self._adopt_shardings(build_sequence_shardings(
+            self._table_specs(), env, self._device, qcomm_codecs_registry))
         self._pieces = self._feature_pieces()
         self._init_from(module)
 

@@ -17,11 +17,9 @@ from typing import Any, Dict, Optional
 import torch
 
 from recshard.distributed.module_state import ShardedTablesMixin
-from recshard.distributed.plan_checks import check_module_plan
 from recshard.distributed.pooled_output import PooledOutputMixin
 from recshard.modules.embedding_modules import EmbeddingBagCollection
 from recshard.sharding.build import build_pooled_shardings
-from recshard.sharding.common import EmbeddingSharding, TableSpec
 from recshard.types import (
     EmbeddingModuleShardingPlan,
     ShardedModule,
@@ -42,22 +40,10 @@ class ShardedEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, Shard
         qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
     ) -> None:
         super().__init__()
-        self.env = env
-        self._device = torch.device(device or "cpu")
-        configs = module.embedding_bag_configs()
-        check_module_plan(configs, table_plans, env, "EmbeddingBagCollection", pooled=True)
-        self._is_weighted = module.is_weighted()
-        self._configs = configs
-        self._table_plans = dict(table_plans)
-        self._fused_params = dict(fused_params or {})
-        self._feature_names = [f for c in configs for f in c.feature_names]
-        self._feature_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
-        specs = [TableSpec(c, table_plans[c.name], dict(fused_params or {})) for c in configs]
-        self._shardings: Dict[str, EmbeddingSharding] = build_pooled_shardings(
-            specs, env, self._device, self._is_weighted, qcomm_codecs_registry
-        )
-        for name, sharding in self._shardings.items():
-            self.add_module(f"sharding_{name}", sharding)
-        self._init_input_side()
+        self._init_collection(module.embedding_bag_configs(), table_plans, env, device, fused_params,
+                              pooled=True, is_weighted=module.is_weighted(),
+                              what="EmbeddingBagCollection")
+        self._adopt_shardings(build_pooled_shardings(
+            self._table_specs(), env, self._device, self._is_weighted, qcomm_codecs_registry))
         self._block_permute = self._output_permute()
         self._init_from(module)

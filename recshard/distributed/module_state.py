@@ -16,9 +16,11 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from recshard.distributed.plan_checks import check_module_plan
 from recshard.lookup.tables import LocalTable
 from recshard.modules.input_checks import bounds_check, check_dtypes_and_weights, check_features
 from recshard.optim.fused import FusedOptimizer
+from recshard.sharding.common import TableSpec
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse.validation import validate_kjt
 from recshard.types import Awaitable, BoundsCheckMode, FnAwaitable
@@ -42,11 +44,45 @@ def _mode(value: Any) -> Optional[BoundsCheckMode]:
 
 
 class ShardedTablesMixin:
-    """Needs `_shardings`, `_configs`, `_table_plans`, `_fused_params`, `_feature_names`,
-    `_is_weighted`, `env`; call `_init_input_side()` once the shardings exist."""
+    """Subclasses call `_init_collection(...)`, build their shardings from `_table_specs()`,
+    then `_adopt_shardings(...)`."""
 
     _tables_attr = "embedding_bags"
     _owner = "ShardedEmbeddingBagCollection"
+
+    # ---------------------------------------------------------------- construction
+
+    def _init_collection(
+        self,
+        configs: List[Any],
+        table_plans: Dict[str, Any],
+        env: Any,
+        device: Optional[torch.device],
+        fused_params: Optional[Dict[str, Any]],
+        pooled: bool,
+        is_weighted: bool,
+        what: str,
+    ) -> None:
+        """Check the plan (`what` names the unsharded module in errors), keep the metadata."""
+        check_module_plan(configs, table_plans, env, what, pooled=pooled)
+        self.env = env
+        self._device = torch.device(device or "cpu")
+        self._configs = configs
+        self._table_plans = dict(table_plans)
+        self._fused_params = dict(fused_params or {})
+        self._is_weighted = is_weighted
+        self._feature_names = [f for c in configs for f in c.feature_names]
+        self._feature_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
+
+    def _table_specs(self) -> List[TableSpec]:
+        return [TableSpec(c, self._table_plans[c.name], dict(self._fused_params)) for c in self._configs]
+
+    def _adopt_shardings(self, shardings: Dict[str, Any]) -> None:
+        """Register the shardings as submodules and set up the input side over them."""
+        self._shardings = shardings
+        for name, sharding in shardings.items():
+            self.add_module(f"sharding_{name}", sharding)
+        self._init_input_side()
 
     # ---------------------------------------------------------------- input side
 

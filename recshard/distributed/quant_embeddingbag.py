@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from recshard.distributed.module_state import ShardedTablesMixin
-from recshard.distributed.plan_checks import check_module_plan
 from recshard.distributed.pooled_output import PooledOutputMixin
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import DataType
@@ -32,7 +31,7 @@ from recshard.quant.embedding_modules import QuantEmbeddingBagCollection
 from recshard.quant.kernel import QuantLookup, QuantTable
 from recshard.quant.rowwise import BITS
 from recshard.sharding.build import build_pooled_shardings
-from recshard.sharding.common import EmbeddingSharding, TableSpec
+from recshard.sharding.common import TableSpec
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import (
     EmbeddingComputeKernel,
@@ -109,18 +108,11 @@ class ShardedQuantEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, 
         qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
     ) -> None:
         super().__init__()
-        self.env = env
-        self._device = torch.device(device or "cpu")
         configs = module.embedding_bag_configs()
-        check_module_plan(configs, table_plans, env, "QuantEmbeddingBagCollection", pooled=True)
+        self._init_collection(configs, table_plans, env, device, fused_params, pooled=True,
+                              is_weighted=module.is_weighted(), what="QuantEmbeddingBagCollection")
         _check_plan(module, table_plans)
-        self._is_weighted = module.is_weighted()
-        self._configs = configs
-        self._table_plans = dict(table_plans)
-        self._fused_params = dict(fused_params or {})
         self._output_dtype = module.output_dtype()
-        self._feature_names = [f for c in configs for f in c.feature_names]
-        self._feature_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
         # Routing and output dists come from the float shardings, built around placeholder
         # dense lookups on `meta` (no memory); their lookups are then swapped for quantized ones.
         specs = [
@@ -129,17 +121,14 @@ class ShardedQuantEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, 
                                           compute_kernel=EmbeddingComputeKernel.DENSE.value))
             for c in configs
         ]
-        self._shardings: Dict[str, EmbeddingSharding] = build_pooled_shardings(
-            specs, env, _META, self._is_weighted, qcomm_codecs_registry
-        )
+        shardings = build_pooled_shardings(specs, env, _META, self._is_weighted, qcomm_codecs_registry)
         by_name = {c.name: c for c in configs}
-        for name, sharding in self._shardings.items():
+        for sharding in shardings.values():
             tables = [dataclasses.replace(t, config=by_name[t.name],
                                           compute_kernel=EmbeddingComputeKernel.QUANT)
                       for t in sharding.lookup.tables]
             sharding.lookup = QuantShardLookup(tables, self._device, self._output_dtype)
-            self.add_module(f"sharding_{name}", sharding)
-        self._init_input_side()
+        self._adopt_shardings(shardings)
         self._block_permute = self._output_permute()
         self._load_shards(module)
 
