@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import time
-from datetime import timedelta
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.launch import run_on_ranks
 from recshard.comm import (
     FP16CommCodec,
     KJTAllToAll,
@@ -162,22 +160,6 @@ def main(args: argparse.Namespace) -> None:
     bench_overlap(*overlap, repeats=args.repeats)
 
 
-def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=300))
-    try:
-        main(args)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cli(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
@@ -185,17 +167,7 @@ def cli(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    if "RANK" in os.environ:  # launched by torchrun
-        torch.set_num_threads(args.threads)
-        dist.init_process_group(timeout=timedelta(seconds=300))
-        try:
-            main(args)
-        finally:
-            dist.destroy_process_group()
-        return
-    torch.multiprocessing.spawn(_worker, args=(args.world_size, _free_port(), args),
-                                nprocs=args.world_size, join=True)
-
+    run_on_ranks(main, args, args.world_size, args.threads)
 
 if __name__ == "__main__":
     cli()

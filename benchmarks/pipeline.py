@@ -27,17 +27,16 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import statistics
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks.launch import run_on_ranks
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import construct_module_sharding_plan, table_wise
@@ -287,22 +286,6 @@ def _main(args: argparse.Namespace) -> None:
             print(json.dumps(result), flush=True)
 
 
-def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=300))
-    try:
-        _main(args)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cli(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world-size", type=int, default=2)
@@ -324,17 +307,7 @@ def cli(argv: Optional[List[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.quick:
         args.batch_size, args.steps, args.blocks, args.warmup = 512, 5, 3, 2
-    if "RANK" in os.environ:  # launched by torchrun
-        torch.set_num_threads(args.threads)
-        dist.init_process_group(timeout=timedelta(seconds=300))
-        try:
-            _main(args)
-        finally:
-            dist.destroy_process_group()
-        return
-    torch.multiprocessing.spawn(_worker, args=(args.world_size, _free_port(), args),
-                                nprocs=args.world_size, join=True)
-
+    run_on_ranks(_main, args, args.world_size, args.threads)
 
 if __name__ == "__main__":
     cli()

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import time
-from datetime import timedelta
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.launch import run_on_ranks
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.comm import (
     CommOp,
@@ -159,21 +158,9 @@ def _backward(module: torch.nn.Module, embs: torch.Tensor, grad: torch.Tensor) -
 # ------------------------------------------------------------------------------ entry
 
 
-def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=300))
-    try:
-        sizes = [(256, 64), (2048, 128)] if args.quick else [(512, 64), (4096, 128), (8192, 256)]
-        bench_collectives(sizes, args.repeats)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _collectives(args: argparse.Namespace) -> None:
+    sizes = [(256, 64), (2048, 128)] if args.quick else [(512, 64), (4096, 128), (8192, 256)]
+    bench_collectives(sizes, args.repeats)
 
 
 def cli(argv: Optional[List[str]] = None) -> None:
@@ -194,8 +181,7 @@ def cli(argv: Optional[List[str]] = None) -> None:
             bench_lookups(num_tables=8, rows=100_000, dim=128, batch=2048, pooling=20,
                           repeats=args.repeats)
     if args.only != "lookups":
-        torch.multiprocessing.spawn(_worker, args=(args.world_size, _free_port(), args),
-                                    nprocs=args.world_size, join=True)
+        run_on_ranks(_collectives, args, args.world_size, args.threads)
 
 
 if __name__ == "__main__":
