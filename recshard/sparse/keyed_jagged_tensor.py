@@ -77,12 +77,12 @@ class KeyedJaggedTensor(JaggedStorage):
         inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
         validate: bool = True,
     ) -> KeyedJaggedTensor:
-        kjt = KeyedJaggedTensor(
+        """Built from per-bag lengths, per-key sums computed now (one host sync)."""
+        return KeyedJaggedTensor(
             keys, values, weights, lengths=lengths, stride=stride,
             stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices,
             validate=validate,
-        )
-        return kjt.sync()
+        ).sync()
 
     @staticmethod
     def from_offsets_sync(
@@ -95,12 +95,12 @@ class KeyedJaggedTensor(JaggedStorage):
         inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
         validate: bool = True,
     ) -> KeyedJaggedTensor:
-        kjt = KeyedJaggedTensor(
+        """Built from bag offsets (`[0] + cumsum(lengths)`), per-key sums computed now."""
+        return KeyedJaggedTensor(
             keys, values, weights, offsets=offsets, stride=stride,
             stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices,
             validate=validate,
-        )
-        return kjt.sync()
+        ).sync()
 
     @staticmethod
     def from_jt_dict(jt_dict: Dict[str, JaggedTensor]) -> KeyedJaggedTensor:
