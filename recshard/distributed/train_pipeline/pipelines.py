@@ -60,8 +60,17 @@ class TrainPipeline(abc.ABC, Generic[In, Out]):
     """Runs one training step per `progress` call on batches pulled from `dataloader_iter`;
     raises `StopIteration` when there is nothing left to run."""
 
+    _optimizer: Optional[torch.optim.Optimizer] = None
+
     @abc.abstractmethod
     def progress(self, dataloader_iter: Iterator[In]) -> Out: ...
+
+    def _backward_and_step(self, losses: torch.Tensor, training: bool) -> None:
+        """Backward of the summed losses and the optimizer step (training only)."""
+        if training:
+            torch.sum(losses).backward()
+            if self._optimizer is not None:
+                self._optimizer.step()
 
 
 def _process_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
@@ -185,10 +194,7 @@ class TrainPipelineBase(TrainPipeline[In, Out]):
         queue.fetch(dataloader_iter)  # batch i+1: its copy overlaps this step
         with contextlib.nullcontext() if training else torch.no_grad():
             losses, output = _split_result(self._model(batch))
-        if training:
-            torch.sum(losses).backward()
-            if self._optimizer is not None:
-                self._optimizer.step()
+        self._backward_and_step(losses, training)
         queue.pop()
         return output
 
@@ -346,10 +352,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         losses, output = self._forward(batch, context, training)
         if len(queue.batches) >= 2:
             self._wait_sparse_data_dist(queue.contexts[1])  # batch i+1: tensors exchange
-        if training:
-            torch.sum(losses).backward()
-            if self._optimizer is not None:
-                self._optimizer.step()
+        self._backward_and_step(losses, training)
         queue.pop()
         return output
 
