@@ -3,6 +3,10 @@
 Tables are grouped by (dtype, pooling, compute kernel, implementation, fused params) and
 reordered so each group's features are contiguous; the sharding routes features to this rank
 in `GroupedLookup.tables` order, so the incoming KJT splits into groups without a permute.
+
+On CPU a fbgemm group is cut into one kernel per torch thread (`torch.get_num_threads()` when
+the lookup is built) and the kernels run side by side (`recshard.lookup.threads`): fbgemm's
+CPU backward and fused update use one thread per kernel. The cut never reorders features.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from recshard import ops
 from recshard.lookup.fused_optim import FusedOptimSpec, parse_fused_params
 from recshard.lookup.kernels import DenseKernel, FbgemmFusedKernel, LookupKernel, TorchFusedKernel
 from recshard.lookup.tables import LocalTable, group_key
+from recshard.lookup.threads import run_side_by_side
 from recshard.modules.embedding_configs import DataType, PoolingType
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import EmbeddingComputeKernel
@@ -62,6 +67,17 @@ def group_tables(tables: List[LocalTable], is_weighted: bool) -> List[Tuple[bool
     return [(key[3], group) for key, group in groups.items()]
 
 
+def split_evenly(tables: List[LocalTable], parts: int) -> List[List[LocalTable]]:
+    """At most `parts` contiguous runs of `tables` with about equal feature counts each."""
+    total = sum(t.num_features for t in tables)
+    runs: List[List[LocalTable]] = [[] for _ in range(min(parts, len(tables)))]
+    seen = 0
+    for table in tables:
+        runs[min(len(runs) - 1, seen * len(runs) // total)].append(table)
+        seen += table.num_features
+    return [run for run in runs if run]
+
+
 def lookup_order(tables: List[LocalTable], is_weighted: bool) -> List[LocalTable]:
     """The order in which `GroupedLookup` expects these tables' features."""
     return [t for _, group in group_tables(tables, is_weighted) for t in group]
@@ -79,10 +95,13 @@ class GroupedLookup(nn.Module):
     ) -> None:
         super().__init__()
         self.pooled = pooled
+        threads = torch.get_num_threads() if device.type == "cpu" else 1
         self.kernels = nn.ModuleList(
-            _build_kernel(group, pooled, fbgemm, device)
+            _build_kernel(run, pooled, fbgemm, device)
             for fbgemm, group in group_tables(tables, is_weighted)
+            for run in (split_evenly(group, threads) if fbgemm else [group])
         )
+        self.side_by_side = threads > 1 and len(self.kernels) > 1
         self.tables: List[LocalTable] = [t for k in self.kernels for t in k.tables]
         self._features_per_kernel = [len(k.feature_table) for k in self.kernels]
 
@@ -101,8 +120,11 @@ class GroupedLookup(nn.Module):
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         if len(self.kernels) == 1:
             return self.kernels[0](features)
-        parts = features.split(self._features_per_kernel)
-        outputs = [kernel(part) for kernel, part in zip(self.kernels, parts)]
-        if not outputs:
+        if not self.kernels:
             return torch.empty(features.stride(), 0)
-        return torch.cat(outputs, dim=1 if self.pooled else 0)
+        parts = features.split(self._features_per_kernel)
+        dim = 1 if self.pooled else 0
+        weights = features.weights_or_none()
+        if self.side_by_side and (weights is None or not weights.requires_grad):
+            return run_side_by_side(self.kernels, parts, dim)
+        return torch.cat([kernel(part) for kernel, part in zip(self.kernels, parts)], dim=dim)

@@ -121,6 +121,8 @@ class FbgemmFusedKernel(LookupKernel):
         self.tbe.set_learning_rate(lr)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        if torch.is_inference_mode_enabled():  # fbgemm's training op has no inference kernel
+            return _plain_lookup(self.table_weights(), self, features)
         return self.tbe(
             features.values().long(),
             features.offsets().long(),

@@ -32,8 +32,21 @@ KINDS = ["table_wise", "row_wise", "column_wise", "table_row_wise", "table_colum
 
 
 def run_case(rank: int, ws: int, lws: int, kind: str, kernel: str, optimizer: str,
+             weighted: bool, batch_size: int, steps: int, threads: int = 1) -> List[str]:
+    """Returns a list of mismatch descriptions (empty when everything matches).
+
+    `threads` > 1: the sharded module is built and run with that many torch threads, so its
+    fbgemm groups are cut into kernels that run side by side (`recshard.lookup.threads`).
+    """
+    torch.set_num_threads(threads)
+    try:
+        return _compare(rank, ws, lws, kind, kernel, optimizer, weighted, batch_size, steps)
+    finally:
+        torch.set_num_threads(1)
+
+
+def _compare(rank: int, ws: int, lws: int, kind: str, kernel: str, optimizer: str,
              weighted: bool, batch_size: int, steps: int) -> List[str]:
-    """Returns a list of mismatch descriptions (empty when everything matches)."""
     problems: List[str] = []
     env = ShardingEnv.from_process_group(torch.distributed.group.WORLD, local_world_size=lws)
     reference = make_ebc(weighted)
@@ -106,6 +119,9 @@ def cases_for(ws: int) -> List[tuple]:
     cases.append((lws, "mixed", "fused", "sgd", True, 3, 2))   # weighted
     cases.append((lws, "row_wise", "fused", "sgd", False, 1, 2))  # batch size 1
     cases.append((lws, "table_row_wise", "fused", "sgd", True, 2, 2))
+    if ws <= 2:  # fbgemm kernels side by side on two threads
+        for kind in ("table_wise", "row_wise", "mixed"):
+            cases.append((lws, kind, "fused", "rowwise_adagrad", kind == "mixed", 3, 3, 2))
     if ws == 2:
         cases.append((1, "table_row_wise", "fused", "sgd", False, 2, 2))  # two nodes of one
         cases.append((1, "mixed", "fused", "rowwise_adagrad", False, 2, 2))

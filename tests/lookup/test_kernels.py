@@ -187,3 +187,18 @@ def test_empty_shard_decision_is_global_not_local() -> None:
     lookup = GroupedLookup(tables, pooled=True, device=torch.device("cpu"))
     kinds = {t.name: type(k).__name__ for k in lookup.kernels for t in k.tables}
     assert kinds == {"t0": "TorchFusedKernel", "t1": "FbgemmFusedKernel"}
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
+def test_fbgemm_kernel_runs_under_inference_mode(pooling: PoolingType) -> None:
+    """fbgemm's training op has no inference-mode kernel: the lookup falls back to torch ops."""
+    kernel = FbgemmFusedKernel(local_tables([4, 8], pooling), True,
+                               parse_fused_params({"learning_rate": 0.1}, "t0"), torch.device("cpu"))
+    kjt = features(kernel.tables, True, seed=3)
+    with torch.no_grad():
+        expected = kernel(kjt)
+    with torch.inference_mode():
+        out = kernel(kjt)
+    assert out.is_inference()
+    torch.testing.assert_close(out, expected)
