@@ -43,3 +43,4 @@ from recshard.comm.request import (  # noqa: F401
     reset_comm_payload_bytes,
     set_gradient_division,
 )
+from recshard.comm.row_average import average_rows_over_ranks  # noqa: F401

@@ -5,8 +5,9 @@ reordered so each group's features are contiguous; the sharding routes features 
 in `GroupedLookup.tables` order, so the incoming KJT splits into groups without a permute.
 
 On CPU a fbgemm group is cut into one kernel per torch thread (`torch.get_num_threads()` when
-the lookup is built) and the kernels run side by side (`recshard.lookup.threads`): fbgemm's
-CPU backward and fused update use one thread per kernel. The cut never reorders features.
+the lookup is built) and the fused kernels run side by side (`recshard.lookup.threads`):
+fbgemm's CPU backward and fused update use one thread per kernel. The cut never reorders
+features; dense kernels always run on the caller's thread.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class GroupedLookup(nn.Module):
             for fbgemm, group in group_tables(tables, is_weighted)
             for run in (split_evenly(group, threads) if fbgemm else [group])
         )
-        self.side_by_side = threads > 1 and len(self.kernels) > 1
+        self.side_by_side = threads > 1 and sum(k.is_fused for k in self.kernels) > 1
         self.tables: List[LocalTable] = [t for k in self.kernels for t in k.tables]
         self._features_per_kernel = [len(k.feature_table) for k in self.kernels]
 
@@ -123,8 +124,17 @@ class GroupedLookup(nn.Module):
         if not self.kernels:
             return torch.empty(features.stride(), 0)
         parts = features.split(self._features_per_kernel)
-        dim = 1 if self.pooled else 0
         weights = features.weights_or_none()
         if self.side_by_side and (weights is None or not weights.requires_grad):
-            return run_side_by_side(self.kernels, parts, dim)
-        return torch.cat([kernel(part) for kernel, part in zip(self.kernels, parts)], dim=dim)
+            outputs = self._fused_side_by_side(parts)
+        else:
+            outputs = [kernel(part) for kernel, part in zip(self.kernels, parts)]
+        return torch.cat(outputs, dim=1 if self.pooled else 0)
+
+    def _fused_side_by_side(self, parts: List[KeyedJaggedTensor]) -> List[torch.Tensor]:
+        """Fused kernels on torch's threads, the others on this one; outputs in kernel order."""
+        fused = [i for i, kernel in enumerate(self.kernels) if kernel.is_fused]
+        outputs = dict(zip(fused, run_side_by_side([self.kernels[i] for i in fused],
+                                                   [parts[i] for i in fused])))
+        return [outputs[i] if i in outputs else kernel(parts[i])
+                for i, kernel in enumerate(self.kernels)]

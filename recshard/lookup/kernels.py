@@ -11,7 +11,7 @@ Output: pooled `[B, sum of the features' dims]`, or sequence `[N, D]` (one row p
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -219,8 +219,16 @@ class TorchFusedKernel(LookupKernel):
                 apply_row_update(self.spec, self.lr, weights[t_index], states[t_index], unique, grad)
 
 
+WeightInUse = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class DenseKernel(LookupKernel):
-    """Weights are `nn.Parameter`s (`weight_<i>`): gradients land in `.grad`."""
+    """Weights are `nn.Parameter`s (`weight_<i>`): gradients land in `.grad`.
+
+    `weight_in_use(weight, ids)`, when set, maps each table's weight to the tensor the lookup
+    reads, given every id looked up in it this step (while autograd records): the
+    data-parallel sharding averages gradients over ranks through it.
+    """
 
     def __init__(self, tables: List[LocalTable], pooled: bool, device: torch.device) -> None:
         super().__init__(tables, pooled)
@@ -229,13 +237,21 @@ class DenseKernel(LookupKernel):
                                      device=device))
             for t in tables
         )
+        self.weight_in_use: Optional[WeightInUse] = None
         self._init_weights()
 
     def table_weights(self) -> List[torch.Tensor]:
         return list(self.weights)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        return _plain_lookup(self.table_weights(), self, features)
+        weights = self.table_weights()
+        if self.weight_in_use is not None and torch.is_grad_enabled():
+            ids: List[List[torch.Tensor]] = [[] for _ in weights]
+            for jt, t_index in zip(jagged_by_index(features), self.feature_table):
+                ids[t_index].append(jt.values().long())
+            weights = [self.weight_in_use(weight, torch.cat(table_ids))
+                       for weight, table_ids in zip(weights, ids)]
+        return _plain_lookup(weights, self, features)
 
 
 def jagged_by_index(features: KeyedJaggedTensor) -> List[JaggedTensor]:

@@ -10,6 +10,9 @@ a fused group into one kernel per thread; this module runs them concurrently:
   `torch.autograd.backward` call, again one per thread. Kernels own disjoint tables, so
   the updates neither race nor depend on the order: results equal the serial run exactly.
 
+Only fused kernels go to the pool: their backward touches nothing but their own tables and
+optimizer state. Dense kernels stay on the caller's thread, since their weights carry hooks
+(data-parallel averaging, DDP) that run collectives, which must keep one order on every rank.
 Only the kernels' own graphs are walked on the pool: the join is used only when nothing
 upstream of the kernels needs gradients (ids never do; per-sample weights might, and then
 the kernels run serially on the caller's thread).
@@ -53,29 +56,30 @@ def _fan_out(tasks: Sequence[Callable[[], object]]) -> List[object]:
 
 
 class _JoinOutputs(torch.autograd.Function):
-    """Concatenate the kernels' (detached) outputs; backward runs their graphs in parallel."""
+    """Hands out the kernels' (detached) outputs; backward runs their graphs in parallel."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, dim: int, outputs: List[torch.Tensor],  # noqa: ANN001
-                *detached: torch.Tensor) -> torch.Tensor:
-        ctx.outputs, ctx.dim = outputs, dim
-        return torch.cat(detached, dim=dim)
+    def forward(ctx, anchor: torch.Tensor, outputs: List[torch.Tensor],  # noqa: ANN001
+                *detached: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.outputs = outputs
+        ctx.set_materialize_grads(False)  # an unused output's kernel gets no backward at all
+        return tuple(out.view_as(out) for out in detached)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+    def backward(ctx, *grads: Optional[torch.Tensor]):  # noqa: ANN001, ANN205
         outputs, ctx.outputs = ctx.outputs, None
-        grads = grad.split([out.size(ctx.dim) for out in outputs], dim=ctx.dim)
         _fan_out([
             (lambda out=out, g=g: torch.autograd.backward(out, g))
-            for out, g in zip(outputs, grads) if out.grad_fn is not None
+            for out, g in zip(outputs, grads) if g is not None and out.grad_fn is not None
         ])
-        return (None, None, None, *([None] * len(outputs)))
+        return (None, None, *([None] * len(outputs)))
 
 
-def run_side_by_side(kernels: Sequence[nn.Module], inputs: Sequence[object], dim: int) -> torch.Tensor:
-    """`torch.cat([k(x) for k, x in zip(kernels, inputs)], dim)`, kernels on parallel threads.
+def run_side_by_side(kernels: Sequence[nn.Module], inputs: Sequence[object]) -> List[torch.Tensor]:
+    """`[k(x) for k, x in zip(kernels, inputs)]`, kernels on parallel threads.
 
-    The caller must ensure no input requires grad (see the module docstring).
+    Kernels must touch only their own state in backward (fused kernels: no parameter hooks,
+    no collectives), and no input may require grad (see the module docstring).
     """
     grad_enabled = torch.is_grad_enabled()
     inference = torch.is_inference_mode_enabled()
@@ -88,6 +92,6 @@ def run_side_by_side(kernels: Sequence[nn.Module], inputs: Sequence[object], dim
         (lambda k=k, x=x: call(k, x)) for k, x in zip(kernels, inputs)
     ])
     if not any(out.requires_grad for out in outputs):
-        return torch.cat(outputs, dim=dim)
+        return outputs
     anchor = torch.empty(0, requires_grad=True)  # gives the join a node in the outer graph
-    return _JoinOutputs.apply(anchor, dim, outputs, *(out.detach() for out in outputs))
+    return list(_JoinOutputs.apply(anchor, outputs, *(out.detach() for out in outputs)))

@@ -1,8 +1,10 @@
 """Data-parallel sharding: every rank holds the whole table and looks up its own batch.
 
 No input or output dist. The replicas stay equal because each weight gradient is averaged
-over ranks (all-reduce / world size, the DDP rule) by a hook as soon as it is computed;
-DistributedModelParallel leaves these weights out of its own DDP wrapper.
+over ranks (all-reduce / world size, the DDP rule) in backward, as soon as it is computed;
+DistributedModelParallel leaves these weights out of its own DDP wrapper. The all-reduce
+carries only the rows some rank looked up (`average_rows_over_ranks`): same result, a
+fraction of the bytes when a step touches a fraction of the table.
 """
 
 from __future__ import annotations
@@ -12,10 +14,28 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from recshard.comm.row_average import average_rows_over_ranks
 from recshard.lookup.grouped import GroupedLookup, lookup_order
 from recshard.sharding.common import EmbeddingSharding, TableSpec
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import Awaitable, EmbeddingComputeKernel, NoWait, ShardingEnv
+
+
+class _AverageGradOverRanks(torch.autograd.Function):
+    """Identity on a table's weight; backward averages its gradient over ranks, sending only
+    the rows some rank looked up (`ids` are this rank's). One node per forward, so gradient
+    accumulation over several forwards averages each part, which sums to the right mean."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, ids: torch.Tensor,  # noqa: ANN001
+                pg: Optional[dist.ProcessGroup]) -> torch.Tensor:
+        ctx.ids, ctx.pg = ids, pg
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        # In place: the lookup's weight gradient is a fresh tensor that nothing else holds.
+        return average_rows_over_ranks(grad, ctx.ids, ctx.pg), None, None
 
 
 class DataParallelPooledSharding(EmbeddingSharding):
@@ -37,8 +57,8 @@ class DataParallelPooledSharding(EmbeddingSharding):
         self.output_columns = [(f, 0, t.cols) for t in tables for f in t.feature_names]
         self.lookup = GroupedLookup(tables, pooled, device, is_weighted)
         if env.world_size > 1:
-            for weight in self.lookup.table_weights():
-                weight.register_hook(self._average_over_ranks)
+            for kernel in self.lookup.kernels:
+                kernel.weight_in_use = self._averaged_in_backward
 
     def after_init(self) -> None:
         """Replicas start equal: rank 0's weights win (ranks may have drawn different inits)."""
@@ -48,10 +68,8 @@ class DataParallelPooledSharding(EmbeddingSharding):
                     dist.broadcast(weight.data, src=dist.get_global_rank(self.env.pg, 0)
                                    if self.env.pg is not None else 0, group=self.env.pg)
 
-    def _average_over_ranks(self, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad / self.env.world_size
-        dist.all_reduce(grad, group=self.env.pg)
-        return grad
+    def _averaged_in_backward(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return _AverageGradOverRanks.apply(weight, ids, self.env.pg)
 
     def input_dist(
         self, features: KeyedJaggedTensor, ctx: Dict[str, Any], input_error: Optional[str]

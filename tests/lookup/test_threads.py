@@ -8,6 +8,7 @@ several fused steps, and the same per-sample-weight gradients.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Iterator, List
 
@@ -140,14 +141,14 @@ class _Doubles(nn.Module):
 
 def test_an_error_on_a_worker_thread_reaches_the_caller() -> None:
     with torch_threads(2), pytest.raises(ValueError, match="kernel failed on 3 ids"):
-        run_side_by_side([_Doubles(), _Fails()], [torch.ones(2), torch.ones(3)], dim=0)
+        run_side_by_side([_Doubles(), _Fails()], [torch.ones(2), torch.ones(3)])
 
 
-def test_side_by_side_concatenates_in_kernel_order() -> None:
-    x = torch.arange(6.0, requires_grad=True)
+def test_side_by_side_returns_outputs_in_kernel_order() -> None:
+    x = torch.arange(6.0)
     with torch_threads(2):
-        out = run_side_by_side([_Doubles(), _Doubles(), _Doubles()], list(x.split([1, 2, 3])), dim=0)
-    torch.testing.assert_close(out, 2 * x.detach())
+        outputs = run_side_by_side([_Doubles(), _Doubles(), _Doubles()], list(x.split([1, 2, 3])))
+    assert [out.tolist() for out in outputs] == [[0.0], [2.0, 4.0], [6.0, 8.0, 10.0]]
 
 
 def test_split_evenly_keeps_order_and_balances_features() -> None:
@@ -156,3 +157,22 @@ def test_split_evenly_keeps_order_and_balances_features() -> None:
     assert [[t.name for t in run] for run in runs] == [["t0", "t1"], ["t2", "t3"]]
     assert [[t.name for t in run] for run in split_evenly(tables, 8)] == [[t.name] for t in tables]
     assert split_evenly(tables, 1) == [tables]
+
+
+@needs_fbgemm
+def test_dense_kernels_stay_on_the_callers_thread() -> None:
+    """Dense weights carry hooks that run collectives (DP averaging, DDP): never on the pool."""
+    fused = fbgemm_tables(OptimType.EXACT_SGD, True, PoolingType.SUM)
+    dense = [LocalTable(EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=4, name=f"d{i}",
+                                           feature_names=[f"d{i}_a"], pooling=pooling),
+                        ROWS, 4, 0, 0, EmbeddingComputeKernel.DENSE, pooling)
+             for i, pooling in enumerate([PoolingType.SUM, PoolingType.MEAN])]
+    lookup = build(fused + dense, True, 2, False)
+    assert lookup.side_by_side and sum(k.is_fused for k in lookup.kernels) == 2
+    hook_threads: List[str] = []
+    for kernel in lookup.kernels:
+        for weight in ([] if kernel.is_fused else kernel.table_weights()):
+            weight.register_hook(lambda g: hook_threads.append(threading.current_thread().name))
+    with torch_threads(2):
+        lookup(features(lookup.tables, False, seed=0)).sum().backward()
+    assert hook_threads == [threading.current_thread().name] * 2
