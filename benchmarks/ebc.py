@@ -461,6 +461,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="configurations to profile on rank 0 (default table_wise)")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel comparison")
+    parser.add_argument("--kernel-threads", type=lambda text: [int(n) for n in text.split(",")],
+                        default=sorted({1, torch.get_num_threads()}),
+                        help="torch thread counts for the kernel comparison (default: 1 and "
+                             "torch's default)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few steps (smoke test)")
     args = parser.parse_args(argv)
@@ -478,8 +482,9 @@ def cli(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     sizes = QUICK if args.quick else Sizes()
     if not args.no_kernels:  # in this process, before any rank starts
-        torch.set_num_threads(args.threads)
-        bench_kernels(sizes, args)
+        for threads in args.kernel_threads:
+            torch.set_num_threads(threads)
+            bench_kernels(sizes, args)
     bench_ebc(args.types, sizes, args)
 
 
