@@ -387,6 +387,21 @@ def test_mismatched_checkpoint_names_the_table_and_both_shapes(
                     f"checkpoint but ({rows}, {dim}) in the model") in text, text
 
 
+def test_checkpoint_table_the_model_lacks_is_reported_unless_not_strict() -> None:
+    with tempfile.TemporaryDirectory() as path:
+        saved = _ebc()
+        directory = checkpoint.save(path, saved, extra={"save": 1})
+        torch.manual_seed(3)
+        smaller = EmbeddingBagCollection([EmbeddingBagConfig(
+            num_embeddings=64, embedding_dim=8, name="t0", feature_names=["f0"])])
+        text = _load_error(path, smaller)
+        assert directory in text and "1 saved key(s) the model does not have" in text, text
+        assert "table 't1' ('embedding_bags.t1.weight')" in text and "strict=False" in text, text
+        assert checkpoint.load(path, smaller, strict=False) == {"save": 1}
+        torch.testing.assert_close(smaller.embedding_bags["t0"].weight,
+                                   saved.embedding_bags["t0"].weight)
+
+
 def _save_then_load_sharded(rank: int, ws: int, path: str) -> str:
     """ws 2 save; then a model whose table 'ta' has other dims loads it: every rank raises the
     shape error before any collective of the load, so nothing hangs."""

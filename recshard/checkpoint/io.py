@@ -196,6 +196,17 @@ def _check_shapes(template: Dict[str, Any], directory: Path, metadata: Any) -> N
                     f"{saved_size} in the checkpoint but {size} in the model")
 
 
+def _check_no_extra_keys(template: Dict[str, Any], directory: Path, metadata: Any) -> None:
+    """strict: every model key in the checkpoint must be in the model (nothing dropped)."""
+    extra = sorted(full_key.split(".", 1)[1] for full_key in metadata.state_dict_metadata
+                   if full_key.startswith("model.")
+                   and full_key.split(".", 1)[1] not in template["model"])
+    if extra:
+        shown = ", ".join(_describe_key(k) for k in extra[:4]) + (" ..." if len(extra) > 4 else "")
+        raise ValueError(f"checkpoint {directory}: {len(extra)} saved key(s) the model does not "
+                         f"have: {shown}; pass strict=False to load the rest")
+
+
 def _check_files(template: Dict[str, Any], directory: Path, metadata: Any) -> None:
     """Every shard file holding a key to load exists and is as long as the metadata says."""
     wanted: Set[str] = {f"{section}.{key}" for section, entries in template.items()
@@ -228,13 +239,20 @@ def _first_cause(error: BaseException) -> str:
 
 
 @quiet_sharded_tensor()
-def load(path: str, model: nn.Module, optimizer: Optional[KeyedOptimizer] = None) -> Dict[str, Any]:
+def load(path: str, model: nn.Module, optimizer: Optional[KeyedOptimizer] = None,
+         strict: bool = True) -> Dict[str, Any]:
     """Load the newest checkpoint under `path` into `model` (and `optimizer`), resharding to the
-    model's current plan and world size. Returns the `extra` dict given to `save`."""
+    model's current plan and world size. Returns the `extra` dict given to `save`.
+
+    Every model key must be in the checkpoint with the same shape; with `strict` (default),
+    every model key in the checkpoint must also be in the model (as `load_state_dict`).
+    """
     directory = latest_checkpoint(path)
     template = _training_state(model, optimizer)
     metadata = _read_metadata(directory)
     _check_shapes(template, directory, metadata)
+    if strict:
+        _check_no_extra_keys(template, directory, metadata)
     _check_files(template, directory, metadata)
     try:
         dcp.load(template, checkpoint_id=str(directory))
