@@ -1,4 +1,5 @@
-"""DistributedModelParallel training equals single-process training; checkpoints reshard.
+"""DistributedModelParallel training equals single-process training; checkpoints reshard
+(also between ranks that cut their fused groups into per-thread kernels and ranks that do not).
 
 Reference: the same model, unsharded, trained in one process on the concatenated global
 batches with the same optimizers (gradient convention: mean over ranks).
@@ -76,7 +77,8 @@ def test_dmp_training_equals_single_process(world_size: int) -> None:
     assert results[0] == {}, results[0]
 
 
-def save_phase(rank: int, ws: int, path: str) -> List[float]:
+def save_phase(rank: int, ws: int, path: str, threads: int) -> List[float]:
+    torch.set_num_threads(threads)  # 2: fused groups cut into kernels that run side by side
     dmp = build("table_wise", ws, "fused", adagrad=True)
     opt = make_optimizer(dmp, True, True)
     train(dmp, opt, range(2), rank, ws)
@@ -84,7 +86,8 @@ def save_phase(rank: int, ws: int, path: str) -> List[float]:
     return train(dmp, opt, range(2, STEPS), rank, ws)  # the uninterrupted run
 
 
-def load_phase(rank: int, ws: int, path: str, kind: str) -> List[float]:
+def load_phase(rank: int, ws: int, path: str, kind: str, threads: int) -> List[float]:
+    torch.set_num_threads(threads)
     dmp = build(kind, ws, "fused", adagrad=True)
     opt = make_optimizer(dmp, True, True)
     extra = checkpoint.load(path, dmp, opt)
@@ -103,11 +106,13 @@ def plain_first_loss(path: str) -> float:
 
 def test_checkpoint_reshards_across_world_sizes_and_plans() -> None:
     with tempfile.TemporaryDirectory() as path:
-        uninterrupted = run_ranks(2, save_phase, path, timeout=200)[0]
-        for ws, kind in [(3, "row_wise"), (3, "column_wise"), (1, "table_wise")]:
-            resumed = run_ranks(ws, load_phase, path, kind, timeout=200)[0]
+        uninterrupted = run_ranks(2, save_phase, path, 2, timeout=200)[0]
+        for ws, kind, threads in [(3, "row_wise", 1), (3, "column_wise", 1), (1, "table_wise", 1),
+                                  (1, "table_wise", 2)]:
+            resumed = run_ranks(ws, load_phase, path, kind, threads, timeout=200)[0]
             torch.testing.assert_close(torch.tensor(resumed), torch.tensor(uninterrupted),
-                                       atol=1e-5, rtol=0, msg=f"resumed on {ws} ranks, {kind}")
+                                       atol=1e-5, rtol=0,
+                                       msg=f"resumed on {ws} ranks, {kind}, {threads} threads")
         assert abs(plain_first_loss(path) - uninterrupted[0]) < 1e-5
 
 
