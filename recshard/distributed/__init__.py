@@ -8,6 +8,10 @@ from recshard.distributed.model_parallel import (
     get_module,
     get_unwrapped_module,
 )
+from recshard.distributed.quant_embedding import (
+    QuantEmbeddingCollectionSharder,
+    ShardedQuantEmbeddingCollection,
+)
 from recshard.distributed.quant_embeddingbag import (
     QuantEmbeddingBagCollectionSharder,
     ShardedQuantEmbeddingBagCollection,
@@ -27,7 +31,9 @@ __all__ = [
     "EmbeddingBagCollectionSharder",
     "EmbeddingCollectionSharder",
     "QuantEmbeddingBagCollectionSharder",
+    "QuantEmbeddingCollectionSharder",
     "ShardedQuantEmbeddingBagCollection",
+    "ShardedQuantEmbeddingCollection",
     "ShardedEmbeddingCollection",
     "ShardedEmbeddingBagCollection",
     "EvalPipelineSparseDist",

@@ -59,7 +59,8 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
 def default_sharders() -> List[ModuleSharder]:
     """The sharders DistributedModelParallel uses when none are given."""
     from recshard.distributed.embedding import EmbeddingCollectionSharder
+    from recshard.distributed.quant_embedding import QuantEmbeddingCollectionSharder
     from recshard.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
 
     return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder(),
-            QuantEmbeddingBagCollectionSharder()]
+            QuantEmbeddingBagCollectionSharder(), QuantEmbeddingCollectionSharder()]

@@ -3,8 +3,9 @@
     from recshard.quant import quantize_embeddings
     model = quantize_embeddings(model, torch.quint4x2)     # every EBC/EC -> quantized twin
 
-Sharded inference: `recshard.distributed.QuantEmbeddingBagCollectionSharder` with plans whose
-compute_kernel is "quant".
+Sharded inference: `recshard.distributed.QuantEmbeddingBagCollectionSharder` (every sharding
+type) and `QuantEmbeddingCollectionSharder` (data-parallel, table-wise, column-wise, row-wise),
+with plans whose compute_kernel is "quant"; DistributedModelParallel picks them by default.
 """
 
 from recshard.quant.embedding_modules import (

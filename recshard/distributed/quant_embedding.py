@@ -1,0 +1,86 @@
+"""ShardedQuantEmbeddingCollection: quantized sequence tables spread over ranks, for inference.
+
+    plan = construct_module_sharding_plan(qec, {"t0": table_wise(1, "quant"),
+                                                "t1": row_wise("quant")}, world_size=2)
+    model = DistributedModelParallel(quantized_model, plan=ShardingPlan({"ec": plan}),
+                                     sharders=[QuantEmbeddingCollectionSharder()])
+
+Everything but the lookup is the float `ShardedEmbeddingCollection`'s: the input side, the
+sequence shardings (one per kind and row width), the sequence all-to-alls back and the
+`{feature: JaggedTensor}` output. Each sharding's lookup is quantized
+(`recshard.distributed.quant_shards`). No backward, no optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from recshard.distributed.embedding import ShardedEmbeddingCollection
+from recshard.distributed.plan_checks import SEQUENCE_TYPES
+from recshard.distributed.quant_shards import (
+    META,
+    QuantSharder,
+    check_quant_plan,
+    load_quant_shards,
+    placeholder_specs,
+    swap_in_quant_lookups,
+)
+from recshard.quant.embedding_modules import QuantEmbeddingCollection
+from recshard.sharding.sequence import build_sequence_shardings
+from recshard.types import (
+    EmbeddingModuleShardingPlan,
+    ShardedModule,
+    ShardingEnv,
+)
+
+
+class ShardedQuantEmbeddingCollection(ShardedEmbeddingCollection):
+    """Sharded twin of `QuantEmbeddingCollection` (DP, TW, CW, RW), built by its sharder."""
+
+    _owner = "ShardedQuantEmbeddingCollection"
+
+    def __init__(
+        self,
+        module: QuantEmbeddingCollection,
+        table_plans: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        ShardedModule.__init__(self)  # not the float module's init: no float tables here
+        configs = module.embedding_configs()
+        self._init_collection(configs, table_plans, env, device, fused_params, pooled=False,
+                              is_weighted=False, what="QuantEmbeddingCollection")
+        check_quant_plan(configs, table_plans, "QuantEmbeddingCollection")
+        self._need_indices = module.need_indices()
+        self._output_dtype = module.output_dtype()
+        specs = placeholder_specs(configs, table_plans, self._output_dtype)
+        shardings = build_sequence_shardings(specs, env, META, qcomm_codecs_registry)
+        swap_in_quant_lookups(shardings, configs, False, self._device, self._output_dtype)
+        self._adopt_shardings(shardings)
+        self._pieces = self._feature_pieces()
+        load_quant_shards(shardings, module.quantized_weights(), self._device)
+
+    def output_dtype(self) -> torch.dtype:
+        return self._output_dtype
+
+
+class QuantEmbeddingCollectionSharder(QuantSharder):
+    """Shards `QuantEmbeddingCollection`s for inference (data-parallel, table-wise,
+    column-wise, row-wise; plans use compute_kernel="quant")."""
+
+    sharded_type = ShardedQuantEmbeddingCollection
+
+    @property
+    def module_type(self) -> type:
+        return QuantEmbeddingCollection
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return sorted(t.value for t in SEQUENCE_TYPES)
+
+    def shardable_parameters(self, module: QuantEmbeddingCollection) -> Dict[str, nn.Module]:
+        return {name: tables.weight for name, tables in module.embeddings.items()}
