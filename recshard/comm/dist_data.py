@@ -6,12 +6,13 @@ arguments. Each call returns an `Awaitable` (callbacks run at `wait()`).
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from recshard.column_blocks import Block, check_blocks
 from recshard.comm.codecs import QuantizedCommCodecs
 from recshard.comm.kjt_all_to_all import _get_recat
 from recshard.comm.ops import (
@@ -57,10 +58,16 @@ class PooledEmbeddingsAllToAll(nn.Module):
         self._dim_sum_per_rank = _per_rank(dim_sum_per_rank, pg, "PooledEmbeddingsAllToAll: dim_sum_per_rank")
         self._callbacks: List[Callback] = list(callbacks or [])
         self._codecs = codecs
+        self._column_blocks: Optional[List[Block]] = None
 
     @property
     def callbacks(self) -> List[Callback]:
         return self._callbacks
+
+    def set_column_order(self, blocks: Sequence[Block]) -> None:
+        """Deliver columns as these (rank, first column, width) blocks, in this order, instead
+        of rank order: the caller's permute rides on the all-to-all's own copy."""
+        self._column_blocks = check_blocks(blocks, self._dim_sum_per_rank)
 
     def forward(
         self, local_embs: torch.Tensor, batch_size_per_rank: Optional[List[int]] = None
@@ -75,7 +82,7 @@ class PooledEmbeddingsAllToAll(nn.Module):
             batch_size_per_rank = [local_embs.size(0) // world_size] * world_size
         awaitable = alltoall_pooled(
             local_embs, batch_size_per_rank, self._dim_sum_per_rank,
-            group=self._pg, codecs=self._codecs,
+            group=self._pg, codecs=self._codecs, column_blocks=self._column_blocks,
         )
         awaitable.callbacks.extend(self._callbacks)
         return awaitable

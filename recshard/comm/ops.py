@@ -9,11 +9,12 @@ World size 1 returns the input untouched.
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from recshard.column_blocks import Block, chunks_to_columns, whole_chunks
 from recshard.comm.codecs import QuantizedCommCodecs
 from recshard.comm.request import AllGatherV, AllToAllV, CommRequest, ReduceScatterV
 from recshard.types import Awaitable, NoWait
@@ -41,12 +42,14 @@ def alltoall_pooled(
     cumsum_dim_sum_per_rank_tensor: Optional[torch.Tensor] = None,
     group: Optional[dist.ProcessGroup] = None,
     codecs: Optional[QuantizedCommCodecs] = None,
+    column_blocks: Optional[Sequence[Block]] = None,
 ) -> Awaitable[torch.Tensor]:
     """Pooled embeddings from model-parallel to data-parallel layout.
 
     `[B_global, D_local_sum]` (rows: every rank's batch, in rank order; columns: the tables
     on this rank) -> `[B_local, sum(dim_sum_per_rank)]` (rows: this rank's batch; columns:
-    each rank's tables, in rank order). `batch_size_per_rank[r]` is rank r's batch size.
+    each rank's tables, in rank order, or the `column_blocks` (rank, first column, width) of
+    the ranks' columns in the order given). `batch_size_per_rank[r]` is rank r's batch size.
     The two tensor arguments exist for TorchRec compatibility and are unused.
     """
     pg = _group(group)
@@ -68,15 +71,16 @@ def alltoall_pooled(
         f"alltoall_pooled: rank {rank} input has {x.size(1)} columns but "
         f"dim_sum_per_rank[{rank}] = {dim_sum_per_rank[rank]}",
     )
+    blocks = list(column_blocks) if column_blocks is not None else whole_chunks(dim_sum_per_rank)
     if world_size == 1:
-        return NoWait(x)
+        return NoWait(x if column_blocks is None
+                      else chunks_to_columns(x.reshape(-1), x.size(0), dim_sum_per_rank, blocks))
     b_local = batch_size_per_rank[rank]
     input_splits = [b * x.size(1) for b in batch_size_per_rank]
     output_splits = [b_local * d for d in dim_sum_per_rank]
 
     def to_columns(flat: torch.Tensor) -> torch.Tensor:
-        blocks = flat.split(output_splits)
-        return torch.cat([blk.view(b_local, d) for blk, d in zip(blocks, dim_sum_per_rank)], 1)
+        return chunks_to_columns(flat, b_local, dim_sum_per_rank, blocks)
 
     a2a = AllToAllV(pg, input_splits, output_splits, codecs, name="alltoall_pooled")
     return CommRequest(a2a, x.reshape(-1), to_columns)

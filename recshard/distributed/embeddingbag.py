@@ -45,5 +45,5 @@ class ShardedEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, Shard
                               what="EmbeddingBagCollection")
         self._adopt_shardings(build_pooled_shardings(
             self._table_specs(), env, self._device, self._is_weighted, qcomm_codecs_registry))
-        self._block_permute = self._output_permute()
+        self._column_blocks = self._output_order()
         self._init_from(module)

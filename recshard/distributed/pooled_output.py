@@ -1,21 +1,21 @@
 """What sharded pooled collections (float and quantized) share on the output side: laying
 the shardings' outputs out in the module's key order.
 
-The outputs are concatenated, then their column blocks (adjacent columns merged) are permuted
-into module order by one `ops.permute_pooled_embs` (fbgemm's block permute, whose backward is
-the inverse permute). A per-column `index_select` costs a scatter over every column in
-backward, and a `cat` of narrowed views zero-fills a full-size gradient per block. When the
-shardings already produce the module's order, nothing is copied.
+The columns the module wants are blocks of the shardings' concatenated outputs (adjacent
+columns merged). With a single table/column-wise sharding, its pooled all-to-all delivers
+the columns in module order straight from its receive buffer (`take_column_order`): one copy
+each way. Otherwise the outputs are concatenated and `chunks_to_columns` reorders the blocks
+(one more copy each way). When the shardings already produce the module's order, nothing is
+copied.
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from recshard import ops
+from recshard.column_blocks import Block, check_blocks, chunks_to_columns, cut_at_chunks
 from recshard.sparse import KeyedTensor
 from recshard.types import Awaitable, LazyAwaitable
 
@@ -32,19 +32,20 @@ class _KeyedTensorAwaitable(LazyAwaitable[KeyedTensor]):
         module = self._module
         parts = [p.wait() for p in self._pending]
         values = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        if module._block_permute is not None:
-            lists = [t.to(values.device) for t in module._block_permute]
-            values = ops.permute_pooled_embs(values, *lists)
+        if module._column_blocks is not None:
+            values = chunks_to_columns(values.reshape(-1), values.size(0), [values.size(1)],
+                                       module._column_blocks)
         return KeyedTensor(module._feature_names, module._feature_dims, values)
 
 
 class PooledOutputMixin:
     """Needs `_shardings`, `_feature_names`, `_feature_dims`, `_configs`, `_is_weighted`;
-    set `_block_permute = self._output_permute()` once the shardings exist."""
+    set `_column_blocks = self._output_order()` once the shardings exist."""
 
-    def _output_permute(self) -> Optional[Tuple[torch.Tensor, ...]]:
-        """`permute_pooled_embs` lists taking the concatenated sharding outputs to the module's
-        column order (blocks of adjacent columns), or None when they already are in order."""
+    def _output_order(self) -> Optional[List[Block]]:
+        """Blocks taking the concatenated sharding outputs to the module's column order, or
+        None when nothing is left to reorder (already in order, or a single sharding took
+        the order into its all-to-all)."""
         where: Dict[Tuple[str, int], int] = {}
         position = 0
         for sharding in self._shardings.values():
@@ -55,24 +56,16 @@ class PooledOutputMixin:
         order = [where[(f, c)] for f, d in zip(self._feature_names, self._feature_dims) for c in range(d)]
         if order == list(range(len(order))):
             return None
-        blocks: List[List[int]] = []  # [input start, width], in output order
+        spans: List[List[int]] = []  # [input start, width], in output order
         for column in order:
-            if blocks and blocks[-1][0] + blocks[-1][1] == column:
-                blocks[-1][1] += 1
+            if spans and spans[-1][0] + spans[-1][1] == column:
+                spans[-1][1] += 1
             else:
-                blocks.append([column, 1])
-        by_input = sorted(range(len(blocks)), key=lambda i: blocks[i][0])
-        input_index = {out: inp for inp, out in enumerate(by_input)}
-        permute = [input_index[i] for i in range(len(blocks))]
-        inverse = [0] * len(blocks)
-        for out_pos, inp in enumerate(permute):
-            inverse[inp] = out_pos
-
-        def offsets(widths: List[int]) -> torch.Tensor:
-            return torch.tensor([0] + list(itertools.accumulate(widths)), dtype=torch.long)
-
-        return (offsets([blocks[i][1] for i in by_input]), torch.tensor(permute),
-                offsets([b[1] for b in blocks]), torch.tensor(inverse))
+                spans.append([column, 1])
+        only = next(iter(self._shardings.values())) if len(self._shardings) == 1 else None
+        if only is not None and getattr(only, "take_column_order", lambda _: False)(spans):
+            return None
+        return check_blocks(cut_at_chunks(spans, [len(order)]), [len(order)])
 
     def output_dist(self, ctx: Dict[str, Any], output: List[torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
         pending = [s.output_dist(local, ctx) for s, local in zip(self._shardings.values(), output)]

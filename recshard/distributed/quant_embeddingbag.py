@@ -67,7 +67,7 @@ class ShardedQuantEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, 
         shardings = build_pooled_shardings(specs, env, META, self._is_weighted, qcomm_codecs_registry)
         swap_in_quant_lookups(shardings, configs, True, self._device, self._output_dtype)
         self._adopt_shardings(shardings)
-        self._block_permute = self._output_permute()
+        self._column_blocks = self._output_order()
         load_quant_shards(shardings, module.quantized_weights(), self._device)
 
     def compute(self, ctx: Dict[str, Any], dist_input: List[KeyedJaggedTensor]) -> List[torch.Tensor]:

@@ -10,10 +10,11 @@ the pooled columns back with one all-to-all. Table-column-wise differs only in p
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from recshard.column_blocks import cut_at_chunks
 from recshard.comm import KJTAllToAll, PooledEmbeddingsAllToAll
 from recshard.lookup.grouped import GroupedLookup, lookup_order
 from recshard.lookup.tables import LocalTable
@@ -47,7 +48,14 @@ class PlacedPooledSharding(EmbeddingSharding):
         dim_sum_per_rank = [sum(t.cols * t.num_features for t in tables) for tables in ordered]
         self.lookup = GroupedLookup(ordered[env.rank], True, device, is_weighted)
         self._kjt_a2a = KJTAllToAll(env.pg, features_per_rank)
+        self._dim_sum_per_rank = dim_sum_per_rank
         self._pooled_a2a = PooledEmbeddingsAllToAll(env.pg, dim_sum_per_rank, device, codecs=codecs)
+
+    def take_column_order(self, spans: Sequence[Sequence[int]]) -> bool:
+        """Deliver the output columns as these (start, width) spans of `output_columns`, in
+        this order, straight from the pooled all-to-all's receive buffer."""
+        self._pooled_a2a.set_column_order(cut_at_chunks(spans, self._dim_sum_per_rank))
+        return True
 
     def input_dist(
         self, features: KeyedJaggedTensor, ctx: Dict[str, Any], input_error: Optional[str]

@@ -1,0 +1,92 @@
+"""Lay column blocks of row-major chunks side by side, in any order, with one copy each way.
+
+A pooled all-to-all receives one `[B, D_r]` chunk per rank, one after another in a flat
+buffer; the sharded module wants the columns in its own key order. `chunks_to_columns`
+goes from the flat buffer straight to that order: each output block is copied once from its
+chunk, and backward copies each block of the gradient once back into a flat buffer shaped
+like the input. (A `cat` of the chunks followed by a block permute copies twice each way,
+and the split that cuts the flat buffer into chunks adds a third copy in backward.)
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import List, Sequence, Tuple
+
+import torch
+
+Block = Tuple[int, int, int]  # (chunk, first column within the chunk, width)
+
+
+def whole_chunks(chunk_widths: Sequence[int]) -> List[Block]:
+    """The identity layout: every chunk whole, in chunk order."""
+    return [(c, 0, width) for c, width in enumerate(chunk_widths) if width]
+
+
+def cut_at_chunks(spans: Sequence[Tuple[int, int]], chunk_widths: Sequence[int]) -> List[Block]:
+    """`(start, width)` spans over the chunks' columns laid side by side, in output order ->
+    blocks within single chunks (a span crossing a chunk edge is cut in two)."""
+    edges = list(itertools.accumulate(chunk_widths, initial=0))
+    blocks: List[Block] = []
+    for start, width in spans:
+        end = start + width
+        while start < end:
+            chunk = next(c for c in range(len(chunk_widths)) if edges[c] <= start < edges[c + 1])
+            stop = min(end, edges[chunk + 1])
+            blocks.append((chunk, start - edges[chunk], stop - start))
+            start = stop
+    return blocks
+
+
+def check_blocks(blocks: Sequence[Block], chunk_widths: Sequence[int]) -> List[Block]:
+    """`blocks` if they cover every column of every chunk exactly once, else ValueError."""
+    covered = {c: 0 for c in range(len(chunk_widths))}
+    for c, start, width in sorted(blocks):
+        if c not in covered or start != covered[c] or width <= 0:
+            break
+        covered[c] = start + width
+    else:
+        if all(covered[c] == w for c, w in enumerate(chunk_widths)):
+            return list(blocks)
+    raise ValueError(f"column blocks {list(blocks)} do not cover chunk widths "
+                     f"{list(chunk_widths)} exactly once")
+
+
+def _chunk_views(flat: torch.Tensor, rows: int, chunk_widths: Sequence[int]) -> List[torch.Tensor]:
+    offsets = itertools.accumulate((rows * w for w in chunk_widths), initial=0)
+    return [flat[start:start + rows * w].view(rows, w) for start, w in zip(offsets, chunk_widths)]
+
+
+class _ChunksToColumns(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, rows: int, chunk_widths: Sequence[int],  # noqa: ANN001
+                blocks: Sequence[Block]) -> torch.Tensor:
+        ctx.rows, ctx.chunk_widths, ctx.blocks, ctx.numel = rows, chunk_widths, blocks, flat.numel()
+        chunks = _chunk_views(flat, rows, chunk_widths)
+        out = flat.new_empty(rows, sum(chunk_widths))
+        column = 0
+        for c, start, width in blocks:
+            out[:, column:column + width].copy_(chunks[c][:, start:start + width])
+            column += width
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        grad_flat = grad.new_empty(ctx.numel)
+        chunks = _chunk_views(grad_flat, ctx.rows, ctx.chunk_widths)
+        column = 0
+        for c, start, width in ctx.blocks:
+            chunks[c][:, start:start + width].copy_(grad[:, column:column + width])
+            column += width
+        return grad_flat, None, None, None
+
+
+def chunks_to_columns(flat: torch.Tensor, rows: int, chunk_widths: Sequence[int],
+                      blocks: Sequence[Block]) -> torch.Tensor:
+    """`flat` holds `[rows, w]` row-major chunks one after another (`w` in `chunk_widths`);
+    returns `[rows, sum(chunk_widths)]`: the `blocks` side by side in the given order. The
+    blocks must cover every chunk column once (`check_blocks`, done where they are made)."""
+    if flat.numel() != rows * sum(chunk_widths):
+        raise ValueError(f"chunks_to_columns: {flat.numel()} values, but {rows} rows of chunk "
+                         f"widths {list(chunk_widths)} need {rows * sum(chunk_widths)}")
+    return _ChunksToColumns.apply(flat, rows, list(chunk_widths), list(blocks))
