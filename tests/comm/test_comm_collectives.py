@@ -221,10 +221,11 @@ def _all_cases(rank: int, ws: int) -> List[str]:
     for case in _cases(ws)[:1] + _reduce_scatter_cases(ws, 50):
         _check(case, rank, ws)
     set_gradient_division(True)
-    set_use_native_reduce_scatter(False)  # all-to-all + local sum path
-    for case in _reduce_scatter_cases(ws, 60):
-        _check(case, rank, ws)
-    set_use_native_reduce_scatter(True)
+    for native in (True, False):  # gloo's own reduce-scatter, then all-to-all + local sum
+        set_use_native_reduce_scatter(native)
+        for case in _reduce_scatter_cases(ws, 60 + native):
+            _check(case, rank, ws)
+    set_use_native_reduce_scatter(None)
     return done
 
 
