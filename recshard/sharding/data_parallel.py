@@ -2,9 +2,10 @@
 
 No input or output dist. The replicas stay equal because each weight gradient is averaged
 over ranks (all-reduce / world size, the DDP rule) in backward, as soon as it is computed;
-DistributedModelParallel leaves these weights out of its own DDP wrapper. The all-reduce
-carries only the rows some rank looked up (`average_rows_over_ranks`): same result, a
-fraction of the bytes when a step touches a fraction of the table.
+DistributedModelParallel leaves these weights out of its own DDP wrapper. For tables of
+`ROW_EXCHANGE_MIN_BYTES` or more the all-reduce carries only the rows some rank looked up
+(`average_rows_over_ranks`): same result, a fraction of the bytes when a step touches a
+fraction of the table.
 """
 
 from __future__ import annotations
@@ -20,14 +21,19 @@ from recshard.sharding.common import EmbeddingSharding, TableSpec
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import Awaitable, EmbeddingComputeKernel, NoWait, ShardingEnv
 
+# Tables whose gradient is smaller than this are averaged with one plain all-reduce: for them
+# the extra collective that agrees on the rows in use costs more than the bytes it saves.
+ROW_EXCHANGE_MIN_BYTES = 4 << 20
+
 
 class _AverageGradOverRanks(torch.autograd.Function):
     """Identity on a table's weight; backward averages its gradient over ranks, sending only
-    the rows some rank looked up (`ids` are this rank's). One node per forward, so gradient
-    accumulation over several forwards averages each part, which sums to the right mean."""
+    the rows some rank looked up (`ids` are this rank's; None: every row). One node per
+    forward, so gradient accumulation over several forwards averages each part, which sums
+    to the right mean."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, ids: torch.Tensor,  # noqa: ANN001
+    def forward(ctx, weight: torch.Tensor, ids: Optional[torch.Tensor],  # noqa: ANN001
                 pg: Optional[dist.ProcessGroup]) -> torch.Tensor:
         ctx.ids, ctx.pg = ids, pg
         return weight.view_as(weight)
@@ -35,6 +41,9 @@ class _AverageGradOverRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         # In place: the lookup's weight gradient is a fresh tensor that nothing else holds.
+        if ctx.ids is None:
+            dist.all_reduce(grad, group=ctx.pg)
+            return grad.div_(dist.get_world_size(ctx.pg)), None, None
         return average_rows_over_ranks(grad, ctx.ids, ctx.pg), None, None
 
 
@@ -56,6 +65,7 @@ class DataParallelPooledSharding(EmbeddingSharding):
         self.input_features = [f for t in tables for f in t.feature_names]
         self.output_columns = [(f, 0, t.cols) for t in tables for f in t.feature_names]
         self.lookup = GroupedLookup(tables, pooled, device, is_weighted)
+        self._row_exchange_min_bytes = ROW_EXCHANGE_MIN_BYTES
         if env.world_size > 1:
             for kernel in self.lookup.kernels:
                 kernel.weight_in_use = self._averaged_in_backward
@@ -69,7 +79,8 @@ class DataParallelPooledSharding(EmbeddingSharding):
                                    if self.env.pg is not None else 0, group=self.env.pg)
 
     def _averaged_in_backward(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return _AverageGradOverRanks.apply(weight, ids, self.env.pg)
+        exchange_rows = weight.numel() * weight.element_size() >= self._row_exchange_min_bytes
+        return _AverageGradOverRanks.apply(weight, ids if exchange_rows else None, self.env.pg)
 
     def input_dist(
         self, features: KeyedJaggedTensor, ctx: Dict[str, Any], input_error: Optional[str]

@@ -2,7 +2,9 @@
 
 Two forwards per step, with one backward of their summed loss or two separate backwards, an
 evaluation forward (no grad) in between: the replicated tables' gradients must still be the
-mean over ranks of each rank's summed gradient (DDP's rule), on every rank.
+mean over ranks of each rank's summed gradient (DDP's rule), on every rank. Both ways of
+averaging run: the plain all-reduce (these tables are small) and the exchange of the rows in
+use only (forced with `ROW_EXCHANGE_MIN_BYTES = 0`).
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from multiprocess import run_ranks
 
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import construct_module_sharding_plan, data_parallel
+from recshard.sharding import data_parallel as data_parallel_sharding
 from recshard.types import ShardingEnv
 
 BATCH = 4
 MODES = ["summed_loss", "separate_backwards", "eval_forward_between"]
 
 
-def accumulate(rank: int, ws: int, mode: str) -> List[str]:
+def accumulate(rank: int, ws: int, mode: str, min_bytes: int) -> List[str]:
+    data_parallel_sharding.ROW_EXCHANGE_MIN_BYTES = min_bytes
     reference = make_ebc(weighted=False)
     plan = construct_module_sharding_plan(
         reference, {n: data_parallel() for n in reference.embedding_bags}, world_size=ws)
@@ -52,18 +56,20 @@ def accumulate(rank: int, ws: int, mode: str) -> List[str]:
     for name, bag in reference.embedding_bags.items():
         sharded_grad = mine[name].grad
         if sharded_grad is None or not torch.allclose(sharded_grad, bag.weight.grad, atol=1e-6):
-            problems.append(f"{mode}: table {name} gradient differs")
+            problems.append(f"{mode}/{min_bytes}: table {name} gradient differs")
     with torch.no_grad():  # and one SGD step keeps the replicas equal to the reference
         for name, bag in reference.embedding_bags.items():
             mine[name] -= LR * mine[name].grad
             bag.weight -= LR * bag.weight.grad
             if not torch.allclose(mine[name], bag.weight, atol=1e-6):
-                problems.append(f"{mode}: table {name} after the step differs")
+                problems.append(f"{mode}/{min_bytes}: table {name} after the step differs")
     return problems
 
 
 def run_all(rank: int, ws: int) -> Dict[str, List[str]]:
-    return {mode: accumulate(rank, ws, mode) for mode in MODES}
+    default = data_parallel_sharding.ROW_EXCHANGE_MIN_BYTES
+    return {f"{mode}/{min_bytes}": accumulate(rank, ws, mode, min_bytes)
+            for mode in MODES for min_bytes in (0, default)}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
