@@ -219,15 +219,15 @@ class TorchFusedKernel(LookupKernel):
                 apply_row_update(self.spec, self.lr, weights[t_index], states[t_index], unique, grad)
 
 
-WeightInUse = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+WeightsInUse = Callable[[List[torch.Tensor], List[torch.Tensor]], List[torch.Tensor]]
 
 
 class DenseKernel(LookupKernel):
     """Weights are `nn.Parameter`s (`weight_<i>`): gradients land in `.grad`.
 
-    `weight_in_use(weight, ids)`, when set, maps each table's weight to the tensor the lookup
-    reads, given every id looked up in it this step (while autograd records): the
-    data-parallel sharding averages gradients over ranks through it.
+    `weights_in_use(weights, ids)`, when set, maps the tables' weights to the tensors the
+    lookup reads, given every id looked up in each table this step (while autograd records):
+    the data-parallel sharding averages gradients over ranks through it.
     """
 
     def __init__(self, tables: List[LocalTable], pooled: bool, device: torch.device) -> None:
@@ -237,7 +237,7 @@ class DenseKernel(LookupKernel):
                                      device=device))
             for t in tables
         )
-        self.weight_in_use: Optional[WeightInUse] = None
+        self.weights_in_use: Optional[WeightsInUse] = None
         self._init_weights()
 
     def table_weights(self) -> List[torch.Tensor]:
@@ -245,12 +245,11 @@ class DenseKernel(LookupKernel):
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         weights = self.table_weights()
-        if self.weight_in_use is not None and torch.is_grad_enabled():
+        if self.weights_in_use is not None and torch.is_grad_enabled():
             ids: List[List[torch.Tensor]] = [[] for _ in weights]
             for jt, t_index in zip(jagged_by_index(features), self.feature_table):
                 ids[t_index].append(jt.values().long())
-            weights = [self.weight_in_use(weight, torch.cat(table_ids))
-                       for weight, table_ids in zip(weights, ids)]
+            weights = self.weights_in_use(weights, [torch.cat(table_ids) for table_ids in ids])
         return _plain_lookup(weights, self, features)
 
 

@@ -5,12 +5,12 @@ over ranks (all-reduce / world size, the DDP rule) in backward, as soon as it is
 DistributedModelParallel leaves these weights out of its own DDP wrapper. For tables of
 `ROW_EXCHANGE_MIN_BYTES` or more the all-reduce carries only the rows some rank looked up
 (`average_rows_over_ranks`): same result, a fraction of the bytes when a step touches a
-fraction of the table.
+fraction of the table. Smaller tables share one all-reduce per lookup kernel.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,30 +21,39 @@ from recshard.sharding.common import EmbeddingSharding, TableSpec
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import Awaitable, EmbeddingComputeKernel, NoWait, ShardingEnv
 
-# Tables whose gradient is smaller than this are averaged with one plain all-reduce: for them
-# the extra collective that agrees on the rows in use costs more than the bytes it saves.
+# Tables whose gradient is smaller than this skip the exchange of the rows in use (its extra
+# collective costs more than the bytes it saves) and share one all-reduce per lookup kernel.
 ROW_EXCHANGE_MIN_BYTES = 4 << 20
 
 
-class _AverageGradOverRanks(torch.autograd.Function):
-    """Identity on a table's weight; backward averages its gradient over ranks, sending only
-    the rows some rank looked up (`ids` are this rank's; None: every row). One node per
-    forward, so gradient accumulation over several forwards averages each part, which sums
-    to the right mean."""
+class _AverageGradsOverRanks(torch.autograd.Function):
+    """Identity on a kernel's table weights; backward averages their gradients over ranks.
+    Tables given `ids` (this rank's looked-up rows) send only the rows some rank looked up;
+    the others are flattened into one buffer and all-reduced together. One node per forward,
+    so gradient accumulation over several forwards averages each part, which sums to the
+    right mean."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, ids: Optional[torch.Tensor],  # noqa: ANN001
-                pg: Optional[dist.ProcessGroup]) -> torch.Tensor:
-        ctx.ids, ctx.pg = ids, pg
-        return weight.view_as(weight)
+    def forward(ctx, pg: Optional[dist.ProcessGroup], ids: List[Optional[torch.Tensor]],  # noqa: ANN001
+                *weights: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.pg, ctx.ids = pg, ids
+        return tuple(w.view_as(w) for w in weights)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        # In place: the lookup's weight gradient is a fresh tensor that nothing else holds.
-        if ctx.ids is None:
-            dist.all_reduce(grad, group=ctx.pg)
-            return grad.div_(dist.get_world_size(ctx.pg)), None, None
-        return average_rows_over_ranks(grad, ctx.ids, ctx.pg), None, None
+    def backward(ctx, *grads: torch.Tensor):  # noqa: ANN001, ANN205
+        world_size = dist.get_world_size(ctx.pg)
+        out = list(grads)
+        together = [i for i, ids in enumerate(ctx.ids) if ids is None]
+        if together:
+            flat = torch.cat([grads[i].reshape(-1) for i in together])
+            dist.all_reduce(flat, group=ctx.pg)
+            flat.div_(world_size)
+            for i, part in zip(together, flat.split([grads[i].numel() for i in together])):
+                out[i] = part.view_as(grads[i])
+        for i, ids in enumerate(ctx.ids):
+            if ids is not None:  # in place: a lookup's weight gradient is a fresh tensor
+                out[i] = average_rows_over_ranks(grads[i], ids, ctx.pg)
+        return (None, None, *out)
 
 
 class DataParallelPooledSharding(EmbeddingSharding):
@@ -68,7 +77,7 @@ class DataParallelPooledSharding(EmbeddingSharding):
         self._row_exchange_min_bytes = ROW_EXCHANGE_MIN_BYTES
         if env.world_size > 1:
             for kernel in self.lookup.kernels:
-                kernel.weight_in_use = self._averaged_in_backward
+                kernel.weights_in_use = self._averaged_in_backward
 
     def after_init(self) -> None:
         """Replicas start equal: rank 0's weights win (ranks may have drawn different inits)."""
@@ -78,9 +87,11 @@ class DataParallelPooledSharding(EmbeddingSharding):
                     dist.broadcast(weight.data, src=dist.get_global_rank(self.env.pg, 0)
                                    if self.env.pg is not None else 0, group=self.env.pg)
 
-    def _averaged_in_backward(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        exchange_rows = weight.numel() * weight.element_size() >= self._row_exchange_min_bytes
-        return _AverageGradOverRanks.apply(weight, ids if exchange_rows else None, self.env.pg)
+    def _averaged_in_backward(self, weights: List[torch.Tensor],
+                              ids: List[torch.Tensor]) -> List[torch.Tensor]:
+        exchange = [table_ids if w.numel() * w.element_size() >= self._row_exchange_min_bytes
+                    else None for w, table_ids in zip(weights, ids)]
+        return list(_AverageGradsOverRanks.apply(self.env.pg, exchange, *weights))
 
     def input_dist(
         self, features: KeyedJaggedTensor, ctx: Dict[str, Any], input_error: Optional[str]
