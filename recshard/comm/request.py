@@ -50,16 +50,17 @@ def get_gradient_division() -> bool:
 
 def set_use_native_reduce_scatter(val: Optional[bool]) -> None:
     """True: the backend's reduce-scatter; False: all-to-all plus a local sum; None (default):
-    all-to-all plus sum on gloo, whose reduce-scatter clones and copies the whole input (the
-    row-wise EBC step is ~10% faster, benchmarks/ebc.py), the backend's own elsewhere."""
+    all-to-all plus sum for CPU tensors (gloo's reduce-scatter clones and copies the whole
+    input: the row-wise EBC step is ~10% faster, benchmarks/ebc.py), the backend's own for
+    accelerator tensors (NCCL)."""
     global _USE_NATIVE_REDUCE_SCATTER
     _USE_NATIVE_REDUCE_SCATTER = val
 
 
-def _native_reduce_scatter(pg: dist.ProcessGroup) -> bool:
+def _native_reduce_scatter(device: torch.device) -> bool:
     if _USE_NATIVE_REDUCE_SCATTER is not None:
         return _USE_NATIVE_REDUCE_SCATTER
-    return dist.get_backend(pg) != "gloo"
+    return device.type != "cpu"
 
 
 def comm_payload_bytes() -> Dict[str, int]:
@@ -216,13 +217,13 @@ def issue_reduce_scatter(
     name: str = "reduce_scatter",
 ) -> Pending:
     """Flat reduce-scatter-v: `x[1-D]` is cut into `input_splits` chunks; rank r gets the
-    sum over ranks of chunk r. Native where the backend has it (gloo does in torch 2.13),
-    else all-to-all plus a local sum."""
+    sum over ranks of chunk r: the backend's reduce-scatter or all-to-all plus a local sum
+    (`set_use_native_reduce_scatter`)."""
     rank, world_size = dist.get_rank(pg), dist.get_world_size(pg)
     wire = _encode(x, codec)
     sizes = _sizes(input_splits, codec)
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
-    if not _native_reduce_scatter(pg):
+    if not _native_reduce_scatter(x.device):
         received = wire.new_empty(sizes[rank] * world_size)
         work = _start(name, "all_to_all_single", pg, lambda: dist.all_to_all_single(
             received, wire, [sizes[rank]] * world_size, sizes, group=pg, async_op=True
