@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # glibc: keep large per-step buffers in the heap instead of mmap/munmap every step (see README)
-MALLOC_ENV := MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=2147483648
+MALLOC_ENV := MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483648
 
 demo: $(STAMP)
 	$(MALLOC_ENV) $(BIN)/torchrun --standalone --nproc_per_node 2 -m examples.dlrm.train --demo
