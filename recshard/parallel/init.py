@@ -87,6 +87,25 @@ def gather_master(shard: Tensor, pg: ProcessGroup | None) -> Tensor:
     return unstride(gathered, spec.dim, spec.world_size, spec.stride)
 
 
+class MasterParams:
+    """`master_weight` / `master_bias` of a parallel linear: the full tensors, gathered where
+    sharded, cloned where replicated (collective: every rank must read them)."""
+
+    weight: Tensor
+    bias: Tensor | None
+    pg: ProcessGroup | None
+
+    @property
+    def master_weight(self) -> Tensor:
+        """The full weight [out, in]."""
+        return gather_master(self.weight, self.pg)
+
+    @property
+    def master_bias(self) -> Tensor | None:
+        """The full bias [out] or None."""
+        return None if self.bias is None else gather_master(self.bias, self.pg)
+
+
 @torch.no_grad()
 def shard_init_helper_(init_method: Callable[..., Any], tensor: Tensor, **kwargs: Any) -> Tensor:
     """Initialize a (possibly sharded) tensor in place as its slice of one full initialization.

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from recshard.parallel.init import (
     InitMethod,
-    gather_master,
+    MasterParams,
     linear_master_params,
     shard_parameter,
 )
@@ -93,7 +93,7 @@ class _FromLinear:
         )
 
 
-class ColumnParallelLinear(_FromLinear, HoldsGroup, nn.Module):
+class ColumnParallelLinear(_FromLinear, MasterParams, HoldsGroup, nn.Module):
     """Linear layer with output features split across `pg`.
 
     x [*, in] -> y [*, out] with `gather_output` (all-gathered, replicated), else this rank's
@@ -156,16 +156,6 @@ class ColumnParallelLinear(_FromLinear, HoldsGroup, nn.Module):
             return y, self.bias
         return y, self._gather(self.bias)
 
-    @property
-    def master_weight(self) -> Tensor:
-        """The full weight [out, in] (collective: every rank must read it)."""
-        return gather_master(self.weight, self.pg)
-
-    @property
-    def master_bias(self) -> Tensor | None:
-        """The full bias [out] or None (collective: every rank must read it)."""
-        return None if self.bias is None else gather_master(self.bias, self.pg)
-
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features} "
@@ -174,7 +164,7 @@ class ColumnParallelLinear(_FromLinear, HoldsGroup, nn.Module):
         )
 
 
-class RowParallelLinear(_FromLinear, HoldsGroup, nn.Module):
+class RowParallelLinear(_FromLinear, MasterParams, HoldsGroup, nn.Module):
     """Linear layer with input features split across `pg`.
 
     x [*, in] (scattered here) or, with `input_is_parallel`, this rank's x [*, in / ws]
@@ -228,16 +218,6 @@ class RowParallelLinear(_FromLinear, HoldsGroup, nn.Module):
         bias = None if self.skip_bias_add else self.bias
         y = row_parallel_linear(x, self.weight, bias, self.pg, self.sequence_dim)
         return (y, self.bias) if self.skip_bias_add else y
-
-    @property
-    def master_weight(self) -> Tensor:
-        """The full weight [out, in] (collective: every rank must read it)."""
-        return gather_master(self.weight, self.pg)
-
-    @property
-    def master_bias(self) -> Tensor | None:
-        """The bias [out] (replicated: no communication) or None."""
-        return None if self.bias is None else self.bias.detach().clone()
 
     def extra_repr(self) -> str:
         return (

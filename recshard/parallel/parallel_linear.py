@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recshard.parallel.init import gather_master, linear_master_params, shard_parameter
+from recshard.parallel.init import MasterParams, linear_master_params, shard_parameter
 from recshard.parallel.linear import check_last_dim, column_parallel_linear, row_parallel_linear
 from recshard.parallel.mappings import mp_gather, mp_scatter
 from recshard.parallel.utils import (
@@ -46,7 +46,7 @@ def _check_divisible(
         divide(out_features, world_size, "out_features", owner)
 
 
-class ParallelLinear(HoldsGroup, nn.Module):
+class ParallelLinear(MasterParams, HoldsGroup, nn.Module):
     """Linear layer split along `dim` (None, 0, 1 or -1) across `pg`. x [*, in] -> y [*, out].
 
     The weight keeps nn.Linear's [out, in] layout; this rank holds [out / ws, in] (dim 1/-1,
@@ -99,16 +99,6 @@ class ParallelLinear(HoldsGroup, nn.Module):
         if self.dim == 0:
             return row_parallel_linear(mp_scatter(x, -1, self.pg), self.weight, self.bias, self.pg)
         return mp_gather(column_parallel_linear(x, self.weight, self.bias, self.pg), -1, self.pg)
-
-    @property
-    def master_weight(self) -> Tensor:
-        """The full weight [out, in] (collective when split: every rank must read it)."""
-        return gather_master(self.weight, self.pg)
-
-    @property
-    def master_bias(self) -> Tensor | None:
-        """The full bias [out] or None (collective when split along 1/-1)."""
-        return None if self.bias is None else gather_master(self.bias, self.pg)
 
     def extra_repr(self) -> str:
         return (
