@@ -1,0 +1,259 @@
+"""Vectorized Criteo parsing: a file's bytes -> labels, log-dense values and category codes.
+
+The rules are the line reader's (`criteo.py`, which stays the reference): fields split on the
+file's separator, missing trailing fields are empty, dense `log(1 + max(x, 0))` (empty -> 0),
+a categorical's code is its hex value (else crc32 of it), empty -> missing. Line `index`
+counts the file's lines after the header, blank ones included, as `read_rows` does.
+
+Most rows never touch Python: numpy finds line ends and separators in a chunk of bytes,
+builds a `[lines, 40]` table of field spans, and decodes labels ("0"/"1"), decimal numbers
+(up to 15 significant digits, or integers up to 18: exactly the double Python's `float`
+gives) and hex categoricals (1-16 digits). A row with anything else (a sign, an exponent,
+spaces, a non-hex category, more than 40 fields, a bad value) goes through the reader's
+`parse_line` line by line, so its result, or its error and line number, is the reader's.
+"""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from dataclasses import dataclass, field
+from typing import BinaryIO, Iterator, List, Tuple
+
+import numpy as np
+
+from examples.dlrm.data.criteo import NUM_FIELDS, category_code, parse_line, sniff
+from examples.dlrm.data.criteo_spec import NUM_DENSE, NUM_SPARSE
+
+CHUNK_BYTES = 16 << 20
+_MAX_CODE = 1 << 64
+_HEX = np.full(256, -1, dtype=np.int16)
+for _digit, _char in enumerate(b"0123456789abcdef"):
+    _HEX[_char] = _digit
+    _HEX[ord(chr(_char).upper())] = _digit
+_CR, _LF, _MINUS, _DOT, _ZERO, _NINE = 13, 10, 45, 46, 48, 57
+
+
+@dataclass
+class ParsedRows:
+    """Rows of one chunk that parsed. `codes` is meaningful where `present`."""
+
+    line_index: np.ndarray  # [N] int64: the line's index after the header
+    labels: np.ndarray  # [N] uint8
+    dense: np.ndarray  # [N, 13] float32, log(1 + max(x, 0))
+    codes: np.ndarray  # [N, 26] uint64
+    present: np.ndarray  # [N, 26] bool: False for a missing categorical
+
+
+@dataclass
+class BadRow:
+    """A line that is not a Criteo row: its 1-based line number in the file and why."""
+
+    line_no: int
+    message: str
+
+
+@dataclass
+class ParsedChunk:
+    rows: ParsedRows
+    bad: List[BadRow] = field(default_factory=list)
+
+
+def open_binary(path: str) -> BinaryIO:
+    """The file's bytes, gunzipped when it ends with `.gz`."""
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def read_file(path: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[ParsedChunk]:
+    """Parsed chunks of a whole file, in order (about `chunk_bytes` of text each)."""
+    with open_binary(path) as f:
+        first = f.readline()
+        if not first:
+            return
+        sep, header = sniff(first.decode("utf-8", errors="replace"))
+        pending = b"" if header else first
+        index = 0
+        while True:
+            data = f.read(chunk_bytes)
+            text = pending + data
+            cut = text.rfind(b"\n") + 1 if data else len(text)
+            if cut == 0 and data:
+                pending = text
+                continue
+            lines, pending = text[:cut], text[cut:]
+            if lines:
+                if not lines.endswith(b"\n"):
+                    lines += b"\n"
+                chunk = parse_chunk(lines, sep, index, 1 + int(header), path)
+                index += _count_lines(lines)
+                yield chunk
+            if not data:
+                return
+
+
+def _count_lines(lines: bytes) -> int:
+    return int(np.count_nonzero(_newlines_as_lf(np.frombuffer(lines, np.uint8)) == _LF))
+
+
+def _newlines_as_lf(buf: np.ndarray) -> np.ndarray:
+    """Lone carriage returns become line feeds (Python's universal newlines)."""
+    cr = np.flatnonzero(buf == _CR)
+    if cr.size == 0:
+        return buf
+    nxt = np.append(buf, np.uint8(0))[cr + 1]
+    lone = cr[nxt != _LF]
+    if lone.size == 0:
+        return buf
+    buf = buf.copy()
+    buf[lone] = _LF
+    return buf
+
+
+def parse_chunk(lines: bytes, sep: str, first_index: int, line_offset: int,
+                path: str) -> ParsedChunk:
+    """Parse complete lines (ending with a newline); line `i` of them has index
+    `first_index + i` and 1-based line number `index + line_offset`."""
+    buf = _newlines_as_lf(np.frombuffer(lines, np.uint8))
+    ends = np.flatnonzero(buf == _LF)
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    ends = ends - ((ends > starts) & (buf[np.maximum(ends - 1, 0)] == _CR))
+    num_lines = ends.size
+    seps = np.flatnonzero(buf == ord(sep))
+    line_of_sep = np.searchsorted(ends, seps)
+    count = np.bincount(line_of_sep, minlength=num_lines)
+    if count.size > num_lines:  # a separator after the last line end cannot happen
+        raise AssertionError("separator outside every line")
+    fits = count < NUM_FIELDS
+    keep = fits[line_of_sep]
+    seps, line_of_sep = seps[keep], line_of_sep[keep]
+    rank = np.arange(seps.size) - (np.cumsum(count * fits) - count * fits)[line_of_sep]
+    span_start = np.repeat(ends[:, None], NUM_FIELDS, axis=1)
+    span_end = span_start.copy()
+    span_start[:, 0] = starts
+    span_end[line_of_sep, rank] = seps
+    span_start[line_of_sep, rank + 1] = seps + 1
+    span_len = span_end - span_start
+
+    label_len = span_len[:, 0]
+    label_char = buf[np.minimum(span_start[:, 0], buf.size - 1)]
+    labels_ok = (label_len == 1) & ((label_char == _ZERO) | (label_char == _ZERO + 1))
+    dense_values, dense_ok = _decimals(buf, span_start[:, 1 : 1 + NUM_DENSE],
+                                       span_len[:, 1 : 1 + NUM_DENSE])
+    codes, codes_ok = _hex_codes(buf, span_start[:, 1 + NUM_DENSE :], span_len[:, 1 + NUM_DENSE :])
+    blank = ends == starts
+    fast = fits & labels_ok & dense_ok.all(1) & codes_ok.all(1) & ~blank
+
+    rows = ParsedRows(
+        line_index=first_index + np.flatnonzero(fast),
+        labels=(label_char[fast] - _ZERO).astype(np.uint8),
+        dense=np.log1p(np.maximum(dense_values[fast], 0.0)).astype(np.float32),
+        codes=codes[fast],
+        present=span_len[fast, 1 + NUM_DENSE :] > 0,
+    )
+    slow = np.flatnonzero(~fast & ~blank)
+    if slow.size == 0:
+        return ParsedChunk(rows)
+    return _merge_slow(rows, lines, sep, starts[slow], ends[slow], first_index + slow,
+                       line_offset, path)
+
+
+def _decimals(buf: np.ndarray, start: np.ndarray, length: np.ndarray
+              ) -> Tuple[np.ndarray, np.ndarray]:
+    """Fields as float64 (empty -> 0) and whether each is a plain decimal decoded exactly:
+    `[-]digits[.digits]` with <= 15 digits, or an integer with <= 18."""
+    width = int(min(length.max(initial=0), 20))
+    pos = np.arange(width)
+    chars = buf[np.minimum(start[..., None] + pos, buf.size - 1)]
+    inside = pos < length[..., None]
+    minus = inside[..., 0] & (chars[..., 0] == _MINUS) if width else np.zeros(length.shape, bool)
+    digit = inside & (chars >= _ZERO) & (chars <= _NINE)
+    dot = inside & (chars == _DOT)
+    num_digits = digit.sum(-1)
+    num_frac = (digit & (np.cumsum(dot, -1) > 0)).sum(-1)
+    is_sign = np.zeros_like(inside)
+    if width:
+        is_sign[..., 0] = minus
+    plain = ~(inside & ~digit & ~dot & ~is_sign).any(-1) & (dot.sum(-1) <= 1)
+    small = (num_digits <= 15) | ((num_frac == 0) & (num_digits <= 18))
+    ok = (length == 0) | (plain & (num_digits > 0) & small & (length <= 20))
+    mantissa = np.zeros(length.shape, np.int64)
+    for p in range(width):
+        d = digit[..., p]
+        mantissa = np.where(d, mantissa * 10 + (chars[..., p].astype(np.int64) - _ZERO), mantissa)
+    values = mantissa.astype(np.float64) / np.power(10.0, num_frac)
+    values = np.where(minus, -values, values)
+    return np.where(ok, values, 0.0), ok
+
+
+def _hex_codes(buf: np.ndarray, start: np.ndarray, length: np.ndarray
+               ) -> Tuple[np.ndarray, np.ndarray]:
+    """Fields as uint64 hex values and whether each is empty or 1-16 hex digits."""
+    width = int(min(length.max(initial=0), 16))
+    pos = np.arange(width)
+    nibbles = _HEX[buf[np.minimum(start[..., None] + pos, buf.size - 1)]]
+    inside = pos < length[..., None]
+    ok = (length <= 16) & ~(inside & (nibbles < 0)).any(-1)
+    codes = np.zeros(length.shape, np.uint64)
+    for p in range(width):
+        take = inside[..., p] & ok
+        codes = np.where(take, (codes << np.uint64(4)) | nibbles[..., p].astype(np.uint64), codes)
+    return codes, ok
+
+
+def _merge_slow(rows: ParsedRows, lines: bytes, sep: str, starts: np.ndarray, ends: np.ndarray,
+                indices: np.ndarray, line_offset: int, path: str) -> ParsedChunk:
+    """Parse the rows the fast path left line by line and merge them in line order."""
+    bad: List[BadRow] = []
+    parsed: List[Tuple[int, int, List[float], List[int], List[bool]]] = []
+    for start, end, index in zip(starts.tolist(), ends.tolist(), indices.tolist()):
+        line_no = index + line_offset
+        try:
+            text = lines[start:end].decode("utf-8")
+        except UnicodeDecodeError as e:
+            bad.append(BadRow(line_no, f"{path}:{line_no}: not UTF-8 ({e.reason})"))
+            continue
+        if not text.strip():  # blank, skipped as the reader skips it
+            continue
+        try:
+            label, dense, codes, present = _parse_slow_line(text, sep, f"{path}:{line_no}")
+        except ValueError as e:
+            bad.append(BadRow(line_no, str(e)))
+            continue
+        parsed.append((index, label, dense, codes, present))
+    if not parsed:
+        return ParsedChunk(rows, bad)
+    slow = ParsedRows(
+        line_index=np.array([p[0] for p in parsed], np.int64),
+        labels=np.array([p[1] for p in parsed], np.uint8),
+        dense=np.array([p[2] for p in parsed], np.float64).astype(np.float32),
+        codes=np.array([p[3] for p in parsed], np.uint64),
+        present=np.array([p[4] for p in parsed], bool),
+    )
+    order = np.argsort(np.concatenate([rows.line_index, slow.line_index]), kind="stable")
+    merged = ParsedRows(*(np.concatenate([a, b])[order] for a, b in (
+        (rows.line_index, slow.line_index), (rows.labels, slow.labels),
+        (rows.dense, slow.dense), (rows.codes, slow.codes), (rows.present, slow.present))))
+    return ParsedChunk(merged, bad)
+
+
+def _parse_slow_line(text: str, sep: str, where: str
+                     ) -> Tuple[int, List[float], List[int], List[bool]]:
+    """One line by the reader's rules: (label, log-dense values, codes, present)."""
+    label, dense, _ = parse_line(text, sep, [1] * NUM_SPARSE, where)  # validates, as the reader
+    values = text.split(sep)[1 + NUM_DENSE :]
+    values += [""] * (NUM_SPARSE - len(values))
+    codes, present = [], []
+    for value in values:
+        code = category_code(value)
+        if code is not None and not 0 <= code < _MAX_CODE:
+            raise ValueError(f"{where}: categorical value {value!r} is a hex number outside "
+                             "[0, 2**64)")
+        codes.append(0 if code is None else code)
+        present.append(code is not None)
+    return label, dense, codes, present
+
+
+def eval_mask(line_index: np.ndarray, eval_every_n: int) -> np.ndarray:
+    """`is_eval_line` for many line indices: `[N]` bool."""
+    return np.fromiter((zlib.crc32(i.to_bytes(8, "little")) % eval_every_n == 0
+                        for i in line_index.tolist()), dtype=bool, count=line_index.size)
