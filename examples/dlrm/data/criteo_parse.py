@@ -74,7 +74,12 @@ def read_file(path: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[ParsedChunk
         pending = b"" if header else first
         index = 0
         while True:
-            data = f.read(chunk_bytes)
+            try:
+                data = f.read(chunk_bytes)
+            except (EOFError, OSError, zlib.error) as e:
+                line_no = index + 1 + int(header) + _count_lines(pending)
+                raise ValueError(f"{path}:{line_no}: the file ends early or is corrupt "
+                                 f"({type(e).__name__}: {e})") from None
             text = pending + data
             cut = text.rfind(b"\n") + 1 if data else len(text)
             if cut == 0 and data:
@@ -187,17 +192,23 @@ def _decimals(buf: np.ndarray, start: np.ndarray, length: np.ndarray
 
 def _hex_codes(buf: np.ndarray, start: np.ndarray, length: np.ndarray
                ) -> Tuple[np.ndarray, np.ndarray]:
-    """Fields as uint64 hex values and whether each is empty or 1-16 hex digits."""
+    """Fields as uint64 hex values and whether each is empty or 1-16 hex digits.
+
+    Reads the `width` bytes that end each field (a field's own bytes right-aligned, those
+    before it masked), so every field shifts the same way whatever its length.
+    """
     width = int(min(length.max(initial=0), 16))
-    pos = np.arange(width)
-    nibbles = _HEX[buf[np.minimum(start[..., None] + pos, buf.size - 1)]]
-    inside = pos < length[..., None]
-    ok = (length <= 16) & ~(inside & (nibbles < 0)).any(-1)
     codes = np.zeros(length.shape, np.uint64)
+    if width == 0:
+        return codes, np.ones(length.shape, bool)
+    first = (start + length - width)[..., None] + np.arange(width, dtype=start.dtype)
+    inside = first >= start[..., None]
+    nibbles = _HEX[buf[np.maximum(first, 0)]]
+    ok = (length <= 16) & ~(inside & (nibbles < 0)).any(-1)
+    nibbles = np.where(inside, nibbles, 0).astype(np.uint64)
     for p in range(width):
-        take = inside[..., p] & ok
-        codes = np.where(take, (codes << np.uint64(4)) | nibbles[..., p].astype(np.uint64), codes)
-    return codes, ok
+        codes = (codes << np.uint64(4)) | nibbles[..., p]
+    return np.where(ok, codes, 0), ok
 
 
 def _merge_slow(rows: ParsedRows, lines: bytes, sep: str, starts: np.ndarray, ends: np.ndarray,
