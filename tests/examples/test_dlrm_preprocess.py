@@ -186,3 +186,37 @@ def test_cli_writes_arrays_and_reports(tmp_path: Path, capsys: pytest.CaptureFix
     text = capsys.readouterr().out
     assert f"{inputs / 'corrupt.tsv'}: " in text and "3 bad rows skipped, first: " in text
     assert f"{inputs / 'corrupt.tsv'}:4:" in text and "197 rows in" in text
+
+
+TINY = ["--embedding-dim", "8", "--num-embeddings-per-feature", "500",
+        "--dense-arch-layers", "16,8", "--over-arch-layers", "16,1", "--no-progress",
+        "--data", "criteo", "--batch-size", "16", "--num-workers", "0", "--seed", "3"]
+
+
+def _train(rank: int, world_size: int, argvs: List[List[str]]) -> List[dict]:
+    from examples.dlrm.args import parse_args
+    from examples.dlrm.train import run
+
+    return [run(parse_args(argv)) for argv in argvs]
+
+
+def test_training_on_preprocessed_data_matches_the_tsv_reader(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from examples.dlrm.args import parse_args
+    from examples.dlrm.data.criteo_spec import capped_num_embeddings
+    from multiprocess import run_ranks
+
+    out = str(tmp_path / "bin")
+    preprocess([str(DATA_DIR)], out, VocabSettings("hash", capped_num_embeddings(500), 0, 10))
+    steps = ["--steps", "6", "--eval-batches", "3", "--eval-every", "3"]
+    tsv, binary = run_ranks(1, _train, [TINY + ["--data-path", str(DATA_DIR)] + steps,
+                                        TINY + ["--data-path", out] + steps], timeout=240)[0]
+    assert binary["steps"] == 6 and binary["final_eval"]["samples"] == 48
+    assert binary["evals"] == tsv["evals"] and binary["final_loss_ema"] == tsv["final_loss_ema"]
+    two = run_ranks(2, _train, [TINY + ["--data-path", out, "--shuffle-buffer", "64"] + steps],
+                    timeout=240)
+    assert [s[0]["steps"] for s in two] == [6, 6]
+    assert two[0][0]["final_eval"] == two[1][0]["final_eval"]
+    with pytest.raises(SystemExit):
+        parse_args(TINY + ["--data-path", out, "--num-embeddings-per-feature", "400"])
+    assert "pass --num-embeddings-per-feature 500,500," in capsys.readouterr().err
