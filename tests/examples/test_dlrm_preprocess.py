@@ -13,11 +13,16 @@ from typing import List, Tuple
 import numpy as np
 import pytest
 import torch
+from multiprocess import run_ranks
 
+from examples.dlrm.args import parse_args
 from examples.dlrm.data.batch import Batch
 from examples.dlrm.data.binary import BinaryCriteo, SplitArrays
 from examples.dlrm.data.criteo import category_code, criteo_loader, is_eval_line, sniff
+from examples.dlrm.data.criteo_spec import capped_num_embeddings
 from examples.dlrm.data.preprocess import Manifest, VocabSettings, preprocess
+from examples.dlrm.preprocess import main
+from examples.dlrm.train import run
 
 DATA_DIR = (Path(__file__).resolve().parents[2] / "../shared/data/criteo").resolve()
 SAMPLES = ["deepctr_criteo_sample_200.csv", "paddlerec_part-0_100.txt",
@@ -174,7 +179,6 @@ def test_gzip_input_and_truncated_gzip(tmp_path: Path) -> None:
 
 
 def test_cli_writes_arrays_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from examples.dlrm.preprocess import main
 
     inputs = tmp_path / "in"
     inputs.mkdir()
@@ -194,17 +198,12 @@ TINY = ["--embedding-dim", "8", "--num-embeddings-per-feature", "500",
 
 
 def _train(rank: int, world_size: int, argvs: List[List[str]]) -> List[dict]:
-    from examples.dlrm.args import parse_args
-    from examples.dlrm.train import run
 
     return [run(parse_args(argv)) for argv in argvs]
 
 
 def test_training_on_preprocessed_data_matches_the_tsv_reader(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from examples.dlrm.args import parse_args
-    from examples.dlrm.data.criteo_spec import capped_num_embeddings
-    from multiprocess import run_ranks
 
     out = str(tmp_path / "bin")
     preprocess([str(DATA_DIR)], out, VocabSettings("hash", capped_num_embeddings(500), 0, 10))
