@@ -18,7 +18,14 @@ from multiprocess import run_ranks
 from examples.dlrm.args import parse_args
 from examples.dlrm.data.batch import Batch
 from examples.dlrm.data.binary import BinaryCriteo, SplitArrays
-from examples.dlrm.data.criteo import category_code, criteo_loader, is_eval_line, sniff
+from examples.dlrm.data.criteo import (
+    FileShard,
+    category_code,
+    criteo_loader,
+    is_eval_line,
+    read_rows,
+    sniff,
+)
 from examples.dlrm.data.criteo_spec import capped_num_embeddings
 from examples.dlrm.data.preprocess import Manifest, VocabSettings, preprocess
 from examples.dlrm.preprocess import main
@@ -219,3 +226,25 @@ def test_training_on_preprocessed_data_matches_the_tsv_reader(
     with pytest.raises(SystemExit):
         parse_args(TINY + ["--data-path", out, "--num-embeddings-per-feature", "400"])
     assert "pass --num-embeddings-per-feature 500,500," in capsys.readouterr().err
+
+
+def test_parser_agrees_with_the_reader_on_odd_values(tmp_path: Path) -> None:
+    """Numbers and categories of every shape the fast path decodes or hands to `parse_line`,
+    blank lines, CRLF and lone CR line ends: the same rows and line indices as `read_rows`."""
+    dense_values = ["-1", "007", "1.5", "-0.25", "1e3", " 3", "+4", "12345678", "123456789",
+                    "1234567890123456789", "0.1234567890123456", ".5", "5."]
+    categories = ["ABCDEF12", "a", "123456789", "zz", "0x1f", "", "05db9164", "FFFFFFFF",
+                  "ffffffffffffffff", "1_0"] + [""] * 16
+    good = "\t".join(["1"] + dense_values + categories)
+    lines = [good, "", "0\t2", "   ", "\t".join(["0"] * 14 + ["c0ffee"]) + "\r",
+             "1\t3\r0\t4", good.upper().replace("E3", "e3")]
+    path = tmp_path / "odd.tsv"
+    path.write_bytes(("\n".join(lines) + "\n").encode())
+    expected = list(read_rows(FileShard(str(path)), SIZES))
+    out = str(tmp_path / "out")
+    manifest = preprocess([str(path)], out, VocabSettings("hash", SIZES, 0, 1))
+    labels, dense, ids = SplitArrays(out, manifest, "eval").read(0, len(expected))
+    assert manifest.parts[0].bad_rows == 0 and len(expected) == 6
+    assert labels.tolist() == [r[0] for r in expected]
+    assert np.array_equal(dense, np.array([r[1] for r in expected], np.float32))
+    assert ids.tolist() == [r[2] for r in expected]

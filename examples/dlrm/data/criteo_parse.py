@@ -25,7 +25,7 @@ import numpy as np
 from examples.dlrm.data.criteo import NUM_FIELDS, category_code, parse_line, sniff
 from examples.dlrm.data.criteo_spec import NUM_DENSE, NUM_SPARSE
 
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 8 << 20
 _MAX_CODE = 1 << 64
 _HEX = np.full(256, -1, dtype=np.int16)
 for _digit, _char in enumerate(b"0123456789abcdef"):
@@ -123,11 +123,11 @@ def parse_chunk(lines: bytes, sep: str, first_index: int, line_offset: int,
     starts = np.concatenate(([0], ends[:-1] + 1))
     ends = ends - ((ends > starts) & (buf[np.maximum(ends - 1, 0)] == _CR))
     num_lines = ends.size
-    seps = np.flatnonzero(buf == ord(sep))
-    line_of_sep = np.searchsorted(ends, seps)
+    delims = np.flatnonzero((buf == ord(sep)) | (buf == _LF))  # in order: line i's seps, LF
+    is_lf = buf[delims] == _LF
+    line_of_delim = np.cumsum(is_lf) - is_lf
+    seps, line_of_sep = delims[~is_lf], line_of_delim[~is_lf]
     count = np.bincount(line_of_sep, minlength=num_lines)
-    if count.size > num_lines:  # a separator after the last line end cannot happen
-        raise AssertionError("separator outside every line")
     fits = count < NUM_FIELDS
     keep = fits[line_of_sep]
     seps, line_of_sep = seps[keep], line_of_sep[keep]
@@ -142,9 +142,11 @@ def parse_chunk(lines: bytes, sep: str, first_index: int, line_offset: int,
     label_len = span_len[:, 0]
     label_char = buf[np.minimum(span_start[:, 0], buf.size - 1)]
     labels_ok = (label_len == 1) & ((label_char == _ZERO) | (label_char == _ZERO + 1))
-    dense_values, dense_ok = _decimals(buf, span_start[:, 1 : 1 + NUM_DENSE],
+    chunk = _ChunkBytes(buf, sep)
+    dense_values, dense_ok = _decimals(chunk, span_start[:, 1 : 1 + NUM_DENSE],
                                        span_len[:, 1 : 1 + NUM_DENSE])
-    codes, codes_ok = _hex_codes(buf, span_start[:, 1 + NUM_DENSE :], span_len[:, 1 + NUM_DENSE :])
+    codes, codes_ok = _hex_codes(chunk, span_start[:, 1 + NUM_DENSE :],
+                                 span_len[:, 1 + NUM_DENSE :])
     blank = ends == starts
     fast = fits & labels_ok & dense_ok.all(1) & codes_ok.all(1) & ~blank
 
@@ -162,53 +164,104 @@ def parse_chunk(lines: bytes, sep: str, first_index: int, line_offset: int,
                        line_offset, path)
 
 
-def _decimals(buf: np.ndarray, start: np.ndarray, length: np.ndarray
+class _ChunkBytes:
+    """A chunk's bytes and what the field decoders share.
+
+    `words[e]` is the 8 bytes that end at offset `e` as one big-endian uint64 (bytes before
+    the chunk read as 0), so a field of up to 8 bytes is checked and decoded right-aligned in
+    a few 64-bit operations (SWAR). `odd` lists the offsets of bytes that are neither hex
+    digits nor separators nor line ends (few: signs, dots, junk): a field holds none of them
+    when `odd` has no entry in `[start, end)`.
+    """
+
+    def __init__(self, buf: np.ndarray, sep: str) -> None:
+        self.buf = buf
+        padded = np.concatenate([np.zeros(8, np.uint8), buf])
+        self.words = np.ndarray((buf.size + 1,), ">u8", padded, 0, (1,))
+        usual = _HEX >= 0
+        usual[[ord(sep), _LF, _CR]] = True
+        self.odd = np.flatnonzero(~usual[buf])
+
+    def low_bytes(self, end: np.ndarray, count: np.ndarray) -> np.ndarray:
+        """The `count` (<= 8) bytes before each `end`, right-aligned in a uint64, others 0."""
+        return self.words[end].astype(np.uint64) & _LOW_BYTES[np.minimum(count, 8)]
+
+    def all_hex(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """Whether each field `[start, end)` is hex digits only (given it spans no separator)."""
+        return np.searchsorted(self.odd, start) == np.searchsorted(self.odd, end)
+
+
+def _u64(value: int) -> np.uint64:
+    return np.uint64(value)
+
+
+_LOW_BYTES = np.array([(1 << (8 * k)) - 1 for k in range(9)], dtype=np.uint64)
+_BYTES_0F, _BYTES_F0 = _u64(0x0F0F0F0F0F0F0F0F), _u64(0xF0F0F0F0F0F0F0F0)
+_BYTES_30, _BYTES_06 = _u64(0x3030303030303030), _u64(0x0606060606060606)
+
+
+def _hex_codes(chunk: _ChunkBytes, start: np.ndarray, length: np.ndarray
+               ) -> Tuple[np.ndarray, np.ndarray]:
+    """Fields as uint64 hex values and whether each is empty or 1-8 hex digits."""
+    end = start + length
+    ok = (length == 0) | ((length <= 8) & chunk.all_hex(start, end))
+    x = chunk.low_bytes(end, length)
+    # '0'-'9' -> low nibble; 'a'-'f' / 'A'-'F' (bit 6 set) -> low nibble + 9
+    v = (x & _BYTES_0F) + _u64(9) * ((x >> _u64(6)) & _u64(0x0101010101010101))
+    v = (v | (v >> _u64(4))) & _u64(0x00FF00FF00FF00FF)
+    v = (v | (v >> _u64(8))) & _u64(0x0000FFFF0000FFFF)
+    v = (v | (v >> _u64(16))) & _u64(0x00000000FFFFFFFF)
+    return np.where(ok, v, _u64(0)), ok
+
+
+def _decimals(chunk: _ChunkBytes, start: np.ndarray, length: np.ndarray
               ) -> Tuple[np.ndarray, np.ndarray]:
-    """Fields as float64 (empty -> 0) and whether each is a plain decimal decoded exactly:
-    `[-]digits[.digits]` with <= 15 digits, or an integer with <= 18."""
+    """Fields as float64 (empty -> 0) and whether each decoded exactly as Python's `float`:
+    `[-]` and 1-8 digits here (SWAR), other plain decimals by `_plain_decimals`."""
+    buf = chunk.buf
+    minus = (length > 0) & (buf[np.minimum(start, buf.size - 1)] == _MINUS)
+    num_digits = length - minus
+    mask = _LOW_BYTES[np.minimum(num_digits, 8)]
+    x = chunk.words[start + length].astype(np.uint64) & mask | (_BYTES_30 & ~mask)
+    # every byte 0x30-0x39: high nibble 3, and adding 6 to the low nibble does not carry
+    digits = ((x & _BYTES_F0) == _BYTES_30) & (((x + _BYTES_06) & _BYTES_F0) == _BYTES_30)
+    v = x & _BYTES_0F
+    v = ((v >> _u64(8)) * _u64(10) + v) & _u64(0x00FF00FF00FF00FF)
+    v = ((v >> _u64(16)) * _u64(100) + v) & _u64(0x0000FFFF0000FFFF)
+    v = ((v >> _u64(32)) * _u64(10000) + v) & _u64(0x00000000FFFFFFFF)
+    ok = (length == 0) | ((num_digits >= 1) & (num_digits <= 8) & digits)
+    values = np.where(ok, np.where(minus, -v.astype(np.float64), v.astype(np.float64)), 0.0)
+    flat = np.flatnonzero(~ok.reshape(-1))
+    if flat.size:
+        values.reshape(-1)[flat], ok.reshape(-1)[flat] = _plain_decimals(
+            buf, start.reshape(-1)[flat], length.reshape(-1)[flat])
+    return values, ok
+
+
+def _plain_decimals(buf: np.ndarray, start: np.ndarray, length: np.ndarray
+                    ) -> Tuple[np.ndarray, np.ndarray]:
+    """`[N]` fields as float64 and whether each is `[-]digits[.digits]` with <= 15 digits
+    (or an integer with <= 18): then `mantissa / 10**fraction_digits` is exactly the
+    correctly rounded double Python's `float` gives."""
     width = int(min(length.max(initial=0), 20))
     pos = np.arange(width)
-    chars = buf[np.minimum(start[..., None] + pos, buf.size - 1)]
-    inside = pos < length[..., None]
-    minus = inside[..., 0] & (chars[..., 0] == _MINUS) if width else np.zeros(length.shape, bool)
+    chars = buf[np.minimum(start[:, None] + pos, buf.size - 1)]
+    inside = pos < length[:, None]
     digit = inside & (chars >= _ZERO) & (chars <= _NINE)
     dot = inside & (chars == _DOT)
-    num_digits = digit.sum(-1)
-    num_frac = (digit & (np.cumsum(dot, -1) > 0)).sum(-1)
-    is_sign = np.zeros_like(inside)
-    if width:
-        is_sign[..., 0] = minus
-    plain = ~(inside & ~digit & ~dot & ~is_sign).any(-1) & (dot.sum(-1) <= 1)
+    sign = np.zeros_like(inside)
+    sign[:, 0] = inside[:, 0] & (chars[:, 0] == _MINUS)
+    num_digits = digit.sum(1)
+    num_frac = (digit & (np.cumsum(dot, 1) > 0)).sum(1)
+    plain = ~(inside & ~digit & ~dot & ~sign).any(1) & (dot.sum(1) <= 1)
     small = (num_digits <= 15) | ((num_frac == 0) & (num_digits <= 18))
-    ok = (length == 0) | (plain & (num_digits > 0) & small & (length <= 20))
+    ok = plain & (num_digits > 0) & small & (length <= 20)
     mantissa = np.zeros(length.shape, np.int64)
     for p in range(width):
-        d = digit[..., p]
-        mantissa = np.where(d, mantissa * 10 + (chars[..., p].astype(np.int64) - _ZERO), mantissa)
+        mantissa = np.where(digit[:, p], mantissa * 10 + (chars[:, p].astype(np.int64) - _ZERO),
+                            mantissa)
     values = mantissa.astype(np.float64) / np.power(10.0, num_frac)
-    values = np.where(minus, -values, values)
-    return np.where(ok, values, 0.0), ok
-
-
-def _hex_codes(buf: np.ndarray, start: np.ndarray, length: np.ndarray
-               ) -> Tuple[np.ndarray, np.ndarray]:
-    """Fields as uint64 hex values and whether each is empty or 1-16 hex digits.
-
-    Reads the `width` bytes that end each field (a field's own bytes right-aligned, those
-    before it masked), so every field shifts the same way whatever its length.
-    """
-    width = int(min(length.max(initial=0), 16))
-    codes = np.zeros(length.shape, np.uint64)
-    if width == 0:
-        return codes, np.ones(length.shape, bool)
-    first = (start + length - width)[..., None] + np.arange(width, dtype=start.dtype)
-    inside = first >= start[..., None]
-    nibbles = _HEX[buf[np.maximum(first, 0)]]
-    ok = (length <= 16) & ~(inside & (nibbles < 0)).any(-1)
-    nibbles = np.where(inside, nibbles, 0).astype(np.uint64)
-    for p in range(width):
-        codes = (codes << np.uint64(4)) | nibbles[..., p]
-    return np.where(ok, codes, 0), ok
+    return np.where(ok, np.where(sign[:, 0], -values, values), 0.0), ok
 
 
 def _merge_slow(rows: ParsedRows, lines: bytes, sep: str, starts: np.ndarray, ends: np.ndarray,
