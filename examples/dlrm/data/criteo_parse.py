@@ -25,7 +25,7 @@ import numpy as np
 from examples.dlrm.data.criteo import NUM_FIELDS, category_code, parse_line, sniff
 from examples.dlrm.data.criteo_spec import NUM_DENSE, NUM_SPARSE
 
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 4 << 20
 _MAX_CODE = 1 << 64
 _HEX = np.full(256, -1, dtype=np.int16)
 for _digit, _char in enumerate(b"0123456789abcdef"):

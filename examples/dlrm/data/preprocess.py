@@ -29,7 +29,7 @@ from typing import Callable, Iterable, List, Sequence
 
 import numpy as np
 
-from examples.dlrm.data.criteo_parse import BadRow, ParsedRows, eval_mask, read_file
+from examples.dlrm.data.criteo_parse import CHUNK_BYTES, BadRow, ParsedRows, eval_mask, read_file
 from examples.dlrm.data.criteo_spec import NUM_SPARSE
 
 logger = logging.getLogger(__name__)
@@ -282,7 +282,7 @@ def _check_settings(output: str, settings: VocabSettings) -> None:
 
 
 def preprocess(inputs: Sequence[str], output: str, settings: VocabSettings, workers: int = 1,
-               strict: bool = False, chunk_bytes: int = 16 << 20,
+               strict: bool = False, chunk_bytes: int = CHUNK_BYTES,
                progress: Callable[[str, int], None] | None = None) -> Manifest:
     """Convert every input file (resuming a previous run into `output`) and write the manifest.
 
