@@ -7,10 +7,11 @@ counts the file's lines after the header, blank ones included, as `read_rows` do
 
 Most rows never touch Python: numpy finds line ends and separators in a chunk of bytes,
 builds a `[lines, 40]` table of field spans, and decodes labels ("0"/"1"), decimal numbers
-(up to 15 significant digits, or integers up to 18: exactly the double Python's `float`
-gives) and hex categoricals (1-16 digits). A row with anything else (a sign, an exponent,
-spaces, a non-hex category, more than 40 fields, a bad value) goes through the reader's
-`parse_line` line by line, so its result, or its error and line number, is the reader's.
+(`[-]digits[.digits]` with up to 15 digits, or integers up to 18: exactly the double
+Python's `float` gives) and hex categoricals (1-8 digits). A row with anything else (a
+"+", an exponent, spaces, a non-hex or longer category, more than 40 fields, a bad value)
+goes through the reader's `parse_line` line by line, so its result, or its error and line
+number, is the reader's.
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ def open_binary(path: str) -> BinaryIO:
 def read_file(path: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[ParsedChunk]:
     """Parsed chunks of a whole file, in order (about `chunk_bytes` of text each)."""
     with open_binary(path) as f:
-        first = f.readline()
+        try:
+            first = f.readline()
+        except (EOFError, OSError, zlib.error) as e:
+            raise ValueError(f"{path}:1: the file ends early or is corrupt "
+                             f"({type(e).__name__}: {e})") from None
         if not first:
             return
         sep, header = sniff(first.decode("utf-8", errors="replace"))
