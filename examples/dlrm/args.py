@@ -7,7 +7,7 @@ from typing import List, Sequence
 
 from examples.dlrm.data.binary import is_preprocessed
 from examples.dlrm.data.criteo_spec import NUM_SPARSE, capped_num_embeddings
-from examples.dlrm.data.preprocess import Manifest, check_table_sizes
+from examples.dlrm.data.preprocess import Manifest, check_same_vocabulary, check_table_sizes
 from examples.dlrm.sharding import OPTIMIZER_CHOICES, SHARDING_CHOICES
 
 # What `--demo` changes (flags given explicitly still win): about a minute on 2 CPU ranks.
@@ -143,12 +143,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--data criteo needs --data-path")
     if args.data == "synthetic" and args.steps is None:
         args.steps = 1000
-    for path in (args.data_path, args.eval_data_path):
-        if args.data == "criteo" and is_preprocessed(path):
-            try:
-                check_table_sizes(Manifest.load(path), args.num_embeddings_per_feature, path)
-            except ValueError as e:
-                parser.error(str(e))
+    if args.data == "criteo":
+        try:
+            manifests = {p: Manifest.load(p) for p in (args.data_path, args.eval_data_path)
+                         if is_preprocessed(p)}
+            for path, manifest in manifests.items():
+                check_table_sizes(manifest, args.num_embeddings_per_feature, path)
+            if len(manifests) == 2:
+                check_same_vocabulary(*manifests.values(), args.eval_data_path)
+        except ValueError as e:
+            parser.error(str(e))
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
     if args.dense_arch_layers[-1] != args.embedding_dim:

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hash: 26 table sizes, or one value N = Criteo Kaggle's sizes capped at N")
     p.add_argument("--min-count", type=int, default=3, help="frequency: rows for values seen "
                    "at least this many times")
+    p.add_argument("--vocab-from", default="",
+                   help="frequency: use the vocabulary of this preprocessed (training) "
+                        "directory instead of counting, e.g. for separate eval files")
     p.add_argument("--eval-every-n", type=int, default=10,
                    help="about one line in N goes to the eval split (the TSV reader's rule)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
@@ -50,9 +53,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     settings = VocabSettings(
         args.vocab, args.num_embeddings_per_feature if args.vocab == "hash" else [],
-        args.min_count if args.vocab == "frequency" else 0, args.eval_every_n)
+        args.min_count if args.vocab == "frequency" else 0, args.eval_every_n,
+        os.path.abspath(args.vocab_from) if args.vocab_from else "")
     files = list_input_files(args.input)
-    stages = 2 if args.vocab == "frequency" else 1
+    stages = 2 if args.vocab == "frequency" and not args.vocab_from else 1
     total = stages * sum(os.path.getsize(f) for f in files)
     bar: Any = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", file=sys.stderr,
                     disable=args.no_progress, dynamic_ncols=True)

@@ -117,7 +117,8 @@ def _codes_by_line(path: Path) -> List[Tuple[int, List[int | None]]]:
     return rows
 
 
-def test_frequency_vocabulary_maps_rare_values_to_one_row(tmp_path: Path) -> None:
+def test_frequency_vocabulary_maps_rare_values_to_one_row(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     settings = VocabSettings("frequency", [], 3, 10)
     manifest = preprocess([str(DATA_DIR)], str(tmp_path), settings)
     by_file = [_codes_by_line(DATA_DIR / n) for n in SAMPLES]
@@ -141,6 +142,27 @@ def test_frequency_vocabulary_maps_rare_values_to_one_row(tmp_path: Path) -> Non
         _, _, ids = SplitArrays(str(tmp_path), manifest, split).read(0, len(expected[split]))
         assert ids.tolist() == expected[split]
     assert (np.array(expected["eval"]) == 1).any()  # unseen in train -> the OOV row
+
+    # separate eval files take the training vocabulary; training refuses any other one
+    source = DATA_DIR / SAMPLES[1]
+    shared = VocabSettings("frequency", [], 3, 10, str(tmp_path))
+    evaluation = preprocess([str(source)], str(tmp_path / "ev"), shared)
+    own = preprocess([str(source)], str(tmp_path / "own"), settings)
+    assert evaluation.vocabulary == manifest.vocabulary != own.vocabulary
+    rows = by_file[1]
+    _, _, ids = SplitArrays(str(tmp_path / "ev"), evaluation, "train").read(0, 89)
+    assert ids[:, 0].tolist() == [
+        0 if c is None else (2 + vocab[0].index(c) if c in vocab[0] else 1)
+        for index, (c, *_) in rows if not is_eval_line(index, 10)]
+    sizes = ",".join(map(str, manifest.num_embeddings_per_feature))
+    argv = ["--data", "criteo", "--data-path", str(tmp_path), "--num-embeddings-per-feature",
+            sizes]
+    assert parse_args(argv + ["--eval-data-path", str(tmp_path / "ev")]).data == "criteo"
+    hashed_alike = VocabSettings("hash", manifest.num_embeddings_per_feature, 0, 10)
+    preprocess([str(source)], str(tmp_path / "hashed"), hashed_alike)  # same sizes, other rows
+    with pytest.raises(SystemExit):
+        parse_args(argv + ["--eval-data-path", str(tmp_path / "hashed")])
+    assert "--vocab-from TRAINING_DIR" in capsys.readouterr().err
 
 
 def _corrupt_copy(tmp_path: Path) -> Path:

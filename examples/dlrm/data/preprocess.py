@@ -7,18 +7,21 @@ Layout of an output directory:
     vocab.npz                  frequency mode: per feature, the sorted codes kept as rows
     parts/<part>.json          a finished file: its source and row/bad-row counts
     parts/<part>.<split>.{labels,dense,ids}.bin   uint8 [N], float32 [N, 13], int32/64 [N, 26]
-    manifest.json              written last: settings, table sizes, id dtype, every part
+    manifest.json              written last: settings, table sizes, id dtype, the
+                               vocabulary's name (hash sizes or a digest), every part
 
 Splits follow the reader: a line is "eval" when `is_eval_line(index, eval_every_n)`, else
 "train". Categorical rows: with hashing, `criteo.hash_category`'s (0 = missing); with a
 frequency-thresholded vocabulary, 0 = missing, 1 = out of vocabulary (values seen fewer than
-`min_count` times in the train split of all files), 2.. = the kept values in code order.
+`min_count` times in the train split of all files, or the vocabulary of another directory
+for separate eval files), 2.. = the kept values in code order.
 Files are converted in parallel; a file whose `parts/<part>.json` exists is not redone.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -48,13 +51,15 @@ class VocabSettings:
     """How categorical values become rows, and how lines split into train/eval.
 
     `mode` "hash": `num_embeddings_per_feature` rows per table; "frequency": values seen
-    at least `min_count` times get their own row (`num_embeddings_per_feature` is empty).
+    at least `min_count` times get their own row (`num_embeddings_per_feature` is empty),
+    counted here or, for eval files, taken from the directory `vocabulary_from`.
     """
 
     mode: str
     num_embeddings_per_feature: List[int]
     min_count: int
     eval_every_n: int
+    vocabulary_from: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -67,6 +72,8 @@ class VocabSettings:
             raise ValueError(f"min_count must be >= 1, got {self.min_count}")
         if self.eval_every_n < 1:
             raise ValueError(f"eval_every_n must be >= 1, got {self.eval_every_n}")
+        if self.vocabulary_from and self.mode != "frequency":
+            raise ValueError("vocabulary_from needs the frequency mode")
 
 
 @dataclass
@@ -87,12 +94,14 @@ class PartInfo:
 
 @dataclass
 class Manifest:
-    """What a preprocessed directory holds; `num_embeddings_per_feature` are its table sizes."""
+    """What a preprocessed directory holds; `num_embeddings_per_feature` are its table sizes,
+    `vocabulary` names the value -> row mapping (equal strings: the same rows)."""
 
     version: int
     settings: VocabSettings
     num_embeddings_per_feature: List[int]
     id_dtype: str
+    vocabulary: str
     parts: List[PartInfo]
 
     @staticmethod
@@ -103,7 +112,7 @@ class Manifest:
             raise ValueError(f"{directory}: preprocessed format version {raw.get('version')}, "
                              f"this code reads {FORMAT_VERSION}; preprocess again")
         return Manifest(raw["version"], VocabSettings(**raw["settings"]),
-                        raw["num_embeddings_per_feature"], raw["id_dtype"],
+                        raw["num_embeddings_per_feature"], raw["id_dtype"], raw["vocabulary"],
                         [PartInfo(**p) for p in raw["parts"]])
 
 
@@ -195,13 +204,27 @@ def build_vocabulary(output: str, names: Sequence[str], min_count: int) -> List[
     for f in range(NUM_SPARSE):
         merged = _merge_counts([c[f"f{f}"] for c in counts])
         vocab.append(merged[0][merged[1] >= min_count])
-    _atomic_npz(os.path.join(output, "vocab.npz"), {f"f{f}": v for f, v in enumerate(vocab)})
+    save_vocabulary(output, vocab)
     return vocab
+
+
+def save_vocabulary(output: str, vocab: List[np.ndarray]) -> None:
+    _atomic_npz(os.path.join(output, "vocab.npz"), {f"f{f}": v for f, v in enumerate(vocab)})
 
 
 def load_vocabulary(output: str) -> List[np.ndarray]:
     with np.load(os.path.join(output, "vocab.npz")) as z:
         return [z[f"f{f}"] for f in range(NUM_SPARSE)]
+
+
+def vocabulary_name(settings: VocabSettings, vocab: List[np.ndarray] | None) -> str:
+    """"hash:<sizes>", or "frequency:<sha256 of the kept codes>"."""
+    if vocab is None:
+        return "hash:" + ",".join(map(str, settings.num_embeddings_per_feature))
+    digest = hashlib.sha256()
+    for kept in vocab:
+        digest.update(np.int64(kept.size).tobytes() + kept.astype("<u8").tobytes())
+    return "frequency:" + digest.hexdigest()
 
 
 def rows_of(rows: ParsedRows, settings: VocabSettings, vocab: List[np.ndarray] | None
@@ -298,14 +321,21 @@ def preprocess(inputs: Sequence[str], output: str, settings: VocabSettings, work
     sizes = list(settings.num_embeddings_per_feature)
     jobs = [_FileJob(p, n, output, settings, id_dtype, strict, chunk_bytes)
             for p, n in zip(files, names)]
-    stages = ("count", "convert") if settings.mode == "frequency" else ("convert",)
+    counting = settings.mode == "frequency" and not settings.vocabulary_from
+    stages = ("count", "convert") if counting else ("convert",)
     for path in (p for n, p in zip(names, files) if done[n] is not None):
         for stage in stages:
             if progress:
                 progress(stage, os.path.getsize(path))
-    if settings.mode == "frequency":
+    vocab = None
+    if settings.vocabulary_from:
+        vocab = load_vocabulary(settings.vocabulary_from)
+        save_vocabulary(output, vocab)
+    elif settings.mode == "frequency":
         _run(_count_file, [j for j in jobs if done[j.name] is None], workers, progress, "count")
-        sizes = [2 + v.size for v in build_vocabulary(output, names, settings.min_count)]
+        vocab = build_vocabulary(output, names, settings.min_count)
+    if vocab is not None:
+        sizes = [2 + v.size for v in vocab]
     if max(sizes) > np.iinfo(np.int32).max:
         id_dtype = "int64"
     jobs = [_FileJob(j.path, j.name, output, settings, id_dtype, strict, chunk_bytes)
@@ -317,7 +347,8 @@ def preprocess(inputs: Sequence[str], output: str, settings: VocabSettings, work
         if info is not None and info.bad_rows:
             logger.warning("%s: %d bad rows, first: %s", info.source, info.bad_rows,
                            "; ".join(info.first_bad))
-    manifest = Manifest(FORMAT_VERSION, settings, sizes, id_dtype, parts)
+    manifest = Manifest(FORMAT_VERSION, settings, sizes, id_dtype,
+                        vocabulary_name(settings, vocab), parts)
     _write_json(os.path.join(output, MANIFEST), asdict(manifest))
     return manifest
 
@@ -351,3 +382,11 @@ def check_table_sizes(manifest: Manifest, num_embeddings_per_feature: Sequence[i
             f"({manifest.settings.mode}), not {list(num_embeddings_per_feature)}: pass "
             f"--num-embeddings-per-feature {sizes}")
 
+
+def check_same_vocabulary(train: Manifest, evaluation: Manifest, where: str) -> None:
+    """Eval data must map values to the rows the model trained."""
+    if train.vocabulary != evaluation.vocabulary:
+        raise ValueError(
+            f"{where} maps categorical values to rows by {evaluation.vocabulary}, the training "
+            f"data by {train.vocabulary}; preprocess it with the same hashing sizes, or with "
+            "--vocab frequency --vocab-from TRAINING_DIR")
