@@ -26,7 +26,12 @@ from recshard.modules.embedding_modules import (
     EmbeddingCollection,
     _check_unique,
 )
-from recshard.modules.input_checks import check_dtypes_and_weights, check_features, check_ids
+from recshard.modules.input_checks import (
+    check_dtypes_and_weights,
+    check_features,
+    check_ids,
+    check_layout,
+)
 from recshard.quant.kernel import QuantLookup, QuantTable, check_output_dtype
 from recshard.quant.rowwise import DtypeLike, check_table_layout, data_type_of, quantize_rows
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
@@ -121,6 +126,7 @@ class _QuantTables(nn.Module):
         owner = type(self).__name__
         check_features(features, self._feature_names, owner)
         check_dtypes_and_weights(features, is_weighted, owner)
+        check_layout(features, owner)
         check_ids(features, self._feature_to_table, owner)
 
     def _in_order(self, features: KeyedJaggedTensor, order: List[str]) -> KeyedJaggedTensor:
