@@ -90,15 +90,21 @@ class KeyedOptimizer(Optimizer):
 
     def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
         """Materialize lazy optimizer state (torch optimizers create it on their first step)
-        with one step on zero gradients at lr 0: parameters do not move. A parameter that had a
-        gradient keeps it; the others keep the zero one (sparse if named in
+        with one step at lr 0 over the parameters that have none yet, on zero gradients:
+        weights do not move and existing state is untouched. A parameter that had a gradient
+        gets it back; the others keep the zero one (sparse if named in
         `sparse_grad_parameter_names`), as in TorchRec."""
         sparse_names = sparse_grad_parameter_names or set()
+        missing = {name for name, p in self.params.items()
+                   if p.requires_grad and not self.state.get(p)}
+        if not missing:
+            return
         stashed = {name: p.grad for name, p in self.params.items()}
         lrs = [g.get("lr") for g in self.param_groups]
         try:
             for name, p in self.params.items():
-                if p.requires_grad:
+                p.grad = None
+                if name in missing:
                     zeros = torch.zeros_like(p)
                     p.grad = zeros.to_sparse() if name in sparse_names else zeros
             for g in self.param_groups:
@@ -110,7 +116,7 @@ class KeyedOptimizer(Optimizer):
                 if lr is not None:
                     g["lr"] = lr
             for name, p in self.params.items():
-                if stashed[name] is not None:
+                if stashed[name] is not None or name not in missing:
                     p.grad = stashed[name]
 
 
