@@ -1,7 +1,7 @@
 """jt_is_equal / kjt_is_equal: TorchRec's structural equality of sparse tensors.
 
 Two tensors are equal when their values, weights, lengths and offsets match (floats with
-`torch.allclose`); a field one of them does not hold counts as equal, as in TorchRec.
+`torch.allclose`); an optional field (weights) must be present in both or absent in both.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ Field = Union[torch.Tensor, List[int], int, None]
 
 def _same(a: Field, b: Field) -> bool:
     if a is None or b is None:
-        return True
+        return a is None and b is None
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.shape == b.shape and bool(torch.allclose(a, b.to(a.dtype)))
     return a == b

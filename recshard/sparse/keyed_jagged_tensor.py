@@ -182,7 +182,8 @@ class KeyedJaggedTensor(JaggedStorage):
             raise ValueError(f"concat: batch sizes differ ({sorted(strides)}); use variable batch")
         spkpr = None
         if variable:
-            spkpr = [row for k in kjts for row in k.stride_per_key_per_rank()]
+            spkpr = [row for k in kjts for row in
+                     (k.stride_per_key_per_rank() or [[s] for s in k.stride_per_key()])]
         return KeyedJaggedTensor(
             [key for k in kjts for key in k.keys()],
             torch.cat([k.values() for k in kjts]),
@@ -209,8 +210,9 @@ class KeyedJaggedTensor(JaggedStorage):
         return self._stride_per_key_per_rank is not None
 
     def stride_per_key_per_rank(self) -> List[List[int]]:
+        """Batch size of each key from each source rank; `[]` unless variable (TorchRec's)."""
         if self._stride_per_key_per_rank is None:
-            return [[s] for s in self._stride_per_key]
+            return []
         return self._stride_per_key_per_rank
 
     def inverse_indices_or_none(self) -> Optional[Tuple[List[str], torch.Tensor]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 from recshard.modules import EmbeddingBagCollection, EmbeddingBagConfig
 from recshard.sparse import (
@@ -146,3 +147,21 @@ def test_regroup_duplicates_skips_and_grads(regroup) -> None:  # noqa: ANN001
     (out[0].sum() + 2 * out[1].sum()).backward()
     assert a.grad.tolist() == [[3.0, 3.0, 0.0]] * 2
     assert b.grad.tolist() == [[1.0]] * 2
+
+
+def test_pytree_keeps_inverse_indices_and_fixed_batch_has_no_per_rank_strides() -> None:
+    inverse = torch.tensor([[0, 1, 0]])
+    kjt = KeyedJaggedTensor(["a"], torch.arange(3), lengths=torch.tensor([1, 2]),
+                            stride_per_key_per_rank=[[2]], inverse_indices=(["a"], inverse))
+    leaves, spec = pytree.tree_flatten(kjt)
+    back = pytree.tree_unflatten(leaves, spec)
+    assert back.inverse_indices()[0] == ["a"] and torch.equal(back.inverse_indices()[1], inverse)
+    assert back.stride() == 3 and back.stride_per_key_per_rank() == [[2]]
+    fixed = KeyedJaggedTensor(["a"], torch.arange(3), lengths=torch.tensor([1, 2]))
+    assert fixed.stride_per_key_per_rank() == [] and not fixed.variable_stride_per_key()
+
+
+def test_equality_needs_weights_on_both_or_neither() -> None:
+    plain = KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([2]))
+    weighted = KeyedJaggedTensor(["a"], torch.arange(2), torch.ones(2), lengths=torch.tensor([2]))
+    assert not kjt_is_equal(plain, weighted) and not jt_is_equal(plain["a"], weighted["a"])
