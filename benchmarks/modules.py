@@ -52,6 +52,7 @@ class Record:
     tables: str
     batch: int
     steps: int
+    optimizer: str
     median_step_ms: float
 
 
@@ -84,22 +85,25 @@ def _loss(kind: str) -> Callable[[object], torch.Tensor]:
     return lambda out: sum(jt.values().sum() for jt in out.values())
 
 
-def bench(api_name: str, kind: str, tables: TableSet, batch: int, steps: int) -> Record:
+def bench(api_name: str, kind: str, tables: TableSet, batch: int, steps: int, optim: str) -> Record:
     api = importlib.import_module(api_name)
     module = _module(api, kind, tables)
-    optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
+    # "none": forward + backward only (Adam's dense pass over every row, the same code in
+    # any library, dominates the Criteo-like step and hides the module's own cost)
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.01) if optim == "adam" else None
     batches = [_batch(api, tables, batch, seed) for seed in range(4)]
     loss_of = _loss(kind)
     times: List[float] = []
     for step in range(steps + 3):  # 3 warm-up steps
         features = batches[step % len(batches)]
         start = time.perf_counter()
-        optimizer.zero_grad()
+        module.zero_grad()
         loss_of(module(features)).backward()
-        optimizer.step()
+        if optimizer is not None:
+            optimizer.step()
         if step >= 3:
             times.append((time.perf_counter() - start) * 1e3)
-    return Record("module_step", api_name, kind, tables.name, batch, steps,
+    return Record("module_step", api_name, kind, tables.name, batch, steps, optim,
                   round(statistics.median(times), 3))
 
 
@@ -109,12 +113,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--optimizer", choices=["adam", "none"], default="adam")
     args = parser.parse_args()
     steps, batch = (3, 64) if args.quick else (args.steps, args.batch)
     torch.set_num_threads(1)
     for tables in TABLE_SETS:
         for kind in ("ebc", "ec"):
-            print(json.dumps(asdict(bench(args.api, kind, tables, batch, steps))), flush=True)
+            print(json.dumps(asdict(bench(args.api, kind, tables, batch, steps, args.optimizer))), flush=True)
 
 
 if __name__ == "__main__":
