@@ -97,7 +97,13 @@ def find_out_of_range(
 def check_ids(
     kjt: KeyedJaggedTensor, feature_to_table: Dict[str, Tuple[str, int]], owner: str
 ) -> None:
-    """Every id must index a row of its table: `feature_to_table[f] = (table, rows)`."""
+    """Every id must index a row of its table: `feature_to_table[f] = (table, rows)`.
+
+    Skipped where there are no ids to read: while `torch.export` / `torch.compile` trace (a
+    guard on data cannot be traced; the exported program runs without it, as TorchRec's
+    does) and on the `meta` device (shape inference)."""
+    if torch.compiler.is_compiling() or kjt.values().is_meta:
+        return
     rows = [feature_to_table[k][1] for k in kjt.keys()]
     found = find_out_of_range(kjt, rows)
     if found is not None:
