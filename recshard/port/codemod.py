@@ -230,12 +230,12 @@ class _Rewriter(cst.CSTTransformer):
             groups.setdefault(key, []).append(alias)
         if list(groups) == [module]:
             return None
-        statements = []
-        for target, aliases in groups.items():
-            last = aliases[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
-            names = [*aliases[:-1], last] if len(groups) > 1 else [*aliases[:-1], aliases[-1]]
-            statements.append(node.with_changes(module=_expr(target), names=names))
-        return statements
+        # each group ends as the statement did: a parenthesized one keeps its trailing comma
+        # (and the line break before ")"), a bare one must end without a comma
+        ending = node.names[-1].comma if node.rpar is not None else cst.MaybeSentinel.DEFAULT
+        return [node.with_changes(module=_expr(target),
+                                  names=[*aliases[:-1], aliases[-1].with_changes(comma=ending)])
+                for target, aliases in groups.items()]
 
 
 class _FromImportIssues(cst.CSTVisitor):

@@ -129,6 +129,27 @@ def test_unmapped_names_are_reported_and_left() -> None:
     }
 
 
+def test_split_parenthesized_import_keeps_its_shape() -> None:
+    source = (
+        "from torchrec.models.dlrm import (\n"
+        "    DLRM,\n"
+        "    DLRM_Projection,\n"
+        "    DLRMTrain,\n"
+        ")\n"
+    )
+    result = port_source(source)
+    assert result.code == (
+        "from recshard.models.dlrm import (\n"
+        "    DLRM,\n"
+        "    DLRMTrain,\n"
+        ")\n"
+        "from torchrec.models.dlrm import (\n"
+        "    DLRM_Projection,\n"
+        ")\n"
+    )
+    assert [i.name for i in result.issues] == ["torchrec.models.dlrm.DLRM_Projection"]
+
+
 def test_cli_check_only_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "train.py"
     script.write_text("from torchrec.distributed.types import ShardingType, NotAThing\n")
