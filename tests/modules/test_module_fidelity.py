@@ -8,6 +8,7 @@ from typing import Dict
 
 import pytest
 import torch
+from multiprocess import run_ranks
 from torch import nn
 
 from recshard import (
@@ -18,6 +19,7 @@ from recshard import (
     JaggedTensor,
     KeyedJaggedTensor,
 )
+from recshard.distributed import DistributedModelParallel
 from recshard.fx import Tracer, is_fx_tracing, symbolic_trace
 
 META = torch.device("meta")
@@ -61,6 +63,49 @@ def test_shared_table_features_keep_config_order() -> None:
     weight = ebc.embedding_bags["t"].weight
     torch.testing.assert_close(out["f1"][2], weight[5] + weight[6] + weight[7])  # f1's 3rd bag
     torch.testing.assert_close(out["f2"][0], weight[0] + weight[1])
+
+
+def test_shared_feature_gives_one_output_per_table() -> None:
+    """A feature several tables read: one output per table, keyed `feature@table`."""
+    ebc = EmbeddingBagCollection([
+        EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=10, feature_names=["f1"]),
+        EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=10, feature_names=["f1", "g"]),
+    ])
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["g", "f1"], values=torch.tensor([5, 1, 2, 3]),
+                                              lengths=torch.tensor([1, 0, 2, 1]))
+    out = ebc(kjt)
+    assert out.keys() == ["f1@t1", "f1@t2", "g"] and out.offset_per_key() == [0, 3, 7, 11]
+    t1, t2 = ebc.embedding_bags["t1"].weight, ebc.embedding_bags["t2"].weight
+    torch.testing.assert_close(out["f1@t1"][0], t1[1] + t1[2])
+    torch.testing.assert_close(out["f1@t2"][1], t2[3])
+    ec = EmbeddingCollection(seq_tables() + [EmbeddingConfig(name="t3", embedding_dim=5,
+                                                             num_embeddings=4, feature_names=["f2"])],
+                             need_indices=True)
+    seq = ec(seq_kjt())
+    assert list(seq) == ["f1", "f2@t1", "f3", "f2@t3"]
+    assert seq["f2@t1"].weights().tolist() == seq["f2@t3"].weights().tolist() == [3]
+    torch.testing.assert_close(seq["f2@t3"].values(), ec.embeddings["t3"].weight[[3]])
+    bad = KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2", "f3"], values=torch.tensor([0, 7, 1]),
+                                              lengths=torch.tensor([1, 0, 1, 0, 1, 0]))
+    with pytest.raises(ValueError, match=r"table 't3', feature 'f2': id 7 is outside \[0, 4\)"):
+        ec(bad)  # a shared feature's ids must fit its smallest table
+
+
+def _shard_shared_feature(rank: int, world_size: int) -> str:
+    ebc = EmbeddingBagCollection([
+        EmbeddingBagConfig(name=n, embedding_dim=4, num_embeddings=10, feature_names=["f"]) for n in "ab"
+    ])
+    try:
+        DistributedModelParallel(ebc)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_sharding_a_shared_feature_is_refused_clearly() -> None:
+    message = run_ranks(1, _shard_shared_feature, timeout=120)[0]
+    assert "features ['f'] are read by more than one table" in message
+    assert "not supported" in message
 
 
 def test_weighted_output_follows_the_configs() -> None:
