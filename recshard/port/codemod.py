@@ -121,11 +121,19 @@ class _Planner(cst.CSTVisitor):
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
         path = _dotted(node.module) if node.module is not None and not node.relative else None
-        if not _is_torchrec(path) or isinstance(node.names, cst.ImportStar):
+        if not _is_torchrec(path):
             return False
         module = ".".join(path)
+        if isinstance(node.names, cst.ImportStar):
+            if module not in MODULE_MAP:
+                self._report(node, f"{module}.*", f"recshard has no counterpart of module {module}")
+            return False
         for alias in node.names:
             name = cst.ensure_type(alias.name, cst.Name).value
+            try:
+                resolve_name(module, name)
+            except Unmapped as err:
+                self._report(node, f"{module}.{name}", str(err))
             if f"{module}.{name}" in MODULE_MAP:  # a module imported by name
                 local = cst.ensure_type(alias.asname.name, cst.Name).value if alias.asname else name
                 self.bindings[local] = _ModuleBinding(local, f"{module}.{name}",
@@ -238,38 +246,11 @@ class _Rewriter(cst.CSTTransformer):
                 for target, aliases in groups.items()]
 
 
-class _FromImportIssues(cst.CSTVisitor):
-    """Reports the names of `from torchrec... import` statements that recshard lacks."""
-
-    METADATA_DEPENDENCIES = (PositionProvider,)
-
-    def __init__(self, issues: List[Issue]) -> None:
-        self.issues = issues
-
-    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
-        path = _dotted(node.module) if node.module is not None and not node.relative else None
-        if not _is_torchrec(path):
-            return
-        module = ".".join(path)
-        line = self.get_metadata(PositionProvider, node).start.line
-        if isinstance(node.names, cst.ImportStar):
-            if module not in MODULE_MAP:
-                self.issues.append(Issue(line, f"{module}.*", f"recshard has no counterpart of module {module}"))
-            return
-        for alias in node.names:
-            name = cst.ensure_type(alias.name, cst.Name).value
-            try:
-                resolve_name(module, name)
-            except Unmapped as err:
-                self.issues.append(Issue(line, f"{module}.{name}", str(err)))
-
-
 def port_source(code: str) -> PortResult:
     """Rewrite the TorchRec imports (and dotted uses) of Python source `code`."""
     wrapper = MetadataWrapper(cst.parse_module(code))
     planner = _Planner()
     wrapper.visit(planner)
-    wrapper.visit(_FromImportIssues(planner.issues))
     new_module = wrapper.module.visit(_Rewriter(planner))
     issues = sorted(set(planner.issues), key=lambda i: (i.line, i.name))
     return PortResult(new_module.code, issues)
