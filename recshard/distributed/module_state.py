@@ -64,6 +64,11 @@ class ShardedTablesMixin:
         what: str,
     ) -> None:
         """Check the plan (`what` names the unsharded module in errors), keep the metadata."""
+        features = [f for c in configs for f in c.feature_names]
+        shared = sorted({f for f in features if features.count(f) > 1})
+        if shared:
+            raise ValueError(f"{what}: features {shared} are read by more than one table; "
+                             "sharding a feature shared by several tables is not supported")
         check_module_plan(configs, table_plans, env, what, pooled=pooled)
         self.env = env
         self._device = torch.device(device or "cpu")
