@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from recshard.checkpoint.state import (
+from recshard.distributed.sharded_state import (
     fused_optimizer_state,
     model_state_dict,
     quiet_sharded_tensor,

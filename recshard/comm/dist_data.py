@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recshard.column_blocks import Block, check_blocks
 from recshard.comm.codecs import QuantizedCommCodecs
+from recshard.comm.column_blocks import Block, check_blocks
 from recshard.comm.kjt_all_to_all import _get_recat
 from recshard.comm.ops import (
     all_gather_base_pooled,

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recshard import ops
 from recshard.comm.request import Pending, issue_all_to_all, wait_work
 from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse import jagged_ops as ops
 from recshard.types import Awaitable
 
 _DTYPES = [torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16,

@@ -189,13 +189,13 @@ class DistributedModelParallel(nn.Module):
 
     def state_dict(self, *args: Any, prefix: str = "", keep_vars: bool = False, **kwargs: Any) -> Dict[str, Any]:
         """Unsharded keys; sharded tables as ShardedTensors (global shape, this rank's shards)."""
-        from recshard.checkpoint.state import model_state_dict, quiet_sharded_tensor
+        from recshard.distributed.sharded_state import model_state_dict, quiet_sharded_tensor
 
         with quiet_sharded_tensor():
             return model_state_dict(self.module, prefix)
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        from recshard.checkpoint.state import load_model_state_dict
+        from recshard.distributed.sharded_state import load_model_state_dict
 
         return load_model_state_dict(self.module, state_dict, strict)
 

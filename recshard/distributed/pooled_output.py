@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from recshard.column_blocks import Block, check_blocks, chunks_to_columns, cut_at_chunks
+from recshard.comm.column_blocks import Block, check_blocks, chunks_to_columns, cut_at_chunks
 from recshard.sparse import KeyedTensor
 from recshard.types import Awaitable, LazyAwaitable
 

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from torch import nn
 
 from recshard.planner.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
-from recshard.planner.types import (
+from recshard.planner.planner_types import (
     ALL_SHARDING_TYPES,
     UVM_KERNELS,
     ParameterConstraints,

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from torch import nn
 
-from recshard.planner.types import ALL_SHARDING_TYPES
+from recshard.planner.planner_types import ALL_SHARDING_TYPES
 from recshard.types import (
     BoundsCheckMode,
     EmbeddingComputeKernel,

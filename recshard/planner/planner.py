@@ -12,10 +12,7 @@ from torch import nn
 from recshard.planner.enumerator import EmbeddingEnumerator, tables_from_module
 from recshard.planner.estimators import Capacity, StorageReservation
 from recshard.planner.partitioners import GreedyPerfPartitioner, NoopPerfModel, PartitionResult
-from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
-from recshard.planner.refine import refine_placement
-from recshard.planner.stats import EmbeddingStats, PlannerStats, build_stats
-from recshard.planner.types import (
+from recshard.planner.planner_types import (
     GIB,
     ParameterConstraints,
     PlannerError,
@@ -23,6 +20,9 @@ from recshard.planner.types import (
     TableMeta,
     Topology,
 )
+from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
+from recshard.planner.refine import refine_placement
+from recshard.planner.stats import EmbeddingStats, PlannerStats, build_stats
 from recshard.shard_geometry import make_shards
 from recshard.types import ModuleSharder, ParameterSharding, ShardingPlan
 

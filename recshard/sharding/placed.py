@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from recshard.column_blocks import cut_at_chunks
 from recshard.comm import KJTAllToAll, PooledEmbeddingsAllToAll
+from recshard.comm.column_blocks import cut_at_chunks
 from recshard.lookup.grouped import GroupedLookup, lookup_order
 from recshard.lookup.tables import LocalTable
 from recshard.sharding.common import EmbeddingSharding, TableSpec

@@ -20,7 +20,6 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from recshard import ops
 from recshard.comm import KJTAllToAll, PooledEmbeddingsAllToAll, PooledEmbeddingsReduceScatter
 from recshard.comm.pg import intra_and_cross_node_pg
 from recshard.lookup.grouped import GroupedLookup, lookup_order
@@ -28,6 +27,7 @@ from recshard.modules.embedding_configs import PoolingType
 from recshard.shard_geometry import row_block_size
 from recshard.sharding.common import EmbeddingSharding, TableSpec, mean_divisor_columns
 from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse import jagged_ops as ops
 from recshard.types import Awaitable, FnAwaitable, ShardingEnv
 
 

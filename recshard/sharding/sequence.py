@@ -21,7 +21,6 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from recshard import ops
 from recshard.comm import KJTAllToAll, SequenceEmbeddingsAllToAll
 from recshard.comm.codecs import CommOp, QuantizedCommCodecs, codecs_from_registry
 from recshard.lookup.grouped import GroupedLookup, lookup_order
@@ -31,6 +30,7 @@ from recshard.shard_geometry import row_block_size
 from recshard.sharding.common import EmbeddingSharding, TableSpec
 from recshard.sharding.data_parallel import DataParallelPooledSharding
 from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse import jagged_ops as ops
 from recshard.types import Awaitable, ShardingEnv, ShardingType
 
 _PLACED = {ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE}

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import torch
 
-from recshard import ops
+from recshard.sparse import jagged_ops as ops
 
 
 def lengths_from_offsets(offsets: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from recshard import ops
+from recshard.sparse import jagged_ops as ops
 from recshard.sparse.jagged_tensor import JaggedStorage, JaggedTensor
 from recshard.sparse.keyed_tensor import _cumsum
 from recshard.sparse.validation import validate_kjt

@@ -126,7 +126,7 @@ def fused_state(module: Any, prefix: str) -> Dict[str, Any]:
 
 
 def _fused_spec(module: Any, table: str) -> Any:
-    from recshard.lookup.fused_optim import parse_fused_params
+    from recshard.lookup.fused_params import parse_fused_params
 
     return parse_fused_params(module._fused_params, table)
 
