@@ -5,6 +5,7 @@ from recshard.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from recshard.distributed.model_parallel import (
     DefaultDataParallelWrapper,
     DistributedModelParallel,
+    default_sharders,
     get_module,
     get_unwrapped_module,
 )
@@ -16,7 +17,7 @@ from recshard.distributed.quant_embeddingbag import (
     QuantEmbeddingBagCollectionSharder,
     ShardedQuantEmbeddingBagCollection,
 )
-from recshard.distributed.sharders import EmbeddingBagCollectionSharder, default_sharders
+from recshard.distributed.sharders import EmbeddingBagCollectionSharder
 from recshard.distributed.train_pipeline import (
     EvalPipelineSparseDist,
     TrainPipeline,

@@ -20,6 +20,7 @@ from torch import nn
 
 from recshard.distributed.module_state import ShardedTablesMixin
 from recshard.distributed.plan_checks import SEQUENCE_TYPES
+from recshard.distributed.sharders import supported_compute_kernels
 from recshard.modules.embedding_modules import EmbeddingCollection
 from recshard.sharding.sequence import build_sequence_shardings
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor
@@ -131,9 +132,7 @@ class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
         return sorted(t.value for t in SEQUENCE_TYPES)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        from recshard.distributed.sharders import _kernels  # sharders.py imports this module
-
-        return _kernels(sharding_type, compute_device_type)
+        return supported_compute_kernels(sharding_type, compute_device_type)
 
     def shardable_parameters(self, module: EmbeddingCollection) -> Dict[str, nn.Parameter]:
         return {name: emb.weight for name, emb in module.embeddings.items()}

@@ -27,6 +27,7 @@ from torch.distributed._shard.sharded_tensor import (
     TensorProperties,
 )
 
+from recshard.lookup.fused_params import parse_fused_params
 from recshard.lookup.tables import LocalTable
 from recshard.types import ShardedModule, ShardingType
 
@@ -126,8 +127,6 @@ def fused_state(module: Any, prefix: str) -> Dict[str, Any]:
 
 
 def _fused_spec(module: Any, table: str) -> Any:
-    from recshard.lookup.fused_params import parse_fused_params
-
     return parse_fused_params(module._fused_params, table)
 
 

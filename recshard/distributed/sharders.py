@@ -18,7 +18,8 @@ from recshard.types import (
 )
 
 
-def _kernels(sharding_type: str, compute_device_type: str) -> List[str]:
+def supported_compute_kernels(sharding_type: str, compute_device_type: str) -> List[str]:
+    """The compute kernels a float sharder offers for one sharding type on one device type."""
     if ShardingType(sharding_type) == ShardingType.DATA_PARALLEL:
         return [EmbeddingComputeKernel.DENSE.value]
     kernels = [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
@@ -39,7 +40,7 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
         return [t.value for t in ShardingType]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return _kernels(sharding_type, compute_device_type)
+        return supported_compute_kernels(sharding_type, compute_device_type)
 
     def shardable_parameters(self, module: EmbeddingBagCollection) -> Dict[str, nn.Parameter]:
         return {name: bag.weight for name, bag in module.embedding_bags.items()}
@@ -55,12 +56,3 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
             module, params, env, device, self.fused_params, self.qcomm_codecs_registry
         )
 
-
-def default_sharders() -> List[ModuleSharder]:
-    """The sharders DistributedModelParallel uses when none are given."""
-    from recshard.distributed.embedding import EmbeddingCollectionSharder
-    from recshard.distributed.quant_embedding import QuantEmbeddingCollectionSharder
-    from recshard.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
-
-    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder(),
-            QuantEmbeddingBagCollectionSharder(), QuantEmbeddingCollectionSharder()]

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional
 
+import torch.distributed as dist
 from torch import nn
 
-from recshard.comm.pg import get_local_size
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
 from recshard.shard_geometry import make_shards
 from recshard.types import (
@@ -25,6 +25,7 @@ from recshard.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
     ShardingType,
+    get_local_size,
 )
 
 ShardingGenerator = Callable[[BaseEmbeddingConfig, int, int, str], ParameterSharding]
@@ -106,8 +107,6 @@ def construct_module_sharding_plan(
     device_type: Optional[str] = None,
 ) -> EmbeddingModuleShardingPlan:
     """A plan for one collection: `{table: ParameterSharding}` from per-table helpers."""
-    import torch.distributed as dist
-
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
     local_size = local_size or get_local_size(world_size)

@@ -24,7 +24,7 @@ from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 DeviceLike = Union[str, torch.device, None]
 
 
-def _check_unique(tables: Sequence[BaseEmbeddingConfig], owner: str) -> None:
+def check_unique_tables(tables: Sequence[BaseEmbeddingConfig], owner: str) -> None:
     names = [t.name for t in tables]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -55,7 +55,7 @@ class _EmbeddingTables(nn.Module):
 
     def __init__(self, tables: Sequence[BaseEmbeddingConfig], device: DeviceLike) -> None:
         super().__init__()
-        _check_unique(tables, type(self).__name__)
+        check_unique_tables(tables, type(self).__name__)
         self._configs = list(tables)
         self._feature_names = [f for t in tables for f in t.feature_names]
         self._feature_to_table: Dict[str, Tuple[str, int]] = {

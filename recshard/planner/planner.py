@@ -7,6 +7,8 @@ import logging
 import time
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from recshard.planner.enumerator import EmbeddingEnumerator, tables_from_module
@@ -83,9 +85,6 @@ class EmbeddingShardingPlanner:
     @property
     def topology(self) -> Topology:
         if self._topology is None:
-            import torch
-            import torch.distributed as dist
-
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self._topology = Topology(world_size=world, compute_device=device)
@@ -248,8 +247,6 @@ class EmbeddingShardingPlanner:
     ) -> ShardingPlan:
         """Rank 0 of `pg` plans and broadcasts the plan; every rank returns the same plan. If
         rank 0 fails, its error is broadcast and every rank raises (no rank hangs)."""
-        import torch.distributed as dist
-
         group = pg if pg is not None else dist.group.WORLD
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if self._topology is None:

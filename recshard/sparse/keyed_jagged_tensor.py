@@ -17,7 +17,7 @@ import torch
 
 from recshard.sparse import jagged_ops as ops
 from recshard.sparse.jagged_tensor import JaggedStorage, JaggedTensor
-from recshard.sparse.keyed_tensor import _cumsum
+from recshard.sparse.keyed_tensor import offsets_from_sizes
 from recshard.sparse.validation import validate_kjt
 
 
@@ -195,7 +195,7 @@ class KeyedJaggedTensor(JaggedStorage):
 
     def lengths_offset_per_key(self) -> List[int]:
         """Where each key's block starts in `lengths` (cumsum of stride_per_key)."""
-        return _cumsum(self._stride_per_key)
+        return offsets_from_sizes(self._stride_per_key)
 
     def length_per_key(self) -> List[int]:
         """Number of ids of each key (one host sync on first call, then cached)."""
@@ -217,7 +217,7 @@ class KeyedJaggedTensor(JaggedStorage):
     def offset_per_key(self) -> List[int]:
         """Where each key's ids start in `values`, plus the total at the end."""
         if self._offset_per_key is None:
-            self._offset_per_key = _cumsum(self.length_per_key())
+            self._offset_per_key = offsets_from_sizes(self.length_per_key())
         return self._offset_per_key
 
     def sync(self) -> KeyedJaggedTensor:
