@@ -1,5 +1,7 @@
 """Sharded modules, their sharders, manual plans, DistributedModelParallel."""
 
+import sys
+
 from recshard.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from recshard.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from recshard.distributed.model_parallel import (
@@ -25,6 +27,10 @@ from recshard.distributed.train_pipeline import (
     TrainPipelineContext,
     TrainPipelineSparseDist,
 )
+from recshard.plan import manual as sharding_plan
+
+# TorchRec's import path for the manual plan helpers, which live in recshard.plan.manual
+sys.modules[f"{__name__}.sharding_plan"] = sharding_plan
 
 __all__ = [
     "DefaultDataParallelWrapper",

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from recshard.distributed.module_state import ShardedTablesMixin
-from recshard.distributed.plan_checks import SEQUENCE_TYPES
 from recshard.distributed.sharders import supported_compute_kernels
 from recshard.modules.embedding_modules import EmbeddingCollection
+from recshard.plan.validate import SEQUENCE_TYPES
 from recshard.sharding.sequence import build_sequence_shardings
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor
 from recshard.types import (

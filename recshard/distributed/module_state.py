@@ -16,10 +16,10 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from recshard.distributed.plan_checks import check_module_plan
 from recshard.lookup.tables import LocalTable
 from recshard.modules.input_checks import bounds_check, check_dtypes_and_weights, check_features
 from recshard.optim.fused import FusedOptimizer
+from recshard.plan.validate import check_module_plan
 from recshard.sharding.common import TableSpec
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse.validation import validate_kjt

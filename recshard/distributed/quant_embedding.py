@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from recshard.distributed.embedding import ShardedEmbeddingCollection
-from recshard.distributed.plan_checks import SEQUENCE_TYPES
 from recshard.distributed.quant_shards import (
     META,
     QuantSharder,
@@ -28,6 +27,7 @@ from recshard.distributed.quant_shards import (
     placeholder_specs,
     swap_in_quant_lookups,
 )
+from recshard.plan.validate import SEQUENCE_TYPES
 from recshard.quant.embedding_modules import QuantEmbeddingCollection
 from recshard.sharding.sequence import build_sequence_shardings
 from recshard.types import (

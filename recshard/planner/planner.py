@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from recshard.plan.geometry import make_shards
 from recshard.planner.enumerator import EmbeddingEnumerator, tables_from_module
 from recshard.planner.estimators import Capacity, StorageReservation
 from recshard.planner.partitioners import GreedyPerfPartitioner, NoopPerfModel, PartitionResult
@@ -25,7 +26,6 @@ from recshard.planner.planner_types import (
 from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
 from recshard.planner.refine import refine_placement
 from recshard.planner.stats import EmbeddingStats, PlannerStats, build_stats
-from recshard.shard_geometry import make_shards
 from recshard.types import ModuleSharder, ParameterSharding, ShardingPlan
 
 logger = logging.getLogger(__name__)
@@ -274,7 +274,7 @@ class EmbeddingShardingPlanner:
 
 def to_sharding_plan(result: PartitionResult, topology: Topology) -> ShardingPlan:
     """The `ShardingPlan` of a placement: per module FQN, per table, type, kernel, ranks and
-    shard geometry from `recshard.shard_geometry` (the same the sharded modules use)."""
+    shard geometry from `recshard.plan.geometry` (the same the sharded modules use)."""
     plan: Dict[str, Dict[str, ParameterSharding]] = {}
     device = topology.compute_device
     for option, ranks in zip(result.proposal, result.ranks):

@@ -24,7 +24,7 @@ from recshard.comm import KJTAllToAll, PooledEmbeddingsAllToAll, PooledEmbedding
 from recshard.comm.pg import intra_and_cross_node_pg
 from recshard.lookup.grouped import GroupedLookup, lookup_order
 from recshard.modules.embedding_configs import PoolingType
-from recshard.shard_geometry import row_block_size
+from recshard.plan.geometry import row_block_size
 from recshard.sharding.common import EmbeddingSharding, TableSpec, mean_divisor_columns
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse import jagged_ops as ops

@@ -26,7 +26,7 @@ from recshard.comm.codecs import CommOp, QuantizedCommCodecs, codecs_from_regist
 from recshard.lookup.grouped import GroupedLookup, lookup_order
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE
-from recshard.shard_geometry import row_block_size
+from recshard.plan.geometry import row_block_size
 from recshard.sharding.common import EmbeddingSharding, TableSpec
 from recshard.sharding.data_parallel import DataParallelPooledSharding
 from recshard.sparse import KeyedJaggedTensor

@@ -10,13 +10,13 @@ from multiprocess import run_ranks
 from torch import nn
 
 from recshard.distributed import EmbeddingBagCollectionSharder
-from recshard.distributed.plan_checks import check_module_plan
 from recshard.modules import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     EmbeddingCollection,
     EmbeddingConfig,
 )
+from recshard.plan.validate import check_module_plan
 from recshard.planner import (
     EmbeddingShardingPlanner,
     ParameterConstraints,

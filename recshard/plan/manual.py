@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
-from recshard.shard_geometry import make_shards
+from recshard.plan.geometry import make_shards
 from recshard.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
