@@ -19,9 +19,12 @@ import torch
 from torch import nn
 
 from recshard.distributed.module_state import ShardedTablesMixin
-from recshard.distributed.sharders import supported_compute_kernels
 from recshard.modules.embedding_modules import EmbeddingCollection
-from recshard.plan.validate import SEQUENCE_TYPES
+from recshard.plan.sharding_types import (
+    SEQUENCE_SHARDING_TYPES,
+    sharding_type_values,
+    supported_compute_kernels,
+)
 from recshard.sharding.sequence import build_sequence_shardings
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor
 from recshard.types import (
@@ -129,7 +132,7 @@ class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
         return EmbeddingCollection
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return sorted(t.value for t in SEQUENCE_TYPES)
+        return sorted(sharding_type_values(SEQUENCE_SHARDING_TYPES))
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         return supported_compute_kernels(sharding_type, compute_device_type)

@@ -19,6 +19,7 @@ from torch import nn
 from recshard.lookup.tables import LocalTable
 from recshard.modules.input_checks import bounds_check, check_dtypes_and_weights, check_features
 from recshard.optim.fused import FusedOptimizer
+from recshard.plan.sharding_types import ALL_SHARDING_TYPES, SEQUENCE_SHARDING_TYPES
 from recshard.plan.validate import check_module_plan
 from recshard.sharding.common import TableSpec
 from recshard.sparse import KeyedJaggedTensor
@@ -62,9 +63,12 @@ class ShardedTablesMixin:
         pooled: bool,
         is_weighted: bool,
         what: str,
+        compute_kernels: Optional[List[str]] = None,
     ) -> None:
         """Check the plan (`what` names the unsharded module in errors), keep the metadata."""
-        check_module_plan(configs, table_plans, env, what, pooled=pooled)
+        check_module_plan(configs, table_plans, what, env.world_size, env.local_world_size,
+                          ALL_SHARDING_TYPES if pooled else SEQUENCE_SHARDING_TYPES,
+                          compute_kernels)
         self.env = env
         self._device = torch.device(device or "cpu")
         self._configs = configs

@@ -29,9 +29,8 @@ from torch.distributed._shard.sharded_tensor import (
 
 from recshard.lookup.fused_params import parse_fused_params
 from recshard.lookup.tables import LocalTable
+from recshard.plan.sharding_types import COLUMN_SPLIT_TYPES
 from recshard.types import ShardedModule, ShardingType
-
-_COLUMN_TYPES = {ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value}
 
 
 @contextlib.contextmanager
@@ -110,7 +109,7 @@ def fused_state(module: Any, prefix: str) -> Dict[str, Any]:
                 out[f"{base}.{name}"] = _sharded(
                     [config.num_embeddings, config.embedding_dim], _plan_metas(module, config.name),
                     [(s[name], _local_meta(t, rank)) for t, s in local], module.env.pg, torch.float32)
-            elif plan.sharding_type in _COLUMN_TYPES:
+            elif ShardingType(plan.sharding_type) in COLUMN_SPLIT_TYPES:
                 for shard in plan.shards:
                     mine = [(s[name], _torch_meta([0], [config.num_embeddings], rank))
                             for t, s in local if t.col_offset == shard.shard_offsets[1]]

@@ -9,24 +9,13 @@ from torch import nn
 
 from recshard.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from recshard.modules.embedding_modules import EmbeddingBagCollection
+from recshard.plan.sharding_types import supported_compute_kernels
 from recshard.types import (
-    EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     ModuleSharder,
     ShardingEnv,
     ShardingType,
 )
-
-
-def supported_compute_kernels(sharding_type: str, compute_device_type: str) -> List[str]:
-    """The compute kernels a float sharder offers for one sharding type on one device type."""
-    if ShardingType(sharding_type) == ShardingType.DATA_PARALLEL:
-        return [EmbeddingComputeKernel.DENSE.value]
-    kernels = [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
-    if compute_device_type == "cuda":
-        kernels += [EmbeddingComputeKernel.FUSED_UVM.value,
-                    EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
-    return kernels
 
 
 class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):

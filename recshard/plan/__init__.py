@@ -1,6 +1,6 @@
 """What a sharding plan is, in one place: its types, how a table's rows and columns are cut
-(`geometry`), the per-table helpers that build one by hand (`manual`), and the one validator
-every consumer calls (`validate`).
+(`geometry`), the per-table helpers that build one by hand (`manual`), which sharding types
+go together (`sharding_types`), and the one validator every consumer calls (`validate`).
 
 `ParameterSharding`, `ShardingPlan` and `ShardMetadata` are defined in `recshard.types` (their
 TorchRec import path) and re-exported here; `recshard.distributed.sharding_plan` is the
@@ -17,6 +17,12 @@ from recshard.plan.manual import (
     table_row_wise,
     table_wise,
 )
+from recshard.plan.validate import (
+    PlanValidationError,
+    check_module_plan,
+    check_table_plan,
+    validate_plan,
+)
 from recshard.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
@@ -27,8 +33,11 @@ from recshard.types import (
 __all__ = [
     "EmbeddingModuleShardingPlan",
     "ParameterSharding",
+    "PlanValidationError",
     "ShardMetadata",
     "ShardingPlan",
+    "check_module_plan",
+    "check_table_plan",
     "column_wise",
     "column_wise_sizes",
     "construct_module_sharding_plan",
@@ -40,4 +49,5 @@ __all__ = [
     "table_column_wise",
     "table_row_wise",
     "table_wise",
+    "validate_plan",
 ]

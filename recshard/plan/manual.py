@@ -20,6 +20,7 @@ from torch import nn
 
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
 from recshard.plan.geometry import make_shards
+from recshard.plan.validate import check_table_plan
 from recshard.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
@@ -115,7 +116,10 @@ def construct_module_sharding_plan(
     if unknown:
         raise ValueError(f"construct_module_sharding_plan: tables {unknown} are not in the module "
                          f"(its tables: {list(configs)})")
-    return {
+    plan = {
         name: generate(configs[name], local_size, world_size, device_type or "cpu")
         for name, generate in per_param_sharding.items()
     }
+    for name, ps in plan.items():
+        check_table_plan(configs[name], ps, world_size, local_size)
+    return plan

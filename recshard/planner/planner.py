@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recshard.plan.geometry import make_shards
+from recshard.plan.validate import validate_plan
 from recshard.planner.enumerator import EmbeddingEnumerator, tables_from_module
 from recshard.planner.estimators import Capacity, StorageReservation
 from recshard.planner.partitioners import GreedyPerfPartitioner, NoopPerfModel, PartitionResult
@@ -98,7 +99,10 @@ class EmbeddingShardingPlanner:
                 "no shardable tables found: no submodule matches the sharders' module types "
                 f"{[s.module_type.__name__ for s in sharders]}"
             )
-        return self.plan_tables(tables, dense_param_bytes=dense_bytes)
+        plan = self.plan_tables(tables, dense_param_bytes=dense_bytes)
+        topology = self.topology
+        validate_plan(plan, module, topology.world_size, topology.local_world_size)
+        return plan
 
     def plan_tables(self, tables: Sequence[TableMeta], dense_param_bytes: float = 0.0) -> ShardingPlan:
         """Plan from table metadata alone (the CLI's entry point)."""

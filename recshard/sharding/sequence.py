@@ -27,13 +27,12 @@ from recshard.lookup.grouped import GroupedLookup, lookup_order
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE
 from recshard.plan.geometry import row_block_size
+from recshard.plan.sharding_types import PLACED_TYPES
 from recshard.sharding.common import EmbeddingSharding, TableSpec
 from recshard.sharding.data_parallel import DataParallelPooledSharding
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse import jagged_ops as ops
 from recshard.types import Awaitable, ShardingEnv, ShardingType
-
-_PLACED = {ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE}
 
 
 class _SequenceSharding(EmbeddingSharding):
@@ -220,7 +219,7 @@ def build_sequence_shardings(
     for spec in specs:
         st = ShardingType(spec.sharding.sharding_type)
         dtype = DATA_TYPE_TO_DTYPE[spec.config.data_type]
-        if st in _PLACED:
+        if st in PLACED_TYPES:
             for index, shard in enumerate(spec.shards()):
                 groups.setdefault(("placed", shard.shard_sizes[1], dtype), []).append((spec, index))
         else:
