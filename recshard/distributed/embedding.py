@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import nn
 
-from recshard.distributed.module_state import ShardedTablesMixin
+from recshard.distributed.module_state import EmbeddingModuleContext, ShardedTablesMixin
 from recshard.modules.embedding_modules import EmbeddingCollection
 from recshard.plan.sharding_types import (
     SEQUENCE_SHARDING_TYPES,
@@ -109,13 +109,14 @@ class ShardedEmbeddingCollection(ShardedTablesMixin, ShardedModule):
     # ---------------------------------------------------------------- sharded module steps
 
     def output_dist(
-        self, ctx: Dict[str, Any], output: List[torch.Tensor]
+        self, ctx: EmbeddingModuleContext, output: List[torch.Tensor]
     ) -> LazyAwaitable[Dict[str, JaggedTensor]]:
         pending = {
-            name: s.output_dist(local, ctx)
-            for (name, s), local in zip(self._shardings.items(), output)
+            name: s.output_dist(local, sharding_ctx)
+            for (name, s), sharding_ctx, local
+            in zip(self._shardings.items(), ctx.sharding_contexts, output)
         }
-        return _JaggedDictAwaitable(pending, ctx["features"], self)
+        return _JaggedDictAwaitable(pending, ctx.features, self)
 
     def embedding_configs(self):  # noqa: ANN201 - mirrors the unsharded module
         return self._configs

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from recshard.distributed.module_state import ShardedTablesMixin
+from recshard.distributed.module_state import EmbeddingModuleContext, ShardedTablesMixin
 from recshard.distributed.pooled_output import PooledOutputMixin
 from recshard.distributed.quant_shards import (
     META,
@@ -69,7 +69,7 @@ class ShardedQuantEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, 
         self._column_blocks = self._output_order()
         load_quant_shards(shardings, module.quantized_weights(), self._device)
 
-    def compute(self, ctx: Dict[str, Any], dist_input: List[KeyedJaggedTensor]) -> List[torch.Tensor]:
+    def compute(self, ctx: EmbeddingModuleContext, dist_input: List[KeyedJaggedTensor]) -> List[torch.Tensor]:
         return [s.lookup(kjt) for s, kjt in zip(self._shardings.values(), dist_input)]
 
     def output_dtype(self) -> torch.dtype:
