@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from recshard.lookup.fused_params import FusedOptimSpec, parse_fused_params
 from recshard.lookup.tables import LocalTable
 from recshard.modules.input_checks import bounds_check, check_dtypes_and_weights, check_features
 from recshard.optim.fused import FusedOptimizer
@@ -25,7 +26,7 @@ from recshard.plan.validate import check_module_plan
 from recshard.sharding.common import EmbeddingShardingContext, TableSpec
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse.validation import validate_kjt
-from recshard.types import Awaitable, BoundsCheckMode, FnAwaitable
+from recshard.types import Awaitable, BoundsCheckMode, FnAwaitable, ParameterSharding
 
 
 @dataclass
@@ -179,6 +180,33 @@ class ShardedTablesMixin:
             sharding_contexts=[s.create_context() for s in self._shardings.values()])
 
     # ---------------------------------------------------------------- table state
+    # What `recshard.distributed.sharded_state` (state_dict, checkpoints) reads: the
+    # `ShardedTableState` protocol there.
+
+    @property
+    def tables_attr(self) -> str:
+        """The attribute that holds the tables in the unsharded module (its state_dict keys)."""
+        return self._tables_attr
+
+    def table_configs(self) -> List[Any]:
+        return list(self._configs)
+
+    def table_plan(self, table: str) -> ParameterSharding:
+        return self._table_plans[table]
+
+    def fused_optim_spec(self, table: str) -> FusedOptimSpec:
+        """The optimizer the fused kernel applies to `table` in backward."""
+        return parse_fused_params(self._fused_params, table)
+
+    def fused_optimizer_states(self) -> Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]]:
+        """Per table name, this rank's shards and their fused optimizer state (views)."""
+        out: Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]] = {}
+        for sharding in self._shardings.values():
+            for kernel in sharding.lookup.kernels:
+                if kernel.is_fused:
+                    for table, states in zip(kernel.tables, kernel.optimizer_states()):
+                        out.setdefault(table.name, []).append((table, states))
+        return out
 
     def local_table_shards(self) -> Dict[str, List[Tuple[LocalTable, torch.Tensor]]]:
         """Per table name, this rank's shards and their live weights (views)."""

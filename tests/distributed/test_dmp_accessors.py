@@ -1,6 +1,7 @@
 """DMP's TorchRec-named accessors: `get_module` unwraps DMP only (DDP stays),
 `get_unwrapped_module` strips both, `bare_named_parameters` leaves out fused tables,
-`sparse_grad_parameter_names` lists only parameters with sparse gradients; `LazyNoWait`."""
+`sparse_grad_parameter_names` lists only parameters with sparse gradients; `LazyNoWait`;
+sharded collections implement the `ShardedTableState` protocol the state walk reads."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from multiprocess import run_ranks
 from torch.nn.parallel import DistributedDataParallel
 
 from recshard.distributed import DistributedModelParallel, get_module, get_unwrapped_module
+from recshard.distributed.sharded_state import ShardedTableState
 from recshard.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from recshard.types import LazyNoWait, ShardingPlan
 
@@ -31,6 +33,8 @@ def accessors(rank: int, ws: int) -> Dict[str, List[str]]:
         "bare": sorted(name for name, _ in model.bare_named_parameters()),
         "all": sorted(name for name, _ in model.named_parameters()),
         "sparse_grads": model.sparse_grad_parameter_names,
+        "state_protocol": [str(isinstance(get_unwrapped_module(model).ebc, ShardedTableState))],
+        "state_keys": sorted(k for k in model.state_dict() if k.startswith("ebc.")),
     }
 
 
@@ -42,6 +46,8 @@ def test_dmp_accessors_follow_torchrec() -> None:
         assert result["bare"] == ["dense.bias", "dense.weight", "over.bias", "over.weight"]
         assert set(result["bare"]) < set(result["all"])
         assert result["sparse_grads"] == []
+        assert result["state_protocol"] == ["True"]  # checkpoints read tables through it only
+        assert result["state_keys"] == [f"ebc.embedding_bags.{t}.weight" for t in ("ta", "tb", "tc")]
 
 
 def test_lazy_no_wait_returns_its_value_and_acts_like_it() -> None:
