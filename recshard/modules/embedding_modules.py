@@ -29,7 +29,7 @@ from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 DeviceLike = Union[str, torch.device, None]
 
 
-def _check_unique(tables: Sequence[BaseEmbeddingConfig], owner: str,
+def check_unique_tables(tables: Sequence[BaseEmbeddingConfig], owner: str,
                   shared_features: bool = False) -> None:
     """Table names are unique; so are features unless `shared_features` (a feature read by
     several tables, as TorchRec's unsharded collections allow)."""
@@ -71,7 +71,7 @@ class _EmbeddingTables(nn.Module):
 
     def __init__(self, tables: Sequence[BaseEmbeddingConfig], device: DeviceLike) -> None:
         super().__init__()
-        _check_unique(tables, type(self).__name__, shared_features=True)
+        check_unique_tables(tables, type(self).__name__, shared_features=True)
         self._configs = list(tables)
         self._embedding_names = embedding_names(tables)
         self._feature_names = list(dict.fromkeys(f for t in tables for f in t.feature_names))
