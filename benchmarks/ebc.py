@@ -3,6 +3,8 @@
     python -m benchmarks.ebc                        # 2 gloo ranks on this machine
     python -m benchmarks.ebc --types table_wise,row_wise --steps 50
     python -m benchmarks.ebc --quick                # tiny sizes (smoke test)
+    torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint host0:29500 \
+        -m benchmarks.ebc --types row_wise,table_row_wise   # the launched ranks, on 2 hosts
 
 Work (TARGETS.md, "Sharded EBC training step"): 26 Criteo-like tables (Kaggle sizes capped at
 200 k rows: 1.48 M rows), dim 64, one feature each, a fixed pooling factor 1-20 per table
@@ -11,7 +13,8 @@ forward + backward + update of the sharded EBC with `values().sum()` as the loss
 kernels update in backward (exact SGD), the dense ones take a `torch.optim.SGD` step.
 
 Configurations run interleaved (every configuration once per repeat, `--repeats` times), each
-run in fresh rank processes; a repeat's figure is the median of `--steps` step times, each the
+run in fresh rank processes (under torchrun: in the launched ranks, one after another, and
+`--world-size` is torchrun's); a repeat's figure is the median of `--steps` step times, each the
 slowest rank's, and the reported figure is the median over repeats. `rss_growth_mb_per_step`
 is the resident memory a rank gains per timed step (0 when nothing outlives a step). Also printed:
 a single-process kernel comparison at torch's thread count (recshard's fused kernel vs its
@@ -40,6 +43,7 @@ from torch import nn
 
 from benchmarks.step_profile import profile_steps
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard.comm.pg import get_local_size
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import (
     ShardingGenerator,
@@ -149,16 +153,20 @@ def contiguous_ranks(pooling: List[int], world_size: int) -> List[int]:
 
 
 def per_table_plan(
-    name: str, tables: List[EmbeddingBagConfig], pooling: List[int], world_size: int
+    name: str, tables: List[EmbeddingBagConfig], pooling: List[int], world_size: int,
+    local_size: int,
 ) -> Dict[str, ShardingGenerator]:
+    """Table-wise: tables balanced over ranks; table-row-wise: over hosts (`local_size` ranks
+    each), rows split within the host."""
     sharding_type, kernel = CONFIGS[name]
     placement = contiguous_ranks if name == "table_wise_in_order" else balanced_ranks
     ranks = placement(pooling, world_size)
+    hosts = balanced_ranks(pooling, world_size // local_size)
     make: Dict[str, Callable[[int], ShardingGenerator]] = {
         "table_wise": lambda t: table_wise(ranks[t], kernel),
         "row_wise": lambda t: row_wise(kernel),
         "column_wise": lambda t: column_wise(list(range(world_size)), kernel),
-        "table_row_wise": lambda t: table_row_wise(0, kernel),
+        "table_row_wise": lambda t: table_row_wise(hosts[t], kernel),
         "data_parallel": lambda t: data_parallel(),
     }
     return {table.name: make[sharding_type](t) for t, table in enumerate(tables)}
@@ -174,9 +182,11 @@ class Trainee:
 
 def build(name: str, tables: List[EmbeddingBagConfig], pooling: List[int]) -> Trainee:
     ebc = EmbeddingBagCollection(tables, device="meta")  # shards initialize from the configs
+    world_size = dist.get_world_size()
+    local_size = get_local_size(world_size)
     plan = construct_module_sharding_plan(
-        ebc, per_table_plan(name, tables, pooling, dist.get_world_size()),
-        world_size=dist.get_world_size(),
+        ebc, per_table_plan(name, tables, pooling, world_size, local_size),
+        local_size=local_size, world_size=world_size,
     )
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE}
@@ -234,13 +244,18 @@ def measure(name: str, sizes: Sizes, args: argparse.Namespace, profile: bool) ->
 
 
 def emit(record: Dict[str, object]) -> None:
-    print(json.dumps(record), flush=True)
+    """One JSON line on stdout (rank 0's only, under torchrun)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(json.dumps(record), flush=True)
 
 
-def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace) -> None:
-    """Every configuration once per repeat (interleaved), each run in fresh processes; one
-    JSON line per configuration, then the profiles."""
+def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace,
+              ranks: Callable[..., List[Any]]) -> None:
+    """Every configuration once per repeat (interleaved), each run by `ranks` (`run_ranks`:
+    fresh processes; `launched_ranks`: torchrun's); one JSON line per configuration, then
+    the profiles."""
     ws = args.world_size
+    local_size = get_local_size(ws)
     tables = criteo_tables(sizes)
     pooling = pooling_factors(len(tables), sizes.max_pooling)
     emit(dict(bench="ebc_setup", world_size=ws, tables=len(tables), dim=sizes.dim,
@@ -248,13 +263,15 @@ def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace) -> None:
               pooling_factors=pooling, lookups_per_rank_batch=sum(pooling) * sizes.batch,
               table_wise_ranks=balanced_ranks(pooling, ws),
               table_wise_in_order_ranks=contiguous_ranks(pooling, ws),
-              torch_threads_per_rank=args.threads, pinned=args.pin))
+              torch_threads_per_rank=args.threads, pinned=args.pin,
+              hosts=ws // local_size, ranks_per_host=local_size,
+              launcher="torchrun" if dist.is_initialized() else "forkserver"))
     repeat_medians: Dict[str, List[float]] = {name: [] for name in names}
     growth: Dict[str, List[float]] = {name: [] for name in names}
     peak: Dict[str, float] = {name: 0.0 for name in names}
     for _ in range(args.repeats):
         for name in names:
-            per_rank = run_ranks(ws, args, measure, name, sizes, args, False)
+            per_rank = ranks(ws, args, measure, name, sizes, args, False)
             slowest = [max(step) for step in zip(*(r["times"] for r in per_rank))]
             repeat_medians[name].append(statistics.median(slowest))
             growth[name].append(max((r["rss_end_mb"] - r["rss_start_mb"]) / args.steps
@@ -279,7 +296,7 @@ def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace) -> None:
             record["samples_per_s_vs_table_wise"] = round(base / step_s, 3)
         emit(record)
     for name in args.profile or ([BASELINE] if BASELINE in names else names[:1]):
-        emit(run_ranks(ws, args, measure, name, sizes, args, True)[0]["profile"])
+        emit(ranks(ws, args, measure, name, sizes, args, True)[0]["profile"])
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -432,6 +449,15 @@ def run_ranks(world_size: int, args: argparse.Namespace, fn: Callable[..., Any],
     return [results[r] for r in range(world_size)]
 
 
+def launched_ranks(world_size: int, args: argparse.Namespace, fn: Callable[..., Any],
+                   *fn_args: Any) -> List[Any]:
+    """Under torchrun: `fn(*fn_args)` on this rank of the launched group; every rank's
+    result in rank order (the same signature as `run_ranks`)."""
+    results: List[Any] = [None] * world_size
+    dist.all_gather_object(results, fn(*fn_args))
+    return results
+
+
 # ----------------------------------------------------------------------------- entry
 
 
@@ -481,11 +507,20 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def cli(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     sizes = QUICK if args.quick else Sizes()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun started this process as one rank
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+        torch.set_num_threads(args.threads)
+        args.world_size = dist.get_world_size()
+        try:
+            bench_ebc(args.types, sizes, args, launched_ranks)
+        finally:
+            dist.destroy_process_group()
+        return
     if not args.no_kernels:  # in this process, before any rank starts
         for threads in args.kernel_threads:
             torch.set_num_threads(threads)
             bench_kernels(sizes, args)
-    bench_ebc(args.types, sizes, args)
+    bench_ebc(args.types, sizes, args, run_ranks)
 
 
 if __name__ == "__main__":

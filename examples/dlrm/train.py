@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from examples.dlrm.args import parse_args
+from examples.dlrm.checkpointing import Progress, resume, save_progress
 from examples.dlrm.data.batch import Batch
 from examples.dlrm.data.criteo_spec import NUM_DENSE, SPARSE_NAMES
 from examples.dlrm.data.loaders import eval_batches, train_batches
@@ -196,17 +197,17 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if args.kernel == "dense" and args.optimizer == "rowwise_adagrad":
         say("notice: dense-kernel tables are updated by torch Adagrad (element-wise), not "
             "row-wise Adagrad")
-    start_step, history = 0, []
-    if args.resume and args.checkpoint_dir:
-        from recshard.checkpoint import load
-
-        try:
-            extra = load(args.checkpoint_dir, dmp, optimizer)
-        except FileNotFoundError:
+    progress = Progress()
+    if args.resume:  # on by default with --checkpoint-dir: a restarted job continues
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        restored = resume(args.checkpoint_dir, dmp, optimizer, device, say)
+        if restored is None:
             say(f"no checkpoint in {args.checkpoint_dir}: starting from scratch")
         else:
-            start_step, history = int(extra["step"]), list(extra.get("evals", []))
-            say(f"resumed from {args.checkpoint_dir} at step {start_step}")
+            progress = restored
+            say(f"resumed from {args.checkpoint_dir} at step {progress.step}"
+                + (f" (torchrun restart {restart})" if restart != "0" else ""))
+    start_step, history, losses = progress.step, progress.evals, progress.losses
 
     metrics = EvalMetrics(device)
     runner = Runner(dmp, optimizer, device, args.pipeline, say)
@@ -215,11 +216,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     step, loss_ema, train_s, eval_s = start_step, None, 0.0, 0.0
     t0 = time.perf_counter()
 
-    def checkpoint() -> None:
-        if args.checkpoint_dir:
-            from recshard.checkpoint import save
+    pending: List[torch.Tensor] = []  # this run's losses, read (a GPU sync) at checkpoints
 
-            save(args.checkpoint_dir, dmp, optimizer, {"step": step, "evals": history})
+    def checkpoint() -> None:
+        losses.extend(float(v) for v in pending)
+        pending.clear()
+        if args.checkpoint_dir:
+            save_progress(args.checkpoint_dir, dmp, optimizer,
+                          Progress(step, history, losses), device)
 
     def eval_now(final: bool) -> None:
         nonlocal t0, eval_s
@@ -245,6 +249,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         except StopIteration:
             break
         step += 1
+        pending.append(loss.detach())
         # an on-device running mean: reading it (a GPU sync) only every 10 steps
         loss_ema = loss.detach() if loss_ema is None else loss_ema * 0.9 + loss.detach() * 0.1
         if bar is not None:
@@ -257,6 +262,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
             train_s += time.perf_counter() - t0  # eval time is not training time
             eval_now(final=False)
+        elif args.checkpoint_every and step % args.checkpoint_every == 0 and step != args.steps:
+            train_s += time.perf_counter() - t0
+            checkpoint()
+            t0 = time.perf_counter()
     train_s += time.perf_counter() - t0
     if bar is not None:
         bar.close()
@@ -272,6 +281,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "final_loss_ema": None if loss_ema is None else float(loss_ema),
         "final_eval": history[-1], "evals": history, "build_seconds": build_s,
         "eval_seconds": eval_s, "wall_seconds": time.perf_counter() - t_start,
+        "losses": losses,
     }
     say(_summary_text(summary))
     if args.metrics_json and is_main:
