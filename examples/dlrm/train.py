@@ -31,7 +31,7 @@ from examples.dlrm.metrics import EvalMetrics
 from examples.dlrm.model import build_dlrm
 from examples.dlrm.sharding import dense_optimizer_factory, make_plan, make_sharders, plan_table
 from recshard import EmbeddingBagConfig
-from recshard.distributed import DistributedModelParallel
+from recshard.distributed import DefaultDataParallelWrapper, DistributedModelParallel
 from recshard.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
 
 
@@ -81,8 +81,13 @@ def build_training(
         args.sharding, model, tables, world_size, local_size, args.kernel, sharders,
         args.batch_size, pooling_factor=(1 + args.multi_hot) / 2, device_type=device.type,
         plan_path=args.plan)
+    # DDP re-lays its gradient buckets after the first step, which changes the order gloo sums
+    # them in; a resumed run would sum its first step differently from the uninterrupted one.
+    # With checkpoints, keep the first layout (find_unused_parameters skips the re-layout).
+    wrapper = DefaultDataParallelWrapper(find_unused_parameters=args.checkpoint_dir is not None)
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders,
-                                   init_data_parallel=not args.tp_over_arch)
+                                   init_data_parallel=not args.tp_over_arch,
+                                   data_parallel_wrapper=wrapper)
     if args.tp_over_arch:  # the over arch's first two layers tensor-parallel over all ranks
         from examples.dlrm.tp import to_tensor_parallel
 
@@ -199,14 +204,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             "row-wise Adagrad")
     progress = Progress()
     if args.resume:  # on by default with --checkpoint-dir: a restarted job continues
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         restored = resume(args.checkpoint_dir, dmp, optimizer, device, say)
         if restored is None:
             say(f"no checkpoint in {args.checkpoint_dir}: starting from scratch")
         else:
             progress = restored
-            say(f"resumed from {args.checkpoint_dir} at step {progress.step}"
-                + (f" (torchrun restart {restart})" if restart != "0" else ""))
+            say(f"resumed from {args.checkpoint_dir} at step {progress.step}")
     start_step, history, losses = progress.step, progress.evals, progress.losses
 
     metrics = EvalMetrics(device)
