@@ -29,6 +29,7 @@ from examples.dlrm.data.criteo_spec import NUM_DENSE, SPARSE_NAMES
 from examples.dlrm.data.loaders import eval_batches, train_batches
 from examples.dlrm.metrics import EvalMetrics
 from examples.dlrm.model import build_dlrm
+from examples.dlrm.peers import naming_unreachable_peers
 from examples.dlrm.sharding import dense_optimizer_factory, make_plan, make_sharders, plan_table
 from recshard import EmbeddingBagConfig
 from recshard.distributed import DefaultDataParallelWrapper, DistributedModelParallel
@@ -321,7 +322,9 @@ def _write_metrics(path: Path, args: argparse.Namespace, summary: Dict[str, Any]
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        run(args)
+        init_distributed(args.pg_timeout)
+        with naming_unreachable_peers():  # a lost peer is named in the error
+            run(args)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -100,3 +100,25 @@ def test_killed_rank_restarts_and_loses_nothing(cluster: Cluster, tmp_path: Path
         k.startswith("dense_optim.") for k in got)
     different: List[str] = [k for k in expected if not torch.equal(got[k], expected[k])]
     assert not different, different
+
+
+def test_unplugged_host_makes_the_others_fail_naming_it(cluster: Cluster, tmp_path: Path) -> None:
+    train = [a if a != "60" else "15" for a in TRAIN]  # --pg-timeout 15
+    train[train.index("--steps") + 1] = "100000"  # runs until the link goes down
+    checkpoint_dir = tmp_path / "ckpt"
+    job = torchrun(cluster, train + ["--checkpoint-dir", str(checkpoint_dir)], tmp_path,
+                   flags=["--max-restarts", "0"])
+    deadline = time.monotonic() + 120
+    while _checkpointed_step(checkpoint_dir) < 4:  # training runs on both hosts
+        assert time.monotonic() < deadline and job.processes[0].poll() is None, job.output()
+        time.sleep(0.05)
+    cluster.set_link(1, up=False)
+    try:  # ends (an error, not a hang) after the 15 s process-group timeout and the probe
+        code = job.processes[0].wait(timeout=120)
+    finally:
+        job.kill()
+    log = job.output(0)
+    assert code != 0, log
+    for rank in (2, 3):
+        assert re.search(rf"cannot reach .*rank {rank} on host1 \(10\.77\.0\.2:\d+\): no answer",
+                         log), log
