@@ -220,11 +220,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     step, loss_ema, train_s, eval_s = start_step, None, 0.0, 0.0
     t0 = time.perf_counter()
 
-    pending: List[torch.Tensor] = []  # this run's losses, read (a GPU sync) at checkpoints
+    pending: List[torch.Tensor] = []  # losses not yet read (a GPU sync): read in batches
 
-    def checkpoint() -> None:
+    def read_losses() -> None:
         losses.extend(float(v) for v in pending)
         pending.clear()
+
+    def checkpoint() -> None:
+        read_losses()
         if args.checkpoint_dir:
             save_progress(args.checkpoint_dir, dmp, optimizer,
                           Progress(step, history, losses), device)
@@ -254,6 +257,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             break
         step += 1
         pending.append(loss.detach())
+        if len(pending) == 100:
+            read_losses()
         # an on-device running mean: reading it (a GPU sync) only every 10 steps
         loss_ema = loss.detach() if loss_ema is None else loss_ema * 0.9 + loss.detach() * 0.1
         if bar is not None:
