@@ -75,11 +75,11 @@ class Cluster:
 
     hosts: int = 2
     rate: str = "10gbit"
-    members: List[Host] = field(default_factory=list)
-    _holders: List[subprocess.Popen] = field(default_factory=list)
-    _jobs: List[subprocess.Popen] = field(default_factory=list)
-    _dir: Optional[tempfile.TemporaryDirectory] = None
-    _switch_pid: int = 0
+    members: List[Host] = field(default_factory=list, init=False)
+    _holders: List[subprocess.Popen] = field(default_factory=list, init=False)
+    _jobs: List[subprocess.Popen] = field(default_factory=list, init=False)
+    _dir: Optional[tempfile.TemporaryDirectory] = field(default=None, init=False)
+    _switch_pid: int = field(default=0, init=False)
 
     def __enter__(self) -> Cluster:
         self.start()
