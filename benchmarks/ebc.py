@@ -56,6 +56,7 @@ from recshard.distributed.sharding_plan import (
 )
 from recshard.lookup import GroupedLookup, LocalTable
 from recshard.modules.embedding_configs import PoolingType
+from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from recshard.types import EmbeddingComputeKernel, ShardingEnv
 
 # Distinct values per categorical column of the Criteo Kaggle data (26 sparse features).
@@ -67,12 +68,15 @@ LEARNING_RATE = 0.01
 SHARDING_TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise"]
 # name -> (sharding type, compute kernel); "<type>_dense" is the dense kernel + torch SGD.
 # "table_wise_in_order" (diagnostic, not run by default) places tables on ranks in contiguous
-# blocks, so the sharded output needs no column permutation back to module order.
+# blocks, so the sharded output needs no column permutation back to module order. "planner"
+# (not run by default): recshard's planner's plan for this topology (hosts from torchrun's
+# LOCAL_WORLD_SIZE, `--inter-host-gbps`), fused kernels, the tables' pooling factors.
 CONFIGS: Dict[str, Tuple[str, str]] = {
     **{t: (t, "fused") for t in SHARDING_TYPES},
     "data_parallel": ("data_parallel", "dense"),
     **{f"{t}_dense": (t, "dense") for t in SHARDING_TYPES},
     "table_wise_in_order": ("table_wise", "fused"),
+    "planner": ("planner", "fused"),
 }
 DEFAULT_TYPES = SHARDING_TYPES + ["data_parallel", "table_wise_dense"]
 BASELINE = "table_wise"
@@ -180,17 +184,34 @@ class Trainee:
     optimizer: Optional[torch.optim.Optimizer]
 
 
-def build(name: str, tables: List[EmbeddingBagConfig], pooling: List[int]) -> Trainee:
+def planned(ebc: EmbeddingBagCollection, sharder: EmbeddingBagCollectionSharder,
+            pooling: List[int], batch: int, inter_host_gbps: Optional[float]) -> Any:
+    """The planner's module plan for `ebc` on this group's topology (rank 0 plans)."""
+    world_size = dist.get_world_size()
+    topology = Topology(world_size, "cpu", local_world_size=get_local_size(world_size),
+                        inter_host_bw=None if inter_host_gbps is None else inter_host_gbps / 8)
+    constraints = {name: ParameterConstraints(compute_kernels=["fused"],
+                                              pooling_factors=[float(p)])
+                   for name, p in zip(ebc.embedding_bags, pooling)}
+    planner = EmbeddingShardingPlanner(topology, batch_size=batch, constraints=constraints)
+    return planner.collective_plan(ebc, [sharder]).plan[""]
+
+
+def build(name: str, tables: List[EmbeddingBagConfig], pooling: List[int], batch: int,
+          inter_host_gbps: Optional[float]) -> Trainee:
     ebc = EmbeddingBagCollection(tables, device="meta")  # shards initialize from the configs
     world_size = dist.get_world_size()
     local_size = get_local_size(world_size)
-    plan = construct_module_sharding_plan(
-        ebc, per_table_plan(name, tables, pooling, world_size, local_size),
-        local_size=local_size, world_size=world_size,
-    )
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE}
     )
+    if name == "planner":
+        plan = planned(ebc, sharder, pooling, batch, inter_host_gbps)
+    else:
+        plan = construct_module_sharding_plan(
+            ebc, per_table_plan(name, tables, pooling, world_size, local_size),
+            local_size=local_size, world_size=world_size,
+        )
     module = sharder.shard(ebc, plan, ShardingEnv.from_process_group(dist.group.WORLD))
     dense = [p for p in module.parameters()
              if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)]
@@ -227,7 +248,7 @@ def measure(name: str, sizes: Sizes, args: argparse.Namespace, profile: bool) ->
     tables = criteo_tables(sizes)
     pooling = pooling_factors(len(tables), sizes.max_pooling)
     batches = make_batches(tables, pooling, sizes.batch, seed=1 + rank, count=args.batches)
-    trainee = build(name, tables, pooling)
+    trainee = build(name, tables, pooling, sizes.batch, args.inter_host_gbps)
     for i in range(args.warmup):
         train_step(trainee, batches[i % len(batches)])
     dist.barrier()
@@ -492,6 +513,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="torch thread counts for the kernel comparison (default: 1 and "
                              "torch's default)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument("--inter-host-gbps", type=float, default=None,
+                        help="the planner configuration's inter-host bandwidth, Gbit/s "
+                             "(default: the planner's, 25 GbE)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few steps (smoke test)")
     args = parser.parse_args(argv)
     defaults = (2, 1, 1) if args.quick else (30, 3, 3)

@@ -1,6 +1,7 @@
 """The stock launcher across 2 simulated hosts: `torchrun --nnodes 2 --nproc_per_node 2
 --rdzv-backend c10d --rdzv-endpoint host0:PORT` runs the sharded-vs-unsharded equivalence
-cases (TW, RW, CW, TWRW, DP) and the EBC benchmark to the end, with torchrun's node ranks and
+cases (TW, RW, CW, TWRW, DP) and the EBC benchmark (with the planner told the topology) to
+the end, with torchrun's node ranks and
 LOCAL_WORLD_SIZE. (The DLRM main job runs there in test_elastic.py.)"""
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def test_sharded_ebc_equals_unsharded_on_two_hosts(cluster: Cluster, tmp_path: P
 
 def test_ebc_benchmark_runs_on_two_hosts(cluster: Cluster, tmp_path: Path) -> None:
     job = torchrun(cluster, ["-m", "benchmarks.ebc", "--quick", "--types",
-                             "row_wise,table_row_wise"], tmp_path)
+                             "row_wise,table_row_wise,planner", "--inter-host-gbps", "1"],
+                   tmp_path)
     assert job.wait(timeout=180) == [0, 0], job.output()
     lines = [json.loads(line) for line in job.output(0).splitlines() if line.startswith("{")]
     setup = next(r for r in lines if r["bench"] == "ebc_setup")
     assert (setup["world_size"], setup["hosts"], setup["ranks_per_host"]) == (4, 2, 2)
     assert setup["launcher"] == "torchrun"
     steps = {r["name"]: r for r in lines if r["bench"] == "ebc_step"}
-    assert set(steps) == {"row_wise", "table_row_wise"}
+    assert set(steps) == {"row_wise", "table_row_wise", "planner"}
     assert all(r["median_step_ms"] > 0 and r["world_size"] == 4 for r in steps.values())
