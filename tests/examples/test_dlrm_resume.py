@@ -36,3 +36,29 @@ def test_restarted_job_resumes_by_itself_with_the_same_losses(tmp_path: Path) ->
         assert resumed["steps_this_run"] == 3 and resumed["losses"] == full["losses"]
         assert over["steps_this_run"] == 8 and over["losses"] == full["losses"]
         assert resumed["final_eval"] == full["final_eval"]
+
+
+def _rng_round_trip(rank: int, world_size: int, directory: str) -> List[List[float]]:
+    import torch
+
+    from examples.dlrm.args import parse_args
+    from examples.dlrm.checkpointing import Progress, resume, save_progress
+    from examples.dlrm.train import build_training
+
+    args = parse_args(TINY + ["--checkpoint-dir", directory])
+    device = torch.device("cpu")
+    dmp, optimizer, _, _ = build_training(args, device, world_size, world_size)
+    torch.manual_seed(100 + rank)  # each rank's own stream
+    save_progress(directory, dmp, optimizer, Progress(3, [], [0.5, 0.25, 0.125]), device)
+    after_save = torch.rand(4).tolist()
+    progress = resume(directory, dmp, optimizer, device, lambda _: None)
+    assert progress is not None and progress.step == 3
+    assert progress.losses == [0.5, 0.25, 0.125]
+    return [after_save, torch.rand(4).tolist()]
+
+
+def test_resume_restores_each_ranks_rng_state(tmp_path: Path) -> None:
+    (first, again), (other, _) = run_ranks(2, _rng_round_trip, str(tmp_path / "ckpt"),
+                                           timeout=120)
+    assert first == again  # the stream continues from where the checkpoint was taken
+    assert first != other  # rank 1 got its own state back, not rank 0's
