@@ -128,7 +128,7 @@ def fused_state(module: Any, prefix: str) -> Dict[str, Any]:
 def _fused_spec(module: Any, table: str) -> Any:
     from recshard.lookup.fused_optim import parse_fused_params
 
-    return parse_fused_params(module._fused_params, table)
+    return parse_fused_params(module._table_fused_params[table], table)
 
 
 def _state_names(module: Any, table: str) -> List[str]:

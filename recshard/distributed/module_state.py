@@ -17,13 +17,16 @@ import torch
 from torch import nn
 
 from recshard.distributed.plan_checks import check_module_plan
+from recshard.lookup.fused_optim import check_backend, parse_fused_params
+from recshard.lookup.grouped import uses_fbgemm
 from recshard.lookup.tables import LocalTable
 from recshard.modules.input_checks import bounds_check, check_dtypes_and_weights, check_features
+from recshard.optim.apply_optimizer_in_backward import apply_optimizer_in_backward, fused_params_for
 from recshard.optim.fused import FusedOptimizer
 from recshard.sharding.common import TableSpec
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse.validation import validate_kjt
-from recshard.types import Awaitable, BoundsCheckMode, FnAwaitable
+from recshard.types import Awaitable, BoundsCheckMode, EmbeddingComputeKernel, FnAwaitable
 
 
 class _ListAwaitable(Awaitable[List[Any]]):
@@ -74,8 +77,22 @@ class ShardedTablesMixin:
         self._feature_names = [f for c in configs for f in c.feature_names]
         self._feature_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
 
-    def _table_specs(self) -> List[TableSpec]:
-        return [TableSpec(c, self._table_plans[c.name], dict(self._fused_params)) for c in self._configs]
+    def _table_specs(self, module: nn.Module) -> List[TableSpec]:
+        """Each table with its fused params: the sharder's, overridden by the optimizer attached
+        to the table's unsharded weight (`apply_optimizer_in_backward`). Checked here, on every
+        rank, that the table's kernel runs that optimizer."""
+        tables = getattr(module, self._tables_attr)
+        specs = []
+        for c in self._configs:
+            fused = fused_params_for(tables[c.name].weight, self._fused_params, c.name)
+            spec = TableSpec(c, self._table_plans[c.name], fused)
+            if spec.kernel != EmbeddingComputeKernel.DENSE:
+                fbgemm_on_cuda = self._device.type == "cuda" and uses_fbgemm(
+                    spec.local_table(0), self._is_weighted)
+                check_backend(parse_fused_params(fused, c.name), c.name, fbgemm_on_cuda)
+            specs.append(spec)
+        self._table_fused_params = {s.config.name: s.fused_params for s in specs}
+        return specs
 
     def _adopt_shardings(self, shardings: Dict[str, Any]) -> None:
         """Register the shardings as submodules and set up the input side over them."""
@@ -182,6 +199,13 @@ class ShardedTablesMixin:
         tables = getattr(module, self._tables_attr)
         full = {name: m.weight for name, m in tables.items() if m.weight.device.type != "meta"}
         self.load_full_tables(full)
+        for name, shards in self.local_table_shards().items():  # dense kernels: torch runs it
+            classes = getattr(tables[name].weight, "_optimizer_classes", [])
+            kwargs = getattr(tables[name].weight, "_optimizer_kwargs", [])
+            for table, weight in shards:
+                if table.compute_kernel == EmbeddingComputeKernel.DENSE:
+                    for optimizer_class, optimizer_kwargs in zip(classes, kwargs):
+                        apply_optimizer_in_backward(optimizer_class, [weight], optimizer_kwargs)
         for sharding in self._shardings.values():
             sharding.after_init()
 

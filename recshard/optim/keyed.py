@@ -169,5 +169,5 @@ def in_backward_optimizer_filter(
 ) -> Iterable[Tuple[str, nn.Parameter]]:
     """Parameters updated by a fused (in-backward) optimizer, or (default) all the others."""
     for name, param in named_parameters:
-        if getattr(param, "_in_backward_optimizers", False) == include:
+        if bool(getattr(param, "_in_backward_optimizers", False)) == include:
             yield name, param
