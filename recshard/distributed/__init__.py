@@ -24,6 +24,7 @@ from recshard.distributed.train_pipeline import (
     TrainPipelineContext,
     TrainPipelineSparseDist,
 )
+from recshard.types import ShardingEnv
 
 __all__ = [
     "DefaultDataParallelWrapper",
@@ -36,6 +37,7 @@ __all__ = [
     "ShardedQuantEmbeddingCollection",
     "ShardedEmbeddingCollection",
     "ShardedEmbeddingBagCollection",
+    "ShardingEnv",
     "EvalPipelineSparseDist",
     "TrainPipeline",
     "TrainPipelineBase",

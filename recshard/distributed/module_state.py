@@ -11,11 +11,12 @@ from them — TorchRec re-initializes CPU modules silently; recshard keeps what 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
+from recshard.checkpoint.state import fused_state
 from recshard.distributed.plan_checks import check_module_plan
 from recshard.lookup.fused_optim import check_backend, parse_fused_params
 from recshard.lookup.grouped import uses_fbgemm
@@ -215,6 +216,45 @@ class ShardedTablesMixin:
         name = f"{self._tables_attr}.{table.name}.weight"
         return f"{name}@col{table.col_offset}" if shards_on_rank > 1 else name
 
+    # ---------------------------------------------------------------- unsharded names
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Each table's local weight under its unsharded name (`embedding_bags.<t>.weight`, as
+        `shard_fqn` names it), never the kernels' storage. A table with no shard here gives an
+        empty parameter (as TorchRec); fused tables are marked `_in_backward_optimizers`."""
+        if not recurse:  # the tables are not direct parameters of this module
+            return
+        for name, param in self._unsharded_parameters().items():
+            yield (f"{prefix}.{name}" if prefix else name), param
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+        """None: kernel buffers (offsets, caches, optimizer state) are internal; weights are
+        parameters and optimizer state is `fused_optimizer`'s."""
+        return iter(())
+
+    def _unsharded_parameters(self) -> Dict[str, nn.Parameter]:
+        cached = self.__dict__.get("_unsharded_params_cache")
+        if cached is not None:
+            return cached
+        cached = {}
+        shards = self.local_table_shards()
+        for config in self._configs:
+            local = shards.get(config.name, [])
+            fused = self._table_plans[config.name].compute_kernel != EmbeddingComputeKernel.DENSE.value
+            if not local:
+                local_param = nn.Parameter(torch.empty(0, device=self._device), requires_grad=False)
+                local_param._in_backward_optimizers = fused
+                cached[f"{self._tables_attr}.{config.name}.weight"] = local_param
+            for table, weight in local:
+                if not isinstance(weight, nn.Parameter):  # fused storage: an alias, no grad
+                    weight = nn.Parameter(weight.detach(), requires_grad=False)
+                    weight._in_backward_optimizers = True
+                cached[self.shard_fqn(table, len(local))] = weight
+        self.__dict__["_unsharded_params_cache"] = cached  # a plain attribute, not registered
+        return cached
+
     @property
     def fused_optimizer(self) -> FusedOptimizer:
         """The in-backward optimizer of this module's fused tables (keyed by table FQN)."""
@@ -225,7 +265,18 @@ class ShardedTablesMixin:
                 if kernel.is_fused:
                     kernels.append(kernel)
                     names.append([self.shard_fqn(t, counts[t.name]) for t in kernel.tables])
-        return FusedOptimizer(kernels, names)
+        return FusedOptimizer(kernels, names, self._sharded_optimizer_state)
+
+    def _sharded_optimizer_state(self) -> Dict[str, Dict[str, Any]]:
+        """`{table fqn: {state name: ShardedTensor}}`: the fused state laid out like its table
+        (views of the live state), for the fused optimizer's `state_dict()`."""
+        nested: Dict[str, Dict[str, Any]] = {  # every fused table, on every rank (SGD: {})
+            f"{self._tables_attr}.{c.name}.weight": {} for c in self._configs
+            if self._table_plans[c.name].compute_kernel != EmbeddingComputeKernel.DENSE.value}
+        for key, value in fused_state(self, "").items():
+            fqn, name = key.split(".weight.", 1)
+            nested.setdefault(f"{fqn}.weight", {})[name] = value
+        return nested
 
 
 def _placeholder(keys: List[str]) -> KeyedJaggedTensor:

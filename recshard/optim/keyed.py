@@ -66,7 +66,7 @@ class KeyedOptimizer(Optimizer):
                 if key not in current:
                     current[key] = value
                 elif isinstance(current[key], torch.Tensor):
-                    _copy_into(current[key], value, f"{fqn}.{key}")
+                    copy_into(current[key], value, f"{fqn}.{key}")
                 else:
                     current[key] = value
         for group, saved_group in zip(self.param_groups, state_dict.get("param_groups", [])):
@@ -78,12 +78,18 @@ class KeyedOptimizer(Optimizer):
         """Materialize lazy optimizer state (torch optimizers create it on the first step)."""
 
 
-def _copy_into(target: torch.Tensor, value: Any, what: str) -> None:
-    source = value.local_tensor() if hasattr(value, "local_tensor") else value
-    if hasattr(source, "local_shards") and hasattr(target, "local_shards"):
-        for dst, src in zip(target.local_shards(), source.local_shards()):
+def copy_into(target: torch.Tensor, value: Any, what: str) -> None:
+    """Copy a saved value into live state: shard by shard when both are sharded (the saved
+    one already in the target's layout, as `torch.distributed.checkpoint.load` leaves it)."""
+    if hasattr(value, "local_shards") and hasattr(target, "local_shards"):
+        for dst, src in zip(target.local_shards(), value.local_shards(), strict=True):
+            if tuple(dst.metadata.shard_offsets) != tuple(src.metadata.shard_offsets):
+                raise ValueError(f"optimizer state '{what}': saved shard at "
+                                 f"{src.metadata.shard_offsets}, this rank holds "
+                                 f"{dst.metadata.shard_offsets} (load it with torch.distributed.checkpoint)")
             dst.tensor.copy_(src.tensor)
         return
+    source = value.local_tensor() if hasattr(value, "local_tensor") else value
     if tuple(target.shape) != tuple(source.shape):
         raise ValueError(f"optimizer state '{what}': checkpoint shape {tuple(source.shape)} "
                          f"!= model shape {tuple(target.shape)}")
@@ -143,13 +149,35 @@ class CombinedOptimizer(KeyedOptimizer):
         groups: List[Dict[str, Any]] = []
         for prefix, opt in self.optimizers:
             for name, tensor in opt.params.items():
-                key = f"{prefix}.{name}" if prefix else name
+                key = _join(prefix, name)
                 if key in params:
                     raise ValueError(f"CombinedOptimizer: parameter '{key}' is in two optimizers")
                 params[key] = tensor
             state.update(opt.state)
             groups.extend(opt.param_groups)
         super().__init__(params, state, groups)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Each optimizer's own state dict (fused ones give ShardedTensors), FQNs prefixed."""
+        state: Dict[str, Any] = {}
+        groups: List[Dict[str, Any]] = []
+        for prefix, opt in self.optimizers:
+            own = opt.state_dict()
+            state.update({_join(prefix, fqn): entry for fqn, entry in own["state"].items()})
+            groups.extend({**g, "params": [_join(prefix, p) for p in g["params"]]}
+                          for g in own["param_groups"])
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Hand each optimizer its part (prefix removed, its own number of param groups)."""
+        groups = list(state_dict.get("param_groups", []))
+        for prefix, opt in self.optimizers:
+            head = f"{prefix}." if prefix else ""
+            own_groups, groups = groups[:len(opt.param_groups)], groups[len(opt.param_groups):]
+            opt.load_state_dict({
+                "state": {k[len(head):]: v for k, v in state_dict["state"].items() if k.startswith(head)},
+                "param_groups": [{**g, "params": [p[len(head):] for p in g["params"]]} for g in own_groups],
+            })
 
     def step(self, closure: Any = None) -> None:  # noqa: ANN401
         for _, opt in self.optimizers:
@@ -162,6 +190,10 @@ class CombinedOptimizer(KeyedOptimizer):
     def init_state(self) -> None:
         for _, opt in self.optimizers:
             opt.init_state()
+
+
+def _join(prefix: str, fqn: str) -> str:
+    return f"{prefix}.{fqn}" if prefix else fqn
 
 
 def in_backward_optimizer_filter(

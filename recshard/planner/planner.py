@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
+from recshard.distributed.sharders import default_sharders
 from recshard.planner.enumerator import EmbeddingEnumerator, tables_from_module
 from recshard.planner.estimators import Capacity, StorageReservation
 from recshard.planner.partitioners import GreedyPerfPartitioner, NoopPerfModel, PartitionResult
@@ -45,6 +46,16 @@ class EmbeddingShardingPlanner:
     the best placement is polished by moving/swapping shards off the slowest rank
     (`refine_placement`). `timeout_seconds` bounds the search. An explicit `enumerator`
     brings its own topology, batch size and constraints.
+
+    Constraints are read as TorchRec reads them: `compute_kernels=["dense"]` leaves only
+    data-parallel (dense kernels are data-parallel). Where recshard's choice differs:
+    - A model-parallel dense table (e.g. table-wise + dense) is planned only when the
+      constraints rule data-parallel out; TorchRec's sharders offer no such option.
+    - Options are priced by recshard's own estimators (`recshard.planner.estimators`), so
+      among the options the constraints leave, the pick may differ from TorchRec's on the
+      same topology (e.g. a small table table-wise here, data-parallel there).
+    - On one host, table-row-wise and table-column-wise are not enumerated when row-wise /
+      column-wise are allowed: on one host they place shards the same way.
     """
 
     def __init__(
@@ -244,10 +255,12 @@ class EmbeddingShardingPlanner:
         return "\n".join(lines)
 
     def collective_plan(
-        self, module: nn.Module, sharders: Sequence[ModuleSharder], pg: Optional[object] = None
+        self, module: nn.Module, sharders: Optional[Sequence[ModuleSharder]] = None,
+        pg: Optional[object] = None,
     ) -> ShardingPlan:
-        """Rank 0 of `pg` plans and broadcasts the plan; every rank returns the same plan. If
-        rank 0 fails, its error is broadcast and every rank raises (no rank hangs)."""
+        """Rank 0 of `pg` (default: the world) plans with `sharders` (default: DMP's default
+        sharders) and broadcasts the plan; every rank returns the same plan. If rank 0 fails,
+        its error is broadcast and every rank raises (no rank hangs)."""
         import torch.distributed as dist
 
         group = pg if pg is not None else dist.group.WORLD
@@ -261,7 +274,8 @@ class EmbeddingShardingPlanner:
         error: Optional[BaseException] = None
         if rank == 0:
             try:
-                payload[0] = ("ok", self.plan(module, sharders))
+                payload[0] = ("ok", self.plan(module, default_sharders() if sharders is None
+                                              else sharders))
             except Exception as e:  # noqa: BLE001 - forwarded to every rank
                 error = e
                 payload[0] = ("error", f"{type(e).__name__}: {e}")
