@@ -28,6 +28,8 @@ from typing import (
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
 W = TypeVar("W")
 M = TypeVar("M", bound=nn.Module)
@@ -92,6 +94,17 @@ class ParameterSharding:
     shards: Optional[List[ShardMetadata]] = None
     bounds_check_mode: Optional[BoundsCheckMode] = None
     cache_params: Optional[Dict[str, Any]] = None
+
+    @property
+    def sharding_spec(self) -> Optional[EnumerableShardingSpec]:
+        """The shards as torch's `EnumerableShardingSpec` (as TorchRec fills its field);
+        None for data-parallel tables."""
+        if self.shards is None:
+            return None
+        return EnumerableShardingSpec([
+            TorchShardMetadata(list(s.shard_offsets), list(s.shard_sizes), s.placement)
+            for s in self.shards
+        ])
 
 
 EmbeddingModuleShardingPlan = Dict[str, ParameterSharding]

@@ -39,6 +39,7 @@ from recshard.distributed.sharding_plan import (
     table_row_wise,
     table_wise,
 )
+from recshard.optim import in_backward_optimizer_filter
 from recshard.types import ShardingEnv
 
 WORLD_SIZE = 2
@@ -212,7 +213,7 @@ def check_case(rank: int, case: Case) -> List[str]:
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": "exact_sgd", "learning_rate": LR})
     sharded = sharder.shard(copy.deepcopy(reference), plan, env)
-    dense_params = [p for n, p in sharded.named_parameters() if "weights." in n]
+    dense_params = [p for _, p in in_backward_optimizer_filter(sharded.named_parameters())]
 
     try:
         out = sharded(_batch(case, rank))

@@ -28,6 +28,7 @@ from recshard.distributed.train_pipeline import (
     TrainPipelineSparseDist,
 )
 from recshard.plan import manual as sharding_plan
+from recshard.types import ShardingEnv
 
 # TorchRec's import path for the manual plan helpers, which live in recshard.plan.manual
 sys.modules[f"{__name__}.sharding_plan"] = sharding_plan
@@ -43,6 +44,7 @@ __all__ = [
     "ShardedQuantEmbeddingCollection",
     "ShardedEmbeddingCollection",
     "ShardedEmbeddingBagCollection",
+    "ShardingEnv",
     "EvalPipelineSparseDist",
     "TrainPipeline",
     "TrainPipelineBase",

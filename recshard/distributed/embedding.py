@@ -94,7 +94,7 @@ class ShardedEmbeddingCollection(ShardedTablesMixin, ShardedModule):
                               pooled=False, is_weighted=False, what="EmbeddingCollection")
         self._need_indices = module.need_indices()
         self._adopt_shardings(build_sequence_shardings(
-            self._table_specs(), env, self._device, qcomm_codecs_registry))
+            self._table_specs(module), env, self._device, qcomm_codecs_registry))
         self._pieces = self._feature_pieces()
         self._init_from(module)
 

@@ -44,6 +44,6 @@ class ShardedEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, Shard
                               pooled=True, is_weighted=module.is_weighted(),
                               what="EmbeddingBagCollection")
         self._adopt_shardings(build_pooled_shardings(
-            self._table_specs(), env, self._device, self._is_weighted, qcomm_codecs_registry))
+            self._table_specs(module), env, self._device, self._is_weighted, qcomm_codecs_registry))
         self._column_blocks = self._output_order()
         self._init_from(module)

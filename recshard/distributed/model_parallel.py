@@ -15,7 +15,7 @@ tables update in backward; replicated tables average their own gradients).
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from recshard.distributed.sharded_state import (
 from recshard.distributed.sharders import EmbeddingBagCollectionSharder
 from recshard.optim.keyed import CombinedOptimizer
 from recshard.planner import EmbeddingShardingPlanner, Topology
+from recshard.planner.planner import register_default_sharders
 from recshard.types import ModuleSharder, ShardedModule, ShardingEnv, ShardingPlan
 
 
@@ -40,6 +41,9 @@ def default_sharders() -> List[ModuleSharder]:
     """The sharders DistributedModelParallel uses when none are given."""
     return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder(),
             QuantEmbeddingBagCollectionSharder(), QuantEmbeddingCollectionSharder()]
+
+
+register_default_sharders(default_sharders)
 
 
 class DefaultDataParallelWrapper:
@@ -55,9 +59,9 @@ class DefaultDataParallelWrapper:
         marked `shard_spec`: each rank's gradient is already complete) stay out of DDP."""
         module = dmp._dmp_wrapped_module
         ignore = [name for name, _ in _sharded_parameter_names(module)]
-        ignore += [name for name, p in module.named_parameters()
+        ignore += [name for name, p in nn.Module.named_parameters(module)
                    if getattr(getattr(p, "shard_spec", None), "world_size", 1) > 1]
-        dense = [p for n, p in module.named_parameters() if n not in set(ignore) and p.requires_grad]
+        dense = [p for n, p in nn.Module.named_parameters(module) if n not in set(ignore) and p.requires_grad]
         if env.world_size == 1 or not dense:
             return
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignore)
@@ -70,10 +74,35 @@ class DefaultDataParallelWrapper:
 
 
 def _sharded_parameter_names(module: nn.Module) -> Iterator[Tuple[str, nn.Parameter]]:
+    """Internal names (as DDP sees them) of every tensor inside sharded modules."""
     for name, child in module.named_modules():
         if isinstance(child, ShardedModule):
-            yield from child.named_parameters(prefix=name)
-            yield from child.named_buffers(prefix=name)
+            yield from nn.Module.named_parameters(child, prefix=name)
+            yield from nn.Module.named_buffers(child, prefix=name)
+
+
+def _unsharded_named(module: nn.Module, prefix: str, buffers: bool,
+                     remove_duplicate: bool) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Parameters (or persistent-or-not buffers) under the unsharded model's names: sharded
+    modules speak for their own subtree (`embedding_bags.<t>.weight`), kernels stay hidden."""
+    seen: Set[int] = set()
+    sharded: List[str] = []
+    for path, child in module.named_modules(remove_duplicate=remove_duplicate):
+        if any(path == s or s == "" or path.startswith(s + ".") for s in sharded):
+            continue
+        head = ".".join(p for p in (prefix, path) if p)
+        if isinstance(child, ShardedModule):
+            sharded.append(path)
+            items = (child.named_buffers(prefix=head) if buffers
+                     else child.named_parameters(prefix=head))
+        else:
+            own = child._buffers if buffers else child._parameters
+            items = ((f"{head}.{n}" if head else n, t) for n, t in own.items() if t is not None)
+        for name, tensor in items:
+            if remove_duplicate and id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            yield name, tensor
 
 
 def get_unwrapped_module(module: nn.Module) -> nn.Module:
@@ -187,8 +216,18 @@ class DistributedModelParallel(nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
-        """The model's parameters under their unsharded names (no DMP/DDP prefix)."""
-        yield from self.module.named_parameters(prefix, recurse, remove_duplicate)
+        """The model's parameters under their unsharded names (no DMP/DDP prefix, no kernel
+        internals): `ebc.embedding_bags.t0.weight` on every rank, empty where a rank holds none."""
+        if not recurse:
+            return
+        yield from _unsharded_named(self.module, prefix, False, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The unsharded parts' buffers; sharded modules' kernel buffers stay hidden."""
+        if not recurse:
+            return
+        yield from _unsharded_named(self.module, prefix, True, remove_duplicate)
 
     def bare_named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
         """Parameters that a dense optimizer should see (fused kernels' internals excluded)."""

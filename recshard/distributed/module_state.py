@@ -12,21 +12,30 @@ from them — TorchRec re-initializes CPU modules silently; recshard keeps what 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
-from recshard.lookup.fused_params import FusedOptimSpec, parse_fused_params
+from recshard.distributed.sharded_state import fused_state
+from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fused_params
+from recshard.lookup.grouped import uses_fbgemm
 from recshard.lookup.tables import LocalTable
 from recshard.modules.input_checks import bounds_check, check_dtypes_and_weights, check_features
+from recshard.optim.apply_optimizer_in_backward import apply_optimizer_in_backward, fused_params_for
 from recshard.optim.fused import FusedOptimizer
 from recshard.plan.sharding_types import ALL_SHARDING_TYPES, SEQUENCE_SHARDING_TYPES
 from recshard.plan.validate import check_module_plan
 from recshard.sharding.common import EmbeddingShardingContext, TableSpec
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse.validation import validate_kjt
-from recshard.types import Awaitable, BoundsCheckMode, FnAwaitable, ParameterSharding
+from recshard.types import (
+    Awaitable,
+    BoundsCheckMode,
+    EmbeddingComputeKernel,
+    FnAwaitable,
+    ParameterSharding,
+)
 
 
 @dataclass
@@ -99,8 +108,22 @@ class ShardedTablesMixin:
         self._feature_names = [f for c in configs for f in c.feature_names]
         self._feature_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
 
-    def _table_specs(self) -> List[TableSpec]:
-        return [TableSpec(c, self._table_plans[c.name], dict(self._fused_params)) for c in self._configs]
+    def _table_specs(self, module: nn.Module) -> List[TableSpec]:
+        """Each table with its fused params: the sharder's, overridden by the optimizer attached
+        to the table's unsharded weight (`apply_optimizer_in_backward`). Checked here, on every
+        rank, that the table's kernel runs that optimizer."""
+        tables = getattr(module, self._tables_attr)
+        specs = []
+        for c in self._configs:
+            fused = fused_params_for(tables[c.name].weight, self._fused_params, c.name)
+            spec = TableSpec(c, self._table_plans[c.name], fused)
+            if spec.kernel != EmbeddingComputeKernel.DENSE:
+                fbgemm_on_cuda = self._device.type == "cuda" and uses_fbgemm(
+                    spec.local_table(0), self._is_weighted)
+                check_backend(parse_fused_params(fused, c.name), c.name, fbgemm_on_cuda)
+            specs.append(spec)
+        self._table_fused_params = {s.config.name: s.fused_params for s in specs}
+        return specs
 
     def _adopt_shardings(self, shardings: Dict[str, Any]) -> None:
         """Register the shardings as submodules and set up the input side over them."""
@@ -200,8 +223,9 @@ class ShardedTablesMixin:
         return self._table_plans[table]
 
     def fused_optim_spec(self, table: str) -> FusedOptimSpec:
-        """The optimizer the fused kernel applies to `table` in backward."""
-        return parse_fused_params(self._fused_params, table)
+        """The optimizer the fused kernel applies to `table` in backward (the sharder's fused
+        params, or the optimizer attached to the table by `apply_optimizer_in_backward`)."""
+        return parse_fused_params(self._table_fused_params[table], table)
 
     def fused_optimizer_states(self) -> Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]]:
         """Per table name, this rank's shards and their fused optimizer state (views)."""
@@ -242,6 +266,13 @@ class ShardedTablesMixin:
         tables = getattr(module, self._tables_attr)
         full = {name: m.weight for name, m in tables.items() if m.weight.device.type != "meta"}
         self.load_full_tables(full)
+        for name, shards in self.local_table_shards().items():  # dense kernels: torch runs it
+            classes = getattr(tables[name].weight, "_optimizer_classes", [])
+            kwargs = getattr(tables[name].weight, "_optimizer_kwargs", [])
+            for table, weight in shards:
+                if table.compute_kernel == EmbeddingComputeKernel.DENSE:
+                    for optimizer_class, optimizer_kwargs in zip(classes, kwargs):
+                        apply_optimizer_in_backward(optimizer_class, [weight], optimizer_kwargs)
         for sharding in self._shardings.values():
             sharding.after_init()
 
@@ -250,6 +281,45 @@ class ShardedTablesMixin:
         column shards of the table."""
         name = f"{self._tables_attr}.{table.name}.weight"
         return f"{name}@col{table.col_offset}" if shards_on_rank > 1 else name
+
+    # ---------------------------------------------------------------- unsharded names
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Each table's local weight under its unsharded name (`embedding_bags.<t>.weight`, as
+        `shard_fqn` names it), never the kernels' storage. A table with no shard here gives an
+        empty parameter (as TorchRec); fused tables are marked `_in_backward_optimizers`."""
+        if not recurse:  # the tables are not direct parameters of this module
+            return
+        for name, param in self._unsharded_parameters().items():
+            yield (f"{prefix}.{name}" if prefix else name), param
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+        """None: kernel buffers (offsets, caches, optimizer state) are internal; weights are
+        parameters and optimizer state is `fused_optimizer`'s."""
+        return iter(())
+
+    def _unsharded_parameters(self) -> Dict[str, nn.Parameter]:
+        cached = self.__dict__.get("_unsharded_params_cache")
+        if cached is not None:
+            return cached
+        cached = {}
+        shards = self.local_table_shards()
+        for config in self._configs:
+            local = shards.get(config.name, [])
+            fused = self._table_plans[config.name].compute_kernel != EmbeddingComputeKernel.DENSE.value
+            if not local:
+                local_param = nn.Parameter(torch.empty(0, device=self._device), requires_grad=False)
+                local_param._in_backward_optimizers = fused
+                cached[f"{self._tables_attr}.{config.name}.weight"] = local_param
+            for table, weight in local:
+                if not isinstance(weight, nn.Parameter):  # fused storage: an alias, no grad
+                    weight = nn.Parameter(weight.detach(), requires_grad=False)
+                    weight._in_backward_optimizers = True
+                cached[self.shard_fqn(table, len(local))] = weight
+        self.__dict__["_unsharded_params_cache"] = cached  # a plain attribute, not registered
+        return cached
 
     @property
     def fused_optimizer(self) -> FusedOptimizer:
@@ -261,7 +331,18 @@ class ShardedTablesMixin:
                 if kernel.is_fused:
                     kernels.append(kernel)
                     names.append([self.shard_fqn(t, counts[t.name]) for t in kernel.tables])
-        return FusedOptimizer(kernels, names)
+        return FusedOptimizer(kernels, names, self._sharded_optimizer_state)
+
+    def _sharded_optimizer_state(self) -> Dict[str, Dict[str, Any]]:
+        """`{table fqn: {state name: ShardedTensor}}`: the fused state laid out like its table
+        (views of the live state), for the fused optimizer's `state_dict()`."""
+        nested: Dict[str, Dict[str, Any]] = {  # every fused table, on every rank (SGD: {})
+            f"{self._tables_attr}.{c.name}.weight": {} for c in self._configs
+            if self._table_plans[c.name].compute_kernel != EmbeddingComputeKernel.DENSE.value}
+        for key, value in fused_state(self, "").items():
+            fqn, name = key.split(".weight.", 1)
+            nested.setdefault(f"{fqn}.weight", {})[name] = value
+        return nested
 
 
 def _placeholder(keys: List[str]) -> KeyedJaggedTensor:

@@ -145,7 +145,7 @@ def _walk(model: nn.Module) -> Tuple[List[Tuple[str, ShardedTableState]], Dict[s
     plain: Dict[str, torch.Tensor] = {}
     skip: List[str] = []
     for path, child in model.named_modules():
-        if any(path == s or path.startswith(s + ".") for s in skip):
+        if any(path == s or s == "" or path.startswith(s + ".") for s in skip):
             continue
         prefix = f"{path}." if path else ""
         if isinstance(child, ShardedModule):

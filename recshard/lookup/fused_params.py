@@ -1,9 +1,11 @@
 """Fused (in-backward) optimizer settings and their row updates.
 
 Users name the optimizer with fbgemm's `EmbOptimType` in `fused_params` (TorchRec's
-vocabulary). fbgemm's CPU kernel runs EXACT_SGD, EXACT_ADAGRAD and EXACT_ROWWISE_ADAGRAD;
+vocabulary), or attach a torch optimizer (`recshard.optim.apply_optimizer_in_backward`).
+fbgemm's CPU kernel runs EXACT_SGD, EXACT_ADAGRAD and EXACT_ROWWISE_ADAGRAD;
 recshard's pure-torch kernel runs the same three with the same formulas, so tables whose dim
 fbgemm cannot take (not a multiple of 4) and machines without fbgemm train identically.
+ADAM runs only in fbgemm's CUDA kernel; `check_backend` rejects it elsewhere.
 
 Duplicate ids in one batch: their gradients are summed first, then the row is updated once,
 as a dense optimizer would do with the summed gradient (fbgemm's "exact" optimizers).
@@ -24,6 +26,11 @@ class OptimType(enum.Enum):
     EXACT_SGD = "exact_sgd"
     EXACT_ADAGRAD = "exact_adagrad"
     EXACT_ROWWISE_ADAGRAD = "exact_row_wise_adagrad"
+    ADAM = "adam"
+
+
+_FBGEMM_CUDA_ONLY = {OptimType.ADAM}
+ANY_KERNEL = [o for o in OptimType if o not in _FBGEMM_CUDA_ONLY]  # fbgemm CPU and torch run these
 
 
 _ALIASES = {"sgd": OptimType.EXACT_SGD, "adagrad": OptimType.EXACT_ADAGRAD,
@@ -40,11 +47,14 @@ class FusedOptimSpec:
     learning_rate: float
     eps: float = 1e-8
     weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
 
     @property
     def state_names(self) -> List[str]:
         return {OptimType.EXACT_SGD: [], OptimType.EXACT_ADAGRAD: ["momentum1"],
-                OptimType.EXACT_ROWWISE_ADAGRAD: ["momentum1"]}[self.optim]
+                OptimType.EXACT_ROWWISE_ADAGRAD: ["momentum1"],
+                OptimType.ADAM: ["momentum1", "momentum2"]}[self.optim]
 
     @property
     def rowwise_state(self) -> bool:
@@ -52,7 +62,7 @@ class FusedOptimSpec:
         return self.optim == OptimType.EXACT_ROWWISE_ADAGRAD
 
     def state_shape(self, rows: int, cols: int) -> Optional[List[int]]:
-        if self.optim == OptimType.EXACT_ADAGRAD:
+        if self.optim in (OptimType.EXACT_ADAGRAD, OptimType.ADAM):
             return [rows, cols]
         if self.optim == OptimType.EXACT_ROWWISE_ADAGRAD:
             return [rows]
@@ -81,18 +91,33 @@ def parse_fused_params(fused_params: Optional[Dict[str, Any]], table: str) -> Fu
         optim=optim,
         learning_rate=float(params.get("learning_rate", 0.01)),
         eps=float(params.get("eps", 1e-8)),
+        beta1=float(params.get("beta1", 0.9)),
+        beta2=float(params.get("beta2", 0.999)),
     )
+
+
+def check_backend(spec: FusedOptimSpec, table: str, fbgemm_on_cuda: bool) -> None:
+    """Raise if the kernel that will run `table` cannot apply `spec` (never fall back)."""
+    if spec.optim in _FBGEMM_CUDA_ONLY and not fbgemm_on_cuda:
+        raise ValueError(
+            f"table '{table}': fused optimizer {spec.optim.name} runs only in fbgemm's CUDA "
+            f"kernel, not on this table's kernel (CPU, or a table fbgemm cannot take); "
+            f"supported here: {', '.join(o.name for o in ANY_KERNEL)}"
+        )
 
 
 def fbgemm_optim_kwargs(spec: FusedOptimSpec) -> Dict[str, Any]:
     """Constructor arguments for fbgemm's TBE that implement `spec`."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-    return {
+    kwargs = {
         "optimizer": EmbOptimType(spec.optim.value),
         "learning_rate": spec.learning_rate,
         "eps": spec.eps,
     }
+    if spec.optim == OptimType.ADAM:
+        kwargs.update(beta1=spec.beta1, beta2=spec.beta2)
+    return kwargs
 
 
 def apply_row_update(

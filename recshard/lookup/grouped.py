@@ -17,7 +17,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
-from recshard.lookup.fused_params import FusedOptimSpec, parse_fused_params
+from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fused_params
 from recshard.lookup.kernels import DenseKernel, FbgemmFusedKernel, LookupKernel, TorchFusedKernel
 from recshard.lookup.tables import LocalTable, group_key
 from recshard.lookup.threads import run_side_by_side
@@ -55,6 +55,7 @@ def _build_kernel(
     if tables[0].compute_kernel == EmbeddingComputeKernel.DENSE:
         return DenseKernel(tables, pooled, device)
     spec: FusedOptimSpec = parse_fused_params(tables[0].fused_params, tables[0].name)
+    check_backend(spec, tables[0].name, fbgemm and device.type == "cuda")
     if fbgemm:
         return FbgemmFusedKernel(tables, pooled, spec, device)
     return TorchFusedKernel(tables, pooled, spec, device)

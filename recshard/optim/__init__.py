@@ -1,5 +1,6 @@
 """Keyed optimizers: fused (in-backward) embedding optimizer, dense wrappers, combination."""
 
+from recshard.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from recshard.optim.fused import FusedOptimizer
 from recshard.optim.keyed import (
     CombinedOptimizer,
@@ -8,6 +9,7 @@ from recshard.optim.keyed import (
     OptimizerWrapper,
     in_backward_optimizer_filter,
 )
+from recshard.optim.rowwise_adagrad import RowWiseAdagrad
 
 __all__ = [
     "CombinedOptimizer",
@@ -15,5 +17,7 @@ __all__ = [
     "KeyedOptimizer",
     "KeyedOptimizerWrapper",
     "OptimizerWrapper",
+    "RowWiseAdagrad",
+    "apply_optimizer_in_backward",
     "in_backward_optimizer_filter",
 ]

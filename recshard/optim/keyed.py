@@ -77,8 +77,13 @@ class KeyedOptimizer(Optimizer):
             if fqn not in saved:
                 raise ValueError(f"optimizer state for '{fqn}' is missing from the checkpoint")
             _load_into(current, saved[fqn], fqn)
+        self._load_param_groups(state_dict)
+
+    def _load_param_groups(self, state_dict: Mapping[str, Any]) -> None:
+        """The saved groups' settings (lr, ...), matched by their params, if `save_param_groups`."""
         if not self.defaults.get("_save_param_groups"):
             return
+        names = self._fqn()
         if "param_groups" not in state_dict:
             raise ValueError("save_param_groups is on but the checkpoint has no param_groups")
         by_params = {"/".join(g["params"]): g for g in state_dict["param_groups"]}
@@ -148,16 +153,22 @@ def _load_into(current: Dict[str, Any], saved: Mapping[str, Any], path: str) -> 
         elif isinstance(current[key], dict):
             _load_into(current[key], value, what)
         elif isinstance(current[key], torch.Tensor):
-            _copy_into(current[key], value, what)
+            copy_into(current[key], value, what)
         elif callable(getattr(current[key], "load_state_dict", None)):
             current[key].load_state_dict(value)
         else:
             current[key] = value
 
 
-def _copy_into(target: torch.Tensor, value: Any, what: str) -> None:
+def copy_into(target: torch.Tensor, value: Any, what: str) -> None:
+    """Copy a saved value into live state: shard by shard when both are sharded (the saved
+    one already in the target's layout, as `torch.distributed.checkpoint.load` leaves it)."""
     if hasattr(value, "local_shards") and hasattr(target, "local_shards"):
-        for dst, src in zip(target.local_shards(), value.local_shards()):
+        for dst, src in zip(target.local_shards(), value.local_shards(), strict=True):
+            if tuple(dst.metadata.shard_offsets) != tuple(src.metadata.shard_offsets):
+                raise ValueError(f"optimizer state '{what}': saved shard at "
+                                 f"{src.metadata.shard_offsets}, this rank holds "
+                                 f"{dst.metadata.shard_offsets} (load it with torch.distributed.checkpoint)")
             dst.tensor.copy_(src.tensor)
         return
     source = value.local_tensor() if hasattr(value, "local_tensor") else value
@@ -231,6 +242,35 @@ class CombinedOptimizer(KeyedOptimizer):
         for _, opt in self.optimizers:
             opt.save_param_groups(save)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """Each optimizer's own state dict (fused ones give ShardedTensors), FQNs prefixed;
+        param groups as the parts save them (`save_param_groups`)."""
+        state: Dict[str, Any] = {}
+        groups: List[Dict[str, Any]] = []
+        for prefix, opt in self.optimizers:
+            own = opt.state_dict()
+            state.update({_prefixed(prefix, fqn): entry for fqn, entry in own["state"].items()})
+            groups.extend({**g, "params": sorted(_prefixed(prefix, p) for p in g["params"])}
+                          for g in own.get("param_groups", []))
+        out: Dict[str, Any] = {"state": state}
+        if self.defaults.get("_save_param_groups"):
+            out["param_groups"] = groups
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Hand each optimizer its part: the entries under its prefix, prefix removed."""
+        for prefix, opt in self.optimizers:
+            state = {name: v for k, v in state_dict["state"].items()
+                     if (name := _unprefixed(prefix, k)) is not None}
+            part: Dict[str, Any] = {"state": state}
+            if "param_groups" in state_dict:
+                part["param_groups"] = []
+                for group in state_dict["param_groups"]:
+                    names = [_unprefixed(prefix, p) for p in group["params"]]
+                    if None not in names:
+                        part["param_groups"].append({**group, "params": names})
+            opt.load_state_dict(part)
+
     def step(self, closure: Any = None) -> None:  # noqa: ANN401
         for _, opt in self.optimizers:
             opt.step()
@@ -251,6 +291,15 @@ def _prefixed(prefix: str, name: str) -> str:
     if not name:
         return prefix
     return f"{prefix}.{name}" if prefix else name
+
+
+def _unprefixed(prefix: str, fqn: str) -> Optional[str]:
+    """`fqn` without `prefix`, or None when it is not under it."""
+    if not prefix:
+        return fqn
+    if fqn == prefix:
+        return ""
+    return fqn[len(prefix) + 1:] if fqn.startswith(f"{prefix}.") else None
 
 
 class OptimizerWrapper(KeyedOptimizer):
@@ -293,5 +342,5 @@ def in_backward_optimizer_filter(
 ) -> Iterable[Tuple[str, nn.Parameter]]:
     """Parameters updated by a fused (in-backward) optimizer, or (default) all the others."""
     for name, param in named_parameters:
-        if getattr(param, "_in_backward_optimizers", False) == include:
+        if bool(getattr(param, "_in_backward_optimizers", False)) == include:
             yield name, param

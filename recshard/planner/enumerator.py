@@ -161,7 +161,7 @@ class EmbeddingEnumerator:
             if one_host and st == "table_column_wise" and "column_wise" in allowed:
                 continue
             geometries = self._geometries(table, st, min_partition, "table_wise" in allowed)
-            for kernel in self._kernels(table, c, st):
+            for kernel in self._kernels(table, c, st, allowed):
                 for runs in geometries:
                     segments = []
                     for count, rows, cols in runs:
@@ -187,7 +187,8 @@ class EmbeddingEnumerator:
             )
         return options
 
-    def _kernels(self, table: TableMeta, c: ParameterConstraints, st: str) -> List[str]:
+    def _kernels(self, table: TableMeta, c: ParameterConstraints, st: str,
+                 allowed: List[str]) -> List[str]:
         device = self.topology.compute_device
         if table.compute_kernels is not None:
             kernels = list(table.compute_kernels.get(st, []))
@@ -200,6 +201,10 @@ class EmbeddingEnumerator:
         if "fused" in kernels and "dense" in kernels and not (
             c.compute_kernels and "dense" in c.compute_kernels
         ):
+            kernels.remove("dense")
+        if st != "data_parallel" and "data_parallel" in allowed and "dense" in kernels:
+            # as TorchRec: a dense table is data-parallel; a model-parallel dense table only
+            # when the constraints rule data-parallel out (TorchRec has no such option)
             kernels.remove("dense")
         return kernels
 

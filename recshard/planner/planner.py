@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,16 @@ from recshard.types import ModuleSharder, ParameterSharding, ShardingPlan
 logger = logging.getLogger(__name__)
 
 
+# DMP's default sharders live in recshard.distributed, a layer above the planner: importing
+# recshard.distributed registers them here for `collective_plan(module)` without sharders.
+_default_sharders: List[Callable[[], List[ModuleSharder]]] = []
+
+
+def register_default_sharders(factory: Callable[[], List[ModuleSharder]]) -> None:
+    """Make `factory()` the sharders `collective_plan` uses when given none."""
+    _default_sharders[:] = [factory]
+
+
 def default_proposers() -> List[object]:
     """Greedy local search, one all-same-type proposal per type, and a small grid search."""
     return [GreedyProposer(), UniformProposer(), GridSearchProposer()]
@@ -48,6 +58,16 @@ class EmbeddingShardingPlanner:
     the best placement is polished by moving/swapping shards off the slowest rank
     (`refine_placement`). `timeout_seconds` bounds the search. An explicit `enumerator`
     brings its own topology, batch size and constraints.
+
+    Constraints are read as TorchRec reads them: `compute_kernels=["dense"]` leaves only
+    data-parallel (dense kernels are data-parallel). Where recshard's choice differs:
+    - A model-parallel dense table (e.g. table-wise + dense) is planned only when the
+      constraints rule data-parallel out; TorchRec's sharders offer no such option.
+    - Options are priced by recshard's own estimators (`recshard.planner.estimators`), so
+      among the options the constraints leave, the pick may differ from TorchRec's on the
+      same topology (e.g. a small table table-wise here, data-parallel there).
+    - On one host, table-row-wise and table-column-wise are not enumerated when row-wise /
+      column-wise are allowed: on one host they place shards the same way.
     """
 
     def __init__(
@@ -247,10 +267,17 @@ class EmbeddingShardingPlanner:
         return "\n".join(lines)
 
     def collective_plan(
-        self, module: nn.Module, sharders: Sequence[ModuleSharder], pg: Optional[object] = None
+        self, module: nn.Module, sharders: Optional[Sequence[ModuleSharder]] = None,
+        pg: Optional[object] = None,
     ) -> ShardingPlan:
-        """Rank 0 of `pg` plans and broadcasts the plan; every rank returns the same plan. If
-        rank 0 fails, its error is broadcast and every rank raises (no rank hangs)."""
+        """Rank 0 of `pg` (default: the world) plans with `sharders` (default: DMP's default
+        sharders) and broadcasts the plan; every rank returns the same plan. If rank 0 fails,
+        its error is broadcast and every rank raises (no rank hangs)."""
+        if sharders is None:
+            if not _default_sharders:
+                raise PlannerError("collective_plan: no sharders given and no default sharders "
+                                   "registered (import recshard.distributed, or pass sharders)")
+            sharders = _default_sharders[0]()
         group = pg if pg is not None else dist.group.WORLD
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if self._topology is None:

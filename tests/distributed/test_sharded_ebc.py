@@ -27,6 +27,7 @@ from multiprocess import run_ranks
 
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import construct_module_sharding_plan
+from recshard.optim import in_backward_optimizer_filter
 from recshard.types import ShardingEnv
 
 KINDS = ["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise",
@@ -78,7 +79,7 @@ def _compare(rank: int, ws: int, lws: int, kind: str, kernel: str, optimizer: st
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": fused_optim, "learning_rate": LR})
     sharded = sharder.shard(copy.deepcopy(reference), plan, env)
-    dense_params = [p for n, p in sharded.named_parameters() if "weights." in n]
+    dense_params = [p for _, p in in_backward_optimizer_filter(sharded.named_parameters())]
     dense_opt = torch.optim.SGD(dense_params, lr=LR) if dense_params else None
     state: Dict[str, Dict[str, torch.Tensor]] = {}
     for step in range(steps):

@@ -22,6 +22,7 @@ from multiprocess import run_ranks
 from recshard import KeyedJaggedTensor
 from recshard.distributed.embedding import EmbeddingCollectionSharder
 from recshard.distributed.sharding_plan import construct_module_sharding_plan, table_row_wise
+from recshard.optim import in_backward_optimizer_filter
 from recshard.types import ShardingEnv
 
 KINDS = ["table_wise", "row_wise", "column_wise", "data_parallel", "mixed"]
@@ -75,7 +76,7 @@ def run_case(
     dtype = torch.int32 if need_indices else torch.int64
     reference = make_ec(need_indices)
     plan, sharded = _shard(reference, kind, ws, kernel, optimizer)
-    dense_params = [p for n, p in sharded.named_parameters() if "weights." in n]
+    dense_params = [p for _, p in in_backward_optimizer_filter(sharded.named_parameters())]
     dense_opt = torch.optim.SGD(dense_params, lr=LR) if dense_params else None
     state: Dict[str, Dict[str, torch.Tensor]] = {}
     for step in range(steps):

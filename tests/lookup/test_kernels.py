@@ -11,7 +11,7 @@ from typing import List
 import pytest
 import torch
 
-from recshard.lookup.fused_params import OptimType, parse_fused_params
+from recshard.lookup.fused_params import ANY_KERNEL, OptimType, check_backend, parse_fused_params
 from recshard.lookup.grouped import GroupedLookup
 from recshard.lookup.kernels import DenseKernel, FbgemmFusedKernel, TorchFusedKernel
 from recshard.lookup.tables import LocalTable
@@ -51,7 +51,7 @@ def copy_weights(src, dst) -> None:
 
 
 @needs_fbgemm
-@pytest.mark.parametrize("optim", list(OptimType))
+@pytest.mark.parametrize("optim", ANY_KERNEL)
 @pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_torch_fused_matches_fbgemm(optim: OptimType, pooling: PoolingType, weighted: bool) -> None:
@@ -158,8 +158,10 @@ def test_grouped_lookup_mixes_dims_and_kernels() -> None:
 
 
 def test_unsupported_optimizer_names_the_table() -> None:
-    with pytest.raises(ValueError, match="table 'big': fused optimizer 'adam' is not supported"):
-        parse_fused_params({"optimizer": "adam"}, "big")
+    with pytest.raises(ValueError, match="table 'big': fused optimizer 'lamb' is not supported"):
+        parse_fused_params({"optimizer": "lamb"}, "big")
+    with pytest.raises(ValueError, match="table 'big': fused optimizer ADAM runs only in fbgemm's CUDA"):
+        check_backend(parse_fused_params({"optimizer": "adam"}, "big"), "big", fbgemm_on_cuda=False)
 
 
 def test_tables_with_an_empty_row_shard_avoid_fbgemm() -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from recshard.lookup.fused_params import OptimType
+from recshard.lookup.fused_params import ANY_KERNEL, OptimType
 from recshard.lookup.grouped import GroupedLookup, split_evenly
 from recshard.lookup.tables import LocalTable
 from recshard.lookup.threads import run_side_by_side
@@ -73,7 +73,7 @@ def states(lookup: GroupedLookup) -> List[torch.Tensor]:
 
 
 @needs_fbgemm
-@pytest.mark.parametrize("optim", list(OptimType))
+@pytest.mark.parametrize("optim", ANY_KERNEL)
 @pytest.mark.parametrize("pooled, weighted", [(True, False), (True, True), (False, False)])
 def test_two_threads_equal_one_thread(optim: OptimType, pooled: bool, weighted: bool) -> None:
     tables = fbgemm_tables(optim, pooled, PoolingType.SUM)
