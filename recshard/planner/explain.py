@@ -184,6 +184,8 @@ def draw_explain_png(explanation: Explanation, measured: List[Dict[str, Any]],
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_xticks(xs, [o.label for o in explanation.options], rotation=30, ha="right",
                   fontsize="small")
+    if max(bottom) > 50 * max(min(bottom), 1e-9):  # one option dwarfs the rest
+        ax.set_yscale("log")
     ax.set_ylabel("ms per step (all shards)")
     ax.set_title(f"table '{explanation.table}': options priced (hatched: chosen)")
     ax.legend(fontsize="small")
