@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import List, Sequence
 
+from examples.dlrm.data.binary import is_preprocessed
 from examples.dlrm.data.criteo_spec import NUM_SPARSE, capped_num_embeddings
+from examples.dlrm.data.preprocess import Manifest, check_same_vocabulary, check_table_sizes
 from examples.dlrm.sharding import OPTIMIZER_CHOICES, SHARDING_CHOICES
 
 # What `--demo` changes (flags given explicitly still win): about a minute on 2 CPU ranks.
@@ -102,8 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="built-in synthetic Criteo-like data or Criteo TSV/CSV files")
     g.add_argument("--data-path", default=None,
                    help="Criteo file, directory or glob; every 10th line is held out for eval "
-                        "unless --eval-data-path is given")
+                        "unless --eval-data-path is given; or a directory written by "
+                        "python -m examples.dlrm.preprocess (detected, read memory-mapped)")
     g.add_argument("--eval-data-path", default=None, help="separate Criteo eval files")
+    g.add_argument("--shuffle-buffer", type=int, default=0,
+                   help="preprocessed data: shuffle the training rows within buffers of this "
+                        "many rows (0: file order, as the TSV reader)")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader workers (Criteo)")
     g.add_argument("--multi-hot", type=int, default=1,
                    help="synthetic: up to this many ids per feature and sample")
@@ -137,6 +143,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--data criteo needs --data-path")
     if args.data == "synthetic" and args.steps is None:
         args.steps = 1000
+    if args.data == "criteo":
+        try:
+            manifests = {p: Manifest.load(p) for p in (args.data_path, args.eval_data_path)
+                         if is_preprocessed(p)}
+            for path, manifest in manifests.items():
+                check_table_sizes(manifest, args.num_embeddings_per_feature, path)
+            if len(manifests) == 2:
+                check_same_vocabulary(*manifests.values(), args.eval_data_path)
+        except ValueError as e:
+            parser.error(str(e))
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
     if args.dense_arch_layers[-1] != args.embedding_dim:

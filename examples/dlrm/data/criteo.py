@@ -63,14 +63,21 @@ def split_shards(shards: Sequence[FileShard], reader: int, num_readers: int) -> 
     return [FileShard(s.path, s.stride * num_readers, s.offset + reader * s.stride) for s in shards]
 
 
+def category_code(value: str) -> int | None:
+    """The integer behind a categorical value: its hex value, else its crc32; None if missing."""
+    if not value:
+        return None
+    try:
+        return int(value, 16)
+    except ValueError:
+        return zlib.crc32(value.encode())
+
+
 def hash_category(value: str, num_embeddings: int) -> int:
     """Row of a categorical value: 0 when missing, else in [1, num_embeddings)."""
-    if not value or num_embeddings == 1:
+    code = category_code(value)
+    if code is None or num_embeddings == 1:
         return 0
-    try:
-        code = int(value, 16)
-    except ValueError:
-        code = zlib.crc32(value.encode())
     return 1 + code % (num_embeddings - 1)
 
 
@@ -103,7 +110,7 @@ def is_eval_line(index: int, eval_every_n: int) -> bool:
     return zlib.crc32(index.to_bytes(8, "little")) % eval_every_n == 0
 
 
-def _sniff(first_line: str) -> Tuple[str, bool]:
+def sniff(first_line: str) -> Tuple[str, bool]:
     """(separator, has_header) from a file's first line."""
     sep = "\t" if "\t" in first_line else ","
     head = first_line.split(sep, 1)[0].strip()
@@ -121,7 +128,7 @@ def read_rows(shard: FileShard, num_embeddings: Sequence[int], split: str = "all
         first = f.readline()
         if not first:
             return
-        sep, header = _sniff(first)
+        sep, header = sniff(first)
         lines = f if header else _chain(first, f)
         for index, line in enumerate(lines):
             if index % shard.stride != shard.offset or not line.strip():

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from examples.dlrm.data.batch import Batch
+from examples.dlrm.data.binary import BinaryCriteo, is_preprocessed
 from examples.dlrm.data.criteo import criteo_loader, list_files
 from examples.dlrm.data.synthetic import SyntheticConfig, SyntheticCriteo
 
@@ -17,6 +18,12 @@ from examples.dlrm.data.synthetic import SyntheticConfig, SyntheticCriteo
 def _pin() -> bool:
     """Pinned host batches on GPU machines (the pipeline copies them asynchronously)."""
     return torch.cuda.is_available()
+
+
+def _pinned(batches: Iterable[Batch]) -> Iterator[Batch]:
+    """Preprocessed batches, pinned on GPU machines as the DataLoader pins the TSV reader's."""
+    pin = _pin()
+    return (batch.pin_memory() if pin else batch for batch in batches)
 
 
 def synthetic_config(args: argparse.Namespace) -> SyntheticConfig:
@@ -68,15 +75,22 @@ def train_batches(args: argparse.Namespace, rank: int, world_size: int, start_st
         remaining = max(args.steps - start_step, 0)
         return iter(SyntheticCriteo(synthetic_config(args), rank, "train", remaining, start_step))
     split = "all" if args.eval_data_path else "train"
-    files = list_files(args.data_path)
+    binary = is_preprocessed(args.data_path)
+    files = [] if binary else list_files(args.data_path)
+
+    def one_pass(epoch: int) -> Iterable[Batch]:
+        if binary:
+            return _pinned(BinaryCriteo(args.data_path, args.batch_size, split, rank, world_size,
+                                        args.shuffle_buffer, args.seed, epoch))
+        return criteo_loader(args.data_path, args.num_embeddings_per_feature, args.batch_size,
+                             rank, world_size, split, args.num_workers, pin_memory=_pin(),
+                             files=files)
 
     def passes() -> Iterator[Batch]:
         epochs = itertools.count() if args.steps is not None else range(args.epochs)
-        for _ in epochs:
+        for epoch in epochs:
             produced = 0
-            for batch in criteo_loader(args.data_path, args.num_embeddings_per_feature,
-                                       args.batch_size, rank, world_size, split,
-                                       args.num_workers, pin_memory=_pin(), files=files):
+            for batch in one_pass(epoch):
                 produced += 1
                 yield batch
             if produced == 0:  # too little data for one batch: do not cycle forever
@@ -93,7 +107,10 @@ def eval_batches(args: argparse.Namespace, rank: int, world_size: int,
         return iter(SyntheticCriteo(synthetic_config(args), rank, "eval", args.eval_batches))
     path = args.eval_data_path or args.data_path
     split = "all" if args.eval_data_path else "eval"
+    limit = args.eval_batches or None
+    if is_preprocessed(path):
+        binary = BinaryCriteo(path, args.batch_size, split, rank, world_size)
+        return RankSynced(itertools.islice(_pinned(binary), limit), group)
     loader = criteo_loader(path, args.num_embeddings_per_feature, args.batch_size, rank,
                            world_size, split, args.num_workers, pin_memory=_pin())
-    limit = args.eval_batches or None
     return RankSynced(itertools.islice(loader, limit), group)
