@@ -229,7 +229,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="ranks per (simulated) host; default all on one host")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--pin", action="store_true", help="pin rank r to the r-th CPU")
-    parser.add_argument("--calibration-budget", type=float, default=40.0)
+    parser.add_argument("--calibration-budget", type=float, default=35.0)
     parser.add_argument("--profile", default=None, help="use this profile, do not calibrate")
     parser.add_argument("--save-profile", default=None, help="write the calibration here")
     parser.add_argument("--link-check", default=None, metavar="PROFILE",

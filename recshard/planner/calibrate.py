@@ -6,15 +6,20 @@ table sizes, each point the median of a few timed calls; one least-squares fit p
 phase and dim (see `recshard.planner.profile`). Links, when a process group is up (torchrun):
 all-to-all, reduce-scatter and all-gather over a few buffer sizes among the ranks of a host
 and, with several hosts, among the ranks of equal local rank across hosts; fit `latency +
-bytes / bandwidth`. Every rank measures its kernels at the same time (as in training); the
+bytes / bandwidth`. Memory (Linux): the fused kernel's peak resident growth while building
+tables and during steps (peak reset through `/proc/self/clear_refs`). Every rank measures its kernels at the same time (as in training); the
 profile carries rank 0's fits.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import socket
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -26,7 +31,7 @@ from recshard.comm.ops import all_gather_base_pooled, reduce_scatter_base_pooled
 from recshard.comm.pg import get_local_size, intra_and_cross_node_pg
 from recshard.lookup import GroupedLookup, LocalTable
 from recshard.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost
+from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, MemoryCost
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import EmbeddingComputeKernel
 
@@ -37,11 +42,12 @@ _LR = 0.01
 
 @dataclass(frozen=True)
 class CalibrationGrid:
-    """What to measure. The default takes about 40 s on one CPU core; `quick()` a few s."""
+    """What to measure. The default takes about 45 s on one quiet CPU core (kernels within
+    `budget_s`, then two memory probes and the links); `quick()` a few s."""
 
     dims: Tuple[int, ...] = (16, 64, 128)
     poolings: Tuple[int, ...] = (1, 4, 16)
-    batches: Tuple[int, ...] = (256, 1024)
+    batches: Tuple[int, ...] = (256, 2048)
     rows: Tuple[int, ...] = (25_000, 100_000)
     tables: int = 2
     link_bytes: Tuple[int, ...] = (1 << 14, 1 << 18, 1 << 21, 1 << 23)
@@ -54,7 +60,7 @@ class CalibrationGrid:
 
 
 def calibrate(
-    budget_s: float = 50.0,
+    budget_s: float = 35.0,
     grid: Optional[CalibrationGrid] = None,
     pg: Optional[dist.ProcessGroup] = None,
     local_world_size: Optional[int] = None,
@@ -72,6 +78,7 @@ def calibrate(
     per_point_s = 0.8 * budget_s / max(points, 1)
     for dim in grid.dims:
         profile.kernels += measure_kernels(dim, grid, per_point_s)
+    profile.memory = measure_memory(grid)
     if group is not None and world > 1:
         dist.barrier(group)
         profile.links = measure_links(group, local, grid)
@@ -157,10 +164,11 @@ def measure_kernels(dim: int, grid: CalibrationGrid, per_point_s: float) -> List
     return out
 
 
-def fit_costs(points: Sequence[Sample], with_elements: bool) -> Tuple[float, float, float, float]:
+def fit_costs(points: Sequence[Sample], with_elements: bool,
+              intercept: bool = True) -> Tuple[float, float, float, float]:
     """Non-negative least squares (relative error) of `ms ~ ids a + bags b + elements c + d`;
     a negative coefficient is dropped and the rest refitted."""
-    columns = [0, 1, 2, 3] if with_elements else [0, 1, 3]
+    columns = [0, 1] + ([2] if with_elements else []) + ([3] if intercept else [])
     while True:
         x = torch.tensor([[p[c] if c < 3 else 1.0 for c in columns] for p in points],
                          dtype=torch.float64)
@@ -175,6 +183,66 @@ def fit_costs(points: Sequence[Sample], with_elements: bool) -> Tuple[float, flo
     for c, v in zip(columns, coef.tolist()):
         values[c] = max(v, 0.0)
     return values[0], values[1], values[2], values[3]
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _rss_bytes() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak() -> float:
+    """Reset the peak resident size to now (Linux >= 4.0); the current resident bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _rss_bytes()
+
+
+def _peak_bytes() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return 1024.0 * int(line.split()[1])
+    raise OSError("no VmHWM in /proc/self/status")
+
+
+def memory_probe(tables: int, rows: int, dim: int, batch: int, pooling: int) -> str:
+    """In a fresh process: (peak growth building the tables, peak growth of the first
+    step) in bytes, as JSON. Fresh, because an allocator that already holds freed memory
+    hides a step's allocations from the resident size."""
+    kjt = _batch(tables, rows, batch, pooling, seed=pooling)
+    before = _reset_peak()
+    lookup = _lookup(EmbeddingComputeKernel.FUSED, tables, rows, dim)
+    build = _peak_bytes() - before
+    start = _reset_peak()
+    lookup(kjt).sum().backward()
+    return json.dumps([build, _peak_bytes() - start])
+
+
+def measure_memory(grid: CalibrationGrid) -> Optional[MemoryCost]:
+    """Peak resident growth of the fused kernel at the largest table size, building and in a
+    first step, at the largest batch and two pooling factors (one fresh process each); None
+    where that cannot be measured (not Linux, /proc not writable)."""
+    tables, rows, dim, batch = grid.tables, grid.rows[-1], grid.dims[-1], grid.batches[-1]
+    points: List[Sample] = []
+    builds = []
+    for pooling in sorted({grid.poolings[0], grid.poolings[-1]}):
+        code = ("from recshard.planner.calibrate import memory_probe; "
+                f"print(memory_probe({tables}, {rows}, {dim}, {batch}, {pooling}))")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if proc.returncode != 0:
+            logger.warning("memory not calibrated: %s", proc.stderr.strip()[-500:])
+            return None
+        build, step = json.loads(proc.stdout.strip().splitlines()[-1])
+        builds.append(build)
+        points.append((float(tables * batch * pooling), 4.0 * tables * batch * dim, 0.0,
+                       max(step, 0.0)))
+    per_id, per_out, _, _ = fit_costs(points, with_elements=False, intercept=False)
+    weights = 4.0 * tables * rows * dim
+    return MemoryCost(max(statistics.median(builds) / weights, 1.0), per_id, per_out)
 
 
 # ----------------------------------------------------------------------------- links

@@ -23,8 +23,9 @@ def calibrate_main(argv: List[str]) -> int:
     p = argparse.ArgumentParser(prog="recshard-plan calibrate",
                                 description="Measure kernel and link costs into a profile.")
     p.add_argument("-o", "--output", required=True, help="write the profile (JSON) here")
-    p.add_argument("--budget", type=float, default=50.0,
-                   help="seconds for the kernel measurements (default 50)")
+    p.add_argument("--budget", type=float, default=35.0,
+                   help="seconds for the kernel measurements (default 35; memory probes and "
+                        "links take a few more)")
     p.add_argument("--quick", action="store_true", help="tiny grid (a smoke test)")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)

@@ -258,6 +258,9 @@ class EmbeddingStorageEstimator:
     - io = 2 ids_in id_bytes (this batch and the next one in flight) + 2 bags_out cols s_out
       (the output and its gradient).
     - quant kernel (inference): no optimizer state; 4 bytes per row of fp16 scale and bias.
+    - calibrated (`topology.profile.memory`, cpu, fused kernel): weights count `weight_factor`
+      times (the peak while building them), and the step's transient is the measured
+      `bytes_per_id ids_in + bytes_per_output_byte bags_out cols 4`, plus the ids in flight.
     - cpu: everything in DDR. cuda, fused/dense: everything in HBM. fused_uvm: weights and
       state in DDR, io in HBM. fused_uvm_caching: weights and state in DDR; HBM holds the cache
       `lf weights`, its index `rows (4 + 16 lf)` and io.
@@ -290,6 +293,12 @@ class EmbeddingStorageEstimator:
             copies = 2 if sharding_type == "data_parallel" else 1
             state += copies * 4.0 * rows * cols
         io = 2 * ids_in * facts.id_bytes + 2 * bags_out * cols * facts.s_out
+        memory = topo.profile.memory if topo.profile is not None else None
+        if memory is not None and compute_kernel == "fused" and sharding_type != "data_parallel" \
+                and topo.compute_device == topo.profile.compute_device == "cpu":
+            weights *= memory.weight_factor
+            io = (ids_in * (2 * facts.id_bytes + memory.bytes_per_id)
+                  + bags_out * cols * 4.0 * memory.bytes_per_output_byte)
         if topo.compute_device == "cpu":
             return Storage(0.0, weights + state + io)
         if compute_kernel == "fused_uvm":

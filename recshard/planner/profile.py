@@ -6,6 +6,8 @@ per (kernel, phase, embedding dim); other dims are interpolated linearly (beyond
 range: scaled in proportion to the dim). Link costs are `ms = latency_ms + bytes / bandwidth`
 fits per collective and link level, where `bytes` is what leaves one rank (the all-to-all
 buffer's `(W-1)/W`, a ring reduce-scatter's / all-gather's `(W-1)/W` of its full buffer).
+Memory (`MemoryCost`, fused kernel): the peak resident memory building a table takes per byte
+of weights, and a training step's transient peak per id looked up and per output byte.
 """
 
 from __future__ import annotations
@@ -44,6 +46,16 @@ class LinkCost:
 
 
 @dataclass
+class MemoryCost:
+    """Measured resident memory of the fused kernel (CPU): peak while building, per byte of
+    weights; a step's transient peak per id and per byte of pooled output."""
+
+    weight_factor: float
+    bytes_per_id: float
+    bytes_per_output_byte: float
+
+
+@dataclass
 class CalibrationProfile:
     """What `calibrate` measured on one machine: kernel fits, link fits and how it ran."""
 
@@ -53,6 +65,7 @@ class CalibrationProfile:
     local_world_size: int = 1
     kernels: List[KernelCost] = field(default_factory=list)
     links: List[LinkCost] = field(default_factory=list)
+    memory: Optional[MemoryCost] = None
     seconds: float = 0.0
     host: str = ""
 
@@ -115,7 +128,9 @@ class CalibrationProfile:
         try:
             kernels = [KernelCost(**k) for k in data.pop("kernels", [])]
             links = [LinkCost(**c) for c in data.pop("links", [])]
-            return cls(kernels=kernels, links=links, **data)
+            memory = data.pop("memory", None)
+            return cls(kernels=kernels, links=links,
+                       memory=MemoryCost(**memory) if memory else None, **data)
         except TypeError as e:
             raise ValueError(f"not a calibration profile: {e}") from e
 

@@ -10,9 +10,20 @@ import sys
 
 import pytest
 
-from recshard.planner import EmbeddingPerfEstimator, TableMeta, Topology
-from recshard.planner.calibrate import CalibrationGrid, calibrate, fit_costs, fit_link
-from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost
+from recshard.planner import (
+    EmbeddingPerfEstimator,
+    EmbeddingStorageEstimator,
+    TableMeta,
+    Topology,
+)
+from recshard.planner.calibrate import (
+    CalibrationGrid,
+    calibrate,
+    fit_costs,
+    fit_link,
+    measure_memory,
+)
+from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, MemoryCost
 from tests.multiprocess import run_ranks
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -129,3 +140,19 @@ def test_cli_calibrate_then_plan_with_profile(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
     assert "estimated step time" in proc.stdout
+
+
+def test_calibrated_memory_scales_the_storage_estimate():
+    measured = measure_memory(CalibrationGrid.quick())
+    assert measured is not None and measured.weight_factor >= 1.0  # a real fresh-process probe
+    assert measured.bytes_per_id >= 0 and measured.bytes_per_output_byte >= 0
+    table = TableMeta("t", 10_000, 64, pooling_factors=[10.0])
+    plain = EmbeddingStorageEstimator(Topology(2), 512).estimate(table, "table_wise", "fused",
+                                                                10_000, 64)
+    profile = CalibrationProfile("cpu", 1, memory=MemoryCost(1.5, 100.0, 2.0))
+    calibrated = EmbeddingStorageEstimator(Topology(2, profile=profile), 512).estimate(
+        table, "table_wise", "fused", 10_000, 64)
+    ids, bags = 2 * 512 * 10, 2 * 512
+    weights = 10_000 * 64 * 4
+    assert calibrated.ddr == pytest.approx(1.5 * weights + ids * (16 + 100) + bags * 64 * 4 * 2)
+    assert plain.ddr == pytest.approx(weights + 2 * ids * 8 + 2 * bags * 64 * 4)
