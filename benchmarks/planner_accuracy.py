@@ -221,9 +221,9 @@ def summarize(records: List[Dict[str, Any]], workloads: List[Workload]) -> Dict[
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dims", default="16,64,128")
+    parser.add_argument("--dims", default=None, help="16,64,128 (quick: 16)")
     parser.add_argument("--ids", default="uniform,zipf")
-    parser.add_argument("--batches-per-rank", default="512,2048")
+    parser.add_argument("--batches-per-rank", default=None, help="512,2048 (quick: 64)")
     parser.add_argument("--row-cap", type=int, default=50_000)
     parser.add_argument("--max-pooling", type=int, default=20)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per plan")
@@ -243,8 +243,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     args = parser.parse_args(argv)
     args.local_world_size = args.local_world_size or args.world_size
+    args.dims = args.dims or ("16" if args.quick else "16,64,128")
+    args.batches_per_rank = args.batches_per_rank or ("64" if args.quick else "512,2048")
     if args.quick:
-        args.dims, args.ids, args.batches_per_rank = "16", "uniform,zipf", "64"
         args.row_cap, args.max_pooling, args.steps, args.warmup = 1000, 4, 2, 1
         args.calibration_budget = min(args.calibration_budget, 3.0)
     return args
