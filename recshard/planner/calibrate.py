@@ -46,10 +46,10 @@ class CalibrationGrid:
     `budget_s`, then two memory probes and the links); `quick()` a few s."""
 
     dims: Tuple[int, ...] = (16, 64, 128)
-    poolings: Tuple[int, ...] = (1, 4, 16)
+    poolings: Tuple[int, ...] = (1, 4, 32)
     batches: Tuple[int, ...] = (256, 2048)
     rows: Tuple[int, ...] = (25_000, 100_000)
-    tables: int = 2
+    tables: int = 4  # working sets of 100-400 MB, as a rank's tables
     link_bytes: Tuple[int, ...] = (1 << 14, 1 << 18, 1 << 21, 1 << 23)
     link_repeats: int = 7
 
@@ -166,14 +166,15 @@ def measure_kernels(dim: int, grid: CalibrationGrid, per_point_s: float) -> List
 
 def fit_costs(points: Sequence[Sample], with_elements: bool,
               intercept: bool = True) -> Tuple[float, float, float, float]:
-    """Non-negative least squares (relative error) of `ms ~ ids a + bags b + elements c + d`;
-    a negative coefficient is dropped and the rest refitted."""
+    """Non-negative least squares of `ms ~ ids a + bags b + elements c + d`, weighted by
+    `sqrt(ms)`: per-id costs grow with the working set (caches), and the large calls are what
+    a training step is made of; a negative coefficient is dropped and the rest refitted."""
     columns = [0, 1] + ([2] if with_elements else []) + ([3] if intercept else [])
     while True:
         x = torch.tensor([[p[c] if c < 3 else 1.0 for c in columns] for p in points],
                          dtype=torch.float64)
         y = torch.tensor([p[3] for p in points], dtype=torch.float64)
-        weight = 1.0 / y.clamp_min(1e-3)
+        weight = 1.0 / y.clamp_min(1e-3).sqrt()
         coef = torch.linalg.lstsq(x * weight[:, None], (y * weight)[:, None]).solution[:, 0]
         negative = [c for c, v in zip(columns, coef.tolist()) if v < 0]
         if not negative or len(columns) == 1:
