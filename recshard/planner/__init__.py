@@ -30,12 +30,7 @@ from recshard.planner.plan_io import (
 )
 from recshard.planner.plan_stats import PlanStats, RankLoad, plan_stats
 from recshard.planner.planner import EmbeddingShardingPlanner
-from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, MemoryCost
-from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
-from recshard.planner.refine import refine_placement
-from recshard.planner.stats import EmbeddingStats, PlannerStats
-from recshard.planner.step_model import StepTimePerfModel
-from recshard.planner.types import (
+from recshard.planner.planner_types import (
     ParameterConstraints,
     Perf,
     PlannerError,
@@ -45,6 +40,11 @@ from recshard.planner.types import (
     TableMeta,
     Topology,
 )
+from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, MemoryCost
+from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
+from recshard.planner.refine import refine_placement
+from recshard.planner.stats import EmbeddingStats, PlannerStats
+from recshard.planner.step_model import StepTimePerfModel
 
 __all__ = [
     "CalibrationGrid",

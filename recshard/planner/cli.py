@@ -35,9 +35,15 @@ from recshard.planner.partitioners import GreedyPerfPartitioner, MemoryBalancedP
 from recshard.planner.plan_io import load_plan, save_plan
 from recshard.planner.plan_stats import plan_stats
 from recshard.planner.planner import EmbeddingShardingPlanner
+from recshard.planner.planner_types import (
+    GIB,
+    ParameterConstraints,
+    PlannerError,
+    TableMeta,
+    Topology,
+)
 from recshard.planner.profile import CalibrationProfile
 from recshard.planner.stats import PlannerStats
-from recshard.planner.types import GIB, ParameterConstraints, PlannerError, TableMeta, Topology
 from recshard.types import BoundsCheckMode
 
 _TABLE_KEYS = {"name", "num_embeddings", "embedding_dim", "feature_names", "pooling_factor",

@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from recshard.planner.enumerator import EmbeddingEnumerator
 from recshard.planner.planner import EmbeddingShardingPlanner
+from recshard.planner.planner_types import PlannerError, ShardingOption, TableMeta
 from recshard.planner.stats import compress_ranks
-from recshard.planner.types import PlannerError, ShardingOption, TableMeta
 
 
 @dataclass

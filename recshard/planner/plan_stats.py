@@ -22,8 +22,8 @@ from recshard.planner.estimators import (
     shard_traffic,
     table_workload,
 )
+from recshard.planner.planner_types import TableMeta, Topology
 from recshard.planner.step_model import StepTimePerfModel
-from recshard.planner.types import TableMeta, Topology
 from recshard.types import ParameterSharding, ShardingPlan
 
 _ID_BYTES = 8.0

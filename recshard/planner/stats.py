@@ -11,7 +11,7 @@ from typing import Dict, List, Sequence
 from recshard.planner.estimators import Capacity
 from recshard.planner.partitioners import PartitionResult
 from recshard.planner.plan_stats import PlanStats, RankLoad, plan_stats
-from recshard.planner.types import GIB, Topology
+from recshard.planner.planner_types import GIB, Topology
 
 logger = logging.getLogger(__name__)
 __all__ = ["EmbeddingStats", "PlanStats", "PlannerStats", "RankLoad", "RankStats", "TableStats",

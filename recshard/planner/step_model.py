@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, Tuple
 
 from recshard.planner.partitioners import PartitionResult
-from recshard.planner.types import Topology
+from recshard.planner.planner_types import Topology
 
 _KJT = ("all_to_all",) * 3  # input dist: splits, lengths, values
 # Collectives one group issues per step (forward and backward), by sharding type.

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from recshard.plan.geometry import make_shards
 from recshard.planner import EmbeddingShardingPlanner, TableMeta, Topology, save_plan
 from recshard.planner.cli import main
 from recshard.planner.plan_stats import plan_stats
-from recshard.shard_geometry import make_shards
 from recshard.types import ParameterSharding, ShardingPlan
 
 ROWS, DIM, POOLING, BATCH = 1000, 16, 2, 4
