@@ -2,15 +2,19 @@
 
 `EmbeddingShardingPlanner(topology, batch_size, constraints).plan(module, sharders)` returns
 a `ShardingPlan`; `save_plan` / `load_plan` store it as JSON; `recshard-plan` (or
-`python -m recshard.planner`) plans from a tables file without a model.
+`python -m recshard.planner`) plans from a tables file without a model. `calibrate` measures
+the machine into a `CalibrationProfile` for `Topology(profile=...)`; `plan_stats` measures any
+plan with a neutral yardstick; `explain_table` says why a table got its option.
 """
 
+from recshard.planner.calibrate import CalibrationGrid, calibrate
 from recshard.planner.enumerator import EmbeddingEnumerator, tables_from_module
 from recshard.planner.estimators import (
     EmbeddingPerfEstimator,
     EmbeddingStorageEstimator,
     StorageReservation,
 )
+from recshard.planner.explain import Explanation, OptionCost, explain_table
 from recshard.planner.partitioners import (
     GreedyPerfPartitioner,
     MemoryBalancedPartitioner,
@@ -24,6 +28,7 @@ from recshard.planner.plan_io import (
     save_plan,
     validate_plan,
 )
+from recshard.planner.plan_stats import PlanStats, RankLoad, plan_stats
 from recshard.planner.planner import EmbeddingShardingPlanner
 from recshard.planner.planner_types import (
     ParameterConstraints,
@@ -35,35 +40,50 @@ from recshard.planner.planner_types import (
     TableMeta,
     Topology,
 )
+from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, MemoryCost
 from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
 from recshard.planner.refine import refine_placement
 from recshard.planner.stats import EmbeddingStats, PlannerStats
+from recshard.planner.step_model import StepTimePerfModel
 
 __all__ = [
+    "CalibrationGrid",
+    "CalibrationProfile",
     "EmbeddingEnumerator",
     "EmbeddingPerfEstimator",
     "EmbeddingShardingPlanner",
     "EmbeddingStats",
     "EmbeddingStorageEstimator",
+    "Explanation",
     "GreedyPerfPartitioner",
     "GreedyProposer",
     "GridSearchProposer",
+    "KernelCost",
+    "LinkCost",
     "MemoryBalancedPartitioner",
+    "MemoryCost",
     "NoopPerfModel",
+    "OptionCost",
     "ParameterConstraints",
     "PartitionResult",
     "Perf",
+    "PlanStats",
     "PlannerError",
     "PlannerStats",
+    "RankLoad",
     "Shard",
     "ShardingOption",
     "Storage",
+    "StepTimePerfModel",
     "StorageReservation",
     "TableMeta",
     "Topology",
     "UniformProposer",
+    "calibrate",
+    "explain_table",
     "load_plan",
     "plan_from_dict",
+    "plan_stats",
     "plan_to_dict",
     "refine_placement",
     "save_plan",

@@ -11,6 +11,12 @@ tables, or {"tables": [...], "optimizer": ..., "batch_size": ...}. A table::
      "constraints": {"sharding_types": ["table_wise", "row_wise"], "compute_kernels": ["fused"],
                      "min_partition": 32, "enforce_hbm": true, "cache_params": {"load_factor": 0.2}}}
 
+`recshard-plan calibrate -o profile.json` measures this machine (see `calibrate_cli`);
+`--profile profile.json` plans with those costs. `--explain TABLE` prints every option priced
+for TABLE and why the chosen one won (`--png` then draws it, and with `--measured FILE`,
+estimated vs measured step times). `--plan existing.json` prints per-rank statistics of an
+existing plan (`plan_stats`) without planning.
+
 Exit status: 0 planned, 1 bad input, 2 no plan fits (the PlannerError text on stderr).
 """
 
@@ -22,9 +28,12 @@ import logging
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from recshard.planner.calibrate_cli import calibrate_main
 from recshard.planner.estimators import StorageReservation
+from recshard.planner.explain import draw_explain_png, explain_table, read_measurements
 from recshard.planner.partitioners import GreedyPerfPartitioner, MemoryBalancedPartitioner
-from recshard.planner.plan_io import save_plan
+from recshard.planner.plan_io import load_plan, save_plan
+from recshard.planner.plan_stats import plan_stats
 from recshard.planner.planner import EmbeddingShardingPlanner
 from recshard.planner.planner_types import (
     GIB,
@@ -33,6 +42,7 @@ from recshard.planner.planner_types import (
     TableMeta,
     Topology,
 )
+from recshard.planner.profile import CalibrationProfile
 from recshard.planner.stats import PlannerStats
 from recshard.types import BoundsCheckMode
 
@@ -159,6 +169,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default=None, help="write the plan as JSON here")
     p.add_argument("--png", default=None, help="draw per-rank memory and time here")
     p.add_argument("-v", "--verbose", action="store_true", help="log the planner's progress")
+    p.add_argument("--profile", default=None,
+                   help="calibration profile from `recshard-plan calibrate` (default: built-in "
+                        "costs)")
+    p.add_argument("--intra-host-gbps", type=float, default=None,
+                   help="bandwidth between ranks of a host, GB/s (overrides the profile)")
+    p.add_argument("--inter-host-gbps", type=float, default=None,
+                   help="bandwidth per rank between hosts, GB/s (overrides the profile)")
+    p.add_argument("--explain", default=None, metavar="TABLE",
+                   help="print every option priced for TABLE and why the chosen one won")
+    p.add_argument("--measured", default=None, metavar="FILE",
+                   help="with --explain --png: JSON lines with plan / predicted_ms / "
+                        "measured_ms (benchmarks/planner_accuracy.py) drawn beside the estimates")
+    p.add_argument("--plan", default=None, metavar="PLAN_JSON",
+                   help="print per-rank statistics of this plan instead of planning")
     return p
 
 
@@ -168,6 +192,9 @@ def gib(value: Optional[float]) -> Optional[float]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["calibrate"]:
+        return calibrate_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -185,7 +212,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             world_size=args.world_size or int(data.get("world_size", 1)),
             compute_device=args.compute_device, hbm_cap=gib(args.hbm_gb),
             ddr_cap=gib(args.ddr_gb), local_world_size=args.local_world_size,
+            intra_host_bw=args.intra_host_gbps, inter_host_bw=args.inter_host_gbps,
+            profile=CalibrationProfile.load(args.profile) if args.profile else None,
         )
+        measured = read_measurements(args.measured) if args.measured else []
+        if args.plan:
+            batch = args.batch_size or int(data.get("batch_size", 512))
+            print(plan_stats(load_plan(args.plan), tables, topology, batch).format())
+            return 0
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -206,8 +240,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.output:
         save_plan(plan, args.output, metadata=_metadata(stats))
         print(f"plan written to {args.output}")
+    if args.explain:
+        try:
+            explanation = explain_table(planner, tables, args.explain)
+        except PlannerError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(explanation.format())
     if args.png:
-        draw_png(stats, args.png)
+        if args.explain:
+            draw_explain_png(explanation, measured, args.png)
+        else:
+            draw_png(stats, args.png)
         print(f"chart written to {args.png}")
     return 0
 

@@ -141,12 +141,18 @@ class EmbeddingPerfEstimator:
       (2 s_w + 4 + 2 state_elem)) / bw: a dense gradient and a full-table optimizer step.
     - input_dist = ids_in id_bytes / a2a_bw (data-parallel: 0)
     - fwd_comms = bwd_comms: table-wise/column-wise a2a of `bags_out out`; row-wise
-      reduce-scatter (fwd) / all-gather (bwd) of `bags_out out`; table-row-wise reduce-scatter
-      in the host then a2a of the `1/Lw` slice across hosts; sequence tables use a2a.
-      Data-parallel: fwd 0, bwd an all-reduce of the fp32 gradient `4 rows cols`.
-    Link models: a2a `1/bw = (1/H)/intra + (1 - 1/H)/inter`; ring reduce-scatter /
-    all-gather of `n` bytes, hierarchical: `n ((Lw-1)/Lw / intra + (H-1)/(H Lw) / inter)`;
-    all-reduce twice that.
+      reduce-scatter (fwd) / all-gather (bwd) of `bags_out out` over all ranks;
+      table-row-wise reduce-scatter in the host then a2a of the `1/Lw` slice across hosts;
+      sequence tables use a2a. Data-parallel: fwd 0, bwd an all-reduce of the fp32 gradient
+      `4 rows cols`.
+    Link models (W ranks, Lw per host, H hosts; bandwidth counts bytes leaving a rank): a2a of
+    `n` bytes sends `(Lw-1)/W n` inside the host and `(W-Lw)/W n` across hosts; a flat ring
+    reduce-scatter / all-gather (what row-wise runs) sends `(W-1)/W n` over its slowest link
+    (inter-host when H > 1); all-reduce twice that.
+    With a calibration profile (`topology.profile`, same compute device), the fused and dense
+    kernels' compute is its measured per-id / per-bag / per-element fit instead (backward
+    scaled by `(row + state_row) / row` for optimizer state beyond exact SGD); the per-call
+    terms and collective latencies are per step, not per shard (`StepTimePerfModel`).
     """
 
     def __init__(self, topology: Topology, batch_size: int = 512) -> None:
@@ -154,13 +160,14 @@ class EmbeddingPerfEstimator:
         self.batch_size = batch_size
         self._facts: Dict[int, _TableFacts] = {}
         topo = topology
-        hosts = topo.num_hosts
-        self._a2a_bw = 1.0 / ((1.0 / hosts) / topo.intra_host_bw
-                              + (1.0 - 1.0 / hosts) / topo.inter_host_bw)
-        lw = topo.local_world_size
-        self._ring_s_per_byte = (lw - 1) / lw / topo.intra_host_bw + (
-            (hosts - 1) / (hosts * lw) / topo.inter_host_bw
-        )
+        world, lw = topo.world_size, topo.local_world_size
+        self._a2a_s_per_byte = ((lw - 1) / world / topo.intra_host_bw
+                                + (world - lw) / world / topo.inter_host_bw)
+        ring_bw = topo.inter_host_bw if topo.num_hosts > 1 else topo.intra_host_bw
+        self._ring_s_per_byte = (world - 1) / world / ring_bw
+        profile = topo.profile
+        self._profile = profile if profile and profile.compute_device == topo.compute_device \
+            else None
 
     def kernel_bw(
         self, kernel: str, cache_params: Optional[Dict[str, Any]] = None, rows: int = 1
@@ -201,19 +208,25 @@ class EmbeddingPerfEstimator:
         id_bytes = ids_in * facts.id_bytes
         fwd_compute = (id_bytes + ids_in * row + out_bytes) / bw
         state_row = optimizer_state_bytes(table.optimizer, 1, cols)
-        if compute_kernel == "dense" or sharding_type == "data_parallel":
+        dense_update = compute_kernel == "dense" or sharding_type == "data_parallel"
+        if dense_update:
             full_update = rows * (cols * (2 * s_w + 4) + 2 * state_row)
             bwd_compute = (out_bytes + ids_in * row + full_update) / bw
         else:
             bwd_compute = (out_bytes + ids_in * (2 * row + 2 * state_row)) / bw
+        if self._profile is not None and compute_kernel in ("fused", "dense") and rows > 0:
+            measured = self._measured(compute_kernel, dense_update, rows, cols, ids_in,
+                                      bags_out, state_row / row)
+            if measured is not None:
+                fwd_compute, bwd_compute = measured
         if table.is_weighted:
             bwd_compute += ids_in * row / bw
         if sharding_type == "data_parallel":
             grad_bytes = 4.0 * rows * cols
             return Perf(fwd_compute, 0.0, bwd_compute, 2 * grad_bytes * self._ring_s_per_byte, 0.0)
-        input_dist = id_bytes / self._a2a_bw
+        input_dist = id_bytes * self._a2a_s_per_byte
         if not table.pooled or sharding_type in ("table_wise", "column_wise", "table_column_wise"):
-            comms = out_bytes / self._a2a_bw
+            comms = out_bytes * self._a2a_s_per_byte
         elif sharding_type == "row_wise":
             comms = out_bytes * self._ring_s_per_byte
         else:  # table_row_wise: reduce-scatter inside the host, then a2a across hosts
@@ -221,6 +234,18 @@ class EmbeddingPerfEstimator:
             comms = out_bytes * (lw - 1) / lw / topo.intra_host_bw
             comms += out_bytes / lw * (hosts - 1) / hosts / topo.inter_host_bw
         return Perf(fwd_compute, comms, bwd_compute, comms, input_dist)
+
+    def _measured(self, kernel: str, dense_update: bool, rows: int, cols: int, ids_in: float,
+                  bags_out: float, state_ratio: float) -> Optional[Tuple[float, float]]:
+        """(fwd, bwd) ms from the calibration profile; None if it lacks the kernel."""
+        assert self._profile is not None
+        measured_kernel = "dense" if dense_update else kernel
+        fwd = self._profile.kernel_ms(measured_kernel, "fwd", cols, ids_in, bags_out)
+        elements = float(rows) * cols if dense_update else 0.0
+        bwd = self._profile.kernel_ms(measured_kernel, "bwd", cols, ids_in, bags_out, elements)
+        if fwd is None or bwd is None:
+            return None
+        return fwd, bwd * (1.0 + state_ratio)
 
 
 class EmbeddingStorageEstimator:
@@ -233,6 +258,9 @@ class EmbeddingStorageEstimator:
     - io = 2 ids_in id_bytes (this batch and the next one in flight) + 2 bags_out cols s_out
       (the output and its gradient).
     - quant kernel (inference): no optimizer state; 4 bytes per row of fp16 scale and bias.
+    - calibrated (`topology.profile.memory`, cpu, fused kernel): weights count `weight_factor`
+      times (the peak while building them), and the step's transient is the measured
+      `bytes_per_id ids_in + bytes_per_output_byte bags_out cols 4`, plus the ids in flight.
     - cpu: everything in DDR. cuda, fused/dense: everything in HBM. fused_uvm: weights and
       state in DDR, io in HBM. fused_uvm_caching: weights and state in DDR; HBM holds the cache
       `lf weights`, its index `rows (4 + 16 lf)` and io.
@@ -265,6 +293,12 @@ class EmbeddingStorageEstimator:
             copies = 2 if sharding_type == "data_parallel" else 1
             state += copies * 4.0 * rows * cols
         io = 2 * ids_in * facts.id_bytes + 2 * bags_out * cols * facts.s_out
+        memory = topo.profile.memory if topo.profile is not None else None
+        if memory is not None and compute_kernel == "fused" and sharding_type != "data_parallel" \
+                and topo.compute_device == topo.profile.compute_device == "cpu":
+            weights *= memory.weight_factor
+            io = (ids_in * (2 * facts.id_bytes + memory.bytes_per_id)
+                  + bags_out * cols * 4.0 * memory.bytes_per_output_byte)
         if topo.compute_device == "cpu":
             return Storage(0.0, weights + state + io)
         if compute_kernel == "fused_uvm":

@@ -27,6 +27,7 @@ from recshard.planner.planner_types import (
 from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
 from recshard.planner.refine import refine_placement
 from recshard.planner.stats import EmbeddingStats, PlannerStats, build_stats
+from recshard.planner.step_model import StepTimePerfModel
 from recshard.types import ModuleSharder, ParameterSharding, ShardingPlan
 
 logger = logging.getLogger(__name__)
@@ -53,8 +54,9 @@ class EmbeddingShardingPlanner:
     Defaults: `topology` = all ranks of the default process group on one host (cuda if
     available), `batch_size` = 512 per rank, proposers = `default_proposers()`, partitioner =
     `GreedyPerfPartitioner()`, reservation = `StorageReservation()`. The plan minimises the
-    estimated time of the slowest rank among proposals that fit in memory. `last_stats` holds
-    the `PlannerStats` of the latest plan; with `debug` they are also logged. With `refine`,
+    estimated time of the slowest rank among proposals that fit in memory (with a calibrated
+    topology, plus each sharding group's fixed per-step cost: `StepTimePerfModel`).
+    `last_stats` holds the `PlannerStats` of the latest plan; with `debug` they are also logged. With `refine`,
     the best placement is polished by moving/swapping shards off the slowest rank
     (`refine_placement`). `timeout_seconds` bounds the search. An explicit `enumerator`
     brings its own topology, batch size and constraints.
@@ -94,7 +96,9 @@ class EmbeddingShardingPlanner:
         else:
             self.proposers = list(proposer) if isinstance(proposer, (list, tuple)) else [proposer]
         self.partitioner = partitioner or GreedyPerfPartitioner()
-        self.performance_model = performance_model or NoopPerfModel()
+        calibrated = topology is not None and topology.profile is not None
+        self.performance_model = performance_model or (
+            StepTimePerfModel(topology) if calibrated else NoopPerfModel())
         self.stats = stats or EmbeddingStats()
         self.constraints = constraints
         self.debug = debug

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from recshard.modules.embedding_configs import DataType
 from recshard.plan import sharding_types
 from recshard.plan.sharding_types import sharding_type_values
+from recshard.planner.profile import CalibrationProfile
 from recshard.types import BoundsCheckMode
 
 GIB = 1024**3
@@ -45,6 +46,8 @@ class Topology:
     hosts (100 Gb/s NIC). Capacities are bytes; bandwidths GB/s. `local_world_size` (ranks per
     host, default: all ranks on one host) must divide `world_size`; ranks are host-major.
     `uvm_efficiency` scales host<->device bandwidth for random row reads from UVM memory.
+    `profile` (from `recshard-plan calibrate`): measured kernel costs, and link bandwidths
+    used for `intra_host_bw` / `inter_host_bw` where those are not given.
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class Topology:
         intra_host_bw: Optional[float] = None,
         inter_host_bw: Optional[float] = None,
         uvm_efficiency: float = 0.1,
+        profile: Optional[CalibrationProfile] = None,
     ) -> None:
         if compute_device not in _DEFAULTS:
             raise ValueError(f"compute_device must be 'cpu' or 'cuda', got {compute_device!r}")
@@ -71,6 +75,10 @@ class Topology:
                 f"local_world_size {local_world_size} must divide world_size {world_size}"
             )
         d_hbm, d_ddr, d_hbm_bw, d_ddr_bw, d_h2d, d_intra, d_inter = _DEFAULTS[compute_device]
+        if profile is not None:
+            d_intra = profile.gbps("intra") or d_intra
+            d_inter = profile.gbps("inter") or d_inter
+        self.profile = profile
         self.world_size = world_size
         self.local_world_size = local_world_size
         self.compute_device = compute_device

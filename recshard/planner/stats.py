@@ -1,4 +1,5 @@
-"""Planner statistics as data (`PlannerStats`) and as the text tables the planner logs."""
+"""Planner statistics as data (`PlannerStats`) and as the text tables the planner logs; for
+any plan (not only the planner's), `plan_stats` (from `recshard.planner.plan_stats`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from typing import Dict, List, Sequence
 
 from recshard.planner.estimators import Capacity
 from recshard.planner.partitioners import PartitionResult
+from recshard.planner.plan_stats import PlanStats, RankLoad, plan_stats
 from recshard.planner.planner_types import GIB, Topology
 
 logger = logging.getLogger(__name__)
+__all__ = ["EmbeddingStats", "PlanStats", "PlannerStats", "RankLoad", "RankStats", "TableStats",
+           "build_stats", "compress_ranks", "format_stats", "plan_stats"]
 
 _ABBREV = {"data_parallel": "DP", "table_wise": "TW", "row_wise": "RW", "column_wise": "CW",
            "table_row_wise": "TWRW", "table_column_wise": "TWCW"}

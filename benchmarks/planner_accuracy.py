@@ -1,0 +1,281 @@
+"""Planner accuracy: the planner's predicted step time and memory vs measured, per plan.
+
+    python -m benchmarks.planner_accuracy               # full run, 2 gloo ranks (~10 min)
+    python -m benchmarks.planner_accuracy --quick       # tiny sizes (smoke test)
+    ../shared/tools/slowlink 1gbit .venv/bin/python -m benchmarks.planner_accuracy \\
+        --local-world-size 1 --link-check fast_profile.json   # item 4: does the link matter?
+
+First a calibration profile is measured on the same ranks (`recshard.planner.calibrate`:
+kernels, and links among the ranks), or read with `--profile`. Workloads: the 26 Criteo-like
+tables of `benchmarks.ebc` (Kaggle sizes capped at `--row-cap` rows), one feature each with a
+fixed pooling factor 1-20 (seed 0), at dims 16, 64 and 128, uniform or Zipf(1.05) ids, per-rank
+batch 512 and 2048. Plans: each sharding type forced on every table (fused kernel;
+data-parallel: dense), placed by the planner, and the planner's own plan (`"plan":
+"planner"`); with `--link-check P`, also the planner's plan under profile P's costs.
+Each plan runs in fresh rank processes: `--warmup` steps, then `--steps` timed steps of
+forward + backward + update (exact SGD); `measured_ms` is the median over steps of the slowest
+rank's step. `predicted_ms` is `plan_stats(...).predicted_step_ms`; memory: the estimate's
+largest rank vs the largest per-rank growth of peak RSS from before building the module.
+Every line on stdout is one JSON object; the last one checks the targets of issue #22.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.ebc import (
+    CRITEO_KAGGLE_ROWS,
+    LEARNING_RATE,
+    Trainee,
+    emit,
+    pooling_factors,
+    rss_mb,
+    run_ranks,
+    train_step,
+)
+from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard.distributed import EmbeddingBagCollectionSharder
+from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, TableMeta, Topology
+from recshard.planner.calibrate import CalibrationGrid, calibrate
+from recshard.planner.plan_stats import plan_stats
+from recshard.planner.profile import CalibrationProfile
+from recshard.types import ShardingEnv, ShardingPlan
+
+FORCED = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
+ZIPF_S = 1.05
+MIN_PARTITION = 8  # column-wise shards as narrow as 8 (dim 16 splits in two)
+TARGETS = {"median_rel_error": 0.20, "worst_rel_error": 0.35, "planner_vs_fastest": 1.05,
+           "memory_rel_error": 0.15}
+
+
+@dataclass(frozen=True)
+class Workload:
+    dim: int
+    ids: str  # "uniform" | "zipf"
+    batch: int  # per rank
+
+    @property
+    def name(self) -> str:
+        return f"d{self.dim}_{self.ids}_b{self.batch}"
+
+
+def configs(w: Workload, row_cap: int) -> List[EmbeddingBagConfig]:
+    return [EmbeddingBagConfig(num_embeddings=min(rows, row_cap), embedding_dim=w.dim,
+                               name=f"t{i}", feature_names=[f"cat_{i}"])
+            for i, rows in enumerate(CRITEO_KAGGLE_ROWS)]
+
+
+def metas(w: Workload, row_cap: int, max_pooling: int) -> List[TableMeta]:
+    pooling = pooling_factors(len(CRITEO_KAGGLE_ROWS), max_pooling)
+    return [TableMeta(c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names),
+                      pooling_factors=[float(p)], optimizer="exact_sgd")
+            for c, p in zip(configs(w, row_cap), pooling)]
+
+
+def _ids(rows: int, count: int, kind: str, g: torch.Generator, table: int) -> torch.Tensor:
+    if kind == "uniform":
+        return torch.randint(0, rows, (count,), generator=g)
+    weights = torch.arange(1, rows + 1, dtype=torch.float64).pow(-ZIPF_S)
+    ranks = torch.multinomial(weights, count, replacement=True, generator=g)
+    hot = torch.randperm(rows, generator=torch.Generator().manual_seed(table))
+    return hot[ranks]  # the hot rows scattered over the table
+
+
+def make_batches(w: Workload, row_cap: int, max_pooling: int, seed: int,
+                 count: int) -> List[KeyedJaggedTensor]:
+    tables = configs(w, row_cap)
+    pooling = pooling_factors(len(tables), max_pooling)
+    g = torch.Generator().manual_seed(seed)
+    keys = [t.feature_names[0] for t in tables]
+    lengths = torch.tensor(pooling, dtype=torch.int32).repeat_interleave(w.batch)
+    return [KeyedJaggedTensor.from_lengths_sync(keys, torch.cat([
+        _ids(t.num_embeddings, p * w.batch, w.ids, g, i)
+        for i, (t, p) in enumerate(zip(tables, pooling))]), lengths, stride=w.batch)
+        for _ in range(count)]
+
+
+# ----------------------------------------------------------------------------- on the ranks
+
+
+def rank_calibrate(args: argparse.Namespace) -> Dict[str, Any]:
+    grid = CalibrationGrid.quick() if args.quick else CalibrationGrid()
+    return calibrate(args.calibration_budget, grid,
+                     local_world_size=args.local_world_size).to_dict()
+
+
+def rank_measure(plan: ShardingPlan, w: Workload, args: argparse.Namespace) -> Dict[str, Any]:
+    """Build the plan's sharded EBC, warm up, time `steps` steps; RSS before and peak."""
+    rank = dist.get_rank()
+    batches = make_batches(w, args.row_cap, args.max_pooling, 1 + rank, args.batches)
+    rss_before = rss_mb()
+    ebc = EmbeddingBagCollection(configs(w, args.row_cap), device="meta")
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE})
+    module = sharder.shard(ebc, plan.plan[""], ShardingEnv.from_process_group(dist.group.WORLD))
+    dense = [p for p in module.parameters()
+             if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)]
+    trainee = Trainee(module, torch.optim.SGD(dense, lr=LEARNING_RATE) if dense else None)
+    for i in range(args.warmup):
+        train_step(trainee, batches[i % len(batches)])
+    dist.barrier()
+    times = []
+    for i in range(args.steps):
+        start = time.perf_counter()
+        train_step(trainee, batches[i % len(batches)])
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"times": times, "rss_growth_mb": max(peak, rss_mb()) - rss_before}
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def plans_for(w: Workload, profile: CalibrationProfile, args: argparse.Namespace,
+              link_check: Optional[CalibrationProfile]) -> List[Tuple[str, ShardingPlan]]:
+    tables = metas(w, args.row_cap, args.max_pooling)
+    topology = _topology(profile, args)
+    out = []
+    for st in FORCED:
+        kernel = ["dense"] if st == "data_parallel" else ["fused"]
+        forced = {t.name: ParameterConstraints(sharding_types=[st], compute_kernels=kernel,
+                                               min_partition=MIN_PARTITION) for t in tables}
+        out.append((st, EmbeddingShardingPlanner(topology, w.batch, constraints=forced,
+                                                 debug=False).plan_tables(tables)))
+    own = {t.name: ParameterConstraints(min_partition=MIN_PARTITION) for t in tables}
+    out.append(("planner", EmbeddingShardingPlanner(topology, w.batch, constraints=own,
+                                                    debug=False).plan_tables(tables)))
+    if link_check is not None:
+        other = EmbeddingShardingPlanner(_topology(link_check, args), w.batch, constraints=own,
+                                         debug=False)
+        out.append(("planner@" + args.link_check, other.plan_tables(tables)))
+    return out
+
+
+def _topology(profile: CalibrationProfile, args: argparse.Namespace) -> Topology:
+    return Topology(args.world_size, local_world_size=args.local_world_size, profile=profile)
+
+
+def _types(plan: ShardingPlan) -> Dict[str, int]:
+    counts: Dict[str, int] = {}
+    for ps in plan.plan[""].values():
+        counts[ps.sharding_type] = counts.get(ps.sharding_type, 0) + 1
+    return counts
+
+
+def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namespace,
+                 link_check: Optional[CalibrationProfile]) -> List[Dict[str, Any]]:
+    tables = metas(w, args.row_cap, args.max_pooling)
+    topology = _topology(profile, args)
+    records = []
+    for label, plan in plans_for(w, profile, args, link_check):
+        stats = plan_stats(plan, tables, topology, w.batch)
+        per_rank = run_ranks(args.world_size, args, rank_measure, plan, w, args)
+        slowest = [max(step) for step in zip(*(r["times"] for r in per_rank))]
+        measured = 1e3 * statistics.median(slowest)
+        mem_est = stats.max("memory") / 2**20
+        mem_meas = max(r["rss_growth_mb"] for r in per_rank)
+        record = dict(bench="planner_accuracy", workload=w.name, plan=label,
+                      sharding_types=_types(plan), predicted_ms=round(stats.predicted_step_ms, 3),
+                      measured_ms=round(measured, 3),
+                      rel_error=round(abs(stats.predicted_step_ms - measured) / measured, 4),
+                      memory_estimate_mb=round(mem_est, 1), memory_measured_mb=round(mem_meas, 1),
+                      memory_rel_error=round(abs(mem_est - mem_meas) / max(mem_meas, 1e-9), 4))
+        emit(record)
+        records.append(record)
+    forced = [r for r in records if r["plan"] in FORCED]
+    fastest = min(forced, key=lambda r: r["measured_ms"])
+    own = next(r for r in records if r["plan"] == "planner")
+    summary = dict(bench="planner_accuracy_workload", workload=w.name,
+                   fastest_forced=fastest["plan"], fastest_forced_ms=fastest["measured_ms"],
+                   planner_ms=own["measured_ms"],
+                   planner_vs_fastest=round(own["measured_ms"] / fastest["measured_ms"], 3))
+    other = next((r for r in records if r["plan"].startswith("planner@")), None)
+    if other is not None:
+        summary["link_check_vs_planner"] = round(other["measured_ms"] / own["measured_ms"], 3)
+    emit(summary)
+    return records
+
+
+def summarize(records: List[Dict[str, Any]], workloads: List[Workload]) -> Dict[str, Any]:
+    errors = [r["rel_error"] for r in records]
+    mem = [r["memory_rel_error"] for r in records]
+    ratios = []
+    for w in workloads:
+        mine = [r for r in records if r["workload"] == w.name]
+        fastest = min(r["measured_ms"] for r in mine if r["plan"] in FORCED)
+        ratios.append(next(r["measured_ms"] for r in mine if r["plan"] == "planner") / fastest)
+    result = dict(median_rel_error=statistics.median(errors), worst_rel_error=max(errors),
+                  planner_vs_fastest=max(ratios), memory_rel_error=max(mem))
+    met = {k: result[k] <= TARGETS[k] for k in TARGETS}
+    return dict(bench="planner_accuracy_summary", runs=len(records),
+                **{k: round(v, 4) for k, v in result.items()}, targets=TARGETS, met=met)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dims", default=None, help="16,64,128 (quick: 16)")
+    parser.add_argument("--ids", default="uniform,zipf")
+    parser.add_argument("--batches-per-rank", default=None, help="512,2048 (quick: 64)")
+    parser.add_argument("--row-cap", type=int, default=50_000)
+    parser.add_argument("--max-pooling", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per plan")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batches", type=int, default=2, help="distinct batches cycled")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--local-world-size", type=int, default=None,
+                        help="ranks per (simulated) host; default all on one host")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--pin", action="store_true", help="pin rank r to the r-th CPU")
+    parser.add_argument("--calibration-budget", type=float, default=35.0)
+    parser.add_argument("--profile", default=None, help="use this profile, do not calibrate")
+    parser.add_argument("--save-profile", default=None, help="write the calibration here")
+    parser.add_argument("--link-check", default=None, metavar="PROFILE",
+                        help="also run the planner's plan under this profile's costs")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    args = parser.parse_args(argv)
+    args.local_world_size = args.local_world_size or args.world_size
+    args.dims = args.dims or ("16" if args.quick else "16,64,128")
+    args.batches_per_rank = args.batches_per_rank or ("64" if args.quick else "512,2048")
+    if args.quick:
+        args.row_cap, args.max_pooling, args.steps, args.warmup = 1000, 4, 2, 1
+        args.calibration_budget = min(args.calibration_budget, 3.0)
+    return args
+
+
+def cli(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    if args.profile:
+        profile = CalibrationProfile.load(args.profile)
+    else:
+        profile = CalibrationProfile.from_dict(
+            run_ranks(args.world_size, args, rank_calibrate, args)[0])
+    if args.save_profile:
+        profile.save(args.save_profile)
+    link_check = CalibrationProfile.load(args.link_check) if args.link_check else None
+    emit(dict(bench="planner_accuracy_setup", world_size=args.world_size,
+              local_world_size=args.local_world_size, threads=args.threads,
+              row_cap=args.row_cap, steps=args.steps, calibration_s=round(profile.seconds, 1),
+              links={f"{c.collective}/{c.level}": [round(c.gbps, 3), round(c.latency_ms, 4)]
+                     for c in profile.links}))
+    workloads = [Workload(int(d), ids, int(b)) for d in args.dims.split(",")
+                 for ids in args.ids.split(",") for b in args.batches_per_rank.split(",")]
+    records: List[Dict[str, Any]] = []
+    for w in workloads:
+        records += run_workload(w, profile, args, link_check)
+    summary = summarize(records, workloads)
+    summary["seconds"] = round(time.perf_counter() - start, 1)
+    emit(summary)
+
+
+if __name__ == "__main__":
+    cli()

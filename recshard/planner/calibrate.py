@@ -1,0 +1,313 @@
+"""Measure this machine's costs into a `CalibrationProfile` (`recshard-plan calibrate`).
+
+Kernels: recshard's fused and dense lookup kernels (`GroupedLookup`, exact SGD), forward and
+backward + update, over a grid of embedding dims, pooling factors, batch sizes and (dense)
+table sizes, each point the median of a few timed calls; one least-squares fit per kernel,
+phase and dim (see `recshard.planner.profile`). Links, when a process group is up (torchrun):
+all-to-all, reduce-scatter and all-gather over a few buffer sizes among the ranks of a host
+and, with several hosts, among the ranks of equal local rank across hosts; fit `latency +
+bytes / bandwidth`. Memory (Linux): the fused kernel's peak resident growth while building
+tables and during steps (peak reset through `/proc/self/clear_refs`). Every rank measures its kernels at the same time (as in training); the
+profile carries rank 0's fits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from recshard.comm.ops import all_gather_base_pooled, reduce_scatter_base_pooled
+from recshard.comm.pg import get_local_size, intra_and_cross_node_pg
+from recshard.lookup import GroupedLookup, LocalTable
+from recshard.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, MemoryCost
+from recshard.sparse import KeyedJaggedTensor
+from recshard.types import EmbeddingComputeKernel
+
+logger = logging.getLogger(__name__)
+
+_LR = 0.01
+
+
+@dataclass(frozen=True)
+class CalibrationGrid:
+    """What to measure. The default takes about 45 s on one quiet CPU core (kernels within
+    `budget_s`, then two memory probes and the links); `quick()` a few s."""
+
+    dims: Tuple[int, ...] = (16, 64, 128)
+    poolings: Tuple[int, ...] = (1, 4, 32)
+    batches: Tuple[int, ...] = (256, 2048)
+    rows: Tuple[int, ...] = (25_000, 100_000)
+    tables: int = 4  # working sets of 100-400 MB, as a rank's tables
+    link_bytes: Tuple[int, ...] = (1 << 14, 1 << 18, 1 << 21, 1 << 23)
+    link_repeats: int = 7
+
+    @classmethod
+    def quick(cls) -> CalibrationGrid:
+        return cls(dims=(16, 32), poolings=(1, 4), batches=(32, 128), rows=(500, 2000),
+                   link_bytes=(1 << 10, 1 << 14, 1 << 16), link_repeats=3)
+
+
+def calibrate(
+    budget_s: float = 35.0,
+    grid: Optional[CalibrationGrid] = None,
+    pg: Optional[dist.ProcessGroup] = None,
+    local_world_size: Optional[int] = None,
+) -> CalibrationProfile:
+    """Measure kernels (within about `budget_s`) and, if a process group is initialized
+    (`pg` or the default one), its links; every rank of `pg` must call this."""
+    grid = grid or CalibrationGrid()
+    start = time.perf_counter()
+    group = pg if pg is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    world = dist.get_world_size(group) if group is not None else 1
+    local = local_world_size or (get_local_size(world) if group is not None else 1)
+    profile = CalibrationProfile("cpu", torch.get_num_threads(), world, local,
+                                 host=socket.gethostname())
+    points = len(grid.dims) * len(grid.poolings) * len(grid.batches) * (1 + len(grid.rows))
+    per_point_s = 0.8 * budget_s / max(points, 1)
+    for dim in grid.dims:
+        profile.kernels += measure_kernels(dim, grid, per_point_s)
+    profile.memory = measure_memory(grid)
+    if group is not None and world > 1:
+        dist.barrier(group)
+        profile.links = measure_links(group, local, grid)
+    profile.seconds = time.perf_counter() - start
+    logger.info("calibrated in %.1f s: %d kernel fits, %d link fits", profile.seconds,
+                len(profile.kernels), len(profile.links))
+    return profile
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _lookup(kernel: EmbeddingComputeKernel, tables: int, rows: int, dim: int) -> GroupedLookup:
+    local = [LocalTable(EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim, name=f"t{t}",
+                                           feature_names=[f"f{t}"]),
+                        rows, dim, 0, 0, kernel, PoolingType.SUM,
+                        {"optimizer": "exact_sgd", "learning_rate": _LR})
+             for t in range(tables)]
+    return GroupedLookup(local, pooled=True, device=torch.device("cpu"))
+
+
+def _batch(tables: int, rows: int, batch: int, pooling: int, seed: int) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(seed)
+    return KeyedJaggedTensor(
+        keys=[f"f{t}" for t in range(tables)],
+        values=torch.randint(0, rows, (tables * batch * pooling,), generator=g),
+        lengths=torch.full((tables * batch,), pooling, dtype=torch.int64),
+    )
+
+
+def _median_ms(fn: Callable[[], None], budget_s: float, min_calls: int = 3) -> float:
+    fn()  # warm-up
+    times: List[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < min_calls or (time.perf_counter() < deadline and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def _time_point(lookup: GroupedLookup, sgd: Optional[torch.optim.Optimizer],
+                kjt: KeyedJaggedTensor, budget_s: float) -> Tuple[float, float]:
+    """Median ms of a forward, and of a forward + backward + update."""
+
+    def forward() -> None:
+        lookup(kjt)
+
+    def step() -> None:
+        lookup(kjt).sum().backward()
+        if sgd is not None:
+            sgd.step()
+            sgd.zero_grad(set_to_none=True)
+
+    return _median_ms(forward, budget_s / 2), _median_ms(step, budget_s / 2)
+
+
+Sample = Tuple[float, float, float, float]  # ids, bags, elements, ms
+
+
+def measure_kernels(dim: int, grid: CalibrationGrid, per_point_s: float) -> List[KernelCost]:
+    """Fits for the fused and dense kernels at `dim`, forward and backward + update."""
+    samples: Dict[Tuple[str, str], List[Sample]] = {}
+    cases = [("fused", EmbeddingComputeKernel.FUSED, grid.rows[-1:])]
+    cases.append(("dense", EmbeddingComputeKernel.DENSE, grid.rows))
+    for name, kernel, row_counts in cases:
+        for rows in row_counts:
+            lookup = _lookup(kernel, grid.tables, rows, dim)
+            params = [p for p in lookup.parameters() if p.requires_grad]
+            sgd = torch.optim.SGD(params, lr=_LR) if params else None
+            for batch in grid.batches:
+                for pooling in grid.poolings:
+                    kjt = _batch(grid.tables, rows, batch, pooling, seed=dim + pooling)
+                    fwd, total = _time_point(lookup, sgd, kjt, per_point_s)
+                    work = (float(grid.tables * batch * pooling), float(grid.tables * batch),
+                            float(grid.tables * rows * dim) if name == "dense" else 0.0)
+                    samples.setdefault((name, "fwd"), []).append((*work, fwd))
+                    samples.setdefault((name, "bwd"), []).append((*work, max(total - fwd, 0.0)))
+    out = []
+    for (name, phase), points in samples.items():
+        per_id, per_bag, per_element, per_call = fit_costs(points, with_elements=name == "dense")
+        out.append(KernelCost(name, phase, dim, per_id, per_bag, per_element, per_call))
+    return out
+
+
+def fit_costs(points: Sequence[Sample], with_elements: bool,
+              intercept: bool = True) -> Tuple[float, float, float, float]:
+    """Non-negative least squares of `ms ~ ids a + bags b + elements c + d`, weighted by
+    `sqrt(ms)`: per-id costs grow with the working set (caches), and the large calls are what
+    a training step is made of; a negative coefficient is dropped and the rest refitted."""
+    columns = [0, 1] + ([2] if with_elements else []) + ([3] if intercept else [])
+    while True:
+        x = torch.tensor([[p[c] if c < 3 else 1.0 for c in columns] for p in points],
+                         dtype=torch.float64)
+        y = torch.tensor([p[3] for p in points], dtype=torch.float64)
+        weight = 1.0 / y.clamp_min(1e-3).sqrt()
+        coef = torch.linalg.lstsq(x * weight[:, None], (y * weight)[:, None]).solution[:, 0]
+        negative = [c for c, v in zip(columns, coef.tolist()) if v < 0]
+        if not negative or len(columns) == 1:
+            break
+        columns = [c for c in columns if c != negative[0]]
+    values = [0.0] * 4
+    for c, v in zip(columns, coef.tolist()):
+        values[c] = max(v, 0.0)
+    return values[0], values[1], values[2], values[3]
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _rss_bytes() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak() -> float:
+    """Reset the peak resident size to now (Linux >= 4.0); the current resident bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _rss_bytes()
+
+
+def _peak_bytes() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return 1024.0 * int(line.split()[1])
+    raise OSError("no VmHWM in /proc/self/status")
+
+
+def memory_probe(tables: int, rows: int, dim: int, batch: int, pooling: int) -> str:
+    """In a fresh process: (peak growth building the tables, peak growth of the first
+    step) in bytes, as JSON. Fresh, because an allocator that already holds freed memory
+    hides a step's allocations from the resident size."""
+    kjt = _batch(tables, rows, batch, pooling, seed=pooling)
+    before = _reset_peak()
+    lookup = _lookup(EmbeddingComputeKernel.FUSED, tables, rows, dim)
+    build = _peak_bytes() - before
+    start = _reset_peak()
+    lookup(kjt).sum().backward()
+    return json.dumps([build, _peak_bytes() - start])
+
+
+def measure_memory(grid: CalibrationGrid) -> Optional[MemoryCost]:
+    """Peak resident growth of the fused kernel at the largest table size, building and in a
+    first step, at the largest batch and two pooling factors (one fresh process each); None
+    where that cannot be measured (not Linux, /proc not writable)."""
+    tables, rows, dim, batch = grid.tables, grid.rows[-1], grid.dims[-1], grid.batches[-1]
+    points: List[Sample] = []
+    builds = []
+    for pooling in sorted({grid.poolings[0], grid.poolings[-1]}):
+        code = ("from recshard.planner.calibrate import memory_probe; "
+                f"print(memory_probe({tables}, {rows}, {dim}, {batch}, {pooling}))")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if proc.returncode != 0:
+            logger.warning("memory not calibrated: %s", proc.stderr.strip()[-500:])
+            return None
+        build, step = json.loads(proc.stdout.strip().splitlines()[-1])
+        builds.append(build)
+        points.append((float(tables * batch * pooling), 4.0 * tables * batch * dim, 0.0,
+                       max(step, 0.0)))
+    per_id, per_out, _, _ = fit_costs(points, with_elements=False, intercept=False)
+    weights = 4.0 * tables * rows * dim
+    return MemoryCost(max(statistics.median(builds) / weights, 1.0), per_id, per_out)
+
+
+# ----------------------------------------------------------------------------- links
+
+
+def _collectives(group: dist.ProcessGroup) -> Dict[str, Callable[[torch.Tensor], None]]:
+    world = dist.get_world_size(group)
+
+    def all_to_all(buf: torch.Tensor) -> None:
+        out = torch.empty_like(buf)
+        dist.all_to_all_single(out, buf, group=group)
+
+    return {
+        "all_to_all": all_to_all,
+        "reduce_scatter": lambda buf: reduce_scatter_base_pooled(
+            buf.view(world, -1), group).wait(),
+        "all_gather": lambda buf: all_gather_base_pooled(
+            buf[: buf.numel() // world].view(1, -1), group).wait(),
+    }
+
+
+def measure_links(group: dist.ProcessGroup, local_world_size: int,
+                  grid: CalibrationGrid) -> List[LinkCost]:
+    """Latency and bandwidth of each collective inside a host and, with several hosts,
+    across hosts. Every rank runs the same calls in the same order."""
+    world = dist.get_world_size(group)
+    levels: List[Tuple[str, dist.ProcessGroup]] = []
+    if local_world_size >= world:
+        levels.append(("intra", group))
+    else:
+        intra, cross = intra_and_cross_node_pg(group, local_world_size)
+        if local_world_size > 1:
+            levels.append(("intra", intra))
+        levels.append(("inter", cross))
+    out: List[LinkCost] = []
+    for level, sub in levels:
+        n = dist.get_world_size(sub)
+        for name, op in _collectives(sub).items():
+            points: List[Tuple[float, float]] = []
+            for size in grid.link_bytes:
+                elems = max(n, size // 4 // n * n)
+                buf = torch.ones(elems, dtype=torch.float32)
+                op(buf)  # warm-up
+                times = []
+                for _ in range(grid.link_repeats):
+                    dist.barrier(sub)
+                    t0 = time.perf_counter()
+                    op(buf)
+                    times.append(1e3 * (time.perf_counter() - t0))
+                sent = 4.0 * elems * (n - 1) / n
+                points.append((sent, statistics.median(times)))
+            latency, ms_per_byte = fit_link(points)
+            out.append(LinkCost(name, level, n, 1e-6 / ms_per_byte, latency))
+    return out
+
+
+def fit_link(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
+    """(latency ms, ms per byte) of `ms ~ latency + bytes / bw` (relative least squares);
+    both kept positive."""
+    x = torch.tensor([[1.0, b] for b, _ in points], dtype=torch.float64)
+    y = torch.tensor([ms for _, ms in points], dtype=torch.float64)
+    weight = 1.0 / y.clamp_min(1e-4)
+    latency, per_byte = torch.linalg.lstsq(x * weight[:, None],
+                                           (y * weight)[:, None]).solution[:, 0].tolist()
+    if per_byte <= 0:  # flat timings: all latency; take the largest point's rate
+        per_byte = max(ms / b for b, ms in points)
+    return max(latency, 0.0), per_byte

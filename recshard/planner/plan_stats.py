@@ -1,0 +1,251 @@
+"""A neutral yardstick for any sharding plan (the planner's own, a JSON one, a hand-written
+one): per rank, the bytes it stores, the rows it looks up and bytes it reads per step, the
+bytes it sends and receives per step, and the estimated step time; max and mean of each.
+
+Traffic per step counts the input dist (ids, 8 bytes each plus 4 per weight), the output dist
+forward and its gradient backward (`cols x 4` bytes per bag, fp32), and data-parallel's
+gradient all-reduce (ring: `2 (W-1)/W` of the fp32 gradient each way). Row-wise output is a
+reduce-scatter / all-gather over all ranks (ring: `(W-1)/W` of the `W B cols` buffer each
+way); table-row-wise reduces inside the host and exchanges across hosts among ranks of equal
+local rank. Every rank is assumed to feed the same batch (`batch_size` samples).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from recshard.planner.estimators import (
+    EmbeddingPerfEstimator,
+    EmbeddingStorageEstimator,
+    optimizer_state_bytes,
+    shard_traffic,
+    table_workload,
+)
+from recshard.planner.planner_types import TableMeta, Topology
+from recshard.planner.step_model import StepTimePerfModel
+from recshard.types import ParameterSharding, ShardingPlan
+
+_ID_BYTES = 8.0
+_WEIGHT_BYTES = 4.0
+_GRAD_BYTES = 4.0
+
+
+@dataclass
+class RankLoad:
+    """What one rank carries per step under a plan (bytes, ids, estimated ms)."""
+
+    rank: int
+    bytes_stored: float = 0.0  # weights and optimizer state
+    memory: float = 0.0  # the storage estimate: + gradients, buffers in flight
+    lookups: float = 0.0
+    bytes_read: float = 0.0
+    bytes_sent: float = 0.0
+    bytes_received: float = 0.0
+    compute_ms: float = 0.0
+    comms_ms: float = 0.0
+
+    @property
+    def total_ms(self) -> float:
+        return self.compute_ms + self.comms_ms
+
+
+LOAD_FIELDS = [f.name for f in fields(RankLoad) if f.name != "rank"] + ["total_ms"]
+
+
+@dataclass
+class PlanStats:
+    """Per-rank loads of one plan, the per-step fixed cost of its sharding groups, and the
+    predicted step time (slowest rank + fixed cost)."""
+
+    world_size: int
+    batch_size: int
+    fixed_ms: float
+    ranks: List[RankLoad] = field(default_factory=list)
+
+    def max(self, name: str) -> float:
+        return max(getattr(r, name) for r in self.ranks)
+
+    def mean(self, name: str) -> float:
+        return sum(getattr(r, name) for r in self.ranks) / len(self.ranks)
+
+    @property
+    def predicted_step_ms(self) -> float:
+        return self.max("total_ms") + self.fixed_ms
+
+    def format(self) -> str:
+        """Per-rank table with a max and a mean row (MiB, millions of ids, ms)."""
+        header = ["rank", "stored MiB", "memory MiB", "lookups M", "read MiB", "sent MiB",
+                  "recv MiB", "compute ms", "comms ms", "total ms"]
+        units = [2**20, 2**20, 1e6, 2**20, 2**20, 2**20, 1.0, 1.0, 1.0]
+
+        def row(label: str, values: Sequence[float]) -> List[str]:
+            return [label] + [f"{v / u:.3f}" for v, u in zip(values, units)]
+
+        rows = [row(str(r.rank), [getattr(r, n) for n in LOAD_FIELDS]) for r in self.ranks]
+        rows.append(row("max", [self.max(n) for n in LOAD_FIELDS]))
+        rows.append(row("mean", [self.mean(n) for n in LOAD_FIELDS]))
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        lines.append(f"per-step fixed cost (collective latency, kernel calls): "
+                     f"{self.fixed_ms:.3f} ms; predicted step time: "
+                     f"{self.predicted_step_ms:.3f} ms")
+        return "\n".join(lines)
+
+
+def _find_table(tables: Dict[Tuple[str, str], TableMeta], by_name: Dict[str, List[TableMeta]],
+                fqn: str, name: str) -> TableMeta:
+    found = tables.get((fqn, name))
+    if found is not None:
+        return found
+    candidates = by_name.get(name, [])
+    if len(candidates) == 1:
+        return candidates[0]
+    where = f"'{fqn}.{name}'" if fqn else f"'{name}'"
+    raise ValueError(f"table {where} is in the plan but not among the tables given"
+                     if not candidates else
+                     f"table {where}: several tables of that name; give module paths")
+
+
+def _shards(ps: ParameterSharding, table: TableMeta, world: int) -> List[Tuple[int, int, int]]:
+    """(rank, rows, cols) of every shard; data-parallel: the whole table on every rank."""
+    if ps.sharding_type == "data_parallel":
+        return [(r, table.num_embeddings, table.embedding_dim) for r in range(world)]
+    if not ps.shards:
+        raise ValueError(f"table '{table.key}': {ps.sharding_type} entry has no shards")
+    out = []
+    for s in ps.shards:
+        if not 0 <= s.rank < world:
+            raise ValueError(f"table '{table.key}': shard on rank {s.rank}, outside the "
+                             f"{world} ranks")
+        out.append((s.rank, s.shard_sizes[0], s.shard_sizes[1]))
+    return out
+
+
+def plan_stats(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topology,
+               batch_size: int = 512) -> PlanStats:
+    """The per-rank loads of `plan` for `tables` on `topology` (every plan table must be
+    among `tables`, matched by module path and name, or by name when unambiguous)."""
+    world = topology.world_size
+    perf_est = EmbeddingPerfEstimator(topology, batch_size)
+    storage_est = EmbeddingStorageEstimator(topology, batch_size)
+    keyed = {(t.module_fqn, t.name): t for t in tables}
+    by_name: Dict[str, List[TableMeta]] = {}
+    for t in tables:
+        by_name.setdefault(t.name, []).append(t)
+    loads = [RankLoad(r) for r in range(world)]
+    traffic = _Traffic(world, topology.local_world_size)
+    groups = []
+    for fqn, module_plan in plan.plan.items():
+        for name, ps in module_plan.items():
+            table = _find_table(keyed, by_name, fqn, name)
+            groups.append((ps.sharding_type, ps.compute_kernel, table.embedding_dim))
+            s_w = table.data_type.element_size
+            shards = _shards(ps, table, world)
+            for rank, rows, cols in shards:
+                load = loads[rank]
+                perf = perf_est.estimate(table, ps.sharding_type, ps.compute_kernel, rows, cols,
+                                         ps.cache_params)
+                storage = storage_est.estimate(table, ps.sharding_type, ps.compute_kernel, rows,
+                                               cols, ps.cache_params)
+                ids_in, _ = shard_traffic(table, ps.sharding_type, rows, topology, batch_size)
+                load.bytes_stored += rows * cols * s_w + optimizer_state_bytes(
+                    table.optimizer, rows, cols)
+                load.memory += storage.hbm + storage.ddr
+                load.lookups += ids_in
+                load.bytes_read += ids_in * cols * s_w
+                load.compute_ms += perf.fwd_compute + perf.bwd_compute
+                load.comms_ms += perf.fwd_comms + perf.bwd_comms + perf.input_dist
+            traffic.add_table(table, ps, shards, batch_size)
+    for load, sent, received in zip(loads, traffic.sent(), traffic.received()):
+        load.bytes_sent, load.bytes_received = sent, received
+    fixed = StepTimePerfModel(topology).fixed_ms(groups)
+    return PlanStats(world, batch_size, fixed, loads)
+
+
+class _Traffic:
+    """Bytes each rank sends and receives per step; "to every rank" amounts are kept as one
+    scalar plus per-rank corrections so a table costs O(shards), not O(ranks^2)."""
+
+    def __init__(self, world: int, local_world_size: int) -> None:
+        self.world, self.lw = world, local_world_size
+        self._sent = [0.0] * world
+        self._recv = [0.0] * world
+        self._all_sent = 0.0
+        self._all_recv = 0.0
+
+    def sent(self) -> List[float]:
+        return [s + self._all_sent for s in self._sent]
+
+    def received(self) -> List[float]:
+        return [r + self._all_recv for r in self._recv]
+
+    def _one_to_all(self, owner: int, amount: float, ranks: Optional[range] = None) -> None:
+        """`owner` sends `amount` to every other rank (of `ranks`; default all)."""
+        if ranks is None:
+            self._all_recv += amount
+            self._recv[owner] -= amount
+            self._sent[owner] += amount * (self.world - 1)
+            return
+        for r in ranks:
+            if r != owner:
+                self._recv[r] += amount
+                self._sent[owner] += amount
+
+    def _all_to_one(self, owner: int, amount: float) -> None:
+        """Every other rank sends `amount` to `owner`."""
+        self._all_sent += amount
+        self._sent[owner] -= amount
+        self._recv[owner] += amount * (self.world - 1)
+
+    def add_table(self, table: TableMeta, ps: ParameterSharding,
+                  shards: List[Tuple[int, int, int]], batch_size: int) -> None:
+        world = self.world
+        ids, bags = table_workload(table, batch_size)
+        id_bytes = _ID_BYTES + (_WEIGHT_BYTES if table.is_weighted else 0.0)
+        st = ps.sharding_type
+        if st == "data_parallel":
+            if world > 1:
+                grad = _GRAD_BYTES * table.num_embeddings * table.embedding_dim
+                ring = 2.0 * (world - 1) / world * grad
+                self._all_sent += ring
+                self._all_recv += ring
+            return
+        rows_split = st in ("row_wise", "table_row_wise")
+        for rank, rows, cols in shards:
+            share = rows / table.num_embeddings if rows_split else 1.0
+            self._all_to_one(rank, ids * share * id_bytes)  # input dist
+            out = cols * _GRAD_BYTES
+            if not table.pooled:  # sequence: per-id rows back, per-id grads in
+                self._one_to_all(rank, ids * share * out)
+                self._all_to_one(rank, ids * share * out)
+            elif not rows_split:  # a2a of the pooled output, its gradient back
+                self._one_to_all(rank, bags * out)
+                self._all_to_one(rank, bags * out)
+        if rows_split and table.pooled:
+            self._pooled_rows(st, table, shards, bags)
+
+    def _pooled_rows(self, st: str, table: TableMeta, shards: List[Tuple[int, int, int]],
+                     bags: float) -> None:
+        """Row-wise: ring reduce-scatter (fwd) + all-gather (bwd) over all ranks.
+        Table-row-wise: the same inside the owners' host, then an a2a across hosts."""
+        world, lw = self.world, self.lw
+        cols = table.embedding_dim
+        buffer = world * bags * cols * _GRAD_BYTES
+        if st == "row_wise":
+            ring = 2.0 * (world - 1) / world * buffer
+            self._all_sent += ring
+            self._all_recv += ring
+            return
+        for rank, _, _ in shards:
+            ring = 2.0 * (lw - 1) / lw * buffer
+            self._sent[rank] += ring
+            self._recv[rank] += ring
+            local = rank % lw
+            peers = range(local, world, lw)  # equal local rank on every host
+            self._one_to_all(rank, bags * cols * _GRAD_BYTES, peers)  # fwd
+            for r in peers:  # bwd: the gradients come back
+                if r != rank:
+                    self._sent[r] += bags * cols * _GRAD_BYTES
+                    self._recv[rank] += bags * cols * _GRAD_BYTES

@@ -1,0 +1,164 @@
+"""A machine's measured costs (`CalibrationProfile`), as `recshard-plan calibrate` writes them.
+
+Kernel costs are least-squares fits of measured milliseconds against the work of one call:
+`ms = ms_per_id ids + ms_per_bag bags + ms_per_element table elements + ms_per_call`, one fit
+per (kernel, phase, embedding dim); other dims are interpolated linearly (beyond the measured
+range: scaled in proportion to the dim). Link costs are `ms = latency_ms + bytes / bandwidth`
+fits per collective and link level, where `bytes` is what leaves one rank (the all-to-all
+buffer's `(W-1)/W`, a ring reduce-scatter's / all-gather's `(W-1)/W` of its full buffer).
+Memory (`MemoryCost`, fused kernel): the peak resident memory building a table takes per byte
+of weights, and a training step's transient peak per id looked up and per output byte.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+PHASES = ("fwd", "bwd")  # bwd: backward + optimizer update
+COLLECTIVES = ("all_to_all", "reduce_scatter", "all_gather")
+LEVELS = ("intra", "inter")
+
+
+@dataclass
+class KernelCost:
+    """Fitted cost of one kernel phase at one embedding dim (ms per unit of work)."""
+
+    kernel: str
+    phase: str
+    dim: int
+    ms_per_id: float
+    ms_per_bag: float
+    ms_per_element: float = 0.0
+    ms_per_call: float = 0.0
+
+
+@dataclass
+class LinkCost:
+    """Fitted cost of one collective over one link level among `ranks` ranks."""
+
+    collective: str
+    level: str
+    ranks: int
+    gbps: float
+    latency_ms: float
+
+
+@dataclass
+class MemoryCost:
+    """Measured resident memory of the fused kernel (CPU): peak while building, per byte of
+    weights; a step's transient peak per id and per byte of pooled output."""
+
+    weight_factor: float
+    bytes_per_id: float
+    bytes_per_output_byte: float
+
+
+@dataclass
+class CalibrationProfile:
+    """What `calibrate` measured on one machine: kernel fits, link fits and how it ran."""
+
+    compute_device: str
+    torch_threads: int
+    world_size: int = 1
+    local_world_size: int = 1
+    kernels: List[KernelCost] = field(default_factory=list)
+    links: List[LinkCost] = field(default_factory=list)
+    memory: Optional[MemoryCost] = None
+    seconds: float = 0.0
+    host: str = ""
+
+    def kernel_cost(self, kernel: str, phase: str, dim: int) -> Optional[KernelCost]:
+        """The fit for `kernel` / `phase` at `dim`, interpolated between measured dims; None
+        when the kernel was not measured."""
+        fits = sorted((k for k in self.kernels if k.kernel == kernel and k.phase == phase),
+                      key=lambda k: k.dim)
+        if not fits:
+            return None
+        if dim <= fits[0].dim or len(fits) == 1:
+            base = fits[0] if dim <= fits[0].dim else fits[-1]
+            return _scaled(base, dim / base.dim if dim > base.dim else 1.0, dim)
+        if dim >= fits[-1].dim:
+            return _scaled(fits[-1], dim / fits[-1].dim, dim)
+        hi = next(i for i, k in enumerate(fits) if k.dim >= dim)
+        a, b = fits[hi - 1], fits[hi]
+        w = (dim - a.dim) / (b.dim - a.dim)
+        mix = [(1 - w) * x + w * y for x, y in zip(_terms(a), _terms(b))]
+        return KernelCost(kernel, phase, dim, *mix)
+
+    def kernel_ms(self, kernel: str, phase: str, dim: int, ids: float, bags: float,
+                  elements: float = 0.0) -> Optional[float]:
+        """Estimated ms of one call's variable work (no per-call term); None if unmeasured."""
+        cost = self.kernel_cost(kernel, phase, dim)
+        if cost is None:
+            return None
+        return ids * cost.ms_per_id + bags * cost.ms_per_bag + elements * cost.ms_per_element
+
+    def call_ms(self, kernel: str, dim: int) -> float:
+        """Fixed ms of one forward + backward call of `kernel` (0 when unmeasured)."""
+        total = 0.0
+        for phase in PHASES:
+            cost = self.kernel_cost(kernel, phase, dim)
+            total += cost.ms_per_call if cost is not None else 0.0
+        return total
+
+    def link(self, collective: str, level: str) -> Optional[LinkCost]:
+        return next((c for c in self.links if c.collective == collective and c.level == level),
+                    None)
+
+    def gbps(self, level: str) -> Optional[float]:
+        """Bandwidth of a link level: its all-to-all fit (what most of the traffic uses)."""
+        cost = self.link("all_to_all", level)
+        return cost.gbps if cost is not None else None
+
+    def latency_ms(self, collective: str, multi_host: bool) -> Optional[float]:
+        """Latency of one collective among the job's ranks (inter-host when it spans hosts)."""
+        cost = self.link(collective, "inter" if multi_host else "intra")
+        if cost is None and multi_host:
+            cost = self.link(collective, "intra")
+        return cost.latency_ms if cost is not None else None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> CalibrationProfile:
+        data = dict(data)
+        try:
+            kernels = [KernelCost(**k) for k in data.pop("kernels", [])]
+            links = [LinkCost(**c) for c in data.pop("links", [])]
+            memory = data.pop("memory", None)
+            return cls(kernels=kernels, links=links,
+                       memory=MemoryCost(**memory) if memory else None, **data)
+        except TypeError as e:
+            raise ValueError(f"not a calibration profile: {e}") from e
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str) -> CalibrationProfile:
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON ({e})") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object (a calibration profile)")
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
+
+
+def _terms(cost: KernelCost) -> List[float]:
+    return [cost.ms_per_id, cost.ms_per_bag, cost.ms_per_element, cost.ms_per_call]
+
+
+def _scaled(cost: KernelCost, factor: float, dim: int) -> KernelCost:
+    """`cost` with its per-id / per-bag / per-element terms scaled by `factor` (a wider row)."""
+    return KernelCost(cost.kernel, cost.phase, dim, cost.ms_per_id * factor,
+                      cost.ms_per_bag * factor, cost.ms_per_element, cost.ms_per_call)

@@ -1,0 +1,41 @@
+"""`python -m benchmarks.planner_accuracy --quick` runs end to end: a calibration, every
+forced sharding type and the planner's plan per workload, JSON lines with predicted and
+measured step time and memory, and the target check."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PLANS = {"table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel", "planner"}
+
+
+@pytest.mark.slow
+def test_planner_accuracy_quick(tmp_path) -> None:
+    profile = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.planner_accuracy", "--quick", "--ids", "uniform",
+         "--save-profile", str(profile)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    runs = [r for r in records if r["bench"] == "planner_accuracy"]
+    assert {r["plan"] for r in runs} == PLANS and {r["workload"] for r in runs} == {
+        "d16_uniform_b64"}
+    for r in runs:
+        assert r["predicted_ms"] > 0 and r["measured_ms"] > 0 and r["memory_estimate_mb"] > 0
+        assert r["rel_error"] == pytest.approx(
+            abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"], abs=1e-3)
+    forced = {r["plan"]: r for r in runs}
+    assert forced["data_parallel"]["sharding_types"] == {"data_parallel": 26}
+    summary = records[-1]
+    assert summary["bench"] == "planner_accuracy_summary" and summary["runs"] == len(PLANS)
+    assert set(summary["met"]) == {"median_rel_error", "worst_rel_error", "planner_vs_fastest",
+                                   "memory_rel_error"}
+    assert json.loads(profile.read_text())["world_size"] == 2

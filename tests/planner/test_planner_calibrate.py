@@ -1,0 +1,158 @@
+"""Calibration: real kernel and link measurements (short budget) into a profile the
+planner uses; profile file round trip; `recshard-plan calibrate` end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from recshard.planner import (
+    EmbeddingPerfEstimator,
+    EmbeddingStorageEstimator,
+    TableMeta,
+    Topology,
+)
+from recshard.planner.calibrate import (
+    CalibrationGrid,
+    calibrate,
+    fit_costs,
+    fit_link,
+    measure_memory,
+)
+from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, MemoryCost
+from tests.multiprocess import run_ranks
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_fits_recover_known_costs():
+    points = [(ids, bags, 0.0, 0.5 + 2e-4 * ids + 1e-3 * bags)
+              for ids in (100.0, 1000.0, 5000.0) for bags in (10.0, 200.0)]
+    per_id, per_bag, per_element, per_call = fit_costs(points, with_elements=False)
+    assert per_id == pytest.approx(2e-4, rel=1e-6) and per_bag == pytest.approx(1e-3, rel=1e-6)
+    assert per_call == pytest.approx(0.5, rel=1e-6) and per_element == 0.0
+    latency, ms_per_byte = fit_link([(b, 0.05 + b / 2e6) for b in (1e3, 1e5, 1e7)])
+    assert latency == pytest.approx(0.05, rel=1e-6) and 1 / ms_per_byte == pytest.approx(2e6)
+
+
+def test_calibrate_kernels_short_budget(tmp_path):
+    profile = calibrate(budget_s=2.0, grid=CalibrationGrid.quick())
+    assert profile.links == [] and profile.world_size == 1
+    fused_bwd = profile.kernel_cost("fused", "bwd", 16)
+    assert fused_bwd is not None and profile.kernel_cost("dense", "fwd", 32) is not None
+    # real work costs something: 10k ids forward + backward are not free
+    assert profile.kernel_ms("fused", "fwd", 32, 1e4, 1e3) + profile.kernel_ms(
+        "fused", "bwd", 32, 1e4, 1e3) > 0
+    path = str(tmp_path / "profile.json")
+    profile.save(path)
+    assert CalibrationProfile.load(path) == profile
+
+
+def _calibrate_links(rank, world_size):
+    profile = calibrate(budget_s=1.0, grid=CalibrationGrid.quick())
+    return profile.to_dict()
+
+
+def test_calibrate_links_on_two_ranks():
+    profiles = run_ranks(2, _calibrate_links, timeout=240)
+    profile = CalibrationProfile.from_dict(profiles[0])
+    assert profile.world_size == 2
+    kinds = {(c.collective, c.level) for c in profile.links}
+    assert kinds == {("all_to_all", "intra"), ("reduce_scatter", "intra"),
+                     ("all_gather", "intra")}
+    assert all(c.gbps > 0 and c.latency_ms >= 0 and c.ranks == 2 for c in profile.links)
+    topo = Topology(2, profile=profile)
+    assert topo.intra_host_bw == pytest.approx(profile.gbps("intra") * 1e6)
+
+
+def test_calibrate_links_across_two_hosts():
+    profiles = run_ranks(4, _calibrate_links, timeout=300, env={"LOCAL_WORLD_SIZE": "2"})
+    profile = CalibrationProfile.from_dict(profiles[0])
+    assert {c.level for c in profile.links} == {"intra", "inter"}
+    assert profile.local_world_size == 2
+
+
+def _profile(per_id: float, inter_gbps: float = 1.0) -> CalibrationProfile:
+    kernels = [KernelCost(k, phase, dim, per_id * dim / 64, 0.0, 1e-7 if k == "dense" else 0.0,
+                          0.1) for k in ("fused", "dense") for phase in ("fwd", "bwd")
+               for dim in (16, 64)]
+    links = [LinkCost(c, level, 2, 20.0 if level == "intra" else inter_gbps, 0.05)
+             for c in ("all_to_all", "reduce_scatter", "all_gather") for level in ("intra", "inter")]
+    return CalibrationProfile("cpu", 1, 4, 2, kernels, links)
+
+
+def test_profile_drives_estimates_and_flags_override():
+    table = TableMeta("t", 100_000, 64, pooling_factors=[10.0])
+    slow = EmbeddingPerfEstimator(Topology(2, profile=_profile(1e-4)), 512)
+    fast = EmbeddingPerfEstimator(Topology(2, profile=_profile(1e-5)), 512)
+    a = slow.estimate(table, "table_wise", "fused", 100_000, 64)
+    b = fast.estimate(table, "table_wise", "fused", 100_000, 64)
+    ids = 512 * 10 * 2  # both ranks' ids reach the one shard
+    assert a.fwd_compute == pytest.approx(ids * 1e-4) and b.fwd_compute == pytest.approx(ids * 1e-5)
+    # dim 32 interpolates between the measured 16 and 64
+    mid = slow.estimate(TableMeta("m", 100_000, 32, pooling_factors=[10.0]), "table_wise",
+                        "fused", 100_000, 32)
+    assert mid.fwd_compute == pytest.approx(ids * 1e-4 * 32 / 64)
+    topo = Topology(4, local_world_size=2, profile=_profile(1e-5, inter_gbps=0.5))
+    assert topo.inter_host_bw == pytest.approx(0.5e6) and topo.intra_host_bw == pytest.approx(20e6)
+    overridden = Topology(4, local_world_size=2, inter_host_bw=7.0, profile=_profile(1e-5))
+    assert overridden.inter_host_bw == pytest.approx(7e6)
+    assert Topology(4).inter_host_bw == pytest.approx(3e6)  # no profile: today's default
+
+
+def test_profile_file_errors_name_the_file(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"compute_device": "cpu", "torch_threads": 1, "bogus": 1}))
+    with pytest.raises(ValueError, match="p.json: not a calibration profile"):
+        CalibrationProfile.load(str(path))
+
+
+@pytest.mark.slow
+def test_cli_calibrate_under_torchrun(tmp_path):
+    out = tmp_path / "profile.json"
+    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "recshard.planner", "calibrate", "-o", str(out), "--quick", "--budget", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    profile = CalibrationProfile.load(str(out))
+    assert profile.world_size == 2 and profile.gbps("intra") > 0
+
+
+def test_cli_calibrate_then_plan_with_profile(tmp_path):
+    out = tmp_path / "profile.json"
+    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "recshard.planner", "calibrate", "-o", str(out),
+                           "--quick", "--budget", "2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["profile"] == str(out)
+    tables = tmp_path / "tables.json"
+    tables.write_text(json.dumps([{"name": "t", "num_embeddings": 1000, "embedding_dim": 16,
+                                   "pooling_factor": 4}]))
+    proc = subprocess.run([sys.executable, "-m", "recshard.planner", str(tables),
+                           "--world-size", "2", "--profile", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert "estimated step time" in proc.stdout
+
+
+def test_calibrated_memory_scales_the_storage_estimate():
+    measured = measure_memory(CalibrationGrid.quick())
+    assert measured is not None and measured.weight_factor >= 1.0  # a real fresh-process probe
+    assert measured.bytes_per_id >= 0 and measured.bytes_per_output_byte >= 0
+    table = TableMeta("t", 10_000, 64, pooling_factors=[10.0])
+    plain = EmbeddingStorageEstimator(Topology(2), 512).estimate(table, "table_wise", "fused",
+                                                                10_000, 64)
+    profile = CalibrationProfile("cpu", 1, memory=MemoryCost(1.5, 100.0, 2.0))
+    calibrated = EmbeddingStorageEstimator(Topology(2, profile=profile), 512).estimate(
+        table, "table_wise", "fused", 10_000, 64)
+    ids, bags = 2 * 512 * 10, 2 * 512
+    weights = 10_000 * 64 * 4
+    assert calibrated.ddr == pytest.approx(1.5 * weights + ids * (16 + 100) + bags * 64 * 4 * 2)
+    assert plain.ddr == pytest.approx(weights + 2 * ids * 8 + 2 * bags * 64 * 4)
