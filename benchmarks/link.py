@@ -11,8 +11,8 @@ and checks the qdisc is in place) and the parent only waits. Every JSON line the
 `CollectiveWaitClock` splits what a step spends blocked in recshard's collective waits
 (`recshard.comm.request.wait_work`, which every embedding collective waits through) into the
 KJT all-to-alls (input dist, by name), the pooled collectives waited in forward (output dist),
-and those waited in backward (their transposes): autograd runs backward with grad mode off, a
-training forward runs with it on, and that is how a pooled wait is attributed.
+and those waited in backward (their transposes, told apart by torch's current autograd graph
+task: -1 outside backward).
 DDP's gradient all-reduce does not go through `wait_work` and is not counted.
 """
 
@@ -140,7 +140,7 @@ class CollectiveWaitClock:
             ms = 1e3 * (time.perf_counter() - start)
             if name.startswith("kjt_"):
                 self.times.kjt += ms
-            elif not torch.is_grad_enabled():
+            elif torch._C._current_graph_task_id() != -1:  # inside autograd's backward
                 self.times.backward += ms
             else:
                 self.times.pooled_forward += ms
