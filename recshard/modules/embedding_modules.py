@@ -18,7 +18,12 @@ from recshard.modules.embedding_configs import (
     EmbeddingConfig,
     PoolingType,
 )
-from recshard.modules.input_checks import check_dtypes_and_weights, check_features, check_ids
+from recshard.modules.input_checks import (
+    check_dtypes_and_weights,
+    check_features,
+    check_ids,
+    check_layout,
+)
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 DeviceLike = Union[str, torch.device, None]
@@ -83,6 +88,7 @@ class _EmbeddingTables(nn.Module):
         owner = type(self).__name__
         check_features(features, self._feature_names, owner)
         check_dtypes_and_weights(features, is_weighted, owner)
+        check_layout(features, owner)
         check_ids(features, self._feature_to_table, owner)
 
 

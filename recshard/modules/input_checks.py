@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 
 from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse.validation import validate_kjt
 from recshard.types import BoundsCheckMode
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,23 @@ def check_features(kjt: KeyedJaggedTensor, expected: List[str], owner: str) -> N
             f"{owner}: the input has features {unknown} that no table reads "
             f"(tables read: {expected})"
         )
+
+
+def check_layout(kjt: KeyedJaggedTensor, owner: str) -> None:
+    """lengths, values and weights agree: a few scalar comparisons on the per-key sums the
+    lookup needs anyway, and one min over lengths; the full check (for its message naming
+    key and numbers) only when they do not. The KJT constructor accepts these, as TorchRec's."""
+    values, weights, lengths = kjt.values(), kjt.weights_or_none(), kjt.lengths()
+    if (
+        values.dim() != 1
+        or sum(kjt.length_per_key()) != values.numel()
+        or (weights is not None and weights.numel() != values.numel())
+        or (lengths.numel() > 0 and bool(lengths.min() < 0))
+    ):
+        try:
+            validate_kjt(kjt)
+        except ValueError as e:
+            raise ValueError(f"{owner}: {e}") from None
 
 
 def check_dtypes_and_weights(kjt: KeyedJaggedTensor, is_weighted: bool, owner: str) -> None:

@@ -5,6 +5,7 @@ from recshard.optim.keyed import (
     CombinedOptimizer,
     KeyedOptimizer,
     KeyedOptimizerWrapper,
+    OptimizerWrapper,
     in_backward_optimizer_filter,
 )
 
@@ -13,5 +14,6 @@ __all__ = [
     "FusedOptimizer",
     "KeyedOptimizer",
     "KeyedOptimizerWrapper",
+    "OptimizerWrapper",
     "in_backward_optimizer_filter",
 ]

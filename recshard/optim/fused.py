@@ -9,7 +9,7 @@ kernels (in place).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 
@@ -43,3 +43,7 @@ class FusedOptimizer(KeyedOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._push_learning_rates()
+
+    def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
+        """Nothing to do: the kernels hold their state from construction (and a gradient set
+        on a fused table would only waste its size in memory)."""

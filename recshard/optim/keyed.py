@@ -8,18 +8,21 @@ own group dicts, so the change reaches each of them (the fused ones push it into
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-OptimizerFactory = Callable[[List[torch.Tensor]], Optimizer]
+OptimizerFactory = Callable[[Any], Optimizer]  # a list of params, or the dict if asked
 
 
 class KeyedOptimizer(Optimizer):
     """Params as `{fqn: tensor}`, state as `{tensor: {name: value}}`; `state_dict()` keys state
-    by fqn: `{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}`."""
+    by fqn: `{"state": {fqn: {...}}}`, plus `"param_groups": [{..., "params": [fqn, ...]}]`
+    after `save_param_groups(True)` (TorchRec's default leaves them out: they are usually
+    rebuilt at start-up). State values may be nested dicts or objects with their own
+    `state_dict` / `load_state_dict`."""
 
     def __init__(
         self,
@@ -28,29 +31,40 @@ class KeyedOptimizer(Optimizer):
         param_groups: List[Dict[str, Any]],
     ) -> None:
         # Not Optimizer.__init__: groups hold tensors that may not be leaves (fused views).
-        self.defaults: Dict[str, Any] = {}
-        self._optimizer_step_pre_hooks: Dict[int, Callable] = {}
-        self._optimizer_step_post_hooks: Dict[int, Callable] = {}
-        self._optimizer_state_dict_pre_hooks: Dict[int, Callable] = {}
-        self._optimizer_state_dict_post_hooks: Dict[int, Callable] = {}
-        self._optimizer_load_state_dict_pre_hooks: Dict[int, Callable] = {}
-        self._optimizer_load_state_dict_post_hooks: Dict[int, Callable] = {}
+        _init_hooks(self)
         self.params = dict(params)
         self.state = state  # type: ignore[assignment]
         self.param_groups = param_groups
+        known = {id(t) for t in self.params.values()}
+        strays = [key for key in state if id(key) not in known]
+        if strays:
+            raise ValueError(f"All state keys must be params. The following keys are not: {strays}.")
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def save_param_groups(self, save: bool) -> None:
+        """Whether `state_dict()` carries (and `load_state_dict` restores) the param groups."""
+        self.defaults["_save_param_groups"] = save
 
     def _fqn(self) -> Dict[int, str]:
         return {id(t): name for name, t in self.params.items()}
 
     def state_dict(self) -> Dict[str, Any]:
         names = self._fqn()
-        state = {names[id(p)]: dict(s) for p, s in self.state.items() if id(p) in names}
-        groups = []
-        for group in self.param_groups:
-            saved = {k: v for k, v in group.items() if k != "params"}
-            saved["params"] = [names[id(p)] for p in group["params"]]
-            groups.append(saved)
-        return {"state": state, "param_groups": groups}
+        state = {names[id(p)]: _saved(s) for p, s in self.state.items() if id(p) in names}
+        out: Dict[str, Any] = {"state": state}
+        if self.defaults.get("_save_param_groups"):
+            groups = []
+            for group in self.param_groups:
+                saved = {k: v for k, v in group.items() if k != "params"}
+                saved["params"] = sorted(names[id(p)] for p in group["params"])
+                groups.append(saved)
+            out["param_groups"] = groups
+        return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Copy saved state into the live state tensors (in place: fused kernels hold them)."""
@@ -62,28 +76,91 @@ class KeyedOptimizer(Optimizer):
                 continue
             if fqn not in saved:
                 raise ValueError(f"optimizer state for '{fqn}' is missing from the checkpoint")
-            for key, value in saved[fqn].items():
-                if key not in current:
-                    current[key] = value
-                elif isinstance(current[key], torch.Tensor):
-                    _copy_into(current[key], value, f"{fqn}.{key}")
-                else:
-                    current[key] = value
-        for group, saved_group in zip(self.param_groups, state_dict.get("param_groups", [])):
-            for key, value in saved_group.items():
-                if key != "params":
-                    group[key] = value
+            _load_into(current, saved[fqn], fqn)
+        if not self.defaults.get("_save_param_groups"):
+            return
+        if "param_groups" not in state_dict:
+            raise ValueError("save_param_groups is on but the checkpoint has no param_groups")
+        by_params = {"/".join(g["params"]): g for g in state_dict["param_groups"]}
+        for group in self.param_groups:
+            key = "/".join(sorted(names[id(p)] for p in group["params"]))
+            if key not in by_params:
+                raise ValueError(f"param group of {key} is missing from the checkpoint")
+            group.update({k: v for k, v in by_params[key].items() if k != "params"})
 
-    def init_state(self) -> None:
-        """Materialize lazy optimizer state (torch optimizers create it on the first step)."""
+    def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
+        """Materialize lazy optimizer state (torch optimizers create it on their first step)
+        with one step at lr 0 over the parameters that have none yet, on zero gradients:
+        weights do not move and existing state is untouched. A parameter that had a gradient
+        gets it back; the others keep the zero one (sparse if named in
+        `sparse_grad_parameter_names`), as in TorchRec."""
+        sparse_names = sparse_grad_parameter_names or set()
+        missing = {name for name, p in self.params.items()
+                   if p.requires_grad and not self.state.get(p)}
+        if not missing:
+            return
+        stashed = {name: p.grad for name, p in self.params.items()}
+        lrs = [g.get("lr") for g in self.param_groups]
+        try:
+            for name, p in self.params.items():
+                p.grad = None
+                if name in missing:
+                    zeros = torch.zeros_like(p)
+                    p.grad = zeros.to_sparse() if name in sparse_names else zeros
+            for g in self.param_groups:
+                if "lr" in g:
+                    g["lr"] = 0.0
+            self.step()
+        finally:
+            for g, lr in zip(self.param_groups, lrs):
+                if lr is not None:
+                    g["lr"] = lr
+            for name, p in self.params.items():
+                if stashed[name] is not None or name not in missing:
+                    p.grad = stashed[name]
+
+
+def _init_hooks(optimizer: Optimizer) -> None:
+    """The attributes torch.optim.Optimizer's hooks and schedulers expect."""
+    optimizer.defaults = {"_save_param_groups": False}
+    optimizer._optimizer_step_pre_hooks = {}
+    optimizer._optimizer_step_post_hooks = {}
+    optimizer._optimizer_state_dict_pre_hooks = {}
+    optimizer._optimizer_state_dict_post_hooks = {}
+    optimizer._optimizer_load_state_dict_pre_hooks = {}
+    optimizer._optimizer_load_state_dict_post_hooks = {}
+
+
+def _saved(value: Any) -> Any:  # noqa: ANN401 - optimizer state is heterogeneous
+    """A state value as saved: nested dicts walked, stateful objects by their state_dict."""
+    if isinstance(value, dict):
+        return {k: _saved(v) for k, v in value.items()}
+    if not isinstance(value, torch.Tensor) and callable(getattr(value, "state_dict", None)):
+        return value.state_dict()
+    return value
+
+
+def _load_into(current: Dict[str, Any], saved: Mapping[str, Any], path: str) -> None:
+    for key, value in saved.items():
+        what = f"{path}.{key}"
+        if key not in current:
+            current[key] = value
+        elif isinstance(current[key], dict):
+            _load_into(current[key], value, what)
+        elif isinstance(current[key], torch.Tensor):
+            _copy_into(current[key], value, what)
+        elif callable(getattr(current[key], "load_state_dict", None)):
+            current[key].load_state_dict(value)
+        else:
+            current[key] = value
 
 
 def _copy_into(target: torch.Tensor, value: Any, what: str) -> None:
-    source = value.local_tensor() if hasattr(value, "local_tensor") else value
-    if hasattr(source, "local_shards") and hasattr(target, "local_shards"):
-        for dst, src in zip(target.local_shards(), source.local_shards()):
+    if hasattr(value, "local_shards") and hasattr(target, "local_shards"):
+        for dst, src in zip(target.local_shards(), value.local_shards()):
             dst.tensor.copy_(src.tensor)
         return
+    source = value.local_tensor() if hasattr(value, "local_tensor") else value
     if tuple(target.shape) != tuple(source.shape):
         raise ValueError(f"optimizer state '{what}': checkpoint shape {tuple(source.shape)} "
                          f"!= model shape {tuple(target.shape)}")
@@ -94,8 +171,13 @@ class KeyedOptimizerWrapper(KeyedOptimizer):
     """A torch optimizer over named params, keyed by name:
     `KeyedOptimizerWrapper(dict(model.named_parameters()), lambda p: torch.optim.SGD(p, lr=0.1))`."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], optim_factory: OptimizerFactory) -> None:
-        self._optimizer = optim_factory(list(params.values()))
+    def __init__(
+        self,
+        params: Mapping[str, torch.Tensor],
+        optim_factory: OptimizerFactory,
+        pass_params_dict: bool = False,
+    ) -> None:
+        self._optimizer = optim_factory(params if pass_params_dict else list(params.values()))
         super().__init__(params, self._optimizer.state, self._optimizer.param_groups)
 
     def step(self, closure: Any = None) -> Any:  # noqa: ANN401
@@ -104,52 +186,50 @@ class KeyedOptimizerWrapper(KeyedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none)
 
-    def init_state(self) -> None:
-        """Create the state of parameters that have none yet (torch optimizers create it on
-        their first step) with one zero-gradient, zero-lr step over those parameters only;
-        existing state and pending gradients are left exactly as they were."""
-        missing = [p for p in self.params.values() if p.requires_grad and not self.state.get(p)]
-        if not missing:
-            return
-        stashed = {id(p): p.grad for p in self.params.values()}
-        lrs = [g["lr"] for g in self.param_groups]
-        try:
-            for p in self.params.values():
-                p.grad = None
-            for p in missing:
-                p.grad = torch.zeros_like(p)
-            for g in self.param_groups:
-                g["lr"] = 0.0
-            self._optimizer.step()
-        finally:
-            for g, lr in zip(self.param_groups, lrs):
-                g["lr"] = lr
-            for p in self.params.values():
-                p.grad = stashed[id(p)]
-
 
 class CombinedOptimizer(KeyedOptimizer):
     """Several keyed optimizers behind one `step()`, `zero_grad()` and `state_dict()`.
 
     Items are optimizers or `(prefix, optimizer)`; a prefix is prepended to the FQNs.
+    `params`, `state` and `param_groups` are live views of the sub-optimizers' (state a
+    torch optimizer creates lazily shows up here), so a scheduler editing a group's lr
+    reaches the sub-optimizer.
     """
 
     def __init__(self, optims: Iterable[Union[KeyedOptimizer, Tuple[str, KeyedOptimizer]]]) -> None:
+        _init_hooks(self)
         self.optimizers: List[Tuple[str, KeyedOptimizer]] = [
             o if isinstance(o, tuple) else ("", o) for o in optims
         ]
-        params: Dict[str, torch.Tensor] = {}
-        state: Dict[torch.Tensor, Any] = {}
-        groups: List[Dict[str, Any]] = []
+        seen = set()
         for prefix, opt in self.optimizers:
-            for name, tensor in opt.params.items():
-                key = f"{prefix}.{name}" if prefix else name
-                if key in params:
+            for name in opt.params:
+                key = _prefixed(prefix, name)
+                if key in seen:
                     raise ValueError(f"CombinedOptimizer: parameter '{key}' is in two optimizers")
-                params[key] = tensor
-            state.update(opt.state)
-            groups.extend(opt.param_groups)
-        super().__init__(params, state, groups)
+                seen.add(key)
+        if self.optimizers:
+            self.defaults["_save_param_groups"] = bool(
+                self.optimizers[0][1].defaults.get("_save_param_groups")
+            )
+
+    @property
+    def params(self) -> Dict[str, torch.Tensor]:  # type: ignore[override]
+        return {_prefixed(prefix, name): t for prefix, opt in self.optimizers
+                for name, t in opt.params.items()}
+
+    @property
+    def state(self) -> Dict[torch.Tensor, Any]:  # type: ignore[override]
+        return {p: s for _, opt in self.optimizers for p, s in opt.state.items()}
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return [g for _, opt in self.optimizers for g in opt.param_groups]
+
+    def save_param_groups(self, save: bool) -> None:
+        super().save_param_groups(save)
+        for _, opt in self.optimizers:
+            opt.save_param_groups(save)
 
     def step(self, closure: Any = None) -> None:  # noqa: ANN401
         for _, opt in self.optimizers:
@@ -159,9 +239,53 @@ class CombinedOptimizer(KeyedOptimizer):
         for _, opt in self.optimizers:
             opt.zero_grad(set_to_none)
 
-    def init_state(self) -> None:
-        for _, opt in self.optimizers:
-            opt.init_state()
+    def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
+        for prefix, opt in self.optimizers:
+            names = None
+            if sparse_grad_parameter_names is not None:
+                names = {n for n in opt.params if _prefixed(prefix, n) in sparse_grad_parameter_names}
+            opt.init_state(names)
+
+
+def _prefixed(prefix: str, name: str) -> str:
+    if not name:
+        return prefix
+    return f"{prefix}.{name}" if prefix else name
+
+
+class OptimizerWrapper(KeyedOptimizer):
+    """A KeyedOptimizer around another one, to subclass (gradient clipping, warm-up, ...):
+    everything is delegated; override `step` to add behaviour."""
+
+    def __init__(self, optimizer: KeyedOptimizer) -> None:
+        _init_hooks(self)
+        self._optimizer = optimizer
+        self.params = optimizer.params
+        self.state = optimizer.state  # type: ignore[assignment]
+        self.param_groups = optimizer.param_groups
+
+    def __repr__(self) -> str:
+        return repr(self._optimizer)
+
+    def step(self, closure: Any = None) -> Any:  # noqa: ANN401
+        return self._optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self._optimizer.load_state_dict(state_dict)
+        self.state = self._optimizer.state  # type: ignore[assignment]
+        self.param_groups = self._optimizer.param_groups
+
+    def save_param_groups(self, save: bool) -> None:
+        self._optimizer.save_param_groups(save)
+
+    def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
+        self._optimizer.init_state(sparse_grad_parameter_names)
 
 
 def in_backward_optimizer_filter(

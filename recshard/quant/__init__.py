@@ -2,12 +2,17 @@
 
     from recshard.quant import quantize_embeddings
     model = quantize_embeddings(model, torch.quint4x2)     # every EBC/EC -> quantized twin
+    # or, as in TorchRec's tutorial:
+    torch.quantization.quantize_dynamic(model, qconfig_spec={EmbeddingBagCollection: QuantConfig(
+        activation=PlaceholderObserver.with_args(dtype=torch.float), weight=PlaceholderObserver
+        .with_args(dtype=torch.qint8))}, mapping={EmbeddingBagCollection: QuantEmbeddingBagCollection})
 
 Sharded inference: `recshard.distributed.QuantEmbeddingBagCollectionSharder` (every sharding
 type) and `QuantEmbeddingCollectionSharder` (data-parallel, table-wise, column-wise, row-wise),
 with plans whose compute_kernel is "quant"; DistributedModelParallel picks them by default.
 """
 
+from recshard.quant.config import QuantConfig
 from recshard.quant.embedding_modules import (
     QuantEmbeddingBagCollection,
     QuantEmbeddingCollection,
@@ -19,6 +24,7 @@ from recshard.quant.rowwise import dequantize_rows, max_row_error, quantize_rows
 __all__ = [
     "QuantEmbeddingBagCollection",
     "QuantEmbeddingCollection",
+    "QuantConfig",
     "QuantLookup",
     "QuantTable",
     "dequantize_rows",

@@ -26,7 +26,13 @@ from recshard.modules.embedding_modules import (
     EmbeddingCollection,
     _check_unique,
 )
-from recshard.modules.input_checks import check_dtypes_and_weights, check_features, check_ids
+from recshard.modules.input_checks import (
+    check_dtypes_and_weights,
+    check_features,
+    check_ids,
+    check_layout,
+)
+from recshard.quant.config import dtypes_from_qconfig
 from recshard.quant.kernel import QuantLookup, QuantTable, check_output_dtype
 from recshard.quant.rowwise import DtypeLike, check_table_layout, data_type_of, quantize_rows
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
@@ -121,6 +127,7 @@ class _QuantTables(nn.Module):
         owner = type(self).__name__
         check_features(features, self._feature_names, owner)
         check_dtypes_and_weights(features, is_weighted, owner)
+        check_layout(features, owner)
         check_ids(features, self._feature_to_table, owner)
 
     def _in_order(self, features: KeyedJaggedTensor, order: List[str]) -> KeyedJaggedTensor:
@@ -153,10 +160,12 @@ class QuantEmbeddingBagCollection(_QuantTables):
     def from_float(
         cls,
         module: EmbeddingBagCollection,
-        dtype: Union[DtypeLike, Mapping[str, DtypeLike]] = torch.qint8,
-        output_dtype: torch.dtype = torch.float32,
+        dtype: Optional[Union[DtypeLike, Mapping[str, DtypeLike]]] = None,
+        output_dtype: Optional[torch.dtype] = None,
     ) -> QuantEmbeddingBagCollection:
-        """Quantize a trained EBC (on its device). `dtype`: one for all tables or per table."""
+        """Quantize a trained EBC (on its device). `dtype`: one for all tables or per table;
+        None: from `module.qconfig` (a `QuantConfig`, as `quantize_dynamic` sets it)."""
+        dtype, output_dtype = _dtypes(module, dtype, output_dtype)
         configs = _quantized_configs(module.embedding_bag_configs(), dtype)
         weights = _quantize_tables(module.embedding_bags, configs)
         return cls(configs, module.is_weighted(), module.device, output_dtype, weights)
@@ -200,9 +209,11 @@ class QuantEmbeddingCollection(_QuantTables):
     def from_float(
         cls,
         module: EmbeddingCollection,
-        dtype: Union[DtypeLike, Mapping[str, DtypeLike]] = torch.qint8,
-        output_dtype: torch.dtype = torch.float32,
+        dtype: Optional[Union[DtypeLike, Mapping[str, DtypeLike]]] = None,
+        output_dtype: Optional[torch.dtype] = None,
     ) -> QuantEmbeddingCollection:
+        """As QuantEmbeddingBagCollection.from_float."""
+        dtype, output_dtype = _dtypes(module, dtype, output_dtype)
         configs = _quantized_configs(module.embedding_configs(), dtype)
         weights = _quantize_tables(module.embeddings, configs)
         return cls(configs, module.device, module.need_indices(), output_dtype, weights)
@@ -230,6 +241,28 @@ class QuantEmbeddingCollection(_QuantTables):
 
 
 # ------------------------------------------------------------------------------ conversion
+
+
+def _dtypes(
+    module: nn.Module,
+    dtype: Optional[Union[DtypeLike, Mapping[str, DtypeLike]]],
+    output_dtype: Optional[torch.dtype],
+) -> Tuple[Union[DtypeLike, Mapping[str, DtypeLike]], torch.dtype]:
+    """What from_float was asked for, else what `module.qconfig` says, else INT8 -> float32."""
+    qconfig = getattr(module, "qconfig", None)
+    if qconfig is None:
+        return (torch.qint8 if dtype is None else dtype,
+                torch.float32 if output_dtype is None else output_dtype)
+    weight, per_table, activation = dtypes_from_qconfig(qconfig)
+    if dtype is None:
+        dtype = {c.name: per_table.get(c.name, weight) for c in _configs_of(module)}
+    return dtype, activation if output_dtype is None else output_dtype
+
+
+def _configs_of(module: nn.Module) -> Sequence[BaseEmbeddingConfig]:
+    if isinstance(module, EmbeddingBagCollection):
+        return module.embedding_bag_configs()
+    return module.embedding_configs()
 
 
 def _quantized_configs(

@@ -8,9 +8,25 @@ import torch
 
 from recshard import ops
 
+INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
 
 def lengths_from_offsets(offsets: torch.Tensor) -> torch.Tensor:
     return offsets[1:] - offsets[:-1]
+
+
+def check_index_dtype(tensor: Optional[torch.Tensor], name: str, owner: str) -> None:
+    """lengths / offsets count values: a non-empty one must hold integers (O(1) check)."""
+    if tensor is not None and tensor.numel() and tensor.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{owner}: {name} must be of integer type, got {tensor.dtype}")
+
+
+def values_string(values: torch.Tensor, offsets: List[int]) -> str:
+    """`[[v, ...], [...]]`, one inner list per row (TorchRec's printed form)."""
+    if values.dim() > 2:
+        raise ValueError("values with more than 2 dimensions cannot be printed")
+    rows = [values[start:end].tolist() for start, end in zip(offsets[:-1], offsets[1:])]
+    return str(rows)
 
 
 class JaggedStorage:
@@ -67,6 +83,8 @@ class JaggedTensor(JaggedStorage):
     ) -> None:
         if lengths is None and offsets is None:
             raise ValueError("JaggedTensor needs lengths or offsets")
+        check_index_dtype(lengths, "lengths", "JaggedTensor")
+        check_index_dtype(offsets, "offsets", "JaggedTensor")
         self._values = values
         self._weights = weights
         self._lengths = lengths
@@ -83,11 +101,52 @@ class JaggedTensor(JaggedStorage):
         return JaggedTensor(flat, flat_weights, lengths=lengths)
 
     @staticmethod
-    def empty(values_dtype: torch.dtype = torch.int64, device: Optional[torch.device] = None) -> JaggedTensor:
+    def from_dense_lengths(
+        values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor] = None
+    ) -> JaggedTensor:
+        """Row i is the first `lengths[i]` entries of `values[i]` (`values`: `[B, L, ...]`)."""
+        keep = torch.arange(values.size(1), device=values.device) < lengths.unsqueeze(-1)
+        return JaggedTensor(
+            values[keep], None if weights is None else weights[keep], lengths=lengths
+        )
+
+    @staticmethod
+    def empty(
+        is_weighted: bool = False,
+        device: Optional[torch.device] = None,
+        values_dtype: Optional[torch.dtype] = None,
+        weights_dtype: Optional[torch.dtype] = None,
+        lengths_dtype: torch.dtype = torch.int32,
+    ) -> JaggedTensor:
+        """No rows (TorchRec's signature: `values_dtype` None is torch's default dtype)."""
         return JaggedTensor(
             torch.empty(0, dtype=values_dtype, device=device),
-            lengths=torch.empty(0, dtype=torch.int32, device=device),
+            torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
+            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
+            offsets=torch.empty(0, dtype=lengths_dtype, device=device),
         )
+
+    @staticmethod
+    def empty_like(jt: JaggedTensor, device: Optional[torch.device] = None) -> JaggedTensor:
+        """No rows, `jt`'s dtypes; with `device`, uninitialized tensors of `jt`'s shapes there."""
+        if device is None:
+            weights = jt.weights_or_none()
+            return JaggedTensor(
+                torch.empty(0, dtype=jt.values().dtype, device=jt.device()),
+                None if weights is None else torch.empty(0, dtype=weights.dtype, device=jt.device()),
+                lengths=torch.empty(0, dtype=jt.lengths().dtype, device=jt.device()),
+            )
+
+        def like(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else torch.empty_like(t, device=device)
+
+        return JaggedTensor(
+            like(jt.values()), like(jt.weights_or_none()), like(jt.lengths_or_none()),
+            like(jt.offsets_or_none()),
+        )
+
+    def device(self) -> torch.device:
+        return self._values.device
 
     def to_dense(self) -> List[torch.Tensor]:
         """One tensor per row."""
@@ -107,6 +166,17 @@ class JaggedTensor(JaggedStorage):
             desired_length = int(lengths.max().item()) if lengths.numel() else 0
         return ops.jagged_to_padded_dense(self._values, self.offsets(), desired_length, padding_value)
 
+    def to_padded_dense_weights(
+        self, desired_length: Optional[int] = None, padding_value: float = 0.0
+    ) -> Optional[torch.Tensor]:
+        """`to_padded_dense` of the weights (None when there are none)."""
+        if self._weights is None:
+            return None
+        lengths = self.lengths()
+        if desired_length is None:
+            desired_length = int(lengths.max().item()) if lengths.numel() else 0
+        return ops.jagged_to_padded_dense(self._weights, self.offsets(), desired_length, padding_value)
+
     def to(self, device: torch.device, non_blocking: bool = False) -> JaggedTensor:
         def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else t.to(device, non_blocking=non_blocking)
@@ -125,6 +195,16 @@ class JaggedTensor(JaggedStorage):
         for t in (self._values, self._weights, self._lengths, self._offsets):
             if t is not None and t.is_cuda:
                 t.record_stream(stream)
+
+    def __str__(self) -> str:
+        """TorchRec's form: rows of values (and of weights when present)."""
+        offsets = self.offsets().tolist()
+        if self._weights is None:
+            return "JaggedTensor({\n    " + values_string(self._values, offsets) + "\n})\n"
+        return (
+            'JaggedTensor({\n    "values": ' + values_string(self._values, offsets)
+            + ',\n    "weights": ' + values_string(self._weights, offsets) + "\n})\n"
+        )
 
     def __repr__(self) -> str:
         rows = [r.tolist() for r in self.to_dense()]

@@ -11,18 +11,24 @@ on first use or eagerly by `sync()`, and cached.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from recshard import ops
-from recshard.sparse.jagged_tensor import JaggedStorage, JaggedTensor
+from recshard.sparse.jagged_tensor import JaggedStorage, JaggedTensor, values_string
 from recshard.sparse.keyed_tensor import _cumsum
-from recshard.sparse.validation import validate_kjt
+from recshard.sparse.validation import check_structure, validate_kjt
 
 
 class KeyedJaggedTensor(JaggedStorage):
-    """Ids (and optional per-id weights) of several features for one batch."""
+    """Ids (and optional per-id weights) of several features for one batch.
+
+    Accepts what TorchRec's constructor accepts (no lengths/offsets with no keys, an empty
+    `offsets`, values longer than the lengths' sum, 2-D values) after O(keys) checks
+    (`validate=True`, see `check_structure`); `validate()` checks everything, and the
+    embedding modules run it on their input where a cheap check fails.
+    """
 
     def __init__(
         self,
@@ -32,14 +38,19 @@ class KeyedJaggedTensor(JaggedStorage):
         lengths: Optional[torch.Tensor] = None,
         offsets: Optional[torch.Tensor] = None,
         stride: Optional[int] = None,
-        stride_per_key_per_rank: Optional[List[List[int]]] = None,
+        stride_per_key_per_rank: Optional[Union[List[List[int]], torch.Tensor]] = None,
+        stride_per_key: Optional[List[int]] = None,
         length_per_key: Optional[List[int]] = None,
         offset_per_key: Optional[List[int]] = None,
         inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
         validate: bool = True,
     ) -> None:
         if lengths is None and offsets is None:
-            raise ValueError("KeyedJaggedTensor needs lengths or offsets")
+            if keys:
+                raise ValueError("KeyedJaggedTensor needs lengths or offsets")
+            lengths = torch.empty(0, dtype=torch.int32, device=values.device)
+        if isinstance(stride_per_key_per_rank, torch.Tensor):
+            stride_per_key_per_rank = stride_per_key_per_rank.tolist()
         self._keys = list(keys)
         self._values = values
         self._weights = weights
@@ -51,7 +62,9 @@ class KeyedJaggedTensor(JaggedStorage):
         self._offset_per_key = offset_per_key
         self._jt_dict: Optional[Dict[str, JaggedTensor]] = None
         if stride_per_key_per_rank is not None:
-            self._stride_per_key = [sum(s) for s in stride_per_key_per_rank]
+            self._stride_per_key = stride_per_key or [sum(s) for s in stride_per_key_per_rank]
+            if stride is None and inverse_indices is not None and inverse_indices[1].numel():
+                stride = inverse_indices[1].size(-1)  # the deduplicated batch's size
             self._stride = max(self._stride_per_key, default=0) if stride is None else stride
         else:
             if stride is None:
@@ -62,7 +75,7 @@ class KeyedJaggedTensor(JaggedStorage):
             self._stride = stride
             self._stride_per_key = [stride] * len(self._keys)
         if validate:
-            validate_kjt(self)
+            check_structure(self)
 
     # ------------------------------------------------------------------ constructors
 
@@ -104,23 +117,24 @@ class KeyedJaggedTensor(JaggedStorage):
 
     @staticmethod
     def from_jt_dict(jt_dict: Dict[str, JaggedTensor]) -> KeyedJaggedTensor:
-        """One key per entry, in dict order; every JaggedTensor must have the same batch size."""
+        """One key per entry, in dict order. JaggedTensors of different batch sizes give a
+        variable-batch KJT (`stride_per_key_per_rank = [[batch of key k]]`), as in TorchRec."""
         keys = list(jt_dict)
         jts = list(jt_dict.values())
-        strides = {k: jt.lengths().numel() for k, jt in jt_dict.items()}
-        if len(set(strides.values())) > 1:
-            raise ValueError(f"from_jt_dict: batch sizes differ per key: {strides}")
+        strides = [jt.lengths().numel() for jt in jts]
         has_weights = [jt.weights_or_none() is not None for jt in jts]
         if any(has_weights) and not all(has_weights):
             missing = [k for k, w in zip(keys, has_weights) if not w]
             raise ValueError(f"from_jt_dict: keys {missing} have no weights but others do")
         weights = torch.cat([jt.weights() for jt in jts]) if jts and all(has_weights) else None
+        variable = len(set(strides)) > 1
         return KeyedJaggedTensor.from_lengths_sync(
             keys,
             torch.cat([jt.values() for jt in jts]) if jts else torch.empty(0, dtype=torch.int64),
             torch.cat([jt.lengths() for jt in jts]) if jts else torch.empty(0, dtype=torch.int32),
             weights,
-            stride=next(iter(strides.values()), 0),
+            stride=None if variable else next(iter(strides), 0),
+            stride_per_key_per_rank=[[s] for s in strides] if variable else None,
         )
 
     @staticmethod
@@ -141,6 +155,20 @@ class KeyedJaggedTensor(JaggedStorage):
         )
 
     @staticmethod
+    def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """No keys and no ids, with `kjt`'s dtypes, device and batch size(s)."""
+        weights = kjt.weights_or_none()
+        return KeyedJaggedTensor(
+            [],
+            torch.empty(0, dtype=kjt.values().dtype, device=kjt.device),
+            None if weights is None else torch.empty(0, dtype=weights.dtype, device=kjt.device),
+            lengths=torch.empty(0, dtype=kjt.lengths().dtype, device=kjt.device),
+            stride=kjt.stride(),
+            stride_per_key_per_rank=kjt._stride_per_key_per_rank,
+            validate=False,
+        )
+
+    @staticmethod
     def concat(kjts: List[KeyedJaggedTensor]) -> KeyedJaggedTensor:
         """Keys of all inputs side by side (inputs must share the batch size unless variable)."""
         if not kjts:
@@ -154,7 +182,8 @@ class KeyedJaggedTensor(JaggedStorage):
             raise ValueError(f"concat: batch sizes differ ({sorted(strides)}); use variable batch")
         spkpr = None
         if variable:
-            spkpr = [row for k in kjts for row in k.stride_per_key_per_rank()]
+            spkpr = [row for k in kjts for row in
+                     (k.stride_per_key_per_rank() or [[s] for s in k.stride_per_key()])]
         return KeyedJaggedTensor(
             [key for k in kjts for key in k.keys()],
             torch.cat([k.values() for k in kjts]),
@@ -181,8 +210,9 @@ class KeyedJaggedTensor(JaggedStorage):
         return self._stride_per_key_per_rank is not None
 
     def stride_per_key_per_rank(self) -> List[List[int]]:
+        """Batch size of each key from each source rank; `[]` unless variable (TorchRec's)."""
         if self._stride_per_key_per_rank is None:
-            return [[s] for s in self._stride_per_key]
+            return []
         return self._stride_per_key_per_rank
 
     def inverse_indices_or_none(self) -> Optional[Tuple[List[str], torch.Tensor]]:
@@ -220,6 +250,10 @@ class KeyedJaggedTensor(JaggedStorage):
             self._offset_per_key = _cumsum(self.length_per_key())
         return self._offset_per_key
 
+    def validate(self) -> None:
+        """Every consistency check (ValueError naming key and numbers); see `validate_kjt`."""
+        validate_kjt(self)
+
     def sync(self) -> KeyedJaggedTensor:
         """Compute and cache the per-key sums now (one host sync)."""
         self.offset_per_key()
@@ -237,8 +271,7 @@ class KeyedJaggedTensor(JaggedStorage):
         length_per_key: Optional[List[int]],
     ) -> KeyedJaggedTensor:
         return KeyedJaggedTensor(
-            keys, values, weights, lengths=lengths,
-            stride=None if stride_per_key_per_rank is not None else self._stride,
+            keys, values, weights, lengths=lengths, stride=self._stride,
             stride_per_key_per_rank=stride_per_key_per_rank,
             length_per_key=length_per_key, validate=False,
         )
@@ -355,6 +388,24 @@ class KeyedJaggedTensor(JaggedStorage):
     @property
     def device(self) -> torch.device:
         return self._values.device
+
+    def __str__(self) -> str:
+        """TorchRec's form: one entry per key, rows of values (and weights when present)."""
+        if not self._keys:
+            return "KeyedJaggedTensor()\n"
+        offsets = self.offsets().tolist()
+        bounds = self.lengths_offset_per_key()
+        entries = []
+        for index, key in enumerate(self._keys):
+            rows = offsets[bounds[index]:bounds[index + 1] + 1]
+            if self._weights is None:
+                entries.append(f'    "{key}": ' + values_string(self._values, rows))
+            else:
+                entries.append(
+                    f'    "{key}": {{\n        "values": ' + values_string(self._values, rows)
+                    + ',\n        "weights": ' + values_string(self._weights, rows) + "\n    }"
+                )
+        return "KeyedJaggedTensor({\n" + ",\n".join(entries) + "\n})\n"
 
     def __repr__(self) -> str:
         if not self._keys:

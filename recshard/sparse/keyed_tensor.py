@@ -24,13 +24,15 @@ class KeyedTensor:
         length_per_key: List[int],
         values: torch.Tensor,
         key_dim: int = 1,
+        offset_per_key: Optional[List[int]] = None,
+        index_per_key: Optional[Dict[str, int]] = None,
     ) -> None:
         if len(keys) != len(length_per_key):
             raise ValueError(f"{len(keys)} keys but {len(length_per_key)} lengths")
         if len(set(keys)) != len(keys):
             raise ValueError(f"duplicate keys in KeyedTensor: {keys}")
         total = sum(length_per_key)
-        if values.dim() <= key_dim or values.size(key_dim) != total:
+        if keys and (values.dim() <= key_dim or values.size(key_dim) != total):
             raise ValueError(
                 f"KeyedTensor values of shape {tuple(values.shape)} do not have {total} "
                 f"(= sum of length_per_key {length_per_key}) entries along dim {key_dim}"
@@ -39,8 +41,8 @@ class KeyedTensor:
         self._length_per_key = length_per_key
         self._values = values
         self._key_dim = key_dim
-        self._offset_per_key: Optional[List[int]] = None
-        self._index_per_key: Optional[Dict[str, int]] = None
+        self._offset_per_key = offset_per_key
+        self._index_per_key = index_per_key
 
     @staticmethod
     def from_tensor_list(
@@ -84,29 +86,8 @@ class KeyedTensor:
 
     @staticmethod
     def regroup(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> List[torch.Tensor]:
-        """One tensor per group, its keys' blocks side by side in the group's order.
-
-        All blocks are gathered with one `index_select` over the concatenated values, so the
-        backward is one scatter, whatever the number of keys.
-        """
-        key_dim = keyed_tensors[0].key_dim()
-        columns: Dict[str, torch.Tensor] = {}
-        base = 0
-        for kt in keyed_tensors:
-            for key, offset, length in zip(kt.keys(), kt.offset_per_key(), kt.length_per_key()):
-                if key in columns:
-                    raise ValueError(f"key '{key}' appears in more than one KeyedTensor")
-                columns[key] = torch.arange(base + offset, base + offset + length)
-            base += kt.offset_per_key()[-1]
-        missing = [k for g in groups for k in g if k not in columns]
-        if missing:
-            raise KeyError(f"regroup: keys {missing} are in no KeyedTensor")
-        values = torch.cat([kt.values() for kt in keyed_tensors], dim=key_dim)
-        out = []
-        for group in groups:
-            index = torch.cat([columns[k] for k in group]) if group else torch.empty(0, dtype=torch.long)
-            out.append(values.index_select(key_dim, index.to(values.device)))
-        return out
+        """One tensor per group, its keys' blocks side by side in the group's order."""
+        return regroup_kts(keyed_tensors, groups)
 
     @staticmethod
     def regroup_as_dict(
@@ -126,5 +107,43 @@ class KeyedTensor:
         if self._values.is_cuda:
             self._values.record_stream(stream)
 
+    def __str__(self) -> str:
+        """TorchRec's form: one entry per key, the rows of its block."""
+        if not self._keys:
+            return "KeyedTensor()\n"
+        entries = [f'    "{key}": {self[key].tolist()}' for key in self._keys]
+        return "KeyedTensor({\n" + ",\n".join(entries) + "\n})\n"
+
     def __repr__(self) -> str:
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={self._values})"
+
+
+def regroup_kts(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> List[torch.Tensor]:
+    """One tensor per group, its keys' blocks side by side in the group's order; a key may
+    be in several groups or in none.
+
+    All blocks are gathered with one `index_select` over the concatenated values, so the
+    backward is one scatter, whatever the number of keys.
+    """
+    key_dim = keyed_tensors[0].key_dim()
+    columns: Dict[str, torch.Tensor] = {}
+    base = 0
+    for kt in keyed_tensors:
+        for key, offset, length in zip(kt.keys(), kt.offset_per_key(), kt.length_per_key()):
+            if key in columns:
+                raise ValueError(f"key '{key}' appears in more than one KeyedTensor")
+            columns[key] = torch.arange(base + offset, base + offset + length)
+        base += kt.offset_per_key()[-1]
+    missing = [k for g in groups for k in g if k not in columns]
+    if missing:
+        raise KeyError(f"regroup: keys {missing} are in no KeyedTensor")
+    values = torch.cat([kt.values() for kt in keyed_tensors], dim=key_dim)
+    out = []
+    for group in groups:
+        index = torch.cat([columns[k] for k in group]) if group else torch.empty(0, dtype=torch.long)
+        out.append(values.index_select(key_dim, index.to(values.device)))
+    return out
+
+
+# TorchRec's fbgemm-backed variant of the same regrouping; one implementation serves both.
+permute_multi_embedding = regroup_kts

@@ -26,19 +26,23 @@ def _restore(leaves: List[torch.Tensor], present: Tuple[bool, ...]) -> Children:
 
 
 def _kjt_flatten(kjt: KeyedJaggedTensor) -> Tuple[List[torch.Tensor], Any]:
-    leaves, present = _present(
-        [kjt.values(), kjt.weights_or_none(), kjt.lengths_or_none(), kjt.offsets_or_none()]
-    )
+    inverse = kjt.inverse_indices_or_none()
+    leaves, present = _present([
+        kjt.values(), kjt.weights_or_none(), kjt.lengths_or_none(), kjt.offsets_or_none(),
+        None if inverse is None else inverse[1],
+    ])
     spkpr = kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None
-    return leaves, (kjt.keys(), kjt.stride(), spkpr, present)
+    inverse_keys = None if inverse is None else inverse[0]
+    return leaves, (kjt.keys(), kjt.stride(), spkpr, inverse_keys, present)
 
 
 def _kjt_unflatten(leaves: List[torch.Tensor], context: Any) -> KeyedJaggedTensor:
-    keys, stride, spkpr, present = context
-    values, weights, lengths, offsets = _restore(leaves, present)
+    keys, stride, spkpr, inverse_keys, present = context
+    values, weights, lengths, offsets, inverse = _restore(leaves, present)
     return KeyedJaggedTensor(
-        keys, values, weights, lengths=lengths, offsets=offsets,
-        stride=None if spkpr else stride, stride_per_key_per_rank=spkpr, validate=False,
+        keys, values, weights, lengths=lengths, offsets=offsets, stride=stride,
+        stride_per_key_per_rank=spkpr,
+        inverse_indices=None if inverse is None else (inverse_keys, inverse), validate=False,
     )
 
 

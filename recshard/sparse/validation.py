@@ -1,7 +1,11 @@
-"""Consistency checks for user-built KeyedJaggedTensors, with messages naming key and numbers.
+"""Consistency checks for KeyedJaggedTensors, with messages naming key and numbers.
 
-Run at user-facing construction (skippable with `validate=False` on hot paths): a wrong
-length here would otherwise surface as garbage embeddings or a hang inside a collective.
+Two levels, as TorchRec's constructor accepts more than a module can consume:
+`check_structure` (O(keys), no host sync) runs at construction; `validate_kjt` (every
+check, reads lengths/offsets on the host) runs where the data is consumed — the sharded
+modules before any collective, the unsharded ones when a cheap check fails — and from
+`KeyedJaggedTensor.validate()`. A wrong length would otherwise surface as garbage
+embeddings or a hang inside a collective.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, List
 
 import torch
+
+from recshard.sparse.jagged_tensor import check_index_dtype
 
 if TYPE_CHECKING:
     from recshard.sparse.keyed_jagged_tensor import KeyedJaggedTensor
@@ -23,26 +29,45 @@ def _key_at(kjt: KeyedJaggedTensor, position: int) -> str:
     return "<past the last key>"
 
 
-def validate_kjt(kjt: KeyedJaggedTensor) -> None:
-    """Raise ValueError if keys, lengths, offsets, values and weights disagree."""
+def check_structure(kjt: KeyedJaggedTensor) -> None:
+    """Unique keys, integer lengths/offsets, and as many of them as keys x batch sizes.
+
+    O(keys) and no host sync; an empty `offsets` (or `lengths`) is an empty batch."""
     keys: List[str] = kjt.keys()
-    seen = set()
-    for key in keys:
-        if key in seen:
-            raise ValueError(f"KeyedJaggedTensor: duplicate key '{key}' in {keys}")
-        seen.add(key)
-    values = kjt.values()
-    if values.dim() != 1:
-        raise ValueError(f"KeyedJaggedTensor: values must be 1-D, got shape {tuple(values.shape)}")
+    if len(set(keys)) != len(keys):
+        duplicate = next(k for i, k in enumerate(keys) if k in keys[:i])
+        raise ValueError(f"KeyedJaggedTensor: duplicate key '{duplicate}' in {keys}")
     expected_entries = sum(kjt.stride_per_key())
     offsets = kjt.offsets_or_none()
     lengths = kjt.lengths_or_none()
+    check_index_dtype(offsets, "offsets", "KeyedJaggedTensor")
+    check_index_dtype(lengths, "lengths", "KeyedJaggedTensor")
+    if offsets is not None and offsets.numel() != expected_entries + 1 and (
+        offsets.numel() or expected_entries
+    ):
+        raise ValueError(
+            f"KeyedJaggedTensor: offsets has {offsets.numel()} entries, expected "
+            f"{expected_entries + 1} ({len(keys)} keys x batch {kjt.stride()} + 1)"
+        )
+    if lengths is not None and lengths.numel() != expected_entries:
+        raise ValueError(
+            f"KeyedJaggedTensor: lengths has {lengths.numel()} entries, expected "
+            f"{expected_entries} ({len(keys)} keys, batch sizes per key {kjt.stride_per_key()})"
+        )
+
+
+def validate_kjt(kjt: KeyedJaggedTensor) -> None:
+    """Raise ValueError if keys, lengths, offsets, values and weights disagree (values must
+    be 1-D ids, exactly as many as the lengths sum to)."""
+    check_structure(kjt)
+    keys: List[str] = kjt.keys()
+    values = kjt.values()
+    if values.dim() != 1:
+        raise ValueError(f"KeyedJaggedTensor: values must be 1-D, got shape {tuple(values.shape)}")
+    offsets = kjt.offsets_or_none()
+    lengths = kjt.lengths_or_none()
+    total = 0
     if offsets is not None:
-        if offsets.numel() != expected_entries + 1:
-            raise ValueError(
-                f"KeyedJaggedTensor: offsets has {offsets.numel()} entries, expected "
-                f"{expected_entries + 1} ({len(keys)} keys x batch {kjt.stride()} + 1)"
-            )
         if offsets.numel() and int(offsets[0]) != 0:
             raise ValueError(f"KeyedJaggedTensor: offsets must start at 0, got {int(offsets[0])}")
         steps = offsets[1:] - offsets[:-1]
@@ -55,11 +80,6 @@ def validate_kjt(kjt: KeyedJaggedTensor) -> None:
             )
         total = int(offsets[-1]) if offsets.numel() else 0
     if lengths is not None:
-        if lengths.numel() != expected_entries:
-            raise ValueError(
-                f"KeyedJaggedTensor: lengths has {lengths.numel()} entries, expected "
-                f"{expected_entries} ({len(keys)} keys, batch sizes per key {kjt.stride_per_key()})"
-            )
         if lengths.numel() and bool((lengths < 0).any()):
             position = int(torch.nonzero(lengths < 0)[0])
             stride_start = kjt.lengths_offset_per_key()
