@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import os
 from dataclasses import dataclass, field
 from typing import (
     Any,
@@ -116,6 +117,16 @@ class ShardingPlan:
         return "\n".join(lines)
 
 
+def get_local_size(world_size: Optional[int] = None) -> int:
+    """Ranks per node: torchrun's LOCAL_WORLD_SIZE, else the whole world (one node)."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    if world_size is not None:
+        return world_size
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+
 class ShardingEnv:
     """The process group a sharded module runs on, with its world size and rank.
 
@@ -134,8 +145,6 @@ class ShardingEnv:
         self.rank = rank
         self.pg = pg
         if local_world_size is None:
-            from recshard.comm.pg import get_local_size
-
             local_world_size = get_local_size(world_size)
         if local_world_size < 1 or world_size % local_world_size != 0:
             raise ValueError(
@@ -269,17 +278,6 @@ class LazyNoWait(LazyAwaitable[W]):
 
     def _wait_impl(self) -> W:
         return self._obj
-
-
-class LazyFnAwaitable(LazyAwaitable[W]):
-    """A lazy awaitable whose wait calls a function."""
-
-    def __init__(self, fn: Callable[[], W]) -> None:
-        super().__init__()
-        self._fn = fn
-
-    def _wait_impl(self) -> W:
-        return self._fn()
 
 
 # --------------------------------------------------------------------------- pipelineable

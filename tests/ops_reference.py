@@ -9,7 +9,7 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from recshard import ops
+from recshard.sparse import jagged_ops as ops
 
 BACKENDS = [
     pytest.param(True, id="fbgemm", marks=pytest.mark.skipif(

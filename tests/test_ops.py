@@ -26,7 +26,7 @@ from ops_reference import (  # noqa: F401 - shared references and strategies
     same,
 )
 
-from recshard import ops
+from recshard.sparse import jagged_ops as ops
 
 # ---------------------------------------------------------------- cumsum
 

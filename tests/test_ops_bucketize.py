@@ -30,7 +30,7 @@ from ops_reference import (  # noqa: F401 - shared references and strategies
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from recshard import ops
+from recshard.sparse import jagged_ops as ops
 
 # ---------------------------------------------------------------- block_bucketize_sparse_features
 
@@ -322,7 +322,7 @@ def test_switch_restores_state_after_an_error():
 def test_env_var_disables_fbgemm_in_a_fresh_process():
     script = textwrap.dedent("""
         import sys, torch, pytest
-        from recshard import ops
+        from recshard.sparse import jagged_ops as ops
         assert not ops.fbgemm_available()
         assert "fbgemm_gpu" not in sys.modules  # never even imported
         with pytest.raises(RuntimeError, match="RECSHARD_DISABLE_FBGEMM"):

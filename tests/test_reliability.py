@@ -38,7 +38,6 @@ from recshard.distributed.sharding_plan import construct_module_sharding_plan, t
 from recshard.types import ShardingPlan
 
 PG_TIMEOUT_S = 20.0
-MARGIN_S = 10.0  # generous: 2 shared CPU cores
 FAILING_STEP = 2
 
 # --------------------------------------------------------------------------- dying ranks
@@ -124,7 +123,8 @@ def _rank_0_error(how: str, pg_timeout_s: float = PG_TIMEOUT_S, hang_s: float = 
     match = re.search(r"rank 0 raised at step (\d+) after ([\d.]+)s: (\w+): (.*)", text)
     assert match, f"rank 0 did not raise on its own:\n{text}"
     assert int(match.group(1)) == FAILING_STEP, text
-    assert float(match.group(2)) < pg_timeout_s + MARGIN_S, text
+    if hang_s == 0.0:  # the peer died or raised: rank 0 learns it at once, not at the timeout
+        assert "process-group timeout ran out" not in text, text
     return text
 
 
@@ -151,8 +151,8 @@ def test_rank_raising_between_steps_stops_the_other() -> None:
                   pg_timeout_s=PG_TIMEOUT_S)
     assert "ValueError: rank 1 gave up between steps" in _rank_text(info.value, 1)
     text = _rank_text(info.value, 0)
-    match = re.search(r"rank 0 raised at step 2 after ([\d.]+)s", text)
-    assert match and float(match.group(1)) < PG_TIMEOUT_S + MARGIN_S, text
+    assert re.search(r"rank 0 raised at step 2 after [\d.]+s", text), text
+    assert "process-group timeout ran out" not in text, text
 
 
 def test_stuck_rank_times_out_with_the_collective_name() -> None:
@@ -453,10 +453,10 @@ def test_rank_dying_during_a_sharded_save_leaves_the_previous_checkpoint() -> No
         with pytest.raises(RankError) as info:
             run_ranks(2, _save_twice_rank_1_dies, path, timeout=120, pg_timeout_s=PG_TIMEOUT_S)
         text = _rank_text(info.value, 0)
-        match = re.search(r"rank 0 raised after ([\d.]+)s: RuntimeError: saving checkpoint "
-                          r"\S+/ckpt-\w+: writing shards \(torch.distributed.checkpoint\) failed; "
-                          r"the previous checkpoint is still the latest", text)
-        assert match and float(match.group(1)) < PG_TIMEOUT_S + MARGIN_S, text
+        assert re.search(r"rank 0 raised after [\d.]+s: RuntimeError: saving checkpoint "
+                         r"\S+/ckpt-\w+: writing shards \(torch.distributed.checkpoint\) failed; "
+                         r"the previous checkpoint is still the latest", text), text
+        assert "process-group timeout ran out" not in text, text
         torch.manual_seed(0)
         initial = TinyDLRM()  # what both ranks held at the first save
         torch.manual_seed(1)

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from examples.dlrm.model import DLRMTrain, OverArch
+from examples.dlrm.model import ExampleDLRMTrain
+from recshard.models.dlrm import OverArch
 from recshard.parallel import ColumnParallelLinear, RowParallelLinear, mp_gather
 
 
@@ -44,20 +45,20 @@ class TensorParallelOverArch(nn.Module):
 
     def __init__(self, over_arch: OverArch, pg: Optional[dist.ProcessGroup] = None) -> None:
         super().__init__()
-        layers = list(over_arch.model)
-        if len(layers) < 3 or not all(isinstance(layers[i], nn.Linear) for i in (0, 2)):
+        linears = over_arch.linears()  # a ReLU follows each but the last
+        if len(linears) < 2:
             raise ValueError("--tp-over-arch needs an over arch of at least two layers "
                              "(e.g. --over-arch-layers 64,32,1)")
         if dist.is_initialized():  # slices of one matrix: rank 0's full weights for everyone
             with torch.no_grad():
-                for layer in (layers[0], layers[2]):
+                for layer in linears[:2]:
                     for param in layer.parameters():
                         dist.broadcast(param, src=dist.get_global_rank(pg or dist.group.WORLD, 0), group=pg)
         self.pg = pg
-        self.column = ColumnParallelLinear.from_linear(layers[0], pg, gather_output=False)
-        self.activation = layers[1]
-        self.row = RowParallelLinear.from_linear(layers[2], pg, input_is_parallel=True)
-        self.rest = nn.Sequential(*layers[3:])
+        self.column = ColumnParallelLinear.from_linear(linears[0], pg, gather_output=False)
+        self.activation = nn.ReLU()
+        self.row = RowParallelLinear.from_linear(linears[1], pg, input_is_parallel=True)
+        self.rest = nn.Sequential(*[m for linear in linears[2:] for m in (nn.ReLU(), linear)])
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         world = _world(self.pg)
@@ -86,7 +87,7 @@ class GlobalBatch(nn.Module):
         return rows.narrow(0, rank * batch, batch)
 
 
-def to_tensor_parallel(model: DLRMTrain, pg: Optional[dist.ProcessGroup] = None) -> None:
+def to_tensor_parallel(model: ExampleDLRMTrain, pg: Optional[dist.ProcessGroup] = None) -> None:
     """Switch a (materialized) DLRMTrain to the tensor-parallel over arch, in place. Call it
     on every rank, before the dense part is wrapped in DDP (`DistributedModelParallel(...,
     init_data_parallel=False)`, then `dmp.init_data_parallel()`)."""

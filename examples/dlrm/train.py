@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 
 from examples.dlrm.args import parse_args
-from examples.dlrm.data.batch import Batch
 from examples.dlrm.data.criteo_spec import NUM_DENSE, SPARSE_NAMES
 from examples.dlrm.data.loaders import eval_batches, train_batches
 from examples.dlrm.metrics import EvalMetrics
 from examples.dlrm.model import build_dlrm
 from examples.dlrm.sharding import dense_optimizer_factory, make_plan, make_sharders, plan_table
 from recshard import EmbeddingBagConfig
+from recshard.datasets.utils import Batch
 from recshard.distributed import DistributedModelParallel
 from recshard.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
 

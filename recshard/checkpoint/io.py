@@ -30,26 +30,20 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from recshard.checkpoint.state import (
+from recshard.distributed.model_parallel import get_unwrapped_module
+from recshard.distributed.sharded_state import (
     fused_optimizer_state,
     model_state_dict,
     quiet_sharded_tensor,
 )
+from recshard.optim.fused import FusedOptimizer
 from recshard.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 LATEST = "LATEST"
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    from recshard.distributed.model_parallel import get_unwrapped_module
-
-    return get_unwrapped_module(model)
-
-
 def _dense_optimizers(optimizer: Optional[KeyedOptimizer]) -> List[KeyedOptimizer]:
     """Dense (non-fused) keyed optimizers; their state is replicated, keyed by param FQN."""
-    from recshard.optim.fused import FusedOptimizer
-
     if optimizer is None:
         return []
     if isinstance(optimizer, CombinedOptimizer):
@@ -58,7 +52,7 @@ def _dense_optimizers(optimizer: Optional[KeyedOptimizer]) -> List[KeyedOptimize
 
 
 def _training_state(model: nn.Module, optimizer: Optional[KeyedOptimizer]) -> Dict[str, Any]:
-    module = _unwrap(model)
+    module = get_unwrapped_module(model)
     state: Dict[str, Any] = {"model": model_state_dict(module)}
     if optimizer is not None:
         fused = fused_optimizer_state(module)

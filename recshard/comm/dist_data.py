@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recshard.column_blocks import Block, check_blocks
 from recshard.comm.codecs import QuantizedCommCodecs
-from recshard.comm.kjt_all_to_all import _get_recat
+from recshard.comm.column_blocks import Block, check_blocks
+from recshard.comm.kjt_all_to_all import get_recat
 from recshard.comm.ops import (
     all_gather_base_pooled,
     alltoall_pooled,
@@ -203,7 +203,7 @@ class SequenceEmbeddingsAllToAll(nn.Module):
         variable = batch_size_per_rank is not None and len(set(batch_size_per_rank)) > 1
         recat = sparse_features_recat
         if recat is None:
-            recat = _get_recat(num_local, world_size, 1, local_embs.device, batch_size_per_rank)
+            recat = get_recat(num_local, world_size, 1, local_embs.device, batch_size_per_rank)
         variable = variable or recat.numel() != num_local * world_size
         forward_recat = torch.argsort(recat.long()).to(torch.int32)
         awaitable = alltoall_sequence(

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recshard import ops
 from recshard.comm.request import Pending, issue_all_to_all, wait_work
 from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse import jagged_ops as ops
 from recshard.types import Awaitable
 
 _DTYPES = [torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16,
@@ -54,13 +54,13 @@ def _decode_message(words: torch.Tensor) -> str:
     return words.numpy().tobytes().rstrip(b"\0").decode("utf-8", errors="ignore")
 
 
-def _rank_order(num_splits: int, stagger: int) -> List[int]:
+def rank_order(num_splits: int, stagger: int) -> List[int]:
     """Source ranks in output batch order (stagger > 1 interleaves nodes, as TorchRec's TWRW)."""
     per_group = num_splits // stagger
     return [x + per_group * y for x in range(per_group) for y in range(stagger)]
 
 
-def _get_recat(
+def get_recat(
     local_split: int,
     num_splits: int,
     stagger: int = 1,
@@ -73,7 +73,7 @@ def _get_recat(
     `order[j] * F_local + f`) when every rank has the same batch size; bag level
     `[F_local * sum(B)]` when `batch_size_per_rank` differ (TorchRec's convention).
     """
-    order = _rank_order(num_splits, stagger)
+    order = rank_order(num_splits, stagger)
     recat = [r * local_split + f for f in range(local_split) for r in order]
     recat_t = torch.tensor(recat, dtype=torch.int32, device=device)
     if batch_size_per_rank is None or len(set(batch_size_per_rank)) <= 1:
@@ -100,7 +100,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
       - `output_splits[label]`: elements received from each rank
       - `stride_per_rank`: each source rank's batch size, by rank
       - `stride_per_key_per_rank`: `[F_local][W]` batch size of each local key from each rank
-      - `recat`: rank-major -> feature-major permute (see `_get_recat`)
+      - `recat`: rank-major -> feature-major permute (see `get_recat`)
       - `variable_stride`: batch sizes differ per rank or per key (then `recat` is per bag)
       - `values_per_key_per_rank`: `[F_local][W]` ids of each local key from each rank
     """
@@ -157,7 +157,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
 
     def _segment_recat(self) -> torch.Tensor:
         device = self._segment_strides.device
-        return _get_recat(len(self._keys), self._world_size, self._stagger, device)
+        return get_recat(len(self._keys), self._world_size, self._stagger, device)
 
     @property
     def recat(self) -> torch.Tensor:
@@ -175,7 +175,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         got = {label: pending.wait() for label, pending in self._pending.items()}
         lengths, values, weights = got["lengths"], got["values"], got.get("weights")
         num_local, world_size = len(self._keys), self._world_size
-        order = _rank_order(world_size, self._stagger)
+        order = rank_order(world_size, self._stagger)
         length_per_key = [sum(c) for c in self.values_per_key_per_rank]
         if num_local and lengths.numel():
             recat = self._segment_recat()

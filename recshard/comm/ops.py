@@ -14,9 +14,10 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from recshard.column_blocks import Block, chunks_to_columns, whole_chunks
 from recshard.comm.codecs import QuantizedCommCodecs
+from recshard.comm.column_blocks import Block, chunks_to_columns, whole_chunks
 from recshard.comm.request import AllGatherV, AllToAllV, CommRequest, ReduceScatterV
+from recshard.sparse.jagged_ops import asynchronous_complete_cumsum, expand_into_jagged_permute
 from recshard.types import Awaitable, NoWait
 
 
@@ -156,8 +157,6 @@ def alltoall_sequence(
     Output `[N_sent, D]`: rows in the order the ids were sent. The backward reorder comes from
     autograd; `backward_recat_tensor` is accepted for TorchRec compatibility.
     """
-    from recshard.ops import asynchronous_complete_cumsum, expand_into_jagged_permute
-
     pg = _group(group)
     world_size = dist.get_world_size(pg)
     x = a2a_sequence_embs_tensor

@@ -13,6 +13,8 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from recshard.types import get_local_size  # noqa: F401 - re-exported for users
+
 TIMEOUT_ENV = "RECSHARD_PG_TIMEOUT_S"
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
@@ -40,15 +42,6 @@ def pg_timeout(pg: Optional[dist.ProcessGroup] = None) -> timedelta:
             except Exception:  # noqa: BLE001 - no backend for that device, or no options
                 continue
     return DEFAULT_TIMEOUT
-
-
-def get_local_size(world_size: Optional[int] = None) -> int:
-    """Ranks per node: torchrun's LOCAL_WORLD_SIZE, else the whole world (one node)."""
-    if "LOCAL_WORLD_SIZE" in os.environ:
-        return int(os.environ["LOCAL_WORLD_SIZE"])
-    if world_size is not None:
-        return world_size
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def get_local_rank(rank: int, local_world_size: int) -> int:

@@ -1,10 +1,13 @@
 """Sharded modules, their sharders, manual plans, DistributedModelParallel."""
 
+import sys
+
 from recshard.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from recshard.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from recshard.distributed.model_parallel import (
     DefaultDataParallelWrapper,
     DistributedModelParallel,
+    default_sharders,
     get_module,
     get_unwrapped_module,
 )
@@ -16,7 +19,7 @@ from recshard.distributed.quant_embeddingbag import (
     QuantEmbeddingBagCollectionSharder,
     ShardedQuantEmbeddingBagCollection,
 )
-from recshard.distributed.sharders import EmbeddingBagCollectionSharder, default_sharders
+from recshard.distributed.sharders import EmbeddingBagCollectionSharder
 from recshard.distributed.train_pipeline import (
     EvalPipelineSparseDist,
     TrainPipeline,
@@ -24,6 +27,10 @@ from recshard.distributed.train_pipeline import (
     TrainPipelineContext,
     TrainPipelineSparseDist,
 )
+from recshard.plan import manual as sharding_plan
+
+# TorchRec's import path for the manual plan helpers, which live in recshard.plan.manual
+sys.modules[f"{__name__}.sharding_plan"] = sharding_plan
 
 __all__ = [
     "DefaultDataParallelWrapper",

@@ -18,9 +18,13 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import nn
 
-from recshard.distributed.module_state import ShardedTablesMixin
-from recshard.distributed.plan_checks import SEQUENCE_TYPES
+from recshard.distributed.module_state import EmbeddingModuleContext, ShardedTablesMixin
 from recshard.modules.embedding_modules import EmbeddingCollection
+from recshard.plan.sharding_types import (
+    SEQUENCE_SHARDING_TYPES,
+    sharding_type_values,
+    supported_compute_kernels,
+)
 from recshard.sharding.sequence import build_sequence_shardings
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor
 from recshard.types import (
@@ -105,13 +109,14 @@ class ShardedEmbeddingCollection(ShardedTablesMixin, ShardedModule):
     # ---------------------------------------------------------------- sharded module steps
 
     def output_dist(
-        self, ctx: Dict[str, Any], output: List[torch.Tensor]
+        self, ctx: EmbeddingModuleContext, output: List[torch.Tensor]
     ) -> LazyAwaitable[Dict[str, JaggedTensor]]:
         pending = {
-            name: s.output_dist(local, ctx)
-            for (name, s), local in zip(self._shardings.items(), output)
+            name: s.output_dist(local, sharding_ctx)
+            for (name, s), sharding_ctx, local
+            in zip(self._shardings.items(), ctx.sharding_contexts, output)
         }
-        return _JaggedDictAwaitable(pending, ctx["features"], self)
+        return _JaggedDictAwaitable(pending, ctx.features, self)
 
     def embedding_configs(self):  # noqa: ANN201 - mirrors the unsharded module
         return self._configs
@@ -128,12 +133,10 @@ class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
         return EmbeddingCollection
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return sorted(t.value for t in SEQUENCE_TYPES)
+        return sorted(sharding_type_values(SEQUENCE_SHARDING_TYPES))
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        from recshard.distributed.sharders import _kernels  # sharders.py imports this module
-
-        return _kernels(sharding_type, compute_device_type)
+        return supported_compute_kernels(sharding_type, compute_device_type)
 
     def shardable_parameters(self, module: EmbeddingCollection) -> Dict[str, nn.Parameter]:
         return {name: emb.weight for name, emb in module.embeddings.items()}

@@ -22,9 +22,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from recshard.distributed.sharders import default_sharders
+from recshard.distributed.embedding import EmbeddingCollectionSharder
+from recshard.distributed.quant_embedding import QuantEmbeddingCollectionSharder
+from recshard.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
+from recshard.distributed.sharded_state import (
+    load_model_state_dict,
+    model_state_dict,
+    quiet_sharded_tensor,
+)
+from recshard.distributed.sharders import EmbeddingBagCollectionSharder
 from recshard.optim.keyed import CombinedOptimizer
+from recshard.planner import EmbeddingShardingPlanner, Topology
 from recshard.types import ModuleSharder, ShardedModule, ShardingEnv, ShardingPlan
+
+
+def default_sharders() -> List[ModuleSharder]:
+    """The sharders DistributedModelParallel uses when none are given."""
+    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder(),
+            QuantEmbeddingBagCollectionSharder(), QuantEmbeddingCollectionSharder()]
 
 
 class DefaultDataParallelWrapper:
@@ -69,8 +84,9 @@ def get_unwrapped_module(module: nn.Module) -> nn.Module:
 
 
 def get_module(module: nn.Module) -> nn.Module:
-    """The user's module inside a DMP (sharded), else the module itself."""
-    return get_unwrapped_module(module)
+    """Unwrap a DMP once, as TorchRec does: its wrapped module (DDP-wrapped when data
+    parallelism is on); use `get_unwrapped_module` to strip DDP too."""
+    return module._dmp_wrapped_module if isinstance(module, DistributedModelParallel) else module
 
 
 class DistributedModelParallel(nn.Module):
@@ -105,8 +121,6 @@ class DistributedModelParallel(nn.Module):
     # ---------------------------------------------------------------- construction
 
     def _collective_plan(self, module: nn.Module) -> ShardingPlan:
-        from recshard.planner import EmbeddingShardingPlanner, Topology
-
         topology = Topology(world_size=self._env.world_size, compute_device=self.device.type,
                             local_world_size=self._env.local_world_size)
         planner = EmbeddingShardingPlanner(topology=topology)
@@ -189,14 +203,10 @@ class DistributedModelParallel(nn.Module):
 
     def state_dict(self, *args: Any, prefix: str = "", keep_vars: bool = False, **kwargs: Any) -> Dict[str, Any]:
         """Unsharded keys; sharded tables as ShardedTensors (global shape, this rank's shards)."""
-        from recshard.checkpoint.state import model_state_dict, quiet_sharded_tensor
-
         with quiet_sharded_tensor():
             return model_state_dict(self.module, prefix)
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        from recshard.checkpoint.state import load_model_state_dict
-
         return load_model_state_dict(self.module, state_dict, strict)
 
     def copy(self, device: torch.device) -> DistributedModelParallel:

@@ -11,19 +11,36 @@ from them — TorchRec re-initializes CPU modules silently; recshard keeps what 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
-from recshard.distributed.plan_checks import check_module_plan
+from recshard.lookup.fused_params import FusedOptimSpec, parse_fused_params
 from recshard.lookup.tables import LocalTable
 from recshard.modules.input_checks import bounds_check, check_dtypes_and_weights, check_features
 from recshard.optim.fused import FusedOptimizer
-from recshard.sharding.common import TableSpec
+from recshard.plan.sharding_types import ALL_SHARDING_TYPES, SEQUENCE_SHARDING_TYPES
+from recshard.plan.validate import check_module_plan
+from recshard.sharding.common import EmbeddingShardingContext, TableSpec
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse.validation import validate_kjt
-from recshard.types import Awaitable, BoundsCheckMode, FnAwaitable
+from recshard.types import Awaitable, BoundsCheckMode, FnAwaitable, ParameterSharding
+
+
+@dataclass
+class EmbeddingModuleContext:
+    """One batch's state in a sharded collection, from `input_dist` to `output_dist`."""
+
+    features: Optional[KeyedJaggedTensor] = None  # the checked batch, in the caller's key order
+    sharding_contexts: List[EmbeddingShardingContext] = field(default_factory=list)  # by sharding
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        if self.features is not None:
+            self.features.record_stream(stream)
+        for context in self.sharding_contexts:
+            context.record_stream(stream)
 
 
 class _ListAwaitable(Awaitable[List[Any]]):
@@ -62,9 +79,17 @@ class ShardedTablesMixin:
         pooled: bool,
         is_weighted: bool,
         what: str,
+        compute_kernels: Optional[List[str]] = None,
     ) -> None:
         """Check the plan (`what` names the unsharded module in errors), keep the metadata."""
-        check_module_plan(configs, table_plans, env, what, pooled=pooled)
+        features = [f for c in configs for f in c.feature_names]
+        shared = sorted({f for f in features if features.count(f) > 1})
+        if shared:
+            raise ValueError(f"{what}: features {shared} are read by more than one table; "
+                             "sharding a feature shared by several tables is not supported")
+        check_module_plan(configs, table_plans, what, env.world_size, env.local_world_size,
+                          ALL_SHARDING_TYPES if pooled else SEQUENCE_SHARDING_TYPES,
+                          compute_kernels)
         self.env = env
         self._device = torch.device(device or "cpu")
         self._configs = configs
@@ -119,10 +144,12 @@ class ShardedTablesMixin:
             self._permute_cache[tuple(keys)] = cached
         return cached
 
-    def input_dist(self, ctx: Dict[str, Any], features: KeyedJaggedTensor) -> Awaitable[Awaitable[List[KeyedJaggedTensor]]]:
+    def input_dist(
+        self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[List[KeyedJaggedTensor]]]:
         """Check the batch, permute it into wire order once, start every sharding's dist."""
         features, error = self._checked(features)
-        ctx["features"] = features
+        ctx.features = features
         if error is None:
             if features.keys() != self._wire_features:  # already in wire order: no copy
                 permutation = self._wire_permutation(features.keys())
@@ -132,26 +159,59 @@ class ShardedTablesMixin:
             if not any(s.carries_input_error for s in self._shardings.values()):
                 raise ValueError(error)
             parts = [_placeholder(s.input_features) for s in self._shardings.values()]
-        splits = _ListAwaitable([s.input_dist(part, ctx, error)
-                                 for s, part in zip(self._shardings.values(), parts)])
+        splits = _ListAwaitable([
+            s.input_dist(part, sharding_ctx, error)
+            for s, sharding_ctx, part in zip(self._shardings.values(), ctx.sharding_contexts, parts)
+        ])
 
         def start_tensors() -> Awaitable[List[KeyedJaggedTensor]]:
             tensors = splits.wait()
             # every rank's batch size, learned in the splits exchange (unequal batches work)
             sizes = next((t.stride_per_rank for t in tensors if hasattr(t, "stride_per_rank")), None)
             if sizes is not None and len(set(sizes)) > 1:
-                ctx["batch_size_per_rank"] = list(sizes)
+                for sharding_ctx in ctx.sharding_contexts:
+                    sharding_ctx.batch_size_per_rank = list(sizes)
             return _ListAwaitable(tensors)
 
         return FnAwaitable(start_tensors)
 
-    def compute(self, ctx: Dict[str, Any], dist_input: List[KeyedJaggedTensor]) -> List[torch.Tensor]:
+    def compute(
+        self, ctx: EmbeddingModuleContext, dist_input: List[KeyedJaggedTensor]
+    ) -> List[torch.Tensor]:
         return [s.compute(kjt) for s, kjt in zip(self._shardings.values(), dist_input)]
 
-    def create_context(self) -> Dict[str, Any]:
-        return {}
+    def create_context(self) -> EmbeddingModuleContext:
+        return EmbeddingModuleContext(
+            sharding_contexts=[s.create_context() for s in self._shardings.values()])
 
     # ---------------------------------------------------------------- table state
+    # What `recshard.distributed.sharded_state` (state_dict, checkpoints) reads: the
+    # `ShardedTableState` protocol there.
+
+    @property
+    def tables_attr(self) -> str:
+        """The attribute that holds the tables in the unsharded module (its state_dict keys)."""
+        return self._tables_attr
+
+    def table_configs(self) -> List[Any]:
+        return list(self._configs)
+
+    def table_plan(self, table: str) -> ParameterSharding:
+        return self._table_plans[table]
+
+    def fused_optim_spec(self, table: str) -> FusedOptimSpec:
+        """The optimizer the fused kernel applies to `table` in backward."""
+        return parse_fused_params(self._fused_params, table)
+
+    def fused_optimizer_states(self) -> Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]]:
+        """Per table name, this rank's shards and their fused optimizer state (views)."""
+        out: Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]] = {}
+        for sharding in self._shardings.values():
+            for kernel in sharding.lookup.kernels:
+                if kernel.is_fused:
+                    for table, states in zip(kernel.tables, kernel.optimizer_states()):
+                        out.setdefault(table.name, []).append((table, states))
+        return out
 
     def local_table_shards(self) -> Dict[str, List[Tuple[LocalTable, torch.Tensor]]]:
         """Per table name, this rank's shards and their live weights (views)."""

@@ -11,11 +11,12 @@ copied.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from recshard.column_blocks import Block, check_blocks, chunks_to_columns, cut_at_chunks
+from recshard.comm.column_blocks import Block, check_blocks, chunks_to_columns, cut_at_chunks
+from recshard.distributed.module_state import EmbeddingModuleContext
 from recshard.sparse import KeyedTensor
 from recshard.types import Awaitable, LazyAwaitable
 
@@ -67,8 +68,11 @@ class PooledOutputMixin:
             return None
         return check_blocks(cut_at_chunks(spans, [len(order)]), [len(order)])
 
-    def output_dist(self, ctx: Dict[str, Any], output: List[torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
-        pending = [s.output_dist(local, ctx) for s, local in zip(self._shardings.values(), output)]
+    def output_dist(
+        self, ctx: EmbeddingModuleContext, output: List[torch.Tensor]
+    ) -> LazyAwaitable[KeyedTensor]:
+        pending = [s.output_dist(local, sharding_ctx) for s, sharding_ctx, local
+                   in zip(self._shardings.values(), ctx.sharding_contexts, output)]
         return _KeyedTensorAwaitable(pending, self)
 
     def embedding_bag_configs(self):  # noqa: ANN201 - mirrors the unsharded module

@@ -19,15 +19,16 @@ import torch
 from torch import nn
 
 from recshard.distributed.embedding import ShardedEmbeddingCollection
-from recshard.distributed.plan_checks import SEQUENCE_TYPES
 from recshard.distributed.quant_shards import (
     META,
+    QUANT_KERNELS,
     QuantSharder,
-    check_quant_plan,
+    check_packed_columns,
     load_quant_shards,
     placeholder_specs,
     swap_in_quant_lookups,
 )
+from recshard.plan.sharding_types import SEQUENCE_SHARDING_TYPES, sharding_type_values
 from recshard.quant.embedding_modules import QuantEmbeddingCollection
 from recshard.sharding.sequence import build_sequence_shardings
 from recshard.types import (
@@ -54,8 +55,8 @@ class ShardedQuantEmbeddingCollection(ShardedEmbeddingCollection):
         ShardedModule.__init__(self)  # not the float module's init: no float tables here
         configs = module.embedding_configs()
         self._init_collection(configs, table_plans, env, device, fused_params, pooled=False,
-                              is_weighted=False, what="QuantEmbeddingCollection")
-        check_quant_plan(configs, table_plans, "QuantEmbeddingCollection")
+                              is_weighted=False, what="QuantEmbeddingCollection", compute_kernels=QUANT_KERNELS)
+        check_packed_columns(configs, table_plans)
         self._need_indices = module.need_indices()
         self._output_dtype = module.output_dtype()
         specs = placeholder_specs(configs, table_plans, self._output_dtype)
@@ -80,7 +81,7 @@ class QuantEmbeddingCollectionSharder(QuantSharder):
         return QuantEmbeddingCollection
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return sorted(t.value for t in SEQUENCE_TYPES)
+        return sorted(sharding_type_values(SEQUENCE_SHARDING_TYPES))
 
     def shardable_parameters(self, module: QuantEmbeddingCollection) -> Dict[str, nn.Module]:
         return {name: tables.weight for name, tables in module.embeddings.items()}

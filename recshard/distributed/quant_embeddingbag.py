@@ -19,16 +19,18 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from recshard.distributed.module_state import ShardedTablesMixin
+from recshard.distributed.module_state import EmbeddingModuleContext, ShardedTablesMixin
 from recshard.distributed.pooled_output import PooledOutputMixin
 from recshard.distributed.quant_shards import (
     META,
+    QUANT_KERNELS,
     QuantSharder,
-    check_quant_plan,
+    check_packed_columns,
     load_quant_shards,
     placeholder_specs,
     swap_in_quant_lookups,
 )
+from recshard.plan.sharding_types import ALL_SHARDING_TYPES, sharding_type_values
 from recshard.quant.embedding_modules import QuantEmbeddingBagCollection
 from recshard.sharding.build import build_pooled_shardings
 from recshard.sparse import KeyedJaggedTensor
@@ -36,10 +38,7 @@ from recshard.types import (
     EmbeddingModuleShardingPlan,
     ShardedModule,
     ShardingEnv,
-    ShardingType,
 )
-
-QUANT_SHARDING_TYPES = [t.value for t in ShardingType]
 
 
 class ShardedQuantEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, ShardedModule):
@@ -60,8 +59,8 @@ class ShardedQuantEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, 
         super().__init__()
         configs = module.embedding_bag_configs()
         self._init_collection(configs, table_plans, env, device, fused_params, pooled=True,
-                              is_weighted=module.is_weighted(), what="QuantEmbeddingBagCollection")
-        check_quant_plan(configs, table_plans, "QuantEmbeddingBagCollection")
+                              is_weighted=module.is_weighted(), what="QuantEmbeddingBagCollection", compute_kernels=QUANT_KERNELS)
+        check_packed_columns(configs, table_plans)
         self._output_dtype = module.output_dtype()
         specs = placeholder_specs(configs, table_plans, self._output_dtype)
         shardings = build_pooled_shardings(specs, env, META, self._is_weighted, qcomm_codecs_registry)
@@ -70,7 +69,7 @@ class ShardedQuantEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, 
         self._column_blocks = self._output_order()
         load_quant_shards(shardings, module.quantized_weights(), self._device)
 
-    def compute(self, ctx: Dict[str, Any], dist_input: List[KeyedJaggedTensor]) -> List[torch.Tensor]:
+    def compute(self, ctx: EmbeddingModuleContext, dist_input: List[KeyedJaggedTensor]) -> List[torch.Tensor]:
         return [s.lookup(kjt) for s, kjt in zip(self._shardings.values(), dist_input)]
 
     def output_dtype(self) -> torch.dtype:
@@ -88,7 +87,7 @@ class QuantEmbeddingBagCollectionSharder(QuantSharder):
         return QuantEmbeddingBagCollection
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return list(QUANT_SHARDING_TYPES)
+        return sharding_type_values(ALL_SHARDING_TYPES)
 
     def shardable_parameters(self, module: QuantEmbeddingBagCollection) -> Dict[str, torch.Tensor]:
         return {name: tables.weight for name, tables in module.embedding_bags.items()}

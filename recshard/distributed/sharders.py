@@ -9,23 +9,13 @@ from torch import nn
 
 from recshard.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from recshard.modules.embedding_modules import EmbeddingBagCollection
+from recshard.plan.sharding_types import supported_compute_kernels
 from recshard.types import (
-    EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     ModuleSharder,
     ShardingEnv,
     ShardingType,
 )
-
-
-def _kernels(sharding_type: str, compute_device_type: str) -> List[str]:
-    if ShardingType(sharding_type) == ShardingType.DATA_PARALLEL:
-        return [EmbeddingComputeKernel.DENSE.value]
-    kernels = [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
-    if compute_device_type == "cuda":
-        kernels += [EmbeddingComputeKernel.FUSED_UVM.value,
-                    EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
-    return kernels
 
 
 class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
@@ -39,7 +29,7 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
         return [t.value for t in ShardingType]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return _kernels(sharding_type, compute_device_type)
+        return supported_compute_kernels(sharding_type, compute_device_type)
 
     def shardable_parameters(self, module: EmbeddingBagCollection) -> Dict[str, nn.Parameter]:
         return {name: bag.weight for name, bag in module.embedding_bags.items()}
@@ -55,12 +45,3 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
             module, params, env, device, self.fused_params, self.qcomm_codecs_registry
         )
 
-
-def default_sharders() -> List[ModuleSharder]:
-    """The sharders DistributedModelParallel uses when none are given."""
-    from recshard.distributed.embedding import EmbeddingCollectionSharder
-    from recshard.distributed.quant_embedding import QuantEmbeddingCollectionSharder
-    from recshard.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
-
-    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder(),
-            QuantEmbeddingBagCollectionSharder(), QuantEmbeddingCollectionSharder()]

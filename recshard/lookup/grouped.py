@@ -17,13 +17,13 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
-from recshard import ops
-from recshard.lookup.fused_optim import FusedOptimSpec, parse_fused_params
+from recshard.lookup.fused_params import FusedOptimSpec, parse_fused_params
 from recshard.lookup.kernels import DenseKernel, FbgemmFusedKernel, LookupKernel, TorchFusedKernel
 from recshard.lookup.tables import LocalTable, group_key
 from recshard.lookup.threads import run_side_by_side
 from recshard.modules.embedding_configs import DataType, PoolingType
 from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse import jagged_ops as ops
 from recshard.types import EmbeddingComputeKernel
 
 _FBGEMM_DTYPES = (DataType.FP32, DataType.FP16)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recshard.lookup.fused_optim import FusedOptimSpec, apply_row_update, fbgemm_optim_kwargs
+from recshard.lookup.fused_params import FusedOptimSpec, apply_row_update, fbgemm_optim_kwargs
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE, PoolingType
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor

@@ -29,13 +29,16 @@ from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 DeviceLike = Union[str, torch.device, None]
 
 
-def _check_unique(tables: Sequence[BaseEmbeddingConfig], owner: str) -> None:
+def check_unique_tables(tables: Sequence[BaseEmbeddingConfig], owner: str,
+                  shared_features: bool = False) -> None:
+    """Table names are unique; so are features unless `shared_features` (a feature read by
+    several tables, as TorchRec's unsharded collections allow)."""
     names = [t.name for t in tables]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"{owner}: duplicate table names {dup}")
     features = [f for t in tables for f in t.feature_names]
-    if len(set(features)) != len(features):
+    if not shared_features and len(set(features)) != len(features):
         dup = sorted({f for f in features if features.count(f) > 1})
         raise ValueError(f"{owner}: features {dup} are read by more than one table")
 
@@ -53,6 +56,14 @@ def _make_weight(config: BaseEmbeddingConfig, device: DeviceLike) -> nn.Paramete
     return nn.Parameter(weight)
 
 
+def embedding_names(tables: Sequence[BaseEmbeddingConfig]) -> List[str]:
+    """Output keys, one per (table, feature) in config order: the feature's name, or
+    `feature@table` for a feature several tables read (TorchRec's names)."""
+    features = [f for t in tables for f in t.feature_names]
+    shared = {f for f in features if features.count(f) > 1}
+    return [f"{f}@{t.name}" if f in shared else f for t in tables for f in t.feature_names]
+
+
 class _EmbeddingTables(nn.Module):
     """What both collections share: the tables, the feature -> table map and input checks."""
 
@@ -60,12 +71,15 @@ class _EmbeddingTables(nn.Module):
 
     def __init__(self, tables: Sequence[BaseEmbeddingConfig], device: DeviceLike) -> None:
         super().__init__()
-        _check_unique(tables, type(self).__name__)
+        check_unique_tables(tables, type(self).__name__, shared_features=True)
         self._configs = list(tables)
-        self._feature_names = [f for t in tables for f in t.feature_names]
-        self._feature_to_table: Dict[str, Tuple[str, int]] = {
-            f: (t.name, t.num_embeddings) for t in tables for f in t.feature_names
-        }
+        self._embedding_names = embedding_names(tables)
+        self._feature_names = list(dict.fromkeys(f for t in tables for f in t.feature_names))
+        # a feature read by several tables must index the smallest of them
+        self._feature_to_table: Dict[str, Tuple[str, int]] = {}
+        for t in sorted(tables, key=lambda t: -t.num_embeddings):
+            for f in t.feature_names:
+                self._feature_to_table[f] = (t.name, t.num_embeddings)
 
     def _weights(self) -> Dict[str, nn.Parameter]:
         return {name: m.weight for name, m in getattr(self, self._tables_attr).items()}
@@ -137,7 +151,7 @@ class EmbeddingBagCollection(_EmbeddingTables):
                 if config.pooling == PoolingType.MEAN:
                     sums = sums / jt.lengths().clamp(min=1).unsqueeze(1).to(sums.dtype)
                 pooled.append(sums)
-        return KeyedTensor(self._feature_names, self._dims, torch.cat(pooled, dim=1))
+        return KeyedTensor(self._embedding_names, self._dims, torch.cat(pooled, dim=1))
 
 
 class EmbeddingCollection(_EmbeddingTables):
@@ -176,11 +190,12 @@ class EmbeddingCollection(_EmbeddingTables):
         self._check_input(features, is_weighted=False)
         jts = features.to_dict()
         out: Dict[str, JaggedTensor] = {}
+        names = iter(self._embedding_names)
         for config in self._configs:
             emb = self.embeddings[config.name]
             for feature in config.feature_names:
                 jt = jts[feature]
-                out[feature] = JaggedTensor(
+                out[next(names)] = JaggedTensor(
                     emb(jt.values().long()),
                     weights=jt.values() if self._need_indices else None,
                     lengths=jt.lengths(),

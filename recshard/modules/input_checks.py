@@ -39,10 +39,20 @@ def check_features(kjt: KeyedJaggedTensor, expected: List[str], owner: str) -> N
         )
 
 
+def data_unreadable(kjt: KeyedJaggedTensor) -> bool:
+    """True while `torch.export` / `torch.compile` trace (a guard on data cannot be traced; the
+    exported program runs without the data checks, as TorchRec's does) and on the `meta`
+    device (shape inference): checks that read the ids are skipped there."""
+    return torch.compiler.is_compiling() or kjt.values().is_meta
+
+
 def check_layout(kjt: KeyedJaggedTensor, owner: str) -> None:
     """lengths, values and weights agree: a few scalar comparisons on the per-key sums the
     lookup needs anyway, and one min over lengths; the full check (for its message naming
-    key and numbers) only when they do not. The KJT constructor accepts these, as TorchRec's."""
+    key and numbers) only when they do not. The KJT constructor accepts these, as TorchRec's.
+    Skipped where the data cannot be read (`data_unreadable`)."""
+    if data_unreadable(kjt):
+        return
     values, weights, lengths = kjt.values(), kjt.weights_or_none(), kjt.lengths()
     if (
         values.dim() != 1
@@ -115,7 +125,11 @@ def find_out_of_range(
 def check_ids(
     kjt: KeyedJaggedTensor, feature_to_table: Dict[str, Tuple[str, int]], owner: str
 ) -> None:
-    """Every id must index a row of its table: `feature_to_table[f] = (table, rows)`."""
+    """Every id must index a row of its table: `feature_to_table[f] = (table, rows)`.
+
+    Skipped where the ids cannot be read (`data_unreadable`)."""
+    if data_unreadable(kjt):
+        return
     rows = [feature_to_table[k][1] for k in kjt.keys()]
     found = find_out_of_range(kjt, rows)
     if found is not None:

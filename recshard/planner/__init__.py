@@ -25,10 +25,7 @@ from recshard.planner.plan_io import (
     validate_plan,
 )
 from recshard.planner.planner import EmbeddingShardingPlanner
-from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
-from recshard.planner.refine import refine_placement
-from recshard.planner.stats import EmbeddingStats, PlannerStats
-from recshard.planner.types import (
+from recshard.planner.planner_types import (
     ParameterConstraints,
     Perf,
     PlannerError,
@@ -38,6 +35,9 @@ from recshard.planner.types import (
     TableMeta,
     Topology,
 )
+from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
+from recshard.planner.refine import refine_placement
+from recshard.planner.stats import EmbeddingStats, PlannerStats
 
 __all__ = [
     "EmbeddingEnumerator",

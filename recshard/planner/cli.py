@@ -26,8 +26,14 @@ from recshard.planner.estimators import StorageReservation
 from recshard.planner.partitioners import GreedyPerfPartitioner, MemoryBalancedPartitioner
 from recshard.planner.plan_io import save_plan
 from recshard.planner.planner import EmbeddingShardingPlanner
+from recshard.planner.planner_types import (
+    GIB,
+    ParameterConstraints,
+    PlannerError,
+    TableMeta,
+    Topology,
+)
 from recshard.planner.stats import PlannerStats
-from recshard.planner.types import GIB, ParameterConstraints, PlannerError, TableMeta, Topology
 from recshard.types import BoundsCheckMode
 
 _TABLE_KEYS = {"name", "num_embeddings", "embedding_dim", "feature_names", "pooling_factor",

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from torch import nn
 
 from recshard.planner.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
-from recshard.planner.types import (
+from recshard.planner.planner_types import (
     ALL_SHARDING_TYPES,
     UVM_KERNELS,
     ParameterConstraints,
@@ -36,7 +36,7 @@ def default_compute_kernels(sharding_type: str, compute_device: str) -> List[str
 
 
 def row_runs(rows: int, cols: int, num_shards: int) -> Runs:
-    """Row-wise shards as runs, matching `shard_geometry.row_wise_sizes`."""
+    """Row-wise shards as runs, matching `recshard.plan.geometry.row_wise_sizes`."""
     block = max(1, -(-rows // num_shards))
     full = min(num_shards, rows // block)
     rest = rows - full * block
@@ -50,7 +50,7 @@ def row_runs(rows: int, cols: int, num_shards: int) -> Runs:
 
 
 def column_runs(rows: int, cols: int, num_shards: int) -> Runs:
-    """Column-wise shards as runs, matching `shard_geometry.column_wise_sizes`."""
+    """Column-wise shards as runs, matching `recshard.plan.geometry.column_wise_sizes`."""
     base, extra = divmod(cols, num_shards)
     runs: Runs = [(extra, rows, base + 1)] if extra else []
     return runs + [(num_shards - extra, rows, base)]

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from recshard.planner.types import GIB, Perf, PlannerError, Storage, TableMeta, Topology
+from recshard.planner.planner_types import GIB, Perf, PlannerError, Storage, TableMeta, Topology
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from itertools import accumulate
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from recshard.planner.estimators import Capacity
-from recshard.planner.types import GIB, ShardingOption
+from recshard.planner.planner_types import GIB, ShardingOption
 
 _EPS = 1e-9
 

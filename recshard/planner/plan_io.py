@@ -1,4 +1,4 @@
-"""Sharding plans as JSON files, and checking a plan against a model.
+"""Sharding plans as JSON files (checked against a model by `recshard.plan.validate`).
 
 Schema (version 1)::
 
@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional
 
 from torch import nn
 
-from recshard.planner.types import ALL_SHARDING_TYPES
+from recshard.plan.validate import PlanValidationError, validate_plan  # noqa: F401 - re-exported
 from recshard.types import (
     BoundsCheckMode,
-    EmbeddingComputeKernel,
     ParameterSharding,
     ShardingPlan,
     ShardMetadata,
@@ -31,11 +30,6 @@ from recshard.types import (
 
 PLAN_FORMAT = "recshard.sharding_plan"
 PLAN_VERSION = 1
-_KERNELS = [k.value for k in EmbeddingComputeKernel]
-
-
-class PlanValidationError(ValueError):
-    """A plan does not match the model or the world it is used with; names the table."""
 
 
 def plan_to_dict(plan: ShardingPlan, metadata: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -116,108 +110,23 @@ def save_plan(plan: ShardingPlan, path: str, metadata: Optional[Dict[str, Any]] 
     os.replace(tmp, path)
 
 
-def load_plan(path: str) -> ShardingPlan:
-    """Read a plan written by `save_plan` or `recshard-plan -o`."""
+def load_plan(
+    path: str,
+    module: Optional[nn.Module] = None,
+    world_size: Optional[int] = None,
+    local_world_size: Optional[int] = None,
+) -> ShardingPlan:
+    """Read a plan written by `save_plan` or `recshard-plan -o`; with `module`, also check it
+    fits that model (and world) with `validate_plan`."""
     try:
         with open(path) as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise PlanValidationError(f"{path}: not valid JSON ({e})") from e
     try:
-        return plan_from_dict(data)
+        plan = plan_from_dict(data)
+        if module is not None:
+            validate_plan(plan, module, world_size, local_world_size)
     except PlanValidationError as e:
         raise PlanValidationError(f"{path}: {e}") from e
-
-
-def _module_tables(module: nn.Module) -> Dict[str, Dict[str, Tuple[int, int]]]:
-    """Per embedding-module FQN, table name -> (rows, cols)."""
-    found: Dict[str, Dict[str, Tuple[int, int]]] = {}
-    for fqn, mod in module.named_modules():
-        configs = None
-        if hasattr(mod, "embedding_bag_configs"):
-            configs = mod.embedding_bag_configs()
-        elif hasattr(mod, "embedding_configs"):
-            configs = mod.embedding_configs()
-        if configs is not None:
-            found[fqn] = {c.name: (c.num_embeddings, c.embedding_dim) for c in configs}
-    return found
-
-
-def _check_cover(where: str, ps: ParameterSharding, rows: int, cols: int) -> None:
-    shards = ps.shards or []
-    if not shards:
-        raise PlanValidationError(f"{where}: {ps.sharding_type} needs shards, the plan has none")
-    row_wise = ps.sharding_type in ("row_wise", "table_row_wise")
-    axis = 0 if row_wise else 1
-    extent = rows if row_wise else cols
-    other = cols if row_wise else rows
-    position = 0
-    for s in shards:
-        if s.shard_offsets[1 - axis] != 0 or s.shard_sizes[1 - axis] != other:
-            raise PlanValidationError(f"{where}: shard {s} does not span the full "
-                                      f"{'columns' if row_wise else 'rows'} of {rows} x {cols}")
-        if s.shard_offsets[axis] != position:
-            raise PlanValidationError(f"{where}: shard {s} starts at {s.shard_offsets[axis]}, "
-                                      f"expected {position} (gap or overlap)")
-        position += s.shard_sizes[axis]
-    if position != extent:
-        raise PlanValidationError(
-            f"{where}: shards cover {position} {'rows' if row_wise else 'columns'}, the table "
-            f"has {extent} ({rows} x {cols})"
-        )
-
-
-def validate_plan(
-    plan: ShardingPlan,
-    module: nn.Module,
-    world_size: Optional[int] = None,
-    local_world_size: Optional[int] = None,
-) -> None:
-    """Check that `plan` fits `module`: every planned module and table exists, every table of a
-    planned module is planned, shards tile each table exactly, kernels and types are known,
-    ranks are below `world_size` and table-row/column-wise shards stay in one host of
-    `local_world_size` ranks. Raises PlanValidationError naming the table."""
-    tables = _module_tables(module)
-    for fqn, planned in plan.plan.items():
-        if fqn not in tables:
-            raise PlanValidationError(
-                f"plan names module '{fqn}', which the model does not have; embedding modules: "
-                f"{sorted(tables)}"
-            )
-        missing = sorted(set(tables[fqn]) - set(planned))
-        if missing:
-            raise PlanValidationError(f"module '{fqn}': tables {missing} have no entry in the plan")
-        for name, ps in planned.items():
-            where = f"table '{f'{fqn}.' if fqn else ''}{name}'"
-            if name not in tables[fqn]:
-                raise PlanValidationError(
-                    f"{where} is in the plan but not in the model; module '{fqn}' has tables "
-                    f"{sorted(tables[fqn])}"
-                )
-            _validate_entry(where, ps, *tables[fqn][name], world_size, local_world_size)
-
-
-def _validate_entry(where: str, ps: ParameterSharding, rows: int, cols: int,
-                    world_size: Optional[int], local_world_size: Optional[int]) -> None:
-    st = getattr(ps.sharding_type, "value", ps.sharding_type)
-    kernel = getattr(ps.compute_kernel, "value", ps.compute_kernel)
-    if st not in ALL_SHARDING_TYPES:
-        raise PlanValidationError(f"{where}: unknown sharding type {st!r}")
-    if kernel not in _KERNELS:
-        raise PlanValidationError(f"{where}: unknown compute kernel {kernel!r}")
-    ranks: List[int] = list(ps.ranks or [])
-    if st != "data_parallel":
-        if st == "table_wise" and len(ps.shards or []) != 1:
-            raise PlanValidationError(f"{where}: table-wise needs exactly one shard")
-        _check_cover(where, ps, rows, cols)
-        shard_ranks = [s.rank for s in ps.shards or []]
-        if local_world_size and st in ("table_row_wise", "table_column_wise"):
-            hosts = sorted({r // local_world_size for r in shard_ranks})
-            if len(hosts) != 1:
-                raise PlanValidationError(f"{where}: {st} shards span hosts {hosts} "
-                                          f"(local_world_size {local_world_size})")
-        ranks += shard_ranks
-    if world_size is not None:
-        bad = sorted({r for r in ranks if not 0 <= r < world_size})
-        if bad:
-            raise PlanValidationError(f"{where}: ranks {bad} are outside world size {world_size}")
+    return plan

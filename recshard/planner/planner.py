@@ -7,15 +7,16 @@ import logging
 import time
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
+from recshard.plan.geometry import make_shards
+from recshard.plan.validate import validate_plan
 from recshard.planner.enumerator import EmbeddingEnumerator, tables_from_module
 from recshard.planner.estimators import Capacity, StorageReservation
 from recshard.planner.partitioners import GreedyPerfPartitioner, NoopPerfModel, PartitionResult
-from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
-from recshard.planner.refine import refine_placement
-from recshard.planner.stats import EmbeddingStats, PlannerStats, build_stats
-from recshard.planner.types import (
+from recshard.planner.planner_types import (
     GIB,
     ParameterConstraints,
     PlannerError,
@@ -23,7 +24,9 @@ from recshard.planner.types import (
     TableMeta,
     Topology,
 )
-from recshard.shard_geometry import make_shards
+from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
+from recshard.planner.refine import refine_placement
+from recshard.planner.stats import EmbeddingStats, PlannerStats, build_stats
 from recshard.types import ModuleSharder, ParameterSharding, ShardingPlan
 
 logger = logging.getLogger(__name__)
@@ -83,9 +86,6 @@ class EmbeddingShardingPlanner:
     @property
     def topology(self) -> Topology:
         if self._topology is None:
-            import torch
-            import torch.distributed as dist
-
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self._topology = Topology(world_size=world, compute_device=device)
@@ -99,7 +99,10 @@ class EmbeddingShardingPlanner:
                 "no shardable tables found: no submodule matches the sharders' module types "
                 f"{[s.module_type.__name__ for s in sharders]}"
             )
-        return self.plan_tables(tables, dense_param_bytes=dense_bytes)
+        plan = self.plan_tables(tables, dense_param_bytes=dense_bytes)
+        topology = self.topology
+        validate_plan(plan, module, topology.world_size, topology.local_world_size)
+        return plan
 
     def plan_tables(self, tables: Sequence[TableMeta], dense_param_bytes: float = 0.0) -> ShardingPlan:
         """Plan from table metadata alone (the CLI's entry point)."""
@@ -248,8 +251,6 @@ class EmbeddingShardingPlanner:
     ) -> ShardingPlan:
         """Rank 0 of `pg` plans and broadcasts the plan; every rank returns the same plan. If
         rank 0 fails, its error is broadcast and every rank raises (no rank hangs)."""
-        import torch.distributed as dist
-
         group = pg if pg is not None else dist.group.WORLD
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if self._topology is None:
@@ -277,7 +278,7 @@ class EmbeddingShardingPlanner:
 
 def to_sharding_plan(result: PartitionResult, topology: Topology) -> ShardingPlan:
     """The `ShardingPlan` of a placement: per module FQN, per table, type, kernel, ranks and
-    shard geometry from `recshard.shard_geometry` (the same the sharded modules use)."""
+    shard geometry from `recshard.plan.geometry` (the same the sharded modules use)."""
     plan: Dict[str, Dict[str, ParameterSharding]] = {}
     device = topology.compute_device
     for option, ranks in zip(result.proposal, result.ranks):

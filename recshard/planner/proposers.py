@@ -10,7 +10,7 @@ import math
 from typing import Iterator, List, Optional, Set, Tuple
 
 from recshard.planner.partitioners import PartitionResult
-from recshard.planner.types import ShardingOption
+from recshard.planner.planner_types import ShardingOption
 
 logger = logging.getLogger(__name__)
 SearchSpace = List[List[ShardingOption]]

@@ -9,7 +9,7 @@ from typing import Dict, List, Sequence
 
 from recshard.planner.estimators import Capacity
 from recshard.planner.partitioners import PartitionResult
-from recshard.planner.types import GIB, Topology
+from recshard.planner.planner_types import GIB, Topology
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from recshard.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
 from recshard.modules.embedding_modules import (
     EmbeddingBagCollection,
     EmbeddingCollection,
-    _check_unique,
+    check_unique_tables,
 )
 from recshard.modules.input_checks import (
     check_dtypes_and_weights,
@@ -61,7 +61,7 @@ class _QuantTables(nn.Module):
         table_name_to_quantized_weights: Optional[QuantizedWeights],
     ) -> None:
         super().__init__()
-        _check_unique(tables, type(self).__name__)
+        check_unique_tables(tables, type(self).__name__)
         check_output_dtype(output_dtype)
         for config in tables:
             check_table_layout(config.name, config.embedding_dim, config.data_type)

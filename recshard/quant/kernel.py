@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from recshard.modules.embedding_configs import DataType, PoolingType
+from recshard.quant.fake_classes import register_fake_classes
 from recshard.quant.rowwise import check_table_layout, data_bytes, quantize_rows
 from recshard.sparse import KeyedJaggedTensor
 
@@ -105,6 +106,7 @@ class QuantLookup(nn.Module):
             row_alignment=16 if on_cuda else 2,
         )
         self.tbe.initialize_weights()
+        register_fake_classes()  # lets torch.export trace the TBE's script objects
         # fbgemm's buffers follow from the tables; the weights are saved through the
         # collections' per-table views, so keep these out of state_dict.
         self.tbe._non_persistent_buffers_set.update(self.tbe._buffers)

@@ -12,13 +12,12 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from recshard.comm.codecs import CommOp, codecs_from_registry
+from recshard.plan.sharding_types import PLACED_TYPES
 from recshard.sharding.common import EmbeddingSharding, TableSpec
 from recshard.sharding.data_parallel import DataParallelPooledSharding
 from recshard.sharding.placed import PlacedPooledSharding
 from recshard.sharding.row_wise import RowWisePooledSharding
 from recshard.types import ShardingEnv, ShardingType
-
-_PLACED = {ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE}
 
 
 def build_pooled_shardings(
@@ -32,7 +31,7 @@ def build_pooled_shardings(
     by_kind: Dict[str, List[TableSpec]] = {}
     for spec in specs:
         st = ShardingType(spec.sharding.sharding_type)
-        kind = "placed" if st in _PLACED else st.value
+        kind = "placed" if st in PLACED_TYPES else st.value
         by_kind.setdefault(kind, []).append(spec)
     a2a_codecs = codecs_from_registry(qcomm_codecs_registry, CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
     rs_codecs = codecs_from_registry(qcomm_codecs_registry, CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER)

@@ -32,6 +32,18 @@ OutputColumns = List[Tuple[str, int, int]]  # (feature, column offset inside it,
 
 
 @dataclass
+class EmbeddingShardingContext:
+    """What one sharding's `input_dist` leaves for its `output_dist`, for one batch
+    (TorchRec's name). Shardings that keep more subclass it and return it from
+    `create_context`."""
+
+    batch_size_per_rank: Optional[List[int]] = None  # every rank's batch size, when they differ
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Mark the device tensors kept here as used on `stream` (none in the base)."""
+
+
+@dataclass
 class TableSpec:
     """A table as a sharded module sees it: config, plan entry and fused optimizer params."""
 
@@ -89,9 +101,14 @@ class EmbeddingSharding(nn.Module, abc.ABC):
         super().__init__()
         self.env = env
 
+    def create_context(self) -> EmbeddingShardingContext:
+        """A fresh context for one batch."""
+        return EmbeddingShardingContext()
+
     @abc.abstractmethod
     def input_dist(
-        self, features: KeyedJaggedTensor, ctx: Dict[str, Any], input_error: Optional[str]
+        self, features: KeyedJaggedTensor, ctx: EmbeddingShardingContext,
+        input_error: Optional[str]
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         """Route this rank's ids (`features` in wire order) to the ranks that own them."""
 
@@ -105,7 +122,9 @@ class EmbeddingSharding(nn.Module, abc.ABC):
         return local
 
     @abc.abstractmethod
-    def output_dist(self, local: torch.Tensor, ctx: Dict[str, Any]) -> Awaitable[torch.Tensor]:
+    def output_dist(
+        self, local: torch.Tensor, ctx: EmbeddingShardingContext
+    ) -> Awaitable[torch.Tensor]:
         """Bring looked-up embeddings back to the data-parallel layout `[B_local, cols]`."""
 
     def after_init(self) -> None:

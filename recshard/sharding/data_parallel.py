@@ -10,14 +10,14 @@ fraction of the table. Smaller tables share one all-reduce per lookup kernel.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from recshard.comm.row_average import average_rows_over_ranks
 from recshard.lookup.grouped import GroupedLookup, lookup_order
-from recshard.sharding.common import EmbeddingSharding, TableSpec
+from recshard.sharding.common import EmbeddingSharding, EmbeddingShardingContext, TableSpec
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import Awaitable, EmbeddingComputeKernel, NoWait, ShardingEnv
 
@@ -94,10 +94,13 @@ class DataParallelPooledSharding(EmbeddingSharding):
         return list(_AverageGradsOverRanks.apply(self.env.pg, exchange, *weights))
 
     def input_dist(
-        self, features: KeyedJaggedTensor, ctx: Dict[str, Any], input_error: Optional[str]
+        self, features: KeyedJaggedTensor, ctx: EmbeddingShardingContext,
+        input_error: Optional[str]
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         # A rejected input is raised by the sharded module (no collective to carry it here).
         return NoWait(NoWait(features))
 
-    def output_dist(self, local: torch.Tensor, ctx: Dict[str, Any]) -> Awaitable[torch.Tensor]:
+    def output_dist(
+        self, local: torch.Tensor, ctx: EmbeddingShardingContext
+    ) -> Awaitable[torch.Tensor]:
         return NoWait(local)

@@ -10,15 +10,15 @@ the pooled columns back with one all-to-all. Table-column-wise differs only in p
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
-from recshard.column_blocks import cut_at_chunks
 from recshard.comm import KJTAllToAll, PooledEmbeddingsAllToAll
+from recshard.comm.column_blocks import cut_at_chunks
 from recshard.lookup.grouped import GroupedLookup, lookup_order
 from recshard.lookup.tables import LocalTable
-from recshard.sharding.common import EmbeddingSharding, TableSpec
+from recshard.sharding.common import EmbeddingSharding, EmbeddingShardingContext, TableSpec
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import Awaitable, ShardingEnv
 
@@ -58,9 +58,12 @@ class PlacedPooledSharding(EmbeddingSharding):
         return True
 
     def input_dist(
-        self, features: KeyedJaggedTensor, ctx: Dict[str, Any], input_error: Optional[str]
+        self, features: KeyedJaggedTensor, ctx: EmbeddingShardingContext,
+        input_error: Optional[str]
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         return self._kjt_a2a(features, input_error=input_error)
 
-    def output_dist(self, local: torch.Tensor, ctx: Dict[str, Any]) -> Awaitable[torch.Tensor]:
-        return self._pooled_a2a(local, batch_size_per_rank=ctx.get("batch_size_per_rank"))
+    def output_dist(
+        self, local: torch.Tensor, ctx: EmbeddingShardingContext
+    ) -> Awaitable[torch.Tensor]:
+        return self._pooled_a2a(local, batch_size_per_rank=ctx.batch_size_per_rank)

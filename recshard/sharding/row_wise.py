@@ -16,18 +16,24 @@ the output dist.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from recshard import ops
 from recshard.comm import KJTAllToAll, PooledEmbeddingsAllToAll, PooledEmbeddingsReduceScatter
 from recshard.comm.pg import intra_and_cross_node_pg
 from recshard.lookup.grouped import GroupedLookup, lookup_order
 from recshard.modules.embedding_configs import PoolingType
-from recshard.shard_geometry import row_block_size
-from recshard.sharding.common import EmbeddingSharding, TableSpec, mean_divisor_columns
+from recshard.plan.geometry import row_block_size
+from recshard.sharding.common import (
+    EmbeddingSharding,
+    EmbeddingShardingContext,
+    TableSpec,
+    mean_divisor_columns,
+)
 from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse import jagged_ops as ops
 from recshard.types import Awaitable, FnAwaitable, ShardingEnv
 
 
@@ -43,6 +49,19 @@ def bucketize(
         features.keys() * num_buckets, values, weights, lengths=lengths,
         stride=features.stride(), validate=False,
     )
+
+
+@dataclass
+class RowWiseShardingContext(EmbeddingShardingContext):
+    """Row-wise also keeps the lengths of its MEAN-pooled features: their partial sums are
+    reduced as sums and divided by the bag sizes after the reduce-scatter."""
+
+    mean_lengths: Dict[str, torch.Tensor] = field(default_factory=dict)  # feature -> [B_local]
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        for lengths in self.mean_lengths.values():
+            if lengths.is_cuda:
+                lengths.record_stream(stream)
 
 
 class RowWisePooledSharding(EmbeddingSharding):
@@ -107,13 +126,15 @@ class RowWisePooledSharding(EmbeddingSharding):
         )
         self._num_groups = num_groups
 
+    def create_context(self) -> RowWiseShardingContext:
+        return RowWiseShardingContext()
+
     def input_dist(
-        self, features: KeyedJaggedTensor, ctx: Dict[str, Any], input_error: Optional[str]
+        self, features: KeyedJaggedTensor, ctx: RowWiseShardingContext,
+        input_error: Optional[str]
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         if self._mean_features:
-            ctx.setdefault("lengths", {}).update(
-                {f: features[f].lengths() for f in self._mean_features}
-            )
+            ctx.mean_lengths = {f: features[f].lengths() for f in self._mean_features}
         if input_error is None:
             parts = features.split(self._features_per_group) if self._num_groups > 1 else [features]
             buckets = [bucketize(part, block, self.group_size)
@@ -123,8 +144,10 @@ class RowWisePooledSharding(EmbeddingSharding):
             routed = features
         return self._kjt_a2a(routed, input_error=input_error)
 
-    def output_dist(self, local: torch.Tensor, ctx: Dict[str, Any]) -> Awaitable[torch.Tensor]:
-        batch_sizes = ctx.get("batch_size_per_rank")
+    def output_dist(
+        self, local: torch.Tensor, ctx: RowWiseShardingContext
+    ) -> Awaitable[torch.Tensor]:
+        batch_sizes = ctx.batch_size_per_rank
         if self._cross_a2a is None:
             pending = self._reduce_scatter(local, input_splits=batch_sizes)
         elif batch_sizes is not None:
@@ -139,7 +162,7 @@ class RowWisePooledSharding(EmbeddingSharding):
 
         def divide() -> torch.Tensor:
             pooled = pending.wait()
-            divisor = mean_divisor_columns(self.output_columns, self._mean_features, ctx["lengths"])
+            divisor = mean_divisor_columns(self.output_columns, self._mean_features, ctx.mean_lengths)
             return pooled / divisor
 
         return FnAwaitable(divide)

@@ -17,23 +17,37 @@ sequence lookup stacks the rows of all its tables into one `[N, D]` tensor.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from recshard import ops
 from recshard.comm import KJTAllToAll, SequenceEmbeddingsAllToAll
 from recshard.comm.codecs import CommOp, QuantizedCommCodecs, codecs_from_registry
 from recshard.lookup.grouped import GroupedLookup, lookup_order
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE
-from recshard.shard_geometry import row_block_size
-from recshard.sharding.common import EmbeddingSharding, TableSpec
+from recshard.plan.geometry import row_block_size
+from recshard.plan.sharding_types import PLACED_TYPES
+from recshard.sharding.common import EmbeddingSharding, EmbeddingShardingContext, TableSpec
 from recshard.sharding.data_parallel import DataParallelPooledSharding
 from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse import jagged_ops as ops
 from recshard.types import Awaitable, ShardingEnv, ShardingType
 
-_PLACED = {ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE}
+
+@dataclass
+class SequenceShardingContext(EmbeddingShardingContext):
+    """What a sequence sharding's output dist needs from its input dist (TorchRec's name)."""
+
+    a2a: Any = None  # the KJT all-to-all's tensors awaitable: its splits, recat, batch sizes
+    received_lengths: Optional[torch.Tensor] = None  # lengths of the ids this rank received
+    unbucketize_permute: Optional[torch.Tensor] = None  # row-wise: bucketized -> sent id order
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        for tensor in (self.received_lengths, self.unbucketize_permute):
+            if tensor is not None and tensor.is_cuda:
+                tensor.record_stream(stream)
 
 
 class _SequenceSharding(EmbeddingSharding):
@@ -58,23 +72,25 @@ class _SequenceSharding(EmbeddingSharding):
             self.env.pg, features_per_rank, codecs=self._codecs
         )
 
-    def _route(self, features: KeyedJaggedTensor, state: Dict[str, Any]) -> KeyedJaggedTensor:
+    def create_context(self) -> SequenceShardingContext:
+        return SequenceShardingContext()
+
+    def _route(self, features: KeyedJaggedTensor, ctx: SequenceShardingContext) -> KeyedJaggedTensor:
         return features
 
     def input_dist(
-        self, features: KeyedJaggedTensor, ctx: Dict[str, Any], input_error: str | None
+        self, features: KeyedJaggedTensor, ctx: SequenceShardingContext, input_error: str | None
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         """Send the ids; keep the all-to-all's metadata (splits, recat) and the received
-        lengths in `ctx[self.name]`, for the way back."""
-        state: Dict[str, Any] = ctx.setdefault(self.name, {})
-        routed = self._route(features, state) if input_error is None else features
+        lengths in `ctx`, for the way back."""
+        routed = self._route(features, ctx) if input_error is None else features
 
         def keep_received(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-            state["received_lengths"] = kjt.lengths()
+            ctx.received_lengths = kjt.lengths()
             return kjt
 
         def keep_metadata(tensors: Awaitable[KeyedJaggedTensor]) -> Awaitable[KeyedJaggedTensor]:
-            state["a2a"] = tensors
+            ctx.a2a = tensors
             tensors.callbacks.append(keep_received)
             return tensors
 
@@ -91,16 +107,17 @@ class _SequenceSharding(EmbeddingSharding):
             return local.requires_grad_(torch.is_grad_enabled())
         return super().compute(features)
 
-    def output_dist(self, local: torch.Tensor, ctx: Dict[str, Any]) -> Awaitable[torch.Tensor]:
+    def output_dist(
+        self, local: torch.Tensor, ctx: SequenceShardingContext
+    ) -> Awaitable[torch.Tensor]:
         """`[N_recv, width]` -> `[N_sent, width]`, rows in the order this rank sent its ids."""
-        state = ctx[self.name]
-        a2a = state["a2a"]
+        a2a = ctx.a2a
         return self._seq_a2a(
             local,
-            state["received_lengths"],
+            ctx.received_lengths,
             a2a.input_splits["values"],
             a2a.output_splits["values"],
-            unbucketize_permute_tensor=state.get("unbucketize"),
+            unbucketize_permute_tensor=ctx.unbucketize_permute,
             batch_size_per_rank=a2a.stride_per_rank,
             sparse_features_recat=a2a.recat,
         )
@@ -164,7 +181,7 @@ class RowWiseSequenceSharding(_SequenceSharding):
         self.lookup = GroupedLookup([s.local_table(env.rank) for s in ordered], False, device)
         self._make_dists([len(self.input_features)] * world)
 
-    def _route(self, features: KeyedJaggedTensor, state: Dict[str, Any]) -> KeyedJaggedTensor:
+    def _route(self, features: KeyedJaggedTensor, ctx: SequenceShardingContext) -> KeyedJaggedTensor:
         """Bucket-major KJT (keys repeated once per rank, ids rebased to the row block)."""
         world = self.env.world_size
         lengths, values, _, _, unbucketize = ops.block_bucketize_sparse_features(
@@ -176,7 +193,7 @@ class RowWiseSequenceSharding(_SequenceSharding):
             world,
             None,
         )
-        state["unbucketize"] = unbucketize
+        ctx.unbucketize_permute = unbucketize
         return KeyedJaggedTensor(
             features.keys() * world,
             values,
@@ -220,7 +237,7 @@ def build_sequence_shardings(
     for spec in specs:
         st = ShardingType(spec.sharding.sharding_type)
         dtype = DATA_TYPE_TO_DTYPE[spec.config.data_type]
-        if st in _PLACED:
+        if st in PLACED_TYPES:
             for index, shard in enumerate(spec.shards()):
                 groups.setdefault(("placed", shard.shard_sizes[1], dtype), []).append((spec, index))
         else:

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import torch
 
-from recshard import ops
+from recshard.sparse import jagged_ops as ops
 
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 

@@ -15,9 +15,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from recshard import ops
+from recshard.sparse import jagged_ops as ops
 from recshard.sparse.jagged_tensor import JaggedStorage, JaggedTensor, values_string
-from recshard.sparse.keyed_tensor import _cumsum
+from recshard.sparse.keyed_tensor import offsets_from_sizes
 from recshard.sparse.validation import check_structure, validate_kjt
 
 
@@ -225,7 +225,7 @@ class KeyedJaggedTensor(JaggedStorage):
 
     def lengths_offset_per_key(self) -> List[int]:
         """Where each key's block starts in `lengths` (cumsum of stride_per_key)."""
-        return _cumsum(self._stride_per_key)
+        return offsets_from_sizes(self._stride_per_key)
 
     def length_per_key(self) -> List[int]:
         """Number of ids of each key (one host sync on first call, then cached)."""
@@ -247,7 +247,7 @@ class KeyedJaggedTensor(JaggedStorage):
     def offset_per_key(self) -> List[int]:
         """Where each key's ids start in `values`, plus the total at the end."""
         if self._offset_per_key is None:
-            self._offset_per_key = _cumsum(self.length_per_key())
+            self._offset_per_key = offsets_from_sizes(self.length_per_key())
         return self._offset_per_key
 
     def validate(self) -> None:

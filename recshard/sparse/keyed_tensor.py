@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 
-def _cumsum(sizes: Sequence[int]) -> List[int]:
+def offsets_from_sizes(sizes: Sequence[int]) -> List[int]:
     out = [0]
     for s in sizes:
         out.append(out[-1] + s)
@@ -65,7 +65,7 @@ class KeyedTensor:
 
     def offset_per_key(self) -> List[int]:
         if self._offset_per_key is None:
-            self._offset_per_key = _cumsum(self._length_per_key)
+            self._offset_per_key = offsets_from_sizes(self._length_per_key)
         return self._offset_per_key
 
     def _index(self) -> Dict[str, int]:

@@ -64,13 +64,39 @@ def _kt_unflatten(children: Children, context: Any) -> KeyedTensor:
     return KeyedTensor(keys, length_per_key, children[0], key_dim)
 
 
+_FIELDS = ("values", "weights", "lengths", "offsets", "inverse_indices")
+KeyedLeaves = List[Tuple[pytree.KeyEntry, torch.Tensor]]
+
+
+def _named(leaves: List[torch.Tensor], present: Tuple[bool, ...]) -> KeyedLeaves:
+    """Leaves keyed by the accessor they came from (torch.export needs paths to its inputs)."""
+    names = [name for name, here in zip(_FIELDS, present) if here]
+    return [(pytree.GetAttrKey(name), leaf) for name, leaf in zip(names, leaves)]
+
+
+def _kjt_flatten_with_keys(kjt: KeyedJaggedTensor) -> Tuple[KeyedLeaves, Any]:
+    leaves, context = _kjt_flatten(kjt)
+    return _named(leaves, context[-1]), context
+
+
+def _jt_flatten_with_keys(jt: JaggedTensor) -> Tuple[KeyedLeaves, Any]:
+    leaves, present = _jt_flatten(jt)
+    return _named(leaves, present), present
+
+
+def _kt_flatten_with_keys(kt: KeyedTensor) -> Tuple[KeyedLeaves, Any]:
+    children, context = _kt_flatten(kt)
+    return [(pytree.GetAttrKey("values"), children[0])], context
+
+
 def register() -> None:
-    for cls, flatten, unflatten in (
-        (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten),
-        (JaggedTensor, _jt_flatten, _jt_unflatten),
-        (KeyedTensor, _kt_flatten, _kt_unflatten),
+    for cls, flatten, unflatten, with_keys in (
+        (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten, _kjt_flatten_with_keys),
+        (JaggedTensor, _jt_flatten, _jt_unflatten, _jt_flatten_with_keys),
+        (KeyedTensor, _kt_flatten, _kt_unflatten, _kt_flatten_with_keys),
     ):
         if cls not in pytree.SUPPORTED_NODES:
             pytree.register_pytree_node(
-                cls, flatten, unflatten, serialized_type_name=f"recshard.{cls.__name__}"
+                cls, flatten, unflatten, serialized_type_name=f"recshard.{cls.__name__}",
+                flatten_with_keys_fn=with_keys,
             )

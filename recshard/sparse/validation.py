@@ -10,17 +10,28 @@ embeddings or a hang inside a collective.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import List, Optional, Protocol
 
 import torch
 
 from recshard.sparse.jagged_tensor import check_index_dtype
 
-if TYPE_CHECKING:
-    from recshard.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+
+class KeyedJaggedLike(Protocol):
+    """What the checks read of a KeyedJaggedTensor (a protocol, so this module sits below
+    `keyed_jagged_tensor.py`, which calls it, instead of importing it back)."""
+
+    def keys(self) -> List[str]: ...
+    def values(self) -> torch.Tensor: ...
+    def weights_or_none(self) -> Optional[torch.Tensor]: ...
+    def lengths_or_none(self) -> Optional[torch.Tensor]: ...
+    def offsets_or_none(self) -> Optional[torch.Tensor]: ...
+    def stride(self) -> int: ...
+    def stride_per_key(self) -> List[int]: ...
+    def lengths_offset_per_key(self) -> List[int]: ...
 
 
-def _key_at(kjt: KeyedJaggedTensor, position: int) -> str:
+def _key_at(kjt: KeyedJaggedLike, position: int) -> str:
     """The key that owns entry `position` of `lengths`."""
     bounds = kjt.lengths_offset_per_key()
     for index, end in enumerate(bounds[1:]):
@@ -29,7 +40,7 @@ def _key_at(kjt: KeyedJaggedTensor, position: int) -> str:
     return "<past the last key>"
 
 
-def check_structure(kjt: KeyedJaggedTensor) -> None:
+def check_structure(kjt: KeyedJaggedLike) -> None:
     """Unique keys, integer lengths/offsets, and as many of them as keys x batch sizes.
 
     O(keys) and no host sync; an empty `offsets` (or `lengths`) is an empty batch."""
@@ -56,7 +67,7 @@ def check_structure(kjt: KeyedJaggedTensor) -> None:
         )
 
 
-def validate_kjt(kjt: KeyedJaggedTensor) -> None:
+def validate_kjt(kjt: KeyedJaggedLike) -> None:
     """Raise ValueError if keys, lengths, offsets, values and weights disagree (values must
     be 1-D ids, exactly as many as the lengths sum to)."""
     check_structure(kjt)

@@ -16,7 +16,7 @@ from comm_helpers import assert_close, seeded
 from multiprocess import run_ranks
 
 from recshard.comm import KJTAllToAll, SequenceEmbeddingsAllToAll
-from recshard.comm.kjt_all_to_all import _rank_order
+from recshard.comm.kjt_all_to_all import rank_order
 from recshard.sparse import KeyedJaggedTensor
 
 Bag = List[int]
@@ -66,7 +66,7 @@ def _expected(case: Case, rank: int, ws: int) -> Tuple[List[str], List[int], Lis
     all_bags = [_bags(case, r) for r in range(ws)]
     lengths, values = [], []
     for k in range(lo, lo + case.splits[rank]):
-        for source in _rank_order(ws, case.stagger):
+        for source in rank_order(ws, case.stagger):
             for bag in all_bags[source][k]:
                 lengths.append(len(bag))
                 values.extend(bag)
@@ -88,7 +88,7 @@ def _check_case(case: Case, rank: int, ws: int) -> None:
     else:
         assert out.weights_or_none() is None
     if case.vbe:
-        expected = [[len(_bags(case, s)[int(key[1:])]) for s in _rank_order(ws, case.stagger)]
+        expected = [[len(_bags(case, s)[int(key[1:])]) for s in rank_order(ws, case.stagger)]
                     for key in keys]
         assert out.stride_per_key_per_rank() == expected, case.name
     else:

@@ -7,6 +7,8 @@ weighted and unweighted, at world sizes 1-4; one spawned group per world size ru
 from __future__ import annotations
 
 import copy
+import traceback
+from dataclasses import dataclass
 from typing import Dict, List
 
 import pytest
@@ -31,16 +33,36 @@ KINDS = ["table_wise", "row_wise", "column_wise", "table_row_wise", "table_colum
          "data_parallel", "mixed"]
 
 
-def run_case(rank: int, ws: int, lws: int, kind: str, kernel: str, optimizer: str,
-             weighted: bool, batch_size: int, steps: int, threads: int = 1) -> List[str]:
+@dataclass(frozen=True)
+class EbcCase:
+    """One equivalence case: a plan kind trained for `steps` steps, sharded vs unsharded."""
+
+    local_world_size: int  # ranks per "node" (table-row/column-wise stay inside one)
+    kind: str  # a plan kind of `ebc_cases.plan_for`
+    kernel: str  # "fused" or "dense"
+    optimizer: str  # fused optimizer: "sgd" or "rowwise_adagrad"
+    weighted: bool
+    batch_size: int  # per rank
+    steps: int
+    threads: int = 1  # > 1: fused groups cut into kernels that run side by side
+
+    @property
+    def name(self) -> str:
+        return (f"{self.kind}/{self.kernel}/{self.optimizer}/lws{self.local_world_size}/"
+                f"{'weighted' if self.weighted else 'unweighted'}/batch{self.batch_size}/"
+                f"steps{self.steps}/threads{self.threads}")
+
+
+def run_case(rank: int, ws: int, case: EbcCase) -> List[str]:
     """Returns a list of mismatch descriptions (empty when everything matches).
 
-    `threads` > 1: the sharded module is built and run with that many torch threads, so its
-    fbgemm groups are cut into kernels that run side by side (`recshard.lookup.threads`).
+    `case.threads` > 1: the sharded module is built and run with that many torch threads, so
+    its fbgemm groups are cut into kernels that run side by side (`recshard.lookup.threads`).
     """
-    torch.set_num_threads(threads)
+    torch.set_num_threads(case.threads)
     try:
-        return _compare(rank, ws, lws, kind, kernel, optimizer, weighted, batch_size, steps)
+        return _compare(rank, ws, case.local_world_size, case.kind, case.kernel, case.optimizer,
+                        case.weighted, case.batch_size, case.steps)
     finally:
         torch.set_num_threads(1)
 
@@ -95,36 +117,38 @@ def _compare(rank: int, ws: int, lws: int, kind: str, kernel: str, optimizer: st
     return problems
 
 
-def run_all(rank: int, ws: int, cases: List[tuple]) -> Dict[str, List[str]]:
+def run_all(rank: int, ws: int, cases: List[EbcCase]) -> Dict[str, List[str]]:
     results = {}
     for case in cases:
-        lws = case[0]
         try:
-            results[str(case)] = run_case(rank, ws, *case)
+            results[case.name] = run_case(rank, ws, case)
         except Exception as e:  # report per case, keep the group going
-            import traceback
-
-            results[str(case)] = [f"raised {type(e).__name__}: {e}\n{traceback.format_exc()}"]
-        del lws
+            results[case.name] = [f"raised {type(e).__name__}: {e}\n{traceback.format_exc()}"]
     return results
 
 
-def cases_for(ws: int) -> List[tuple]:
+def cases_for(ws: int) -> List[EbcCase]:
     lws = ws if ws < 4 else 2  # ws 4: two "nodes" of two ranks
     cases = []
     for kind in KINDS:
         for optimizer in ("sgd", "rowwise_adagrad"):
-            cases.append((lws, kind, "fused", optimizer, False, 3, 3))
-        cases.append((lws, kind, "dense", "sgd", False, 3, 2))
-    cases.append((lws, "mixed", "fused", "sgd", True, 3, 2))   # weighted
-    cases.append((lws, "row_wise", "fused", "sgd", False, 1, 2))  # batch size 1
-    cases.append((lws, "table_row_wise", "fused", "sgd", True, 2, 2))
+            cases.append(EbcCase(lws, kind, "fused", optimizer, weighted=False, batch_size=3,
+                                 steps=3))
+        cases.append(EbcCase(lws, kind, "dense", "sgd", weighted=False, batch_size=3, steps=2))
+    cases += [
+        EbcCase(lws, "mixed", "fused", "sgd", weighted=True, batch_size=3, steps=2),
+        EbcCase(lws, "row_wise", "fused", "sgd", weighted=False, batch_size=1, steps=2),
+        EbcCase(lws, "table_row_wise", "fused", "sgd", weighted=True, batch_size=2, steps=2),
+    ]
     if ws <= 2:  # fbgemm kernels side by side on two threads
         for kind in ("table_wise", "row_wise", "mixed"):
-            cases.append((lws, kind, "fused", "rowwise_adagrad", kind == "mixed", 3, 3, 2))
-    if ws == 2:
-        cases.append((1, "table_row_wise", "fused", "sgd", False, 2, 2))  # two nodes of one
-        cases.append((1, "mixed", "fused", "rowwise_adagrad", False, 2, 2))
+            cases.append(EbcCase(lws, kind, "fused", "rowwise_adagrad", weighted=kind == "mixed",
+                                 batch_size=3, steps=3, threads=2))
+    if ws == 2:  # two nodes of one rank each
+        cases += [
+            EbcCase(1, "table_row_wise", "fused", "sgd", weighted=False, batch_size=2, steps=2),
+            EbcCase(1, "mixed", "fused", "rowwise_adagrad", weighted=False, batch_size=2, steps=2),
+        ]
     return cases
 
 

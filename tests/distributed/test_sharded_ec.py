@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import traceback
+from dataclasses import dataclass
 from typing import Dict, List
 
 import pytest
@@ -24,6 +25,26 @@ from recshard.distributed.sharding_plan import construct_module_sharding_plan, t
 from recshard.types import ShardingEnv
 
 KINDS = ["table_wise", "row_wise", "column_wise", "data_parallel", "mixed"]
+
+
+@dataclass(frozen=True)
+class EcCase:
+    """One case: an equivalence run (`kind` a plan kind of `ec_cases.plan_for`), or one of
+    the special runs "rejected" (a bad id on rank 0 stops every rank) and "errors"."""
+
+    kind: str
+    kernel: str = "fused"  # "fused" or "dense"
+    optimizer: str = "sgd"  # fused optimizer: "sgd" or "rowwise_adagrad"
+    batch_size: int = 3  # per rank
+    steps: int = 2
+    variant: str = ""  # "indices" (need_indices, int32 ids) or "uneven" (unequal batches)
+
+    @property
+    def name(self) -> str:
+        if self.kind in ("rejected", "errors"):
+            return self.kind
+        return (f"{self.kind}/{self.kernel}/{self.optimizer}/batch{self.batch_size}/"
+                f"steps{self.steps}{'/' + self.variant if self.variant else ''}")
 
 
 def _env() -> ShardingEnv:
@@ -181,35 +202,37 @@ def run_errors(rank: int, ws: int) -> List[str]:
     return problems
 
 
-def run_all(rank: int, ws: int, cases: List[tuple]) -> Dict[str, List[str]]:
+def run_all(rank: int, ws: int, cases: List[EcCase]) -> Dict[str, List[str]]:
     results: Dict[str, List[str]] = {}
     for case in cases:
         try:
-            if case[0] == "rejected":
-                results[str(case)] = run_rejected(rank, ws)
-            elif case[0] == "errors":
-                results[str(case)] = run_errors(rank, ws)
+            if case.kind == "rejected":
+                results[case.name] = run_rejected(rank, ws)
+            elif case.kind == "errors":
+                results[case.name] = run_errors(rank, ws)
             else:
-                results[str(case)] = run_case(rank, ws, *case)
+                results[case.name] = run_case(rank, ws, case.kind, case.kernel, case.optimizer,
+                                              case.batch_size, case.steps, case.variant)
         except Exception as e:  # report per case, keep the group going
-            results[str(case)] = [f"raised {type(e).__name__}: {e}\n{traceback.format_exc()}"]
+            results[case.name] = [f"raised {type(e).__name__}: {e}\n{traceback.format_exc()}"]
     return results
 
 
-def cases_for(ws: int) -> List[tuple]:
-    cases: List[tuple] = []
+def cases_for(ws: int) -> List[EcCase]:
+    cases: List[EcCase] = []
     for kind in KINDS:
         if kind != "data_parallel":
-            cases.append((kind, "fused", "sgd", 3, 3))
-            cases.append((kind, "fused", "rowwise_adagrad", 3, 3))
-        cases.append((kind, "dense", "sgd", 3, 2))
-    cases.append(("mixed", "fused", "sgd", 1, 2, "indices"))  # batch size 1
-    cases.append(("row_wise", "fused", "sgd", 1, 2))
+            cases.append(EcCase(kind, "fused", "sgd", batch_size=3, steps=3))
+            cases.append(EcCase(kind, "fused", "rowwise_adagrad", batch_size=3, steps=3))
+        cases.append(EcCase(kind, "dense", "sgd", batch_size=3, steps=2))
+    cases.append(EcCase("mixed", "fused", "sgd", batch_size=1, steps=2, variant="indices"))
+    cases.append(EcCase("row_wise", "fused", "sgd", batch_size=1, steps=2))
     if ws > 1:
-        cases.append(("mixed", "fused", "rowwise_adagrad", 2, 2, "uneven"))
-    cases.append(("rejected",))
+        cases.append(EcCase("mixed", "fused", "rowwise_adagrad", batch_size=2, steps=2,
+                            variant="uneven"))
+    cases.append(EcCase("rejected"))
     if ws == 2:
-        cases.append(("errors",))
+        cases.append(EcCase("errors"))
     return cases
 
 

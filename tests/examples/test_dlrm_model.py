@@ -1,4 +1,5 @@
-"""DLRM forward/backward shapes and meta construction (unsharded)."""
+"""The example's build_dlrm: forward/backward shapes and meta construction (unsharded);
+the model classes themselves are tested in tests/models."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import pytest
 import torch
 
 from examples.dlrm.data import SyntheticConfig, SyntheticCriteo
-from examples.dlrm.model import DLRM, InteractionArch, build_dlrm
-from recshard import EmbeddingBagCollection, EmbeddingBagConfig
+from examples.dlrm.model import build_dlrm
+from recshard import EmbeddingBagConfig
+from recshard.models.dlrm import DLRM_DCN
 
 SIZES = [11, 7, 5, 20]
 DIM = 8
@@ -38,28 +40,13 @@ def test_forward_backward_shapes(interaction: str) -> None:
     assert ebc_grad.shape == (SIZES[0], DIM)
 
 
-def test_interaction_is_pairwise_dots() -> None:
-    dense = torch.randn(2, 4)
-    sparse = torch.randn(2, 3, 4)
-    out = InteractionArch(3)(dense, sparse)
-    assert out.shape == (2, InteractionArch.output_dim(4, 3)) == (2, 4 + 6)
-    vectors = torch.cat([dense.unsqueeze(1), sparse], dim=1)
-    expected = [vectors[:, i] @ vectors[:, j].T for i in range(4) for j in range(i + 1, 4)]
-    for k, e in enumerate(expected):
-        torch.testing.assert_close(out[:, 4 + k], e.diagonal())
-    torch.testing.assert_close(out[:, :4], dense)
-
-
 def test_builds_on_meta() -> None:
     model = build_dlrm(_tables(), 13, [16, DIM], [16, 1], interaction="dcn", device="meta")
     assert {p.device.type for p in model.parameters()} == {"meta"}
 
 
-def test_bad_layer_sizes_are_named() -> None:
-    ebc = EmbeddingBagCollection(_tables(), device="meta")
-    with pytest.raises(ValueError, match="end with the embedding dim 8"):
-        DLRM(ebc, 13, [16, 4], [16, 1])
-    with pytest.raises(ValueError, match="over arch must end with 1"):
-        DLRM(ebc, 13, [16, 8], [16, 2])
+def test_interaction_picks_the_model() -> None:
+    model = build_dlrm(_tables(), 13, [16, DIM], [16, 1], interaction="dcn", device="meta")
+    assert isinstance(model.model, DLRM_DCN)
     with pytest.raises(ValueError, match="interaction must be"):
-        DLRM(ebc, 13, [16, 8], [16, 1], interaction="attention")
+        build_dlrm(_tables(), 13, [16, DIM], [16, 1], interaction="attention", device="meta")

@@ -16,7 +16,6 @@ import torch
 from multiprocess import run_ranks
 
 from examples.dlrm.args import parse_args
-from examples.dlrm.data.batch import Batch
 from examples.dlrm.data.binary import BinaryCriteo, SplitArrays
 from examples.dlrm.data.criteo import (
     FileShard,
@@ -30,6 +29,7 @@ from examples.dlrm.data.criteo_spec import capped_num_embeddings
 from examples.dlrm.data.preprocess import Manifest, VocabSettings, preprocess
 from examples.dlrm.preprocess import main
 from examples.dlrm.train import run
+from recshard.datasets.utils import Batch
 
 DATA_DIR = (Path(__file__).resolve().parents[2] / "../shared/data/criteo").resolve()
 SAMPLES = ["deepctr_criteo_sample_200.csv", "paddlerec_part-0_100.txt",

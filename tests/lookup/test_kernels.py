@@ -11,13 +11,13 @@ from typing import List
 import pytest
 import torch
 
-from recshard import ops
-from recshard.lookup.fused_optim import OptimType, parse_fused_params
+from recshard.lookup.fused_params import OptimType, parse_fused_params
 from recshard.lookup.grouped import GroupedLookup
 from recshard.lookup.kernels import DenseKernel, FbgemmFusedKernel, TorchFusedKernel
 from recshard.lookup.tables import LocalTable
 from recshard.modules import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse import jagged_ops as ops
 from recshard.types import EmbeddingComputeKernel
 
 needs_fbgemm = pytest.mark.skipif(not ops.fbgemm_available(), reason="fbgemm not importable")

@@ -16,13 +16,13 @@ import pytest
 import torch
 from torch import nn
 
-from recshard import ops
-from recshard.lookup.fused_optim import OptimType
+from recshard.lookup.fused_params import OptimType
 from recshard.lookup.grouped import GroupedLookup, split_evenly
 from recshard.lookup.tables import LocalTable
 from recshard.lookup.threads import run_side_by_side
 from recshard.modules import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse import jagged_ops as ops
 from recshard.types import EmbeddingComputeKernel
 
 needs_fbgemm = pytest.mark.skipif(not ops.fbgemm_available(), reason="fbgemm not importable")

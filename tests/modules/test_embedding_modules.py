@@ -111,8 +111,5 @@ def test_weights_mismatch_and_bad_configs() -> None:
         EmbeddingBagCollection(tables())(kjt(weighted=True))
     with pytest.raises(ValueError, match="collection is weighted but the input has no weights"):
         EmbeddingBagCollection(tables(), is_weighted=True)(kjt())
-    with pytest.raises(ValueError, match=r"features \['f'\] are read by more than one table"):
-        EmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=2, embedding_dim=2, name=n,
-                                                   feature_names=["f"]) for n in "ab"])
     with pytest.raises(ValueError, match="table 'x': embedding_dim must be >= 1, got 0"):
         EmbeddingBagConfig(num_embeddings=2, embedding_dim=0, name="x")

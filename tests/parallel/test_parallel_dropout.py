@@ -72,5 +72,6 @@ def check_parallel_dropout_grad_and_modes(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.parametrize("name", [f.__name__ for f in checks_of(sys.modules[__name__])])
-def test_multirank(rank_results, name: str) -> None:
+def test_parallel_dropout_check_holds_on_every_rank(rank_results, name: str) -> None:
+    """Each `check_*` above, run on every rank of a real gloo group, holds there."""
     rank_results.verify(name)

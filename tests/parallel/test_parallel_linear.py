@@ -298,7 +298,8 @@ def check_linear_errors(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.parametrize("name", [f.__name__ for f in checks_of(sys.modules[__name__])])
-def test_multirank(rank_results, name: str) -> None:
+def test_parallel_linear_check_holds_on_every_rank(rank_results, name: str) -> None:
+    """Each `check_*` above, run on every rank of a real gloo group, holds there."""
     rank_results.verify(name)
 
 

@@ -23,7 +23,7 @@ from recshard.planner import (
     UniformProposer,
     refine_placement,
 )
-from recshard.planner.types import GIB, Segment
+from recshard.planner.planner_types import GIB, Segment
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from recshard.plan.geometry import column_wise_sizes, row_wise_sizes
 from recshard.planner import (
     EmbeddingEnumerator,
     EmbeddingPerfEstimator,
@@ -13,7 +14,6 @@ from recshard.planner import (
 )
 from recshard.planner.enumerator import column_runs, row_runs
 from recshard.planner.estimators import optimizer_state_bytes
-from recshard.shard_geometry import column_wise_sizes, row_wise_sizes
 
 
 def test_optimizer_state_per_type():

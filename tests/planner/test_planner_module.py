@@ -10,13 +10,14 @@ from multiprocess import run_ranks
 from torch import nn
 
 from recshard.distributed import EmbeddingBagCollectionSharder
-from recshard.distributed.plan_checks import check_module_plan
 from recshard.modules import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     EmbeddingCollection,
     EmbeddingConfig,
 )
+from recshard.plan.sharding_types import SEQUENCE_SHARDING_TYPES
+from recshard.plan.validate import check_module_plan
 from recshard.planner import (
     EmbeddingShardingPlanner,
     ParameterConstraints,
@@ -28,7 +29,7 @@ from recshard.planner import (
     validate_plan,
 )
 from recshard.planner.plan_io import PlanValidationError
-from recshard.types import BoundsCheckMode, ModuleSharder, ShardingEnv, ShardingType
+from recshard.types import BoundsCheckMode, ModuleSharder, ShardingType
 
 GIB = 1024**3
 
@@ -87,11 +88,11 @@ def test_plan_module_covers_every_table_and_passes_module_checks():
     assert set(plan.plan["sparse.ebc"]) == {f"bag{i}" for i in range(6)}
     assert plan.plan["sparse.ec"]["seq0"].sharding_type in _SequenceSharder().sharding_types("cpu")
     validate_plan(plan, model, world_size=4)
-    env = ShardingEnv(4, 0, None, local_world_size=2)
-    check_module_plan(model.sparse.ebc.embedding_bag_configs(), plan.plan["sparse.ebc"], env,
-                      "EmbeddingBagCollection", pooled=True)
-    check_module_plan(model.sparse.ec.embedding_configs(), plan.plan["sparse.ec"], env,
-                      "EmbeddingCollection", pooled=False)
+    check_module_plan(model.sparse.ebc.embedding_bag_configs(), plan.plan["sparse.ebc"],
+                      "EmbeddingBagCollection", world_size=4, local_world_size=2)
+    check_module_plan(model.sparse.ec.embedding_configs(), plan.plan["sparse.ec"],
+                      "EmbeddingCollection", world_size=4, local_world_size=2,
+                      sharding_types=SEQUENCE_SHARDING_TYPES)
 
 
 def test_every_sharding_type_passes_module_checks():
@@ -103,9 +104,8 @@ def test_every_sharding_type_passes_module_checks():
     plan = EmbeddingShardingPlanner(topo, constraints=constraints, debug=False).plan(
         model, _sharders())
     assert [plan.plan["sparse.ebc"][f"bag{i}"].sharding_type for i in range(6)] == types
-    env = ShardingEnv(4, 0, None, local_world_size=2)
-    check_module_plan(model.sparse.ebc.embedding_bag_configs(), plan.plan["sparse.ebc"], env,
-                      "EmbeddingBagCollection", pooled=True)
+    check_module_plan(model.sparse.ebc.embedding_bag_configs(), plan.plan["sparse.ebc"],
+                      "EmbeddingBagCollection", world_size=4, local_world_size=2)
     validate_plan(plan, model, world_size=4, local_world_size=2)
     twcw = plan.plan["sparse.ebc"]["bag5"]  # table_column_wise: move a shard to the other host
     twcw.shards[0].placement = "rank:2/cpu" if twcw.shards[1].rank < 2 else "rank:0/cpu"
@@ -150,7 +150,7 @@ def test_validate_plan_names_the_mismatch(tmp_path):
     model = _Model()
     plan = EmbeddingShardingPlanner(Topology(2), debug=False).plan(model, _sharders())
     other = _Model(n=5)
-    with pytest.raises(PlanValidationError, match="'sparse.ebc.bag5' is in the plan but not"):
+    with pytest.raises(PlanValidationError, match=r"module 'sparse.ebc': the plan names tables \['bag5'\] that the module lacks"):
         validate_plan(plan, other)
     bigger = _Model()
     bigger.sparse.ebc = EmbeddingBagCollection(
@@ -165,6 +165,11 @@ def test_validate_plan_names_the_mismatch(tmp_path):
     bad.write_text('{"format": "recshard.sharding_plan", "version": 99, "modules": {}}')
     with pytest.raises(PlanValidationError, match="version 99"):
         load_plan(str(bad))
+    path = str(tmp_path / "plan.json")
+    save_plan(plan, path)
+    assert plan_to_dict(load_plan(path, model, world_size=2)) == plan_to_dict(plan)
+    with pytest.raises(PlanValidationError, match=r"plan.json: table 'sparse.ebc.bag"):
+        load_plan(path, bigger)
 
 
 def test_no_shardable_module_is_an_error():

@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recshard import ops
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor
+from recshard.sparse import jagged_ops as ops
 
 Rows = List[List[Tuple[int, float]]]
 Ref = Dict[str, Rows]

@@ -1,6 +1,6 @@
 """DLRM data: the `Batch` type, a synthetic Criteo-like generator and a Criteo TSV/CSV reader."""
 
-from examples.dlrm.data.batch import Batch, make_kjt
+from examples.dlrm.data.batch import make_kjt
 from examples.dlrm.data.criteo_spec import (
     DENSE_NAMES,
     KAGGLE_NUM_EMBEDDINGS,
@@ -10,6 +10,7 @@ from examples.dlrm.data.criteo_spec import (
     capped_num_embeddings,
 )
 from examples.dlrm.data.synthetic import SyntheticConfig, SyntheticCriteo
+from recshard.datasets.utils import Batch
 
 __all__ = [
     "Batch",

@@ -17,10 +17,10 @@ from typing import Iterator, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from examples.dlrm.data.batch import Batch
 from examples.dlrm.data.criteo_spec import NUM_DENSE, NUM_SPARSE, SPARSE_NAMES
 from examples.dlrm.data.preprocess import MANIFEST, SPLITS, Manifest, part_path
 from recshard import KeyedJaggedTensor
+from recshard.datasets.utils import Batch
 
 
 def is_preprocessed(path: str | None) -> bool:

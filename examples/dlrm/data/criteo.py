@@ -23,8 +23,9 @@ from typing import Iterator, List, Sequence, Tuple
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from examples.dlrm.data.batch import Batch, make_kjt
+from examples.dlrm.data.batch import make_kjt
 from examples.dlrm.data.criteo_spec import NUM_DENSE, NUM_SPARSE, SPARSE_NAMES
+from recshard.datasets.utils import Batch
 
 NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
 Row = Tuple[int, List[float], List[int]]

@@ -9,10 +9,10 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from examples.dlrm.data.batch import Batch
 from examples.dlrm.data.binary import BinaryCriteo, is_preprocessed
 from examples.dlrm.data.criteo import criteo_loader, list_files
 from examples.dlrm.data.synthetic import SyntheticConfig, SyntheticCriteo
+from recshard.datasets.utils import Batch
 
 
 def _pin() -> bool:

@@ -24,9 +24,9 @@ from typing import Iterator, List
 
 import torch
 
-from examples.dlrm.data.batch import Batch
 from examples.dlrm.data.criteo_spec import NUM_DENSE, SPARSE_NAMES
 from recshard import KeyedJaggedTensor
+from recshard.datasets.utils import Batch
 
 _MASK32 = 0xFFFFFFFF
 _SPLIT_CODE = {"train": 0, "eval": 1}

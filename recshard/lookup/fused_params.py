@@ -46,6 +46,11 @@ class FusedOptimSpec:
         return {OptimType.EXACT_SGD: [], OptimType.EXACT_ADAGRAD: ["momentum1"],
                 OptimType.EXACT_ROWWISE_ADAGRAD: ["momentum1"]}[self.optim]
 
+    @property
+    def rowwise_state(self) -> bool:
+        """True when each state tensor holds one value per row (`[rows]`), not per element."""
+        return self.optim == OptimType.EXACT_ROWWISE_ADAGRAD
+
     def state_shape(self, rows: int, cols: int) -> Optional[List[int]]:
         if self.optim == OptimType.EXACT_ADAGRAD:
             return [rows, cols]

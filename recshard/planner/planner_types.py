@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from recshard.modules.embedding_configs import DataType
-from recshard.types import BoundsCheckMode, ShardingType
+from recshard.plan import sharding_types
+from recshard.plan.sharding_types import sharding_type_values
+from recshard.types import BoundsCheckMode
 
 GIB = 1024**3
 _GBPS_TO_BYTES_PER_MS = 1e9 / 1e3
 
-ALL_SHARDING_TYPES = [st.value for st in ShardingType]
+ALL_SHARDING_TYPES = sharding_type_values(sharding_types.ALL_SHARDING_TYPES)  # strings, enum order
 UVM_KERNELS = ("fused_uvm", "fused_uvm_caching")
 
 

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional
 
+import torch.distributed as dist
 from torch import nn
 
-from recshard.comm.pg import get_local_size
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
-from recshard.shard_geometry import make_shards
+from recshard.plan.geometry import make_shards
+from recshard.plan.validate import check_table_plan
 from recshard.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     ParameterSharding,
     ShardingType,
+    get_local_size,
 )
 
 ShardingGenerator = Callable[[BaseEmbeddingConfig, int, int, str], ParameterSharding]
@@ -106,8 +108,6 @@ def construct_module_sharding_plan(
     device_type: Optional[str] = None,
 ) -> EmbeddingModuleShardingPlan:
     """A plan for one collection: `{table: ParameterSharding}` from per-table helpers."""
-    import torch.distributed as dist
-
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
     local_size = local_size or get_local_size(world_size)
@@ -116,7 +116,10 @@ def construct_module_sharding_plan(
     if unknown:
         raise ValueError(f"construct_module_sharding_plan: tables {unknown} are not in the module "
                          f"(its tables: {list(configs)})")
-    return {
+    plan = {
         name: generate(configs[name], local_size, world_size, device_type or "cpu")
         for name, generate in per_param_sharding.items()
     }
+    for name, ps in plan.items():
+        check_table_plan(configs[name], ps, world_size, local_size)
+    return plan

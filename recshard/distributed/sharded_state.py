@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Protocol, Tuple, runtime_checkable
 
 import torch
 from torch import nn
@@ -27,10 +27,11 @@ from torch.distributed._shard.sharded_tensor import (
     TensorProperties,
 )
 
+from recshard.lookup.fused_params import FusedOptimSpec
 from recshard.lookup.tables import LocalTable
-from recshard.types import ShardedModule, ShardingType
-
-_COLUMN_TYPES = {ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value}
+from recshard.modules.embedding_configs import BaseEmbeddingConfig
+from recshard.plan.sharding_types import COLUMN_SPLIT_TYPES
+from recshard.types import ParameterSharding, ShardedModule, ShardingEnv, ShardingType
 
 
 @contextlib.contextmanager
@@ -57,23 +58,43 @@ def _torch_meta(offsets: List[int], sizes: List[int], rank: int) -> TorchShardMe
     return TorchShardMetadata(list(offsets), list(sizes), f"rank:{rank}/cpu")
 
 
-def _plan_metas(module: Any, table: str) -> List[TorchShardMetadata]:
-    return [_torch_meta(s.shard_offsets, s.shard_sizes, s.rank) for s in module._table_plans[table].shards]
+@runtime_checkable
+class ShardedTableState(Protocol):
+    """What a sharded collection tells the state walk about its tables (implemented by
+    `ShardedTablesMixin`); nothing else of the module is read here."""
+
+    env: ShardingEnv
+
+    @property
+    def tables_attr(self) -> str: ...
+    def table_configs(self) -> List[BaseEmbeddingConfig]: ...
+    def table_plan(self, table: str) -> ParameterSharding: ...
+    def local_table_shards(self) -> Dict[str, List[Tuple[LocalTable, torch.Tensor]]]: ...
+    def load_full_tables(self, full: Dict[str, torch.Tensor]) -> None: ...
+    def fused_optim_spec(self, table: str) -> FusedOptimSpec: ...
+    def fused_optimizer_states(
+        self,
+    ) -> Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]]: ...
+
+
+def _plan_metas(module: ShardedTableState, table: str) -> List[TorchShardMetadata]:
+    return [_torch_meta(s.shard_offsets, s.shard_sizes, s.rank)
+            for s in module.table_plan(table).shards]
 
 
 def _local_meta(table: LocalTable, rank: int) -> TorchShardMetadata:
     return _torch_meta([table.row_offset, table.col_offset], [table.rows, table.cols], rank)
 
 
-def table_state(module: Any, prefix: str) -> Dict[str, Any]:
+def table_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
     """`{prefix}<tables_attr>.<t>.weight` for every table of a sharded collection."""
     out: Dict[str, Any] = {}
     shards = module.local_table_shards()
     rank = module.env.rank
-    for config in module._configs:
-        key = f"{prefix}{module._tables_attr}.{config.name}.weight"
+    for config in module.table_configs():
+        key = f"{prefix}{module.tables_attr}.{config.name}.weight"
         local = shards.get(config.name, [])
-        if module._table_plans[config.name].sharding_type == ShardingType.DATA_PARALLEL.value:
+        if module.table_plan(config.name).sharding_type == ShardingType.DATA_PARALLEL.value:
             out[key] = local[0][1].detach()
             continue
         out[key] = _sharded(
@@ -84,32 +105,25 @@ def table_state(module: Any, prefix: str) -> Dict[str, Any]:
     return out
 
 
-def fused_state(module: Any, prefix: str) -> Dict[str, Any]:
+def fused_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
     """Fused optimizer state of a sharded collection, sharded like its tables."""
     out: Dict[str, Any] = {}
     rank = module.env.rank
-    per_table: Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]] = {}
-    for sharding in module._shardings.values():
-        for kernel in sharding.lookup.kernels:
-            if kernel.is_fused:
-                for table, states in zip(kernel.tables, kernel.optimizer_states()):
-                    per_table.setdefault(table.name, []).append((table, states))
-    for config in module._configs:
-        plan = module._table_plans[config.name]
+    per_table = module.fused_optimizer_states()
+    for config in module.table_configs():
+        plan = module.table_plan(config.name)
         if plan.sharding_type == ShardingType.DATA_PARALLEL.value or plan.compute_kernel == "dense":
             continue
-        base = f"{prefix}{module._tables_attr}.{config.name}.weight"
+        base = f"{prefix}{module.tables_attr}.{config.name}.weight"
         local = per_table.get(config.name, [])
-        state_names = sorted({n for _, s in local for n in s}) or _state_names(module, config.name)
-        for name in state_names:
-            example = next((s[name] for _, s in local if name in s), None)
-            rowwise = example is not None and example.dim() == 1 or (
-                example is None and _rowwise(module, config.name))
+        spec = module.fused_optim_spec(config.name)
+        for name in sorted({n for _, s in local for n in s}) or spec.state_names:
+            rowwise = spec.rowwise_state
             if not rowwise:
                 out[f"{base}.{name}"] = _sharded(
                     [config.num_embeddings, config.embedding_dim], _plan_metas(module, config.name),
                     [(s[name], _local_meta(t, rank)) for t, s in local], module.env.pg, torch.float32)
-            elif plan.sharding_type in _COLUMN_TYPES:
+            elif ShardingType(plan.sharding_type) in COLUMN_SPLIT_TYPES:
                 for shard in plan.shards:
                     mine = [(s[name], _torch_meta([0], [config.num_embeddings], rank))
                             for t, s in local if t.col_offset == shard.shard_offsets[1]]
@@ -125,23 +139,9 @@ def fused_state(module: Any, prefix: str) -> Dict[str, Any]:
     return out
 
 
-def _fused_spec(module: Any, table: str) -> Any:
-    from recshard.lookup.fused_optim import parse_fused_params
-
-    return parse_fused_params(module._fused_params, table)
-
-
-def _state_names(module: Any, table: str) -> List[str]:
-    return _fused_spec(module, table).state_names
-
-
-def _rowwise(module: Any, table: str) -> bool:
-    return _fused_spec(module, table).state_shape(2, 2) == [2]
-
-
-def _walk(model: nn.Module) -> Tuple[List[Tuple[str, ShardedModule]], Dict[str, torch.Tensor]]:
+def _walk(model: nn.Module) -> Tuple[List[Tuple[str, ShardedTableState]], Dict[str, torch.Tensor]]:
     """Sharded modules by path, and the plain parameters/buffers outside them."""
-    sharded: List[Tuple[str, ShardedModule]] = []
+    sharded: List[Tuple[str, ShardedTableState]] = []
     plain: Dict[str, torch.Tensor] = {}
     skip: List[str] = []
     for path, child in model.named_modules():
@@ -172,8 +172,7 @@ def fused_optimizer_state(model: nn.Module) -> Dict[str, Any]:
     sharded, _ = _walk(model)
     out: Dict[str, Any] = {}
     for path, module in sharded:
-        if hasattr(module, "_shardings"):
-            out.update(fused_state(module, path))
+        out.update(fused_state(module, path))
     return out
 
 
@@ -205,9 +204,9 @@ def load_model_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
     return missing
 
 
-def _load_full(sharded: List[Tuple[str, ShardedModule]], key: str, value: torch.Tensor) -> None:
+def _load_full(sharded: List[Tuple[str, ShardedTableState]], key: str, value: torch.Tensor) -> None:
     for path, module in sharded:
-        head = f"{path}{module._tables_attr}."
+        head = f"{path}{module.tables_attr}."
         if key.startswith(head) and key.endswith(".weight"):
             module.load_full_tables({key[len(head):-len(".weight")]: value})
             return

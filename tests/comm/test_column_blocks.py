@@ -8,7 +8,7 @@ from typing import List
 import pytest
 import torch
 
-from recshard.column_blocks import (
+from recshard.comm.column_blocks import (
     Block,
     check_blocks,
     chunks_to_columns,

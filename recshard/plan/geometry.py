@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+from recshard.plan.sharding_types import ROW_SPLIT_TYPES
 from recshard.types import ShardingType, ShardMetadata
 
 
@@ -61,7 +62,7 @@ def make_shards(
         if len(ranks) != 1:
             raise ValueError(f"table-wise sharding takes one rank, got {list(ranks)}")
         return [ShardMetadata([0, 0], [rows, cols], _placement(ranks[0], device_type))]
-    if st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+    if st in ROW_SPLIT_TYPES:  # table-wise was handled above
         sizes = row_wise_sizes(rows, len(ranks))
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         return [

@@ -1,0 +1,1 @@
+"""Datasets under TorchRec's names: `utils.Batch`, `random.RandomRecDataset`, `criteo` constants."""

@@ -1,0 +1,1 @@
+"""Reference recommendation models under TorchRec's names (`recshard.models.dlrm`)."""

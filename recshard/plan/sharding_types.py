@@ -1,0 +1,46 @@
+"""Which sharding types go together, written once: what each collection supports, which
+types cut rows and which cut columns, which share one placed sharding, and which compute
+kernels a float sharder offers for each."""
+
+from __future__ import annotations
+
+from typing import FrozenSet, List
+
+from recshard.types import EmbeddingComputeKernel, ShardingType
+
+ALL_SHARDING_TYPES: FrozenSet[ShardingType] = frozenset(ShardingType)
+# EmbeddingCollection (sequence outputs): no table-row-wise or table-column-wise
+SEQUENCE_SHARDING_TYPES: FrozenSet[ShardingType] = frozenset({
+    ShardingType.DATA_PARALLEL, ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE,
+    ShardingType.ROW_WISE,
+})
+# shards cut the rows (every shard spans all columns) / the columns (all rows)
+ROW_SPLIT_TYPES: FrozenSet[ShardingType] = frozenset({
+    ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE,
+})
+COLUMN_SPLIT_TYPES: FrozenSet[ShardingType] = frozenset({
+    ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE,
+})
+# shards confined to one node of `local_world_size` ranks
+WITHIN_NODE_TYPES: FrozenSet[ShardingType] = frozenset({
+    ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE,
+})
+# whole tables or column blocks placed on ranks: one KJT all-to-all and one output all-to-all
+# serve all of them (`recshard/sharding/placed.py`, `sequence.py`)
+PLACED_TYPES: FrozenSet[ShardingType] = frozenset({ShardingType.TABLE_WISE}) | COLUMN_SPLIT_TYPES
+
+
+def sharding_type_values(types: FrozenSet[ShardingType]) -> List[str]:
+    """The string values of `types`, in `ShardingType`'s order."""
+    return [t.value for t in ShardingType if t in types]
+
+
+def supported_compute_kernels(sharding_type: str, compute_device_type: str) -> List[str]:
+    """The compute kernels a float sharder offers for one sharding type on one device type."""
+    if ShardingType(sharding_type) == ShardingType.DATA_PARALLEL:
+        return [EmbeddingComputeKernel.DENSE.value]
+    kernels = [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
+    if compute_device_type == "cuda":
+        kernels += [EmbeddingComputeKernel.FUSED_UVM.value,
+                    EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
+    return kernels

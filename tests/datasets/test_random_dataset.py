@@ -1,0 +1,87 @@
+"""recshard.datasets: RandomRecDataset's arguments and determinism, Batch, the Criteo constants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recshard.datasets.criteo import (
+    CAT_FEATURE_COUNT,
+    DEFAULT_CAT_NAMES,
+    DEFAULT_COLUMN_NAMES,
+    DEFAULT_INT_NAMES,
+    INT_FEATURE_COUNT,
+)
+from recshard.datasets.random import RandomRecDataset
+from recshard.datasets.utils import Batch
+from recshard.types import Pipelineable
+
+
+def _same(a: Batch, b: Batch) -> bool:
+    return (torch.equal(a.dense_features, b.dense_features) and torch.equal(a.labels, b.labels)
+            and torch.equal(a.sparse_features.values(), b.sparse_features.values())
+            and torch.equal(a.sparse_features.lengths(), b.sparse_features.lengths()))
+
+
+def test_shapes_ranges_and_defaults() -> None:
+    dataset = RandomRecDataset(["a", "b"], batch_size=8, hash_sizes=[5, 1000], ids_per_features=[3, 1],
+                               num_dense=4, manual_seed=1, num_batches=3)
+    batches = list(dataset)
+    assert len(batches) == len(dataset) == 3
+    for batch in batches:
+        kjt = batch.sparse_features
+        assert kjt.keys() == ["a", "b"] and kjt.stride() == 8
+        assert batch.dense_features.shape == (8, 4) and batch.labels.shape == (8,)
+        assert set(batch.labels.tolist()) <= {0, 1}
+        per_key = kjt.to_dict()
+        assert per_key["a"].values().max() < 5 and per_key["b"].values().max() < 1000
+        assert 0 <= per_key["a"].lengths().min() and per_key["a"].lengths().max() <= 3
+    defaults = next(iter(RandomRecDataset(["x"], 64, manual_seed=0, num_batches=1)))
+    assert defaults.dense_features.shape == (64, 50)
+    assert defaults.sparse_features.values().max() < 100 and defaults.sparse_features.lengths().max() <= 2
+
+
+def test_ids_per_feature_alone_fixes_the_count() -> None:
+    """TorchRec: `ids_per_feature` without a minimum gives exactly that many ids per sample."""
+    batch = next(iter(RandomRecDataset(["a", "b"], 6, ids_per_feature=3, manual_seed=0, num_batches=1)))
+    assert batch.sparse_features.lengths().tolist() == [3] * 12
+    ranged = next(iter(RandomRecDataset(["a"], 200, ids_per_feature=3, min_ids_per_feature=1,
+                                        manual_seed=0, num_batches=1)))
+    assert set(ranged.sparse_features.lengths().tolist()) == {1, 2, 3}
+
+
+def test_seeded_and_cycled() -> None:
+    first = list(RandomRecDataset(["a"], 4, manual_seed=7, num_batches=5, num_generated_batches=2))
+    again = list(RandomRecDataset(["a"], 4, manual_seed=7, num_batches=5, num_generated_batches=2))
+    assert all(_same(x, y) for x, y in zip(first, again))
+    assert first[2] is first[0] and first[3] is first[1] and not _same(first[0], first[1])
+    fresh = list(RandomRecDataset(["a"], 4, manual_seed=7, num_batches=3, num_generated_batches=-1))
+    assert _same(fresh[0], first[0]) and _same(fresh[1], first[1]) and not _same(fresh[2], fresh[0])
+
+
+def test_endless_without_num_batches() -> None:
+    dataset = RandomRecDataset(["a"], 2, manual_seed=0)
+    it = iter(dataset)
+    assert len([next(it) for _ in range(25)]) == 25
+    with pytest.raises(TypeError, match="endless"):
+        len(dataset)
+
+
+def test_bad_arguments_name_the_feature() -> None:
+    with pytest.raises(ValueError, match="hash_sizes has 1 values for 2 keys"):
+        RandomRecDataset(["a", "b"], 2, hash_sizes=[3])
+    with pytest.raises(ValueError, match="feature 'b'"):
+        RandomRecDataset(["a", "b"], 2, ids_per_features=[2, 1], min_ids_per_features=[0, 2])
+
+
+def test_batch_moves_as_a_unit() -> None:
+    batch = next(iter(RandomRecDataset(["a"], 3, manual_seed=0, num_batches=1)))
+    assert isinstance(batch, Pipelineable)
+    moved = batch.to(torch.device("cpu"))
+    assert isinstance(moved, Batch) and _same(moved, batch) and moved.batch_size == 3
+
+
+def test_criteo_constants() -> None:
+    assert (INT_FEATURE_COUNT, CAT_FEATURE_COUNT) == (13, 26)
+    assert DEFAULT_INT_NAMES[0] == "int_0" and DEFAULT_CAT_NAMES[-1] == "cat_25"
+    assert DEFAULT_COLUMN_NAMES == ["label", *DEFAULT_INT_NAMES, *DEFAULT_CAT_NAMES]

@@ -1,0 +1,57 @@
+"""DMP's TorchRec-named accessors: `get_module` unwraps DMP only (DDP stays),
+`get_unwrapped_module` strips both, `bare_named_parameters` leaves out fused tables,
+`sparse_grad_parameter_names` lists only parameters with sparse gradients; `LazyNoWait`;
+sharded collections implement the `ShardedTableState` protocol the state walk reads."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from dmp_cases import TinyDLRM, batch_for
+from multiprocess import run_ranks
+from torch.nn.parallel import DistributedDataParallel
+
+from recshard.distributed import DistributedModelParallel, get_module, get_unwrapped_module
+from recshard.distributed.sharded_state import ShardedTableState
+from recshard.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from recshard.types import LazyNoWait, ShardingPlan
+
+
+def accessors(rank: int, ws: int) -> Dict[str, List[str]]:
+    torch.manual_seed(0)
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+        TinyDLRM("meta").ebc, {"ta": table_wise(0), "tb": table_wise(1), "tc": table_wise(0)},
+        world_size=ws)})
+    model = DistributedModelParallel(TinyDLRM(), plan=plan)
+    loss = model(*batch_for(0, rank, ws))
+    loss.backward()
+    return {
+        "get_module": [type(get_module(model)).__name__],
+        "get_unwrapped_module": [type(get_unwrapped_module(model)).__name__],
+        "plain": [type(get_module(model.module)).__name__],
+        "bare": sorted(name for name, _ in model.bare_named_parameters()),
+        "all": sorted(name for name, _ in model.named_parameters()),
+        "sparse_grads": model.sparse_grad_parameter_names,
+        "state_protocol": [str(isinstance(get_unwrapped_module(model).ebc, ShardedTableState))],
+        "state_keys": sorted(k for k in model.state_dict() if k.startswith("ebc.")),
+    }
+
+
+def test_dmp_accessors_follow_torchrec() -> None:
+    for result in run_ranks(2, accessors):
+        assert result["get_module"] == [DistributedDataParallel.__name__]
+        assert result["get_unwrapped_module"] == [TinyDLRM.__name__]
+        assert result["plain"] == [TinyDLRM.__name__]
+        assert result["bare"] == ["dense.bias", "dense.weight", "over.bias", "over.weight"]
+        assert set(result["bare"]) < set(result["all"])
+        assert result["sparse_grads"] == []
+        assert result["state_protocol"] == ["True"]  # checkpoints read tables through it only
+        assert result["state_keys"] == [f"ebc.embedding_bags.{t}.weight" for t in ("ta", "tb", "tc")]
+
+
+def test_lazy_no_wait_returns_its_value_and_acts_like_it() -> None:
+    value = torch.tensor([1.0, 2.0])
+    lazy = LazyNoWait(value)
+    assert torch.equal(lazy + 1, torch.tensor([2.0, 3.0]))
+    assert lazy.wait() is value

@@ -1,0 +1,92 @@
+"""The package layering is a checked contract: import-linter's contracts in pyproject.toml
+hold, no module imports itself back through others, imports sit at module level (except
+optional dependencies), and no private name crosses a module boundary."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Set
+
+import grimp
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "recshard"
+# imported where used, so recshard works without them (fbgemm may fail to load its .so)
+OPTIONAL = {"fbgemm_gpu", "yaml", "matplotlib"}
+
+
+def test_import_linter_contracts_hold() -> None:
+    lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or "lint-imports"
+    done = subprocess.run([lint, "--no-cache"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    found: List[List[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in edges[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = [stack.pop()]
+            while component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in edges:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_back() -> None:
+    graph = grimp.build_graph("recshard", cache_dir=None)
+    edges = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
+    # a package's __init__ re-exporting its own modules is not a cycle between modules
+    edges = {m: {d for d in ds if not m.startswith(d + ".")} for m, ds in edges.items()}
+    assert _cycles(edges) == []
+
+
+def _imports(tree: ast.AST) -> List[ast.AST]:
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def test_imports_sit_at_module_level_except_optional_dependencies() -> None:
+    late = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        top = {id(n) for n in tree.body} | {
+            id(n) for node in tree.body if isinstance(node, ast.If) for n in node.body  # TYPE_CHECKING
+        } | {id(n) for node in tree.body if isinstance(node, ast.Try) for n in node.body}
+        for node in _imports(tree):
+            if id(node) in top:
+                continue
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            if any(name.split(".")[0] not in OPTIONAL for name in names):
+                late.append(f"{path.relative_to(ROOT)}:{node.lineno}: {names}")
+    assert late == []
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    private = []
+    for path in sorted(list(PACKAGE.rglob("*.py")) + list((ROOT / "tests").rglob("*.py"))):
+        for node in _imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("recshard"):
+                private += [f"{path.relative_to(ROOT)}:{node.lineno}: {a.name}"
+                            for a in node.names if a.name.startswith("_")]
+    assert private == []
