@@ -4,6 +4,8 @@
     python -m benchmarks.ebc --types table_wise,row_wise --steps 50
     python -m benchmarks.ebc --quick                # tiny sizes (smoke test)
     python -m benchmarks.ebc --link 1gbit --types table_wise,table_wise_fp16,table_wise_bf16
+    torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint host0:29500 \
+        -m benchmarks.ebc --types row_wise,table_row_wise   # the launched ranks, on 2 hosts
 
 Work (TARGETS.md, "Sharded EBC training step"): 26 Criteo-like tables (Kaggle sizes capped at
 200 k rows: 1.48 M rows), dim 64, one feature each, a fixed pooling factor 1-20 per table
@@ -12,7 +14,8 @@ forward + backward + update of the sharded EBC with `values().sum()` as the loss
 kernels update in backward (exact SGD), the dense ones take a `torch.optim.SGD` step.
 
 Configurations run interleaved (every configuration once per repeat, `--repeats` times), each
-run in fresh rank processes; a repeat's figure is the median of `--steps` step times, each the
+run in fresh rank processes (under torchrun: in the launched ranks, one after another, and
+`--world-size` is torchrun's); a repeat's figure is the median of `--steps` step times, each the
 slowest rank's, and the reported figure is the median over repeats. `rss_growth_mb_per_step`
 is the resident memory a rank gains per timed step (0 when nothing outlives a step). Also printed:
 a single-process kernel comparison at torch's thread count (recshard's fused kernel vs its
@@ -46,6 +49,7 @@ from benchmarks.link import CollectiveWaitClock, add_link_argument, link_label, 
 from benchmarks.step_profile import profile_steps
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.comm.codecs import get_qcomm_codecs_registry
+from recshard.comm.pg import get_local_size
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import (
     ShardingGenerator,
@@ -58,6 +62,7 @@ from recshard.distributed.sharding_plan import (
 )
 from recshard.lookup import GroupedLookup, LocalTable
 from recshard.modules.embedding_configs import PoolingType
+from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from recshard.types import EmbeddingComputeKernel, ShardingEnv
 
 # Distinct values per categorical column of the Criteo Kaggle data (26 sparse features).
@@ -69,12 +74,15 @@ LEARNING_RATE = 0.01
 SHARDING_TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise"]
 # name -> (sharding type, compute kernel); "<type>_dense" is the dense kernel + torch SGD.
 # "table_wise_in_order" (diagnostic, not run by default) places tables on ranks in contiguous
-# blocks, so the sharded output needs no column permutation back to module order.
+# blocks, so the sharded output needs no column permutation back to module order. "planner"
+# (not run by default): recshard's planner's plan for this topology (hosts from torchrun's
+# LOCAL_WORLD_SIZE, `--inter-host-gbps`), fused kernels, the tables' pooling factors.
 CONFIGS: Dict[str, Tuple[str, str]] = {
     **{t: (t, "fused") for t in SHARDING_TYPES},
     "data_parallel": ("data_parallel", "dense"),
     **{f"{t}_dense": (t, "dense") for t in SHARDING_TYPES},
     "table_wise_in_order": ("table_wise", "fused"),
+    "planner": ("planner", "fused"),
     "table_wise_fp16": ("table_wise", "fused"),
     "table_wise_bf16": ("table_wise", "fused"),
 }
@@ -159,16 +167,20 @@ def contiguous_ranks(pooling: List[int], world_size: int) -> List[int]:
 
 
 def per_table_plan(
-    name: str, tables: List[EmbeddingBagConfig], pooling: List[int], world_size: int
+    name: str, tables: List[EmbeddingBagConfig], pooling: List[int], world_size: int,
+    local_size: int,
 ) -> Dict[str, ShardingGenerator]:
+    """Table-wise: tables balanced over ranks; table-row-wise: over hosts (`local_size` ranks
+    each), rows split within the host."""
     sharding_type, kernel = CONFIGS[name]
     placement = contiguous_ranks if name == "table_wise_in_order" else balanced_ranks
     ranks = placement(pooling, world_size)
+    hosts = balanced_ranks(pooling, world_size // local_size)
     make: Dict[str, Callable[[int], ShardingGenerator]] = {
         "table_wise": lambda t: table_wise(ranks[t], kernel),
         "row_wise": lambda t: row_wise(kernel),
         "column_wise": lambda t: column_wise(list(range(world_size)), kernel),
-        "table_row_wise": lambda t: table_row_wise(0, kernel),
+        "table_row_wise": lambda t: table_row_wise(hosts[t], kernel),
         "data_parallel": lambda t: data_parallel(),
     }
     return {table.name: make[sharding_type](t) for t, table in enumerate(tables)}
@@ -182,17 +194,36 @@ class Trainee:
     optimizer: Optional[torch.optim.Optimizer]
 
 
-def build(name: str, tables: List[EmbeddingBagConfig], pooling: List[int]) -> Trainee:
+def planned(ebc: EmbeddingBagCollection, sharder: EmbeddingBagCollectionSharder,
+            pooling: List[int], batch: int, inter_host_gbps: Optional[float]) -> Any:
+    """The planner's module plan for `ebc` on this group's topology (rank 0 plans)."""
+    world_size = dist.get_world_size()
+    topology = Topology(world_size, "cpu", local_world_size=get_local_size(world_size),
+                        inter_host_bw=None if inter_host_gbps is None else inter_host_gbps / 8)
+    constraints = {name: ParameterConstraints(compute_kernels=["fused"],
+                                              pooling_factors=[float(p)])
+                   for name, p in zip(ebc.embedding_bags, pooling)}
+    planner = EmbeddingShardingPlanner(topology, batch_size=batch, constraints=constraints)
+    return planner.collective_plan(ebc, [sharder]).plan[""]
+
+
+def build(name: str, tables: List[EmbeddingBagConfig], pooling: List[int], batch: int,
+          inter_host_gbps: Optional[float]) -> Trainee:
     ebc = EmbeddingBagCollection(tables, device="meta")  # shards initialize from the configs
-    plan = construct_module_sharding_plan(
-        ebc, per_table_plan(name, tables, pooling, dist.get_world_size()),
-        world_size=dist.get_world_size(),
-    )
+    world_size = dist.get_world_size()
+    local_size = get_local_size(world_size)
     precision = WIRE_PRECISION.get(name)
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE},
         qcomm_codecs_registry=None if precision is None else get_qcomm_codecs_registry(precision),
     )
+    if name == "planner":
+        plan = planned(ebc, sharder, pooling, batch, inter_host_gbps)
+    else:
+        plan = construct_module_sharding_plan(
+            ebc, per_table_plan(name, tables, pooling, world_size, local_size),
+            local_size=local_size, world_size=world_size,
+        )
     module = sharder.shard(ebc, plan, ShardingEnv.from_process_group(dist.group.WORLD))
     dense = [p for p in module.parameters()
              if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)]
@@ -229,7 +260,7 @@ def measure(name: str, sizes: Sizes, args: argparse.Namespace, profile: bool) ->
     tables = criteo_tables(sizes)
     pooling = pooling_factors(len(tables), sizes.max_pooling)
     batches = make_batches(tables, pooling, sizes.batch, seed=1 + rank, count=args.batches)
-    trainee = build(name, tables, pooling)
+    trainee = build(name, tables, pooling, sizes.batch, args.inter_host_gbps)
     for i in range(args.warmup):
         train_step(trainee, batches[i % len(batches)])
     dist.barrier()
@@ -248,13 +279,18 @@ def measure(name: str, sizes: Sizes, args: argparse.Namespace, profile: bool) ->
 
 
 def emit(record: Dict[str, object]) -> None:
-    print(json.dumps({**record, "link": link_label()}), flush=True)
+    """One JSON line on stdout (rank 0's only, under torchrun), with the link it ran on."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(json.dumps({**record, "link": link_label()}), flush=True)
 
 
-def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace) -> None:
-    """Every configuration once per repeat (interleaved), each run in fresh processes; one
-    JSON line per configuration, then the profiles."""
+def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace,
+              ranks: Callable[..., List[Any]]) -> None:
+    """Every configuration once per repeat (interleaved), each run by `ranks` (`run_ranks`:
+    fresh processes; `launched_ranks`: torchrun's); one JSON line per configuration, then
+    the profiles."""
     ws = args.world_size
+    local_size = get_local_size(ws)
     tables = criteo_tables(sizes)
     pooling = pooling_factors(len(tables), sizes.max_pooling)
     emit(dict(bench="ebc_setup", world_size=ws, tables=len(tables), dim=sizes.dim,
@@ -262,14 +298,16 @@ def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace) -> None:
               pooling_factors=pooling, lookups_per_rank_batch=sum(pooling) * sizes.batch,
               table_wise_ranks=balanced_ranks(pooling, ws),
               table_wise_in_order_ranks=contiguous_ranks(pooling, ws),
-              torch_threads_per_rank=args.threads, pinned=args.pin))
+              torch_threads_per_rank=args.threads, pinned=args.pin,
+              hosts=ws // local_size, ranks_per_host=local_size,
+              launcher="torchrun" if dist.is_initialized() else "forkserver"))
     repeat_medians: Dict[str, List[float]] = {name: [] for name in names}
     growth: Dict[str, List[float]] = {name: [] for name in names}
     peak: Dict[str, float] = {name: 0.0 for name in names}
     wait_shares: Dict[str, List[Dict[str, float]]] = {name: [] for name in names}
     for _ in range(args.repeats):
         for name in names:
-            per_rank = run_ranks(ws, args, measure, name, sizes, args, False)
+            per_rank = ranks(ws, args, measure, name, sizes, args, False)
             slowest = [max(step) for step in zip(*(r["times"] for r in per_rank))]
             repeat_medians[name].append(statistics.median(slowest))
             growth[name].append(max((r["rss_end_mb"] - r["rss_start_mb"]) / args.steps
@@ -297,7 +335,7 @@ def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace) -> None:
             record["samples_per_s_vs_table_wise"] = round(base / step_s, 3)
         emit(record)
     for name in args.profile or ([BASELINE] if BASELINE in names else names[:1]):
-        emit(run_ranks(ws, args, measure, name, sizes, args, True)[0]["profile"])
+        emit(ranks(ws, args, measure, name, sizes, args, True)[0]["profile"])
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -450,6 +488,15 @@ def run_ranks(world_size: int, args: argparse.Namespace, fn: Callable[..., Any],
     return [results[r] for r in range(world_size)]
 
 
+def launched_ranks(world_size: int, args: argparse.Namespace, fn: Callable[..., Any],
+                   *fn_args: Any) -> List[Any]:
+    """Under torchrun: `fn(*fn_args)` on this rank of the launched group; every rank's
+    result in rank order (the same signature as `run_ranks`)."""
+    results: List[Any] = [None] * world_size
+    dist.all_gather_object(results, fn(*fn_args))
+    return results
+
+
 # ----------------------------------------------------------------------------- entry
 
 
@@ -484,6 +531,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="torch thread counts for the kernel comparison (default: 1 and "
                              "torch's default)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument("--inter-host-gbps", type=float, default=None,
+                        help="the planner configuration's inter-host bandwidth, Gbit/s "
+                             "(default: the planner's, 25 GbE)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few steps (smoke test)")
     add_link_argument(parser)
     args = parser.parse_args(argv)
@@ -502,11 +552,20 @@ def cli(argv: Optional[List[str]] = None) -> None:
     if relaunch_under_link("benchmarks.ebc", args.link, argv):
         return
     sizes = QUICK if args.quick else Sizes()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun started this process as one rank
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+        torch.set_num_threads(args.threads)
+        args.world_size = dist.get_world_size()
+        try:
+            bench_ebc(args.types, sizes, args, launched_ranks)
+        finally:
+            dist.destroy_process_group()
+        return
     if not args.no_kernels:  # in this process, before any rank starts
         for threads in args.kernel_threads:
             torch.set_num_threads(threads)
             bench_kernels(sizes, args)
-    bench_ebc(args.types, sizes, args)
+    bench_ebc(args.types, sizes, args, run_ranks)
 
 
 if __name__ == "__main__":

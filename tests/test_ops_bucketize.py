@@ -1,4 +1,4 @@
-"""recshard.ops on both backends: bucketize, pooled permute, segment sum, padded dense, and
+"""recshard.sparse.jagged_ops on both backends: bucketize, pooled permute, segment sum, padded dense, and
 the fbgemm/torch switch."""
 
 from __future__ import annotations

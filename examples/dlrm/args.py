@@ -121,8 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval batches per rank (synthetic; for Criteo an upper bound, 0 = all)")
     g.add_argument("--checkpoint-dir", default=None,
                    help="save a sharded checkpoint here at every eval and at the end")
-    g.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --checkpoint-dir, if any")
+    g.add_argument("--checkpoint-every", type=int, default=0,
+                   help="also checkpoint every N steps (model, both optimizers, step, data "
+                        "position, RNG state, per-step losses)")
+    g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
+                   help="continue from the newest complete checkpoint in --checkpoint-dir, if "
+                        "any (default with --checkpoint-dir, so a job restarted by torchrun "
+                        "--max-restarts continues); --no-resume starts over")
     g.add_argument("--seed", type=int, default=0, help="model init and data seed")
     g.add_argument("--metrics-json", default=None,
                    help="write the run's config, plan, throughput and eval metrics here (rank 0)")
@@ -155,6 +160,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(str(e))
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        parser.error("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.resume is None:
+        args.resume = args.checkpoint_dir is not None
     if args.dense_arch_layers[-1] != args.embedding_dim:
         parser.error(f"--dense-arch-layers must end with --embedding-dim {args.embedding_dim}, "
                      f"got {args.dense_arch_layers}")

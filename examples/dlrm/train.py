@@ -23,14 +23,16 @@ import torch
 import torch.distributed as dist
 
 from examples.dlrm.args import parse_args
+from examples.dlrm.checkpointing import Progress, resume, save_progress
 from examples.dlrm.data.criteo_spec import NUM_DENSE, SPARSE_NAMES
 from examples.dlrm.data.loaders import eval_batches, train_batches
 from examples.dlrm.metrics import EvalMetrics
 from examples.dlrm.model import build_dlrm
+from examples.dlrm.peers import naming_unreachable_peers
 from examples.dlrm.sharding import dense_optimizer_factory, make_plan, make_sharders, plan_table
 from recshard import EmbeddingBagConfig
 from recshard.datasets.utils import Batch
-from recshard.distributed import DistributedModelParallel
+from recshard.distributed import DefaultDataParallelWrapper, DistributedModelParallel
 from recshard.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
 
 
@@ -80,8 +82,13 @@ def build_training(
         args.sharding, model, tables, world_size, local_size, args.kernel, sharders,
         args.batch_size, pooling_factor=(1 + args.multi_hot) / 2, device_type=device.type,
         plan_path=args.plan)
+    # DDP re-lays its gradient buckets after the first step, which changes the order gloo sums
+    # them in; a resumed run would sum its first step differently from the uninterrupted one.
+    # With checkpoints, keep the first layout (find_unused_parameters skips the re-layout).
+    wrapper = DefaultDataParallelWrapper(find_unused_parameters=args.checkpoint_dir is not None)
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders,
-                                   init_data_parallel=not args.tp_over_arch)
+                                   init_data_parallel=not args.tp_over_arch,
+                                   data_parallel_wrapper=wrapper)
     if args.tp_over_arch:  # the over arch's first two layers tensor-parallel over all ranks
         from examples.dlrm.tp import to_tensor_parallel
 
@@ -196,17 +203,15 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if args.kernel == "dense" and args.optimizer == "rowwise_adagrad":
         say("notice: dense-kernel tables are updated by torch Adagrad (element-wise), not "
             "row-wise Adagrad")
-    start_step, history = 0, []
-    if args.resume and args.checkpoint_dir:
-        from recshard.checkpoint import load
-
-        try:
-            extra = load(args.checkpoint_dir, dmp, optimizer)
-        except FileNotFoundError:
+    progress = Progress()
+    if args.resume:  # on by default with --checkpoint-dir: a restarted job continues
+        restored = resume(args.checkpoint_dir, dmp, optimizer, device, say)
+        if restored is None:
             say(f"no checkpoint in {args.checkpoint_dir}: starting from scratch")
         else:
-            start_step, history = int(extra["step"]), list(extra.get("evals", []))
-            say(f"resumed from {args.checkpoint_dir} at step {start_step}")
+            progress = restored
+            say(f"resumed from {args.checkpoint_dir} at step {progress.step}")
+    start_step, history, losses = progress.step, progress.evals, progress.losses
 
     metrics = EvalMetrics(device)
     runner = Runner(dmp, optimizer, device, args.pipeline, say)
@@ -215,11 +220,17 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     step, loss_ema, train_s, eval_s = start_step, None, 0.0, 0.0
     t0 = time.perf_counter()
 
-    def checkpoint() -> None:
-        if args.checkpoint_dir:
-            from recshard.checkpoint import save
+    pending: List[torch.Tensor] = []  # losses not yet read (a GPU sync): read in batches
 
-            save(args.checkpoint_dir, dmp, optimizer, {"step": step, "evals": history})
+    def read_losses() -> None:
+        losses.extend(float(v) for v in pending)
+        pending.clear()
+
+    def checkpoint() -> None:
+        read_losses()
+        if args.checkpoint_dir:
+            save_progress(args.checkpoint_dir, dmp, optimizer,
+                          Progress(step, history, losses), device)
 
     def eval_now(final: bool) -> None:
         nonlocal t0, eval_s
@@ -245,6 +256,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         except StopIteration:
             break
         step += 1
+        pending.append(loss.detach())
+        if len(pending) == 100:
+            read_losses()
         # an on-device running mean: reading it (a GPU sync) only every 10 steps
         loss_ema = loss.detach() if loss_ema is None else loss_ema * 0.9 + loss.detach() * 0.1
         if bar is not None:
@@ -257,6 +271,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
             train_s += time.perf_counter() - t0  # eval time is not training time
             eval_now(final=False)
+        elif args.checkpoint_every and step % args.checkpoint_every == 0 and step != args.steps:
+            train_s += time.perf_counter() - t0
+            checkpoint()
+            t0 = time.perf_counter()
     train_s += time.perf_counter() - t0
     if bar is not None:
         bar.close()
@@ -272,6 +290,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "final_loss_ema": None if loss_ema is None else float(loss_ema),
         "final_eval": history[-1], "evals": history, "build_seconds": build_s,
         "eval_seconds": eval_s, "wall_seconds": time.perf_counter() - t_start,
+        "losses": losses,
     }
     say(_summary_text(summary))
     if args.metrics_json and is_main:
@@ -308,7 +327,9 @@ def _write_metrics(path: Path, args: argparse.Namespace, summary: Dict[str, Any]
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        run(args)
+        init_distributed(args.pg_timeout)
+        with naming_unreachable_peers():  # a lost peer is named in the error
+            run(args)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
