@@ -51,7 +51,7 @@ def _clocked_step(rank: int, world_size: int) -> Tuple[List[WaitTimes], bool]:
     tables = criteo_tables(QUICK)
     pooling = pooling_factors(len(tables), QUICK.max_pooling)
     kjt = make_batches(tables, pooling, QUICK.batch, seed=rank, count=1)[0]
-    trainee = build("table_wise", tables, pooling)
+    trainee = build("table_wise", tables, pooling, QUICK.batch, None)
     clock = CollectiveWaitClock()
     train_step(trainee, kjt)
     step = clock.take()
