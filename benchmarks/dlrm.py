@@ -1,13 +1,16 @@
 """End-to-end DLRM training throughput (the `--demo` configuration), as JSON lines.
 
     python -m benchmarks.dlrm --world-size 2 --steps 50 --repeats 3
+    python -m benchmarks.dlrm --link 1gbit            # on a loopback shaped to 1 Gbit/s
 
 For each case (pipeline on/off x fused/dense kernel) every rank builds the demo model
 (same seed) and trains `--warmup` steps; then `--repeats` rounds time one block of `--steps`
 steps of every case in turn (interleaved, so a busy machine slows all cases alike), each on
 its own synthetic stream (batch generation included, as in the demo). A block's global
 samples/s is `steps * batch * world_size / seconds` between barriers; each line reports
-the median over blocks. Runs on gloo (CPU) or NCCL (one GPU per rank).
+the median over blocks. `wait_share` is rank 0's time blocked in collective waits over its
+block time, by kind (`benchmarks/link.py`); `--link RATE` re-runs on a shaped loopback and every
+line carries `link`. Runs on gloo (CPU) or NCCL (one GPU per rank).
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import socket
 import statistics
 import time
 from datetime import timedelta
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from benchmarks.link import CollectiveWaitClock, add_link_argument, link_label, relaunch_under_link
 
 CASES = [("pipeline", "fused"), ("plain", "fused"), ("pipeline", "dense"), ("plain", "dense")]
 
@@ -60,15 +65,16 @@ def _build_case(bench: argparse.Namespace, loop: str, kernel: str, rank: int, wo
     for _ in range(bench.warmup):
         step(batches)
     return {"loop": loop, "kernel": kernel, "args": args, "step": step, "batches": batches,
-            "rates": []}
+            "rates": [], "wait_shares": []}
 
 
 def _time_block(bench: argparse.Namespace, case: Dict[str, Any], world_size: int,
-                device: torch.device) -> None:
+                device: torch.device, waits: CollectiveWaitClock) -> None:
     """Run `bench.steps` steps of one case between barriers; record global samples/s."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     dist.barrier()
+    waits.take()
     start = time.perf_counter()
     for _ in range(bench.steps):
         case["step"](case["batches"])
@@ -76,6 +82,7 @@ def _time_block(bench: argparse.Namespace, case: Dict[str, Any], world_size: int
         torch.cuda.synchronize(device)
     dist.barrier()
     seconds = time.perf_counter() - start
+    case["wait_shares"].append(waits.take().shares(1e3 * seconds))
     case["rates"].append(bench.steps * case["args"].batch_size * world_size / seconds)
 
 
@@ -84,13 +91,15 @@ def _report(bench: argparse.Namespace, case: Dict[str, Any], world_size: int,
     args, rates = case["args"], case["rates"]
     median = statistics.median(rates)
     return {
-        "bench": "dlrm_e2e", "loop": case["loop"], "kernel": case["kernel"],
+        "bench": "dlrm_e2e", "link": link_label(), "loop": case["loop"], "kernel": case["kernel"],
         "world_size": world_size, "device": device.type, "batch_size_per_rank": args.batch_size,
         "embedding_dim": args.embedding_dim, "tables": len(args.num_embeddings_per_feature),
         "steps_per_block": bench.steps, "blocks": bench.repeats, "seed": bench.seed,
         "samples_per_s_median": round(median, 1),
         "ms_per_step_median": round(1e3 * args.batch_size * world_size / median, 3),
         "samples_per_s": [round(r, 1) for r in rates],
+        "wait_share": {k: statistics.median(s[k] for s in case["wait_shares"])
+                       for k in case["wait_shares"][0]},
     }
 
 
@@ -112,14 +121,17 @@ def _worker(rank: int, world_size: int, port: int, bench: argparse.Namespace) ->
                 continue
             if loop == "pipeline" and not _pipeline_available():
                 if rank == 0:
-                    print(json.dumps({"bench": "dlrm_e2e", "loop": loop, "kernel": kernel,
+                    print(json.dumps({"bench": "dlrm_e2e", "link": link_label(), "loop": loop,
+                                      "kernel": kernel,
                                       "skipped": "recshard has no TrainPipelineSparseDist"}),
                           flush=True)
                 continue
             cases.append(_build_case(bench, loop, kernel, rank, world_size, device))
+        waits = CollectiveWaitClock()
         for _ in range(bench.repeats):  # interleaved, so load drift hits every case alike
             for case in cases:
-                _time_block(bench, case, world_size, device)
+                _time_block(bench, case, world_size, device, waits)
+        waits.close()
         for case in cases:
             if rank == 0:
                 print(json.dumps(_report(bench, case, world_size, device)), flush=True)
@@ -127,7 +139,7 @@ def _worker(rank: int, world_size: int, port: int, bench: argparse.Namespace) ->
         dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=50, help="steps per timed block")
@@ -139,7 +151,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    bench = p.parse_args()
+    add_link_argument(p)
+    bench = p.parse_args(argv)
+    if relaunch_under_link("benchmarks.dlrm", bench.link, argv):
+        return
     port = _free_port()
     mp.spawn(_worker, args=(bench.world_size, port, bench), nprocs=bench.world_size, join=True)
 

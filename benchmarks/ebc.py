@@ -3,6 +3,7 @@
     python -m benchmarks.ebc                        # 2 gloo ranks on this machine
     python -m benchmarks.ebc --types table_wise,row_wise --steps 50
     python -m benchmarks.ebc --quick                # tiny sizes (smoke test)
+    python -m benchmarks.ebc --link 1gbit --types table_wise,table_wise_fp16,table_wise_bf16
     torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint host0:29500 \
         -m benchmarks.ebc --types row_wise,table_row_wise   # the launched ranks, on 2 hosts
 
@@ -20,6 +21,9 @@ is the resident memory a rank gains per timed step (0 when nothing outlives a st
 a single-process kernel comparison at torch's thread count (recshard's fused kernel vs its
 dense kernel + `torch.optim.SGD`, and the fbgemm TBE / `nn.EmbeddingBag` they build on) and a
 torch.profiler view of one table-wise step on rank 0. Every line on stdout is one JSON object.
+`--link RATE` re-runs everything on a loopback shaped to RATE (`benchmarks/link.py`; every line
+gets `link`); `wait_share` is rank 0's time blocked in collective waits over its step time, by
+kind. `table_wise_fp16` / `table_wise_bf16` send the pooled all-to-all (both ways) in that dtype.
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks.link import CollectiveWaitClock, add_link_argument, link_label, relaunch_under_link
 from benchmarks.step_profile import profile_steps
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard.comm.codecs import get_qcomm_codecs_registry
 from recshard.comm.pg import get_local_size
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import (
@@ -77,7 +83,11 @@ CONFIGS: Dict[str, Tuple[str, str]] = {
     **{f"{t}_dense": (t, "dense") for t in SHARDING_TYPES},
     "table_wise_in_order": ("table_wise", "fused"),
     "planner": ("planner", "fused"),
+    "table_wise_fp16": ("table_wise", "fused"),
+    "table_wise_bf16": ("table_wise", "fused"),
 }
+# configurations whose pooled collectives send in a narrower dtype (comm codecs, both ways)
+WIRE_PRECISION: Dict[str, str] = {"table_wise_fp16": "fp16", "table_wise_bf16": "bf16"}
 DEFAULT_TYPES = SHARDING_TYPES + ["data_parallel", "table_wise_dense"]
 BASELINE = "table_wise"
 
@@ -202,8 +212,10 @@ def build(name: str, tables: List[EmbeddingBagConfig], pooling: List[int], batch
     ebc = EmbeddingBagCollection(tables, device="meta")  # shards initialize from the configs
     world_size = dist.get_world_size()
     local_size = get_local_size(world_size)
+    precision = WIRE_PRECISION.get(name)
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE}
+        fused_params={"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE},
+        qcomm_codecs_registry=None if precision is None else get_qcomm_codecs_registry(precision),
     )
     if name == "planner":
         plan = planned(ebc, sharder, pooling, batch, inter_host_gbps)
@@ -256,18 +268,20 @@ def measure(name: str, sizes: Sizes, args: argparse.Namespace, profile: bool) ->
         return {"profile": profile_steps(name, trainee, batches, args.profile_steps)}
     rss_start = rss_mb()
     times = []
+    waits = CollectiveWaitClock()
     for i in range(args.steps):
         start = time.perf_counter()
         train_step(trainee, batches[i % len(batches)])
         times.append(time.perf_counter() - start)
-    return {"times": times, "rss_start_mb": rss_start, "rss_end_mb": rss_mb(),
+    waits.close()
+    return {"times": times, "waits": waits.take(), "rss_start_mb": rss_start, "rss_end_mb": rss_mb(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def emit(record: Dict[str, object]) -> None:
-    """One JSON line on stdout (rank 0's only, under torchrun)."""
+    """One JSON line on stdout (rank 0's only, under torchrun), with the link it ran on."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(json.dumps(record), flush=True)
+        print(json.dumps({**record, "link": link_label()}), flush=True)
 
 
 def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace,
@@ -290,6 +304,7 @@ def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace,
     repeat_medians: Dict[str, List[float]] = {name: [] for name in names}
     growth: Dict[str, List[float]] = {name: [] for name in names}
     peak: Dict[str, float] = {name: 0.0 for name in names}
+    wait_shares: Dict[str, List[Dict[str, float]]] = {name: [] for name in names}
     for _ in range(args.repeats):
         for name in names:
             per_rank = ranks(ws, args, measure, name, sizes, args, False)
@@ -298,6 +313,7 @@ def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace,
             growth[name].append(max((r["rss_end_mb"] - r["rss_start_mb"]) / args.steps
                                     for r in per_rank))
             peak[name] = max([peak[name]] + [r["peak_rss_mb"] for r in per_rank])
+            wait_shares[name].append(per_rank[0]["waits"].shares(1e3 * sum(per_rank[0]["times"])))
     results = {name: statistics.median(m) for name, m in repeat_medians.items()}
     base = results.get(BASELINE)
     for name in names:
@@ -311,6 +327,8 @@ def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace,
             repeat_medians_ms=[round(1e3 * m, 2) for m in repeat_medians[name]],
             rss_growth_mb_per_step=round(statistics.median(growth[name]), 2),
             peak_rss_mb=round(peak[name]),
+            wait_share={k: statistics.median(s[k] for s in wait_shares[name])
+                        for k in wait_shares[name][0]},
         )
         if base is not None:
             record["step_ms_vs_table_wise"] = round(step_s / base, 3)
@@ -517,6 +535,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="the planner configuration's inter-host bandwidth, Gbit/s "
                              "(default: the planner's, 25 GbE)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few steps (smoke test)")
+    add_link_argument(parser)
     args = parser.parse_args(argv)
     defaults = (2, 1, 1) if args.quick else (30, 3, 3)
     for attr, default in zip(("steps", "warmup", "repeats"), defaults):
@@ -530,6 +549,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def cli(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    if relaunch_under_link("benchmarks.ebc", args.link, argv):
+        return
     sizes = QUICK if args.quick else Sizes()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun started this process as one rank
         dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))

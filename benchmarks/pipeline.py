@@ -3,6 +3,7 @@ large share of the step. Prints JSON lines.
 
     python -m benchmarks.pipeline                    # spawns 2 gloo ranks on this machine
     python -m benchmarks.pipeline --quick            # smaller, fewer blocks
+    python -m benchmarks.pipeline --link 1gbit       # on a loopback shaped to 1 Gbit/s
     torchrun --nproc-per-node 2 -m benchmarks.pipeline
 
 Two DMP models are built from the same seed and plan (tables table-wise, alternating ranks,
@@ -17,6 +18,11 @@ input dist alone (both all-to-all stages plus their host work) of one batch, and
 `input_dist_fraction` its share of the plain step. `plain_forward_all_to_all_ms` is what the
 plain loop's forward spends in its all-to-alls (input dist issue and waits, output dist wait;
 rank 0's clock), the share the target's ">= 30% of the step" refers to.
+`wait_share` is each loop's time blocked in collective waits per step (`benchmarks/link.py`:
+KJT all-to-alls, pooled forward, backward) over its step; `losses_identical` compares the two
+loops' per-step losses bit for bit. The model: 26 tables with the Criteo Kaggle cardinalities
+capped at `--rows`, multi-hot bags (mean `--pooling` ids) of narrow rows, so the input dist is
+the big all-to-all. `--link RATE` re-runs the benchmark on a shaped loopback (`link` field).
 Batches are generated before timing and reused cyclically. A first line checks that a started
 input dist progresses while the main thread computes (gloo runs collectives on worker threads).
 """
@@ -36,7 +42,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks.ebc import CRITEO_KAGGLE_ROWS
 from benchmarks.launch import run_on_ranks
+from benchmarks.link import (
+    CollectiveWaitClock,
+    WaitTimes,
+    add_link_argument,
+    link_label,
+    relaunch_under_link,
+)
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import construct_module_sharding_plan, table_wise
@@ -92,8 +106,9 @@ class Model(nn.Module):
 
 
 def _tables(args: argparse.Namespace) -> List[EmbeddingBagConfig]:
-    return [EmbeddingBagConfig(num_embeddings=args.rows, embedding_dim=args.dim, name=f"t{i}",
-                               feature_names=[f"f{i}"]) for i in range(args.features)]
+    return [EmbeddingBagConfig(num_embeddings=min(args.rows, CRITEO_KAGGLE_ROWS[i % 26]),
+                               embedding_dim=args.dim, name=f"t{i}", feature_names=[f"f{i}"])
+            for i in range(args.features)]
 
 
 def _build(args: argparse.Namespace, world_size: int) -> Tuple[DistributedModelParallel, Any]:
@@ -113,10 +128,13 @@ def _build(args: argparse.Namespace, world_size: int) -> Tuple[DistributedModelP
 def _batches(args: argparse.Namespace, rank: int) -> List[Batch]:
     g = torch.Generator().manual_seed(1000 + rank)
     out = []
+    rows = [t.num_embeddings for t in _tables(args)]
     for _ in range(args.pool):
         b = args.batch_size
-        lengths = torch.randint(0, 2 * args.pooling + 1, (args.features * b,), generator=g)
-        values = torch.randint(0, args.rows, (int(lengths.sum()),), generator=g)
+        lengths = torch.randint(0, 2 * args.pooling + 1, (args.features, b), generator=g)
+        values = torch.cat([torch.randint(0, n, (int(ids),), generator=g)
+                            for n, ids in zip(rows, lengths.sum(1))])
+        lengths = lengths.reshape(-1)
         kjt = KeyedJaggedTensor.from_lengths_sync([f"f{i}" for i in range(args.features)],
                                                   values, lengths.int())
         out.append(Batch(torch.randn(b, args.dense_in, generator=g), kjt,
@@ -182,6 +200,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     pipeline = TrainPipelineSparseDist(piped_model, piped_opt, torch.device("cpu"))
     plain_iter: Iterator[Batch] = itertools.cycle(pool)
     piped_iter: Iterator[Batch] = itertools.cycle(pool)
+    losses: Dict[str, List[float]] = {"plain": [], "pipelined": []}
 
     def plain_step() -> None:
         batch = next(plain_iter)
@@ -189,9 +208,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         loss, _ = plain_model(batch)
         loss.backward()
         plain_opt.step()
+        losses["plain"].append(loss.item())
 
     def piped_step() -> None:
-        pipeline.progress(piped_iter)
+        loss, _ = pipeline.progress(piped_iter)
+        losses["pipelined"].append(loss.item())
 
     ebc = plain_model.module.ebc
 
@@ -203,30 +224,42 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         piped_step()
         input_dist()
     clock = _CommClock(ebc)
+    waits = CollectiveWaitClock()
     wall: Dict[str, List[float]] = {"plain": [], "pipelined": [], "input_dist": []}
     cpu: Dict[str, List[float]] = {"plain": [], "pipelined": [], "input_dist": []}
+    wait: Dict[str, List[WaitTimes]] = {"plain": [], "pipelined": [], "input_dist": []}
     comm_ms: List[float] = []
     for block in range(args.blocks):
         order = [("plain", plain_step), ("pipelined", piped_step)]
         for name, step_fn in (order if block % 2 == 0 else order[::-1]) + [("input_dist", input_dist)]:
             clock.ms = 0.0
+            waits.take()
             block_wall, block_cpu = _time_block(step_fn, args.steps)
             wall[name].append(block_wall)
             cpu[name].append(block_cpu)
+            wait[name].append(waits.take().per_step(args.steps))
             if name == "plain":
                 comm_ms.append(clock.ms / args.steps)
+    waits.close()
     plain, piped, in_dist = (statistics.median(wall[k]) for k in ("plain", "pipelined", "input_dist"))
     in_step_comm = statistics.median(comm_ms)
     paired = statistics.median(p / q for p, q in zip(wall["pipelined"], wall["plain"]))
     ids = sum(b.sparse_features.values().numel() for b in pool) / len(pool)
     return {
-        "bench": "train_pipeline", "world_size": world_size, "backend": dist.get_backend(),
+        "bench": "train_pipeline", "link": link_label(), "world_size": world_size,
+        "backend": dist.get_backend(),
         "torch_threads": torch.get_num_threads(), "batch_size_per_rank": args.batch_size,
         "features": args.features, "mean_pooling": args.pooling, "dim": args.dim,
         "ids_per_rank_per_batch": int(ids), "steps_per_block": args.steps, "blocks": args.blocks,
         "plain_ms": round(plain, 3), "pipelined_ms": round(piped, 3),
         "pipelined_over_plain": round(piped / plain, 3),
         "pipelined_over_plain_paired": round(paired, 3),
+        "plain_samples_per_s": round(world_size * args.batch_size * 1e3 / plain),
+        "pipelined_samples_per_s": round(world_size * args.batch_size * 1e3 / piped),
+        "losses_identical": losses["plain"] == losses["pipelined"],
+        "steps_compared": len(losses["plain"]),
+        "plain_wait_share": _median_shares(wait["plain"], wall["plain"]),
+        "pipelined_wait_share": _median_shares(wait["pipelined"], wall["pipelined"]),
         "plain_cpu_ms": round(statistics.median(cpu["plain"]), 3),
         "pipelined_cpu_ms": round(statistics.median(cpu["pipelined"]), 3),
         "input_dist_ms": round(in_dist, 3), "input_dist_fraction": round(in_dist / plain, 3),
@@ -237,6 +270,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "pipelined_ms_blocks": [round(x, 2) for x in wall["pipelined"]],
         "load_average_1min": round(os.getloadavg()[0], 2), "cpu_count": os.cpu_count(),
     }
+
+
+def _median_shares(waits: List[WaitTimes], step_ms: List[float]) -> Dict[str, float]:
+    """Per kind, the median over blocks of its wait share of the block's step."""
+    shares = [w.shares(ms) for w, ms in zip(waits, step_ms)]
+    return {k: statistics.median(s[k] for s in shares) for k in shares[0]}
 
 
 def _busy(ms: float) -> None:
@@ -274,7 +313,7 @@ def background_progress(args: argparse.Namespace, repeats: int = 5) -> Dict[str,
             out.append((t1 - t0, t3 - t2, t5 - t4))
     med = [[round(1e3 * statistics.median(x[i] for x in runs), 3) for i in range(3)]
            for runs in (serial, overlapped)]
-    return {"bench": "input_dist_background_progress", "world_size": world_size,
+    return {"bench": "input_dist_background_progress", "link": link_label(), "world_size": world_size,
             "ids_per_rank": kjt.values().numel(), "busy_ms": args.busy_ms,
             "serial_issue_splits_tensors_ms": med[0], "after_compute_issue_splits_tensors_ms": med[1]}
 
@@ -290,7 +329,7 @@ def cli(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=2048, help="per rank")
-    p.add_argument("--features", type=int, default=8, help="one table per feature")
+    p.add_argument("--features", type=int, default=26, help="one table per feature")
     p.add_argument("--pooling", type=int, default=32, help="mean ids per feature and sample")
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=8)
@@ -304,7 +343,10 @@ def cli(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--busy-ms", type=float, default=50.0,
                    help="compute after each input-dist stage in the background-progress probe")
     p.add_argument("--quick", action="store_true", help="smaller batch, fewer blocks")
+    add_link_argument(p)
     args = p.parse_args(argv)
+    if relaunch_under_link("benchmarks.pipeline", args.link, argv):
+        return
     if args.quick:
         args.batch_size, args.steps, args.blocks, args.warmup = 512, 5, 3, 2
     run_on_ranks(_main, args, args.world_size, args.threads)
