@@ -167,8 +167,15 @@ class Cluster:
             self._shape(self.enter(host), "eth0", "change")
 
     def set_link(self, host: int, up: bool) -> None:
-        """Take host `host`'s link down (unplugged: its packets are dropped) or up again."""
+        """Take host `host`'s link down (unplugged: its packets are dropped) or up again.
+
+        Plugging back also forgets every host's failed neighbour entries: an address that went
+        unanswered while the link was down would otherwise stay "No route to host" for
+        seconds after the link is back."""
         self._switch(f"ip link set {self.members[host].veth} {'up' if up else 'down'}")
+        if up:
+            for member in self.members:
+                self.run(member.index, ["ip", "neigh", "flush", "all"])
 
     def stop(self) -> None:
         """Kill every job started here (whole sessions), then the namespace holders."""
