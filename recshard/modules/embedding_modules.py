@@ -18,7 +18,12 @@ from recshard.modules.embedding_configs import (
     EmbeddingConfig,
     PoolingType,
 )
-from recshard.modules.input_checks import check_dtypes_and_weights, check_features, check_ids
+from recshard.modules.input_checks import (
+    check_dtypes_and_weights,
+    check_features,
+    check_ids,
+    check_weights,
+)
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 DeviceLike = Union[str, torch.device, None]
@@ -84,6 +89,7 @@ class _EmbeddingTables(nn.Module):
         check_features(features, self._feature_names, owner)
         check_dtypes_and_weights(features, is_weighted, owner)
         check_ids(features, self._feature_to_table, owner)
+        check_weights(features, self._feature_to_table, owner)
 
 
 class EmbeddingBagCollection(_EmbeddingTables):

@@ -26,7 +26,12 @@ from recshard.modules.embedding_modules import (
     EmbeddingCollection,
     _check_unique,
 )
-from recshard.modules.input_checks import check_dtypes_and_weights, check_features, check_ids
+from recshard.modules.input_checks import (
+    check_dtypes_and_weights,
+    check_features,
+    check_ids,
+    check_weights,
+)
 from recshard.quant.kernel import QuantLookup, QuantTable, check_output_dtype
 from recshard.quant.rowwise import DtypeLike, check_table_layout, data_type_of, quantize_rows
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
@@ -122,6 +127,7 @@ class _QuantTables(nn.Module):
         check_features(features, self._feature_names, owner)
         check_dtypes_and_weights(features, is_weighted, owner)
         check_ids(features, self._feature_to_table, owner)
+        check_weights(features, self._feature_to_table, owner)
 
     def _in_order(self, features: KeyedJaggedTensor, order: List[str]) -> KeyedJaggedTensor:
         if features.keys() == order:
