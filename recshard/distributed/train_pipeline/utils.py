@@ -81,6 +81,8 @@ class TrainPipelineContext:
     `splits_requests[name]`: the input dist as `input_dist` returned it (splits exchange in
     flight); `tensors_requests[name]`: after the first wait (tensors exchange in flight), consumed
     by the module's pipelined forward. `has_batch`: every rank's vote that it has this batch.
+    `dist_started`: its input dist was started; `input_error`: what its input dist raised
+    (a rejected batch), raised by the step of this batch instead of the step before it.
     """
 
     index: int
@@ -88,6 +90,8 @@ class TrainPipelineContext:
     module_contexts: Dict[str, Any] = field(default_factory=dict)
     splits_requests: Dict[str, Awaitable[Awaitable[Any]]] = field(default_factory=dict)
     tensors_requests: Dict[str, Awaitable[Any]] = field(default_factory=dict)
+    dist_started: bool = False
+    input_error: Optional[Exception] = None
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         record_stream(self.module_contexts, stream)
