@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from recshard.comm.pg import warn_if_default_timeout
 from recshard.comm.request import CollectiveError
 from recshard.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
 from recshard.distributed.train_pipeline.tracing import PipelinedModuleSpec, trace_sharded_inputs
@@ -189,6 +190,7 @@ class TrainPipelineBase(TrainPipeline[In, Out]):
         self._device = torch.device(device)
         self._memcpy_stream = new_stream(self._device)
         self._queue = _BatchQueue(self._device, self._memcpy_stream, BatchVote(_process_group(model)))
+        warn_if_default_timeout(_process_group(model))
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
         queue = self._queue
@@ -256,6 +258,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
             spec.name: spec.module.__dict__.get("forward") for spec in self._specs
         }
         self._queue = _BatchQueue(self._device, self._memcpy_stream, BatchVote(_process_group(model)))
+        warn_if_default_timeout(_process_group(model))
 
     # ---------------------------------------------------------------- model rewrite
 

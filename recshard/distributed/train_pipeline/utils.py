@@ -18,6 +18,7 @@ from typing import Any, ContextManager, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from recshard.comm.pg import pg_timeout
 from recshard.comm.request import wait_work
 from recshard.types import Awaitable, FnAwaitable, NoWait, ShardedModule
 
@@ -153,7 +154,8 @@ def _gloo_twin(pg: dist.ProcessGroup) -> dist.ProcessGroup:
     """A gloo group over the ranks of `pg`, made once per group. `new_group` is collective over
     the default group: every rank builds its pipelines in the same order, so they all get here."""
     if pg not in _GLOO_TWINS:
-        _GLOO_TWINS[pg] = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo")
+        _GLOO_TWINS[pg] = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo",
+                                         timeout=pg_timeout(pg))
     return _GLOO_TWINS[pg]
 
 
