@@ -193,3 +193,21 @@ def test_unsharded_modules_reject_nonfinite_and_float64_weights() -> None:
         ebc(_kjt([1, 2, 3, 4, 5], [2, 1, 1, 1], weights))
     with pytest.raises(ValueError, match="per-id weights must be float32, got torch.float64"):
         ebc(_kjt([1, 2, 3, 4, 5], [2, 1, 1, 1], torch.ones(5, dtype=torch.float64)))
+
+
+def error_paths(rank: int, ws: int) -> int:
+    """Every rejection path of the modules above, then a clean return (the harness checks the
+    process's exit code after it returned)."""
+    done = 0
+    for kind, plan, weighted in MODULES:
+        done += len(run_cases(rank, ws, kind, plan, weighted))
+    return done
+
+
+@pytest.mark.parametrize("repeats", [3, pytest.param(50, marks=pytest.mark.slow)])
+def test_ranks_that_handled_errors_exit_cleanly(repeats: int) -> None:
+    """"terminate called without an active exception" (exit -6) was seen at interpreter exit
+    after handled errors; every run must exit 0."""
+    for _ in range(repeats):
+        counts = run_ranks(2, error_paths, timeout=300, pg_timeout_s=300)
+        assert counts[0] == counts[1] > 0
