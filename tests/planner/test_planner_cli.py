@@ -117,3 +117,40 @@ def test_cli_bad_input_exits_1_naming_file_and_table(case, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path}: ") and message in err, err
     assert "Traceback" not in err
+
+
+def _plan_file(tmp_path, change) -> str:
+    entry = {"sharding_type": "table_wise", "compute_kernel": "fused", "ranks": [0],
+             "shards": [{"offsets": [0, 0], "sizes": [10, 4], "placement": "rank:0/cpu"}],
+             "bounds_check_mode": None, "cache_params": None}
+    data = {"format": "recshard.sharding_plan", "version": 1, "metadata": {},
+            "modules": {"ebc": {"t": entry}}}
+    change(data, entry)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+_BAD_PLANS = [
+    ("garbage placement", lambda d, e: e["shards"][0].update(placement="garbage"),
+     "table 'ebc.t': $.modules[\"ebc\"][\"t\"].shards[0].placement: expected 'rank:<r>/<device>'"),
+    ("modules as a list", lambda d, e: d.update(modules=[]), "$.modules: expected dict"),
+    ("bad bounds mode", lambda d, e: e.update(bounds_check_mode="loud"),
+     "table 'ebc.t': $.modules[\"ebc\"][\"t\"].bounds_check_mode: 'loud' is not one of"),
+    ("ranks disagree", lambda d, e: e["shards"][0].update(placement="rank:1/cpu"),
+     "table 'ebc.t': $.modules[\"ebc\"][\"t\"].ranks: [0] do not agree with the shards' "
+     "placements (ranks [1])"),
+]
+
+
+@pytest.mark.parametrize("case", _BAD_PLANS, ids=[c[0] for c in _BAD_PLANS])
+def test_load_plan_names_file_json_path_and_table(case, tmp_path):
+    from recshard.planner import load_plan
+    from recshard.planner.plan_io import PlanValidationError
+
+    _, change, message = case
+    path = _plan_file(tmp_path, change)
+    with pytest.raises(PlanValidationError) as info:
+        load_plan(path)
+    assert str(info.value).startswith(f"{path}: ") and message in str(info.value), str(info.value)
+    assert load_plan(_plan_file(tmp_path, lambda d, e: None)).plan["ebc"]["t"].ranks == [0]
