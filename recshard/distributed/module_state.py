@@ -3,8 +3,9 @@
 Input side: check the batch (structure, features, dtypes, weights, each table's bounds-check
 mode) before any collective; a rejected batch still joins the splits exchange carrying the
 verdict, so every rank raises at the first wait instead of hanging. A module with no splits
-exchange (every table data-parallel) exchanges the verdict on its own (`comm/verdict.py`). The accepted batch is
-permuted once into the shardings' concatenated wire order and split among them.
+exchange (every table data-parallel) exchanges the verdict on its own (`comm/verdict.py`).
+The accepted batch is permuted once into the shardings' concatenated wire order and split
+among them.
 
 Table state: if the unsharded module already has real weights (not `meta`), the shards start
 from them — TorchRec re-initializes CPU modules silently; recshard keeps what the user built.

@@ -140,9 +140,9 @@ def check_table_plan(
     if not ps.shards:
         raise PlanValidationError(f"{where}: {st.value} needs shard metadata "
                                   "(build plans with construct_module_sharding_plan or the planner)")
+    _check_shards(where, config, st, ps.shards, world_size, local_world_size)
     if ps.ranks is not None:
         check_ranks_agree(f"{where}: ranks", ps.ranks, ps.shards)
-    _check_shards(where, config, st, ps.shards, world_size, local_world_size)
 
 
 def check_module_plan(
