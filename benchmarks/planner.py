@@ -1,7 +1,7 @@
 """Planner benchmark: plan time and estimated balance on random table sets (fixed seed).
 
     python benchmarks/planner.py                 # 100/500/1000 tables x 8/64/128 ranks
-    python benchmarks/planner.py --large         # also 10,000 tables x 1,024 ranks
+    python benchmarks/planner.py --large         # also 50,000 x 8 and 10,000 x 1,024
     python benchmarks/planner.py --tables 1000 --ranks 128 --device cpu
 
 Tables: rows log-uniform in [1e3, 1e7], dims 32..256 (multiples of 8), one feature with a
@@ -69,12 +69,13 @@ def main() -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--large", action="store_true", help="also run 10,000 tables x 1,024 ranks")
+    p.add_argument("--large", action="store_true",
+                   help="also run 50,000 tables x 8 ranks and 10,000 tables x 1,024 ranks")
     p.add_argument("--no-bound", action="store_true", help="skip the lower-bound computation")
     args = p.parse_args()
     cases = [(n, w) for n in args.tables for w in args.ranks]
     if args.large:
-        cases.append((10_000, 1024))
+        cases += [(50_000, 8), (10_000, 1024)]
     for n, w in cases:
         print(json.dumps(run_case(n, w, args.device, args.batch_size, args.seed,
                                   not args.no_bound)), flush=True)

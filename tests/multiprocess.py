@@ -2,7 +2,8 @@
 
 `run_ranks(world_size, fn, *args, timeout=...)` returns each rank's result, in rank order.
 A rank that raises makes the call raise with that rank's traceback; a rank still running at
-the timeout is killed, so a broken collective fails the test instead of hanging the run.
+the timeout is killed, so a broken collective fails the test instead of hanging the run. A
+rank that returns but then exits non-zero (an abort at interpreter exit) fails the call too.
 
 Processes come from a forkserver that has already imported torch and fbgemm, so a group
 starts in about a second instead of the 10-20 s a fresh interpreter needs.
@@ -129,6 +130,10 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
+            elif p.exitcode != 0 and procs.index(p) in results and not errors:
+                # returned its result, then died at exit (an abort in a destructor)
+                errors[procs.index(p)] = (f"returned, then exited with code {p.exitcode} "
+                                          f"at interpreter exit")
     if errors:
         first = next(iter(errors))  # the first to arrive is the cause; the rest followed it
         others = "".join(f"\n--- rank {r} ---\n{t}" for r, t in errors.items() if r != first)

@@ -213,7 +213,7 @@ def _weights(model: EmbeddingBagCollection) -> Dict[str, torch.Tensor]:
 def _second_save_killed(rank: int, ws: int, path: str, kill_at: str, rows: int, dim: int) -> str:
     """A second save (its own process, world size 1) that SIGKILLs itself at `kill_at`:
     write  - inside DCP's file writer, after the first item's bytes reached the shard file
-    commit - just before LATEST is replaced (every shard file and .metadata written)
+    commit - just before LATEST is replaced (every shard file and manifest.json written)
     race   - a watcher thread kills the process as soon as the new ckpt-* directory appears,
              wherever the save is then (no hooks in the save itself)
     Returns "saved" only if the save finished before the kill (race)."""
@@ -278,7 +278,7 @@ def test_save_killed_before_commit_keeps_previous_checkpoint(kill_at: str) -> No
         assert _killed(path, kill_at, 64, 8)
         partial = [d for d in glob.glob(f"{path}/ckpt-*") if d != first_dir]
         assert len(partial) == 1, partial  # the killed save's directory is there, uncommitted
-        has_metadata = os.path.exists(os.path.join(partial[0], ".metadata"))
+        has_metadata = os.path.exists(os.path.join(partial[0], "manifest.json"))
         assert has_metadata == (kill_at == "commit")
         _assert_previous_checkpoint_loads(path, first_dir, first, 64, 8)
         # The next save that completes removes the half-written directory.
@@ -334,35 +334,34 @@ def test_damaged_checkpoint_names_the_file(damage: str) -> None:
         elif damage == "removed":
             os.remove(shard)
         elif damage == "no_metadata":
-            os.remove(os.path.join(directory, ".metadata"))
+            os.remove(os.path.join(directory, "manifest.json"))
         else:
-            metadata = os.path.join(directory, ".metadata")
+            metadata = os.path.join(directory, "manifest.json")
             os.truncate(metadata, os.path.getsize(metadata) // 2)
         text = _load_error(path, _ebc(seed=3))
         assert os.path.basename(directory) in text, text
         if damage == "truncated":
-            assert f"shard file {name} is truncated: {size // 2} bytes, the metadata needs" in text
+            assert f"shard file {name} is truncated: {size // 2} bytes, the manifest says" in text
             assert "table 't0'" in text and "table 't1'" in text, text
         elif damage == "removed":
             assert f"shard file {name} is missing" in text and "table 't0'" in text, text
         elif damage == "no_metadata":
-            assert "incomplete or truncated (no .metadata)" in text, text
+            assert "incomplete or truncated (no manifest.json)" in text, text
         else:
-            assert "cannot read its .metadata" in text, text
+            assert "manifest.json: not a recshard checkpoint manifest" in text, text
 
 
 def test_corrupted_shard_bytes_raise_naming_the_checkpoint() -> None:
-    """Same length, garbage inside: DCP's own error, wrapped with the directory (DCP raises a
-    BaseException that `except Exception` would not catch)."""
+    """Same length, garbage inside: the checksum catches it before anything is loaded."""
     with tempfile.TemporaryDirectory() as path:
         directory = checkpoint.save(path, _ebc(), extra={"save": 1})
         shard = _only_shard_file(directory)
         size = os.path.getsize(shard)
         with open(shard, "r+b") as f:
-            f.write(b"\xff" * size)
-        with pytest.raises(RuntimeError) as info:
-            checkpoint.load(path, _ebc(seed=3))
-        assert f"loading checkpoint {directory} failed" in str(info.value), str(info.value)
+            f.write(os.urandom(size))
+        text = _load_error(path, _ebc(seed=3))
+        assert f"checkpoint {directory}: shard file {os.path.basename(shard)} does not match " \
+               f"its checksum" in text, text
 
 
 @pytest.mark.parametrize("rows, dim, missing", [(80, 8, None), (64, 16, None), (64, 8, "t2")])

@@ -1,16 +1,19 @@
 """Save and load sharded training state; load into any world size or plan.
 
-Layout under `path`: one directory per save (`ckpt-<id>/`, written by
-`torch.distributed.checkpoint`, each rank its own shards) and a `LATEST` file naming the
-newest complete one. `LATEST` is replaced atomically after every rank has finished writing,
-so a process killed mid-save leaves the previous checkpoint loadable. The previous directory
+Layout under `path`: one directory per save (`ckpt-<id>/`: shard files written by
+`torch.distributed.checkpoint`, each rank its own, a `manifest.json` describing them, and
+`extra.json`) and a `LATEST` file naming the newest complete one. `LATEST` may only name a
+sibling directory. Nothing is ever unpickled: the manifest is JSON (see `manifest.py`).
+`LATEST` is replaced atomically after every rank has finished writing, so a process killed
+mid-save leaves the previous checkpoint loadable. The previous directory
 is kept until the next save completes; a half-written one left by a killed save is removed
 by the next save that completes.
 
-`load` checks before it touches the model that every key it needs is in the checkpoint with
-the model's shape and that every shard file exists at full length; a failure names the
-checkpoint directory, the file or table, and both shapes or sizes. It never loads part of a
-checkpoint silently.
+`load` verifies everything before it touches the model: the manifest, that every key it needs
+is in the checkpoint with the model's shape, every shard file's size and SHA-256 (the ranks
+share the hashing), and `extra.json`. The ranks exchange their verdicts, so a problem any rank
+finds raises the same error on every rank, naming the checkpoint directory, the file or table,
+and both shapes or sizes; model and optimizer are then exactly as they were.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import shutil
 import uuid
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +33,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from recshard.checkpoint.manifest import (
+    MANIFEST,
+    Manifest,
+    ManifestReader,
+    ManifestWriter,
+    check_file,
+    read_manifest,
+)
 from recshard.distributed.model_parallel import get_unwrapped_module
 from recshard.distributed.sharded_state import (
     fused_optimizer_state,
@@ -107,7 +118,7 @@ def save(path: str, model: nn.Module, optimizer: Optional[KeyedOptimizer] = None
     directory = root / _step("agreeing on a directory name (broadcast)", root, _shared_name)
     state = _training_state(model, optimizer)
     _step("writing shards (torch.distributed.checkpoint)", directory,
-          lambda: dcp.save(state, checkpoint_id=str(directory)))
+          lambda: dcp.save(state, storage_writer=ManifestWriter(str(directory))))
     _step("waiting for every rank to finish writing (barrier)", directory, _barrier)
     if _rank() == 0:
         _write_durably(directory / "extra.json", json.dumps(extra or {}))
@@ -145,14 +156,31 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+_DIRECTORY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
 def latest_checkpoint(path: str) -> Path:
+    """The directory `LATEST` names; it must be a sibling of `LATEST` (a plain name, no
+    path), so write access to `LATEST` alone cannot point `load` anywhere else."""
     root = Path(path)
     pointer = root / LATEST
     if not pointer.exists():
         raise FileNotFoundError(f"no complete checkpoint under {root} (no {LATEST} file)")
-    directory = root / pointer.read_text().strip()
-    if not (directory / ".metadata").exists():
-        raise ValueError(f"checkpoint {directory} is incomplete or truncated (no .metadata)")
+    try:
+        name = pointer.read_bytes().decode("ascii").strip()
+    except UnicodeDecodeError:
+        name = ""
+    if not _DIRECTORY_NAME.fullmatch(name) or name in (".", ".."):
+        raise ValueError(f"{pointer}: must hold the name of a checkpoint directory beside it "
+                         f"(like 'ckpt-0123456789ab'), not {pointer.read_bytes()[:60]!r}")
+    directory = root / name
+    if not directory.is_dir() or directory.resolve().parent != root.resolve():
+        raise ValueError(f"{pointer}: names {name!r}, which is not a directory beside it")
+    if not (directory / MANIFEST).exists():
+        older = " (written by an older recshard, whose pickled .metadata is no longer read)" \
+            if (directory / ".metadata").exists() else ""
+        raise ValueError(f"checkpoint {directory} is incomplete or truncated "
+                         f"(no {MANIFEST}){older}")
     return directory
 
 
@@ -163,14 +191,6 @@ def _describe_key(key: str) -> str:
     """`table 't0' ('ebc.embedding_bags.t0.weight')` for table keys, else the quoted key."""
     match = _TABLE_KEY.search(key)
     return f"table '{match.group(1)}' ('{key}')" if match else f"'{key}'"
-
-
-def _read_metadata(directory: Path) -> Any:
-    try:
-        return dcp.FileSystemReader(str(directory)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - a truncated .metadata unpickles with any error
-        raise ValueError(f"checkpoint {directory}: cannot read its .metadata "
-                         f"({type(e).__name__}: {e}); the checkpoint is corrupt") from e
 
 
 def _check_shapes(template: Dict[str, Any], directory: Path, metadata: Any) -> None:
@@ -201,28 +221,62 @@ def _check_no_extra_keys(template: Dict[str, Any], directory: Path, metadata: An
                          f"have: {shown}; pass strict=False to load the rest")
 
 
-def _check_files(template: Dict[str, Any], directory: Path, metadata: Any) -> None:
-    """Every shard file holding a key to load exists and is as long as the metadata says."""
+def _check_files(template: Dict[str, Any], directory: Path, manifest: Manifest) -> None:
+    """This rank's share of the shard files (every world-size-th, by name) exists with the
+    size and SHA-256 the manifest records; the ranks exchange verdicts afterwards."""
     wanted: Set[str] = {f"{section}.{key}" for section, entries in template.items()
                         for key in entries}
-    needed: Dict[str, int] = defaultdict(int)
     holds: Dict[str, Set[str]] = defaultdict(set)
-    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
-        if index.fqn not in wanted:
-            continue
-        needed[info.relative_path] = max(needed[info.relative_path], info.offset + info.length)
-        holds[info.relative_path].add(index.fqn.split(".", 1)[1])
-    for name, length in sorted(needed.items()):
-        file = directory / name
-        keys = sorted(holds[name])
-        shown = ", ".join(_describe_key(k) for k in keys[:4]) + (" ..." if len(keys) > 4 else "")
-        if not file.exists():
-            raise ValueError(f"checkpoint {directory}: shard file {name} is missing "
-                             f"(it holds {shown})")
-        size = file.stat().st_size
-        if size < length:
-            raise ValueError(f"checkpoint {directory}: shard file {name} is truncated: "
-                             f"{size} bytes, the metadata needs {length} (it holds {shown})")
+    for index, info in manifest.metadata.storage_data.items():
+        if index.fqn in wanted:
+            holds[info.relative_path].add(index.fqn.split(".", 1)[1])
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    for name in sorted(manifest.files)[_rank()::world_size]:
+        try:
+            check_file(directory, name, manifest.files[name])
+        except ValueError as e:
+            keys = sorted(holds[name])
+            shown = ", ".join(_describe_key(k) for k in keys[:4]) + (" ..." if len(keys) > 4
+                                                                     else "")
+            raise ValueError(f"checkpoint {directory}: {e}"
+                             + (f" (it holds {shown})" if keys else "")) from None
+
+
+def _read_extra(directory: Path) -> Dict[str, Any]:
+    file = directory / "extra.json"
+    try:
+        extra = json.loads(file.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"checkpoint {directory}: cannot read extra.json "
+                         f"({type(e).__name__}: {e})") from None
+    if not isinstance(extra, dict):
+        raise ValueError(f"checkpoint {directory}: extra.json holds a {type(extra).__name__}, "
+                         f"not the JSON object save() wrote")
+    return extra
+
+
+def _agree(error: Optional[Exception]) -> None:
+    """Every rank learns every rank's verdict before any collective of the load starts, so
+    a problem one rank found raises the same error on all of them (nothing hangs)."""
+    verdict = None if error is None else (isinstance(error, FileNotFoundError), str(error))
+    verdicts: List[Optional[Tuple[bool, str]]] = [verdict]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, verdict)
+    first = next((v for v in verdicts if v is not None), None)
+    if first is not None:
+        raise (FileNotFoundError if first[0] else ValueError)(first[1])
+
+
+def _verify(template: Dict[str, Any], directory: Path, strict: bool
+            ) -> Tuple[Manifest, Dict[str, Any]]:
+    """Everything a load reads, checked before it touches the model (this rank's part)."""
+    manifest = read_manifest(directory)
+    _check_shapes(template, directory, manifest.metadata)
+    if strict:
+        _check_no_extra_keys(template, directory, manifest.metadata)
+    _check_files(template, directory, manifest)
+    return manifest, _read_extra(directory)
 
 
 def _first_cause(error: BaseException) -> str:
@@ -241,18 +295,19 @@ def load(path: str, model: nn.Module, optimizer: Optional[KeyedOptimizer] = None
     Every model key must be in the checkpoint with the same shape; with `strict` (default),
     every model key in the checkpoint must also be in the model (as `load_state_dict`).
     """
-    directory = latest_checkpoint(path)
-    template = _training_state(model, optimizer)
-    metadata = _read_metadata(directory)
-    _check_shapes(template, directory, metadata)
-    if strict:
-        _check_no_extra_keys(template, directory, metadata)
-    _check_files(template, directory, metadata)
+    error: Optional[Exception] = None
     try:
-        dcp.load(template, checkpoint_id=str(directory))
+        directory = latest_checkpoint(path)
+        template = _training_state(model, optimizer)
+        manifest, extra = _verify(template, directory, strict)
+    except (OSError, ValueError) as e:
+        error = e
+    _agree(error)
+    try:
+        dcp.load(template, storage_reader=ManifestReader(directory, manifest))
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        raise RuntimeError(f"loading checkpoint {directory} failed; the model may be partly "
-                           f"loaded: {_first_cause(e)}") from e
+        raise RuntimeError(f"loading checkpoint {directory} failed after it was verified; the "
+                           f"model may be partly loaded: {_first_cause(e)}") from e
     with torch.no_grad():  # DCP may replace plain tensors instead of copying into them
         live = _training_state(model, optimizer)
         for section, entries in template.items():
@@ -261,4 +316,4 @@ def load(path: str, model: nn.Module, optimizer: Optional[KeyedOptimizer] = None
                 if isinstance(value, torch.Tensor) and not hasattr(value, "local_shards") \
                         and value.data_ptr() != target.data_ptr():
                     target.copy_(value)
-    return json.loads((directory / "extra.json").read_text())
+    return extra

@@ -21,14 +21,13 @@ import torch.distributed as dist
 from torch import nn
 
 from recshard.comm.request import Pending, issue_all_to_all, wait_work
+from recshard.comm.verdict import MSG_WORDS, encode_message, raise_rejected
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse import jagged_ops as ops
 from recshard.types import Awaitable
 
 _DTYPES = [torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16,
            torch.float64, torch.int16, torch.int8, torch.uint8]
-_MSG_BYTES = 128  # first line of a rejecting rank's message rides along, truncated
-_MSG_WORDS = _MSG_BYTES // 8
 # Fixed columns of a metadata row: rejected flag, variable-batch flag, stride, 3 dtype codes.
 _REJECTED, _VBE, _STRIDE, _LENGTHS_DTYPE, _VALUES_DTYPE, _WEIGHTS_DTYPE = range(6)
 _FIXED = 6
@@ -41,17 +40,6 @@ def _dtype_code(t: Optional[torch.Tensor]) -> int:
 
 def _dtype_name(code: int) -> str:
     return "none" if code == 0 else str(_DTYPES[code - 1]).replace("torch.", "")
-
-
-def _encode_message(message: str) -> torch.Tensor:
-    first = (message.strip().splitlines() or [""])[0]
-    data = first.encode("utf-8")[:_MSG_BYTES].decode("utf-8", errors="ignore").encode("utf-8")
-    padded = bytearray(data.ljust(_MSG_BYTES, b"\0"))
-    return torch.frombuffer(padded, dtype=torch.int64).clone()
-
-
-def _decode_message(words: torch.Tensor) -> str:
-    return words.numpy().tobytes().rstrip(b"\0").decode("utf-8", errors="ignore")
 
 
 def rank_order(num_splits: int, stagger: int) -> List[int]:
@@ -217,14 +205,14 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         self._pg, self._splits, self._stagger = pg, splits, stagger
         self._rank, world_size = dist.get_rank(pg), dist.get_world_size(pg)
         self._input_error = input_error if input_error is not None else _check_input(kjt, splits)
-        width = _FIXED + 2 * max(splits, default=0) + _MSG_WORDS
+        width = _FIXED + 2 * max(splits, default=0) + MSG_WORDS
         sent = torch.zeros(world_size, width, dtype=torch.int64)  # built on the host
         self._tensors: Dict[str, torch.Tensor] = {}
         self._input_splits: Dict[str, List[int]] = {}
         self._keys: List[str] = []
         if self._input_error is not None:
             sent[:, _REJECTED] = 1
-            sent[:, width - _MSG_WORDS:] = _encode_message(self._input_error)
+            sent[:, width - MSG_WORDS:] = encode_message(self._input_error)
         else:
             self._fill(sent, kjt)
         if world_size == 1:
@@ -262,13 +250,8 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
     def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
         wait_work(self._work, "kjt_all_to_all_splits", pg=self._pg)
         received = self._received.cpu()
-        rejected = received[:, _REJECTED].nonzero().flatten().tolist()
-        if self._input_error is not None:
-            raise ValueError(self._input_error)
-        if rejected:
-            rank = rejected[0]
-            message = _decode_message(received[rank, -_MSG_WORDS:]) or f"see rank {rank}"
-            raise RuntimeError(f"rank {rank} rejected its input: {message}")
+        raise_rejected(self._input_error, received[:, _REJECTED].tolist(),
+                       received[:, -MSG_WORDS:])
         for column, label in zip((_LENGTHS_DTYPE, _VALUES_DTYPE, _WEIGHTS_DTYPE), _LABELS):
             codes = received[:, column].tolist()
             if len(set(codes)) > 1:

@@ -6,17 +6,22 @@ node size can be set explicitly (`local_world_size`) so those paths run in tests
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
 from recshard.types import get_local_size  # noqa: F401 - re-exported for users
 
+logger = logging.getLogger(__name__)
+
 TIMEOUT_ENV = "RECSHARD_PG_TIMEOUT_S"
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+TORCH_DEFAULT_TIMEOUT = timedelta(minutes=30)  # what init_process_group gives gloo by default
+_warned_groups: Set[dist.ProcessGroup] = set()
 
 
 def pg_timeout(pg: Optional[dist.ProcessGroup] = None) -> timedelta:
@@ -35,13 +40,34 @@ def pg_timeout(pg: Optional[dist.ProcessGroup] = None) -> timedelta:
         if not seconds > 0:
             raise ValueError(f"{TIMEOUT_ENV}={text!r} must be a positive number of seconds")
         return timedelta(seconds=seconds)
-    if pg is not None:
-        for device in ("cpu", "cuda"):
-            try:
-                return pg._get_backend(torch.device(device)).options._timeout
-            except Exception:  # noqa: BLE001 - no backend for that device, or no options
-                continue
-    return DEFAULT_TIMEOUT
+    timeout = _group_timeout(pg) if pg is not None else None
+    return timeout if timeout is not None else DEFAULT_TIMEOUT
+
+
+def _group_timeout(pg: dist.ProcessGroup) -> Optional[timedelta]:
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for that device, or no options
+            continue
+    return None
+
+
+def warn_if_default_timeout(pg: Optional[dist.ProcessGroup]) -> None:
+    """Log once per group when the user's group waits torch's default 30 minutes: a dead or
+    stuck rank then holds every other rank that long. recshard's own groups follow
+    `RECSHARD_PG_TIMEOUT_S`; the user's group only if created with `timeout=pg_timeout()`."""
+    if not dist.is_initialized():
+        return
+    pg = pg if pg is not None else dist.group.WORLD
+    if pg in _warned_groups or _group_timeout(pg) != TORCH_DEFAULT_TIMEOUT:
+        return
+    _warned_groups.add(pg)
+    logger.warning(
+        "the process group has torch's default timeout of 30 minutes: a dead or stuck rank holds "
+        "the others that long. Set %s (seconds; recshard's own groups follow it) and create the "
+        "group with init_process_group(..., timeout=recshard.comm.pg.pg_timeout()) so that it "
+        "follows it too", TIMEOUT_ENV)
 
 
 def get_local_rank(rank: int, local_world_size: int) -> int:

@@ -2,8 +2,10 @@
 
 Input side: check the batch (structure, features, dtypes, weights, each table's bounds-check
 mode) before any collective; a rejected batch still joins the splits exchange carrying the
-verdict, so every rank raises at the first wait instead of hanging. The accepted batch is
-permuted once into the shardings' concatenated wire order and split among them.
+verdict, so every rank raises at the first wait instead of hanging. A module with no splits
+exchange (every table data-parallel) exchanges the verdict on its own (`comm/verdict.py`).
+The accepted batch is permuted once into the shardings' concatenated wire order and split
+among them.
 
 Table state: if the unsharded module already has real weights (not `meta`), the shards start
 from them — TorchRec re-initializes CPU modules silently; recshard keeps what the user built.
@@ -17,6 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from recshard.comm.verdict import exchange_verdict
 from recshard.distributed.sharded_state import fused_state
 from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fused_params
 from recshard.lookup.grouped import uses_fbgemm
@@ -142,7 +145,7 @@ class ShardedTablesMixin:
         self._bounds_modes = {
             c.name: _mode(self._table_plans[c.name].bounds_check_mode) or default for c in self._configs
         }
-        self._warned: Set[str] = set()
+        self._warned: Set[Tuple[str, str]] = set()
         self._wire_features = [f for s in self._shardings.values() for f in s.input_features]
         self._wire_splits = [len(s.input_features) for s in self._shardings.values()]
         self._permute_cache: Dict[Tuple[str, ...], torch.Tensor] = {}
@@ -179,15 +182,20 @@ class ShardedTablesMixin:
                 features = features.permute(permutation.tolist(), permutation.to(features.device))
             parts = features.split(self._wire_splits) if len(self._wire_splits) > 1 else [features]
         else:
-            if not any(s.carries_input_error for s in self._shardings.values()):
-                raise ValueError(error)
             parts = [_placeholder(s.input_features) for s in self._shardings.values()]
+        verdict = None  # no splits exchange carries the verdict: exchange it on its own
+        if not any(s.carries_input_error for s in self._shardings.values()):
+            verdict = exchange_verdict(self.env.pg, error, self._device)
+            if verdict is None and error is not None:
+                raise ValueError(error)
         splits = _ListAwaitable([
             s.input_dist(part, sharding_ctx, error)
             for s, sharding_ctx, part in zip(self._shardings.values(), ctx.sharding_contexts, parts)
         ])
 
         def start_tensors() -> Awaitable[List[KeyedJaggedTensor]]:
+            if verdict is not None:
+                verdict.wait()
             tensors = splits.wait()
             # every rank's batch size, learned in the splits exchange (unequal batches work)
             sizes = next((t.stride_per_rank for t in tensors if hasattr(t, "stride_per_rank")), None)

@@ -23,6 +23,7 @@ from recshard.modules.input_checks import (
     check_features,
     check_ids,
     check_layout,
+    check_weights,
 )
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
@@ -104,6 +105,7 @@ class _EmbeddingTables(nn.Module):
         check_dtypes_and_weights(features, is_weighted, owner)
         check_layout(features, owner)
         check_ids(features, self._feature_to_table, owner)
+        check_weights(features, self._feature_to_table, owner)
 
 
 class EmbeddingBagCollection(_EmbeddingTables):

@@ -18,6 +18,7 @@ from recshard.types import BoundsCheckMode
 logger = logging.getLogger(__name__)
 
 ID_DTYPES = (torch.int32, torch.int64)
+WEIGHT_DTYPES = (torch.float32,)  # what the lookup kernels take as per-id weights
 
 
 def check_features(kjt: KeyedJaggedTensor, expected: List[str], owner: str) -> None:
@@ -77,6 +78,8 @@ def check_dtypes_and_weights(kjt: KeyedJaggedTensor, is_weighted: bool, owner: s
             f"{owner}: the input carries weights but the collection is unweighted "
             "(build it with is_weighted=True to use per-id weights)"
         )
+    if has_weights and kjt.weights().dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"{owner}: per-id weights must be float32, got {kjt.weights().dtype}")
 
 
 def keys_with_bad_ids(kjt: KeyedJaggedTensor, rows_per_key: List[int]) -> List[int]:
@@ -142,18 +145,54 @@ def check_ids(
         )
 
 
+def nonfinite_weight_mask(kjt: KeyedJaggedTensor) -> Optional[torch.Tensor]:
+    """`[N]` True where a per-id weight is NaN or infinite; None when all are finite (one
+    reduction on the good path)."""
+    weights = kjt.weights_or_none()
+    if weights is None or bool(torch.isfinite(weights).all()):
+        return None
+    return ~torch.isfinite(weights)
+
+
+def check_weights(
+    kjt: KeyedJaggedTensor, feature_to_table: Dict[str, Tuple[str, int]], owner: str
+) -> None:
+    """Every per-id weight must be finite (one NaN would poison the table's gradient).
+
+    Skipped where the weights cannot be read (`data_unreadable`)."""
+    if data_unreadable(kjt):
+        return
+    bad = nonfinite_weight_mask(kjt)
+    if bad is not None:
+        raise _weight_error(kjt, bad, feature_to_table, owner)
+
+
+def _weight_error(kjt: KeyedJaggedTensor, bad: torch.Tensor,
+                  feature_to_table: Dict[str, Tuple[str, int]], owner: str) -> ValueError:
+    position = int(torch.nonzero(bad)[0])
+    key_index = _key_of(kjt, position)
+    feature = kjt.keys()[key_index]
+    return ValueError(
+        f"{owner}: table '{feature_to_table[feature][0]}', feature '{feature}': weight "
+        f"{float(kjt.weights()[position])} at position {position - kjt.offset_per_key()[key_index]} "
+        f"of the feature's values is not finite ({int(bad.sum())} non-finite weight(s) in batch)"
+    )
+
+
 def bounds_check(
     kjt: KeyedJaggedTensor,
     feature_to_table: Dict[str, Tuple[str, int]],
     modes: Dict[str, BoundsCheckMode],
     owner: str,
-    warned: Set[str],
+    warned: Set[Tuple[str, str]],
 ) -> KeyedJaggedTensor:
-    """Apply each table's bounds-check mode (default FATAL) to out-of-range ids.
+    """Apply each table's bounds-check mode (default FATAL) to out-of-range ids and to
+    non-finite (NaN, inf) per-id weights.
 
-    FATAL: ValueError naming table, feature, id and num_embeddings. WARNING: drop the bad ids
-    and log once per table with the count. IGNORE: drop them silently. NONE: no check (the
-    kernel sees the ids as they are). Dropping removes the id from its bag.
+    FATAL: ValueError naming table, feature and the id (and num_embeddings) or the weight and
+    its position. WARNING: drop the bad ids and log once per table and kind with the count.
+    IGNORE: drop them silently. NONE: no check (the kernel sees the input as it is). Dropping
+    removes the id from its bag.
     """
     keys = kjt.keys()
     tables = [feature_to_table[k][0] for k in keys]
@@ -163,12 +202,19 @@ def bounds_check(
     unchecked = torch.iinfo(torch.int64).max
     rows = [feature_to_table[k][1] if m != BoundsCheckMode.NONE else unchecked
             for k, m in zip(keys, key_modes)]
-    if not keys_with_bad_ids(kjt, rows):
+    bad_weight = nonfinite_weight_mask(kjt)
+    if not keys_with_bad_ids(kjt, rows) and bad_weight is None:
         return kjt
-    bad = out_of_range_mask(kjt, rows)
-    fatal = torch.tensor([m == BoundsCheckMode.FATAL for m in key_modes], device=bad.device)
-    per_value_fatal = torch.repeat_interleave(fatal, torch.tensor(kjt.length_per_key(), device=bad.device))
-    fatal_bad = bad & per_value_fatal
+    per_key_lengths = torch.tensor(kjt.length_per_key())
+
+    def per_value(flags: List[bool]) -> torch.Tensor:
+        return torch.repeat_interleave(torch.tensor(flags), per_key_lengths).to(kjt.values().device)
+
+    bad_id = out_of_range_mask(kjt, rows)
+    if bad_weight is not None:
+        bad_weight = bad_weight & per_value([m != BoundsCheckMode.NONE for m in key_modes])
+    fatal = per_value([m == BoundsCheckMode.FATAL for m in key_modes])
+    fatal_bad = bad_id & fatal
     if bool(fatal_bad.any()):
         position = int(torch.nonzero(fatal_bad)[0])
         feature = keys[_key_of(kjt, position)]
@@ -178,13 +224,22 @@ def bounds_check(
             f"outside [0, {num_embeddings}) (num_embeddings={num_embeddings}; "
             f"{int(fatal_bad.sum())} bad id(s) in batch)"
         )
-    for index in torch.nonzero(bad).flatten().tolist():
-        table = tables[_key_of(kjt, index)]
-        if modes.get(table) == BoundsCheckMode.WARNING and table not in warned:
-            warned.add(table)
-            logger.warning("%s: table '%s' got ids outside [0, %d); dropping them "
-                           "(bounds_check_mode=WARNING, %d bad id(s) in this batch; logged once)",
-                           owner, table, feature_to_table[keys[_key_of(kjt, index)]][1], int(bad.sum()))
+    if bad_weight is not None and bool((bad_weight & fatal).any()):
+        raise _weight_error(kjt, bad_weight & fatal, feature_to_table, owner)
+    bad = bad_id if bad_weight is None else bad_id | bad_weight
+    for kind, mask in (("ids outside [0, num_embeddings)", bad_id),
+                       ("non-finite per-id weights", bad_weight)):
+        if mask is None:
+            continue
+        for key_index, segment in enumerate(torch.split(mask, kjt.length_per_key())):
+            table = tables[key_index]
+            if modes.get(table) == BoundsCheckMode.WARNING and (table, kind) not in warned \
+                    and bool(segment.any()):
+                warned.add((table, kind))
+                logger.warning("%s: table '%s' (num_embeddings=%d) got %s; dropping them "
+                               "(bounds_check_mode=WARNING, %d in this batch; logged once)",
+                               owner, table, feature_to_table[keys[key_index]][1], kind,
+                               int(mask.sum()))
     return _drop(kjt, bad)
 
 

@@ -10,8 +10,9 @@ included), by the planner on its own output, by `construct_module_sharding_plan`
 - data-parallel: no shards needed; every other type: shards that tile the table exactly
   (row types: every shard spans all columns, rows in order without gap or overlap; column
   types: the mirror image), table-wise exactly one shard;
-- ranks inside the world; row-wise shards on ranks 0..W-1 in order; table-row-wise and
-  table-column-wise shards inside one node (table-row-wise: all of its ranks, in order).
+- ranks inside the world, `ranks` agreeing with the shards' placements; row-wise shards on
+  ranks 0..W-1 in order; table-row-wise and table-column-wise shards inside one node
+  (table-row-wise: all of its ranks, in order).
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ def _check_shards(where: str, config: BaseEmbeddingConfig, st: ShardingType,
                                       f"{expected} in order, got {ranks}")
 
 
+def check_ranks_agree(where: str, ranks: Sequence[int], shards: Sequence[ShardMetadata]) -> None:
+    """A table's `ranks` name exactly the ranks its shards are placed on."""
+    placed = sorted({s.rank for s in shards})
+    if sorted(set(ranks)) != placed:
+        raise PlanValidationError(f"{where}: {list(ranks)} do not agree with the shards' "
+                                  f"placements (ranks {placed})")
+
+
 def check_table_plan(
     config: BaseEmbeddingConfig,
     ps: ParameterSharding,
@@ -132,6 +141,8 @@ def check_table_plan(
         raise PlanValidationError(f"{where}: {st.value} needs shard metadata "
                                   "(build plans with construct_module_sharding_plan or the planner)")
     _check_shards(where, config, st, ps.shards, world_size, local_world_size)
+    if ps.ranks is not None:
+        check_ranks_agree(f"{where}: ranks", ps.ranks, ps.shards)
 
 
 def check_module_plan(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -59,32 +60,68 @@ class InputError(ValueError):
 
 
 def read_tables_file(path: str) -> Dict[str, Any]:
-    """Parse the tables file (JSON, or YAML if PyYAML is importable) into a dict."""
-    with open(path) as f:
-        text = f.read()
+    """Parse the tables file (JSON, or YAML if PyYAML is importable) into a dict. Errors do
+    not repeat the path (`main` prefixes it)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as json_error:
+        if path.endswith(".json") or text.lstrip()[:1] in ("{", "["):
+            raise InputError(f"not valid JSON: {json_error}") from None
         try:
             import yaml  # type: ignore[import-untyped]
         except ImportError:
-            raise InputError(f"{path}: not valid JSON ({json_error}); install PyYAML to read "
-                             "YAML") from json_error
-        data = yaml.safe_load(text)
+            raise InputError(f"not valid JSON ({json_error}); install PyYAML to read "
+                             "YAML") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise InputError(f"neither JSON ({json_error}) nor YAML "
+                             f"({' '.join(str(e).split())})") from None
     if isinstance(data, list):
         data = {"tables": data}
     if not isinstance(data, dict) or not isinstance(data.get("tables"), list):
-        raise InputError(f"{path}: expected a list of tables or an object with a 'tables' list")
+        raise InputError("expected a list of tables or an object with a 'tables' list")
+    if not data["tables"]:
+        raise InputError("the table list is empty: nothing to plan")
     return data
 
 
-def _per_feature(value: Any, n: int, key: str, name: str) -> Optional[List[Any]]:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _per_feature(value: Any, n: int, key: str, name: str, integer: bool = False
+                 ) -> Optional[List[Any]]:
+    """Per-feature values (a scalar applies to every feature); each a finite number > 0
+    (`integer`: an integer >= 1)."""
     if value is None:
         return None
     values = list(value) if isinstance(value, (list, tuple)) else [value] * n
     if len(values) != n:
         raise InputError(f"table '{name}': '{key}' has {len(values)} values for {n} features")
+    for v in values:
+        number = _is_int(v) or (isinstance(v, float) and not integer)
+        if not number or not math.isfinite(v) or v <= 0:
+            kind = "integers >= 1" if integer else "finite numbers > 0"
+            raise InputError(f"table '{name}': '{key}' must be {kind}, got {v!r}")
     return values
+
+
+def _feature_names(entry: Dict[str, Any], name: str) -> List[str]:
+    features = entry.get("feature_names")
+    if features is None:
+        return [name]
+    if not isinstance(features, list) or not features or not all(
+            isinstance(f, str) and f for f in features):
+        raise InputError(f"table '{name}': 'feature_names' must be a non-empty list of "
+                         f"names, got {features!r:.80}")
+    return features
 
 
 def parse_tables(
@@ -95,17 +132,18 @@ def parse_tables(
     constraints: Dict[str, ParameterConstraints] = {}
     optimizer = data.get("optimizer", default_optimizer)
     for index, entry in enumerate(data["tables"]):
-        if not isinstance(entry, dict) or "name" not in entry:
-            raise InputError(f"table #{index}: needs an object with a 'name'")
-        name = str(entry["name"])
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) \
+                or not entry["name"]:
+            raise InputError(f"table #{index}: needs an object with a 'name' string")
+        name = entry["name"]
         unknown = sorted(set(entry) - _TABLE_KEYS)
         if unknown:
             raise InputError(f"table '{name}': unknown keys {unknown}; known: {sorted(_TABLE_KEYS)}")
         for key in ("num_embeddings", "embedding_dim"):
-            if not isinstance(entry.get(key), int):
-                raise InputError(f"table '{name}': '{key}' must be an integer, got "
+            if not _is_int(entry.get(key)) or entry[key] < 1:
+                raise InputError(f"table '{name}': '{key}' must be an integer >= 1, got "
                                  f"{entry.get(key)!r}")
-        features = list(entry.get("feature_names") or [name])
+        features = _feature_names(entry, name)
         n = len(features)
         pooling = entry.get("pooling_factors", entry.get("pooling_factor"))
         try:
@@ -114,7 +152,8 @@ def parse_tables(
                 embedding_dim=entry["embedding_dim"], feature_names=features,
                 pooling_factors=_per_feature(pooling, n, "pooling_factor", name),
                 num_poolings=_per_feature(entry.get("num_poolings"), n, "num_poolings", name),
-                batch_sizes=_per_feature(entry.get("batch_sizes"), n, "batch_sizes", name),
+                batch_sizes=_per_feature(entry.get("batch_sizes"), n, "batch_sizes", name,
+                                         integer=True),
                 data_type=entry.get("data_type", "FP32"),
                 is_weighted=bool(entry.get("weighted", entry.get("is_weighted", False))),
                 pooled=bool(entry.get("pooled", True)), module_fqn=str(entry.get("module", "")),
@@ -126,6 +165,25 @@ def parse_tables(
         if entry.get("constraints"):
             constraints[table.key] = _parse_constraints(name, entry["constraints"])
     return tables, constraints
+
+
+def check_arguments(args: argparse.Namespace, data: Dict[str, Any]) -> Tuple[int, int]:
+    """Sizes, capacities and the timeout must make sense (a zero or negative value used to
+    be replaced by a default or end as 'no plan fits'). Returns (world size, batch size)."""
+    world_size = args.world_size if args.world_size is not None else data.get("world_size", 1)
+    batch_size = args.batch_size if args.batch_size is not None else data.get("batch_size", 512)
+    for what, value in (("--world-size / world_size", world_size),
+                        ("--batch-size / batch_size", batch_size),
+                        ("--local-world-size", args.local_world_size)):
+        if value is not None and (not _is_int(value) or value < 1):
+            raise InputError(f"{what} must be an integer >= 1, got {value!r}")
+    for flag, value in (("--hbm-gb", args.hbm_gb), ("--ddr-gb", args.ddr_gb),
+                        ("--dense-gb", args.dense_gb), ("--kjt-gb", args.kjt_gb)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise InputError(f"{flag} must be a finite number >= 0, got {value}")
+    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise InputError(f"--timeout must be a number of seconds > 0, got {args.timeout}")
+    return world_size, batch_size
 
 
 def _parse_constraints(name: str, raw: Dict[str, Any]) -> ParameterConstraints:
@@ -208,23 +266,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         data = read_tables_file(args.tables_file)
         tables, constraints = parse_tables(data, args.optimizer)
+        world_size, batch_size = check_arguments(args, data)
         topology = Topology(
-            world_size=args.world_size or int(data.get("world_size", 1)),
-            compute_device=args.compute_device, hbm_cap=gib(args.hbm_gb),
+            world_size=world_size, compute_device=args.compute_device, hbm_cap=gib(args.hbm_gb),
             ddr_cap=gib(args.ddr_gb), local_world_size=args.local_world_size,
             intra_host_bw=args.intra_host_gbps, inter_host_bw=args.inter_host_gbps,
             profile=CalibrationProfile.load(args.profile) if args.profile else None,
         )
         measured = read_measurements(args.measured) if args.measured else []
         if args.plan:
-            batch = args.batch_size or int(data.get("batch_size", 512))
-            print(plan_stats(load_plan(args.plan), tables, topology, batch).format())
+            print(plan_stats(load_plan(args.plan), tables, topology, batch_size).format())
             return 0
+    except InputError as e:
+        print(f"error: {args.tables_file}: {e}", file=sys.stderr)
+        return 1
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     planner = EmbeddingShardingPlanner(
-        topology=topology, batch_size=args.batch_size or int(data.get("batch_size", 512)),
+        topology=topology, batch_size=batch_size,
         storage_reservation=StorageReservation(gib(args.dense_gb), gib(args.kjt_gb)),
         partitioner=MemoryBalancedPartitioner() if args.balance_memory else GreedyPerfPartitioner(),
         constraints=constraints, debug=False, timeout_seconds=args.timeout,

@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional
+import re
+from typing import Any, Dict, List, Optional
 
 from torch import nn
 
-from recshard.plan.validate import PlanValidationError, validate_plan  # noqa: F401 - re-exported
+from recshard.plan.validate import (  # noqa: F401 - PlanValidationError, validate_plan re-exported
+    PlanValidationError,
+    check_ranks_agree,
+    validate_plan,
+)
 from recshard.types import (
     BoundsCheckMode,
     ParameterSharding,
@@ -53,14 +58,70 @@ def plan_to_dict(plan: ShardingPlan, metadata: Optional[Dict[str, Any]] = None) 
             "modules": modules}
 
 
-def _field(entry: Dict[str, Any], key: str, where: str) -> Any:
+_PLACEMENT = re.compile(r"rank:(\d+)/[A-Za-z]+(?::\d+)?")
+
+
+def _field(entry: Any, key: str, where: str, kind: Optional[type] = None) -> Any:
+    """`entry[key]`, which must be there (and of `kind`); errors name the JSON path."""
+    if not isinstance(entry, dict):
+        raise PlanValidationError(f"{where}: expected an object, got {type(entry).__name__}")
     if key not in entry:
         raise PlanValidationError(f"{where}: missing '{key}'")
-    return entry[key]
+    value = entry[key]
+    if kind is not None and not isinstance(value, kind):
+        raise PlanValidationError(f"{where}.{key}: expected {kind.__name__}, got {value!r:.60}")
+    return value
+
+
+def _ints(value: Any, where: str) -> List[int]:
+    if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise PlanValidationError(f"{where}: expected a list of integers >= 0, got {value!r:.60}")
+    return value
+
+
+def _shards(raw: Any, where: str) -> Optional[List[ShardMetadata]]:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise PlanValidationError(f"{where}.shards: expected a list or null, got {raw!r:.60}")
+    shards = []
+    for k, s in enumerate(raw):
+        at = f"{where}.shards[{k}]"
+        placement = _field(s, "placement", at, str)
+        if not _PLACEMENT.fullmatch(placement):
+            raise PlanValidationError(f"{at}.placement: expected 'rank:<r>/<device>', got "
+                                      f"{placement!r:.60}")
+        shards.append(ShardMetadata(_ints(_field(s, "offsets", at), f"{at}.offsets"),
+                                    _ints(_field(s, "sizes", at), f"{at}.sizes"), placement))
+    return shards
+
+
+def _table_entry(entry: Any, where: str) -> ParameterSharding:
+    shards = _shards(_field(entry, "shards", where), where)
+    ranks = entry.get("ranks")
+    if ranks is not None:
+        ranks = _ints(ranks, f"{where}.ranks")
+        if shards is not None:
+            check_ranks_agree(f"{where}.ranks", ranks, shards)
+    mode = entry.get("bounds_check_mode")
+    try:
+        bounds = BoundsCheckMode(mode) if mode else None
+    except ValueError:
+        raise PlanValidationError(
+            f"{where}.bounds_check_mode: {mode!r:.40} is not one of "
+            f"{[m.value for m in BoundsCheckMode]}") from None
+    return ParameterSharding(
+        sharding_type=_field(entry, "sharding_type", where, str),
+        compute_kernel=_field(entry, "compute_kernel", where, str),
+        ranks=ranks, shards=shards, bounds_check_mode=bounds,
+        cache_params=entry.get("cache_params"),
+    )
 
 
 def plan_from_dict(data: Dict[str, Any]) -> ShardingPlan:
-    """Inverse of `plan_to_dict`; raises PlanValidationError naming the bad entry."""
+    """Inverse of `plan_to_dict`; raises PlanValidationError naming the bad entry by its JSON
+    path and table."""
     if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
         raise PlanValidationError(f"not a recshard sharding plan (expected format '{PLAN_FORMAT}')")
     version = data.get("version")
@@ -69,24 +130,18 @@ def plan_from_dict(data: Dict[str, Any]) -> ShardingPlan:
             f"plan schema version {version} is not supported (this recshard reads {PLAN_VERSION})"
         )
     plan: Dict[str, Dict[str, ParameterSharding]] = {}
-    for fqn, tables in _field(data, "modules", "plan").items():
+    for fqn, tables in _field(data, "modules", "$", dict).items():
+        if not isinstance(tables, dict):
+            raise PlanValidationError(f"$.modules[{json.dumps(fqn)}]: expected an object of "
+                                      f"tables, got {tables!r:.60}")
         plan[fqn] = {}
         for name, entry in tables.items():
-            where = f"table '{f'{fqn}.' if fqn else ''}{name}'"
-            shards = _field(entry, "shards", where)
-            mode = entry.get("bounds_check_mode")
-            plan[fqn][name] = ParameterSharding(
-                sharding_type=_field(entry, "sharding_type", where),
-                compute_kernel=_field(entry, "compute_kernel", where),
-                ranks=entry.get("ranks"),
-                shards=None if shards is None else [
-                    ShardMetadata(list(_field(s, "offsets", where)), list(_field(s, "sizes", where)),
-                                  _field(s, "placement", where))
-                    for s in shards
-                ],
-                bounds_check_mode=BoundsCheckMode(mode) if mode else None,
-                cache_params=entry.get("cache_params"),
-            )
+            try:
+                plan[fqn][name] = _table_entry(
+                    entry, f"$.modules[{json.dumps(fqn)}][{json.dumps(name)}]")
+            except PlanValidationError as e:
+                raise PlanValidationError(f"table '{f'{fqn}.' if fqn else ''}{name}': {e}") \
+                    from None
     return ShardingPlan(plan)
 
 
@@ -119,10 +174,10 @@ def load_plan(
     """Read a plan written by `save_plan` or `recshard-plan -o`; with `module`, also check it
     fits that model (and world) with `validate_plan`."""
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise PlanValidationError(f"{path}: not valid JSON ({e})") from e
+        with open(path, "rb") as f:
+            data = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PlanValidationError(f"{path}: not valid JSON ({e})") from None
     try:
         plan = plan_from_dict(data)
         if module is not None:

@@ -144,7 +144,10 @@ class EmbeddingShardingPlanner:
         if best is None:
             raise PlannerError(self._no_plan_message(space, capacity, evaluated, failure))
         if self.refine:
-            refined = refine_placement(best, best.extra.get("capacity", capacity))
+            deadline = None if not self.timeout_seconds else (
+                time.monotonic() + max(0.0, self.timeout_seconds - (time.perf_counter() - start)))
+            refined = refine_placement(best, best.extra.get("capacity", capacity),
+                                       deadline=deadline)
             refined.rating = self.performance_model.rate(refined)
             if refined.rating <= best.rating:
                 best = refined

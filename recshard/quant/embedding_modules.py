@@ -31,6 +31,7 @@ from recshard.modules.input_checks import (
     check_features,
     check_ids,
     check_layout,
+    check_weights,
 )
 from recshard.quant.config import dtypes_from_qconfig
 from recshard.quant.kernel import QuantLookup, QuantTable, check_output_dtype
@@ -129,6 +130,7 @@ class _QuantTables(nn.Module):
         check_dtypes_and_weights(features, is_weighted, owner)
         check_layout(features, owner)
         check_ids(features, self._feature_to_table, owner)
+        check_weights(features, self._feature_to_table, owner)
 
     def _in_order(self, features: KeyedJaggedTensor, order: List[str]) -> KeyedJaggedTensor:
         if features.keys() == order:

@@ -42,6 +42,8 @@ CASES = [
             r"unknown compute kernel 'magic'"),
     BadPlan("rank_outside_world", lambda p: setattr(p["cw"].shards[0], "placement", "rank:7/cpu"),
             r"ranks \[7\] are outside world size 4"),
+    BadPlan("ranks_disagree_with_placements", lambda p: setattr(p["cw"], "ranks", [0, 2]),
+            r"ranks: \[0, 2\] do not agree with the shards' placements \(ranks \[0, 1\]\)"),
     BadPlan("missing_shards", lambda p: setattr(p["rw"], "shards", None),
             r"row_wise needs shard metadata"),
 ]

@@ -80,3 +80,77 @@ def test_cli_png(tables_file, tmp_path, capsys):
     else:
         assert main([tables_file, "--png", png]) == 0
         assert os.path.getsize(png) > 0
+
+
+_GOOD = {"name": "t", "num_embeddings": 1000, "embedding_dim": 16}
+_BAD_INPUT = [
+    ("world size 0", [_GOOD], ["--world-size", "0"], "--world-size / world_size must be an integer >= 1, got 0"),
+    ("batch size 0", [_GOOD], ["--batch-size", "0"], "--batch-size / batch_size must be an integer >= 1, got 0"),
+    ("negative batch size", [_GOOD], ["--batch-size", "-4"], "must be an integer >= 1, got -4"),
+    ("negative timeout", [_GOOD], ["--timeout", "-1"], "--timeout must be a number of seconds > 0"),
+    ("negative ddr", [_GOOD], ["--ddr-gb", "-1"], "--ddr-gb must be a finite number >= 0"),
+    ("negative pooling", [{**_GOOD, "pooling_factor": -2}], [],
+     "table 't': 'pooling_factor' must be finite numbers > 0, got -2"),
+    ("nan pooling", '[{"name": "t", "num_embeddings": 10, "embedding_dim": 4, "pooling_factor": NaN}]',
+     [], "table 't': 'pooling_factor' must be finite numbers > 0, got nan"),
+    ("negative per-table batch", [{**_GOOD, "batch_sizes": [-1]}], [],
+     "table 't': 'batch_sizes' must be integers >= 1, got -1"),
+    ("bool rows", [{**_GOOD, "num_embeddings": True}], [],
+     "table 't': 'num_embeddings' must be an integer >= 1, got True"),
+    ("string features", [{**_GOOD, "feature_names": "user"}], [],
+     "table 't': 'feature_names' must be a non-empty list of names, got 'user'"),
+    ("empty list", [], [], "the table list is empty"),
+    ("malformed json", '[{"name": "t",', [], "not valid JSON"),
+    ("not utf-8", b'[{"name": "\xff"}]', [], "not UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize("case", _BAD_INPUT, ids=[c[0] for c in _BAD_INPUT])
+def test_cli_bad_input_exits_1_naming_file_and_table(case, tmp_path, capsys):
+    _, content, flags, message = case
+    path = tmp_path / "tables.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+    assert main([str(path), *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: ") and message in err, err
+    assert "Traceback" not in err
+
+
+def _plan_file(tmp_path, change) -> str:
+    entry = {"sharding_type": "table_wise", "compute_kernel": "fused", "ranks": [0],
+             "shards": [{"offsets": [0, 0], "sizes": [10, 4], "placement": "rank:0/cpu"}],
+             "bounds_check_mode": None, "cache_params": None}
+    data = {"format": "recshard.sharding_plan", "version": 1, "metadata": {},
+            "modules": {"ebc": {"t": entry}}}
+    change(data, entry)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+_BAD_PLANS = [
+    ("garbage placement", lambda d, e: e["shards"][0].update(placement="garbage"),
+     "table 'ebc.t': $.modules[\"ebc\"][\"t\"].shards[0].placement: expected 'rank:<r>/<device>'"),
+    ("modules as a list", lambda d, e: d.update(modules=[]), "$.modules: expected dict"),
+    ("bad bounds mode", lambda d, e: e.update(bounds_check_mode="loud"),
+     "table 'ebc.t': $.modules[\"ebc\"][\"t\"].bounds_check_mode: 'loud' is not one of"),
+    ("ranks disagree", lambda d, e: e["shards"][0].update(placement="rank:1/cpu"),
+     "table 'ebc.t': $.modules[\"ebc\"][\"t\"].ranks: [0] do not agree with the shards' "
+     "placements (ranks [1])"),
+]
+
+
+@pytest.mark.parametrize("case", _BAD_PLANS, ids=[c[0] for c in _BAD_PLANS])
+def test_load_plan_names_file_json_path_and_table(case, tmp_path):
+    from recshard.planner import load_plan
+    from recshard.planner.plan_io import PlanValidationError
+
+    _, change, message = case
+    path = _plan_file(tmp_path, change)
+    with pytest.raises(PlanValidationError) as info:
+        load_plan(path)
+    assert str(info.value).startswith(f"{path}: ") and message in str(info.value), str(info.value)
+    assert load_plan(_plan_file(tmp_path, lambda d, e: None)).plan["ebc"]["t"].ranks == [0]

@@ -256,3 +256,27 @@ def test_refinement_fixes_what_greedy_leaves_uneven():
     refined = refine_placement(greedy, capacity)
     assert sorted(refined.perf) == [6.0, 6.0] and refined.rating == 6.0
     assert greedy.perf == [7.0, 5.0] or greedy.perf == [5.0, 7.0]  # the input is not modified
+
+
+def test_refinement_stops_at_its_deadline_and_scales_to_many_shards():
+    """A deadline already past: the placement comes back as greedy left it. Many shards per
+    rank: the refined placement keeps every shard on one rank and lowers the slowest one."""
+    import time
+
+    def option(name, ms):
+        table = TableMeta(name, 10, 4)
+        return ShardingOption(table, "table_wise", "fused",
+                              [Segment(1, 10, 4, Perf(fwd_compute=ms), Storage(0.0, 100.0))])
+
+    proposal = [option(f"t{i}", ms) for i, ms in enumerate([3.0, 3.0, 2.0, 2.0, 2.0])]
+    capacity = StorageReservation(kjt_bytes=0).reserve(Topology(2), [], 1)
+    greedy = GreedyPerfPartitioner().partition(proposal, capacity)
+    late = refine_placement(greedy, capacity, deadline=time.monotonic() - 1.0)
+    assert sorted(late.perf) == [5.0, 7.0]
+    many = [option(f"t{i}", 1.0 + (i * 7919 % 1000) / 100) for i in range(4000)]
+    capacity = StorageReservation(kjt_bytes=0).reserve(Topology(4), [], 1)
+    greedy = GreedyPerfPartitioner().partition(many, capacity)
+    refined = refine_placement(greedy, capacity)
+    assert refined.rating <= greedy.rating
+    assert sum(refined.perf) == pytest.approx(sum(greedy.perf))
+    assert all(len(rs) == 1 and 0 <= rs[0] < 4 for rs in refined.ranks)

@@ -22,6 +22,16 @@ tensors exchange during backward) and batch i+2 is being copied to the device:
                   forward(i)  (sharded modules take batch i's finished input dist)
                   first wait of i+1's input dist (tensors exchange starts)
                   backward(i), optimizer.step()
+
+Errors: a step that raises drops its batch; the next `progress` goes on with the next batch.
+A batch rejected by the input checks (on any rank: every rank learns it in the splits
+exchange) is found during the step before it; that step still trains its own batch and
+returns, and the next `progress` raises the rejection (on every rank) and drops the bad batch,
+so a training loop can skip it:
+
+    try:
+        output = pipeline.progress(it)
+    except ValueError / RuntimeError: log it and continue (StopIteration: the end)
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from recshard.comm.pg import warn_if_default_timeout
+from recshard.comm.request import CollectiveError
 from recshard.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
 from recshard.distributed.train_pipeline.tracing import PipelinedModuleSpec, trace_sharded_inputs
 from recshard.distributed.train_pipeline.utils import (
@@ -178,6 +190,7 @@ class TrainPipelineBase(TrainPipeline[In, Out]):
         self._device = torch.device(device)
         self._memcpy_stream = new_stream(self._device)
         self._queue = _BatchQueue(self._device, self._memcpy_stream, BatchVote(_process_group(model)))
+        warn_if_default_timeout(_process_group(model))
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
         queue = self._queue
@@ -192,10 +205,12 @@ class TrainPipelineBase(TrainPipeline[In, Out]):
             self._optimizer.zero_grad()
         wait_for_batch(batch, self._memcpy_stream)
         queue.fetch(dataloader_iter)  # batch i+1: its copy overlaps this step
-        with contextlib.nullcontext() if training else torch.no_grad():
-            losses, output = _split_result(self._model(batch))
-        self._backward_and_step(losses, training)
-        queue.pop()
+        try:
+            with contextlib.nullcontext() if training else torch.no_grad():
+                losses, output = _split_result(self._model(batch))
+            self._backward_and_step(losses, training)
+        finally:
+            queue.pop()  # a batch that raised is dropped: the next call goes on
         return output
 
 
@@ -243,6 +258,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
             spec.name: spec.module.__dict__.get("forward") for spec in self._specs
         }
         self._queue = _BatchQueue(self._device, self._memcpy_stream, BatchVote(_process_group(model)))
+        warn_if_default_timeout(_process_group(model))
 
     # ---------------------------------------------------------------- model rewrite
 
@@ -301,6 +317,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         if not self._queue.confirm(position):
             return False
         batch, context = self._queue.batches[position], self._queue.contexts[position]
+        context.dist_started = True
         with stream_context(self._data_dist_stream):
             wait_for_batch(batch, self._memcpy_stream)
             for spec in self._specs:
@@ -311,11 +328,22 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         return True
 
     def _wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
-        """Finish the splits exchanges and start the tensors exchanges of one batch."""
+        """Finish the splits exchanges and start the tensors exchanges of one batch. A rejected
+        batch is kept in `context.input_error` (its own step raises it); every module's exchange
+        is still finished, so no collective of it is left in flight."""
         with stream_context(self._data_dist_stream):
             for name, request in list(context.splits_requests.items()):
-                context.tensors_requests[name] = request.wait()
+                try:
+                    context.tensors_requests[name] = request.wait()
+                except CollectiveError:  # a dead or stuck peer: nothing to go on with
+                    raise
+                except (ValueError, RuntimeError) as e:  # a rejected input, on any rank
+                    context.input_error = context.input_error or e
             context.splits_requests.clear()
+            if context.input_error is not None:
+                for request in context.tensors_requests.values():
+                    request.wait()
+                context.tensors_requests.clear()
 
     def _fill_pipeline(self, dataloader_iter: Iterator[In]) -> None:
         if not self._enqueue_batch(dataloader_iter) or not self._start_sparse_data_dist(0):
@@ -342,6 +370,14 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         if not queue.batches:
             raise StopIteration
         batch, context = queue.batches[0], queue.contexts[0]
+        if not context.dist_started:  # the batch before it was dropped (it raised)
+            if not self._start_sparse_data_dist(0):
+                raise StopIteration
+        if context.splits_requests:
+            self._wait_sparse_data_dist(context)
+        if context.input_error is not None:  # rejected, found during the previous step
+            queue.pop()
+            raise context.input_error
         training = self._run_backward and self._model.training
         if training and self._optimizer is not None:
             self._optimizer.zero_grad()
@@ -349,11 +385,13 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         if len(queue.batches) >= 2:
             self._start_sparse_data_dist(1)  # batch i+1: splits exchange
         self._enqueue_batch(dataloader_iter)  # batch i+2: fetch and copy
-        losses, output = self._forward(batch, context, training)
-        if len(queue.batches) >= 2:
-            self._wait_sparse_data_dist(queue.contexts[1])  # batch i+1: tensors exchange
-        self._backward_and_step(losses, training)
-        queue.pop()
+        try:
+            losses, output = self._forward(batch, context, training)
+            if len(queue.batches) >= 2:
+                self._wait_sparse_data_dist(queue.contexts[1])  # batch i+1: tensors exchange
+            self._backward_and_step(losses, training)
+        finally:
+            queue.pop()  # a batch that raised is dropped: the next call goes on
         return output
 
 

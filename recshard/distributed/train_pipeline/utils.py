@@ -18,6 +18,7 @@ from typing import Any, ContextManager, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from recshard.comm.pg import pg_timeout
 from recshard.comm.request import wait_work
 from recshard.types import Awaitable, FnAwaitable, NoWait, ShardedModule
 
@@ -81,6 +82,8 @@ class TrainPipelineContext:
     `splits_requests[name]`: the input dist as `input_dist` returned it (splits exchange in
     flight); `tensors_requests[name]`: after the first wait (tensors exchange in flight), consumed
     by the module's pipelined forward. `has_batch`: every rank's vote that it has this batch.
+    `dist_started`: its input dist was started; `input_error`: what its input dist raised
+    (a rejected batch), raised by the step of this batch instead of the step before it.
     """
 
     index: int
@@ -88,6 +91,8 @@ class TrainPipelineContext:
     module_contexts: Dict[str, Any] = field(default_factory=dict)
     splits_requests: Dict[str, Awaitable[Awaitable[Any]]] = field(default_factory=dict)
     tensors_requests: Dict[str, Awaitable[Any]] = field(default_factory=dict)
+    dist_started: bool = False
+    input_error: Optional[Exception] = None
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         record_stream(self.module_contexts, stream)
@@ -145,11 +150,12 @@ class PipelinedForward:
 _GLOO_TWINS: Dict[dist.ProcessGroup, dist.ProcessGroup] = {}
 
 
-def _gloo_twin(pg: dist.ProcessGroup) -> dist.ProcessGroup:
+def gloo_twin(pg: dist.ProcessGroup) -> dist.ProcessGroup:
     """A gloo group over the ranks of `pg`, made once per group. `new_group` is collective over
     the default group: every rank builds its pipelines in the same order, so they all get here."""
     if pg not in _GLOO_TWINS:
-        _GLOO_TWINS[pg] = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo")
+        _GLOO_TWINS[pg] = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo",
+                                         timeout=pg_timeout(pg))
     return _GLOO_TWINS[pg]
 
 
@@ -172,7 +178,7 @@ class BatchVote:
         if dist.get_world_size(pg) == 1:
             return
         if dist.get_backend(pg) != "gloo":
-            pg = _gloo_twin(pg)
+            pg = gloo_twin(pg)
         self._pg = pg
 
     def ask(self, has_batch: bool) -> Awaitable[bool]:

@@ -1,0 +1,123 @@
+"""Untrusted checkpoints: a pickle payload planted in any file of a checkpoint never runs.
+
+Two ranks save a trained model with Adagrad state (fused and dense), then, one file at a time,
+rank 0 replaces that file with a pickle whose `__reduce__` calls `os.system` (as an attacker
+with write access to the checkpoint would). Every rank's `load` must raise an error that names
+the file, the payload must not have run, and model and optimizer state must be exactly as
+they were. With the file restored the same load succeeds (so the test can fail).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+from dmp_cases import TinyDLRM, make_optimizer, train
+from multiprocess import run_ranks
+
+from recshard import checkpoint
+from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
+from recshard.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from recshard.optim import CombinedOptimizer
+from recshard.types import ShardingPlan
+
+
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Tuple[object, Tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def _dmp(ws: int, seed: int) -> DistributedModelParallel:
+    torch.manual_seed(seed)
+    per_table = {t: table_wise(i % ws) for i, t in enumerate(["ta", "tb", "tc"])}
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(TinyDLRM("meta").ebc, per_table,
+                                                               world_size=ws)})
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": "exact_adagrad", "learning_rate": 0.05})
+    return DistributedModelParallel(TinyDLRM(), plan=plan, sharders=[sharder])
+
+
+def _state(model: DistributedModelParallel, opt: CombinedOptimizer) -> List[torch.Tensor]:
+    """Every local tensor of the model's and optimizer's state, cloned."""
+    out: List[torch.Tensor] = []
+    for value in checkpoint.model_state_dict(model.module).values():
+        out += [s.tensor.clone() for s in value.local_shards()] if hasattr(
+            value, "local_shards") else [value.clone()]
+    for entry in opt.state_dict()["state"].values():
+        out += [v.clone() for v in entry.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _plant_in_every_file(rank: int, ws: int, path: str, marker: str) -> Dict[str, str]:
+    model = _dmp(ws, seed=0)
+    opt = make_optimizer(model, fused=True, adagrad=True)
+    train(model, opt, range(2), rank, ws)
+    directory = Path(checkpoint.save(path, model, opt, extra={"step": 2}))
+    files = sorted([Path(path, "LATEST"), *directory.iterdir()])
+    target = _dmp(ws, seed=1)
+    target_opt = make_optimizer(target, fused=True, adagrad=True)
+    train(target, target_opt, range(1), rank, ws)
+    before = _state(target, target_opt)
+    errors: Dict[str, str] = {}
+    for file in files:
+        original = file.read_bytes()
+        if rank == 0:
+            file.write_bytes(pickle.dumps(_Payload(marker)))
+        dist.barrier()
+        try:
+            checkpoint.load(path, target, target_opt)
+            errors[file.name] = "loaded"
+        except (ValueError, RuntimeError, FileNotFoundError) as e:
+            errors[file.name] = str(e)
+        after = _state(target, target_opt)
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), f"{file.name}: state changed"
+        dist.barrier()
+        if rank == 0:
+            file.write_bytes(original)
+        dist.barrier()
+    # A stale DCP `.metadata` beside the manifest is never read either.
+    if rank == 0:
+        (directory / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    dist.barrier()
+    assert checkpoint.load(path, target, target_opt) == {"step": 2}
+    errors["restored"] = "loaded"
+    return errors
+
+
+def test_planted_pickle_in_any_checkpoint_file_never_runs() -> None:
+    with tempfile.TemporaryDirectory() as path:
+        marker = os.path.join(path, "payload-ran")
+        results = run_ranks(2, _plant_in_every_file, path, marker, timeout=240, pg_timeout_s=30)
+        assert not os.path.exists(marker)
+    for errors in results:
+        names = [n for n in errors if n != "restored"]
+        assert {"LATEST", "manifest.json", "extra.json"} <= set(names), names
+        assert sum(n.endswith(".distcp") for n in names) == 2, names
+        for name in names:
+            assert name in errors[name], (name, errors[name])
+        assert errors["restored"] == "loaded"
+
+
+def test_latest_may_only_name_a_sibling_directory() -> None:
+    """Write access to LATEST alone must not point `load` at another directory."""
+    with tempfile.TemporaryDirectory() as path, tempfile.TemporaryDirectory() as elsewhere:
+        model = TinyDLRM()
+        checkpoint.save(elsewhere, model, extra={"from": "elsewhere"})
+        other = checkpoint.latest_checkpoint(elsewhere)
+        checkpoint.save(path, model)
+        for pointer in [str(other), f"../{Path(elsewhere).name}/{other.name}", "..", "."]:
+            Path(path, "LATEST").write_text(pointer)
+            try:
+                checkpoint.load(path, model)
+            except ValueError as e:
+                assert f"{path}/LATEST" in str(e), str(e)
+                continue
+            raise AssertionError(f"LATEST={pointer!r} was followed")

@@ -1,0 +1,76 @@
+"""After an error on batch i, the train pipeline goes on with batch i+1.
+
+Rank 1's batches at the bad positions carry an id past its table; both ranks run `progress`
+in a loop that logs errors and goes on. Every rank must raise once per bad batch (at that
+batch's step, not the one before), run every good batch exactly once, and end with the
+weights of a plain loop over the good batches only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+from multiprocess import run_ranks
+from pipeline_cases import (
+    Batch,
+    batch_for,
+    build,
+    model_state,
+    optimizer_for,
+    plain_loop,
+    state_diff,
+)
+
+from recshard.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+
+WS = 2
+STEPS = 7
+
+
+def _poisoned(step: int, rank: int, ws: int, bad: Tuple[int, ...]) -> Batch:
+    batch = batch_for(step, rank, ws)
+    if rank == 1 and step in bad:
+        kjt = batch.sparse_features
+        values = kjt.values().clone()
+        values[0] = 99
+        batch.sparse_features = type(kjt).from_lengths_sync(kjt.keys(), values, kjt.lengths())
+    return batch
+
+
+def skip_bad_batches(rank: int, ws: int, kind: str, bad: Tuple[int, ...]) -> Dict[str, Any]:
+    batches = [_poisoned(s, rank, ws, bad) for s in range(STEPS)]
+    model = build(ws)
+    optimizer = optimizer_for(model)
+    make = TrainPipelineSparseDist if kind == "sparse_dist" else TrainPipelineBase
+    pipeline = make(model, optimizer, torch.device("cpu"))
+    events: List[str] = []
+    iterator = iter(batches)
+    for _ in range(3 * STEPS):
+        try:
+            _, _, index = pipeline.progress(iterator)
+            events.append(str(index))
+        except StopIteration:
+            break
+        except (ValueError, RuntimeError) as e:
+            events.append(f"{type(e).__name__}: {e}")
+    reference = build(ws)
+    plain_loop(reference, optimizer_for(reference), [b for b in batches if b.index not in bad])
+    return {"events": events, "diff": state_diff(model_state(model), model_state(reference))}
+
+
+@pytest.mark.parametrize("kind", ["sparse_dist", "base"])
+@pytest.mark.parametrize("bad", [(2,), (0,), (3, 4), (6,)])
+def test_progress_goes_on_after_a_bad_batch(kind: str, bad: Tuple[int, ...]) -> None:
+    results = run_ranks(WS, skip_bad_batches, kind, bad, timeout=120, pg_timeout_s=60)
+    for rank, result in enumerate(results):
+        events = result["events"]
+        errors = [i for i, e in enumerate(events) if not e.isdigit()]
+        assert [e for e in events if e.isdigit()] == [
+            str(s) for s in range(STEPS) if s not in bad], (rank, events)
+        assert errors == list(bad), (rank, events)  # raised at the bad batch's own step
+        for i in errors:
+            want = "ValueError" if rank == 1 else "RuntimeError: rank 1 rejected its input"
+            assert events[i].startswith(want) and "99" in events[i], (rank, events[i])
+        assert result["diff"] == [], (rank, result["diff"])
