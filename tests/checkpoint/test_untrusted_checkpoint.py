@@ -46,13 +46,15 @@ def _dmp(ws: int, seed: int) -> DistributedModelParallel:
 
 
 def _state(model: DistributedModelParallel, opt: CombinedOptimizer) -> List[torch.Tensor]:
-    """Every local tensor of the model's and optimizer's state, cloned."""
+    """Every local tensor of the model's and optimizer's state (this rank's shards of the
+    sharded ones), cloned."""
     out: List[torch.Tensor] = []
-    for value in checkpoint.model_state_dict(model.module).values():
+    values = list(checkpoint.model_state_dict(model.module).values())
+    for entry in opt.state_dict()["state"].values():
+        values += [v for v in entry.values() if isinstance(v, torch.Tensor)]
+    for value in values:
         out += [s.tensor.clone() for s in value.local_shards()] if hasattr(
             value, "local_shards") else [value.clone()]
-    for entry in opt.state_dict()["state"].values():
-        out += [v.clone() for v in entry.values() if isinstance(v, torch.Tensor)]
     return out
 
 
