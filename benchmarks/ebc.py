@@ -177,10 +177,10 @@ def per_table_plan(
     ranks = placement(pooling, world_size)
     hosts = balanced_ranks(pooling, world_size // local_size)
     make: Dict[str, Callable[[int], ShardingGenerator]] = {
-        "table_wise": lambda t: table_wise(ranks[t], kernel),
-        "row_wise": lambda t: row_wise(kernel),
-        "column_wise": lambda t: column_wise(list(range(world_size)), kernel),
-        "table_row_wise": lambda t: table_row_wise(hosts[t], kernel),
+        "table_wise": lambda t: table_wise(ranks[t], compute_kernel=kernel),
+        "row_wise": lambda t: row_wise(compute_kernel=kernel),
+        "column_wise": lambda t: column_wise(list(range(world_size)), compute_kernel=kernel),
+        "table_row_wise": lambda t: table_row_wise(hosts[t], compute_kernel=kernel),
         "data_parallel": lambda t: data_parallel(),
     }
     return {table.name: make[sharding_type](t) for t, table in enumerate(tables)}

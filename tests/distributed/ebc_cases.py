@@ -45,22 +45,22 @@ def plan_for(kind: str, ws: int, lws: int, kernel: str) -> Dict:
     nodes = ws // lws
     cw_ranks = [ws - 1 - (i % ws) for i in range(min(3, ws) if ws > 1 else 2)]
     if kind == "table_wise":
-        return {n: table_wise(i % ws, k) for i, n in enumerate(names)}
+        return {n: table_wise(i % ws, compute_kernel=k) for i, n in enumerate(names)}
     if kind == "row_wise":
-        return {n: row_wise(k) for n in names}
+        return {n: row_wise(compute_kernel=k) for n in names}
     if kind == "column_wise":
         # t3 has dim 1: one column shard only
-        return {n: column_wise(cw_ranks if n != "t3" else [0], k) for n in names}
+        return {n: column_wise(cw_ranks if n != "t3" else [0], compute_kernel=k) for n in names}
     if kind == "table_row_wise":
-        return {n: table_row_wise(i % nodes, k) for i, n in enumerate(names)}
+        return {n: table_row_wise(i % nodes, compute_kernel=k) for i, n in enumerate(names)}
     if kind == "table_column_wise":
-        return {n: table_column_wise(i % nodes, None if n != "t3" else [0], k)
+        return {n: table_column_wise(i % nodes, None if n != "t3" else [0], compute_kernel=k)
                 for i, n in enumerate(names)}
     if kind == "data_parallel":
         return {n: data_parallel() for n in names}
     if kind == "mixed":
-        return {"t0": table_wise(ws - 1, k), "t1": row_wise(k), "t2": column_wise(cw_ranks, k),
-                "t3": data_parallel(), "t4": table_row_wise(nodes - 1, k)}
+        return {"t0": table_wise(ws - 1, compute_kernel=k), "t1": row_wise(compute_kernel=k), "t2": column_wise(cw_ranks, compute_kernel=k),
+                "t3": data_parallel(), "t4": table_row_wise(nodes - 1, compute_kernel=k)}
     raise ValueError(kind)
 
 

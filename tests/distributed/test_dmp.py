@@ -33,10 +33,10 @@ STEPS = 4
 def plan(kind: str, ws: int, kernel: str) -> ShardingPlan:
     k = None if kernel == "fused" else "dense"
     per_table = {
-        "table_wise": {t: table_wise(i % ws, k) for i, t in enumerate(["ta", "tb", "tc"])},
-        "row_wise": {t: row_wise(k) for t in ["ta", "tb", "tc"]},
-        "column_wise": {t: column_wise(list(range(ws)), k) for t in ["ta", "tb", "tc"]},
-        "mixed": {"ta": table_wise(ws - 1, k), "tb": row_wise(k), "tc": data_parallel()},
+        "table_wise": {t: table_wise(i % ws, compute_kernel=k) for i, t in enumerate(["ta", "tb", "tc"])},
+        "row_wise": {t: row_wise(compute_kernel=k) for t in ["ta", "tb", "tc"]},
+        "column_wise": {t: column_wise(list(range(ws)), compute_kernel=k) for t in ["ta", "tb", "tc"]},
+        "mixed": {"ta": table_wise(ws - 1, compute_kernel=k), "tb": row_wise(compute_kernel=k), "tc": data_parallel()},
     }[kind]
     module_plan = construct_module_sharding_plan(TinyDLRM("meta").ebc, per_table, world_size=ws)
     return ShardingPlan({"ebc": module_plan})

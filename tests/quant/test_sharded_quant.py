@@ -45,10 +45,10 @@ def tables() -> List[EmbeddingBagConfig]:
 
 
 PLANS = {
-    "table_wise": {"t0": table_wise(1, Q), "t1": table_wise(0, Q), "t2": table_wise(1, Q)},
-    "row_wise": {n: row_wise(Q) for n in ("t0", "t1", "t2")},
-    "column_wise": {n: column_wise([1, 0], Q) for n in ("t0", "t1", "t2")},
-    "mixed": {"t0": data_parallel(Q), "t1": table_row_wise(0, Q), "t2": column_wise([0, 1], Q)},
+    "table_wise": {"t0": table_wise(1, compute_kernel=Q), "t1": table_wise(0, compute_kernel=Q), "t2": table_wise(1, compute_kernel=Q)},
+    "row_wise": {n: row_wise(compute_kernel=Q) for n in ("t0", "t1", "t2")},
+    "column_wise": {n: column_wise([1, 0], compute_kernel=Q) for n in ("t0", "t1", "t2")},
+    "mixed": {"t0": data_parallel(compute_kernel=Q), "t1": table_row_wise(0, compute_kernel=Q), "t2": column_wise([0, 1], compute_kernel=Q)},
 }
 
 
@@ -91,8 +91,8 @@ def dmp_inference(rank: int, ws: int) -> Dict[str, float]:
     for kind in ("table_wise", "row_wise"):
         torch.manual_seed(0)
         model = quantize_embeddings(TinyDLRM(), torch.quint4x2)
-        per_table = ({"ta": table_wise(0, Q), "tb": table_wise(1, Q), "tc": table_wise(1, Q)}
-                     if kind == "table_wise" else {t: row_wise(Q) for t in ("ta", "tb", "tc")})
+        per_table = ({"ta": table_wise(0, compute_kernel=Q), "tb": table_wise(1, compute_kernel=Q), "tc": table_wise(1, compute_kernel=Q)}
+                     if kind == "table_wise" else {t: row_wise(compute_kernel=Q) for t in ("ta", "tb", "tc")})
         plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, per_table, world_size=ws)})
         dmp = DistributedModelParallel(model, plan=plan, sharders=[QuantEmbeddingBagCollectionSharder()],
                                        init_data_parallel=False)
@@ -121,11 +121,11 @@ def test_quant_plans_are_checked_before_sharding() -> None:
     qebc = QuantEmbeddingBagCollection.from_float(EmbeddingBagCollection(tables()), torch.quint4x2)
     sharder = QuantEmbeddingBagCollectionSharder()
     assert sharder.compute_kernels("row_wise", "cpu") == ["quant"]
-    fused = construct_module_sharding_plan(qebc, {"t0": table_wise(0), "t1": table_wise(0, Q),
-                                                  "t2": table_wise(1, Q)}, world_size=2)
+    fused = construct_module_sharding_plan(qebc, {"t0": table_wise(0), "t1": table_wise(0, compute_kernel=Q),
+                                                  "t2": table_wise(1, compute_kernel=Q)}, world_size=2)
     with pytest.raises(ValueError, match=r"table 't0'.*compute_kernel='quant'.*'fused'"):
         sharder.shard(qebc, fused, env)
-    odd = construct_module_sharding_plan(qebc, {"t0": table_wise(0, Q), "t1": table_wise(0, Q),
-                                                "t2": column_wise([0, 1, 0, 1, 0], Q)}, world_size=2)
+    odd = construct_module_sharding_plan(qebc, {"t0": table_wise(0, compute_kernel=Q), "t1": table_wise(0, compute_kernel=Q),
+                                                "t2": column_wise([0, 1, 0, 1, 0], compute_kernel=Q)}, world_size=2)
     with pytest.raises(ValueError, match=r"table 't2'.*column 4 of width 3.*INT4"):
         sharder.shard(qebc, odd, env)

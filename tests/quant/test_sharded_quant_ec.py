@@ -45,11 +45,11 @@ def tables() -> List[EmbeddingConfig]:
 def plans(ws: int) -> Dict[str, Dict]:
     last = ws - 1
     return {
-        "table_wise": {"t0": table_wise(last, Q), "t1": table_wise(0, Q), "t2": table_wise(last, Q)},
-        "row_wise": {n: row_wise(Q) for n in ROWS},
-        "column_wise": {n: column_wise([last, 0], Q) for n in ROWS},  # even widths (INT4)
-        "data_parallel": {n: data_parallel(Q) for n in ROWS},
-        "mixed": {"t0": data_parallel(Q), "t1": row_wise(Q), "t2": column_wise([0, last], Q)},
+        "table_wise": {"t0": table_wise(last, compute_kernel=Q), "t1": table_wise(0, compute_kernel=Q), "t2": table_wise(last, compute_kernel=Q)},
+        "row_wise": {n: row_wise(compute_kernel=Q) for n in ROWS},
+        "column_wise": {n: column_wise([last, 0], compute_kernel=Q) for n in ROWS},  # even widths (INT4)
+        "data_parallel": {n: data_parallel(compute_kernel=Q) for n in ROWS},
+        "mixed": {"t0": data_parallel(compute_kernel=Q), "t1": row_wise(compute_kernel=Q), "t2": column_wise([0, last], compute_kernel=Q)},
     }
 
 
@@ -102,7 +102,7 @@ def dmp_default_sharders(rank: int, ws: int) -> List[str]:
     model.ec = quantize_embeddings(EmbeddingCollection(tables()), torch.qint8)
     reference = model.ec
     plan = ShardingPlan({"ec": construct_module_sharding_plan(
-        model.ec, {n: row_wise(Q) for n in ROWS}, world_size=ws)})
+        model.ec, {n: row_wise(compute_kernel=Q) for n in ROWS}, world_size=ws)})
     dmp = DistributedModelParallel(model, plan=plan, init_data_parallel=False)
     if not isinstance(dmp.module.ec, ShardedQuantEmbeddingCollection):
         return [f"DMP built {type(dmp.module.ec).__name__}"]
@@ -132,6 +132,6 @@ def test_quant_ec_plans_are_checked_before_sharding() -> None:
     assert sharder.compute_kernels("row_wise", "cpu") == ["quant"]
     assert "table_row_wise" not in sharder.sharding_types("cpu")
     fused = construct_module_sharding_plan(
-        qec, {"t0": table_wise(0), "t1": table_wise(0, Q), "t2": table_wise(1, Q)}, world_size=2)
+        qec, {"t0": table_wise(0), "t1": table_wise(0, compute_kernel=Q), "t2": table_wise(1, compute_kernel=Q)}, world_size=2)
     with pytest.raises(ValueError, match=r"table 't0'.*QuantEmbeddingCollection.*'quant'.*'fused'"):
         sharder.shard(qec, fused, env)
