@@ -66,8 +66,8 @@ def _module(kind: str, weighted: bool) -> Tuple[torch.nn.Module, object, bool]:
 
 def _plan(kind: str, plan: str, module: torch.nn.Module, ws: int) -> Dict:
     kernel = "quant" if kind.startswith("q") else None
-    dp = data_parallel(kernel) if kernel else data_parallel()
-    other = (row_wise(kernel) if kind.endswith("ebc") else table_wise(1, kernel))
+    dp = data_parallel(compute_kernel=kernel) if kernel else data_parallel()
+    other = (row_wise(compute_kernel=kernel) if kind.endswith("ebc") else table_wise(1, compute_kernel=kernel))
     per_table = {"t0": dp, "t1": dp if plan == "data_parallel" else other}
     return construct_module_sharding_plan(module, per_table, world_size=ws)
 
