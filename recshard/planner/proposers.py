@@ -200,16 +200,18 @@ class GreedyProposer:
         bytes are freed, cheapest time per byte first, adding at most `room_other` bytes of
         the other memory. False if nothing moved."""
         other = "ddr" if resource == "hbm" else "hbm"
+        use, use_other = f"total_{resource}", f"total_{other}"  # attributes: no call per option
         moves = []
         for t, options in enumerate(self._space):
             current = options[self._choice[t]]
+            current_use, current_perf = getattr(current, use), current.total_perf
             best = None
             for k, option in enumerate(options):
-                saved = _use(current, resource) - _use(option, resource)
+                saved = current_use - getattr(option, use)
                 if saved > 0:
-                    cost = max(0.0, option.total_perf - current.total_perf) / saved
+                    cost = max(0.0, option.total_perf - current_perf) / saved
                     if best is None or cost < best[0]:
-                        added = _use(option, other) - _use(current, other)
+                        added = getattr(option, use_other) - getattr(current, use_other)
                         best = (cost, saved, added, t, k)
             if best is not None:
                 moves.append(best)
