@@ -158,7 +158,8 @@ def check_module_plan(
     """A collection's plan (`{table: ParameterSharding}`) against its tables: each table
     planned once, no unknown table, every entry valid (`check_table_plan`)."""
     names = [c.name for c in configs]
-    unknown = [t for t in plan if t not in names]
+    known = set(names)  # membership by set: linear in the tables, not quadratic
+    unknown = [t for t in plan if t not in known]
     if unknown:
         raise PlanValidationError(f"{owner}: the plan names tables {unknown} that the module "
                                   f"lacks (its tables: {names})")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from typing import Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 from recshard.planner.partitioners import PartitionResult
 from recshard.planner.planner_types import ShardingOption
@@ -86,6 +86,7 @@ class GreedyProposer:
         self._refitted: Set[int] = set()
         self._visited: Set[int] = set()
         self._escalation = 0
+        self._savings: Dict[Tuple[int, int, str], Optional[Tuple[float, float, float, int, int]]] = {}
         self._done = not self._space
 
     def propose(self) -> Optional[List[ShardingOption]]:
@@ -199,18 +200,9 @@ class GreedyProposer:
         """Move tables to options that use less of `resource` (e.g. HBM -> UVM) until `need`
         bytes are freed, cheapest time per byte first, adding at most `room_other` bytes of
         the other memory. False if nothing moved."""
-        other = "ddr" if resource == "hbm" else "hbm"
         moves = []
-        for t, options in enumerate(self._space):
-            current = options[self._choice[t]]
-            best = None
-            for k, option in enumerate(options):
-                saved = _use(current, resource) - _use(option, resource)
-                if saved > 0:
-                    cost = max(0.0, option.total_perf - current.total_perf) / saved
-                    if best is None or cost < best[0]:
-                        added = _use(option, other) - _use(current, other)
-                        best = (cost, saved, added, t, k)
+        for t, choice in enumerate(self._choice):
+            best = self._cheapest_saving(t, choice, resource)
             if best is not None:
                 moves.append(best)
         moves.sort()
@@ -224,6 +216,31 @@ class GreedyProposer:
             freed += saved
             room_other -= added
         return freed > 0
+
+    def _cheapest_saving(self, t: int, choice: int, resource: str
+                         ) -> Optional[Tuple[float, float, float, int, int]]:
+        """(extra time per byte saved, bytes saved, bytes of the other memory added, t, k) of
+        table t's option k that saves `resource` most cheaply from option `choice`; None if
+        none saves any. Memoised: the memory search asks again for the many tables whose
+        choice did not change since, which keeps each step linear in the tables."""
+        key = (t, choice, resource)
+        if key in self._savings:
+            return self._savings[key]
+        other = "ddr" if resource == "hbm" else "hbm"
+        use, use_other = f"total_{resource}", f"total_{other}"  # attributes: no call per option
+        options = self._space[t]
+        current = options[choice]
+        current_use, current_perf = getattr(current, use), current.total_perf
+        best = None
+        for k, option in enumerate(options):
+            saved = current_use - getattr(option, use)
+            if saved > 0:
+                cost = max(0.0, option.total_perf - current_perf) / saved
+                if best is None or cost < best[0]:
+                    added = getattr(option, use_other) - getattr(current, use_other)
+                    best = (cost, saved, added, t, k)
+        self._savings[key] = best
+        return best
 
     def _balance_move(self, best: PartitionResult) -> Optional[Tuple[int, int]]:
         perf = best.perf

@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import time
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 from recshard.planner.estimators import Capacity
 from recshard.planner.partitioners import PartitionResult
@@ -36,6 +36,7 @@ def refine_placement(
     receivers: int = 8,
     deadline: Optional[float] = None,
     probes: int = 16,
+    clock: Callable[[], float] = time.monotonic,
 ) -> PartitionResult:
     """A copy of a feasible `result` with its slowest rank relieved, one step at a time.
 
@@ -46,8 +47,9 @@ def refine_placement(
     memory, by binary search over each rank's shards sorted by time), so a round costs
     O(receivers x shards per rank x log) instead of its square. Every step lowers the sum of
     squared rank times, so it ends; it stops when the slowest rank cannot be lowered, after
-    `max_rounds` (default 4 x world size), or at `deadline` (`time.monotonic()`). The
-    result's `rating` is the new slowest rank's time.
+    `max_rounds` (default 4 x world size), or at `deadline` (a `clock()` reading, by default
+    `time.monotonic()`; checked before every round). The result's `rating` is the new slowest
+    rank's time.
     """
     if not result.feasible:
         return result
@@ -93,7 +95,7 @@ def refine_placement(
         ranks[i][j] = dst  # type: ignore[index]
 
     for _ in range(max_rounds if max_rounds is not None else 4 * world):
-        if deadline is not None and time.monotonic() > deadline:
+        if deadline is not None and clock() > deadline:
             break
         slow = max(range(world), key=perf.__getitem__)
         top = perf[slow]

@@ -280,3 +280,32 @@ def test_refinement_stops_at_its_deadline_and_scales_to_many_shards():
     assert refined.rating <= greedy.rating
     assert sum(refined.perf) == pytest.approx(sum(greedy.perf))
     assert all(len(rs) == 1 and 0 <= rs[0] < 4 for rs in refined.ranks)
+
+
+def test_refinement_stops_at_its_deadline_mid_way():
+    """A clock that ticks once per reading: refinement reads it before every round and stops
+    at the first reading past the deadline, with the placement of exactly that many rounds,
+    short of what it reaches unbounded."""
+
+    def option(name, ms):
+        table = TableMeta(name, 10, 4)
+        return ShardingOption(table, "table_wise", "fused",
+                              [Segment(1, 10, 4, Perf(fwd_compute=ms), Storage(0.0, 100.0))])
+
+    many = [option(f"t{i}", 1.0 + (i * 7919 % 1000) / 100) for i in range(400)]
+    many += [option("big0", 40.0), option("big1", 30.0)]
+    capacity = StorageReservation(kjt_bytes=0).reserve(Topology(4), [], 1)
+    greedy = GreedyPerfPartitioner().partition(many, capacity)
+    readings = []
+
+    def clock():
+        readings.append(len(readings) + 1)
+        return float(readings[-1])
+
+    stopped = refine_placement(greedy, capacity, deadline=2.0, clock=clock)
+    assert readings == [1, 2, 3]  # two rounds ran, the third reading was past the deadline
+    two_rounds = refine_placement(greedy, capacity, max_rounds=2)
+    assert stopped.ranks == two_rounds.ranks and stopped.perf == two_rounds.perf
+    assert stopped.ranks != greedy.ranks  # it did move shards before stopping
+    unbounded = refine_placement(greedy, capacity)
+    assert stopped.ranks != unbounded.ranks
