@@ -168,7 +168,7 @@ def test_cli_check_only_reports(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 def test_golden_style_script_runs_after_port(tmp_path: Path) -> None:
     script = tmp_path / "train_dlrm.py"
-    shutil.copy(SAMPLES / "golden_training_style.py", script)
+    shutil.copy(SAMPLES / "golden_training_style.py.txt", script)
     ported = subprocess.run([sys.executable, "-m", "recshard.port", str(script)], cwd=REPO,
                             capture_output=True, text=True)
     assert ported.returncode == 0, ported.stdout + ported.stderr
