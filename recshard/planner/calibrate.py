@@ -179,7 +179,10 @@ def fit_costs(points: Sequence[Sample], with_elements: bool,
         negative = [c for c, v in zip(columns, coef.tolist()) if v < 0]
         if not negative or len(columns) == 1:
             break
-        columns = [c for c in columns if c != negative[0]]
+        drop = negative[0]
+        if [c for c in columns if c != 3] == [drop] and 3 in columns:
+            drop = 3  # the per-call term alone would price any amount of work at 0 ms
+        columns = [c for c in columns if c != drop]
     values = [0.0] * 4
     for c, v in zip(columns, coef.tolist()):
         values[c] = max(v, 0.0)
