@@ -3,7 +3,10 @@
 import sys
 
 from recshard.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
-from recshard.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from recshard.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+)
 from recshard.distributed.model_parallel import (
     DefaultDataParallelWrapper,
     DistributedModelParallel,
@@ -19,7 +22,6 @@ from recshard.distributed.quant_embeddingbag import (
     QuantEmbeddingBagCollectionSharder,
     ShardedQuantEmbeddingBagCollection,
 )
-from recshard.distributed.sharders import EmbeddingBagCollectionSharder
 from recshard.distributed.train_pipeline import (
     EvalPipelineSparseDist,
     TrainPipeline,

@@ -1,7 +1,8 @@
-"""ShardedEmbeddingCollection: an EmbeddingCollection whose tables live on many ranks.
+"""ShardedEmbeddingCollection: an EmbeddingCollection whose tables live on many ranks, and
+its sharder.
 
-forward = input_dist (the sharded EBC's: check the batch, permute it once into wire order,
-route ids with two-stage all-to-alls) -> compute (sequence lookups, one row per id) ->
+forward = input_dist (as the sharded EBC's, `input_dist.py`: check the batch, permute it
+once into wire order, route ids with two-stage all-to-alls) -> compute (sequence lookups, one row per id) ->
 output_dist (sequence all-to-alls back), each step asynchronous. The result is
 `{feature: JaggedTensor}` like the unsharded module's: values `[N_f, D]` in the input's id
 order, the input's lengths, keys in the module's feature order, ids as weights when
@@ -18,13 +19,16 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import nn
 
-from recshard.distributed.module_state import EmbeddingModuleContext, ShardedTablesMixin
+from recshard.distributed.input_dist import EmbeddingModuleContext
+from recshard.distributed.module_state import ShardedEmbeddingModule
+from recshard.modules.embedding_configs import EmbeddingConfig
 from recshard.modules.embedding_modules import EmbeddingCollection
 from recshard.plan.sharding_types import (
     SEQUENCE_SHARDING_TYPES,
     sharding_type_values,
     supported_compute_kernels,
 )
+from recshard.sharding.common import EmbeddingSharding
 from recshard.sharding.sequence import build_sequence_shardings
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor
 from recshard.types import (
@@ -32,12 +36,27 @@ from recshard.types import (
     EmbeddingModuleShardingPlan,
     LazyAwaitable,
     ModuleSharder,
-    ShardedModule,
     ShardingEnv,
 )
 
 # (sharding name, position among its output columns) of every piece of a feature, by column
 _Pieces = List[Tuple[str, int]]
+
+
+class SequenceOutputLayout:
+    """Per module feature, where its column pieces come from (in column order), and each
+    sharding's input features (to cut its rows per feature)."""
+
+    def __init__(self, shardings: Dict[str, EmbeddingSharding], feature_names: List[str],
+                 need_indices: bool) -> None:
+        found: Dict[str, List[Tuple[int, str, int]]] = {f: [] for f in feature_names}
+        for name, sharding in shardings.items():
+            for k, (feature, col_offset, _) in enumerate(sharding.output_columns):
+                found[feature].append((col_offset, name, k))
+        self.pieces: Dict[str, _Pieces] = {
+            f: [(name, k) for _, name, k in sorted(p)] for f, p in found.items()}
+        self.input_features = {name: s.input_features for name, s in shardings.items()}
+        self.need_indices = need_indices
 
 
 class _JaggedDictAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
@@ -48,37 +67,46 @@ class _JaggedDictAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
         self,
         pending: Dict[str, Awaitable[torch.Tensor]],
         features: KeyedJaggedTensor,
-        module: ShardedEmbeddingCollection,
+        layout: SequenceOutputLayout,
     ) -> None:
         super().__init__()
-        self._pending, self._features, self._module = pending, features, module
+        self._pending, self._features, self._layout = pending, features, layout
 
     def _wait_impl(self) -> Dict[str, JaggedTensor]:
-        module, inputs = self._module, self._features.to_dict()
+        layout, inputs = self._layout, self._features.to_dict()
         ids_per_feature = dict(zip(self._features.keys(), self._features.length_per_key()))
         chunks: Dict[str, List[torch.Tensor]] = {}
         for name, pending in self._pending.items():
-            sizes = [ids_per_feature[f] for f in module._shardings[name].input_features]
+            sizes = [ids_per_feature[f] for f in layout.input_features[name]]
             chunks[name] = list(pending.wait().split(sizes))
         out: Dict[str, JaggedTensor] = {}
-        for feature, pieces in module._pieces.items():
+        for feature, pieces in layout.pieces.items():
             parts = [chunks[name][k] for name, k in pieces]
             jt = inputs[feature]
             out[feature] = JaggedTensor(
                 parts[0] if len(parts) == 1 else torch.cat(parts, dim=1),
-                weights=jt.values() if module._need_indices else None,
+                weights=jt.values() if layout.need_indices else None,
                 lengths=jt.lengths(),
                 offsets=jt.offsets(),
             )
         return out
 
 
-class ShardedEmbeddingCollection(ShardedTablesMixin, ShardedModule):
+def sequence_output_dist(
+    shardings: Dict[str, EmbeddingSharding], layout: SequenceOutputLayout,
+    ctx: EmbeddingModuleContext, output: List[torch.Tensor],
+) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+    """Start every sharding's sequence all-to-all; the wait gives `{feature: JaggedTensor}`."""
+    pending = {
+        name: s.output_dist(local, sharding_ctx)
+        for (name, s), sharding_ctx, local in zip(shardings.items(), ctx.sharding_contexts, output)
+    }
+    return _JaggedDictAwaitable(pending, ctx.features, layout)
+
+
+class ShardedEmbeddingCollection(ShardedEmbeddingModule):
     """Sharded twin of `EmbeddingCollection` (DP, TW, CW, RW), built by
     `EmbeddingCollectionSharder`."""
-
-    _tables_attr = "embeddings"
-    _owner = "ShardedEmbeddingCollection"
 
     def __init__(
         self,
@@ -89,40 +117,32 @@ class ShardedEmbeddingCollection(ShardedTablesMixin, ShardedModule):
         fused_params: Dict[str, Any] | None = None,
         qcomm_codecs_registry: Dict[str, Any] | None = None,
     ) -> None:
-        super().__init__()
-        self._init_collection(module.embedding_configs(), table_plans, env, device, fused_params,
-                              pooled=False, is_weighted=False, what="EmbeddingCollection")
-        self._need_indices = module.need_indices()
-        self._adopt_shardings(build_sequence_shardings(
-            self._table_specs(module), env, self._device, qcomm_codecs_registry))
-        self._pieces = self._feature_pieces()
-        self._init_from(module)
+        super().__init__("ShardedEmbeddingCollection", "EmbeddingCollection", "embeddings",
+                         module.embedding_configs(), table_plans, env, device, fused_params,
+                         pooled=False, is_weighted=False)
+        self.set_shardings(build_sequence_shardings(
+            self.table_specs(module), env, self._device, qcomm_codecs_registry))
+        self._layout = SequenceOutputLayout(self.shardings, self._feature_names,
+                                            module.need_indices())
+        self.init_from(module)
 
-    def _feature_pieces(self) -> Dict[str, _Pieces]:
-        """Per module feature, where its column pieces come from, in column order."""
-        found: Dict[str, List[Tuple[int, str, int]]] = {f: [] for f in self._feature_names}
-        for name, sharding in self._shardings.items():
-            for k, (feature, col_offset, _) in enumerate(sharding.output_columns):
-                found[feature].append((col_offset, name, k))
-        return {f: [(name, k) for _, name, k in sorted(p)] for f, p in found.items()}
-
-    # ---------------------------------------------------------------- sharded module steps
+    def compute(
+        self, ctx: EmbeddingModuleContext, dist_input: List[KeyedJaggedTensor]
+    ) -> List[torch.Tensor]:
+        """Each sharding's local sequence lookups (one row per id) on the ids routed here."""
+        return [s.compute(kjt) for s, kjt in zip(self.shardings.values(), dist_input)]
 
     def output_dist(
         self, ctx: EmbeddingModuleContext, output: List[torch.Tensor]
     ) -> LazyAwaitable[Dict[str, JaggedTensor]]:
-        pending = {
-            name: s.output_dist(local, sharding_ctx)
-            for (name, s), sharding_ctx, local
-            in zip(self._shardings.items(), ctx.sharding_contexts, output)
-        }
-        return _JaggedDictAwaitable(pending, ctx.features, self)
+        """Rows back to the ranks that own the batch, cut per feature, column shards joined."""
+        return sequence_output_dist(self.shardings, self._layout, ctx, output)
 
-    def embedding_configs(self):  # noqa: ANN201 - mirrors the unsharded module
+    def embedding_configs(self) -> List[EmbeddingConfig]:
         return self._configs
 
     def need_indices(self) -> bool:
-        return self._need_indices
+        return self._layout.need_indices
 
 
 class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):

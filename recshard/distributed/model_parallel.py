@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from recshard.comm.pg import warn_if_default_timeout
 from recshard.distributed.embedding import EmbeddingCollectionSharder
+from recshard.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from recshard.distributed.quant_embedding import QuantEmbeddingCollectionSharder
 from recshard.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
 from recshard.distributed.sharded_state import (
@@ -31,7 +32,6 @@ from recshard.distributed.sharded_state import (
     model_state_dict,
     quiet_sharded_tensor,
 )
-from recshard.distributed.sharders import EmbeddingBagCollectionSharder
 from recshard.optim.keyed import CombinedOptimizer
 from recshard.planner import EmbeddingShardingPlanner, Topology
 from recshard.planner.planner import register_default_sharders

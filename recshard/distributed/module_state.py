@@ -1,11 +1,5 @@
-"""What sharded collections (EBC and EC) share: the input side and the table state.
-
-Input side: check the batch (structure, features, dtypes, weights, each table's bounds-check
-mode) before any collective; a rejected batch still joins the splits exchange carrying the
-verdict, so every rank raises at the first wait instead of hanging. A module with no splits
-exchange (every table data-parallel) exchanges the verdict on its own (`comm/verdict.py`).
-The accepted batch is permuted once into the shardings' concatenated wire order and split
-among them.
+"""The base class of sharded collections (EBC, EC and their quantized twins): the plan and
+the table state they share.
 
 Table state: if the unsharded module already has real weights (not `meta`), the shards start
 from them — TorchRec re-initializes CPU modules silently; recshard keeps what the user built.
@@ -13,87 +7,65 @@ from them — TorchRec re-initializes CPU modules silently; recshard keeps what 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from recshard.comm.verdict import exchange_verdict
+from recshard.distributed.input_dist import CollectionInputDist, EmbeddingModuleContext
 from recshard.distributed.sharded_state import fused_state
 from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fused_params
 from recshard.lookup.grouped import uses_fbgemm
 from recshard.lookup.tables import LocalTable
-from recshard.modules.input_checks import bounds_check, check_dtypes_and_weights, check_features
+from recshard.modules.embedding_configs import BaseEmbeddingConfig
 from recshard.optim.apply_optimizer_in_backward import apply_optimizer_in_backward, fused_params_for
 from recshard.optim.fused import FusedOptimizer
 from recshard.plan.sharding_types import ALL_SHARDING_TYPES, SEQUENCE_SHARDING_TYPES
 from recshard.plan.validate import check_module_plan
-from recshard.sharding.common import EmbeddingShardingContext, TableSpec
+from recshard.sharding.common import EmbeddingSharding, TableSpec
 from recshard.sparse import KeyedJaggedTensor
-from recshard.sparse.validation import validate_kjt
 from recshard.types import (
     Awaitable,
-    BoundsCheckMode,
     EmbeddingComputeKernel,
-    FnAwaitable,
+    EmbeddingModuleShardingPlan,
     ParameterSharding,
+    ShardedModule,
+    ShardingEnv,
 )
 
 
-@dataclass
-class EmbeddingModuleContext:
-    """One batch's state in a sharded collection, from `input_dist` to `output_dist`."""
+class ShardedEmbeddingModule(ShardedModule):
+    """A sharded collection's plan and tables; subclasses write the forward steps.
 
-    features: Optional[KeyedJaggedTensor] = None  # the checked batch, in the caller's key order
-    sharding_contexts: List[EmbeddingShardingContext] = field(default_factory=list)  # by sharding
+    Contract: a subclass's `__init__` calls `super().__init__(...)` (checks the plan, keeps the
+    metadata), builds its shardings (float tables from `table_specs(module)`) and hands them to
+    `set_shardings`, which registers them and makes `self.input` (the input side, a
+    `CollectionInputDist`). Float collections then call `init_from(module)` to start from the
+    unsharded weights. `input_dist` is defined here (the same for every collection); the
+    subclass defines `compute` and `output_dist` over `self.shardings`, which take the
+    routed ids to its output type. The `ShardedTableState` protocol
+    (`sharded_state.py`, for state dicts and checkpoints) and the unsharded parameter names are
+    implemented here.
+    """
 
-    def record_stream(self, stream: torch.cuda.Stream) -> None:
-        if self.features is not None:
-            self.features.record_stream(stream)
-        for context in self.sharding_contexts:
-            context.record_stream(stream)
-
-
-class _ListAwaitable(Awaitable[List[Any]]):
-    """Waits a list of awaitables; the result of each wait may itself be an awaitable."""
-
-    def __init__(self, awaitables: List[Awaitable[Any]]) -> None:
-        super().__init__()
-        self._awaitables = awaitables
-
-    def _wait_impl(self) -> List[Any]:
-        return [a.wait() for a in self._awaitables]
-
-
-def _mode(value: Any) -> Optional[BoundsCheckMode]:
-    if value is None or isinstance(value, BoundsCheckMode):
-        return value
-    return BoundsCheckMode(str(getattr(value, "name", value)).lower())
-
-
-class ShardedTablesMixin:
-    """Subclasses call `_init_collection(...)`, build their shardings from `_table_specs()`,
-    then `_adopt_shardings(...)`."""
-
-    _tables_attr = "embedding_bags"
-    _owner = "ShardedEmbeddingBagCollection"
-
-    # ---------------------------------------------------------------- construction
-
-    def _init_collection(
+    def __init__(
         self,
-        configs: List[Any],
-        table_plans: Dict[str, Any],
-        env: Any,
+        owner: str,
+        what: str,
+        tables_attr: str,
+        configs: List[BaseEmbeddingConfig],
+        table_plans: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
         device: Optional[torch.device],
         fused_params: Optional[Dict[str, Any]],
         pooled: bool,
         is_weighted: bool,
-        what: str,
         compute_kernels: Optional[List[str]] = None,
     ) -> None:
-        """Check the plan (`what` names the unsharded module in errors), keep the metadata."""
+        """Check the plan (`what` names the unsharded module in errors, `owner` the sharded one
+        in batch errors), keep the metadata. `tables_attr` holds the tables in the unsharded
+        module (`embedding_bags` or `embeddings`): the prefix of their state_dict keys."""
+        super().__init__()
         features = [f for c in configs for f in c.feature_names]
         shared = sorted({f for f in features if features.count(f) > 1})
         if shared:
@@ -103,15 +75,18 @@ class ShardedTablesMixin:
                           ALL_SHARDING_TYPES if pooled else SEQUENCE_SHARDING_TYPES,
                           compute_kernels)
         self.env = env
+        self._owner = owner
+        self._tables_attr = tables_attr
         self._device = torch.device(device or "cpu")
         self._configs = configs
         self._table_plans = dict(table_plans)
         self._fused_params = dict(fused_params or {})
         self._is_weighted = is_weighted
+        self._table_fused_params: Dict[str, Dict[str, Any]] = {}
         self._feature_names = [f for c in configs for f in c.feature_names]
         self._feature_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
 
-    def _table_specs(self, module: nn.Module) -> List[TableSpec]:
+    def table_specs(self, module: nn.Module) -> List[TableSpec]:
         """Each table with its fused params: the sharder's, overridden by the optimizer attached
         to the table's unsharded weight (`apply_optimizer_in_backward`). Checked here, on every
         rank, that the table's kernel runs that optimizer."""
@@ -128,92 +103,25 @@ class ShardedTablesMixin:
         self._table_fused_params = {s.config.name: s.fused_params for s in specs}
         return specs
 
-    def _adopt_shardings(self, shardings: Dict[str, Any]) -> None:
+    def set_shardings(self, shardings: Dict[str, EmbeddingSharding]) -> None:
         """Register the shardings as submodules and set up the input side over them."""
-        self._shardings = shardings
+        self.shardings = shardings
         for name, sharding in shardings.items():
             self.add_module(f"sharding_{name}", sharding)
-        self._init_input_side()
-
-    # ---------------------------------------------------------------- input side
-
-    def _init_input_side(self) -> None:
-        self._feature_to_table = {
-            f: (c.name, c.num_embeddings) for c in self._configs for f in c.feature_names
-        }
-        default = _mode(self._fused_params.get("bounds_check_mode")) or BoundsCheckMode.FATAL
-        self._bounds_modes = {
-            c.name: _mode(self._table_plans[c.name].bounds_check_mode) or default for c in self._configs
-        }
-        self._warned: Set[Tuple[str, str]] = set()
-        self._wire_features = [f for s in self._shardings.values() for f in s.input_features]
-        self._wire_splits = [len(s.input_features) for s in self._shardings.values()]
-        self._permute_cache: Dict[Tuple[str, ...], torch.Tensor] = {}
-
-    def _checked(self, features: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, Optional[str]]:
-        """(the batch to route, None) or (the batch, why it is rejected)."""
-        try:
-            validate_kjt(features)
-            check_features(features, self._feature_names, self._owner)
-            check_dtypes_and_weights(features, self._is_weighted, self._owner)
-            features = bounds_check(features, self._feature_to_table, self._bounds_modes,
-                                    self._owner, self._warned)
-        except ValueError as e:
-            return features, str(e)
-        return features, None
-
-    def _wire_permutation(self, keys: List[str]) -> torch.Tensor:
-        cached = self._permute_cache.get(tuple(keys))
-        if cached is None:
-            index = {k: i for i, k in enumerate(keys)}
-            cached = torch.tensor([index[f] for f in self._wire_features], dtype=torch.int32)
-            self._permute_cache[tuple(keys)] = cached
-        return cached
+        self.input = CollectionInputDist(
+            self._owner, self.env, self._device, self._configs, self._table_plans,
+            self._fused_params, self._is_weighted, list(shardings.values()))
 
     def input_dist(
         self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[List[KeyedJaggedTensor]]]:
-        """Check the batch, permute it into wire order once, start every sharding's dist."""
-        features, error = self._checked(features)
-        ctx.features = features
-        if error is None:
-            if features.keys() != self._wire_features:  # already in wire order: no copy
-                permutation = self._wire_permutation(features.keys())
-                features = features.permute(permutation.tolist(), permutation.to(features.device))
-            parts = features.split(self._wire_splits) if len(self._wire_splits) > 1 else [features]
-        else:
-            parts = [_placeholder(s.input_features) for s in self._shardings.values()]
-        verdict = None  # no splits exchange carries the verdict: exchange it on its own
-        if not any(s.carries_input_error for s in self._shardings.values()):
-            verdict = exchange_verdict(self.env.pg, error, self._device)
-            if verdict is None and error is not None:
-                raise ValueError(error)
-        splits = _ListAwaitable([
-            s.input_dist(part, sharding_ctx, error)
-            for s, sharding_ctx, part in zip(self._shardings.values(), ctx.sharding_contexts, parts)
-        ])
-
-        def start_tensors() -> Awaitable[List[KeyedJaggedTensor]]:
-            if verdict is not None:
-                verdict.wait()
-            tensors = splits.wait()
-            # every rank's batch size, learned in the splits exchange (unequal batches work)
-            sizes = next((t.stride_per_rank for t in tensors if hasattr(t, "stride_per_rank")), None)
-            if sizes is not None and len(set(sizes)) > 1:
-                for sharding_ctx in ctx.sharding_contexts:
-                    sharding_ctx.batch_size_per_rank = list(sizes)
-            return _ListAwaitable(tensors)
-
-        return FnAwaitable(start_tensors)
-
-    def compute(
-        self, ctx: EmbeddingModuleContext, dist_input: List[KeyedJaggedTensor]
-    ) -> List[torch.Tensor]:
-        return [s.compute(kjt) for s, kjt in zip(self._shardings.values(), dist_input)]
+        """The same for every collection: check the batch, then route each sharding's ids to
+        the ranks holding its tables (`CollectionInputDist`)."""
+        return self.input.dist(ctx, features)
 
     def create_context(self) -> EmbeddingModuleContext:
         return EmbeddingModuleContext(
-            sharding_contexts=[s.create_context() for s in self._shardings.values()])
+            sharding_contexts=[s.create_context() for s in self.shardings.values()])
 
     # ---------------------------------------------------------------- table state
     # What `recshard.distributed.sharded_state` (state_dict, checkpoints) reads: the
@@ -238,7 +146,7 @@ class ShardedTablesMixin:
     def fused_optimizer_states(self) -> Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]]:
         """Per table name, this rank's shards and their fused optimizer state (views)."""
         out: Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]] = {}
-        for sharding in self._shardings.values():
+        for sharding in self.shardings.values():
             for kernel in sharding.lookup.kernels:
                 if kernel.is_fused:
                     for table, states in zip(kernel.tables, kernel.optimizer_states()):
@@ -248,7 +156,7 @@ class ShardedTablesMixin:
     def local_table_shards(self) -> Dict[str, List[Tuple[LocalTable, torch.Tensor]]]:
         """Per table name, this rank's shards and their live weights (views)."""
         out: Dict[str, List[Tuple[LocalTable, torch.Tensor]]] = {}
-        for sharding in self._shardings.values():
+        for sharding in self.shardings.values():
             for table, weight in sharding.local_shards():
                 out.setdefault(table.name, []).append((table, weight))
         return out
@@ -270,7 +178,7 @@ class ShardedTablesMixin:
                         )
                     weight.copy_(block)
 
-    def _init_from(self, module: nn.Module) -> None:
+    def init_from(self, module: nn.Module) -> None:
         tables = getattr(module, self._tables_attr)
         full = {name: m.weight for name, m in tables.items() if m.weight.device.type != "meta"}
         self.load_full_tables(full)
@@ -281,7 +189,7 @@ class ShardedTablesMixin:
                 if table.compute_kernel == EmbeddingComputeKernel.DENSE:
                     for optimizer_class, optimizer_kwargs in zip(classes, kwargs):
                         apply_optimizer_in_backward(optimizer_class, [weight], optimizer_kwargs)
-        for sharding in self._shardings.values():
+        for sharding in self.shardings.values():
             sharding.after_init()
 
     def shard_fqn(self, table: LocalTable, shards_on_rank: int) -> str:
@@ -334,7 +242,7 @@ class ShardedTablesMixin:
         """The in-backward optimizer of this module's fused tables (keyed by table FQN)."""
         counts = {name: len(shards) for name, shards in self.local_table_shards().items()}
         kernels, names = [], []
-        for sharding in self._shardings.values():
+        for sharding in self.shardings.values():
             for kernel in sharding.lookup.kernels:
                 if kernel.is_fused:
                     kernels.append(kernel)
@@ -352,8 +260,3 @@ class ShardedTablesMixin:
             nested.setdefault(f"{fqn}.weight", {})[name] = value
         return nested
 
-
-def _placeholder(keys: List[str]) -> KeyedJaggedTensor:
-    """An empty batch with the wire keys: lets a rejecting rank join the splits exchange."""
-    return KeyedJaggedTensor(keys, torch.empty(0, dtype=torch.int64),
-                             lengths=torch.zeros(0, dtype=torch.int32), stride=0, validate=False)

@@ -1,14 +1,15 @@
-"""ShardedQuantEmbeddingCollection: quantized sequence tables spread over ranks, for inference.
+"""ShardedQuantEmbeddingCollection: quantized sequence tables spread over ranks, for inference,
+and its sharder.
 
     plan = construct_module_sharding_plan(qec, {"t0": table_wise(1, compute_kernel="quant"),
                                                 "t1": row_wise(compute_kernel="quant")}, world_size=2)
     model = DistributedModelParallel(quantized_model, plan=ShardingPlan({"ec": plan}),
                                      sharders=[QuantEmbeddingCollectionSharder()])
 
-Everything but the lookup is the float `ShardedEmbeddingCollection`'s: the input side, the
-sequence shardings (one per kind and row width), the sequence all-to-alls back and the
-`{feature: JaggedTensor}` output. Each sharding's lookup is quantized
-(`recshard.distributed.quant_shards`). No backward, no optimizer.
+Everything but the lookup is the float `ShardedEmbeddingCollection`'s: the input side
+(`input_dist.py`), the sequence shardings (one per kind and row width), the sequence
+all-to-alls back and the `{feature: JaggedTensor}` output (`sequence_output_dist`). Each
+sharding's lookup is quantized (`recshard.distributed.quant_shards`). No backward, no optimizer.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from recshard.distributed.embedding import ShardedEmbeddingCollection
+from recshard.distributed.embedding import SequenceOutputLayout, sequence_output_dist
+from recshard.distributed.input_dist import EmbeddingModuleContext
+from recshard.distributed.module_state import ShardedEmbeddingModule
 from recshard.distributed.quant_shards import (
     META,
     QUANT_KERNELS,
@@ -28,20 +31,20 @@ from recshard.distributed.quant_shards import (
     placeholder_specs,
     swap_in_quant_lookups,
 )
+from recshard.modules.embedding_configs import EmbeddingConfig
 from recshard.plan.sharding_types import SEQUENCE_SHARDING_TYPES, sharding_type_values
 from recshard.quant.embedding_modules import QuantEmbeddingCollection
 from recshard.sharding.sequence import build_sequence_shardings
+from recshard.sparse import JaggedTensor, KeyedJaggedTensor
 from recshard.types import (
     EmbeddingModuleShardingPlan,
-    ShardedModule,
+    LazyAwaitable,
     ShardingEnv,
 )
 
 
-class ShardedQuantEmbeddingCollection(ShardedEmbeddingCollection):
+class ShardedQuantEmbeddingCollection(ShardedEmbeddingModule):
     """Sharded twin of `QuantEmbeddingCollection` (DP, TW, CW, RW), built by its sharder."""
-
-    _owner = "ShardedQuantEmbeddingCollection"
 
     def __init__(
         self,
@@ -52,19 +55,37 @@ class ShardedQuantEmbeddingCollection(ShardedEmbeddingCollection):
         fused_params: Optional[Dict[str, Any]] = None,
         qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
     ) -> None:
-        ShardedModule.__init__(self)  # not the float module's init: no float tables here
         configs = module.embedding_configs()
-        self._init_collection(configs, table_plans, env, device, fused_params, pooled=False,
-                              is_weighted=False, what="QuantEmbeddingCollection", compute_kernels=QUANT_KERNELS)
+        super().__init__("ShardedQuantEmbeddingCollection", "QuantEmbeddingCollection",
+                         "embeddings", configs, table_plans, env, device, fused_params,
+                         pooled=False, is_weighted=False, compute_kernels=QUANT_KERNELS)
         check_packed_columns(configs, table_plans)
-        self._need_indices = module.need_indices()
         self._output_dtype = module.output_dtype()
         specs = placeholder_specs(configs, table_plans, self._output_dtype)
         shardings = build_sequence_shardings(specs, env, META, qcomm_codecs_registry)
         swap_in_quant_lookups(shardings, configs, False, self._device, self._output_dtype)
-        self._adopt_shardings(shardings)
-        self._pieces = self._feature_pieces()
+        self.set_shardings(shardings)
+        self._layout = SequenceOutputLayout(self.shardings, self._feature_names,
+                                            module.need_indices())
         load_quant_shards(shardings, module.quantized_weights(), self._device)
+
+    def compute(
+        self, ctx: EmbeddingModuleContext, dist_input: List[KeyedJaggedTensor]
+    ) -> List[torch.Tensor]:
+        """Each sharding's quantized lookup (dequantized rows, one per id) on the ids here."""
+        return [s.compute(kjt) for s, kjt in zip(self.shardings.values(), dist_input)]
+
+    def output_dist(
+        self, ctx: EmbeddingModuleContext, output: List[torch.Tensor]
+    ) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+        """Rows back to the ranks that own the batch, cut per feature, column shards joined."""
+        return sequence_output_dist(self.shardings, self._layout, ctx, output)
+
+    def embedding_configs(self) -> List[EmbeddingConfig]:
+        return self._configs
+
+    def need_indices(self) -> bool:
+        return self._layout.need_indices
 
     def output_dtype(self) -> torch.dtype:
         return self._output_dtype

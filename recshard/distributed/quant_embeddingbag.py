@@ -1,4 +1,5 @@
-"""ShardedQuantEmbeddingBagCollection: quantized tables spread over ranks, for inference.
+"""ShardedQuantEmbeddingBagCollection: quantized tables spread over ranks, for inference, and
+its sharder.
 
     plan = construct_module_sharding_plan(qebc, {"t0": table_wise(1, compute_kernel="quant"),
                                                  "t1": row_wise(compute_kernel="quant")}, world_size=2)
@@ -6,11 +7,11 @@
                                      sharders=[QuantEmbeddingBagCollectionSharder()])
 
 Everything but the lookup is the float sharded EBC's: the input side (checks, bounds-check
-modes, wire permute, rank-synced rejection) from `ShardedTablesMixin`, routing and output
-dists (KJT all-to-all, pooled all-to-all, reduce-scatter) from the shardings that
+modes, wire permute, rank-synced rejection, `input_dist.py`), routing and output dists (KJT
+all-to-all, pooled all-to-all, reduce-scatter) from the shardings that
 `build_pooled_shardings` makes for the plan, the output `KeyedTensor` in the unsharded key
-order. Only each sharding's local lookup is quantized (`recshard.distributed.quant_shards`).
-No backward, no optimizer.
+order (`pooled_output.py`). Only each sharding's local lookup is quantized
+(`recshard.distributed.quant_shards`). No backward, no optimizer.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from recshard.distributed.module_state import EmbeddingModuleContext, ShardedTablesMixin
-from recshard.distributed.pooled_output import PooledOutputMixin
+from recshard.distributed.input_dist import EmbeddingModuleContext
+from recshard.distributed.module_state import ShardedEmbeddingModule
+from recshard.distributed.pooled_output import PooledOutputLayout, pooled_output_dist
 from recshard.distributed.quant_shards import (
     META,
     QUANT_KERNELS,
@@ -30,22 +32,20 @@ from recshard.distributed.quant_shards import (
     placeholder_specs,
     swap_in_quant_lookups,
 )
+from recshard.modules.embedding_configs import EmbeddingBagConfig
 from recshard.plan.sharding_types import ALL_SHARDING_TYPES, sharding_type_values
 from recshard.quant.embedding_modules import QuantEmbeddingBagCollection
 from recshard.sharding.build import build_pooled_shardings
-from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse import KeyedJaggedTensor, KeyedTensor
 from recshard.types import (
     EmbeddingModuleShardingPlan,
-    ShardedModule,
+    LazyAwaitable,
     ShardingEnv,
 )
 
 
-class ShardedQuantEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, ShardedModule):
+class ShardedQuantEmbeddingBagCollection(ShardedEmbeddingModule):
     """Sharded twin of `QuantEmbeddingBagCollection`, built by its sharder. Inference only."""
-
-    _owner = "ShardedQuantEmbeddingBagCollection"
-    # the float sharded EBC's output side: columns back in module key order, as a KeyedTensor
 
     def __init__(
         self,
@@ -56,21 +56,37 @@ class ShardedQuantEmbeddingBagCollection(PooledOutputMixin, ShardedTablesMixin, 
         fused_params: Optional[Dict[str, Any]] = None,
         qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
     ) -> None:
-        super().__init__()
         configs = module.embedding_bag_configs()
-        self._init_collection(configs, table_plans, env, device, fused_params, pooled=True,
-                              is_weighted=module.is_weighted(), what="QuantEmbeddingBagCollection", compute_kernels=QUANT_KERNELS)
+        super().__init__("ShardedQuantEmbeddingBagCollection", "QuantEmbeddingBagCollection",
+                         "embedding_bags", configs, table_plans, env, device, fused_params,
+                         pooled=True, is_weighted=module.is_weighted(), compute_kernels=QUANT_KERNELS)
         check_packed_columns(configs, table_plans)
         self._output_dtype = module.output_dtype()
         specs = placeholder_specs(configs, table_plans, self._output_dtype)
         shardings = build_pooled_shardings(specs, env, META, self._is_weighted, qcomm_codecs_registry)
         swap_in_quant_lookups(shardings, configs, True, self._device, self._output_dtype)
-        self._adopt_shardings(shardings)
-        self._column_blocks = self._output_order()
+        self.set_shardings(shardings)
+        self._layout = PooledOutputLayout(
+            list(self.shardings.values()), self._feature_names, self._feature_dims)
         load_quant_shards(shardings, module.quantized_weights(), self._device)
 
-    def compute(self, ctx: EmbeddingModuleContext, dist_input: List[KeyedJaggedTensor]) -> List[torch.Tensor]:
-        return [s.lookup(kjt) for s, kjt in zip(self._shardings.values(), dist_input)]
+    def compute(
+        self, ctx: EmbeddingModuleContext, dist_input: List[KeyedJaggedTensor]
+    ) -> List[torch.Tensor]:
+        """Each sharding's quantized lookup (dequantized, pooled) on the ids routed here."""
+        return [s.lookup(kjt) for s, kjt in zip(self.shardings.values(), dist_input)]
+
+    def output_dist(
+        self, ctx: EmbeddingModuleContext, output: List[torch.Tensor]
+    ) -> LazyAwaitable[KeyedTensor]:
+        """Pooled rows back to the ranks that own the batch, in the module's key order."""
+        return pooled_output_dist(list(self.shardings.values()), self._layout, ctx, output)
+
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return self._configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
 
     def output_dtype(self) -> torch.dtype:
         return self._output_dtype

@@ -61,7 +61,7 @@ def _torch_meta(offsets: List[int], sizes: List[int], rank: int) -> TorchShardMe
 @runtime_checkable
 class ShardedTableState(Protocol):
     """What a sharded collection tells the state walk about its tables (implemented by
-    `ShardedTablesMixin`); nothing else of the module is read here."""
+    `ShardedEmbeddingModule`); nothing else of the module is read here."""
 
     env: ShardingEnv
 

@@ -1,0 +1,153 @@
+"""The input side of a sharded collection (EBC, EC and their quantized twins): one batch from
+the caller's KJT to each sharding's routed ids.
+
+Check the batch (structure, features, dtypes, weights, each table's bounds-check mode) before
+any collective; a rejected batch still joins the splits exchange carrying the verdict, so every
+rank raises at the first wait instead of hanging. A module with no splits exchange (every table
+data-parallel) exchanges the verdict on its own (`comm/verdict.py`). The accepted batch is
+permuted once into the shardings' concatenated wire order and split among them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+
+from recshard.comm.verdict import exchange_verdict
+from recshard.modules.embedding_configs import BaseEmbeddingConfig
+from recshard.modules.input_checks import bounds_check, check_dtypes_and_weights, check_features
+from recshard.sharding.common import EmbeddingSharding, EmbeddingShardingContext
+from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse.validation import validate_kjt
+from recshard.types import (
+    Awaitable,
+    BoundsCheckMode,
+    EmbeddingModuleShardingPlan,
+    FnAwaitable,
+    ShardingEnv,
+)
+
+
+@dataclass
+class EmbeddingModuleContext:
+    """One batch's state in a sharded collection, from `input_dist` to `output_dist`."""
+
+    features: Optional[KeyedJaggedTensor] = None  # the checked batch, in the caller's key order
+    sharding_contexts: List[EmbeddingShardingContext] = field(default_factory=list)  # by sharding
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        if self.features is not None:
+            self.features.record_stream(stream)
+        for context in self.sharding_contexts:
+            context.record_stream(stream)
+
+
+class _ListAwaitable(Awaitable[List[Any]]):
+    """Waits a list of awaitables; the result of each wait may itself be an awaitable."""
+
+    def __init__(self, awaitables: List[Awaitable[Any]]) -> None:
+        super().__init__()
+        self._awaitables = awaitables
+
+    def _wait_impl(self) -> List[Any]:
+        return [a.wait() for a in self._awaitables]
+
+
+def _mode(value: Any) -> Optional[BoundsCheckMode]:
+    if value is None or isinstance(value, BoundsCheckMode):
+        return value
+    return BoundsCheckMode(str(getattr(value, "name", value)).lower())
+
+
+class CollectionInputDist:
+    """Checks and routes a collection's batches to its shardings; `owner` names the sharded
+    module in errors."""
+
+    def __init__(
+        self,
+        owner: str,
+        env: ShardingEnv,
+        device: torch.device,
+        configs: List[BaseEmbeddingConfig],
+        table_plans: EmbeddingModuleShardingPlan,
+        fused_params: Dict[str, Any],
+        is_weighted: bool,
+        shardings: List[EmbeddingSharding],
+    ) -> None:
+        self._owner, self._env, self._device = owner, env, device
+        self._is_weighted = is_weighted
+        self._shardings = shardings
+        self._feature_names = [f for c in configs for f in c.feature_names]
+        self._feature_to_table = {f: (c.name, c.num_embeddings) for c in configs for f in c.feature_names}
+        default = _mode(fused_params.get("bounds_check_mode")) or BoundsCheckMode.FATAL
+        self._bounds_modes = {
+            c.name: _mode(table_plans[c.name].bounds_check_mode) or default for c in configs
+        }
+        self._warned: Set[Tuple[str, str]] = set()
+        self._wire_features = [f for s in shardings for f in s.input_features]
+        self._wire_splits = [len(s.input_features) for s in shardings]
+        self._permute_cache: Dict[Tuple[str, ...], torch.Tensor] = {}
+
+    def _checked(self, features: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, Optional[str]]:
+        """(the batch to route, None) or (the batch, why it is rejected)."""
+        try:
+            validate_kjt(features)
+            check_features(features, self._feature_names, self._owner)
+            check_dtypes_and_weights(features, self._is_weighted, self._owner)
+            features = bounds_check(features, self._feature_to_table, self._bounds_modes,
+                                    self._owner, self._warned)
+        except ValueError as e:
+            return features, str(e)
+        return features, None
+
+    def _wire_permutation(self, keys: List[str]) -> torch.Tensor:
+        cached = self._permute_cache.get(tuple(keys))
+        if cached is None:
+            index = {k: i for i, k in enumerate(keys)}
+            cached = torch.tensor([index[f] for f in self._wire_features], dtype=torch.int32)
+            self._permute_cache[tuple(keys)] = cached
+        return cached
+
+    def dist(
+        self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[List[KeyedJaggedTensor]]]:
+        """Check the batch, permute it into wire order once, start every sharding's dist."""
+        features, error = self._checked(features)
+        ctx.features = features
+        if error is None:
+            if features.keys() != self._wire_features:  # already in wire order: no copy
+                permutation = self._wire_permutation(features.keys())
+                features = features.permute(permutation.tolist(), permutation.to(features.device))
+            parts = features.split(self._wire_splits) if len(self._wire_splits) > 1 else [features]
+        else:
+            parts = [_placeholder(s.input_features) for s in self._shardings]
+        verdict = None  # no splits exchange carries the verdict: exchange it on its own
+        if not any(s.carries_input_error for s in self._shardings):
+            verdict = exchange_verdict(self._env.pg, error, self._device)
+            if verdict is None and error is not None:
+                raise ValueError(error)
+        splits = _ListAwaitable([
+            s.input_dist(part, sharding_ctx, error)
+            for s, sharding_ctx, part in zip(self._shardings, ctx.sharding_contexts, parts)
+        ])
+
+        def start_tensors() -> Awaitable[List[KeyedJaggedTensor]]:
+            if verdict is not None:
+                verdict.wait()
+            tensors = splits.wait()
+            # every rank's batch size, learned in the splits exchange (unequal batches work)
+            sizes = next((t.stride_per_rank for t in tensors if hasattr(t, "stride_per_rank")), None)
+            if sizes is not None and len(set(sizes)) > 1:
+                for sharding_ctx in ctx.sharding_contexts:
+                    sharding_ctx.batch_size_per_rank = list(sizes)
+            return _ListAwaitable(tensors)
+
+        return FnAwaitable(start_tensors)
+
+
+def _placeholder(keys: List[str]) -> KeyedJaggedTensor:
+    """An empty batch with the wire keys: lets a rejecting rank join the splits exchange."""
+    return KeyedJaggedTensor(keys, torch.empty(0, dtype=torch.int64),
+                             lengths=torch.zeros(0, dtype=torch.int32), stride=0, validate=False)
