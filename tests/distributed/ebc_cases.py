@@ -173,3 +173,18 @@ def reference_update(weight: torch.Tensor, grad: torch.Tensor, state: Dict[str, 
             m += (g * g).mean(dim=1)
             weight[:, start:start + width] -= LR * g / (m.sqrt() + EPS).unsqueeze(1)
             start += width
+
+
+def state_mismatches(sharded, ws: int, state: Dict[str, Dict[str, torch.Tensor]],
+                     offsets: Dict[str, List[int]], step: int) -> List[str]:
+    """Where the sharded row-wise Adagrad accumulators differ from `reference_update`'s
+    (`state[table]["m<i>"]` for the column block starting at `offsets[table][i]`)."""
+    row_states = gather_row_states(sharded, ws)
+    problems = []
+    for name, columns in offsets.items():
+        got = row_states.get(name, {})
+        for i, offset in enumerate(columns):
+            if offset not in got or not torch.allclose(got[offset], state[name][f"m{i}"], atol=1e-5):
+                problems.append(f"step {step}: table {name} optimizer state of the columns "
+                                f"from {offset} differs")
+    return problems

@@ -19,13 +19,13 @@ import torch
 from ebc_cases import (
     LR,
     batch,
-    gather_row_states,
     gather_tables,
     global_batch,
     make_ebc,
     output_grad,
     plan_for,
     reference_update,
+    state_mismatches,
 )
 from multiprocess import run_ranks
 
@@ -123,14 +123,7 @@ def _compare(rank: int, ws: int, case: EbcCase) -> List[str]:
                 if not torch.allclose(full[name], bag.weight, atol=1e-5):
                     diff = (full[name] - bag.weight).abs().nan_to_num(float("inf")).max()
                     problems.append(f"step {step}: table {name} differs by {diff:.3g}")
-            row_states = gather_row_states(sharded, ws)
-            for name, columns in offsets.items():
-                got = row_states.get(name, {})
-                for i, offset in enumerate(columns):
-                    want = state[name][f"m{i}"]
-                    if offset not in got or not torch.allclose(got[offset], want, atol=1e-5):
-                        problems.append(f"step {step}: table {name} optimizer state of the "
-                                        f"columns from {offset} differs")
+            problems += state_mismatches(sharded, ws, state, offsets, step)
     return problems
 
 
