@@ -255,6 +255,9 @@ def cases_for(ws: int) -> List[EcCase]:
     cases += [EcCase("mixed", "fused", "sgd", batch_size=2, steps=2, variant="indices", shared=True),
               EcCase("mixed", "dense", "sgd", batch_size=3, steps=2, shared=True),
               EcCase("rejected", shared=True)]
+    if ws > 1:
+        cases.append(EcCase("mixed", "fused", "sgd", batch_size=2, steps=2, variant="uneven",
+                            shared=True))
     if ws == 2:
         cases.append(EcCase("errors"))
     return cases
