@@ -53,7 +53,7 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
         self.set_shardings(build_pooled_shardings(
             self.table_specs(module), env, self._device, self._is_weighted, qcomm_codecs_registry))
         self._layout = PooledOutputLayout(
-            list(self.shardings.values()), self._feature_names, self._feature_dims)
+            list(self.shardings.values()), self._embedding_names, self._embedding_dims)
         self.init_from(module)
 
     def compute(

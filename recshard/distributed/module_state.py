@@ -18,6 +18,7 @@ from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fu
 from recshard.lookup.grouped import uses_fbgemm
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
+from recshard.modules.embedding_modules import embedding_names
 from recshard.optim.apply_optimizer_in_backward import apply_optimizer_in_backward, fused_params_for
 from recshard.optim.fused import FusedOptimizer
 from recshard.plan.sharding_types import ALL_SHARDING_TYPES, SEQUENCE_SHARDING_TYPES
@@ -66,11 +67,6 @@ class ShardedEmbeddingModule(ShardedModule):
         in batch errors), keep the metadata. `tables_attr` holds the tables in the unsharded
         module (`embedding_bags` or `embeddings`): the prefix of their state_dict keys."""
         super().__init__()
-        features = [f for c in configs for f in c.feature_names]
-        shared = sorted({f for f in features if features.count(f) > 1})
-        if shared:
-            raise ValueError(f"{what}: features {shared} are read by more than one table; "
-                             "sharding a feature shared by several tables is not supported")
         check_module_plan(configs, table_plans, what, env.world_size, env.local_world_size,
                           ALL_SHARDING_TYPES if pooled else SEQUENCE_SHARDING_TYPES,
                           compute_kernels)
@@ -83,8 +79,8 @@ class ShardedEmbeddingModule(ShardedModule):
         self._fused_params = dict(fused_params or {})
         self._is_weighted = is_weighted
         self._table_fused_params: Dict[str, Dict[str, Any]] = {}
-        self._feature_names = [f for c in configs for f in c.feature_names]
-        self._feature_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
+        self._embedding_names = embedding_names(configs)  # the output keys, one per (table, feature)
+        self._embedding_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
 
     def table_specs(self, module: nn.Module) -> List[TableSpec]:
         """Each table with its fused params: the sharder's, overridden by the optimizer attached

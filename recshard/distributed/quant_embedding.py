@@ -65,7 +65,7 @@ class ShardedQuantEmbeddingCollection(ShardedEmbeddingModule):
         shardings = build_sequence_shardings(specs, env, META, qcomm_codecs_registry)
         swap_in_quant_lookups(shardings, configs, False, self._device, self._output_dtype)
         self.set_shardings(shardings)
-        self._layout = SequenceOutputLayout(self.shardings, self._feature_names,
+        self._layout = SequenceOutputLayout(self.shardings, self._embedding_names,
                                             module.need_indices())
         load_quant_shards(shardings, module.quantized_weights(), self._device)
 

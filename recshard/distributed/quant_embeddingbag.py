@@ -67,7 +67,7 @@ class ShardedQuantEmbeddingBagCollection(ShardedEmbeddingModule):
         swap_in_quant_lookups(shardings, configs, True, self._device, self._output_dtype)
         self.set_shardings(shardings)
         self._layout = PooledOutputLayout(
-            list(self.shardings.values()), self._feature_names, self._feature_dims)
+            list(self.shardings.values()), self._embedding_names, self._embedding_dims)
         load_quant_shards(shardings, module.quantized_weights(), self._device)
 
     def compute(

@@ -5,11 +5,17 @@ are routed (`input_dist`) and how outputs come back (`output_dist`). Each shardi
 module's input features in its own *wire order* (`input_features`, which may repeat a feature
 for column shards); the sharded module permutes its input once into the concatenation of all
 wire orders and hands each sharding its slice.
+
+Ids travel under the *embedding name* of each (table, feature) pair (TorchRec's name): the
+feature itself, or `feature@table` for a feature several tables read. The input side copies
+such a feature once per table under those names, so routing, lookups and outputs never see
+two tables' copies under one key.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -19,6 +25,7 @@ from torch import nn
 from recshard.lookup.grouped import GroupedLookup
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
+from recshard.modules.embedding_modules import embedding_names
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import (
     Awaitable,
@@ -45,11 +52,17 @@ class EmbeddingShardingContext:
 
 @dataclass
 class TableSpec:
-    """A table as a sharded module sees it: config, plan entry and fused optimizer params."""
+    """A table as a sharded module sees it: config, plan entry, fused optimizer params and,
+    per feature, its embedding name (`with_embedding_names`; empty: the feature names)."""
 
     config: BaseEmbeddingConfig
     sharding: ParameterSharding
     fused_params: Dict[str, Any] = field(default_factory=dict)
+    embedding_names: List[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.embedding_names:
+            self.embedding_names = list(self.config.feature_names)
 
     @property
     def kernel(self) -> EmbeddingComputeKernel:
@@ -76,20 +89,29 @@ class TableSpec:
             fused_params=self.fused_params,
             shard_index=shard_index,
             min_shard_rows=min(s.shard_sizes[0] for s in self.shards()),
+            embedding_names=self.embedding_names,
         )
 
     def whole_table(self) -> LocalTable:
         """The full table as one local shard (data-parallel replicas)."""
         c = self.config
         return LocalTable(c, c.num_embeddings, c.embedding_dim, 0, 0, self.kernel, self.pooling,
-                          self.fused_params)
+                          self.fused_params, embedding_names=self.embedding_names)
+
+
+def with_embedding_names(specs: List[TableSpec]) -> List[TableSpec]:
+    """A collection's table specs with each feature's embedding name: the feature, or
+    `feature@table` when several of these tables read it (the unsharded module's output keys)."""
+    names = iter(embedding_names([s.config for s in specs]))
+    return [dataclasses.replace(s, embedding_names=[next(names) for _ in s.config.feature_names])
+            for s in specs]
 
 
 class EmbeddingSharding(nn.Module, abc.ABC):
     """One sharding type's part of a sharded collection.
 
-    `input_features`: module features in the order this sharding wants them (wire order).
-    `output_columns`: what each column of the output-dist result holds, in order.
+    `input_features`: the embedding names this sharding reads, in the order it wants them
+    (wire order). `output_columns`: what each column of the output-dist result holds, in order.
     """
 
     input_features: List[str]
