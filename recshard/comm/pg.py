@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 from datetime import timedelta
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -115,27 +116,32 @@ def intra_and_cross_node_pg(
 
 
 _exit_hook: List[bool] = []  # registered once per process
+EXIT_DRAIN_S = 0.05
 
 
 def destroy_groups_at_exit() -> None:
-    """Make sure the process groups are destroyed before the interpreter finalizes.
+    """Let gloo's worker threads finish before the interpreter finalizes.
 
-    gloo's worker thread drops its reference to a finished collective's tensors just after
-    `wait()` returns; when that happens while the interpreter is finalizing, releasing the
-    tensors' Python objects cannot take the GIL, the thread is torn down inside a destructor
-    and the process aborts with "terminate called without an active exception" (exit -6)
-    instead of its own exit code (seen on 18 of 60 processes that end right after an async
-    all-gather on torch 2.13; issue #17). recshard's steps end in such collectives, so DMP
-    registers this once: an `atexit` hook (it runs before finalization, threads can still
-    take the GIL) that destroys the groups the program left alive. A program that destroys
-    them itself is unaffected.
+    gloo's worker thread drops its reference to a finished collective (and so to its
+    tensors) just after `wait()` returns in the main thread; releasing the tensors' Python
+    objects needs the GIL. A script that ends within a few milliseconds of its last
+    collective (a handled error, the last step) never hands the GIL over: the thread is still
+    waiting for it when the interpreter finalizes, is torn down inside a destructor, and the
+    process aborts with "terminate called without an active exception" (exit -6) instead of
+    its own exit code (seen with gdb; 18 of 60 processes that end right after an async
+    all-gather on torch 2.13; issue #17). DMP registers this once: an `atexit` hook (it runs
+    before finalization, when threads can still take the GIL) that releases the GIL for a
+    moment so waiting workers finish, then destroys the groups the program left alive. A
+    program that destroys them itself is unaffected.
     """
     if not _exit_hook:
         _exit_hook.append(True)
-        atexit.register(_destroy_groups)
+        atexit.register(_drain_and_destroy_groups)
 
 
-def _destroy_groups() -> None:
+def _drain_and_destroy_groups() -> None:
+    time.sleep(EXIT_DRAIN_S)  # releases the GIL: a worker waiting for it runs its destructor
     if dist.is_initialized():
         dist.destroy_process_group()
+    time.sleep(EXIT_DRAIN_S)
     _GROUP_CACHE.clear()
