@@ -25,7 +25,11 @@ from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fu
 from recshard.lookup.grouped import GroupedLookup, uses_fbgemm
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
-from recshard.optim.apply_optimizer_in_backward import apply_optimizer_in_backward, fused_params_for
+from recshard.optim.apply_optimizer_in_backward import (
+    apply_optimizer_in_backward,
+    attached_optimizers,
+    fused_params_for,
+)
 from recshard.optim.fused import FusedOptimizer
 from recshard.plan.sharding_types import (
     ALL_SHARDING_TYPES,
@@ -259,11 +263,10 @@ class ShardedEmbeddingModule(ShardedModule):
         full = {name: m.weight for name, m in tables.items() if m.weight.device.type != "meta"}
         self.load_full_tables(full)
         for name, shards in self.local_table_shards().items():  # dense kernels: torch runs it
-            classes = getattr(tables[name].weight, "_optimizer_classes", [])
-            kwargs = getattr(tables[name].weight, "_optimizer_kwargs", [])
+            attached = attached_optimizers(tables[name].weight)
             for table, weight in shards:
                 if table.compute_kernel == EmbeddingComputeKernel.DENSE:
-                    for optimizer_class, optimizer_kwargs in zip(classes, kwargs):
+                    for optimizer_class, optimizer_kwargs in attached:
                         apply_optimizer_in_backward(optimizer_class, [weight], optimizer_kwargs)
         for sharding in self.shardings.values():
             sharding.after_init()
