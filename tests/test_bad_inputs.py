@@ -187,3 +187,35 @@ def test_bounds_check_modes_per_table() -> None:
         assert not any("table 't2'" in w for w in result["warnings"])  # IGNORE is silent
     assert "table 't0', feature 'f0': id 11 is outside [0, 11)" in results[1]["error"]
     assert "rank 1 rejected its input" in results[0]["error"]
+
+
+def run_shared_feature_bounds(rank: int, ws: int) -> Dict[str, bool]:
+    """f0 is read by t0 (11 rows, FATAL) and t1 (3 rows, IGNORE): id 5 is dropped from t1's
+    copy of f0 only, t0 still pools it."""
+    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
+    reference = make_ebc(False, shared=True)
+    plan = construct_module_sharding_plan(
+        reference, plan_for("mixed", ws, ws, "fused", shared=True), world_size=ws)
+    plan["t1"].bounds_check_mode = "ignore"
+    sharded = EmbeddingBagCollectionSharder().shard(copy.deepcopy(reference), plan, env)
+    keys = ["f0", "f1", "f2", "f3", "f4", "f5"]
+
+    def one_sample(f0_ids: List[int]) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor.from_lengths_sync(
+            keys, torch.tensor(f0_ids + [1, 2, 3, 4, 5]),
+            torch.tensor([len(f0_ids), 1, 1, 1, 1, 1], dtype=torch.int32))
+
+    with_bad = sharded(one_sample([5, 1]))
+    without = sharded(one_sample([1]))
+    t0 = reference.embedding_bags["t0"].weight
+    return {
+        "t1 dropped it": bool(torch.allclose(with_bad["f0@t1"], without["f0@t1"])),
+        "t0 pooled it": bool(torch.allclose(with_bad["f0@t0"][0], t0[5] + t0[1], atol=1e-6)),
+        "others untouched": all(bool(torch.allclose(with_bad[k], without[k]))
+                                for k in with_bad.keys() if not k.startswith("f0@")),
+    }
+
+
+def test_shared_feature_bounds_checked_per_table() -> None:
+    for result in run_ranks(2, run_shared_feature_bounds, timeout=120):
+        assert all(result.values()), result

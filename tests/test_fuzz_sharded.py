@@ -1,6 +1,7 @@
 """Fuzzing: a sharded EBC equals the unsharded one on hypothesis-generated cases, at world size 2.
 
-Each case draws 1-4 tables (1-500 rows, dims 4-64, SUM or MEAN, 1-2 features each), a plan
+Each case draws 1-4 tables (1-500 rows, dims 4-64, SUM or MEAN, 1-2 features each, a table's
+last feature sometimes one an earlier table reads too: outputs `f@t`), a plan
 with any sharding type per table (fused kernel, data-parallel dense), one or two "nodes"
 (local world size 2 or 1), weighted or not, a batch size per rank (1-4, unequal allowed),
 and lengths per bag with zeros, all-empty features and all-empty batches. Table-row-wise
@@ -79,7 +80,9 @@ def cases(draw: st.DrawFn) -> Case:
     features: List[str] = []
     for t in range(draw(st.integers(1, 4))):
         names = [f"f{len(features) + i}" for i in range(draw(st.integers(1, 2)))]
-        features += names
+        if features and draw(st.integers(0, 3)) == 0:  # also read by an earlier table
+            names[-1] = draw(st.sampled_from(features))
+        features += [f for f in names if f not in features]
         tables.append({
             "name": f"t{t}",
             "rows": draw(st.integers(1, 500)),
@@ -154,8 +157,11 @@ def _generator(plan: Dict[str, Any]):  # noqa: ANN202
 def _batch(case: Case, rank: int) -> KeyedJaggedTensor:
     """Rank `rank`'s KJT (every rank can rebuild every other rank's), keys in `key_order`."""
     g = torch.Generator().manual_seed(case["seed"] + 7919 * (rank + 1))
-    rows = {f: t["rows"] for t in case["tables"] for f in t["features"]}
-    features = [f for t in case["tables"] for f in t["features"]]
+    rows: Dict[str, int] = {}  # a feature several tables read: ids fit the smallest
+    for t in case["tables"]:
+        for f in t["features"]:
+            rows[f] = min(rows.get(f, t["rows"]), t["rows"])
+    features = list(dict.fromkeys(f for t in case["tables"] for f in t["features"]))
     per_feature = dict(zip(features, case["lengths"][rank]))
     lengths = [per_feature[k] for k in case["key_order"]]
     values = [torch.randint(0, rows[k], (sum(n),), generator=g) for k, n in
@@ -298,6 +304,9 @@ def test_cases_cover_the_space() -> None:
     assert any(all(n == 0 for rank in c["lengths"] for f in rank for n in f) for c in drawn)
     assert any(t["rows"] == 1 for c in drawn for t in c["tables"])
     assert any(len(c["tables"]) == 4 for c in drawn)
+    shared = [c for c in drawn if len({f for t in c["tables"] for f in t["features"]})
+              < sum(len(t["features"]) for t in c["tables"])]
+    assert len(shared) >= len(drawn) // 5, len(shared)  # features read by several tables
 
 
 def test_sharded_ebc_matches_unsharded_on_generated_cases() -> None:

@@ -39,12 +39,12 @@ _Pieces = List[Tuple[str, int]]
 
 
 class SequenceOutputLayout:
-    """Per module feature, where its column pieces come from (in column order), and each
-    sharding's input features (to cut its rows per feature)."""
+    """Per output key (embedding name), where its column pieces come from (in column order),
+    and each sharding's input keys (to cut its rows per key)."""
 
-    def __init__(self, shardings: Dict[str, EmbeddingSharding], feature_names: List[str],
+    def __init__(self, shardings: Dict[str, EmbeddingSharding], embedding_names: List[str],
                  need_indices: bool) -> None:
-        found: Dict[str, List[Tuple[int, str, int]]] = {f: [] for f in feature_names}
+        found: Dict[str, List[Tuple[int, str, int]]] = {f: [] for f in embedding_names}
         for name, sharding in shardings.items():
             for k, (feature, col_offset, _) in enumerate(sharding.output_columns):
                 found[feature].append((col_offset, name, k))
@@ -117,7 +117,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
         self.set_shardings(build_sequence_shardings(
             self.storage.table_specs(self, module), env, self._device, qcomm_codecs_registry,
             self.storage.make_lookup))
-        self._layout = SequenceOutputLayout(self.shardings, self._feature_names,
+        self._layout = SequenceOutputLayout(self.shardings, self._embedding_names,
                                             module.need_indices())
         self.storage.load(self, module)
 

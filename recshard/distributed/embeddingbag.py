@@ -51,7 +51,7 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
             self.storage.table_specs(self, module), env, self._device, self._is_weighted,
             qcomm_codecs_registry, self.storage.make_lookup))
         self._layout = PooledOutputLayout(
-            list(self.shardings.values()), self._feature_names, self._feature_dims)
+            list(self.shardings.values()), self._embedding_names, self._embedding_dims)
         self.storage.load(self, module)
 
     # input_dist, compute: `ShardedEmbeddingModule`'s

@@ -6,6 +6,11 @@ any collective; a rejected batch still joins the splits exchange carrying the ve
 rank raises at the first wait instead of hanging. A module with no splits exchange (every table
 data-parallel) exchanges the verdict on its own (`comm/verdict.py`). The accepted batch is
 permuted once into the shardings' concatenated wire order and split among them.
+
+A feature several tables read (TorchRec allows it) is copied once per table first, under the
+embedding names `feature@table` (`sharding/common.py`): from there on each copy is its own key,
+checked against its own table's rows and bounds-check mode, routed by its table's sharding,
+and returned under the unsharded module's output key.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from recshard.comm.verdict import exchange_verdict
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
+from recshard.modules.embedding_modules import embedding_names
 from recshard.modules.input_checks import bounds_check, check_dtypes_and_weights, check_features
 from recshard.sharding.common import EmbeddingSharding, EmbeddingShardingContext
 from recshard.sparse import KeyedJaggedTensor
@@ -34,7 +40,9 @@ from recshard.types import (
 class EmbeddingModuleContext:
     """One batch's state in a sharded collection, from `input_dist` to `output_dist`."""
 
-    features: Optional[KeyedJaggedTensor] = None  # the checked batch, in the caller's key order
+    # the checked batch: the caller's keys and order, or one key per embedding name (in
+    # config order) when a feature is read by several tables
+    features: Optional[KeyedJaggedTensor] = None
     sharding_contexts: List[EmbeddingShardingContext] = field(default_factory=list)  # by sharding
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
@@ -79,8 +87,13 @@ class CollectionInputDist:
         self._owner, self._env, self._device = owner, env, device
         self._is_weighted = is_weighted
         self._shardings = shardings
-        self._feature_names = [f for c in configs for f in c.feature_names]
-        self._feature_to_table = {f: (c.name, c.num_embeddings) for c in configs for f in c.feature_names}
+        self._feature_names = list(dict.fromkeys(f for c in configs for f in c.feature_names))
+        names = embedding_names(configs)
+        sources = [f for c in configs for f in c.feature_names]  # the feature each name reads
+        self._copied_features = sources if names != sources else None  # None: no shared feature
+        self._embedding_names = names
+        tables = [(c.name, c.num_embeddings) for c in configs for _ in c.feature_names]
+        self._feature_to_table = dict(zip(names, tables))  # by embedding name
         default = _mode(fused_params.get("bounds_check_mode")) or BoundsCheckMode.FATAL
         self._bounds_modes = {
             c.name: _mode(table_plans[c.name].bounds_check_mode) or default for c in configs
@@ -96,11 +109,26 @@ class CollectionInputDist:
             validate_kjt(features)
             check_features(features, self._feature_names, self._owner)
             check_dtypes_and_weights(features, self._is_weighted, self._owner)
+            if self._copied_features is not None:
+                features = self._copy_shared_features(features)
             features = bounds_check(features, self._feature_to_table, self._bounds_modes,
                                     self._owner, self._warned)
         except ValueError as e:
             return features, str(e)
         return features, None
+
+    def _copy_shared_features(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """One key per embedding name, in config order: a shared feature's ids once per table
+        that reads it (one permute with repeated indices, as TorchRec's input dist)."""
+        index = {k: i for i, k in enumerate(features.keys())}
+        copied = features.permute([index[f] for f in self._copied_features])
+        variable = copied.variable_stride_per_key()
+        return KeyedJaggedTensor(
+            self._embedding_names, copied.values(), copied.weights_or_none(),
+            lengths=copied.lengths(), stride=copied.stride(),
+            stride_per_key_per_rank=copied.stride_per_key_per_rank() if variable else None,
+            length_per_key=copied.length_per_key(), validate=False,
+        )
 
     def _wire_permutation(self, keys: List[str]) -> torch.Tensor:
         cached = self._permute_cache.get(tuple(keys))

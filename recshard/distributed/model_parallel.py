@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from recshard.comm.pg import warn_if_default_timeout
+from recshard.comm.pg import destroy_groups_at_exit, warn_if_default_timeout
 from recshard.distributed.embedding import EmbeddingCollectionSharder
 from recshard.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from recshard.distributed.quant_embedding import QuantEmbeddingCollectionSharder
@@ -134,6 +134,7 @@ class DistributedModelParallel(nn.Module):
         super().__init__()
         self._env = env or ShardingEnv.from_process_group(dist.group.WORLD)
         warn_if_default_timeout(self._env.pg)
+        destroy_groups_at_exit()
         self.device = torch.device(device or "cpu")
         self._sharders = sharders or default_sharders()
         self._sharder_map = {s.module_type: s for s in self._sharders}

@@ -25,6 +25,7 @@ from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fu
 from recshard.lookup.grouped import GroupedLookup, uses_fbgemm
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
+from recshard.modules.embedding_modules import embedding_names
 from recshard.optim.apply_optimizer_in_backward import (
     apply_optimizer_in_backward,
     attached_optimizers,
@@ -137,11 +138,6 @@ class ShardedEmbeddingModule(ShardedModule):
         (`embedding_bags` or `embeddings`): the prefix of their state_dict keys."""
         super().__init__()
         what = type(module).__name__
-        features = [f for c in configs for f in c.feature_names]
-        shared = sorted({f for f in features if features.count(f) > 1})
-        if shared:
-            raise ValueError(f"{what}: features {shared} are read by more than one table; "
-                             "sharding a feature shared by several tables is not supported")
         self.storage = self.storage_type(module)
         check_module_plan(configs, table_plans, what, env.world_size, env.local_world_size,
                           ALL_SHARDING_TYPES if pooled else SEQUENCE_SHARDING_TYPES,
@@ -156,8 +152,8 @@ class ShardedEmbeddingModule(ShardedModule):
         self._fused_params = dict(fused_params or {})
         self._is_weighted = is_weighted
         self._table_fused_params: Dict[str, Dict[str, Any]] = {}
-        self._feature_names = [f for c in configs for f in c.feature_names]
-        self._feature_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
+        self._embedding_names = embedding_names(configs)  # the output keys, one per (table, feature)
+        self._embedding_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
 
     def table_specs(self, module: nn.Module) -> List[TableSpec]:
         """Each table with its fused params: the sharder's, overridden by the optimizer attached

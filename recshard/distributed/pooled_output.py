@@ -25,14 +25,14 @@ from recshard.types import Awaitable, LazyAwaitable
 class PooledOutputLayout:
     """Where the module's columns sit in its shardings' concatenated outputs."""
 
-    def __init__(self, shardings: List[EmbeddingSharding], feature_names: List[str],
-                 feature_dims: List[int]) -> None:
-        self.feature_names, self.feature_dims = feature_names, feature_dims
-        self.column_blocks = _output_order(shardings, feature_names, feature_dims)
+    def __init__(self, shardings: List[EmbeddingSharding], embedding_names: List[str],
+                 embedding_dims: List[int]) -> None:
+        self.embedding_names, self.embedding_dims = embedding_names, embedding_dims
+        self.column_blocks = _output_order(shardings, embedding_names, embedding_dims)
 
 
-def _output_order(shardings: List[EmbeddingSharding], feature_names: List[str],
-                  feature_dims: List[int]) -> Optional[List[Block]]:
+def _output_order(shardings: List[EmbeddingSharding], embedding_names: List[str],
+                  embedding_dims: List[int]) -> Optional[List[Block]]:
     """Blocks taking the concatenated sharding outputs to the module's column order, or None
     when nothing is left to reorder (already in order, or a single sharding took the order
     into its all-to-all)."""
@@ -43,7 +43,7 @@ def _output_order(shardings: List[EmbeddingSharding], feature_names: List[str],
             for c in range(width):
                 where[(feature, col_offset + c)] = position + c
             position += width
-    order = [where[(f, c)] for f, d in zip(feature_names, feature_dims) for c in range(d)]
+    order = [where[(f, c)] for f, d in zip(embedding_names, embedding_dims) for c in range(d)]
     if order == list(range(len(order))):
         return None
     spans: List[List[int]] = []  # [input start, width], in output order
@@ -73,7 +73,7 @@ class _KeyedTensorAwaitable(LazyAwaitable[KeyedTensor]):
         if layout.column_blocks is not None:
             values = chunks_to_columns(values.reshape(-1), values.size(0), [values.size(1)],
                                        layout.column_blocks)
-        return KeyedTensor(layout.feature_names, layout.feature_dims, values)
+        return KeyedTensor(layout.embedding_names, layout.embedding_dims, values)
 
 
 def pooled_output_dist(

@@ -16,6 +16,8 @@ class LocalTable:
 
     `shard_index` tells column shards of the same table apart. `min_shard_rows` is a global
     fact (the same on every rank), so kernel choices that depend on it agree across ranks.
+    `embedding_names`: per feature, the key its ids travel and its output comes back under
+    (the feature, or `feature@table` when several tables of the collection read it).
     """
 
     config: BaseEmbeddingConfig
@@ -28,10 +30,13 @@ class LocalTable:
     fused_params: Dict[str, Any] = field(default_factory=dict)
     shard_index: int = 0
     min_shard_rows: int = -1  # fewest rows of any shard of this table on any rank (-1: rows)
+    embedding_names: List[str] = field(default_factory=list)  # empty: the feature names
 
     def __post_init__(self) -> None:
         if self.min_shard_rows < 0:
             self.min_shard_rows = self.rows
+        if not self.embedding_names:
+            self.embedding_names = list(self.config.feature_names)
 
     @property
     def name(self) -> str:

@@ -14,7 +14,12 @@ import torch
 from recshard.comm.codecs import CommOp, codecs_from_registry
 from recshard.lookup.grouped import GroupedLookup
 from recshard.plan.sharding_types import PLACED_TYPES
-from recshard.sharding.common import EmbeddingSharding, LookupFactory, TableSpec
+from recshard.sharding.common import (
+    EmbeddingSharding,
+    LookupFactory,
+    TableSpec,
+    with_embedding_names,
+)
 from recshard.sharding.data_parallel import DataParallelPooledSharding
 from recshard.sharding.placed import PlacedPooledSharding
 from recshard.sharding.row_wise import RowWisePooledSharding
@@ -32,7 +37,7 @@ def build_pooled_shardings(
     """Shardings keyed by name ("placed", "row_wise", "table_row_wise", "data_parallel"),
     each looking up its local shards with `make_lookup`."""
     by_kind: Dict[str, List[TableSpec]] = {}
-    for spec in specs:
+    for spec in with_embedding_names(specs):
         st = ShardingType(spec.sharding.sharding_type)
         kind = "placed" if st in PLACED_TYPES else st.value
         by_kind.setdefault(kind, []).append(spec)

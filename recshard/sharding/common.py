@@ -6,6 +6,11 @@ module's input features in its own *wire order* (`input_features`, which may rep
 for column shards); the sharded module permutes its input once into the concatenation of all
 wire orders and hands each sharding its slice.
 
+Ids travel under the *embedding name* of each (table, feature) pair (TorchRec's name): the
+feature itself, or `feature@table` for a feature several tables read. The input side copies
+such a feature once per table under those names, so routing, lookups and outputs never see
+two tables' copies under one key.
+
 Each sharding builds its local lookup with the `LookupFactory` it is given: `GroupedLookup`
 (trainable float tables, the default) or the quantized lookup of the inference modules
 (`recshard.distributed.quant_shards`). Routing and output dists do not depend on which.
@@ -14,6 +19,7 @@ Each sharding builds its local lookup with the `LookupFactory` it is given: `Gro
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
@@ -22,6 +28,7 @@ from torch import nn
 
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE, BaseEmbeddingConfig, PoolingType
+from recshard.modules.embedding_modules import embedding_names
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import (
     Awaitable,
@@ -68,14 +75,20 @@ class EmbeddingShardingContext:
 
 @dataclass
 class TableSpec:
-    """A table as a sharded module sees it: config, plan entry and fused optimizer params.
+    """A table as a sharded module sees it: config, plan entry, fused optimizer params and,
+    per feature, its embedding name (`with_embedding_names`; empty: the feature names).
     `output_dtype`: the dtype of the rows its lookup returns when that differs from the table's
     own (quantized tables are dequantized to it); None: the table's data type."""
 
     config: BaseEmbeddingConfig
     sharding: ParameterSharding
     fused_params: Dict[str, Any] = field(default_factory=dict)
+    embedding_names: List[str] = field(default_factory=list)
     output_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        if not self.embedding_names:
+            self.embedding_names = list(self.config.feature_names)
 
     @property
     def row_dtype(self) -> torch.dtype:
@@ -107,20 +120,29 @@ class TableSpec:
             fused_params=self.fused_params,
             shard_index=shard_index,
             min_shard_rows=min(s.shard_sizes[0] for s in self.shards()),
+            embedding_names=self.embedding_names,
         )
 
     def whole_table(self) -> LocalTable:
         """The full table as one local shard (data-parallel replicas)."""
         c = self.config
         return LocalTable(c, c.num_embeddings, c.embedding_dim, 0, 0, self.kernel, self.pooling,
-                          self.fused_params)
+                          self.fused_params, embedding_names=self.embedding_names)
+
+
+def with_embedding_names(specs: List[TableSpec]) -> List[TableSpec]:
+    """A collection's table specs with each feature's embedding name: the feature, or
+    `feature@table` when several of these tables read it (the unsharded module's output keys)."""
+    names = iter(embedding_names([s.config for s in specs]))
+    return [dataclasses.replace(s, embedding_names=[next(names) for _ in s.config.feature_names])
+            for s in specs]
 
 
 class EmbeddingSharding(nn.Module, abc.ABC):
     """One sharding type's part of a sharded collection.
 
-    `input_features`: module features in the order this sharding wants them (wire order).
-    `output_columns`: what each column of the output-dist result holds, in order.
+    `input_features`: the embedding names this sharding reads, in the order it wants them
+    (wire order). `output_columns`: what each column of the output-dist result holds, in order.
     """
 
     input_features: List[str]

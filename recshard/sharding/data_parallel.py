@@ -79,8 +79,8 @@ class DataParallelPooledSharding(EmbeddingSharding):
                     f"kernel (replicas are averaged like dense parameters), got '{spec.kernel.value}'"
                 )
         tables = lookup_order([s.whole_table() for s in specs], is_weighted)
-        self.input_features = [f for t in tables for f in t.feature_names]
-        self.output_columns = [(f, 0, t.cols) for t in tables for f in t.feature_names]
+        self.input_features = [f for t in tables for f in t.embedding_names]
+        self.output_columns = [(f, 0, t.cols) for t in tables for f in t.embedding_names]
         self.lookup = make_lookup(tables, pooled, device, is_weighted)
         self._row_exchange_min_bytes = ROW_EXCHANGE_MIN_BYTES
         if env.world_size > 1 and all(s.kernel == EmbeddingComputeKernel.DENSE for s in specs):

@@ -46,9 +46,9 @@ class PlacedPooledSharding(EmbeddingSharding):
             for index, shard in enumerate(spec.shards()):
                 per_rank[shard.rank].append(spec.local_table(index))
         ordered = [lookup_order(tables, is_weighted) for tables in per_rank]
-        self.input_features = [f for tables in ordered for t in tables for f in t.feature_names]
+        self.input_features = [f for tables in ordered for t in tables for f in t.embedding_names]
         self.output_columns = [
-            (f, t.col_offset, t.cols) for tables in ordered for t in tables for f in t.feature_names
+            (f, t.col_offset, t.cols) for tables in ordered for t in tables for f in t.embedding_names
         ]
         features_per_rank = [sum(t.num_features for t in tables) for tables in ordered]
         dim_sum_per_rank = [sum(t.cols * t.num_features for t in tables) for tables in ordered]

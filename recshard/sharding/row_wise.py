@@ -93,14 +93,14 @@ class RowWisePooledSharding(EmbeddingSharding):
             tables = lookup_order([s.local_table(0, PoolingType.SUM) for s in group], is_weighted)
             ordered.append([next(s for s in group if s.config.name == t.name) for t in tables])
         self._groups = ordered
-        self.input_features = [f for group in ordered for s in group for f in s.config.feature_names]
+        self.input_features = [f for group in ordered for s in group for f in s.embedding_names]
         self.output_columns = [
             (f, 0, s.config.embedding_dim) for group in ordered for s in group
-            for f in s.config.feature_names
+            for f in s.embedding_names
         ]
         self._mean_features = [
             f for group in ordered for s in group if s.pooling == PoolingType.MEAN
-            for f in s.config.feature_names
+            for f in s.embedding_names
         ]
         self._features_per_group = [sum(s.config.num_features for s in g) for g in ordered]
         self._block_sizes = [

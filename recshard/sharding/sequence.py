@@ -33,6 +33,7 @@ from recshard.sharding.common import (
     EmbeddingShardingContext,
     LookupFactory,
     TableSpec,
+    with_embedding_names,
 )
 from recshard.sharding.data_parallel import DataParallelPooledSharding
 from recshard.sparse import KeyedJaggedTensor
@@ -147,9 +148,9 @@ class PlacedSequenceSharding(_SequenceSharding):
         for spec, index in shards:
             per_rank[spec.shards()[index].rank].append(spec.local_table(index))
         ordered = [lookup_order(tables, False) for tables in per_rank]
-        self.input_features = [f for tables in ordered for t in tables for f in t.feature_names]
+        self.input_features = [f for tables in ordered for t in tables for f in t.embedding_names]
         self.output_columns = [
-            (f, t.col_offset, t.cols) for tables in ordered for t in tables for f in t.feature_names
+            (f, t.col_offset, t.cols) for tables in ordered for t in tables for f in t.embedding_names
         ]
         self.lookup = make_lookup(ordered[env.rank], False, device, False)
         self._make_dists([sum(t.num_features for t in tables) for tables in ordered])
@@ -174,7 +175,7 @@ class RowWiseSequenceSharding(_SequenceSharding):
         world = env.world_size
         tables = lookup_order([s.local_table(0) for s in specs], False)
         ordered = [next(s for s in specs if s.config.name == t.name) for t in tables]
-        self.input_features = [f for s in ordered for f in s.config.feature_names]
+        self.input_features = [f for s in ordered for f in s.embedding_names]
         self.output_columns = [(f, 0, width) for f in self.input_features]
         self._block_sizes = torch.tensor(
             [
@@ -243,7 +244,7 @@ def build_sequence_shardings(
     Every rank builds the same list in the same order (it depends on the plan only).
     """
     groups: Dict[Tuple[str, int, torch.dtype], List[Tuple[TableSpec, int]]] = {}
-    for spec in specs:
+    for spec in with_embedding_names(specs):
         st = ShardingType(spec.sharding.sharding_type)
         dtype = spec.row_dtype
         if st in PLACED_TYPES:

@@ -21,8 +21,20 @@ LR = 0.1
 EPS = 1e-8
 
 
-def tables() -> List[EmbeddingBagConfig]:
-    """Shared features, MEAN, fewer rows than ranks, dims 1..8 (not all multiples of 4)."""
+def tables(shared: bool = False) -> List[EmbeddingBagConfig]:
+    """A table with two features, MEAN, fewer rows than ranks, dims 1..8 (not all multiples
+    of 4). `shared`: features read by several tables besides (f0 by t0 and MEAN t1, f1 by t0
+    and t5, f3 by t2 and t5, f5 by t3 and t4); their ids fit the smallest table."""
+    if shared:
+        return [
+            EmbeddingBagConfig(num_embeddings=11, embedding_dim=4, name="t0", feature_names=["f0", "f1"]),
+            EmbeddingBagConfig(num_embeddings=3, embedding_dim=3, name="t1", feature_names=["f2", "f0"],
+                               pooling=PoolingType.MEAN),
+            EmbeddingBagConfig(num_embeddings=20, embedding_dim=6, name="t2", feature_names=["f3"]),
+            EmbeddingBagConfig(num_embeddings=8, embedding_dim=1, name="t3", feature_names=["f4", "f5"]),
+            EmbeddingBagConfig(num_embeddings=13, embedding_dim=8, name="t4", feature_names=["f5"]),
+            EmbeddingBagConfig(num_embeddings=7, embedding_dim=5, name="t5", feature_names=["f1", "f3"]),
+        ]
     return [
         EmbeddingBagConfig(num_embeddings=11, embedding_dim=4, name="t0", feature_names=["f0", "f1"]),
         EmbeddingBagConfig(num_embeddings=3, embedding_dim=3, name="t1", feature_names=["f2"],
@@ -33,15 +45,16 @@ def tables() -> List[EmbeddingBagConfig]:
     ]
 
 
-def make_ebc(weighted: bool, seed: int = 0) -> EmbeddingBagCollection:
+def make_ebc(weighted: bool, seed: int = 0, shared: bool = False) -> EmbeddingBagCollection:
     torch.manual_seed(seed)
-    return EmbeddingBagCollection(tables(), is_weighted=weighted)
+    return EmbeddingBagCollection(tables(shared), is_weighted=weighted)
 
 
-def plan_for(kind: str, ws: int, lws: int, kernel: str) -> Dict:
-    """Per-table generators for a named plan kind."""
+def plan_for(kind: str, ws: int, lws: int, kernel: str, shared: bool = False) -> Dict:
+    """Per-table generators for a named plan kind. In "mixed", every shared feature is read
+    by tables of two different sharding types (t5: table-column-wise)."""
     k = None if kernel == "fused" else "dense"
-    names = [t.name for t in tables()]
+    names = [t.name for t in tables(shared)]
     nodes = ws // lws
     cw_ranks = [ws - 1 - (i % ws) for i in range(min(3, ws) if ws > 1 else 2)]
     if kind == "table_wise":
@@ -59,16 +72,23 @@ def plan_for(kind: str, ws: int, lws: int, kernel: str) -> Dict:
     if kind == "data_parallel":
         return {n: data_parallel() for n in names}
     if kind == "mixed":
-        return {"t0": table_wise(ws - 1, compute_kernel=k), "t1": row_wise(compute_kernel=k), "t2": column_wise(cw_ranks, compute_kernel=k),
-                "t3": data_parallel(), "t4": table_row_wise(nodes - 1, compute_kernel=k)}
+        plan = {"t0": table_wise(ws - 1, compute_kernel=k), "t1": row_wise(compute_kernel=k),
+                "t2": column_wise(cw_ranks, compute_kernel=k), "t3": data_parallel(),
+                "t4": table_row_wise(nodes - 1, compute_kernel=k)}
+        if shared:
+            plan["t5"] = table_column_wise(0, compute_kernel=k)
+        return plan
     raise ValueError(kind)
 
 
-def batch(rank: int, step: int, batch_size: int, weighted: bool, zero_feature: bool) -> KeyedJaggedTensor:
+def batch(rank: int, step: int, batch_size: int, weighted: bool, zero_feature: bool,
+          shared: bool = False) -> KeyedJaggedTensor:
     """Rank `rank`'s batch at `step` (every rank can rebuild every other rank's batch)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    rows = {f"f{i}": t.num_embeddings for t in tables() for i in
-            [int(f[1:]) for f in t.feature_names]}
+    rows: Dict[str, int] = {}
+    for t in tables(shared):
+        for f in t.feature_names:
+            rows[f] = min(rows.get(f, t.num_embeddings), t.num_embeddings)
     keys = [f"f{i}" for i in [5, 3, 0, 2, 4, 1]]  # input key order differs from the module's
     lengths = torch.randint(0, 4, (len(keys), batch_size), generator=g)
     if zero_feature:
@@ -80,9 +100,10 @@ def batch(rank: int, step: int, batch_size: int, weighted: bool, zero_feature: b
     return KeyedJaggedTensor.from_lengths_sync(keys, values, lengths.reshape(-1), weights)
 
 
-def global_batch(ws: int, step: int, batch_size: int, weighted: bool, zero: bool) -> KeyedJaggedTensor:
+def global_batch(ws: int, step: int, batch_size: int, weighted: bool, zero: bool,
+                 shared: bool = False) -> KeyedJaggedTensor:
     """All ranks' batches stacked along the batch dimension (rank-major), module key order."""
-    parts = [batch(r, step, batch_size, weighted, zero) for r in range(ws)]
+    parts = [batch(r, step, batch_size, weighted, zero, shared) for r in range(ws)]
     keys = parts[0].keys()
     values, lengths, weights = [], [], []
     for key in keys:
@@ -109,10 +130,28 @@ def gather_tables(sharded, ws: int) -> Dict[str, torch.Tensor]:
             local.append((name, table.row_offset, table.col_offset, weight.detach().clone()))
     gathered: List = [None] * ws
     dist.all_gather_object(gathered, local)
-    full = {t.name: torch.full((t.num_embeddings, t.embedding_dim), float("nan")) for t in tables()}
+    full = {t.name: torch.full((t.num_embeddings, t.embedding_dim), float("nan"))
+            for t in sharded.table_configs()}
     for part in gathered:
         for name, row, col, weight in part:
             full[name][row:row + weight.size(0), col:col + weight.size(1)] = weight
+    return full
+
+
+def gather_row_states(sharded, ws: int) -> Dict[str, Dict[int, torch.Tensor]]:
+    """Every rank's per-row fused optimizer state (row-wise Adagrad's accumulator), assembled
+    on every rank: `{table: {column offset of the shard: [num_embeddings]}}` (SGD: empty)."""
+    local = [(name, table.row_offset, table.col_offset, state.detach().reshape(-1).clone())
+             for name, shards in sharded.fused_optimizer_states().items()
+             for table, states in shards for state in states.values()]
+    gathered: List = [None] * ws
+    dist.all_gather_object(gathered, local)
+    rows = {t.name: t.num_embeddings for t in sharded.table_configs()}
+    full: Dict[str, Dict[int, torch.Tensor]] = {}
+    for part in gathered:
+        for name, row, col, state in part:
+            column = full.setdefault(name, {}).setdefault(col, torch.full((rows[name],), float("nan")))
+            column[row:row + state.numel()] = state
     return full
 
 
@@ -134,3 +173,18 @@ def reference_update(weight: torch.Tensor, grad: torch.Tensor, state: Dict[str, 
             m += (g * g).mean(dim=1)
             weight[:, start:start + width] -= LR * g / (m.sqrt() + EPS).unsqueeze(1)
             start += width
+
+
+def state_mismatches(sharded, ws: int, state: Dict[str, Dict[str, torch.Tensor]],
+                     offsets: Dict[str, List[int]], step: int) -> List[str]:
+    """Where the sharded row-wise Adagrad accumulators differ from `reference_update`'s
+    (`state[table]["m<i>"]` for the column block starting at `offsets[table][i]`)."""
+    row_states = gather_row_states(sharded, ws)
+    problems = []
+    for name, columns in offsets.items():
+        got = row_states.get(name, {})
+        for i, offset in enumerate(columns):
+            if offset not in got or not torch.allclose(got[offset], state[name][f"m{i}"], atol=1e-5):
+                problems.append(f"step {step}: table {name} optimizer state of the columns "
+                                f"from {offset} differs")
+    return problems

@@ -1,7 +1,10 @@
-"""Sharded EBC == unsharded EBC: forward, gradients and tables after 1 and 3 optimizer steps.
+"""Sharded EBC == unsharded EBC: forward (values and keys), gradients, and tables and fused
+optimizer state after 1 and 3 optimizer steps.
 
 Every sharding type and a mixed plan, fused (SGD, row-wise Adagrad) and dense kernels,
 weighted and unweighted, at world sizes 1-4; one spawned group per world size runs every case.
+`shared` cases use features read by several tables (outputs `f@t`), in every sharding type
+and in a mixed plan where each shared feature's tables have different sharding types.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from ebc_cases import (
     output_grad,
     plan_for,
     reference_update,
+    state_mismatches,
 )
 from multiprocess import run_ranks
 
@@ -46,12 +50,13 @@ class EbcCase:
     batch_size: int  # per rank
     steps: int
     threads: int = 1  # > 1: fused groups cut into kernels that run side by side
+    shared: bool = False  # `ebc_cases.tables(shared=True)`: features read by several tables
 
     @property
     def name(self) -> str:
         return (f"{self.kind}/{self.kernel}/{self.optimizer}/lws{self.local_world_size}/"
                 f"{'weighted' if self.weighted else 'unweighted'}/batch{self.batch_size}/"
-                f"steps{self.steps}/threads{self.threads}")
+                f"steps{self.steps}/threads{self.threads}{'/shared' if self.shared else ''}")
 
 
 def run_case(rank: int, ws: int, case: EbcCase) -> List[str]:
@@ -62,18 +67,18 @@ def run_case(rank: int, ws: int, case: EbcCase) -> List[str]:
     """
     torch.set_num_threads(case.threads)
     try:
-        return _compare(rank, ws, case.local_world_size, case.kind, case.kernel, case.optimizer,
-                        case.weighted, case.batch_size, case.steps)
+        return _compare(rank, ws, case)
     finally:
         torch.set_num_threads(1)
 
 
-def _compare(rank: int, ws: int, lws: int, kind: str, kernel: str, optimizer: str,
-             weighted: bool, batch_size: int, steps: int) -> List[str]:
+def _compare(rank: int, ws: int, case: EbcCase) -> List[str]:
     problems: List[str] = []
+    lws, kind, kernel, optimizer = case.local_world_size, case.kind, case.kernel, case.optimizer
+    weighted, batch_size, steps, shared = case.weighted, case.batch_size, case.steps, case.shared
     env = ShardingEnv.from_process_group(torch.distributed.group.WORLD, local_world_size=lws)
-    reference = make_ebc(weighted)
-    plan = construct_module_sharding_plan(reference, plan_for(kind, ws, lws, kernel),
+    reference = make_ebc(weighted, shared=shared)
+    plan = construct_module_sharding_plan(reference, plan_for(kind, ws, lws, kernel, shared),
                                           local_size=lws, world_size=ws)
     fused_optim = "exact_sgd" if optimizer == "sgd" else "exact_row_wise_adagrad"
     sharder = EmbeddingBagCollectionSharder(
@@ -84,9 +89,9 @@ def _compare(rank: int, ws: int, lws: int, kind: str, kernel: str, optimizer: st
     state: Dict[str, Dict[str, torch.Tensor]] = {}
     for step in range(steps):
         zero = step == 1
-        local = batch(rank, step, batch_size, weighted, zero)
+        local = batch(rank, step, batch_size, weighted, zero, shared)
         out = sharded(local)
-        ref_out = reference(global_batch(ws, step, batch_size, weighted, zero))
+        ref_out = reference(global_batch(ws, step, batch_size, weighted, zero, shared))
         width = ref_out.values().size(1)
         grad = output_grad(step, ws, batch_size, width)
         mine = slice(rank * batch_size, (rank + 1) * batch_size)
@@ -102,19 +107,23 @@ def _compare(rank: int, ws: int, lws: int, kind: str, kernel: str, optimizer: st
         reference.zero_grad()
         # mean over ranks of per-rank gradients == gradient of the global loss / ws
         ((ref_out.values() * grad).sum() / ws).backward()
+        offsets: Dict[str, List[int]] = {}  # column offset of each block with its own state
         for name, bag in reference.embedding_bags.items():
             opt = "sgd" if kernel == "dense" or kind == "data_parallel" or (
                 kind == "mixed" and name == "t3") else optimizer
             shards = plan[name].shards or []
-            blocks = [sh.shard_sizes[1] for sh in shards] if plan[name].sharding_type in (
-                "column_wise", "table_column_wise") else [bag.weight.size(1)]
+            column_split = plan[name].sharding_type in ("column_wise", "table_column_wise")
+            blocks = [sh.shard_sizes[1] for sh in shards] if column_split else [bag.weight.size(1)]
             reference_update(bag.weight, bag.weight.grad, state.setdefault(name, {}), opt, blocks)
+            if opt == "rowwise_adagrad":
+                offsets[name] = [sum(blocks[:i]) for i in range(len(blocks))]
         if step in (0, steps - 1):
             full = gather_tables(sharded, ws)
             for name, bag in reference.embedding_bags.items():
                 if not torch.allclose(full[name], bag.weight, atol=1e-5):
                     diff = (full[name] - bag.weight).abs().nan_to_num(float("inf")).max()
                     problems.append(f"step {step}: table {name} differs by {diff:.3g}")
+            problems += state_mismatches(sharded, ws, state, offsets, step)
     return problems
 
 
@@ -145,6 +154,13 @@ def cases_for(ws: int) -> List[EbcCase]:
         for kind in ("table_wise", "row_wise", "mixed"):
             cases.append(EbcCase(lws, kind, "fused", "rowwise_adagrad", weighted=kind == "mixed",
                                  batch_size=3, steps=3, threads=2))
+    for kind in KINDS:  # features read by several tables
+        cases.append(EbcCase(lws, kind, "fused", "rowwise_adagrad", weighted=True, batch_size=3,
+                             steps=2, shared=True))
+    cases += [
+        EbcCase(lws, "mixed", "fused", "sgd", weighted=False, batch_size=2, steps=3, shared=True),
+        EbcCase(lws, "mixed", "dense", "sgd", weighted=True, batch_size=3, steps=2, shared=True),
+    ]
     if ws == 2:  # two nodes of one rank each
         cases += [
             EbcCase(1, "table_row_wise", "fused", "sgd", weighted=False, batch_size=2, steps=2),

@@ -91,21 +91,50 @@ def test_shared_feature_gives_one_output_per_table() -> None:
         ec(bad)  # a shared feature's ids must fit its smallest table
 
 
-def _shard_shared_feature(rank: int, world_size: int) -> str:
-    ebc = EmbeddingBagCollection([
-        EmbeddingBagConfig(name=n, embedding_dim=4, num_embeddings=10, feature_names=["f"]) for n in "ab"
-    ])
-    try:
-        DistributedModelParallel(ebc)
-    except ValueError as err:
-        return str(err)
-    return "no error"
+class _SharedFeatureModel(nn.Module):
+    """An EBC and an EC each reading feature `f` with two tables (a, b); `g` with one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.ebc = EmbeddingBagCollection([
+            EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=10, feature_names=["f"]),
+            EmbeddingBagConfig(name="b", embedding_dim=3, num_embeddings=6, feature_names=["g", "f"]),
+        ])
+        self.ec = EmbeddingCollection([
+            EmbeddingConfig(name="c", embedding_dim=4, num_embeddings=10, feature_names=["f", "g"]),
+            EmbeddingConfig(name="d", embedding_dim=4, num_embeddings=6, feature_names=["f"]),
+        ])
+
+    def forward(self, kjt: KeyedJaggedTensor) -> tuple:
+        return self.ebc(kjt), self.ec(kjt)
 
 
-def test_sharding_a_shared_feature_is_refused_clearly() -> None:
-    message = run_ranks(1, _shard_shared_feature, timeout=120)[0]
-    assert "features ['f'] are read by more than one table" in message
-    assert "not supported" in message
+def _shard_shared_feature(rank: int, world_size: int) -> Dict[str, object]:
+    """DMP with the default planner over a model whose collections share a feature: each
+    rank's outputs equal the unsharded modules' on its batch, keys included."""
+    reference = _SharedFeatureModel()
+    dmp = DistributedModelParallel(_SharedFeatureModel())
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["g", "f"], values=torch.tensor([4, 1, 2, 3]) + rank,
+                                              lengths=torch.tensor([1, 0, 2, 1]))
+    pooled, sequence = dmp(kjt)
+    ref_pooled, ref_sequence = reference(kjt)
+    return {
+        "keys": (pooled.keys(), list(sequence)),
+        "ref_keys": (ref_pooled.keys(), list(ref_sequence)),
+        "pooled_equal": torch.allclose(pooled.values(), ref_pooled.values()),
+        "sequence_equal": all(torch.allclose(sequence[k].values(), ref_sequence[k].values())
+                              and torch.equal(sequence[k].lengths(), ref_sequence[k].lengths())
+                              for k in ref_sequence),
+    }
+
+
+def test_sharding_a_shared_feature_gives_torchrec_outputs() -> None:
+    """Sharding a feature several tables read works under DMP's own plan (TorchRec allows
+    it); every sharding type is checked in tests/distributed/test_sharded_e{b,}c.py."""
+    for result in run_ranks(2, _shard_shared_feature, timeout=180):
+        assert result["keys"] == result["ref_keys"] == (["f@a", "g", "f@b"], ["f@c", "g", "f@d"])
+        assert result["pooled_equal"] and result["sequence_equal"]
 
 
 def test_weighted_output_follows_the_configs() -> None:
