@@ -20,14 +20,10 @@ import torch
 from torch import nn
 
 from recshard.distributed.input_dist import EmbeddingModuleContext
-from recshard.distributed.module_state import ShardedEmbeddingModule
+from recshard.distributed.module_state import EmbeddingModuleSharder, ShardedEmbeddingModule
 from recshard.modules.embedding_configs import EmbeddingConfig
 from recshard.modules.embedding_modules import EmbeddingCollection
-from recshard.plan.sharding_types import (
-    SEQUENCE_SHARDING_TYPES,
-    sharding_type_values,
-    supported_compute_kernels,
-)
+from recshard.plan.sharding_types import SEQUENCE_SHARDING_TYPES, sharding_type_values
 from recshard.sharding.common import EmbeddingSharding
 from recshard.sharding.sequence import build_sequence_shardings
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor
@@ -35,7 +31,6 @@ from recshard.types import (
     Awaitable,
     EmbeddingModuleShardingPlan,
     LazyAwaitable,
-    ModuleSharder,
     ShardingEnv,
 )
 
@@ -117,20 +112,16 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
         fused_params: Dict[str, Any] | None = None,
         qcomm_codecs_registry: Dict[str, Any] | None = None,
     ) -> None:
-        super().__init__("ShardedEmbeddingCollection", "EmbeddingCollection", "embeddings",
-                         module.embedding_configs(), table_plans, env, device, fused_params,
-                         pooled=False, is_weighted=False)
+        super().__init__(module, "embeddings", module.embedding_configs(), table_plans, env,
+                         device, fused_params, pooled=False, is_weighted=False)
         self.set_shardings(build_sequence_shardings(
-            self.table_specs(module), env, self._device, qcomm_codecs_registry))
+            self.storage.table_specs(self, module), env, self._device, qcomm_codecs_registry,
+            self.storage.make_lookup))
         self._layout = SequenceOutputLayout(self.shardings, self._embedding_names,
                                             module.need_indices())
-        self.init_from(module)
+        self.storage.load(self, module)
 
-    def compute(
-        self, ctx: EmbeddingModuleContext, dist_input: List[KeyedJaggedTensor]
-    ) -> List[torch.Tensor]:
-        """Each sharding's local sequence lookups (one row per id) on the ids routed here."""
-        return [s.compute(kjt) for s, kjt in zip(self.shardings.values(), dist_input)]
+    # input_dist, compute: `ShardedEmbeddingModule`'s
 
     def output_dist(
         self, ctx: EmbeddingModuleContext, output: List[torch.Tensor]
@@ -145,29 +136,17 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
         return self._layout.need_indices
 
 
-class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
+class EmbeddingCollectionSharder(EmbeddingModuleSharder):
     """Data-parallel, table-wise, column-wise and row-wise, on CPU and CUDA."""
+
+    sharded_type = ShardedEmbeddingCollection
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return sorted(sharding_type_values(SEQUENCE_SHARDING_TYPES))
 
     @property
     def module_type(self) -> type:
         return EmbeddingCollection
 
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        return sorted(sharding_type_values(SEQUENCE_SHARDING_TYPES))
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return supported_compute_kernels(sharding_type, compute_device_type)
-
     def shardable_parameters(self, module: EmbeddingCollection) -> Dict[str, nn.Parameter]:
         return {name: emb.weight for name, emb in module.embeddings.items()}
-
-    def shard(
-        self,
-        module: EmbeddingCollection,
-        params: EmbeddingModuleShardingPlan,
-        env: ShardingEnv,
-        device: torch.device | None = None,
-    ) -> ShardedEmbeddingCollection:
-        return ShardedEmbeddingCollection(
-            module, params, env, device, self.fused_params, self.qcomm_codecs_registry
-        )

@@ -19,17 +19,15 @@ import torch
 from torch import nn
 
 from recshard.distributed.input_dist import EmbeddingModuleContext
-from recshard.distributed.module_state import ShardedEmbeddingModule
+from recshard.distributed.module_state import EmbeddingModuleSharder, ShardedEmbeddingModule
 from recshard.distributed.pooled_output import PooledOutputLayout, pooled_output_dist
 from recshard.modules.embedding_configs import EmbeddingBagConfig
 from recshard.modules.embedding_modules import EmbeddingBagCollection
-from recshard.plan.sharding_types import supported_compute_kernels
 from recshard.sharding.build import build_pooled_shardings
-from recshard.sparse import KeyedJaggedTensor, KeyedTensor
+from recshard.sparse import KeyedTensor
 from recshard.types import (
     EmbeddingModuleShardingPlan,
     LazyAwaitable,
-    ModuleSharder,
     ShardingEnv,
     ShardingType,
 )
@@ -47,20 +45,16 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
         fused_params: Optional[Dict[str, Any]] = None,
         qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
     ) -> None:
-        super().__init__("ShardedEmbeddingBagCollection", "EmbeddingBagCollection", "embedding_bags",
-                         module.embedding_bag_configs(), table_plans, env, device, fused_params,
-                         pooled=True, is_weighted=module.is_weighted())
+        super().__init__(module, "embedding_bags", module.embedding_bag_configs(), table_plans,
+                         env, device, fused_params, pooled=True, is_weighted=module.is_weighted())
         self.set_shardings(build_pooled_shardings(
-            self.table_specs(module), env, self._device, self._is_weighted, qcomm_codecs_registry))
+            self.storage.table_specs(self, module), env, self._device, self._is_weighted,
+            qcomm_codecs_registry, self.storage.make_lookup))
         self._layout = PooledOutputLayout(
             list(self.shardings.values()), self._embedding_names, self._embedding_dims)
-        self.init_from(module)
+        self.storage.load(self, module)
 
-    def compute(
-        self, ctx: EmbeddingModuleContext, dist_input: List[KeyedJaggedTensor]
-    ) -> List[torch.Tensor]:
-        """Each sharding's local lookups (fused kernels) on the ids routed to this rank."""
-        return [s.compute(kjt) for s, kjt in zip(self.shardings.values(), dist_input)]
+    # input_dist, compute: `ShardedEmbeddingModule`'s
 
     def output_dist(
         self, ctx: EmbeddingModuleContext, output: List[torch.Tensor]
@@ -75,29 +69,17 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
         return self._is_weighted
 
 
-class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
+class EmbeddingBagCollectionSharder(EmbeddingModuleSharder):
     """All six sharding types on CPU and CUDA (row-wise included: gloo reduce-scatters)."""
+
+    sharded_type = ShardedEmbeddingBagCollection
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return [t.value for t in ShardingType]
 
     @property
     def module_type(self) -> type:
         return EmbeddingBagCollection
 
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        return [t.value for t in ShardingType]
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return supported_compute_kernels(sharding_type, compute_device_type)
-
     def shardable_parameters(self, module: EmbeddingBagCollection) -> Dict[str, nn.Parameter]:
         return {name: bag.weight for name, bag in module.embedding_bags.items()}
-
-    def shard(
-        self,
-        module: EmbeddingBagCollection,
-        params: EmbeddingModuleShardingPlan,
-        env: ShardingEnv,
-        device: Optional[torch.device] = None,
-    ) -> ShardedEmbeddingBagCollection:
-        return ShardedEmbeddingBagCollection(
-            module, params, env, device, self.fused_params, self.qcomm_codecs_registry
-        )

@@ -1,13 +1,20 @@
-"""The base class of sharded collections (EBC, EC and their quantized twins): the plan and
-the table state they share.
+"""The base class of sharded collections (EBC, EC and their quantized twins): the plan, the
+input side and the table state they share, and how their local tables are stored.
 
-Table state: if the unsharded module already has real weights (not `meta`), the shards start
-from them — TorchRec re-initializes CPU modules silently; recshard keeps what the user built.
+Table storage is a value the class picks (`ShardedEmbeddingModule.storage_type`): float
+tables (`FloatTables`: fused or dense kernels, trained) or quantized ones
+(`recshard.distributed.quant_shards.QuantTables`, inference). Everything else, routing and
+output dists included, is the same for both.
+
+Float table state: if the unsharded module already has real weights (not `meta`), the shards
+start from them — TorchRec re-initializes CPU modules silently; recshard keeps what the user
+built.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+import abc
+from typing import Any, ClassVar, Dict, Iterator, List, Optional, Tuple, Type
 
 import torch
 from torch import nn
@@ -15,44 +22,108 @@ from torch import nn
 from recshard.distributed.input_dist import CollectionInputDist, EmbeddingModuleContext
 from recshard.distributed.sharded_state import fused_state
 from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fused_params
-from recshard.lookup.grouped import uses_fbgemm
+from recshard.lookup.grouped import GroupedLookup, uses_fbgemm
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
 from recshard.modules.embedding_modules import embedding_names
-from recshard.optim.apply_optimizer_in_backward import apply_optimizer_in_backward, fused_params_for
+from recshard.optim.apply_optimizer_in_backward import (
+    apply_optimizer_in_backward,
+    attached_optimizers,
+    fused_params_for,
+)
 from recshard.optim.fused import FusedOptimizer
-from recshard.plan.sharding_types import ALL_SHARDING_TYPES, SEQUENCE_SHARDING_TYPES
+from recshard.plan.sharding_types import (
+    ALL_SHARDING_TYPES,
+    SEQUENCE_SHARDING_TYPES,
+    supported_compute_kernels,
+)
 from recshard.plan.validate import check_module_plan
-from recshard.sharding.common import EmbeddingSharding, TableSpec
+from recshard.sharding.common import EmbeddingSharding, Lookup, TableSpec
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import (
     Awaitable,
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
+    ModuleSharder,
     ParameterSharding,
     ShardedModule,
     ShardingEnv,
 )
 
 
-class ShardedEmbeddingModule(ShardedModule):
-    """A sharded collection's plan and tables; subclasses write the forward steps.
+class TableStorage(abc.ABC):
+    """How a sharded collection's local tables hold their rows: which kernels its plan may
+    name, the specs and the lookup each sharding is built with, and where the shards' first
+    rows come from. One per sharded module, made from the unsharded one."""
 
-    Contract: a subclass's `__init__` calls `super().__init__(...)` (checks the plan, keeps the
-    metadata), builds its shardings (float tables from `table_specs(module)`) and hands them to
-    `set_shardings`, which registers them and makes `self.input` (the input side, a
-    `CollectionInputDist`). Float collections then call `init_from(module)` to start from the
-    unsharded weights. `input_dist` is defined here (the same for every collection); the
-    subclass defines `compute` and `output_dist` over `self.shardings`, which take the
-    routed ids to its output type. The `ShardedTableState` protocol
-    (`sharded_state.py`, for state dicts and checkpoints) and the unsharded parameter names are
-    implemented here.
+    compute_kernels: ClassVar[Optional[List[str]]] = None  # None: every kernel the type runs
+
+    @abc.abstractmethod
+    def __init__(self, module: nn.Module) -> None:
+        """Keep what the storage needs of the unsharded `module` beyond `load`."""
+
+    @abc.abstractmethod
+    def check_plan(self, configs: List[BaseEmbeddingConfig],
+                   table_plans: EmbeddingModuleShardingPlan) -> None:
+        """Rules of this storage on top of `check_module_plan`'s."""
+
+    @abc.abstractmethod
+    def table_specs(self, sharded: ShardedEmbeddingModule, module: nn.Module) -> List[TableSpec]:
+        """The tables the shardings are built from."""
+
+    @abc.abstractmethod
+    def make_lookup(self, tables: List[LocalTable], pooled: bool, device: torch.device,
+                    is_weighted: bool) -> Lookup:
+        """A sharding's lookup over this rank's shards (a `LookupFactory`)."""
+
+    @abc.abstractmethod
+    def load(self, sharded: ShardedEmbeddingModule, module: nn.Module) -> None:
+        """Fill the built shards from the unsharded module."""
+
+
+class FloatTables(TableStorage):
+    """Trainable float tables: fused (fbgemm or torch) and dense kernels (`GroupedLookup`),
+    with the fused params of `ShardedEmbeddingModule.table_specs`, starting from the unsharded
+    weights and their attached optimizers (`init_from`)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        """Nothing of `module` to keep: its weights are read once, by `load`."""
+
+    def check_plan(self, configs: List[BaseEmbeddingConfig],
+                   table_plans: EmbeddingModuleShardingPlan) -> None:
+        """None beyond `check_module_plan`'s."""
+
+    def table_specs(self, sharded: ShardedEmbeddingModule, module: nn.Module) -> List[TableSpec]:
+        return sharded.table_specs(module)
+
+    def make_lookup(self, tables: List[LocalTable], pooled: bool, device: torch.device,
+                    is_weighted: bool) -> Lookup:
+        return GroupedLookup(tables, pooled, device, is_weighted)
+
+    def load(self, sharded: ShardedEmbeddingModule, module: nn.Module) -> None:
+        sharded.init_from(module)
+
+
+class ShardedEmbeddingModule(ShardedModule):
+    """A sharded collection's plan, input side and tables; subclasses write the output step.
+
+    Contract: a subclass's `__init__` calls `super().__init__(module, ...)` (makes
+    `self.storage` from `storage_type`, checks the plan, keeps the metadata), builds its
+    shardings from `self.storage.table_specs(self, module)` with `self.storage.make_lookup`,
+    hands them to `set_shardings` (registers them, makes `self.input`, a
+    `CollectionInputDist`), and calls `self.storage.load(self, module)`. `input_dist` and
+    `compute` are defined here (the same for every collection); the subclass defines
+    `output_dist` over `self.shardings`, which takes the looked-up rows to its output type.
+    The `ShardedTableState` protocol (`sharded_state.py`, for state dicts and checkpoints)
+    and the unsharded parameter names are implemented here.
     """
+
+    # How the local tables are stored: `FloatTables`, or the quantized twins' `QuantTables`.
+    storage_type: ClassVar[Type[TableStorage]] = FloatTables
 
     def __init__(
         self,
-        owner: str,
-        what: str,
+        module: nn.Module,
         tables_attr: str,
         configs: List[BaseEmbeddingConfig],
         table_plans: EmbeddingModuleShardingPlan,
@@ -61,17 +132,19 @@ class ShardedEmbeddingModule(ShardedModule):
         fused_params: Optional[Dict[str, Any]],
         pooled: bool,
         is_weighted: bool,
-        compute_kernels: Optional[List[str]] = None,
     ) -> None:
-        """Check the plan (`what` names the unsharded module in errors, `owner` the sharded one
-        in batch errors), keep the metadata. `tables_attr` holds the tables in the unsharded
-        module (`embedding_bags` or `embeddings`): the prefix of their state_dict keys."""
+        """Check the plan (errors name the unsharded module's class, batch errors this one's),
+        keep the metadata. `tables_attr` holds the tables in the unsharded module
+        (`embedding_bags` or `embeddings`): the prefix of their state_dict keys."""
         super().__init__()
+        what = type(module).__name__
+        self.storage = self.storage_type(module)
         check_module_plan(configs, table_plans, what, env.world_size, env.local_world_size,
                           ALL_SHARDING_TYPES if pooled else SEQUENCE_SHARDING_TYPES,
-                          compute_kernels)
+                          self.storage.compute_kernels)
+        self.storage.check_plan(configs, table_plans)
         self.env = env
-        self._owner = owner
+        self._owner = type(self).__name__
         self._tables_attr = tables_attr
         self._device = torch.device(device or "cpu")
         self._configs = configs
@@ -114,6 +187,13 @@ class ShardedEmbeddingModule(ShardedModule):
         """The same for every collection: check the batch, then route each sharding's ids to
         the ranks holding its tables (`CollectionInputDist`)."""
         return self.input.dist(ctx, features)
+
+    def compute(
+        self, ctx: EmbeddingModuleContext, dist_input: List[KeyedJaggedTensor]
+    ) -> List[torch.Tensor]:
+        """Each sharding's local lookup on the ids routed to this rank: pooled `[B_global,
+        local cols]`, or one row per id `[N_recv, D]`."""
+        return [s.compute(kjt) for s, kjt in zip(self.shardings.values(), dist_input)]
 
     def create_context(self) -> EmbeddingModuleContext:
         return EmbeddingModuleContext(
@@ -179,11 +259,10 @@ class ShardedEmbeddingModule(ShardedModule):
         full = {name: m.weight for name, m in tables.items() if m.weight.device.type != "meta"}
         self.load_full_tables(full)
         for name, shards in self.local_table_shards().items():  # dense kernels: torch runs it
-            classes = getattr(tables[name].weight, "_optimizer_classes", [])
-            kwargs = getattr(tables[name].weight, "_optimizer_kwargs", [])
+            attached = attached_optimizers(tables[name].weight)
             for table, weight in shards:
                 if table.compute_kernel == EmbeddingComputeKernel.DENSE:
-                    for optimizer_class, optimizer_kwargs in zip(classes, kwargs):
+                    for optimizer_class, optimizer_kwargs in attached:
                         apply_optimizer_in_backward(optimizer_class, [weight], optimizer_kwargs)
         for sharding in self.shardings.values():
             sharding.after_init()
@@ -256,3 +335,28 @@ class ShardedEmbeddingModule(ShardedModule):
             nested.setdefault(f"{fqn}.weight", {})[name] = value
         return nested
 
+
+
+class EmbeddingModuleSharder(ModuleSharder[nn.Module]):
+    """What the collections' sharders share: `shard` builds `sharded_type(module, plan, env,
+    device, fused_params, qcomm_codecs_registry)`, and the compute kernels offered are those its
+    table storage runs."""
+
+    sharded_type: ClassVar[Type[ShardedEmbeddingModule]]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        kernels = self.sharded_type.storage_type.compute_kernels
+        if kernels is None:
+            return supported_compute_kernels(sharding_type, compute_device_type)
+        return list(kernels)
+
+    def shard(
+        self,
+        module: nn.Module,
+        params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+    ) -> ShardedEmbeddingModule:
+        return self.sharded_type(
+            module, params, env, device, self.fused_params, self.qcomm_codecs_registry
+        )

@@ -1,45 +1,43 @@
-"""What the sharded quantized collections share: plan checks, placeholder float shardings
-whose lookups are swapped for quantized ones, and loading each rank's slice of the rows.
+"""What the sharded quantized collections share: their table storage (`QuantTables`), the
+quantized lookup each sharding is built with, and the plan rule of packed columns.
 
-The routing and output dists of a sharded quantized collection are the float module's, built
-around placeholder dense lookups on `meta` (no memory). Each sharding's lookup is then swapped
-for a `QuantShardLookup` loaded with this rank's slice of the already quantized rows: row
-shards take their rows, column shards their packed columns with the full row's scale/bias,
-so every shard dequantizes to exactly what the unsharded quantized module reads.
+A sharded quantized collection is its float twin (same routing, shardings and output dists)
+built with `QuantTables`: each sharding's lookup is a `QuantShardLookup` (one fbgemm IntN TBE
+over this rank's shards), filled with this rank's slice of the already quantized rows: row
+shards take their rows, column shards their packed columns with the full row's scale/bias, so
+every shard dequantizes to exactly what the unsharded quantized module reads.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Dict, List, Optional
+from typing import List
 
 import torch
 from torch import nn
 
+from recshard.distributed.module_state import ShardedEmbeddingModule, TableStorage
 from recshard.lookup.tables import LocalTable
-from recshard.modules.embedding_configs import BaseEmbeddingConfig, DataType
+from recshard.modules.embedding_configs import BaseEmbeddingConfig
 from recshard.quant.embedding_modules import QuantizedWeights
 from recshard.quant.kernel import QuantLookup, QuantTable
 from recshard.quant.rowwise import BITS
-from recshard.sharding.common import EmbeddingSharding, TableSpec
+from recshard.sharding.common import TableSpec
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
-    ModuleSharder,
-    ShardedModule,
-    ShardingEnv,
 )
 
-META = torch.device("meta")
-_PLACEHOLDER_TYPES = {torch.float32: DataType.FP32, torch.float16: DataType.FP16,
-                      torch.bfloat16: DataType.BF16}
+QUANT_KERNELS = [EmbeddingComputeKernel.QUANT.value]
+
 
 class QuantShardLookup(nn.Module):
-    """A sharding's local lookup over quantized shards (GroupedLookup's contract).
+    """A sharding's local lookup over quantized shards (the `Lookup` contract), all in one
+    kernel, in the order given.
 
     Input: KJT with keys `[f for t in self.tables for f in t.feature_names]`.
-    Output: pooled `[B, sum of those features' local dims]`, or sequence `[N, D]`.
+    Output: pooled `[B, sum of those features' local dims]`, or sequence `[N, D]`, in
+    `output_dtype`.
     """
 
     def __init__(self, tables: List[LocalTable], pooled: bool, device: torch.device,
@@ -57,14 +55,26 @@ class QuantShardLookup(nn.Module):
         """Each local shard's stored values (packed codes or fp16/fp32 rows), views."""
         return [values for k in self.kernels for values, _ in k.storage()]
 
+    def load_slices(self, full: QuantizedWeights) -> None:
+        """Copy each local shard's rows (and packed columns) out of the unsharded quantized
+        tables `full`."""
+        for kernel in self.kernels:  # one kernel holding every local shard
+            for index, local in enumerate(self.tables):
+                values, scale_bias = full[local.name]
+                rows = slice(local.row_offset, local.row_offset + local.rows)
+                per_byte = 8 // BITS.get(local.config.data_type, 8)  # packed columns
+                cols = slice(local.col_offset // per_byte,
+                             (local.col_offset + local.cols) // per_byte)
+                kernel.load_quantized(
+                    index, values[rows, cols].to(self._device),
+                    None if scale_bias is None else scale_bias[rows].to(self._device),
+                )
+
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         if not self.kernels:
             shape = (features.stride(), 0) if self._pooled else (features.values().numel(), 0)
             return torch.empty(*shape, dtype=self._output_dtype, device=self._device)
         return self.kernels[0](features)
-
-
-QUANT_KERNELS = [EmbeddingComputeKernel.QUANT.value]
 
 
 def check_packed_columns(configs: List[BaseEmbeddingConfig],
@@ -84,63 +94,34 @@ def check_packed_columns(configs: List[BaseEmbeddingConfig],
                 )
 
 
-def placeholder_specs(configs: List[BaseEmbeddingConfig], plan: EmbeddingModuleShardingPlan,
-                      output_dtype: torch.dtype) -> List[TableSpec]:
-    """Float specs with the dense kernel, in the output dtype, to build the shardings from."""
-    return [
-        TableSpec(dataclasses.replace(c, data_type=_PLACEHOLDER_TYPES[output_dtype]),
-                  dataclasses.replace(plan[c.name],
-                                      compute_kernel=EmbeddingComputeKernel.DENSE.value))
-        for c in configs
-    ]
+class QuantTables(TableStorage):
+    """Quantized tables, for inference: plans name the 'quant' kernel and cut columns at whole
+    bytes, each sharding looks up its shards with a `QuantShardLookup` that returns rows in the
+    unsharded module's `output_dtype`, and the shards start as slices of its quantized rows.
+    No backward, no optimizer."""
 
+    compute_kernels = QUANT_KERNELS
 
-def swap_in_quant_lookups(
-    shardings: Dict[str, EmbeddingSharding], configs: List[BaseEmbeddingConfig], pooled: bool,
-    device: torch.device, output_dtype: torch.dtype,
-) -> None:
-    """Replace every sharding's placeholder lookup by a quantized one over the same shards."""
-    by_name = {c.name: c for c in configs}
-    for sharding in shardings.values():
-        tables = [dataclasses.replace(t, config=by_name[t.name],
-                                      compute_kernel=EmbeddingComputeKernel.QUANT)
-                  for t in sharding.lookup.tables]
-        sharding.lookup = QuantShardLookup(tables, pooled, device, output_dtype)
+    def __init__(self, module: nn.Module) -> None:
+        """`module`: a `QuantEmbeddingBagCollection` or `QuantEmbeddingCollection`."""
+        self.output_dtype: torch.dtype = module.output_dtype()
 
+    def check_plan(self, configs: List[BaseEmbeddingConfig],
+                   table_plans: EmbeddingModuleShardingPlan) -> None:
+        check_packed_columns(configs, table_plans)
 
-def load_quant_shards(shardings: Dict[str, EmbeddingSharding], full: QuantizedWeights,
-                      device: torch.device) -> None:
-    """Copy this rank's rows (and packed columns) out of the unsharded quantized tables."""
-    for sharding in shardings.values():
-        for kernel in sharding.lookup.kernels:  # one kernel holding every local shard
-            for index, local in enumerate(sharding.lookup.tables):
-                values, scale_bias = full[local.name]
-                rows = slice(local.row_offset, local.row_offset + local.rows)
-                per_byte = 8 // BITS.get(local.config.data_type, 8)  # packed columns
-                cols = slice(local.col_offset // per_byte,
-                             (local.col_offset + local.cols) // per_byte)
-                kernel.load_quantized(
-                    index, values[rows, cols].to(device),
-                    None if scale_bias is None else scale_bias[rows].to(device),
-                )
+    def table_specs(self, sharded: ShardedEmbeddingModule, module: nn.Module) -> List[TableSpec]:
+        return [TableSpec(c, sharded.table_plan(c.name), output_dtype=self.output_dtype)
+                for c in sharded.table_configs()]
 
+    def make_lookup(self, tables: List[LocalTable], pooled: bool, device: torch.device,
+                    is_weighted: bool) -> QuantShardLookup:
+        return QuantShardLookup(tables, pooled, device, self.output_dtype)
 
-class QuantSharder(ModuleSharder[nn.Module]):
-    """What the quantized collections' sharders share: the quant kernel, and `shard` building
-    `sharded_type(module, plan, env, device, fused_params, qcomm_codecs_registry)`."""
+    def load(self, sharded: ShardedEmbeddingModule, module: nn.Module) -> None:
+        full = module.quantized_weights()
+        for sharding in sharded.shardings.values():
+            lookup = sharding.lookup
+            assert isinstance(lookup, QuantShardLookup), type(lookup)  # made by make_lookup
+            lookup.load_slices(full)
 
-    sharded_type: type
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return [EmbeddingComputeKernel.QUANT.value]
-
-    def shard(
-        self,
-        module: nn.Module,
-        params: EmbeddingModuleShardingPlan,
-        env: ShardingEnv,
-        device: Optional[torch.device] = None,
-    ) -> ShardedModule:
-        return self.sharded_type(
-            module, params, env, device, self.fused_params, self.qcomm_codecs_registry
-        )

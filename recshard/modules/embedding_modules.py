@@ -18,13 +18,7 @@ from recshard.modules.embedding_configs import (
     EmbeddingConfig,
     PoolingType,
 )
-from recshard.modules.input_checks import (
-    check_dtypes_and_weights,
-    check_features,
-    check_ids,
-    check_layout,
-    check_weights,
-)
+from recshard.modules.input_checks import check_input
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 DeviceLike = Union[str, torch.device, None]
@@ -100,12 +94,8 @@ class _EmbeddingTables(nn.Module):
                 config.init_weight(module.weight)
 
     def _check_input(self, features: KeyedJaggedTensor, is_weighted: bool) -> None:
-        owner = type(self).__name__
-        check_features(features, self._feature_names, owner)
-        check_dtypes_and_weights(features, is_weighted, owner)
-        check_layout(features, owner)
-        check_ids(features, self._feature_to_table, owner)
-        check_weights(features, self._feature_to_table, owner)
+        check_input(features, self._feature_names, self._feature_to_table, is_weighted,
+                    type(self).__name__)
 
 
 class EmbeddingBagCollection(_EmbeddingTables):

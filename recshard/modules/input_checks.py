@@ -145,6 +145,19 @@ def check_ids(
         )
 
 
+def check_input(
+    kjt: KeyedJaggedTensor, feature_names: List[str],
+    feature_to_table: Dict[str, Tuple[str, int]], is_weighted: bool, owner: str,
+) -> None:
+    """Every check of an unsharded collection's input (float or quantized), in order: keys,
+    dtypes and weights, layout, ids in range, finite weights."""
+    check_features(kjt, feature_names, owner)
+    check_dtypes_and_weights(kjt, is_weighted, owner)
+    check_layout(kjt, owner)
+    check_ids(kjt, feature_to_table, owner)
+    check_weights(kjt, feature_to_table, owner)
+
+
 def nonfinite_weight_mask(kjt: KeyedJaggedTensor) -> Optional[torch.Tensor]:
     """`[N]` True where a per-id weight is NaN or infinite; None when all are finite (one
     reduction on the good path)."""

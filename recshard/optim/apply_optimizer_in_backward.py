@@ -18,7 +18,7 @@ fused update is the torch optimizer's step, or the table is not sharded at all.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, Iterable, Optional, Tuple, Type
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
 from torch.distributed.optim import _apply_optimizer_in_backward
@@ -50,6 +50,14 @@ def apply_optimizer_in_backward(
     _apply_optimizer_in_backward(optimizer_class, params, optimizer_kwargs)
 
 
+def attached_optimizers(weight: Optional[torch.Tensor]) -> List[Tuple[Type[Optimizer], Dict[str, Any]]]:
+    """The (class, kwargs) of every optimizer attached to `weight`, in attach order (the
+    attributes torch's `_apply_optimizer_in_backward` sets; none for a plain tensor)."""
+    classes = getattr(weight, "_optimizer_classes", [])
+    kwargs_list = getattr(weight, "_optimizer_kwargs", [])
+    return [(c, dict(kwargs)) for c, kwargs in zip(classes, kwargs_list)]
+
+
 def _class_defaults(optimizer_class: Type[Optimizer]) -> Dict[str, Any]:
     return {name: p.default for name, p in inspect.signature(optimizer_class.__init__).parameters.items()
             if p.default is not inspect.Parameter.empty}
@@ -61,14 +69,13 @@ def fused_params_for(
     """The fused params of `table`: the sharder's, overridden by the optimizer attached to
     its unsharded `weight` (if any)."""
     merged = dict(fused_params or {})
-    classes = list(getattr(weight, "_optimizer_classes", []))
-    kwargs_list = list(getattr(weight, "_optimizer_kwargs", []))
-    if not classes:
+    attached = attached_optimizers(weight)
+    if not attached:
         return merged
-    if len(classes) != 1:
-        raise ValueError(f"table '{table}': {len(classes)} optimizers are attached to its weight "
-                         f"({[c.__name__ for c in classes]}); a fused table runs exactly one")
-    optimizer_class, given = classes[0], dict(kwargs_list[0])
+    if len(attached) != 1:
+        raise ValueError(f"table '{table}': {len(attached)} optimizers are attached to its weight "
+                         f"({[c.__name__ for c, _ in attached]}); a fused table runs exactly one")
+    optimizer_class, given = attached[0]
     if optimizer_class not in _FUSED:
         raise ValueError(
             f"table '{table}': optimizer {optimizer_class.__module__}.{optimizer_class.__name__} "

@@ -21,6 +21,10 @@ ROW_SPLIT_TYPES: FrozenSet[ShardingType] = frozenset({
 COLUMN_SPLIT_TYPES: FrozenSet[ShardingType] = frozenset({
     ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE,
 })
+# a table's rows cut in blocks over several ranks: ids bucketized by block, partial pools summed
+ROW_BLOCK_TYPES: FrozenSet[ShardingType] = frozenset({
+    ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE,
+})
 # shards confined to one node of `local_world_size` ranks
 WITHIN_NODE_TYPES: FrozenSet[ShardingType] = frozenset({
     ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE,

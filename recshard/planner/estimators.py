@@ -22,7 +22,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from recshard.planner.planner_types import GIB, Perf, PlannerError, Storage, TableMeta, Topology
+from recshard.planner.planner_types import (
+    GIB,
+    ROW_BLOCK_TYPES,
+    Perf,
+    PlannerError,
+    Storage,
+    TableMeta,
+    Topology,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +89,7 @@ def shard_traffic(
     world = topology.world_size
     if sharding_type == "data_parallel":
         return ids, bags
-    if sharding_type in ("row_wise", "table_row_wise"):
+    if sharding_type in ROW_BLOCK_TYPES:
         ids_in = ids * world * rows / table.num_embeddings
         return ids_in, (bags * world if table.pooled else ids_in)
     return ids * world, bags * world

@@ -22,7 +22,7 @@ from recshard.planner.estimators import (
     shard_traffic,
     table_workload,
 )
-from recshard.planner.planner_types import TableMeta, Topology
+from recshard.planner.planner_types import ROW_BLOCK_TYPES, TableMeta, Topology
 from recshard.planner.step_model import StepTimePerfModel
 from recshard.types import ParameterSharding, ShardingPlan
 
@@ -212,7 +212,7 @@ class _Traffic:
                 self._all_sent += ring
                 self._all_recv += ring
             return
-        rows_split = st in ("row_wise", "table_row_wise")
+        rows_split = st in ROW_BLOCK_TYPES
         for rank, rows, cols in shards:
             share = rows / table.num_embeddings if rows_split else 1.0
             self._all_to_one(rank, ids * share * id_bytes)  # input dist

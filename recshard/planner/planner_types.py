@@ -21,6 +21,7 @@ GIB = 1024**3
 _GBPS_TO_BYTES_PER_MS = 1e9 / 1e3
 
 ALL_SHARDING_TYPES = sharding_type_values(sharding_types.ALL_SHARDING_TYPES)  # strings, enum order
+ROW_BLOCK_TYPES = frozenset(sharding_type_values(sharding_types.ROW_BLOCK_TYPES))  # strings
 UVM_KERNELS = ("fused_uvm", "fused_uvm_caching")
 
 
@@ -326,7 +327,7 @@ class ShardingOption:
     def shards(self) -> List[Shard]:
         """Every shard with its size, offset, cost and (once placed) rank. Data-parallel
         options list one full-table replica per rank."""
-        row_wise = self.sharding_type in ("row_wise", "table_row_wise")
+        row_wise = self.sharding_type in ROW_BLOCK_TYPES
         shards: List[Shard] = []
         row_off = col_off = 0
         for s in self.segments:

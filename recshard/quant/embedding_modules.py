@@ -26,13 +26,7 @@ from recshard.modules.embedding_modules import (
     EmbeddingCollection,
     check_unique_tables,
 )
-from recshard.modules.input_checks import (
-    check_dtypes_and_weights,
-    check_features,
-    check_ids,
-    check_layout,
-    check_weights,
-)
+from recshard.modules.input_checks import check_input
 from recshard.quant.config import dtypes_from_qconfig
 from recshard.quant.kernel import QuantLookup, QuantTable, check_output_dtype
 from recshard.quant.rowwise import DtypeLike, check_table_layout, data_type_of, quantize_rows
@@ -125,12 +119,8 @@ class _QuantTables(nn.Module):
         return sum(lookup.storage_bytes() for lookup in self.lookups)
 
     def _check_input(self, features: KeyedJaggedTensor, is_weighted: bool) -> None:
-        owner = type(self).__name__
-        check_features(features, self._feature_names, owner)
-        check_dtypes_and_weights(features, is_weighted, owner)
-        check_layout(features, owner)
-        check_ids(features, self._feature_to_table, owner)
-        check_weights(features, self._feature_to_table, owner)
+        check_input(features, self._feature_names, self._feature_to_table, is_weighted,
+                    type(self).__name__)
 
     def _in_order(self, features: KeyedJaggedTensor, order: List[str]) -> KeyedJaggedTensor:
         if features.keys() == order:

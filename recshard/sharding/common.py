@@ -10,6 +10,10 @@ Ids travel under the *embedding name* of each (table, feature) pair (TorchRec's 
 feature itself, or `feature@table` for a feature several tables read. The input side copies
 such a feature once per table under those names, so routing, lookups and outputs never see
 two tables' copies under one key.
+
+Each sharding builds its local lookup with the `LookupFactory` it is given: `GroupedLookup`
+(trainable float tables, the default) or the quantized lookup of the inference modules
+(`recshard.distributed.quant_shards`). Routing and output dists do not depend on which.
 """
 
 from __future__ import annotations
@@ -17,14 +21,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 from torch import nn
 
-from recshard.lookup.grouped import GroupedLookup
 from recshard.lookup.tables import LocalTable
-from recshard.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
+from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE, BaseEmbeddingConfig, PoolingType
 from recshard.modules.embedding_modules import embedding_names
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import (
@@ -36,6 +39,26 @@ from recshard.types import (
 )
 
 OutputColumns = List[Tuple[str, int, int]]  # (feature, column offset inside it, width)
+
+
+class Lookup(Protocol):
+    """A sharding's local lookup over this rank's shards (`GroupedLookup` is one).
+
+    Input: KJT with keys `[f for t in self.tables for f in t.feature_names]`.
+    Output: pooled `[B, sum of those features' local dims]`, or sequence `[N, D]`.
+    """
+
+    tables: List[LocalTable]
+    kernels: nn.ModuleList  # `is_fused` ones hold an in-backward optimizer's state
+
+    def table_weights(self) -> List[torch.Tensor]:
+        """Each local shard's stored rows, in `tables` order (views)."""
+
+    def __call__(self, features: KeyedJaggedTensor) -> torch.Tensor: ...
+
+
+# (tables in lookup order, pooled, device, is_weighted) -> the lookup over them
+LookupFactory = Callable[[List[LocalTable], bool, torch.device, bool], Lookup]
 
 
 @dataclass
@@ -53,16 +76,24 @@ class EmbeddingShardingContext:
 @dataclass
 class TableSpec:
     """A table as a sharded module sees it: config, plan entry, fused optimizer params and,
-    per feature, its embedding name (`with_embedding_names`; empty: the feature names)."""
+    per feature, its embedding name (`with_embedding_names`; empty: the feature names).
+    `output_dtype`: the dtype of the rows its lookup returns when that differs from the table's
+    own (quantized tables are dequantized to it); None: the table's data type."""
 
     config: BaseEmbeddingConfig
     sharding: ParameterSharding
     fused_params: Dict[str, Any] = field(default_factory=dict)
     embedding_names: List[str] = field(default_factory=list)
+    output_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         if not self.embedding_names:
             self.embedding_names = list(self.config.feature_names)
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        """The dtype of the rows its lookup returns."""
+        return self.output_dtype or DATA_TYPE_TO_DTYPE[self.config.data_type]
 
     @property
     def kernel(self) -> EmbeddingComputeKernel:
@@ -116,7 +147,7 @@ class EmbeddingSharding(nn.Module, abc.ABC):
 
     input_features: List[str]
     output_columns: OutputColumns
-    lookup: GroupedLookup
+    lookup: Lookup
     carries_input_error = True  # its input dist starts with a splits exchange
 
     def __init__(self, env: ShardingEnv) -> None:

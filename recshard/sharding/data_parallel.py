@@ -17,7 +17,12 @@ import torch.distributed as dist
 
 from recshard.comm.row_average import average_rows_over_ranks
 from recshard.lookup.grouped import GroupedLookup, lookup_order
-from recshard.sharding.common import EmbeddingSharding, EmbeddingShardingContext, TableSpec
+from recshard.sharding.common import (
+    EmbeddingSharding,
+    EmbeddingShardingContext,
+    LookupFactory,
+    TableSpec,
+)
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import Awaitable, EmbeddingComputeKernel, NoWait, ShardingEnv
 
@@ -62,10 +67,13 @@ class DataParallelPooledSharding(EmbeddingSharding):
     def __init__(
         self, specs: List[TableSpec], env: ShardingEnv, device: torch.device, is_weighted: bool,
         pooled: bool = True,
+        make_lookup: LookupFactory = GroupedLookup,
     ) -> None:
+        """Trainable replicas take the 'dense' kernel (averaged like dense parameters); the
+        quantized inference modules' replicas take 'quant' (nothing to average)."""
         super().__init__(env)
         for spec in specs:
-            if spec.kernel != EmbeddingComputeKernel.DENSE:
+            if spec.kernel not in (EmbeddingComputeKernel.DENSE, EmbeddingComputeKernel.QUANT):
                 raise ValueError(
                     f"table '{spec.config.name}': data_parallel sharding takes the 'dense' "
                     f"kernel (replicas are averaged like dense parameters), got '{spec.kernel.value}'"
@@ -73,9 +81,9 @@ class DataParallelPooledSharding(EmbeddingSharding):
         tables = lookup_order([s.whole_table() for s in specs], is_weighted)
         self.input_features = [f for t in tables for f in t.embedding_names]
         self.output_columns = [(f, 0, t.cols) for t in tables for f in t.embedding_names]
-        self.lookup = GroupedLookup(tables, pooled, device, is_weighted)
+        self.lookup = make_lookup(tables, pooled, device, is_weighted)
         self._row_exchange_min_bytes = ROW_EXCHANGE_MIN_BYTES
-        if env.world_size > 1:
+        if env.world_size > 1 and all(s.kernel == EmbeddingComputeKernel.DENSE for s in specs):
             for kernel in self.lookup.kernels:
                 kernel.weights_in_use = self._averaged_in_backward
 

@@ -18,7 +18,12 @@ from recshard.comm import KJTAllToAll, PooledEmbeddingsAllToAll
 from recshard.comm.column_blocks import cut_at_chunks
 from recshard.lookup.grouped import GroupedLookup, lookup_order
 from recshard.lookup.tables import LocalTable
-from recshard.sharding.common import EmbeddingSharding, EmbeddingShardingContext, TableSpec
+from recshard.sharding.common import (
+    EmbeddingSharding,
+    EmbeddingShardingContext,
+    LookupFactory,
+    TableSpec,
+)
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import Awaitable, ShardingEnv
 
@@ -33,6 +38,7 @@ class PlacedPooledSharding(EmbeddingSharding):
         device: torch.device,
         is_weighted: bool,
         codecs: Optional[Any] = None,
+        make_lookup: LookupFactory = GroupedLookup,
     ) -> None:
         super().__init__(env)
         per_rank: List[List[LocalTable]] = [[] for _ in range(env.world_size)]
@@ -46,7 +52,7 @@ class PlacedPooledSharding(EmbeddingSharding):
         ]
         features_per_rank = [sum(t.num_features for t in tables) for tables in ordered]
         dim_sum_per_rank = [sum(t.cols * t.num_features for t in tables) for tables in ordered]
-        self.lookup = GroupedLookup(ordered[env.rank], True, device, is_weighted)
+        self.lookup = make_lookup(ordered[env.rank], True, device, is_weighted)
         self._kjt_a2a = KJTAllToAll(env.pg, features_per_rank)
         self._dim_sum_per_rank = dim_sum_per_rank
         self._pooled_a2a = PooledEmbeddingsAllToAll(env.pg, dim_sum_per_rank, device, codecs=codecs)

@@ -29,6 +29,7 @@ from recshard.plan.geometry import row_block_size
 from recshard.sharding.common import (
     EmbeddingSharding,
     EmbeddingShardingContext,
+    LookupFactory,
     TableSpec,
     mean_divisor_columns,
 )
@@ -76,6 +77,7 @@ class RowWisePooledSharding(EmbeddingSharding):
         within_node: bool,
         codecs: Optional[Any] = None,
         cross_codecs: Optional[Any] = None,
+        make_lookup: LookupFactory = GroupedLookup,
     ) -> None:
         """`codecs` for the reduce-scatter, `cross_codecs` for TWRW's cross-node all-to-all."""
         super().__init__(env)
@@ -106,7 +108,7 @@ class RowWisePooledSharding(EmbeddingSharding):
                           for s in g for _ in s.config.feature_names], dtype=torch.int64)
             for g in ordered
         ]
-        self.lookup = GroupedLookup(
+        self.lookup = make_lookup(
             [s.local_table(my_index, PoolingType.SUM) for s in ordered[my_group]], True, device,
             is_weighted,
         )

@@ -26,12 +26,12 @@ from recshard.comm import KJTAllToAll, SequenceEmbeddingsAllToAll
 from recshard.comm.codecs import CommOp, QuantizedCommCodecs, codecs_from_registry
 from recshard.lookup.grouped import GroupedLookup, lookup_order
 from recshard.lookup.tables import LocalTable
-from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE
 from recshard.plan.geometry import row_block_size
 from recshard.plan.sharding_types import PLACED_TYPES
 from recshard.sharding.common import (
     EmbeddingSharding,
     EmbeddingShardingContext,
+    LookupFactory,
     TableSpec,
     with_embedding_names,
 )
@@ -141,6 +141,7 @@ class PlacedSequenceSharding(_SequenceSharding):
         width: int,
         dtype: torch.dtype,
         codecs: QuantizedCommCodecs | None = None,
+        make_lookup: LookupFactory = GroupedLookup,
     ) -> None:
         super().__init__(env, name, width, dtype, codecs)
         per_rank: List[List[LocalTable]] = [[] for _ in range(env.world_size)]
@@ -151,7 +152,7 @@ class PlacedSequenceSharding(_SequenceSharding):
         self.output_columns = [
             (f, t.col_offset, t.cols) for tables in ordered for t in tables for f in t.embedding_names
         ]
-        self.lookup = GroupedLookup(ordered[env.rank], False, device)
+        self.lookup = make_lookup(ordered[env.rank], False, device, False)
         self._make_dists([sum(t.num_features for t in tables) for tables in ordered])
 
 
@@ -168,6 +169,7 @@ class RowWiseSequenceSharding(_SequenceSharding):
         width: int,
         dtype: torch.dtype,
         codecs: QuantizedCommCodecs | None = None,
+        make_lookup: LookupFactory = GroupedLookup,
     ) -> None:
         super().__init__(env, name, width, dtype, codecs)
         world = env.world_size
@@ -183,7 +185,7 @@ class RowWiseSequenceSharding(_SequenceSharding):
             ],
             dtype=torch.int64,
         )
-        self.lookup = GroupedLookup([s.local_table(env.rank) for s in ordered], False, device)
+        self.lookup = make_lookup([s.local_table(env.rank) for s in ordered], False, device, False)
         self._make_dists([len(self.input_features)] * world)
 
     def _route(self, features: KeyedJaggedTensor, ctx: SequenceShardingContext) -> KeyedJaggedTensor:
@@ -218,8 +220,9 @@ class DataParallelSequenceSharding(DataParallelPooledSharding):
         env: ShardingEnv,
         device: torch.device,
         name: str,
+        make_lookup: LookupFactory = GroupedLookup,
     ) -> None:
-        super().__init__(specs, env, device, is_weighted=False, pooled=False)
+        super().__init__(specs, env, device, False, False, make_lookup)
         self.name = name
 
 
@@ -232,16 +235,18 @@ def build_sequence_shardings(
     env: ShardingEnv,
     device: torch.device,
     qcomm_codecs_registry: Dict[str, Any] | None = None,
+    make_lookup: LookupFactory = GroupedLookup,
 ) -> Dict[str, EmbeddingSharding]:
     """Shardings keyed by name: "placed", "row_wise", "data_parallel", each suffixed by
-    `_<width>_<dtype>` when the collection has shards of more than one width or dtype.
+    `_<width>_<dtype>` when the collection has shards of more than one row width or dtype
+    (the dtype of the rows the lookups return).
 
     Every rank builds the same list in the same order (it depends on the plan only).
     """
     groups: Dict[Tuple[str, int, torch.dtype], List[Tuple[TableSpec, int]]] = {}
     for spec in with_embedding_names(specs):
         st = ShardingType(spec.sharding.sharding_type)
-        dtype = DATA_TYPE_TO_DTYPE[spec.config.data_type]
+        dtype = spec.row_dtype
         if st in PLACED_TYPES:
             for index, shard in enumerate(spec.shards()):
                 groups.setdefault(("placed", shard.shard_sizes[1], dtype), []).append((spec, index))
@@ -256,14 +261,14 @@ def build_sequence_shardings(
         name = _group_name(kind, width, dtype, single)
         if kind == "placed":
             shardings[name] = PlacedSequenceSharding(
-                members, env, device, name, width, dtype, codecs
+                members, env, device, name, width, dtype, codecs, make_lookup
             )
         elif kind == "row_wise":
             shardings[name] = RowWiseSequenceSharding(
-                [s for s, _ in members], env, device, name, width, dtype, codecs
+                [s for s, _ in members], env, device, name, width, dtype, codecs, make_lookup
             )
         else:
             shardings[name] = DataParallelSequenceSharding(
-                [s for s, _ in members], env, device, name
+                [s for s, _ in members], env, device, name, make_lookup
             )
     return shardings

@@ -25,6 +25,7 @@ from recshard.distributed.sharding_plan import (
     construct_module_sharding_plan,
     data_parallel,
     row_wise,
+    table_column_wise,
     table_row_wise,
     table_wise,
 )
@@ -114,6 +115,61 @@ def test_sharded_quant_equals_unsharded_quant() -> None:
         bad = {case: err for case, err in module_worst.items() if err > 1e-5}
         assert not bad, bad
         assert all(diff < 1e-6 for diff in dmp_worst.values()), dmp_worst
+
+
+def every_type_plans(ws: int) -> Dict[str, Dict]:
+    """Each sharding type the quant EBC sharder offers, alone, at world size `ws` (local
+    size `every_type_lws(ws)`); column shards of even widths (INT4 packs two per byte)."""
+    last, nodes = ws - 1, ws // every_type_lws(ws)
+    names = [t.name for t in tables()]
+    return {
+        "table_wise": {n: table_wise(i % ws, compute_kernel=Q) for i, n in enumerate(names)},
+        "row_wise": {n: row_wise(compute_kernel=Q) for n in names},
+        "column_wise": {n: column_wise([last, 0], compute_kernel=Q) for n in names},
+        "table_row_wise": {n: table_row_wise(i % nodes, compute_kernel=Q) for i, n in enumerate(names)},
+        "table_column_wise": {n: table_column_wise(i % nodes, compute_kernel=Q)
+                              for i, n in enumerate(names)},
+        "data_parallel": {n: data_parallel(compute_kernel=Q) for n in names},
+    }
+
+
+def every_type_lws(ws: int) -> int:
+    return 2 if ws % 2 == 0 and ws > 2 else 1
+
+
+def every_sharding_type(rank: int, ws: int) -> Dict[str, float]:
+    """Worst |sharded - unsharded| per (dtype, sharding type, weighted), over two steps."""
+    lws = every_type_lws(ws)
+    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD, local_world_size=lws)
+    worst: Dict[str, float] = {}
+    for dtype in (torch.qint8, torch.quint4x2):
+        for kind, per_table in every_type_plans(ws).items():
+            for weighted in (False, True):
+                torch.manual_seed(0)
+                qebc = QuantEmbeddingBagCollection.from_float(
+                    EmbeddingBagCollection(tables(), weighted), dtype)
+                plan = construct_module_sharding_plan(qebc, per_table, local_size=lws, world_size=ws)
+                sharded = QuantEmbeddingBagCollectionSharder().shard(qebc, plan, env)
+                key = f"{dtype}/{kind}/{'weighted' if weighted else 'unweighted'}"
+                for step in range(2):
+                    kjt = local_batch(rank, step, 3 if rank == 0 or step == 0 else 2, weighted)
+                    if kind == "table_row_wise" and step == 1:
+                        kjt = local_batch(rank, step, 3, weighted)  # TWRW: equal batch sizes
+                    with torch.no_grad():
+                        got, want = sharded(kjt).wait(), qebc(kjt)
+                    assert got.keys() == want.keys(), (key, got.keys(), want.keys())
+                    error = (got.values() - want.values()).abs().max().item()
+                    worst[key] = max(worst.get(key, 0.0), error)
+    return worst
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_sharded_quant_every_sharding_type_equals_unsharded(world_size: int) -> None:
+    """Every sharding type the quant EBC sharder offers, alone, at world sizes 1-4."""
+    for worst in run_ranks(world_size, every_sharding_type, timeout=300):
+        assert len(worst) == 2 * 6 * 2, sorted(worst)
+        bad = {case: err for case, err in worst.items() if err > 1e-5}
+        assert not bad, bad
 
 
 def test_quant_plans_are_checked_before_sharding() -> None:

@@ -116,7 +116,7 @@ def run_all(rank: int, ws: int) -> tuple:
     return compare(rank, ws), dmp_default_sharders(rank, ws)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_sharded_quant_ec_equals_unsharded(world_size: int) -> None:
     results = run_ranks(world_size, run_all, timeout=300)
     for rank, (problems, dmp_problems) in enumerate(results):
