@@ -3,7 +3,8 @@
 `run_ranks(world_size, fn, *args, timeout=...)` returns each rank's result, in rank order.
 A rank that raises makes the call raise with that rank's traceback; a rank still running at
 the timeout is killed, so a broken collective fails the test instead of hanging the run. A
-rank that returns but then exits non-zero (an abort at interpreter exit) fails the call too.
+rank that reported (returned or raised) but then exits non-zero (an abort at interpreter exit)
+fails the call too, naming that exit code.
 
 Processes come from a forkserver that has already imported torch and fbgemm, so a group
 starts in about a second instead of the 10-20 s a fresh interpreter needs.
@@ -125,15 +126,18 @@ def run_ranks(
                 # collective), then stop waiting: the first error is what matters.
                 deadline = min(deadline, time.monotonic() + 10.0)
     finally:
-        for p in procs:
-            p.join(timeout=5.0 if not errors else 0.5)
+        reported = set(results) | {r for r, t in errors.items() if not t.startswith("process exited")}
+        for r, p in enumerate(procs):
+            p.join(timeout=5.0 if r in reported or not errors else 0.5)  # stuck ranks: kill
             if p.is_alive():
                 p.kill()
                 p.join()
-            elif p.exitcode != 0 and procs.index(p) in results and not errors:
-                # returned its result, then died at exit (an abort in a destructor)
-                errors[procs.index(p)] = (f"returned, then exited with code {p.exitcode} "
-                                          f"at interpreter exit")
+            elif p.exitcode != 0 and r in reported:
+                # reported (a result or a handled error), then died at exit: an abort in a
+                # destructor, e.g. "terminate called without an active exception" (-6)
+                how = "returned" if r in results else "raised"
+                exit_note = f"{how}, then exited with code {p.exitcode} at interpreter exit"
+                errors[r] = exit_note if r in results else f"{errors[r]}\n{exit_note}"
     if errors:
         first = next(iter(errors))  # the first to arrive is the cause; the rest followed it
         others = "".join(f"\n--- rank {r} ---\n{t}" for r, t in errors.items() if r != first)
