@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -433,3 +433,26 @@ class CommRequest(Awaitable[torch.Tensor]):
         out = _Finish.apply(self._exchange, self._token)
         self._token = None
         return out if self._post is None else self._post(out)
+
+
+def backward_wait_nodes(tensors: Sequence[torch.Tensor]) -> List[torch.autograd.graph.Node]:
+    """The autograd nodes behind `tensors` that wait for a collective's backward transpose.
+
+    Each one runs after the node above it has issued the transposed collective; a pre-hook on
+    it runs while that collective is on the wire (the semi-sync pipeline issues its next
+    input dist there, so it queues behind the gradients). The walk stops at those nodes: what
+    lies below them is local compute.
+    """
+    found: List[torch.autograd.graph.Node] = []
+    seen = set()
+    todo = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if getattr(node, "_forward_cls", None) is _Issue:
+            found.append(node)
+            continue
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found

@@ -25,6 +25,7 @@ from recshard.distributed.train_pipeline import (
     TrainPipeline,
     TrainPipelineBase,
     TrainPipelineContext,
+    TrainPipelineSemiSync,
     TrainPipelineSparseDist,
 )
 from recshard.plan import manual as sharding_plan
@@ -49,6 +50,7 @@ __all__ = [
     "TrainPipeline",
     "TrainPipelineBase",
     "TrainPipelineContext",
+    "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
     "default_sharders",
     "get_module",
