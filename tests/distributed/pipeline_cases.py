@@ -16,6 +16,7 @@ from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import (
     construct_module_sharding_plan,
+    data_parallel,
     row_wise,
     table_wise,
 )
@@ -112,13 +113,15 @@ class TwoTowerModel(nn.Module):
         return loss, (loss.detach(), logits.detach(), batch.index)
 
 
-def build(world_size: int, computed_item_ids: bool = False) -> DistributedModelParallel:
-    """The same initial weights on every call (seeded); user: a table-wise + b row-wise,
-    item: c table-wise on the last rank; fused SGD tables."""
+def build(world_size: int, computed_item_ids: bool = False,
+          data_parallel_a: bool = False) -> DistributedModelParallel:
+    """The same initial weights on every call (seeded); user: a table-wise (or data-parallel)
+    + b row-wise, item: c table-wise on the last rank; fused SGD tables."""
     torch.manual_seed(0)
     model = TwoTowerModel(computed_item_ids)
+    a_plan = data_parallel() if data_parallel_a else table_wise(0)
     plan = ShardingPlan({
-        "user": construct_module_sharding_plan(model.user, {"ta": table_wise(0), "tb": row_wise()},
+        "user": construct_module_sharding_plan(model.user, {"ta": a_plan, "tb": row_wise()},
                                                world_size=world_size),
         "item": construct_module_sharding_plan(model.item, {"tc": table_wise(world_size - 1)},
                                                world_size=world_size),

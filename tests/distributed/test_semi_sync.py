@@ -117,7 +117,7 @@ def test_semi_sync_schedule() -> None:
 
 
 def variants(rank: int, ws: int) -> Dict[str, List[str]]:
-    """stash_gradients, custom_model_fwd, eval mode, uneven data."""
+    """stash_gradients, custom_model_fwd, a data-parallel table, eval mode, uneven data."""
     problems: Dict[str, List[str]] = {}
     batches = [batch_for(s, rank, ws) for s in range(5)]
     reference = build(ws)
@@ -139,6 +139,12 @@ def variants(rank: int, ws: int) -> Dict[str, List[str]]:
     problems["custom_model_fwd"] = _compare(got, want, model, reference)
     if calls != [0, 1, 2, 3, 4]:
         problems["custom_model_fwd"].append(f"custom forward called for {calls}")
+
+    reference = build(ws, data_parallel_a=True)
+    want = semi_sync_loop(reference, optimizer_for(reference), batches)
+    model = build(ws, data_parallel_a=True)
+    got = run_pipeline(_pipeline(model, start_batch=0), batches)
+    problems["data-parallel table"] = _compare(got, want, model, reference)
 
     model = build(ws)
     model.eval()
