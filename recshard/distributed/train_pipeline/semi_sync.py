@@ -32,7 +32,6 @@ all-to-all waits behind them. Five batches are in flight (TorchRec: four).
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -49,10 +48,9 @@ from recshard.distributed.train_pipeline.utils import (
 from recshard.sparse import JaggedTensor, KeyedTensor
 from recshard.types import LazyNoWait
 
-logger = logging.getLogger(__name__)
-
 Embeddings = Union[KeyedTensor, Dict[str, JaggedTensor]]
-# Positions in the queue: the batch whose forward runs, and the last one whose input dist runs.
+# Queue positions (0: the batch this step trains) of the batch whose lookup this step starts,
+# and of the batch whose ids this step sends (its tensors exchange).
 _LOOKUP_AHEAD = 1
 _TENSORS_AHEAD = 3
 
