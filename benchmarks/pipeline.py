@@ -1,17 +1,21 @@
-"""Step time of TrainPipelineSparseDist vs the plain loop, on a model whose input all-to-all is a
-large share of the step. Prints JSON lines.
+"""Step time of TrainPipelineSparseDist and TrainPipelineSemiSync vs the plain loop, on a model whose
+input all-to-all is a large share of the step. Prints JSON lines.
 
     python -m benchmarks.pipeline                    # spawns 2 gloo ranks on this machine
     python -m benchmarks.pipeline --quick            # smaller, fewer blocks
     python -m benchmarks.pipeline --link 1gbit       # on a loopback shaped to 1 Gbit/s
     torchrun --nproc-per-node 2 -m benchmarks.pipeline
 
-Two DMP models are built from the same seed and plan (tables table-wise, alternating ranks,
-fused SGD): one trained by the plain loop (`zero_grad, forward, backward, step`), one by the
-pipeline. Timed blocks of `--steps` steps alternate between the two (plain first in even blocks,
-pipeline first in odd ones), so load on the machine hits both alike; a block's time is the
-slowest rank's, and the lines report medians over blocks of ms per step
-(`pipelined_over_plain_paired`: the median of the per-block ratios, robust to load drifting
+Four DMP models are built from the same seed and plan (tables table-wise, alternating ranks,
+fused SGD): one trained by the plain loop (`zero_grad, forward, backward, step`), one by
+`TrainPipelineSparseDist` (`pipelined`), one by `TrainPipelineSemiSync(start_batch=0)`
+(`semi_sync`) and one by `semi_sync_reference`, the plain loop with the semi-sync staleness
+(batch i+1's embeddings looked up after batch i's forward, before its sparse update). Timed
+blocks of `--steps` steps rotate through the loops (the order shifts by one every block), so
+load on the machine hits all alike; a block ends when every collective it issued has completed
+(a gloo barrier waits for them), so a pipeline's look-ahead left in flight is paid by its own
+block; a block's time is the slowest rank's, and the lines report medians over blocks of ms per
+step (`*_over_plain_paired`: the median of the per-block ratios, robust to load drifting
 between blocks). `*_cpu_ms` is rank 0's process CPU time per step (all threads): when it is close
 to the wall time, the ranks are CPU-bound and overlap has no idle core to use. `input_dist_ms` is the
 input dist alone (both all-to-all stages plus their host work) of one batch, and
@@ -20,7 +24,8 @@ plain loop's forward spends in its all-to-alls (input dist issue and waits, outp
 rank 0's clock), the share the target's ">= 30% of the step" refers to.
 `wait_share` is each loop's time blocked in collective waits per step (`benchmarks/link.py`:
 KJT all-to-alls, pooled forward, backward) over its step; `losses_identical` compares the two
-loops' per-step losses bit for bit. The model: 26 tables with the Criteo Kaggle cardinalities
+loops' per-step losses bit for bit, `semi_sync_losses_identical` the semi-sync pipeline's
+against its reference's (the stale plain loop). The model: 26 tables with the Criteo Kaggle cardinalities
 capped at `--rows`, multi-hot bags (mean `--pooling` ids) of narrow rows, so the input dist is
 the big all-to-all. `--link RATE` re-runs the benchmark on a shaped loopback (`link` field).
 Batches are generated before timing and reused cyclically. A first line checks that a started
@@ -51,12 +56,14 @@ from benchmarks.link import (
     link_label,
     relaunch_under_link,
 )
-from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-from recshard.distributed.train_pipeline import TrainPipelineSparseDist
+from recshard.distributed.train_pipeline import TrainPipelineSemiSync, TrainPipelineSparseDist
 from recshard.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
 from recshard.types import ShardingPlan
+
+LOOPS = ["plain", "pipelined", "semi_sync", "semi_sync_reference"]
 
 
 @dataclass
@@ -182,14 +189,48 @@ def _slowest(seconds: float) -> float:
 
 
 def _time_block(run_step: Callable[[], Any], steps: int) -> Tuple[float, float]:
-    """ms per step of `steps` steps (the slowest rank's wall time), and this process's CPU ms
-    per step (all its threads: main, gloo workers)."""
+    """ms per step of `steps` steps (the slowest rank's wall time, up to the completion of every
+    collective the steps issued: gloo's barrier waits for all work issued before it), and this
+    process's CPU ms per step (all its threads: main, gloo workers)."""
     dist.barrier()
     start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps):
         run_step()
+    dist.barrier()
     cpu = time.process_time() - cpu_start
     return 1e3 * _slowest(time.perf_counter() - start) / steps, 1e3 * cpu / steps
+
+
+class StaleReference:
+    """The plain loop with TrainPipelineSemiSync's staleness (start_batch 0): batch i+1's
+    embeddings are looked up after batch i's forward and before its backward, so without batch
+    i's sparse update; the dense model trains on a detached copy whose gradient then runs the
+    embeddings' backward."""
+
+    def __init__(self, model: DistributedModelParallel, optimizer: Any, batches: Iterator[Batch]) -> None:
+        self._model, self._optimizer, self._batches = model, optimizer, batches
+        self._ebc = model.module.ebc
+        self._next: Optional[Tuple[Batch, KeyedTensor]] = None
+
+    def _lookup(self) -> Tuple[Batch, KeyedTensor]:
+        batch = next(self._batches)
+        return batch, self._ebc(batch.sparse_features).wait()
+
+    def step(self) -> float:
+        batch, embeddings = self._next or self._lookup()
+        leaf = embeddings.values().detach().requires_grad_()
+        detached = KeyedTensor(embeddings.keys(), embeddings.length_per_key(), leaf)
+        self._optimizer.zero_grad()
+        self._ebc.forward = lambda *_: detached
+        try:
+            loss, _ = self._model(batch)
+        finally:
+            del self._ebc.forward
+        self._next = self._lookup()
+        loss.backward()
+        embeddings.values().backward(leaf.grad)
+        self._optimizer.step()
+        return loss.item()
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
@@ -198,9 +239,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     plain_model, plain_opt = _build(args, world_size)
     piped_model, piped_opt = _build(args, world_size)
     pipeline = TrainPipelineSparseDist(piped_model, piped_opt, torch.device("cpu"))
+    semi_model, semi_opt = _build(args, world_size)
+    semi_sync = TrainPipelineSemiSync(semi_model, semi_opt, torch.device("cpu"), start_batch=0)
+    stale_model, stale_opt = _build(args, world_size)
+    stale = StaleReference(stale_model, stale_opt, itertools.cycle(pool))
     plain_iter: Iterator[Batch] = itertools.cycle(pool)
     piped_iter: Iterator[Batch] = itertools.cycle(pool)
-    losses: Dict[str, List[float]] = {"plain": [], "pipelined": []}
+    semi_iter: Iterator[Batch] = itertools.cycle(pool)
+    losses: Dict[str, List[float]] = {k: [] for k in LOOPS}
 
     def plain_step() -> None:
         batch = next(plain_iter)
@@ -214,24 +260,34 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         loss, _ = pipeline.progress(piped_iter)
         losses["pipelined"].append(loss.item())
 
+    def semi_step() -> None:
+        loss, _ = semi_sync.progress(semi_iter)
+        losses["semi_sync"].append(loss.item())
+
+    def stale_step() -> None:
+        losses["semi_sync_reference"].append(stale.step())
+
     ebc = plain_model.module.ebc
 
     def input_dist() -> None:
         ebc.input_dist(ebc.create_context(), pool[0].sparse_features).wait().wait()
 
+    steps = {"plain": plain_step, "pipelined": piped_step, "semi_sync": semi_step,
+             "semi_sync_reference": stale_step}
     for _ in range(args.warmup):
-        plain_step()
-        piped_step()
+        for step_fn in steps.values():
+            step_fn()
         input_dist()
     clock = _CommClock(ebc)
     waits = CollectiveWaitClock()
-    wall: Dict[str, List[float]] = {"plain": [], "pipelined": [], "input_dist": []}
-    cpu: Dict[str, List[float]] = {"plain": [], "pipelined": [], "input_dist": []}
-    wait: Dict[str, List[WaitTimes]] = {"plain": [], "pipelined": [], "input_dist": []}
+    wall: Dict[str, List[float]] = {k: [] for k in [*LOOPS, "input_dist"]}
+    cpu: Dict[str, List[float]] = {k: [] for k in wall}
+    wait: Dict[str, List[WaitTimes]] = {k: [] for k in wall}
     comm_ms: List[float] = []
     for block in range(args.blocks):
-        order = [("plain", plain_step), ("pipelined", piped_step)]
-        for name, step_fn in (order if block % 2 == 0 else order[::-1]) + [("input_dist", input_dist)]:
+        shift = block % len(LOOPS)
+        order = [(k, steps[k]) for k in LOOPS[shift:] + LOOPS[:shift]]
+        for name, step_fn in order + [("input_dist", input_dist)]:
             clock.ms = 0.0
             waits.take()
             block_wall, block_cpu = _time_block(step_fn, args.steps)
@@ -241,9 +297,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             if name == "plain":
                 comm_ms.append(clock.ms / args.steps)
     waits.close()
-    plain, piped, in_dist = (statistics.median(wall[k]) for k in ("plain", "pipelined", "input_dist"))
+    plain, piped, semi, ref, in_dist = (statistics.median(wall[k]) for k in [*LOOPS, "input_dist"])
     in_step_comm = statistics.median(comm_ms)
-    paired = statistics.median(p / q for p, q in zip(wall["pipelined"], wall["plain"]))
+
+    def paired(name: str) -> float:
+        return round(statistics.median(p / q for p, q in zip(wall[name], wall["plain"])), 3)
+
     ids = sum(b.sparse_features.values().numel() for b in pool) / len(pool)
     return {
         "bench": "train_pipeline", "link": link_label(), "world_size": world_size,
@@ -252,22 +311,25 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "features": args.features, "mean_pooling": args.pooling, "dim": args.dim,
         "ids_per_rank_per_batch": int(ids), "steps_per_block": args.steps, "blocks": args.blocks,
         "plain_ms": round(plain, 3), "pipelined_ms": round(piped, 3),
+        "semi_sync_ms": round(semi, 3), "semi_sync_reference_ms": round(ref, 3),
         "pipelined_over_plain": round(piped / plain, 3),
-        "pipelined_over_plain_paired": round(paired, 3),
-        "plain_samples_per_s": round(world_size * args.batch_size * 1e3 / plain),
-        "pipelined_samples_per_s": round(world_size * args.batch_size * 1e3 / piped),
+        "pipelined_over_plain_paired": paired("pipelined"),
+        "semi_sync_over_plain": round(semi / plain, 3),
+        "semi_sync_over_plain_paired": paired("semi_sync"),
+        **{f"{k}_samples_per_s": round(world_size * args.batch_size * 1e3 / statistics.median(wall[k]))
+           for k in LOOPS},
         "losses_identical": losses["plain"] == losses["pipelined"],
+        "semi_sync_losses_identical": losses["semi_sync"] == losses["semi_sync_reference"],
         "steps_compared": len(losses["plain"]),
-        "plain_wait_share": _median_shares(wait["plain"], wall["plain"]),
-        "pipelined_wait_share": _median_shares(wait["pipelined"], wall["pipelined"]),
-        "plain_cpu_ms": round(statistics.median(cpu["plain"]), 3),
-        "pipelined_cpu_ms": round(statistics.median(cpu["pipelined"]), 3),
+        **{f"{k}_wait_share": _median_shares(wait[k], wall[k]) for k in LOOPS},
+        **{f"{k}_cpu_ms": round(statistics.median(cpu[k]), 3) for k in LOOPS},
         "input_dist_ms": round(in_dist, 3), "input_dist_fraction": round(in_dist / plain, 3),
         "plain_forward_all_to_all_ms": round(in_step_comm, 3),
         "plain_forward_all_to_all_fraction": round(in_step_comm / plain, 3),
         "pipelined_modules": pipeline.pipelined_modules,
         "plain_ms_blocks": [round(x, 2) for x in wall["plain"]],
         "pipelined_ms_blocks": [round(x, 2) for x in wall["pipelined"]],
+        "semi_sync_ms_blocks": [round(x, 2) for x in wall["semi_sync"]],
         "load_average_1min": round(os.getloadavg()[0], 2), "cpu_count": os.cpu_count(),
     }
 

@@ -76,6 +76,12 @@ class NoOpQuantizedCommCodec:
         """(local dim after padding, padding added): casts never pad."""
         return input_tensor.size(1) if input_tensor.dim() == 2 else input_tensor.numel(), 0
 
+    def cast_to(self, dtype: torch.dtype) -> Optional[torch.dtype]:
+        """The wire dtype of a `dtype` tensor when encode and decode are plain casts (None
+        otherwise): a collective may then cast inside the copies it makes anyway, instead of in
+        passes of their own. This codec sends tensors as they are."""
+        return dtype
+
 
 class CastCommCodec(NoOpQuantizedCommCodec):
     """Sends tensors cast to a narrower float dtype; decodes back to `output_dtype`.
@@ -104,6 +110,10 @@ class CastCommCodec(NoOpQuantizedCommCodec):
         if self._loss_scale is not None:
             output = output / self._loss_scale
         return output
+
+    def cast_to(self, dtype: torch.dtype) -> Optional[torch.dtype]:
+        plain = self._loss_scale is None and dtype == self._output_dtype
+        return self._dtype if plain else None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(loss_scale={self._loss_scale})"
@@ -195,6 +205,15 @@ def get_qcomm_codecs_registry(
     ):
         return None
     return {op.name: get_qcomm_codecs(qcomms_config) for op in comm_ops or list(CommOp)}
+
+
+def cast_dtype(codec: Optional[QuantizedCommCodec], dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The dtype a tensor of `dtype` travels in when `codec` (None: no codec) only casts it; None
+    when the codec does more (scales, quantizes) or is not one of recshard's."""
+    if codec is None:
+        return dtype
+    cast_to = getattr(codec, "cast_to", None)
+    return cast_to(dtype) if cast_to is not None else None
 
 
 def codecs_from_registry(

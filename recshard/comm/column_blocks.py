@@ -57,28 +57,42 @@ def _chunk_views(flat: torch.Tensor, rows: int, chunk_widths: Sequence[int]) -> 
     return [flat[start:start + rows * w].view(rows, w) for start, w in zip(offsets, chunk_widths)]
 
 
+def columns_from_chunks(flat: torch.Tensor, rows: int, chunk_widths: Sequence[int],
+                        blocks: Sequence[Block], dtype: torch.dtype) -> torch.Tensor:
+    """`[rows, sum(chunk_widths)]` of `dtype` from the chunks in `flat`, one copy per block
+    (a copy that also casts when `flat` is of another dtype: a cast codec's decode for free)."""
+    chunks = _chunk_views(flat, rows, chunk_widths)
+    out = flat.new_empty(rows, sum(chunk_widths), dtype=dtype)
+    column = 0
+    for c, start, width in blocks:
+        out[:, column:column + width].copy_(chunks[c][:, start:start + width])
+        column += width
+    return out
+
+
+def chunks_from_columns(columns: torch.Tensor, chunk_widths: Sequence[int], blocks: Sequence[Block],
+                        dtype: torch.dtype) -> torch.Tensor:
+    """The transpose of `columns_from_chunks`: a flat buffer of `dtype` holding the chunks (a
+    cast codec's encode happens in the same copy)."""
+    flat = columns.new_empty(columns.size(0) * sum(chunk_widths), dtype=dtype)
+    chunks = _chunk_views(flat, columns.size(0), chunk_widths)
+    column = 0
+    for c, start, width in blocks:
+        chunks[c][:, start:start + width].copy_(columns[:, column:column + width])
+        column += width
+    return flat
+
+
 class _ChunksToColumns(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat: torch.Tensor, rows: int, chunk_widths: Sequence[int],  # noqa: ANN001
                 blocks: Sequence[Block]) -> torch.Tensor:
-        ctx.rows, ctx.chunk_widths, ctx.blocks, ctx.numel = rows, chunk_widths, blocks, flat.numel()
-        chunks = _chunk_views(flat, rows, chunk_widths)
-        out = flat.new_empty(rows, sum(chunk_widths))
-        column = 0
-        for c, start, width in blocks:
-            out[:, column:column + width].copy_(chunks[c][:, start:start + width])
-            column += width
-        return out
+        ctx.chunk_widths, ctx.blocks = chunk_widths, blocks
+        return columns_from_chunks(flat, rows, chunk_widths, blocks, flat.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        grad_flat = grad.new_empty(ctx.numel)
-        chunks = _chunk_views(grad_flat, ctx.rows, ctx.chunk_widths)
-        column = 0
-        for c, start, width in ctx.blocks:
-            chunks[c][:, start:start + width].copy_(grad[:, column:column + width])
-            column += width
-        return grad_flat, None, None, None
+        return chunks_from_columns(grad, ctx.chunk_widths, ctx.blocks, grad.dtype), None, None, None
 
 
 def chunks_to_columns(flat: torch.Tensor, rows: int, chunk_widths: Sequence[int],

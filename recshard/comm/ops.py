@@ -14,9 +14,23 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from recshard.comm.codecs import QuantizedCommCodecs
-from recshard.comm.column_blocks import Block, chunks_to_columns, whole_chunks
-from recshard.comm.request import AllGatherV, AllToAllV, CommRequest, ReduceScatterV
+from recshard.comm.codecs import QuantizedCommCodecs, cast_dtype
+from recshard.comm.column_blocks import (
+    Block,
+    chunks_from_columns,
+    chunks_to_columns,
+    columns_from_chunks,
+    whole_chunks,
+)
+from recshard.comm.request import (
+    AllGatherV,
+    AllToAllV,
+    CommRequest,
+    Pending,
+    ReduceScatterV,
+    decode,
+    issue_all_to_all,
+)
 from recshard.sparse.jagged_ops import asynchronous_complete_cumsum, expand_into_jagged_permute
 from recshard.types import Awaitable, NoWait
 
@@ -79,12 +93,49 @@ def alltoall_pooled(
     b_local = batch_size_per_rank[rank]
     input_splits = [b * x.size(1) for b in batch_size_per_rank]
     output_splits = [b_local * d for d in dim_sum_per_rank]
+    a2a = PooledAllToAll(pg, input_splits, output_splits, codecs, b_local, dim_sum_per_rank, blocks)
+    return CommRequest(a2a, x.reshape(-1))
 
-    def to_columns(flat: torch.Tensor) -> torch.Tensor:
-        return chunks_to_columns(flat, b_local, dim_sum_per_rank, blocks)
 
-    a2a = AllToAllV(pg, input_splits, output_splits, codecs, name="alltoall_pooled")
-    return CommRequest(a2a, x.reshape(-1), to_columns)
+class PooledAllToAll(AllToAllV):
+    """`alltoall_pooled`'s collective, laying out the `[B_local, D]` columns as it decodes.
+
+    Forward copies each received chunk's blocks into the output columns, casting as it copies
+    when the codec only casts (fp16/bf16 without loss scale): one pass instead of decode, then
+    layout. Backward packs the gradient's columns into the send buffer, casting as it packs: one
+    pass instead of layout, then encode. Other codecs encode and decode around plain copies.
+    """
+
+    def __init__(self, pg: dist.ProcessGroup, input_splits: List[int], output_splits: List[int],
+                 codecs: Optional[QuantizedCommCodecs], rows: int, chunk_widths: Sequence[int],
+                 blocks: Sequence[Block]) -> None:
+        super().__init__(pg, input_splits, output_splits, codecs, name="alltoall_pooled")
+        self.rows, self.chunk_widths, self.blocks = rows, list(chunk_widths), list(blocks)
+        self.dtype = torch.float32  # the embeddings' dtype, set by forward
+
+    def forward(self, x: torch.Tensor) -> Pending:
+        self.dtype = x.dtype
+        codec = self.codecs.forward if self.codecs else None
+        fused = cast_dtype(codec, x.dtype) is not None
+
+        def read(wire: torch.Tensor) -> torch.Tensor:
+            flat = wire if fused else decode(wire, codec, x.dtype)
+            return columns_from_chunks(flat, self.rows, self.chunk_widths, self.blocks, x.dtype)
+
+        return issue_all_to_all(x, self.input_splits, self.output_splits, self.pg, codec,
+                                self.name, read)
+
+    def backward(self, grad: torch.Tensor) -> Pending:
+        codec = self.codecs.backward if self.codecs else None
+        wire_dtype = cast_dtype(codec, grad.dtype)
+        if wire_dtype is None:  # encode and decode of their own, around plain copies
+            flat = chunks_from_columns(grad, self.chunk_widths, self.blocks, grad.dtype)
+            return issue_all_to_all(flat, self.output_splits, self.input_splits, self.pg, codec,
+                                    self.name + "_bwd", lambda wire: decode(wire, codec, self.dtype))
+        # packed in the wire dtype already: the cast codec's encode then returns it as it is
+        wire = chunks_from_columns(grad, self.chunk_widths, self.blocks, wire_dtype)
+        return issue_all_to_all(wire, self.output_splits, self.input_splits, self.pg, codec,
+                                self.name + "_bwd", lambda received: received.to(self.dtype))
 
 
 def variable_batch_alltoall_pooled(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -179,9 +179,10 @@ def _encode(x: torch.Tensor, codec: Optional[QuantizedCommCodec]) -> torch.Tenso
     return (x if codec is None else codec.encode(x)).contiguous()
 
 
-def _decode(
+def decode(
     x: torch.Tensor, codec: Optional[QuantizedCommCodec], dtype: torch.dtype
 ) -> torch.Tensor:
+    """What arrived on the wire, decoded by `codec` (None: sent as is) to `dtype`."""
     return (x if codec is None else codec.decode(x)).to(dtype)
 
 
@@ -196,9 +197,11 @@ def issue_all_to_all(
     pg: dist.ProcessGroup,
     codec: Optional[QuantizedCommCodec] = None,
     name: str = "all_to_all",
+    read: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> Pending:
     """Flat all-to-all-v: `x[1-D]` sends `input_splits[r]` elements to rank r; the result
-    holds `output_splits[r]` elements from each rank r, in rank order."""
+    holds `output_splits[r]` elements from each rank r, in rank order: `read(received)` of the
+    wire buffer, by default decoded to `x`'s dtype."""
     wire = _encode(x, codec)
     out = wire.new_empty(sum(_sizes(output_splits, codec)))
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
@@ -206,7 +209,8 @@ def issue_all_to_all(
         out, wire, _sizes(output_splits, codec), _sizes(input_splits, codec),
         group=pg, async_op=True,
     ))
-    return Pending([work], lambda: _decode(out, codec, x.dtype), name, "all_to_all_single", pg)
+    finish = (lambda: read(out)) if read is not None else (lambda: decode(out, codec, x.dtype))
+    return Pending([work], finish, name, "all_to_all_single", pg)
 
 
 def issue_reduce_scatter(
@@ -230,7 +234,7 @@ def issue_reduce_scatter(
         ))
         return Pending(
             [work],
-            lambda: _decode(received.view(world_size, -1).sum(0), codec, x.dtype),
+            lambda: decode(received.view(world_size, -1).sum(0), codec, x.dtype),
             name, "all_to_all_single", pg,
         )
     out = wire.new_empty(sizes[rank])
@@ -241,7 +245,7 @@ def issue_reduce_scatter(
         op = "reduce_scatter"
         work = _start(name, op, pg, lambda: dist.reduce_scatter(
             out, list(wire.split(sizes)), group=pg, async_op=True))
-    return Pending([work], lambda: _decode(out, codec, x.dtype), name, op, pg)
+    return Pending([work], lambda: decode(out, codec, x.dtype), name, op, pg)
 
 
 def issue_all_gather(
@@ -271,7 +275,7 @@ def issue_all_gather(
         work = _start(name, op, pg, lambda: dist.all_to_all_single(
             out, send, sizes, [wire.numel()] * world_size, group=pg, async_op=True
         ))
-    return Pending([work], lambda: _decode(out, codec, x.dtype), name, op, pg)
+    return Pending([work], lambda: decode(out, codec, x.dtype), name, op, pg)
 
 
 def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, pg: dist.ProcessGroup):
@@ -433,3 +437,26 @@ class CommRequest(Awaitable[torch.Tensor]):
         out = _Finish.apply(self._exchange, self._token)
         self._token = None
         return out if self._post is None else self._post(out)
+
+
+def backward_wait_nodes(tensors: Sequence[torch.Tensor]) -> List[torch.autograd.graph.Node]:
+    """The autograd nodes behind `tensors` that wait for a collective's backward transpose.
+
+    Each one runs after the node above it has issued the transposed collective; a pre-hook on
+    it runs while that collective is on the wire (the semi-sync pipeline issues its next
+    input dist there, so it queues behind the gradients). The walk stops at those nodes: what
+    lies below them is local compute.
+    """
+    found: List[torch.autograd.graph.Node] = []
+    seen = set()
+    todo = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if getattr(node, "_forward_cls", None) is _Issue:
+            found.append(node)
+            continue
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found

@@ -27,6 +27,7 @@ from recshard.distributed.train_pipeline import (
     TrainPipeline,
     TrainPipelineBase,
     TrainPipelineContext,
+    TrainPipelineSemiSync,
     TrainPipelineSparseDist,
 )
 from recshard.plan import manual as sharding_plan
@@ -51,6 +52,7 @@ __all__ = [
     "TrainPipeline",
     "TrainPipelineBase",
     "TrainPipelineContext",
+    "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
     "default_sharders",
     "get_module",

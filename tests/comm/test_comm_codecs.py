@@ -110,3 +110,23 @@ def test_registry_from_precision_name() -> None:
     assert codecs_from_registry(mixed, CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL) is None
     with pytest.raises(ValueError, match="unknown comm precision 'fp8'"):
         get_qcomm_codecs_registry("fp8")
+
+
+def _fused_vs_separate(rank: int, ws: int) -> Dict[str, bool]:
+    """The pooled all-to-all casts inside its layout copies for a cast-only codec; a loss scale
+    of 1.0 (exact) takes the path with encode / decode passes of their own: bit-identical."""
+    same = {}
+    for name, codec_type in (("fp16", FP16CommCodec), ("bf16", BF16CommCodec)):
+        fused = _run("a2a", QuantizedCommCodecs(codec_type(), codec_type()), rank, ws)
+        scaled = codec_type(loss_scale=1.0)
+        separate = _run("a2a", QuantizedCommCodecs(scaled, scaled), rank, ws)
+        same[name] = all(torch.equal(a, b) for a, b in zip(fused, separate))
+    return same
+
+
+def test_fused_cast_equals_separate_encode_decode() -> None:
+    assert FP16CommCodec().cast_to(torch.float32) == torch.float16
+    assert FP16CommCodec(loss_scale=1.0).cast_to(torch.float32) is None
+    assert NoOpQuantizedCommCodec().cast_to(torch.float64) == torch.float64
+    for result in run_ranks(3, _fused_vs_separate, timeout=90):
+        assert result == {"fp16": True, "bf16": True}

@@ -1,4 +1,5 @@
-"""A two-collection model, a Pipelineable batch and the plain loop the train pipeline must match."""
+"""A two-collection model, a Pipelineable batch, and the loops the train pipelines must match:
+the plain loop, and the semi-synchronous loop (embeddings looked up one step stale)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch.fx
 from dmp_cases import global_samples, make_optimizer
 from torch import nn
 
-from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import (
     construct_module_sharding_plan,
+    data_parallel,
     row_wise,
     table_wise,
 )
@@ -111,13 +113,15 @@ class TwoTowerModel(nn.Module):
         return loss, (loss.detach(), logits.detach(), batch.index)
 
 
-def build(world_size: int, computed_item_ids: bool = False) -> DistributedModelParallel:
-    """The same initial weights on every call (seeded); user: a table-wise + b row-wise,
-    item: c table-wise on the last rank; fused SGD tables."""
+def build(world_size: int, computed_item_ids: bool = False,
+          data_parallel_a: bool = False) -> DistributedModelParallel:
+    """The same initial weights on every call (seeded); user: a table-wise (or data-parallel)
+    + b row-wise, item: c table-wise on the last rank; fused SGD tables."""
     torch.manual_seed(0)
     model = TwoTowerModel(computed_item_ids)
+    a_plan = data_parallel() if data_parallel_a else table_wise(0)
     plan = ShardingPlan({
-        "user": construct_module_sharding_plan(model.user, {"ta": table_wise(0), "tb": row_wise()},
+        "user": construct_module_sharding_plan(model.user, {"ta": a_plan, "tb": row_wise()},
                                                world_size=world_size),
         "item": construct_module_sharding_plan(model.item, {"tc": table_wise(world_size - 1)},
                                                world_size=world_size),
@@ -138,6 +142,58 @@ def plain_loop(model: nn.Module, optimizer: Any, batches: List[Batch]) -> List[T
         loss, _ = model(batch)
         loss.backward()
         optimizer.step()
+        seen.append((loss.item(), batch.index))
+    return seen
+
+
+def _lookup(model: DistributedModelParallel, batch: Batch) -> Dict[str, KeyedTensor]:
+    """Both collections' embeddings of `batch` (with their autograd graphs), as the sharded
+    modules' ordinary forwards compute them now."""
+    inner = model.module
+    return {"user": inner.user(batch.sparse_features).wait(),
+            "item": inner.item(batch.idlist["item"]).wait()}
+
+
+def semi_sync_loop(model: DistributedModelParallel, optimizer: Any, batches: List[Batch],
+                   start_batch: int = 0, stash_gradients: bool = False) -> List[Tuple[float, int]]:
+    """The reference for TrainPipelineSemiSync, written as a plain loop: from batch `start_batch`
+    on, batch i+1's embeddings are looked up after batch i's forward and before its backward
+    (so without batch i's sparse update); the dense model trains on detached copies, whose
+    gradients then run the embeddings' backward. `stash_gradients`: the dense optimizer steps
+    on the previous batch's gradients (none at `start_batch`: no step)."""
+    seen: List[Tuple[float, int]] = []
+    stash: Dict[str, Any] = {}
+    looked_up = _lookup(model, batches[0]) if batches else {}
+    for i, batch in enumerate(batches):
+        embeddings = looked_up
+        leaves = {k: kt.values().detach().requires_grad_() for k, kt in embeddings.items()}
+        for k, kt in embeddings.items():
+            detached = KeyedTensor(kt.keys(), kt.length_per_key(), leaves[k])
+            getattr(model.module, k).forward = lambda *_, detached=detached: detached
+        optimizer.zero_grad()
+        try:
+            loss, _ = model(batch)
+        finally:
+            for k in embeddings:
+                del getattr(model.module, k).forward
+        stale = i >= start_batch
+        if stale and i + 1 < len(batches):
+            looked_up = _lookup(model, batches[i + 1])
+        loss.backward()
+        torch.autograd.backward([kt.values() for kt in embeddings.values()],
+                                [leaves[k].grad for k in embeddings])
+        skip_step = False
+        if stale and stash_gradients:
+            for name, param in model.named_parameters():
+                previous = stash.pop(name, None)
+                if param.grad is not None:
+                    stash[name] = param.grad.clone()
+                param.grad = previous
+            skip_step = i == start_batch
+        if not skip_step:
+            optimizer.step()
+        if not stale and i + 1 < len(batches):
+            looked_up = _lookup(model, batches[i + 1])
         seen.append((loss.item(), batch.index))
     return seen
 

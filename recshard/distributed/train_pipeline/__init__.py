@@ -1,7 +1,9 @@
 """Train pipelines: overlap the input dist and device copy of the next batches with this step.
 
 `TrainPipelineSparseDist` (and its eval twin `EvalPipelineSparseDist`) start batch i+1's input
-dist and batch i+2's copy while batch i runs; `TrainPipelineBase` overlaps only the copy.
+dist and batch i+2's copy while batch i runs; `TrainPipelineBase` overlaps only the copy;
+`TrainPipelineSemiSync` also runs batch i+1's lookup and output dist during batch i's backward
+(one-step-stale embeddings).
 """
 
 from recshard.distributed.train_pipeline.pipelines import (
@@ -10,16 +12,27 @@ from recshard.distributed.train_pipeline.pipelines import (
     TrainPipelineBase,
     TrainPipelineSparseDist,
 )
+from recshard.distributed.train_pipeline.semi_sync import (
+    EmbeddingPipelinedForward,
+    TrainPipelineSemiSync,
+)
 from recshard.distributed.train_pipeline.tracing import ArgInfo, trace_sharded_inputs
-from recshard.distributed.train_pipeline.utils import PipelinedForward, TrainPipelineContext
+from recshard.distributed.train_pipeline.utils import (
+    EmbeddingTrainPipelineContext,
+    PipelinedForward,
+    TrainPipelineContext,
+)
 
 __all__ = [
     "ArgInfo",
+    "EmbeddingPipelinedForward",
+    "EmbeddingTrainPipelineContext",
     "EvalPipelineSparseDist",
     "PipelinedForward",
     "TrainPipeline",
     "TrainPipelineBase",
     "TrainPipelineContext",
+    "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
     "trace_sharded_inputs",
 ]

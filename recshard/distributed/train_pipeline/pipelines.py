@@ -40,7 +40,19 @@ import abc
 import contextlib
 import logging
 from collections import deque
-from typing import Any, Deque, Dict, Generic, Iterator, List, Optional, Tuple, TypeVar
+from typing import (
+    Any,
+    Callable,
+    Deque,
+    Dict,
+    Generic,
+    Iterator,
+    List,
+    Optional,
+    Tuple,
+    Type,
+    TypeVar,
+)
 
 import torch
 import torch.distributed as dist
@@ -114,8 +126,10 @@ class _BatchQueue:
     """
 
     def __init__(self, device: torch.device, memcpy_stream: Optional[torch.cuda.Stream],
-                 vote: BatchVote) -> None:
+                 vote: BatchVote, context_type: Type[TrainPipelineContext] = TrainPipelineContext,
+                 ) -> None:
         self._device = device
+        self._context_type = context_type
         self._memcpy_stream = memcpy_stream
         self._vote = vote
         self.batches: Deque[Any] = deque()
@@ -145,7 +159,7 @@ class _BatchQueue:
             with stream_context(self._memcpy_stream):
                 batch = to_device(batch, self._device, non_blocking=True)
         self.batches.append(batch)
-        self.contexts.append(TrainPipelineContext(index=self._fetched, has_batch=vote))
+        self.contexts.append(self._context_type(index=self._fetched, has_batch=vote))
         self._fetched += 1
         return True
 
@@ -230,6 +244,8 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
     """
 
     _run_backward = True
+    _pipelined_forward_type: Type[PipelinedForward] = PipelinedForward
+    _context_type: Type[TrainPipelineContext] = TrainPipelineContext
 
     def __init__(
         self,
@@ -241,6 +257,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         strict: bool = False,
     ) -> None:
         self._model = model
+        self._model_fwd: Callable[[Any], Any] = model  # what a step calls on the batch
         self._optimizer = optimizer
         self._device = torch.device(device)
         self._execute_all_batches = execute_all_batches
@@ -251,13 +268,15 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         self._slot = ForwardSlot()
         self._specs, self.unpipelined_modules = self._find_pipelined_modules(strict)
         self._forwards: Dict[str, PipelinedForward] = {
-            spec.name: PipelinedForward(spec.name, spec.module, self._slot, self._data_dist_stream)
+            spec.name: self._pipelined_forward_type(spec.name, spec.module, self._slot,
+                                                    self._data_dist_stream)
             for spec in self._specs
         }
         self._originals: Dict[str, Any] = {
             spec.name: spec.module.__dict__.get("forward") for spec in self._specs
         }
-        self._queue = _BatchQueue(self._device, self._memcpy_stream, BatchVote(_process_group(model)))
+        self._queue = _BatchQueue(self._device, self._memcpy_stream,
+                                  BatchVote(_process_group(model)), self._context_type)
         warn_if_default_timeout(_process_group(model))
 
     # ---------------------------------------------------------------- model rewrite
@@ -355,7 +374,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         self._slot.context = context
         try:
             with contextlib.nullcontext() if training else torch.no_grad():
-                return _split_result(self._model(batch))
+                return _split_result(self._model_fwd(batch))
         finally:
             self._slot.context = None
 

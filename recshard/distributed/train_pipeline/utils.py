@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, Optional
+from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,22 @@ class TrainPipelineContext:
         record_stream(self.module_contexts, stream)
 
 
+@dataclass
+class EmbeddingTrainPipelineContext(TrainPipelineContext):
+    """A batch in `TrainPipelineSemiSync`: its embedding lookups in flight, then what they gave.
+
+    `embedding_requests[name]`: module `name`'s `compute_and_output_dist` (lookup done, output
+    dist in flight). After the batch's forward: `embedding_tensors` (the embeddings, joined to
+    the lookup's autograd graph) and `detached_embedding_tensors` (the leaves the dense model
+    used, which collect the gradients for the embedding backward), one list entry per module.
+    """
+
+    embedding_requests: Dict[str, Any] = field(default_factory=dict)
+    embedding_tensors: List[List[torch.Tensor]] = field(default_factory=list)
+    detached_embedding_tensors: List[List[torch.Tensor]] = field(default_factory=list)
+    lookup_started: bool = False
+
+
 class ForwardSlot:
     """Which batch's forward the pipeline is running now (None outside the pipeline)."""
 
@@ -131,17 +147,25 @@ class PipelinedForward:
         if ctx is None or (self._name not in ctx.tensors_requests
                            and self._name not in ctx.splits_requests):
             return type(self._module).forward(self._module, *args, **kwargs)
-        with stream_context(self._stream):
-            if self._name in ctx.splits_requests:  # its tensors exchange was not started yet
-                ctx.tensors_requests[self._name] = ctx.splits_requests.pop(self._name).wait()
-            data = ctx.tensors_requests.pop(self._name).wait()
-        module_ctx = ctx.module_contexts[self._name]
-        if self._stream is not None:
-            current = torch.cuda.current_stream(self._stream.device)
-            current.wait_stream(self._stream)
-            record_stream(data, current)
-            record_stream(module_ctx, current)
+        data, module_ctx = take_routed_input(ctx, self._name, self._stream)
         return self._module.compute_and_output_dist(module_ctx, data)
+
+
+def take_routed_input(ctx: TrainPipelineContext, name: str,
+                      stream: Optional[torch.cuda.Stream]) -> Tuple[Any, Any]:
+    """Finish module `name`'s input dist of one batch (waiting on the data-dist `stream`) and
+    hand what it routed, with the module's context, to the current stream."""
+    with stream_context(stream):
+        if name in ctx.splits_requests:  # its tensors exchange was not started yet
+            ctx.tensors_requests[name] = ctx.splits_requests.pop(name).wait()
+        data = ctx.tensors_requests.pop(name).wait()
+    module_ctx = ctx.module_contexts[name]
+    if stream is not None:
+        current = torch.cuda.current_stream(stream.device)
+        current.wait_stream(stream)
+        record_stream(data, current)
+        record_stream(module_ctx, current)
+    return data, module_ctx
 
 
 # ----------------------------------------------------------------------------- uneven data
