@@ -4,7 +4,7 @@ A pooled all-to-all receives one `[B, D_r]` chunk per rank, one after another in
 buffer; the sharded module wants the columns in its own key order. `chunks_to_columns`
 goes from the flat buffer straight to that order: each output block is copied once from its
 chunk, and backward copies each block of the gradient once back into a flat buffer shaped
-like the input. (A `cat` of the chunks followed by a block permute copies twice each way,
+like the input. Both buffers are reused across steps (`recshard.comm.buffers`). (A `cat` of the chunks followed by a block permute copies twice each way,
 and the split that cuts the flat buffer into chunks adds a third copy in backward.)
 """
 
@@ -14,6 +14,8 @@ import itertools
 from typing import List, Sequence, Tuple
 
 import torch
+
+from recshard.comm import buffers
 
 Block = Tuple[int, int, int]  # (chunk, first column within the chunk, width)
 
@@ -63,7 +65,8 @@ class _ChunksToColumns(torch.autograd.Function):
                 blocks: Sequence[Block]) -> torch.Tensor:
         ctx.rows, ctx.chunk_widths, ctx.blocks, ctx.numel = rows, chunk_widths, blocks, flat.numel()
         chunks = _chunk_views(flat, rows, chunk_widths)
-        out = flat.new_empty(rows, sum(chunk_widths))
+        width = sum(chunk_widths)
+        out = buffers.take("columns", rows * width, flat.dtype, flat.device).view(rows, width)
         column = 0
         for c, start, width in blocks:
             out[:, column:column + width].copy_(chunks[c][:, start:start + width])
@@ -72,7 +75,7 @@ class _ChunksToColumns(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        grad_flat = grad.new_empty(ctx.numel)
+        grad_flat = buffers.take("columns_bwd", ctx.numel, grad.dtype, grad.device)
         chunks = _chunk_views(grad_flat, ctx.rows, ctx.chunk_widths)
         column = 0
         for c, start, width in ctx.blocks:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from recshard.comm import buffers
 from recshard.comm.codecs import QuantizedCommCodec
 from recshard.types import Awaitable
 
@@ -200,7 +201,7 @@ def issue_all_to_all(
     """Flat all-to-all-v: `x[1-D]` sends `input_splits[r]` elements to rank r; the result
     holds `output_splits[r]` elements from each rank r, in rank order."""
     wire = _encode(x, codec)
-    out = wire.new_empty(sum(_sizes(output_splits, codec)))
+    out = buffers.take(name, sum(_sizes(output_splits, codec)), wire.dtype, wire.device)
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
     work = _start(name, "all_to_all_single", pg, lambda: dist.all_to_all_single(
         out, wire, _sizes(output_splits, codec), _sizes(input_splits, codec),
@@ -224,7 +225,7 @@ def issue_reduce_scatter(
     sizes = _sizes(input_splits, codec)
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
     if not _native_reduce_scatter(x.device):
-        received = wire.new_empty(sizes[rank] * world_size)
+        received = buffers.take(name, sizes[rank] * world_size, wire.dtype, wire.device)
         work = _start(name, "all_to_all_single", pg, lambda: dist.all_to_all_single(
             received, wire, [sizes[rank]] * world_size, sizes, group=pg, async_op=True
         ))
@@ -233,7 +234,7 @@ def issue_reduce_scatter(
             lambda: _decode(received.view(world_size, -1).sum(0), codec, x.dtype),
             name, "all_to_all_single", pg,
         )
-    out = wire.new_empty(sizes[rank])
+    out = buffers.take(name, sizes[rank], wire.dtype, wire.device)
     if len(set(sizes)) == 1:
         op = "reduce_scatter_tensor"
         work = _start(name, op, pg, lambda: _reduce_scatter_single(out, wire, pg))
@@ -257,7 +258,7 @@ def issue_all_gather(
     world_size = dist.get_world_size(pg)
     wire = _encode(x, codec)
     sizes = _sizes(output_splits, codec)
-    out = wire.new_empty(sum(sizes))
+    out = buffers.take(name, sum(sizes), wire.dtype, wire.device)
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
     if len(set(sizes)) == 1:
         op = "all_gather_into_tensor"
