@@ -4,6 +4,7 @@
     python -m benchmarks.ebc --types table_wise,row_wise --steps 50
     python -m benchmarks.ebc --quick                # tiny sizes (smoke test)
     python -m benchmarks.ebc --link 1gbit --types table_wise,table_wise_fp16,table_wise_bf16
+    python -m benchmarks.ebc --compare-torchrec /tmp/torchrec-venv   # side by side with TorchRec
     torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint host0:29500 \
         -m benchmarks.ebc --types row_wise,table_row_wise   # the launched ranks, on 2 hosts
 
@@ -24,28 +25,41 @@ torch.profiler view of one table-wise step on rank 0. Every line on stdout is on
 `--link RATE` re-runs everything on a loopback shaped to RATE (`benchmarks/link.py`; every line
 gets `link`); `wait_share` is rank 0's time blocked in collective waits over its step time, by
 kind. `table_wise_fp16` / `table_wise_bf16` send the pooled all-to-all (both ways) in that dtype.
+`--compare-torchrec VENV` runs `benchmarks/compare_torchrec.py` instead (`--steps`, `--warmup`,
+`--repeats`, `--quick` passed on): recshard and TorchRec side by side, the ratio, the floor.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import resource
-import socket
 import statistics
+import subprocess
+import sys
 import time
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks.ebc_workload import (
+    LEARNING_RATE,
+    QUICK,
+    Sizes,
+    balanced_ranks,
+    batch_tensors,
+    contiguous_ranks,
+    pooling_factors,
+    table_rows,
+)
 from benchmarks.link import CollectiveWaitClock, add_link_argument, link_label, relaunch_under_link
+from benchmarks.ranks import launched_ranks, minor_faults, run_ranks, timed_steps, warm_up
 from benchmarks.step_profile import profile_steps
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.comm.codecs import get_qcomm_codecs_registry
@@ -65,12 +79,6 @@ from recshard.modules.embedding_configs import PoolingType
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from recshard.types import EmbeddingComputeKernel, ShardingEnv
 
-# Distinct values per categorical column of the Criteo Kaggle data (26 sparse features).
-CRITEO_KAGGLE_ROWS = [
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
-]
-LEARNING_RATE = 0.01
 SHARDING_TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise"]
 # name -> (sharding type, compute kernel); "<type>_dense" is the dense kernel + torch SGD.
 # "table_wise_in_order" (diagnostic, not run by default) places tables on ranks in contiguous
@@ -92,78 +100,26 @@ DEFAULT_TYPES = SHARDING_TYPES + ["data_parallel", "table_wise_dense"]
 BASELINE = "table_wise"
 
 
-@dataclass(frozen=True)
-class Sizes:
-    """Problem sizes: the sharded step, then the single-process kernel comparison."""
-
-    row_cap: int = 200_000
-    dim: int = 64
-    batch: int = 2048  # per rank
-    max_pooling: int = 20
-    kernel_tables: int = 8
-    kernel_rows: int = 100_000
-    kernel_batch: int = 2048
-    kernel_pooling: int = 20
-
-
-QUICK = Sizes(row_cap=1000, dim=16, batch=64, max_pooling=4, kernel_tables=2, kernel_rows=1000,
-              kernel_batch=64, kernel_pooling=4)
-
-
 # ----------------------------------------------------------------------------- work
 
 
 def criteo_tables(sizes: Sizes) -> List[EmbeddingBagConfig]:
     """26 tables `t<i>`, each read by one feature `cat_<i>`, rows capped at `sizes.row_cap`."""
     return [
-        EmbeddingBagConfig(num_embeddings=min(rows, sizes.row_cap), embedding_dim=sizes.dim,
-                           name=f"t{i}", feature_names=[f"cat_{i}"])
-        for i, rows in enumerate(CRITEO_KAGGLE_ROWS)
+        EmbeddingBagConfig(num_embeddings=rows, embedding_dim=sizes.dim, name=f"t{i}",
+                           feature_names=[f"cat_{i}"])
+        for i, rows in enumerate(table_rows(sizes))
     ]
-
-
-def pooling_factors(num_tables: int, max_pooling: int) -> List[int]:
-    """Ids per bag of each table, fixed (seed 0): the same on every rank and every step."""
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(1, max_pooling + 1, (num_tables,), generator=g).tolist()
 
 
 def make_batches(
     tables: List[EmbeddingBagConfig], pooling: List[int], batch: int, seed: int, count: int
 ) -> List[KeyedJaggedTensor]:
     """`count` KJTs of `batch` samples: table t's bags hold `pooling[t]` uniform ids."""
-    g = torch.Generator().manual_seed(seed)
     keys = [f for t in tables for f in t.feature_names]
-    lengths = torch.tensor(pooling, dtype=torch.int32).repeat_interleave(batch)
-    batches = []
-    for _ in range(count):
-        values = torch.cat([
-            torch.randint(0, t.num_embeddings, (p * batch,), generator=g)
-            for t, p in zip(tables, pooling)
-        ])
-        batches.append(KeyedJaggedTensor.from_lengths_sync(keys, values, lengths, stride=batch))
-    return batches
-
-
-def balanced_ranks(pooling: List[int], world_size: int) -> List[int]:
-    """Table-wise placement: heaviest tables first, each onto the rank with fewest lookups."""
-    load = [0] * world_size
-    ranks = [0] * len(pooling)
-    for t in sorted(range(len(pooling)), key=lambda t: -pooling[t]):
-        rank = min(range(world_size), key=lambda r: load[r])
-        ranks[t] = rank
-        load[rank] += pooling[t]
-    return ranks
-
-
-def contiguous_ranks(pooling: List[int], world_size: int) -> List[int]:
-    """Table-wise placement in table order: rank r takes the r-th run of tables, runs cut
-    where the running lookup count crosses r / world_size of the total."""
-    total, running, ranks = sum(pooling), 0, []
-    for p in pooling:
-        ranks.append(min(world_size - 1, int(world_size * (running + p / 2) / total)))
-        running += p
-    return ranks
+    return [KeyedJaggedTensor.from_lengths_sync(keys, values, lengths, stride=batch)
+            for values, lengths in batch_tensors([t.num_embeddings for t in tables], pooling,
+                                                 batch, seed, count)]
 
 
 def per_table_plan(
@@ -261,20 +217,16 @@ def measure(name: str, sizes: Sizes, args: argparse.Namespace, profile: bool) ->
     pooling = pooling_factors(len(tables), sizes.max_pooling)
     batches = make_batches(tables, pooling, sizes.batch, seed=1 + rank, count=args.batches)
     trainee = build(name, tables, pooling, sizes.batch, args.inter_host_gbps)
-    for i in range(args.warmup):
-        train_step(trainee, batches[i % len(batches)])
-    dist.barrier()
+    warm_up(lambda i: train_step(trainee, batches[i % len(batches)]), args.warmup)
     if profile:
         return {"profile": profile_steps(name, trainee, batches, args.profile_steps)}
     rss_start = rss_mb()
-    times = []
     waits = CollectiveWaitClock()
-    for i in range(args.steps):
-        start = time.perf_counter()
-        train_step(trainee, batches[i % len(batches)])
-        times.append(time.perf_counter() - start)
+    faults = minor_faults()
+    times = timed_steps(lambda i: train_step(trainee, batches[i % len(batches)]), args.steps)
+    faults = minor_faults() - faults
     waits.close()
-    return {"times": times, "waits": waits.take(), "rss_start_mb": rss_start, "rss_end_mb": rss_mb(),
+    return {"times": times, "waits": waits.take(), "faults_per_step": faults / args.steps, "rss_start_mb": rss_start, "rss_end_mb": rss_mb(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -424,79 +376,6 @@ def bench_kernels(sizes: Sizes, args: argparse.Namespace) -> None:
                   torch_threads=torch.get_num_threads()))
 
 
-# ----------------------------------------------------------------------------- processes
-
-# Ranks fork from a server that has imported torch, fbgemm and recshard once, so a fresh
-# group starts in about a second. Every (configuration, repeat) runs in fresh processes:
-# whatever a run leaves in memory (see `rss_growth_mb_per_step`) cannot pile up.
-_PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "recshard"]
-
-
-def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace,
-               fn: Callable[..., Any], fn_args: tuple, queue: Any) -> None:
-    torch.set_num_threads(args.threads)
-    if args.pin and hasattr(os, "sched_setaffinity"):
-        cpus = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=args.timeout))
-        queue.put((rank, True, fn(*fn_args)))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_ranks(world_size: int, args: argparse.Namespace, fn: Callable[..., Any],
-              *fn_args: Any) -> List[Any]:
-    """`fn(*fn_args)` on `world_size` fresh gloo ranks; their results in rank order."""
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)
-    queue = context.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [context.Process(target=_rank_main, daemon=True,
-                             args=(rank, world_size, port, args, fn, fn_args, queue))
-             for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    results: Dict[int, Any] = {}
-    deadline = time.monotonic() + args.timeout
-    try:
-        while len(results) < world_size:
-            try:
-                rank, ok, payload = queue.get(timeout=1.0)
-            except Exception:  # queue.Empty: is a rank gone (killed, e.g. out of memory)?
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    codes = {r: procs[r].exitcode for r in dead}
-                    raise RuntimeError(f"{fn.__name__}{fn_args[:1]}: ranks died or timed out "
-                                       f"(exit codes {codes})") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"{fn.__name__}{fn_args[:1]}: rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [results[r] for r in range(world_size)]
-
-
-def launched_ranks(world_size: int, args: argparse.Namespace, fn: Callable[..., Any],
-                   *fn_args: Any) -> List[Any]:
-    """Under torchrun: `fn(*fn_args)` on this rank of the launched group; every rank's
-    result in rank order (the same signature as `run_ranks`)."""
-    results: List[Any] = [None] * world_size
-    dist.all_gather_object(results, fn(*fn_args))
-    return results
-
-
 # ----------------------------------------------------------------------------- entry
 
 
@@ -535,6 +414,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="the planner configuration's inter-host bandwidth, Gbit/s "
                              "(default: the planner's, 25 GbE)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few steps (smoke test)")
+    parser.add_argument("--compare-torchrec", metavar="VENV", default=None,
+                        help="run benchmarks.compare_torchrec with this TorchRec venv instead")
     add_link_argument(parser)
     args = parser.parse_args(argv)
     defaults = (2, 1, 1) if args.quick else (30, 3, 3)
@@ -547,8 +428,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def compare_torchrec(args: argparse.Namespace) -> None:
+    """`python -m benchmarks.compare_torchrec --venv VENV` with this run's step counts."""
+    command = [sys.executable, "-m", "benchmarks.compare_torchrec", "--venv", args.compare_torchrec,
+               "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--repeats", str(args.repeats), *(["--quick"] if args.quick else [])]
+    status = subprocess.run(command, cwd=Path(__file__).resolve().parents[1]).returncode
+    if status:
+        raise SystemExit(status)
+
+
 def cli(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    if args.compare_torchrec is not None:
+        compare_torchrec(args)
+        return
     if relaunch_under_link("benchmarks.ebc", args.link, argv):
         return
     sizes = QUICK if args.quick else Sizes()

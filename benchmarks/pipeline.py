@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.ebc import CRITEO_KAGGLE_ROWS
+from benchmarks.ebc_workload import CRITEO_KAGGLE_ROWS
 from benchmarks.launch import run_on_ranks
 from benchmarks.link import (
     CollectiveWaitClock,

@@ -31,16 +31,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from benchmarks.ebc import (
-    CRITEO_KAGGLE_ROWS,
-    LEARNING_RATE,
-    Trainee,
-    emit,
-    pooling_factors,
-    rss_mb,
-    run_ranks,
-    train_step,
-)
+from benchmarks.ebc import Trainee, emit, rss_mb, train_step
+from benchmarks.ebc_workload import CRITEO_KAGGLE_ROWS, LEARNING_RATE, pooling_factors
+from benchmarks.ranks import run_ranks
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, TableMeta, Topology

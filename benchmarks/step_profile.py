@@ -1,7 +1,9 @@
 """torch.profiler over a few sharded training steps: time per phase (input dist, compute,
 output dist, loss, backward, optimizer) and the top ops, as one JSON-ready dict.
 
-`trainee` is any object with `module` (a sharded module) and `optimizer` (or None).
+`trainee` is any object with `module` (a sharded module: recshard's or TorchRec's, which share
+`create_context` / `input_dist` / `compute` / `output_dist`) and `optimizer` (or None). Plain
+torch on purpose: `benchmarks/torchrec_ebc.py.txt` profiles TorchRec's step with it too.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
-from recshard import KeyedJaggedTensor
-
 _PHASES = ["input_dist", "compute", "output_dist", "loss", "backward", "optimizer"]
+# op names of collectives (gloo's record functions, c10d's ops); their self time, summed
+_COLLECTIVE_WORDS = ("gloo", "all_to_all", "alltoall", "reduce_scatter", "all_gather", "allgather",
+                     "barrier", "wait")
 
 
-def _phased_step(trainee: Any, kjt: KeyedJaggedTensor) -> None:
+def _phased_step(trainee: Any, kjt: Any) -> None:
     """`train_step` with its phases labelled (ShardedModule.forward spelled out)."""
     from torch.profiler import record_function
 
@@ -38,10 +41,11 @@ def _phased_step(trainee: Any, kjt: KeyedJaggedTensor) -> None:
             trainee.optimizer.zero_grad(set_to_none=True)
 
 
-def profile_steps(name: str, trainee: Any, batches: List[KeyedJaggedTensor],
-                  steps: int) -> Optional[Dict[str, object]]:
+def profile_steps(name: str, trainee: Any, batches: List[Any], steps: int,
+                  top: int = 10) -> Optional[Dict[str, object]]:
     """torch.profiler over `steps` steps on rank 0 (the other ranks run them unprofiled):
-    phase times, then the top 10 ops by self CPU time, per step. None on other ranks."""
+    phase times, the collectives' self time, then the `top` ops by self CPU time, per step.
+    None on other ranks."""
     from torch.profiler import ProfilerActivity, profile
 
     if dist.get_rank() != 0:
@@ -65,9 +69,12 @@ def profile_steps(name: str, trainee: Any, batches: List[KeyedJaggedTensor],
                    for k in _PHASES if k in phases},
         phases_untraced_ms={k: round(phases[k].self_cpu_time_total * per_step_ms, 2)
                             for k in _PHASES if k in phases},
+        collectives_self_ms={e.key: round(e.self_cpu_time_total * per_step_ms, 2) for e in ops
+                             if any(w in e.key.lower() for w in _COLLECTIVE_WORDS)
+                             and e.self_cpu_time_total * per_step_ms >= 0.05},
         top_ops=[dict(op=e.key, self_ms=round(e.self_cpu_time_total * per_step_ms, 2),
                       self_pct=round(100 * e.self_cpu_time_total / wall_us, 1),
                       total_ms=round(e.cpu_time_total * per_step_ms, 2),
                       calls=round(e.count / steps, 1))
-                 for e in ops[:10]],
+                 for e in ops[:top]],
     )

@@ -4,7 +4,7 @@ A pooled all-to-all receives one `[B, D_r]` chunk per rank, one after another in
 buffer; the sharded module wants the columns in its own key order. `chunks_to_columns`
 goes from the flat buffer straight to that order: each output block is copied once from its
 chunk, and backward copies each block of the gradient once back into a flat buffer shaped
-like the input. (A `cat` of the chunks followed by a block permute copies twice each way,
+like the input. Both buffers are reused across steps (`recshard.comm.buffers`). (A `cat` of the chunks followed by a block permute copies twice each way,
 and the split that cuts the flat buffer into chunks adds a third copy in backward.)
 """
 
@@ -14,6 +14,8 @@ import itertools
 from typing import List, Sequence, Tuple
 
 import torch
+
+from recshard.comm import buffers
 
 Block = Tuple[int, int, int]  # (chunk, first column within the chunk, width)
 
@@ -62,7 +64,8 @@ def columns_from_chunks(flat: torch.Tensor, rows: int, chunk_widths: Sequence[in
     """`[rows, sum(chunk_widths)]` of `dtype` from the chunks in `flat`, one copy per block
     (a copy that also casts when `flat` is of another dtype: a cast codec's decode for free)."""
     chunks = _chunk_views(flat, rows, chunk_widths)
-    out = flat.new_empty(rows, sum(chunk_widths), dtype=dtype)
+    width = sum(chunk_widths)
+    out = buffers.take("columns", rows * width, dtype, flat.device).view(rows, width)
     column = 0
     for c, start, width in blocks:
         out[:, column:column + width].copy_(chunks[c][:, start:start + width])
@@ -74,7 +77,7 @@ def chunks_from_columns(columns: torch.Tensor, chunk_widths: Sequence[int], bloc
                         dtype: torch.dtype) -> torch.Tensor:
     """The transpose of `columns_from_chunks`: a flat buffer of `dtype` holding the chunks (a
     cast codec's encode happens in the same copy)."""
-    flat = columns.new_empty(columns.size(0) * sum(chunk_widths), dtype=dtype)
+    flat = buffers.take("columns_bwd", columns.size(0) * sum(chunk_widths), dtype, columns.device)
     chunks = _chunk_views(flat, columns.size(0), chunk_widths)
     column = 0
     for c, start, width in blocks:

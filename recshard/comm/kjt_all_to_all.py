@@ -165,7 +165,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         num_local, world_size = len(self._keys), self._world_size
         order = rank_order(world_size, self._stagger)
         length_per_key = [sum(c) for c in self.values_per_key_per_rank]
-        if num_local and lengths.numel():
+        if num_local and lengths.numel() and world_size > 1:  # one rank: already feature-major
             recat = self._segment_recat()
             if not self.variable_stride:
                 lengths, values, weights = ops.permute_2D_sparse_data(

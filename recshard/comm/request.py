@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from recshard.comm import buffers
 from recshard.comm.codecs import QuantizedCommCodec
 from recshard.types import Awaitable
 
@@ -203,7 +204,7 @@ def issue_all_to_all(
     holds `output_splits[r]` elements from each rank r, in rank order: `read(received)` of the
     wire buffer, by default decoded to `x`'s dtype."""
     wire = _encode(x, codec)
-    out = wire.new_empty(sum(_sizes(output_splits, codec)))
+    out = buffers.take(name, sum(_sizes(output_splits, codec)), wire.dtype, wire.device)
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
     work = _start(name, "all_to_all_single", pg, lambda: dist.all_to_all_single(
         out, wire, _sizes(output_splits, codec), _sizes(input_splits, codec),
@@ -228,16 +229,13 @@ def issue_reduce_scatter(
     sizes = _sizes(input_splits, codec)
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
     if not _native_reduce_scatter(x.device):
-        received = wire.new_empty(sizes[rank] * world_size)
+        received = buffers.take(name, sizes[rank] * world_size, wire.dtype, wire.device)
         work = _start(name, "all_to_all_single", pg, lambda: dist.all_to_all_single(
             received, wire, [sizes[rank]] * world_size, sizes, group=pg, async_op=True
         ))
-        return Pending(
-            [work],
-            lambda: decode(received.view(world_size, -1).sum(0), codec, x.dtype),
-            name, "all_to_all_single", pg,
-        )
-    out = wire.new_empty(sizes[rank])
+        return Pending([work], lambda: decode(_sum_rows(received, world_size, name), codec, x.dtype),
+                       name, "all_to_all_single", pg)
+    out = buffers.take(name, sizes[rank], wire.dtype, wire.device)
     if len(set(sizes)) == 1:
         op = "reduce_scatter_tensor"
         work = _start(name, op, pg, lambda: _reduce_scatter_single(out, wire, pg))
@@ -256,26 +254,36 @@ def issue_all_gather(
     name: str = "all_gather",
 ) -> Pending:
     """Flat all-gather-v: every rank's `x[1-D]` (rank r's has `output_splits[r]` elements),
-    concatenated in rank order. Uneven sizes go through all-to-all on gloo (its all-gather
-    needs equal sizes)."""
+    concatenated in rank order. On gloo it goes through all-to-all (gloo's all-gather needs
+    equal sizes, and allocates a flat output of its own, copied out after)."""
     world_size = dist.get_world_size(pg)
     wire = _encode(x, codec)
     sizes = _sizes(output_splits, codec)
-    out = wire.new_empty(sum(sizes))
+    out = buffers.take(name, sum(sizes), wire.dtype, wire.device)
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
-    if len(set(sizes)) == 1:
+    gloo = dist.get_backend(pg) == "gloo"
+    if len(set(sizes)) == 1 and not gloo:
         op = "all_gather_into_tensor"
         work = _start(name, op, pg, lambda: _all_gather_single(out, wire, pg))
-    elif dist.get_backend(pg) == "nccl":
+    elif not gloo:
         op = "all_gather"
         work = _start(name, op, pg, lambda: dist.all_gather(
             list(out.split(sizes)), wire, group=pg, async_op=True))
-    else:
-        op, send = "all_to_all_single", wire.repeat(world_size)
+    else:  # every rank sends its whole input to every rank
+        op = "all_to_all_single"
+        send = buffers.take(name + "_send", world_size * wire.numel(), wire.dtype, wire.device)
+        send.view(world_size, -1).copy_(wire.view(1, -1).expand(world_size, -1))
         work = _start(name, op, pg, lambda: dist.all_to_all_single(
             out, send, sizes, [wire.numel()] * world_size, group=pg, async_op=True
         ))
     return Pending([work], lambda: decode(out, codec, x.dtype), name, op, pg)
+
+
+def _sum_rows(received: torch.Tensor, world_size: int, name: str) -> torch.Tensor:
+    """The sum of the `world_size` equal blocks of `received`, in a reused buffer."""
+    blocks = received.view(world_size, -1)
+    out = buffers.take(name + "_sum", blocks.size(1), blocks.dtype, blocks.device)
+    return torch.sum(blocks, 0, out=out)
 
 
 def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, pg: dist.ProcessGroup):
@@ -398,6 +406,16 @@ class _Issue(Function):
         return None, grad
 
 
+def _contiguous(grad: torch.Tensor, exchange: _Exchange) -> torch.Tensor:
+    """`grad.contiguous()`, into a reused buffer when a copy is needed (an expanded gradient,
+    e.g. of a sum, arrives with stride 0)."""
+    if grad.is_contiguous():
+        return grad
+    name = exchange.collective.name + "_grad"
+    flat = buffers.take(name, grad.numel(), grad.dtype, grad.device)
+    return flat.view(grad.shape).copy_(grad)
+
+
 class _Finish(Function):
     """token -> output: waits for the forward collective; backward issues the transpose."""
 
@@ -410,7 +428,7 @@ class _Finish(Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         exchange: _Exchange = ctx.exchange
-        exchange.grad_pending = exchange.collective.backward(grad.contiguous())
+        exchange.grad_pending = exchange.collective.backward(_contiguous(grad, exchange))
         return None, grad.new_empty(0)
 
 

@@ -17,6 +17,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
+from recshard.comm import buffers
 from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fused_params
 from recshard.lookup.kernels import DenseKernel, FbgemmFusedKernel, LookupKernel, TorchFusedKernel
 from recshard.lookup.tables import LocalTable, group_key
@@ -85,6 +86,25 @@ def lookup_order(tables: List[LocalTable], is_weighted: bool) -> List[LocalTable
     return [t for _, group in group_tables(tables, is_weighted) for t in group]
 
 
+class _JoinColumns(torch.autograd.Function):
+    """`torch.cat(outputs, dim=1)` into a buffer reused across steps (`recshard.comm.buffers`):
+    the kernels' pooled outputs side by side; backward hands each its columns, as cat's does."""
+
+    @staticmethod
+    def forward(ctx, *outputs: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        widths = [out.size(1) for out in outputs]
+        ctx.widths = widths
+        rows, first = outputs[0].size(0), outputs[0]
+        joined = buffers.take("lookup_columns", rows * sum(widths), first.dtype, first.device)
+        joined = joined.view(rows, sum(widths))
+        torch.cat(outputs, dim=1, out=joined)
+        return joined
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        return tuple(grad.split(ctx.widths, dim=1))
+
+
 class GroupedLookup(nn.Module):
     """Looks up all local shards of a sharding.
 
@@ -130,6 +150,8 @@ class GroupedLookup(nn.Module):
             outputs = self._fused_side_by_side(parts)
         else:
             outputs = [kernel(part) for kernel, part in zip(self.kernels, parts)]
+        if self.pooled and len({out.dtype for out in outputs}) == 1:
+            return _JoinColumns.apply(*outputs)
         return torch.cat(outputs, dim=1 if self.pooled else 0)
 
     def _fused_side_by_side(self, parts: List[KeyedJaggedTensor]) -> List[torch.Tensor]:
