@@ -25,7 +25,7 @@ import argparse
 import resource
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -123,16 +123,23 @@ def rank_measure(plan: ShardingPlan, w: Workload, args: argparse.Namespace) -> D
     dense = [p for p in module.parameters()
              if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)]
     trainee = Trainee(module, torch.optim.SGD(dense, lr=LEARNING_RATE) if dense else None)
+    built = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, rss_mb())
     for i in range(args.warmup):
         train_step(trainee, batches[i % len(batches)])
     dist.barrier()
-    times = []
+    times, forwards = [], []
     for i in range(args.steps):
         start = time.perf_counter()
-        train_step(trainee, batches[i % len(batches)])
+        pooled = trainee.module(batches[i % len(batches)])
+        forwards.append(time.perf_counter() - start)
+        pooled.values().sum().backward()
+        if trainee.optimizer is not None:
+            trainee.optimizer.step()
+            trainee.optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"times": times, "rss_growth_mb": max(peak, rss_mb()) - rss_before}
+    return {"times": times, "forwards": forwards, "build_growth_mb": built - rss_before,
+            "rss_growth_mb": max(peak, rss_mb()) - rss_before}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -180,13 +187,21 @@ def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namesp
         per_rank = run_ranks(args.world_size, args, rank_measure, plan, w, args)
         slowest = [max(step) for step in zip(*(r["times"] for r in per_rank))]
         measured = 1e3 * statistics.median(slowest)
+        forward = 1e3 * statistics.median(
+            max(step) for step in zip(*(r["forwards"] for r in per_rank)))
         mem_est = stats.max("memory") / 2**20
         mem_meas = max(r["rss_growth_mb"] for r in per_rank)
+        terms = max(stats.ranks, key=lambda r: r.total_ms).terms
         record = dict(bench="planner_accuracy", workload=w.name, plan=label,
                       sharding_types=_types(plan), predicted_ms=round(stats.predicted_step_ms, 3),
                       measured_ms=round(measured, 3),
                       rel_error=round(abs(stats.predicted_step_ms - measured) / measured, 4),
+                      predicted_terms_ms={k: round(v, 3) for k, v in asdict(terms).items()},
+                      predicted_fixed_ms=round(stats.fixed_ms, 3),
+                      measured_fwd_ms=round(forward, 3),
                       memory_estimate_mb=round(mem_est, 1), memory_measured_mb=round(mem_meas, 1),
+                      memory_build_mb=round(max(r["build_growth_mb"] for r in per_rank), 1),
+                      memory_stored_mb=round(stats.max("bytes_stored") / 2**20, 1),
                       memory_rel_error=round(abs(mem_est - mem_meas) / max(mem_meas, 1e-9), 4))
         emit(record)
         records.append(record)

@@ -34,6 +34,17 @@ _GRAD_BYTES = 4.0
 
 
 @dataclass
+class StepTerms:
+    """One rank's estimated ms per step by phase: forward compute, forward communication
+    (input dist + output dist), backward compute (+ update), backward communication."""
+
+    fwd_compute: float = 0.0
+    fwd_comms: float = 0.0
+    bwd_compute: float = 0.0
+    bwd_comms: float = 0.0
+
+
+@dataclass
 class RankLoad:
     """What one rank carries per step under a plan (bytes, ids, estimated ms)."""
 
@@ -46,13 +57,15 @@ class RankLoad:
     bytes_received: float = 0.0
     compute_ms: float = 0.0
     comms_ms: float = 0.0
+    terms: StepTerms = field(default_factory=StepTerms)  # compute_ms + comms_ms by phase
 
     @property
     def total_ms(self) -> float:
         return self.compute_ms + self.comms_ms
 
 
-LOAD_FIELDS = [f.name for f in fields(RankLoad) if f.name != "rank"] + ["total_ms"]
+LOAD_FIELDS = [f.name for f in fields(RankLoad) if f.name not in ("rank", "terms")] + [
+    "total_ms"]
 
 
 @dataclass
@@ -176,6 +189,11 @@ def plan_stats(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topolo
             load.bytes_read += ids_in * cols * s_w
             load.compute_ms += perf.fwd_compute + perf.bwd_compute
             load.comms_ms += perf.fwd_comms + perf.bwd_comms + perf.input_dist
+            terms = load.terms
+            terms.fwd_compute += perf.fwd_compute
+            terms.fwd_comms += perf.fwd_comms + perf.input_dist
+            terms.bwd_compute += perf.bwd_compute
+            terms.bwd_comms += perf.bwd_comms
         traffic.add_table(table, ps, shards, batch_size)
     for load, sent, received in zip(loads, traffic.sent(), traffic.received()):
         load.bytes_sent, load.bytes_received = sent, received
