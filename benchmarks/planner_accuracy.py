@@ -14,18 +14,25 @@ data-parallel: dense), placed by the planner, and the planner's own plan (`"plan
 "planner"`); with `--link-check P`, also the planner's plan under profile P's costs.
 Each plan runs in fresh rank processes: `--warmup` steps, then `--steps` timed steps of
 forward + backward + update (exact SGD); `measured_ms` is the median over steps of the slowest
-rank's step. `predicted_ms` is `plan_stats(...).predicted_step_ms`; memory: the estimate's
-largest rank vs the largest per-rank growth of peak RSS from before building the module.
+rank's step (`measured_fwd_ms`: of its forward). A plan identical to one already run in the
+workload (the planner's plan is often all table-wise) is not run again: it carries that
+run's figures and `"same_as": LABEL` (running it twice would only sample the noise).
+`predicted_terms_ms` splits the slowest rank's estimate into forward / backward compute and
+communication; `predicted_fixed_ms` is the per-step cost of the plan's sharding groups. `predicted_ms` is `plan_stats(...).predicted_step_ms`; memory: the estimate's
+largest rank vs the largest per-rank growth of peak RSS from before building the module
+(`memory_build_mb`: the growth once built, before any step; `memory_stored_mb`: the plan's
+weights and optimizer state on its fullest rank).
 Every line on stdout is one JSON object; the last one checks the targets of issue #22.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -38,6 +45,7 @@ from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, TableMeta, Topology
 from recshard.planner.calibrate import CalibrationGrid, calibrate
+from recshard.planner.plan_io import plan_to_dict
 from recshard.planner.plan_stats import plan_stats
 from recshard.planner.profile import CalibrationProfile
 from recshard.types import ShardingEnv, ShardingPlan
@@ -116,16 +124,23 @@ def rank_measure(plan: ShardingPlan, w: Workload, args: argparse.Namespace) -> D
     dense = [p for p in module.parameters()
              if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)]
     trainee = Trainee(module, torch.optim.SGD(dense, lr=LEARNING_RATE) if dense else None)
+    built = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, rss_mb())
     for i in range(args.warmup):
         train_step(trainee, batches[i % len(batches)])
     dist.barrier()
-    times = []
+    times, forwards = [], []
     for i in range(args.steps):
         start = time.perf_counter()
-        train_step(trainee, batches[i % len(batches)])
+        pooled = trainee.module(batches[i % len(batches)])
+        forwards.append(time.perf_counter() - start)
+        pooled.values().sum().backward()
+        if trainee.optimizer is not None:
+            trainee.optimizer.step()
+            trainee.optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"times": times, "rss_growth_mb": max(peak, rss_mb()) - rss_before}
+    return {"times": times, "forwards": forwards, "build_growth_mb": built - rss_before,
+            "rss_growth_mb": max(peak, rss_mb()) - rss_before}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -168,19 +183,34 @@ def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namesp
     tables = metas(w, args.row_cap, args.max_pooling)
     topology = _topology(profile, args)
     records = []
+    runs: Dict[str, Tuple[str, List[Dict[str, Any]]]] = {}  # plan JSON -> first label, result
     for label, plan in plans_for(w, profile, args, link_check):
         stats = plan_stats(plan, tables, topology, w.batch)
-        per_rank = run_ranks(args.world_size, args, rank_measure, plan, w, args)
+        key = json.dumps(plan_to_dict(plan)["modules"], sort_keys=True)
+        same_as = runs[key][0] if key in runs else None
+        per_rank = runs[key][1] if key in runs else run_ranks(
+            args.world_size, args, rank_measure, plan, w, args)
+        runs.setdefault(key, (label, per_rank))
         slowest = [max(step) for step in zip(*(r["times"] for r in per_rank))]
         measured = 1e3 * statistics.median(slowest)
+        forward = 1e3 * statistics.median(
+            max(step) for step in zip(*(r["forwards"] for r in per_rank)))
         mem_est = stats.max("memory") / 2**20
         mem_meas = max(r["rss_growth_mb"] for r in per_rank)
+        terms = max(stats.ranks, key=lambda r: r.total_ms).terms
         record = dict(bench="planner_accuracy", workload=w.name, plan=label,
                       sharding_types=_types(plan), predicted_ms=round(stats.predicted_step_ms, 3),
                       measured_ms=round(measured, 3),
                       rel_error=round(abs(stats.predicted_step_ms - measured) / measured, 4),
+                      predicted_terms_ms={k: round(v, 3) for k, v in asdict(terms).items()},
+                      predicted_fixed_ms=round(stats.fixed_ms, 3),
+                      measured_fwd_ms=round(forward, 3),
                       memory_estimate_mb=round(mem_est, 1), memory_measured_mb=round(mem_meas, 1),
+                      memory_build_mb=round(max(r["build_growth_mb"] for r in per_rank), 1),
+                      memory_stored_mb=round(stats.max("bytes_stored") / 2**20, 1),
                       memory_rel_error=round(abs(mem_est - mem_meas) / max(mem_meas, 1e-9), 4))
+        if same_as is not None:
+            record["same_as"] = same_as
         emit(record)
         records.append(record)
     forced = [r for r in records if r["plan"] in FORCED]
@@ -219,8 +249,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batches-per-rank", default=None, help="512,2048 (quick: 64)")
     parser.add_argument("--row-cap", type=int, default=50_000)
     parser.add_argument("--max-pooling", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per plan")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=16, help="timed steps per plan")
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batches", type=int, default=2, help="distinct batches cycled")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--local-world-size", type=int, default=None,

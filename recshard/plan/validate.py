@@ -17,7 +17,7 @@ included), by the planner on its own output, by `construct_module_sharding_plan`
 
 from __future__ import annotations
 
-from typing import Collection, Dict, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from torch import nn
 
@@ -43,6 +43,14 @@ class PlanValidationError(ValueError):
     """A plan does not match the model or the world it is used with; names the table."""
 
 
+class TableShape(Protocol):
+    """What the rules read of a table: an embedding config, or the planner's `TableMeta`."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+
+
 def _value(x: object) -> str:
     return str(getattr(x, "value", x))
 
@@ -61,7 +69,7 @@ def _covers(where: str, what: str, extent: int, pieces: Sequence[Tuple[int, int]
         raise PlanValidationError(f"{where}: {what} shards cover {position} of {extent}")
 
 
-def _check_shards(where: str, config: BaseEmbeddingConfig, st: ShardingType,
+def _check_shards(where: str, config: TableShape, st: ShardingType,
                   shards: List[ShardMetadata], world_size: Optional[int],
                   local_world_size: Optional[int]) -> None:
     rows, cols = config.num_embeddings, config.embedding_dim
@@ -100,7 +108,7 @@ def check_ranks_agree(where: str, ranks: Sequence[int], shards: Sequence[ShardMe
 
 
 def check_table_plan(
-    config: BaseEmbeddingConfig,
+    config: TableShape,
     ps: ParameterSharding,
     world_size: Optional[int] = None,
     local_world_size: Optional[int] = None,

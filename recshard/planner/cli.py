@@ -33,8 +33,8 @@ from recshard.planner.calibrate_cli import calibrate_main
 from recshard.planner.estimators import StorageReservation
 from recshard.planner.explain import draw_explain_png, explain_table, read_measurements
 from recshard.planner.partitioners import GreedyPerfPartitioner, MemoryBalancedPartitioner
-from recshard.planner.plan_io import load_plan, save_plan
-from recshard.planner.plan_stats import plan_stats
+from recshard.planner.plan_io import PlanValidationError, load_plan, save_plan
+from recshard.planner.plan_stats import PlanStats, plan_stats
 from recshard.planner.planner import EmbeddingShardingPlanner
 from recshard.planner.planner_types import (
     GIB,
@@ -275,12 +275,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
         measured = read_measurements(args.measured) if args.measured else []
         if args.plan:
-            print(plan_stats(load_plan(args.plan), tables, topology, batch_size).format())
+            print(existing_plan_stats(args.plan, tables, topology, batch_size).format())
             return 0
     except InputError as e:
         print(f"error: {args.tables_file}: {e}", file=sys.stderr)
         return 1
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        print(f"error: {e.filename or args.tables_file}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     planner = EmbeddingShardingPlanner(
@@ -314,6 +317,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             draw_png(stats, args.png)
         print(f"chart written to {args.png}")
     return 0
+
+
+def existing_plan_stats(path: str, tables: List[TableMeta], topology: Topology,
+                        batch_size: int) -> PlanStats:
+    """`plan_stats` of the plan file at `path`; its errors (the file's, or the plan's against
+    the tables: see `match_plan`) start with the file's name."""
+    plan = load_plan(path)  # names the file itself
+    try:
+        return plan_stats(plan, tables, topology, batch_size)
+    except PlanValidationError as e:
+        raise PlanValidationError(f"{path}: {e}") from e
 
 
 def _metadata(stats: PlannerStats) -> Dict[str, Any]:

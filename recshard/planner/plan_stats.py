@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from recshard.plan.sharding_types import ALL_SHARDING_TYPES, SEQUENCE_SHARDING_TYPES
+from recshard.plan.validate import PlanValidationError, check_table_plan
 from recshard.planner.estimators import (
     EmbeddingPerfEstimator,
     EmbeddingStorageEstimator,
@@ -32,6 +34,17 @@ _GRAD_BYTES = 4.0
 
 
 @dataclass
+class StepTerms:
+    """One rank's estimated ms per step by phase: forward compute, forward communication
+    (input dist + output dist), backward compute (+ update), backward communication."""
+
+    fwd_compute: float = 0.0
+    fwd_comms: float = 0.0
+    bwd_compute: float = 0.0
+    bwd_comms: float = 0.0
+
+
+@dataclass
 class RankLoad:
     """What one rank carries per step under a plan (bytes, ids, estimated ms)."""
 
@@ -44,13 +57,15 @@ class RankLoad:
     bytes_received: float = 0.0
     compute_ms: float = 0.0
     comms_ms: float = 0.0
+    terms: StepTerms = field(default_factory=StepTerms)  # compute_ms + comms_ms by phase
 
     @property
     def total_ms(self) -> float:
         return self.compute_ms + self.comms_ms
 
 
-LOAD_FIELDS = [f.name for f in fields(RankLoad) if f.name != "rank"] + ["total_ms"]
+LOAD_FIELDS = [f.name for f in fields(RankLoad) if f.name not in ("rank", "terms")] + [
+    "total_ms"]
 
 
 @dataclass
@@ -103,61 +118,83 @@ def _find_table(tables: Dict[Tuple[str, str], TableMeta], by_name: Dict[str, Lis
     if len(candidates) == 1:
         return candidates[0]
     where = f"'{fqn}.{name}'" if fqn else f"'{name}'"
-    raise ValueError(f"table {where} is in the plan but not among the tables given"
-                     if not candidates else
-                     f"table {where}: several tables of that name; give module paths")
+    raise PlanValidationError(f"table {where}: in the plan but not among the tables given"
+                              if not candidates else
+                              f"table {where}: several tables of that name; give module paths")
+
+
+def match_plan(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topology
+               ) -> List[Tuple[TableMeta, ParameterSharding]]:
+    """Each plan entry with its table, checked by the plan rules (`check_table_plan`: known
+    type and kernel, ranks inside the world and agreeing with the placements, shards that
+    tile the table); every table planned exactly once. PlanValidationError names the table."""
+    keyed = {(t.module_fqn, t.name): t for t in tables}
+    by_name: Dict[str, List[TableMeta]] = {}
+    for t in tables:
+        by_name.setdefault(t.name, []).append(t)
+    out: List[Tuple[TableMeta, ParameterSharding]] = []
+    planned: Dict[int, str] = {}
+    for fqn, module_plan in plan.plan.items():
+        for name, ps in module_plan.items():
+            table = _find_table(keyed, by_name, fqn, name)
+            where = f"table '{fqn}.{name}'" if fqn else f"table '{name}'"
+            if id(table) in planned:
+                raise PlanValidationError(f"{where}: planned twice (also as {planned[id(table)]})")
+            planned[id(table)] = where
+            check_table_plan(table, ps, topology.world_size, topology.local_world_size,
+                             ALL_SHARDING_TYPES if table.pooled else SEQUENCE_SHARDING_TYPES,
+                             where=where,
+                             owner="a pooled table" if table.pooled else "a sequence table")
+            out.append((table, ps))
+    missing = [t.key for t in tables if id(t) not in planned]
+    if missing:
+        raise PlanValidationError(f"table '{missing[0]}': among the tables but not in the plan"
+                                  + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return out
 
 
 def _shards(ps: ParameterSharding, table: TableMeta, world: int) -> List[Tuple[int, int, int]]:
     """(rank, rows, cols) of every shard; data-parallel: the whole table on every rank."""
     if ps.sharding_type == "data_parallel":
         return [(r, table.num_embeddings, table.embedding_dim) for r in range(world)]
-    if not ps.shards:
-        raise ValueError(f"table '{table.key}': {ps.sharding_type} entry has no shards")
-    out = []
-    for s in ps.shards:
-        if not 0 <= s.rank < world:
-            raise ValueError(f"table '{table.key}': shard on rank {s.rank}, outside the "
-                             f"{world} ranks")
-        out.append((s.rank, s.shard_sizes[0], s.shard_sizes[1]))
-    return out
+    return [(s.rank, s.shard_sizes[0], s.shard_sizes[1]) for s in ps.shards or []]
 
 
 def plan_stats(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topology,
                batch_size: int = 512) -> PlanStats:
-    """The per-rank loads of `plan` for `tables` on `topology` (every plan table must be
-    among `tables`, matched by module path and name, or by name when unambiguous)."""
+    """The per-rank loads of `plan` for `tables` on `topology`. The plan must plan every
+    table once (matched by module path and name, or by name when unambiguous) and pass the
+    plan rules (`match_plan`); PlanValidationError names the table otherwise."""
     world = topology.world_size
     perf_est = EmbeddingPerfEstimator(topology, batch_size)
     storage_est = EmbeddingStorageEstimator(topology, batch_size)
-    keyed = {(t.module_fqn, t.name): t for t in tables}
-    by_name: Dict[str, List[TableMeta]] = {}
-    for t in tables:
-        by_name.setdefault(t.name, []).append(t)
     loads = [RankLoad(r) for r in range(world)]
     traffic = _Traffic(world, topology.local_world_size)
     groups = []
-    for fqn, module_plan in plan.plan.items():
-        for name, ps in module_plan.items():
-            table = _find_table(keyed, by_name, fqn, name)
-            groups.append((ps.sharding_type, ps.compute_kernel, table.embedding_dim))
-            s_w = table.data_type.element_size
-            shards = _shards(ps, table, world)
-            for rank, rows, cols in shards:
-                load = loads[rank]
-                perf = perf_est.estimate(table, ps.sharding_type, ps.compute_kernel, rows, cols,
-                                         ps.cache_params)
-                storage = storage_est.estimate(table, ps.sharding_type, ps.compute_kernel, rows,
-                                               cols, ps.cache_params)
-                ids_in, _ = shard_traffic(table, ps.sharding_type, rows, topology, batch_size)
-                load.bytes_stored += rows * cols * s_w + optimizer_state_bytes(
-                    table.optimizer, rows, cols)
-                load.memory += storage.hbm + storage.ddr
-                load.lookups += ids_in
-                load.bytes_read += ids_in * cols * s_w
-                load.compute_ms += perf.fwd_compute + perf.bwd_compute
-                load.comms_ms += perf.fwd_comms + perf.bwd_comms + perf.input_dist
-            traffic.add_table(table, ps, shards, batch_size)
+    for table, ps in match_plan(plan, tables, topology):
+        groups.append((ps.sharding_type, ps.compute_kernel, table.embedding_dim))
+        s_w = table.data_type.element_size
+        shards = _shards(ps, table, world)
+        for rank, rows, cols in shards:
+            load = loads[rank]
+            perf = perf_est.estimate(table, ps.sharding_type, ps.compute_kernel, rows, cols,
+                                     ps.cache_params)
+            storage = storage_est.estimate(table, ps.sharding_type, ps.compute_kernel, rows,
+                                           cols, ps.cache_params)
+            ids_in, _ = shard_traffic(table, ps.sharding_type, rows, topology, batch_size)
+            load.bytes_stored += rows * cols * s_w + optimizer_state_bytes(
+                table.optimizer, rows, cols)
+            load.memory += storage.hbm + storage.ddr
+            load.lookups += ids_in
+            load.bytes_read += ids_in * cols * s_w
+            load.compute_ms += perf.fwd_compute + perf.bwd_compute
+            load.comms_ms += perf.fwd_comms + perf.bwd_comms + perf.input_dist
+            terms = load.terms
+            terms.fwd_compute += perf.fwd_compute
+            terms.fwd_comms += perf.fwd_comms + perf.input_dist
+            terms.bwd_compute += perf.bwd_compute
+            terms.bwd_comms += perf.bwd_comms
+        traffic.add_table(table, ps, shards, batch_size)
     for load, sent, received in zip(loads, traffic.sent(), traffic.received()):
         load.bytes_sent, load.bytes_received = sent, received
     fixed = StepTimePerfModel(topology).fixed_ms(groups)

@@ -66,6 +66,9 @@ class GreedyProposer:
     column-wise -> row-wise). Moves that do not lower the slowest rank's time are undone and
     not retried; the search stops after `patience` such moves in a row, when no move is left,
     or after `max_proposals`.
+    The memory search takes O(log tables) proposals, each O(tables log tables): when the
+    summed need cannot shrink it stops, and a shortage that keeps coming back after `patience`
+    memory steps (fragmentation, one table at a time) frees a doubling amount per step.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class GreedyProposer:
         self._refitted: Set[int] = set()
         self._visited: Set[int] = set()
         self._escalation = 0
+        self._memory_steps = 0
         self._savings: Dict[Tuple[int, int, str], Optional[Tuple[float, float, float, int, int]]] = {}
         self._done = not self._space
 
@@ -151,10 +155,16 @@ class GreedyProposer:
         3. or tables move as in 1 until the failed table's need is freed;
         4. else the failed table (or the biggest user) shrinks its largest shard.
         If the choices come back to an earlier state, `feedback` frees a doubling share of
-        the memory instead. False if nothing can shrink."""
+        the memory instead. After `patience` memory steps, 2 and 3 give way to 3 freeing
+        `2^(steps - patience)` times the failed table's need: a search that placed one more
+        table per proposal would take as many proposals as there are tables. False if
+        nothing can shrink, or if the summed need exceeds the summed capacity and no table
+        can move to the other memory (no split or move between ranks lowers a sum)."""
         t, resource = result.failed_index, result.failed_resource or "hbm"
         if t is None:
             return False
+        self._memory_steps += 1
+        bulk = 2.0 ** max(0, self._memory_steps - self.patience)
         other = "ddr" if resource == "hbm" else "hbm"
         deficit = result.extra.get("deficit", {resource: 0.0, other: 0.0})
         rank_cap = result.extra.get("rank_capacity", {resource: math.inf})
@@ -165,13 +175,15 @@ class GreedyProposer:
         excess = deficit[resource] + self.memory_slack * total
         if excess > 0 and fits_a_rank and self._shrink_many(resource, excess, room):
             return True  # the sum does not fit: move the cheapest bytes out
-        if result.extra.get("device_pass") and t not in self._refitted:
+        if deficit[resource] > 0 and fits_a_rank:  # without the slack, or no plan
+            return self._shrink_many(resource, deficit[resource], -deficit[other])
+        if result.extra.get("device_pass") and t not in self._refitted and bulk == 1.0:
             index = self._fits_now(t, result.extra.get("free"))
             if index is not None:  # fragmentation: split or offload just this table
                 self._refitted.add(t)
                 self._choice[t] = index
                 return True
-        if fits_a_rank and self._shrink_many(resource, _use(failed, resource), room):
+        if fits_a_rank and self._shrink_many(resource, bulk * _use(failed, resource), room):
             return True
         for u in [t] + sorted(range(len(self._space)), reverse=True,
                               key=lambda u: _use(self._space[u][self._choice[u]], resource)):
@@ -210,7 +222,7 @@ class GreedyProposer:
         for _, saved, added, t, k in moves:
             if freed >= need:
                 break
-            if added > room_other:
+            if added > 0 and added > room_other:  # moves that add none always go
                 continue
             self._choice[t] = k
             freed += saved

@@ -154,3 +154,45 @@ def test_load_plan_names_file_json_path_and_table(case, tmp_path):
         load_plan(path)
     assert str(info.value).startswith(f"{path}: ") and message in str(info.value), str(info.value)
     assert load_plan(_plan_file(tmp_path, lambda d, e: None)).plan["ebc"]["t"].ranks == [0]
+
+
+_BAD_PLANS_FOR_TABLES = _BAD_PLANS + [
+    ("rank outside the world", lambda d, e: (e.update(ranks=[5]), e["shards"][0].update(
+        placement="rank:5/cpu")), "table 'ebc.t': ranks [5] are outside world size 2"),
+    ("shards short of the table", lambda d, e: e["shards"][0].update(sizes=[6, 4]),
+     "table 'ebc.t': row shards cover 6 of 10"),
+    ("unknown sharding type", lambda d, e: e.update(sharding_type="diagonal"),
+     "table 'ebc.t': unknown sharding type 'diagonal'"),
+    ("unknown kernel", lambda d, e: e.update(compute_kernel="magic"),
+     "table 'ebc.t': unknown compute kernel 'magic'"),
+    ("table not given", lambda d, e: d["modules"]["ebc"].update(u=e),
+     "table 'ebc.u': in the plan but not among the tables given"),
+    ("not a plan", lambda d, e: d.update(format="other"), "not a recshard sharding plan"),
+]
+
+
+@pytest.mark.parametrize("case", _BAD_PLANS_FOR_TABLES, ids=[c[0] for c in _BAD_PLANS_FOR_TABLES])
+def test_cli_bad_plan_file_exits_1_naming_file_and_table(case, tmp_path, capsys):
+    """`recshard-plan TABLES --plan BAD` takes the bad-input path: exit 1, one line
+    `error: PLAN: table 'X': ...`, no traceback; checked against the tables it is given."""
+    _, change, message = case
+    tables = tmp_path / "tables.json"
+    tables.write_text(json.dumps([{"name": "t", "num_embeddings": 10, "embedding_dim": 4,
+                                   "module": "ebc"}]))
+    path = _plan_file(tmp_path, change)
+    assert main([str(tables), "--world-size", "2", "--plan", path]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: ") and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_plan_file_missing_a_table_names_it(tmp_path, capsys):
+    tables = tmp_path / "tables.json"
+    tables.write_text(json.dumps([{"name": n, "num_embeddings": 10, "embedding_dim": 4,
+                                   "module": "ebc"} for n in ("t", "w")]))
+    path = _plan_file(tmp_path, lambda d, e: None)
+    assert main([str(tables), "--world-size", "2", "--plan", path]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: table 'ebc.w': among the tables but not in the plan")
+    assert main([str(tables), "--plan", str(tmp_path / "absent.json")]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'absent.json'}: ")

@@ -66,7 +66,7 @@ def test_table_row_wise_keeps_rows_in_one_host():
 def test_unknown_table_is_named():
     plan = ShardingPlan({"m": {"nope": ParameterSharding("table_wise", "fused", [0],
                                                          make_shards("table_wise", 4, 4, [0]))}})
-    with pytest.raises(ValueError, match="'m.nope' is in the plan but not among the tables"):
+    with pytest.raises(ValueError, match="table 'm.nope': in the plan but not among the tables"):
         _stats(plan)
 
 
