@@ -129,10 +129,10 @@ def destroy_groups_at_exit() -> None:
     waiting for it when the interpreter finalizes, is torn down inside a destructor, and the
     process aborts with "terminate called without an active exception" (exit -6) instead of
     its own exit code (seen with gdb; 18 of 60 processes that end right after an async
-    all-gather on torch 2.13; issue #17). DMP registers this once: an `atexit` hook (it runs
+    all-gather on torch 2.13; issue #17), also when the program destroyed the groups itself.
+    Every sharded embedding module (and DMP) registers this once: an `atexit` hook (it runs
     before finalization, when threads can still take the GIL) that releases the GIL for a
-    moment so waiting workers finish, then destroys the groups the program left alive. A
-    program that destroys them itself is unaffected.
+    moment so waiting workers finish, then destroys the groups the program left alive.
     """
     if not _exit_hook:
         _exit_hook.append(True)

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Dict, Iterator, List, Optional, Tuple, Type
 import torch
 from torch import nn
 
+from recshard.comm.pg import destroy_groups_at_exit
 from recshard.distributed.input_dist import CollectionInputDist, EmbeddingModuleContext
 from recshard.distributed.sharded_state import fused_state
 from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fused_params
@@ -143,6 +144,7 @@ class ShardedEmbeddingModule(ShardedModule):
                           ALL_SHARDING_TYPES if pooled else SEQUENCE_SHARDING_TYPES,
                           self.storage.compute_kernels)
         self.storage.check_plan(configs, table_plans)
+        destroy_groups_at_exit()  # its collectives could otherwise abort the process at exit
         self.env = env
         self._owner = type(self).__name__
         self._tables_attr = tables_attr
