@@ -13,8 +13,8 @@ table sets. Prints one JSON line per (module, table set).
 `--api` names a module exposing EmbeddingBagCollection, EmbeddingBagConfig,
 EmbeddingCollection, EmbeddingConfig and KeyedJaggedTensor (recshard's top level does);
 nothing here depends on any other library. `--compare SIDE...` runs this file's work in
-fresh processes, alternating recshard (this interpreter) and each side, `--repeats` times
-(A B A B ...), prints every run's lines, then one `module_compare` line per (module, table
+fresh processes (one per table set), alternating recshard (this interpreter) and each side,
+`--repeats` times (A B A B ...), prints every run's lines, then one `module_compare` line per (module, table
 set) with the median over repeats of each side and `ratio_to_X` = recshard / X (< 1:
 recshard faster). Absolute times on a shared machine drift between runs; the ratio of
 interleaved runs is the figure to quote.
@@ -149,19 +149,22 @@ class Side:
 
 def compare(args: argparse.Namespace, own: List[str]) -> None:
     """Alternate fresh runs of recshard (this interpreter and directory) and every `--compare`
-    side; print every record (with the side's label as `side`), then one `module_compare`
+    side, one process per table set (what one table set leaves in the allocator changes the
+    next one's page faults by up to 30%); print every record (with the side's label as `side`), then one `module_compare`
     line per (module, table set) with each side's median and its ratio to recshard's."""
     sides = [Side("recshard", sys.executable, "recshard", None)] + [Side.parse(s) for s in args.compare]
     runs: Dict[Tuple[str, str, str], List[float]] = {}
     for _ in range(args.repeats):
-        for side in sides:
-            proc = subprocess.run([side.python, "-m", "benchmarks.modules", "--api", side.api, *own],
-                                  capture_output=True, text=True, check=True, cwd=side.cwd)
-            for line in proc.stdout.splitlines():
-                record = {**json.loads(line), "side": side.label}
-                print(json.dumps(record), flush=True)
-                runs.setdefault((record["module"], record["tables"], side.label), []).append(
-                    record["median_step_ms"])
+        for tables in args.tables.split(","):
+            for side in sides:
+                proc = subprocess.run(
+                    [side.python, "-m", "benchmarks.modules", "--api", side.api, "--tables", tables, *own],
+                    capture_output=True, text=True, check=True, cwd=side.cwd)
+                for line in proc.stdout.splitlines():
+                    record = {**json.loads(line), "side": side.label}
+                    print(json.dumps(record), flush=True)
+                    runs.setdefault((record["module"], record["tables"], side.label), []).append(
+                        record["median_step_ms"])
     for module, tables, label in list(runs):
         if label != "recshard":
             continue
@@ -190,7 +193,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.tables is None:
         args.tables = "small,criteo_like" if args.quick else ",".join(t.name for t in TABLE_SETS)
-    own = ["--steps", str(args.steps), "--tables", args.tables, "--modules", args.modules,
+    own = ["--steps", str(args.steps), "--modules", args.modules,
            "--optimizer", args.optimizer, "--threads", str(args.threads)]
     own += ["--quick"] if args.quick else []
     own += ["--batch", str(args.batch)] if args.batch else []
