@@ -212,7 +212,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
 
     def _wait_impl(self) -> KeyedJaggedTensor:
         num_local, world_size = len(self._keys), self._world_size
-        lengths = self._pending["lengths"].wait()
+        lengths = self._pending["lengths"].wait().to(self._dtypes["lengths"])
         if world_size == 1:
             values = self._pending["values"].wait()
             weights = self._pending["weights"].wait() if "weights" in self._pending else None
@@ -227,7 +227,6 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
                 _, lengths, _ = ops.permute_1D_sparse_data(
                     recat, self._segment_strides, lengths, None, lengths.numel()
                 )
-            lengths = lengths.to(self._dtypes["lengths"])
         spkpr = None
         if self._vbe:
             order_ranks = rank_order(world_size, self._stagger)
@@ -392,10 +391,6 @@ class KJTAllToAll(nn.Module):
             raise ValueError(f"KJTAllToAll.set_id_rows: {len(rows_per_key)} keys' rows for "
                              f"splits {self._splits} ({sum(self._splits)} keys)")
         self._id_rows = list(rows_per_key)
-
-    def id_wire_dtypes(self, dtype: torch.dtype = torch.int64) -> List[torch.dtype]:
-        """How each key's ids of `dtype` travel to the rank that owns the key."""
-        return [id_wire_dtype(rows, dtype) for rows in self._id_rows]
 
     def forward(
         self, input: KeyedJaggedTensor, input_error: Optional[str] = None
