@@ -59,6 +59,17 @@ def slowlink_missing() -> Optional[str]:
     return None
 
 
+def loopback_bytes() -> int:
+    """Bytes sent over this network namespace's loopback so far (`/proc/net/dev`): under
+    slowlink, every byte that crossed the shaped link, from every rank, headers included."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, counters = line.partition(":")
+            if name.strip() == "lo":
+                return int(counters.split()[8])  # transmit bytes
+    raise RuntimeError("no loopback device in /proc/net/dev")
+
+
 def link_label() -> str:
     """The rate this process's loopback is shaped to, or "unshaped"."""
     return os.environ.get(LINK_ENV, UNSHAPED)

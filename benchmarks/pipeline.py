@@ -19,7 +19,10 @@ step (`*_over_plain_paired`: the median of the per-block ratios, robust to load 
 between blocks). `*_cpu_ms` is rank 0's process CPU time per step (all threads): when it is close
 to the wall time, the ranks are CPU-bound and overlap has no idle core to use. `input_dist_ms` is the
 input dist alone (both all-to-all stages plus their host work) of one batch, and
-`input_dist_fraction` its share of the plain step. `plain_forward_all_to_all_ms` is what the
+`input_dist_fraction` its share of the plain step. `link_mb_per_step`: MB per step sent over
+the loopback by both ranks (`/proc/net/dev`, headers included; under `--link`, what crossed the
+shaped link); `plain_payload_mb_per_step`: what rank 0 handed to each collective per plain step
+(its own chunk of an all-to-all included, which does not cross the link). `plain_forward_all_to_all_ms` is what the
 plain loop's forward spends in its all-to-alls (input dist issue and waits, output dist wait;
 rank 0's clock), the share the target's ">= 30% of the step" refers to.
 `wait_share` is each loop's time blocked in collective waits per step (`benchmarks/link.py`:
@@ -27,7 +30,8 @@ KJT all-to-alls, pooled forward, backward) over its step; `losses_identical` com
 loops' per-step losses bit for bit, `semi_sync_losses_identical` the semi-sync pipeline's
 against its reference's (the stale plain loop). The model: 26 tables with the Criteo Kaggle cardinalities
 capped at `--rows`, multi-hot bags (mean `--pooling` ids) of narrow rows, so the input dist is
-the big all-to-all. `--link RATE` re-runs the benchmark on a shaped loopback (`link` field).
+the big all-to-all. `--link RATE` re-runs the benchmark on a shaped loopback (`link` field);
+`--pooled-precision fp16|bf16` sends the pooled all-to-all in that dtype in every loop.
 Batches are generated before timing and reused cyclically. A first line checks that a started
 input dist progresses while the main thread computes (gloo runs collectives on worker threads).
 """
@@ -54,9 +58,12 @@ from benchmarks.link import (
     WaitTimes,
     add_link_argument,
     link_label,
+    loopback_bytes,
     relaunch_under_link,
 )
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
+from recshard.comm.codecs import get_qcomm_codecs_registry
+from recshard.comm.request import comm_payload_bytes, reset_comm_payload_bytes
 from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from recshard.distributed.train_pipeline import TrainPipelineSemiSync, TrainPipelineSparseDist
@@ -124,8 +131,9 @@ def _build(args: argparse.Namespace, world_size: int) -> Tuple[DistributedModelP
     per_table = {f"t{i}": table_wise(i % world_size) for i in range(args.features)}
     plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, per_table,
                                                                world_size=world_size)})
-    sharders = [EmbeddingBagCollectionSharder(fused_params={"optimizer": "exact_sgd",
-                                                            "learning_rate": 0.01})]
+    sharders = [EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": "exact_sgd", "learning_rate": 0.01},
+        qcomm_codecs_registry=get_qcomm_codecs_registry(args.pooled_precision))]
     dmp = DistributedModelParallel(model, plan=plan, sharders=sharders)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda p: torch.optim.SGD(p, lr=0.01))
@@ -284,18 +292,25 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     cpu: Dict[str, List[float]] = {k: [] for k in wall}
     wait: Dict[str, List[WaitTimes]] = {k: [] for k in wall}
     comm_ms: List[float] = []
+    link_mb: Dict[str, List[float]] = {k: [] for k in wall}
+    payload_mb: Dict[str, float] = {}
     for block in range(args.blocks):
         shift = block % len(LOOPS)
         order = [(k, steps[k]) for k in LOOPS[shift:] + LOOPS[:shift]]
         for name, step_fn in order + [("input_dist", input_dist)]:
             clock.ms = 0.0
             waits.take()
+            reset_comm_payload_bytes()
+            sent = loopback_bytes()
             block_wall, block_cpu = _time_block(step_fn, args.steps)
+            link_mb[name].append((loopback_bytes() - sent) / 1e6 / args.steps)
             wall[name].append(block_wall)
             cpu[name].append(block_cpu)
             wait[name].append(waits.take().per_step(args.steps))
             if name == "plain":
                 comm_ms.append(clock.ms / args.steps)
+                payload_mb = {k: round(v / 1e6 / args.steps, 3)
+                              for k, v in comm_payload_bytes().items()}
     waits.close()
     plain, piped, semi, ref, in_dist = (statistics.median(wall[k]) for k in [*LOOPS, "input_dist"])
     in_step_comm = statistics.median(comm_ms)
@@ -309,6 +324,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "backend": dist.get_backend(),
         "torch_threads": torch.get_num_threads(), "batch_size_per_rank": args.batch_size,
         "features": args.features, "mean_pooling": args.pooling, "dim": args.dim,
+        "pooled_precision": args.pooled_precision,
         "ids_per_rank_per_batch": int(ids), "steps_per_block": args.steps, "blocks": args.blocks,
         "plain_ms": round(plain, 3), "pipelined_ms": round(piped, 3),
         "semi_sync_ms": round(semi, 3), "semi_sync_reference_ms": round(ref, 3),
@@ -326,6 +342,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "input_dist_ms": round(in_dist, 3), "input_dist_fraction": round(in_dist / plain, 3),
         "plain_forward_all_to_all_ms": round(in_step_comm, 3),
         "plain_forward_all_to_all_fraction": round(in_step_comm / plain, 3),
+        "link_mb_per_step": {k: round(statistics.median(v), 3) for k, v in link_mb.items()},
+        "plain_payload_mb_per_step": payload_mb,
         "pipelined_modules": pipeline.pipelined_modules,
         "plain_ms_blocks": [round(x, 2) for x in wall["plain"]],
         "pipelined_ms_blocks": [round(x, 2) for x in wall["pipelined"]],
@@ -405,6 +423,9 @@ def cli(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--busy-ms", type=float, default=50.0,
                    help="compute after each input-dist stage in the background-progress probe")
     p.add_argument("--quick", action="store_true", help="smaller batch, fewer blocks")
+    p.add_argument("--pooled-precision", choices=["fp32", "fp16", "bf16"], default="fp32",
+                   help="dtype of the pooled all-to-all on the wire, both ways (comm codecs); "
+                        "every loop uses it, so the loops' losses stay comparable")
     add_link_argument(p)
     args = p.parse_args(argv)
     if relaunch_under_link("benchmarks.pipeline", args.link, argv):

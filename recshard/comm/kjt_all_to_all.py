@@ -2,11 +2,17 @@
 
 Stage 1 (call): one small all-to-all of int64 metadata; row r of what this rank sends says,
 for the keys going to rank r, their batch sizes (per key) and id counts (per key), this
-rank's batch size, the dtypes of lengths / values / weights, and the validity verdict
-(a flag plus the first line of the error message). Stage 2 (first `wait()`): checks every
-rank's verdict and dtypes (so a bad batch on one rank stops every rank at once, before any
-tensor is sent), then issues the lengths / values / weights all-to-alls. Second `wait()`:
-reorders what arrived from rank-major to feature-major (`recat`) and returns the KJT.
+rank's batch size, the dtypes of lengths / values / weights, the range of its lengths, and
+the validity verdict (a flag plus the first line of the error message). Stage 2 (first
+`wait()`): checks every rank's verdict and dtypes (so a bad batch on one rank stops every rank
+at once, before any tensor is sent), then issues the lengths / values / weights all-to-alls.
+Second `wait()`: reorders what arrived from rank-major to feature-major (`recat`) and returns
+the KJT.
+
+On the wire (`comm/wire.py`): lengths in the narrowest type that holds every rank's lengths
+(the ranges came in stage 1, so all ranks pick the same); ids, when the caller told
+`set_id_rows` that a key's ids lie in `[0, rows)`, in the narrowest type for `rows`, packed per
+key with the weights beside them; both cast back to the sender's dtypes on arrival.
 
 Example (TorchRec's): keys A, B, C; `splits=[2, 1]`, two ranks with batch 3 each. Rank 0
 receives A and B for batch positions `[rank 0's 3 | rank 1's 3]` (stride 6), rank 1 C.
@@ -14,7 +20,8 @@ receives A and B for batch positions `[rank 0's 3 | rank 1's 3]` (stride 6), ran
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,15 +29,18 @@ from torch import nn
 
 from recshard.comm.request import Pending, issue_all_to_all, wait_work
 from recshard.comm.verdict import MSG_WORDS, encode_message, raise_rejected
+from recshard.comm.wire import id_wire_dtype, narrowest, pack, segment_bytes, unpack
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse import jagged_ops as ops
 from recshard.types import Awaitable
 
 _DTYPES = [torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16,
            torch.float64, torch.int16, torch.int8, torch.uint8]
-# Fixed columns of a metadata row: rejected flag, variable-batch flag, stride, 3 dtype codes.
-_REJECTED, _VBE, _STRIDE, _LENGTHS_DTYPE, _VALUES_DTYPE, _WEIGHTS_DTYPE = range(6)
-_FIXED = 6
+# Fixed columns of a metadata row: rejected flag, variable-batch flag, stride, 3 dtype codes,
+# the smallest and largest of the sender's lengths.
+(_REJECTED, _VBE, _STRIDE, _LENGTHS_DTYPE, _VALUES_DTYPE, _WEIGHTS_DTYPE,
+ _LENGTHS_MIN, _LENGTHS_MAX) = range(8)
+_FIXED = 8
 _LABELS = ("lengths", "values", "weights")
 
 
@@ -80,6 +90,25 @@ def _expand(segment_recat: torch.Tensor, segment_sizes: torch.Tensor) -> torch.T
     )
 
 
+@dataclass
+class _Outgoing:
+    """What this rank sends in stage 2 and how what it receives is laid out.
+
+    `input_splits[label]`: elements per destination. With other ranks, `values` (and `weights`)
+    are packed per key (`wire.pack`), `wire_splits[label]` bytes per destination, and
+    `local_id_dtypes` is how the ids of each key this rank receives travel.
+    """
+
+    keys: List[str]  # the keys this rank receives
+    input_splits: Dict[str, List[int]]
+    lengths: torch.Tensor
+    values: torch.Tensor
+    weights: Optional[torch.Tensor]
+    wire_splits: Dict[str, List[int]]
+    local_id_dtypes: List[torch.dtype]
+    dtypes: Dict[str, torch.dtype]  # lengths / values / weights as every rank holds them
+
+
 class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
     """Stage 2 in flight; `wait()` gives the feature-major KJT of this rank's keys.
 
@@ -96,17 +125,16 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
     def __init__(
         self,
         pg: dist.ProcessGroup,
-        keys: List[str],
         received: torch.Tensor,
-        input_splits: Dict[str, List[int]],
-        tensors: Dict[str, torch.Tensor],
+        sent: _Outgoing,
         stagger: int,
     ) -> None:
         super().__init__()
         world_size = received.size(0)
-        num_local = len(keys)
-        self._keys, self._stagger, self._world_size = keys, stagger, world_size
-        self._input_splits = input_splits
+        num_local = len(sent.keys)
+        self._keys, self._stagger, self._world_size = sent.keys, stagger, world_size
+        self._dtypes = sent.dtypes
+        self._input_splits = sent.input_splits
         self.stride_per_rank: List[int] = received[:, _STRIDE].tolist()
         strides = received[:, _FIXED: _FIXED + num_local]
         counts = received[:, _FIXED + num_local: _FIXED + 2 * num_local]
@@ -115,21 +143,38 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         self._vbe = bool(received[:, _VBE].any())  # some rank has a batch size per key
         self.variable_stride = self._vbe or len(set(self.stride_per_rank)) > 1
         self._output_splits = {"lengths": strides.sum(1).tolist(), "values": counts.sum(1).tolist()}
-        if "weights" in tensors:
+        if sent.weights is not None:
             self._output_splits["weights"] = self._output_splits["values"]
-        device = tensors["lengths"].device if tensors else torch.device("cpu")
+        device = sent.lengths.device
         self._segment_strides = strides.reshape(-1).to(device)
-        self._segment_counts = counts.reshape(-1).to(device)
+        # the id (and weight) segments as they arrive: rank-major, each key's in its wire dtype
+        self._arrived_counts = counts.reshape(-1).tolist()
+        self._arrived_dtypes = {"values": sent.local_id_dtypes * world_size}
+        if sent.weights is not None:
+            self._arrived_dtypes["weights"] = [sent.dtypes["weights"]] * world_size * num_local
+        self._recat_cache: Optional[torch.Tensor] = None
         self._pending: Dict[str, Pending] = {}
-        for label, tensor in tensors.items():
-            if world_size == 1:
-                self._pending[label] = Pending([], lambda t=tensor: t)
-            else:
+        if world_size == 1:  # nothing to send: the input is already feature-major
+            self._pending = {label: Pending([], lambda t=t: t) for label, t in
+                             (("lengths", sent.lengths), ("values", sent.values),
+                              ("weights", sent.weights)) if t is not None}
+            return
+        self._pending["lengths"] = issue_all_to_all(
+            sent.lengths, sent.input_splits["lengths"], self._output_splits["lengths"], pg,
+            name="kjt_all_to_all_lengths",
+        )
+        for label, packed in (("values", sent.values), ("weights", sent.weights)):
+            if packed is not None:
                 self._pending[label] = issue_all_to_all(
-                    tensor, input_splits[label], self._output_splits[label], pg,
+                    packed, sent.wire_splits[label], self._arrived_bytes(label), pg,
                     name=f"kjt_all_to_all_{label}",
                 )
-        self._recat_cache: Optional[torch.Tensor] = None
+
+    def _arrived_bytes(self, label: str) -> List[int]:
+        """Packed bytes of `label` from each rank."""
+        sizes = [segment_bytes(n, d) for n, d in zip(self._arrived_counts, self._arrived_dtypes[label])]
+        per_rank = len(self._keys)
+        return [sum(sizes[r * per_rank: (r + 1) * per_rank]) for r in range(self._world_size)]
 
     @property
     def input_splits(self) -> Dict[str, List[int]]:
@@ -159,34 +204,38 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
 
     _recat = recat  # TorchRec's attribute name
 
+    def _unpack(self, label: str, order: List[int]) -> torch.Tensor:
+        """`label`'s packed segments, cast back to the senders' dtype, feature-major."""
+        return unpack(self._pending[label].wait(), self._arrived_counts,
+                      self._arrived_dtypes[label], self._dtypes[label], order,
+                      f"kjt_all_to_all_{label}_unpacked")
+
     def _wait_impl(self) -> KeyedJaggedTensor:
-        got = {label: pending.wait() for label, pending in self._pending.items()}
-        lengths, values, weights = got["lengths"], got["values"], got.get("weights")
         num_local, world_size = len(self._keys), self._world_size
-        order = rank_order(world_size, self._stagger)
-        length_per_key = [sum(c) for c in self.values_per_key_per_rank]
-        if num_local and lengths.numel() and world_size > 1:  # one rank: already feature-major
+        lengths = self._pending["lengths"].wait().to(self._dtypes["lengths"])
+        if world_size == 1:
+            values = self._pending["values"].wait()
+            weights = self._pending["weights"].wait() if "weights" in self._pending else None
+        else:
             recat = self._segment_recat()
-            if not self.variable_stride:
-                lengths, values, weights = ops.permute_2D_sparse_data(
-                    recat, lengths.view(num_local * world_size, -1), values, weights,
-                    sum(length_per_key),
-                )
-                lengths = lengths.reshape(-1)
-            else:
+            order = recat.tolist()
+            values = self._unpack("values", order)
+            weights = self._unpack("weights", order) if "weights" in self._pending else None
+            if lengths.numel() and not self.variable_stride:
+                lengths = lengths.view(num_local * world_size, -1).index_select(0, recat).view(-1)
+            elif lengths.numel():
                 _, lengths, _ = ops.permute_1D_sparse_data(
                     recat, self._segment_strides, lengths, None, lengths.numel()
                 )
-                _, values, weights = ops.permute_1D_sparse_data(
-                    recat, self._segment_counts, values, weights, values.numel()
-                )
         spkpr = None
         if self._vbe:
-            spkpr = [[row[r] for r in order] for row in self.stride_per_key_per_rank]
+            order_ranks = rank_order(world_size, self._stagger)
+            spkpr = [[row[r] for r in order_ranks] for row in self.stride_per_key_per_rank]
         return KeyedJaggedTensor(
             self._keys, values, weights, lengths=lengths,
             stride=None if spkpr else sum(self.stride_per_rank),
-            stride_per_key_per_rank=spkpr, length_per_key=length_per_key, validate=False,
+            stride_per_key_per_rank=spkpr,
+            length_per_key=[sum(c) for c in self.values_per_key_per_rank], validate=False,
         )
 
 
@@ -200,16 +249,15 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         splits: List[int],
         stagger: int,
         input_error: Optional[str],
+        id_rows: Sequence[Optional[int]],
     ) -> None:
         super().__init__()
         self._pg, self._splits, self._stagger = pg, splits, stagger
         self._rank, world_size = dist.get_rank(pg), dist.get_world_size(pg)
         self._input_error = input_error if input_error is not None else _check_input(kjt, splits)
+        self._bounds = [sum(splits[:r]) for r in range(len(splits) + 1)]  # key ranges by rank
         width = _FIXED + 2 * max(splits, default=0) + MSG_WORDS
         sent = torch.zeros(world_size, width, dtype=torch.int64)  # built on the host
-        self._tensors: Dict[str, torch.Tensor] = {}
-        self._input_splits: Dict[str, List[int]] = {}
-        self._keys: List[str] = []
         if self._input_error is not None:
             sent[:, _REJECTED] = 1
             sent[:, width - MSG_WORDS:] = encode_message(self._input_error)
@@ -218,34 +266,60 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         if world_size == 1:
             self._received, self._work = sent, None
         else:  # NCCL needs device tensors; gloo takes host ones
-            sent = sent.to(kjt.values().device if dist.get_backend(pg) == "nccl" else "cpu")
-            self._received = torch.empty_like(sent)
-            self._work = dist.all_to_all_single(self._received, sent, group=pg, async_op=True)
+            wire = sent.to(kjt.values().device if dist.get_backend(pg) == "nccl" else "cpu")
+            self._received = torch.empty_like(wire)
+            self._work = dist.all_to_all_single(self._received, wire, group=pg, async_op=True)
+        # packing the ids overlaps the splits exchange
+        self._outgoing = self._pack(kjt, id_rows, world_size) if self._input_error is None else None
 
     def _fill(self, sent: torch.Tensor, kjt: KeyedJaggedTensor) -> None:
-        """Metadata rows (one per destination) and the tensors to send in stage 2."""
-        strides, counts = kjt.stride_per_key(), kjt.length_per_key()
-        bounds = [sum(self._splits[:r]) for r in range(len(self._splits) + 1)]
-        weights = kjt.weights_or_none()
+        """Metadata rows, one per destination."""
+        strides, counts, bounds = kjt.stride_per_key(), kjt.length_per_key(), self._bounds
+        lengths, weights = kjt.lengths(), kjt.weights_or_none()
         sent[:, _VBE] = int(kjt.variable_stride_per_key())
         sent[:, _STRIDE] = kjt.stride()
-        sent[:, _LENGTHS_DTYPE] = _dtype_code(kjt.lengths())
+        sent[:, _LENGTHS_DTYPE] = _dtype_code(lengths)
         sent[:, _VALUES_DTYPE] = _dtype_code(kjt.values())
         sent[:, _WEIGHTS_DTYPE] = _dtype_code(weights)
+        if lengths.numel():
+            low, high = torch.aminmax(lengths)
+            sent[:, _LENGTHS_MIN], sent[:, _LENGTHS_MAX] = int(low), int(high)
         for r, num in enumerate(self._splits):
             lo, hi = bounds[r], bounds[r + 1]
             sent[r, _FIXED: _FIXED + num] = torch.tensor(strides[lo:hi], dtype=torch.int64)
             sent[r, _FIXED + num: _FIXED + 2 * num] = torch.tensor(counts[lo:hi], dtype=torch.int64)
+
+    def _pack(
+        self, kjt: KeyedJaggedTensor, id_rows: Sequence[Optional[int]], world_size: int
+    ) -> _Outgoing:
+        """The tensors to send, ids and weights packed per key when there are other ranks."""
+        strides, counts, bounds = kjt.stride_per_key(), kjt.length_per_key(), self._bounds
+        values, weights = kjt.values(), kjt.weights_or_none()
+        id_dtypes = [id_wire_dtype(rows, values.dtype) for rows in id_rows]
         me = self._rank
-        self._keys = kjt.keys()[bounds[me]: bounds[me + 1]]
-        self._input_splits = {
-            "lengths": [sum(strides[bounds[r]: bounds[r + 1]]) for r in range(len(self._splits))],
-            "values": [sum(counts[bounds[r]: bounds[r + 1]]) for r in range(len(self._splits))],
-        }
-        self._tensors = {"lengths": kjt.lengths(), "values": kjt.values()}
+        per_rank = [range(bounds[r], bounds[r + 1]) for r in range(len(self._splits))]
+        sent = _Outgoing(
+            keys=kjt.keys()[bounds[me]: bounds[me + 1]],
+            input_splits={"lengths": [sum(strides[k] for k in keys) for keys in per_rank],
+                          "values": [sum(counts[k] for k in keys) for keys in per_rank]},
+            lengths=kjt.lengths(), values=values, weights=weights, wire_splits={},
+            local_id_dtypes=id_dtypes[bounds[me]: bounds[me + 1]],
+            dtypes={"lengths": kjt.lengths().dtype, "values": values.dtype},
+        )
         if weights is not None:
-            self._input_splits["weights"] = self._input_splits["values"]
-            self._tensors["weights"] = weights
+            sent.input_splits["weights"] = sent.input_splits["values"]
+            sent.dtypes["weights"] = weights.dtype
+        if world_size == 1:
+            return sent
+        sent.values = pack(values, counts, id_dtypes, "kjt_all_to_all_values_packed")
+        sent.wire_splits["values"] = [sum(segment_bytes(counts[k], id_dtypes[k]) for k in keys)
+                                      for keys in per_rank]
+        if weights is not None:
+            weight_dtypes = [weights.dtype] * len(counts)
+            sent.weights = pack(weights, counts, weight_dtypes, "kjt_all_to_all_weights_packed")
+            sent.wire_splits["weights"] = [
+                sum(segment_bytes(counts[k], weights.dtype) for k in keys) for keys in per_rank]
+        return sent
 
     def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
         wait_work(self._work, "kjt_all_to_all_splits", pg=self._pg)
@@ -257,9 +331,13 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             if len(set(codes)) > 1:
                 per_rank = ", ".join(f"rank {r} {_dtype_name(c)}" for r, c in enumerate(codes))
                 raise ValueError(f"KJTAllToAll: ranks disagree on the {label} dtype: {per_rank}")
-        return KJTAllToAllTensorsAwaitable(
-            self._pg, self._keys, received, self._input_splits, self._tensors, self._stagger
-        )
+        sent = self._outgoing
+        assert sent is not None  # a rejected input raised above
+        # every rank saw every rank's range of lengths: all pick the same wire dtype
+        wire = narrowest(int(received[:, _LENGTHS_MIN].min()), int(received[:, _LENGTHS_MAX].max()))
+        if received.size(0) > 1 and wire.itemsize < sent.lengths.dtype.itemsize:
+            sent.lengths = sent.lengths.to(wire)
+        return KJTAllToAllTensorsAwaitable(self._pg, received, sent, self._stagger)
 
 
 def _check_input(kjt: KeyedJaggedTensor, splits: List[int]) -> Optional[str]:
@@ -288,7 +366,8 @@ class KJTAllToAll(nn.Module):
     `kjt_a2a(kjt, input_error=None)` -> `Awaitable[Awaitable[KeyedJaggedTensor]]`. A rank
     whose input is bad passes `input_error` (bad keys / dtypes are detected here too):
     the first `wait()` then raises `ValueError(input_error)` on it and
-    `RuntimeError("rank R rejected its input: ...")` on every other rank.
+    `RuntimeError("rank R rejected its input: ...")` on every other rank. `set_id_rows`
+    tells it the range of each key's ids, so they travel in fewer bytes.
     """
 
     def __init__(self, pg: dist.ProcessGroup, splits: List[int], stagger: int = 1) -> None:
@@ -302,11 +381,21 @@ class KJTAllToAll(nn.Module):
         if stagger < 1 or world_size % stagger:
             raise ValueError(f"KJTAllToAll: stagger {stagger} must divide world size {world_size}")
         self._pg, self._splits, self._stagger = pg, list(splits), stagger
+        self._id_rows: List[Optional[int]] = [None] * sum(splits)
+
+    def set_id_rows(self, rows_per_key: Sequence[Optional[int]]) -> None:
+        """The ids of key k lie in `[0, rows_per_key[k])` (the caller checked them; None: any
+        value), so they travel in the narrowest type that holds them (`comm/wire.py`). The
+        same list on every rank; without it ids travel in their own dtype."""
+        if len(rows_per_key) != sum(self._splits):
+            raise ValueError(f"KJTAllToAll.set_id_rows: {len(rows_per_key)} keys' rows for "
+                             f"splits {self._splits} ({sum(self._splits)} keys)")
+        self._id_rows = list(rows_per_key)
 
     def forward(
         self, input: KeyedJaggedTensor, input_error: Optional[str] = None
     ) -> KJTAllToAllSplitsAwaitable:
         with torch.no_grad():
             return KJTAllToAllSplitsAwaitable(
-                self._pg, input, self._splits, self._stagger, input_error
+                self._pg, input, self._splits, self._stagger, input_error, self._id_rows
             )

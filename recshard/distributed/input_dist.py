@@ -102,6 +102,10 @@ class CollectionInputDist:
         self._wire_features = [f for s in shardings for f in s.input_features]
         self._wire_splits = [len(s.input_features) for s in shardings]
         self._permute_cache: Dict[Tuple[str, ...], torch.Tensor] = {}
+        checked = {name: rows for name, (table, rows) in self._feature_to_table.items()
+                   if self._bounds_modes[table] != BoundsCheckMode.NONE}
+        for sharding in shardings:  # their ids are checked before they are sent
+            sharding.set_checked_rows(checked)
 
     def _checked(self, features: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, Optional[str]]:
         """(the batch to route, None) or (the batch, why it is rejected)."""

@@ -158,6 +158,11 @@ class EmbeddingSharding(nn.Module, abc.ABC):
         """A fresh context for one batch."""
         return EmbeddingShardingContext()
 
+    def set_checked_rows(self, rows: Dict[str, int]) -> None:
+        """The input dist checks that every id of these embedding names lies in `[0, rows)`
+        before `input_dist`: a sharding that sends ids can send them in fewer bytes
+        (`KJTAllToAll.set_id_rows`). Nothing to do for one that sends none."""
+
     @abc.abstractmethod
     def input_dist(
         self, features: KeyedJaggedTensor, ctx: EmbeddingShardingContext,

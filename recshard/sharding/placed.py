@@ -10,7 +10,7 @@ the pooled columns back with one all-to-all. Table-column-wise differs only in p
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -62,6 +62,9 @@ class PlacedPooledSharding(EmbeddingSharding):
         this order, straight from the pooled all-to-all's receive buffer."""
         self._pooled_a2a.set_column_order(cut_at_chunks(spans, self._dim_sum_per_rank))
         return True
+
+    def set_checked_rows(self, rows: Dict[str, int]) -> None:
+        self._kjt_a2a.set_id_rows([rows.get(f) for f in self.input_features])
 
     def input_dist(
         self, features: KeyedJaggedTensor, ctx: EmbeddingShardingContext,

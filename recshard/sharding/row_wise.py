@@ -131,6 +131,15 @@ class RowWisePooledSharding(EmbeddingSharding):
     def create_context(self) -> RowWiseShardingContext:
         return RowWiseShardingContext()
 
+    def set_checked_rows(self, rows: Dict[str, int]) -> None:
+        """A checked id, bucketized, lies in its row block."""
+        per_key: List[Optional[int]] = []
+        for group, blocks in zip(self._groups, self._block_sizes):
+            names = [f for s in group for f in s.embedding_names]
+            bucket = [b if f in rows else None for f, b in zip(names, blocks.tolist())]
+            per_key += bucket * self.group_size
+        self._kjt_a2a.set_id_rows(per_key)
+
     def input_dist(
         self, features: KeyedJaggedTensor, ctx: RowWiseShardingContext,
         input_error: Optional[str]

@@ -80,6 +80,13 @@ class _SequenceSharding(EmbeddingSharding):
     def create_context(self) -> SequenceShardingContext:
         return SequenceShardingContext()
 
+    def set_checked_rows(self, rows: Dict[str, int]) -> None:
+        self._kjt_a2a.set_id_rows(self._routed_rows(rows))
+
+    def _routed_rows(self, rows: Dict[str, int]) -> List[Optional[int]]:
+        """Per key of the routed KJT, the rows its checked ids lie in (None: unchecked)."""
+        return [rows.get(f) for f in self.input_features]
+
     def _route(self, features: KeyedJaggedTensor, ctx: SequenceShardingContext) -> KeyedJaggedTensor:
         return features
 
@@ -187,6 +194,12 @@ class RowWiseSequenceSharding(_SequenceSharding):
         )
         self.lookup = make_lookup([s.local_table(env.rank) for s in ordered], False, device, False)
         self._make_dists([len(self.input_features)] * world)
+
+    def _routed_rows(self, rows: Dict[str, int]) -> List[Optional[int]]:
+        """A checked id, bucketized, lies in its row block (keys bucket-major)."""
+        blocks = self._block_sizes.tolist()
+        bucket = [b if f in rows else None for f, b in zip(self.input_features, blocks)]
+        return bucket * self.env.world_size
 
     def _route(self, features: KeyedJaggedTensor, ctx: SequenceShardingContext) -> KeyedJaggedTensor:
         """Bucket-major KJT (keys repeated once per rank, ids rebased to the row block)."""

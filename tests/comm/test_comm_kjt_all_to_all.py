@@ -29,6 +29,7 @@ class Case(NamedTuple):
     weighted: bool = False
     vbe: bool = False  # a batch size per key (rank r, key k: (r + k) % 3)
     stagger: int = 1
+    narrow: bool = False  # `set_id_rows`: ids (< 400 000) travel as int32
 
 
 def _bags(case: Case, rank: int) -> List[List[Bag]]:
@@ -75,7 +76,10 @@ def _expected(case: Case, rank: int, ws: int) -> Tuple[List[str], List[int], Lis
 
 def _check_case(case: Case, rank: int, ws: int) -> None:
     kjt = _kjt(case, rank)
-    splits_awaitable = KJTAllToAll(dist.group.WORLD, case.splits, case.stagger)(kjt)
+    a2a = KJTAllToAll(dist.group.WORLD, case.splits, case.stagger)
+    if case.narrow:
+        a2a.set_id_rows([400_000] * sum(case.splits))
+    splits_awaitable = a2a(kjt)
     tensors_awaitable = splits_awaitable.wait()
     out = tensors_awaitable.wait()
     keys, lengths, values = _expected(case, rank, ws)
@@ -147,7 +151,7 @@ def _cases(ws: int) -> List[Case]:
     if ws == 4:
         cases.append(Case("stagger", [1, 2, 1, 1], [1, 2, 3, 2], stagger=2))
         cases.append(Case("stagger_equal", [1, 2, 1, 1], [2] * 4, weighted=True, stagger=2))
-    return cases
+    return cases + [c._replace(name=c.name + "_narrow", narrow=True) for c in cases]
 
 
 def _run_cases(rank: int, ws: int) -> List[str]:
