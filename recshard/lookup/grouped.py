@@ -4,10 +4,11 @@ Tables are grouped by (dtype, pooling, compute kernel, implementation, fused par
 reordered so each group's features are contiguous; the sharding routes features to this rank
 in `GroupedLookup.tables` order, so the incoming KJT splits into groups without a permute.
 
-On CPU a fbgemm group is cut into one kernel per torch thread (`torch.get_num_threads()` when
-the lookup is built) and the fused kernels run side by side (`recshard.lookup.threads`):
-fbgemm's CPU backward and fused update use one thread per kernel. The cut never reorders
-features; dense kernels always run on the caller's thread.
+On CPU with several torch threads (`torch.get_num_threads()` when the lookup is built) a
+fbgemm group is cut into `KERNELS_PER_THREAD` kernels per thread and the fused kernels run
+side by side (`recshard.lookup.threads`): fbgemm's CPU backward and fused update use one
+thread per kernel, and the extra kernels let the threads share uneven tables evenly. The cut
+never reorders features; dense kernels always run on the caller's thread.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from recshard.sparse import jagged_ops as ops
 from recshard.types import EmbeddingComputeKernel
 
 _FBGEMM_DTYPES = (DataType.FP32, DataType.FP16)
+# Kernels per torch thread when a rank has several: more even work per thread, at ~0.1 ms
+# of fbgemm call overhead per extra kernel and pass.
+KERNELS_PER_THREAD = 2
 
 
 def uses_fbgemm(table: LocalTable, is_weighted: bool) -> bool:
@@ -121,7 +125,8 @@ class GroupedLookup(nn.Module):
         self.kernels = nn.ModuleList(
             _build_kernel(run, pooled, fbgemm, device)
             for fbgemm, group in group_tables(tables, is_weighted)
-            for run in (split_evenly(group, threads) if fbgemm else [group])
+            for run in (split_evenly(group, threads * KERNELS_PER_THREAD if threads > 1 else 1)
+                        if fbgemm else [group])
         )
         self.side_by_side = threads > 1 and sum(k.is_fused for k in self.kernels) > 1
         self.tables: List[LocalTable] = [t for k in self.kernels for t in k.tables]
@@ -158,6 +163,7 @@ class GroupedLookup(nn.Module):
         """Fused kernels on torch's threads, the others on this one; outputs in kernel order."""
         fused = [i for i, kernel in enumerate(self.kernels) if kernel.is_fused]
         outputs = dict(zip(fused, run_side_by_side([self.kernels[i] for i in fused],
-                                                   [parts[i] for i in fused])))
+                                                   [parts[i] for i in fused],
+                                                   [parts[i].values().numel() for i in fused])))
         return [outputs[i] if i in outputs else kernel(parts[i])
                 for i, kernel in enumerate(self.kernels)]

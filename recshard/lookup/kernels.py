@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recshard.lookup.fused_params import FusedOptimSpec, apply_row_update, fbgemm_optim_kwargs
+from recshard.lookup.huge_pages import huge_page_zeros
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE, PoolingType
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor
@@ -49,6 +50,14 @@ class LookupKernel(nn.Module):
 
 def _mean_divisor(lengths: torch.Tensor) -> torch.Tensor:
     return lengths.clamp(min=1).unsqueeze(1).to(torch.float32)
+
+
+def _host_weights(tables: List[LocalTable], on_cuda: bool) -> Optional[Dict[str, torch.Tensor]]:
+    """On CPU, the TBE's weight storage (fp32, its default precision: every table's rows x
+    cols back to back) on huge pages (`recshard.lookup.huge_pages`); fbgemm checks the size."""
+    if on_cuda:
+        return None
+    return {"weights": huge_page_zeros(sum(t.rows * t.cols for t in tables), torch.float32)}
 
 
 class FbgemmFusedKernel(LookupKernel):
@@ -101,6 +110,7 @@ class FbgemmFusedKernel(LookupKernel):
             # ids were checked (per the table's BoundsCheckMode) before the input dist, and
             # row-wise ids are rebased into range: no second pass over every id here
             bounds_check_mode=FbgemmBoundsCheckMode.NONE,
+            preallocated_host_buffers=_host_weights(tables, on_cuda),
             **fbgemm_optim_kwargs(spec),
         )
         for param in self.tbe.parameters():  # updated in backward: no dense optimizer, no DDP

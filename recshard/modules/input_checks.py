@@ -83,14 +83,15 @@ def check_dtypes_and_weights(kjt: KeyedJaggedTensor, is_weighted: bool, owner: s
 
 
 def keys_with_bad_ids(kjt: KeyedJaggedTensor, rows_per_key: List[int]) -> List[int]:
-    """Indices of keys holding an id outside [0, rows): one min and one max per key over
+    """Indices of keys holding an id outside [0, rows): one `aminmax` pass per key over
     views of `values`, then one comparison (no per-id temporaries on the good path)."""
     segments = torch.split(kjt.values(), kjt.length_per_key())
     nonempty = [i for i, segment in enumerate(segments) if segment.numel()]
     if not nonempty:
         return []
-    lows = torch.stack([segments[i].min() for i in nonempty])
-    highs = torch.stack([segments[i].max() for i in nonempty])
+    extremes = [torch.aminmax(segments[i]) for i in nonempty]
+    lows = torch.stack([low for low, _ in extremes])
+    highs = torch.stack([high for _, high in extremes])
     bounds = torch.tensor([rows_per_key[i] for i in nonempty], device=highs.device)
     bad = (lows < 0) | (highs >= bounds)
     return [nonempty[j] for j in torch.nonzero(bad).flatten().tolist()]

@@ -1,8 +1,8 @@
 """Kernels side by side on torch's threads give exactly what the one-thread lookup gives.
 
-`GroupedLookup` built with 2 threads cuts a fbgemm group into 2 kernels and runs them
-concurrently, forward and backward (`recshard.lookup.threads`); built with 1 thread it keeps
-one kernel. Both must produce the same outputs, the same tables and optimizer states after
+`GroupedLookup` built with 2 threads cuts a fbgemm group into `2 * KERNELS_PER_THREAD`
+kernels (at most one per table) and runs them concurrently, forward and backward
+(`recshard.lookup.threads`); built with 1 thread it keeps one kernel. Both must produce the same outputs, the same tables and optimizer states after
 several fused steps, and the same per-sample-weight gradients.
 """
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from recshard.lookup.fused_params import ANY_KERNEL, OptimType
-from recshard.lookup.grouped import GroupedLookup, split_evenly
+from recshard.lookup.grouped import KERNELS_PER_THREAD, GroupedLookup, split_evenly
 from recshard.lookup.tables import LocalTable
 from recshard.lookup.threads import run_side_by_side
 from recshard.modules import EmbeddingBagConfig, EmbeddingConfig, PoolingType
@@ -79,7 +79,8 @@ def test_two_threads_equal_one_thread(optim: OptimType, pooled: bool, weighted: 
     tables = fbgemm_tables(optim, pooled, PoolingType.SUM)
     serial = build(tables, pooled, 1, weighted)
     parallel = build(tables, pooled, 2, weighted)
-    assert len(serial.kernels) == 1 and len(parallel.kernels) == 2 and parallel.side_by_side
+    assert len(serial.kernels) == 1 and parallel.side_by_side
+    assert len(parallel.kernels) == min(len(tables), 2 * KERNELS_PER_THREAD)
     assert [t.name for t in parallel.tables] == [t.name for t in serial.tables]
     for a, b in zip(serial.table_weights(), parallel.table_weights()):
         b.data.copy_(a.data)
@@ -141,14 +142,34 @@ class _Doubles(nn.Module):
 
 def test_an_error_on_a_worker_thread_reaches_the_caller() -> None:
     with torch_threads(2), pytest.raises(ValueError, match="kernel failed on 3 ids"):
-        run_side_by_side([_Doubles(), _Fails()], [torch.ones(2), torch.ones(3)])
+        run_side_by_side([_Doubles(), _Fails()], [torch.ones(2), torch.ones(3)], [2, 3])
 
 
 def test_side_by_side_returns_outputs_in_kernel_order() -> None:
     x = torch.arange(6.0)
     with torch_threads(2):
-        outputs = run_side_by_side([_Doubles(), _Doubles(), _Doubles()], list(x.split([1, 2, 3])))
+        outputs = run_side_by_side([_Doubles(), _Doubles(), _Doubles()], list(x.split([1, 2, 3])),
+                                   [1, 2, 3])
     assert [out.tolist() for out in outputs] == [[0.0], [2.0, 4.0], [6.0, 8.0, 10.0]]
+
+
+class _Records(nn.Module):
+    def __init__(self, name: str, started: List[str]) -> None:
+        super().__init__()
+        self.name, self.started = name, started
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.started.append(self.name)
+        return x
+
+
+def test_costliest_kernels_start_first() -> None:
+    """One thread drains the queue alone: it takes the kernels by cost, most ids first."""
+    started: List[str] = []
+    kernels = [_Records(name, started) for name in "abc"]
+    with torch_threads(1):
+        outputs = run_side_by_side(kernels, [torch.ones(1)] * 3, [1, 5, 3])
+    assert started == ["b", "c", "a"] and len(outputs) == 3
 
 
 def test_split_evenly_keeps_order_and_balances_features() -> None:
@@ -168,7 +189,7 @@ def test_dense_kernels_stay_on_the_callers_thread() -> None:
                         ROWS, 4, 0, 0, EmbeddingComputeKernel.DENSE, pooling)
              for i, pooling in enumerate([PoolingType.SUM, PoolingType.MEAN])]
     lookup = build(fused + dense, True, 2, False)
-    assert lookup.side_by_side and sum(k.is_fused for k in lookup.kernels) == 2
+    assert lookup.side_by_side and sum(k.is_fused for k in lookup.kernels) == 2 * KERNELS_PER_THREAD
     hook_threads: List[str] = []
     for kernel in lookup.kernels:
         for weight in ([] if kernel.is_fused else kernel.table_weights()):
