@@ -151,7 +151,7 @@ class CollectionInputDist:
         if error is None:
             if features.keys() != self._wire_features:  # already in wire order: no copy
                 permutation = self._wire_permutation(features.keys())
-                features = features.permute(permutation.tolist(), permutation.to(features.device))
+                features = features.permute(permutation.tolist(), permutation.to(features.device()))
             parts = features.split(self._wire_splits) if len(self._wire_splits) > 1 else [features]
         else:
             parts = [_placeholder(s.input_features) for s in self._shardings]

@@ -220,8 +220,8 @@ class EmbeddingBagCollection(_EmbeddingTables):
         value_at, entry_at = features.offset_per_key(), features.lengths_offset_per_key()
         table_entries = torch.tensor(
             [entry_at[s.first + s.count] - entry_at[s.first] for s in self._spans],
-            device=features.device)
-        table_starts = torch.tensor([value_at[s.first] for s in self._spans], device=features.device)
+            device=features.device())
+        table_starts = torch.tensor([value_at[s.first] for s in self._spans], device=features.device())
         starts = features.offsets()[:-1] - table_starts.repeat_interleave(
             table_entries, output_size=entry_at[-1])
         counts = None

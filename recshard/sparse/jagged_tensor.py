@@ -7,6 +7,7 @@ from typing import List, Optional
 import torch
 
 from recshard.sparse import jagged_ops as ops
+from recshard.sparse.traceable import TraceableConstruction
 
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -29,9 +30,12 @@ def values_string(values: torch.Tensor, offsets: List[int]) -> str:
     return str(rows)
 
 
-class JaggedStorage:
+class JaggedStorage(metaclass=TraceableConstruction):
     """values / weights / lengths / offsets, with lengths and offsets derived from each other
-    on first use and cached. Shared by JaggedTensor and KeyedJaggedTensor."""
+    on first use and cached. Shared by JaggedTensor and KeyedJaggedTensor.
+
+    Built from symbolic values inside a torch.fx trace, a sparse type becomes one graph node
+    (`TraceableConstruction`, as TorchRec's), so models that build KJTs in `forward` trace."""
 
     _values: torch.Tensor
     _weights: Optional[torch.Tensor]

@@ -160,9 +160,9 @@ class KeyedJaggedTensor(JaggedStorage):
         weights = kjt.weights_or_none()
         return KeyedJaggedTensor(
             [],
-            torch.empty(0, dtype=kjt.values().dtype, device=kjt.device),
-            None if weights is None else torch.empty(0, dtype=weights.dtype, device=kjt.device),
-            lengths=torch.empty(0, dtype=kjt.lengths().dtype, device=kjt.device),
+            torch.empty(0, dtype=kjt.values().dtype, device=kjt.device()),
+            None if weights is None else torch.empty(0, dtype=weights.dtype, device=kjt.device()),
+            lengths=torch.empty(0, dtype=kjt.lengths().dtype, device=kjt.device()),
             stride=kjt.stride(),
             stride_per_key_per_rank=kjt._stride_per_key_per_rank,
             validate=False,
@@ -385,14 +385,16 @@ class KeyedJaggedTensor(JaggedStorage):
             if t is not None and t.is_cuda:
                 t.record_stream(stream)
 
-    @property
     def device(self) -> torch.device:
+        """A method, as TorchRec's (`kjt.device()`)."""
         return self._values.device
 
     def __str__(self) -> str:
         """TorchRec's form: one entry per key, rows of values (and weights when present)."""
         if not self._keys:
             return "KeyedJaggedTensor()\n"
+        if self._values.is_meta:
+            return repr(self) + "\n"
         offsets = self.offsets().tolist()
         bounds = self.lengths_offset_per_key()
         entries = []
@@ -410,6 +412,8 @@ class KeyedJaggedTensor(JaggedStorage):
     def __repr__(self) -> str:
         if not self._keys:
             return "KeyedJaggedTensor()"
+        if self._values.is_meta:  # no data to show: shape inference
+            return f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, device='meta')"
         parts = []
         for key, jt in self.to_dict().items():
             rows = [r.tolist() for r in jt.to_dense()]

@@ -6,6 +6,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from recshard.sparse.traceable import TraceableConstruction
+
 
 def offsets_from_sizes(sizes: Sequence[int]) -> List[int]:
     out = [0]
@@ -14,9 +16,10 @@ def offsets_from_sizes(sizes: Sequence[int]) -> List[int]:
     return out
 
 
-class KeyedTensor:
+class KeyedTensor(metaclass=TraceableConstruction):
     """`values` holds one block per key along `key_dim`; key k spans
-    `offset_per_key[k] : offset_per_key[k] + length_per_key[k]`."""
+    `offset_per_key[k] : offset_per_key[k] + length_per_key[k]`. Built from symbolic values in
+    a torch.fx trace, it becomes one graph node (as TorchRec's)."""
 
     def __init__(
         self,
@@ -59,6 +62,9 @@ class KeyedTensor:
 
     def key_dim(self) -> int:
         return self._key_dim
+
+    def device(self) -> torch.device:
+        return self._values.device
 
     def length_per_key(self) -> List[int]:
         return self._length_per_key
