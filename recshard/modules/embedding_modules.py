@@ -41,6 +41,10 @@ from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recshard.sparse.keyed_tensor import offsets_from_sizes
 
 DeviceLike = Union[str, torch.device, None]
+# EC groups stop growing at this many bytes of weights: a group's per-step buffers (rows
+# `[N, D]`, the flat gradient) past glibc's mmap threshold are page-faulted anew every step,
+# which cost more than the per-table calls saved (criteo_like EC: 2x slower uncapped)
+EC_MAX_GROUP_BYTES = 16 << 20
 
 
 def check_unique_tables(tables: Sequence[BaseEmbeddingConfig], owner: str,
@@ -110,7 +114,8 @@ class _EmbeddingTables(nn.Module):
     _tables_attr = ""
 
     def __init__(self, tables: Sequence[BaseEmbeddingConfig],
-                 group_key: Callable[[BaseEmbeddingConfig], Hashable]) -> None:
+                 group_key: Callable[[BaseEmbeddingConfig], Hashable],
+                 max_group_bytes: Optional[int] = None) -> None:
         super().__init__()
         check_unique_tables(tables, type(self).__name__, shared_features=True)
         self._configs = list(tables)
@@ -121,10 +126,18 @@ class _EmbeddingTables(nn.Module):
         for t in sorted(tables, key=lambda t: -t.num_embeddings):
             for f in t.feature_names:
                 self._feature_to_table[f] = (t.name, t.num_embeddings)
-        by_key: Dict[Hashable, List[int]] = {}
+        by_key: Dict[Hashable, List[List[int]]] = {}
+        group_bytes: Dict[Hashable, int] = {}
         for i, t in enumerate(tables):
-            by_key.setdefault(group_key(t), []).append(i)
-        self._groups = _group_spans(tables, list(by_key.values()))
+            size = t.num_embeddings * t.embedding_dim * _dtype_of(t).itemsize
+            key = group_key(t)
+            if key not in by_key or (max_group_bytes is not None
+                                     and group_bytes[key] + size > max_group_bytes):
+                by_key.setdefault(key, []).append([])
+                group_bytes[key] = 0
+            by_key[key][-1].append(i)
+            group_bytes[key] += size
+        self._groups = _group_spans(tables, [g for groups in by_key.values() for g in groups])
         # a feature read by several tables appears once per table
         self._key_order = [f for g in self._groups for s in g.tables for f in s.config.feature_names]
         self._storage = GroupStorage([[s.index for s in g.tables] for g in self._groups])
@@ -339,8 +352,9 @@ class EmbeddingBagCollection(_EmbeddingTables):
 
 class EmbeddingCollection(_EmbeddingTables):
     """Sequence embeddings: one vector per id, returned as `{feature: JaggedTensor}` with
-    values `[N_f, D]` and the input's lengths. On CPU (float32) one fbgemm kernel call looks
-    up the ids of every table sharing a dim and data type; elsewhere one call per table.
+    values `[N_f, D]` and the input's lengths. On CPU (float32) one lookup (and one fbgemm
+    backward call) serves every table sharing a dim and data type, up to
+    `EC_MAX_GROUP_BYTES` of weights per group; elsewhere one call per table.
     Each feature's output is a view of its group's rows."""
 
     _tables_attr = "embeddings"
@@ -357,7 +371,8 @@ class EmbeddingCollection(_EmbeddingTables):
                     f"table '{config.name}': EmbeddingCollection tables are unpooled "
                     f"(pooling NONE), got {config.pooling.value}"
                 )
-        super().__init__(tables, group_key=lambda t: (t.embedding_dim, t.data_type))
+        super().__init__(tables, group_key=lambda t: (t.embedding_dim, t.data_type),
+                         max_group_bytes=EC_MAX_GROUP_BYTES)
         self._need_indices = need_indices
         self.embeddings = nn.ModuleDict()
         for config, weight in zip(tables, self._new_weights(device)):

@@ -27,6 +27,7 @@ from operator import attrgetter, itemgetter
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
@@ -215,7 +216,8 @@ def grouped_pooled_lookup(layout: KernelLayout, flat: torch.Tensor, weights: Seq
 
 class GroupedSequenceLookup(torch.autograd.Function):
     """`[N, D]`: the row of every id in a group's flat storage viewed as one table `[R, D]`
-    (`flat_rows`: ids already shifted by their table's first row and bound-checked)."""
+    (`flat_rows`: ids already shifted by their table's first row and bound-checked; torch's
+    gather checks them against R). Backward: fbgemm's dense kernel, one call."""
 
     @staticmethod
     def forward(ctx: FunctionCtx, layout: KernelLayout, flat: torch.Tensor, flat_rows: torch.Tensor,
@@ -223,9 +225,8 @@ class GroupedSequenceLookup(torch.autograd.Function):
         bags = torch.arange(flat_rows.numel() + 1, dtype=flat_rows.dtype, device=flat_rows.device)
         ctx.layout, ctx.shapes = layout, weights
         ctx.save_for_backward(flat, flat_rows, bags)
-        return torch.ops.fbgemm.split_embedding_codegen_forward_cpu(
-            flat, layout.weights_offsets, layout.dim_offsets, layout.total_dim,
-            layout.hash_size_cumsum, flat_rows, bags, FBGEMM_SUM, None, 0)
+        # torch's row gather: fbgemm's pooled kernel pays per bag, here one bag per id
+        return F.embedding(flat_rows, flat.view(-1, layout.max_dim))
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:

@@ -21,6 +21,7 @@ from recshard import (
     KeyedJaggedTensor,
     PoolingType,
 )
+from recshard.modules.embedding_modules import EC_MAX_GROUP_BYTES
 from recshard.optim import apply_optimizer_in_backward
 
 # two SUM tables of different dims, one MEAN table between them (columns come back in config
@@ -94,7 +95,19 @@ def test_tables_of_a_group_share_one_storage_and_one_kernel_call() -> None:
     assert "aten::embedding_bag" not in calls
     ec = EmbeddingCollection(SEQ_TABLES)
     calls = kernel_calls(lambda: sum(jt.values().sum() for jt in ec(features).values()).backward())
-    assert calls.get("fbgemm::split_embedding_codegen_forward_cpu") == 1
+    assert calls.get("aten::embedding") == 1
+    assert calls.get("fbgemm::split_embedding_backward_codegen_dense_cpu") == 1
+
+
+def test_ec_groups_stop_at_the_byte_cap() -> None:
+    """Past `EC_MAX_GROUP_BYTES` of weights a new group starts (big per-step buffers cost
+    page faults): 3 tables of 6 MiB with a 16 MiB cap make groups of 2 and 1."""
+    rows = (6 << 20) // (4 * 64)
+    ec = EmbeddingCollection([EmbeddingConfig(num_embeddings=rows, embedding_dim=64, name=f"t{i}",
+                                              feature_names=[f"f{i}"]) for i in range(3)])
+    assert EC_MAX_GROUP_BYTES == 16 << 20
+    storage = [e.weight.untyped_storage().data_ptr() for e in ec.embeddings.values()]
+    assert storage[0] == storage[1] != storage[2]
 
 
 @pytest.mark.parametrize("weighted", [False, True])
