@@ -256,6 +256,20 @@ def _group_spans(tables: Sequence[BaseEmbeddingConfig], groups: List[List[int]])
     return spans
 
 
+def pad_to_one_batch(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """A variable-batch KJT as one batch of the largest size: each key's bags followed by
+    empty ones (same values; pooled rows past a key's own batch are zeros, never read)."""
+    strides = features.stride_per_key()
+    batch = max(strides)
+    lengths = features.lengths()
+    filled = torch.arange(batch, device=lengths.device) < torch.tensor(
+        strides, device=lengths.device).unsqueeze(1)  # [F, batch]
+    padded = lengths.new_zeros(len(strides), batch).masked_scatter_(filled, lengths)
+    return KeyedJaggedTensor(
+        features.keys(), features.values(), features.weights_or_none(), lengths=padded.flatten(),
+        stride=batch, length_per_key=features.length_per_key(), validate=False)
+
+
 class EmbeddingBagCollection(_EmbeddingTables):
     """Pooled embeddings: one vector per (feature, sample), returned as a `KeyedTensor`
     `[B, sum of dims]` whose keys are the features in config order.
@@ -291,6 +305,8 @@ class EmbeddingBagCollection(_EmbeddingTables):
         columns = [column_at[at] + d for at, dim in zip(self._lookup_position, self._dims)
                    for d in range(dim)]
         self._columns = None if columns == list(range(len(columns))) else torch.tensor(columns)
+        self._lookup_dims = torch.tensor([s.config.embedding_dim for g in self._groups
+                                          for s in g.tables for _ in range(s.count)])
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
         return self._configs
@@ -299,21 +315,54 @@ class EmbeddingBagCollection(_EmbeddingTables):
         return self._is_weighted
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """`[B, sum of dims]`; with `inverse_indices` (TorchRec's variable batch: each feature
+        pooled at its own batch size, then row b of feature f is its pooled row
+        `inverse[f, b]`) B is the inverse indices' batch."""
         ordered = self._prepare(features, self._is_weighted)
-        if len(set(ordered.stride_per_key())) > 1:
-            raise ValueError(
-                f"EmbeddingBagCollection: features have different batch sizes "
-                f"{dict(zip(ordered.keys(), ordered.stride_per_key()))}; the unsharded "
-                "collection pools one batch"
-            )
+        inverse = features.inverse_indices_or_none()
+        strides = ordered.stride_per_key()
+        if len(set(strides)) > 1:
+            if inverse is None:
+                raise ValueError(
+                    f"EmbeddingBagCollection: features have different batch sizes "
+                    f"{dict(zip(ordered.keys(), strides))} and the input has no inverse_indices "
+                    "to bring them to one batch (TorchRec's variable batch)"
+                )
+            ordered = pad_to_one_batch(ordered)
         weights = table_weights(self.embedding_bags)
         flats = self._flats(weights)
         with self._explained_id_errors(features):
             pooled = [self._pool(ordered, group, flat, weights) for group, flat in zip(self._groups, flats)]
         values = torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]
+        if inverse is not None and inverse[1].numel():
+            values = self._expand(values, inverse, strides)
         if self._columns is not None:
             values = values.index_select(1, self._columns.to(values.device))
         return KeyedTensor(self._embedding_names, self._dims, values)
+
+    def _expand(self, pooled: torch.Tensor, inverse: Tuple[List[str], torch.Tensor],
+                strides: List[int]) -> torch.Tensor:
+        """`[B_out, sum of dims]`: row b of each lookup key's columns is its pooled row
+        `inverse[key, b]`, one gather. Inverse keys are feature names, in any order."""
+        names, indices = inverse
+        row_of = {name: i for i, name in enumerate(names)}
+        missing = [f for f in dict.fromkeys(self._key_order) if f not in row_of]
+        if missing:
+            raise ValueError(f"EmbeddingBagCollection: inverse_indices have no rows for features "
+                             f"{missing} (their keys: {names})")
+        rows = indices.index_select(0, torch.tensor([row_of[f] for f in self._key_order],
+                                                    device=indices.device))  # [F, B_out]
+        bounds = torch.tensor(strides, device=rows.device).unsqueeze(1)
+        bad = (rows < 0) | (rows >= bounds)
+        if bool(bad.any()):
+            key, position = (int(i) for i in torch.nonzero(bad)[0])
+            raise ValueError(
+                f"EmbeddingBagCollection: feature '{self._key_order[key]}': inverse index "
+                f"{int(rows[key, position])} at position {position} is outside its batch of "
+                f"{strides[key]}")
+        row_index = rows.to(pooled.device).repeat_interleave(
+            self._lookup_dims.to(pooled.device), dim=0, output_size=pooled.size(1))
+        return pooled.gather(0, row_index.t())
 
     def _pool(self, features: KeyedJaggedTensor, group: TableGroupSpan, flat: Optional[torch.Tensor],
               weights: Sequence[nn.Parameter]) -> torch.Tensor:
