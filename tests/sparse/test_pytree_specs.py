@@ -1,6 +1,7 @@
-"""fx flatten specs of the sparse types (torch.fx._pytree.tree_flatten_spec, what exported
-and traced programs flatten their inputs with), as TorchRec registers them: a KeyedTensor
-whose keys come in another order is flattened in the spec's key order."""
+"""The sparse types as TorchRec 1.8 treats them where only structure or shapes exist: fx
+flatten specs (torch.fx._pytree.tree_flatten_spec, what exported and traced programs flatten
+their inputs with; a KeyedTensor whose keys come in another order is flattened in the spec's
+key order), and a KeyedJaggedTensor on `meta`."""
 
 from __future__ import annotations
 
@@ -34,3 +35,14 @@ def test_jagged_and_keyed_jagged_specs_give_the_leaves() -> None:
         leaves, spec = pytree.tree_flatten(value)
         got = tree_flatten_spec(value, spec)
         assert len(got) == len(leaves) and all(torch.equal(a, b) for a, b in zip(got, leaves))
+
+
+def test_kjt_on_meta_splits_values_evenly_as_torchrec() -> None:
+    """No data on `meta`: TorchRec 1.8 gives each key values.numel() // keys ids, the rest to
+    the first key (its to_dict, split and offset_per_key then work for shape inference)."""
+    kjt = KeyedJaggedTensor(["a", "b"], torch.empty(3, dtype=torch.long, device="meta"),
+                            lengths=torch.empty(4, dtype=torch.int32, device="meta"))
+    assert kjt.length_per_key() == [2, 1] and kjt.offset_per_key() == [0, 2, 3]
+    jts = kjt.to_dict()
+    assert jts["a"].values().shape == (2,) and jts["b"].values().shape == (1,)
+    assert jts["a"].lengths().shape == (2,) and jts["a"].values().is_meta
