@@ -185,12 +185,16 @@ def test_nonfinite_weights_dropped_under_warning(plan: str) -> None:
         assert len(warnings) == 1 and "table 't0'" in warnings[0], result["warnings"]
 
 
-def test_unsharded_modules_reject_nonfinite_and_float64_weights() -> None:
+def test_unsharded_modules_name_nonfinite_weights_on_validate_and_reject_float64() -> None:
+    """Forward makes no pass over the per-id weights (#19: O(1) checks on the unsharded hot
+    path); `validate_input` names the bad weight."""
     ebc = EmbeddingBagCollection(_configs(True), is_weighted=True)
     weights = torch.ones(5)
     weights[3] = float("-inf")
+    features = _kjt([1, 2, 3, 4, 5], [2, 1, 1, 1], weights)
+    assert not torch.isfinite(ebc(features).values()).all()
     with pytest.raises(ValueError, match=r"table 't1', feature 'f1': weight -inf at position 0"):
-        ebc(_kjt([1, 2, 3, 4, 5], [2, 1, 1, 1], weights))
+        ebc.validate_input(features)
     with pytest.raises(ValueError, match="per-id weights must be float32, got torch.float64"):
         ebc(_kjt([1, 2, 3, 4, 5], [2, 1, 1, 1], torch.ones(5, dtype=torch.float64)))
 

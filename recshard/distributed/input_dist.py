@@ -23,7 +23,12 @@ import torch
 from recshard.comm.verdict import exchange_verdict
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
 from recshard.modules.embedding_modules import embedding_names
-from recshard.modules.input_checks import bounds_check, check_dtypes_and_weights, check_features
+from recshard.modules.input_checks import (
+    bounds_check,
+    check_dtypes_and_weights,
+    check_features,
+    check_one_batch,
+)
 from recshard.sharding.common import EmbeddingSharding, EmbeddingShardingContext
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse.validation import validate_kjt
@@ -83,8 +88,12 @@ class CollectionInputDist:
         fused_params: Dict[str, Any],
         is_weighted: bool,
         shardings: List[EmbeddingSharding],
+        one_batch: bool = False,
     ) -> None:
+        """`one_batch`: the module pools one batch per rank; a variable batch per feature
+        (or inverse_indices) is refused before any collective."""
         self._owner, self._env, self._device = owner, env, device
+        self._one_batch = one_batch
         self._is_weighted = is_weighted
         self._shardings = shardings
         self._feature_names = list(dict.fromkeys(f for c in configs for f in c.feature_names))
@@ -112,6 +121,8 @@ class CollectionInputDist:
         try:
             validate_kjt(features)
             check_features(features, self._feature_names, self._owner)
+            if self._one_batch:
+                check_one_batch(features, self._owner)
             check_dtypes_and_weights(features, self._is_weighted, self._owner)
             if self._copied_features is not None:
                 features = self._copy_shared_features(features)

@@ -153,6 +153,7 @@ class ShardedEmbeddingModule(ShardedModule):
         self._table_plans = dict(table_plans)
         self._fused_params = dict(fused_params or {})
         self._is_weighted = is_weighted
+        self._pooled = pooled
         self._table_fused_params: Dict[str, Dict[str, Any]] = {}
         self._embedding_names = embedding_names(configs)  # the output keys, one per (table, feature)
         self._embedding_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
@@ -181,7 +182,7 @@ class ShardedEmbeddingModule(ShardedModule):
             self.add_module(f"sharding_{name}", sharding)
         self.input = CollectionInputDist(
             self._owner, self.env, self._device, self._configs, self._table_plans,
-            self._fused_params, self._is_weighted, list(shardings.values()))
+            self._fused_params, self._is_weighted, list(shardings.values()), one_batch=self._pooled)
 
     def input_dist(
         self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor

@@ -67,6 +67,25 @@ def check_layout(kjt: KeyedJaggedTensor, owner: str) -> None:
             raise ValueError(f"{owner}: {e}") from None
 
 
+def check_one_batch(kjt: KeyedJaggedTensor, owner: str) -> None:
+    """A sharded pooled module pools one batch per rank: features with different batch sizes
+    (TorchRec's variable batch) or `inverse_indices` (its expansion) are refused, naming them.
+    The unsharded EmbeddingBagCollection takes both."""
+    strides = kjt.stride_per_key()
+    if len(set(strides)) > 1:
+        raise ValueError(
+            f"{owner}: features have different batch sizes {dict(zip(kjt.keys(), strides))}; "
+            "the sharded collection pools one batch per rank (variable batch is supported "
+            "unsharded only)"
+        )
+    inverse = kjt.inverse_indices_or_none()
+    if inverse is not None and inverse[1].numel():
+        raise ValueError(
+            f"{owner}: the input has inverse_indices (features {inverse[0]}); the sharded "
+            "collection does not expand them (supported unsharded only)"
+        )
+
+
 def check_dtypes_and_weights(kjt: KeyedJaggedTensor, is_weighted: bool, owner: str) -> None:
     if kjt.values().dtype not in ID_DTYPES:
         raise ValueError(f"{owner}: ids must be int32 or int64, got {kjt.values().dtype}")

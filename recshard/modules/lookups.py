@@ -1,4 +1,6 @@
-"""The unsharded collections' table lookups, with a backward made for dense gradients on CPU.
+"""One table's lookup for the unsharded collections where fbgemm's grouped CPU kernels do not
+apply (`table_groups.py`: other devices or dtypes, `meta`, export), with a backward made for
+dense gradients on CPU.
 
 Forward is torch's own kernel (`torch.embedding_bag` / `F.embedding`, what `nn.EmbeddingBag`
 and `nn.Embedding` run), so outputs are bit for bit torch's. Backward builds the table's dense

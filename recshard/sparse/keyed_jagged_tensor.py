@@ -228,10 +228,14 @@ class KeyedJaggedTensor(JaggedStorage):
         return offsets_from_sizes(self._stride_per_key)
 
     def length_per_key(self) -> List[int]:
-        """Number of ids of each key (one host sync on first call, then cached)."""
+        """Number of ids of each key (one host sync on first call, then cached). On `meta`
+        (no data) the values split evenly, the remainder to the first key, as TorchRec's."""
         if self._length_per_key is None:
             if not self._keys:
                 self._length_per_key = []
+            elif self._values.is_meta:  # no data: an even split of values (TorchRec's stand-in)
+                share, rest = divmod(self._values.numel(), len(self._keys))
+                self._length_per_key = [share + rest] + [share] * (len(self._keys) - 1)
             elif not self.variable_stride_per_key():
                 lengths = self.lengths()
                 self._length_per_key = (

@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any, List, Optional, Tuple
 
 import torch
+from torch.fx._pytree import register_pytree_flatten_spec
 from torch.utils import _pytree as pytree
 
 from recshard.sparse.jagged_tensor import JaggedTensor
 from recshard.sparse.keyed_jagged_tensor import KeyedJaggedTensor
-from recshard.sparse.keyed_tensor import KeyedTensor
+from recshard.sparse.keyed_tensor import KeyedTensor, permute_multi_embedding
 
 Children = List[Optional[torch.Tensor]]
 
@@ -89,14 +90,34 @@ def _kt_flatten_with_keys(kt: KeyedTensor) -> Tuple[KeyedLeaves, Any]:
     return [(pytree.GetAttrKey("values"), children[0])], context
 
 
+def _kt_flatten_spec(kt: KeyedTensor, spec: pytree.TreeSpec) -> List[torch.Tensor]:
+    """The leaves `spec` expects: values with the spec's keys in the spec's order (an
+    exported program's KeyedTensor may come back with its keys in another order)."""
+    keys = spec.context[0]
+    if kt.keys() == keys:
+        return [kt.values()]
+    return [permute_multi_embedding([kt], [keys])[0]]
+
+
+def _jt_flatten_spec(jt: JaggedTensor, spec: pytree.TreeSpec) -> List[torch.Tensor]:
+    return _jt_flatten(jt)[0]
+
+
+def _kjt_flatten_spec(kjt: KeyedJaggedTensor, spec: pytree.TreeSpec) -> List[torch.Tensor]:
+    return _kjt_flatten(kjt)[0]
+
+
 def register() -> None:
-    for cls, flatten, unflatten, with_keys in (
-        (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten, _kjt_flatten_with_keys),
-        (JaggedTensor, _jt_flatten, _jt_unflatten, _jt_flatten_with_keys),
-        (KeyedTensor, _kt_flatten, _kt_unflatten, _kt_flatten_with_keys),
+    """Pytree nodes (torch.utils._pytree) and their fx flatten specs (torch.fx._pytree's
+    `tree_flatten_spec`, what exported and traced programs flatten their inputs with)."""
+    for cls, flatten, unflatten, with_keys, flatten_spec in (
+        (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten, _kjt_flatten_with_keys, _kjt_flatten_spec),
+        (JaggedTensor, _jt_flatten, _jt_unflatten, _jt_flatten_with_keys, _jt_flatten_spec),
+        (KeyedTensor, _kt_flatten, _kt_unflatten, _kt_flatten_with_keys, _kt_flatten_spec),
     ):
         if cls not in pytree.SUPPORTED_NODES:
             pytree.register_pytree_node(
                 cls, flatten, unflatten, serialized_type_name=f"recshard.{cls.__name__}",
                 flatten_with_keys_fn=with_keys,
             )
+            register_pytree_flatten_spec(cls, flatten_spec)
