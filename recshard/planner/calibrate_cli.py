@@ -2,7 +2,8 @@
 
 Alone it measures the lookup kernels; under torchrun (`torchrun --nproc_per_node N -m
 recshard.planner calibrate -o profile.json`) every rank also measures the links between the
-job's ranks (inside a host and, with several hosts, across hosts), and rank 0 writes the file.
+job's ranks (inside a host and, with several hosts, across hosts) and a sharded module's
+per-step overhead per sharding type, and rank 0 writes the file.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import List
 
 import torch.distributed as dist
 
-from recshard.planner.calibrate import CalibrationGrid, calibrate
+from recshard.planner.calibrate import CalibrationGrid
+from recshard.planner.calibrate_step import StepProbe, calibrate_job
 
 
 def calibrate_main(argv: List[str]) -> int:
@@ -39,7 +41,8 @@ def calibrate_main(argv: List[str]) -> int:
         dist.init_process_group("gloo")
     try:
         grid = CalibrationGrid.quick() if args.quick else CalibrationGrid()
-        profile = calibrate(args.budget, grid)
+        profile = calibrate_job(args.budget, grid,
+                                probe=StepProbe.quick() if args.quick else None)
         if not launched or dist.get_rank() == 0:
             profile.save(args.output)
             summary = {"profile": args.output, "seconds": round(profile.seconds, 1),
