@@ -43,9 +43,9 @@ from benchmarks.ebc_workload import CRITEO_KAGGLE_ROWS, LEARNING_RATE, pooling_f
 from benchmarks.ranks import run_ranks
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.distributed import EmbeddingBagCollectionSharder
+from recshard.distributed.calibrate_step import StepProbe, calibrate_job
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, TableMeta, Topology
 from recshard.planner.calibrate import CalibrationGrid
-from recshard.planner.calibrate_step import StepProbe, calibrate_job
 from recshard.planner.plan_io import plan_to_dict
 from recshard.planner.plan_stats import plan_stats
 from recshard.planner.profile import CalibrationProfile

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
+from recshard.distributed.calibrate_step import StepProbe, calibrate_job, fit_work
 from recshard.planner import EmbeddingPerfEstimator, TableMeta, Topology
 from recshard.planner.calibrate import CalibrationGrid
-from recshard.planner.calibrate_step import StepProbe, calibrate_job, fit_work
 from recshard.planner.estimators import data_parallel_exchange
 from recshard.planner.profile import (
     STEP_TYPES,

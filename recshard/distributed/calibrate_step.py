@@ -11,13 +11,16 @@ batches 256 to 1024) are timed per sharding type, and what the slowest rank take
 probes' overhead is fitted per phase as `work_scale` times the kernel and link fits' estimate
 for the slowest rank (`plan_stats`; `fit_work`): the copies, permutes and caches shared with
 the other tables that the isolated fits leave out. It scales every shard's estimate. Both run on the job's own
-ranks, so their links are in it. Kept apart from `recshard.planner.calibrate` because it builds
-sharded modules (`recshard.distributed` imports the planner).
+ranks, so their links are in it. It lives in `recshard.distributed`, not beside
+`recshard.planner.calibrate`, because it builds sharded modules (a layer above the planner).
+
+    torchrun --nproc_per_node N -m recshard.distributed.calibrate_step -o profile.json
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -29,6 +32,7 @@ from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.modules.embedding_configs import EmbeddingBagConfig
 from recshard.modules.embedding_modules import EmbeddingBagCollection
 from recshard.planner.calibrate import CalibrationGrid, calibrate
+from recshard.planner.calibrate_cli import calibrate_main
 from recshard.planner.plan_stats import plan_stats
 from recshard.planner.planner import EmbeddingShardingPlanner
 from recshard.planner.planner_types import ParameterConstraints, TableMeta, Topology
@@ -189,3 +193,18 @@ def calibrate_job(
         profile.steps = measure_step_costs(group, profile, probe)
         profile.seconds = time.perf_counter() - start
     return profile
+
+
+def _measure(budget_s: float, grid: CalibrationGrid) -> CalibrationProfile:
+    quick = grid == CalibrationGrid.quick()
+    return calibrate_job(budget_s, grid, probe=StepProbe.quick() if quick else None)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """The `recshard-plan calibrate` command line, with the step costs measured too."""
+    return calibrate_main(sys.argv[1:] if argv is None else argv, _measure,
+                          prog="python -m recshard.distributed.calibrate_step")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
