@@ -5,8 +5,8 @@
     ../shared/tools/slowlink 1gbit .venv/bin/python -m benchmarks.planner_accuracy \\
         --local-world-size 1 --link-check fast_profile.json   # item 4: does the link matter?
 
-First a calibration profile is measured on the same ranks (`recshard.planner.calibrate`:
-kernels, and links among the ranks), or read with `--profile`. Workloads: the 26 Criteo-like
+First a calibration profile is measured on the same ranks (`calibrate_job`: kernels, links
+among the ranks, a sharded module's step overhead per sharding type), or read with `--profile`. Workloads: the 26 Criteo-like
 tables of `benchmarks.ebc` (Kaggle sizes capped at `--row-cap` rows), one feature each with a
 fixed pooling factor 1-20 (seed 0), at dims 16, 64 and 128, uniform or Zipf(1.05) ids, per-rank
 batch 512 and 2048. Plans: each sharding type forced on every table (fused kernel;
@@ -43,8 +43,9 @@ from benchmarks.ebc_workload import CRITEO_KAGGLE_ROWS, LEARNING_RATE, pooling_f
 from benchmarks.ranks import run_ranks
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.distributed import EmbeddingBagCollectionSharder
+from recshard.distributed.calibrate_step import StepProbe, calibrate_job
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, TableMeta, Topology
-from recshard.planner.calibrate import CalibrationGrid, calibrate
+from recshard.planner.calibrate import CalibrationGrid
 from recshard.planner.plan_io import plan_to_dict
 from recshard.planner.plan_stats import plan_stats
 from recshard.planner.profile import CalibrationProfile
@@ -108,8 +109,8 @@ def make_batches(w: Workload, row_cap: int, max_pooling: int, seed: int,
 
 def rank_calibrate(args: argparse.Namespace) -> Dict[str, Any]:
     grid = CalibrationGrid.quick() if args.quick else CalibrationGrid()
-    return calibrate(args.calibration_budget, grid,
-                     local_world_size=args.local_world_size).to_dict()
+    return calibrate_job(args.calibration_budget, grid, local_world_size=args.local_world_size,
+                         probe=StepProbe.quick() if args.quick else None).to_dict()
 
 
 def rank_measure(plan: ShardingPlan, w: Workload, args: argparse.Namespace) -> Dict[str, Any]:

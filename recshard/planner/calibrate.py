@@ -1,8 +1,8 @@
 """Measure this machine's costs into a `CalibrationProfile` (`recshard-plan calibrate`).
 
 Kernels: recshard's fused and dense lookup kernels (`GroupedLookup`, exact SGD), forward and
-backward + update, over a grid of embedding dims, pooling factors, batch sizes and (dense)
-table sizes, each point the median of a few timed calls; one least-squares fit per kernel,
+backward + update, over a grid of embedding dims, pooling factors, batch sizes and table
+sizes, each point the median of a few timed calls; one least-squares fit per kernel,
 phase and dim (see `recshard.planner.profile`). Links, when a process group is up (torchrun):
 all-to-all, reduce-scatter and all-gather over a few buffer sizes among the ranks of a host
 and, with several hosts, among the ranks of equal local rank across hosts; fit `latency +
@@ -31,7 +31,13 @@ from recshard.comm.ops import all_gather_base_pooled, reduce_scatter_base_pooled
 from recshard.comm.pg import get_local_size, intra_and_cross_node_pg
 from recshard.lookup import GroupedLookup, LocalTable
 from recshard.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, MemoryCost
+from recshard.planner.profile import (
+    CalibrationProfile,
+    KernelCost,
+    LinkCost,
+    MemoryCost,
+    distinct_rows,
+)
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import EmbeddingComputeKernel
 
@@ -48,7 +54,8 @@ class CalibrationGrid:
     dims: Tuple[int, ...] = (16, 64, 128)
     poolings: Tuple[int, ...] = (1, 4, 32)
     batches: Tuple[int, ...] = (256, 2048)
-    rows: Tuple[int, ...] = (25_000, 100_000)
+    rows: Tuple[int, ...] = (25_000, 100_000)  # dense kernel: its update is per element
+    fused_rows: Tuple[int, ...] = (2_000, 100_000)  # fused: a cache-resident and a cold table
     tables: int = 4  # working sets of 100-400 MB, as a rank's tables
     link_bytes: Tuple[int, ...] = (1 << 14, 1 << 18, 1 << 21, 1 << 23)
     link_repeats: int = 7
@@ -56,6 +63,7 @@ class CalibrationGrid:
     @classmethod
     def quick(cls) -> CalibrationGrid:
         return cls(dims=(16, 32), poolings=(1, 4), batches=(32, 128), rows=(500, 2000),
+                   fused_rows=(200, 2000),
                    link_bytes=(1 << 10, 1 << 14, 1 << 16), link_repeats=3)
 
 
@@ -74,7 +82,8 @@ def calibrate(
     local = local_world_size or (get_local_size(world) if group is not None else 1)
     profile = CalibrationProfile("cpu", torch.get_num_threads(), world, local,
                                  host=socket.gethostname())
-    points = len(grid.dims) * len(grid.poolings) * len(grid.batches) * (1 + len(grid.rows))
+    points = (len(grid.dims) * len(grid.poolings) * len(grid.batches)
+              * (len(grid.fused_rows) + len(grid.rows)))
     per_point_s = 0.8 * budget_s / max(points, 1)
     for dim in grid.dims:
         profile.kernels += measure_kernels(dim, grid, per_point_s)
@@ -140,26 +149,31 @@ Sample = Tuple[float, float, float, float]  # ids, bags, elements, ms
 
 
 def measure_kernels(dim: int, grid: CalibrationGrid, per_point_s: float) -> List[KernelCost]:
-    """Fits for the fused and dense kernels at `dim`, forward and backward + update."""
+    """Fits for the fused and dense kernels at `dim`, forward and backward + update. The
+    fused kernel is timed at each size of `grid.fused_rows` (a cache-resident table and a
+    cold one) and its update's elements are the distinct rows looked up times the dim, so one
+    fit prices any table size and batch (a small table's ids are mostly repeats)."""
     samples: Dict[Tuple[str, str], List[Sample]] = {}
-    cases = [("fused", EmbeddingComputeKernel.FUSED, grid.rows[-1:])]
-    cases.append(("dense", EmbeddingComputeKernel.DENSE, grid.rows))
-    for name, kernel, row_counts in cases:
-        for rows in row_counts:
-            lookup = _lookup(kernel, grid.tables, rows, dim)
-            params = [p for p in lookup.parameters() if p.requires_grad]
-            sgd = torch.optim.SGD(params, lr=_LR) if params else None
-            for batch in grid.batches:
-                for pooling in grid.poolings:
-                    kjt = _batch(grid.tables, rows, batch, pooling, seed=dim + pooling)
-                    fwd, total = _time_point(lookup, sgd, kjt, per_point_s)
-                    work = (float(grid.tables * batch * pooling), float(grid.tables * batch),
-                            float(grid.tables * rows * dim) if name == "dense" else 0.0)
-                    samples.setdefault((name, "fwd"), []).append((*work, fwd))
-                    samples.setdefault((name, "bwd"), []).append((*work, max(total - fwd, 0.0)))
+    cases = [("fused", EmbeddingComputeKernel.FUSED, rows) for rows in grid.fused_rows]
+    cases += [("dense", EmbeddingComputeKernel.DENSE, rows) for rows in grid.rows]
+    for name, kernel, rows in cases:
+        lookup = _lookup(kernel, grid.tables, rows, dim)
+        params = [p for p in lookup.parameters() if p.requires_grad]
+        sgd = torch.optim.SGD(params, lr=_LR) if params else None
+        for batch in grid.batches:
+            for pooling in grid.poolings:
+                kjt = _batch(grid.tables, rows, batch, pooling, seed=dim + pooling)
+                fwd, total = _time_point(lookup, sgd, kjt, per_point_s)
+                ids = float(batch * pooling)
+                updated = rows if name == "dense" else distinct_rows(rows, ids)
+                work = (grid.tables * ids, float(grid.tables * batch),
+                        float(grid.tables * updated * dim))
+                samples.setdefault((name, "fwd"), []).append((*work, fwd))
+                samples.setdefault((name, "bwd"), []).append((*work, max(total - fwd, 0.0)))
     out = []
     for (name, phase), points in samples.items():
-        per_id, per_bag, per_element, per_call = fit_costs(points, with_elements=name == "dense")
+        per_id, per_bag, per_element, per_call = fit_costs(
+            points, with_elements=name == "dense" or phase == "bwd")
         out.append(KernelCost(name, phase, dim, per_id, per_bag, per_element, per_call))
     return out
 

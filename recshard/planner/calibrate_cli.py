@@ -3,6 +3,8 @@
 Alone it measures the lookup kernels; under torchrun (`torchrun --nproc_per_node N -m
 recshard.planner calibrate -o profile.json`) every rank also measures the links between the
 job's ranks (inside a host and, with several hosts, across hosts), and rank 0 writes the file.
+`torchrun ... -m recshard.distributed.calibrate_step -o profile.json` runs the same and adds a
+real sharded module's step costs (it builds sharded modules, a layer above the planner).
 """
 
 from __future__ import annotations
@@ -12,15 +14,21 @@ import json
 import logging
 import os
 import sys
-from typing import List
+from typing import Callable, List
 
 import torch.distributed as dist
 
 from recshard.planner.calibrate import CalibrationGrid, calibrate
+from recshard.planner.profile import CalibrationProfile
+
+Measure = Callable[[float, CalibrationGrid], CalibrationProfile]
 
 
-def calibrate_main(argv: List[str]) -> int:
-    p = argparse.ArgumentParser(prog="recshard-plan calibrate",
+def calibrate_main(argv: List[str], measure: Measure = calibrate,
+                   prog: str = "recshard-plan calibrate") -> int:
+    """Parse `argv`, run `measure(budget, grid)` on every rank, rank 0 writes the profile
+    (`recshard.distributed.calibrate_step` passes its job calibration)."""
+    p = argparse.ArgumentParser(prog=prog,
                                 description="Measure kernel and link costs into a profile.")
     p.add_argument("-o", "--output", required=True, help="write the profile (JSON) here")
     p.add_argument("--budget", type=float, default=35.0,
@@ -39,7 +47,7 @@ def calibrate_main(argv: List[str]) -> int:
         dist.init_process_group("gloo")
     try:
         grid = CalibrationGrid.quick() if args.quick else CalibrationGrid()
-        profile = calibrate(args.budget, grid)
+        profile = measure(args.budget, grid)
         if not launched or dist.get_rank() == 0:
             profile.save(args.output)
             summary = {"profile": args.output, "seconds": round(profile.seconds, 1),

@@ -31,6 +31,8 @@ from recshard.planner.planner_types import (
     TableMeta,
     Topology,
 )
+from recshard.planner.profile import distinct_rows
+from recshard.sharding.data_parallel import ROW_EXCHANGE_MIN_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,24 @@ def shard_traffic(
     return ids * world, bags * world
 
 
+def data_parallel_exchange(table: TableMeta, world: int, batch_size: int,
+                           workload: Optional[Tuple[float, float]] = None
+                           ) -> Tuple[float, int]:
+    """(bytes all-reduced, collectives) per step to average a data-parallel table's gradient.
+    Below `ROW_EXCHANGE_MIN_BYTES` of fp32 gradient: the whole gradient, in an all-reduce
+    shared with the kernel's other small tables (0 collectives of its own). At or above: a
+    one-byte-per-row all-reduce of the rows in use, then the gradient of those rows, or the
+    whole gradient when more than half are in use (2 collectives). Rows in use: the expected
+    distinct rows of `W ids` uniform draws (`distinct_rows`)."""
+    rows, cols = table.num_embeddings, table.embedding_dim
+    grad = 4.0 * rows * cols
+    if grad < ROW_EXCHANGE_MIN_BYTES:
+        return grad, 0
+    ids, _ = workload or table_workload(table, batch_size)
+    used = distinct_rows(rows, world * ids)
+    return float(rows) + (grad if 2 * used > rows else 4.0 * used * cols), 2
+
+
 class _TableFacts:
     """Per-table numbers both estimators reuse for every shard of every option."""
 
@@ -152,15 +172,18 @@ class EmbeddingPerfEstimator:
       reduce-scatter (fwd) / all-gather (bwd) of `bags_out out` over all ranks;
       table-row-wise reduce-scatter in the host then a2a of the `1/Lw` slice across hosts;
       sequence tables use a2a. Data-parallel: fwd 0, bwd an all-reduce of the fp32 gradient
-      `4 rows cols`.
+      `4 rows cols`, or for large tables of the rows in use (`data_parallel_exchange`), each
+      of its own all-reduces adding a reduce-scatter + all-gather latency (calibrated only).
     Link models (W ranks, Lw per host, H hosts; bandwidth counts bytes leaving a rank): a2a of
     `n` bytes sends `(Lw-1)/W n` inside the host and `(W-Lw)/W n` across hosts; a flat ring
     reduce-scatter / all-gather (what row-wise runs) sends `(W-1)/W n` over its slowest link
     (inter-host when H > 1); all-reduce twice that.
     With a calibration profile (`topology.profile`, same compute device), the fused and dense
-    kernels' compute is its measured per-id / per-bag / per-element fit instead (backward
+    kernels' compute is its measured per-id / per-bag / per-element fit instead (elements: the
+    shard's for the dense kernel, its distinct rows looked up times cols for the fused; backward
     scaled by `(row + state_row) / row` for optimizer state beyond exact SGD); the per-call
-    terms and collective latencies are per step, not per shard (`StepTimePerfModel`).
+    terms and collective latencies are per step, not per shard (`StepTimePerfModel`), and a
+    profile that measured a real sharded module scales each phase by its `work_scale`.
     """
 
     def __init__(self, topology: Topology, batch_size: int = 512) -> None:
@@ -176,6 +199,11 @@ class EmbeddingPerfEstimator:
         profile = topo.profile
         self._profile = profile if profile and profile.compute_device == topo.compute_device \
             else None
+        self._allreduce_ms = 0.0  # latency of a table's own all-reduce (measured only)
+        if profile is not None and world > 1:
+            multi_host = topo.num_hosts > 1
+            self._allreduce_ms = sum(profile.latency_ms(c, multi_host) or 0.0
+                                     for c in ("reduce_scatter", "all_gather"))
 
     def kernel_bw(
         self, kernel: str, cache_params: Optional[Dict[str, Any]] = None, rows: int = 1
@@ -230,8 +258,10 @@ class EmbeddingPerfEstimator:
         if table.is_weighted:
             bwd_compute += ids_in * row / bw
         if sharding_type == "data_parallel":
-            grad_bytes = 4.0 * rows * cols
-            return Perf(fwd_compute, 0.0, bwd_compute, 2 * grad_bytes * self._ring_s_per_byte, 0.0)
+            exchanged, collectives = data_parallel_exchange(table, topo.world_size,
+                                                            self.batch_size, facts.workload)
+            comms = 2 * exchanged * self._ring_s_per_byte + collectives * self._allreduce_ms
+            return self._scaled(sharding_type, Perf(fwd_compute, 0.0, bwd_compute, comms, 0.0))
         input_dist = id_bytes * self._a2a_s_per_byte
         if not table.pooled or sharding_type in ("table_wise", "column_wise", "table_column_wise"):
             comms = out_bytes * self._a2a_s_per_byte
@@ -241,16 +271,28 @@ class EmbeddingPerfEstimator:
             lw, hosts = topo.local_world_size, topo.num_hosts
             comms = out_bytes * (lw - 1) / lw / topo.intra_host_bw
             comms += out_bytes / lw * (hosts - 1) / hosts / topo.inter_host_bw
-        return Perf(fwd_compute, comms, bwd_compute, comms, input_dist)
+        return self._scaled(sharding_type, Perf(fwd_compute, comms, bwd_compute, comms,
+                                                input_dist))
+
+    def _scaled(self, sharding_type: str, perf: Perf) -> Perf:
+        """`perf` with each phase times the profile's measured `work_scale` of the type."""
+        if self._profile is None or not self._profile.steps:
+            return perf
+        fwd = self._profile.work_scale(sharding_type, "fwd")
+        bwd = self._profile.work_scale(sharding_type, "bwd")
+        return Perf(perf.fwd_compute * fwd, perf.fwd_comms * fwd, perf.bwd_compute * bwd,
+                    perf.bwd_comms * bwd, perf.input_dist * fwd)
 
     def _measured(self, kernel: str, dense_update: bool, rows: int, cols: int, ids_in: float,
                   bags_out: float, state_ratio: float) -> Optional[Tuple[float, float]]:
         """(fwd, bwd) ms from the calibration profile; None if it lacks the kernel."""
         assert self._profile is not None
         measured_kernel = "dense" if dense_update else kernel
-        fwd = self._profile.kernel_ms(measured_kernel, "fwd", cols, ids_in, bags_out)
-        elements = float(rows) * cols if dense_update else 0.0
-        bwd = self._profile.kernel_ms(measured_kernel, "bwd", cols, ids_in, bags_out, elements)
+        updated = float(rows) if dense_update else distinct_rows(rows, ids_in)
+        fwd = self._profile.kernel_ms(measured_kernel, "fwd", cols, ids_in, bags_out,
+                                      updated * cols)
+        bwd = self._profile.kernel_ms(measured_kernel, "bwd", cols, ids_in, bags_out,
+                                      updated * cols)
         if fwd is None or bwd is None:
             return None
         return fwd, bwd * (1.0 + state_ratio)

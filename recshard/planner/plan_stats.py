@@ -4,7 +4,8 @@ bytes it sends and receives per step, and the estimated step time; max and mean 
 
 Traffic per step counts the input dist (ids, 8 bytes each plus 4 per weight), the output dist
 forward and its gradient backward (`cols x 4` bytes per bag, fp32), and data-parallel's
-gradient all-reduce (ring: `2 (W-1)/W` of the fp32 gradient each way). Row-wise output is a
+gradient all-reduce (ring: `2 (W-1)/W` of what `data_parallel_exchange` sends: the fp32
+gradient, or for large tables the rows in use, each way). Row-wise output is a
 reduce-scatter / all-gather over all ranks (ring: `(W-1)/W` of the `W B cols` buffer each
 way); table-row-wise reduces inside the host and exchanges across hosts among ranks of equal
 local rank. Every rank is assumed to feed the same batch (`batch_size` samples).
@@ -20,6 +21,7 @@ from recshard.plan.validate import PlanValidationError, check_table_plan
 from recshard.planner.estimators import (
     EmbeddingPerfEstimator,
     EmbeddingStorageEstimator,
+    data_parallel_exchange,
     optimizer_state_bytes,
     shard_traffic,
     table_workload,
@@ -172,7 +174,8 @@ def plan_stats(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topolo
     traffic = _Traffic(world, topology.local_world_size)
     groups = []
     for table, ps in match_plan(plan, tables, topology):
-        groups.append((ps.sharding_type, ps.compute_kernel, table.embedding_dim))
+        groups.append((ps.sharding_type, ps.compute_kernel, table.embedding_dim,
+                       len(table.feature_names)))
         s_w = table.data_type.element_size
         shards = _shards(ps, table, world)
         for rank, rows, cols in shards:
@@ -244,8 +247,8 @@ class _Traffic:
         st = ps.sharding_type
         if st == "data_parallel":
             if world > 1:
-                grad = _GRAD_BYTES * table.num_embeddings * table.embedding_dim
-                ring = 2.0 * (world - 1) / world * grad
+                exchanged, _ = data_parallel_exchange(table, world, batch_size)
+                ring = 2.0 * (world - 1) / world * exchanged
                 self._all_sent += ring
                 self._all_recv += ring
             return

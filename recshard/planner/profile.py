@@ -1,24 +1,39 @@
 """A machine's measured costs (`CalibrationProfile`), as `recshard-plan calibrate` writes them.
 
 Kernel costs are least-squares fits of measured milliseconds against the work of one call:
-`ms = ms_per_id ids + ms_per_bag bags + ms_per_element table elements + ms_per_call`, one fit
+`ms = ms_per_id ids + ms_per_bag bags + ms_per_element elements + ms_per_call`, where
+`elements` are what the update touches: the whole table for the dense kernel, the distinct
+rows looked up times the dim for the fused one (`distinct_rows`); one fit
 per (kernel, phase, embedding dim); other dims are interpolated linearly (beyond the measured
 range: scaled in proportion to the dim). Link costs are `ms = latency_ms + bytes / bandwidth`
 fits per collective and link level, where `bytes` is what leaves one rank (the all-to-all
 buffer's `(W-1)/W`, a ring reduce-scatter's / all-gather's `(W-1)/W` of its full buffer).
 Memory (`MemoryCost`, fused kernel): the peak resident memory building a table takes per byte
 of weights, and a training step's transient peak per id looked up and per output byte.
+Step overhead (`StepCost`, per sharding type): what one sharding group of a real sharded module
+costs per step beyond its kernels' work and its bytes on the links (input / output dist calls,
+collective latencies, permutes), `ms = ms_per_group + ms_per_feature features`, and how much
+longer a real module's shards take than their kernel and link fits alone (`work_scale`: the
+copies, permutes and caches shared with the other tables).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
 PHASES = ("fwd", "bwd")  # bwd: backward + optimizer update
 COLLECTIVES = ("all_to_all", "reduce_scatter", "all_gather")
+STEP_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 LEVELS = ("intra", "inter")
+
+
+def distinct_rows(rows: float, ids: float) -> float:
+    """Expected distinct rows among `ids` uniform draws from `rows` rows (skewed ids hit
+    fewer: an upper bound)."""
+    return rows * -math.expm1(-ids / rows) if rows > 0 else 0.0
 
 
 @dataclass
@@ -56,6 +71,17 @@ class MemoryCost:
 
 
 @dataclass
+class StepCost:
+    """Fitted per-step overhead of one sharding group of a sharded module, one phase."""
+
+    sharding_type: str
+    phase: str
+    ms_per_group: float
+    ms_per_feature: float
+    work_scale: float = 1.0  # a real module's shard time / the kernel and link fits' estimate
+
+
+@dataclass
 class CalibrationProfile:
     """What `calibrate` measured on one machine: kernel fits, link fits and how it ran."""
 
@@ -66,6 +92,7 @@ class CalibrationProfile:
     kernels: List[KernelCost] = field(default_factory=list)
     links: List[LinkCost] = field(default_factory=list)
     memory: Optional[MemoryCost] = None
+    steps: List[StepCost] = field(default_factory=list)
     seconds: float = 0.0
     host: str = ""
 
@@ -103,6 +130,21 @@ class CalibrationProfile:
             total += cost.ms_per_call if cost is not None else 0.0
         return total
 
+    def step_ms(self, sharding_type: str, features: int) -> Optional[float]:
+        """Measured per-step overhead (forward + backward) of one `sharding_type` group
+        serving `features` features; None where that type was not measured."""
+        costs = [c for c in self.steps if c.sharding_type == sharding_type]
+        if not costs:
+            return None
+        return sum(c.ms_per_group + c.ms_per_feature * features for c in costs)
+
+    def work_scale(self, sharding_type: str, phase: str) -> float:
+        """A real module's time for a `sharding_type` shard's work in `phase` over the kernel
+        and link fits' estimate (1.0 where not measured)."""
+        cost = next((c for c in self.steps if c.sharding_type == sharding_type
+                     and c.phase == phase), None)
+        return cost.work_scale if cost is not None else 1.0
+
     def link(self, collective: str, level: str) -> Optional[LinkCost]:
         return next((c for c in self.links if c.collective == collective and c.level == level),
                     None)
@@ -128,8 +170,9 @@ class CalibrationProfile:
         try:
             kernels = [KernelCost(**k) for k in data.pop("kernels", [])]
             links = [LinkCost(**c) for c in data.pop("links", [])]
+            steps = [StepCost(**c) for c in data.pop("steps", [])]
             memory = data.pop("memory", None)
-            return cls(kernels=kernels, links=links,
+            return cls(kernels=kernels, links=links, steps=steps,
                        memory=MemoryCost(**memory) if memory else None, **data)
         except TypeError as e:
             raise ValueError(f"not a calibration profile: {e}") from e

@@ -1,0 +1,210 @@
+"""Measure a real sharded module's per-step costs per sharding type (`StepCost`), and
+`calibrate_job`: the whole calibration of a job's ranks (kernels, memory, links, step costs).
+
+A sharded `EmbeddingBagCollection` costs more per step than its kernels' work and the bytes
+on its links. Per sharding group and per feature: the input dist's all-to-alls and splits, the
+permutes, the output dist, the autograd nodes. This is timed on tables so small (64 rows, dim
+16, batch 64, one id per bag) that their work is near zero, at two feature counts, and fitted
+as `ms = ms_per_group + ms_per_feature features` per sharding type and phase. And per unit of
+work: modules of 24 real-sized tables (20 to 50 k rows, 1 to 16 ids per bag; dims 32 to 128,
+batches 256 to 1024) are timed per sharding type, and what the slowest rank takes beyond the tiny
+probes' overhead is fitted per phase as `work_scale` times the kernel and link fits' estimate
+for the slowest rank (`plan_stats`; `fit_work`): the copies, permutes and caches shared with
+the other tables that the isolated fits leave out. It scales every shard's estimate. Both run on the job's own
+ranks, so their links are in it. It lives in `recshard.distributed`, not beside
+`recshard.planner.calibrate`, because it builds sharded modules (a layer above the planner).
+
+    torchrun --nproc_per_node N -m recshard.distributed.calibrate_step -o profile.json
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from recshard.distributed import EmbeddingBagCollectionSharder
+from recshard.modules.embedding_configs import EmbeddingBagConfig
+from recshard.modules.embedding_modules import EmbeddingBagCollection
+from recshard.planner.calibrate import CalibrationGrid, calibrate
+from recshard.planner.calibrate_cli import calibrate_main
+from recshard.planner.plan_stats import plan_stats
+from recshard.planner.planner import EmbeddingShardingPlanner
+from recshard.planner.planner_types import ParameterConstraints, TableMeta, Topology
+from recshard.planner.profile import STEP_TYPES, CalibrationProfile, StepCost
+from recshard.sparse import KeyedJaggedTensor
+from recshard.types import ShardingEnv, ShardingPlan
+
+_LR = 0.01
+
+
+@dataclass(frozen=True)
+class StepProbe:
+    """The probes' tables and steps: tiny ones for the fixed overhead, real-sized ones for the
+    work scale."""
+
+    features: Tuple[int, int] = (2, 16)
+    rows: int = 64
+    dim: int = 16
+    batch: int = 64
+    steps: int = 15
+    warmup: int = 3
+    # real-sized modules: tables of 20 to 50 k rows and 1 to 16 ids per bag, as a rank holds
+    work_rows: Tuple[int, ...] = (20, 200, 2_000, 20_000, 50_000, 500, 5_000, 50_000) * 3
+    work_poolings: Tuple[int, ...] = (1, 2, 4, 8, 16, 3, 6, 12) * 3
+    work: Tuple[Tuple[int, int], ...] = ((32, 256), (64, 1024), (128, 512))  # (dim, batch)
+    work_steps: int = 10
+
+    @classmethod
+    def quick(cls) -> StepProbe:
+        return cls(features=(1, 3), steps=2, warmup=1, work_rows=(20, 2_000),
+                   work_poolings=(1, 4), work=((16, 64),), work_steps=2)
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """One probe module: its tables' rows and ids per bag, dim and batch."""
+
+    rows: Tuple[int, ...]
+    poolings: Tuple[int, ...]
+    dim: int
+    batch: int
+
+    def metas(self) -> List[TableMeta]:
+        return [TableMeta(f"t{i}", rows, self.dim, [f"f{i}"], pooling_factors=[float(pooling)])
+                for i, (rows, pooling) in enumerate(zip(self.rows, self.poolings))]
+
+
+def _probe_plan(sharding_type: str, probe: _Probe, topology: Topology) -> ShardingPlan:
+    kernel = ["dense"] if sharding_type == "data_parallel" else ["fused"]
+    forced = {m.name: ParameterConstraints(sharding_types=[sharding_type], compute_kernels=kernel,
+                                           min_partition=max(probe.dim // 4, 1))
+              for m in probe.metas()}
+    return EmbeddingShardingPlanner(topology, probe.batch, constraints=forced,
+                                    debug=False).plan_tables(probe.metas())
+
+
+def _time_plan(plan: ShardingPlan, probe: _Probe, group: dist.ProcessGroup, steps: int,
+               warmup: int) -> Tuple[float, float]:
+    """Slowest rank's median ms of the forward and of backward + update, every rank
+    stepping together."""
+    configs = [EmbeddingBagConfig(num_embeddings=m.num_embeddings, embedding_dim=m.embedding_dim,
+                                  name=m.name, feature_names=list(m.feature_names))
+               for m in probe.metas()]
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": "exact_sgd", "learning_rate": _LR})
+    module = sharder.shard(EmbeddingBagCollection(configs, device="meta"), plan.plan[""],
+                           ShardingEnv.from_process_group(group))
+    dense = [p for p in module.parameters()
+             if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)]
+    sgd = torch.optim.SGD(dense, lr=_LR) if dense else None
+    g = torch.Generator().manual_seed(dist.get_rank(group))
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        [c.feature_names[0] for c in configs],
+        torch.cat([torch.randint(0, rows, (probe.batch * pooling,), generator=g)
+                   for rows, pooling in zip(probe.rows, probe.poolings)]),
+        torch.tensor(probe.poolings, dtype=torch.int32).repeat_interleave(probe.batch),
+        stride=probe.batch)
+    fwd, bwd = [], []
+    for step in range(warmup + steps):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        pooled = module(kjt)
+        t1 = time.perf_counter()
+        pooled.values().sum().backward()
+        if sgd is not None:
+            sgd.step()
+            sgd.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        if step >= warmup:
+            fwd.append(1e3 * (t1 - t0))
+            bwd.append(1e3 * (t2 - t1))
+    slowest = torch.tensor([statistics.median(fwd), statistics.median(bwd)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return slowest[0].item(), slowest[1].item()
+
+
+def measure_step_costs(group: dist.ProcessGroup, profile: CalibrationProfile,
+                       probe: Optional[StepProbe] = None) -> List[StepCost]:
+    """Per sharding type and phase, the fixed overhead of one group per step and the work
+    scale (see the module docstring), on top of `profile`'s kernel and link fits. Every rank
+    of `group` must call this."""
+    probe = probe or StepProbe()
+    topology = Topology(dist.get_world_size(group), "cpu",
+                        local_world_size=profile.local_world_size)
+    fixed: List[StepCost] = []
+    for sharding_type in STEP_TYPES:
+        times = [_time_plan(_probe_plan(sharding_type, tiny, topology), tiny, group,
+                            probe.steps, probe.warmup)
+                 for tiny in (_Probe((probe.rows,) * n, (1,) * n, probe.dim, probe.batch)
+                              for n in probe.features)]
+        f0, f1 = probe.features
+        for p, phase in enumerate(("fwd", "bwd")):
+            per_feature = max((times[1][p] - times[0][p]) / (f1 - f0), 0.0)
+            fixed.append(StepCost(sharding_type, phase,
+                                  max(times[0][p] - per_feature * f0, 0.0), per_feature))
+    costed = Topology(topology.world_size, "cpu", local_world_size=profile.local_world_size,
+                      profile=replace(profile, steps=fixed))
+    samples: Dict[Tuple[str, str], List[Tuple[float, float]]] = {}
+    for dim, batch in probe.work:
+        work = _Probe(probe.work_rows, probe.work_poolings, dim, batch)
+        for sharding_type in STEP_TYPES:
+            plan = _probe_plan(sharding_type, work, costed)
+            measured = _time_plan(plan, work, group, probe.work_steps, probe.warmup)
+            terms = max(plan_stats(plan, work.metas(), costed, batch).ranks,
+                        key=lambda r: r.total_ms).terms
+            modelled = (terms.fwd_compute + terms.fwd_comms, terms.bwd_compute + terms.bwd_comms)
+            for p, cost in enumerate(c for c in fixed if c.sharding_type == sharding_type):
+                overhead = cost.ms_per_group + cost.ms_per_feature * len(work.rows)
+                samples.setdefault((sharding_type, cost.phase), []).append(
+                    (modelled[p], measured[p] - overhead))
+    return [replace(cost, work_scale=fit_work(samples[(cost.sharding_type, cost.phase)]))
+            for cost in fixed]
+
+
+def fit_work(points: Sequence[Tuple[float, float]]) -> float:
+    """The scale `s` of `measured beyond the tiny probes' overhead ~ s modelled` over
+    (modelled ms, measured ms) points, least squares relative to the measured time; 1 where
+    nothing was modelled."""
+    ratios = [(m / y, (m / y) ** 2) for m, y in points if m > 0 and y > 0]
+    if not ratios:
+        return 1.0
+    return sum(r for r, _ in ratios) / sum(r2 for _, r2 in ratios)
+
+
+def calibrate_job(
+    budget_s: float = 35.0,
+    grid: Optional[CalibrationGrid] = None,
+    pg: Optional[dist.ProcessGroup] = None,
+    local_world_size: Optional[int] = None,
+    probe: Optional[StepProbe] = None,
+) -> CalibrationProfile:
+    """`calibrate` (kernels, memory, links), then, among two or more ranks, the sharded
+    module's step costs per sharding type (`measure_step_costs`). Every rank calls this."""
+    start = time.perf_counter()
+    profile = calibrate(budget_s, grid, pg, local_world_size)
+    group = pg if pg is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    if group is not None and profile.world_size > 1:
+        profile.steps = measure_step_costs(group, profile, probe)
+        profile.seconds = time.perf_counter() - start
+    return profile
+
+
+def _measure(budget_s: float, grid: CalibrationGrid) -> CalibrationProfile:
+    quick = grid == CalibrationGrid.quick()
+    return calibrate_job(budget_s, grid, probe=StepProbe.quick() if quick else None)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """The `recshard-plan calibrate` command line, with the step costs measured too."""
+    return calibrate_main(sys.argv[1:] if argv is None else argv, _measure,
+                          prog="python -m recshard.distributed.calibrate_step")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Step-cost calibration (a real sharded module's per-group overhead and work scale, measured
+on two ranks), the fused kernel's distinct-rows term, and data-parallel's row exchange in the
+cost model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from recshard.distributed.calibrate_step import StepProbe, calibrate_job, fit_work
+from recshard.planner import EmbeddingPerfEstimator, TableMeta, Topology
+from recshard.planner.calibrate import CalibrationGrid
+from recshard.planner.estimators import data_parallel_exchange
+from recshard.planner.profile import (
+    STEP_TYPES,
+    CalibrationProfile,
+    KernelCost,
+    LinkCost,
+    StepCost,
+    distinct_rows,
+)
+from recshard.planner.step_model import StepTimePerfModel
+from recshard.sharding.data_parallel import ROW_EXCHANGE_MIN_BYTES
+from tests.multiprocess import run_ranks
+
+
+def _calibrate_job(rank, world_size):
+    return calibrate_job(budget_s=1.0, grid=CalibrationGrid.quick(),
+                         probe=StepProbe.quick()).to_dict()
+
+
+def test_step_costs_measured_on_two_ranks():
+    profile = CalibrationProfile.from_dict(run_ranks(2, _calibrate_job, timeout=300)[0])
+    assert {(c.sharding_type, c.phase) for c in profile.steps} == {
+        (t, p) for t in STEP_TYPES for p in ("fwd", "bwd")}
+    for cost in profile.steps:
+        assert cost.ms_per_group >= 0 and cost.ms_per_feature >= 0 and cost.work_scale > 0
+    # a real module step costs something: forward + backward of one group is not free
+    assert profile.step_ms("table_wise", 4) > 0
+    model = StepTimePerfModel(Topology(2, profile=profile))
+    assert model.group_ms("row_wise", "fused", 16, 4) == pytest.approx(
+        profile.step_ms("row_wise", 4))
+
+
+def test_calibrate_job_on_one_process_measures_no_steps():
+    profile = calibrate_job(budget_s=1.0, grid=CalibrationGrid.quick(), probe=StepProbe.quick())
+    assert profile.world_size == 1 and profile.steps == []
+
+
+def test_fit_work_recovers_a_scale():
+    assert fit_work([(m, 1.7 * m) for m in (1.0, 5.0, 30.0)]) == pytest.approx(1.7)
+    assert fit_work([(0.0, 3.0)]) == 1.0  # nothing modelled: nothing to scale
+
+
+def _profile(steps):
+    kernels = [KernelCost("fused", phase, 64, 1e-4, 0.0, 1e-6 if phase == "bwd" else 0.0, 0.1)
+               for phase in ("fwd", "bwd")]
+    links = [LinkCost(c, "intra", 2, 2.0, 0.1)
+             for c in ("all_to_all", "reduce_scatter", "all_gather")]
+    return CalibrationProfile("cpu", 1, 2, 2, kernels, links, steps=steps)
+
+
+def test_measured_step_costs_drive_the_step_model_and_estimates():
+    steps = [StepCost("table_wise", "fwd", 2.0, 0.1, work_scale=2.0),
+             StepCost("table_wise", "bwd", 1.0, 0.05, work_scale=3.0),
+             StepCost("row_wise", "fwd", 4.0, 0.0), StepCost("row_wise", "bwd", 1.0, 0.0)]
+    model = StepTimePerfModel(Topology(2, profile=_profile(steps)))
+    assert model.group_ms("table_wise", "fused", 64, 10) == pytest.approx(3.0 + 10 * 0.15)
+    # a group's features add up over its tables; a second group pays its own fixed cost
+    groups = [("table_wise", "fused", 64, 4), ("table_wise", "fused", 64, 6),
+              ("row_wise", "fused", 64, 1)]
+    assert model.fixed_ms(groups) == pytest.approx(3.0 + 10 * 0.15 + 5.0)
+    # a type the profile did not measure falls back to its collectives' latencies
+    assert model.group_ms("column_wise", "fused", 64, 1) == pytest.approx(
+        5 * 0.1 + 2 * 0.1)  # 5 all-to-alls + the fused kernel's per-call fwd + bwd
+    table = TableMeta("t", 50_000, 64, pooling_factors=[10.0])
+    plain = EmbeddingPerfEstimator(Topology(2, profile=_profile([])), 512)
+    scaled = EmbeddingPerfEstimator(Topology(2, profile=_profile(steps)), 512)
+    a = plain.estimate(table, "table_wise", "fused", 50_000, 64)
+    b = scaled.estimate(table, "table_wise", "fused", 50_000, 64)
+    assert b.fwd_compute == pytest.approx(2 * a.fwd_compute)
+    assert b.fwd_comms == pytest.approx(2 * a.fwd_comms)
+    assert b.input_dist == pytest.approx(2 * a.input_dist)
+    assert b.bwd_compute == pytest.approx(3 * a.bwd_compute)
+    assert b.bwd_comms == pytest.approx(3 * a.bwd_comms)
+
+
+def test_fused_update_is_priced_by_distinct_rows():
+    assert distinct_rows(10, 1e6) == pytest.approx(10)  # every row, however many ids
+    assert distinct_rows(1e7, 100) == pytest.approx(100, rel=1e-4)  # hardly any repeats
+    est = EmbeddingPerfEstimator(Topology(2, profile=_profile([])), 512)
+    ids = 2 * 512 * 10
+    small = est.estimate(TableMeta("s", 20, 64, pooling_factors=[10.0]), "table_wise", "fused",
+                         20, 64)
+    large = est.estimate(TableMeta("l", 10_000_000, 64, pooling_factors=[10.0]), "table_wise",
+                         "fused", 10_000_000, 64)
+    assert small.bwd_compute == pytest.approx(ids * 1e-4 + distinct_rows(20, ids) * 64 * 1e-6)
+    assert large.bwd_compute == pytest.approx(
+        ids * 1e-4 + distinct_rows(10_000_000, ids) * 64 * 1e-6)
+    assert small.bwd_compute < large.bwd_compute
+
+
+def test_data_parallel_prices_the_rows_exchanged():
+    small = TableMeta("s", 1_000, 16, pooling_factors=[4.0])
+    assert 4 * 1_000 * 16 < ROW_EXCHANGE_MIN_BYTES
+    assert data_parallel_exchange(small, 2, 512) == (4.0 * 1_000 * 16, 0)  # shared all-reduce
+    big = TableMeta("b", 1_000_000, 64, pooling_factors=[4.0])
+    used = 1_000_000 * -math.expm1(-2 * 512 * 4 / 1_000_000)
+    assert data_parallel_exchange(big, 2, 512) == pytest.approx((1e6 + 4.0 * used * 64, 2))
+    busy = TableMeta("h", 20_000, 64, pooling_factors=[20.0])  # most rows in use: all of it
+    assert 4 * 20_000 * 64 >= ROW_EXCHANGE_MIN_BYTES
+    assert data_parallel_exchange(busy, 2, 2048) == pytest.approx((20_000 + 4.0 * 20_000 * 64, 2))
+    topo = Topology(2, profile=_profile([]))
+    perf = EmbeddingPerfEstimator(topo, 512).estimate(big, "data_parallel", "dense",
+                                                      1_000_000, 64)
+    exchanged = 1e6 + 4.0 * used * 64
+    ring = 0.5 / topo.intra_host_bw  # (W-1)/W per byte
+    assert perf.bwd_comms == pytest.approx(2 * exchanged * ring + 2 * (0.1 + 0.1))
