@@ -22,6 +22,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
+
+from recshard.comm.wire import id_wire_dtype
 from recshard.planner.planner_types import (
     GIB,
     ROW_BLOCK_TYPES,
@@ -128,6 +131,13 @@ class _TableFacts:
         self.id_bytes = ID_BYTES + (PER_ID_WEIGHT_BYTES if table.is_weighted else 0)
 
 
+def wire_id_bytes(rows: int, weighted: bool) -> float:
+    """Bytes one id of a `rows`-row shard takes in the KJT all-to-all: checked ids travel in the
+    narrowest integer type of their range (`recshard.comm.wire`), per-id weights as fp32."""
+    return float(id_wire_dtype(rows, torch.int64).itemsize
+                 + (PER_ID_WEIGHT_BYTES if weighted else 0))
+
+
 def _facts(cache: Dict[int, _TableFacts], table: TableMeta, batch_size: int) -> _TableFacts:
     facts = cache.get(id(table))
     if facts is None or facts.table is not table:
@@ -167,7 +177,8 @@ class EmbeddingPerfEstimator:
       state bytes per row); weighted features add `ids_in row` for the per-id weight grads.
     - bwd_compute, dense kernel and data-parallel = (bags_out out + ids_in row + rows cols
       (2 s_w + 4 + 2 state_elem)) / bw: a dense gradient and a full-table optimizer step.
-    - input_dist = ids_in id_bytes / a2a_bw (data-parallel: 0)
+    - input_dist = ids_in wire_id_bytes(rows) / a2a_bw (ids narrowed to the shard's row range
+      on the wire; data-parallel: 0)
     - fwd_comms = bwd_comms: table-wise/column-wise a2a of `bags_out out`; row-wise
       reduce-scatter (fwd) / all-gather (bwd) of `bags_out out` over all ranks;
       table-row-wise reduce-scatter in the host then a2a of the `1/Lw` slice across hosts;
@@ -262,7 +273,7 @@ class EmbeddingPerfEstimator:
                                                             self.batch_size, facts.workload)
             comms = 2 * exchanged * self._ring_s_per_byte + collectives * self._allreduce_ms
             return self._scaled(sharding_type, Perf(fwd_compute, 0.0, bwd_compute, comms, 0.0))
-        input_dist = id_bytes * self._a2a_s_per_byte
+        input_dist = ids_in * wire_id_bytes(rows, table.is_weighted) * self._a2a_s_per_byte
         if not table.pooled or sharding_type in ("table_wise", "column_wise", "table_column_wise"):
             comms = out_bytes * self._a2a_s_per_byte
         elif sharding_type == "row_wise":

@@ -25,13 +25,12 @@ from recshard.planner.estimators import (
     optimizer_state_bytes,
     shard_traffic,
     table_workload,
+    wire_id_bytes,
 )
 from recshard.planner.planner_types import ROW_BLOCK_TYPES, TableMeta, Topology
 from recshard.planner.step_model import StepTimePerfModel
 from recshard.types import ParameterSharding, ShardingPlan
 
-_ID_BYTES = 8.0
-_WEIGHT_BYTES = 4.0
 _GRAD_BYTES = 4.0
 
 
@@ -243,7 +242,6 @@ class _Traffic:
                   shards: List[Tuple[int, int, int]], batch_size: int) -> None:
         world = self.world
         ids, bags = table_workload(table, batch_size)
-        id_bytes = _ID_BYTES + (_WEIGHT_BYTES if table.is_weighted else 0.0)
         st = ps.sharding_type
         if st == "data_parallel":
             if world > 1:
@@ -255,7 +253,7 @@ class _Traffic:
         rows_split = st in ROW_BLOCK_TYPES
         for rank, rows, cols in shards:
             share = rows / table.num_embeddings if rows_split else 1.0
-            self._all_to_one(rank, ids * share * id_bytes)  # input dist
+            self._all_to_one(rank, ids * share * wire_id_bytes(rows, table.is_weighted))  # input dist
             out = cols * _GRAD_BYTES
             if not table.pooled:  # sequence: per-id rows back, per-id grads in
                 self._one_to_all(rank, ids * share * out)

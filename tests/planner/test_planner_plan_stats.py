@@ -10,11 +10,13 @@ import pytest
 from recshard.plan.geometry import make_shards
 from recshard.planner import EmbeddingShardingPlanner, TableMeta, Topology, save_plan
 from recshard.planner.cli import main
+from recshard.planner.estimators import wire_id_bytes
 from recshard.planner.plan_stats import plan_stats
 from recshard.types import ParameterSharding, ShardingPlan
 
 ROWS, DIM, POOLING, BATCH = 1000, 16, 2, 4
 IDS, BAGS = POOLING * BATCH, BATCH  # per rank per step
+WIRE_ID = 2  # bytes: ids of a 1000-row table (or 500-row block) travel as uint16
 
 
 def _plan(sharding_type: str, ranks) -> ShardingPlan:
@@ -35,7 +37,7 @@ def test_table_wise_by_hand():
     assert (r0.bytes_stored, r1.bytes_stored) == (0.0, ROWS * DIM * 4)
     assert (r0.lookups, r1.lookups) == (0.0, 2 * IDS)  # both ranks' ids end up on rank 1
     assert r1.bytes_read == 2 * IDS * DIM * 4
-    ids_bytes, pooled = IDS * 8, BAGS * DIM * 4
+    ids_bytes, pooled = IDS * WIRE_ID, BAGS * DIM * 4
     # rank 0 sends its ids and, backward, its output gradient; gets its pooled rows forward
     assert (r0.bytes_sent, r0.bytes_received) == (ids_bytes + pooled, pooled)
     assert (r1.bytes_sent, r1.bytes_received) == (pooled, ids_bytes + pooled)
@@ -48,11 +50,18 @@ def test_row_wise_and_data_parallel_by_hand():
     ring = 2 * (1 / 2) * (2 * BAGS * DIM * 4)  # RS forward + AG backward of [W B, D]
     for r in rw.ranks:
         assert r.bytes_stored == ROWS // 2 * DIM * 4 and r.lookups == IDS
-        assert r.bytes_sent == r.bytes_received == IDS / 2 * 8 + ring
+        assert r.bytes_sent == r.bytes_received == IDS / 2 * WIRE_ID + ring
     dp = _stats(_plan("data_parallel", [0, 1]))
     for r in dp.ranks:
         assert r.bytes_stored == ROWS * DIM * 4 and r.lookups == IDS
         assert r.bytes_sent == r.bytes_received == 2 * (1 / 2) * ROWS * DIM * 4
+
+
+def test_ids_are_priced_at_their_wire_width():
+    """The input dist sends checked ids in the narrowest type of the shard's row range."""
+    assert [wire_id_bytes(rows, False) for rows in (256, 257, 2**16, 2**16 + 1, 2**31, 2**31 + 1)] \
+        == [1, 2, 2, 4, 4, 8]
+    assert wire_id_bytes(257, True) == 6  # + an fp32 weight per id
 
 
 def test_table_row_wise_keeps_rows_in_one_host():
