@@ -121,7 +121,8 @@ def rank_measure(plan: ShardingPlan, w: Workload, args: argparse.Namespace) -> D
     ebc = EmbeddingBagCollection(configs(w, args.row_cap), device="meta")
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE})
-    module = sharder.shard(ebc, plan.plan[""], ShardingEnv.from_process_group(dist.group.WORLD))
+    env = ShardingEnv.from_process_group(dist.group.WORLD, args.local_world_size)
+    module = sharder.shard(ebc, plan.plan[""], env)
     dense = [p for p in module.parameters()
              if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)]
     trainee = Trainee(module, torch.optim.SGD(dense, lr=LEARNING_RATE) if dense else None)
@@ -190,7 +191,8 @@ def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namesp
         key = json.dumps(plan_to_dict(plan)["modules"], sort_keys=True)
         same_as = runs[key][0] if key in runs else None
         per_rank = runs[key][1] if key in runs else run_ranks(
-            args.world_size, args, rank_measure, plan, w, args)
+            args.world_size, args, rank_measure, plan, w, args,
+            local_world_size=args.local_world_size)
         runs.setdefault(key, (label, per_rank))
         slowest = [max(step) for step in zip(*(r["times"] for r in per_rank))]
         measured = 1e3 * statistics.median(slowest)
@@ -282,7 +284,8 @@ def cli(argv: Optional[List[str]] = None) -> None:
         profile = CalibrationProfile.load(args.profile)
     else:
         profile = CalibrationProfile.from_dict(
-            run_ranks(args.world_size, args, rank_calibrate, args)[0])
+            run_ranks(args.world_size, args, rank_calibrate, args,
+                      local_world_size=args.local_world_size)[0])
     if args.save_profile:
         profile.save(args.save_profile)
     link_check = CalibrationProfile.load(args.link_check) if args.link_check else None
