@@ -5,7 +5,7 @@
     ../shared/tools/slowlink 1gbit .venv/bin/python -m benchmarks.planner_accuracy \\
         --local-world-size 1 --link-check fast_profile.json   # item 4: does the link matter?
 
-First a calibration profile is measured on the same ranks (`calibrate_job`: kernels, links
+First a calibration profile is measured on the same ranks (as `calibrate_job`: kernels, links
 among the ranks, a sharded module's step overhead per sharding type), or read with `--profile`. Workloads: the 26 Criteo-like
 tables of `benchmarks.ebc` (Kaggle sizes capped at `--row-cap` rows), one feature each with a
 fixed pooling factor 1-20 (seed 0), at dims 16, 64 and 128, uniform or Zipf(1.05) ids, per-rank
@@ -43,9 +43,9 @@ from benchmarks.ebc_workload import CRITEO_KAGGLE_ROWS, LEARNING_RATE, pooling_f
 from benchmarks.ranks import run_ranks
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.distributed import EmbeddingBagCollectionSharder
-from recshard.distributed.calibrate_step import StepProbe, calibrate_job
+from recshard.distributed.calibrate_step import StepProbe, measure_step_costs
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, TableMeta, Topology
-from recshard.planner.calibrate import CalibrationGrid
+from recshard.planner.calibrate import CalibrationGrid, calibrate
 from recshard.planner.plan_io import plan_to_dict
 from recshard.planner.plan_stats import plan_stats
 from recshard.planner.profile import CalibrationProfile
@@ -108,9 +108,19 @@ def make_batches(w: Workload, row_cap: int, max_pooling: int, seed: int,
 
 
 def rank_calibrate(args: argparse.Namespace) -> Dict[str, Any]:
+    """`calibrate_job`'s two steps, with rank 0's kernel and link fits handed to every rank
+    before the step probe. Each rank fits its own, and the probe plans its modules from them
+    on every rank: where the fits differ enough to move a table (1-rank hosts, a shaped
+    link), the ranks built different plans and their collectives mismatched."""
+    start = time.perf_counter()
     grid = CalibrationGrid.quick() if args.quick else CalibrationGrid()
-    return calibrate_job(args.calibration_budget, grid, local_world_size=args.local_world_size,
-                         probe=StepProbe.quick() if args.quick else None).to_dict()
+    shared = [calibrate(args.calibration_budget, grid, local_world_size=args.local_world_size)]
+    dist.broadcast_object_list(shared, src=0)
+    profile = shared[0]
+    profile.steps = measure_step_costs(dist.group.WORLD, profile,
+                                       StepProbe.quick() if args.quick else None)
+    profile.seconds = time.perf_counter() - start
+    return profile.to_dict()
 
 
 def rank_measure(plan: ShardingPlan, w: Workload, args: argparse.Namespace) -> Dict[str, Any]:
