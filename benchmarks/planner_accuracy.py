@@ -2,7 +2,7 @@
 
     python -m benchmarks.planner_accuracy               # full run, 2 gloo ranks (~10 min)
     python -m benchmarks.planner_accuracy --quick       # tiny sizes (smoke test)
-    ../shared/tools/slowlink 1gbit .venv/bin/python -m benchmarks.planner_accuracy \\
+    python -m benchmarks.planner_accuracy --link 1gbit \\
         --local-world-size 1 --link-check fast_profile.json   # item 4: does the link matter?
 
 First a calibration profile is measured on the same ranks (as `calibrate_job`: kernels, links
@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from benchmarks.ebc import Trainee, emit, rss_mb, train_step
 from benchmarks.ebc_workload import CRITEO_KAGGLE_ROWS, LEARNING_RATE, pooling_factors
+from benchmarks.link import add_link_argument, relaunch_under_link
 from benchmarks.ranks import run_ranks
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.distributed import EmbeddingBagCollectionSharder
@@ -277,6 +278,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="also run the planner's plan under this profile's costs")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    add_link_argument(parser)
     args = parser.parse_args(argv)
     args.local_world_size = args.local_world_size or args.world_size
     args.dims = args.dims or ("16" if args.quick else "16,64,128")
@@ -289,6 +291,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def cli(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    if relaunch_under_link("benchmarks.planner_accuracy", args.link, argv):
+        return
     start = time.perf_counter()
     if args.profile:
         profile = CalibrationProfile.load(args.profile)
