@@ -2,10 +2,10 @@
 
     python -m benchmarks.planner_accuracy               # full run, 2 gloo ranks (~10 min)
     python -m benchmarks.planner_accuracy --quick       # tiny sizes (smoke test)
-    ../shared/tools/slowlink 1gbit .venv/bin/python -m benchmarks.planner_accuracy \\
+    python -m benchmarks.planner_accuracy --link 1gbit \\
         --local-world-size 1 --link-check fast_profile.json   # item 4: does the link matter?
 
-First a calibration profile is measured on the same ranks (`calibrate_job`: kernels, links
+First a calibration profile is measured on the same ranks (as `calibrate_job`: kernels, links
 among the ranks, a sharded module's step overhead per sharding type), or read with `--profile`. Workloads: the 26 Criteo-like
 tables of `benchmarks.ebc` (Kaggle sizes capped at `--row-cap` rows), one feature each with a
 fixed pooling factor 1-20 (seed 0), at dims 16, 64 and 128, uniform or Zipf(1.05) ids, per-rank
@@ -40,12 +40,13 @@ import torch.distributed as dist
 
 from benchmarks.ebc import Trainee, emit, rss_mb, train_step
 from benchmarks.ebc_workload import CRITEO_KAGGLE_ROWS, LEARNING_RATE, pooling_factors
+from benchmarks.link import add_link_argument, relaunch_under_link
 from benchmarks.ranks import run_ranks
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.distributed import EmbeddingBagCollectionSharder
-from recshard.distributed.calibrate_step import StepProbe, calibrate_job
+from recshard.distributed.calibrate_step import StepProbe, measure_step_costs
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, TableMeta, Topology
-from recshard.planner.calibrate import CalibrationGrid
+from recshard.planner.calibrate import CalibrationGrid, calibrate
 from recshard.planner.plan_io import plan_to_dict
 from recshard.planner.plan_stats import plan_stats
 from recshard.planner.profile import CalibrationProfile
@@ -108,9 +109,19 @@ def make_batches(w: Workload, row_cap: int, max_pooling: int, seed: int,
 
 
 def rank_calibrate(args: argparse.Namespace) -> Dict[str, Any]:
+    """`calibrate_job`'s two steps, with rank 0's kernel and link fits handed to every rank
+    before the step probe. Each rank fits its own, and the probe plans its modules from them
+    on every rank: where the fits differ enough to move a table (1-rank hosts, a shaped
+    link), the ranks built different plans and their collectives mismatched."""
+    start = time.perf_counter()
     grid = CalibrationGrid.quick() if args.quick else CalibrationGrid()
-    return calibrate_job(args.calibration_budget, grid, local_world_size=args.local_world_size,
-                         probe=StepProbe.quick() if args.quick else None).to_dict()
+    shared = [calibrate(args.calibration_budget, grid, local_world_size=args.local_world_size)]
+    dist.broadcast_object_list(shared, src=0)
+    profile = shared[0]
+    profile.steps = measure_step_costs(dist.group.WORLD, profile,
+                                       StepProbe.quick() if args.quick else None)
+    profile.seconds = time.perf_counter() - start
+    return profile.to_dict()
 
 
 def rank_measure(plan: ShardingPlan, w: Workload, args: argparse.Namespace) -> Dict[str, Any]:
@@ -121,7 +132,8 @@ def rank_measure(plan: ShardingPlan, w: Workload, args: argparse.Namespace) -> D
     ebc = EmbeddingBagCollection(configs(w, args.row_cap), device="meta")
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE})
-    module = sharder.shard(ebc, plan.plan[""], ShardingEnv.from_process_group(dist.group.WORLD))
+    env = ShardingEnv.from_process_group(dist.group.WORLD, args.local_world_size)
+    module = sharder.shard(ebc, plan.plan[""], env)
     dense = [p for p in module.parameters()
              if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)]
     trainee = Trainee(module, torch.optim.SGD(dense, lr=LEARNING_RATE) if dense else None)
@@ -190,7 +202,8 @@ def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namesp
         key = json.dumps(plan_to_dict(plan)["modules"], sort_keys=True)
         same_as = runs[key][0] if key in runs else None
         per_rank = runs[key][1] if key in runs else run_ranks(
-            args.world_size, args, rank_measure, plan, w, args)
+            args.world_size, args, rank_measure, plan, w, args,
+            local_world_size=args.local_world_size)
         runs.setdefault(key, (label, per_rank))
         slowest = [max(step) for step in zip(*(r["times"] for r in per_rank))]
         measured = 1e3 * statistics.median(slowest)
@@ -265,6 +278,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="also run the planner's plan under this profile's costs")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    add_link_argument(parser)
     args = parser.parse_args(argv)
     args.local_world_size = args.local_world_size or args.world_size
     args.dims = args.dims or ("16" if args.quick else "16,64,128")
@@ -277,12 +291,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def cli(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    if relaunch_under_link("benchmarks.planner_accuracy", args.link, argv):
+        return
     start = time.perf_counter()
     if args.profile:
         profile = CalibrationProfile.load(args.profile)
     else:
         profile = CalibrationProfile.from_dict(
-            run_ranks(args.world_size, args, rank_calibrate, args)[0])
+            run_ranks(args.world_size, args, rank_calibrate, args,
+                      local_world_size=args.local_world_size)[0])
     if args.save_profile:
         profile.save(args.save_profile)
     link_check = CalibrationProfile.load(args.link_check) if args.link_check else None

@@ -5,6 +5,8 @@ sides of the TorchRec comparison start, pin and time their ranks the same way.
 
 Ranks fork from a server that has imported `preload` once, so a fresh group starts in about
 a second. Every run gets fresh processes: whatever a run leaves in memory cannot pile up.
+Each rank sees torchrun's `LOCAL_RANK` / `LOCAL_WORLD_SIZE` for the host layout asked for
+(`local_world_size` ranks per simulated host), which is what the sharder reads for its topology.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,8 +33,12 @@ def rank_cpus(rank: int, threads: int) -> List[int]:
     return [cpus[(rank * threads + i) % len(cpus)] for i in range(threads)]
 
 
-def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace,
-               fn: Callable[..., Any], fn_args: tuple, queue: Any) -> None:
+def _rank_main(rank: int, world_size: int, local_world_size: int, port: int,
+               args: argparse.Namespace, fn: Callable[..., Any], fn_args: tuple,
+               queue: Any) -> None:
+    # as torchrun sets them: `ShardingEnv` reads the ranks per host from LOCAL_WORLD_SIZE
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+    os.environ["LOCAL_RANK"] = str(rank % local_world_size)
     torch.set_num_threads(args.threads)
     if args.pin and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, set(rank_cpus(rank, args.threads)))
@@ -49,11 +55,18 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace,
 
 def run_ranks(world_size: int, args: argparse.Namespace, fn: Callable[..., Any],
               *fn_args: Any, start_method: str = "forkserver",
-              preload: Sequence[str] = DEFAULT_PRELOAD) -> List[Any]:
+              preload: Sequence[str] = DEFAULT_PRELOAD,
+              local_world_size: Optional[int] = None) -> List[Any]:
     """`fn(*fn_args)` on `world_size` fresh gloo ranks; their results in rank order.
 
     `args` needs `threads` (torch threads per rank), `pin` and `timeout` (seconds).
+    `local_world_size`: ranks per simulated host (default: all on one host), set in each
+    rank's `LOCAL_WORLD_SIZE` / `LOCAL_RANK` as torchrun would.
     """
+    local_world_size = local_world_size or world_size
+    if world_size % local_world_size != 0:
+        raise ValueError(f"local_world_size {local_world_size} must divide world_size "
+                         f"{world_size}")
     context = mp.get_context(start_method)
     if start_method == "forkserver":
         context.set_forkserver_preload(list(preload))
@@ -62,7 +75,8 @@ def run_ranks(world_size: int, args: argparse.Namespace, fn: Callable[..., Any],
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [context.Process(target=_rank_main, daemon=True,
-                             args=(rank, world_size, port, args, fn, fn_args, queue))
+                             args=(rank, world_size, local_world_size, port, args, fn, fn_args,
+                                   queue))
              for rank in range(world_size)]
     for p in procs:
         p.start()

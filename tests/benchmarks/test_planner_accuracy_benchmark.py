@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.link import slowlink_missing
+
 ROOT = Path(__file__).resolve().parents[2]
 PLANS = {"table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel", "planner"}
 
@@ -39,3 +41,27 @@ def test_planner_accuracy_quick(tmp_path) -> None:
     assert set(summary["met"]) == {"median_rel_error", "worst_rel_error", "planner_vs_fastest",
                                    "memory_rel_error"}
     assert json.loads(profile.read_text())["world_size"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(slowlink_missing() is not None, reason=f"slowlink: {slowlink_missing()}")
+def test_planner_accuracy_link_check_on_one_rank_hosts(tmp_path) -> None:
+    """Item 4's check at quick sizes: each rank its own host (table-row-wise plans for 1-rank
+    hosts must build), a profile from the loopback, then a run on a 1gbit link beside it."""
+    fast = tmp_path / "fast.json"
+    common = ["--quick", "--ids", "uniform", "--local-world-size", "1"]
+    first = _run(*common, "--save-profile", str(fast))
+    assert first[-1]["bench"] == "planner_accuracy_summary" and first[-1]["link"] == "unshaped"
+    records = _run(*common, "--link", "1gbit", "--link-check", str(fast))
+    assert {r["link"] for r in records} == {"1gbit"}
+    plans = {r["plan"] for r in records if r["bench"] == "planner_accuracy"}
+    assert plans == PLANS | {f"planner@{fast}"}
+    workload = next(r for r in records if r["bench"] == "planner_accuracy_workload")
+    assert workload["link_check_vs_planner"] > 0
+
+
+def _run(*argv: str) -> list:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.planner_accuracy", *argv],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
