@@ -185,11 +185,16 @@ def calibrate_job(
     probe: Optional[StepProbe] = None,
 ) -> CalibrationProfile:
     """`calibrate` (kernels, memory, links), then, among two or more ranks, the sharded
-    module's step costs per sharding type (`measure_step_costs`). Every rank calls this."""
+    module's step costs per sharding type (`measure_step_costs`). Every rank calls this and
+    gets the same profile: rank 0's kernel fits are shared before the step probe is planned
+    (plans from each rank's own fits can differ, and mismatched modules hang or fail gloo)."""
     start = time.perf_counter()
     profile = calibrate(budget_s, grid, pg, local_world_size)
     group = pg if pg is not None else (dist.group.WORLD if dist.is_initialized() else None)
     if group is not None and profile.world_size > 1:
+        shared = [profile]
+        dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
+        profile = shared[0]
         profile.steps = measure_step_costs(group, profile, probe)
         profile.seconds = time.perf_counter() - start
     return profile
