@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
 from typing import Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -97,6 +98,7 @@ class TableGroupSpan:
     in the group's flat storage (for EC, the flat storage as one table `[rows, D]`)."""
 
     tables: Tuple[TableSpan, ...]
+    table_slice: slice  # the group's run of the Parameters in lookup order
     first: int
     count: int
     layout: KernelLayout
@@ -213,12 +215,14 @@ class _EmbeddingTables(nn.Module):
         check_input(features, self._feature_names, self._feature_to_table,
                     features.weights_or_none() is not None, type(self).__name__)
 
-    def _flats(self, weights: Sequence[nn.Parameter]) -> Sequence[Optional[torch.Tensor]]:
-        """Each group's flat storage, or None for all under export / compile (they trace the
-        per-table path: a traced program cannot read data pointers)."""
+    def _weights_and_flats(self) -> Tuple[Tuple[nn.Parameter, ...], Sequence[Optional[torch.Tensor]]]:
+        """The tables' Parameters in lookup order (`TableGroupSpan.table_slice` picks a
+        group's) and each group's flat storage, or None for all under export / compile (they
+        trace the per-table path: a traced program cannot read data pointers)."""
         if torch.compiler.is_compiling():
-            return [None] * len(self._groups)
-        return self._storage.flats(weights)
+            weights = [module.weight for module in self._tables().values()]
+            return self._storage.in_lookup_order(weights), [None] * len(self._groups)
+        return self._storage.current(self._tables())
 
     @contextmanager
     def _explained_id_errors(self, features: KeyedJaggedTensor) -> Iterator[None]:
@@ -233,7 +237,7 @@ class _EmbeddingTables(nn.Module):
 
 def _group_spans(tables: Sequence[BaseEmbeddingConfig], groups: List[List[int]]) -> List[TableGroupSpan]:
     spans: List[TableGroupSpan] = []
-    first = 0
+    first = first_table = 0
     for group in groups:
         configs = [tables[i] for i in group]
         counts = [len(t.feature_names) for t in configs]
@@ -246,13 +250,14 @@ def _group_spans(tables: Sequence[BaseEmbeddingConfig], groups: List[List[int]])
         layout = (KernelLayout.build([sum(rows)], dims[:1], [1]) if sequence
                   else KernelLayout.build(rows, dims, counts))
         spans.append(TableGroupSpan(
-            tables=table_spans, first=first, count=sum(counts), layout=layout,
+            tables=table_spans, table_slice=slice(first_table, first_table + len(group)), first=first, count=sum(counts), layout=layout,
             mean=configs[0].pooling == PoolingType.MEAN,
             feature_dims=torch.tensor([dims[i] for i in per_key]),
             first_row_per_key=torch.tensor([first_rows[i] for i in per_key]),
             rows_per_key=torch.tensor([rows[i] for i in per_key]),
         ))
         first += sum(counts)
+        first_table += len(group)
     return spans
 
 
@@ -329,10 +334,10 @@ class EmbeddingBagCollection(_EmbeddingTables):
                     "to bring them to one batch (TorchRec's variable batch)"
                 )
             ordered = pad_to_one_batch(ordered)
-        weights = table_weights(self.embedding_bags)
-        flats = self._flats(weights)
+        weights, flats = self._weights_and_flats()
         with self._explained_id_errors(features):
-            pooled = [self._pool(ordered, group, flat, weights) for group, flat in zip(self._groups, flats)]
+            pooled = [self._pool(ordered, group, flat, weights[group.table_slice])
+                      for group, flat in zip(self._groups, flats)]
         values = torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]
         if inverse is not None and inverse[1].numel():
             values = self._expand(values, inverse, strides)
@@ -366,16 +371,16 @@ class EmbeddingBagCollection(_EmbeddingTables):
 
     def _pool(self, features: KeyedJaggedTensor, group: TableGroupSpan, flat: Optional[torch.Tensor],
               weights: Sequence[nn.Parameter]) -> torch.Tensor:
-        """`[B, sum of the group's feature dims]`, features side by side in lookup order."""
+        """`[B, sum of the group's feature dims]`, features side by side in lookup order;
+        `weights`: the group's Parameters."""
         entry_at = features.lengths_offset_per_key()
         e0, e1 = entry_at[group.first], entry_at[group.first + group.count]
         if fbgemm_kernels_apply(flat):
-            sums = grouped_pooled_lookup(
-                group.layout, flat, [weights[s.index] for s in group.tables], features.values(),
-                features.offsets()[e0:e1 + 1], features.weights_or_none())
-        else:
-            sums = torch.cat([self._pool_table(features, span, weights[span.index])
-                              for span in group.tables], dim=1)
+            sums = grouped_pooled_lookup(group.layout, flat, weights, features.values(),
+                                         features.offsets()[e0:e1 + 1], features.weights_or_none())
+        else:  # one torch call per table
+            sums = torch.cat([self._pool_table(features, span, weight)
+                              for span, weight in zip(group.tables, weights)], dim=1)
         if not group.mean:
             return sums
         counts = features.lengths()[e0:e1].clamp(min=1).view(group.count, -1).t()  # [B, count]
@@ -440,11 +445,11 @@ class EmbeddingCollection(_EmbeddingTables):
         ordered = self._prepare(features, is_weighted=False)
         ids_per_key = ordered.values().split(ordered.length_per_key())
         lengths_per_key = ordered.lengths().split(ordered.stride_per_key())
-        weights = table_weights(self.embeddings)
-        flats = self._flats(weights)
+        weights, flats = self._weights_and_flats()
         with self._explained_id_errors(features):
-            per_key = [rows for group, flat in zip(self._groups, flats)
-                       for rows in self._lookup(ordered, group, flat, weights)]
+            per_key = list(chain.from_iterable(
+                self._lookup(ordered, group, flat, weights[group.table_slice])
+                for group, flat in zip(self._groups, flats)))
         return {
             name: JaggedTensor(per_key[k], weights=ids_per_key[k] if self._need_indices else None,
                                lengths=lengths_per_key[k])
@@ -453,7 +458,8 @@ class EmbeddingCollection(_EmbeddingTables):
 
     def _lookup(self, features: KeyedJaggedTensor, group: TableGroupSpan, flat: Optional[torch.Tensor],
                 weights: Sequence[nn.Parameter]) -> Sequence[torch.Tensor]:
-        """`[N_f, D]` per key of the group: one lookup over their ids, split (views)."""
+        """`[N_f, D]` per key of the group: one lookup over their ids, split (views);
+        `weights`: the group's Parameters."""
         value_at, length_per_key = features.offset_per_key(), features.length_per_key()
         v0, v1 = value_at[group.first], value_at[group.first + group.count]
         ids = features.values()[v0:v1]
@@ -463,9 +469,8 @@ class EmbeddingCollection(_EmbeddingTables):
                 check_rows_per_key(ids, torch.tensor(value_at[group.first:group.first + group.count + 1]) - v0,
                                    group.rows_per_key)
                 ids = ids + group.first_row_per_key.repeat_interleave(key_lengths, output_size=v1 - v0)
-            rows = grouped_sequence_lookup(group.layout, flat, [weights[s.index] for s in group.tables], ids)
-        else:
-            rows = torch.cat([sequence_lookup(weights[span.index],
-                                              features.values()[value_at[span.first]:value_at[span.first + span.count]])
-                              for span in group.tables])
+            rows = grouped_sequence_lookup(group.layout, flat, weights, ids)
+        else:  # one torch call per table
+            rows = torch.cat([sequence_lookup(weight, features.values()[value_at[span.first]:value_at[span.first + span.count]])
+                              for span, weight in zip(group.tables, weights)])
         return rows.split(length_per_key[group.first:group.first + group.count])
