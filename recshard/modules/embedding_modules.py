@@ -22,17 +22,17 @@ from recshard.modules.embedding_configs import (
     PoolingType,
 )
 from recshard.modules.input_checks import (
+    InputKeyOrder,
     check_dtypes_and_weights,
-    check_features,
     check_ids,
     check_input,
     check_layout,
+    check_rows_per_key,
 )
 from recshard.modules.lookups import pooled_lookup, sequence_lookup
 from recshard.modules.table_groups import (
     GroupStorage,
     KernelLayout,
-    check_rows_per_key,
     fbgemm_kernels_apply,
     grouped_pooled_lookup,
     grouped_sequence_lookup,
@@ -146,8 +146,7 @@ class _EmbeddingTables(nn.Module):
         # each output key (config order): its position in the lookup order
         self._lookup_position = [s.first + k for s in sorted(
             (s for g in self._groups for s in g.tables), key=lambda s: s.index) for k in range(s.count)]
-        # input key order -> permutation into `_key_order` (None: already in it)
-        self._permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
+        self._input_order = InputKeyOrder(self._feature_names, self._key_order, type(self).__name__)
 
     def _new_weights(self, device: DeviceLike) -> List[nn.Parameter]:
         """Every table initialized from its config (not on `meta`), views of one flat tensor
@@ -184,24 +183,12 @@ class _EmbeddingTables(nn.Module):
         self._storage.bind(table_weights(self._tables()))
         return result
 
-    def _permutation(self, features: KeyedJaggedTensor) -> Optional[List[int]]:
-        """Indices that put the input's keys in `_key_order` (None when they are); checked
-        and computed once per input key order."""
-        keys = tuple(features.keys())
-        if keys not in self._permutations:
-            check_features(features, self._feature_names, type(self).__name__)
-            index = {k: i for i, k in enumerate(keys)}
-            permutation = [index[f] for f in self._key_order]
-            identity = permutation == list(range(len(keys)))
-            self._permutations[keys] = None if identity else permutation
-        return self._permutations[keys]
-
     def _prepare(self, features: KeyedJaggedTensor, is_weighted: bool) -> KeyedJaggedTensor:
         """The input checked and in `_key_order`. Per call only O(keys) checks and one min
         over lengths (bag offsets the kernels can trust); ids are range-checked by the
         kernels on CPU and here elsewhere; `validate_input` runs every check."""
         owner = type(self).__name__
-        permutation = self._permutation(features)
+        permutation = self._input_order.permutation(features)
         check_dtypes_and_weights(features, is_weighted, owner)
         check_layout(features, owner)
         if features.values().device.type != "cpu":

@@ -256,13 +256,3 @@ def grouped_sequence_lookup(layout: KernelLayout, flat: torch.Tensor,
                             weights: Sequence[nn.Parameter], flat_rows: torch.Tensor) -> torch.Tensor:
     """Sequence lookup of a group's ids (see `GroupedSequenceLookup`)."""
     return GroupedSequenceLookup.apply(layout, flat, flat_rows, *weights)
-
-
-def check_rows_per_key(ids: torch.Tensor, key_offsets: torch.Tensor, rows_per_key: torch.Tensor) -> None:
-    """RuntimeError unless every id of key k (ids `[key_offsets[k], key_offsets[k+1])`) is in
-    [0, rows_per_key[k]): one min (fbgemm's check lets -1 through, its "pruned row" mark)
-    and fbgemm's bounds check, what its TBE runs before a lookup."""
-    if ids.numel() and bool(ids.min() < 0):
-        raise RuntimeError(f"negative id {int(ids.min())}")
-    torch.ops.fbgemm.bounds_check_indices(
-        rows_per_key, ids, key_offsets, 0, torch.zeros(1, dtype=torch.int64))
