@@ -38,7 +38,7 @@ from recshard.modules.table_groups import (
     grouped_sequence_lookup,
     table_weights,
 )
-from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor, jagged_ops
 from recshard.sparse.keyed_tensor import offsets_from_sizes
 
 DeviceLike = Union[str, torch.device, None]
@@ -102,6 +102,7 @@ class TableGroupSpan:
     first: int
     count: int
     layout: KernelLayout
+    dim: Optional[int]  # the tables' dim when they share one (the group's torch path needs it)
     mean: bool
     feature_dims: torch.Tensor  # [count] each key's dim
     first_row_per_key: torch.Tensor  # [count] each key's table's first row in the flat storage
@@ -237,7 +238,8 @@ def _group_spans(tables: Sequence[BaseEmbeddingConfig], groups: List[List[int]])
         layout = (KernelLayout.build([sum(rows)], dims[:1], [1]) if sequence
                   else KernelLayout.build(rows, dims, counts))
         spans.append(TableGroupSpan(
-            tables=table_spans, table_slice=slice(first_table, first_table + len(group)), first=first, count=sum(counts), layout=layout,
+            tables=table_spans, table_slice=slice(first_table, first_table + len(group)), first=first,
+            count=sum(counts), layout=layout, dim=dims[0] if len(set(dims)) == 1 else None,
             mean=configs[0].pooling == PoolingType.MEAN,
             feature_dims=torch.tensor([dims[i] for i in per_key]),
             first_row_per_key=torch.tensor([first_rows[i] for i in per_key]),
@@ -246,6 +248,30 @@ def _group_spans(tables: Sequence[BaseEmbeddingConfig], groups: List[List[int]])
         first += sum(counts)
         first_table += len(group)
     return spans
+
+
+def torch_path_groups(flat: Optional[torch.Tensor], group: TableGroupSpan) -> bool:
+    """Where fbgemm's CPU kernels do not apply, one torch call serves a group whose tables
+    share a dim and a flat storage with data (not `meta`, not under export: the flat storage
+    is None there); its ids are checked per table first (`flat_rows`; off CPU `_prepare`
+    checked them all)."""
+    return (flat is not None and group.dim is not None and not flat.is_meta
+            and (flat.device.type != "cpu" or jagged_ops.fbgemm_available()))
+
+
+def flat_rows(features: KeyedJaggedTensor, group: TableGroupSpan, check: bool) -> torch.Tensor:
+    """`[N]` the group's ids as rows of its flat storage viewed as one table (each id shifted
+    by its table's first row), each first checked against its own table when `check`."""
+    value_at, length_per_key = features.offset_per_key(), features.length_per_key()
+    v0, v1 = value_at[group.first], value_at[group.first + group.count]
+    ids = features.values()[v0:v1]
+    if len(group.tables) == 1:  # the flat storage is the table: the lookup checks its ids
+        return ids
+    if check:
+        check_rows_per_key(ids, torch.tensor(value_at[group.first:group.first + group.count + 1]) - v0,
+                           group.rows_per_key)
+    key_lengths = torch.tensor(length_per_key[group.first:group.first + group.count], device=ids.device)
+    return ids + group.first_row_per_key.to(ids.device).repeat_interleave(key_lengths, output_size=v1 - v0)
 
 
 def pad_to_one_batch(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -365,6 +391,14 @@ class EmbeddingBagCollection(_EmbeddingTables):
         if fbgemm_kernels_apply(flat):
             sums = grouped_pooled_lookup(group.layout, flat, weights, features.values(),
                                          features.offsets()[e0:e1 + 1], features.weights_or_none())
+        elif torch_path_groups(flat, group):  # one torch call: [count * B, D] -> [B, count * D]
+            v0, v1 = features.offset_per_key()[group.first], features.offset_per_key()[group.first + group.count]
+            per_id_weights = features.weights_or_none()
+            sums = pooled_lookup(flat.view(-1, group.dim), flat_rows(features, group, flat.device.type == "cpu"),
+                                 features.offsets()[e0:e1] - v0,
+                                 None if per_id_weights is None else per_id_weights[v0:v1], weights)
+            batch = features.stride()
+            sums = sums.view(group.count, batch, -1).transpose(0, 1).reshape(batch, -1)
         else:  # one torch call per table
             sums = torch.cat([self._pool_table(features, span, weight)
                               for span, weight in zip(group.tables, weights)], dim=1)
@@ -448,15 +482,11 @@ class EmbeddingCollection(_EmbeddingTables):
         """`[N_f, D]` per key of the group: one lookup over their ids, split (views);
         `weights`: the group's Parameters."""
         value_at, length_per_key = features.offset_per_key(), features.length_per_key()
-        v0, v1 = value_at[group.first], value_at[group.first + group.count]
-        ids = features.values()[v0:v1]
         if fbgemm_kernels_apply(flat):
-            if len(group.tables) > 1:  # ids of every table, placed in the flat storage's rows
-                key_lengths = torch.tensor(length_per_key[group.first:group.first + group.count])
-                check_rows_per_key(ids, torch.tensor(value_at[group.first:group.first + group.count + 1]) - v0,
-                                   group.rows_per_key)
-                ids = ids + group.first_row_per_key.repeat_interleave(key_lengths, output_size=v1 - v0)
-            rows = grouped_sequence_lookup(group.layout, flat, weights, ids)
+            rows = grouped_sequence_lookup(group.layout, flat, weights, flat_rows(features, group, True))
+        elif torch_path_groups(flat, group):
+            rows = sequence_lookup(flat.view(-1, group.dim), flat_rows(features, group, flat.device.type == "cpu"),
+                                   weights)
         else:  # one torch call per table
             rows = torch.cat([sequence_lookup(weight, features.values()[value_at[span.first]:value_at[span.first + span.count]])
                               for span, weight in zip(group.tables, weights)])

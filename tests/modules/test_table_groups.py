@@ -317,3 +317,38 @@ def test_ec_grouped_lookup_matches_per_table_rows() -> None:
     torch.stack(losses).sum().backward()
     for name, emb in ec.embeddings.items():
         torch.testing.assert_close(emb.weight.grad, grads[name])
+
+
+ONE_DIM_TABLES = [EmbeddingBagConfig(num_embeddings=c.num_embeddings, embedding_dim=4, name=c.name,
+                                     feature_names=c.feature_names, pooling=c.pooling) for c in TABLES]
+
+
+def test_torch_path_is_one_call_per_group_of_one_dim() -> None:
+    """Off fbgemm's float32 CPU kernels (float64 here; CUDA, fp16 and bf16 take the same
+    path) a group whose tables share a dim is one torch call over its flat storage, with the
+    outputs and gradients of per-table lookups; an id past its table still names it."""
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(ONE_DIM_TABLES).to(torch.float64)
+    features = batch(13)
+    calls = kernel_calls(lambda: ebc(features))
+    assert calls.get("aten::embedding_bag") == 2 and "fbgemm::split_embedding_codegen_forward_cpu" not in calls
+    check_against_reference(ebc, features)
+    ec = EmbeddingCollection(SEQ_TABLES).to(torch.float64)
+    assert kernel_calls(lambda: ec(features)).get("aten::embedding") == 1
+    out = ec(features)
+    jts = features.to_dict()
+    grads = {n: torch.zeros_like(e.weight) for n, e in ec.embeddings.items()}
+    losses = []
+    for name, (feature, table) in OUTPUTS.items():
+        ids = jts[feature].values()
+        assert torch.equal(out[name].values(), ec.embeddings[table].weight[ids])
+        scale = torch.randn_like(out[name].values())
+        losses.append((out[name].values() * scale).sum())
+        grads[table].index_add_(0, ids, scale)
+    torch.stack(losses).sum().backward()
+    for name, emb in ec.embeddings.items():
+        torch.testing.assert_close(emb.weight.grad, grads[name])
+    message = r"table 'c', feature 'v': id 8 is outside \[0, 7\)"
+    for module in (ebc, ec):
+        with pytest.raises(ValueError, match=message):
+            module(_bad(features, "v", 8))
