@@ -294,7 +294,8 @@ class EmbeddingBagCollection(_EmbeddingTables):
 
     Several features may share a table. Any `embedding_dim >= 1` works. On CPU (float32) one
     fbgemm kernel call pools every feature of the tables sharing a pooling type and data type
-    (`table_groups.py`); elsewhere one `torch.embedding_bag` call per table.
+    (`table_groups.py`); elsewhere one `torch.embedding_bag` call per group whose tables
+    share a dim (`torch_path_groups`), per table on `meta` and under export.
     """
 
     _tables_attr = "embedding_bags"
@@ -410,7 +411,8 @@ class EmbeddingBagCollection(_EmbeddingTables):
 
     def _pool_table(self, features: KeyedJaggedTensor, span: TableSpan, weight: torch.Tensor) -> torch.Tensor:
         """`[B, count * D]`: one table's features pooled side by side by torch's kernel, one
-        call over their ids (the path off CPU, on `meta` and under export)."""
+        call over their ids (on `meta`, under export, and for groups of several dims off
+        fbgemm's CPU kernels)."""
         value_at, entry_at = features.offset_per_key(), features.lengths_offset_per_key()
         v0, v1 = value_at[span.first], value_at[span.first + span.count]
         e0, e1 = entry_at[span.first], entry_at[span.first + span.count]
@@ -429,7 +431,8 @@ class EmbeddingCollection(_EmbeddingTables):
     """Sequence embeddings: one vector per id, returned as `{feature: JaggedTensor}` with
     values `[N_f, D]` and the input's lengths. On CPU (float32) one lookup (and one fbgemm
     backward call) serves every table sharing a dim and data type, up to
-    `EC_MAX_GROUP_BYTES` of weights per group; elsewhere one call per table.
+    `EC_MAX_GROUP_BYTES` of weights per group; elsewhere one torch call per group (per table
+    on `meta` and under export).
     Each feature's output is a view of its group's rows."""
 
     _tables_attr = "embeddings"

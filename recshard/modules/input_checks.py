@@ -51,7 +51,7 @@ def check_layout(kjt: KeyedJaggedTensor, owner: str) -> None:
     """lengths, values and weights agree, so bag offsets stay inside `values` (the lookup
     kernels do not check them): a few scalar comparisons on the per-key sums the lookup
     needs anyway, one min over lengths and, for offsets the KJT already holds (given by the
-    caller, perhaps besides lengths), one pass over them. The full check (for its message
+    caller, perhaps besides lengths), one `aminmax` over them. The full check (for its message
     naming key and numbers) only when these fail. The KJT constructor accepts these, as
     TorchRec's. Skipped where the data cannot be read (`data_unreadable`)."""
     if data_unreadable(kjt):
@@ -72,9 +72,11 @@ def check_layout(kjt: KeyedJaggedTensor, owner: str) -> None:
 
 
 def _offsets_leave_values(offsets: torch.Tensor, num_values: int) -> bool:
-    """Bag offsets that do not run from 0 to `num_values` without decreasing."""
-    ends = offsets[[0, -1]].tolist()
-    return ends != [0, num_values] or bool((offsets[1:] < offsets[:-1]).any())
+    """Bag offsets not within `[0, num_values]` with both ends reached: one `aminmax`. Inside
+    that range the kernels' reads stay in `values`; offsets that also decrease come with
+    negative lengths when the lengths were derived from them (checked beside this), and
+    only `validate()` compares them with lengths given separately."""
+    return [int(end) for end in torch.aminmax(offsets)] != [0, num_values]
 
 
 def check_one_batch(kjt: KeyedJaggedTensor, owner: str) -> None:
