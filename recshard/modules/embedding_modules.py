@@ -250,7 +250,7 @@ def _group_spans(tables: Sequence[BaseEmbeddingConfig], groups: List[List[int]])
     return spans
 
 
-def torch_path_groups(flat: Optional[torch.Tensor], group: TableGroupSpan) -> bool:
+def one_torch_call_serves(flat: Optional[torch.Tensor], group: TableGroupSpan) -> bool:
     """Where fbgemm's CPU kernels do not apply, one torch call serves a group whose tables
     share a dim and a flat storage with data (not `meta`, not under export: the flat storage
     is None there); its ids are checked per table first (`flat_rows`; off CPU `_prepare`
@@ -295,7 +295,7 @@ class EmbeddingBagCollection(_EmbeddingTables):
     Several features may share a table. Any `embedding_dim >= 1` works. On CPU (float32) one
     fbgemm kernel call pools every feature of the tables sharing a pooling type and data type
     (`table_groups.py`); elsewhere one `torch.embedding_bag` call per group whose tables
-    share a dim (`torch_path_groups`), per table on `meta` and under export.
+    share a dim (`one_torch_call_serves`), per table on `meta` and under export.
     """
 
     _tables_attr = "embedding_bags"
@@ -392,7 +392,7 @@ class EmbeddingBagCollection(_EmbeddingTables):
         if fbgemm_kernels_apply(flat):
             sums = grouped_pooled_lookup(group.layout, flat, weights, features.values(),
                                          features.offsets()[e0:e1 + 1], features.weights_or_none())
-        elif torch_path_groups(flat, group):  # one torch call: [count * B, D] -> [B, count * D]
+        elif one_torch_call_serves(flat, group):  # one torch call: [count * B, D] -> [B, count * D]
             v0, v1 = features.offset_per_key()[group.first], features.offset_per_key()[group.first + group.count]
             per_id_weights = features.weights_or_none()
             sums = pooled_lookup(flat.view(-1, group.dim), flat_rows(features, group, flat.device.type == "cpu"),
@@ -487,7 +487,7 @@ class EmbeddingCollection(_EmbeddingTables):
         value_at, length_per_key = features.offset_per_key(), features.length_per_key()
         if fbgemm_kernels_apply(flat):
             rows = grouped_sequence_lookup(group.layout, flat, weights, flat_rows(features, group, True))
-        elif torch_path_groups(flat, group):
+        elif one_torch_call_serves(flat, group):
             rows = sequence_lookup(flat.view(-1, group.dim), flat_rows(features, group, flat.device.type == "cpu"),
                                    weights)
         else:  # one torch call per table
