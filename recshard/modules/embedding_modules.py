@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
 from typing import Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -21,23 +22,23 @@ from recshard.modules.embedding_configs import (
     PoolingType,
 )
 from recshard.modules.input_checks import (
+    InputKeyOrder,
     check_dtypes_and_weights,
-    check_features,
     check_ids,
     check_input,
     check_layout,
+    check_rows_per_key,
 )
 from recshard.modules.lookups import pooled_lookup, sequence_lookup
 from recshard.modules.table_groups import (
     GroupStorage,
     KernelLayout,
-    check_rows_per_key,
     fbgemm_kernels_apply,
     grouped_pooled_lookup,
     grouped_sequence_lookup,
     table_weights,
 )
-from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor, jagged_ops
 from recshard.sparse.keyed_tensor import offsets_from_sizes
 
 DeviceLike = Union[str, torch.device, None]
@@ -97,9 +98,11 @@ class TableGroupSpan:
     in the group's flat storage (for EC, the flat storage as one table `[rows, D]`)."""
 
     tables: Tuple[TableSpan, ...]
+    table_slice: slice  # the group's run of the Parameters in lookup order
     first: int
     count: int
     layout: KernelLayout
+    dim: Optional[int]  # the tables' dim when they share one (the group's torch path needs it)
     mean: bool
     feature_dims: torch.Tensor  # [count] each key's dim
     first_row_per_key: torch.Tensor  # [count] each key's table's first row in the flat storage
@@ -144,8 +147,7 @@ class _EmbeddingTables(nn.Module):
         # each output key (config order): its position in the lookup order
         self._lookup_position = [s.first + k for s in sorted(
             (s for g in self._groups for s in g.tables), key=lambda s: s.index) for k in range(s.count)]
-        # input key order -> permutation into `_key_order` (None: already in it)
-        self._permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
+        self._input_order = InputKeyOrder(self._feature_names, self._key_order, type(self).__name__)
 
     def _new_weights(self, device: DeviceLike) -> List[nn.Parameter]:
         """Every table initialized from its config (not on `meta`), views of one flat tensor
@@ -182,24 +184,12 @@ class _EmbeddingTables(nn.Module):
         self._storage.bind(table_weights(self._tables()))
         return result
 
-    def _permutation(self, features: KeyedJaggedTensor) -> Optional[List[int]]:
-        """Indices that put the input's keys in `_key_order` (None when they are); checked
-        and computed once per input key order."""
-        keys = tuple(features.keys())
-        if keys not in self._permutations:
-            check_features(features, self._feature_names, type(self).__name__)
-            index = {k: i for i, k in enumerate(keys)}
-            permutation = [index[f] for f in self._key_order]
-            identity = permutation == list(range(len(keys)))
-            self._permutations[keys] = None if identity else permutation
-        return self._permutations[keys]
-
     def _prepare(self, features: KeyedJaggedTensor, is_weighted: bool) -> KeyedJaggedTensor:
         """The input checked and in `_key_order`. Per call only O(keys) checks and one min
         over lengths (bag offsets the kernels can trust); ids are range-checked by the
         kernels on CPU and here elsewhere; `validate_input` runs every check."""
         owner = type(self).__name__
-        permutation = self._permutation(features)
+        permutation = self._input_order.permutation(features)
         check_dtypes_and_weights(features, is_weighted, owner)
         check_layout(features, owner)
         if features.values().device.type != "cpu":
@@ -213,12 +203,14 @@ class _EmbeddingTables(nn.Module):
         check_input(features, self._feature_names, self._feature_to_table,
                     features.weights_or_none() is not None, type(self).__name__)
 
-    def _flats(self, weights: Sequence[nn.Parameter]) -> Sequence[Optional[torch.Tensor]]:
-        """Each group's flat storage, or None for all under export / compile (they trace the
-        per-table path: a traced program cannot read data pointers)."""
+    def _weights_and_flats(self) -> Tuple[Tuple[nn.Parameter, ...], Sequence[Optional[torch.Tensor]]]:
+        """The tables' Parameters in lookup order (`TableGroupSpan.table_slice` picks a
+        group's) and each group's flat storage, or None for all under export / compile (they
+        trace the per-table path: a traced program cannot read data pointers)."""
         if torch.compiler.is_compiling():
-            return [None] * len(self._groups)
-        return self._storage.flats(weights)
+            weights = [module.weight for module in self._tables().values()]
+            return self._storage.in_lookup_order(weights), [None] * len(self._groups)
+        return self._storage.current(self._tables())
 
     @contextmanager
     def _explained_id_errors(self, features: KeyedJaggedTensor) -> Iterator[None]:
@@ -233,7 +225,7 @@ class _EmbeddingTables(nn.Module):
 
 def _group_spans(tables: Sequence[BaseEmbeddingConfig], groups: List[List[int]]) -> List[TableGroupSpan]:
     spans: List[TableGroupSpan] = []
-    first = 0
+    first = first_table = 0
     for group in groups:
         configs = [tables[i] for i in group]
         counts = [len(t.feature_names) for t in configs]
@@ -246,14 +238,40 @@ def _group_spans(tables: Sequence[BaseEmbeddingConfig], groups: List[List[int]])
         layout = (KernelLayout.build([sum(rows)], dims[:1], [1]) if sequence
                   else KernelLayout.build(rows, dims, counts))
         spans.append(TableGroupSpan(
-            tables=table_spans, first=first, count=sum(counts), layout=layout,
+            tables=table_spans, table_slice=slice(first_table, first_table + len(group)), first=first,
+            count=sum(counts), layout=layout, dim=dims[0] if len(set(dims)) == 1 else None,
             mean=configs[0].pooling == PoolingType.MEAN,
             feature_dims=torch.tensor([dims[i] for i in per_key]),
             first_row_per_key=torch.tensor([first_rows[i] for i in per_key]),
             rows_per_key=torch.tensor([rows[i] for i in per_key]),
         ))
         first += sum(counts)
+        first_table += len(group)
     return spans
+
+
+def one_torch_call_serves(flat: Optional[torch.Tensor], group: TableGroupSpan) -> bool:
+    """Where fbgemm's CPU kernels do not apply, one torch call serves a group whose tables
+    share a dim and a flat storage with data (not `meta`, not under export: the flat storage
+    is None there); its ids are checked per table first (`flat_rows`; off CPU `_prepare`
+    checked them all)."""
+    return (flat is not None and group.dim is not None and not flat.is_meta
+            and (flat.device.type != "cpu" or jagged_ops.fbgemm_available()))
+
+
+def flat_rows(features: KeyedJaggedTensor, group: TableGroupSpan, check: bool) -> torch.Tensor:
+    """`[N]` the group's ids as rows of its flat storage viewed as one table (each id shifted
+    by its table's first row), each first checked against its own table when `check`."""
+    value_at, length_per_key = features.offset_per_key(), features.length_per_key()
+    v0, v1 = value_at[group.first], value_at[group.first + group.count]
+    ids = features.values()[v0:v1]
+    if len(group.tables) == 1:  # the flat storage is the table: the lookup checks its ids
+        return ids
+    if check:
+        check_rows_per_key(ids, torch.tensor(value_at[group.first:group.first + group.count + 1]) - v0,
+                           group.rows_per_key)
+    key_lengths = torch.tensor(length_per_key[group.first:group.first + group.count], device=ids.device)
+    return ids + group.first_row_per_key.to(ids.device).repeat_interleave(key_lengths, output_size=v1 - v0)
 
 
 def pad_to_one_batch(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -276,7 +294,8 @@ class EmbeddingBagCollection(_EmbeddingTables):
 
     Several features may share a table. Any `embedding_dim >= 1` works. On CPU (float32) one
     fbgemm kernel call pools every feature of the tables sharing a pooling type and data type
-    (`table_groups.py`); elsewhere one `torch.embedding_bag` call per table.
+    (`table_groups.py`); elsewhere one `torch.embedding_bag` call per group whose tables
+    share a dim (`one_torch_call_serves`), per table on `meta` and under export.
     """
 
     _tables_attr = "embedding_bags"
@@ -329,10 +348,10 @@ class EmbeddingBagCollection(_EmbeddingTables):
                     "to bring them to one batch (TorchRec's variable batch)"
                 )
             ordered = pad_to_one_batch(ordered)
-        weights = table_weights(self.embedding_bags)
-        flats = self._flats(weights)
+        weights, flats = self._weights_and_flats()
         with self._explained_id_errors(features):
-            pooled = [self._pool(ordered, group, flat, weights) for group, flat in zip(self._groups, flats)]
+            pooled = [self._pool(ordered, group, flat, weights[group.table_slice])
+                      for group, flat in zip(self._groups, flats)]
         values = torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]
         if inverse is not None and inverse[1].numel():
             values = self._expand(values, inverse, strides)
@@ -366,16 +385,24 @@ class EmbeddingBagCollection(_EmbeddingTables):
 
     def _pool(self, features: KeyedJaggedTensor, group: TableGroupSpan, flat: Optional[torch.Tensor],
               weights: Sequence[nn.Parameter]) -> torch.Tensor:
-        """`[B, sum of the group's feature dims]`, features side by side in lookup order."""
+        """`[B, sum of the group's feature dims]`, features side by side in lookup order;
+        `weights`: the group's Parameters."""
         entry_at = features.lengths_offset_per_key()
         e0, e1 = entry_at[group.first], entry_at[group.first + group.count]
         if fbgemm_kernels_apply(flat):
-            sums = grouped_pooled_lookup(
-                group.layout, flat, [weights[s.index] for s in group.tables], features.values(),
-                features.offsets()[e0:e1 + 1], features.weights_or_none())
-        else:
-            sums = torch.cat([self._pool_table(features, span, weights[span.index])
-                              for span in group.tables], dim=1)
+            sums = grouped_pooled_lookup(group.layout, flat, weights, features.values(),
+                                         features.offsets()[e0:e1 + 1], features.weights_or_none())
+        elif one_torch_call_serves(flat, group):  # one torch call: [count * B, D] -> [B, count * D]
+            v0, v1 = features.offset_per_key()[group.first], features.offset_per_key()[group.first + group.count]
+            per_id_weights = features.weights_or_none()
+            sums = pooled_lookup(flat.view(-1, group.dim), flat_rows(features, group, flat.device.type == "cpu"),
+                                 features.offsets()[e0:e1] - v0,
+                                 None if per_id_weights is None else per_id_weights[v0:v1], weights)
+            batch = features.stride()
+            sums = sums.view(group.count, batch, -1).transpose(0, 1).reshape(batch, -1)
+        else:  # one torch call per table
+            sums = torch.cat([self._pool_table(features, span, weight)
+                              for span, weight in zip(group.tables, weights)], dim=1)
         if not group.mean:
             return sums
         counts = features.lengths()[e0:e1].clamp(min=1).view(group.count, -1).t()  # [B, count]
@@ -384,7 +411,8 @@ class EmbeddingBagCollection(_EmbeddingTables):
 
     def _pool_table(self, features: KeyedJaggedTensor, span: TableSpan, weight: torch.Tensor) -> torch.Tensor:
         """`[B, count * D]`: one table's features pooled side by side by torch's kernel, one
-        call over their ids (the path off CPU, on `meta` and under export)."""
+        call over their ids (on `meta`, under export, and for groups of several dims off
+        fbgemm's CPU kernels)."""
         value_at, entry_at = features.offset_per_key(), features.lengths_offset_per_key()
         v0, v1 = value_at[span.first], value_at[span.first + span.count]
         e0, e1 = entry_at[span.first], entry_at[span.first + span.count]
@@ -403,7 +431,8 @@ class EmbeddingCollection(_EmbeddingTables):
     """Sequence embeddings: one vector per id, returned as `{feature: JaggedTensor}` with
     values `[N_f, D]` and the input's lengths. On CPU (float32) one lookup (and one fbgemm
     backward call) serves every table sharing a dim and data type, up to
-    `EC_MAX_GROUP_BYTES` of weights per group; elsewhere one call per table.
+    `EC_MAX_GROUP_BYTES` of weights per group; elsewhere one torch call per group (per table
+    on `meta` and under export).
     Each feature's output is a view of its group's rows."""
 
     _tables_attr = "embeddings"
@@ -440,11 +469,11 @@ class EmbeddingCollection(_EmbeddingTables):
         ordered = self._prepare(features, is_weighted=False)
         ids_per_key = ordered.values().split(ordered.length_per_key())
         lengths_per_key = ordered.lengths().split(ordered.stride_per_key())
-        weights = table_weights(self.embeddings)
-        flats = self._flats(weights)
+        weights, flats = self._weights_and_flats()
         with self._explained_id_errors(features):
-            per_key = [rows for group, flat in zip(self._groups, flats)
-                       for rows in self._lookup(ordered, group, flat, weights)]
+            per_key = list(chain.from_iterable(
+                self._lookup(ordered, group, flat, weights[group.table_slice])
+                for group, flat in zip(self._groups, flats)))
         return {
             name: JaggedTensor(per_key[k], weights=ids_per_key[k] if self._need_indices else None,
                                lengths=lengths_per_key[k])
@@ -453,19 +482,15 @@ class EmbeddingCollection(_EmbeddingTables):
 
     def _lookup(self, features: KeyedJaggedTensor, group: TableGroupSpan, flat: Optional[torch.Tensor],
                 weights: Sequence[nn.Parameter]) -> Sequence[torch.Tensor]:
-        """`[N_f, D]` per key of the group: one lookup over their ids, split (views)."""
+        """`[N_f, D]` per key of the group: one lookup over their ids, split (views);
+        `weights`: the group's Parameters."""
         value_at, length_per_key = features.offset_per_key(), features.length_per_key()
-        v0, v1 = value_at[group.first], value_at[group.first + group.count]
-        ids = features.values()[v0:v1]
         if fbgemm_kernels_apply(flat):
-            if len(group.tables) > 1:  # ids of every table, placed in the flat storage's rows
-                key_lengths = torch.tensor(length_per_key[group.first:group.first + group.count])
-                check_rows_per_key(ids, torch.tensor(value_at[group.first:group.first + group.count + 1]) - v0,
-                                   group.rows_per_key)
-                ids = ids + group.first_row_per_key.repeat_interleave(key_lengths, output_size=v1 - v0)
-            rows = grouped_sequence_lookup(group.layout, flat, [weights[s.index] for s in group.tables], ids)
-        else:
-            rows = torch.cat([sequence_lookup(weights[span.index],
-                                              features.values()[value_at[span.first]:value_at[span.first + span.count]])
-                              for span in group.tables])
+            rows = grouped_sequence_lookup(group.layout, flat, weights, flat_rows(features, group, True))
+        elif one_torch_call_serves(flat, group):
+            rows = sequence_lookup(flat.view(-1, group.dim), flat_rows(features, group, flat.device.type == "cpu"),
+                                   weights)
+        else:  # one torch call per table
+            rows = torch.cat([sequence_lookup(weight, features.values()[value_at[span.first]:value_at[span.first + span.count]])
+                              for span, weight in zip(group.tables, weights)])
         return rows.split(length_per_key[group.first:group.first + group.count])

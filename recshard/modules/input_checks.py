@@ -48,23 +48,35 @@ def data_unreadable(kjt: KeyedJaggedTensor) -> bool:
 
 
 def check_layout(kjt: KeyedJaggedTensor, owner: str) -> None:
-    """lengths, values and weights agree: a few scalar comparisons on the per-key sums the
-    lookup needs anyway, and one min over lengths; the full check (for its message naming
-    key and numbers) only when they do not. The KJT constructor accepts these, as TorchRec's.
-    Skipped where the data cannot be read (`data_unreadable`)."""
+    """lengths, values and weights agree, so bag offsets stay inside `values` (the lookup
+    kernels do not check them): a few scalar comparisons on the per-key sums the lookup
+    needs anyway, one min over lengths and, for offsets the KJT already holds (given by the
+    caller, perhaps besides lengths), one `aminmax` over them. The full check (for its message
+    naming key and numbers) only when these fail. The KJT constructor accepts these, as
+    TorchRec's. Skipped where the data cannot be read (`data_unreadable`)."""
     if data_unreadable(kjt):
         return
     values, weights, lengths = kjt.values(), kjt.weights_or_none(), kjt.lengths()
+    offsets = kjt.offsets_or_none()
     if (
         values.dim() != 1
         or sum(kjt.length_per_key()) != values.numel()
         or (weights is not None and weights.numel() != values.numel())
         or (lengths.numel() > 0 and bool(lengths.min() < 0))
+        or (offsets is not None and offsets.numel() > 0 and _offsets_leave_values(offsets, values.numel()))
     ):
         try:
             validate_kjt(kjt)
         except ValueError as e:
             raise ValueError(f"{owner}: {e}") from None
+
+
+def _offsets_leave_values(offsets: torch.Tensor, num_values: int) -> bool:
+    """Bag offsets not within `[0, num_values]` with both ends reached: one `aminmax`. Inside
+    that range the kernels' reads stay in `values`; offsets that also decrease come with
+    negative lengths when the lengths were derived from them (checked beside this), and
+    only `validate()` compares them with lengths given separately."""
+    return [int(end) for end in torch.aminmax(offsets)] != [0, num_values]
 
 
 def check_one_batch(kjt: KeyedJaggedTensor, owner: str) -> None:
@@ -163,6 +175,55 @@ def check_ids(
             f"{owner}: table '{table}', feature '{feature}': id {bad_id} is outside "
             f"[0, {num_embeddings}) (num_embeddings={num_embeddings}; {count} bad id(s) in batch)"
         )
+
+
+def check_ids_per_key(kjt: KeyedJaggedTensor, rows_per_key: torch.Tensor,
+                      feature_to_table: Dict[str, Tuple[str, int]], owner: str) -> None:
+    """Every id of key k in [0, rows_per_key[k]) (`[keys]`, the KJT's key order): one min and
+    one fbgemm bounds check over all keys, no Python per key; when they refuse the batch,
+    `check_ids` names table, feature and id. Skipped where the data cannot be read."""
+    if data_unreadable(kjt):
+        return
+    values = kjt.values()
+    key_offsets = torch.tensor(kjt.offset_per_key(), dtype=values.dtype, device=values.device)
+    try:
+        check_rows_per_key(values, key_offsets, rows_per_key.to(values.device))
+    except RuntimeError:
+        check_ids(kjt, feature_to_table, owner)
+        raise
+
+
+def check_rows_per_key(ids: torch.Tensor, key_offsets: torch.Tensor, rows_per_key: torch.Tensor) -> None:
+    """RuntimeError unless every id of key k (ids `[key_offsets[k], key_offsets[k+1])`) is in
+    [0, rows_per_key[k]): one min (fbgemm's check lets -1 through, its "pruned row" mark)
+    and fbgemm's bounds check, what its TBE runs before a lookup."""
+    if ids.numel() and bool(ids.min() < 0):
+        raise RuntimeError(f"negative id {int(ids.min())}")
+    torch.ops.fbgemm.bounds_check_indices(
+        rows_per_key.to(torch.int64), ids, key_offsets.to(ids.dtype), 0,
+        torch.zeros(1, dtype=torch.int64, device=ids.device))
+
+
+class InputKeyOrder:
+    """The order a module reads its features in (`order`, a feature may repeat), and each
+    input key order's permutation into it: checked (`check_features`) and computed once per
+    input key order, so a call costs one dict lookup."""
+
+    def __init__(self, feature_names: List[str], order: List[str], owner: str) -> None:
+        self._feature_names = feature_names
+        self._order = order
+        self._owner = owner
+        self._permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
+
+    def permutation(self, kjt: KeyedJaggedTensor) -> Optional[List[int]]:
+        """Indices that put `kjt`'s keys in the module's order (None when they are)."""
+        keys = tuple(kjt.keys())
+        if keys not in self._permutations:
+            check_features(kjt, self._feature_names, self._owner)
+            index = {k: i for i, k in enumerate(keys)}
+            permutation = [index[f] for f in self._order]
+            self._permutations[keys] = None if permutation == list(range(len(keys))) else permutation
+        return self._permutations[keys]
 
 
 def check_input(

@@ -13,11 +13,13 @@ Id bounds: the forward kernel checks every id against its own table's rows and r
 collections turn that into a ValueError naming table and feature. The kernel does not check
 the bag offsets: callers guarantee `0 = offsets[0] <= ... <= offsets[-1] = len(ids)`.
 
-Aliasing is checked per call by comparing the Parameters' data pointers with the flat
-storage's (`GroupStorage.flats`, a C-level comparison of two tuples). Whatever moved a
-Parameter off its flat storage (`.to()`, `load_state_dict(assign=True)`, `weight.data = ...`,
-a copy) makes the storage rebuild itself from the current Parameters (their identity and
-values kept) on the next call.
+Aliasing is checked per call by comparing the Parameters' data pointers with those recorded
+at the last bind (`GroupStorage.current`): one pass of C calls (`map` over the table modules'
+parameter dicts and `Tensor.data_ptr`), no Python frame per table. Whatever moved a Parameter
+off its flat storage (`.to()`, `load_state_dict(assign=True)`, `weight.data = ...`,
+`weight.set_(...)`, a replaced table module, a copy) makes the storage rebuild itself from the
+current Parameters (their identity and values kept) on the next call. Hooks on assignment,
+`_apply` or `load_state_dict` would not see `.data =` or `set_()`, so the pointers are read.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ from recshard.sparse import jagged_ops
 DeviceLike = Union[str, torch.device, None]
 FBGEMM_SUM = 0  # fbgemm's PoolingMode.SUM (MEAN tables are pooled as SUM, then divided)
 
-_weight_of = attrgetter("weight")
+# a table module's Parameter read from its parameter dict: `module.weight` would run
+# `nn.Module.__getattr__`, a Python frame per table per call
+_parameters_of = attrgetter("_parameters")
+_weight_slot = itemgetter("weight")
 
 
 @dataclass(frozen=True)
@@ -92,12 +97,16 @@ class GroupStorage:
     """The flat tensor of each group that its tables' Parameters are views of.
 
     `groups[g]` lists positions in the collection's table list (a group's tables share a
-    data type); `flats(params)` returns each group's flat tensor (None for a group whose tables no longer share dtype and device),
-    re-binding the Parameters first if any moved off its storage."""
+    data type); the lookup order is the groups' tables one after the other. `current(tables)`
+    returns the Parameters in lookup order and each group's flat tensor (None for a group
+    whose tables no longer share dtype and device), re-binding the Parameters first if any
+    moved off its storage."""
 
     def __init__(self, groups: Sequence[Sequence[int]]) -> None:
         self._groups = [tuple(g) for g in groups]
-        self._order = itemgetter(*[t for g in self._groups for t in g])
+        order = [t for g in self._groups for t in g]
+        # a tuple even for one table (itemgetter of one index returns the item itself)
+        self._order = itemgetter(*order) if len(order) > 1 else itemgetter(slice(order[0], order[0] + 1))
         self._flats: List[Optional[torch.Tensor]] = []
         self._pointers: Tuple[int, ...] = ()
 
@@ -113,18 +122,22 @@ class GroupStorage:
                 tables[t] = piece.view(shapes[t])
         return tables
 
-    def flats(self, params: Sequence[nn.Parameter]) -> List[Optional[torch.Tensor]]:
-        """Each group's flat tensor; `params` in the collection's table order."""
-        ordered = self._order(params)
-        if not isinstance(ordered, tuple):
-            ordered = (ordered,)
+    def in_lookup_order(self, params: Sequence[nn.Parameter]) -> Tuple[nn.Parameter, ...]:
+        """`params` (collection order) in lookup order."""
+        return self._order(tuple(params))
+
+    def current(self, tables: nn.ModuleDict) -> Tuple[Tuple[nn.Parameter, ...], List[Optional[torch.Tensor]]]:
+        """The tables' Parameters in lookup order and each group's flat tensor; C calls only
+        (no Python frame per table)."""
+        ordered = self._order(table_weights(tables))
         if tuple(map(torch.Tensor.data_ptr, ordered)) != self._pointers:
-            self.bind(params)
-        return self._flats
+            self.bind(table_weights(tables))
+        return ordered, self._flats
 
     def bind(self, params: Sequence[nn.Parameter]) -> None:
         """Make each group's Parameters views of one flat tensor again (a copy of their
-        current values when they are not already), keeping the Parameter objects."""
+        current values when they are not already), keeping the Parameter objects; `params`
+        in the collection's table order."""
         self._flats = []
         for group in self._groups:
             members = [params[t] for t in group]
@@ -137,8 +150,7 @@ class GroupStorage:
                 for p, piece in zip(members, flat.split([p.numel() for p in members])):
                     p.data = piece.view(p.shape)
             self._flats.append(flat)
-        ordered = self._order(params)
-        self._pointers = tuple(map(torch.Tensor.data_ptr, ordered if isinstance(ordered, tuple) else (ordered,)))
+        self._pointers = tuple(map(torch.Tensor.data_ptr, self._order(tuple(params))))
 
 
 def _flat_of(members: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -158,14 +170,13 @@ def _flat_of(members: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def table_weights(tables: nn.ModuleDict) -> Tuple[nn.Parameter, ...]:
     """Each table module's `weight`, in the dict's order."""
-    return tuple(map(_weight_of, tables.values()))
+    return tuple(map(_weight_slot, map(_parameters_of, tables.values())))
 
 
-def _split_grad(flat_grad: torch.Tensor, weights: Sequence[torch.Tensor],
-                needs: Sequence[bool]) -> Tuple[Optional[torch.Tensor], ...]:
-    """Each table's slice of the flat gradient, shaped as the table (None where not needed)."""
-    pieces = flat_grad.split([w.numel() for w in weights])
-    return tuple(piece.view(w.shape) if need else None for piece, w, need in zip(pieces, weights, needs))
+def _table_grads(flat_grad: torch.Tensor, weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Each table's gradient, a view of the flat gradient shaped as the table: one C call.
+    Tables that do not need one get it too; autograd drops it (their inputs need no grad)."""
+    return torch._C._nn.unflatten_dense_tensors(flat_grad, weights)
 
 
 class GroupedPooledLookup(torch.autograd.Function):
@@ -196,14 +207,13 @@ class GroupedPooledLookup(torch.autograd.Function):
             grad_per_id_weights = torch.ops.fbgemm.split_embedding_codegen_grad_indice_weights_cpu(
                 grad, flat, layout.weights_offsets, layout.dim_offsets, ids, offsets,
                 torch.ones(layout.weights_offsets.numel(), dtype=torch.int32))
-        table_grads: Tuple[Optional[torch.Tensor], ...] = (None,) * len(ctx.shapes)
-        needs = ctx.needs_input_grad[5:]
-        if any(needs):
+        table_grads: Sequence[Optional[torch.Tensor]] = (None,) * len(ctx.shapes)
+        if any(ctx.needs_input_grad[5:]):
             flat_grad = torch.ops.fbgemm.split_embedding_backward_codegen_dense_cpu(
                 grad, flat, layout.weights_offsets, layout.dim_offsets, layout.max_dim,
                 layout.hash_size_cumsum, max(layout.total_rows, 1).bit_length(), ids, offsets,
                 FBGEMM_SUM, per_id_weights)
-            table_grads = _split_grad(flat_grad, ctx.shapes, needs)
+            table_grads = _table_grads(flat_grad, ctx.shapes)
         return (None, None, None, None, grad_per_id_weights, *table_grads)
 
 
@@ -232,14 +242,13 @@ class GroupedSequenceLookup(torch.autograd.Function):
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         flat, flat_rows, bags = ctx.saved_tensors
         layout: KernelLayout = ctx.layout
-        needs = ctx.needs_input_grad[3:]
-        table_grads: Tuple[Optional[torch.Tensor], ...] = (None,) * len(ctx.shapes)
-        if any(needs):
+        table_grads: Sequence[Optional[torch.Tensor]] = (None,) * len(ctx.shapes)
+        if any(ctx.needs_input_grad[3:]):
             flat_grad = torch.ops.fbgemm.split_embedding_backward_codegen_dense_cpu(
                 grad.contiguous(), flat, layout.weights_offsets, layout.dim_offsets, layout.max_dim,
                 layout.hash_size_cumsum, max(layout.total_rows, 1).bit_length(), flat_rows, bags,
                 FBGEMM_SUM, None)
-            table_grads = _split_grad(flat_grad, ctx.shapes, needs)
+            table_grads = _table_grads(flat_grad, ctx.shapes)
         return (None, None, None, *table_grads)
 
 
@@ -247,13 +256,3 @@ def grouped_sequence_lookup(layout: KernelLayout, flat: torch.Tensor,
                             weights: Sequence[nn.Parameter], flat_rows: torch.Tensor) -> torch.Tensor:
     """Sequence lookup of a group's ids (see `GroupedSequenceLookup`)."""
     return GroupedSequenceLookup.apply(layout, flat, flat_rows, *weights)
-
-
-def check_rows_per_key(ids: torch.Tensor, key_offsets: torch.Tensor, rows_per_key: torch.Tensor) -> None:
-    """RuntimeError unless every id of key k (ids `[key_offsets[k], key_offsets[k+1])`) is in
-    [0, rows_per_key[k]): one min (fbgemm's check lets -1 through, its "pruned row" mark)
-    and fbgemm's bounds check, what its TBE runs before a lookup."""
-    if ids.numel() and bool(ids.min() < 0):
-        raise RuntimeError(f"negative id {int(ids.min())}")
-    torch.ops.fbgemm.bounds_check_indices(
-        rows_per_key, ids, key_offsets, 0, torch.zeros(1, dtype=torch.int64))

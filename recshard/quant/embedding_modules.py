@@ -5,7 +5,9 @@
 
 Each table's `data_type` (INT8, INT4, INT2, FP16, FP32) says how its rows are stored (see
 `recshard.quant.rowwise` for the layout and its error). Inputs are checked as the float
-modules check them; outputs are float32 (or `output_dtype`). State dict per table:
+modules check them: per call the O(keys) checks and those that keep fbgemm's kernel inside
+its memory (bag offsets, ids within their tables: one fbgemm bounds check), every check
+(non-finite per-id weights too) in `validate_input`; outputs are float32 (or `output_dtype`). State dict per table:
 `<attr>.<table>.weight` (packed codes, `uint8 [rows, D * bits / 8]`, or fp16/fp32 `[rows, D]`)
 and, for integer types, `.weight_qscale` / `.weight_qbias` (`fp16 [rows]`), all views of the
 kernel's storage, so `load_state_dict` writes straight into it.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from itertools import chain
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -26,7 +29,13 @@ from recshard.modules.embedding_modules import (
     EmbeddingCollection,
     check_unique_tables,
 )
-from recshard.modules.input_checks import check_input
+from recshard.modules.input_checks import (
+    InputKeyOrder,
+    check_dtypes_and_weights,
+    check_ids_per_key,
+    check_input,
+    check_layout,
+)
 from recshard.quant.config import dtypes_from_qconfig
 from recshard.quant.kernel import QuantLookup, QuantTable, check_output_dtype
 from recshard.quant.rowwise import DtypeLike, check_table_layout, data_type_of, quantize_rows
@@ -51,6 +60,7 @@ class _QuantTables(nn.Module):
         tables: Sequence[BaseEmbeddingConfig],
         groups: List[List[int]],
         pooled: bool,
+        is_weighted: bool,
         device: DeviceLike,
         output_dtype: torch.dtype,
         table_name_to_quantized_weights: Optional[QuantizedWeights],
@@ -76,6 +86,11 @@ class _QuantTables(nn.Module):
             self._configs[i].name: (k, j) for k, group in enumerate(groups) for j, i in enumerate(group)
         }
         self._register_weight_views()
+        self._is_weighted = is_weighted
+        # the kernels' key order: group after group, features in config order
+        self._key_order = [f for lookup in self.lookups for f in lookup.feature_names]
+        self._input_order = InputKeyOrder(self._feature_names, self._key_order, type(self).__name__)
+        self._rows_per_key = torch.tensor([self._feature_to_table[f][1] for f in self._key_order])
         quantized = table_name_to_quantized_weights
         for config in self._configs:
             k, j = self._where[config.name]
@@ -118,15 +133,25 @@ class _QuantTables(nn.Module):
         """Bytes the kernels hold for all tables (rows, scale/bias and alignment padding)."""
         return sum(lookup.storage_bytes() for lookup in self.lookups)
 
-    def _check_input(self, features: KeyedJaggedTensor, is_weighted: bool) -> None:
-        check_input(features, self._feature_names, self._feature_to_table, is_weighted,
+    def validate_input(self, features: KeyedJaggedTensor) -> None:
+        """Every check of an input (keys, dtypes, layout, ids within their tables, finite
+        per-id weights), each a ValueError naming feature, table and value. Forward runs only
+        the cheap ones and those that keep the kernel inside its memory (see `_prepare`)."""
+        check_input(features, self._feature_names, self._feature_to_table, self._is_weighted,
                     type(self).__name__)
 
-    def _in_order(self, features: KeyedJaggedTensor, order: List[str]) -> KeyedJaggedTensor:
-        if features.keys() == order:
-            return features
-        index = {k: i for i, k in enumerate(features.keys())}
-        return features.permute([index[f] for f in order])
+    def _prepare(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The input checked and in the kernels' key order: keys once per key order, dtypes,
+        bag offsets within `values` (`check_layout`) and every id within its table (one fbgemm
+        bounds check; fbgemm's inference kernel checks neither). Non-finite per-id weights
+        are left to `validate_input`."""
+        owner = type(self).__name__
+        permutation = self._input_order.permutation(features)
+        check_dtypes_and_weights(features, self._is_weighted, owner)
+        check_layout(features, owner)
+        ordered = features if permutation is None else features.permute(permutation)
+        check_ids_per_key(ordered, self._rows_per_key, self._feature_to_table, owner)
+        return ordered
 
 
 class QuantEmbeddingBagCollection(_QuantTables):
@@ -143,9 +168,8 @@ class QuantEmbeddingBagCollection(_QuantTables):
         output_dtype: torch.dtype = torch.float32,
         table_name_to_quantized_weights: Optional[QuantizedWeights] = None,
     ) -> None:
-        super().__init__(tables, [list(range(len(tables)))], True, device, output_dtype,
+        super().__init__(tables, [list(range(len(tables)))], True, is_weighted, device, output_dtype,
                          table_name_to_quantized_weights)
-        self._is_weighted = is_weighted
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
 
     @classmethod
@@ -169,8 +193,7 @@ class QuantEmbeddingBagCollection(_QuantTables):
         return self._is_weighted
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        self._check_input(features, self._is_weighted)
-        pooled = self.lookups[0](self._in_order(features, self._feature_names))
+        pooled = self.lookups[0](self._prepare(features))
         return KeyedTensor(self._feature_names, self._dims, pooled)
 
 
@@ -191,11 +214,13 @@ class QuantEmbeddingCollection(_QuantTables):
         by_dim: Dict[int, List[int]] = {}
         for i, config in enumerate(tables):
             by_dim.setdefault(config.embedding_dim, []).append(i)
-        super().__init__(tables, list(by_dim.values()), False, device, output_dtype,
+        super().__init__(tables, list(by_dim.values()), False, False, device, output_dtype,
                          table_name_to_quantized_weights)
         self._need_indices = need_indices
-        self._group_features = [lookup.feature_names for lookup in self.lookups]
-        self._wire_order = [f for names in self._group_features for f in names]
+        self._features_per_lookup = [len(lookup.feature_names) for lookup in self.lookups]
+        # each output key (config order): its position in the kernels' key order
+        position = {f: i for i, f in enumerate(self._key_order)}
+        self._output_positions = [position[f] for f in self._feature_names]
 
     @classmethod
     def from_float(
@@ -217,19 +242,18 @@ class QuantEmbeddingCollection(_QuantTables):
         return self._need_indices
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
-        self._check_input(features, is_weighted=False)
-        wired = self._in_order(features, self._wire_order)
-        parts = wired.split([len(names) for names in self._group_features])
-        out: Dict[str, JaggedTensor] = {}
-        for lookup, part in zip(self.lookups, parts):
-            rows = lookup(part).split(part.length_per_key())
-            for feature, emb in zip(part.keys(), rows):
-                jt = part[feature]
-                out[feature] = JaggedTensor(
-                    emb, weights=jt.values() if self._need_indices else None,
-                    lengths=jt.lengths(), offsets=jt.offsets(),
-                )
-        return {f: out[f] for f in self._feature_names}
+        """One lookup per dim group, split into each feature's rows (views)."""
+        ordered = self._prepare(features)
+        ids_per_key = ordered.values().split(ordered.length_per_key())
+        lengths_per_key = ordered.lengths().split(ordered.stride_per_key())
+        parts = ordered.split(self._features_per_lookup) if len(self.lookups) > 1 else [ordered]
+        rows = list(chain.from_iterable(
+            lookup(part).split(part.length_per_key()) for lookup, part in zip(self.lookups, parts)))
+        return {
+            name: JaggedTensor(rows[k], weights=ids_per_key[k] if self._need_indices else None,
+                               lengths=lengths_per_key[k])
+            for name, k in zip(self._feature_names, self._output_positions)
+        }
 
 
 # ------------------------------------------------------------------------------ conversion

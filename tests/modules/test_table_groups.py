@@ -6,6 +6,7 @@ gradients of per-table torch lookups on the current weights."""
 from __future__ import annotations
 
 import copy
+import io
 from typing import Dict, List
 
 import pytest
@@ -93,6 +94,8 @@ def test_tables_of_a_group_share_one_storage_and_one_kernel_call() -> None:
     assert calls.get("fbgemm::split_embedding_codegen_forward_cpu") == 2  # one per group
     assert calls.get("fbgemm::split_embedding_backward_codegen_dense_cpu") == 2
     assert "aten::embedding_bag" not in calls
+    grads = {n: b.weight.grad.untyped_storage().data_ptr() for n, b in ebc.embedding_bags.items()}
+    assert grads["a"] == grads["c"] != grads["b"]  # views of the group's one flat gradient
     ec = EmbeddingCollection(SEQ_TABLES)
     calls = kernel_calls(lambda: sum(jt.values().sum() for jt in ec(features).values()).backward())
     assert calls.get("aten::embedding") == 1
@@ -158,6 +161,48 @@ def test_moved_or_replaced_tables_are_regrouped() -> None:
     out = double(KeyedJaggedTensor.from_lengths_sync(features.keys(), features.values(), features.lengths()))
     assert out.values().dtype == torch.float64
     torch.testing.assert_close(out.values().float(), ebc(features).values())
+
+
+def _set_(ebc: EmbeddingBagCollection) -> None:
+    with torch.no_grad():
+        ebc.embedding_bags["c"].weight.set_(torch.randn(7, 4))
+
+
+def _swap_tensors(ebc: EmbeddingBagCollection) -> None:
+    torch.utils.swap_tensors(ebc.embedding_bags["a"].weight, torch.nn.Parameter(torch.randn(9, 3)))
+
+
+def _new_table_module(ebc: EmbeddingBagCollection) -> None:
+    ebc.embedding_bags["c"] = torch.nn.EmbeddingBag(7, 4, mode="sum", include_last_offset=True)
+
+
+def _child_load_assign(ebc: EmbeddingBagCollection) -> None:
+    ebc.embedding_bags["a"].load_state_dict({"weight": torch.randn(9, 3)}, assign=True)
+
+
+def _pickled(ebc: EmbeddingBagCollection) -> EmbeddingBagCollection:
+    buffer = io.BytesIO()
+    torch.save(ebc, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("change", [_set_, _swap_tensors, _new_table_module, _child_load_assign, None])
+def test_changes_the_collection_does_not_see_are_found_on_the_next_call(change) -> None:  # noqa: ANN001
+    """Storage changes no hook of the collection sees (`set_`, `swap_tensors`, a replaced
+    table module, a table module's own assign load, a pickle round trip) after a first call
+    bound the groups: the next call reads the current weights."""
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(TABLES)
+    features = batch(12)
+    check_against_reference(ebc, features)
+    if change is None:
+        ebc = _pickled(ebc)
+    else:
+        change(ebc)
+    check_against_reference(ebc, features)
+    storage = {b.weight.untyped_storage().data_ptr() for n, b in ebc.embedding_bags.items() if n != "b"}
+    assert len(storage) == 1  # regrouped
 
 
 def test_frozen_table_gets_no_gradient() -> None:
@@ -272,3 +317,38 @@ def test_ec_grouped_lookup_matches_per_table_rows() -> None:
     torch.stack(losses).sum().backward()
     for name, emb in ec.embeddings.items():
         torch.testing.assert_close(emb.weight.grad, grads[name])
+
+
+ONE_DIM_TABLES = [EmbeddingBagConfig(num_embeddings=c.num_embeddings, embedding_dim=4, name=c.name,
+                                     feature_names=c.feature_names, pooling=c.pooling) for c in TABLES]
+
+
+def test_torch_path_is_one_call_per_group_of_one_dim() -> None:
+    """Off fbgemm's float32 CPU kernels (float64 here; CUDA, fp16 and bf16 take the same
+    path) a group whose tables share a dim is one torch call over its flat storage, with the
+    outputs and gradients of per-table lookups; an id past its table still names it."""
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(ONE_DIM_TABLES).to(torch.float64)
+    features = batch(13)
+    calls = kernel_calls(lambda: ebc(features))
+    assert calls.get("aten::embedding_bag") == 2 and "fbgemm::split_embedding_codegen_forward_cpu" not in calls
+    check_against_reference(ebc, features)
+    ec = EmbeddingCollection(SEQ_TABLES).to(torch.float64)
+    assert kernel_calls(lambda: ec(features)).get("aten::embedding") == 1
+    out = ec(features)
+    jts = features.to_dict()
+    grads = {n: torch.zeros_like(e.weight) for n, e in ec.embeddings.items()}
+    losses = []
+    for name, (feature, table) in OUTPUTS.items():
+        ids = jts[feature].values()
+        assert torch.equal(out[name].values(), ec.embeddings[table].weight[ids])
+        scale = torch.randn_like(out[name].values())
+        losses.append((out[name].values() * scale).sum())
+        grads[table].index_add_(0, ids, scale)
+    torch.stack(losses).sum().backward()
+    for name, emb in ec.embeddings.items():
+        torch.testing.assert_close(emb.weight.grad, grads[name])
+    message = r"table 'c', feature 'v': id 8 is outside \[0, 7\)"
+    for module in (ebc, ec):
+        with pytest.raises(ValueError, match=message):
+            module(_bad(features, "v", 8))

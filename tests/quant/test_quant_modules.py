@@ -245,3 +245,64 @@ def test_bad_dtype_or_dim_names_the_table_and_changes_nothing() -> None:
                                                      weight_init_min=7e4, weight_init_max=8e4)])
     with pytest.raises(ValueError, match=r"table 'big'.*fp16's range"):
         quantize_embeddings(big, torch.float16)
+
+
+EC_TABLES = [EmbeddingConfig(num_embeddings=30, embedding_dim=8, name="e0", feature_names=["a", "b"]),
+             EmbeddingConfig(num_embeddings=12, embedding_dim=4, name="e1", feature_names=["c"]),
+             EmbeddingConfig(num_embeddings=5, embedding_dim=8, name="e2", feature_names=["d"])]
+
+
+def _one_id_each(keys: List[str], bad_key: str, bad_id: int) -> KeyedJaggedTensor:
+    """Batch 1, one id per key (id 1), the id of `bad_key` replaced by `bad_id`."""
+    values = torch.tensor([bad_id if k == bad_key else 1 for k in keys])
+    return KeyedJaggedTensor.from_lengths_sync(keys, values, torch.ones(len(keys), dtype=torch.int64))
+
+
+@pytest.mark.parametrize("bad_id", [5, 29, 30, -1, -7])
+def test_forward_refuses_an_id_outside_its_table_naming_feature_and_id(bad_id: int) -> None:
+    """fbgemm's inference kernel checks no id: forward does (one bounds check over every
+    key), and the error names the table, the feature and the id. Table e2 (5 rows) shares
+    a kernel with e0 (30 rows): ids 5..29 are rows of the kernel but not of e2."""
+    qec = QuantEmbeddingCollection.from_float(EmbeddingCollection(EC_TABLES), torch.qint8)
+    message = rf"table 'e2', feature 'd': id {bad_id} is outside \[0, 5\)"
+    with pytest.raises(ValueError, match=message):
+        qec(_one_id_each(["d", "c", "b", "a"], "d", bad_id))
+    bags = [EmbeddingBagConfig(num_embeddings=c.num_embeddings, embedding_dim=c.embedding_dim,
+                               name=c.name, feature_names=c.feature_names) for c in EC_TABLES]
+    qebc = QuantEmbeddingBagCollection.from_float(EmbeddingBagCollection(bags), torch.quint4x2)
+    with pytest.raises(ValueError, match=message):
+        qebc(_one_id_each(["a", "b", "c", "d"], "d", bad_id))
+
+
+def test_nonfinite_weights_are_left_to_validate_input() -> None:
+    """Forward runs the checks that keep the kernel in its memory; a NaN per-id weight (a
+    pass over every weight) is `validate_input`'s, as in the float collections."""
+    qebc = QuantEmbeddingBagCollection.from_float(
+        EmbeddingBagCollection(bag_tables(), is_weighted=True), torch.qint8)
+    kjt = make_kjt(feature_rows(bag_tables()), batch=6, seed=7, weighted=True)
+    weights = kjt.weights().clone()
+    weights[0] = float("nan")
+    nan = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values(), kjt.lengths(), weights)
+    assert torch.isnan(qebc(nan).values()).any()
+    with pytest.raises(ValueError, match=r"weight nan at position 0 of the feature's values is not finite"):
+        qebc.validate_input(nan)
+    qebc.validate_input(kjt)
+    qec = QuantEmbeddingCollection.from_float(EmbeddingCollection(EC_TABLES), torch.qint8)
+    with pytest.raises(ValueError, match=r"table 'e2', feature 'd': id 5 is outside \[0, 5\)"):
+        qec.validate_input(_one_id_each(["a", "b", "c", "d"], "d", 5))
+
+
+@pytest.mark.parametrize("lengths,offsets,message", [
+    (None, [2, 3, 5], "offsets must start at 0, got 2"),
+    ([1, 2], [0, 4, 3], "offsets decrease at entry 2"),
+])
+def test_bag_offsets_outside_the_values_are_refused(lengths, offsets, message) -> None:  # noqa: ANN001
+    """fbgemm's kernels read ids at the bag offsets unchecked: offsets given by the caller
+    that leave `values` are refused before the lookup, float and quantized."""
+    kjt = KeyedJaggedTensor(["f0"], torch.tensor([1, 2, 3]), offsets=torch.tensor(offsets),
+                            lengths=None if lengths is None else torch.tensor(lengths))
+    float_ebc = EmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=40, embedding_dim=8, name="t0",
+                                                           feature_names=["f0"])])
+    for module in (float_ebc, QuantEmbeddingBagCollection.from_float(float_ebc, torch.qint8)):
+        with pytest.raises(ValueError, match=message):
+            module(kjt)
