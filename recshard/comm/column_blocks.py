@@ -54,6 +54,15 @@ def check_blocks(blocks: Sequence[Block], chunk_widths: Sequence[int]) -> List[B
                      f"{list(chunk_widths)} exactly once")
 
 
+def copy_divided(src: torch.Tensor, divisor: int, dst: torch.Tensor) -> None:
+    """`dst[...] = src / divisor` in one pass (a plain copy when `divisor` is 1): the same bits
+    as a copy followed by an in-place division."""
+    if divisor == 1:
+        dst.copy_(src)
+    else:
+        torch.div(src, divisor, out=dst)
+
+
 def _chunk_views(flat: torch.Tensor, rows: int, chunk_widths: Sequence[int]) -> List[torch.Tensor]:
     offsets = itertools.accumulate((rows * w for w in chunk_widths), initial=0)
     return [flat[start:start + rows * w].view(rows, w) for start, w in zip(offsets, chunk_widths)]
@@ -74,14 +83,15 @@ def columns_from_chunks(flat: torch.Tensor, rows: int, chunk_widths: Sequence[in
 
 
 def chunks_from_columns(columns: torch.Tensor, chunk_widths: Sequence[int], blocks: Sequence[Block],
-                        dtype: torch.dtype) -> torch.Tensor:
+                        dtype: torch.dtype, divisor: int = 1) -> torch.Tensor:
     """The transpose of `columns_from_chunks`: a flat buffer of `dtype` holding the chunks (a
-    cast codec's encode happens in the same copy)."""
+    cast codec's encode happens in the same copy), divided by `divisor` as it copies;
+    `columns` may have any strides."""
     flat = buffers.take("columns_bwd", columns.size(0) * sum(chunk_widths), dtype, columns.device)
     chunks = _chunk_views(flat, columns.size(0), chunk_widths)
     column = 0
     for c, start, width in blocks:
-        chunks[c][:, start:start + width].copy_(columns[:, column:column + width])
+        copy_divided(columns[:, column:column + width], divisor, chunks[c][:, start:start + width])
         column += width
     return flat
 
