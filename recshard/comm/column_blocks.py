@@ -54,15 +54,6 @@ def check_blocks(blocks: Sequence[Block], chunk_widths: Sequence[int]) -> List[B
                      f"{list(chunk_widths)} exactly once")
 
 
-def copy_divided(src: torch.Tensor, divisor: int, dst: torch.Tensor) -> None:
-    """`dst[...] = src / divisor` in one pass (a plain copy when `divisor` is 1): the same bits
-    as a copy followed by an in-place division."""
-    if divisor == 1:
-        dst.copy_(src)
-    else:
-        torch.div(src, divisor, out=dst)
-
-
 def _chunk_views(flat: torch.Tensor, rows: int, chunk_widths: Sequence[int]) -> List[torch.Tensor]:
     offsets = itertools.accumulate((rows * w for w in chunk_widths), initial=0)
     return [flat[start:start + rows * w].view(rows, w) for start, w in zip(offsets, chunk_widths)]
@@ -91,8 +82,10 @@ def chunks_from_columns(columns: torch.Tensor, chunk_widths: Sequence[int], bloc
     chunks = _chunk_views(flat, columns.size(0), chunk_widths)
     column = 0
     for c, start, width in blocks:
-        copy_divided(columns[:, column:column + width], divisor, chunks[c][:, start:start + width])
+        chunks[c][:, start:start + width].copy_(columns[:, column:column + width])
         column += width
+    if divisor != 1:
+        flat.div_(divisor)
     return flat
 
 
