@@ -11,7 +11,8 @@ and the split that cuts the flat buffer into chunks adds a third copy in backwar
 from __future__ import annotations
 
 import itertools
-from typing import List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -54,6 +55,52 @@ def check_blocks(blocks: Sequence[Block], chunk_widths: Sequence[int]) -> List[B
                      f"{list(chunk_widths)} exactly once")
 
 
+@dataclass(frozen=True)
+class _Run:
+    """Blocks copied by one strided copy: `count` blocks of `width` columns, back to back in
+    `chunk` from `chunk_start`, landing `out_stride` apart in the output from `out_start`."""
+
+    chunk: int
+    chunk_start: int
+    width: int
+    count: int
+    out_start: int
+    out_stride: int
+
+
+def strided_runs(blocks: Sequence[Block]) -> List[_Run]:
+    """`blocks` (in output order) merged into strided runs: column-wise tables interleave
+    every rank's equal-width shards, 2 copies instead of one per shard and rank."""
+    runs: List[_Run] = []
+    open_run: Dict[int, int] = {}  # chunk -> index in runs of its last run
+    out = 0
+    for chunk, start, width in blocks:
+        i = open_run.get(chunk)
+        run = runs[i] if i is not None else None
+        if (run is not None and run.width == width
+                and run.chunk_start + run.count * width == start
+                and (run.count == 1 or run.out_start + run.count * run.out_stride == out)):
+            stride = out - run.out_start if run.count == 1 else run.out_stride
+            runs[i] = _Run(chunk, run.chunk_start, width, run.count + 1, run.out_start, stride)
+        else:
+            open_run[chunk] = len(runs)
+            runs.append(_Run(chunk, start, width, 1, out, width))
+        out += width
+    return runs
+
+
+def _run_views(columns: torch.Tensor, chunks: List[torch.Tensor],
+               run: _Run) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the output's columns, the chunk's columns) of `run`, as `[rows, count, width]` views."""
+    rows = columns.size(0)
+    out = columns.as_strided((rows, run.count, run.width),
+                             (columns.stride(0), run.out_stride * columns.stride(1), columns.stride(1)),
+                             columns.storage_offset() + run.out_start * columns.stride(1))
+    chunk = chunks[run.chunk]
+    src = chunk[:, run.chunk_start:run.chunk_start + run.count * run.width]
+    return out, src.unflatten(1, (run.count, run.width))
+
+
 def _chunk_views(flat: torch.Tensor, rows: int, chunk_widths: Sequence[int]) -> List[torch.Tensor]:
     offsets = itertools.accumulate((rows * w for w in chunk_widths), initial=0)
     return [flat[start:start + rows * w].view(rows, w) for start, w in zip(offsets, chunk_widths)]
@@ -66,23 +113,24 @@ def columns_from_chunks(flat: torch.Tensor, rows: int, chunk_widths: Sequence[in
     chunks = _chunk_views(flat, rows, chunk_widths)
     width = sum(chunk_widths)
     out = buffers.take("columns", rows * width, dtype, flat.device).view(rows, width)
-    column = 0
-    for c, start, width in blocks:
-        out[:, column:column + width].copy_(chunks[c][:, start:start + width])
-        column += width
+    for run in strided_runs(blocks):
+        dst, src = _run_views(out, chunks, run)
+        dst.copy_(src)
     return out
 
 
 def chunks_from_columns(columns: torch.Tensor, chunk_widths: Sequence[int], blocks: Sequence[Block],
-                        dtype: torch.dtype) -> torch.Tensor:
+                        dtype: torch.dtype, divisor: int = 1) -> torch.Tensor:
     """The transpose of `columns_from_chunks`: a flat buffer of `dtype` holding the chunks (a
-    cast codec's encode happens in the same copy)."""
+    cast codec's encode happens in the same copy), divided by `divisor` as it copies;
+    `columns` may have any strides."""
     flat = buffers.take("columns_bwd", columns.size(0) * sum(chunk_widths), dtype, columns.device)
     chunks = _chunk_views(flat, columns.size(0), chunk_widths)
-    column = 0
-    for c, start, width in blocks:
-        chunks[c][:, start:start + width].copy_(columns[:, column:column + width])
-        column += width
+    for run in strided_runs(blocks):
+        src, dst = _run_views(columns, chunks, run)
+        dst.copy_(src)
+    if divisor != 1:
+        flat.div_(divisor)
     return flat
 
 

@@ -91,6 +91,31 @@ def _expand(segment_recat: torch.Tensor, segment_sizes: torch.Tensor) -> torch.T
 
 
 @dataclass
+class _Selected:
+    """The keys this rank sends, in wire order: `kjt.permute(key_order)` without moving the
+    ids (the pack reads each key's ids where they are; only the lengths are permuted)."""
+
+    keys: List[str]
+    strides: List[int]
+    counts: List[int]
+    starts: List[int]  # where each key's ids begin in `kjt.values()`
+    lengths: torch.Tensor
+
+
+def _select(kjt: KeyedJaggedTensor, key_order: Optional[List[int]]) -> _Selected:
+    """`kjt`'s keys as sent; `key_order` (indices, repeats allowed) needs one batch size."""
+    starts = kjt.offset_per_key()[:-1]
+    if key_order is None:
+        return _Selected(kjt.keys(), kjt.stride_per_key(), kjt.length_per_key(), starts,
+                         kjt.lengths())
+    keys, counts = kjt.keys(), kjt.length_per_key()
+    order = torch.tensor(key_order, dtype=torch.int64)
+    lengths = kjt.lengths().view(len(keys), -1).index_select(0, order).view(-1)
+    return _Selected([keys[i] for i in key_order], [kjt.stride()] * len(key_order),
+                     [counts[i] for i in key_order], [starts[i] for i in key_order], lengths)
+
+
+@dataclass
 class _Outgoing:
     """What this rank sends in stage 2 and how what it receives is laid out.
 
@@ -250,11 +275,14 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         stagger: int,
         input_error: Optional[str],
         id_rows: Sequence[Optional[int]],
+        key_order: Optional[List[int]] = None,
     ) -> None:
         super().__init__()
         self._pg, self._splits, self._stagger = pg, splits, stagger
         self._rank, world_size = dist.get_rank(pg), dist.get_world_size(pg)
-        self._input_error = input_error if input_error is not None else _check_input(kjt, splits)
+        if input_error is None:
+            input_error = _check_input(kjt, splits, key_order)
+        self._input_error = input_error
         self._bounds = [sum(splits[:r]) for r in range(len(splits) + 1)]  # key ranges by rank
         width = _FIXED + 2 * max(splits, default=0) + MSG_WORDS
         sent = torch.zeros(world_size, width, dtype=torch.int64)  # built on the host
@@ -262,7 +290,8 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             sent[:, _REJECTED] = 1
             sent[:, width - MSG_WORDS:] = encode_message(self._input_error)
         else:
-            self._fill(sent, kjt)
+            selected = _select(kjt, key_order)
+            self._fill(sent, kjt, selected)
         if world_size == 1:
             self._received, self._work = sent, None
         else:  # NCCL needs device tensors; gloo takes host ones
@@ -270,12 +299,13 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             self._received = torch.empty_like(wire)
             self._work = dist.all_to_all_single(self._received, wire, group=pg, async_op=True)
         # packing the ids overlaps the splits exchange
-        self._outgoing = self._pack(kjt, id_rows, world_size) if self._input_error is None else None
+        self._outgoing = (self._pack(kjt, selected, id_rows, world_size)
+                          if self._input_error is None else None)
 
-    def _fill(self, sent: torch.Tensor, kjt: KeyedJaggedTensor) -> None:
+    def _fill(self, sent: torch.Tensor, kjt: KeyedJaggedTensor, selected: _Selected) -> None:
         """Metadata rows, one per destination."""
-        strides, counts, bounds = kjt.stride_per_key(), kjt.length_per_key(), self._bounds
-        lengths, weights = kjt.lengths(), kjt.weights_or_none()
+        strides, counts, bounds = selected.strides, selected.counts, self._bounds
+        lengths, weights = selected.lengths, kjt.weights_or_none()
         sent[:, _VBE] = int(kjt.variable_stride_per_key())
         sent[:, _STRIDE] = kjt.stride()
         sent[:, _LENGTHS_DTYPE] = _dtype_code(lengths)
@@ -290,33 +320,36 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             sent[r, _FIXED + num: _FIXED + 2 * num] = torch.tensor(counts[lo:hi], dtype=torch.int64)
 
     def _pack(
-        self, kjt: KeyedJaggedTensor, id_rows: Sequence[Optional[int]], world_size: int
+        self, kjt: KeyedJaggedTensor, selected: _Selected, id_rows: Sequence[Optional[int]],
+        world_size: int
     ) -> _Outgoing:
         """The tensors to send, ids and weights packed per key when there are other ranks."""
-        strides, counts, bounds = kjt.stride_per_key(), kjt.length_per_key(), self._bounds
+        strides, counts, bounds = selected.strides, selected.counts, self._bounds
         values, weights = kjt.values(), kjt.weights_or_none()
         id_dtypes = [id_wire_dtype(rows, values.dtype) for rows in id_rows]
         me = self._rank
         per_rank = [range(bounds[r], bounds[r + 1]) for r in range(len(self._splits))]
         sent = _Outgoing(
-            keys=kjt.keys()[bounds[me]: bounds[me + 1]],
+            keys=selected.keys[bounds[me]: bounds[me + 1]],
             input_splits={"lengths": [sum(strides[k] for k in keys) for keys in per_rank],
                           "values": [sum(counts[k] for k in keys) for keys in per_rank]},
-            lengths=kjt.lengths(), values=values, weights=weights, wire_splits={},
+            lengths=selected.lengths, values=values, weights=weights, wire_splits={},
             local_id_dtypes=id_dtypes[bounds[me]: bounds[me + 1]],
             dtypes={"lengths": kjt.lengths().dtype, "values": values.dtype},
         )
         if weights is not None:
             sent.input_splits["weights"] = sent.input_splits["values"]
             sent.dtypes["weights"] = weights.dtype
-        if world_size == 1:
+        if world_size == 1:  # KJTAllToAll.forward permuted it already
             return sent
-        sent.values = pack(values, counts, id_dtypes, "kjt_all_to_all_values_packed")
+        sent.values = pack(values, counts, id_dtypes, "kjt_all_to_all_values_packed",
+                           selected.starts)
         sent.wire_splits["values"] = [sum(segment_bytes(counts[k], id_dtypes[k]) for k in keys)
                                       for keys in per_rank]
         if weights is not None:
             weight_dtypes = [weights.dtype] * len(counts)
-            sent.weights = pack(weights, counts, weight_dtypes, "kjt_all_to_all_weights_packed")
+            sent.weights = pack(weights, counts, weight_dtypes, "kjt_all_to_all_weights_packed",
+                                selected.starts)
             sent.wire_splits["weights"] = [
                 sum(segment_bytes(counts[k], weights.dtype) for k in keys) for keys in per_rank]
         return sent
@@ -340,9 +373,10 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         return KJTAllToAllTensorsAwaitable(self._pg, received, sent, self._stagger)
 
 
-def _check_input(kjt: KeyedJaggedTensor, splits: List[int]) -> Optional[str]:
+def _check_input(kjt: KeyedJaggedTensor, splits: List[int],
+                 key_order: Optional[List[int]]) -> Optional[str]:
     """What is wrong with this rank's input, or None."""
-    keys = kjt.keys()
+    keys = kjt.keys() if key_order is None else [kjt.keys()[i] for i in key_order]
     if sum(splits) != len(keys):
         return (f"KJTAllToAll: splits {splits} sum to {sum(splits)} keys but the "
                 f"KeyedJaggedTensor has {len(keys)}: {keys}")
@@ -393,9 +427,17 @@ class KJTAllToAll(nn.Module):
         self._id_rows = list(rows_per_key)
 
     def forward(
-        self, input: KeyedJaggedTensor, input_error: Optional[str] = None
+        self, input: KeyedJaggedTensor, input_error: Optional[str] = None,
+        key_order: Optional[List[int]] = None,
     ) -> KJTAllToAllSplitsAwaitable:
+        """`key_order`: send `input.permute(key_order)` (repeats allowed), the ids read where
+        they lie by the pack that narrows them instead of being permuted first."""
         with torch.no_grad():
+            if key_order is not None and (
+                dist.get_world_size(self._pg) == 1 or input.variable_stride_per_key()
+            ):
+                input, key_order = input.permute(key_order), None
             return KJTAllToAllSplitsAwaitable(
-                self._pg, input, self._splits, self._stagger, input_error, self._id_rows
+                self._pg, input, self._splits, self._stagger, input_error, self._id_rows,
+                key_order,
             )

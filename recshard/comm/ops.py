@@ -137,6 +137,15 @@ class PooledAllToAll(AllToAllV):
         return issue_all_to_all(wire, self.output_splits, self.input_splits, self.pg, codec,
                                 self.name + "_bwd", lambda received: received.to(self.dtype))
 
+    def backward_dividing(self, grad: torch.Tensor, divisor: int) -> Optional[Pending]:
+        """Without a codec: the packing copy reads `grad` as it is (an expanded gradient too)
+        and divides."""
+        if self.codecs is not None and self.codecs.backward is not None:
+            return None
+        wire = chunks_from_columns(grad, self.chunk_widths, self.blocks, grad.dtype, divisor)
+        return issue_all_to_all(wire, self.output_splits, self.input_splits, self.pg, None,
+                                self.name + "_bwd")
+
 
 def variable_batch_alltoall_pooled(
     a2a_pooled_embs_tensor: torch.Tensor,

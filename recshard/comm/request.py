@@ -252,16 +252,24 @@ def issue_all_gather(
     pg: dist.ProcessGroup,
     codec: Optional[QuantizedCommCodec] = None,
     name: str = "all_gather",
+    divisor: int = 1,
 ) -> Pending:
-    """Flat all-gather-v: every rank's `x[1-D]` (rank r's has `output_splits[r]` elements),
-    concatenated in rank order. On gloo it goes through all-to-all (gloo's all-gather needs
-    equal sizes, and allocates a flat output of its own, copied out after)."""
+    """Flat all-gather-v: every rank's `x` (rank r's has `output_splits[r]` elements),
+    flattened and concatenated in rank order, divided by `divisor` (only without a codec).
+    On gloo it goes through all-to-all (gloo's all-gather needs equal sizes, and allocates a
+    flat output of its own, copied out after); the copy into its send buffer reads `x` with
+    any strides and divides as it copies."""
+    if codec is not None and divisor != 1:
+        raise ValueError(f"issue_all_gather({name}): divisor {divisor} with a codec")
     world_size = dist.get_world_size(pg)
-    wire = _encode(x, codec)
+    gloo = dist.get_backend(pg) == "gloo"
+    if gloo:
+        wire = x if codec is None else _encode(x, codec)
+    else:
+        wire = _encode(x if divisor == 1 else x / divisor, codec)
     sizes = _sizes(output_splits, codec)
     out = buffers.take(name, sum(sizes), wire.dtype, wire.device)
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
-    gloo = dist.get_backend(pg) == "gloo"
     if len(set(sizes)) == 1 and not gloo:
         op = "all_gather_into_tensor"
         work = _start(name, op, pg, lambda: _all_gather_single(out, wire, pg))
@@ -272,7 +280,11 @@ def issue_all_gather(
     else:  # every rank sends its whole input to every rank
         op = "all_to_all_single"
         send = buffers.take(name + "_send", world_size * wire.numel(), wire.dtype, wire.device)
-        send.view(world_size, -1).copy_(wire.view(1, -1).expand(world_size, -1))
+        copies = send.view(world_size, *wire.shape)
+        copies[0].copy_(wire)
+        if divisor != 1:
+            copies[0].div_(divisor)  # a contiguous pass: faster than div(out=) from strides
+        copies[1:].copy_(copies[0].unsqueeze(0).expand(copies[1:].shape))
         work = _start(name, op, pg, lambda: dist.all_to_all_single(
             out, send, sizes, [wire.numel()] * world_size, group=pg, async_op=True
         ))
@@ -316,6 +328,13 @@ class Collective(abc.ABC):
     @abc.abstractmethod
     def backward(self, grad: torch.Tensor) -> Pending: ...
 
+    def backward_dividing(self, grad: torch.Tensor, divisor: int) -> Optional[Pending]:
+        """`backward(grad / divisor)` with the division done by the copy that packs the send
+        buffer, from `grad` of any strides (the receiver then leaves it alone), or None where
+        this collective cannot (a codec changes the values on the wire). Dividing before the
+        send gives the same bits as dividing what arrives: nothing on the wire changes them."""
+        return None
+
 
 class AllToAllV(Collective):
     """Send `input_splits[r]` elements to rank r; backward sends the gradients back."""
@@ -351,6 +370,12 @@ class ReduceScatterV(Collective):
         codec = self.codecs.backward if self.codecs else None
         return issue_all_gather(grad, self.input_splits, self.pg, codec, self.name + "_bwd")
 
+    def backward_dividing(self, grad: torch.Tensor, divisor: int) -> Optional[Pending]:
+        if self.codecs is not None and self.codecs.backward is not None:
+            return None
+        return issue_all_gather(grad, self.input_splits, self.pg, None, self.name + "_bwd",
+                                divisor)
+
 
 class AllGatherV(Collective):
     """Concatenate every rank's input in rank order; backward reduce-scatters the gradient."""
@@ -377,12 +402,20 @@ class _Exchange:
     grad_fn would otherwise hold the request back (a cycle torch's autograd graph keeps alive:
     every step's activations leaked)."""
 
-    __slots__ = ("collective", "pending", "grad_pending")
+    __slots__ = ("collective", "pending", "grad_pending", "divided_before_send")
 
     def __init__(self, collective: Collective) -> None:
         self.collective = collective
         self.pending: Optional[Pending] = None
         self.grad_pending: Optional[Pending] = None
+        self.divided_before_send = False
+
+
+def _divisor(collective: Collective) -> int:
+    """What the gradient of `collective` is divided by (gradient division)."""
+    if collective.divide_grad and _GRADIENT_DIVISION:
+        return dist.get_world_size(collective.pg)
+    return 1
 
 
 class _Issue(Function):
@@ -401,8 +434,8 @@ class _Issue(Function):
         grad = exchange.grad_pending.wait()
         exchange.grad_pending = None
         collective = exchange.collective
-        if collective.divide_grad and _GRADIENT_DIVISION:
-            grad.div_(dist.get_world_size(collective.pg))  # a fresh receive buffer: in place
+        if _divisor(collective) != 1 and not exchange.divided_before_send:
+            grad.div_(_divisor(collective))  # a fresh receive buffer: in place
         return None, grad
 
 
@@ -428,7 +461,12 @@ class _Finish(Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         exchange: _Exchange = ctx.exchange
-        exchange.grad_pending = exchange.collective.backward(_contiguous(grad, exchange))
+        collective = exchange.collective
+        pending = collective.backward_dividing(grad, _divisor(collective))
+        exchange.divided_before_send = pending is not None
+        if pending is None:
+            pending = collective.backward(_contiguous(grad, exchange))
+        exchange.grad_pending = pending
         return None, grad.new_empty(0)
 
 

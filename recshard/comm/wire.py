@@ -47,17 +47,23 @@ def segment_bytes(count: int, dtype: torch.dtype) -> int:
 
 
 def pack(
-    x: torch.Tensor, counts: Sequence[int], dtypes: Sequence[torch.dtype], site: str
+    x: torch.Tensor, counts: Sequence[int], dtypes: Sequence[torch.dtype], site: str,
+    starts: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
-    """`x[1-D]`, cut into segments of `counts` elements, each cast to its dtype: a uint8 buffer
-    (reused per `site`, see `comm/buffers.py`) of `sum(segment_bytes)` bytes."""
+    """`x[1-D]`, cut into segments of `counts` elements (back to back, or beginning at
+    `starts`, in any order, repeats allowed), each cast to its dtype: a uint8 buffer (reused
+    per `site`, see `comm/buffers.py`) of `sum(segment_bytes)` bytes."""
     sizes = [segment_bytes(n, d) for n, d in zip(counts, dtypes)]
+    if starts is None:
+        starts = [0]
+        for count in counts[:-1]:
+            starts.append(starts[-1] + count)
     out = buffers.take(site, sum(sizes), torch.uint8, x.device)
-    start = offset = 0
-    for count, dtype, size in zip(counts, dtypes, sizes):
+    offset = 0
+    for start, count, dtype, size in zip(starts, counts, dtypes, sizes):
         if count:
             out[offset: offset + count * dtype.itemsize].view(dtype).copy_(x[start: start + count])
-        start, offset = start + count, offset + size
+        offset += size
     return out
 
 

@@ -159,10 +159,15 @@ class CollectionInputDist:
         """Check the batch, permute it into wire order once, start every sharding's dist."""
         features, error = self._checked(features)
         ctx.features = features
-        if error is None:
-            if features.keys() != self._wire_features:  # already in wire order: no copy
-                permutation = self._wire_permutation(features.keys())
+        in_order = None  # one sharding routing the keys in wire order without a permute
+        if error is None and features.keys() != self._wire_features:  # else: no copy
+            permutation = self._wire_permutation(features.keys())
+            if len(self._shardings) == 1:
+                in_order = self._shardings[0].input_dist_in_order(
+                    features, permutation.tolist(), ctx.sharding_contexts[0])
+            if in_order is None:
                 features = features.permute(permutation.tolist(), permutation.to(features.device()))
+        if error is None:
             parts = features.split(self._wire_splits) if len(self._wire_splits) > 1 else [features]
         else:
             parts = [_placeholder(s.input_features) for s in self._shardings]
@@ -171,7 +176,7 @@ class CollectionInputDist:
             verdict = exchange_verdict(self._env.pg, error, self._device)
             if verdict is None and error is not None:
                 raise ValueError(error)
-        splits = _ListAwaitable([
+        splits = _ListAwaitable([in_order] if in_order is not None else [
             s.input_dist(part, sharding_ctx, error)
             for s, sharding_ctx, part in zip(self._shardings, ctx.sharding_contexts, parts)
         ])

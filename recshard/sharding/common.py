@@ -170,6 +170,13 @@ class EmbeddingSharding(nn.Module, abc.ABC):
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         """Route this rank's ids (`features` in wire order) to the ranks that own them."""
 
+    def input_dist_in_order(
+        self, features: KeyedJaggedTensor, key_order: List[int], ctx: EmbeddingShardingContext
+    ) -> Optional[Awaitable[Awaitable[KeyedJaggedTensor]]]:
+        """`input_dist(features.permute(key_order), ctx, None)` without permuting the ids
+        first, or None where this sharding cannot (the caller permutes then)."""
+        return None
+
     def compute(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """Local lookup. The result always joins autograd when gradients are on: a rank that
         holds nothing for this sharding must still run the output dist's backward collective,

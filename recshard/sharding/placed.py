@@ -72,6 +72,13 @@ class PlacedPooledSharding(EmbeddingSharding):
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         return self._kjt_a2a(features, input_error=input_error)
 
+    def input_dist_in_order(
+        self, features: KeyedJaggedTensor, key_order: List[int], ctx: EmbeddingShardingContext
+    ) -> Optional[Awaitable[Awaitable[KeyedJaggedTensor]]]:
+        """The KJT all-to-all's pack reads each key's ids where they lie (a column-wise
+        feature goes to every rank with a shard: the permute would copy its ids once each)."""
+        return self._kjt_a2a(features, key_order=key_order)
+
     def output_dist(
         self, local: torch.Tensor, ctx: EmbeddingShardingContext
     ) -> Awaitable[torch.Tensor]:

@@ -11,8 +11,10 @@ import torch
 from recshard.comm.column_blocks import (
     Block,
     check_blocks,
+    chunks_from_columns,
     chunks_to_columns,
     cut_at_chunks,
+    strided_runs,
     whole_chunks,
 )
 
@@ -27,6 +29,7 @@ def reference(flat: torch.Tensor, rows: int, widths: List[int], blocks: List[Blo
 @pytest.mark.parametrize("blocks", [
     [(0, 0, 3), (1, 0, 2), (2, 0, 4)],               # whole chunks, chunk order
     [(2, 2, 2), (0, 1, 2), (1, 0, 2), (2, 0, 2), (0, 0, 1)],  # shuffled pieces
+    [(0, 0, 1), (2, 0, 1), (0, 1, 1), (2, 1, 1), (0, 2, 1), (2, 2, 1), (1, 0, 2), (2, 3, 1)],
 ])
 def test_forward_and_backward_match_cat_and_slices(rows: int, dtype: torch.dtype,
                                                    blocks: List[Block]) -> None:
@@ -65,3 +68,24 @@ def test_blocks_that_do_not_cover_each_column_once_are_rejected(blocks: List[Blo
 def test_wrong_buffer_size_is_rejected() -> None:
     with pytest.raises(ValueError, match="need 10"):
         chunks_to_columns(torch.zeros(9), 2, [3, 2], whole_chunks([3, 2]))
+
+
+def test_interleaved_shards_copy_as_one_strided_run_per_chunk() -> None:
+    """Column-wise layout: table t's columns are rank 0's shard then rank 1's."""
+    blocks = [(r, 2 * t, 2) for t in range(3) for r in range(2)]
+    runs = strided_runs(blocks)
+    assert [(r.chunk, r.count, r.out_start, r.out_stride) for r in runs] == [(0, 3, 0, 4), (1, 3, 2, 4)]
+    rows, widths = 5, [6, 6]
+    flat = torch.randn(rows * 12, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(chunks_to_columns(flat, rows, widths, blocks),
+                       reference(flat, rows, widths, blocks))
+
+
+def test_packing_an_expanded_gradient_divides_like_a_division_after() -> None:
+    """The backward pack reads a stride-0 gradient (of a sum) and divides in the same pass."""
+    blocks = [(r, 2 * t, 2) for t in range(3) for r in range(2)]
+    rows, widths = 4, [6, 6]
+    grad = torch.full((1,), 0.3).expand(rows, 12)
+    packed = chunks_from_columns(grad, widths, blocks, torch.float32, divisor=3).clone()
+    want = chunks_from_columns(grad.contiguous(), widths, blocks, torch.float32).clone()
+    assert torch.equal(packed, want.div_(3))

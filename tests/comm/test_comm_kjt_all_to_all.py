@@ -216,3 +216,31 @@ def _world_size_one(rank: int, ws: int) -> None:
 
 def test_world_size_one_short_circuits() -> None:
     run_ranks(1, _world_size_one, timeout=60)
+
+
+def _key_order_matches_permute(rank: int, ws: int) -> None:
+    """`key_order` (a key sent to several ranks, as column-wise shards need) gives what the
+    permuted KJT gives, weights and narrowed ids included."""
+    g = torch.Generator().manual_seed(rank)
+    keys, batch = ["a", "b", "c"], 3 + rank
+    lengths = torch.randint(0, 4, (len(keys) * batch,), generator=g)
+    values = torch.randint(0, 1000, (int(lengths.sum()),), generator=g)
+    kjt = KeyedJaggedTensor(keys, values, torch.rand(values.numel(), generator=g),
+                            lengths=lengths)
+    order = [2, 0, 1, 0, 2, 1][: 2 * ws]  # every rank gets two keys; "a" and "c" go twice
+    splits = [2] * ws
+    results = []
+    for key_order in (None, order):
+        a2a = KJTAllToAll(dist.group.WORLD, splits)
+        a2a.set_id_rows([1000] * len(order))
+        routed = kjt.permute(order) if key_order is None else kjt
+        results.append(a2a(routed, key_order=key_order).wait().wait())
+    want, got = results
+    assert got.keys() == want.keys() and got.stride() == want.stride()
+    for name in ("lengths", "values", "weights"):
+        assert torch.equal(getattr(got, name)(), getattr(want, name)()), name
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_key_order_routes_like_a_permute(world_size: int) -> None:
+    run_ranks(world_size, _key_order_matches_permute, timeout=90)
