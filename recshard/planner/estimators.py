@@ -194,7 +194,8 @@ class EmbeddingPerfEstimator:
     shard's for the dense kernel, its distinct rows looked up times cols for the fused; backward
     scaled by `(row + state_row) / row` for optimizer state beyond exact SGD); the per-call
     terms and collective latencies are per step, not per shard (`StepTimePerfModel`), and a
-    profile that measured a real sharded module scales each phase by its `work_scale`.
+    profile that measured a real sharded module scales each phase by its `work_scale` and adds
+    its `ms_per_shard` to each phase's compute.
     """
 
     def __init__(self, topology: Topology, batch_size: int = 512) -> None:
@@ -286,12 +287,16 @@ class EmbeddingPerfEstimator:
                                                 input_dist))
 
     def _scaled(self, sharding_type: str, perf: Perf) -> Perf:
-        """`perf` with each phase times the profile's measured `work_scale` of the type."""
-        if self._profile is None or not self._profile.steps:
+        """`perf` with each phase times the profile's measured `work_scale` of the type, plus
+        its measured cost per shard."""
+        profile = self._profile
+        if profile is None or not profile.steps:
             return perf
-        fwd = self._profile.work_scale(sharding_type, "fwd")
-        bwd = self._profile.work_scale(sharding_type, "bwd")
-        return Perf(perf.fwd_compute * fwd, perf.fwd_comms * fwd, perf.bwd_compute * bwd,
+        fwd = profile.work_scale(sharding_type, "fwd")
+        bwd = profile.work_scale(sharding_type, "bwd")
+        return Perf(perf.fwd_compute * fwd + profile.shard_ms(sharding_type, "fwd"),
+                    perf.fwd_comms * fwd,
+                    perf.bwd_compute * bwd + profile.shard_ms(sharding_type, "bwd"),
                     perf.bwd_comms * bwd, perf.input_dist * fwd)
 
     def _measured(self, kernel: str, dense_update: bool, rows: int, cols: int, ids_in: float,
