@@ -43,6 +43,9 @@ ID_BYTES = 8
 PER_ID_WEIGHT_BYTES = 4
 SECTOR_BYTES = 32  # a row read or write moves at least one 32-byte sector
 DEFAULT_CACHE_LOAD_FACTOR = 0.2
+# A sharded pooled module's step holds its rank's local output four times: the output dist's
+# received buffer, the KeyedTensor built from it, their gradient, and the gradient sent back.
+MODULE_OUTPUT_COPIES = 4
 
 # Optimizer state of the fused (fbgemm) optimizers: (fp32 bytes per element, bytes per row).
 _OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {
@@ -322,7 +325,11 @@ class EmbeddingStorageEstimator:
       `optimizer_state_bytes`); dense kernel and data-parallel add an fp32 gradient
       `4 rows cols` (data-parallel twice: DDP keeps a bucket copy).
     - io = 2 ids_in id_bytes (this batch and the next one in flight) + 2 bags_out cols s_out
-      (the output and its gradient).
+      (the kernel's output and its gradient) + `MODULE_OUTPUT_COPIES` local outputs (the
+      rank's own `bags cols s_out` for this shard's rows and cols, `rows / table rows` of it
+      for row blocks: the pooled output and its gradient on both sides of the output dist);
+      row-wise and table-row-wise add the gathered gradient of their partial sums
+      (`bags_out cols s_out`, the all-gather's output in backward).
     - quant kernel (inference): no optimizer state; 4 bytes per row of fp16 scale and bias.
     - calibrated (`topology.profile.memory`, cpu, fused kernel): weights count `weight_factor`
       times (the peak while building them), and the step's transient is the measured
@@ -365,6 +372,7 @@ class EmbeddingStorageEstimator:
             weights *= memory.weight_factor
             io = (ids_in * (2 * facts.id_bytes + memory.bytes_per_id)
                   + bags_out * cols * 4.0 * memory.bytes_per_output_byte)
+        io += self._module_buffers(table, sharding_type, rows, cols, bags_out, facts)
         if topo.compute_device == "cpu":
             return Storage(0.0, weights + state + io)
         if compute_kernel == "fused_uvm":
@@ -373,6 +381,18 @@ class EmbeddingStorageEstimator:
             lf = _load_factor(cache_params)
             return Storage(lf * weights + rows * (4 + 16 * lf) + io, weights + state)
         return Storage(weights + state + io, 0.0)
+
+
+    @staticmethod
+    def _module_buffers(table: TableMeta, sharding_type: str, rows: int, cols: int,
+                        bags_out: float, facts: _TableFacts) -> float:
+        """The sharded module's step buffers beyond the kernel's, for this shard (see the
+        class docstring); sequence tables' per-id outputs are the kernel's own."""
+        if not table.pooled:
+            return 0.0
+        local = facts.workload[1] * cols * facts.s_out * rows / max(table.num_embeddings, 1)
+        gathered = bags_out * cols * facts.s_out if sharding_type in ROW_BLOCK_TYPES else 0.0
+        return MODULE_OUTPUT_COPIES * local + gathered
 
 
 @dataclass
