@@ -6,7 +6,7 @@ on its links. Per sharding group and per feature: the input dist's all-to-alls a
 permutes, the output dist, the autograd nodes. This is timed on tables so small (64 rows, dim
 16, batch 64, one id per bag) that their work is near zero, at two feature counts, and fitted
 as `ms = ms_per_group + ms_per_feature features` per sharding type and phase. And per unit of
-work: modules of 8 and 24 real-sized tables (20 to 50 k rows, 1 to 16 ids per bag; dims 32 to
+work: modules of 8 and 24 real-sized tables (20 to 50 k rows, 1 to 16 ids per bag; dims 16 to
 128, batches 256 to 2048) are timed per sharding type, and what the slowest rank takes beyond
 the tiny probes' overhead is fitted per phase as `work_scale` times the kernel and link fits'
 estimate for that rank (`plan_stats`) plus `ms_per_shard` times the shards it holds
@@ -62,7 +62,8 @@ class StepProbe:
     work_rows: Tuple[int, ...] = (20, 200, 2_000, 20_000, 50_000, 500, 5_000, 50_000) * 3
     work_poolings: Tuple[int, ...] = (1, 2, 4, 8, 16, 3, 6, 12) * 3
     # (dim, batch, tables): the first `tables` of work_rows / work_poolings
-    work: Tuple[Tuple[int, int, int], ...] = ((32, 256, 8), (128, 512, 24), (64, 2048, 24))
+    work: Tuple[Tuple[int, int, int], ...] = ((32, 256, 8), (16, 2048, 24), (128, 512, 24),
+                                              (64, 2048, 24))
     work_steps: int = 10
 
     @classmethod
