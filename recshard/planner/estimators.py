@@ -325,15 +325,17 @@ class EmbeddingStorageEstimator:
       `optimizer_state_bytes`); dense kernel and data-parallel add an fp32 gradient
       `4 rows cols` (data-parallel twice: DDP keeps a bucket copy).
     - io = 2 ids_in id_bytes (this batch and the next one in flight) + 2 bags_out cols s_out
-      (the kernel's output and its gradient) + `MODULE_OUTPUT_COPIES` local outputs (the
-      rank's own `bags cols s_out` for this shard's rows and cols, `rows / table rows` of it
-      for row blocks: the pooled output and its gradient on both sides of the output dist);
-      row-wise and table-row-wise add the gathered gradient of their partial sums
-      (`bags_out cols s_out`, the all-gather's output in backward).
+      (the output and its gradient).
     - quant kernel (inference): no optimizer state; 4 bytes per row of fp16 scale and bias.
-    - calibrated (`topology.profile.memory`, cpu, fused kernel): weights count `weight_factor`
+    - calibrated (`topology.profile.memory`, cpu), fused kernel: weights count `weight_factor`
       times (the peak while building them), and the step's transient is the measured
-      `bytes_per_id ids_in + bytes_per_output_byte bags_out cols 4`, plus the ids in flight.
+      `bytes_per_id ids_in + bytes_per_output_byte bags_out cols 4`, plus the ids in flight;
+      every kernel and type, calibrated on cpu: plus the sharded module's own buffers: `MODULE_OUTPUT_COPIES` local outputs (the rank's
+      own `bags cols s_out` for this shard's cols, `rows / table rows` of it for row blocks:
+      the pooled output and its gradient on both sides of the output dist) and, for row-wise
+      and table-row-wise, one more `bags_out cols s_out` buffer of partial sums (measured
+      1.5-2 local outputs above table-wise at 2 ranks; not measured on cuda, so not counted
+      there or without a profile).
     - cpu: everything in DDR. cuda, fused/dense: everything in HBM. fused_uvm: weights and
       state in DDR, io in HBM. fused_uvm_caching: weights and state in DDR; HBM holds the cache
       `lf weights`, its index `rows (4 + 16 lf)` and io.
@@ -367,12 +369,12 @@ class EmbeddingStorageEstimator:
             state += copies * 4.0 * rows * cols
         io = 2 * ids_in * facts.id_bytes + 2 * bags_out * cols * facts.s_out
         memory = topo.profile.memory if topo.profile is not None else None
-        if memory is not None and compute_kernel == "fused" and sharding_type != "data_parallel" \
-                and topo.compute_device == topo.profile.compute_device == "cpu":
-            weights *= memory.weight_factor
-            io = (ids_in * (2 * facts.id_bytes + memory.bytes_per_id)
-                  + bags_out * cols * 4.0 * memory.bytes_per_output_byte)
-        io += self._module_buffers(table, sharding_type, rows, cols, bags_out, facts)
+        if memory is not None and topo.compute_device == topo.profile.compute_device == "cpu":
+            if compute_kernel == "fused" and sharding_type != "data_parallel":
+                weights *= memory.weight_factor
+                io = (ids_in * (2 * facts.id_bytes + memory.bytes_per_id)
+                      + bags_out * cols * 4.0 * memory.bytes_per_output_byte)
+            io += self._module_buffers(table, sharding_type, rows, cols, bags_out, facts)
         if topo.compute_device == "cpu":
             return Storage(0.0, weights + state + io)
         if compute_kernel == "fused_uvm":

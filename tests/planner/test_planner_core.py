@@ -129,7 +129,7 @@ def test_table_too_big_for_any_rank_is_named():
         planner.plan_tables(tables)
     text = str(info.value)
     assert "no sharding plan fits: 1 table(s) have no option whose shards fit" in text
-    assert "huge (100000000 x 128, adam): " in text and "fused 0.000 GiB HBM + 71.527" in text
+    assert "huge (100000000 x 128, adam): " in text and "fused 0.000 GiB HBM + 71.526" in text
     assert "8.000 GiB DDR for tables" in text  # the capacity that fell short
 
 
