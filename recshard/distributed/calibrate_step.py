@@ -9,11 +9,13 @@ as `ms = ms_per_group + ms_per_feature features` per sharding type and phase. An
 work: modules of 8 and 24 real-sized tables (20 to 50 k rows, 1 to 16 ids per bag; dims 16 to
 128, batches 256 to 2048) are timed per sharding type, and what the slowest rank takes beyond
 the tiny probes' overhead is fitted per phase as `work_scale` times the kernel and link fits'
-estimate for that rank (`plan_stats`) plus `ms_per_shard` times the shards it holds
-(`fit_work`): the copies, permutes and caches shared with the other tables scale with the
-work; a real-sized table's own buffers, calls and collective waits come with each shard,
-whatever its ids (one scale alone, fitted where that per-shard part dominates, over-priced
-data-parallel at batch 2048 by up to 1.8x). Two table counts tell the two apart. Both run on
+estimate for that rank (`plan_stats`) plus `ms_per_shard` times the shards it holds plus
+`ms_per_id` times the ids it looks up (`fit_work`): the copies, permutes and caches shared
+with the other tables scale with the work; a real-sized table's own buffers, calls and
+collective waits come with each shard; the input dist's per-id work (bucketizing, splitting,
+narrowing ids) is neither in the kernel fits nor in the bytes on the wire. (One scale alone,
+fitted where the rest dominates, over-priced data-parallel at batch 2048 by up to 1.8x.) Two
+table counts and four id counts tell them apart. Both run on
 the job's own ranks, so their links are in it. It lives in `recshard.distributed`, not beside
 `recshard.planner.calibrate`, because it builds sharded modules (a layer above the planner).
 
@@ -22,7 +24,6 @@ the job's own ranks, so their links are in it. It lives in `recshard.distributed
 
 from __future__ import annotations
 
-import math
 import statistics
 import sys
 import time
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.modules.embedding_configs import EmbeddingBagConfig
 from recshard.modules.embedding_modules import EmbeddingBagCollection
-from recshard.planner.calibrate import CalibrationGrid, calibrate
+from recshard.planner.calibrate import CalibrationGrid, calibrate, fit_costs
 from recshard.planner.calibrate_cli import calibrate_main
 from recshard.planner.plan_stats import plan_stats
 from recshard.planner.planner import EmbeddingShardingPlanner
@@ -170,12 +171,15 @@ def measure_step_costs(group: dist.ProcessGroup, profile: CalibrationProfile,
             for p, cost in enumerate(c for c in fixed if c.sharding_type == sharding_type):
                 overhead = cost.ms_per_group + cost.ms_per_feature * len(work.rows)
                 samples.setdefault((sharding_type, cost.phase), []).append(
-                    (modelled[p], shards, measured[p] - overhead))
+                    (modelled[p], float(shards), slowest.lookups, measured[p] - overhead))
     out = []
     for cost in fixed:
-        scale, per_shard = fit_work(samples[(cost.sharding_type, cost.phase)])
-        out.append(replace(cost, work_scale=scale, ms_per_shard=per_shard))
-    return out
+        scale, per_shard, per_id = fit_work(samples[(cost.sharding_type, cost.phase)])
+        out.append(replace(cost, work_scale=scale, ms_per_shard=per_shard, ms_per_id=per_id))
+    # the same samples on every rank, but least squares may round differently per process
+    shared = [out]
+    dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
+    return shared[0]
 
 
 def _shards_on(plan: ShardingPlan, rank: int) -> int:
@@ -185,28 +189,19 @@ def _shards_on(plan: ShardingPlan, rank: int) -> int:
                for ps in plan.plan[""].values())
 
 
-def fit_work(points: Sequence[Tuple[float, int, float]]) -> Tuple[float, float]:
-    """(scale `s`, ms per shard `t`) of `measured beyond the tiny probes' overhead ~ s modelled
-    + t shards` over (modelled ms, shards, measured ms) points: least squares relative to the
-    measured time, both non-negative (a negative one is dropped and the other refitted);
-    (1, 0) where nothing was measured."""
-    rows = [(m / y, n / y) for m, n, y in points if y > 0 and (m > 0 or n > 0)]
-    if not rows:
-        return 1.0, 0.0
-    x = torch.tensor(rows, dtype=torch.float64)
-    ones = torch.ones(len(rows), 1, dtype=torch.float64)
-    coef = torch.linalg.lstsq(x, ones).solution[:, 0].tolist()
-    if min(coef) >= 0 and len(rows) >= 2:
-        return coef[0], coef[1]
-    a, b = x[:, 0], x[:, 1]
-    scale = (a.sum() / (a * a).sum()).item() if (a > 0).any() else 0.0
-    per_shard = (b.sum() / (b * b).sum()).item() if (b > 0).any() else 0.0
-    if scale == 0.0:
-        return 1.0 if per_shard == 0.0 else 0.0, per_shard
-    # the one whose fit leaves the smaller relative residual
-    err_s = ((1 - scale * a) ** 2).sum().item()
-    err_t = ((1 - per_shard * b) ** 2).sum().item() if per_shard > 0 else math.inf
-    return (scale, 0.0) if err_s <= err_t else (0.0, per_shard)
+def fit_work(points: Sequence[Tuple[float, float, float, float]]
+             ) -> Tuple[float, float, float]:
+    """(scale `s`, ms per shard `t`, ms per id `u`) of `measured beyond the tiny probes'
+    overhead ~ s modelled + t shards + u ids` over (modelled ms, shards, ids looked up,
+    measured ms) points: the kernel fits' non-negative least squares (`fit_costs`, no
+    intercept); (1, 0, 0) where it leaves nothing."""
+    usable = [p for p in points if p[3] > 0]
+    if not usable:
+        return 1.0, 0.0, 0.0
+    scale, per_shard, per_id, _ = fit_costs(usable, with_elements=True, intercept=False)
+    if scale == per_shard == per_id == 0.0:
+        return 1.0, 0.0, 0.0
+    return scale, per_shard, per_id
 
 
 def calibrate_job(

@@ -198,7 +198,7 @@ class EmbeddingPerfEstimator:
     scaled by `(row + state_row) / row` for optimizer state beyond exact SGD); the per-call
     terms and collective latencies are per step, not per shard (`StepTimePerfModel`), and a
     profile that measured a real sharded module scales each phase by its `work_scale` and adds
-    its `ms_per_shard` to each phase's compute.
+    its `ms_per_shard + ms_per_id ids_in` to each phase's compute.
     """
 
     def __init__(self, topology: Topology, batch_size: int = 512) -> None:
@@ -276,7 +276,8 @@ class EmbeddingPerfEstimator:
             exchanged, collectives = data_parallel_exchange(table, topo.world_size,
                                                             self.batch_size, facts.workload)
             comms = 2 * exchanged * self._ring_s_per_byte + collectives * self._allreduce_ms
-            return self._scaled(sharding_type, Perf(fwd_compute, 0.0, bwd_compute, comms, 0.0))
+            return self._scaled(sharding_type, Perf(fwd_compute, 0.0, bwd_compute, comms, 0.0),
+                                ids_in)
         input_dist = ids_in * wire_id_bytes(rows, table.is_weighted) * self._a2a_s_per_byte
         if not table.pooled or sharding_type in ("table_wise", "column_wise", "table_column_wise"):
             comms = out_bytes * self._a2a_s_per_byte
@@ -287,19 +288,19 @@ class EmbeddingPerfEstimator:
             comms = out_bytes * (lw - 1) / lw / topo.intra_host_bw
             comms += out_bytes / lw * (hosts - 1) / hosts / topo.inter_host_bw
         return self._scaled(sharding_type, Perf(fwd_compute, comms, bwd_compute, comms,
-                                                input_dist))
+                                                input_dist), ids_in)
 
-    def _scaled(self, sharding_type: str, perf: Perf) -> Perf:
+    def _scaled(self, sharding_type: str, perf: Perf, ids_in: float) -> Perf:
         """`perf` with each phase times the profile's measured `work_scale` of the type, plus
-        its measured cost per shard."""
+        its measured cost per shard and per id looked up."""
         profile = self._profile
         if profile is None or not profile.steps:
             return perf
         fwd = profile.work_scale(sharding_type, "fwd")
         bwd = profile.work_scale(sharding_type, "bwd")
-        return Perf(perf.fwd_compute * fwd + profile.shard_ms(sharding_type, "fwd"),
+        return Perf(perf.fwd_compute * fwd + profile.shard_ms(sharding_type, "fwd", ids_in),
                     perf.fwd_comms * fwd,
-                    perf.bwd_compute * bwd + profile.shard_ms(sharding_type, "bwd"),
+                    perf.bwd_compute * bwd + profile.shard_ms(sharding_type, "bwd", ids_in),
                     perf.bwd_comms * bwd, perf.input_dist * fwd)
 
     def _measured(self, kernel: str, dense_update: bool, rows: int, cols: int, ids_in: float,
