@@ -1,9 +1,12 @@
 """Planner accuracy: the planner's predicted step time and memory vs measured, per plan.
 
-    python -m benchmarks.planner_accuracy               # full run, 2 gloo ranks (~10 min)
+    python -m benchmarks.planner_accuracy               # full run, 2 gloo ranks (~5 min)
     python -m benchmarks.planner_accuracy --quick       # tiny sizes (smoke test)
+    python -m benchmarks.planner_accuracy --dims 128 --profile p.json   # a part, a saved profile
+    python -m benchmarks.planner_accuracy --workloads d64_zipf_b2048,d16_uniform_b512
     python -m benchmarks.planner_accuracy --link 1gbit \\
-        --local-world-size 1 --link-check fast_profile.json   # item 4: does the link matter?
+        --local-world-size 1 --link-check fast_profile.json   # item 4 on 1-rank hosts
+                                                              # (2 x 2 ranks: planner_link)
 
 First a calibration profile is measured on the same ranks (as `calibrate_job`: kernels, links
 among the ranks, a sharded module's step overhead per sharding type), or read with `--profile`. Workloads: the 26 Criteo-like

@@ -15,9 +15,9 @@ with the other tables scale with the work; a real-sized table's own buffers, cal
 collective waits come with each shard; the input dist's per-id work (bucketizing, splitting,
 narrowing ids) is neither in the kernel fits nor in the bytes on the wire. (One scale alone,
 fitted where the rest dominates, over-priced data-parallel at batch 2048 by up to 1.8x.) Two
-table counts and four id counts tell them apart. Both run on
-the job's own ranks, so their links are in it. It lives in `recshard.distributed`, not beside
-`recshard.planner.calibrate`, because it builds sharded modules (a layer above the planner).
+table counts and four id counts tell them apart. Both run on the job's own ranks, so their
+links are in it. It lives in `recshard.distributed`, not beside `recshard.planner.calibrate`,
+because it builds sharded modules (a layer above the planner).
 
     torchrun --nproc_per_node N -m recshard.distributed.calibrate_step -o profile.json
 """
@@ -157,7 +157,7 @@ def measure_step_costs(group: dist.ProcessGroup, profile: CalibrationProfile,
                                   max(times[0][p] - per_feature * f0, 0.0), per_feature))
     costed = Topology(topology.world_size, "cpu", local_world_size=profile.local_world_size,
                       profile=replace(profile, steps=fixed))
-    samples: Dict[Tuple[str, str], List[Tuple[float, int, float]]] = {}
+    samples: Dict[Tuple[str, str], List[Tuple[float, float, float, float]]] = {}
     for dim, batch, tables in probe.work:
         work = _Probe(probe.work_rows[:tables], probe.work_poolings[:tables], dim, batch)
         for sharding_type in STEP_TYPES:
