@@ -1,9 +1,12 @@
 """Planner accuracy: the planner's predicted step time and memory vs measured, per plan.
 
-    python -m benchmarks.planner_accuracy               # full run, 2 gloo ranks (~10 min)
+    python -m benchmarks.planner_accuracy               # full run, 2 gloo ranks (~5 min)
     python -m benchmarks.planner_accuracy --quick       # tiny sizes (smoke test)
+    python -m benchmarks.planner_accuracy --dims 128 --profile p.json   # a part, a saved profile
+    python -m benchmarks.planner_accuracy --workloads d64_zipf_b2048,d16_uniform_b512
     python -m benchmarks.planner_accuracy --link 1gbit \\
-        --local-world-size 1 --link-check fast_profile.json   # item 4: does the link matter?
+        --local-world-size 1 --link-check fast_profile.json   # item 4 on 1-rank hosts
+                                                              # (2 x 2 ranks: planner_link)
 
 First a calibration profile is measured on the same ranks (as `calibrate_job`: kernels, links
 among the ranks, a sharded module's step overhead per sharding type), or read with `--profile`. Workloads: the 26 Criteo-like
@@ -44,9 +47,9 @@ from benchmarks.link import add_link_argument, relaunch_under_link
 from benchmarks.ranks import run_ranks
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.distributed import EmbeddingBagCollectionSharder
-from recshard.distributed.calibrate_step import StepProbe, measure_step_costs
+from recshard.distributed.calibrate_step import StepProbe, calibrate_job
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, TableMeta, Topology
-from recshard.planner.calibrate import CalibrationGrid, calibrate
+from recshard.planner.calibrate import CalibrationGrid
 from recshard.planner.plan_io import plan_to_dict
 from recshard.planner.plan_stats import plan_stats
 from recshard.planner.profile import CalibrationProfile
@@ -109,19 +112,10 @@ def make_batches(w: Workload, row_cap: int, max_pooling: int, seed: int,
 
 
 def rank_calibrate(args: argparse.Namespace) -> Dict[str, Any]:
-    """`calibrate_job`'s two steps, with rank 0's kernel and link fits handed to every rank
-    before the step probe. Each rank fits its own, and the probe plans its modules from them
-    on every rank: where the fits differ enough to move a table (1-rank hosts, a shaped
-    link), the ranks built different plans and their collectives mismatched."""
-    start = time.perf_counter()
+    """`calibrate_job` on this rank (every rank gets rank 0's fits); the profile as a dict."""
     grid = CalibrationGrid.quick() if args.quick else CalibrationGrid()
-    shared = [calibrate(args.calibration_budget, grid, local_world_size=args.local_world_size)]
-    dist.broadcast_object_list(shared, src=0)
-    profile = shared[0]
-    profile.steps = measure_step_costs(dist.group.WORLD, profile,
-                                       StepProbe.quick() if args.quick else None)
-    profile.seconds = time.perf_counter() - start
-    return profile.to_dict()
+    return calibrate_job(args.calibration_budget, grid, local_world_size=args.local_world_size,
+                         probe=StepProbe.quick() if args.quick else None).to_dict()
 
 
 def rank_measure(plan: ShardingPlan, w: Workload, args: argparse.Namespace) -> Dict[str, Any]:
@@ -261,6 +255,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dims", default=None, help="16,64,128 (quick: 16)")
     parser.add_argument("--ids", default="uniform,zipf")
     parser.add_argument("--batches-per-rank", default=None, help="512,2048 (quick: 64)")
+    parser.add_argument("--workloads", default=None,
+                        help="only these workloads, e.g. d64_zipf_b2048,d16_uniform_b512")
     parser.add_argument("--row-cap", type=int, default=50_000)
     parser.add_argument("--max-pooling", type=int, default=20)
     parser.add_argument("--steps", type=int, default=16, help="timed steps per plan")
@@ -310,6 +306,13 @@ def cli(argv: Optional[List[str]] = None) -> None:
                      for c in profile.links}))
     workloads = [Workload(int(d), ids, int(b)) for d in args.dims.split(",")
                  for ids in args.ids.split(",") for b in args.batches_per_rank.split(",")]
+    if args.workloads:
+        names = args.workloads.split(",")
+        unknown = sorted(set(names) - {w.name for w in workloads})
+        if unknown:
+            raise SystemExit(f"--workloads: no workload named {unknown} among "
+                             f"{[w.name for w in workloads]}")
+        workloads = [w for w in workloads if w.name in names]
     records: List[Dict[str, Any]] = []
     for w in workloads:
         records += run_workload(w, profile, args, link_check)

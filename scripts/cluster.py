@@ -75,6 +75,7 @@ class Cluster:
 
     hosts: int = 2
     rate: str = "10gbit"
+    burst: str = BURST  # tbf bucket: traffic up to this size passes at loopback speed
     members: List[Host] = field(default_factory=list, init=False)
     _holders: List[subprocess.Popen] = field(default_factory=list, init=False)
     _jobs: List[subprocess.Popen] = field(default_factory=list, init=False)
@@ -139,7 +140,7 @@ class Cluster:
 
     def _shape(self, prefix: List[str], device: str, verb: str) -> None:
         _check([*prefix, "tc", "qdisc", verb, "dev", device, "root", "tbf", "rate", self.rate,
-                "burst", BURST, "latency", LATENCY])
+                "burst", self.burst, "latency", LATENCY])
 
     def enter(self, host: Host, cwd: Optional[str] = None) -> List[str]:
         """The command prefix that runs a program on `host`, in `cwd` (default: ours)."""
@@ -242,6 +243,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--hosts", type=int, default=2, help="number of hosts")
     parser.add_argument("--rate", default="10gbit",
                         help="every host link's rate, each direction (tc units: 1gbit, 500mbit)")
+    parser.add_argument("--burst", default=BURST,
+                        help="tbf bucket per link (default 4mb, enough for 10gbit); a step's "
+                             "few-MB bursts pass a slow link at full speed unless it is lower "
+                             "(1gbit: 512kb)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -251,7 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if gaps:
         print(f"cluster: missing {'; '.join(gaps)}", file=sys.stderr)
         return 2
-    with Cluster(args.hosts, args.rate) as cluster:
+    with Cluster(args.hosts, args.rate, args.burst) as cluster:
         addresses = ", ".join(f"{h.name}={h.address}" for h in cluster.members)
         print(f"cluster: {args.hosts} hosts ({addresses}), links {args.rate}", file=sys.stderr)
         return run_everywhere(cluster, command, {})

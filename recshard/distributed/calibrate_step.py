@@ -6,13 +6,18 @@ on its links. Per sharding group and per feature: the input dist's all-to-alls a
 permutes, the output dist, the autograd nodes. This is timed on tables so small (64 rows, dim
 16, batch 64, one id per bag) that their work is near zero, at two feature counts, and fitted
 as `ms = ms_per_group + ms_per_feature features` per sharding type and phase. And per unit of
-work: modules of 24 real-sized tables (20 to 50 k rows, 1 to 16 ids per bag; dims 32 to 128,
-batches 256 to 1024) are timed per sharding type, and what the slowest rank takes beyond the tiny
-probes' overhead is fitted per phase as `work_scale` times the kernel and link fits' estimate
-for the slowest rank (`plan_stats`; `fit_work`): the copies, permutes and caches shared with
-the other tables that the isolated fits leave out. It scales every shard's estimate. Both run on the job's own
-ranks, so their links are in it. It lives in `recshard.distributed`, not beside
-`recshard.planner.calibrate`, because it builds sharded modules (a layer above the planner).
+work: modules of 8 and 24 real-sized tables (20 to 50 k rows, 1 to 16 ids per bag; dims 16 to
+128, batches 256 to 2048) are timed per sharding type, and what the slowest rank takes beyond
+the tiny probes' overhead is fitted per phase as `work_scale` times the kernel and link fits'
+estimate for that rank (`plan_stats`) plus `ms_per_shard` times the shards it holds plus
+`ms_per_id` times the ids it looks up (`fit_work`): the copies, permutes and caches shared
+with the other tables scale with the work; a real-sized table's own buffers, calls and
+collective waits come with each shard; the input dist's per-id work (bucketizing, splitting,
+narrowing ids) is neither in the kernel fits nor in the bytes on the wire. (One scale alone,
+fitted where the rest dominates, over-priced data-parallel at batch 2048 by up to 1.8x.) Two
+table counts and four id counts tell them apart. Both run on the job's own ranks, so their
+links are in it. It lives in `recshard.distributed`, not beside `recshard.planner.calibrate`,
+because it builds sharded modules (a layer above the planner).
 
     torchrun --nproc_per_node N -m recshard.distributed.calibrate_step -o profile.json
 """
@@ -31,7 +36,7 @@ import torch.distributed as dist
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.modules.embedding_configs import EmbeddingBagConfig
 from recshard.modules.embedding_modules import EmbeddingBagCollection
-from recshard.planner.calibrate import CalibrationGrid, calibrate
+from recshard.planner.calibrate import CalibrationGrid, calibrate, fit_costs
 from recshard.planner.calibrate_cli import calibrate_main
 from recshard.planner.plan_stats import plan_stats
 from recshard.planner.planner import EmbeddingShardingPlanner
@@ -57,13 +62,15 @@ class StepProbe:
     # real-sized modules: tables of 20 to 50 k rows and 1 to 16 ids per bag, as a rank holds
     work_rows: Tuple[int, ...] = (20, 200, 2_000, 20_000, 50_000, 500, 5_000, 50_000) * 3
     work_poolings: Tuple[int, ...] = (1, 2, 4, 8, 16, 3, 6, 12) * 3
-    work: Tuple[Tuple[int, int], ...] = ((32, 256), (64, 1024), (128, 512))  # (dim, batch)
+    # (dim, batch, tables): the first `tables` of work_rows / work_poolings
+    work: Tuple[Tuple[int, int, int], ...] = ((32, 256, 8), (16, 2048, 24), (128, 512, 24),
+                                              (64, 2048, 24))
     work_steps: int = 10
 
     @classmethod
     def quick(cls) -> StepProbe:
         return cls(features=(1, 3), steps=2, warmup=1, work_rows=(20, 2_000),
-                   work_poolings=(1, 4), work=((16, 64),), work_steps=2)
+                   work_poolings=(1, 4), work=((16, 64, 1), (16, 64, 2)), work_steps=2)
 
 
 @dataclass(frozen=True)
@@ -150,31 +157,51 @@ def measure_step_costs(group: dist.ProcessGroup, profile: CalibrationProfile,
                                   max(times[0][p] - per_feature * f0, 0.0), per_feature))
     costed = Topology(topology.world_size, "cpu", local_world_size=profile.local_world_size,
                       profile=replace(profile, steps=fixed))
-    samples: Dict[Tuple[str, str], List[Tuple[float, float]]] = {}
-    for dim, batch in probe.work:
-        work = _Probe(probe.work_rows, probe.work_poolings, dim, batch)
+    samples: Dict[Tuple[str, str], List[Tuple[float, float, float, float]]] = {}
+    for dim, batch, tables in probe.work:
+        work = _Probe(probe.work_rows[:tables], probe.work_poolings[:tables], dim, batch)
         for sharding_type in STEP_TYPES:
             plan = _probe_plan(sharding_type, work, costed)
             measured = _time_plan(plan, work, group, probe.work_steps, probe.warmup)
-            terms = max(plan_stats(plan, work.metas(), costed, batch).ranks,
-                        key=lambda r: r.total_ms).terms
+            slowest = max(plan_stats(plan, work.metas(), costed, batch).ranks,
+                          key=lambda r: r.total_ms)
+            terms = slowest.terms
             modelled = (terms.fwd_compute + terms.fwd_comms, terms.bwd_compute + terms.bwd_comms)
+            shards = _shards_on(plan, slowest.rank)
             for p, cost in enumerate(c for c in fixed if c.sharding_type == sharding_type):
                 overhead = cost.ms_per_group + cost.ms_per_feature * len(work.rows)
                 samples.setdefault((sharding_type, cost.phase), []).append(
-                    (modelled[p], measured[p] - overhead))
-    return [replace(cost, work_scale=fit_work(samples[(cost.sharding_type, cost.phase)]))
-            for cost in fixed]
+                    (modelled[p], float(shards), slowest.lookups, measured[p] - overhead))
+    out = []
+    for cost in fixed:
+        scale, per_shard, per_id = fit_work(samples[(cost.sharding_type, cost.phase)])
+        out.append(replace(cost, work_scale=scale, ms_per_shard=per_shard, ms_per_id=per_id))
+    # the same samples on every rank, but least squares may round differently per process
+    shared = [out]
+    dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
+    return shared[0]
 
 
-def fit_work(points: Sequence[Tuple[float, float]]) -> float:
-    """The scale `s` of `measured beyond the tiny probes' overhead ~ s modelled` over
-    (modelled ms, measured ms) points, least squares relative to the measured time; 1 where
-    nothing was modelled."""
-    ratios = [(m / y, (m / y) ** 2) for m, y in points if m > 0 and y > 0]
-    if not ratios:
-        return 1.0
-    return sum(r for r, _ in ratios) / sum(r2 for _, r2 in ratios)
+def _shards_on(plan: ShardingPlan, rank: int) -> int:
+    """Shards of `plan` held by `rank` (a data-parallel table: one on every rank)."""
+    return sum(1 if ps.sharding_type == "data_parallel"
+               else sum(1 for s in ps.shards or [] if s.rank == rank)
+               for ps in plan.plan[""].values())
+
+
+def fit_work(points: Sequence[Tuple[float, float, float, float]]
+             ) -> Tuple[float, float, float]:
+    """(scale `s`, ms per shard `t`, ms per id `u`) of `measured beyond the tiny probes'
+    overhead ~ s modelled + t shards + u ids` over (modelled ms, shards, ids looked up,
+    measured ms) points: the kernel fits' non-negative least squares (`fit_costs`, no
+    intercept); (1, 0, 0) where it leaves nothing."""
+    usable = [p for p in points if p[3] > 0]
+    if not usable:
+        return 1.0, 0.0, 0.0
+    scale, per_shard, per_id, _ = fit_costs(usable, with_elements=True, intercept=False)
+    if scale == per_shard == per_id == 0.0:
+        return 1.0, 0.0, 0.0
+    return scale, per_shard, per_id
 
 
 def calibrate_job(

@@ -43,6 +43,9 @@ ID_BYTES = 8
 PER_ID_WEIGHT_BYTES = 4
 SECTOR_BYTES = 32  # a row read or write moves at least one 32-byte sector
 DEFAULT_CACHE_LOAD_FACTOR = 0.2
+# A sharded pooled module's step holds its rank's local output four times: the output dist's
+# received buffer, the KeyedTensor built from it, their gradient, and the gradient sent back.
+MODULE_OUTPUT_COPIES = 4
 
 # Optimizer state of the fused (fbgemm) optimizers: (fp32 bytes per element, bytes per row).
 _OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {
@@ -194,7 +197,8 @@ class EmbeddingPerfEstimator:
     shard's for the dense kernel, its distinct rows looked up times cols for the fused; backward
     scaled by `(row + state_row) / row` for optimizer state beyond exact SGD); the per-call
     terms and collective latencies are per step, not per shard (`StepTimePerfModel`), and a
-    profile that measured a real sharded module scales each phase by its `work_scale`.
+    profile that measured a real sharded module scales each phase by its `work_scale` and adds
+    its `ms_per_shard + ms_per_id ids_in` to each phase's compute.
     """
 
     def __init__(self, topology: Topology, batch_size: int = 512) -> None:
@@ -272,7 +276,8 @@ class EmbeddingPerfEstimator:
             exchanged, collectives = data_parallel_exchange(table, topo.world_size,
                                                             self.batch_size, facts.workload)
             comms = 2 * exchanged * self._ring_s_per_byte + collectives * self._allreduce_ms
-            return self._scaled(sharding_type, Perf(fwd_compute, 0.0, bwd_compute, comms, 0.0))
+            return self._scaled(sharding_type, Perf(fwd_compute, 0.0, bwd_compute, comms, 0.0),
+                                ids_in)
         input_dist = ids_in * wire_id_bytes(rows, table.is_weighted) * self._a2a_s_per_byte
         if not table.pooled or sharding_type in ("table_wise", "column_wise", "table_column_wise"):
             comms = out_bytes * self._a2a_s_per_byte
@@ -283,15 +288,19 @@ class EmbeddingPerfEstimator:
             comms = out_bytes * (lw - 1) / lw / topo.intra_host_bw
             comms += out_bytes / lw * (hosts - 1) / hosts / topo.inter_host_bw
         return self._scaled(sharding_type, Perf(fwd_compute, comms, bwd_compute, comms,
-                                                input_dist))
+                                                input_dist), ids_in)
 
-    def _scaled(self, sharding_type: str, perf: Perf) -> Perf:
-        """`perf` with each phase times the profile's measured `work_scale` of the type."""
-        if self._profile is None or not self._profile.steps:
+    def _scaled(self, sharding_type: str, perf: Perf, ids_in: float) -> Perf:
+        """`perf` with each phase times the profile's measured `work_scale` of the type, plus
+        its measured cost per shard and per id looked up."""
+        profile = self._profile
+        if profile is None or not profile.steps:
             return perf
-        fwd = self._profile.work_scale(sharding_type, "fwd")
-        bwd = self._profile.work_scale(sharding_type, "bwd")
-        return Perf(perf.fwd_compute * fwd, perf.fwd_comms * fwd, perf.bwd_compute * bwd,
+        fwd = profile.work_scale(sharding_type, "fwd")
+        bwd = profile.work_scale(sharding_type, "bwd")
+        return Perf(perf.fwd_compute * fwd + profile.shard_ms(sharding_type, "fwd", ids_in),
+                    perf.fwd_comms * fwd,
+                    perf.bwd_compute * bwd + profile.shard_ms(sharding_type, "bwd", ids_in),
                     perf.bwd_comms * bwd, perf.input_dist * fwd)
 
     def _measured(self, kernel: str, dense_update: bool, rows: int, cols: int, ids_in: float,
@@ -319,9 +328,15 @@ class EmbeddingStorageEstimator:
     - io = 2 ids_in id_bytes (this batch and the next one in flight) + 2 bags_out cols s_out
       (the output and its gradient).
     - quant kernel (inference): no optimizer state; 4 bytes per row of fp16 scale and bias.
-    - calibrated (`topology.profile.memory`, cpu, fused kernel): weights count `weight_factor`
+    - calibrated (`topology.profile.memory`, cpu), fused kernel: weights count `weight_factor`
       times (the peak while building them), and the step's transient is the measured
-      `bytes_per_id ids_in + bytes_per_output_byte bags_out cols 4`, plus the ids in flight.
+      `bytes_per_id ids_in + bytes_per_output_byte bags_out cols 4`, plus the ids in flight;
+      every kernel and type, calibrated on cpu: plus the sharded module's own buffers: `MODULE_OUTPUT_COPIES` local outputs (the rank's
+      own `bags cols s_out` for this shard's cols, `rows / table rows` of it for row blocks:
+      the pooled output and its gradient on both sides of the output dist) and, for row-wise
+      and table-row-wise, one more `bags_out cols s_out` buffer of partial sums (measured
+      1.5-2 local outputs above table-wise at 2 ranks; not measured on cuda, so not counted
+      there or without a profile).
     - cpu: everything in DDR. cuda, fused/dense: everything in HBM. fused_uvm: weights and
       state in DDR, io in HBM. fused_uvm_caching: weights and state in DDR; HBM holds the cache
       `lf weights`, its index `rows (4 + 16 lf)` and io.
@@ -355,11 +370,12 @@ class EmbeddingStorageEstimator:
             state += copies * 4.0 * rows * cols
         io = 2 * ids_in * facts.id_bytes + 2 * bags_out * cols * facts.s_out
         memory = topo.profile.memory if topo.profile is not None else None
-        if memory is not None and compute_kernel == "fused" and sharding_type != "data_parallel" \
-                and topo.compute_device == topo.profile.compute_device == "cpu":
-            weights *= memory.weight_factor
-            io = (ids_in * (2 * facts.id_bytes + memory.bytes_per_id)
-                  + bags_out * cols * 4.0 * memory.bytes_per_output_byte)
+        if memory is not None and topo.compute_device == topo.profile.compute_device == "cpu":
+            if compute_kernel == "fused" and sharding_type != "data_parallel":
+                weights *= memory.weight_factor
+                io = (ids_in * (2 * facts.id_bytes + memory.bytes_per_id)
+                      + bags_out * cols * 4.0 * memory.bytes_per_output_byte)
+            io += self._module_buffers(table, sharding_type, rows, cols, bags_out, facts)
         if topo.compute_device == "cpu":
             return Storage(0.0, weights + state + io)
         if compute_kernel == "fused_uvm":
@@ -368,6 +384,18 @@ class EmbeddingStorageEstimator:
             lf = _load_factor(cache_params)
             return Storage(lf * weights + rows * (4 + 16 * lf) + io, weights + state)
         return Storage(weights + state + io, 0.0)
+
+
+    @staticmethod
+    def _module_buffers(table: TableMeta, sharding_type: str, rows: int, cols: int,
+                        bags_out: float, facts: _TableFacts) -> float:
+        """The sharded module's step buffers beyond the kernel's, for this shard (see the
+        class docstring); sequence tables' per-id outputs are the kernel's own."""
+        if not table.pooled:
+            return 0.0
+        local = facts.workload[1] * cols * facts.s_out * rows / max(table.num_embeddings, 1)
+        gathered = bags_out * cols * facts.s_out if sharding_type in ROW_BLOCK_TYPES else 0.0
+        return MODULE_OUTPUT_COPIES * local + gathered
 
 
 @dataclass

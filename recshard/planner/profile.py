@@ -13,8 +13,11 @@ of weights, and a training step's transient peak per id looked up and per output
 Step overhead (`StepCost`, per sharding type): what one sharding group of a real sharded module
 costs per step beyond its kernels' work and its bytes on the links (input / output dist calls,
 collective latencies, permutes), `ms = ms_per_group + ms_per_feature features`, and how much
-longer a real module's shards take than their kernel and link fits alone (`work_scale`: the
-copies, permutes and caches shared with the other tables).
+longer a real module's shards take than their kernel and link fits alone: `ms = work_scale
+modelled + ms_per_shard + ms_per_id ids` per shard on a rank (`work_scale`: the copies,
+permutes and caches shared with the other tables; `ms_per_shard`: what each real-sized shard
+costs whatever its ids, e.g. a data-parallel table's gradient buffer and its own collectives'
+waits; `ms_per_id`: the input dist's work per id looked up, beyond its bytes on the wire).
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ class StepCost:
     ms_per_group: float
     ms_per_feature: float
     work_scale: float = 1.0  # a real module's shard time / the kernel and link fits' estimate
+    ms_per_shard: float = 0.0  # and what each real-sized shard on a rank adds beyond that
+    ms_per_id: float = 0.0  # and each id it looks up
 
 
 @dataclass
@@ -144,6 +149,13 @@ class CalibrationProfile:
         cost = next((c for c in self.steps if c.sharding_type == sharding_type
                      and c.phase == phase), None)
         return cost.work_scale if cost is not None else 1.0
+
+    def shard_ms(self, sharding_type: str, phase: str, ids: float) -> float:
+        """A real module's ms for one `sharding_type` shard on a rank looking up `ids` ids in
+        `phase`, beyond its scaled work (0.0 where not measured)."""
+        cost = next((c for c in self.steps if c.sharding_type == sharding_type
+                     and c.phase == phase), None)
+        return cost.ms_per_shard + cost.ms_per_id * ids if cost is not None else 0.0
 
     def link(self, collective: str, level: str) -> Optional[LinkCost]:
         return next((c for c in self.links if c.collective == collective and c.level == level),

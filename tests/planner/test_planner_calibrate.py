@@ -23,6 +23,7 @@ from recshard.planner.calibrate import (
     fit_link,
     measure_memory,
 )
+from recshard.planner.estimators import MODULE_OUTPUT_COPIES
 from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, MemoryCost
 from tests.multiprocess import run_ranks
 
@@ -154,5 +155,13 @@ def test_calibrated_memory_scales_the_storage_estimate():
         table, "table_wise", "fused", 10_000, 64)
     ids, bags = 2 * 512 * 10, 2 * 512
     weights = 10_000 * 64 * 4
-    assert calibrated.ddr == pytest.approx(1.5 * weights + ids * (16 + 100) + bags * 64 * 4 * 2)
+    module = MODULE_OUTPUT_COPIES * 512 * 64 * 4  # the rank's own output, held 4 times
+    assert calibrated.ddr == pytest.approx(1.5 * weights + ids * (16 + 100) + bags * 64 * 4 * 2
+                                           + module)
     assert plain.ddr == pytest.approx(weights + 2 * ids * 8 + 2 * bags * 64 * 4)
+    # row-wise: each shard holds its rows' share of the local output, and one more buffer of
+    # the partial sums for every bag of every rank
+    half = EmbeddingStorageEstimator(Topology(2, profile=profile), 512).estimate(
+        table, "row_wise", "fused", 5_000, 64)
+    assert half.ddr == pytest.approx(1.5 * weights / 2 + (ids / 2) * (16 + 100)
+                                     + bags * 64 * 4 * 2 + module / 2 + bags * 64 * 4)

@@ -39,7 +39,9 @@ def test_step_costs_measured_on_two_ranks():
     assert {(c.sharding_type, c.phase) for c in profile.steps} == {
         (t, p) for t in STEP_TYPES for p in ("fwd", "bwd")}
     for cost in profile.steps:
-        assert cost.ms_per_group >= 0 and cost.ms_per_feature >= 0 and cost.work_scale > 0
+        assert cost.ms_per_group >= 0 and cost.ms_per_feature >= 0
+        assert cost.work_scale >= 0 and cost.ms_per_shard >= 0 and cost.ms_per_id >= 0
+        assert cost.work_scale > 0 or cost.ms_per_shard > 0 or cost.ms_per_id > 0
     # a real module step costs something: forward + backward of one group is not free
     assert profile.step_ms("table_wise", 4) > 0
     model = StepTimePerfModel(Topology(2, profile=profile))
@@ -52,9 +54,14 @@ def test_calibrate_job_on_one_process_measures_no_steps():
     assert profile.world_size == 1 and profile.steps == []
 
 
-def test_fit_work_recovers_a_scale():
-    assert fit_work([(m, 1.7 * m) for m in (1.0, 5.0, 30.0)]) == pytest.approx(1.7)
-    assert fit_work([(0.0, 3.0)]) == 1.0  # nothing modelled: nothing to scale
+def test_fit_work_recovers_a_scale_a_cost_per_shard_and_per_id():
+    assert fit_work([(m, 24.0, 1e4, 1.7 * m) for m in (1.0, 5.0, 30.0)]) == pytest.approx(
+        (1.7, 0.0, 0.0))
+    # work scaled by 0.9, plus 1.1 ms per shard and 2e-5 ms per id, from table and id counts
+    cases = [(7.0, 8.0, 13e3), (30.0, 24.0, 320e3), (82.0, 24.0, 80e3), (95.0, 24.0, 320e3)]
+    points = [(m, n, ids, 0.9 * m + 1.1 * n + 2e-5 * ids) for m, n, ids in cases]
+    assert fit_work(points) == pytest.approx((0.9, 1.1, 2e-5))
+    assert fit_work([]) == (1.0, 0.0, 0.0)  # nothing measured: nothing to scale
 
 
 def _profile(steps):
@@ -66,8 +73,9 @@ def _profile(steps):
 
 
 def test_measured_step_costs_drive_the_step_model_and_estimates():
-    steps = [StepCost("table_wise", "fwd", 2.0, 0.1, work_scale=2.0),
-             StepCost("table_wise", "bwd", 1.0, 0.05, work_scale=3.0),
+    steps = [StepCost("table_wise", "fwd", 2.0, 0.1, work_scale=2.0, ms_per_shard=0.5,
+                      ms_per_id=1e-5),
+             StepCost("table_wise", "bwd", 1.0, 0.05, work_scale=3.0, ms_per_shard=0.25),
              StepCost("row_wise", "fwd", 4.0, 0.0), StepCost("row_wise", "bwd", 1.0, 0.0)]
     model = StepTimePerfModel(Topology(2, profile=_profile(steps)))
     assert model.group_ms("table_wise", "fused", 64, 10) == pytest.approx(3.0 + 10 * 0.15)
@@ -83,10 +91,11 @@ def test_measured_step_costs_drive_the_step_model_and_estimates():
     scaled = EmbeddingPerfEstimator(Topology(2, profile=_profile(steps)), 512)
     a = plain.estimate(table, "table_wise", "fused", 50_000, 64)
     b = scaled.estimate(table, "table_wise", "fused", 50_000, 64)
-    assert b.fwd_compute == pytest.approx(2 * a.fwd_compute)
+    ids_in = 2 * 512 * 10  # table-wise: every rank's ids
+    assert b.fwd_compute == pytest.approx(2 * a.fwd_compute + 0.5 + 1e-5 * ids_in)
     assert b.fwd_comms == pytest.approx(2 * a.fwd_comms)
     assert b.input_dist == pytest.approx(2 * a.input_dist)
-    assert b.bwd_compute == pytest.approx(3 * a.bwd_compute)
+    assert b.bwd_compute == pytest.approx(3 * a.bwd_compute + 0.25)
     assert b.bwd_comms == pytest.approx(3 * a.bwd_comms)
 
 
