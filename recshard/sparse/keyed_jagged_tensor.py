@@ -119,6 +119,8 @@ class KeyedJaggedTensor(JaggedStorage):
     def from_jt_dict(jt_dict: Dict[str, JaggedTensor]) -> KeyedJaggedTensor:
         """One key per entry, in dict order. JaggedTensors of different batch sizes give a
         variable-batch KJT (`stride_per_key_per_rank = [[batch of key k]]`), as in TorchRec."""
+        if not jt_dict:
+            return KeyedJaggedTensor.empty()
         keys = list(jt_dict)
         jts = list(jt_dict.values())
         strides = [jt.lengths().numel() for jt in jts]
@@ -126,14 +128,14 @@ class KeyedJaggedTensor(JaggedStorage):
         if any(has_weights) and not all(has_weights):
             missing = [k for k, w in zip(keys, has_weights) if not w]
             raise ValueError(f"from_jt_dict: keys {missing} have no weights but others do")
-        weights = torch.cat([jt.weights() for jt in jts]) if jts and all(has_weights) else None
+        weights = torch.cat([jt.weights() for jt in jts]) if all(has_weights) else None
         variable = len(set(strides)) > 1
         return KeyedJaggedTensor.from_lengths_sync(
             keys,
-            torch.cat([jt.values() for jt in jts]) if jts else torch.empty(0, dtype=torch.int64),
-            torch.cat([jt.lengths() for jt in jts]) if jts else torch.empty(0, dtype=torch.int32),
+            torch.cat([jt.values() for jt in jts]),
+            torch.cat([jt.lengths() for jt in jts]),
             weights,
-            stride=None if variable else next(iter(strides), 0),
+            stride=None if variable else strides[0],
             stride_per_key_per_rank=[[s] for s in strides] if variable else None,
         )
 
@@ -141,10 +143,11 @@ class KeyedJaggedTensor(JaggedStorage):
     def empty(
         is_weighted: bool = False,
         device: Optional[torch.device] = None,
-        values_dtype: torch.dtype = torch.int64,
-        weights_dtype: torch.dtype = torch.float32,
+        values_dtype: Optional[torch.dtype] = None,
+        weights_dtype: Optional[torch.dtype] = None,
         lengths_dtype: torch.dtype = torch.int32,
     ) -> KeyedJaggedTensor:
+        """No keys; values and weights of torch's default dtype unless given (TorchRec's)."""
         return KeyedJaggedTensor(
             [],
             torch.empty(0, dtype=values_dtype, device=device),
@@ -171,29 +174,7 @@ class KeyedJaggedTensor(JaggedStorage):
     @staticmethod
     def concat(kjts: List[KeyedJaggedTensor]) -> KeyedJaggedTensor:
         """Keys of all inputs side by side (inputs must share the batch size unless variable)."""
-        if not kjts:
-            raise ValueError("concat needs at least one KeyedJaggedTensor")
-        weighted = [k.weights_or_none() is not None for k in kjts]
-        if any(weighted) and not all(weighted):
-            raise ValueError("concat: either all or none of the KeyedJaggedTensors carry weights")
-        variable = any(k.variable_stride_per_key() for k in kjts)
-        strides = {k.stride() for k in kjts if k.keys()}
-        if not variable and len(strides) > 1:
-            raise ValueError(f"concat: batch sizes differ ({sorted(strides)}); use variable batch")
-        spkpr = None
-        if variable:
-            spkpr = [row for k in kjts for row in
-                     (k.stride_per_key_per_rank() or [[s] for s in k.stride_per_key()])]
-        return KeyedJaggedTensor(
-            [key for k in kjts for key in k.keys()],
-            torch.cat([k.values() for k in kjts]),
-            torch.cat([k.weights() for k in kjts]) if all(weighted) else None,
-            lengths=torch.cat([k.lengths() for k in kjts]),
-            stride=None if variable else next(iter(strides), 0),
-            stride_per_key_per_rank=spkpr,
-            length_per_key=[n for k in kjts for n in k.length_per_key()],
-            validate=False,
-        )
+        return concat_kjts(kjts)
 
     # ------------------------------------------------------------------ accessors
 
@@ -261,6 +242,12 @@ class KeyedJaggedTensor(JaggedStorage):
     def sync(self) -> KeyedJaggedTensor:
         """Compute and cache the per-key sums now (one host sync)."""
         self.offset_per_key()
+        return self
+
+    def unsync(self) -> KeyedJaggedTensor:
+        """Forget the cached per-key sums; the next use recomputes them (TorchRec's)."""
+        self._length_per_key = None
+        self._offset_per_key = None
         return self
 
     # ------------------------------------------------------------------ ops
@@ -348,11 +335,14 @@ class KeyedJaggedTensor(JaggedStorage):
             raise KeyError(f"KeyedJaggedTensor has no key '{key}' (keys: {self._keys})") from None
         opk, lopk = self.offset_per_key(), self.lengths_offset_per_key()
         v0, v1 = opk[index], opk[index + 1]
-        return JaggedTensor(
-            self._values[v0:v1],
-            None if self._weights is None else self._weights[v0:v1],
-            lengths=self.lengths()[lopk[index]:lopk[index + 1]],
-        )
+        values = self._values[v0:v1]
+        weights = None if self._weights is None else self._weights[v0:v1]
+        lengths = self.lengths()[lopk[index]:lopk[index + 1]]
+        if not lengths.numel() and not self.variable_stride_per_key():
+            # A batch of 0: TorchRec gives empty lengths *and* offsets (as `JaggedTensor.empty`).
+            lengths = lengths.reshape(0)
+            return JaggedTensor(values, weights, lengths=lengths, offsets=lengths)
+        return JaggedTensor(values, weights, lengths=lengths)
 
     def to_dict(self) -> Dict[str, JaggedTensor]:
         if self._jt_dict is None:
@@ -424,3 +414,32 @@ class KeyedJaggedTensor(JaggedStorage):
             parts.append(f"'{key}': {rows}")
         weighted = ", weighted" if self._weights is not None else ""
         return "KeyedJaggedTensor({" + ", ".join(parts) + "}" + weighted + ")"
+
+
+@torch.fx.wrap
+def concat_kjts(kjts: List[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    """`KeyedJaggedTensor.concat`; a leaf in torch.fx traces (the list may be a placeholder),
+    as TorchRec's `_kjt_concat`."""
+    if not kjts:
+        raise ValueError("concat needs at least one KeyedJaggedTensor")
+    weighted = [k.weights_or_none() is not None for k in kjts]
+    if any(weighted) and not all(weighted):
+        raise ValueError("concat: either all or none of the KeyedJaggedTensors carry weights")
+    variable = any(k.variable_stride_per_key() for k in kjts)
+    strides = {k.stride() for k in kjts if k.keys()}
+    if not variable and len(strides) > 1:
+        raise ValueError(f"concat: batch sizes differ ({sorted(strides)}); use variable batch")
+    spkpr = None
+    if variable:
+        spkpr = [row for k in kjts for row in
+                 (k.stride_per_key_per_rank() or [[s] for s in k.stride_per_key()])]
+    return KeyedJaggedTensor(
+        [key for k in kjts for key in k.keys()],
+        torch.cat([k.values() for k in kjts]),
+        torch.cat([k.weights() for k in kjts]) if all(weighted) else None,
+        lengths=torch.cat([k.lengths() for k in kjts]),
+        stride=None if variable else next(iter(strides), 0),
+        stride_per_key_per_rank=spkpr,
+        length_per_key=[n for k in kjts for n in k.length_per_key()],
+        validate=False,
+    )
