@@ -204,6 +204,10 @@ class KeyedJaggedTensor(JaggedStorage):
             raise ValueError("this KeyedJaggedTensor has no inverse_indices")
         return self._inverse_indices
 
+    def index_per_key(self) -> Dict[str, int]:
+        """Position of each key in `keys()`."""
+        return {key: i for i, key in enumerate(self._keys)}
+
     def lengths_offset_per_key(self) -> List[int]:
         """Where each key's block starts in `lengths` (cumsum of stride_per_key)."""
         return offsets_from_sizes(self._stride_per_key)
@@ -300,6 +304,11 @@ class KeyedJaggedTensor(JaggedStorage):
         spkpr = [self._stride_per_key_per_rank[i] for i in indices]
         return self._with(keys, values, weights, lengths, spkpr, new_lpk)
 
+    def flatten_lengths(self) -> KeyedJaggedTensor:
+        """The same batch with `lengths` as one 1-D tensor (TorchRec's)."""
+        return self._with(self._keys, self._values, self._weights, self.lengths().view(-1),
+                          self._stride_per_key_per_rank, self.length_per_key())
+
     def split(self, segments: Sequence[int]) -> List[KeyedJaggedTensor]:
         """Consecutive groups of `segments[i]` keys, as views of this tensor's storage."""
         if sum(segments) != len(self._keys):
@@ -312,6 +321,9 @@ class KeyedJaggedTensor(JaggedStorage):
         out, start = [], 0
         for seg in segments:
             end = start + seg
+            if seg == 0:  # TorchRec's: no keys, empty int32 lengths and offsets
+                out.append(self._no_keys())
+                continue
             v0, v1 = opk[start], opk[end]
             l0, l1 = lopk[start], lopk[end]
             out.append(
@@ -319,7 +331,7 @@ class KeyedJaggedTensor(JaggedStorage):
                     self._keys[start:end],
                     self._values[v0:v1],
                     None if self._weights is None else self._weights[v0:v1],
-                    self.lengths()[l0:l1],
+                    self.lengths().reshape(-1)[l0:l1],
                     None if self._stride_per_key_per_rank is None
                     else self._stride_per_key_per_rank[start:end],
                     lpk[start:end],
@@ -328,26 +340,46 @@ class KeyedJaggedTensor(JaggedStorage):
             start = end
         return out
 
+    def _no_keys(self) -> KeyedJaggedTensor:
+        no_rows = torch.empty(0, dtype=torch.int32, device=self._values.device)
+        return KeyedJaggedTensor(
+            [], self._values[:0], None if self._weights is None else self._weights[:0],
+            lengths=no_rows, offsets=no_rows, stride=self._stride,
+            stride_per_key_per_rank=None if self._stride_per_key_per_rank is None else [],
+            validate=False,
+        )
+
     def __getitem__(self, key: str) -> JaggedTensor:
         try:
             index = self._keys.index(key)
         except ValueError:
             raise KeyError(f"KeyedJaggedTensor has no key '{key}' (keys: {self._keys})") from None
+        return self._jagged(index)
+
+    def _jagged(self, index: int) -> JaggedTensor:
         opk, lopk = self.offset_per_key(), self.lengths_offset_per_key()
         v0, v1 = opk[index], opk[index + 1]
-        values = self._values[v0:v1]
-        weights = None if self._weights is None else self._weights[v0:v1]
-        lengths = self.lengths()[lopk[index]:lopk[index + 1]]
-        if not lengths.numel() and not self.variable_stride_per_key():
-            # A batch of 0: TorchRec gives empty lengths *and* offsets (as `JaggedTensor.empty`).
-            lengths = lengths.reshape(0)
-            return JaggedTensor(values, weights, lengths=lengths, offsets=lengths)
-        return JaggedTensor(values, weights, lengths=lengths)
+        return JaggedTensor(
+            self._values[v0:v1],
+            None if self._weights is None else self._weights[v0:v1],
+            # reshape: TorchRec accepts lengths as [keys, batch] too; slice them flat
+            lengths=self.lengths().reshape(-1)[lopk[index]:lopk[index + 1]],
+        )
 
     def to_dict(self) -> Dict[str, JaggedTensor]:
+        """One JaggedTensor per key. A fixed batch of 0 gives each key empty lengths *and*
+        offsets, TorchRec's form (as `JaggedTensor.empty`; `kjt[key]` has offsets `[0]`)."""
         if self._jt_dict is None:
-            self._jt_dict = {key: self[key] for key in self._keys}
+            if not self.variable_stride_per_key() and not self.lengths().numel():
+                self._jt_dict = {key: self._empty_batch(i) for i, key in enumerate(self._keys)}
+            else:
+                self._jt_dict = {key: self._jagged(i) for i, key in enumerate(self._keys)}
         return self._jt_dict
+
+    def _empty_batch(self, index: int) -> JaggedTensor:
+        jt = self._jagged(index)
+        no_rows = jt.lengths().reshape(0)
+        return JaggedTensor(jt.values(), jt.weights_or_none(), lengths=no_rows, offsets=no_rows)
 
     def _map(self, fn) -> KeyedJaggedTensor:  # noqa: ANN001 - tensor -> tensor
         def apply(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

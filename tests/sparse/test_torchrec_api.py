@@ -200,7 +200,24 @@ def test_a_batch_of_zero_gives_empty_lengths_and_offsets_per_key(lengths: torch.
     for jt in kjt.to_dict().values():  # TorchRec's form for no rows, as JaggedTensor.empty()
         assert jt.lengths().shape == (0,) and jt.offsets().shape == (0,)
         assert jt.to_dense() == []
+    assert kjt["a"].offsets().tolist() == [0]  # TorchRec's __getitem__ differs from its to_dict
     variable = KeyedJaggedTensor(["a", "b"], torch.arange(2), lengths=torch.tensor([1, 1]),
                                  stride_per_key_per_rank=[[0], [2]])
     assert variable["a"].offsets().tolist() == [0]  # a zero-batch key of a variable batch
     assert variable["b"].offsets().tolist() == [0, 1, 2]
+
+
+def test_index_per_key_flatten_lengths_and_an_empty_split() -> None:
+    kjt = KeyedJaggedTensor(["a", "b"], torch.arange(4), torch.ones(4),
+                            lengths=torch.tensor([[1, 0], [2, 1]], dtype=torch.int64))
+    assert kjt.index_per_key() == {"a": 0, "b": 1}
+    flat = kjt.flatten_lengths()
+    assert flat.lengths().shape == (4,) and flat.keys() == ["a", "b"]
+    assert flat["b"].values().tolist() == [1, 2, 3] and flat.length_per_key() == [1, 3]
+    none, both = kjt.split([0, 2])
+    assert none.keys() == [] and none.stride() == 2 and none.weights().numel() == 0
+    assert (none.lengths().dtype, none.offsets().tolist()) == (torch.int32, [])  # TorchRec's
+    assert both.keys() == ["a", "b"] and both["a"].lengths().tolist() == [1, 0]
+    # lengths given as [keys, batch]: each key gets its own row, as TorchRec's to_dict
+    rows = {key: (jt.lengths().tolist(), jt.values().tolist()) for key, jt in kjt.to_dict().items()}
+    assert rows == {"a": ([1, 0], [0]), "b": ([2, 1], [1, 2, 3])}
