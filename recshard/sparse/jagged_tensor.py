@@ -30,6 +30,13 @@ def values_string(values: torch.Tensor, offsets: List[int]) -> str:
     return str(rows)
 
 
+@torch.fx.wrap
+def masked_or_none(tensor: Optional[torch.Tensor], mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """`tensor[mask]`, or None without a tensor. A leaf in torch.fx traces (TorchRec's
+    `_optional_mask`): traced with `weights` as a placeholder, None is only known at run time."""
+    return None if tensor is None else tensor[mask]
+
+
 class JaggedStorage(metaclass=TraceableConstruction):
     """values / weights / lengths / offsets, with lengths and offsets derived from each other
     on first use and cached. Shared by JaggedTensor and KeyedJaggedTensor.
@@ -98,9 +105,9 @@ class JaggedTensor(JaggedStorage):
     def from_dense(
         values: List[torch.Tensor], weights: Optional[List[torch.Tensor]] = None
     ) -> JaggedTensor:
-        """Build from one tensor per row."""
+        """Build from one tensor per row (no rows: torch's default dtype, as `empty()`)."""
         lengths = torch.tensor([v.size(0) for v in values], dtype=torch.int32)
-        flat = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        flat = torch.cat(values) if values else torch.empty(0)
         flat_weights = torch.cat(weights) if weights else None
         return JaggedTensor(flat, flat_weights, lengths=lengths)
 
@@ -110,9 +117,7 @@ class JaggedTensor(JaggedStorage):
     ) -> JaggedTensor:
         """Row i is the first `lengths[i]` entries of `values[i]` (`values`: `[B, L, ...]`)."""
         keep = torch.arange(values.size(1), device=values.device) < lengths.unsqueeze(-1)
-        return JaggedTensor(
-            values[keep], None if weights is None else weights[keep], lengths=lengths
-        )
+        return JaggedTensor(values[keep], masked_or_none(weights, keep), lengths=lengths)
 
     @staticmethod
     def empty(

@@ -119,6 +119,8 @@ class KeyedJaggedTensor(JaggedStorage):
     def from_jt_dict(jt_dict: Dict[str, JaggedTensor]) -> KeyedJaggedTensor:
         """One key per entry, in dict order. JaggedTensors of different batch sizes give a
         variable-batch KJT (`stride_per_key_per_rank = [[batch of key k]]`), as in TorchRec."""
+        if not jt_dict:
+            return KeyedJaggedTensor.empty()
         keys = list(jt_dict)
         jts = list(jt_dict.values())
         strides = [jt.lengths().numel() for jt in jts]
@@ -126,14 +128,14 @@ class KeyedJaggedTensor(JaggedStorage):
         if any(has_weights) and not all(has_weights):
             missing = [k for k, w in zip(keys, has_weights) if not w]
             raise ValueError(f"from_jt_dict: keys {missing} have no weights but others do")
-        weights = torch.cat([jt.weights() for jt in jts]) if jts and all(has_weights) else None
+        weights = torch.cat([jt.weights() for jt in jts]) if all(has_weights) else None
         variable = len(set(strides)) > 1
         return KeyedJaggedTensor.from_lengths_sync(
             keys,
-            torch.cat([jt.values() for jt in jts]) if jts else torch.empty(0, dtype=torch.int64),
-            torch.cat([jt.lengths() for jt in jts]) if jts else torch.empty(0, dtype=torch.int32),
+            torch.cat([jt.values() for jt in jts]),
+            torch.cat([jt.lengths() for jt in jts]),
             weights,
-            stride=None if variable else next(iter(strides), 0),
+            stride=None if variable else strides[0],
             stride_per_key_per_rank=[[s] for s in strides] if variable else None,
         )
 
@@ -141,10 +143,11 @@ class KeyedJaggedTensor(JaggedStorage):
     def empty(
         is_weighted: bool = False,
         device: Optional[torch.device] = None,
-        values_dtype: torch.dtype = torch.int64,
-        weights_dtype: torch.dtype = torch.float32,
+        values_dtype: Optional[torch.dtype] = None,
+        weights_dtype: Optional[torch.dtype] = None,
         lengths_dtype: torch.dtype = torch.int32,
     ) -> KeyedJaggedTensor:
+        """No keys; values and weights of torch's default dtype unless given (TorchRec's)."""
         return KeyedJaggedTensor(
             [],
             torch.empty(0, dtype=values_dtype, device=device),
@@ -171,29 +174,7 @@ class KeyedJaggedTensor(JaggedStorage):
     @staticmethod
     def concat(kjts: List[KeyedJaggedTensor]) -> KeyedJaggedTensor:
         """Keys of all inputs side by side (inputs must share the batch size unless variable)."""
-        if not kjts:
-            raise ValueError("concat needs at least one KeyedJaggedTensor")
-        weighted = [k.weights_or_none() is not None for k in kjts]
-        if any(weighted) and not all(weighted):
-            raise ValueError("concat: either all or none of the KeyedJaggedTensors carry weights")
-        variable = any(k.variable_stride_per_key() for k in kjts)
-        strides = {k.stride() for k in kjts if k.keys()}
-        if not variable and len(strides) > 1:
-            raise ValueError(f"concat: batch sizes differ ({sorted(strides)}); use variable batch")
-        spkpr = None
-        if variable:
-            spkpr = [row for k in kjts for row in
-                     (k.stride_per_key_per_rank() or [[s] for s in k.stride_per_key()])]
-        return KeyedJaggedTensor(
-            [key for k in kjts for key in k.keys()],
-            torch.cat([k.values() for k in kjts]),
-            torch.cat([k.weights() for k in kjts]) if all(weighted) else None,
-            lengths=torch.cat([k.lengths() for k in kjts]),
-            stride=None if variable else next(iter(strides), 0),
-            stride_per_key_per_rank=spkpr,
-            length_per_key=[n for k in kjts for n in k.length_per_key()],
-            validate=False,
-        )
+        return concat_kjts(kjts)
 
     # ------------------------------------------------------------------ accessors
 
@@ -222,6 +203,10 @@ class KeyedJaggedTensor(JaggedStorage):
         if self._inverse_indices is None:
             raise ValueError("this KeyedJaggedTensor has no inverse_indices")
         return self._inverse_indices
+
+    def index_per_key(self) -> Dict[str, int]:
+        """Position of each key in `keys()`."""
+        return {key: i for i, key in enumerate(self._keys)}
 
     def lengths_offset_per_key(self) -> List[int]:
         """Where each key's block starts in `lengths` (cumsum of stride_per_key)."""
@@ -261,6 +246,12 @@ class KeyedJaggedTensor(JaggedStorage):
     def sync(self) -> KeyedJaggedTensor:
         """Compute and cache the per-key sums now (one host sync)."""
         self.offset_per_key()
+        return self
+
+    def unsync(self) -> KeyedJaggedTensor:
+        """Forget the cached per-key sums; the next use recomputes them (TorchRec's)."""
+        self._length_per_key = None
+        self._offset_per_key = None
         return self
 
     # ------------------------------------------------------------------ ops
@@ -313,6 +304,11 @@ class KeyedJaggedTensor(JaggedStorage):
         spkpr = [self._stride_per_key_per_rank[i] for i in indices]
         return self._with(keys, values, weights, lengths, spkpr, new_lpk)
 
+    def flatten_lengths(self) -> KeyedJaggedTensor:
+        """The same batch with `lengths` as one 1-D tensor (TorchRec's)."""
+        return self._with(self._keys, self._values, self._weights, self.lengths().view(-1),
+                          self._stride_per_key_per_rank, self.length_per_key())
+
     def split(self, segments: Sequence[int]) -> List[KeyedJaggedTensor]:
         """Consecutive groups of `segments[i]` keys, as views of this tensor's storage."""
         if sum(segments) != len(self._keys):
@@ -325,6 +321,9 @@ class KeyedJaggedTensor(JaggedStorage):
         out, start = [], 0
         for seg in segments:
             end = start + seg
+            if seg == 0:  # TorchRec's: no keys, empty int32 lengths and offsets
+                out.append(self._no_keys())
+                continue
             v0, v1 = opk[start], opk[end]
             l0, l1 = lopk[start], lopk[end]
             out.append(
@@ -332,7 +331,7 @@ class KeyedJaggedTensor(JaggedStorage):
                     self._keys[start:end],
                     self._values[v0:v1],
                     None if self._weights is None else self._weights[v0:v1],
-                    self.lengths()[l0:l1],
+                    self.lengths().reshape(-1)[l0:l1],
                     None if self._stride_per_key_per_rank is None
                     else self._stride_per_key_per_rank[start:end],
                     lpk[start:end],
@@ -341,23 +340,46 @@ class KeyedJaggedTensor(JaggedStorage):
             start = end
         return out
 
+    def _no_keys(self) -> KeyedJaggedTensor:
+        no_rows = torch.empty(0, dtype=torch.int32, device=self._values.device)
+        return KeyedJaggedTensor(
+            [], self._values[:0], None if self._weights is None else self._weights[:0],
+            lengths=no_rows, offsets=no_rows, stride=self._stride,
+            stride_per_key_per_rank=None if self._stride_per_key_per_rank is None else [],
+            validate=False,
+        )
+
     def __getitem__(self, key: str) -> JaggedTensor:
         try:
             index = self._keys.index(key)
         except ValueError:
             raise KeyError(f"KeyedJaggedTensor has no key '{key}' (keys: {self._keys})") from None
+        return self._jagged(index)
+
+    def _jagged(self, index: int) -> JaggedTensor:
         opk, lopk = self.offset_per_key(), self.lengths_offset_per_key()
         v0, v1 = opk[index], opk[index + 1]
         return JaggedTensor(
             self._values[v0:v1],
             None if self._weights is None else self._weights[v0:v1],
-            lengths=self.lengths()[lopk[index]:lopk[index + 1]],
+            # reshape: TorchRec accepts lengths as [keys, batch] too; slice them flat
+            lengths=self.lengths().reshape(-1)[lopk[index]:lopk[index + 1]],
         )
 
     def to_dict(self) -> Dict[str, JaggedTensor]:
+        """One JaggedTensor per key. A fixed batch of 0 gives each key empty lengths *and*
+        offsets, TorchRec's form (as `JaggedTensor.empty`; `kjt[key]` has offsets `[0]`)."""
         if self._jt_dict is None:
-            self._jt_dict = {key: self[key] for key in self._keys}
+            if not self.variable_stride_per_key() and not self.lengths().numel():
+                self._jt_dict = {key: self._empty_batch(i) for i, key in enumerate(self._keys)}
+            else:
+                self._jt_dict = {key: self._jagged(i) for i, key in enumerate(self._keys)}
         return self._jt_dict
+
+    def _empty_batch(self, index: int) -> JaggedTensor:
+        jt = self._jagged(index)
+        no_rows = jt.lengths().reshape(0)
+        return JaggedTensor(jt.values(), jt.weights_or_none(), lengths=no_rows, offsets=no_rows)
 
     def _map(self, fn) -> KeyedJaggedTensor:  # noqa: ANN001 - tensor -> tensor
         def apply(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -424,3 +446,32 @@ class KeyedJaggedTensor(JaggedStorage):
             parts.append(f"'{key}': {rows}")
         weighted = ", weighted" if self._weights is not None else ""
         return "KeyedJaggedTensor({" + ", ".join(parts) + "}" + weighted + ")"
+
+
+@torch.fx.wrap
+def concat_kjts(kjts: List[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    """`KeyedJaggedTensor.concat`; a leaf in torch.fx traces (the list may be a placeholder),
+    as TorchRec's `_kjt_concat`."""
+    if not kjts:
+        raise ValueError("concat needs at least one KeyedJaggedTensor")
+    weighted = [k.weights_or_none() is not None for k in kjts]
+    if any(weighted) and not all(weighted):
+        raise ValueError("concat: either all or none of the KeyedJaggedTensors carry weights")
+    variable = any(k.variable_stride_per_key() for k in kjts)
+    strides = {k.stride() for k in kjts if k.keys()}
+    if not variable and len(strides) > 1:
+        raise ValueError(f"concat: batch sizes differ ({sorted(strides)}); use variable batch")
+    spkpr = None
+    if variable:
+        spkpr = [row for k in kjts for row in
+                 (k.stride_per_key_per_rank() or [[s] for s in k.stride_per_key()])]
+    return KeyedJaggedTensor(
+        [key for k in kjts for key in k.keys()],
+        torch.cat([k.values() for k in kjts]),
+        torch.cat([k.weights() for k in kjts]) if all(weighted) else None,
+        lengths=torch.cat([k.lengths() for k in kjts]),
+        stride=None if variable else next(iter(strides), 0),
+        stride_per_key_per_rank=spkpr,
+        length_per_key=[n for k in kjts for n in k.length_per_key()],
+        validate=False,
+    )

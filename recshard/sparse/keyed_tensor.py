@@ -101,7 +101,8 @@ class KeyedTensor(metaclass=TraceableConstruction):
     ) -> Dict[str, torch.Tensor]:
         if len(groups) != len(keys):
             raise ValueError(f"{len(groups)} groups but {len(keys)} names")
-        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups)))
+        tensors = KeyedTensor.regroup(keyed_tensors, groups)  # indexed: a proxy when traced
+        return {key: tensors[i] for i, key in enumerate(keys)}
 
     def to(self, device: torch.device, non_blocking: bool = False) -> KeyedTensor:
         return KeyedTensor(
@@ -124,9 +125,10 @@ class KeyedTensor(metaclass=TraceableConstruction):
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={self._values})"
 
 
+@torch.fx.wrap
 def regroup_kts(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> List[torch.Tensor]:
     """One tensor per group, its keys' blocks side by side in the group's order; a key may
-    be in several groups or in none.
+    be in several groups or in none. A leaf in torch.fx traces, as TorchRec's.
 
     All blocks are gathered with one `index_select` over the concatenated values, so the
     backward is one scatter, whatever the number of keys.
@@ -153,3 +155,4 @@ def regroup_kts(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> Li
 
 # TorchRec's fbgemm-backed variant of the same regrouping; one implementation serves both.
 permute_multi_embedding = regroup_kts
+torch.fx.wrap("permute_multi_embedding")

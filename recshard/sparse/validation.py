@@ -40,6 +40,23 @@ def _key_at(kjt: KeyedJaggedLike, position: int) -> str:
     return "<past the last key>"
 
 
+def _check_offsets_match_lengths(
+    kjt: KeyedJaggedLike, steps: torch.Tensor, lengths: torch.Tensor
+) -> None:
+    """Given both, offsets must be the running sum of lengths (`steps` = their differences):
+    ops read either one, so a disagreement would give rows that depend on the op."""
+    differ = steps != lengths
+    if bool(differ.any()):
+        position = int(torch.nonzero(differ)[0])
+        key = _key_at(kjt, position)
+        batch_pos = position - kjt.lengths_offset_per_key()[kjt.keys().index(key)]
+        raise ValueError(
+            f"KeyedJaggedTensor: offsets are not the running sum of lengths: key '{key}' at "
+            f"batch position {batch_pos} has length {int(lengths[position])} but offsets step "
+            f"{int(steps[position])}"
+        )
+
+
 def check_structure(kjt: KeyedJaggedLike) -> None:
     """Unique keys, integer lengths/offsets, and as many of them as keys x batch sizes.
 
@@ -105,6 +122,8 @@ def validate_kjt(kjt: KeyedJaggedLike) -> None:
             raise ValueError(
                 f"KeyedJaggedTensor: lengths sum to {total} but offsets end at {int(offsets[-1])}"
             )
+        if offsets is not None and offsets.numel():
+            _check_offsets_match_lengths(kjt, offsets[1:] - offsets[:-1], lengths)
     if total != values.numel():
         per_key = ""
         if lengths is not None and keys:

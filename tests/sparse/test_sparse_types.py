@@ -114,13 +114,17 @@ def test_fx_traces_kjt_as_leaf_input() -> None:
          r"offsets decrease at entry 2 \(key 'a'\): 2 -> 1"),
         (dict(keys=["a", "b"], values=torch.arange(3), lengths=torch.tensor([1, 1, 1])),
          r"lengths has 3 entries, expected 2"),
+        (dict(keys=["a", "b"], values=torch.arange(5), lengths=torch.tensor([1, 2, 0, 2]),
+              offsets=torch.tensor([0, 1, 3, 5, 5])),  # same total, rows of b disagree
+         "offsets are not the running sum of lengths: key 'b' at batch position 0 has length 0 "
+         "but offsets step 2"),
     ],
 )
 def test_bad_input_messages(kwargs: dict, message: str) -> None:
     # structural faults raise at construction, the others from validate()
     with pytest.raises(ValueError, match=message):
         KeyedJaggedTensor(**kwargs).validate()
-    if "lengths" in kwargs:
+    if "lengths" in kwargs and "offsets" not in kwargs:
         with pytest.raises(ValueError, match=message):
             KeyedJaggedTensor.from_lengths_sync(**kwargs).validate()
 

@@ -165,3 +165,59 @@ def test_equality_needs_weights_on_both_or_neither() -> None:
     plain = KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([2]))
     weighted = KeyedJaggedTensor(["a"], torch.arange(2), torch.ones(2), lengths=torch.tensor([2]))
     assert not kjt_is_equal(plain, weighted) and not jt_is_equal(plain["a"], weighted["a"])
+
+
+@pytest.mark.parametrize("default", [torch.float32, torch.float64])
+def test_empty_values_and_weights_take_torchs_default_dtype(default: torch.dtype) -> None:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        kjt = KeyedJaggedTensor.empty(is_weighted=True)
+        jt = JaggedTensor.empty(is_weighted=True)
+        assert (kjt.values().dtype, kjt.weights().dtype, kjt.lengths().dtype) == (default, default, torch.int32)
+        assert (jt.values().dtype, jt.weights().dtype) == (default, default)
+        assert KeyedJaggedTensor.from_jt_dict({}).values().dtype == default
+        assert JaggedTensor.from_dense([]).values().dtype == default
+    finally:
+        torch.set_default_dtype(previous)
+    assert KeyedJaggedTensor.empty(values_dtype=torch.int64).values().dtype == torch.int64
+
+
+def test_unsync_recomputes_the_per_key_sums() -> None:
+    # length_per_key given by the caller is trusted until unsync() drops it
+    kjt = KeyedJaggedTensor(["a", "b"], torch.arange(5), lengths=torch.tensor([1, 2, 0, 2]),
+                            length_per_key=[2, 3])
+    assert kjt.length_per_key() == [2, 3]
+    assert kjt.unsync() is kjt
+    assert kjt.length_per_key() == [3, 2] and kjt.offset_per_key() == [0, 3, 5]
+    assert kjt["b"].values().tolist() == [3, 4]
+
+
+@pytest.mark.parametrize("lengths", [torch.empty(2, 0, dtype=torch.int32), torch.empty(0, dtype=torch.int32)])
+def test_a_batch_of_zero_gives_empty_lengths_and_offsets_per_key(lengths: torch.Tensor) -> None:
+    kjt = KeyedJaggedTensor(["a", "b"], torch.empty(0, dtype=torch.int64), lengths=lengths)
+    assert kjt.stride() == 0 and kjt.length_per_key() == [0, 0]
+    for jt in kjt.to_dict().values():  # TorchRec's form for no rows, as JaggedTensor.empty()
+        assert jt.lengths().shape == (0,) and jt.offsets().shape == (0,)
+        assert jt.to_dense() == []
+    assert kjt["a"].offsets().tolist() == [0]  # TorchRec's __getitem__ differs from its to_dict
+    variable = KeyedJaggedTensor(["a", "b"], torch.arange(2), lengths=torch.tensor([1, 1]),
+                                 stride_per_key_per_rank=[[0], [2]])
+    assert variable["a"].offsets().tolist() == [0]  # a zero-batch key of a variable batch
+    assert variable["b"].offsets().tolist() == [0, 1, 2]
+
+
+def test_index_per_key_flatten_lengths_and_an_empty_split() -> None:
+    kjt = KeyedJaggedTensor(["a", "b"], torch.arange(4), torch.ones(4),
+                            lengths=torch.tensor([[1, 0], [2, 1]], dtype=torch.int64))
+    assert kjt.index_per_key() == {"a": 0, "b": 1}
+    flat = kjt.flatten_lengths()
+    assert flat.lengths().shape == (4,) and flat.keys() == ["a", "b"]
+    assert flat["b"].values().tolist() == [1, 2, 3] and flat.length_per_key() == [1, 3]
+    none, both = kjt.split([0, 2])
+    assert none.keys() == [] and none.stride() == 2 and none.weights().numel() == 0
+    assert (none.lengths().dtype, none.offsets().tolist()) == (torch.int32, [])  # TorchRec's
+    assert both.keys() == ["a", "b"] and both["a"].lengths().tolist() == [1, 0]
+    # lengths given as [keys, batch]: each key gets its own row, as TorchRec's to_dict
+    rows = {key: (jt.lengths().tolist(), jt.values().tolist()) for key, jt in kjt.to_dict().items()}
+    assert rows == {"a": ([1, 0], [0]), "b": ([2, 1], [1, 2, 3])}

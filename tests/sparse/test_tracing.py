@@ -3,7 +3,7 @@ behaviour: its sparse types are fx-constructible and `device()` is a method on a
 
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List
 
 import torch
 from torch import nn
@@ -67,3 +67,48 @@ def test_kjt_built_on_meta_infers_stride_and_prints_without_data() -> None:
     assert kjt.device() == META and kjt.stride() == 3 and kjt.keys() == ["a", "b"]
     assert repr(kjt) == "KeyedJaggedTensor(keys=['a', 'b'], stride=3, device='meta')"
     assert str(kjt) == repr(kjt) + "\n"
+
+
+def test_from_dense_lengths_traces_with_and_without_weights() -> None:
+    traced = torch.fx.symbolic_trace(JaggedTensor.from_dense_lengths)
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    lengths = torch.tensor([2, 1])
+    plain = traced(values=values, lengths=lengths)
+    assert plain.values().tolist() == [1.0, 2.0, 4.0] and plain.weights_or_none() is None
+    weighted = traced(values=values, lengths=lengths, weights=values * 10)
+    assert weighted.weights().tolist() == [10.0, 20.0, 40.0]
+
+
+class _Concat(nn.Module):
+    def forward(self, kjts: List[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor.concat(kjts)
+
+
+class _Regroup(nn.Module):
+    def forward(self, kts: List[KeyedTensor], groups: List[List[str]]) -> List[torch.Tensor]:
+        return KeyedTensor.regroup(kts, groups)
+
+
+class _RegroupAsDict(nn.Module):
+    def forward(self, kts: List[KeyedTensor]) -> Dict[str, torch.Tensor]:
+        return KeyedTensor.regroup_as_dict(kts, [["y", "z"], ["x"]], ["first", "second"])
+
+
+def test_list_taking_sparse_ops_are_graph_leaves() -> None:
+    """concat / regroup take a list that is one placeholder when traced: they must be leaf
+    calls (TorchRec's fx.wrap), run on the real list when the graph runs."""
+    a = KeyedJaggedTensor(["a"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 2]))
+    b = KeyedJaggedTensor(["b", "c"], torch.tensor([4, 5]), lengths=torch.tensor([0, 1, 1, 0]))
+    concat = symbolic_trace(_Concat())([a, b])
+    assert concat.keys() == ["a", "b", "c"] and concat.lengths().tolist() == [1, 2, 0, 1, 1, 0]
+    assert concat["c"].values().tolist() == [5]
+
+    kts = [KeyedTensor(["x", "y"], [1, 2], torch.arange(6.0).view(2, 3)),
+           KeyedTensor(["z"], [1], torch.tensor([[10.0], [20.0]]))]
+    regroup = symbolic_trace(_Regroup())
+    out = regroup(kts, [["z", "x"], ["y"]])
+    assert out[0].tolist() == [[10.0, 0.0], [20.0, 3.0]] and out[1].tolist() == [[1.0, 2.0], [4.0, 5.0]]
+    as_dict = symbolic_trace(_RegroupAsDict())(kts)
+    assert list(as_dict) == ["first", "second"]
+    assert as_dict["first"].tolist() == [[1.0, 2.0, 10.0], [4.0, 5.0, 20.0]]
+    assert as_dict["second"].tolist() == [[0.0], [3.0]]
