@@ -5,14 +5,16 @@ for the keys going to rank r, their batch sizes (per key) and id counts (per key
 rank's batch size, the dtypes of lengths / values / weights, the range of its lengths, and
 the validity verdict (a flag plus the first line of the error message). Stage 2 (first
 `wait()`): checks every rank's verdict and dtypes (so a bad batch on one rank stops every rank
-at once, before any tensor is sent), then issues the lengths / values / weights all-to-alls.
+at once, before any tensor is sent), then issues the ids all-to-all (lengths and ids, one
+buffer) and, with weights, the weights all-to-all.
 Second `wait()`: reorders what arrived from rank-major to feature-major (`recat`) and returns
 the KJT.
 
-On the wire (`comm/wire.py`): lengths in the narrowest type that holds every rank's lengths
-(the ranges came in stage 1, so all ranks pick the same); ids, when the caller told
-`set_id_rows` that a key's ids lie in `[0, rows)`, in the narrowest type for `rows`, packed per
-key with the weights beside them; both cast back to the sender's dtypes on arrival.
+On the wire (`comm/wire.py`), what a rank sends to rank r is one packed buffer: the lengths of
+r's keys in the narrowest type that holds the sender's lengths (its range came in stage 1, so
+r knows the type), then each key's ids, in the narrowest type for `rows` when the caller told
+`set_id_rows` that the key's ids lie in `[0, rows)`; weights packed per key beside them, in a
+second all-to-all. All cast back to the sender's dtypes on arrival.
 
 Example (TorchRec's): keys A, B, C; `splits=[2, 1]`, two ranks with batch 3 each. Rank 0
 receives A and B for batch positions `[rank 0's 3 | rank 1's 3]` (stride 6), rank 1 C.
@@ -29,7 +31,15 @@ from torch import nn
 
 from recshard.comm.request import Pending, issue_all_to_all, wait_work
 from recshard.comm.verdict import MSG_WORDS, encode_message, raise_rejected
-from recshard.comm.wire import id_wire_dtype, narrowest, pack, segment_bytes, unpack
+from recshard.comm.wire import (
+    Segment,
+    id_wire_dtype,
+    lengths_wire_dtype,
+    pack,
+    pack_segments,
+    segment_bytes,
+    unpack,
+)
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse import jagged_ops as ops
 from recshard.types import Awaitable
@@ -119,9 +129,10 @@ def _select(kjt: KeyedJaggedTensor, key_order: Optional[List[int]]) -> _Selected
 class _Outgoing:
     """What this rank sends in stage 2 and how what it receives is laid out.
 
-    `input_splits[label]`: elements per destination. With other ranks, `values` (and `weights`)
-    are packed per key (`wire.pack`), `wire_splits[label]` bytes per destination, and
-    `local_id_dtypes` is how the ids of each key this rank receives travel.
+    `input_splits[label]`: elements per destination. With other ranks, `values` is the packed
+    lengths and ids (`weights` the packed weights) per destination (`wire.pack_segments`),
+    `wire_splits[label]` bytes per destination, and `local_id_dtypes` is how the ids of each
+    key this rank receives travel.
     """
 
     keys: List[str]  # the keys this rank receives
@@ -172,9 +183,15 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
             self._output_splits["weights"] = self._output_splits["values"]
         device = sent.lengths.device
         self._segment_strides = strides.reshape(-1).to(device)
-        # the id (and weight) segments as they arrive: rank-major, each key's in its wire dtype
-        self._arrived_counts = counts.reshape(-1).tolist()
-        self._arrived_dtypes = {"values": sent.local_id_dtypes * world_size}
+        # the segments as they arrive, rank-major: from each rank its lengths (in the type its
+        # range picks), then each key's ids in their wire dtype; weights per key
+        lengths_dtypes = [lengths_wire_dtype(low, high, sent.dtypes["lengths"]) for low, high
+                          in received[:, [_LENGTHS_MIN, _LENGTHS_MAX]].tolist()]
+        self._arrived_counts = {"values": [], "weights": counts.reshape(-1).tolist()}
+        self._arrived_dtypes = {"values": []}
+        for r, rank_counts in enumerate(counts.tolist()):
+            self._arrived_counts["values"] += [self._output_splits["lengths"][r]] + rank_counts
+            self._arrived_dtypes["values"] += [lengths_dtypes[r]] + sent.local_id_dtypes
         if sent.weights is not None:
             self._arrived_dtypes["weights"] = [sent.dtypes["weights"]] * world_size * num_local
         self._recat_cache: Optional[torch.Tensor] = None
@@ -184,10 +201,6 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
                              (("lengths", sent.lengths), ("values", sent.values),
                               ("weights", sent.weights)) if t is not None}
             return
-        self._pending["lengths"] = issue_all_to_all(
-            sent.lengths, sent.input_splits["lengths"], self._output_splits["lengths"], pg,
-            name="kjt_all_to_all_lengths",
-        )
         for label, packed in (("values", sent.values), ("weights", sent.weights)):
             if packed is not None:
                 self._pending[label] = issue_all_to_all(
@@ -197,8 +210,9 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
 
     def _arrived_bytes(self, label: str) -> List[int]:
         """Packed bytes of `label` from each rank."""
-        sizes = [segment_bytes(n, d) for n, d in zip(self._arrived_counts, self._arrived_dtypes[label])]
-        per_rank = len(self._keys)
+        sizes = [segment_bytes(n, d)
+                 for n, d in zip(self._arrived_counts[label], self._arrived_dtypes[label])]
+        per_rank = len(sizes) // self._world_size
         return [sum(sizes[r * per_rank: (r + 1) * per_rank]) for r in range(self._world_size)]
 
     @property
@@ -229,23 +243,29 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
 
     _recat = recat  # TorchRec's attribute name
 
-    def _unpack(self, label: str, order: List[int]) -> torch.Tensor:
-        """`label`'s packed segments, cast back to the senders' dtype, feature-major."""
-        return unpack(self._pending[label].wait(), self._arrived_counts,
-                      self._arrived_dtypes[label], self._dtypes[label], order,
-                      f"kjt_all_to_all_{label}_unpacked")
+    def _unpack(self, wire: torch.Tensor, label: str, dtype_label: str,
+                order: List[int]) -> torch.Tensor:
+        """Segments `order` of `label`'s packed buffer, cast back to the senders' dtype."""
+        return unpack(wire, self._arrived_counts[label], self._arrived_dtypes[label],
+                      self._dtypes[dtype_label], order, f"kjt_all_to_all_{dtype_label}_unpacked")
 
     def _wait_impl(self) -> KeyedJaggedTensor:
         num_local, world_size = len(self._keys), self._world_size
-        lengths = self._pending["lengths"].wait().to(self._dtypes["lengths"])
         if world_size == 1:
+            lengths = self._pending["lengths"].wait()
             values = self._pending["values"].wait()
             weights = self._pending["weights"].wait() if "weights" in self._pending else None
         else:
             recat = self._segment_recat()
             order = recat.tolist()
-            values = self._unpack("values", order)
-            weights = self._unpack("weights", order) if "weights" in self._pending else None
+            wire = self._pending["values"].wait()
+            # segment r * F + f of the recat is rank r's key f, after rank r's lengths
+            lengths = self._unpack(wire, "values", "lengths",
+                                   [r * (num_local + 1) for r in range(world_size)])
+            values = self._unpack(wire, "values", "values",
+                                  [i + i // num_local + 1 for i in order])
+            weights = (self._unpack(self._pending["weights"].wait(), "weights", "weights", order)
+                       if "weights" in self._pending else None)
             if lengths.numel() and not self.variable_stride:
                 lengths = lengths.view(num_local * world_size, -1).index_select(0, recat).view(-1)
             elif lengths.numel():
@@ -298,9 +318,12 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             wire = sent.to(kjt.values().device if dist.get_backend(pg) == "nccl" else "cpu")
             self._received = torch.empty_like(wire)
             self._work = dist.all_to_all_single(self._received, wire, group=pg, async_op=True)
-        # packing the ids overlaps the splits exchange
-        self._outgoing = (self._pack(kjt, selected, id_rows, world_size)
-                          if self._input_error is None else None)
+        # packing the lengths and ids overlaps the splits exchange
+        self._outgoing = None
+        if self._input_error is None:
+            lengths_dtype = lengths_wire_dtype(int(sent[0, _LENGTHS_MIN]),
+                                               int(sent[0, _LENGTHS_MAX]), kjt.lengths().dtype)
+            self._outgoing = self._pack(kjt, selected, id_rows, lengths_dtype, world_size)
 
     def _fill(self, sent: torch.Tensor, kjt: KeyedJaggedTensor, selected: _Selected) -> None:
         """Metadata rows, one per destination."""
@@ -321,9 +344,10 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
 
     def _pack(
         self, kjt: KeyedJaggedTensor, selected: _Selected, id_rows: Sequence[Optional[int]],
-        world_size: int
+        lengths_dtype: torch.dtype, world_size: int
     ) -> _Outgoing:
-        """The tensors to send, ids and weights packed per key when there are other ranks."""
+        """The tensors to send: with other ranks, per destination its lengths (as
+        `lengths_dtype`) and its keys' ids in one buffer, weights per key in another."""
         strides, counts, bounds = selected.strides, selected.counts, self._bounds
         values, weights = kjt.values(), kjt.weights_or_none()
         id_dtypes = [id_wire_dtype(rows, values.dtype) for rows in id_rows]
@@ -342,10 +366,17 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             sent.dtypes["weights"] = weights.dtype
         if world_size == 1:  # KJTAllToAll.forward permuted it already
             return sent
-        sent.values = pack(values, counts, id_dtypes, "kjt_all_to_all_values_packed",
-                           selected.starts)
-        sent.wire_splits["values"] = [sum(segment_bytes(counts[k], id_dtypes[k]) for k in keys)
-                                      for keys in per_rank]
+        segments: List[Segment] = []
+        lengths_start = 0
+        for keys, num_lengths in zip(per_rank, sent.input_splits["lengths"]):
+            segments.append(Segment(selected.lengths, lengths_start, num_lengths, lengths_dtype))
+            segments += [Segment(values, selected.starts[k], counts[k], id_dtypes[k]) for k in keys]
+            lengths_start += num_lengths
+        sent.values = pack_segments(segments, "kjt_all_to_all_values_packed")
+        sent.wire_splits["values"] = [
+            segment_bytes(num_lengths, lengths_dtype)
+            + sum(segment_bytes(counts[k], id_dtypes[k]) for k in keys)
+            for keys, num_lengths in zip(per_rank, sent.input_splits["lengths"])]
         if weights is not None:
             weight_dtypes = [weights.dtype] * len(counts)
             sent.weights = pack(weights, counts, weight_dtypes, "kjt_all_to_all_weights_packed",
@@ -366,10 +397,6 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
                 raise ValueError(f"KJTAllToAll: ranks disagree on the {label} dtype: {per_rank}")
         sent = self._outgoing
         assert sent is not None  # a rejected input raised above
-        # every rank saw every rank's range of lengths: all pick the same wire dtype
-        wire = narrowest(int(received[:, _LENGTHS_MIN].min()), int(received[:, _LENGTHS_MAX].max()))
-        if received.size(0) > 1 and wire.itemsize < sent.lengths.dtype.itemsize:
-            sent.lengths = sent.lengths.to(wire)
         return KJTAllToAllTensorsAwaitable(self._pg, received, sent, self._stagger)
 
 

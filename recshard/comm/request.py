@@ -84,7 +84,6 @@ _READABLE = {
     "reduce_scatter_v_pooled": "pooled reduce-scatter-v",
     "all_gather_base_pooled": "pooled all-gather",
     "kjt_all_to_all_splits": "KJT all-to-all splits",
-    "kjt_all_to_all_lengths": "KJT all-to-all lengths",
     "kjt_all_to_all_values": "KJT all-to-all values",
     "kjt_all_to_all_weights": "KJT all-to-all weights",
 }

@@ -1,4 +1,5 @@
-"""The KJT all-to-all's wire format: ids and lengths in the narrowest type that holds them.
+"""The KJT all-to-all's wire format: ids and lengths in the narrowest type that holds them,
+one buffer per destination (its lengths, then its keys' ids).
 
 Checked by what really crosses the wire (`comm_payload_bytes`) and by what arrives (the same
 numbers, in the sender's dtype), for the bare `KJTAllToAll` and for sharded collections.
@@ -84,6 +85,8 @@ _HIGH = [200, 2 ** 31 + 1, 60_000, 2 ** 50]
 def _bare_kjt(rank: int) -> KeyedJaggedTensor:
     g = torch.Generator().manual_seed(rank)
     lengths = torch.randint(0, 40, (len(_ROWS) * 3,), generator=g, dtype=torch.int32)
+    if rank == 1:  # its lengths need uint16 on the wire, the other ranks' uint8
+        lengths[0] = 300
     per_key = lengths.view(len(_ROWS), 3).sum(1).tolist()
     values = torch.cat([torch.randint(high - min(high, 1000), high, (n,), generator=g)
                         for n, high in zip(per_key, _HIGH)])
@@ -105,15 +108,19 @@ def _bare(rank: int, ws: int) -> Dict[str, object]:
     wide = plain(kjt).wait().wait()
     sent_wide = comm_payload_bytes()
     counts = kjt.length_per_key()
+    # to each destination: its keys' lengths (3 per key), then each key's ids
+    lengths_dtype = torch.uint16 if rank == 1 else torch.uint8
+    lengths_bytes = sum(segment_bytes(3 * n, lengths_dtype) for n in splits)
     return {
         "same": all(torch.equal(getattr(narrow, f)(), getattr(wide, f)())
                     for f in ("values", "lengths", "weights")),
         "dtypes": [narrow.values().dtype, narrow.lengths().dtype, narrow.weights().dtype],
         "values_bytes": sent["kjt_all_to_all_values"],
-        "expected_values_bytes": sum(segment_bytes(n, d) for n, d in zip(
+        "expected_values_bytes": lengths_bytes + sum(segment_bytes(n, d) for n, d in zip(
             counts, [torch.uint8, torch.int64, torch.uint16, torch.int64])),
         "wide_values_bytes": sent_wide["kjt_all_to_all_values"],
-        "lengths_bytes": sent["kjt_all_to_all_lengths"], "lengths": kjt.lengths().numel(),
+        "payloads": sorted(sent), "weights_bytes": sent["kjt_all_to_all_weights"],
+        "expected_weights_bytes": sum(segment_bytes(n, torch.float32) for n in counts),
         "max_id": int(wide.values().max()) if wide.values().numel() else 0,
     }
 
@@ -126,7 +133,9 @@ def test_bare_kjt_all_to_all_sends_narrow_ids_and_lengths(world_size: int) -> No
         assert r["dtypes"] == [torch.int64, torch.int32, torch.float32], rank
         assert r["values_bytes"] == r["expected_values_bytes"], rank
         assert r["values_bytes"] < r["wide_values_bytes"], rank
-        assert r["lengths_bytes"] == r["lengths"], rank  # lengths < 40: one byte each
+        # lengths travel with the ids: one all-to-all for both (and one for the weights)
+        assert r["payloads"] == ["kjt_all_to_all_values", "kjt_all_to_all_weights"], rank
+        assert r["weights_bytes"] == r["expected_weights_bytes"], rank
     assert max(r["max_id"] for r in results) > 2 ** 31 - 1  # did not fit int32, arrived whole
 
 
@@ -163,7 +172,10 @@ def _sharded(rank: int, ws: int, sequence: bool) -> Dict[str, object]:
     want = want.values() if not sequence else torch.cat([want[k].values() for k in sorted(want)])
     rw_ids = values[sum(per_key[:3]):]
     buckets = [int((rw_ids < 150).sum()), int((rw_ids >= 150).sum())]
-    expected = (segment_bytes(per_key[0], torch.uint8) + segment_bytes(per_key[1], torch.uint16)
+    # lengths (< 6: uint8, 5 per key): table-wise to rank 0 small + unchecked, to rank 1 mid;
+    # row-wise one bucket to each rank
+    lengths_bytes = segment_bytes(10, torch.uint8) + 3 * segment_bytes(5, torch.uint8)
+    expected = (lengths_bytes + segment_bytes(per_key[0], torch.uint8) + segment_bytes(per_key[1], torch.uint16)
                 + segment_bytes(per_key[2], torch.int64)
                 + sum(segment_bytes(n, torch.uint8) for n in buckets))
     return {"equal": bool(torch.allclose(got, want, atol=1e-6)), "sent": sent, "expected": expected}
