@@ -30,8 +30,8 @@ from dmp_cases import TinyDLRM, batch_for, make_optimizer
 from multiprocess import RankError, run_ranks
 
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, checkpoint
+from recshard.comm.errors import CollectiveError, describe_collective
 from recshard.comm.pg import pg_timeout
-from recshard.comm.request import CollectiveError, describe_collective
 from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
 from recshard.distributed.model_parallel import get_unwrapped_module
 from recshard.distributed.sharding_plan import construct_module_sharding_plan, table_wise

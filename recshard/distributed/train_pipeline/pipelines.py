@@ -58,8 +58,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from recshard.comm.errors import CollectiveError
 from recshard.comm.pg import warn_if_default_timeout
-from recshard.comm.request import CollectiveError
 from recshard.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
 from recshard.distributed.train_pipeline.tracing import PipelinedModuleSpec, trace_sharded_inputs
 from recshard.distributed.train_pipeline.utils import (
