@@ -340,7 +340,7 @@ class EmbeddingStorageEstimator:
       in backward (no DDP bucket): one gradient, plus the flattened copy the shared
       all-reduce of tables under `ROW_EXCHANGE_MIN_BYTES` makes (measured: the live peak of
       a data-parallel step at dims 16-128 is the weights, one gradient, that copy and the
-      outputs). The per-rank fixed growth of a sharded step (`rank_overhead_bytes`) is added
+      outputs, which are the kernel's own: no output-dist copies). The per-rank fixed growth of a sharded step (`rank_overhead_bytes`) is added
       per rank by `plan_stats`, not per shard.
     - cpu: everything in DDR. cuda, fused/dense: everything in HBM. fused_uvm: weights and
       state in DDR, io in HBM. fused_uvm_caching: weights and state in DDR; HBM holds the cache
@@ -397,9 +397,10 @@ class EmbeddingStorageEstimator:
     def _module_buffers(table: TableMeta, sharding_type: str, rows: int, cols: int,
                         bags_out: float, facts: _TableFacts) -> float:
         """The sharded module's step buffers beyond the kernel's, for this shard (see the
-        class docstring); sequence tables' per-id outputs are the kernel's own."""
-        if not table.pooled:
-            return 0.0
+        class docstring); sequence tables' per-id outputs and data-parallel outputs are the
+        kernel's own."""
+        if not table.pooled or sharding_type == "data_parallel":
+            return 0.0  # data-parallel has no output dist: its output is the kernel's own
         local = facts.workload[1] * cols * facts.s_out * rows / max(table.num_embeddings, 1)
         gathered = bags_out * cols * facts.s_out if sharding_type in ROW_BLOCK_TYPES else 0.0
         return MODULE_OUTPUT_COPIES * local + gathered
