@@ -34,7 +34,7 @@ from recshard.types import ShardingEnv
 
 logger = logging.getLogger(__name__)
 
-PROBE_RUNS = 2  # fresh processes; the median is kept
+PROBE_RUNS = 1  # fresh process groups (seconds each: imports); the median over them and ranks
 PROBE_STEPS = 3
 PROBE_RANKS = 2
 
