@@ -22,7 +22,8 @@ workload (the planner's plan is often all table-wise) is not run again: it carri
 run's figures and `"same_as": LABEL` (running it twice would only sample the noise).
 `predicted_terms_ms` splits the slowest rank's estimate into forward / backward compute and
 communication; `predicted_fixed_ms` is the per-step cost of the plan's sharding groups. `predicted_ms` is `plan_stats(...).predicted_step_ms`; memory: the estimate's
-largest rank vs the largest per-rank growth of peak RSS from before building the module
+largest rank vs the largest per-rank growth of peak RSS from before building the module (after
+a first dense optimizer step on a scalar: torch.optim's lazy imports are the process's, not the plan's)
 (`memory_build_mb`: the growth once built, before any step; `memory_stored_mb`: the plan's
 weights and optimizer state on its fullest rank).
 Every line on stdout is one JSON object; the last one checks the targets of issue #22.
@@ -118,10 +119,21 @@ def rank_calibrate(args: argparse.Namespace) -> Dict[str, Any]:
                          probe=StepProbe.quick() if args.quick else None).to_dict()
 
 
+def warm_dense_optimizer() -> None:
+    """One SGD step on a scalar: the first torch.optim optimizer of a process imports its
+    lazy modules (~30 MB resident), a one-time cost of any job with a dense part, not of the
+    plan (only the data-parallel plans here have dense parameters)."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=LEARNING_RATE)
+    param.sum().backward()
+    optimizer.step()
+
+
 def rank_measure(plan: ShardingPlan, w: Workload, args: argparse.Namespace) -> Dict[str, Any]:
     """Build the plan's sharded EBC, warm up, time `steps` steps; RSS before and peak."""
     rank = dist.get_rank()
     batches = make_batches(w, args.row_cap, args.max_pooling, 1 + rank, args.batches)
+    warm_dense_optimizer()
     rss_before = rss_mb()
     ebc = EmbeddingBagCollection(configs(w, args.row_cap), device="meta")
     sharder = EmbeddingBagCollectionSharder(

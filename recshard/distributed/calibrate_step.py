@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from recshard.distributed import EmbeddingBagCollectionSharder
+from recshard.distributed.calibrate_memory import measure_rank_overhead
 from recshard.modules.embedding_configs import EmbeddingBagConfig
 from recshard.modules.embedding_modules import EmbeddingBagCollection
 from recshard.planner.calibrate import CalibrationGrid, calibrate, fit_costs
@@ -211,13 +212,16 @@ def calibrate_job(
     local_world_size: Optional[int] = None,
     probe: Optional[StepProbe] = None,
 ) -> CalibrationProfile:
-    """`calibrate` (kernels, memory, links), then, among two or more ranks, the sharded
+    """`calibrate` (kernels, memory, links), the per-rank fixed memory of a sharded step
+    (rank 0, `measure_rank_overhead`), then, among two or more ranks, the sharded
     module's step costs per sharding type (`measure_step_costs`). Every rank calls this and
     gets the same profile: rank 0's kernel fits are shared before the step probe is planned
     (plans from each rank's own fits can differ, and mismatched modules hang or fail gloo)."""
     start = time.perf_counter()
     profile = calibrate(budget_s, grid, pg, local_world_size)
     group = pg if pg is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    if profile.memory is not None and (group is None or dist.get_rank(group) == 0):
+        profile.memory.rank_overhead_bytes = measure_rank_overhead() or 0.0
     if group is not None and profile.world_size > 1:
         shared = [profile]
         dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)

@@ -211,14 +211,14 @@ def _rss_bytes() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _reset_peak() -> float:
+def reset_peak() -> float:
     """Reset the peak resident size to now (Linux >= 4.0); the current resident bytes."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _rss_bytes()
 
 
-def _peak_bytes() -> float:
+def peak_bytes() -> float:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
@@ -231,12 +231,12 @@ def memory_probe(tables: int, rows: int, dim: int, batch: int, pooling: int) -> 
     step) in bytes, as JSON. Fresh, because an allocator that already holds freed memory
     hides a step's allocations from the resident size."""
     kjt = _batch(tables, rows, batch, pooling, seed=pooling)
-    before = _reset_peak()
+    before = reset_peak()
     lookup = _lookup(EmbeddingComputeKernel.FUSED, tables, rows, dim)
-    build = _peak_bytes() - before
-    start = _reset_peak()
+    build = peak_bytes() - before
+    start = reset_peak()
     lookup(kjt).sum().backward()
-    return json.dumps([build, _peak_bytes() - start])
+    return json.dumps([build, peak_bytes() - start])
 
 
 def measure_memory(grid: CalibrationGrid) -> Optional[MemoryCost]:

@@ -336,7 +336,12 @@ class EmbeddingStorageEstimator:
       the pooled output and its gradient on both sides of the output dist) and, for row-wise
       and table-row-wise, one more `bags_out cols s_out` buffer of partial sums (measured
       1.5-2 local outputs above table-wise at 2 ranks; not measured on cuda, so not counted
-      there or without a profile).
+      there or without a profile). Data-parallel, calibrated on cpu: its gradient is averaged
+      in backward (no DDP bucket): one gradient, plus the flattened copy the shared
+      all-reduce of tables under `ROW_EXCHANGE_MIN_BYTES` makes (measured: the live peak of
+      a data-parallel step at dims 16-128 is the weights, one gradient, that copy and the
+      outputs, which are the kernel's own: no output-dist copies). The per-rank fixed growth of a sharded step (`rank_overhead_bytes`) is added
+      per rank by `plan_stats`, not per shard.
     - cpu: everything in DDR. cuda, fused/dense: everything in HBM. fused_uvm: weights and
       state in DDR, io in HBM. fused_uvm_caching: weights and state in DDR; HBM holds the cache
       `lf weights`, its index `rows (4 + 16 lf)` and io.
@@ -376,6 +381,8 @@ class EmbeddingStorageEstimator:
                 io = (ids_in * (2 * facts.id_bytes + memory.bytes_per_id)
                       + bags_out * cols * 4.0 * memory.bytes_per_output_byte)
             io += self._module_buffers(table, sharding_type, rows, cols, bags_out, facts)
+            if sharding_type == "data_parallel" and 4.0 * rows * cols >= ROW_EXCHANGE_MIN_BYTES:
+                state -= 4.0 * rows * cols  # averaged in place, no flattened copy
         if topo.compute_device == "cpu":
             return Storage(0.0, weights + state + io)
         if compute_kernel == "fused_uvm":
@@ -390,9 +397,10 @@ class EmbeddingStorageEstimator:
     def _module_buffers(table: TableMeta, sharding_type: str, rows: int, cols: int,
                         bags_out: float, facts: _TableFacts) -> float:
         """The sharded module's step buffers beyond the kernel's, for this shard (see the
-        class docstring); sequence tables' per-id outputs are the kernel's own."""
-        if not table.pooled:
-            return 0.0
+        class docstring); sequence tables' per-id outputs and data-parallel outputs are the
+        kernel's own."""
+        if not table.pooled or sharding_type == "data_parallel":
+            return 0.0  # data-parallel has no output dist: its output is the kernel's own
         local = facts.workload[1] * cols * facts.s_out * rows / max(table.num_embeddings, 1)
         gathered = bags_out * cols * facts.s_out if sharding_type in ROW_BLOCK_TYPES else 0.0
         return MODULE_OUTPUT_COPIES * local + gathered

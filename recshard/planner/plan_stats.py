@@ -51,7 +51,7 @@ class RankLoad:
 
     rank: int
     bytes_stored: float = 0.0  # weights and optimizer state
-    memory: float = 0.0  # the storage estimate: + gradients, buffers in flight
+    memory: float = 0.0  # the storage estimate: + gradients, buffers in flight, fixed overhead
     lookups: float = 0.0
     bytes_read: float = 0.0
     bytes_sent: float = 0.0
@@ -197,10 +197,22 @@ def plan_stats(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topolo
             terms.bwd_compute += perf.bwd_compute
             terms.bwd_comms += perf.bwd_comms
         traffic.add_table(table, ps, shards, batch_size)
+    overhead = rank_overhead_bytes(topology)
     for load, sent, received in zip(loads, traffic.sent(), traffic.received()):
         load.bytes_sent, load.bytes_received = sent, received
+        load.memory += overhead
     fixed = StepTimePerfModel(topology).fixed_ms(groups)
     return PlanStats(world, batch_size, fixed, loads)
+
+
+def rank_overhead_bytes(topology: Topology) -> float:
+    """The measured fixed memory growth of a sharded training step per rank (calibrated on
+    cpu: `MemoryCost.rank_overhead_bytes`); 0 without a cpu memory profile."""
+    profile = topology.profile
+    if (profile is None or profile.memory is None or topology.compute_device != "cpu"
+            or profile.compute_device != "cpu"):
+        return 0.0
+    return profile.memory.rank_overhead_bytes
 
 
 class _Traffic:

@@ -66,11 +66,13 @@ class LinkCost:
 @dataclass
 class MemoryCost:
     """Measured resident memory of the fused kernel (CPU): peak while building, per byte of
-    weights; a step's transient peak per id and per byte of pooled output."""
+    weights; a step's transient peak per id and per byte of pooled output; and the fixed
+    growth of a sharded training step per rank, whatever its tables (0: not measured)."""
 
     weight_factor: float
     bytes_per_id: float
     bytes_per_output_byte: float
+    rank_overhead_bytes: float = 0.0  # a sharded step's fixed growth per rank (calibrate_memory)
 
 
 @dataclass
