@@ -50,7 +50,7 @@ _LR = 0.01
 @dataclass(frozen=True)
 class CalibrationGrid:
     """What to measure. The default takes about 45 s on one quiet CPU core (kernels within
-    `budget_s`, then two memory probes and the links); `quick()` a few s."""
+    `budget_s`, then three memory probes and the links); `quick()` a few s."""
 
     dims: Tuple[int, ...] = (16, 64, 128)
     poolings: Tuple[int, ...] = (1, 4, 32)
