@@ -7,8 +7,9 @@ phase and dim (see `recshard.planner.profile`). Links, when a process group is u
 all-to-all, reduce-scatter and all-gather over a few buffer sizes among the ranks of a host
 and, with several hosts, among the ranks of equal local rank across hosts; fit `latency +
 bytes / bandwidth`. Memory (Linux): the fused kernel's peak resident growth while building
-tables and during steps (peak reset through `/proc/self/clear_refs`). Every rank measures its kernels at the same time (as in training); the
-profile carries rank 0's fits.
+tables of two sizes (fit: per byte of weights + a fixed part) and during a first step (peak
+reset through `/proc/self/clear_refs`). Every rank measures its kernels at the same time (as
+in training); the profile carries rank 0's fits.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from recshard.planner.profile import (
     MemoryCost,
     distinct_rows,
 )
-from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse import KeyedJaggedTensor, jagged_ops
 from recshard.types import EmbeddingComputeKernel
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ _LR = 0.01
 @dataclass(frozen=True)
 class CalibrationGrid:
     """What to measure. The default takes about 45 s on one quiet CPU core (kernels within
-    `budget_s`, then two memory probes and the links); `quick()` a few s."""
+    `budget_s`, then three memory probes and the links); `quick()` a few s."""
 
     dims: Tuple[int, ...] = (16, 64, 128)
     poolings: Tuple[int, ...] = (1, 4, 32)
@@ -228,25 +229,49 @@ def peak_bytes() -> float:
 
 def memory_probe(tables: int, rows: int, dim: int, batch: int, pooling: int) -> str:
     """In a fresh process: (peak growth building the tables, peak growth of the first
-    step) in bytes, as JSON. Fresh, because an allocator that already holds freed memory
-    hides a step's allocations from the resident size."""
-    kjt = _batch(tables, rows, batch, pooling, seed=pooling)
+    step; 0 when `pooling` is 0: no step) in bytes, as JSON. Fresh, because an allocator
+    that already holds freed memory hides a step's allocations from the resident size.
+    fbgemm is loaded before the baseline, as a job's ranks have it loaded (their input KJTs'
+    ops) before they build tables: its ~55 MB of code and data are the process's, not the
+    tables'. The step's output gradient is a real buffer, as a sharded module's output dist
+    delivers it (the all-to-all's or all-gather's receive buffer), not `sum()`'s expanded one."""
+    jagged_ops.fbgemm_available()
+    kjt = _batch(tables, rows, batch, pooling, seed=pooling) if pooling else None
     before = reset_peak()
     lookup = _lookup(EmbeddingComputeKernel.FUSED, tables, rows, dim)
     build = peak_bytes() - before
+    if kjt is None:
+        return json.dumps([build, 0.0])
     start = reset_peak()
-    lookup(kjt).sum().backward()
+    pooled = lookup(kjt)
+    pooled.backward(torch.ones_like(pooled))
     return json.dumps([build, peak_bytes() - start])
 
 
+def fit_build(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
+    """(bytes per byte of weights, fixed bytes) of `build ~ factor weights + fixed` over
+    (weights, build growth) points of two or more sizes; the factor is at least 1 (the
+    weights are resident once built), the fixed part at least 0."""
+    if len({w for w, _ in points}) < 2:
+        raise ValueError(f"fit_build needs builds of two or more sizes, got {list(points)}")
+    x = torch.tensor([[w, 1.0] for w, _ in points], dtype=torch.float64)
+    y = torch.tensor([[b] for _, b in points], dtype=torch.float64)
+    factor = max(torch.linalg.lstsq(x, y).solution[0, 0].item(), 1.0)
+    fixed = statistics.median(b - factor * w for w, b in points)
+    return factor, max(fixed, 0.0)
+
+
 def measure_memory(grid: CalibrationGrid) -> Optional[MemoryCost]:
-    """Peak resident growth of the fused kernel at the largest table size, building and in a
-    first step, at the largest batch and two pooling factors (one fresh process each); None
-    where that cannot be measured (not Linux, /proc not writable)."""
-    tables, rows, dim, batch = grid.tables, grid.rows[-1], grid.dims[-1], grid.batches[-1]
+    """Peak resident growth of the fused kernel, one fresh process each: `grid.tables`
+    tables of the largest size, built and stepped at the largest batch and the smallest and
+    largest pooling factors, and half as many tables built only (builds of two sizes for
+    `fit_build`); None where that cannot be measured (not Linux, /proc not writable)."""
+    rows, dim, batch = grid.rows[-1], grid.dims[-1], grid.batches[-1]
+    half = max(grid.tables // 2, 1)
+    probes = [(grid.tables, grid.poolings[0]), (grid.tables, grid.poolings[-1]), (half, 0)]
     points: List[Sample] = []
-    builds = []
-    for pooling in sorted({grid.poolings[0], grid.poolings[-1]}):
+    builds: List[Tuple[float, float]] = []
+    for tables, pooling in probes:
         code = ("from recshard.planner.calibrate import memory_probe; "
                 f"print(memory_probe({tables}, {rows}, {dim}, {batch}, {pooling}))")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -255,12 +280,13 @@ def measure_memory(grid: CalibrationGrid) -> Optional[MemoryCost]:
             logger.warning("memory not calibrated: %s", proc.stderr.strip()[-500:])
             return None
         build, step = json.loads(proc.stdout.strip().splitlines()[-1])
-        builds.append(build)
-        points.append((float(tables * batch * pooling), 4.0 * tables * batch * dim, 0.0,
-                       max(step, 0.0)))
+        builds.append((4.0 * tables * rows * dim, build))
+        if pooling:
+            points.append((float(tables * batch * pooling), 4.0 * tables * batch * dim, 0.0,
+                           max(step, 0.0)))
     per_id, per_out, _, _ = fit_costs(points, with_elements=False, intercept=False)
-    weights = 4.0 * tables * rows * dim
-    return MemoryCost(max(statistics.median(builds) / weights, 1.0), per_id, per_out)
+    factor, fixed = fit_build(builds)
+    return MemoryCost(factor, per_id, per_out, build_fixed_bytes=fixed)
 
 
 # ----------------------------------------------------------------------------- links

@@ -329,8 +329,10 @@ class EmbeddingStorageEstimator:
       (the output and its gradient).
     - quant kernel (inference): no optimizer state; 4 bytes per row of fp16 scale and bias.
     - calibrated (`topology.profile.memory`, cpu), fused kernel: weights count `weight_factor`
-      times (the peak while building them), and the step's transient is the measured
-      `bytes_per_id ids_in + bytes_per_output_byte bags_out cols 4`, plus the ids in flight;
+      times (the build's growth per byte of weights, fitted over two sizes: 1.00 measured on
+      cpu, the tables are initialized in place), and the step's transient is the measured
+      `bytes_per_id ids_in + bytes_per_output_byte bags_out cols 4` (the output and its
+      gradient as the output dist's receive buffer), plus the ids in flight;
       every kernel and type, calibrated on cpu: plus the sharded module's own buffers: `MODULE_OUTPUT_COPIES` local outputs (the rank's
       own `bags cols s_out` for this shard's cols, `rows / table rows` of it for row blocks:
       the pooled output and its gradient on both sides of the output dist) and, for row-wise
@@ -340,8 +342,9 @@ class EmbeddingStorageEstimator:
       in backward (no DDP bucket): one gradient, plus the flattened copy the shared
       all-reduce of tables under `ROW_EXCHANGE_MIN_BYTES` makes (measured: the live peak of
       a data-parallel step at dims 16-128 is the weights, one gradient, that copy and the
-      outputs, which are the kernel's own: no output-dist copies). The per-rank fixed growth of a sharded step (`rank_overhead_bytes`) is added
-      per rank by `plan_stats`, not per shard.
+      outputs, which are the kernel's own: no output-dist copies). The per-rank fixed
+      growth (`MemoryCost.fixed_bytes_per_rank`) is added per rank by `plan_stats`, not per
+      shard.
     - cpu: everything in DDR. cuda, fused/dense: everything in HBM. fused_uvm: weights and
       state in DDR, io in HBM. fused_uvm_caching: weights and state in DDR; HBM holds the cache
       `lf weights`, its index `rows (4 + 16 lf)` and io.

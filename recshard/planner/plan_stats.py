@@ -206,13 +206,13 @@ def plan_stats(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topolo
 
 
 def rank_overhead_bytes(topology: Topology) -> float:
-    """The measured fixed memory growth of a sharded training step per rank (calibrated on
-    cpu: `MemoryCost.rank_overhead_bytes`); 0 without a cpu memory profile."""
+    """The measured fixed memory growth of a rank (calibrated on cpu:
+    `MemoryCost.fixed_bytes_per_rank`); 0 without a cpu memory profile."""
     profile = topology.profile
     if (profile is None or profile.memory is None or topology.compute_device != "cpu"
             or profile.compute_device != "cpu"):
         return 0.0
-    return profile.memory.rank_overhead_bytes
+    return profile.memory.fixed_bytes_per_rank()
 
 
 class _Traffic:

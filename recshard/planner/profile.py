@@ -8,8 +8,10 @@ per (kernel, phase, embedding dim); other dims are interpolated linearly (beyond
 range: scaled in proportion to the dim). Link costs are `ms = latency_ms + bytes / bandwidth`
 fits per collective and link level, where `bytes` is what leaves one rank (the all-to-all
 buffer's `(W-1)/W`, a ring reduce-scatter's / all-gather's `(W-1)/W` of its full buffer).
-Memory (`MemoryCost`, fused kernel): the peak resident memory building a table takes per byte
-of weights, and a training step's transient peak per id looked up and per output byte.
+Memory (`MemoryCost`, fused kernel): the peak resident growth building tables, fitted over two
+sizes as `factor weights + fixed` (measured: 1.00 x the weights + ~7 MB, built in place with
+no per-table transient), and a first training step's peak per id looked up and per output
+byte (the output, and its gradient as a real buffer, as the output dist delivers it).
 Step overhead (`StepCost`, per sharding type): what one sharding group of a real sharded module
 costs per step beyond its kernels' work and its bytes on the links (input / output dist calls,
 collective latencies, permutes), `ms = ms_per_group + ms_per_feature features`, and how much
@@ -23,12 +25,15 @@ waits; `ms_per_id`: the input dist's work per id looked up, beyond its bytes on 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
 PHASES = ("fwd", "bwd")  # bwd: backward + optimizer update
 COLLECTIVES = ("all_to_all", "reduce_scatter", "all_gather")
+logger = logging.getLogger(__name__)
+
 STEP_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 LEVELS = ("intra", "inter")
 
@@ -65,14 +70,20 @@ class LinkCost:
 
 @dataclass
 class MemoryCost:
-    """Measured resident memory of the fused kernel (CPU): peak while building, per byte of
-    weights; a step's transient peak per id and per byte of pooled output; and the fixed
-    growth of a sharded training step per rank, whatever its tables (0: not measured)."""
+    """Measured resident memory of the fused kernel (CPU): peak growth while building, per
+    byte of weights (`weight_factor`) and fixed (`build_fixed_bytes`), fitted over two sizes;
+    a step's transient peak per id and per byte of pooled output; and the fixed growth of a
+    sharded training step per rank, whatever its tables (0: not measured)."""
 
     weight_factor: float
     bytes_per_id: float
     bytes_per_output_byte: float
     rank_overhead_bytes: float = 0.0  # a sharded step's fixed growth per rank (calibrate_memory)
+    build_fixed_bytes: float = 0.0  # building a process's first fused tables, whatever their size
+
+    def fixed_bytes_per_rank(self) -> float:
+        """A rank's fixed growth: the sharded step's where measured, else the build's."""
+        return self.rank_overhead_bytes or self.build_fixed_bytes
 
 
 @dataclass
@@ -186,10 +197,18 @@ class CalibrationProfile:
             links = [LinkCost(**c) for c in data.pop("links", [])]
             steps = [StepCost(**c) for c in data.pop("steps", [])]
             memory = data.pop("memory", None)
-            return cls(kernels=kernels, links=links, steps=steps,
-                       memory=MemoryCost(**memory) if memory else None, **data)
+            profile = cls(kernels=kernels, links=links, steps=steps,
+                          memory=MemoryCost(**memory) if memory else None, **data)
         except TypeError as e:
             raise ValueError(f"not a calibration profile: {e}") from e
+        if memory and "build_fixed_bytes" not in memory:
+            logger.warning(
+                "calibration profile (host %r): its memory costs predate the two-size build "
+                "fit: weight_factor %.2f counts fbgemm's import (~55 MB) as weights, and "
+                "bytes_per_output_byte misses the output gradient's buffer; memory estimates "
+                "from it are off by up to ~30%%: re-run `recshard-plan calibrate`",
+                profile.host, profile.memory.weight_factor)
+        return profile
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
