@@ -116,12 +116,13 @@ def data_parallel_exchange(table: TableMeta, world: int, batch_size: int,
     rows of a global batch, `cache_params.stats.expected_lookups` when given, else those of
     `W ids` uniform draws (`distinct_rows`)."""
     rows, cols = table.num_embeddings, table.embedding_dim
+    stats = cache_params.stats if cache_params is not None else None
+    lookups = None if stats is None else expected_lookups(table, stats)
     grad = 4.0 * rows * cols
     if grad < ROW_EXCHANGE_MIN_BYTES:
         return grad, 0
     ids, _ = workload or table_workload(table, batch_size)
-    stats = cache_params.stats if cache_params is not None else None
-    used = distinct_rows(rows, world * ids) if stats is None else expected_lookups(table, stats)
+    used = distinct_rows(rows, world * ids) if lookups is None else lookups
     return float(rows) + (grad if 2 * used > rows else 4.0 * used * cols), 2
 
 
@@ -280,6 +281,8 @@ class EmbeddingPerfEstimator:
     ) -> Perf:
         """Perf of one `rows x cols` shard of `table` (formulas in the class docstring)."""
         topo = self.topology
+        if cache_params is not None and cache_params.stats is not None:
+            expected_lookups(table, cache_params.stats)  # bad stats fail whatever the option
         facts = _facts(self._facts, table, self.batch_size)
         ids_in, bags_out = shard_traffic(table, sharding_type, rows, topo, self.batch_size,
                                          facts.workload)
