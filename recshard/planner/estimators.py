@@ -25,6 +25,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from recshard.comm.wire import id_wire_dtype
+from recshard.planner.cache_stats import (
+    cache_hit_rate,
+    cache_load_factor,
+    expected_lookups,
+    touched_rows,
+)
 from recshard.planner.planner_types import (
     GIB,
     ROW_BLOCK_TYPES,
@@ -36,14 +42,13 @@ from recshard.planner.planner_types import (
 )
 from recshard.planner.profile import distinct_rows
 from recshard.sharding.data_parallel import ROW_EXCHANGE_MIN_BYTES
-from recshard.types import CacheParams, CacheStatistics
+from recshard.types import CacheParams
 
 logger = logging.getLogger(__name__)
 
 ID_BYTES = 8
 PER_ID_WEIGHT_BYTES = 4
 SECTOR_BYTES = 32  # a row read or write moves at least one 32-byte sector
-DEFAULT_CACHE_LOAD_FACTOR = 0.2
 # A sharded pooled module's step holds its rank's local output four times: the output dist's
 # received buffer, the KeyedTensor built from it, their gradient, and the gradient sent back.
 MODULE_OUTPUT_COPIES = 4
@@ -153,48 +158,6 @@ def _facts(cache: Dict[int, _TableFacts], table: TableMeta, batch_size: int) -> 
             cache.clear()
         facts = cache[id(table)] = _TableFacts(table, batch_size)
     return facts
-
-
-def expected_lookups(table: TableMeta, stats: CacheStatistics) -> float:
-    """`stats.expected_lookups` (distinct rows of a global batch), checked: a number between 0
-    and the table's rows."""
-    value = float(stats.expected_lookups)
-    if not 0.0 <= value <= table.num_embeddings:  # also refuses NaN
-        raise ValueError(
-            f"table '{table.key}': cache_params.stats.expected_lookups must be the distinct rows "
-            f"of a global batch, between 0 and its {table.num_embeddings} rows; got {value}")
-    return value
-
-
-def touched_rows(table: TableMeta, cache_params: Optional[CacheParams], rows: int,
-                 ids_in: float, global_ids: float) -> float:
-    """Expected distinct rows among the `ids_in` ids a `rows`-row shard of `table` receives
-    per step, of the `global_ids` ids of a global batch. With `cache_params.stats`: its
-    `expected_lookups` times the shard's share `ids_in / global_ids` (a row block's share of
-    the rows, the whole table's distinct rows for the other types); without:
-    `distinct_rows(rows, ids_in)`, as if ids were uniform (skewed ids touch fewer rows)."""
-    stats = cache_params.stats if cache_params is not None else None
-    if stats is None:
-        return distinct_rows(rows, ids_in)
-    return expected_lookups(table, stats) * ids_in / global_ids if global_ids > 0 else 0.0
-
-
-def _load_factor(cache_params: Optional[CacheParams]) -> float:
-    if cache_params is None or cache_params.load_factor is None:
-        return DEFAULT_CACHE_LOAD_FACTOR
-    return float(cache_params.load_factor)
-
-
-def cache_hit_rate(cache_params: Optional[CacheParams], rows: int) -> float:
-    """Expected hit rate of a UVM cache holding `load_factor` of `rows` rows: with
-    `cache_params.stats`, `1 - stats.expected_miss_rate(load_factor)` (measured on the data);
-    without, for ids drawn Zipf(1)-like (a few hot rows), caching the hottest `lf rows` hits
-    `ln(1 + lf rows) / ln(1 + rows)` of lookups (0.2 of 1e6 rows: 0.88)."""
-    if cache_params is not None and cache_params.stats is not None:
-        return 1.0 - float(cache_params.stats.expected_miss_rate(_load_factor(cache_params)))
-    if rows <= 1:
-        return 1.0
-    return math.log1p(_load_factor(cache_params) * rows) / math.log1p(rows)
 
 
 class EmbeddingPerfEstimator:
@@ -426,7 +389,7 @@ class EmbeddingStorageEstimator:
         if compute_kernel == "fused_uvm":
             return Storage(io, weights + state)
         if compute_kernel == "fused_uvm_caching":
-            lf = _load_factor(cache_params)
+            lf = cache_load_factor(cache_params)
             return Storage(lf * weights + rows * (4 + 16 * lf) + io, weights + state)
         return Storage(weights + state + io, 0.0)
 

@@ -14,8 +14,9 @@ from recshard.planner import (
     TableMeta,
     Topology,
 )
+from recshard.planner.cache_stats import cache_hit_rate, touched_rows
 from recshard.planner.cli import InputError, parse_tables
-from recshard.planner.estimators import cache_hit_rate, data_parallel_exchange, touched_rows
+from recshard.planner.estimators import data_parallel_exchange
 from recshard.planner.plan_io import plan_from_dict, plan_to_dict
 from recshard.planner.planner_types import cache_params_from_dict
 from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, distinct_rows
