@@ -31,8 +31,6 @@ from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
-from recshard.modules.embedding_configs import DataType
-
 W = TypeVar("W")
 M = TypeVar("M", bound=nn.Module)
 
@@ -104,12 +102,13 @@ class CacheParams:
     """Cache settings and data statistics of one table (TorchRec's fields). The planner uses
     `load_factor` (share of rows a UVM cache holds) and `stats` (`CacheStatistics`: how many
     distinct rows a batch touches, how cacheable they are); the other fields are carried in
-    the plan. The hash leaves `stats` out, as TorchRec's does."""
+    the plan. `precision` is a `recshard.DataType` (typed `Any` here: this module sits below
+    `recshard.modules`). The hash leaves `stats` out, as TorchRec's does."""
 
     algorithm: Optional[CacheAlgorithm] = None
     load_factor: Optional[float] = None
     reserved_memory: Optional[float] = None
-    precision: Optional[DataType] = None
+    precision: Optional[Any] = None
     prefetch_pipeline: Optional[bool] = None
     stats: Optional[CacheStatistics] = None
     multipass_prefetch_config: Optional[Any] = None
