@@ -12,7 +12,11 @@ First a calibration profile is measured on the same ranks (as `calibrate_job`: k
 among the ranks, a sharded module's step overhead per sharding type), or read with `--profile`. Workloads: the 26 Criteo-like
 tables of `benchmarks.ebc` (Kaggle sizes capped at `--row-cap` rows), one feature each with a
 fixed pooling factor 1-20 (seed 0), at dims 16, 64 and 128, uniform or Zipf(1.05) ids, per-rank
-batch 512 and 2048. Plans: each sharding type forced on every table (fused kernel;
+batch 512 and 2048. Each table's `CacheParams.stats` (`SampledCacheStatistics`: distinct rows per
+global batch, measured on `--stats-samples` sampled global batches of the workload's own id
+generator) goes to the planner and to every forced plan's estimate, as TorchRec users pass
+what they measured on their data (`--stats-samples 0`: no stats, ids priced as uniform).
+Plans: each sharding type forced on every table (fused kernel;
 data-parallel: dense), placed by the planner, and the planner's own plan (`"plan":
 "planner"`); with `--link-check P`, also the planner's plan under profile P's costs.
 Each plan runs in fresh rank processes: `--warmup` steps, then `--steps` timed steps of
@@ -37,7 +41,7 @@ import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,11 +58,12 @@ from recshard.planner.calibrate import CalibrationGrid
 from recshard.planner.plan_io import plan_to_dict
 from recshard.planner.plan_stats import plan_stats
 from recshard.planner.profile import CalibrationProfile
-from recshard.types import ShardingEnv, ShardingPlan
+from recshard.types import CacheParams, CacheStatistics, ShardingEnv, ShardingPlan
 
 FORCED = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
 ZIPF_S = 1.05
 MIN_PARTITION = 8  # column-wise shards as narrow as 8 (dim 16 splits in two)
+STATS_SEED = 1000  # sampled cache statistics: seeds apart from the ranks' (1 + rank)
 TARGETS = {"median_rel_error": 0.20, "worst_rel_error": 0.35, "planner_vs_fastest": 1.05,
            "memory_rel_error": 0.15}
 
@@ -107,6 +112,46 @@ def make_batches(w: Workload, row_cap: int, max_pooling: int, seed: int,
         _ids(t.num_embeddings, p * w.batch, w.ids, g, i)
         for i, (t, p) in enumerate(zip(tables, pooling))]), lengths, stride=w.batch)
         for _ in range(count)]
+
+
+class SampledCacheStatistics(CacheStatistics):
+    """One table's statistics measured on sample global batches of its ids, as a user would
+    measure them on their data: distinct rows per batch (averaged), and the miss rate of a
+    cache holding the sample's hottest rows."""
+
+    def __init__(self, batches: Sequence[torch.Tensor], rows: int) -> None:
+        self._lookups = statistics.mean(float(b.unique().numel()) for b in batches)
+        counts = torch.bincount(torch.cat(batches), minlength=rows).sort(descending=True).values
+        self._hit = counts.cumsum(0).double() / counts.sum()  # hottest k + 1 rows' share
+        self._rows = rows
+
+    @property
+    def expected_lookups(self) -> float:
+        return self._lookups
+
+    def expected_miss_rate(self, clf: float) -> float:
+        cached = min(int(clf * self._rows), self._rows)
+        return 1.0 if cached <= 0 else 1.0 - float(self._hit[cached - 1])
+
+    @property
+    def cacheability(self) -> float:
+        return statistics.mean(self.expected_miss_rate(i / 20) for i in range(21))
+
+
+def sampled_cache_params(w: Workload, args: argparse.Namespace) -> Dict[str, CacheParams]:
+    """Per table, a `CacheParams` whose stats come from `args.stats_samples` global batches
+    (every rank's batch) drawn by the workload's id generator with seeds the timed runs do
+    not use."""
+    per_table: Dict[str, List[torch.Tensor]] = {}
+    for sample in range(args.stats_samples):
+        ranks = [make_batches(w, args.row_cap, args.max_pooling,
+                              STATS_SEED + sample * args.world_size + r, 1)[0]
+                 for r in range(args.world_size)]
+        for c in configs(w, args.row_cap):
+            key = c.feature_names[0]
+            per_table.setdefault(c.name, []).append(torch.cat([b[key].values() for b in ranks]))
+    return {c.name: CacheParams(stats=SampledCacheStatistics(per_table[c.name], c.num_embeddings))
+            for c in configs(w, args.row_cap)}
 
 
 # ----------------------------------------------------------------------------- on the ranks
@@ -169,14 +214,18 @@ def plans_for(w: Workload, profile: CalibrationProfile, args: argparse.Namespace
               link_check: Optional[CalibrationProfile]) -> List[Tuple[str, ShardingPlan]]:
     tables = metas(w, args.row_cap, args.max_pooling)
     topology = _topology(profile, args)
+    cache = sampled_cache_params(w, args) if args.stats_samples else {}
     out = []
     for st in FORCED:
         kernel = ["dense"] if st == "data_parallel" else ["fused"]
         forced = {t.name: ParameterConstraints(sharding_types=[st], compute_kernels=kernel,
-                                               min_partition=MIN_PARTITION) for t in tables}
+                                               min_partition=MIN_PARTITION,
+                                               cache_params=cache.get(t.name))
+                  for t in tables}
         out.append((st, EmbeddingShardingPlanner(topology, w.batch, constraints=forced,
                                                  debug=False).plan_tables(tables)))
-    own = {t.name: ParameterConstraints(min_partition=MIN_PARTITION) for t in tables}
+    own = {t.name: ParameterConstraints(min_partition=MIN_PARTITION,
+                                        cache_params=cache.get(t.name)) for t in tables}
     out.append(("planner", EmbeddingShardingPlanner(topology, w.batch, constraints=own,
                                                     debug=False).plan_tables(tables)))
     if link_check is not None:
@@ -274,6 +323,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=16, help="timed steps per plan")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batches", type=int, default=2, help="distinct batches cycled")
+    parser.add_argument("--stats-samples", type=int, default=4,
+                        help="global batches sampled per workload for each table's "
+                             "CacheStatistics (0: plan and estimate without stats)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--local-world-size", type=int, default=None,
                         help="ranks per (simulated) host; default all on one host")

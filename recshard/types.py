@@ -67,6 +67,57 @@ class BoundsCheckMode(enum.Enum):
     NONE = "none"
 
 
+class CacheAlgorithm(enum.Enum):
+    """Eviction policy of a UVM cache (fbgemm's names and values, as TorchRec re-exports)."""
+
+    LRU = 0
+    LFU = 1
+
+
+class CacheStatistics(abc.ABC):
+    """What the user knows about a table's ids, for the planner (TorchRec's contract).
+
+    `expected_lookups`: the expected number of distinct rows looked up in a global training
+    batch (all ranks' samples). `expected_miss_rate(clf)`: the miss rate of a cache holding
+    `clf` of the table's rows (1.0 at clf 0, 0.0 at clf 1). `cacheability`: a size-independent
+    score, 0 very cacheable to 1 hard to cache."""
+
+    @property
+    @abc.abstractmethod
+    def expected_lookups(self) -> float:
+        """Expected distinct rows looked up per global training batch."""
+
+    @abc.abstractmethod
+    def expected_miss_rate(self, clf: float) -> float:
+        """Expected miss rate of a cache of load factor `clf`."""
+
+    @property
+    @abc.abstractmethod
+    def cacheability(self) -> float:
+        """0 (easy to cache) to 1 (hard), whatever the cache size."""
+
+
+@dataclass
+class CacheParams:
+    """Cache settings and data statistics of one table (TorchRec's fields). The planner uses
+    `load_factor` (share of rows a UVM cache holds) and `stats` (`CacheStatistics`: how many
+    distinct rows a batch touches, how cacheable they are); the other fields are carried in
+    the plan. `precision` is a `recshard.DataType` (typed `Any` here: this module sits below
+    `recshard.modules`). The hash leaves `stats` out, as TorchRec's does."""
+
+    algorithm: Optional[CacheAlgorithm] = None
+    load_factor: Optional[float] = None
+    reserved_memory: Optional[float] = None
+    precision: Optional[Any] = None
+    prefetch_pipeline: Optional[bool] = None
+    stats: Optional[CacheStatistics] = None
+    multipass_prefetch_config: Optional[Any] = None
+
+    def __hash__(self) -> int:
+        return hash((self.algorithm, self.load_factor, self.reserved_memory, self.precision,
+                     self.prefetch_pipeline, self.multipass_prefetch_config))
+
+
 @dataclass
 class ShardMetadata:
     """One shard of a table: where it starts, how big it is, and which rank holds it."""
@@ -93,7 +144,7 @@ class ParameterSharding:
     ranks: Optional[List[int]] = None
     shards: Optional[List[ShardMetadata]] = None
     bounds_check_mode: Optional[BoundsCheckMode] = None
-    cache_params: Optional[Dict[str, Any]] = None
+    cache_params: Optional[CacheParams] = None
 
     @property
     def sharding_spec(self) -> Optional[EnumerableShardingSpec]:

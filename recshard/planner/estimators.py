@@ -20,11 +20,17 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from recshard.comm.wire import id_wire_dtype
+from recshard.planner.cache_stats import (
+    cache_hit_rate,
+    cache_load_factor,
+    expected_lookups,
+    touched_rows,
+)
 from recshard.planner.planner_types import (
     GIB,
     ROW_BLOCK_TYPES,
@@ -36,13 +42,13 @@ from recshard.planner.planner_types import (
 )
 from recshard.planner.profile import distinct_rows
 from recshard.sharding.data_parallel import ROW_EXCHANGE_MIN_BYTES
+from recshard.types import CacheParams
 
 logger = logging.getLogger(__name__)
 
 ID_BYTES = 8
 PER_ID_WEIGHT_BYTES = 4
 SECTOR_BYTES = 32  # a row read or write moves at least one 32-byte sector
-DEFAULT_CACHE_LOAD_FACTOR = 0.2
 # A sharded pooled module's step holds its rank's local output four times: the output dist's
 # received buffer, the KeyedTensor built from it, their gradient, and the gradient sent back.
 MODULE_OUTPUT_COPIES = 4
@@ -104,20 +110,24 @@ def shard_traffic(
 
 
 def data_parallel_exchange(table: TableMeta, world: int, batch_size: int,
-                           workload: Optional[Tuple[float, float]] = None
+                           workload: Optional[Tuple[float, float]] = None,
+                           cache_params: Optional[CacheParams] = None,
                            ) -> Tuple[float, int]:
     """(bytes all-reduced, collectives) per step to average a data-parallel table's gradient.
     Below `ROW_EXCHANGE_MIN_BYTES` of fp32 gradient: the whole gradient, in an all-reduce
     shared with the kernel's other small tables (0 collectives of its own). At or above: a
     one-byte-per-row all-reduce of the rows in use, then the gradient of those rows, or the
-    whole gradient when more than half are in use (2 collectives). Rows in use: the expected
-    distinct rows of `W ids` uniform draws (`distinct_rows`)."""
+    whole gradient when more than half are in use (2 collectives). Rows in use: the distinct
+    rows of a global batch, `cache_params.stats.expected_lookups` when given, else those of
+    `W ids` uniform draws (`distinct_rows`)."""
     rows, cols = table.num_embeddings, table.embedding_dim
+    stats = cache_params.stats if cache_params is not None else None
+    lookups = None if stats is None else expected_lookups(table, stats)
     grad = 4.0 * rows * cols
     if grad < ROW_EXCHANGE_MIN_BYTES:
         return grad, 0
     ids, _ = workload or table_workload(table, batch_size)
-    used = distinct_rows(rows, world * ids)
+    used = distinct_rows(rows, world * ids) if lookups is None else lookups
     return float(rows) + (grad if 2 * used > rows else 4.0 * used * cols), 2
 
 
@@ -150,22 +160,6 @@ def _facts(cache: Dict[int, _TableFacts], table: TableMeta, batch_size: int) -> 
     return facts
 
 
-def _load_factor(cache_params: Optional[Dict[str, Any]]) -> float:
-    return float((cache_params or {}).get("load_factor") or DEFAULT_CACHE_LOAD_FACTOR)
-
-
-def cache_hit_rate(cache_params: Optional[Dict[str, Any]], rows: int) -> float:
-    """Expected hit rate of a UVM cache holding `load_factor` of `rows` rows: for ids drawn
-    Zipf(1)-like (a few hot rows), caching the hottest `lf rows` hits `ln(1 + lf rows) /
-    ln(1 + rows)` of lookups (0.2 of 1e6 rows: 0.88). `cache_params["hit_rate"]` overrides."""
-    params = cache_params or {}
-    if params.get("hit_rate") is not None:
-        return float(params["hit_rate"])
-    if rows <= 1:
-        return 1.0
-    return math.log1p(_load_factor(cache_params) * rows) / math.log1p(rows)
-
-
 class EmbeddingPerfEstimator:
     """Time of one shard per step (ms): compute from bytes moved at the kernel's memory
     bandwidth, communication from bytes over the links each sharding type's collectives use.
@@ -194,7 +188,8 @@ class EmbeddingPerfEstimator:
     (inter-host when H > 1); all-reduce twice that.
     With a calibration profile (`topology.profile`, same compute device), the fused and dense
     kernels' compute is its measured per-id / per-bag / per-element fit instead (elements: the
-    shard's for the dense kernel, its distinct rows looked up times cols for the fused; backward
+    shard's for the dense kernel, its distinct rows looked up times cols for the fused, from
+    `cache_params.stats` when given (`touched_rows`); backward
     scaled by `(row + state_row) / row` for optimizer state beyond exact SGD); the per-call
     terms and collective latencies are per step, not per shard (`StepTimePerfModel`), and a
     profile that measured a real sharded module scales each phase by its `work_scale` and adds
@@ -221,7 +216,7 @@ class EmbeddingPerfEstimator:
                                      for c in ("reduce_scatter", "all_gather"))
 
     def kernel_bw(
-        self, kernel: str, cache_params: Optional[Dict[str, Any]] = None, rows: int = 1
+        self, kernel: str, cache_params: Optional[CacheParams] = None, rows: int = 1
     ) -> float:
         """Bytes/ms a compute kernel streams embedding rows at (`rows`: of the shard)."""
         topo = self.topology
@@ -245,10 +240,12 @@ class EmbeddingPerfEstimator:
         compute_kernel: str,
         rows: int,
         cols: int,
-        cache_params: Optional[Dict[str, Any]] = None,
+        cache_params: Optional[CacheParams] = None,
     ) -> Perf:
         """Perf of one `rows x cols` shard of `table` (formulas in the class docstring)."""
         topo = self.topology
+        if cache_params is not None and cache_params.stats is not None:
+            expected_lookups(table, cache_params.stats)  # bad stats fail whatever the option
         facts = _facts(self._facts, table, self.batch_size)
         ids_in, bags_out = shard_traffic(table, sharding_type, rows, topo, self.batch_size,
                                          facts.workload)
@@ -266,7 +263,9 @@ class EmbeddingPerfEstimator:
         else:
             bwd_compute = (out_bytes + ids_in * (2 * row + 2 * state_row)) / bw
         if self._profile is not None and compute_kernel in ("fused", "dense") and rows > 0:
-            measured = self._measured(compute_kernel, dense_update, rows, cols, ids_in,
+            updated = float(rows) if dense_update else touched_rows(
+                table, cache_params, rows, ids_in, facts.workload[0] * topo.world_size)
+            measured = self._measured(compute_kernel, dense_update, updated, cols, ids_in,
                                       bags_out, state_row / row)
             if measured is not None:
                 fwd_compute, bwd_compute = measured
@@ -274,7 +273,8 @@ class EmbeddingPerfEstimator:
             bwd_compute += ids_in * row / bw
         if sharding_type == "data_parallel":
             exchanged, collectives = data_parallel_exchange(table, topo.world_size,
-                                                            self.batch_size, facts.workload)
+                                                            self.batch_size, facts.workload,
+                                                            cache_params)
             comms = 2 * exchanged * self._ring_s_per_byte + collectives * self._allreduce_ms
             return self._scaled(sharding_type, Perf(fwd_compute, 0.0, bwd_compute, comms, 0.0),
                                 ids_in)
@@ -303,12 +303,13 @@ class EmbeddingPerfEstimator:
                     perf.bwd_compute * bwd + profile.shard_ms(sharding_type, "bwd", ids_in),
                     perf.bwd_comms * bwd, perf.input_dist * fwd)
 
-    def _measured(self, kernel: str, dense_update: bool, rows: int, cols: int, ids_in: float,
-                  bags_out: float, state_ratio: float) -> Optional[Tuple[float, float]]:
-        """(fwd, bwd) ms from the calibration profile; None if it lacks the kernel."""
+    def _measured(self, kernel: str, dense_update: bool, updated: float, cols: int,
+                  ids_in: float, bags_out: float, state_ratio: float
+                  ) -> Optional[Tuple[float, float]]:
+        """(fwd, bwd) ms from the calibration profile (`updated`: rows the update touches);
+        None if it lacks the kernel."""
         assert self._profile is not None
         measured_kernel = "dense" if dense_update else kernel
-        updated = float(rows) if dense_update else distinct_rows(rows, ids_in)
         fwd = self._profile.kernel_ms(measured_kernel, "fwd", cols, ids_in, bags_out,
                                       updated * cols)
         bwd = self._profile.kernel_ms(measured_kernel, "bwd", cols, ids_in, bags_out,
@@ -362,7 +363,7 @@ class EmbeddingStorageEstimator:
         compute_kernel: str,
         rows: int,
         cols: int,
-        cache_params: Optional[Dict[str, Any]] = None,
+        cache_params: Optional[CacheParams] = None,
     ) -> Storage:
         """Storage of one `rows x cols` shard of `table` (formulas in the class docstring)."""
         topo = self.topology
@@ -391,7 +392,7 @@ class EmbeddingStorageEstimator:
         if compute_kernel == "fused_uvm":
             return Storage(io, weights + state)
         if compute_kernel == "fused_uvm_caching":
-            lf = _load_factor(cache_params)
+            lf = cache_load_factor(cache_params)
             return Storage(lf * weights + rows * (4 + 16 * lf) + io, weights + state)
         return Storage(weights + state + io, 0.0)
 

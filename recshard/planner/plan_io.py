@@ -9,7 +9,9 @@ Schema (version 1)::
          "shards": [{"offsets": [0, 0], "sizes": [1000, 32], "placement": "rank:0/cpu"}, ...],
          "bounds_check_mode": null, "cache_params": null}}}}
 
-`shards` is null for data-parallel tables (every rank holds the whole table).
+`shards` is null for data-parallel tables (every rank holds the whole table). `cache_params`
+is null or the JSON form of a `CacheParams` (`cache_params_to_dict`: without its `stats`,
+which are an object).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from recshard.plan.validate import (  # noqa: F401 - PlanValidationError, valida
     check_ranks_agree,
     validate_plan,
 )
+from recshard.planner.planner_types import cache_params_from_dict, cache_params_to_dict
 from recshard.types import (
     BoundsCheckMode,
+    CacheParams,
     ParameterSharding,
     ShardingPlan,
     ShardMetadata,
@@ -52,7 +56,7 @@ def plan_to_dict(plan: ShardingPlan, metadata: Optional[Dict[str, Any]] = None) 
                      "placement": s.placement} for s in ps.shards
                 ],
                 "bounds_check_mode": ps.bounds_check_mode.value if ps.bounds_check_mode else None,
-                "cache_params": ps.cache_params,
+                "cache_params": cache_params_to_dict(ps.cache_params),
             }
     return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "metadata": metadata or {},
             "modules": modules}
@@ -115,8 +119,19 @@ def _table_entry(entry: Any, where: str) -> ParameterSharding:
         sharding_type=_field(entry, "sharding_type", where, str),
         compute_kernel=_field(entry, "compute_kernel", where, str),
         ranks=ranks, shards=shards, bounds_check_mode=bounds,
-        cache_params=entry.get("cache_params"),
+        cache_params=_cache_params(entry.get("cache_params"), f"{where}.cache_params"),
     )
+
+
+def _cache_params(raw: Any, where: str) -> Optional[CacheParams]:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise PlanValidationError(f"{where}: expected an object, got {type(raw).__name__}")
+    try:
+        return cache_params_from_dict(raw)
+    except ValueError as e:
+        raise PlanValidationError(f"{where}: {e}") from None
 
 
 def plan_from_dict(data: Dict[str, Any]) -> ShardingPlan:

@@ -257,7 +257,8 @@ class _Traffic:
         st = ps.sharding_type
         if st == "data_parallel":
             if world > 1:
-                exchanged, _ = data_parallel_exchange(table, world, batch_size)
+                exchanged, _ = data_parallel_exchange(table, world, batch_size,
+                                                      cache_params=ps.cache_params)
                 ring = 2.0 * (world - 1) / world * exchanged
                 self._all_sent += ring
                 self._all_recv += ring

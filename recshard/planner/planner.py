@@ -330,6 +330,6 @@ def to_sharding_plan(result: PartitionResult, topology: Topology) -> ShardingPla
             ranks=list(ranks),
             shards=shards,
             bounds_check_mode=option.bounds_check_mode,
-            cache_params=dict(option.cache_params) if option.cache_params else None,
+            cache_params=option.cache_params,
         )
     return ShardingPlan(plan)

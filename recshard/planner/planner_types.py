@@ -15,7 +15,7 @@ from recshard.modules.embedding_configs import DataType
 from recshard.plan import sharding_types
 from recshard.plan.sharding_types import sharding_type_values
 from recshard.planner.profile import CalibrationProfile
-from recshard.types import BoundsCheckMode
+from recshard.types import BoundsCheckMode, CacheAlgorithm, CacheParams
 
 GIB = 1024**3
 _GBPS_TO_BYTES_PER_MS = 1e9 / 1e3
@@ -115,9 +115,12 @@ class ParameterConstraints:
     `sharding_types` / `compute_kernels` narrow what the sharder allows. `min_partition` is
     the narrowest column shard for column-wise types (default 64). `pooling_factors`,
     `num_poolings` and `batch_sizes` are per feature (ids per bag, bags per sample, samples
-    per rank). `enforce_hbm` drops the UVM kernels. `cache_params` (e.g. `{"load_factor":
-    0.2}`) and `bounds_check_mode` are carried into the plan; `stochastic_rounding` is accepted
-    for TorchRec compatibility but `ParameterSharding` has no field for it yet.
+    per rank). `enforce_hbm` drops the UVM kernels. `cache_params` (a `CacheParams`; a dict
+    of its fields is converted) and `bounds_check_mode` are carried into the plan;
+    `cache_params.load_factor` sizes a UVM cache, and `cache_params.stats` (a
+    `CacheStatistics` measured on the user's data) tells the estimators how many distinct
+    rows a batch touches and how cacheable they are. `stochastic_rounding` is accepted for
+    TorchRec compatibility but `ParameterSharding` has no field for it yet.
     """
 
     sharding_types: Optional[List[str]] = None
@@ -127,7 +130,7 @@ class ParameterConstraints:
     num_poolings: Optional[List[float]] = None
     batch_sizes: Optional[List[int]] = None
     is_weighted: Optional[bool] = None
-    cache_params: Optional[Dict[str, Any]] = None
+    cache_params: Optional[CacheParams] = None
     enforce_hbm: Optional[bool] = None
     stochastic_rounding: Optional[bool] = None
     bounds_check_mode: Optional[BoundsCheckMode] = None
@@ -144,6 +147,56 @@ class ParameterConstraints:
                 raise ValueError(f"unknown sharding types {bad}; expected {ALL_SHARDING_TYPES}")
         if self.min_partition is not None and self.min_partition < 1:
             raise ValueError(f"min_partition must be >= 1, got {self.min_partition}")
+        if isinstance(self.cache_params, dict):
+            self.cache_params = cache_params_from_dict(self.cache_params)
+        elif self.cache_params is not None and not isinstance(self.cache_params, CacheParams):
+            raise ValueError("cache_params must be a CacheParams (or a dict of its fields), "
+                             f"got {type(self.cache_params).__name__}")
+
+
+_CACHE_FIELDS = ("algorithm", "load_factor", "reserved_memory", "precision",
+                 "prefetch_pipeline")
+
+
+def cache_params_from_dict(raw: Dict[str, Any]) -> CacheParams:
+    """A `CacheParams` from its JSON form: `algorithm` ("LRU" / "LFU"), `load_factor` and
+    `reserved_memory` (numbers), `precision` (a `DataType` name), `prefetch_pipeline`; enum
+    members are taken as they are. `stats` and the fbgemm prefetch config are objects, not
+    JSON: pass a `CacheParams` for them. ValueError names the bad key and value."""
+    unknown = sorted(set(raw) - set(_CACHE_FIELDS))
+    if unknown:
+        raise ValueError(f"cache_params: unknown keys {unknown}; known: {list(_CACHE_FIELDS)} "
+                         "(stats: pass a CacheParams with a CacheStatistics from Python)")
+    values = dict(raw)
+    try:
+        if isinstance(values.get("algorithm"), str):
+            values["algorithm"] = CacheAlgorithm[values["algorithm"].upper()]
+        if isinstance(values.get("precision"), str):
+            values["precision"] = DataType(values["precision"].upper())
+    except (KeyError, ValueError):
+        raise ValueError(f"cache_params: bad algorithm / precision in {raw}; algorithm is one "
+                         f"of {[a.name for a in CacheAlgorithm]}, precision one of "
+                         f"{[d.value for d in DataType]}") from None
+    for key in ("load_factor", "reserved_memory"):
+        value = values.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 <= value):
+            raise ValueError(f"cache_params: {key} must be a number >= 0, got {value!r}")
+    return CacheParams(**values)
+
+
+def cache_params_to_dict(params: Optional[CacheParams]) -> Optional[Dict[str, Any]]:
+    """The JSON form of `params` (see `cache_params_from_dict`): the set fields other than
+    `stats` and the prefetch config, which are objects (TorchRec's hash leaves `stats` out
+    too); None for None."""
+    if params is None:
+        return None
+    out: Dict[str, Any] = {}
+    for key in _CACHE_FIELDS:
+        value = getattr(params, key)
+        if value is not None:
+            out[key] = value.name if key == "algorithm" else getattr(value, "value", value)
+    return out
 
 
 @dataclass
@@ -281,7 +334,7 @@ class ShardingOption:
         sharding_type: str,
         compute_kernel: str,
         segments: List[Segment],
-        cache_params: Optional[Dict[str, Any]] = None,
+        cache_params: Optional[CacheParams] = None,
         bounds_check_mode: Optional[BoundsCheckMode] = None,
     ) -> None:
         self.table = table

@@ -24,6 +24,7 @@ from recshard.planner import (
     refine_placement,
 )
 from recshard.planner.planner_types import GIB, Segment
+from recshard.types import CacheParams
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -84,7 +85,7 @@ def test_constraints_are_honored():
     assert all(s.shard_sizes[1] >= 16 for s in t4.shards)
     assert len({s.rank // 4 for s in t4.shards}) == 1
     assert entries["t5"].compute_kernel == "fused_uvm_caching"
-    assert entries["t5"].cache_params == {"load_factor": 0.5}
+    assert entries["t5"].cache_params == CacheParams(load_factor=0.5)
     assert entries["t6"].compute_kernel not in ("fused_uvm", "fused_uvm_caching")
 
 

@@ -14,6 +14,7 @@ from recshard.planner import (
 )
 from recshard.planner.enumerator import column_runs, row_runs
 from recshard.planner.estimators import optimizer_state_bytes
+from recshard.types import CacheParams
 
 
 def test_optimizer_state_per_type():
@@ -42,7 +43,7 @@ def test_storage_placement_by_kernel_on_cuda():
     fused = est.estimate(table, "table_wise", "fused", 1_000_000, 64)
     uvm = est.estimate(table, "table_wise", "fused_uvm", 1_000_000, 64)
     cached = est.estimate(table, "table_wise", "fused_uvm_caching", 1_000_000, 64,
-                          {"load_factor": 0.1})
+                          CacheParams(load_factor=0.1))
     weights_and_state = 1_000_000 * 64 * (4 + 8)
     assert fused.ddr == 0 and fused.hbm > weights_and_state
     assert uvm.ddr == weights_and_state and uvm.hbm < 0.01 * fused.hbm

@@ -29,7 +29,7 @@ from recshard.planner import (
     validate_plan,
 )
 from recshard.planner.plan_io import PlanValidationError
-from recshard.types import BoundsCheckMode, ModuleSharder, ShardingType
+from recshard.types import BoundsCheckMode, CacheParams, ModuleSharder, ShardingType
 
 GIB = 1024**3
 
@@ -142,7 +142,7 @@ def test_plan_file_round_trip(tmp_path):
     assert loaded.plan["sparse.ebc"]["bag1"].shards == plan.plan["sparse.ebc"]["bag1"].shards
     bag2 = loaded.plan["sparse.ebc"]["bag2"]
     assert bag2.bounds_check_mode == BoundsCheckMode.WARNING
-    assert bag2.cache_params == {"load_factor": 0.3}
+    assert bag2.cache_params == CacheParams(load_factor=0.3)
     validate_plan(loaded, model, world_size=3)
 
 
