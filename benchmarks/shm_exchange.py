@@ -3,6 +3,7 @@ through shared memory instead of gloo's loopback TCP. A measurement, not a trans
 
     python -m benchmarks.shm_exchange                          # column_wise,table_wise, 3 repeats
     python -m benchmarks.shm_exchange --cases column_wise --repeats 5
+    python -m benchmarks.shm_exchange --quick                  # tiny sizes (smoke test)
 
 The workload of `benchmarks/ebc.py` (2 pinned ranks, one torch thread each, 3 warm-up + 30
 timed steps, a run's figure the median of the slowest rank's steps). Each case runs twice per
@@ -33,7 +34,7 @@ import torch.distributed as dist
 import recshard.comm.kjt_all_to_all as kjt_all_to_all
 import recshard.comm.ops as comm_ops
 from benchmarks.ebc import build, criteo_tables, make_batches, train_step
-from benchmarks.ebc_workload import Sizes, pooling_factors
+from benchmarks.ebc_workload import QUICK, Sizes, pooling_factors
 from benchmarks.ranks import run_ranks, timed_steps, warm_up
 from recshard.comm import buffers
 from recshard.comm.request import Pending
@@ -136,14 +137,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 3 steps, 1 repeat")
     args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else Sizes()
+    if args.quick:
+        args.repeats, args.steps, args.warmup = 1, 3, 1
     rank_args = argparse.Namespace(threads=1, pin=True, timeout=600.0)
     figures: Dict[str, Dict[bool, List[float]]] = {}
     for _ in range(args.repeats):
         for case in args.cases.split(","):
             sums = {}
             for shm in (False, True):
-                ranks = run_ranks(2, rank_args, run, case, Sizes(), args, shm)
+                ranks = run_ranks(2, rank_args, run, case, sizes, args, shm)
                 step = statistics.median(max(s) for s in zip(*(r["times"] for r in ranks)))
                 figures.setdefault(case, {}).setdefault(shm, []).append(step)
                 sums[shm] = [r["checksum"] for r in ranks]
