@@ -43,3 +43,19 @@ def test_ebc_benchmark_quick_covers_every_configuration() -> None:
     (profile,) = by_bench["profile"]
     assert profile["name"] == "table_wise" and len(profile["top_ops"]) == 10
     assert {"input_dist", "compute", "output_dist", "backward"} <= set(profile["phases_ms"])
+
+
+def test_shm_exchange_quick_trains_the_same_weights_both_ways() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.shm_exchange", "--quick"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    runs = [r for r in records if r["bench"] == "shm_exchange_run"]
+    assert {r["case"] for r in runs} == {"column_wise", "table_wise"}
+    # the shared-memory exchange delivers the same bytes: the same weights after the steps
+    assert all(r["same_weights"] for r in runs), runs
+    summary = {r["case"]: r for r in records if r["bench"] == "shm_exchange"}
+    assert set(summary) == {"column_wise", "table_wise"}
+    assert all(r["gloo_step_ms"] > 0 and r["shm_step_ms"] > 0 for r in summary.values())
