@@ -4,7 +4,7 @@ Kernels: recshard's fused and dense lookup kernels (`GroupedLookup`, exact SGD),
 backward + update, over a grid of embedding dims, pooling factors, batch sizes and table
 sizes, each point the median of a few timed calls; one least-squares fit per kernel,
 phase and dim (see `recshard.planner.profile`). Cache: the fused kernel's per-id cost in one
-table 4x this machine's last-level cache share over one a quarter of it (`CacheCost`); the
+table 4x this machine's last-level cache share over one 1/64 of it (`CacheCost`); the
 fused fits then count each id at `lookup_cost_scale` of its table, so they price a
 cache-resident id. Links, when a process group is up (torchrun):
 all-to-all, reduce-scatter and all-gather over a few buffer sizes among the ranks of a host
@@ -159,23 +159,25 @@ Sample = Tuple[float, float, float, float]  # ids, bags, elements, ms
 def measure_cache(grid: CalibrationGrid, cache_bytes: float,
                   per_point_s: float) -> Optional[CacheCost]:
     """Per-id cost of the fused kernel (dim 64, `grid.cache_ids` uniform ids, one table) at
-    4x `cache_bytes` over at a quarter of it, forward and backward + update, as miss ratios
-    (`lookup_cost_scale`: a ratio `r` at miss fraction `m` is `1 + (miss_ratio - 1) m`);
-    None without a cache size."""
+    4x `cache_bytes` over at 1/64 of it, forward and backward + update, as the miss ratios
+    of `lookup_cost_scale` that give that cost ratio; None without a cache size."""
     if cache_bytes <= 0:
         return None
     dim = 64
+    sizes = (cache_bytes / 64, 4 * cache_bytes)
     times = []
-    for table_bytes in (cache_bytes / 4, 4 * cache_bytes):
+    for table_bytes in sizes:
         rows = max(int(table_bytes / (4 * dim)), 1)
         lookup = _lookup(EmbeddingComputeKernel.FUSED, 1, rows, dim)
         times.append(_time_point(lookup, None, _batch(1, rows, grid.cache_ids, 1, seed=dim),
                                  2 * per_point_s))
     (fwd_in, total_in), (fwd_out, total_out) = times
-    miss = cache_miss_fraction(4 * cache_bytes, cache_bytes)
+    hot, cold = (cache_miss_fraction(size, cache_bytes) for size in sizes)
 
-    def ratio(resident: float, cold: float) -> float:
-        return max(1.0 + (cold / max(resident, 1e-6) - 1.0) / miss, 1.0)
+    def ratio(resident: float, missing: float) -> float:
+        """`r` with `(1 + (r - 1) cold) / (1 + (r - 1) hot)` = the measured ratio (>= 1)."""
+        observed = max(missing / max(resident, 1e-6), 1.0)
+        return 1.0 + (observed - 1.0) / max(cold - observed * hot, 1e-3 * cold)
 
     return CacheCost(cache_bytes, ratio(fwd_in, fwd_out),
                      ratio(total_in - fwd_in, total_out - fwd_out))

@@ -43,11 +43,12 @@ ID_BYTES = 8
 PER_ID_WEIGHT_BYTES = 4
 SECTOR_BYTES = 32  # a row read or write moves at least one 32-byte sector
 DEFAULT_CACHE_LOAD_FACTOR = 0.2
-# Per-id cost of the fused CPU kernel in a table that misses the last-level cache over one that
-# fits, (forward, backward + update), without a profile: one table, ids uniform, 1 thread,
-# 16 MiB LLC share; 15 k rows (3.7 MB) 3.6 / 14.4 ns per id, 200 k rows (49 MB) 4.4 / 42.5,
-# 400 k (98 MB) 4.7 / 42.2 (quiet probe, 2026-11-24, AMD EPYC; benchmarks/README).
-DEFAULT_MISS_RATIOS = (1.3, 3.6)
+# Per-id cost of the fused CPU kernel's row accesses on a cache miss over a hit, (forward,
+# backward + update), without a profile: a fit of `lookup_cost_scale` to one table, 40 k
+# uniform ids, 1 thread, 16 MiB LLC share (quiet probe, 2026-11-24, AMD EPYC): 3 rows 2.4 /
+# 8.1 ns per id, 15 k rows (3.7 MB) 3.6 / 16.2, 93 k (23 MB) 4.4 / 49.9, 200 k (49 MB) 4.3 /
+# 64.4 (another run: 200 k 4.4 / 42.5); benchmarks/README.
+DEFAULT_MISS_RATIOS = (2.2, 9.0)
 # A sharded pooled module's step holds its rank's local output four times: the output dist's
 # received buffer, the KeyedTensor built from it, their gradient, and the gradient sent back.
 MODULE_OUTPUT_COPIES = 4
@@ -171,18 +172,20 @@ def cache_hit_rate(cache_params: Optional[Dict[str, Any]], rows: int) -> float:
     return math.log1p(_load_factor(cache_params) * rows) / math.log1p(rows)
 
 
-def cache_miss_fraction(shard_bytes: float, cache_bytes: float) -> float:
-    """Fraction of uniform lookups into `shard_bytes` of rows that miss a `cache_bytes` cache
-    (the part of the shard the cache cannot hold); 0 without a cache model."""
-    if cache_bytes <= 0 or shard_bytes <= cache_bytes:
+def cache_miss_fraction(table_bytes: float, cache_bytes: float) -> float:
+    """Fraction of uniform lookups into `table_bytes` of rows that miss a `cache_bytes` cache:
+    `S / (S + C)`, rising from 0 well before the table outgrows the cache (the cache also
+    holds the other tables, gradients and sort buffers: measured misses start near C / 4);
+    0 without a cache model."""
+    if cache_bytes <= 0:
         return 0.0
-    return 1.0 - cache_bytes / shard_bytes
+    return table_bytes / (table_bytes + cache_bytes)
 
 
-def lookup_cost_scale(shard_bytes: float, cache_bytes: float, miss_ratio: float) -> float:
-    """Per-id cost of a lookup into a `shard_bytes` shard over a cache-resident one's: hits
+def lookup_cost_scale(table_bytes: float, cache_bytes: float, miss_ratio: float) -> float:
+    """Per-id cost of a lookup into a `table_bytes` table over a cache-resident one's: hits
     cost 1, misses `miss_ratio`."""
-    return 1.0 + (miss_ratio - 1.0) * cache_miss_fraction(shard_bytes, cache_bytes)
+    return 1.0 + (miss_ratio - 1.0) * cache_miss_fraction(table_bytes, cache_bytes)
 
 
 class EmbeddingPerfEstimator:
