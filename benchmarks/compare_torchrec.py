@@ -10,9 +10,7 @@ TorchRec's (`benchmarks/torchrec_ebc.py.txt`, served by VENV's python in a subpr
 is no dependency of the project), then the next case; all cases `--repeats` times (A B A B A B).
 Both sides run in fresh rank processes pinned to their own cores, one torch thread per rank
 (cases `*_1rank_2threads`: one rank on both cores with two threads), the same tables,
-placements, ids, warm-up and timed steps (the table-wise placement: recshard's planner
-restricted to table-wise, `benchmarks.ebc.table_wise_ranks`, handed to TorchRec's side in
-each request). A run's figure is the median over steps of the
+placements, ids, warm-up and timed steps. A run's figure is the median over steps of the
 slowest rank's step; the reported one is the median over repeats.
 
 `ratio` is recshard's samples/s over TorchRec's (TorchRec's step / recshard's). `floor_ms` is
@@ -35,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from benchmarks.ebc import criteo_tables, measure, table_wise_ranks
+from benchmarks.ebc import measure
 from benchmarks.ebc_workload import QUICK, Sizes, copy_bandwidth_gbs, floor_ms, pooling_factors
 from benchmarks.ranks import rank_cpus, run_ranks
 
@@ -99,10 +97,8 @@ def _run_args(case: Case, args: argparse.Namespace) -> argparse.Namespace:
         profile_steps=args.profile_steps)
 
 
-def _request(case: Case, args: argparse.Namespace, profile: bool,
-             placement: List[int]) -> Dict[str, Any]:
+def _request(case: Case, args: argparse.Namespace, profile: bool) -> Dict[str, Any]:
     return dict(plan=case.plan, world_size=case.world_size, threads=case.threads, pin=True,
-                table_wise_ranks=placement,
                 timeout=args.timeout, steps=args.steps, warmup=args.warmup,
                 batches=args.batches, quick=args.quick, profile=profile,
                 profile_steps=args.profile_steps, top=args.top)
@@ -123,10 +119,7 @@ def compare(args: argparse.Namespace) -> None:
     os.sched_setaffinity(0, set(rank_cpus(0, 1)))  # one core's bandwidth, before any rank runs
     bandwidth = copy_bandwidth_gbs()
     os.sched_setaffinity(0, allowed)
-    placements = {ws: table_wise_ranks(criteo_tables(sizes), pooling, sizes.batch, ws, ws)
-                  for ws in sorted({c.world_size for c in args.cases})}
     emit(dict(bench="compare_setup", copy_bandwidth_gbs_per_core=round(bandwidth, 2),
-              table_wise_ranks={str(ws): ranks for ws, ranks in placements.items()},
               lookups_per_rank_batch=sum(pooling) * sizes.batch, batch_per_rank=sizes.batch,
               dim=sizes.dim, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
               cases=[c.name for c in args.cases], torchrec_venv=str(args.venv)))
@@ -136,7 +129,7 @@ def compare(args: argparse.Namespace) -> None:
             for case in args.cases:
                 mine = run_ranks(case.world_size, _run_args(case, args), measure,
                                  case.plan, sizes, _run_args(case, args), True)[0]["profile"]
-                theirs = server.run(_request(case, args, True, placements[case.world_size]))[0]["profile"]
+                theirs = server.run(_request(case, args, True))[0]["profile"]
                 emit({**mine, "bench": "profile", "library": "recshard", "case": case.name})
                 emit({**theirs, "bench": "profile", "library": "torchrec", "case": case.name})
             return
@@ -150,7 +143,7 @@ def compare(args: argparse.Namespace) -> None:
                 run_args = _run_args(case, args)
                 mine = run_ranks(case.world_size, run_args, measure, case.plan, sizes, run_args,
                                  False)
-                theirs = server.run(_request(case, args, False, placements[case.world_size]))
+                theirs = server.run(_request(case, args, False))
                 for side, ranks in (("recshard", mine), ("torchrec", theirs)):
                     medians[case.name][side].append(_slowest_median(ranks))
                     faults[case.name][side].append(max(r["faults_per_step"] for r in ranks))

@@ -122,33 +122,15 @@ def make_batches(
                                                  batch, seed, count)]
 
 
-def table_wise_ranks(tables: List[EmbeddingBagConfig], pooling: List[int], batch: int,
-                     world_size: int, local_size: int) -> List[int]:
-    """The table-wise cases' placement: recshard's planner restricted to table-wise, fused
-    kernels (its cost model balances the ranks' time: a large table's ids cost more than a
-    cache-resident one's). `compare_torchrec` hands the same list to TorchRec's side."""
-    constraints = {t.name: ParameterConstraints(sharding_types=["table_wise"],
-                                                compute_kernels=["fused"],
-                                                pooling_factors=[float(p)])
-                   for t, p in zip(tables, pooling)}
-    planner = EmbeddingShardingPlanner(Topology(world_size, "cpu", local_world_size=local_size),
-                                       batch_size=batch, constraints=constraints, debug=False)
-    plan = planner.plan(EmbeddingBagCollection(tables, device="meta"),
-                        [EmbeddingBagCollectionSharder()]).plan[""]
-    return [plan[t.name].ranks[0] for t in tables]
-
-
 def per_table_plan(
-    name: str, tables: List[EmbeddingBagConfig], pooling: List[int], batch: int,
-    world_size: int, local_size: int,
+    name: str, tables: List[EmbeddingBagConfig], pooling: List[int], world_size: int,
+    local_size: int,
 ) -> Dict[str, ShardingGenerator]:
-    """Table-wise: `table_wise_ranks` (in order: contiguous runs of tables); table-row-wise:
-    tables balanced by ids over hosts (`local_size` ranks each), rows split within the host."""
+    """Table-wise: tables balanced over ranks; table-row-wise: over hosts (`local_size` ranks
+    each), rows split within the host."""
     sharding_type, kernel = CONFIGS[name]
-    if name == "table_wise_in_order":
-        ranks = contiguous_ranks(pooling, world_size)
-    elif sharding_type == "table_wise":
-        ranks = table_wise_ranks(tables, pooling, batch, world_size, local_size)
+    placement = contiguous_ranks if name == "table_wise_in_order" else balanced_ranks
+    ranks = placement(pooling, world_size)
     hosts = balanced_ranks(pooling, world_size // local_size)
     make: Dict[str, Callable[[int], ShardingGenerator]] = {
         "table_wise": lambda t: table_wise(ranks[t], compute_kernel=kernel),
@@ -195,7 +177,7 @@ def build(name: str, tables: List[EmbeddingBagConfig], pooling: List[int], batch
         plan = planned(ebc, sharder, pooling, batch, inter_host_gbps)
     else:
         plan = construct_module_sharding_plan(
-            ebc, per_table_plan(name, tables, pooling, batch, world_size, local_size),
+            ebc, per_table_plan(name, tables, pooling, world_size, local_size),
             local_size=local_size, world_size=world_size,
         )
     module = sharder.shard(ebc, plan, ShardingEnv.from_process_group(dist.group.WORLD))
@@ -266,7 +248,7 @@ def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace,
     emit(dict(bench="ebc_setup", world_size=ws, tables=len(tables), dim=sizes.dim,
               total_rows=sum(t.num_embeddings for t in tables), batch_per_rank=sizes.batch,
               pooling_factors=pooling, lookups_per_rank_batch=sum(pooling) * sizes.batch,
-              table_wise_ranks=table_wise_ranks(tables, pooling, sizes.batch, ws, local_size),
+              table_wise_ranks=balanced_ranks(pooling, ws),
               table_wise_in_order_ranks=contiguous_ranks(pooling, ws),
               torch_threads_per_rank=args.threads, pinned=args.pin,
               hosts=ws // local_size, ranks_per_host=local_size,

@@ -3,10 +3,7 @@
 Kernels: recshard's fused and dense lookup kernels (`GroupedLookup`, exact SGD), forward and
 backward + update, over a grid of embedding dims, pooling factors, batch sizes and table
 sizes, each point the median of a few timed calls; one least-squares fit per kernel,
-phase and dim (see `recshard.planner.profile`). Cache: the fused kernel's per-id cost in one
-table 4x this machine's last-level cache share over one 1/64 of it (`CacheCost`); the
-fused fits then count each id at `lookup_cost_scale` of its table, so they price a
-cache-resident id. Links, when a process group is up (torchrun):
+phase and dim (see `recshard.planner.profile`). Links, when a process group is up (torchrun):
 all-to-all, reduce-scatter and all-gather over a few buffer sizes among the ranks of a host
 and, with several hosts, among the ranks of equal local rank across hosts; fit `latency +
 bytes / bandwidth`. Memory (Linux): the fused kernel's peak resident growth while building
@@ -35,15 +32,12 @@ from recshard.comm.ops import all_gather_base_pooled, reduce_scatter_base_pooled
 from recshard.comm.pg import get_local_size, intra_and_cross_node_pg
 from recshard.lookup import GroupedLookup, LocalTable
 from recshard.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from recshard.planner.estimators import cache_miss_fraction, lookup_cost_scale
 from recshard.planner.profile import (
-    CacheCost,
     CalibrationProfile,
     KernelCost,
     LinkCost,
     MemoryCost,
     distinct_rows,
-    machine_cache_bytes,
 )
 from recshard.sparse import KeyedJaggedTensor, jagged_ops
 from recshard.types import EmbeddingComputeKernel
@@ -64,14 +58,13 @@ class CalibrationGrid:
     rows: Tuple[int, ...] = (25_000, 100_000)  # dense kernel: its update is per element
     fused_rows: Tuple[int, ...] = (2_000, 100_000)  # fused: a cache-resident and a cold table
     tables: int = 4  # working sets of 100-400 MB, as a rank's tables
-    cache_ids: int = 40_960  # ids per call of the cache probe (dim 64)
     link_bytes: Tuple[int, ...] = (1 << 14, 1 << 18, 1 << 21, 1 << 23)
     link_repeats: int = 7
 
     @classmethod
     def quick(cls) -> CalibrationGrid:
         return cls(dims=(16, 32), poolings=(1, 4), batches=(32, 128), rows=(500, 2000),
-                   fused_rows=(200, 2000), cache_ids=4096,
+                   fused_rows=(200, 2000),
                    link_bytes=(1 << 10, 1 << 14, 1 << 16), link_repeats=3)
 
 
@@ -93,9 +86,8 @@ def calibrate(
     points = (len(grid.dims) * len(grid.poolings) * len(grid.batches)
               * (len(grid.fused_rows) + len(grid.rows)))
     per_point_s = 0.8 * budget_s / max(points, 1)
-    profile.cache = measure_cache(grid, machine_cache_bytes(), per_point_s)
     for dim in grid.dims:
-        profile.kernels += measure_kernels(dim, grid, per_point_s, profile.cache)
+        profile.kernels += measure_kernels(dim, grid, per_point_s)
     profile.memory = measure_memory(grid)
     if group is not None and world > 1:
         dist.barrier(group)
@@ -157,40 +149,11 @@ def _time_point(lookup: GroupedLookup, sgd: Optional[torch.optim.Optimizer],
 Sample = Tuple[float, float, float, float]  # ids, bags, elements, ms
 
 
-def measure_cache(grid: CalibrationGrid, cache_bytes: float,
-                  per_point_s: float) -> Optional[CacheCost]:
-    """Per-id cost of the fused kernel (dim 64, `grid.cache_ids` uniform ids, one table) at
-    4x `cache_bytes` over at 1/64 of it, forward and backward + update, as the miss ratios
-    of `lookup_cost_scale` that give that cost ratio; None without a cache size."""
-    if cache_bytes <= 0:
-        return None
-    dim = 64
-    sizes = (cache_bytes / 64, 4 * cache_bytes)
-    times = []
-    for table_bytes in sizes:
-        rows = max(int(table_bytes / (4 * dim)), 1)
-        lookup = _lookup(EmbeddingComputeKernel.FUSED, 1, rows, dim)
-        times.append(_time_point(lookup, None, _batch(1, rows, grid.cache_ids, 1, seed=dim),
-                                 2 * per_point_s))
-    (fwd_in, total_in), (fwd_out, total_out) = times
-    hot, cold = (cache_miss_fraction(size, cache_bytes) for size in sizes)
-
-    def ratio(resident: float, missing: float) -> float:
-        """`r` with `(1 + (r - 1) cold) / (1 + (r - 1) hot)` = the measured ratio (>= 1)."""
-        observed = max(missing / max(resident, 1e-6), 1.0)
-        return 1.0 + (observed - 1.0) / max(cold - observed * hot, 1e-3 * cold)
-
-    return CacheCost(cache_bytes, ratio(fwd_in, fwd_out),
-                     ratio(total_in - fwd_in, total_out - fwd_out))
-
-
-def measure_kernels(dim: int, grid: CalibrationGrid, per_point_s: float,
-                    cache: Optional[CacheCost] = None) -> List[KernelCost]:
+def measure_kernels(dim: int, grid: CalibrationGrid, per_point_s: float) -> List[KernelCost]:
     """Fits for the fused and dense kernels at `dim`, forward and backward + update. The
     fused kernel is timed at each size of `grid.fused_rows` (a cache-resident table and a
     cold one) and its update's elements are the distinct rows looked up times the dim, so one
-    fit prices any table size and batch (a small table's ids are mostly repeats); with
-    `cache`, its ids and elements count at `lookup_cost_scale` of the table's bytes."""
+    fit prices any table size and batch (a small table's ids are mostly repeats)."""
     samples: Dict[Tuple[str, str], List[Sample]] = {}
     cases = [("fused", EmbeddingComputeKernel.FUSED, rows) for rows in grid.fused_rows]
     cases += [("dense", EmbeddingComputeKernel.DENSE, rows) for rows in grid.rows]
@@ -204,12 +167,10 @@ def measure_kernels(dim: int, grid: CalibrationGrid, per_point_s: float,
                 fwd, total = _time_point(lookup, sgd, kjt, per_point_s)
                 ids = float(batch * pooling)
                 updated = rows if name == "dense" else distinct_rows(rows, ids)
-                for phase, ms in (("fwd", fwd), ("bwd", max(total - fwd, 0.0))):
-                    scale = 1.0 if cache is None or name == "dense" else lookup_cost_scale(
-                        4.0 * rows * dim, cache.cache_bytes, cache.miss_ratio(phase))
-                    samples.setdefault((name, phase), []).append(
-                        (grid.tables * ids * scale, float(grid.tables * batch),
-                         grid.tables * updated * dim * scale, ms))
+                work = (grid.tables * ids, float(grid.tables * batch),
+                        float(grid.tables * updated * dim))
+                samples.setdefault((name, "fwd"), []).append((*work, fwd))
+                samples.setdefault((name, "bwd"), []).append((*work, max(total - fwd, 0.0)))
     out = []
     for (name, phase), points in samples.items():
         per_id, per_bag, per_element, per_call = fit_costs(

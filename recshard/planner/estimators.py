@@ -49,12 +49,6 @@ logger = logging.getLogger(__name__)
 ID_BYTES = 8
 PER_ID_WEIGHT_BYTES = 4
 SECTOR_BYTES = 32  # a row read or write moves at least one 32-byte sector
-# Per-id cost of the fused CPU kernel's row accesses on a cache miss over a hit, (forward,
-# backward + update), without a profile: a fit of `lookup_cost_scale` to one table, 40 k
-# uniform ids, 1 thread, 16 MiB LLC share (quiet probe, 2026-11-24, AMD EPYC): 3 rows 2.4 /
-# 8.1 ns per id, 15 k rows (3.7 MB) 3.6 / 16.2, 93 k (23 MB) 4.4 / 49.9, 200 k (49 MB) 4.3 /
-# 64.4 (another run: 200 k 4.4 / 42.5); benchmarks/README.
-DEFAULT_MISS_RATIOS = (2.2, 9.0)
 # A sharded pooled module's step holds its rank's local output four times: the output dist's
 # received buffer, the KeyedTensor built from it, their gradient, and the gradient sent back.
 MODULE_OUTPUT_COPIES = 4
@@ -166,22 +160,6 @@ def _facts(cache: Dict[int, _TableFacts], table: TableMeta, batch_size: int) -> 
     return facts
 
 
-def cache_miss_fraction(table_bytes: float, cache_bytes: float) -> float:
-    """Fraction of uniform lookups into `table_bytes` of rows that miss a `cache_bytes` cache:
-    `S / (S + C)`, rising from 0 well before the table outgrows the cache (the cache also
-    holds the other tables, gradients and sort buffers: measured misses start near C / 4);
-    0 without a cache model."""
-    if cache_bytes <= 0:
-        return 0.0
-    return table_bytes / (table_bytes + cache_bytes)
-
-
-def lookup_cost_scale(table_bytes: float, cache_bytes: float, miss_ratio: float) -> float:
-    """Per-id cost of a lookup into a `table_bytes` table over a cache-resident one's: hits
-    cost 1, misses `miss_ratio`."""
-    return 1.0 + (miss_ratio - 1.0) * cache_miss_fraction(table_bytes, cache_bytes)
-
-
 class EmbeddingPerfEstimator:
     """Time of one shard per step (ms): compute from bytes moved at the kernel's memory
     bandwidth, communication from bytes over the links each sharding type's collectives use.
@@ -204,13 +182,6 @@ class EmbeddingPerfEstimator:
       sequence tables use a2a. Data-parallel: fwd 0, bwd an all-reduce of the fp32 gradient
       `4 rows cols`, or for large tables of the rows in use (`data_parallel_exchange`), each
       of its own all-reduces adding a reduce-scatter + all-gather latency (calibrated only).
-    CPU fused kernel: each id's row bytes (forward, backward) are priced by
-    `lookup_cost_scale(table bytes, topology.cache_bytes, miss ratio)`, so a table larger
-    than the cache share costs more per id (ratios: the profile's `cache`, else
-    `DEFAULT_MISS_RATIOS`) and the table-wise partitioner balances ranks by this time. The
-    whole table's bytes, not the shard's: a split table's shards share the rank's cache with
-    its other tables, which one shard's estimate cannot see, so splitting is not credited
-    with fitting in the cache.
     Link models (W ranks, Lw per host, H hosts; bandwidth counts bytes leaving a rank): a2a of
     `n` bytes sends `(Lw-1)/W n` inside the host and `(W-Lw)/W n` across hosts; a flat ring
     reduce-scatter / all-gather (what row-wise runs) sends `(W-1)/W n` over its slowest link
@@ -283,16 +254,14 @@ class EmbeddingPerfEstimator:
         row = math.ceil(cols * s_w / SECTOR_BYTES) * SECTOR_BYTES
         out_bytes = bags_out * cols * facts.s_out
         id_bytes = ids_in * facts.id_bytes
-        dense_update = compute_kernel == "dense" or sharding_type == "data_parallel"
-        table_bytes = table.num_embeddings * table.embedding_dim * s_w
-        fwd_scale, bwd_scale = self._cache_scales(compute_kernel, dense_update, table_bytes)
-        fwd_compute = (id_bytes + ids_in * row * fwd_scale + out_bytes) / bw
+        fwd_compute = (id_bytes + ids_in * row + out_bytes) / bw
         state_row = optimizer_state_bytes(table.optimizer, 1, cols)
+        dense_update = compute_kernel == "dense" or sharding_type == "data_parallel"
         if dense_update:
             full_update = rows * (cols * (2 * s_w + 4) + 2 * state_row)
             bwd_compute = (out_bytes + ids_in * row + full_update) / bw
         else:
-            bwd_compute = (out_bytes + ids_in * (2 * row + 2 * state_row) * bwd_scale) / bw
+            bwd_compute = (out_bytes + ids_in * (2 * row + 2 * state_row)) / bw
         if self._profile is not None and compute_kernel in ("fused", "dense") and rows > 0:
             updated = float(rows) if dense_update else touched_rows(
                 table, cache_params, rows, ids_in, facts.workload[0] * topo.world_size)
@@ -300,9 +269,6 @@ class EmbeddingPerfEstimator:
                                       bags_out, state_row / row)
             if measured is not None:
                 fwd_compute, bwd_compute = measured
-                if self._profile.cache is not None:  # fits of cache-resident ids
-                    fwd_compute *= fwd_scale
-                    bwd_compute *= bwd_scale
         if table.is_weighted:
             bwd_compute += ids_in * row / bw
         if sharding_type == "data_parallel":
@@ -323,24 +289,6 @@ class EmbeddingPerfEstimator:
             comms += out_bytes / lw * (hosts - 1) / hosts / topo.inter_host_bw
         return self._scaled(sharding_type, Perf(fwd_compute, comms, bwd_compute, comms,
                                                 input_dist), ids_in)
-
-    def _cache_scales(self, kernel: str, dense_update: bool,
-                      table_bytes: float) -> Tuple[float, float]:
-        """(forward, backward) per-id cost scale of a fused CPU lookup into `table_bytes`
-        (`lookup_cost_scale`); 1 for other kernels, and with a profile that has no `cache`
-        (its fits average over table sizes)."""
-        topo = self.topology
-        if kernel != "fused" or dense_update or topo.compute_device != "cpu":
-            return 1.0, 1.0
-        profile = self._profile
-        if profile is None:
-            fwd_ratio, bwd_ratio = DEFAULT_MISS_RATIOS
-        elif profile.cache is None:
-            return 1.0, 1.0
-        else:
-            fwd_ratio, bwd_ratio = profile.cache.fwd_miss_ratio, profile.cache.bwd_miss_ratio
-        return (lookup_cost_scale(table_bytes, topo.cache_bytes, fwd_ratio),
-                lookup_cost_scale(table_bytes, topo.cache_bytes, bwd_ratio))
 
     def _scaled(self, sharding_type: str, perf: Perf, ids_in: float) -> Perf:
         """`perf` with each phase times the profile's measured `work_scale` of the type, plus

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from recshard.modules.embedding_configs import DataType
 from recshard.plan import sharding_types
 from recshard.plan.sharding_types import sharding_type_values
-from recshard.planner.profile import CalibrationProfile, machine_cache_bytes
+from recshard.planner.profile import CalibrationProfile
 from recshard.types import BoundsCheckMode, CacheAlgorithm, CacheParams
 
 GIB = 1024**3
@@ -48,9 +48,7 @@ class Topology:
     host, default: all ranks on one host) must divide `world_size`; ranks are host-major.
     `uvm_efficiency` scales host<->device bandwidth for random row reads from UVM memory.
     `profile` (from `recshard-plan calibrate`): measured kernel costs, and link bandwidths
-    used for `intra_host_bw` / `inter_host_bw` where those are not given. `cache_bytes`: the
-    last-level cache per rank that CPU lookups price against (default: the profile's, else
-    this machine's per-core share for `"cpu"`, 0 = no cache model for `"cuda"`).
+    used for `intra_host_bw` / `inter_host_bw` where those are not given.
     """
 
     def __init__(
@@ -67,7 +65,6 @@ class Topology:
         inter_host_bw: Optional[float] = None,
         uvm_efficiency: float = 0.1,
         profile: Optional[CalibrationProfile] = None,
-        cache_bytes: Optional[float] = None,
     ) -> None:
         if compute_device not in _DEFAULTS:
             raise ValueError(f"compute_device must be 'cpu' or 'cuda', got {compute_device!r}")
@@ -97,10 +94,6 @@ class Topology:
         self.intra_host_bw = (d_intra if intra_host_bw is None else intra_host_bw) * gb
         self.inter_host_bw = (d_inter if inter_host_bw is None else inter_host_bw) * gb
         self.uvm_efficiency = uvm_efficiency
-        if cache_bytes is None:
-            cache_bytes = (profile.cache.cache_bytes if profile is not None and profile.cache
-                           else machine_cache_bytes() if compute_device == "cpu" else 0.0)
-        self.cache_bytes = float(cache_bytes)
 
     @property
     def num_hosts(self) -> int:

@@ -8,9 +8,6 @@ per (kernel, phase, embedding dim); other dims are interpolated linearly (beyond
 range: scaled in proportion to the dim). Link costs are `ms = latency_ms + bytes / bandwidth`
 fits per collective and link level, where `bytes` is what leaves one rank (the all-to-all
 buffer's `(W-1)/W`, a ring reduce-scatter's / all-gather's `(W-1)/W` of its full buffer).
-Cache (`CacheCost`, fused kernel): how much more an id costs, per phase, in a table far larger
-than the last-level cache share of a core than in one that fits in it (`lookup_cost_scale` in
-`recshard.planner.estimators`); the kernel fits are then the cost of a cache-resident id.
 Memory (`MemoryCost`, fused kernel): the peak resident growth building tables, fitted over two
 sizes as `factor weights + fixed` (measured: 1.00 x the weights + ~7 MB, built in place with
 no per-table transient), and a first training step's peak per id looked up and per output
@@ -31,7 +28,6 @@ import json
 import logging
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 PHASES = ("fwd", "bwd")  # bwd: backward + optimizer update
@@ -70,52 +66,6 @@ class LinkCost:
     ranks: int
     gbps: float
     latency_ms: float
-
-
-def machine_cache_bytes(cpu: int = 0, sysfs: Path = Path("/sys/devices/system/cpu")) -> float:
-    """This machine's last-level cache per core that shares it (Linux sysfs: the highest
-    data / unified cache level of `cpu`, its size over its `shared_cpu_list`); 0.0 where that
-    cannot be read. One rank per core is the layout the per-core share prices."""
-    best = (0, 0.0)
-    for index in sorted((sysfs / f"cpu{cpu}" / "cache").glob("index*")):
-        try:
-            if (index / "type").read_text().strip() == "Instruction":
-                continue
-            level = int((index / "level").read_text())
-            size = _size_bytes((index / "size").read_text().strip())
-            sharing = _cpu_count((index / "shared_cpu_list").read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if level > best[0]:
-            best = (level, size / max(sharing, 1))
-    return best[1]
-
-
-def _size_bytes(text: str) -> float:
-    units = {"K": 1024, "M": 1024**2, "G": 1024**3}
-    return float(text[:-1]) * units[text[-1]] if text[-1:] in units else float(text)
-
-
-def _cpu_count(text: str) -> int:
-    """CPUs in a sysfs cpu list such as `0-7,64-71`."""
-    count = 0
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        count += int(hi or lo) - int(lo) + 1
-    return count
-
-
-@dataclass
-class CacheCost:
-    """Measured per-id cost of the fused kernel in a table that misses a `cache_bytes` cache,
-    over one that fits in it (`miss ratio`), forward and backward + update."""
-
-    cache_bytes: float
-    fwd_miss_ratio: float
-    bwd_miss_ratio: float
-
-    def miss_ratio(self, phase: str) -> float:
-        return self.fwd_miss_ratio if phase == "fwd" else self.bwd_miss_ratio
 
 
 @dataclass
@@ -160,7 +110,6 @@ class CalibrationProfile:
     kernels: List[KernelCost] = field(default_factory=list)
     links: List[LinkCost] = field(default_factory=list)
     memory: Optional[MemoryCost] = None
-    cache: Optional[CacheCost] = None
     steps: List[StepCost] = field(default_factory=list)
     seconds: float = 0.0
     host: str = ""
@@ -248,10 +197,8 @@ class CalibrationProfile:
             links = [LinkCost(**c) for c in data.pop("links", [])]
             steps = [StepCost(**c) for c in data.pop("steps", [])]
             memory = data.pop("memory", None)
-            cache = data.pop("cache", None)
             profile = cls(kernels=kernels, links=links, steps=steps,
-                          memory=MemoryCost(**memory) if memory else None,
-                          cache=CacheCost(**cache) if cache else None, **data)
+                          memory=MemoryCost(**memory) if memory else None, **data)
         except TypeError as e:
             raise ValueError(f"not a calibration profile: {e}") from e
         if memory and "build_fixed_bytes" not in memory:
