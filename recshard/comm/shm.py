@@ -13,9 +13,10 @@ writer: call s uses slot s % SLOTS, a data segment of the writer that grows (a n
 new generation) when a call needs more. The writer publishes, in its control segment, the
 slot's sequence number, generation, capacity and where each destination's chunk starts;
 a reader waits for that sequence number, maps a new generation by name, copies its chunk and
-acknowledges. A writer reuses a slot only when every peer has acknowledged the call before;
-when it cannot at issue time (more than SLOTS calls of one site in flight), it writes at
-wait time instead, so a pipeline never blocks in issue.
+acknowledges. A writer reuses a slot only when every peer has acknowledged the call SLOTS
+before; at issue it first completes its own calls that far behind that were never waited (a
+pipeline that stops early drops its in-flight batches), so with more than SLOTS calls of one
+site in flight, issue waits like a synchronous collective instead of deadlocking.
 
 Files are unlinked as soon as every rank has mapped them (control segments at set-up, data
 segments by whichever rank maps a generation last) and by a rank that gives up on an error:
@@ -101,6 +102,7 @@ class _Site:
     own: Dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> this rank's segment
     own_gen: Dict[int, int] = field(default_factory=dict)
     peers: Dict[tuple, tuple] = field(default_factory=dict)  # (writer, slot) -> (gen, segment)
+    unfinished: List[Exchange] = field(default_factory=list)  # issued, not read yet, in order
 
 
 class _Group:
@@ -211,24 +213,27 @@ class Exchange:
             site.seq += 1
             self.seq = site.seq
         self.slot = self.seq % SLOTS
-        self.deadline = time.monotonic() + group.timeout_s
+        self.deadline = time.monotonic() + group.timeout_s  # for waiting for the slot
         me = group.rank
         at, arrive = _starts(input_sizes), _starts(output_sizes)
         out[arrive[me]:arrive[me + 1]].copy_(wire[at[me]:at[me + 1]])
-        self.written = self._slot_free() and self._write()
+        self.done = False
+        for earlier in [e for e in site.unfinished if e.seq <= self.seq - SLOTS]:
+            earlier.finish()  # never waited (a pipeline dropped it), or SLOTS calls behind
+        site.unfinished.append(self)
+        ctl, layout = group.controls[me], group.layout
+        for r in range(group.world_size):
+            if r != me:
+                self._wait(lambda r=r: ctl[layout.ack(site.index, r, self.slot)]
+                           >= self.seq - SLOTS, r, "to take the all-to-all before")
+        self._write()
 
     def _fail(self, peer: int, what: str) -> CollectiveError:
         self.group.give_up()
         return collective_error(self.name, OP, self.group.pg, TimeoutError(
             f"timed out after {self.group.timeout_s:.0f} s waiting for rank {peer} {what}"))
 
-    def _slot_free(self) -> bool:
-        g, layout, index = self.group, self.group.layout, self.site.index
-        ctl = g.controls[g.rank]
-        return all(ctl[layout.ack(index, r, self.slot)] >= self.seq - SLOTS
-                   for r in range(g.world_size) if r != g.rank)
-
-    def _write(self) -> bool:
+    def _write(self) -> None:
         """Copy the chunks for the peers into this rank's slot and publish the sequence number."""
         g, layout, index, slot = self.group, self.group.layout, self.site.index, self.slot
         me, ctl = g.rank, g.controls[g.rank]
@@ -260,24 +265,22 @@ class Exchange:
             offset += sizes[r]
         ctl[base + 3 + g.world_size] = offset
         ctl[base] = self.seq  # last: readers take the chunks once they see it
-        return True
 
     def finish(self) -> None:
-        """Write if issue could not, then copy every peer's chunk for this rank and acknowledge."""
+        """Copy every peer's chunk for this rank out of its segment and acknowledge (earlier
+        calls of this site first, so reads follow issue order). Once only."""
+        if self.done:
+            return
         g = self.group
         self.deadline = time.monotonic() + g.timeout_s
-        if not self.written:
-            ctl, layout = g.controls[g.rank], g.layout
-            for r in range(g.world_size):
-                if r != g.rank:
-                    self._wait(lambda r=r: ctl[layout.ack(self.site.index, r, self.slot)]
-                               >= self.seq - SLOTS, r, "to take the previous all-to-all")
-            self.written = self._write()
+        while self.site.unfinished[0] is not self:
+            self.site.unfinished[0].finish()
         arrive = _starts(self.output_sizes)
         for step in range(1, g.world_size):
             peer = (g.rank + step) % g.world_size
             self._read(peer, arrive[peer], arrive[peer + 1])
-        self.wire = None
+        self.wire, self.done = None, True
+        self.site.unfinished.pop(0)
 
     def _read(self, peer: int, start: int, end: int) -> None:
         g, layout, index, slot = self.group, self.group.layout, self.site.index, self.slot

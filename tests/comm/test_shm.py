@@ -104,7 +104,7 @@ def _missing_peer(rank: int, ws: int) -> Tuple[Optional[str], str]:
 
 def test_missing_peer_raises_collective_error_naming_it() -> None:
     results = run_ranks(3, _missing_peer, timeout=90, env={"RECSHARD_PG_TIMEOUT_S": "2"})
-    for rank, (message, token) in enumerate(results[:-1]):
+    for message, _token in results[:-1]:
         assert message is not None and "rank 2" in message, message
         assert "pooled all-to-all (backward)" in message and "timed out" in message, message
     assert _leftovers(results[0][1]) == []
