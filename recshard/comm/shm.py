@@ -27,6 +27,7 @@ not arrive once the group's timeout (`recshard.comm.pg.pg_timeout`) runs out.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
@@ -171,6 +172,14 @@ def _starts(sizes: List[int]) -> List[int]:
 
 _groups: Dict[dist.ProcessGroup, Optional[_Group]] = {}
 _groups_lock = threading.Lock()
+
+
+@atexit.register
+def _unlink_at_exit() -> None:
+    """Files a peer never mapped (its last request was never waited) go at a normal exit."""
+    for group in _groups.values():
+        if group is not None:
+            group.give_up()
 
 
 def enabled() -> bool:
