@@ -212,7 +212,7 @@ def _agree(pg: dist.ProcessGroup) -> Optional[_Group]:
 
 
 class Exchange:
-    """One issued all-to-all-v through shared memory; `finish()` completes it (waits, copies)."""
+    """One issued all-to-all-v through shared memory; `wait()` completes it (waits, copies)."""
 
     def __init__(self, group: _Group, site: _Site, name: str, wire: torch.Tensor,
                  input_sizes: List[int], output_sizes: List[int], out: torch.Tensor) -> None:
@@ -228,7 +228,7 @@ class Exchange:
         out[arrive[me]:arrive[me + 1]].copy_(wire[at[me]:at[me + 1]])
         self.done = False
         for earlier in [e for e in site.unfinished if e.seq <= self.seq - SLOTS]:
-            earlier.finish()  # never waited (a pipeline dropped it), or SLOTS calls behind
+            earlier.wait()  # never waited (a pipeline dropped it), or SLOTS calls behind
         site.unfinished.append(self)
         ctl, layout = group.controls[me], group.layout
         for r in range(group.world_size):
@@ -275,7 +275,7 @@ class Exchange:
         ctl[base + 3 + g.world_size] = offset
         ctl[base] = self.seq  # last: readers take the chunks once they see it
 
-    def finish(self) -> None:
+    def wait(self) -> None:
         """Copy every peer's chunk for this rank out of its segment and acknowledge (earlier
         calls of this site first, so reads follow issue order). Once only."""
         if self.done:
@@ -283,7 +283,7 @@ class Exchange:
         g = self.group
         self.deadline = time.monotonic() + g.timeout_s
         while self.site.unfinished[0] is not self:
-            self.site.unfinished[0].finish()
+            self.site.unfinished[0].wait()
         arrive = _starts(self.output_sizes)
         for step in range(1, g.world_size):
             peer = (g.rank + step) % g.world_size
