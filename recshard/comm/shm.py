@@ -22,7 +22,8 @@ Files are unlinked as soon as every rank has mapped them (control segments at se
 segments by whichever rank maps a generation last) and by a rank that gives up on an error:
 nothing stays in /dev/shm. Waits spin briefly, then sleep in growing steps (ranks may
 outnumber cores) and raise a `CollectiveError` naming the collective and the rank that did
-not arrive once the group's timeout (`recshard.comm.pg.pg_timeout`) runs out.
+not arrive once the group's timeout (`recshard.comm.pg.pg_timeout`) runs out, or at once
+when that rank's process has exited (as gloo sees a closed socket).
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ class _Site:
 class _Group:
     """The shared-memory state of one eligible process group on this rank."""
 
-    def __init__(self, pg: dist.ProcessGroup, token: str) -> None:
-        self.pg, self.token = pg, token
+    def __init__(self, pg: dist.ProcessGroup, token: str, pids: List[int]) -> None:
+        self.pg, self.token, self.pids = pg, token, pids
         self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
         self.layout = _Layout(self.world_size)
         self.timeout_s = pg_timeout(pg).total_seconds()
@@ -162,6 +163,15 @@ def _unlink(path: str) -> str:
     return path
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` (on this host) still runs: not gone, not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def _starts(sizes: List[int]) -> List[int]:
     """Where each rank's chunk starts, and the end."""
     out = [0]
@@ -200,13 +210,14 @@ def _agree(pg: dist.ProcessGroup) -> Optional[_Group]:
     world_size = dist.get_world_size(pg)
     if world_size < 2:
         return None
-    mine = (enabled(), socket.gethostname(), _boot_id(), os.path.isdir(_DIR), os.urandom(8).hex())
+    mine = (enabled(), socket.gethostname(), _boot_id(), os.path.isdir(_DIR), os.urandom(8).hex(),
+            os.getpid())
     everyone: List[tuple] = [None] * world_size
     dist.all_gather_object(everyone, mine, group=pg)
     if not all(e[0] and e[3] and e[1:3] == everyone[0][1:3] and e[2] for e in everyone):
         return None
     try:
-        return _Group(pg, everyone[0][4])
+        return _Group(pg, everyone[0][4], [e[5] for e in everyone])
     except OSError as e:  # /dev/shm full or not writable: the ranks could now disagree
         raise collective_error("shm_setup", OP, pg, e, stage="could not start") from e
 
@@ -334,6 +345,11 @@ class Exchange:
         while not ready():
             if time.monotonic() > self.deadline:
                 raise self._fail(peer, what)
+            if pause >= 1e-3 and not _alive(self.group.pids[peer]):  # gloo sees a closed socket
+                self.group.give_up()
+                raise collective_error(self.name, OP, self.group.pg, RuntimeError(
+                    f"rank {peer} (pid {self.group.pids[peer]}) exited while this rank waited "
+                    f"for it {what}"))
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
 
