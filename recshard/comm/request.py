@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from recshard.comm import buffers
+from recshard.comm import buffers, shm
 from recshard.comm.codecs import QuantizedCommCodec
 from recshard.comm.errors import CollectiveError, collective_error
 from recshard.types import Awaitable
@@ -74,7 +74,7 @@ def reset_comm_payload_bytes() -> None:
     _PAYLOAD_BYTES.clear()
 
 
-def wait_work(work: Optional[dist.Work], name: str, op: str = "all_to_all_single",
+def wait_work(work: Optional[dist.Work | shm.Exchange], name: str, op: str = "all_to_all_single",
               pg: Optional[dist.ProcessGroup] = None) -> None:
     """`work.wait()`, re-raising a backend error as a `CollectiveError` that names `name`."""
     if work is None:
@@ -102,7 +102,8 @@ class Pending:
     backend reports a failure or the process-group timeout, instead of a bare gloo/NCCL error.
     """
 
-    def __init__(self, works: List[Optional[dist.Work]], finish: Callable[[], torch.Tensor],
+    def __init__(self, works: List[Optional[dist.Work | shm.Exchange]],
+                 finish: Callable[[], torch.Tensor],
                  name: str = "collective", op: str = "collective",
                  pg: Optional[dist.ProcessGroup] = None) -> None:
         self._works = works
@@ -148,11 +149,14 @@ def issue_all_to_all(
     wire = _encode(x, codec)
     out = buffers.take(name, sum(_sizes(output_splits, codec)), wire.dtype, wire.device)
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
+    finish = (lambda: read(out)) if read is not None else (lambda: decode(out, codec, x.dtype))
+    local = shm.issue(pg, wire, _sizes(input_splits, codec), _sizes(output_splits, codec), out, name)
+    if local is not None:  # all ranks on this host: through /dev/shm (recshard.comm.shm)
+        return Pending([local], finish, name, shm.OP, pg)  # waited like a backend's work
     work = _start(name, "all_to_all_single", pg, lambda: dist.all_to_all_single(
         out, wire, _sizes(output_splits, codec), _sizes(input_splits, codec),
         group=pg, async_op=True,
     ))
-    finish = (lambda: read(out)) if read is not None else (lambda: decode(out, codec, x.dtype))
     return Pending([work], finish, name, "all_to_all_single", pg)
 
 
