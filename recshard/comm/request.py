@@ -176,11 +176,14 @@ def issue_reduce_scatter(
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
     if not _native_reduce_scatter(x.device):
         received = buffers.take(name, sizes[rank] * world_size, wire.dtype, wire.device)
+        finish = lambda: decode(_sum_rows(received, world_size, name), codec, x.dtype)  # noqa: E731
+        local = shm.issue(pg, wire, sizes, [sizes[rank]] * world_size, received, name)
+        if local is not None:  # all ranks on this host: through /dev/shm (recshard.comm.shm)
+            return Pending([local], finish, name, shm.OP, pg)
         work = _start(name, "all_to_all_single", pg, lambda: dist.all_to_all_single(
             received, wire, [sizes[rank]] * world_size, sizes, group=pg, async_op=True
         ))
-        return Pending([work], lambda: decode(_sum_rows(received, world_size, name), codec, x.dtype),
-                       name, "all_to_all_single", pg)
+        return Pending([work], finish, name, "all_to_all_single", pg)
     out = buffers.take(name, sizes[rank], wire.dtype, wire.device)
     if len(set(sizes)) == 1:
         op = "reduce_scatter_tensor"
@@ -231,6 +234,9 @@ def issue_all_gather(
         if divisor != 1:
             copies[0].div_(divisor)  # a contiguous pass: faster than div(out=) from strides
         copies[1:].copy_(copies[0].unsqueeze(0).expand(copies[1:].shape))
+        local = shm.issue(pg, send, [wire.numel()] * world_size, sizes, out, name)
+        if local is not None:  # all ranks on this host: through /dev/shm (recshard.comm.shm)
+            return Pending([local], lambda: decode(out, codec, x.dtype), name, shm.OP, pg)
         work = _start(name, op, pg, lambda: dist.all_to_all_single(
             out, send, sizes, [wire.numel()] * world_size, group=pg, async_op=True
         ))
