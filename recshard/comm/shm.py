@@ -31,12 +31,14 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
+import math
+import mmap
 import os
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Sequence, Set
 
 import numpy as np
 import torch
@@ -190,6 +192,22 @@ def _unlink_at_exit() -> None:
     for group in _groups.values():
         if group is not None:
             group.give_up()
+
+
+def resident_bytes(calls: Sequence[float]) -> float:
+    """Bytes that one call site keeps resident in one rank's memory once every slot has been
+    used, when each step issues calls through it that move `calls` bytes each, in this order
+    (pass what the rank writes for its peers, or what it reads from them): call `seq` of a
+    site uses slot `seq % SLOTS`, a slot's segment stays mapped with every page a call wrote
+    or read in it, so each slot holds the largest call that lands in it, in whole pages. Both
+    sides count: the writer's pages in its own segments, the reader's in the peers' (shared
+    pages count in every process that touched them)."""
+    held = [0.0] * SLOTS
+    for seq in range(1, SLOTS * len(calls) + 1):  # every (call, slot) pairing recurs by then
+        size = calls[(seq - 1) % len(calls)]
+        pages = math.ceil(size / mmap.PAGESIZE) * mmap.PAGESIZE
+        held[seq % SLOTS] = max(held[seq % SLOTS], pages)
+    return sum(held)
 
 
 def enabled() -> bool:

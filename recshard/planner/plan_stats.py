@@ -9,6 +9,14 @@ gradient, or for large tables the rows in use, each way). Row-wise output is a
 reduce-scatter / all-gather over all ranks (ring: `(W-1)/W` of the `W B cols` buffer each
 way); table-row-wise reduces inside the host and exchanges across hosts among ranks of equal
 local rank. Every rank is assumed to feed the same batch (`batch_size` samples).
+
+Memory per rank is the storage estimate of its shards, the calibrated fixed growth of a rank
+and, on cpu, what the shared-memory transport (`recshard.comm.shm`, on unless
+`RECSHARD_SHM_ALL_TO_ALL=0` in this process) keeps resident for the collectives it carries:
+per call site, `SLOTS` slots holding the largest call landing in each, the pages a rank
+writes and those it reads both (`shm.resident_bytes`): e.g. row-wise on one host, 4 x (sent +
+received) for the reduce-scatter and as much for the all-gather (measured at d128, batch 2048
+per rank, 2 ranks: 430 MB of an 800 MB peak).
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from recshard.plan.sharding_types import ALL_SHARDING_TYPES, SEQUENCE_SHARDING_TYPES
+from recshard.comm import shm
+from recshard.plan.sharding_types import ALL_SHARDING_TYPES, PLACED_TYPES, SEQUENCE_SHARDING_TYPES
 from recshard.plan.validate import PlanValidationError, check_table_plan
 from recshard.planner.estimators import (
     EmbeddingPerfEstimator,
@@ -29,7 +38,7 @@ from recshard.planner.estimators import (
 )
 from recshard.planner.planner_types import ROW_BLOCK_TYPES, TableMeta, Topology
 from recshard.planner.step_model import StepTimePerfModel
-from recshard.types import ParameterSharding, ShardingPlan
+from recshard.types import ParameterSharding, ShardingPlan, ShardingType
 
 _GRAD_BYTES = 4.0
 
@@ -52,6 +61,7 @@ class RankLoad:
     rank: int
     bytes_stored: float = 0.0  # weights and optimizer state
     memory: float = 0.0  # the storage estimate: + gradients, buffers in flight, fixed overhead
+    transport_memory: float = 0.0  # the part of `memory` the shared-memory transport holds
     lookups: float = 0.0
     bytes_read: float = 0.0
     bytes_sent: float = 0.0
@@ -65,7 +75,8 @@ class RankLoad:
         return self.compute_ms + self.comms_ms
 
 
-LOAD_FIELDS = [f.name for f in fields(RankLoad) if f.name not in ("rank", "terms")] + [
+LOAD_FIELDS = [f.name for f in fields(RankLoad)
+               if f.name not in ("rank", "terms", "transport_memory")] + [
     "total_ms"]
 
 
@@ -198,9 +209,13 @@ def plan_stats(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topolo
             terms.bwd_comms += perf.bwd_comms
         traffic.add_table(table, ps, shards, batch_size)
     overhead = rank_overhead_bytes(topology)
-    for load, sent, received in zip(loads, traffic.sent(), traffic.received()):
+    transport = (traffic.shm_resident() if topology.compute_device == "cpu" and shm.enabled()
+                 else [0.0] * world)
+    for load, sent, received, resident in zip(loads, traffic.sent(), traffic.received(),
+                                              transport):
         load.bytes_sent, load.bytes_received = sent, received
-        load.memory += overhead
+        load.transport_memory = resident
+        load.memory += overhead + resident
     fixed = StepTimePerfModel(topology).fixed_ms(groups)
     return PlanStats(world, batch_size, fixed, loads)
 
@@ -215,12 +230,13 @@ def rank_overhead_bytes(topology: Topology) -> float:
     return profile.memory.fixed_bytes_per_rank()
 
 
-class _Traffic:
-    """Bytes each rank sends and receives per step; "to every rank" amounts are kept as one
-    scalar plus per-rank corrections so a table costs O(shards), not O(ranks^2)."""
+class _Flow:
+    """Bytes each rank sends and receives per step in one collective call; "to every rank"
+    amounts are kept as one scalar plus per-rank corrections so a table costs O(shards), not
+    O(ranks^2)."""
 
-    def __init__(self, world: int, local_world_size: int) -> None:
-        self.world, self.lw = world, local_world_size
+    def __init__(self, world: int) -> None:
+        self.world = world
         self._sent = [0.0] * world
         self._recv = [0.0] * world
         self._all_sent = 0.0
@@ -232,7 +248,16 @@ class _Traffic:
     def received(self) -> List[float]:
         return [r + self._all_recv for r in self._recv]
 
-    def _one_to_all(self, owner: int, amount: float, ranks: Optional[range] = None) -> None:
+    def every_rank(self, amount: float) -> None:
+        """Every rank sends and receives `amount`."""
+        self._all_sent += amount
+        self._all_recv += amount
+
+    def own(self, rank: int, sent: float, received: float) -> None:
+        self._sent[rank] += sent
+        self._recv[rank] += received
+
+    def one_to_all(self, owner: int, amount: float, ranks: Optional[range] = None) -> None:
         """`owner` sends `amount` to every other rank (of `ranks`; default all)."""
         if ranks is None:
             self._all_recv += amount
@@ -244,59 +269,110 @@ class _Traffic:
                 self._recv[r] += amount
                 self._sent[owner] += amount
 
-    def _all_to_one(self, owner: int, amount: float) -> None:
+    def all_to_one(self, owner: int, amount: float) -> None:
         """Every other rank sends `amount` to `owner`."""
         self._all_sent += amount
         self._sent[owner] -= amount
         self._recv[owner] += amount * (self.world - 1)
 
+
+# The group of ranks a collective runs in (what decides whether the shared-memory transport
+# carries it): all ranks, the ranks of one host, or none of the transport's (the backend's own
+# all-reduce, table-row-wise's all-to-all across hosts).
+_WORLD, _HOST, _BACKEND = "world", "host", "backend"
+
+
+class _Traffic:
+    """Bytes each rank sends and receives per step, by collective call: a call is one sharding
+    group's (module, `PLACED_TYPES` together, other types each alone: as
+    `recshard.sharding.build` groups tables) use of one call site (`recshard.comm.shm`
+    keeps slots per site and process group; the groups of all modules share the sites)."""
+
+    def __init__(self, world: int, local_world_size: int) -> None:
+        self.world, self.lw = world, local_world_size
+        self._flows: Dict[Tuple[str, str, str, str], _Flow] = {}  # in issue order
+
+    def _flow(self, ranks: str, site: str, fqn: str, sharding_type: str) -> _Flow:
+        group = "placed" if ShardingType(sharding_type) in PLACED_TYPES else sharding_type
+        key = (ranks, site, fqn, group)
+        if key not in self._flows:
+            self._flows[key] = _Flow(self.world)
+        return self._flows[key]
+
+    def sent(self) -> List[float]:
+        return [sum(v) for v in zip(*(f.sent() for f in self._flows.values()))] or [0.0] * self.world
+
+    def received(self) -> List[float]:
+        return [sum(v) for v in zip(*(f.received() for f in self._flows.values()))
+                ] or [0.0] * self.world
+
+    def shm_resident(self) -> List[float]:
+        """Per rank, the bytes the shared-memory transport keeps resident (`shm.resident_bytes`
+        of what each site's calls write and read) for the collectives it carries: those of a
+        group of two or more ranks on one host (all ranks when there is one host)."""
+        carried = {_WORLD: self.world > 1 and self.world == self.lw, _HOST: self.lw > 1}
+        sites: Dict[Tuple[str, str], List[_Flow]] = {}
+        for (ranks, site, _, _), flow in self._flows.items():
+            if carried.get(ranks, False):
+                sites.setdefault((ranks, site), []).append(flow)
+        out = [0.0] * self.world
+        for flows in sites.values():
+            for amounts in (zip(*(f.sent() for f in flows)), zip(*(f.received() for f in flows))):
+                for rank, calls in enumerate(amounts):
+                    out[rank] += shm.resident_bytes(calls)
+        return out
+
     def add_table(self, table: TableMeta, ps: ParameterSharding,
                   shards: List[Tuple[int, int, int]], batch_size: int) -> None:
-        world = self.world
+        world, fqn = self.world, table.module_fqn
         ids, bags = table_workload(table, batch_size)
         st = ps.sharding_type
         if st == "data_parallel":
             if world > 1:
                 exchanged, _ = data_parallel_exchange(table, world, batch_size,
                                                       cache_params=ps.cache_params)
-                ring = 2.0 * (world - 1) / world * exchanged
-                self._all_sent += ring
-                self._all_recv += ring
+                self._flow(_BACKEND, "all_reduce", fqn, st).every_rank(
+                    2.0 * (world - 1) / world * exchanged)  # ring
             return
         rows_split = st in ROW_BLOCK_TYPES
+        out_site = "pooled" if table.pooled else "sequence"
         for rank, rows, cols in shards:
             share = rows / table.num_embeddings if rows_split else 1.0
-            self._all_to_one(rank, ids * share * wire_id_bytes(rows, table.is_weighted))  # input dist
+            self._flow(_WORLD, "input_dist", fqn, st).all_to_one(
+                rank, ids * share * wire_id_bytes(rows, table.is_weighted))
             out = cols * _GRAD_BYTES
             if not table.pooled:  # sequence: per-id rows back, per-id grads in
-                self._one_to_all(rank, ids * share * out)
-                self._all_to_one(rank, ids * share * out)
+                self._flow(_WORLD, out_site, fqn, st).one_to_all(rank, ids * share * out)
+                self._flow(_WORLD, out_site + "_bwd", fqn, st).all_to_one(rank, ids * share * out)
             elif not rows_split:  # a2a of the pooled output, its gradient back
-                self._one_to_all(rank, bags * out)
-                self._all_to_one(rank, bags * out)
+                self._flow(_WORLD, out_site, fqn, st).one_to_all(rank, bags * out)
+                self._flow(_WORLD, out_site + "_bwd", fqn, st).all_to_one(rank, bags * out)
         if rows_split and table.pooled:
-            self._pooled_rows(st, table, shards, bags)
+            self._pooled_rows(st, fqn, table, shards, bags)
 
-    def _pooled_rows(self, st: str, table: TableMeta, shards: List[Tuple[int, int, int]],
-                     bags: float) -> None:
-        """Row-wise: ring reduce-scatter (fwd) + all-gather (bwd) over all ranks.
-        Table-row-wise: the same inside the owners' host, then an a2a across hosts."""
+    def _pooled_rows(self, st: str, fqn: str, table: TableMeta,
+                     shards: List[Tuple[int, int, int]], bags: float) -> None:
+        """Row-wise: reduce-scatter (fwd) + all-gather (bwd) over all ranks, `(W-1)/W` of the
+        `W B cols` buffer each way. Table-row-wise: the same inside the owners' host (over
+        all ranks when there is one host), then an a2a across hosts."""
         world, lw = self.world, self.lw
         cols = table.embedding_dim
         buffer = world * bags * cols * _GRAD_BYTES
         if st == "row_wise":
-            ring = 2.0 * (world - 1) / world * buffer
-            self._all_sent += ring
-            self._all_recv += ring
+            for site in ("reduce_scatter", "reduce_scatter_bwd"):
+                self._flow(_WORLD, site, fqn, st).every_rank((world - 1) / world * buffer)
             return
+        host = _WORLD if world == lw else _HOST
         for rank, _, _ in shards:
-            ring = 2.0 * (lw - 1) / lw * buffer
-            self._sent[rank] += ring
-            self._recv[rank] += ring
+            ring = (lw - 1) / lw * buffer
+            for site in ("reduce_scatter", "reduce_scatter_bwd"):
+                self._flow(host, site, fqn, st).own(rank, ring, ring)
             local = rank % lw
             peers = range(local, world, lw)  # equal local rank on every host
-            self._one_to_all(rank, bags * cols * _GRAD_BYTES, peers)  # fwd
+            amount = bags * cols * _GRAD_BYTES
+            self._flow(_BACKEND, "cross_a2a", fqn, st).one_to_all(rank, amount, peers)  # fwd
+            back = self._flow(_BACKEND, "cross_a2a_bwd", fqn, st)
             for r in peers:  # bwd: the gradients come back
                 if r != rank:
-                    self._sent[r] += bags * cols * _GRAD_BYTES
-                    self._recv[rank] += bags * cols * _GRAD_BYTES
+                    back.own(r, amount, 0.0)
+                    back.own(rank, 0.0, amount)
