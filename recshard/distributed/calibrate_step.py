@@ -63,15 +63,22 @@ class StepProbe:
     # real-sized modules: tables of 20 to 50 k rows and 1 to 16 ids per bag, as a rank holds
     work_rows: Tuple[int, ...] = (20, 200, 2_000, 20_000, 50_000, 500, 5_000, 50_000) * 3
     work_poolings: Tuple[int, ...] = (1, 2, 4, 8, 16, 3, 6, 12) * 3
-    # (dim, batch, tables): the first `tables` of work_rows / work_poolings
-    work: Tuple[Tuple[int, int, int], ...] = ((32, 256, 8), (16, 2048, 24), (128, 512, 24),
-                                              (64, 2048, 24))
+    # (dim, batch, tables): the first `tables` of work_rows / work_poolings; 12 modules, so
+    # that 3 terms per type and phase are fitted on 12 points (on 4, they moved by 2x from
+    # one calibration to the next)
+    work: Tuple[Tuple[int, int, int], ...] = (
+        (32, 256, 8), (16, 2048, 24), (128, 512, 24), (64, 2048, 24), (16, 512, 24),
+        (128, 2048, 24), (64, 512, 8), (16, 256, 8), (128, 256, 8), (64, 1024, 24),
+        (32, 2048, 8), (128, 1024, 8))
     work_steps: int = 10
+    budget_s: float = 0.4  # per module: more steps where they fit (at most max_steps)
+    max_steps: int = 80
 
     @classmethod
     def quick(cls) -> StepProbe:
         return cls(features=(1, 3), steps=2, warmup=1, work_rows=(20, 2_000),
-                   work_poolings=(1, 4), work=((16, 64, 1), (16, 64, 2)), work_steps=2)
+                   work_poolings=(1, 4), work=((16, 64, 1), (16, 64, 2)), work_steps=2,
+                   budget_s=0.0)
 
 
 @dataclass(frozen=True)
@@ -98,9 +105,10 @@ def _probe_plan(sharding_type: str, probe: _Probe, topology: Topology) -> Shardi
 
 
 def _time_plan(plan: ShardingPlan, probe: _Probe, group: dist.ProcessGroup, steps: int,
-               warmup: int) -> Tuple[float, float]:
+               warmup: int, budget_s: float = 0.0, max_steps: int = 0) -> Tuple[float, float]:
     """Slowest rank's median ms of the forward and of backward + update, every rank
-    stepping together."""
+    stepping together: `steps` steps, or more (up to `max_steps`) where they fit in
+    `budget_s` (small modules' medians steady with more steps, for little time)."""
     configs = [EmbeddingBagConfig(num_embeddings=m.num_embeddings, embedding_dim=m.embedding_dim,
                                   name=m.name, feature_names=list(m.feature_names))
                for m in probe.metas()]
@@ -119,7 +127,9 @@ def _time_plan(plan: ShardingPlan, probe: _Probe, group: dist.ProcessGroup, step
         torch.tensor(probe.poolings, dtype=torch.int32).repeat_interleave(probe.batch),
         stride=probe.batch)
     fwd, bwd = [], []
-    for step in range(warmup + steps):
+    total = warmup + steps
+    step = 0
+    while step < total:
         dist.barrier(group)
         t0 = time.perf_counter()
         pooled = module(kjt)
@@ -132,9 +142,82 @@ def _time_plan(plan: ShardingPlan, probe: _Probe, group: dist.ProcessGroup, step
         if step >= warmup:
             fwd.append(1e3 * (t1 - t0))
             bwd.append(1e3 * (t2 - t1))
+        elif step == warmup - 1:  # as many steps as fill `budget_s` on the slowest rank
+            last = torch.tensor([t2 - t0], dtype=torch.float64)
+            dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group)
+            total = warmup + max(steps, min(max_steps, int(budget_s / max(last.item(), 1e-6))))
+        step += 1
     slowest = torch.tensor([statistics.median(fwd), statistics.median(bwd)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return slowest[0].item(), slowest[1].item()
+
+
+@dataclass(frozen=True)
+class WorkSample:
+    """One real-sized probe module's slowest rank in one phase: the kernel and link fits'
+    estimate (`modelled_ms`), the shards it holds and ids it looks up, and the measured time
+    beyond the tiny probes' overhead (`beyond_ms`)."""
+
+    sharding_type: str
+    phase: str
+    modelled_ms: float
+    shards: float
+    ids: float
+    beyond_ms: float
+
+
+def measure_fixed_costs(group: dist.ProcessGroup, topology: Topology,
+                        probe: StepProbe) -> List[StepCost]:
+    """Per sharding type and phase, one group's fixed ms and ms per feature, from the tiny
+    probes (work scale 1, nothing per shard or id yet)."""
+    fixed: List[StepCost] = []
+    for sharding_type in STEP_TYPES:
+        times = [_time_plan(_probe_plan(sharding_type, tiny, topology), tiny, group,
+                            probe.steps, probe.warmup, probe.budget_s, probe.max_steps)
+                 for tiny in (_Probe((probe.rows,) * n, (1,) * n, probe.dim, probe.batch)
+                              for n in probe.features)]
+        f0, f1 = probe.features
+        for p, phase in enumerate(("fwd", "bwd")):
+            per_feature = max((times[1][p] - times[0][p]) / (f1 - f0), 0.0)
+            fixed.append(StepCost(sharding_type, phase,
+                                  max(times[0][p] - per_feature * f0, 0.0), per_feature))
+    return fixed
+
+
+def measure_work(group: dist.ProcessGroup, costed: Topology,
+                 probe: StepProbe) -> List[WorkSample]:
+    """The real-sized probe modules of every sharding type, timed against `costed`'s
+    estimate (its profile's kernel and link fits and fixed step costs)."""
+    assert costed.profile is not None
+    samples: List[WorkSample] = []
+    for dim, batch, tables in probe.work:
+        work = _Probe(probe.work_rows[:tables], probe.work_poolings[:tables], dim, batch)
+        for sharding_type in STEP_TYPES:
+            plan = _probe_plan(sharding_type, work, costed)
+            measured = _time_plan(plan, work, group, probe.work_steps, probe.warmup,
+                                  probe.budget_s, probe.max_steps)
+            slowest = max(plan_stats(plan, work.metas(), costed, batch).ranks,
+                          key=lambda r: r.total_ms)
+            terms = slowest.terms
+            modelled = (terms.fwd_compute + terms.fwd_comms, terms.bwd_compute + terms.bwd_comms)
+            shards = float(_shards_on(plan, slowest.rank))
+            for p, phase in enumerate(("fwd", "bwd")):
+                overhead = costed.profile.step_ms_phase(sharding_type, phase, len(work.rows))
+                samples.append(WorkSample(sharding_type, phase, modelled[p], shards,
+                                          slowest.lookups, measured[p] - overhead))
+    return samples
+
+
+def fit_step_costs(fixed: Sequence[StepCost], samples: Sequence[WorkSample]) -> List[StepCost]:
+    """`fixed` with each (type, phase)'s work scale, ms per shard and ms per id fitted on
+    its samples (`fit_work`)."""
+    out = []
+    for cost in fixed:
+        scale, per_shard, per_id = fit_work(
+            [(s.modelled_ms, s.shards, s.ids, s.beyond_ms) for s in samples
+             if (s.sharding_type, s.phase) == (cost.sharding_type, cost.phase)])
+        out.append(replace(cost, work_scale=scale, ms_per_shard=per_shard, ms_per_id=per_id))
+    return out
 
 
 def measure_step_costs(group: dist.ProcessGroup, profile: CalibrationProfile,
@@ -145,38 +228,10 @@ def measure_step_costs(group: dist.ProcessGroup, profile: CalibrationProfile,
     probe = probe or StepProbe()
     topology = Topology(dist.get_world_size(group), "cpu",
                         local_world_size=profile.local_world_size)
-    fixed: List[StepCost] = []
-    for sharding_type in STEP_TYPES:
-        times = [_time_plan(_probe_plan(sharding_type, tiny, topology), tiny, group,
-                            probe.steps, probe.warmup)
-                 for tiny in (_Probe((probe.rows,) * n, (1,) * n, probe.dim, probe.batch)
-                              for n in probe.features)]
-        f0, f1 = probe.features
-        for p, phase in enumerate(("fwd", "bwd")):
-            per_feature = max((times[1][p] - times[0][p]) / (f1 - f0), 0.0)
-            fixed.append(StepCost(sharding_type, phase,
-                                  max(times[0][p] - per_feature * f0, 0.0), per_feature))
+    fixed = measure_fixed_costs(group, topology, probe)
     costed = Topology(topology.world_size, "cpu", local_world_size=profile.local_world_size,
                       profile=replace(profile, steps=fixed))
-    samples: Dict[Tuple[str, str], List[Tuple[float, float, float, float]]] = {}
-    for dim, batch, tables in probe.work:
-        work = _Probe(probe.work_rows[:tables], probe.work_poolings[:tables], dim, batch)
-        for sharding_type in STEP_TYPES:
-            plan = _probe_plan(sharding_type, work, costed)
-            measured = _time_plan(plan, work, group, probe.work_steps, probe.warmup)
-            slowest = max(plan_stats(plan, work.metas(), costed, batch).ranks,
-                          key=lambda r: r.total_ms)
-            terms = slowest.terms
-            modelled = (terms.fwd_compute + terms.fwd_comms, terms.bwd_compute + terms.bwd_comms)
-            shards = _shards_on(plan, slowest.rank)
-            for p, cost in enumerate(c for c in fixed if c.sharding_type == sharding_type):
-                overhead = cost.ms_per_group + cost.ms_per_feature * len(work.rows)
-                samples.setdefault((sharding_type, cost.phase), []).append(
-                    (modelled[p], float(shards), slowest.lookups, measured[p] - overhead))
-    out = []
-    for cost in fixed:
-        scale, per_shard, per_id = fit_work(samples[(cost.sharding_type, cost.phase)])
-        out.append(replace(cost, work_scale=scale, ms_per_shard=per_shard, ms_per_id=per_id))
+    out = fit_step_costs(fixed, measure_work(group, costed, probe))
     # the same samples on every rank, but least squares may round differently per process
     shared = [out]
     dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from recshard.comm.ops import all_gather_base_pooled, reduce_scatter_base_pooled
 from recshard.comm.pg import get_local_size, intra_and_cross_node_pg
+from recshard.comm.request import issue_all_to_all
 from recshard.lookup import GroupedLookup, LocalTable
 from recshard.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from recshard.planner.profile import (
@@ -55,16 +56,14 @@ class CalibrationGrid:
     dims: Tuple[int, ...] = (16, 64, 128)
     poolings: Tuple[int, ...] = (1, 4, 32)
     batches: Tuple[int, ...] = (256, 2048)
-    rows: Tuple[int, ...] = (25_000, 100_000)  # dense kernel: its update is per element
-    fused_rows: Tuple[int, ...] = (2_000, 100_000)  # fused: a cache-resident and a cold table
+    rows: Tuple[int, ...] = (2_000, 100_000)  # a cache-resident and a cold table
     tables: int = 4  # working sets of 100-400 MB, as a rank's tables
     link_bytes: Tuple[int, ...] = (1 << 14, 1 << 18, 1 << 21, 1 << 23)
     link_repeats: int = 7
 
     @classmethod
     def quick(cls) -> CalibrationGrid:
-        return cls(dims=(16, 32), poolings=(1, 4), batches=(32, 128), rows=(500, 2000),
-                   fused_rows=(200, 2000),
+        return cls(dims=(16, 32), poolings=(1, 4), batches=(32, 128), rows=(200, 2000),
                    link_bytes=(1 << 10, 1 << 14, 1 << 16), link_repeats=3)
 
 
@@ -83,8 +82,7 @@ def calibrate(
     local = local_world_size or (get_local_size(world) if group is not None else 1)
     profile = CalibrationProfile("cpu", torch.get_num_threads(), world, local,
                                  host=socket.gethostname())
-    points = (len(grid.dims) * len(grid.poolings) * len(grid.batches)
-              * (len(grid.fused_rows) + len(grid.rows)))
+    points = len(grid.dims) * len(grid.poolings) * len(grid.batches) * 2 * 2
     per_point_s = 0.8 * budget_s / max(points, 1)
     for dim in grid.dims:
         profile.kernels += measure_kernels(dim, grid, per_point_s)
@@ -150,58 +148,80 @@ Sample = Tuple[float, float, float, float]  # ids, bags, elements, ms
 
 
 def measure_kernels(dim: int, grid: CalibrationGrid, per_point_s: float) -> List[KernelCost]:
-    """Fits for the fused and dense kernels at `dim`, forward and backward + update. The
-    fused kernel is timed at each size of `grid.fused_rows` (a cache-resident table and a
-    cold one) and its update's elements are the distinct rows looked up times the dim, so one
-    fit prices any table size and batch (a small table's ids are mostly repeats)."""
-    samples: Dict[Tuple[str, str], List[Sample]] = {}
-    cases = [("fused", EmbeddingComputeKernel.FUSED, rows) for rows in grid.fused_rows]
-    cases += [("dense", EmbeddingComputeKernel.DENSE, rows) for rows in grid.rows]
-    for name, kernel, rows in cases:
-        lookup = _lookup(kernel, grid.tables, rows, dim)
-        params = [p for p in lookup.parameters() if p.requires_grad]
-        sgd = torch.optim.SGD(params, lr=_LR) if params else None
-        for batch in grid.batches:
-            for pooling in grid.poolings:
-                kjt = _batch(grid.tables, rows, batch, pooling, seed=dim + pooling)
-                fwd, total = _time_point(lookup, sgd, kjt, per_point_s)
-                ids = float(batch * pooling)
-                updated = rows if name == "dense" else distinct_rows(rows, ids)
-                work = (grid.tables * ids, float(grid.tables * batch),
-                        float(grid.tables * updated * dim))
-                samples.setdefault((name, "fwd"), []).append((*work, fwd))
-                samples.setdefault((name, "bwd"), []).append((*work, max(total - fwd, 0.0)))
+    """Fits for the fused and dense kernels at `dim`, forward and backward + update, each
+    timed on tables of the smallest and the largest size of `grid.rows` (cache-resident and
+    cold): an id costs `ms_per_id` in the small tables and `ms_per_id_cold` in the large ones.
+    The dense update's elements are the whole table; the fused update's, the distinct rows
+    looked up times the dim, so one fit prices any table size and batch (a small table's ids
+    are mostly repeats)."""
+    hot, cold = min(grid.rows), max(grid.rows)
+    features: Dict[Tuple[str, str], List[List[float]]] = {}
+    times: Dict[Tuple[str, str], List[float]] = {}
+    for name, kernel in (("fused", EmbeddingComputeKernel.FUSED),
+                         ("dense", EmbeddingComputeKernel.DENSE)):
+        for rows in (hot, cold):
+            lookup = _lookup(kernel, grid.tables, rows, dim)
+            params = [p for p in lookup.parameters() if p.requires_grad]
+            sgd = torch.optim.SGD(params, lr=_LR) if params else None
+            for batch in grid.batches:
+                for pooling in grid.poolings:
+                    kjt = _batch(grid.tables, rows, batch, pooling, seed=dim + pooling)
+                    fwd, total = _time_point(lookup, sgd, kjt, per_point_s)
+                    ids = float(grid.tables * batch * pooling)
+                    updated = rows if name == "dense" else distinct_rows(rows, ids / grid.tables)
+                    work = [ids if rows == hot else 0.0, ids if rows == cold else 0.0,
+                            float(grid.tables * batch), float(grid.tables * updated * dim)]
+                    for phase, ms in (("fwd", fwd), ("bwd", max(total - fwd, 0.0))):
+                        features.setdefault((name, phase), []).append(work)
+                        times.setdefault((name, phase), []).append(ms)
     out = []
-    for (name, phase), points in samples.items():
-        per_id, per_bag, per_element, per_call = fit_costs(
-            points, with_elements=name == "dense" or phase == "bwd")
-        out.append(KernelCost(name, phase, dim, per_id, per_bag, per_element, per_call))
+    for (name, phase), x in features.items():
+        with_elements = name == "dense" or phase == "bwd"
+        coef, per_call = fit_nonnegative([row if with_elements else row[:3] for row in x],
+                                         times[(name, phase)])
+        per_element = coef[3] if with_elements else 0.0
+        out.append(KernelCost(name, phase, dim, coef[0], coef[2], per_element, per_call,
+                              ms_per_id_cold=coef[1], hot_rows=hot, cold_rows=cold))
     return out
 
 
-def fit_costs(points: Sequence[Sample], with_elements: bool,
-              intercept: bool = True) -> Tuple[float, float, float, float]:
-    """Non-negative least squares of `ms ~ ids a + bags b + elements c + d`, weighted by
-    `sqrt(ms)`: per-id costs grow with the working set (caches), and the large calls are what
-    a training step is made of; a negative coefficient is dropped and the rest refitted."""
-    columns = [0, 1] + ([2] if with_elements else []) + ([3] if intercept else [])
+def fit_nonnegative(x: Sequence[Sequence[float]], ms: Sequence[float],
+                    intercept: bool = True) -> Tuple[List[float], float]:
+    """Non-negative least squares of `ms ~ x . coef + per_call`, weighted by `1 / sqrt(ms)`:
+    per-id costs grow with the working set (caches), and the large calls are what a training
+    step is made of; a negative coefficient is dropped and the rest refitted (where the last
+    work term left is negative, the per-call term goes instead: alone, it would price any
+    amount of work at 0 ms). (coef, per_call)."""
+    width = len(x[0])
+    columns = list(range(width)) + ([width] if intercept else [])
+    y = torch.tensor(list(ms), dtype=torch.float64)
+    weight = 1.0 / y.clamp_min(1e-3).sqrt()
+    full = torch.tensor([list(row) + [1.0] for row in x], dtype=torch.float64)
     while True:
-        x = torch.tensor([[p[c] if c < 3 else 1.0 for c in columns] for p in points],
-                         dtype=torch.float64)
-        y = torch.tensor([p[3] for p in points], dtype=torch.float64)
-        weight = 1.0 / y.clamp_min(1e-3).sqrt()
-        coef = torch.linalg.lstsq(x * weight[:, None], (y * weight)[:, None]).solution[:, 0]
+        coef = torch.linalg.lstsq(full[:, columns] * weight[:, None],
+                                  (y * weight)[:, None]).solution[:, 0]
         negative = [c for c, v in zip(columns, coef.tolist()) if v < 0]
         if not negative or len(columns) == 1:
             break
         drop = negative[0]
-        if [c for c in columns if c != 3] == [drop] and 3 in columns:
-            drop = 3  # the per-call term alone would price any amount of work at 0 ms
+        if [c for c in columns if c != width] == [drop] and width in columns:
+            drop = width
         columns = [c for c in columns if c != drop]
-    values = [0.0] * 4
+    values = [0.0] * (width + 1)
     for c, v in zip(columns, coef.tolist()):
         values[c] = max(v, 0.0)
-    return values[0], values[1], values[2], values[3]
+    return values[:width], values[width]
+
+
+def fit_costs(points: Sequence[Sample], with_elements: bool,
+              intercept: bool = True) -> Tuple[float, float, float, float]:
+    """(per id, per bag, per element, per call) of `ms ~ ids a + bags b + elements c + d`
+    over (ids, bags, elements, ms) points (`fit_nonnegative`)."""
+    width = 3 if with_elements else 2
+    coef, per_call = fit_nonnegative([p[:width] for p in points], [p[3] for p in points],
+                                     intercept)
+    coef += [0.0] * (3 - width)
+    return coef[0], coef[1], coef[2], per_call
 
 
 # ----------------------------------------------------------------------------- memory
@@ -293,11 +313,13 @@ def measure_memory(grid: CalibrationGrid) -> Optional[MemoryCost]:
 
 
 def _collectives(group: dist.ProcessGroup) -> Dict[str, Callable[[torch.Tensor], None]]:
+    """The collectives as the sharded modules issue them (`recshard.comm`): through the
+    transport training uses (shared memory among the ranks of one host, else the backend)."""
     world = dist.get_world_size(group)
 
     def all_to_all(buf: torch.Tensor) -> None:
-        out = torch.empty_like(buf)
-        dist.all_to_all_single(out, buf, group=group)
+        splits = [buf.numel() // world] * world
+        issue_all_to_all(buf, splits, splits, group, name="calibrate_all_to_all").wait()
 
     return {
         "all_to_all": all_to_all,

@@ -187,7 +187,8 @@ class EmbeddingPerfEstimator:
     reduce-scatter / all-gather (what row-wise runs) sends `(W-1)/W n` over its slowest link
     (inter-host when H > 1); all-reduce twice that.
     With a calibration profile (`topology.profile`, same compute device), the fused and dense
-    kernels' compute is its measured per-id / per-bag / per-element fit instead (elements: the
+    kernels' compute is its measured per-id / per-bag / per-element fit instead (per id: by
+    the shard's rows, `KernelCost.id_ms`; elements: the
     shard's for the dense kernel, its distinct rows looked up times cols for the fused, from
     `cache_params.stats` when given (`touched_rows`); backward
     scaled by `(row + state_row) / row` for optimizer state beyond exact SGD); the per-call
@@ -265,8 +266,8 @@ class EmbeddingPerfEstimator:
         if self._profile is not None and compute_kernel in ("fused", "dense") and rows > 0:
             updated = float(rows) if dense_update else touched_rows(
                 table, cache_params, rows, ids_in, facts.workload[0] * topo.world_size)
-            measured = self._measured(compute_kernel, dense_update, updated, cols, ids_in,
-                                      bags_out, state_row / row)
+            measured = self._measured(compute_kernel, dense_update, updated, rows, cols,
+                                      ids_in, bags_out, state_row / row)
             if measured is not None:
                 fwd_compute, bwd_compute = measured
         if table.is_weighted:
@@ -303,17 +304,17 @@ class EmbeddingPerfEstimator:
                     perf.bwd_compute * bwd + profile.shard_ms(sharding_type, "bwd", ids_in),
                     perf.bwd_comms * bwd, perf.input_dist * fwd)
 
-    def _measured(self, kernel: str, dense_update: bool, updated: float, cols: int,
-                  ids_in: float, bags_out: float, state_ratio: float
+    def _measured(self, kernel: str, dense_update: bool, updated: float, rows: int,
+                  cols: int, ids_in: float, bags_out: float, state_ratio: float
                   ) -> Optional[Tuple[float, float]]:
-        """(fwd, bwd) ms from the calibration profile (`updated`: rows the update touches);
-        None if it lacks the kernel."""
+        """(fwd, bwd) ms from the calibration profile (`updated`: rows the update touches,
+        `rows`: the shard's); None if it lacks the kernel."""
         assert self._profile is not None
         measured_kernel = "dense" if dense_update else kernel
         fwd = self._profile.kernel_ms(measured_kernel, "fwd", cols, ids_in, bags_out,
-                                      updated * cols)
+                                      updated * cols, rows)
         bwd = self._profile.kernel_ms(measured_kernel, "bwd", cols, ids_in, bags_out,
-                                      updated * cols)
+                                      updated * cols, rows)
         if fwd is None or bwd is None:
             return None
         return fwd, bwd * (1.0 + state_ratio)

@@ -46,7 +46,10 @@ def distinct_rows(rows: float, ids: float) -> float:
 
 @dataclass
 class KernelCost:
-    """Fitted cost of one kernel phase at one embedding dim (ms per unit of work)."""
+    """Fitted cost of one kernel phase at one embedding dim (ms per unit of work). An id
+    costs `ms_per_id` in a table of `hot_rows` rows or fewer (its rows stay in cache) and
+    `ms_per_id_cold` in one of `cold_rows` or more; in between, interpolated in log rows
+    (`id_ms`). Without `ms_per_id_cold` (profiles before it) every id costs `ms_per_id`."""
 
     kernel: str
     phase: str
@@ -55,6 +58,18 @@ class KernelCost:
     ms_per_bag: float
     ms_per_element: float = 0.0
     ms_per_call: float = 0.0
+    ms_per_id_cold: Optional[float] = None
+    hot_rows: int = 0
+    cold_rows: int = 0
+
+    def id_ms(self, rows: float) -> float:
+        """ms per id looked up in a table (shard) of `rows` rows."""
+        if self.ms_per_id_cold is None or rows <= self.hot_rows:
+            return self.ms_per_id
+        if rows >= self.cold_rows:
+            return self.ms_per_id_cold
+        w = math.log(rows / self.hot_rows) / math.log(self.cold_rows / self.hot_rows)
+        return (1 - w) * self.ms_per_id + w * self.ms_per_id_cold
 
 
 @dataclass
@@ -130,15 +145,22 @@ class CalibrationProfile:
         a, b = fits[hi - 1], fits[hi]
         w = (dim - a.dim) / (b.dim - a.dim)
         mix = [(1 - w) * x + w * y for x, y in zip(_terms(a), _terms(b))]
-        return KernelCost(kernel, phase, dim, *mix)
+        cold = None
+        if a.ms_per_id_cold is not None and b.ms_per_id_cold is not None:
+            cold = (1 - w) * a.ms_per_id_cold + w * b.ms_per_id_cold
+        return KernelCost(kernel, phase, dim, *mix, ms_per_id_cold=cold,
+                          hot_rows=min(a.hot_rows, b.hot_rows),
+                          cold_rows=max(a.cold_rows, b.cold_rows))
 
     def kernel_ms(self, kernel: str, phase: str, dim: int, ids: float, bags: float,
-                  elements: float = 0.0) -> Optional[float]:
-        """Estimated ms of one call's variable work (no per-call term); None if unmeasured."""
+                  elements: float = 0.0, rows: float = 0.0) -> Optional[float]:
+        """Estimated ms of one call's variable work (no per-call term) on a table (shard) of
+        `rows` rows; None if unmeasured."""
         cost = self.kernel_cost(kernel, phase, dim)
         if cost is None:
             return None
-        return ids * cost.ms_per_id + bags * cost.ms_per_bag + elements * cost.ms_per_element
+        return (ids * cost.id_ms(rows) + bags * cost.ms_per_bag
+                + elements * cost.ms_per_element)
 
     def call_ms(self, kernel: str, dim: int) -> float:
         """Fixed ms of one forward + backward call of `kernel` (0 when unmeasured)."""
@@ -155,6 +177,13 @@ class CalibrationProfile:
         if not costs:
             return None
         return sum(c.ms_per_group + c.ms_per_feature * features for c in costs)
+
+    def step_ms_phase(self, sharding_type: str, phase: str, features: int) -> float:
+        """Measured per-step overhead of one `sharding_type` group in `phase` (0.0 where not
+        measured)."""
+        cost = next((c for c in self.steps if c.sharding_type == sharding_type
+                     and c.phase == phase), None)
+        return cost.ms_per_group + cost.ms_per_feature * features if cost is not None else 0.0
 
     def work_scale(self, sharding_type: str, phase: str) -> float:
         """A real module's time for a `sharding_type` shard's work in `phase` over the kernel
@@ -235,6 +264,8 @@ def _terms(cost: KernelCost) -> List[float]:
 
 
 def _scaled(cost: KernelCost, factor: float, dim: int) -> KernelCost:
-    """`cost` with its per-id / per-bag / per-element terms scaled by `factor` (a wider row)."""
+    """`cost` with its per-id and per-bag terms scaled by `factor` (a wider row)."""
+    cold = cost.ms_per_id_cold * factor if cost.ms_per_id_cold is not None else None
     return KernelCost(cost.kernel, cost.phase, dim, cost.ms_per_id * factor,
-                      cost.ms_per_bag * factor, cost.ms_per_element, cost.ms_per_call)
+                      cost.ms_per_bag * factor, cost.ms_per_element, cost.ms_per_call,
+                      cold, cost.hot_rows, cost.cold_rows)
