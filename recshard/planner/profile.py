@@ -3,7 +3,8 @@
 Kernel costs are least-squares fits of measured milliseconds against the work of one call:
 `ms = ms_per_id ids + ms_per_bag bags + ms_per_element elements + ms_per_call`, where
 `elements` are what the update touches: the whole table for the dense kernel, the distinct
-rows looked up times the dim for the fused one (`distinct_rows`); one fit
+rows looked up times the dim for the fused one (`distinct_rows`), and an id's cost depends on
+its table's size: timed on a cache-resident and a cold table (`KernelCost.id_ms`); one fit
 per (kernel, phase, embedding dim); other dims are interpolated linearly (beyond the measured
 range: scaled in proportion to the dim). Link costs are `ms = latency_ms + bytes / bandwidth`
 fits per collective and link level, where `bytes` is what leaves one rank (the all-to-all

@@ -21,6 +21,7 @@ from recshard.planner.calibrate import (
     calibrate,
     fit_costs,
     fit_link,
+    fit_nonnegative,
     measure_memory,
 )
 from recshard.planner.estimators import MODULE_OUTPUT_COPIES
@@ -40,11 +41,34 @@ def test_fits_recover_known_costs():
     assert latency == pytest.approx(0.05, rel=1e-6) and 1 / ms_per_byte == pytest.approx(2e6)
 
 
+def test_an_id_is_priced_by_its_table_size():
+    # two per-id costs told apart by which table size the ids went to
+    x = [[ids, 0.0, bags] for ids in (1e3, 8e3) for bags in (10.0, 300.0)]
+    x += [[0.0, ids, bags] for ids in (1e3, 8e3) for bags in (10.0, 300.0)]
+    ms = [0.2 + 1e-5 * a + 4e-5 * b + 1e-4 * c for a, b, c in x]
+    coef, per_call = fit_nonnegative(x, ms)
+    assert coef == pytest.approx([1e-5, 4e-5, 1e-4]) and per_call == pytest.approx(0.2)
+    cost = KernelCost("fused", "bwd", 64, 1e-5, 0.0, 0.0, 0.0, ms_per_id_cold=4e-5,
+                      hot_rows=2_000, cold_rows=200_000)
+    assert cost.id_ms(20) == cost.id_ms(2_000) == 1e-5
+    assert cost.id_ms(200_000) == cost.id_ms(10**7) == 4e-5
+    assert cost.id_ms(20_000) == pytest.approx(2.5e-5)  # half way in log rows
+    # a profile without the cold cost (written before it) prices every id alike
+    old = KernelCost("fused", "bwd", 64, 1e-5, 0.0)
+    assert old.id_ms(10**7) == 1e-5
+    profile = CalibrationProfile("cpu", 1, kernels=[cost, old.__class__(
+        "fused", "fwd", 64, 1e-5, 0.0, ms_per_id_cold=4e-5, hot_rows=2_000, cold_rows=200_000)])
+    assert profile.kernel_ms("fused", "bwd", 128, 1e3, 0.0, rows=10**6) == pytest.approx(
+        1e3 * 4e-5 * 2)  # wider rows scale the per-id cost, cold or not
+    assert CalibrationProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+
+
 def test_calibrate_kernels_short_budget(tmp_path):
     profile = calibrate(budget_s=2.0, grid=CalibrationGrid.quick())
     assert profile.links == [] and profile.world_size == 1
     fused_bwd = profile.kernel_cost("fused", "bwd", 16)
     assert fused_bwd is not None and profile.kernel_cost("dense", "fwd", 32) is not None
+    assert fused_bwd.ms_per_id_cold is not None and fused_bwd.hot_rows < fused_bwd.cold_rows
     # real work costs something: 10k ids forward + backward are not free
     assert profile.kernel_ms("fused", "fwd", 32, 1e4, 1e3) + profile.kernel_ms(
         "fused", "bwd", 32, 1e4, 1e3) > 0
