@@ -62,7 +62,10 @@ class StepProbe:
     warmup: int = 3
     # real-sized modules: tables of 20 to 50 k rows and 1 to 16 ids per bag, as a rank holds
     work_rows: Tuple[int, ...] = (20, 200, 2_000, 20_000, 50_000, 500, 5_000, 50_000) * 3
-    work_poolings: Tuple[int, ...] = (1, 2, 4, 8, 16, 3, 6, 12) * 3
+    # the 8-table modules: ids mostly to large tables; 24: as many ids as a Criteo-like set's
+    # (~11 per table), many to small tables
+    work_poolings: Tuple[int, ...] = ((1, 2, 4, 8, 16, 3, 6, 12) + (20, 16, 12, 4, 2, 20, 8, 10)
+                                      + (16, 20, 8, 20, 12, 4, 20, 16))
     # (dim, batch, tables): the first `tables` of work_rows / work_poolings; 12 modules, so
     # that 3 terms per type and phase are fitted on 12 points (on 4, they moved by 2x from
     # one calibration to the next)
