@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,9 @@ from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.distributed.calibrate_memory import measure_rank_overhead
 from recshard.modules.embedding_configs import EmbeddingBagConfig
 from recshard.modules.embedding_modules import EmbeddingBagCollection
-from recshard.planner.calibrate import CalibrationGrid, calibrate, fit_costs
+from recshard.planner.calibrate import CalibrationGrid, calibrate, fit_nonnegative
 from recshard.planner.calibrate_cli import calibrate_main
-from recshard.planner.plan_stats import plan_stats
+from recshard.planner.plan_stats import StepTerms, plan_stats
 from recshard.planner.planner import EmbeddingShardingPlanner
 from recshard.planner.planner_types import ParameterConstraints, TableMeta, Topology
 from recshard.planner.profile import STEP_TYPES, CalibrationProfile, StepCost
@@ -158,8 +158,9 @@ def _time_plan(plan: ShardingPlan, probe: _Probe, group: dist.ProcessGroup, step
 @dataclass(frozen=True)
 class WorkSample:
     """One real-sized probe module's slowest rank in one phase: the kernel and link fits'
-    estimate (`modelled_ms`), the shards it holds and ids it looks up, and the measured time
-    beyond the tiny probes' overhead (`beyond_ms`)."""
+    estimate (`modelled_ms`, of which the kernels' per-id terms give `modelled_ids_ms`), the
+    shards it holds and ids it looks up, and the measured time beyond the tiny probes'
+    overhead (`beyond_ms`)."""
 
     sharding_type: str
     phase: str
@@ -167,6 +168,7 @@ class WorkSample:
     shards: float
     ids: float
     beyond_ms: float
+    modelled_ids_ms: float = 0.0  # the kernels' per-id part of `modelled_ms`
 
 
 def measure_fixed_costs(group: dist.ProcessGroup, topology: Topology,
@@ -192,6 +194,9 @@ def measure_work(group: dist.ProcessGroup, costed: Topology,
     """The real-sized probe modules of every sharding type, timed against `costed`'s
     estimate (its profile's kernel and link fits and fixed step costs)."""
     assert costed.profile is not None
+    no_ids = Topology(costed.world_size, costed.compute_device,
+                      local_world_size=costed.local_world_size,
+                      profile=_without_id_costs(costed.profile))
     samples: List[WorkSample] = []
     for dim, batch, tables in probe.work:
         work = _Probe(probe.work_rows[:tables], probe.work_poolings[:tables], dim, batch)
@@ -201,25 +206,41 @@ def measure_work(group: dist.ProcessGroup, costed: Topology,
                                   probe.budget_s, probe.max_steps)
             slowest = max(plan_stats(plan, work.metas(), costed, batch).ranks,
                           key=lambda r: r.total_ms)
-            terms = slowest.terms
-            modelled = (terms.fwd_compute + terms.fwd_comms, terms.bwd_compute + terms.bwd_comms)
+            rest = next(r for r in plan_stats(plan, work.metas(), no_ids, batch).ranks
+                        if r.rank == slowest.rank)
+            modelled = (_phase_ms(slowest.terms, "fwd"), _phase_ms(slowest.terms, "bwd"))
+            modelled_rest = (_phase_ms(rest.terms, "fwd"), _phase_ms(rest.terms, "bwd"))
             shards = float(_shards_on(plan, slowest.rank))
             for p, phase in enumerate(("fwd", "bwd")):
                 overhead = costed.profile.step_ms_phase(sharding_type, phase, len(work.rows))
                 samples.append(WorkSample(sharding_type, phase, modelled[p], shards,
-                                          slowest.lookups, measured[p] - overhead))
+                                          slowest.lookups, measured[p] - overhead,
+                                          max(modelled[p] - modelled_rest[p], 0.0)))
     return samples
 
 
+def _phase_ms(terms: StepTerms, phase: str) -> float:
+    if phase == "fwd":
+        return terms.fwd_compute + terms.fwd_comms
+    return terms.bwd_compute + terms.bwd_comms
+
+
+def _without_id_costs(profile: CalibrationProfile) -> CalibrationProfile:
+    """`profile` with its kernels' per-id costs 0: what the estimate is without them."""
+    return replace(profile, kernels=[
+        replace(k, ms_per_id=0.0, ms_per_id_cold=None if k.ms_per_id_cold is None else 0.0)
+        for k in profile.kernels])
+
+
 def fit_step_costs(fixed: Sequence[StepCost], samples: Sequence[WorkSample]) -> List[StepCost]:
-    """`fixed` with each (type, phase)'s work scale, ms per shard and ms per id fitted on
-    its samples (`fit_work`)."""
+    """`fixed` with each (type, phase)'s work scale, per-id work scale, ms per shard and ms
+    per id fitted on its samples (`fit_work`)."""
     out = []
     for cost in fixed:
-        scale, per_shard, per_id = fit_work(
-            [(s.modelled_ms, s.shards, s.ids, s.beyond_ms) for s in samples
-             if (s.sharding_type, s.phase) == (cost.sharding_type, cost.phase)])
-        out.append(replace(cost, work_scale=scale, ms_per_shard=per_shard, ms_per_id=per_id))
+        scale, id_scale, per_shard, per_id = fit_work(
+            [s for s in samples if (s.sharding_type, s.phase) == (cost.sharding_type, cost.phase)])
+        out.append(replace(cost, work_scale=scale, id_scale=id_scale, ms_per_shard=per_shard,
+                           ms_per_id=per_id))
     return out
 
 
@@ -248,19 +269,24 @@ def _shards_on(plan: ShardingPlan, rank: int) -> int:
                for ps in plan.plan[""].values())
 
 
-def fit_work(points: Sequence[Tuple[float, float, float, float]]
-             ) -> Tuple[float, float, float]:
-    """(scale `s`, ms per shard `t`, ms per id `u`) of `measured beyond the tiny probes'
-    overhead ~ s modelled + t shards + u ids` over (modelled ms, shards, ids looked up,
-    measured ms) points: the kernel fits' non-negative least squares (`fit_costs`, no
-    intercept); (1, 0, 0) where it leaves nothing."""
-    usable = [p for p in points if p[3] > 0]
+def fit_work(samples: Sequence[WorkSample]) -> Tuple[float, float, float, float]:
+    """(scale `s`, per-id work scale `v`, ms per shard `t`, ms per id `u`) of `measured
+    beyond the tiny probes' overhead ~ s (modelled - modelled ids) + v modelled ids + t
+    shards + u ids`: non-negative least squares (`fit_nonnegative`, no intercept). Two
+    scales, because a real module's time over the kernel fits differs between the per-id work
+    (lookups, gradient rows: ~1.3x on this 2-core machine) and the rest (whole-table update,
+    buffers, copies: ~2-3x), and workloads mix them differently. (1, 1, 0, 0) where it leaves
+    nothing."""
+    usable = [s for s in samples if s.beyond_ms > 0]
     if not usable:
-        return 1.0, 0.0, 0.0
-    scale, per_shard, per_id, _ = fit_costs(usable, with_elements=True, intercept=False)
-    if scale == per_shard == per_id == 0.0:
-        return 1.0, 0.0, 0.0
-    return scale, per_shard, per_id
+        return 1.0, 1.0, 0.0, 0.0
+    coef, _ = fit_nonnegative(
+        [[s.modelled_ms - s.modelled_ids_ms, s.modelled_ids_ms, s.shards, s.ids] for s in usable],
+        [s.beyond_ms for s in usable], intercept=False)
+    if not any(coef):
+        return 1.0, 1.0, 0.0, 0.0
+    scale, id_scale, per_shard, per_id = coef
+    return scale, id_scale, per_shard, per_id
 
 
 def calibrate_job(

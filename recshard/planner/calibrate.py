@@ -191,9 +191,12 @@ def fit_nonnegative(x: Sequence[Sequence[float]], ms: Sequence[float],
     per-id costs grow with the working set (caches), and the large calls are what a training
     step is made of; a negative coefficient is dropped and the rest refitted (where the last
     work term left is negative, the per-call term goes instead: alone, it would price any
-    amount of work at 0 ms). (coef, per_call)."""
+    amount of work at 0 ms). A term no point has gets 0. (coef, per_call)."""
     width = len(x[0])
-    columns = list(range(width)) + ([width] if intercept else [])
+    columns = [c for c in range(width) if any(row[c] for row in x)]
+    columns += [width] if intercept else []
+    if not columns:
+        return [0.0] * width, 0.0
     y = torch.tensor(list(ms), dtype=torch.float64)
     weight = 1.0 / y.clamp_min(1e-3).sqrt()
     full = torch.tensor([list(row) + [1.0] for row in x], dtype=torch.float64)

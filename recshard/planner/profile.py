@@ -113,6 +113,9 @@ class StepCost:
     work_scale: float = 1.0  # a real module's shard time / the kernel and link fits' estimate
     ms_per_shard: float = 0.0  # and what each real-sized shard on a rank adds beyond that
     ms_per_id: float = 0.0  # and each id it looks up
+    # the kernels' per-id work's scale, apart from the rest's (None: work_scale, as fitted
+    # before it)
+    id_scale: Optional[float] = None
 
 
 @dataclass
@@ -192,6 +195,15 @@ class CalibrationProfile:
         cost = next((c for c in self.steps if c.sharding_type == sharding_type
                      and c.phase == phase), None)
         return cost.work_scale if cost is not None else 1.0
+
+    def id_scale(self, sharding_type: str, phase: str) -> float:
+        """A real module's time for the kernels' per-id work of a `sharding_type` shard in
+        `phase` over the kernel fits' (its `work_scale` where not fitted apart)."""
+        cost = next((c for c in self.steps if c.sharding_type == sharding_type
+                     and c.phase == phase), None)
+        if cost is None:
+            return 1.0
+        return cost.id_scale if cost.id_scale is not None else cost.work_scale
 
     def shard_ms(self, sharding_type: str, phase: str, ids: float) -> float:
         """A real module's ms for one `sharding_type` shard on a rank looking up `ids` ids in

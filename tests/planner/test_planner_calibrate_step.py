@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from recshard.distributed.calibrate_step import StepProbe, calibrate_job, fit_work
+from recshard.distributed.calibrate_step import StepProbe, WorkSample, calibrate_job, fit_work
 from recshard.planner import EmbeddingPerfEstimator, TableMeta, Topology
 from recshard.planner.calibrate import CalibrationGrid
 from recshard.planner.estimators import data_parallel_exchange
@@ -54,14 +54,21 @@ def test_calibrate_job_on_one_process_measures_no_steps():
     assert profile.world_size == 1 and profile.steps == []
 
 
-def test_fit_work_recovers_a_scale_a_cost_per_shard_and_per_id():
-    assert fit_work([(m, 24.0, 1e4, 1.7 * m) for m in (1.0, 5.0, 30.0)]) == pytest.approx(
-        (1.7, 0.0, 0.0))
-    # work scaled by 0.9, plus 1.1 ms per shard and 2e-5 ms per id, from table and id counts
-    cases = [(7.0, 8.0, 13e3), (30.0, 24.0, 320e3), (82.0, 24.0, 80e3), (95.0, 24.0, 320e3)]
-    points = [(m, n, ids, 0.9 * m + 1.1 * n + 2e-5 * ids) for m, n, ids in cases]
-    assert fit_work(points) == pytest.approx((0.9, 1.1, 2e-5))
-    assert fit_work([]) == (1.0, 0.0, 0.0)  # nothing measured: nothing to scale
+def _sample(modelled, ids_part, shards, ids, beyond):
+    return WorkSample("table_wise", "bwd", modelled, shards, ids, beyond, ids_part)
+
+
+def test_fit_work_recovers_two_scales_a_cost_per_shard_and_per_id():
+    assert fit_work([_sample(m, 0.0, 24.0, 1e4, 1.7 * m) for m in (1.0, 5.0, 30.0)]) == \
+        pytest.approx((1.7, 0.0, 0.0, 0.0))
+    # the rest scaled by 2.1, the kernels' per-id work by 1.3, plus 1.1 ms per shard and
+    # 2e-5 ms per id, told apart by modules mixing them differently
+    cases = [(7.0, 2.0, 8.0, 13e3), (30.0, 25.0, 24.0, 320e3), (82.0, 30.0, 24.0, 80e3),
+             (95.0, 70.0, 24.0, 320e3), (20.0, 4.0, 8.0, 50e3), (60.0, 50.0, 8.0, 200e3)]
+    samples = [_sample(m, i, n, ids, 2.1 * (m - i) + 1.3 * i + 1.1 * n + 2e-5 * ids)
+               for m, i, n, ids in cases]
+    assert fit_work(samples) == pytest.approx((2.1, 1.3, 1.1, 2e-5))
+    assert fit_work([]) == (1.0, 1.0, 0.0, 0.0)  # nothing measured: nothing to scale
 
 
 def _profile(steps):
@@ -75,7 +82,8 @@ def _profile(steps):
 def test_measured_step_costs_drive_the_step_model_and_estimates():
     steps = [StepCost("table_wise", "fwd", 2.0, 0.1, work_scale=2.0, ms_per_shard=0.5,
                       ms_per_id=1e-5),
-             StepCost("table_wise", "bwd", 1.0, 0.05, work_scale=3.0, ms_per_shard=0.25),
+             StepCost("table_wise", "bwd", 1.0, 0.05, work_scale=3.0, ms_per_shard=0.25,
+                      id_scale=1.5),
              StepCost("row_wise", "fwd", 4.0, 0.0), StepCost("row_wise", "bwd", 1.0, 0.0)]
     model = StepTimePerfModel(Topology(2, profile=_profile(steps)))
     assert model.group_ms("table_wise", "fused", 64, 10) == pytest.approx(3.0 + 10 * 0.15)
@@ -95,7 +103,9 @@ def test_measured_step_costs_drive_the_step_model_and_estimates():
     assert b.fwd_compute == pytest.approx(2 * a.fwd_compute + 0.5 + 1e-5 * ids_in)
     assert b.fwd_comms == pytest.approx(2 * a.fwd_comms)
     assert b.input_dist == pytest.approx(2 * a.input_dist)
-    assert b.bwd_compute == pytest.approx(3 * a.bwd_compute + 0.25)
+    # backward: the kernel's per-id work (1e-4 ms an id) scaled by 1.5, the rest by 3
+    id_work = ids_in * 1e-4
+    assert b.bwd_compute == pytest.approx(3 * (a.bwd_compute - id_work) + 1.5 * id_work + 0.25)
     assert b.bwd_comms == pytest.approx(3 * a.bwd_comms)
 
 
