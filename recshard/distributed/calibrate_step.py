@@ -9,7 +9,8 @@ as `ms = ms_per_group + ms_per_feature features` per sharding type and phase. An
 work: modules of 8 and 24 real-sized tables (20 to 50 k rows, 1 to 16 ids per bag; dims 16 to
 128, batches 256 to 2048) are timed per sharding type, and what the slowest rank takes beyond
 the tiny probes' overhead is fitted per phase as `work_scale` times the kernel and link fits'
-estimate for that rank (`plan_stats`) plus `ms_per_shard` times the shards it holds plus
+estimate for that rank (`plan_stats`), its kernels' per-id part times `id_scale` instead,
+plus `ms_per_shard` times the shards it holds plus
 `ms_per_id` times the ids it looks up (`fit_work`): the copies, permutes and caches shared
 with the other tables scale with the work; a real-sized table's own buffers, calls and
 collective waits come with each shard; the input dist's per-id work (bucketizing, splitting,

@@ -17,7 +17,8 @@ Step overhead (`StepCost`, per sharding type): what one sharding group of a real
 costs per step beyond its kernels' work and its bytes on the links (input / output dist calls,
 collective latencies, permutes), `ms = ms_per_group + ms_per_feature features`, and how much
 longer a real module's shards take than their kernel and link fits alone: `ms = work_scale
-modelled + ms_per_shard + ms_per_id ids` per shard on a rank (`work_scale`: the copies,
+(modelled - modelled ids) + id_scale modelled ids + ms_per_shard + ms_per_id ids` per shard
+on a rank (`modelled ids`: the kernels' per-id terms; `work_scale`: the copies,
 permutes and caches shared with the other tables; `ms_per_shard`: what each real-sized shard
 costs whatever its ids, e.g. a data-parallel table's gradient buffer and its own collectives'
 waits; `ms_per_id`: the input dist's work per id looked up, beyond its bytes on the wire).
