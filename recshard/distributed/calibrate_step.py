@@ -6,18 +6,19 @@ on its links. Per sharding group and per feature: the input dist's all-to-alls a
 permutes, the output dist, the autograd nodes. This is timed on tables so small (64 rows, dim
 16, batch 64, one id per bag) that their work is near zero, at two feature counts, and fitted
 as `ms = ms_per_group + ms_per_feature features` per sharding type and phase. And per unit of
-work: modules of 8 and 24 real-sized tables (20 to 50 k rows, 1 to 16 ids per bag; dims 16 to
-128, batches 256 to 2048) are timed per sharding type, and what the slowest rank takes beyond
-the tiny probes' overhead is fitted per phase as `work_scale` times the kernel and link fits'
-estimate for that rank (`plan_stats`), its kernels' per-id part times `id_scale` instead,
-plus `ms_per_shard` times the shards it holds plus
+work: 12 modules of 8 and 24 real-sized tables (20 to 50 k rows, 1 to 20 ids per bag, many
+to small tables; dims 16 to 128, batches 256 to 2048) are timed per sharding type, and what
+the slowest rank takes beyond the tiny probes' overhead is fitted per phase as `work_scale`
+times the kernel and link fits' estimate for that rank (`plan_stats`), with its kernels'
+per-id part times `id_scale` instead, plus `ms_per_shard` times the shards it holds plus
 `ms_per_id` times the ids it looks up (`fit_work`): the copies, permutes and caches shared
-with the other tables scale with the work; a real-sized table's own buffers, calls and
-collective waits come with each shard; the input dist's per-id work (bucketizing, splitting,
-narrowing ids) is neither in the kernel fits nor in the bytes on the wire. (One scale alone,
-fitted where the rest dominates, over-priced data-parallel at batch 2048 by up to 1.8x.) Two
-table counts and four id counts tell them apart. Both run on the job's own ranks, so their
-links are in it. It lives in `recshard.distributed`, not beside `recshard.planner.calibrate`,
+with the other tables scale with the work; the lookups and gradient rows scale apart (a
+real module's per-id work is ~1.3x the kernel fits', its whole-table update ~2-3x, and
+workloads mix them differently: one scale over-priced data-parallel at batch 2048 by up to
+49%); a real-sized table's own buffers, calls and collective waits come with each shard; the
+input dist's per-id work (bucketizing, splitting, narrowing ids) is neither in the kernel fits
+nor in the bytes on the wire. Table counts, dims and ids per table vary across the modules to
+tell them apart. Both run on the job's own ranks, so their links are in it. It lives in `recshard.distributed`, not beside `recshard.planner.calibrate`,
 because it builds sharded modules (a layer above the planner).
 
     torchrun --nproc_per_node N -m recshard.distributed.calibrate_step -o profile.json
