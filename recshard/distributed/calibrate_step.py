@@ -10,12 +10,12 @@ work: 12 modules of 8 and 24 real-sized tables (20 to 50 k rows, 1 to 20 ids per
 to small tables; dims 16 to 128, batches 256 to 2048) are timed per sharding type, and what
 the slowest rank takes beyond the tiny probes' overhead is fitted per phase as `work_scale`
 times the kernel and link fits' estimate for that rank (`plan_stats`), with its kernels'
-per-id part times `id_scale` instead, plus `ms_per_shard` times the shards it holds plus
+per-element part (the update) times `element_scale` instead, plus `ms_per_shard` times the shards it holds plus
 `ms_per_id` times the ids it looks up (`fit_work`): the copies, permutes and caches shared
-with the other tables scale with the work; the lookups and gradient rows scale apart (a
-real module's per-id work is ~1.3x the kernel fits', its whole-table update ~2-3x, and
-workloads mix them differently: one scale over-priced data-parallel at batch 2048 by up to
-49%); a real-sized table's own buffers, calls and collective waits come with each shard; the
+with the other tables scale with the work, the update (its per-element part) with a scale
+of its own (data-parallel's whole-table update costs a real module ~2-3x the kernel fits',
+its lookups ~1.3x, and workloads mix them differently: one scale over-priced data-parallel
+at batch 2048 by up to 49%); a real-sized table's own buffers, calls and collective waits come with each shard; the
 input dist's per-id work (bucketizing, splitting, narrowing ids) is neither in the kernel fits
 nor in the bytes on the wire. Table counts, dims and ids per table vary across the modules to
 tell them apart. Both run on the job's own ranks, so their links are in it. It lives in `recshard.distributed`, not beside `recshard.planner.calibrate`,
@@ -160,7 +160,8 @@ def _time_plan(plan: ShardingPlan, probe: _Probe, group: dist.ProcessGroup, step
 @dataclass(frozen=True)
 class WorkSample:
     """One real-sized probe module's slowest rank in one phase: the kernel and link fits'
-    estimate (`modelled_ms`, of which the kernels' per-id terms give `modelled_ids_ms`), the
+    estimate (`modelled_ms`, of which the kernels' per-element terms, the update, give
+    `modelled_update_ms`), the
     shards it holds and ids it looks up, and the measured time beyond the tiny probes'
     overhead (`beyond_ms`)."""
 
@@ -170,7 +171,7 @@ class WorkSample:
     shards: float
     ids: float
     beyond_ms: float
-    modelled_ids_ms: float = 0.0  # the kernels' per-id part of `modelled_ms`
+    modelled_update_ms: float = 0.0  # the kernels' per-element part of `modelled_ms`
 
 
 def measure_fixed_costs(group: dist.ProcessGroup, topology: Topology,
@@ -196,9 +197,9 @@ def measure_work(group: dist.ProcessGroup, costed: Topology,
     """The real-sized probe modules of every sharding type, timed against `costed`'s
     estimate (its profile's kernel and link fits and fixed step costs)."""
     assert costed.profile is not None
-    no_ids = Topology(costed.world_size, costed.compute_device,
-                      local_world_size=costed.local_world_size,
-                      profile=_without_id_costs(costed.profile))
+    no_update = Topology(costed.world_size, costed.compute_device,
+                         local_world_size=costed.local_world_size,
+                         profile=_without_element_costs(costed.profile))
     samples: List[WorkSample] = []
     for dim, batch, tables in probe.work:
         work = _Probe(probe.work_rows[:tables], probe.work_poolings[:tables], dim, batch)
@@ -208,7 +209,7 @@ def measure_work(group: dist.ProcessGroup, costed: Topology,
                                   probe.budget_s, probe.max_steps)
             slowest = max(plan_stats(plan, work.metas(), costed, batch).ranks,
                           key=lambda r: r.total_ms)
-            rest = next(r for r in plan_stats(plan, work.metas(), no_ids, batch).ranks
+            rest = next(r for r in plan_stats(plan, work.metas(), no_update, batch).ranks
                         if r.rank == slowest.rank)
             modelled = (_phase_ms(slowest.terms, "fwd"), _phase_ms(slowest.terms, "bwd"))
             modelled_rest = (_phase_ms(rest.terms, "fwd"), _phase_ms(rest.terms, "bwd"))
@@ -227,22 +228,20 @@ def _phase_ms(terms: StepTerms, phase: str) -> float:
     return terms.bwd_compute + terms.bwd_comms
 
 
-def _without_id_costs(profile: CalibrationProfile) -> CalibrationProfile:
-    """`profile` with its kernels' per-id costs 0: what the estimate is without them."""
-    return replace(profile, kernels=[
-        replace(k, ms_per_id=0.0, ms_per_id_cold=None if k.ms_per_id_cold is None else 0.0)
-        for k in profile.kernels])
+def _without_element_costs(profile: CalibrationProfile) -> CalibrationProfile:
+    """`profile` with its kernels' per-element costs 0: the estimate without the update."""
+    return replace(profile, kernels=[replace(k, ms_per_element=0.0) for k in profile.kernels])
 
 
 def fit_step_costs(fixed: Sequence[StepCost], samples: Sequence[WorkSample]) -> List[StepCost]:
-    """`fixed` with each (type, phase)'s work scale, per-id work scale, ms per shard and ms
-    per id fitted on its samples (`fit_work`)."""
+    """`fixed` with each (type, phase)'s work scale, update scale, ms per shard and ms per id
+    fitted on its samples (`fit_work`)."""
     out = []
     for cost in fixed:
-        scale, id_scale, per_shard, per_id = fit_work(
+        scale, element_scale, per_shard, per_id = fit_work(
             [s for s in samples if (s.sharding_type, s.phase) == (cost.sharding_type, cost.phase)])
-        out.append(replace(cost, work_scale=scale, id_scale=id_scale, ms_per_shard=per_shard,
-                           ms_per_id=per_id))
+        out.append(replace(cost, work_scale=scale, element_scale=element_scale,
+                           ms_per_shard=per_shard, ms_per_id=per_id))
     return out
 
 
@@ -272,23 +271,23 @@ def _shards_on(plan: ShardingPlan, rank: int) -> int:
 
 
 def fit_work(samples: Sequence[WorkSample]) -> Tuple[float, float, float, float]:
-    """(scale `s`, per-id work scale `v`, ms per shard `t`, ms per id `u`) of `measured
-    beyond the tiny probes' overhead ~ s (modelled - modelled ids) + v modelled ids + t
-    shards + u ids`: non-negative least squares (`fit_nonnegative`, no intercept). Two
-    scales, because a real module's time over the kernel fits differs between the per-id work
-    (lookups, gradient rows: ~1.3x on this 2-core machine) and the rest (whole-table update,
-    buffers, copies: ~2-3x), and workloads mix them differently. (1, 1, 0, 0) where it leaves
-    nothing."""
+    """(scale `s`, update scale `v`, ms per shard `t`, ms per id `u`) of `measured beyond the
+    tiny probes' overhead ~ s (modelled - modelled update) + v modelled update + t shards +
+    u ids`: non-negative least squares (`fit_nonnegative`, no intercept; a phase without an
+    update fits `v` 0). Two scales, because a real module's time over the kernel fits differs
+    between the update (data-parallel's whole tables: gradients zeroed, all-reduced, stepped
+    by the dense optimizer) and the lookups, and workloads mix them differently. (1, 1, 0, 0)
+    where it leaves nothing."""
     usable = [s for s in samples if s.beyond_ms > 0]
     if not usable:
         return 1.0, 1.0, 0.0, 0.0
     coef, _ = fit_nonnegative(
-        [[s.modelled_ms - s.modelled_ids_ms, s.modelled_ids_ms, s.shards, s.ids] for s in usable],
-        [s.beyond_ms for s in usable], intercept=False)
+        [[s.modelled_ms - s.modelled_update_ms, s.modelled_update_ms, s.shards, s.ids]
+         for s in usable], [s.beyond_ms for s in usable], intercept=False)
     if not any(coef):
         return 1.0, 1.0, 0.0, 0.0
-    scale, id_scale, per_shard, per_id = coef
-    return scale, id_scale, per_shard, per_id
+    scale, element_scale, per_shard, per_id = coef
+    return scale, element_scale, per_shard, per_id
 
 
 def calibrate_job(

@@ -194,7 +194,7 @@ class EmbeddingPerfEstimator:
     scaled by `(row + state_row) / row` for optimizer state beyond exact SGD); the per-call
     terms and collective latencies are per step, not per shard (`StepTimePerfModel`), and a
     profile that measured a real sharded module scales each phase by its `work_scale` (the
-    kernels' per-id part by its `id_scale`) and adds its `ms_per_shard + ms_per_id ids_in` to
+    kernels' per-element part, the update, by its `element_scale`) and adds its `ms_per_shard + ms_per_id ids_in` to
     each phase's compute.
     """
 
@@ -264,14 +264,14 @@ class EmbeddingPerfEstimator:
             bwd_compute = (out_bytes + ids_in * row + full_update) / bw
         else:
             bwd_compute = (out_bytes + ids_in * (2 * row + 2 * state_row)) / bw
-        id_work = (0.0, 0.0)  # the kernels' per-id part of fwd / bwd compute (measured only)
+        update = (0.0, 0.0)  # the kernels' per-element part of fwd / bwd compute (measured only)
         if self._profile is not None and compute_kernel in ("fused", "dense") and rows > 0:
             updated = float(rows) if dense_update else touched_rows(
                 table, cache_params, rows, ids_in, facts.workload[0] * topo.world_size)
             measured = self._measured(compute_kernel, dense_update, updated, rows, cols,
                                       ids_in, bags_out, state_row / row)
             if measured is not None:
-                fwd_compute, bwd_compute, id_work = measured
+                fwd_compute, bwd_compute, update = measured
         if table.is_weighted:
             bwd_compute += ids_in * row / bw
         if sharding_type == "data_parallel":
@@ -280,7 +280,7 @@ class EmbeddingPerfEstimator:
                                                             cache_params)
             comms = 2 * exchanged * self._ring_s_per_byte + collectives * self._allreduce_ms
             return self._scaled(sharding_type, Perf(fwd_compute, 0.0, bwd_compute, comms, 0.0),
-                                ids_in, id_work)
+                                ids_in, update)
         input_dist = ids_in * wire_id_bytes(rows, table.is_weighted) * self._a2a_s_per_byte
         if not table.pooled or sharding_type in ("table_wise", "column_wise", "table_column_wise"):
             comms = out_bytes * self._a2a_s_per_byte
@@ -291,32 +291,32 @@ class EmbeddingPerfEstimator:
             comms = out_bytes * (lw - 1) / lw / topo.intra_host_bw
             comms += out_bytes / lw * (hosts - 1) / hosts / topo.inter_host_bw
         return self._scaled(sharding_type, Perf(fwd_compute, comms, bwd_compute, comms,
-                                                input_dist), ids_in, id_work)
+                                                input_dist), ids_in, update)
 
     def _scaled(self, sharding_type: str, perf: Perf, ids_in: float,
-                id_work: Tuple[float, float]) -> Perf:
+                update: Tuple[float, float]) -> Perf:
         """`perf` with each phase times the profile's measured `work_scale` of the type (its
-        kernels' per-id part `id_work` times its `id_scale`), plus its measured cost per
-        shard and per id looked up."""
+        kernels' per-element part `update` times its `element_scale`), plus its measured cost
+        per shard and per id looked up."""
         profile = self._profile
         if profile is None or not profile.steps:
             return perf
         fwd = profile.work_scale(sharding_type, "fwd")
         bwd = profile.work_scale(sharding_type, "bwd")
-        fwd_ids = id_work[0] * (profile.id_scale(sharding_type, "fwd") - fwd)
-        bwd_ids = id_work[1] * (profile.id_scale(sharding_type, "bwd") - bwd)
-        return Perf(perf.fwd_compute * fwd + fwd_ids
+        fwd_update = update[0] * (profile.element_scale(sharding_type, "fwd") - fwd)
+        bwd_update = update[1] * (profile.element_scale(sharding_type, "bwd") - bwd)
+        return Perf(perf.fwd_compute * fwd + fwd_update
                     + profile.shard_ms(sharding_type, "fwd", ids_in),
                     perf.fwd_comms * fwd,
-                    perf.bwd_compute * bwd + bwd_ids
+                    perf.bwd_compute * bwd + bwd_update
                     + profile.shard_ms(sharding_type, "bwd", ids_in),
                     perf.bwd_comms * bwd, perf.input_dist * fwd)
 
     def _measured(self, kernel: str, dense_update: bool, updated: float, rows: int,
                   cols: int, ids_in: float, bags_out: float, state_ratio: float
                   ) -> Optional[Tuple[float, float, Tuple[float, float]]]:
-        """(fwd, bwd, their per-id parts) ms from the calibration profile (`updated`: rows
-        the update touches, `rows`: the shard's); None if it lacks the kernel."""
+        """(fwd, bwd, their per-element parts) ms from the calibration profile (`updated`:
+        rows the update touches, `rows`: the shard's); None if it lacks the kernel."""
         profile = self._profile
         assert profile is not None
         measured_kernel = "dense" if dense_update else kernel
@@ -326,10 +326,11 @@ class EmbeddingPerfEstimator:
                                 rows)
         if fwd is None or bwd is None:
             return None
-        fwd_ids = profile.kernel_ms(measured_kernel, "fwd", cols, ids_in, 0.0, 0.0, rows) or 0.0
-        bwd_ids = profile.kernel_ms(measured_kernel, "bwd", cols, ids_in, 0.0, 0.0, rows) or 0.0
+        elements = updated * cols
+        fwd_update = profile.kernel_ms(measured_kernel, "fwd", cols, 0.0, 0.0, elements) or 0.0
+        bwd_update = profile.kernel_ms(measured_kernel, "bwd", cols, 0.0, 0.0, elements) or 0.0
         ratio = 1.0 + state_ratio
-        return fwd, bwd * ratio, (fwd_ids, bwd_ids * ratio)
+        return fwd, bwd * ratio, (fwd_update, bwd_update * ratio)
 
 
 class EmbeddingStorageEstimator:

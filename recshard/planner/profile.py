@@ -17,8 +17,8 @@ Step overhead (`StepCost`, per sharding type): what one sharding group of a real
 costs per step beyond its kernels' work and its bytes on the links (input / output dist calls,
 collective latencies, permutes), `ms = ms_per_group + ms_per_feature features`, and how much
 longer a real module's shards take than their kernel and link fits alone: `ms = work_scale
-(modelled - modelled ids) + id_scale modelled ids + ms_per_shard + ms_per_id ids` per shard
-on a rank (`modelled ids`: the kernels' per-id terms; `work_scale`: the copies,
+(modelled - modelled update) + element_scale modelled update + ms_per_shard + ms_per_id ids`
+per shard on a rank (`modelled update`: the kernels' per-element terms; `work_scale`: the copies,
 permutes and caches shared with the other tables; `ms_per_shard`: what each real-sized shard
 costs whatever its ids, e.g. a data-parallel table's gradient buffer and its own collectives'
 waits; `ms_per_id`: the input dist's work per id looked up, beyond its bytes on the wire).
@@ -114,9 +114,9 @@ class StepCost:
     work_scale: float = 1.0  # a real module's shard time / the kernel and link fits' estimate
     ms_per_shard: float = 0.0  # and what each real-sized shard on a rank adds beyond that
     ms_per_id: float = 0.0  # and each id it looks up
-    # the kernels' per-id work's scale, apart from the rest's (None: work_scale, as fitted
-    # before it)
-    id_scale: Optional[float] = None
+    # the kernels' per-element work's (the update's) scale, apart from the rest's (None:
+    # work_scale, as fitted before it)
+    element_scale: Optional[float] = None
 
 
 @dataclass
@@ -197,14 +197,15 @@ class CalibrationProfile:
                      and c.phase == phase), None)
         return cost.work_scale if cost is not None else 1.0
 
-    def id_scale(self, sharding_type: str, phase: str) -> float:
-        """A real module's time for the kernels' per-id work of a `sharding_type` shard in
-        `phase` over the kernel fits' (its `work_scale` where not fitted apart)."""
+    def element_scale(self, sharding_type: str, phase: str) -> float:
+        """A real module's time for the kernels' per-element work (the update) of a
+        `sharding_type` shard in `phase` over the kernel fits' (its `work_scale` where not
+        fitted apart)."""
         cost = next((c for c in self.steps if c.sharding_type == sharding_type
                      and c.phase == phase), None)
         if cost is None:
             return 1.0
-        return cost.id_scale if cost.id_scale is not None else cost.work_scale
+        return cost.element_scale if cost.element_scale is not None else cost.work_scale
 
     def shard_ms(self, sharding_type: str, phase: str, ids: float) -> float:
         """A real module's ms for one `sharding_type` shard on a rank looking up `ids` ids in

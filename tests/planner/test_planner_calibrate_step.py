@@ -54,15 +54,15 @@ def test_calibrate_job_on_one_process_measures_no_steps():
     assert profile.world_size == 1 and profile.steps == []
 
 
-def _sample(modelled, ids_part, shards, ids, beyond):
-    return WorkSample("table_wise", "bwd", modelled, shards, ids, beyond, ids_part)
+def _sample(modelled, update, shards, ids, beyond):
+    return WorkSample("table_wise", "bwd", modelled, shards, ids, beyond, update)
 
 
 def test_fit_work_recovers_two_scales_a_cost_per_shard_and_per_id():
     assert fit_work([_sample(m, 0.0, 24.0, 1e4, 1.7 * m) for m in (1.0, 5.0, 30.0)]) == \
         pytest.approx((1.7, 0.0, 0.0, 0.0))
-    # the rest scaled by 2.1, the kernels' per-id work by 1.3, plus 1.1 ms per shard and
-    # 2e-5 ms per id, told apart by modules mixing them differently
+    # the rest scaled by 2.1, the kernels' update by 1.3, plus 1.1 ms per shard and 2e-5 ms
+    # per id, told apart by modules mixing them differently
     cases = [(7.0, 2.0, 8.0, 13e3), (30.0, 25.0, 24.0, 320e3), (82.0, 30.0, 24.0, 80e3),
              (95.0, 70.0, 24.0, 320e3), (20.0, 4.0, 8.0, 50e3), (60.0, 50.0, 8.0, 200e3)]
     samples = [_sample(m, i, n, ids, 2.1 * (m - i) + 1.3 * i + 1.1 * n + 2e-5 * ids)
@@ -83,7 +83,7 @@ def test_measured_step_costs_drive_the_step_model_and_estimates():
     steps = [StepCost("table_wise", "fwd", 2.0, 0.1, work_scale=2.0, ms_per_shard=0.5,
                       ms_per_id=1e-5),
              StepCost("table_wise", "bwd", 1.0, 0.05, work_scale=3.0, ms_per_shard=0.25,
-                      id_scale=1.5),
+                      element_scale=1.5),
              StepCost("row_wise", "fwd", 4.0, 0.0), StepCost("row_wise", "bwd", 1.0, 0.0)]
     model = StepTimePerfModel(Topology(2, profile=_profile(steps)))
     assert model.group_ms("table_wise", "fused", 64, 10) == pytest.approx(3.0 + 10 * 0.15)
@@ -103,9 +103,10 @@ def test_measured_step_costs_drive_the_step_model_and_estimates():
     assert b.fwd_compute == pytest.approx(2 * a.fwd_compute + 0.5 + 1e-5 * ids_in)
     assert b.fwd_comms == pytest.approx(2 * a.fwd_comms)
     assert b.input_dist == pytest.approx(2 * a.input_dist)
-    # backward: the kernel's per-id work (1e-4 ms an id) scaled by 1.5, the rest by 3
-    id_work = ids_in * 1e-4
-    assert b.bwd_compute == pytest.approx(3 * (a.bwd_compute - id_work) + 1.5 * id_work + 0.25)
+    # backward: the kernel's update (1e-6 ms an element: distinct rows x dim) by 1.5, the
+    # rest by 3
+    update = distinct_rows(50_000, ids_in) * 64 * 1e-6
+    assert b.bwd_compute == pytest.approx(3 * (a.bwd_compute - update) + 1.5 * update + 0.25)
     assert b.bwd_comms == pytest.approx(3 * a.bwd_comms)
 
 
