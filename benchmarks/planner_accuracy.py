@@ -21,7 +21,9 @@ data-parallel: dense), placed by the planner, and the planner's own plan (`"plan
 "planner"`); with `--link-check P`, also the planner's plan under profile P's costs.
 Each plan runs in fresh rank processes: `--warmup` steps, then `--steps` timed steps of
 forward + backward + update (exact SGD); `measured_ms` is the median over steps of the slowest
-rank's step (`measured_fwd_ms`: of its forward). A plan identical to one already run in the
+rank's step (`measured_fwd_ms`: of its forward); with `--repeats N`, each plan runs in N fresh
+sets of rank processes and `measured_ms` is the median of their N medians
+(`measured_repeats_ms`; memory: the first set's). A plan identical to one already run in the
 workload (the planner's plan is often all table-wise) is not run again: it carries that
 run's figures and `"same_as": LABEL` (running it twice would only sample the noise).
 `predicted_terms_ms` splits the slowest rank's estimate into forward / backward compute and
@@ -246,6 +248,11 @@ def _types(plan: ShardingPlan) -> Dict[str, int]:
     return counts
 
 
+def _median_slowest(per_rank: List[Dict[str, Any]], key: str) -> float:
+    """Median over steps of the slowest rank's `key` times, in ms."""
+    return 1e3 * statistics.median(max(step) for step in zip(*(r[key] for r in per_rank)))
+
+
 def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namespace,
                  link_check: Optional[CalibrationProfile]) -> List[Dict[str, Any]]:
     tables = metas(w, args.row_cap, args.max_pooling)
@@ -256,14 +263,15 @@ def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namesp
         stats = plan_stats(plan, tables, topology, w.batch)
         key = json.dumps(plan_to_dict(plan)["modules"], sort_keys=True)
         same_as = runs[key][0] if key in runs else None
-        per_rank = runs[key][1] if key in runs else run_ranks(
-            args.world_size, args, rank_measure, plan, w, args,
-            local_world_size=args.local_world_size)
-        runs.setdefault(key, (label, per_rank))
-        slowest = [max(step) for step in zip(*(r["times"] for r in per_rank))]
-        measured = 1e3 * statistics.median(slowest)
-        forward = 1e3 * statistics.median(
-            max(step) for step in zip(*(r["forwards"] for r in per_rank)))
+        repeats = runs[key][1] if key in runs else [
+            run_ranks(args.world_size, args, rank_measure, plan, w, args,
+                      local_world_size=args.local_world_size)
+            for _ in range(args.repeats)]
+        runs.setdefault(key, (label, repeats))
+        per_rank = repeats[0]
+        each = [_median_slowest(r, "times") for r in repeats]
+        measured = statistics.median(each)
+        forward = statistics.median(_median_slowest(r, "forwards") for r in repeats)
         mem_est = stats.max("memory") / 2**20
         mem_meas = max(r["rss_growth_mb"] for r in per_rank)
         terms = max(stats.ranks, key=lambda r: r.total_ms).terms
@@ -278,6 +286,8 @@ def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namesp
                       memory_build_mb=round(max(r["build_growth_mb"] for r in per_rank), 1),
                       memory_stored_mb=round(stats.max("bytes_stored") / 2**20, 1),
                       memory_rel_error=round(abs(mem_est - mem_meas) / max(mem_meas, 1e-9), 4))
+        if args.repeats > 1:
+            record["measured_repeats_ms"] = [round(ms, 3) for ms in each]
         if same_as is not None:
             record["same_as"] = same_as
         emit(record)
@@ -321,6 +331,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--row-cap", type=int, default=50_000)
     parser.add_argument("--max-pooling", type=int, default=20)
     parser.add_argument("--steps", type=int, default=16, help="timed steps per plan")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="fresh rank processes per plan; measured_ms is the median of "
+                             "their medians (a run can sit 1.5-2x off for its whole length "
+                             "on a busy 2-core machine)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batches", type=int, default=2, help="distinct batches cycled")
     parser.add_argument("--stats-samples", type=int, default=4,

@@ -22,7 +22,7 @@ def test_planner_accuracy_quick(tmp_path) -> None:
     profile = tmp_path / "profile.json"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.planner_accuracy", "--quick", "--ids", "uniform",
-         "--save-profile", str(profile)],
+         "--repeats", "3", "--save-profile", str(profile)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -34,6 +34,9 @@ def test_planner_accuracy_quick(tmp_path) -> None:
         assert r["predicted_ms"] > 0 and r["measured_ms"] > 0 and r["memory_estimate_mb"] > 0
         assert r["rel_error"] == pytest.approx(
             abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"], abs=1e-3)
+        # three fresh sets of ranks per plan; the median of their medians
+        assert len(r["measured_repeats_ms"]) == 3
+        assert r["measured_ms"] == pytest.approx(sorted(r["measured_repeats_ms"])[1], abs=1e-3)
     forced = {r["plan"]: r for r in runs}
     assert forced["data_parallel"]["sharding_types"] == {"data_parallel": 26}
     summary = records[-1]
