@@ -1,4 +1,5 @@
-"""Keyed optimizers: fused (in-backward) embedding optimizer, dense wrappers, combination."""
+"""Keyed optimizers: fused (in-backward) embedding optimizer, dense wrappers, combination,
+learning-rate warm-up."""
 
 from recshard.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from recshard.optim.fused import FusedOptimizer
@@ -10,6 +11,7 @@ from recshard.optim.keyed import (
     in_backward_optimizer_filter,
 )
 from recshard.optim.rowwise_adagrad import RowWiseAdagrad
+from recshard.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
 
 __all__ = [
     "CombinedOptimizer",
@@ -18,6 +20,9 @@ __all__ = [
     "KeyedOptimizerWrapper",
     "OptimizerWrapper",
     "RowWiseAdagrad",
+    "WarmupOptimizer",
+    "WarmupPolicy",
+    "WarmupStage",
     "apply_optimizer_in_backward",
     "in_backward_optimizer_filter",
 ]
