@@ -13,6 +13,8 @@ the next `zero_grad()` / `step()`, like a `torch.optim.lr_scheduler` edit.
 
 The iteration and stage travel in `state_dict()["state"]["__warmup"]["warmup"]` (a long
 tensor `[iteration, stage]`), present from construction on and whatever optimizer is wrapped.
+That tensor is the live state and `zero_grad()` sets the lr from it again, so a loader that
+copies state in place (`recshard.checkpoint.load`) resumes the schedule too.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import logging
 import math
 from dataclasses import dataclass
 from enum import Enum, unique
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -147,8 +149,9 @@ class WarmupOptimizer(OptimizerWrapper):
         self._lr_param = lr_param
         self._param_name = param_name
         self._warmup_param = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-        self._iteration = 0
-        self._stage = 0
+        # [iteration, stage], live: `state_dict()` hands out this tensor, so a loader that
+        # copies into the state in place (recshard.checkpoint.load) moves the schedule too
+        self._position = torch.zeros(2, dtype=torch.long)
         self._set_lr()  # fused tables update in the first backward, before any step()
 
     @property
@@ -158,29 +161,43 @@ class WarmupOptimizer(OptimizerWrapper):
 
     @property
     def state(self) -> Dict[torch.Tensor, Any]:  # type: ignore[override]
-        return {**self._optimizer.state, self._warmup_param: {"warmup": self._warmup_tensor()}}
+        return {**self._optimizer.state, self._warmup_param: {"warmup": self._position}}
 
-    def _warmup_tensor(self) -> torch.Tensor:
-        return torch.tensor([self._iteration, self._stage], dtype=torch.long)
+    def _iteration_and_stage(self, position: Optional[torch.Tensor] = None) -> Tuple[int, int]:
+        """The position in the schedule (`position`, else the live one), checked: state may
+        have been loaded from anywhere."""
+        values = [int(v) for v in (self._position if position is None else position).reshape(-1).tolist()]
+        if len(values) != 2 or values[0] < 0 or not 0 <= values[1] < len(self._stages):
+            raise ValueError(f"warm-up state '{self._param_name}.warmup' = {values}: needs "
+                             f"[iteration >= 0, stage in [0, {len(self._stages)})]")
+        return values[0], values[1]
 
     def _set_lr(self) -> None:
-        lr = self._lr * lr_multiplier(self._stages[self._stage], self._iteration)
+        iteration, stage = self._iteration_and_stage()
+        lr = self._lr * lr_multiplier(self._stages[stage], iteration)
         for group in self.param_groups:
             group[self._lr_param] = lr
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The scheduled lr again (state loaded in place takes effect), then the wrapped
+        zero_grad (fused tables take the lr there)."""
+        self._set_lr()
+        self._optimizer.zero_grad(set_to_none)
 
     def step(self, closure: Any = None) -> None:  # noqa: ANN401
         """The wrapped step at the current lr, then the lr of the next iteration."""
         self._optimizer.step(closure)
-        self._iteration += 1
-        stage = self._stages[self._stage]
-        if self._iteration > stage.max_iters and self._stage + 1 < len(self._stages):
-            self._stage += 1
-            logger.info("warm-up: %s done, %s starts", stage, self._stages[self._stage])
+        iteration, stage = self._iteration_and_stage()
+        iteration += 1
+        if iteration > self._stages[stage].max_iters and stage + 1 < len(self._stages):
+            stage += 1
+            logger.info("warm-up: %s done, %s starts", self._stages[stage - 1], self._stages[stage])
+        self._position.copy_(torch.tensor([iteration, stage]))
         self._set_lr()
 
     def state_dict(self) -> Dict[str, Any]:
         own = self._optimizer.state_dict()
-        return {**own, "state": {**own["state"], self._param_name: {"warmup": self._warmup_tensor()}}}
+        return {**own, "state": {**own["state"], self._param_name: {"warmup": self._position}}}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """The wrapped optimizer's part, then the saved iteration and its lr."""
@@ -188,12 +205,8 @@ class WarmupOptimizer(OptimizerWrapper):
         entry = saved.pop(self._param_name, None)
         if entry is None or "warmup" not in entry:
             raise ValueError(f"warm-up state '{self._param_name}.warmup' is missing from the checkpoint")
-        values = [int(v) for v in torch.as_tensor(entry["warmup"]).reshape(-1).tolist()]
-        if len(values) != 2 or values[0] < 0 or not 0 <= values[1] < len(self._stages):
-            raise ValueError(f"warm-up state '{self._param_name}.warmup' = {values}: needs "
-                             f"[iteration >= 0, stage in [0, {len(self._stages)})]")
-        iteration, stage = values
+        iteration, stage = self._iteration_and_stage(torch.as_tensor(entry["warmup"]))
         self._optimizer.load_state_dict({**state_dict, "state": saved})
-        self._iteration, self._stage = iteration, stage
+        self._position.copy_(torch.tensor([iteration, stage]))
         logger.info("warm-up resumed at iteration %d (stage %d)", iteration, stage)
         self._set_lr()

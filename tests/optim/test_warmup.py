@@ -5,6 +5,7 @@ CombinedOptimizer), bad stages, and a sharded model under warm-up equal to the u
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Dict, List
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from dmp_cases import TinyDLRM, make_optimizer, train
 from multiprocess import run_ranks
 
+from recshard import checkpoint
 from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
 from recshard.optim import (
     CombinedOptimizer,
@@ -147,9 +149,10 @@ LRS = [0.08, 0.24, 0.4, 0.05, 0.025]  # TorchRec 1.8's lrs for STAGES at base lr
 STEPS = len(LRS)
 
 
-def _sharded(rank: int, ws: int) -> Dict[str, List[float]]:
-    """Fused SGD tables and DDP dense layers under one warm-up; a second model resumes from the
-    optimizer state dict after 2 steps. The sharders' lrs are not the schedule's: it must win."""
+def _sharded(rank: int, ws: int, path: str) -> Dict[str, List[float]]:
+    """Fused SGD tables and DDP dense layers under one warm-up; after 2 steps a second model
+    resumes from the optimizer's state dict, a third from `recshard.checkpoint`. The sharders'
+    lrs are not the schedule's: it must win."""
     def build(lr: float) -> DistributedModelParallel:
         torch.manual_seed(0)
         sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": "exact_sgd", "learning_rate": lr})
@@ -159,12 +162,17 @@ def _sharded(rank: int, ws: int) -> Dict[str, List[float]]:
     optimizer = WarmupOptimizer(make_optimizer(model, True, False), STAGES, lr=0.4)
     first = train(model, optimizer, range(2), rank, ws)
     saved = copy.deepcopy(optimizer.state_dict())
+    checkpoint.save(path, model, optimizer)
     resumed = build(0.9)
     resumed.load_state_dict(model.state_dict())
     other = WarmupOptimizer(make_optimizer(resumed, True, False), STAGES, lr=0.4)
     other.load_state_dict(saved)
+    restored = build(0.9)
+    third = WarmupOptimizer(make_optimizer(restored, True, False), STAGES, lr=0.4)
+    checkpoint.load(path, restored, third)
     return {"losses": first + train(model, optimizer, range(2, STEPS), rank, ws),
-            "resumed": train(resumed, other, range(2, STEPS), rank, ws)}
+            "resumed": train(resumed, other, range(2, STEPS), rank, ws),
+            "restored": train(restored, third, range(2, STEPS), rank, ws)}
 
 
 def _unsharded(lrs: List[float]) -> List[float]:
@@ -180,12 +188,13 @@ def _unsharded(lrs: List[float]) -> List[float]:
     return losses
 
 
-def test_sharded_model_under_warmup_equals_unsharded() -> None:
-    results = run_ranks(2, _sharded, timeout=300)
+def test_sharded_model_under_warmup_equals_unsharded(tmp_path: Path) -> None:
+    results = run_ranks(2, _sharded, str(tmp_path), timeout=300)
     want = _unsharded(LRS)
     assert abs(_unsharded([LRS[0]] * STEPS)[-1] - want[-1]) > 1e-3  # the schedule matters
     for rank, result in enumerate(results):
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(want), atol=1e-5,
                                    rtol=0, msg=lambda m, r=rank: f"rank {r}: {m}")
-        torch.testing.assert_close(torch.tensor(result["resumed"]), torch.tensor(want[2:]),
-                                   atol=1e-5, rtol=0, msg=lambda m, r=rank: f"rank {r} resumed: {m}")
+        for how in ("resumed", "restored"):
+            torch.testing.assert_close(torch.tensor(result[how]), torch.tensor(want[2:]), atol=1e-5,
+                                       rtol=0, msg=lambda m, r=rank, h=how: f"rank {r} {h}: {m}")
