@@ -55,6 +55,7 @@ MODULE_MAP: Dict[str, str] = {
     "torchrec.optim.rowwise_adagrad": "recshard.optim",
     "torchrec.optim.fused": "recshard.optim",
     "torchrec.optim.warmup": "recshard.optim",
+    "torchrec.optim.clipping": "recshard.optim",
     "torchrec.quant": "recshard.quant",
     "torchrec.quant.embedding_modules": "recshard.quant",
     "torchrec.inference.modules": "recshard.quant",

@@ -137,12 +137,14 @@ def test_names_from_torchrecs_defining_modules_map() -> None:
         "from torchrec.optim.rowwise_adagrad import RowWiseAdagrad\n"
         "from torchrec.optim.fused import FusedOptimizer\n"
         "from torchrec.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage\n"
+        "from torchrec.optim.clipping import GradientClipping, GradientClippingOptimizer\n"
     )
     expected = (
         "from recshard import DataType\n"
         "from recshard.optim import RowWiseAdagrad\n"
         "from recshard.optim import FusedOptimizer\n"
         "from recshard.optim import WarmupOptimizer, WarmupPolicy, WarmupStage\n"
+        "from recshard.optim import GradientClipping, GradientClippingOptimizer\n"
     )
     result = port_source(source)
     assert result.code == expected and result.issues == []
