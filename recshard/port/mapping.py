@@ -22,6 +22,7 @@ MODULE_MAP: Dict[str, str] = {
     "torchrec.modules.embedding_modules": "recshard.modules",
     "torchrec.modules.mlp": "recshard.modules.mlp",
     "torchrec.modules.crossnet": "recshard.modules.crossnet",
+    "torchrec.modules.regroup": "recshard.modules.regroup",
     "torchrec.models": "recshard.models",
     "torchrec.models.dlrm": "recshard.models.dlrm",
     "torchrec.datasets": "recshard.datasets",

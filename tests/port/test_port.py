@@ -138,6 +138,7 @@ def test_names_from_torchrecs_defining_modules_map() -> None:
         "from torchrec.optim.fused import FusedOptimizer\n"
         "from torchrec.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage\n"
         "from torchrec.optim.clipping import GradientClipping, GradientClippingOptimizer\n"
+        "from torchrec.modules.regroup import KTRegroupAsDict\n"
     )
     expected = (
         "from recshard import DataType\n"
@@ -145,6 +146,7 @@ def test_names_from_torchrecs_defining_modules_map() -> None:
         "from recshard.optim import FusedOptimizer\n"
         "from recshard.optim import WarmupOptimizer, WarmupPolicy, WarmupStage\n"
         "from recshard.optim import GradientClipping, GradientClippingOptimizer\n"
+        "from recshard.modules.regroup import KTRegroupAsDict\n"
     )
     result = port_source(source)
     assert result.code == expected and result.issues == []
