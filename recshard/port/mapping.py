@@ -17,6 +17,7 @@ MODULE_MAP: Dict[str, str] = {
     "torchrec": "recshard",
     "torchrec.sparse": "recshard.sparse",
     "torchrec.sparse.jagged_tensor": "recshard.sparse",
+    "torchrec.sparse.jagged_tensor_validator": "recshard.sparse.validation",
     "torchrec.modules": "recshard.modules",
     "torchrec.modules.embedding_configs": "recshard.modules",
     "torchrec.modules.embedding_modules": "recshard.modules",

@@ -139,6 +139,7 @@ def test_names_from_torchrecs_defining_modules_map() -> None:
         "from torchrec.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage\n"
         "from torchrec.optim.clipping import GradientClipping, GradientClippingOptimizer\n"
         "from torchrec.modules.regroup import KTRegroupAsDict\n"
+        "from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor\n"
     )
     expected = (
         "from recshard import DataType\n"
@@ -147,6 +148,7 @@ def test_names_from_torchrecs_defining_modules_map() -> None:
         "from recshard.optim import WarmupOptimizer, WarmupPolicy, WarmupStage\n"
         "from recshard.optim import GradientClipping, GradientClippingOptimizer\n"
         "from recshard.modules.regroup import KTRegroupAsDict\n"
+        "from recshard.sparse.validation import validate_keyed_jagged_tensor\n"
     )
     result = port_source(source)
     assert result.code == expected and result.issues == []
