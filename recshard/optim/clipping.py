@@ -134,13 +134,15 @@ class GradientClippingOptimizer(OptimizerWrapper):
         """The total gradient norm (the same on every rank: one all-reduce per process-group
         set of sharded params) and the gradients it covers."""
         inf = self._norm_type == float("inf")
+        # the params' device, also for a rank without gradients (NCCL reduces device tensors)
+        device = next((p.device for p in self._all_params()), torch.device("cpu"))
         replicated = _grads(self._replicated)
-        total = _norm_power(replicated, self._norm_type)
+        total = _norm_power(replicated, self._norm_type, device)
         grads = list(replicated)
         for pgs, params in self._sharded.items():
             sharded = _grads(params)
-            part = _norm_power(sharded, self._norm_type).to(total.device)
-            for pg in pgs:
+            part = _norm_power(sharded, self._norm_type, device)
+            for pg in pgs if dist.is_initialized() else ():
                 dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pg)
             total = torch.maximum(total, part) if inf else total + part
             grads += sharded
@@ -167,12 +169,12 @@ def _grads(params: List[torch.Tensor]) -> List[torch.Tensor]:
     return grads
 
 
-def _norm_power(grads: List[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """`sum |g|^p` over all elements of `grads` (the max `|g|` for the inf-norm), float32;
-    0 for none."""
+def _norm_power(grads: List[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """`sum |g|^p` over all elements of `grads` (the max `|g|` for the inf-norm), float32 on
+    `device`; 0 for none."""
     if not grads:
-        return torch.zeros((), dtype=torch.float32)
-    norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float() for g in grads])
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float().to(device) for g in grads])
     if norm_type == float("inf"):
         return norms.max()
     return norms.pow(norm_type).sum()

@@ -76,6 +76,16 @@ def test_meta_params_skip_clipping() -> None:
     GradientClippingOptimizer(inner, NORM, 1.0).step()  # nothing to clip, no error
 
 
+def test_marked_params_clip_alone_without_a_process_group() -> None:
+    """One process, no torch.distributed: a sharded param is all of it."""
+    p = torch.nn.Parameter(torch.ones(2))
+    mark_sharded(p, None)
+    inner = KeyedOptimizerWrapper({"p": p}, lambda ps: torch.optim.SGD(ps, lr=0.0))
+    p.grad = torch.tensor([3.0, 4.0])
+    GradientClippingOptimizer(inner, NORM, 1.0).step()
+    assert p.grad.tolist() == pytest.approx([0.6, 0.8], rel=1e-5)
+
+
 def test_sharded_mark_is_dropped_by_pickle() -> None:
     """torch.save of a marked param works; the process group does not travel."""
     p = torch.nn.Parameter(torch.ones(2))
