@@ -32,6 +32,7 @@ from recshard.optim.apply_optimizer_in_backward import (
     attached_optimizers,
     fused_params_for,
 )
+from recshard.optim.clipping import mark_sharded
 from recshard.optim.fused import FusedOptimizer
 from recshard.plan.sharding_types import (
     ALL_SHARDING_TYPES,
@@ -49,6 +50,7 @@ from recshard.types import (
     ParameterSharding,
     ShardedModule,
     ShardingEnv,
+    ShardingType,
 )
 
 
@@ -302,15 +304,23 @@ class ShardedEmbeddingModule(ShardedModule):
         shards = self.local_table_shards()
         for config in self._configs:
             local = shards.get(config.name, [])
-            fused = self._table_plans[config.name].compute_kernel != EmbeddingComputeKernel.DENSE.value
+            plan = self._table_plans[config.name]
+            fused = plan.compute_kernel != EmbeddingComputeKernel.DENSE.value
+            # a dense model-parallel table's pieces (and the empty stand-in of a rank without
+            # one: every rank then joins the same all-reduce) add up in a clipping norm
+            cut = not fused and plan.sharding_type != ShardingType.DATA_PARALLEL.value
             if not local:
                 local_param = nn.Parameter(torch.empty(0, device=self._device), requires_grad=False)
                 local_param._in_backward_optimizers = fused
+                if cut:
+                    mark_sharded(local_param, self.env.pg)
                 cached[f"{self._tables_attr}.{config.name}.weight"] = local_param
             for table, weight in local:
                 if not isinstance(weight, nn.Parameter):  # fused storage: an alias, no grad
                     weight = nn.Parameter(weight.detach(), requires_grad=False)
                     weight._in_backward_optimizers = True
+                elif cut:
+                    mark_sharded(weight, self.env.pg)
                 cached[self.shard_fqn(table, len(local))] = weight
         self.__dict__["_unsharded_params_cache"] = cached  # a plain attribute, not registered
         return cached

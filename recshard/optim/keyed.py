@@ -304,14 +304,25 @@ def _unprefixed(prefix: str, fqn: str) -> Optional[str]:
 
 class OptimizerWrapper(KeyedOptimizer):
     """A KeyedOptimizer around another one, to subclass (gradient clipping, warm-up, ...):
-    everything is delegated; override `step` to add behaviour."""
+    everything is delegated; override `step` to add behaviour. `params`, `state` and
+    `param_groups` are live views of the wrapped optimizer's (state it creates lazily, or
+    replaces in `load_state_dict`, shows up here)."""
 
     def __init__(self, optimizer: KeyedOptimizer) -> None:
         _init_hooks(self)
         self._optimizer = optimizer
-        self.params = optimizer.params
-        self.state = optimizer.state  # type: ignore[assignment]
-        self.param_groups = optimizer.param_groups
+
+    @property
+    def params(self) -> Dict[str, torch.Tensor]:  # type: ignore[override]
+        return self._optimizer.params
+
+    @property
+    def state(self) -> Dict[torch.Tensor, Any]:  # type: ignore[override]
+        return self._optimizer.state
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return self._optimizer.param_groups
 
     def __repr__(self) -> str:
         return repr(self._optimizer)
@@ -327,8 +338,6 @@ class OptimizerWrapper(KeyedOptimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self._optimizer.load_state_dict(state_dict)
-        self.state = self._optimizer.state  # type: ignore[assignment]
-        self.param_groups = self._optimizer.param_groups
 
     def save_param_groups(self, save: bool) -> None:
         self._optimizer.save_param_groups(save)

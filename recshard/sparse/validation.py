@@ -5,16 +5,21 @@ Two levels, as TorchRec's constructor accepts more than a module can consume:
 check, reads lengths/offsets on the host) runs where the data is consumed — the sharded
 modules before any collective, the unsharded ones when a cheap check fails — and from
 `KeyedJaggedTensor.validate()`. A wrong length would otherwise surface as garbage
-embeddings or a hang inside a collective.
+embeddings or a hang inside a collective. `validate_keyed_jagged_tensor` is TorchRec's
+entry point: every check, then (given table configs) ids out of their table's rows reported
+as a warning and a False result.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Protocol
+import logging
+from typing import Dict, List, Optional, Protocol, Sequence
 
 import torch
 
 from recshard.sparse.jagged_tensor import check_index_dtype
+
+logger = logging.getLogger(__name__)
 
 
 class KeyedJaggedLike(Protocol):
@@ -29,6 +34,14 @@ class KeyedJaggedLike(Protocol):
     def stride(self) -> int: ...
     def stride_per_key(self) -> List[int]: ...
     def lengths_offset_per_key(self) -> List[int]: ...
+    def length_per_key(self) -> List[int]: ...
+
+
+class TableLike(Protocol):
+    """What the id-range check reads of an embedding table config (`EmbeddingBagConfig`)."""
+
+    num_embeddings: int
+    feature_names: List[str]
 
 
 def _key_at(kjt: KeyedJaggedLike, position: int) -> str:
@@ -139,3 +152,24 @@ def validate_kjt(kjt: KeyedJaggedLike) -> None:
             f"KeyedJaggedTensor: weights has {weights.numel()} entries but values has "
             f"{values.numel()}"
         )
+
+
+def validate_keyed_jagged_tensor(kjt: KeyedJaggedLike, configs: Optional[Sequence[TableLike]] = None) -> bool:
+    """TorchRec's validator: a ValueError if the KJT is inconsistent (`validate_kjt`); given
+    `configs`, False (and a warning naming feature and ids) if some feature's ids fall outside
+    `[0, num_embeddings)` of its table, else True."""
+    validate_kjt(kjt)
+    if configs is None:
+        return True
+    rows: Dict[str, int] = {f: c.num_embeddings for c in configs for f in c.feature_names}
+    valid = True
+    ids_per_key = torch.split(kjt.values(), kjt.length_per_key())
+    for key, ids in zip(kjt.keys(), ids_per_key):
+        if key not in rows or ids.numel() == 0:
+            continue
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= rows[key]:
+            logger.warning("feature '%s' has ids in [%d, %d], outside its table's [0, %d)",
+                           key, low, high, rows[key])
+            valid = False
+    return valid

@@ -107,7 +107,7 @@ def test_unmapped_names_are_reported_and_left() -> None:
         "import torchrec\n"
         "import torchrec.distributed as trec_dist\n"
         "from torchrec.distributed.types import ShardingType, NotAThing\n"
-        "from torchrec.optim.warmup import WarmupOptimizer\n"
+        "from torchrec.modules.mc_modules import ManagedCollisionCollection\n"
         "ne = torchrec.metrics.NE\n"
         "topology = trec_dist.planner.Topology\n"
     )
@@ -115,14 +115,14 @@ def test_unmapped_names_are_reported_and_left() -> None:
     lines = result.code.splitlines()
     assert lines[2:4] == ["from recshard.types import ShardingType",
                           "from torchrec.distributed.types import NotAThing"]
-    assert lines[4] == "from torchrec.optim.warmup import WarmupOptimizer"
+    assert lines[4] == "from torchrec.modules.mc_modules import ManagedCollisionCollection"
     assert lines[5:] == ["ne = torchrec.metrics.NE", "topology = trec_dist.planner.Topology"]
     found = {(i.line, i.name): i.reason for i in result.issues}
     assert found == {
         (3, "torchrec.distributed.types.NotAThing"):
             "recshard.types has no NotAThing (TorchRec's torchrec.distributed.types.NotAThing)",
-        (4, "torchrec.optim.warmup.WarmupOptimizer"):
-            "recshard has no counterpart of module torchrec.optim.warmup",
+        (4, "torchrec.modules.mc_modules.ManagedCollisionCollection"):
+            "recshard has no counterpart of module torchrec.modules.mc_modules",
         (5, "torchrec.metrics.NE"): "recshard has no metrics (TorchRec's torchrec.metrics)",
         (6, "trec_dist.planner.Topology"):
             "recshard.planner.Topology is not under recshard.distributed; import it from recshard.planner",
@@ -136,11 +136,19 @@ def test_names_from_torchrecs_defining_modules_map() -> None:
         "from torchrec.types import DataType\n"
         "from torchrec.optim.rowwise_adagrad import RowWiseAdagrad\n"
         "from torchrec.optim.fused import FusedOptimizer\n"
+        "from torchrec.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage\n"
+        "from torchrec.optim.clipping import GradientClipping, GradientClippingOptimizer\n"
+        "from torchrec.modules.regroup import KTRegroupAsDict\n"
+        "from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor\n"
     )
     expected = (
         "from recshard import DataType\n"
         "from recshard.optim import RowWiseAdagrad\n"
         "from recshard.optim import FusedOptimizer\n"
+        "from recshard.optim import WarmupOptimizer, WarmupPolicy, WarmupStage\n"
+        "from recshard.optim import GradientClipping, GradientClippingOptimizer\n"
+        "from recshard.modules.regroup import KTRegroupAsDict\n"
+        "from recshard.sparse.validation import validate_keyed_jagged_tensor\n"
     )
     result = port_source(source)
     assert result.code == expected and result.issues == []
