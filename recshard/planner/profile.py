@@ -183,26 +183,28 @@ class CalibrationProfile:
             return None
         return sum(c.ms_per_group + c.ms_per_feature * features for c in costs)
 
+    def _step(self, sharding_type: str, phase: str) -> Optional[StepCost]:
+        """The measured step cost of `sharding_type` in `phase`; None where not measured."""
+        return next((c for c in self.steps if c.sharding_type == sharding_type
+                     and c.phase == phase), None)
+
     def step_ms_phase(self, sharding_type: str, phase: str, features: int) -> float:
         """Measured per-step overhead of one `sharding_type` group in `phase` (0.0 where not
         measured)."""
-        cost = next((c for c in self.steps if c.sharding_type == sharding_type
-                     and c.phase == phase), None)
+        cost = self._step(sharding_type, phase)
         return cost.ms_per_group + cost.ms_per_feature * features if cost is not None else 0.0
 
     def work_scale(self, sharding_type: str, phase: str) -> float:
         """A real module's time for a `sharding_type` shard's work in `phase` over the kernel
         and link fits' estimate (1.0 where not measured)."""
-        cost = next((c for c in self.steps if c.sharding_type == sharding_type
-                     and c.phase == phase), None)
+        cost = self._step(sharding_type, phase)
         return cost.work_scale if cost is not None else 1.0
 
     def element_scale(self, sharding_type: str, phase: str) -> float:
         """A real module's time for the kernels' per-element work (the update) of a
         `sharding_type` shard in `phase` over the kernel fits' (its `work_scale` where not
         fitted apart)."""
-        cost = next((c for c in self.steps if c.sharding_type == sharding_type
-                     and c.phase == phase), None)
+        cost = self._step(sharding_type, phase)
         if cost is None:
             return 1.0
         return cost.element_scale if cost.element_scale is not None else cost.work_scale
@@ -210,8 +212,7 @@ class CalibrationProfile:
     def shard_ms(self, sharding_type: str, phase: str, ids: float) -> float:
         """A real module's ms for one `sharding_type` shard on a rank looking up `ids` ids in
         `phase`, beyond its scaled work (0.0 where not measured)."""
-        cost = next((c for c in self.steps if c.sharding_type == sharding_type
-                     and c.phase == phase), None)
+        cost = self._step(sharding_type, phase)
         return cost.ms_per_shard + cost.ms_per_id * ids if cost is not None else 0.0
 
     def link(self, collective: str, level: str) -> Optional[LinkCost]:
