@@ -22,8 +22,9 @@ data-parallel: dense), placed by the planner, and the planner's own plan (`"plan
 Each plan runs in fresh rank processes: `--warmup` steps, then `--steps` timed steps of
 forward + backward + update (exact SGD); `measured_ms` is the median over steps of the slowest
 rank's step (`measured_fwd_ms`: of its forward); with `--repeats N`, each plan runs in N fresh
-sets of rank processes and `measured_ms` is the median of their N medians
-(`measured_repeats_ms`; memory: the first set's). A plan identical to one already run in the
+sets of rank processes, taking turns with the workload's other plans (a spell of a slow machine
+then lands on all of them, not on one plan's every run), and `measured_ms` is the median of
+their N medians (`measured_repeats_ms`; memory: the first set's). A plan identical to one already run in the
 workload (the planner's plan is often all table-wise) is not run again: it carries that
 run's figures and `"same_as": LABEL` (running it twice would only sample the noise).
 `predicted_terms_ms` splits the slowest rank's estimate into forward / backward compute and
@@ -257,17 +258,21 @@ def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namesp
                  link_check: Optional[CalibrationProfile]) -> List[Dict[str, Any]]:
     tables = metas(w, args.row_cap, args.max_pooling)
     topology = _topology(profile, args)
+    labelled = plans_for(w, profile, args, link_check)
+    keys = [json.dumps(plan_to_dict(plan)["modules"], sort_keys=True) for _, plan in labelled]
+    first: Dict[str, int] = {}  # plan JSON -> index of its first label
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    runs: Dict[str, List[List[Dict[str, Any]]]] = {key: [] for key in first}
+    for _ in range(args.repeats):  # round robin: a slow spell of the machine hits every plan
+        for key, i in first.items():
+            runs[key].append(run_ranks(args.world_size, args, rank_measure, labelled[i][1], w,
+                                       args, local_world_size=args.local_world_size))
     records = []
-    runs: Dict[str, Tuple[str, List[Dict[str, Any]]]] = {}  # plan JSON -> first label, result
-    for label, plan in plans_for(w, profile, args, link_check):
+    for (label, plan), key in zip(labelled, keys):
         stats = plan_stats(plan, tables, topology, w.batch)
-        key = json.dumps(plan_to_dict(plan)["modules"], sort_keys=True)
-        same_as = runs[key][0] if key in runs else None
-        repeats = runs[key][1] if key in runs else [
-            run_ranks(args.world_size, args, rank_measure, plan, w, args,
-                      local_world_size=args.local_world_size)
-            for _ in range(args.repeats)]
-        runs.setdefault(key, (label, repeats))
+        same_as = labelled[first[key]][0] if labelled[first[key]][0] != label else None
+        repeats = runs[key]
         per_rank = repeats[0]
         each = [_median_slowest(r, "times") for r in repeats]
         measured = statistics.median(each)
