@@ -24,13 +24,16 @@ forward + backward + update (exact SGD); `measured_ms` is the median over steps 
 rank's step (`measured_fwd_ms`: of its forward); with `--repeats N`, each plan runs in N fresh
 sets of rank processes, taking turns with the workload's other plans (a spell of a slow machine
 then lands on all of them, not on one plan's every run), and `measured_ms` is the median of
-their N medians (`measured_repeats_ms`; memory: the first set's). A plan identical to one already run in the
+their N medians (`measured_repeats_ms`). Time is measured under the allocator settings `make
+demo` launches with, memory in one more set of rank processes under a fixed mmap threshold
+(`Allocator`: the benchmark sets both itself). A plan identical to one already run in the
 workload (the planner's plan is often all table-wise) is not run again: it carries that
 run's figures and `"same_as": LABEL` (running it twice would only sample the noise).
 `predicted_terms_ms` splits the slowest rank's estimate into forward / backward compute and
-communication; `predicted_fixed_ms` is the per-step cost of the plan's sharding groups. `predicted_ms` is `plan_stats(...).predicted_step_ms`; memory: the estimate's
-largest rank vs the largest per-rank growth of peak RSS from before building the module (after
-a first dense optimizer step on a scalar: torch.optim's lazy imports are the process's, not the plan's)
+communication; `predicted_fixed_ms` is the per-step cost of the plan's sharding groups.
+`predicted_ms` is `plan_stats(...).predicted_step_ms`; memory: the estimate's largest rank vs
+the largest per-rank growth of peak RSS from before building the module (after a first dense
+optimizer step on a scalar: torch.optim's lazy imports are the process's, not the plan's)
 (`memory_build_mb`: the growth once built, before any step; `memory_stored_mb`: the plan's
 weights and optimizer state on its fullest rank).
 Every line on stdout is one JSON object; the last one checks the targets of issue #22.
@@ -39,6 +42,8 @@ Every line on stdout is one JSON object; the last one checks the targets of issu
 from __future__ import annotations
 
 import argparse
+import ctypes
+import enum
 import json
 import resource
 import statistics
@@ -167,6 +172,34 @@ def rank_calibrate(args: argparse.Namespace) -> Dict[str, Any]:
                          probe=StepProbe.quick() if args.quick else None).to_dict()
 
 
+class Allocator(enum.Enum):
+    """glibc's settings a measuring rank runs under (set with `mallopt`, whatever the launch
+    environment says), so one command measures both time and memory."""
+
+    TIMING = "timing"  # as `make demo` launches: no mmap, no trim (buffers stay paged in)
+    MEMORY = "memory"  # a fixed 1 MiB mmap threshold: freed big buffers go back to the OS
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # glibc's malloc.h
+_SETTINGS = {Allocator.TIMING: ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31)),
+             Allocator.MEMORY: ((_M_MMAP_MAX, 65536), (_M_MMAP_THRESHOLD, 2**20),
+                                (_M_TRIM_THRESHOLD, 128 * 1024))}  # glibc's default trim
+
+
+def set_allocator(kind: Allocator) -> None:
+    """Apply `kind` to this process's glibc malloc. Under the timing settings data-parallel's
+    freed gradients fragment the heap and peak RSS grows with the step count; under glibc's
+    default (dynamic) mmap threshold, whether a buffer is mmapped depends on what was freed
+    before: the memory runs fix it. Not glibc: an error, not an unknown allocator's figures."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError) as e:
+        raise RuntimeError("planner_accuracy measures under glibc's malloc (mallopt)") from e
+    for param, value in _SETTINGS[kind]:
+        if mallopt(param, value) != 1:
+            raise RuntimeError(f"mallopt({param}, {value}) failed")
+
+
 def warm_dense_optimizer() -> None:
     """One SGD step on a scalar: the first torch.optim optimizer of a process imports its
     lazy modules (~30 MB resident), a one-time cost of any job with a dense part, not of the
@@ -177,8 +210,10 @@ def warm_dense_optimizer() -> None:
     optimizer.step()
 
 
-def rank_measure(plan: ShardingPlan, w: Workload, args: argparse.Namespace) -> Dict[str, Any]:
+def rank_measure(plan: ShardingPlan, w: Workload, args: argparse.Namespace,
+                 allocator: Allocator) -> Dict[str, Any]:
     """Build the plan's sharded EBC, warm up, time `steps` steps; RSS before and peak."""
+    set_allocator(allocator)
     rank = dist.get_rank()
     batches = make_batches(w, args.row_cap, args.max_pooling, 1 + rank, args.batches)
     warm_dense_optimizer()
@@ -264,16 +299,19 @@ def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namesp
     for i, key in enumerate(keys):
         first.setdefault(key, i)
     runs: Dict[str, List[List[Dict[str, Any]]]] = {key: [] for key in first}
+    def measure(i: int, allocator: Allocator) -> List[Dict[str, Any]]:
+        return run_ranks(args.world_size, args, rank_measure, labelled[i][1], w, args, allocator,
+                         local_world_size=args.local_world_size)
+
     for _ in range(args.repeats):  # round robin: a slow spell of the machine hits every plan
         for key, i in first.items():
-            runs[key].append(run_ranks(args.world_size, args, rank_measure, labelled[i][1], w,
-                                       args, local_world_size=args.local_world_size))
+            runs[key].append(measure(i, Allocator.TIMING))
+    memory = {key: measure(i, Allocator.MEMORY) for key, i in first.items()}
     records = []
     for (label, plan), key in zip(labelled, keys):
         stats = plan_stats(plan, tables, topology, w.batch)
         same_as = labelled[first[key]][0] if labelled[first[key]][0] != label else None
-        repeats = runs[key]
-        per_rank = repeats[0]
+        repeats, per_rank = runs[key], memory[key]
         each = [_median_slowest(r, "times") for r in repeats]
         measured = statistics.median(each)
         forward = statistics.median(_median_slowest(r, "forwards") for r in repeats)

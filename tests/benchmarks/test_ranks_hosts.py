@@ -11,7 +11,7 @@ from typing import Tuple
 import pytest
 import torch.distributed as dist
 
-from benchmarks.planner_accuracy import Workload, metas, parse_args, rank_measure
+from benchmarks.planner_accuracy import Allocator, Workload, metas, parse_args, rank_measure
 from benchmarks.ranks import run_ranks
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from recshard.types import ShardingEnv
@@ -47,5 +47,6 @@ def test_table_row_wise_plan_for_one_rank_hosts_runs() -> None:
                                     constraints=forced, debug=False).plan_tables(tables)
     # on 1-rank hosts table-row-wise keeps each table on one rank
     assert {len(ps.ranks) for ps in plan.plan[""].values()} == {1}
-    per_rank = run_ranks(2, args, rank_measure, plan, w, args, local_world_size=1)
+    per_rank = run_ranks(2, args, rank_measure, plan, w, args, Allocator.TIMING,
+                         local_world_size=1)
     assert [len(r["times"]) for r in per_rank] == [args.steps, args.steps]
