@@ -177,12 +177,23 @@ def measure_kernels(dim: int, grid: CalibrationGrid, per_point_s: float) -> List
     out = []
     for (name, phase), x in features.items():
         with_elements = name == "dense" or phase == "bwd"
-        coef, per_call = fit_nonnegative([row if with_elements else row[:3] for row in x],
-                                         times[(name, phase)])
+        coef, per_call = fit_kernel([row if with_elements else row[:3] for row in x],
+                                    times[(name, phase)])
         per_element = coef[3] if with_elements else 0.0
         out.append(KernelCost(name, phase, dim, coef[0], coef[2], per_element, per_call,
                               ms_per_id_cold=coef[1], hot_rows=hot, cold_rows=cold))
     return out
+
+
+def fit_kernel(x: Sequence[Sequence[float]], ms: Sequence[float]) -> Tuple[List[float], float]:
+    """`fit_nonnegative` of a kernel's points, columns (hot-table ids, cold-table ids, bags[,
+    elements]). Where one table size's ids come out free and the other's not, that is noise
+    (a short calibration's tiny calls), not a cache: both get one price fitted over all ids."""
+    coef, per_call = fit_nonnegative(x, ms)
+    if (coef[0] == 0.0) != (coef[1] == 0.0):
+        merged, per_call = fit_nonnegative([[r[0] + r[1], *r[2:]] for r in x], ms)
+        coef = [merged[0], *merged]
+    return coef, per_call
 
 
 def fit_nonnegative(x: Sequence[Sequence[float]], ms: Sequence[float],
@@ -317,7 +328,8 @@ def measure_memory(grid: CalibrationGrid) -> Optional[MemoryCost]:
 
 def _collectives(group: dist.ProcessGroup) -> Dict[str, Callable[[torch.Tensor], None]]:
     """The collectives as the sharded modules issue them (`recshard.comm`): through the
-    transport training uses (shared memory among the ranks of one host, else the backend)."""
+    transport training uses (shared memory among the ranks of one host, else the backend);
+    and the backend's all-reduce, which averages data-parallel gradients."""
     world = dist.get_world_size(group)
 
     def all_to_all(buf: torch.Tensor) -> None:
@@ -330,6 +342,7 @@ def _collectives(group: dist.ProcessGroup) -> Dict[str, Callable[[torch.Tensor],
             buf.view(world, -1), group).wait(),
         "all_gather": lambda buf: all_gather_base_pooled(
             buf[: buf.numel() // world].view(1, -1), group).wait(),
+        "all_reduce": lambda buf: dist.all_reduce(buf, group=group),
     }
 
 

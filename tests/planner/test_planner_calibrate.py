@@ -20,6 +20,7 @@ from recshard.planner.calibrate import (
     CalibrationGrid,
     calibrate,
     fit_costs,
+    fit_kernel,
     fit_link,
     fit_nonnegative,
     measure_memory,
@@ -48,6 +49,13 @@ def test_an_id_is_priced_by_its_table_size():
     ms = [0.2 + 1e-5 * a + 4e-5 * b + 1e-4 * c for a, b, c in x]
     coef, per_call = fit_nonnegative(x, ms)
     assert coef == pytest.approx([1e-5, 4e-5, 1e-4]) and per_call == pytest.approx(0.2)
+    # noise that makes one size's ids look free (more hot ids, less time: the fit drops the
+    # hot term) gets one price for both, not a free hot id
+    noisy = [0.3 - 1e-6 * a + 4e-5 * b + 1e-4 * c for a, b, c in x]
+    assert fit_nonnegative(x, noisy)[0][0] == 0.0
+    coef, _ = fit_kernel(x, noisy)
+    assert coef[0] == coef[1] > 0
+    assert fit_kernel(x, ms)[0] == pytest.approx([1e-5, 4e-5, 1e-4])  # told apart: kept
     cost = KernelCost("fused", "bwd", 64, 1e-5, 0.0, 0.0, 0.0, ms_per_id_cold=4e-5,
                       hot_rows=2_000, cold_rows=200_000)
     assert cost.id_ms(20) == cost.id_ms(2_000) == 1e-5
@@ -88,7 +96,7 @@ def test_calibrate_links_on_two_ranks():
     assert profile.world_size == 2
     kinds = {(c.collective, c.level) for c in profile.links}
     assert kinds == {("all_to_all", "intra"), ("reduce_scatter", "intra"),
-                     ("all_gather", "intra")}
+                     ("all_gather", "intra"), ("all_reduce", "intra")}
     assert all(c.gbps > 0 and c.latency_ms >= 0 and c.ranks == 2 for c in profile.links)
     topo = Topology(2, profile=profile)
     assert topo.intra_host_bw == pytest.approx(profile.gbps("intra") * 1e6)

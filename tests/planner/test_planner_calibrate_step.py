@@ -141,3 +141,13 @@ def test_data_parallel_prices_the_rows_exchanged():
     exchanged = 1e6 + 4.0 * used * 64
     ring = 0.5 / topo.intra_host_bw  # (W-1)/W per byte
     assert perf.bwd_comms == pytest.approx(2 * exchanged * ring + 2 * (0.1 + 0.1))
+    # a profile that timed the backend's all-reduce (0.5 GB/s, 0.3 ms; the all-to-all 2 GB/s)
+    # prices the exchange at that rate and latency, and a bandwidth flag still scales it
+    timed = _profile([])
+    timed.links.append(LinkCost("all_reduce", "intra", 2, 0.5, 0.3))
+    perf = EmbeddingPerfEstimator(Topology(2, profile=timed), 512).estimate(
+        big, "data_parallel", "dense", 1_000_000, 64)
+    assert perf.bwd_comms == pytest.approx(exchanged * 0.5 / 0.5e6 + 2 * 0.3)
+    slower = EmbeddingPerfEstimator(Topology(2, profile=timed, intra_host_bw=1.0), 512)
+    assert slower.estimate(big, "data_parallel", "dense", 1_000_000, 64).bwd_comms == \
+        pytest.approx(exchanged * 0.5 / 0.25e6 + 2 * 0.3)
