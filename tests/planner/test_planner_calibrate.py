@@ -22,6 +22,7 @@ from recshard.planner.calibrate import (
     fit_costs,
     fit_kernel,
     fit_link,
+    fit_rate,
     fit_nonnegative,
     measure_memory,
 )
@@ -40,6 +41,7 @@ def test_fits_recover_known_costs():
     assert per_call == pytest.approx(0.5, rel=1e-6) and per_element == 0.0
     latency, ms_per_byte = fit_link([(b, 0.05 + b / 2e6) for b in (1e3, 1e5, 1e7)])
     assert latency == pytest.approx(0.05, rel=1e-6) and 1 / ms_per_byte == pytest.approx(2e6)
+    assert fit_rate([(4e6, 5.0), (16e6, 19.0)]) == (0.0, pytest.approx(24.0 / 20e6))
 
 
 def test_an_id_is_priced_by_its_table_size():
