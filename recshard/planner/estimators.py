@@ -180,11 +180,9 @@ class EmbeddingPerfEstimator:
       reduce-scatter (fwd) / all-gather (bwd) of `bags_out out` over all ranks;
       table-row-wise reduce-scatter in the host then a2a of the `1/Lw` slice across hosts;
       sequence tables use a2a. Data-parallel: fwd 0, bwd an all-reduce of the fp32 gradient
-      `4 rows cols`, or for large tables of the rows in use (`data_parallel_exchange`), each
-      of its own all-reduces adding the all-reduce's latency (calibrated only). A profile that
-      timed the backend's all-reduce (what data-parallel runs; not the shared-memory
-      transport: gloo's is ~2x slower here) prices it at its measured rate relative to the
-      link's all-to-all (so `intra_host_bw` / `inter_host_bw` flags still scale it).
+      `4 rows cols`, or of large tables' rows in use (`data_parallel_exchange`), at a
+      profile's timed backend all-reduce rate (gloo's, not the shm transport's) relative to
+      its all-to-all's, each all-reduce of its own adding its latency (calibrated only).
     Link models (W ranks, Lw per host, H hosts; bandwidth counts bytes leaving a rank): a2a of
     `n` bytes sends `(Lw-1)/W n` inside the host and `(W-Lw)/W n` across hosts; a flat ring
     reduce-scatter / all-gather (what row-wise runs) sends `(W-1)/W n` over its slowest link
@@ -214,16 +212,14 @@ class EmbeddingPerfEstimator:
         profile = topo.profile
         self._profile = profile if profile and profile.compute_device == topo.compute_device \
             else None
-        self._allreduce_ms = 0.0  # latency of a table's own all-reduce (measured only)
-        self._allreduce_s_per_byte = 2 * self._ring_s_per_byte  # a ring at the link's rate
+        self._allreduce_ms, self._allreduce_s_per_byte = 0.0, 2 * self._ring_s_per_byte  # a ring
         if profile is not None and world > 1:
             multi_host = topo.num_hosts > 1
             level = "inter" if multi_host else "intra"
             measured, a2a_gbps = profile.link("all_reduce", level), profile.gbps(level)
             if measured is not None and a2a_gbps:
                 self._allreduce_ms = measured.latency_ms
-                self._allreduce_s_per_byte = (world - 1) / world / ring_bw * (
-                    a2a_gbps / measured.gbps)
+                self._allreduce_s_per_byte = self._ring_s_per_byte * a2a_gbps / measured.gbps
             else:  # an older profile: the ring's two halves
                 self._allreduce_ms = sum(profile.latency_ms(c, multi_host) or 0.0
                                          for c in ("reduce_scatter", "all_gather"))
