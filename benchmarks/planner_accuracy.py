@@ -303,6 +303,7 @@ def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namesp
     for i, key in enumerate(keys):
         first.setdefault(key, i)
     runs: Dict[str, List[List[Dict[str, Any]]]] = {key: [] for key in first}
+
     def measure(i: int, allocator: Allocator) -> List[Dict[str, Any]]:
         return run_ranks(args.world_size, args, rank_measure, labelled[i][1], w, args, allocator,
                          local_world_size=args.local_world_size)

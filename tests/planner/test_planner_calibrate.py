@@ -22,8 +22,8 @@ from recshard.planner.calibrate import (
     fit_costs,
     fit_kernel,
     fit_link,
-    fit_rate,
     fit_nonnegative,
+    fit_rate,
     measure_memory,
 )
 from recshard.planner.estimators import MODULE_OUTPUT_COPIES
