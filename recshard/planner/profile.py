@@ -33,10 +33,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
 PHASES = ("fwd", "bwd")  # bwd: backward + optimizer update
-COLLECTIVES = ("all_to_all", "reduce_scatter", "all_gather")
 logger = logging.getLogger(__name__)
 
 STEP_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+# types the step probes do not build, priced with the measured costs of the type they run as:
+# table-column-wise shards are column-wise shards placed inside a host (one placed group)
+STEP_TYPE_OF = {"table_column_wise": "column_wise"}
 LEVELS = ("intra", "inter")
 
 
@@ -178,14 +180,17 @@ class CalibrationProfile:
     def step_ms(self, sharding_type: str, features: int) -> Optional[float]:
         """Measured per-step overhead (forward + backward) of one `sharding_type` group
         serving `features` features; None where that type was not measured."""
-        costs = [c for c in self.steps if c.sharding_type == sharding_type]
+        measured = STEP_TYPE_OF.get(sharding_type, sharding_type)
+        costs = [c for c in self.steps if c.sharding_type == measured]
         if not costs:
             return None
         return sum(c.ms_per_group + c.ms_per_feature * features for c in costs)
 
     def _step(self, sharding_type: str, phase: str) -> Optional[StepCost]:
-        """The measured step cost of `sharding_type` in `phase`; None where not measured."""
-        return next((c for c in self.steps if c.sharding_type == sharding_type
+        """The measured step cost of `sharding_type` (`STEP_TYPE_OF`) in `phase`; None where
+        not measured."""
+        measured = STEP_TYPE_OF.get(sharding_type, sharding_type)
+        return next((c for c in self.steps if c.sharding_type == measured
                      and c.phase == phase), None)
 
     def step_ms_phase(self, sharding_type: str, phase: str, features: int) -> float:

@@ -151,3 +151,16 @@ def test_data_parallel_prices_the_rows_exchanged():
     slower = EmbeddingPerfEstimator(Topology(2, profile=timed, intra_host_bw=1.0), 512)
     assert slower.estimate(big, "data_parallel", "dense", 1_000_000, 64).bwd_comms == \
         pytest.approx(exchanged * 0.5 / 0.25e6 + 2 * 0.3)
+
+
+def test_table_column_wise_is_priced_with_column_wise_step_costs():
+    # the probes do not build table-column-wise modules: its shards run as column-wise ones
+    # (one placed group), so they take column-wise's measured costs instead of none at all
+    steps = [StepCost("column_wise", "fwd", 2.0, 0.1, work_scale=2.0, ms_per_shard=0.5),
+             StepCost("column_wise", "bwd", 1.0, 0.05, work_scale=3.0, element_scale=1.5)]
+    profile = _profile(steps)
+    assert profile.step_ms("table_column_wise", 4) == pytest.approx(3.0 + 4 * 0.15)
+    assert profile.work_scale("table_column_wise", "bwd") == 3.0
+    assert profile.element_scale("table_column_wise", "bwd") == 1.5
+    assert profile.shard_ms("table_column_wise", "fwd", 100.0) == 0.5
+    assert _profile([]).step_ms("table_column_wise", 4) is None  # nothing measured: none
