@@ -224,18 +224,26 @@ def group_for(pg: dist.ProcessGroup) -> Optional[_Group]:
         return _groups[pg]
 
 
+def _node() -> int:
+    """This rank's node in torchrun's layout (global rank // LOCAL_WORLD_SIZE; 0 without
+    one): ranks that simulate several hosts on one machine keep their traffic across
+    "hosts" off shared memory, as on real hosts."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return dist.get_rank() // int(local) if local and dist.is_initialized() else 0
+
+
 def _agree(pg: dist.ProcessGroup) -> Optional[_Group]:
     world_size = dist.get_world_size(pg)
     if world_size < 2:
         return None
-    mine = (enabled(), socket.gethostname(), _boot_id(), os.path.isdir(_DIR), os.urandom(8).hex(),
-            os.getpid())
+    mine = (enabled(), (socket.gethostname(), _boot_id(), _node()), os.path.isdir(_DIR),
+            os.urandom(8).hex(), os.getpid())
     everyone: List[tuple] = [None] * world_size
     dist.all_gather_object(everyone, mine, group=pg)
-    if not all(e[0] and e[3] and e[1:3] == everyone[0][1:3] and e[2] for e in everyone):
+    if not all(e[0] and e[2] and e[1] == everyone[0][1] and e[1][1] for e in everyone):
         return None
     try:
-        return _Group(pg, everyone[0][4], [e[5] for e in everyone])
+        return _Group(pg, everyone[0][3], [e[4] for e in everyone])
     except OSError as e:  # /dev/shm full or not writable: the ranks could now disagree
         raise collective_error("shm_setup", OP, pg, e, stage="could not start") from e
 

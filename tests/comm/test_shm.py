@@ -87,6 +87,28 @@ def test_switch_off_on_any_rank_gives_gloo(off_ranks: List[int]) -> None:
         assert got == [3 * rank + i + 100 * s for s in range(2) for i in range(3)]
 
 
+def _hosts(rank: int, ws: int) -> Tuple[bool, bool, List[float]]:
+    """On 2 simulated hosts (LOCAL_WORLD_SIZE=2): the world group spans them, a host's own
+    group does not."""
+    host = dist.new_group([0, 1]), dist.new_group([2, 3])
+    mine = host[rank // 2]
+    x = torch.arange(ws * 2, dtype=torch.float32) + 100 * rank
+    got = issue_all_to_all(x, [2] * ws, [2] * ws, dist.group.WORLD, name="alltoallv").wait()
+    y = torch.arange(4, dtype=torch.float32) + 10 * rank
+    issue_all_to_all(y, [2, 2], [2, 2], mine, name="alltoallv").wait()
+    return shm.group_for(dist.group.WORLD) is None, shm.group_for(mine) is not None, got.tolist()
+
+
+def test_simulated_hosts_keep_cross_host_traffic_off_shared_memory() -> None:
+    """Ranks that simulate hosts on one machine (torchrun's layout via LOCAL_WORLD_SIZE) take
+    the backend across "hosts", as real hosts must, and shared memory inside one: what the
+    planner's transport model (`plan_stats`) assumes."""
+    results = run_ranks(4, _hosts, timeout=120, env={"LOCAL_WORLD_SIZE": "2"})
+    for rank, (world_backend, host_shm, got) in enumerate(results):
+        assert world_backend and host_shm, f"rank {rank}: {world_backend}, {host_shm}"
+        assert got == [2 * rank + i + 100 * s for s in range(4) for i in range(2)]
+
+
 def _missing_peer(rank: int, ws: int) -> Tuple[Optional[str], str]:
     x = torch.ones(ws * (1 << 20))
     splits = [1 << 20] * ws
