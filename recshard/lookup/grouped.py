@@ -41,13 +41,13 @@ def uses_fbgemm(table: LocalTable, is_weighted: bool) -> bool:
     rank derives the same grouping, hence the same feature order, for every other rank.
 
     Stay on the torch kernel: weighted MEAN tables (fbgemm 1.8's backward for them omits the
-    1/length its forward applies) and tables with an empty row shard anywhere (fbgemm's CPU
-    backward reads past its row bounds when a 0-row table sits in a kernel).
+    1/length its forward applies). A shard with no rows stays in fbgemm (`FbgemmFusedKernel`
+    gives it a phantom row), so tiny row-wise tables cost no second kernel, no join of the
+    kernels' outputs and no reordering of the output's columns.
     """
     return (
         table.compute_kernel != EmbeddingComputeKernel.DENSE
         and not (is_weighted and table.pooling == PoolingType.MEAN)
-        and table.min_shard_rows > 0
         and ops.fbgemm_available()
         and table.cols % 4 == 0
         and table.config.data_type in _FBGEMM_DTYPES

@@ -4,8 +4,8 @@ Input: a KJT whose keys are the group's features in table order (stride B).
 Output: pooled `[B, sum of the features' dims]`, or sequence `[N, D]` (one row per id).
 
 - `FbgemmFusedKernel`: fbgemm's SplitTableBatchedEmbeddingBagsCodegen, optimizer in backward.
-- `TorchFusedKernel`: the same contract in pure torch (dims not divisible by 4, tables with
-  no local rows, or no fbgemm on the machine).
+- `TorchFusedKernel`: the same contract in pure torch (dims not divisible by 4, weighted mean
+  pooling, or no fbgemm on the machine).
 - `DenseKernel`: ordinary parameters with autograd `.grad`, for any torch optimizer.
 """
 
@@ -52,12 +52,20 @@ def _mean_divisor(lengths: torch.Tensor) -> torch.Tensor:
     return lengths.clamp(min=1).unsqueeze(1).to(torch.float32)
 
 
+def _tbe_rows(table: LocalTable) -> int:
+    """The rows the TBE holds for `table`: a shard with no rows (row-wise over more ranks than
+    the table has rows) gets one phantom row that no id reaches and no caller sees
+    (`table_weights` and `optimizer_states` cut it off): fbgemm 1.8's CPU backward fails on a
+    0-row table ("more than 2B rows")."""
+    return max(table.rows, 1)
+
+
 def _host_weights(tables: List[LocalTable], on_cuda: bool) -> Optional[Dict[str, torch.Tensor]]:
     """On CPU, the TBE's weight storage (fp32, its default precision: every table's rows x
     cols back to back) on huge pages (`recshard.lookup.huge_pages`); fbgemm checks the size."""
     if on_cuda:
         return None
-    return {"weights": huge_page_zeros(sum(t.rows * t.cols for t in tables), torch.float32)}
+    return {"weights": huge_page_zeros(sum(_tbe_rows(t) * t.cols for t in tables), torch.float32)}
 
 
 class FbgemmFusedKernel(LookupKernel):
@@ -90,7 +98,7 @@ class FbgemmFusedKernel(LookupKernel):
         }
         specs = [
             (
-                t.rows,
+                _tbe_rows(t),
                 t.cols,
                 kernel_location[t.compute_kernel] if on_cuda else EmbeddingLocation.HOST,
                 ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU,
@@ -118,14 +126,15 @@ class FbgemmFusedKernel(LookupKernel):
         self._init_weights()
 
     def table_weights(self) -> List[torch.Tensor]:
-        return list(self.tbe.split_embedding_weights())
+        return [w[:t.rows] for t, w in zip(self.tables, self.tbe.split_embedding_weights())]
 
     def optimizer_states(self) -> List[Dict[str, torch.Tensor]]:
         """One dict per table (empty for SGD: fbgemm then returns no states at all)."""
         names = self.spec.state_names
         if not names:
             return [{} for _ in self.tables]
-        return [dict(zip(names, states)) for states in self.tbe.split_optimizer_states()]
+        return [{name: state[:t.rows] for name, state in zip(names, states)}
+                for t, states in zip(self.tables, self.tbe.split_optimizer_states())]
 
     def set_learning_rate(self, lr: float) -> None:
         self.tbe.set_learning_rate(lr)

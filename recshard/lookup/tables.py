@@ -14,8 +14,7 @@ class LocalTable:
     """One shard of one table held on this rank: `rows x cols` starting at
     (`row_offset`, `col_offset`) of the global table, read by `feature_names`.
 
-    `shard_index` tells column shards of the same table apart. `min_shard_rows` is a global
-    fact (the same on every rank), so kernel choices that depend on it agree across ranks.
+    `shard_index` tells column shards of the same table apart.
     `embedding_names`: per feature, the key its ids travel and its output comes back under
     (the feature, or `feature@table` when several tables of the collection read it).
     """
@@ -29,12 +28,9 @@ class LocalTable:
     pooling: PoolingType
     fused_params: Dict[str, Any] = field(default_factory=dict)
     shard_index: int = 0
-    min_shard_rows: int = -1  # fewest rows of any shard of this table on any rank (-1: rows)
     embedding_names: List[str] = field(default_factory=list)  # empty: the feature names
 
     def __post_init__(self) -> None:
-        if self.min_shard_rows < 0:
-            self.min_shard_rows = self.rows
         if not self.embedding_names:
             self.embedding_names = list(self.config.feature_names)
 

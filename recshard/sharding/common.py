@@ -119,7 +119,6 @@ class TableSpec:
             pooling=self.pooling if pooling is None else pooling,
             fused_params=self.fused_params,
             shard_index=shard_index,
-            min_shard_rows=min(s.shard_sizes[0] for s in self.shards()),
             embedding_names=self.embedding_names,
         )
 
