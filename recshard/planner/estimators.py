@@ -355,13 +355,11 @@ class EmbeddingStorageEstimator:
       cpu, the tables are initialized in place), and the step's transient is the measured
       `bytes_per_id ids_in + bytes_per_output_byte bags_out cols 4` (the output and its
       gradient as the output dist's receive buffer), plus the ids in flight;
-      every kernel and type, calibrated on cpu: plus the sharded module's own buffers: `MODULE_OUTPUT_COPIES` local outputs (the rank's
-      own `bags cols s_out` for this shard's cols, `rows / table rows` of it for row blocks:
-      the pooled output and its gradient on both sides of the output dist) and, for row-wise
-      and table-row-wise, one more `bags_out cols s_out` buffer of partial sums (measured
-      1.5-2 local outputs above table-wise at 2 ranks; not measured on cuda, so not counted
-      there or without a profile). Data-parallel, calibrated on cpu: its gradient is averaged
-      in backward (no DDP bucket): one gradient, plus the flattened copy the shared
+      every kernel and type, calibrated on cpu: plus the sharded module's own buffers
+      (`_module_buffers`: the output dist's receive and send buffers by sharding type; not
+      measured on cuda, so not counted there or without a profile). Data-parallel,
+      calibrated on cpu: its gradient is averaged in backward (no DDP bucket): one
+      gradient, plus the flattened copy the shared
       all-reduce of tables under `ROW_EXCHANGE_MIN_BYTES` makes (measured: the live peak of
       a data-parallel step at dims 16-128 is the weights, one gradient, that copy and the
       outputs, which are the kernel's own: no output-dist copies). The per-rank fixed
@@ -418,17 +416,34 @@ class EmbeddingStorageEstimator:
         return Storage(weights + state + io, 0.0)
 
 
-    @staticmethod
-    def _module_buffers(table: TableMeta, sharding_type: str, rows: int, cols: int,
+    def _module_buffers(self, table: TableMeta, sharding_type: str, rows: int, cols: int,
                         bags_out: float, facts: _TableFacts) -> float:
-        """The sharded module's step buffers beyond the kernel's, for this shard (see the
-        class docstring); sequence tables' per-id outputs and data-parallel outputs are the
-        kernel's own."""
+        """The sharded module's step buffers beyond the kernel's, for this shard (counted as
+        `recshard.comm` keeps them, measured at 2 and 4 ranks, one and two hosts); sequence
+        tables' per-id outputs and data-parallel outputs are the kernel's own.
+
+        - table-wise / column-wise: `MODULE_OUTPUT_COPIES` outputs of the rank's own batch for
+          this shard's columns (the all-to-all's received buffer, the KeyedTensor built from
+          it, their gradient, and the gradient sent back).
+        - row-wise (and table-row-wise on one host): the reduce-scatter's receive buffer and
+          the all-gather's send buffer, each the kernel's `bags_out cols` (every rank's batch),
+          plus the reduced output of the rank's own batch and its gradient (whole columns, not
+          a row block's share: every row block's partial sums land in it).
+        - table-row-wise across hosts: the same two buffers and the rows regrouped by local
+          rank before the host's reduce-scatter (three `bags_out cols`), then the host's
+          reduced sums (`hosts` own batches) go through an all-to-all across hosts like a
+          table-wise output: `2 + MODULE_OUTPUT_COPIES` of `hosts` own batches."""
         if not table.pooled or sharding_type == "data_parallel":
             return 0.0  # data-parallel has no output dist: its output is the kernel's own
-        local = facts.workload[1] * cols * facts.s_out * rows / max(table.num_embeddings, 1)
-        gathered = bags_out * cols * facts.s_out if sharding_type in ROW_BLOCK_TYPES else 0.0
-        return MODULE_OUTPUT_COPIES * local + gathered
+        own = facts.workload[1] * cols * facts.s_out
+        gathered = bags_out * cols * facts.s_out
+        if sharding_type not in ROW_BLOCK_TYPES:
+            return MODULE_OUTPUT_COPIES * own
+        topo = self.topology
+        hosts = topo.world_size // max(topo.local_world_size, 1)
+        if sharding_type == "row_wise" or hosts == 1:
+            return 2 * gathered + 2 * own
+        return 3 * gathered + (2 + MODULE_OUTPUT_COPIES) * hosts * own
 
 
 @dataclass

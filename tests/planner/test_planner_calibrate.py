@@ -193,9 +193,22 @@ def test_calibrated_memory_scales_the_storage_estimate():
     assert calibrated.ddr == pytest.approx(1.5 * weights + ids * (16 + 100) + bags * 64 * 4 * 2
                                            + module)
     assert plain.ddr == pytest.approx(weights + 2 * ids * 8 + 2 * bags * 64 * 4)
-    # row-wise: each shard holds its rows' share of the local output, and one more buffer of
-    # the partial sums for every bag of every rank
+    # row-wise: the reduce-scatter's receive and the all-gather's send buffer hold every
+    # rank's bags; the reduced output of the rank's own bags and its gradient hold whole rows
+    own = 512 * 64 * 4
+    row_wise = 1.5 * weights / 2 + (ids / 2) * (16 + 100) + bags * 64 * 4 * 2
     half = EmbeddingStorageEstimator(Topology(2, profile=profile), 512).estimate(
         table, "row_wise", "fused", 5_000, 64)
-    assert half.ddr == pytest.approx(1.5 * weights / 2 + (ids / 2) * (16 + 100)
-                                     + bags * 64 * 4 * 2 + module / 2 + bags * 64 * 4)
+    assert half.ddr == pytest.approx(row_wise + 2 * bags * 64 * 4 + 2 * own)
+    # table-row-wise on one host is row-wise; across 2 hosts x 2 ranks it also regroups the
+    # rows before the host's reduce-scatter and sends the host's sums (2 own batches) across
+    # hosts, held as a table-wise output is plus the sums and their gradient
+    hosts = Topology(4, local_world_size=2, profile=profile)
+    assert EmbeddingStorageEstimator(Topology(2, profile=profile), 512).estimate(
+        table, "table_row_wise", "fused", 5_000, 64).ddr == pytest.approx(half.ddr)
+    quarter = EmbeddingStorageEstimator(hosts, 512).estimate(table, "table_row_wise", "fused",
+                                                            5_000, 64)
+    bags4 = 4 * 512
+    assert quarter.ddr == pytest.approx(
+        1.5 * weights / 2 + (ids / 2 * 2) * (16 + 100) + bags4 * 64 * 4 * 2
+        + 3 * bags4 * 64 * 4 + (2 + MODULE_OUTPUT_COPIES) * 2 * own)
