@@ -351,20 +351,13 @@ class EmbeddingStorageEstimator:
       (the output and its gradient).
     - quant kernel (inference): no optimizer state; 4 bytes per row of fp16 scale and bias.
     - calibrated (`topology.profile.memory`, cpu), fused kernel: weights count `weight_factor`
-      times (the build's growth per byte of weights, fitted over two sizes: 1.00 measured on
-      cpu, the tables are initialized in place), and the step's transient is the measured
-      `bytes_per_id ids_in + bytes_per_output_byte bags_out cols 4` (the output and its
-      gradient as the output dist's receive buffer), plus the ids in flight;
-      every kernel and type, calibrated on cpu: plus the sharded module's own buffers
-      (`_module_buffers`: the output dist's receive and send buffers by sharding type; not
-      measured on cuda, so not counted there or without a profile). Data-parallel,
-      calibrated on cpu: its gradient is averaged in backward (no DDP bucket): one
-      gradient, plus the flattened copy the shared
-      all-reduce of tables under `ROW_EXCHANGE_MIN_BYTES` makes (measured: the live peak of
-      a data-parallel step at dims 16-128 is the weights, one gradient, that copy and the
-      outputs, which are the kernel's own: no output-dist copies). The per-rank fixed
-      growth (`MemoryCost.fixed_bytes_per_rank`) is added per rank by `plan_stats`, not per
-      shard.
+      times (the build's growth per byte of weights: 1.00 on cpu), and the step's transient
+      is the measured `bytes_per_id ids_in + bytes_per_output_byte bags_out cols 4` (the
+      output and its gradient), plus the ids in flight; every kernel and type, calibrated
+      on cpu: plus `_module_buffers` (not measured on cuda). Data-parallel, calibrated on cpu: one gradient (averaged in backward, no DDP
+      bucket) plus the flattened copy the shared all-reduce of tables under
+      `ROW_EXCHANGE_MIN_BYTES` makes (the measured live peak of its step at dims 16-128).
+      `plan_stats` adds the per-rank fixed growth (`MemoryCost.fixed_bytes_per_rank`).
     - cpu: everything in DDR. cuda, fused/dense: everything in HBM. fused_uvm: weights and
       state in DDR, io in HBM. fused_uvm_caching: weights and state in DDR; HBM holds the cache
       `lf weights`, its index `rows (4 + 16 lf)` and io.
@@ -403,7 +396,7 @@ class EmbeddingStorageEstimator:
                 weights *= memory.weight_factor
                 io = (ids_in * (2 * facts.id_bytes + memory.bytes_per_id)
                       + bags_out * cols * 4.0 * memory.bytes_per_output_byte)
-            io += self._module_buffers(table, sharding_type, rows, cols, bags_out, facts)
+            io += self._module_buffers(table, sharding_type, cols, bags_out, facts)
             if sharding_type == "data_parallel" and 4.0 * rows * cols >= ROW_EXCHANGE_MIN_BYTES:
                 state -= 4.0 * rows * cols  # averaged in place, no flattened copy
         if topo.compute_device == "cpu":
@@ -416,23 +409,15 @@ class EmbeddingStorageEstimator:
         return Storage(weights + state + io, 0.0)
 
 
-    def _module_buffers(self, table: TableMeta, sharding_type: str, rows: int, cols: int,
-                        bags_out: float, facts: _TableFacts) -> float:
-        """The sharded module's step buffers beyond the kernel's, for this shard (counted as
-        `recshard.comm` keeps them, measured at 2 and 4 ranks, one and two hosts); sequence
-        tables' per-id outputs and data-parallel outputs are the kernel's own.
-
-        - table-wise / column-wise: `MODULE_OUTPUT_COPIES` outputs of the rank's own batch for
-          this shard's columns (the all-to-all's received buffer, the KeyedTensor built from
-          it, their gradient, and the gradient sent back).
-        - row-wise (and table-row-wise on one host): the reduce-scatter's receive buffer and
-          the all-gather's send buffer, each the kernel's `bags_out cols` (every rank's batch),
-          plus the reduced output of the rank's own batch and its gradient (whole columns, not
-          a row block's share: every row block's partial sums land in it).
-        - table-row-wise across hosts: the same two buffers and the rows regrouped by local
-          rank before the host's reduce-scatter (three `bags_out cols`), then the host's
-          reduced sums (`hosts` own batches) go through an all-to-all across hosts like a
-          table-wise output: `2 + MODULE_OUTPUT_COPIES` of `hosts` own batches."""
+    def _module_buffers(self, table: TableMeta, sharding_type: str, cols: int, bags_out: float,
+                        facts: _TableFacts) -> float:
+        """This shard's part of the module's step buffers as `recshard.comm` keeps them
+        (measured at 2 and 4 ranks, 1 and 2 hosts). Table-/column-wise: `MODULE_OUTPUT_COPIES`
+        own outputs. Row-wise (table-row-wise on one host): the reduce-scatter's receive and
+        the all-gather's send buffer (`bags_out cols` each), the reduced own output and its
+        gradient in whole columns. Table-row-wise across hosts: also the rows regrouped for
+        the host's reduce-scatter; the host's sums (`hosts` own outputs) held as a table-wise
+        output is, plus the sums and their gradient. Sequence, data-parallel: none."""
         if not table.pooled or sharding_type == "data_parallel":
             return 0.0  # data-parallel has no output dist: its output is the kernel's own
         own = facts.workload[1] * cols * facts.s_out
