@@ -354,9 +354,9 @@ class EmbeddingStorageEstimator:
       times (the build's growth per byte of weights: 1.00 on cpu), and the step's transient
       is the measured `bytes_per_id ids_in + bytes_per_output_byte bags_out cols 4` (the
       output and its gradient), plus the ids in flight; every kernel and type, calibrated
-      on cpu: plus `_module_buffers` (not measured on cuda). Data-parallel, calibrated on cpu: one gradient (averaged in backward, no DDP
-      bucket) plus the flattened copy the shared all-reduce of tables under
-      `ROW_EXCHANGE_MIN_BYTES` makes (the measured live peak of its step at dims 16-128).
+      on cpu: plus `_module_buffers` (not measured on cuda). Data-parallel, calibrated on
+      cpu: one gradient (averaged in backward, no DDP bucket) plus the flattened copy the
+      shared all-reduce of tables under `ROW_EXCHANGE_MIN_BYTES` makes (its measured peak).
       `plan_stats` adds the per-rank fixed growth (`MemoryCost.fixed_bytes_per_rank`).
     - cpu: everything in DDR. cuda, fused/dense: everything in HBM. fused_uvm: weights and
       state in DDR, io in HBM. fused_uvm_caching: weights and state in DDR; HBM holds the cache
@@ -408,7 +408,6 @@ class EmbeddingStorageEstimator:
             return Storage(lf * weights + rows * (4 + 16 * lf) + io, weights + state)
         return Storage(weights + state + io, 0.0)
 
-
     def _module_buffers(self, table: TableMeta, sharding_type: str, cols: int, bags_out: float,
                         facts: _TableFacts) -> float:
         """This shard's part of the module's step buffers as `recshard.comm` keeps them
@@ -424,8 +423,7 @@ class EmbeddingStorageEstimator:
         gathered = bags_out * cols * facts.s_out
         if sharding_type not in ROW_BLOCK_TYPES:
             return MODULE_OUTPUT_COPIES * own
-        topo = self.topology
-        hosts = topo.world_size // max(topo.local_world_size, 1)
+        hosts = self.topology.num_hosts
         if sharding_type == "row_wise" or hosts == 1:
             return 2 * gathered + 2 * own
         return 3 * gathered + (2 + MODULE_OUTPUT_COPIES) * hosts * own
