@@ -7,6 +7,12 @@
     python -m benchmarks.planner_accuracy --link 1gbit \\
         --local-world-size 1 --link-check fast_profile.json   # item 4 on 1-rank hosts
                                                               # (2 x 2 ranks: planner_link)
+    python -m scripts.cluster --hosts 2 -- .venv/bin/torchrun --nnodes 2 --nproc_per_node 2 \\
+        --rdzv-backend c10d --rdzv-endpoint host0:29500 -m benchmarks.planner_accuracy ...
+
+Under torchrun (above: 2 hosts x 2 ranks, `scripts.cluster`) the layout is the launched job's
+and every run's ranks are still fresh processes, each started by its launched rank on that
+rank's host (`benchmarks.ranks.launched_fresh_ranks`); rank 0 prints.
 
 First a calibration profile is measured on the same ranks (as `calibrate_job`: kernels, links
 among the ranks, a sharded module's step overhead per sharding type), or read with `--profile`. Workloads: the 26 Criteo-like
@@ -45,11 +51,13 @@ import argparse
 import ctypes
 import enum
 import json
+import os
 import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,7 +65,7 @@ import torch.distributed as dist
 from benchmarks.ebc import Trainee, emit, rss_mb, train_step
 from benchmarks.ebc_workload import CRITEO_KAGGLE_ROWS, LEARNING_RATE, pooling_factors
 from benchmarks.link import add_link_argument, relaunch_under_link
-from benchmarks.ranks import run_ranks
+from benchmarks.ranks import launched_fresh_ranks, run_ranks
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.distributed.calibrate_step import StepProbe, calibrate_job
@@ -297,7 +305,8 @@ def _median_slowest(per_rank: List[Dict[str, Any]], key: str) -> float:
 
 
 def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namespace,
-                 link_check: Optional[CalibrationProfile]) -> List[Dict[str, Any]]:
+                 link_check: Optional[CalibrationProfile],
+                 ranks: Callable[..., List[Any]] = run_ranks) -> List[Dict[str, Any]]:
     tables = metas(w, args.row_cap, args.max_pooling)
     topology = _topology(profile, args)
     labelled = plans_for(w, profile, args, link_check)
@@ -308,8 +317,8 @@ def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namesp
     runs: Dict[str, List[List[Dict[str, Any]]]] = {key: [] for key in first}
 
     def measure(i: int, allocator: Allocator) -> List[Dict[str, Any]]:
-        return run_ranks(args.world_size, args, rank_measure, labelled[i][1], w, args, allocator,
-                         local_world_size=args.local_world_size)
+        return ranks(args.world_size, args, rank_measure, labelled[i][1], w, args, allocator,
+                     local_world_size=args.local_world_size)
 
     for _ in range(args.repeats):  # round robin: a slow spell of the machine hits every plan
         for key, i in first.items():
@@ -418,14 +427,29 @@ def cli(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     if relaunch_under_link("benchmarks.planner_accuracy", args.link, argv):
         return
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun started this process as one rank
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+        args.world_size = dist.get_world_size()
+        args.local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+        try:
+            run(args, launched_fresh_ranks)
+        finally:
+            dist.destroy_process_group()
+    else:
+        run(args, run_ranks)
+
+
+def run(args: argparse.Namespace, ranks: Callable[..., List[Any]]) -> None:
+    """Calibrate (or load the profile), then every workload's plans, each in fresh rank
+    processes started by `ranks` (`run_ranks` here, `launched_fresh_ranks` under torchrun)."""
     start = time.perf_counter()
     if args.profile:
         profile = CalibrationProfile.load(args.profile)
     else:
         profile = CalibrationProfile.from_dict(
-            run_ranks(args.world_size, args, rank_calibrate, args,
-                      local_world_size=args.local_world_size)[0])
-    if args.save_profile:
+            ranks(args.world_size, args, rank_calibrate, args,
+                  local_world_size=args.local_world_size)[0])
+    if args.save_profile and (not dist.is_initialized() or dist.get_rank() == 0):
         profile.save(args.save_profile)
     link_check = CalibrationProfile.load(args.link_check) if args.link_check else None
     emit(dict(bench="planner_accuracy_setup", world_size=args.world_size,
@@ -444,7 +468,7 @@ def cli(argv: Optional[List[str]] = None) -> None:
         workloads = [w for w in workloads if w.name in names]
     records: List[Dict[str, Any]] = []
     for w in workloads:
-        records += run_workload(w, profile, args, link_check)
+        records += run_workload(w, profile, args, link_check, ranks)
     summary = summarize(records, workloads)
     summary["seconds"] = round(time.perf_counter() - start, 1)
     emit(summary)

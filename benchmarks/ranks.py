@@ -7,6 +7,8 @@ Ranks fork from a server that has imported `preload` once, so a fresh group star
 a second. Every run gets fresh processes: whatever a run leaves in memory cannot pile up.
 Each rank sees torchrun's `LOCAL_RANK` / `LOCAL_WORLD_SIZE` for the host layout asked for
 (`local_world_size` ranks per simulated host), which is what the sharder reads for its topology.
+Under torchrun, `launched_fresh_ranks` does the same across the job's hosts: each launched rank
+starts its rank of the fresh group.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def rank_cpus(rank: int, threads: int) -> List[int]:
     return [cpus[(rank * threads + i) % len(cpus)] for i in range(threads)]
 
 
-def _rank_main(rank: int, world_size: int, local_world_size: int, port: int,
+def _rank_main(rank: int, world_size: int, local_world_size: int, address: str,
                args: argparse.Namespace, fn: Callable[..., Any], fn_args: tuple,
                queue: Any) -> None:
     # as torchrun sets them: `ShardingEnv` reads the ranks per host from LOCAL_WORLD_SIZE
@@ -43,7 +45,7 @@ def _rank_main(rank: int, world_size: int, local_world_size: int, port: int,
     if args.pin and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, set(rank_cpus(rank, args.threads)))
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=args.timeout))
         queue.put((rank, True, fn(*fn_args)))
     except BaseException:  # noqa: BLE001 - the parent reports it
@@ -51,6 +53,55 @@ def _rank_main(rank: int, world_size: int, local_world_size: int, port: int,
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _spawn(ranks: Sequence[int], world_size: int, local_world_size: int, address: str,
+           args: argparse.Namespace, fn: Callable[..., Any], fn_args: tuple,
+           start_method: str, preload: Sequence[str]) -> Dict[int, Any]:
+    """Start processes for `ranks` of a `world_size` gloo group meeting at `address` (host:port
+    of rank 0's store), run `fn(*fn_args)` in each; their results by rank."""
+    if world_size % local_world_size != 0:
+        raise ValueError(f"local_world_size {local_world_size} must divide world_size "
+                         f"{world_size}")
+    context = mp.get_context(start_method)
+    if start_method == "forkserver":
+        context.set_forkserver_preload(list(preload))
+    queue = context.Queue()
+    procs = {rank: context.Process(target=_rank_main, daemon=True,
+                                   args=(rank, world_size, local_world_size, address, args, fn,
+                                         fn_args, queue))
+             for rank in ranks}
+    for p in procs.values():
+        p.start()
+    results: Dict[int, Any] = {}
+    deadline = time.monotonic() + args.timeout
+    try:
+        while len(results) < len(procs):
+            try:
+                rank, ok, payload = queue.get(timeout=1.0)
+            except Exception:  # queue.Empty: is a rank gone (killed, e.g. out of memory)?
+                dead = [r for r, p in procs.items() if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    codes = {r: procs[r].exitcode for r in dead}
+                    raise RuntimeError(f"{fn.__name__}{fn_args[:1]}: ranks died or timed out "
+                                       f"(exit codes {codes})") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"{fn.__name__}{fn_args[:1]}: rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs.values():
+            p.join(timeout=10.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return results
 
 
 def run_ranks(world_size: int, args: argparse.Namespace, fn: Callable[..., Any],
@@ -63,46 +114,32 @@ def run_ranks(world_size: int, args: argparse.Namespace, fn: Callable[..., Any],
     `local_world_size`: ranks per simulated host (default: all on one host), set in each
     rank's `LOCAL_WORLD_SIZE` / `LOCAL_RANK` as torchrun would.
     """
-    local_world_size = local_world_size or world_size
-    if world_size % local_world_size != 0:
-        raise ValueError(f"local_world_size {local_world_size} must divide world_size "
-                         f"{world_size}")
-    context = mp.get_context(start_method)
-    if start_method == "forkserver":
-        context.set_forkserver_preload(list(preload))
-    queue = context.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [context.Process(target=_rank_main, daemon=True,
-                             args=(rank, world_size, local_world_size, port, args, fn, fn_args,
-                                   queue))
-             for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    results: Dict[int, Any] = {}
-    deadline = time.monotonic() + args.timeout
-    try:
-        while len(results) < world_size:
-            try:
-                rank, ok, payload = queue.get(timeout=1.0)
-            except Exception:  # queue.Empty: is a rank gone (killed, e.g. out of memory)?
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    codes = {r: procs[r].exitcode for r in dead}
-                    raise RuntimeError(f"{fn.__name__}{fn_args[:1]}: ranks died or timed out "
-                                       f"(exit codes {codes})") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"{fn.__name__}{fn_args[:1]}: rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results = _spawn(range(world_size), world_size, local_world_size or world_size,
+                     f"127.0.0.1:{_free_port('127.0.0.1')}", args, fn, fn_args, start_method,
+                     preload)
     return [results[r] for r in range(world_size)]
+
+
+def launched_fresh_ranks(world_size: int, args: argparse.Namespace, fn: Callable[..., Any],
+                         *fn_args: Any, local_world_size: Optional[int] = None) -> List[Any]:
+    """Under torchrun, `run_ranks` across the job's hosts: each launched rank starts one fresh
+    process as the same rank of a new gloo group (its store on rank 0's host, a port rank 0
+    picks), so every run still gets fresh processes; every rank's result in rank order.
+    `world_size` and `local_world_size` must be the launched job's."""
+    if (world_size, local_world_size) != (dist.get_world_size(),
+                                          int(os.environ["LOCAL_WORLD_SIZE"])):
+        raise ValueError(f"launched_fresh_ranks runs the launched layout ({dist.get_world_size()}"
+                         f" ranks, {os.environ['LOCAL_WORLD_SIZE']} a host), not {world_size} "
+                         f"x {local_world_size}")
+    rank = dist.get_rank()
+    host = socket.gethostname()  # resolves to this host's address, as torchrun's rendezvous uses
+    meeting = [f"{host}:{_free_port(host)}" if rank == 0 else ""]
+    dist.broadcast_object_list(meeting, src=0)
+    mine = _spawn([rank], world_size, local_world_size, meeting[0], args, fn, fn_args,
+                  "forkserver", DEFAULT_PRELOAD)
+    results: List[Any] = [None] * world_size
+    dist.all_gather_object(results, mine[rank])
+    return results
 
 
 def launched_ranks(world_size: int, args: argparse.Namespace, fn: Callable[..., Any],
