@@ -31,6 +31,7 @@ from recshard.planner.step_model import StepTimePerfModel
 from recshard.types import ModuleSharder, ParameterSharding, ShardingPlan
 
 logger = logging.getLogger(__name__)
+_REFINED = 8  # best-rated placements refined before the plan is chosen
 
 
 # DMP's default sharders live in recshard.distributed, a layer above the planner: importing
@@ -140,17 +141,14 @@ class EmbeddingShardingPlanner:
             topo, [opts[0].table for opts in space], self.batch_size, dense_param_bytes
         )
         space = self._drop_oversized(space, capacity)
-        best, evaluated, feasible, failure = self._search(space, capacity, start)
-        if best is None:
+        ranked, evaluated, feasible, failure = self._search(space, capacity, start)
+        if not ranked:
             raise PlannerError(self._no_plan_message(space, capacity, evaluated, failure))
+        best = ranked[0]
         if self.refine:
             deadline = None if not self.timeout_seconds else (
                 time.monotonic() + max(0.0, self.timeout_seconds - (time.perf_counter() - start)))
-            refined = refine_placement(best, best.extra.get("capacity", capacity),
-                                       deadline=deadline)
-            refined.rating = self.performance_model.rate(refined)
-            if refined.rating <= best.rating:
-                best = refined
+            best = self._refine_best(ranked, capacity, deadline)
         self.last_result = best
         self.last_stats = build_stats(best, capacity, topo, self.batch_size, evaluated, feasible,
                                       time.perf_counter() - start)
@@ -194,11 +192,32 @@ class EmbeddingShardingPlanner:
                      "reservation, or fewer constraints.")
         raise PlannerError("\n".join(lines))
 
+    def _refine_best(self, ranked: List[PartitionResult], capacity: Capacity,
+                     deadline: Optional[float]) -> PartitionResult:
+        """The best of the `_REFINED` best-rated placements once each is refined. Refinement
+        can take a placement below one rated better before it: at 2 hosts x 2 ranks, d128, the
+        all-table-wise plan rates 218.9 ms as placed and 210.6 refined, the best-rated mixed
+        plan 212.8 either way. One whose rating with perfectly even ranks (its slowest rank
+        replaced by the mean) cannot beat the best so far is skipped."""
+        best = ranked[0]
+        for candidate in ranked[:_REFINED]:
+            if candidate is not ranked[0] and _even_rating(candidate) >= best.rating:
+                continue
+            refined = refine_placement(candidate, candidate.extra.get("capacity", capacity),
+                                       deadline=deadline)
+            refined.rating = self.performance_model.rate(refined)
+            if refined.rating < best.rating or (candidate is ranked[0]
+                                                and refined.rating <= best.rating):
+                best = refined
+        return best
+
     def _search(
         self, space: List[List[ShardingOption]], capacity: Capacity, start: float
-    ) -> Tuple[Optional[PartitionResult], int, int, Optional[PartitionResult]]:
+    ) -> Tuple[List[PartitionResult], int, int, Optional[PartitionResult]]:
+        """Every proposal placed once; the feasible placements best-rated first, the counts of
+        placements evaluated and feasible, and the last infeasible one."""
         seen: Dict[Tuple[int, ...], PartitionResult] = {}
-        best: Optional[PartitionResult] = None
+        found: List[PartitionResult] = []
         failure: Optional[PartitionResult] = None
         evaluated = feasible = 0
         for proposer in self.proposers:
@@ -206,7 +225,7 @@ class EmbeddingShardingPlanner:
             while (proposal := proposer.propose()) is not None:  # type: ignore[attr-defined]
                 if self.timeout_seconds and time.perf_counter() - start > self.timeout_seconds:
                     logger.info("planner timeout after %d proposals", evaluated)
-                    return best, evaluated, feasible, failure
+                    return _ranked(found), evaluated, feasible, failure
                 key = tuple(map(id, proposal))
                 result = seen.get(key)
                 if result is None:
@@ -216,12 +235,11 @@ class EmbeddingShardingPlanner:
                     if result.feasible:
                         feasible += 1
                         result.rating = self.performance_model.rate(result)
-                        if best is None or result.rating < best.rating:
-                            best = result
+                        found.append(result)
                     else:
                         failure = result
                 proposer.feedback(result)  # type: ignore[attr-defined]
-        return best, evaluated, feasible, failure
+        return _ranked(found), evaluated, feasible, failure
 
     def _no_plan_message(
         self,
@@ -308,6 +326,19 @@ class EmbeddingShardingPlanner:
                 raise error
             raise PlannerError(f"rank 0 failed to plan: {value}")
         return value  # type: ignore[return-value]
+
+
+def _ranked(results: List[PartitionResult]) -> List[PartitionResult]:
+    """Best rating first; among equal ratings, the one found first (a stable sort)."""
+    return sorted(results, key=lambda r: r.rating)
+
+
+def _even_rating(result: PartitionResult) -> float:
+    """`result`'s rating with its slowest rank's time replaced by the ranks' mean: what the
+    best refinement (which moves shards, not work) could bring it down to."""
+    if not result.perf:
+        return result.rating
+    return result.rating - max(result.perf) + sum(result.perf) / len(result.perf)
 
 
 def to_sharding_plan(result: PartitionResult, topology: Topology) -> ShardingPlan:
