@@ -16,7 +16,9 @@ and, on cpu, what the shared-memory transport (`recshard.comm.shm`, on unless
 per call site, `SLOTS` slots holding the largest call landing in each, the pages a rank
 writes and those it reads both (`shm.resident_bytes`): e.g. row-wise on one host, 4 x (sent +
 received) for the reduce-scatter and as much for the all-gather (measured at d128, batch 2048
-per rank, 2 ranks: 430 MB of an 800 MB peak).
+per rank, 2 ranks: 430 MB of an 800 MB peak). A module whose pooled tables span more than one
+sharding (placed, row-wise, table-row-wise, data-parallel) also holds its outputs' join on
+every rank (`module_join_bytes`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ from recshard.planner.step_model import StepTimePerfModel
 from recshard.types import ParameterSharding, ShardingPlan, ShardingType
 
 _GRAD_BYTES = 4.0
+# a multi-sharding module's `[B, sum of dims]` copies (`recshard.distributed.pooled_output`):
+# the shardings' outputs concatenated, reordered into key order, and that reorder's gradient
+JOIN_COPIES = 3
 
 
 @dataclass
@@ -165,6 +170,24 @@ def match_plan(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topolo
     return out
 
 
+def module_join_bytes(matched: Sequence[Tuple[TableMeta, ParameterSharding]],
+                      batch_size: int) -> float:
+    """Bytes every rank holds to join the outputs of modules whose pooled tables span more
+    than one sharding: `JOIN_COPIES x batch x (sum of the module's dims)` fp32 each (a 2 x 2
+    ranks plan of 9 table-wise, 6 column-wise and 11 data-parallel tables at d128, batch 2048,
+    measured 256 MB a rank where the estimate without the join said 170)."""
+    kinds: Dict[str, set] = {}
+    widths: Dict[str, int] = {}
+    for table, ps in matched:
+        if table.pooled:
+            st = ShardingType(ps.sharding_type)
+            kinds.setdefault(table.module_fqn, set()).add("placed" if st in PLACED_TYPES else st)
+            widths[table.module_fqn] = (widths.get(table.module_fqn, 0)
+                                        + table.embedding_dim * len(table.feature_names))
+    return sum(JOIN_COPIES * batch_size * widths[fqn] * _GRAD_BYTES
+               for fqn, found in kinds.items() if len(found) > 1)
+
+
 def _shards(ps: ParameterSharding, table: TableMeta, world: int) -> List[Tuple[int, int, int]]:
     """(rank, rows, cols) of every shard; data-parallel: the whole table on every rank."""
     if ps.sharding_type == "data_parallel":
@@ -183,7 +206,8 @@ def plan_stats(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topolo
     loads = [RankLoad(r) for r in range(world)]
     traffic = _Traffic(world, topology.local_world_size)
     groups = []
-    for table, ps in match_plan(plan, tables, topology):
+    matched = match_plan(plan, tables, topology)
+    for table, ps in matched:
         groups.append((ps.sharding_type, ps.compute_kernel, table.embedding_dim,
                        len(table.feature_names)))
         s_w = table.data_type.element_size
@@ -208,7 +232,7 @@ def plan_stats(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topolo
             terms.bwd_compute += perf.bwd_compute
             terms.bwd_comms += perf.bwd_comms
         traffic.add_table(table, ps, shards, batch_size)
-    overhead = rank_overhead_bytes(topology)
+    overhead = rank_overhead_bytes(topology) + module_join_bytes(matched, batch_size)
     transport = (traffic.shm_resident() if topology.compute_device == "cpu" and shm.enabled()
                  else [0.0] * world)
     for load, sent, received, resident in zip(loads, traffic.sent(), traffic.received(),
