@@ -245,6 +245,9 @@ def fit_costs(points: Sequence[Sample], with_elements: bool,
 # ----------------------------------------------------------------------------- memory
 
 
+MEMORY_REPEATS = 3  # fresh processes per step probe of `measure_memory`
+
+
 def _rss_bytes() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -302,26 +305,32 @@ def fit_build(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
 def measure_memory(grid: CalibrationGrid) -> Optional[MemoryCost]:
     """Peak resident growth of the fused kernel, one fresh process each: `grid.tables`
     tables of the largest size, built and stepped at the largest batch and the smallest and
-    largest pooling factors, and half as many tables built only (builds of two sizes for
-    `fit_build`); None where that cannot be measured (not Linux, /proc not writable)."""
+    largest pooling factors, each `MEMORY_REPEATS` times (the median step growth: the two
+    step probes alone fix both per-id and per-output costs, so one off probe moved the
+    per-id cost by 27% between two calibrations), and half as many tables built only
+    (builds of two sizes for `fit_build`); None where that cannot be measured (not Linux,
+    /proc not writable)."""
     rows, dim, batch = grid.rows[-1], grid.dims[-1], grid.batches[-1]
     half = max(grid.tables // 2, 1)
     probes = [(grid.tables, grid.poolings[0]), (grid.tables, grid.poolings[-1]), (half, 0)]
     points: List[Sample] = []
     builds: List[Tuple[float, float]] = []
     for tables, pooling in probes:
-        code = ("from recshard.planner.calibrate import memory_probe; "
-                f"print(memory_probe({tables}, {rows}, {dim}, {batch}, {pooling}))")
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        if proc.returncode != 0:
-            logger.warning("memory not calibrated: %s", proc.stderr.strip()[-500:])
-            return None
-        build, step = json.loads(proc.stdout.strip().splitlines()[-1])
-        builds.append((4.0 * tables * rows * dim, build))
+        steps = []
+        for _ in range(MEMORY_REPEATS if pooling else 1):
+            code = ("from recshard.planner.calibrate import memory_probe; "
+                    f"print(memory_probe({tables}, {rows}, {dim}, {batch}, {pooling}))")
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                  timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            if proc.returncode != 0:
+                logger.warning("memory not calibrated: %s", proc.stderr.strip()[-500:])
+                return None
+            build, step = json.loads(proc.stdout.strip().splitlines()[-1])
+            builds.append((4.0 * tables * rows * dim, build))
+            steps.append(max(step, 0.0))
         if pooling:
             points.append((float(tables * batch * pooling), 4.0 * tables * batch * dim, 0.0,
-                           max(step, 0.0)))
+                           statistics.median(steps)))
     per_id, per_out, _, _ = fit_costs(points, with_elements=False, intercept=False)
     factor, fixed = fit_build(builds)
     return MemoryCost(factor, per_id, per_out, build_fixed_bytes=fixed)
