@@ -5,13 +5,19 @@ from __future__ import annotations
 import random
 from typing import Dict, List, Tuple
 
+import torch
+import torch.distributed as dist
+
+from recshard.distributed import EmbeddingBagCollectionSharder
+from recshard.modules.embedding_configs import EmbeddingBagConfig
+from recshard.modules.embedding_modules import EmbeddingBagCollection
 from recshard.planner import (
     EmbeddingShardingPlanner,
     EmbeddingStorageEstimator,
     TableMeta,
     Topology,
 )
-from recshard.types import ShardingPlan
+from recshard.types import ShardingEnv, ShardingPlan
 
 
 def random_tables(n: int, seed: int = 0, max_rows_exp: float = 6.0,
@@ -68,3 +74,14 @@ def assert_feasible_and_complete(planner: EmbeddingShardingPlanner, plan: Shardi
         assert ddr[r] <= cap.ddr_cap * (1 + 1e-6) + 1, (r, ddr[r], cap.ddr_cap)
         assert abs(hbm[r] - cap.hbm) <= 1e-6 * max(1.0, hbm[r]) + 1
         assert abs(ddr[r] - cap.ddr) <= 1e-6 * max(1.0, ddr[r]) + 1
+
+
+def shard_on_world(plan: ShardingPlan, rows: int, dim: int, tables: int) -> torch.nn.Module:
+    """Inside a rank of a gloo group: `tables` tables `t<i>` (`rows` x `dim`, feature `f<i>`)
+    sharded by `plan` with fused exact SGD, hosts of the whole world."""
+    configs = [EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim, name=f"t{i}",
+                                  feature_names=[f"f{i}"]) for i in range(tables)]
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": "exact_sgd", "learning_rate": 0.01})
+    env = ShardingEnv.from_process_group(dist.group.WORLD, dist.get_world_size())
+    return sharder.shard(EmbeddingBagCollection(configs, device="meta"), plan.plan[""], env)

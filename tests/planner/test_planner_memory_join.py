@@ -9,17 +9,14 @@ from typing import Dict, List
 
 import pytest
 import torch
-import torch.distributed as dist
 from multiprocess import run_ranks
+from planner_cases import shard_on_world
 
 from recshard.comm import buffers
-from recshard.distributed import EmbeddingBagCollectionSharder
-from recshard.modules.embedding_configs import EmbeddingBagConfig
-from recshard.modules.embedding_modules import EmbeddingBagCollection
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, TableMeta, Topology
 from recshard.planner.plan_stats import JOIN_COPIES, match_plan, module_join_bytes
 from recshard.sparse import KeyedJaggedTensor
-from recshard.types import ShardingEnv, ShardingPlan
+from recshard.types import ShardingPlan
 
 ROWS, DIM, BATCH, TABLES = 1000, 64, 4096, 3  # a [BATCH, DIM] fp32 output: 1 MiB, kept
 WIDTH = TABLES * DIM  # the module's output columns
@@ -52,12 +49,7 @@ def test_join_bytes_count_only_modules_of_several_shardings(types, copies) -> No
 
 def _kept_widths(rank: int, world_size: int, plan: ShardingPlan) -> Dict[str, List[int]]:
     """Train the planned module 2 steps; the sizes (elements) `buffers` keeps per site."""
-    configs = [EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name=f"t{i}",
-                                  feature_names=[f"f{i}"]) for i in range(TABLES)]
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "exact_sgd", "learning_rate": 0.01})
-    env = ShardingEnv.from_process_group(dist.group.WORLD, world_size)
-    module = sharder.shard(EmbeddingBagCollection(configs, device="meta"), plan.plan[""], env)
+    module = shard_on_world(plan, ROWS, DIM, TABLES)
     ids = (torch.arange(TABLES * BATCH * 2) * 7919 + rank) % ROWS
     kjt = KeyedJaggedTensor.from_lengths_sync(
         [f"f{i}" for i in range(TABLES)], ids, torch.full((TABLES * BATCH,), 2), stride=BATCH)

@@ -10,17 +10,14 @@ from typing import Dict, List
 
 import pytest
 import torch
-import torch.distributed as dist
 from multiprocess import run_ranks
+from planner_cases import shard_on_world
 
 from recshard.comm import shm
-from recshard.distributed import EmbeddingBagCollectionSharder
-from recshard.modules.embedding_configs import EmbeddingBagConfig
-from recshard.modules.embedding_modules import EmbeddingBagCollection
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, TableMeta, Topology
 from recshard.planner.plan_stats import plan_stats
 from recshard.sparse import KeyedJaggedTensor
-from recshard.types import ShardingEnv, ShardingPlan
+from recshard.types import ShardingPlan
 
 ROWS, DIM, POOL, BATCH, TABLES = 4000, 64, 3, 256, 4
 PAGE = mmap.PAGESIZE
@@ -53,12 +50,7 @@ def _segment_pages() -> int:
 
 def _train(rank: int, world_size: int, plan: ShardingPlan) -> int:
     """Train the planned module `SLOTS + 2` steps on a fixed batch: `POOL` ids per bag."""
-    configs = [EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name=f"t{i}",
-                                  feature_names=[f"f{i}"]) for i in range(TABLES)]
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "exact_sgd", "learning_rate": 0.01})
-    env = ShardingEnv.from_process_group(dist.group.WORLD, world_size)
-    module = sharder.shard(EmbeddingBagCollection(configs, device="meta"), plan.plan[""], env)
+    module = shard_on_world(plan, ROWS, DIM, TABLES)
     n = TABLES * BATCH * POOL
     ids = (torch.arange(n) * 7919 + rank) % ROWS
     kjt = KeyedJaggedTensor.from_lengths_sync(
