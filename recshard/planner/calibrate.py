@@ -306,8 +306,8 @@ def measure_memory(grid: CalibrationGrid) -> Optional[MemoryCost]:
     """Peak resident growth of the fused kernel, one fresh process each: `grid.tables`
     tables of the largest size, built and stepped at the largest batch and the smallest and
     largest pooling factors, each `MEMORY_REPEATS` times (the median step growth: the two
-    step probes alone fix both per-id and per-output costs, so one off probe moved the
-    per-id cost by 27% between two calibrations), and half as many tables built only
+    step probes alone fix both per-id and per-output costs; the per-id cost still came out
+    16.8 or 21.5 bytes in different calibrations), and half as many tables built only
     (builds of two sizes for `fit_build`); None where that cannot be measured (not Linux,
     /proc not writable)."""
     rows, dim, batch = grid.rows[-1], grid.dims[-1], grid.batches[-1]
