@@ -40,7 +40,7 @@ from recshard.planner.planner_types import (
     TableMeta,
     Topology,
 )
-from recshard.planner.profile import distinct_rows
+from recshard.planner.profile import distinct_rows, working_rows
 from recshard.sharding.data_parallel import ROW_EXCHANGE_MIN_BYTES
 from recshard.types import CacheParams
 
@@ -323,14 +323,17 @@ class EmbeddingPerfEstimator:
                   cols: int, ids_in: float, bags_out: float, state_ratio: float
                   ) -> Optional[Tuple[float, float, Tuple[float, float]]]:
         """(fwd, bwd, their per-element parts) ms from the calibration profile (`updated`:
-        rows the update touches, `rows`: the shard's); None if it lacks the kernel."""
+        rows the update touches, `rows`: the shard's); None if it lacks the kernel. A sparse
+        update's ids cost what they cost in a table of their `working_rows`: skewed ids touch
+        a hot set that stays in cache."""
         profile = self._profile
         assert profile is not None
         measured_kernel = "dense" if dense_update else kernel
+        id_rows = float(rows) if dense_update else working_rows(rows, updated, ids_in)
         fwd = profile.kernel_ms(measured_kernel, "fwd", cols, ids_in, bags_out, updated * cols,
-                                rows)
+                                id_rows)
         bwd = profile.kernel_ms(measured_kernel, "bwd", cols, ids_in, bags_out, updated * cols,
-                                rows)
+                                id_rows)
         if fwd is None or bwd is None:
             return None
         elements = updated * cols

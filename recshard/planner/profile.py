@@ -4,7 +4,8 @@ Kernel costs are least-squares fits of measured milliseconds against the work of
 `ms = ms_per_id ids + ms_per_bag bags + ms_per_element elements + ms_per_call`, where
 `elements` are what the update touches: the whole table for the dense kernel, the distinct
 rows looked up times the dim for the fused one (`distinct_rows`), and an id's cost depends on
-its table's size: timed on a cache-resident and a cold table (`KernelCost.id_ms`); one fit
+the rows its ids touch: timed on a cache-resident and a cold table (`KernelCost.id_ms`), read
+for the fused kernel at the `working_rows` of the ids (skewed ids: a smaller table); one fit
 per (kernel, phase, embedding dim); other dims are interpolated linearly (beyond the measured
 range: scaled in proportion to the dim). Link costs are `ms = latency_ms + bytes / bandwidth`
 fits per collective and link level, where `bytes` is what leaves one rank (the all-to-all
@@ -46,6 +47,16 @@ def distinct_rows(rows: float, ids: float) -> float:
     """Expected distinct rows among `ids` uniform draws from `rows` rows (skewed ids hit
     fewer: an upper bound)."""
     return rows * -math.expm1(-ids / rows) if rows > 0 else 0.0
+
+
+def working_rows(rows: float, touched: float, ids: float) -> float:
+    """The rows `ids` ids keep warm in a `rows`-row table when they touch `touched` distinct
+    rows (e.g. from `CacheStatistics`): `rows` times `touched` over what uniform ids touch
+    (`distinct_rows`), so `rows` for uniform ids and fewer for skewed ones, whose hot rows
+    stay in cache as a smaller table's would. The per-id cost (`KernelCost.id_ms`) is read
+    at this size."""
+    uniform = distinct_rows(rows, ids)
+    return rows * min(1.0, touched / uniform) if uniform > 0 else rows
 
 
 @dataclass

@@ -19,7 +19,13 @@ from recshard.planner.cli import InputError, parse_tables
 from recshard.planner.estimators import data_parallel_exchange
 from recshard.planner.plan_io import plan_from_dict, plan_to_dict
 from recshard.planner.planner_types import cache_params_from_dict
-from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, distinct_rows
+from recshard.planner.profile import (
+    CalibrationProfile,
+    KernelCost,
+    LinkCost,
+    distinct_rows,
+    working_rows,
+)
 from recshard.port import port_source
 from recshard.types import CacheAlgorithm, CacheParams, CacheStatistics, ShardingPlan
 
@@ -124,6 +130,35 @@ def test_fused_update_prices_the_stats_distinct_rows():
     # no stats (or stats-less CacheParams): uniform ids, as before
     assert touched_rows(table, CacheParams(load_factor=0.5), 100, 50.0, ids) == distinct_rows(
         100, 50.0)
+
+
+def test_skewed_ids_cost_what_they_cost_in_a_table_of_their_working_rows():
+    # an id costs 1e-4 ms in a 2 k-row table, 4e-4 in a 200 k-row one (log-interpolated between)
+    kernels = [KernelCost(kernel, phase, 64, 1e-4, 0.0, 0.0, 0.0, ms_per_id_cold=4e-4,
+                          hot_rows=2_000, cold_rows=200_000)
+               for kernel in ("fused", "dense") for phase in ("fwd", "bwd")]
+    profile = CalibrationProfile("cpu", 1, 2, 2, kernels, _kernel_profile().links)
+    est = EmbeddingPerfEstimator(Topology(2, profile=profile), 512)
+    table = TableMeta("t", 200_000, 64, pooling_factors=[10.0])
+    ids = 2 * 512 * 10
+    uniform = est.estimate(table, "table_wise", "fused", 200_000, 64)
+    assert uniform.fwd_compute == pytest.approx(ids * 4e-4)
+    # the ids touch 1% of the rows uniform ids would: they keep 2 k rows warm, a hot table's
+    hot = distinct_rows(200_000, ids) / 100
+    assert working_rows(200_000, hot, ids) == pytest.approx(2_000)
+    skewed = est.estimate(table, "table_wise", "fused", 200_000, 64,
+                          CacheParams(stats=_Stats(hot)))
+    assert skewed.fwd_compute == pytest.approx(ids * 1e-4)
+    # 10%: 20 k rows, halfway in log rows
+    tenth = est.estimate(table, "table_wise", "fused", 200_000, 64,
+                         CacheParams(stats=_Stats(hot * 10)))
+    assert tenth.fwd_compute == pytest.approx(ids * 2.5e-4)
+    # as many distinct rows as uniform ids (or more): the table's own size
+    assert working_rows(200_000, 2 * ids, ids) == 200_000
+    # the dense kernel updates the whole table: its per-id cost stays the table's
+    dense = est.estimate(table, "table_wise", "dense", 200_000, 64,
+                         CacheParams(stats=_Stats(hot)))
+    assert dense.fwd_compute == pytest.approx(ids * 4e-4)
 
 
 def test_data_parallel_exchange_and_cache_hits_use_the_stats():
