@@ -50,13 +50,21 @@ def distinct_rows(rows: float, ids: float) -> float:
 
 
 def working_rows(rows: float, touched: float, ids: float) -> float:
-    """The rows `ids` ids keep warm in a `rows`-row table when they touch `touched` distinct
-    rows (e.g. from `CacheStatistics`): `rows` times `touched` over what uniform ids touch
-    (`distinct_rows`), so `rows` for uniform ids and fewer for skewed ones, whose hot rows
-    stay in cache as a smaller table's would. The per-id cost (`KernelCost.id_ms`) is read
-    at this size."""
-    uniform = distinct_rows(rows, ids)
-    return rows * min(1.0, touched / uniform) if uniform > 0 else rows
+    """The table size whose uniform draws touch as few distinct rows as `ids` ids touch in a
+    `rows`-row table (`touched`, e.g. from `CacheStatistics`): `rows` for uniform ids, fewer
+    for skewed ones, whose hot rows stay in cache as a smaller table's would. The per-id
+    cost (`KernelCost.id_ms`) is read at this size. (`distinct_rows` grows with the table:
+    bisection in log rows, to 1e-6 of the size.)"""
+    if touched >= distinct_rows(rows, ids) or rows <= 1:
+        return float(rows)
+    low, high = 1.0, float(rows)
+    while high > low * (1 + 1e-6):
+        middle = math.sqrt(low * high)
+        if distinct_rows(middle, ids) < touched:
+            low = middle
+        else:
+            high = middle
+    return high
 
 
 @dataclass

@@ -143,16 +143,16 @@ def test_skewed_ids_cost_what_they_cost_in_a_table_of_their_working_rows():
     ids = 2 * 512 * 10
     uniform = est.estimate(table, "table_wise", "fused", 200_000, 64)
     assert uniform.fwd_compute == pytest.approx(ids * 4e-4)
-    # the ids touch 1% of the rows uniform ids would: they keep 2 k rows warm, a hot table's
-    hot = distinct_rows(200_000, ids) / 100
-    assert working_rows(200_000, hot, ids) == pytest.approx(2_000)
+    # the ids touch as few rows as uniform draws from 2 k rows would: a hot table's cost
+    hot = distinct_rows(2_000, ids)
+    assert working_rows(200_000, hot, ids) == pytest.approx(2_000, rel=1e-5)
     skewed = est.estimate(table, "table_wise", "fused", 200_000, 64,
                           CacheParams(stats=_Stats(hot)))
     assert skewed.fwd_compute == pytest.approx(ids * 1e-4)
-    # 10%: 20 k rows, halfway in log rows
-    tenth = est.estimate(table, "table_wise", "fused", 200_000, 64,
-                         CacheParams(stats=_Stats(hot * 10)))
-    assert tenth.fwd_compute == pytest.approx(ids * 2.5e-4)
+    # as few as from 20 k rows: halfway in log rows
+    warm = est.estimate(table, "table_wise", "fused", 200_000, 64,
+                        CacheParams(stats=_Stats(distinct_rows(20_000, ids))))
+    assert warm.fwd_compute == pytest.approx(ids * 2.5e-4)
     # as many distinct rows as uniform ids (or more): the table's own size
     assert working_rows(200_000, 2 * ids, ids) == 200_000
     # the dense kernel updates the whole table: its per-id cost stays the table's
