@@ -67,6 +67,17 @@ class BoundsCheckMode(enum.Enum):
     NONE = "none"
 
 
+class PipelineType(enum.Enum):
+    """The training pipeline a plan is for (TorchRec's names): how many batches of ids a
+    rank holds at once, which the planner's memory estimate counts (`INPUT_COPIES` in
+    `recshard.planner.estimators`)."""
+
+    NONE = "none"
+    TRAIN_BASE = "train_base"
+    TRAIN_SPARSE_DIST = "train_sparse_dist"
+    TRAIN_PREFETCH_SPARSE_DIST = "train_prefetch_sparse_dist"
+
+
 class CacheAlgorithm(enum.Enum):
     """Eviction policy of a UVM cache (fbgemm's names and values, as TorchRec re-exports)."""
 

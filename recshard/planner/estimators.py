@@ -42,7 +42,7 @@ from recshard.planner.planner_types import (
 )
 from recshard.planner.profile import distinct_rows, working_rows
 from recshard.sharding.data_parallel import ROW_EXCHANGE_MIN_BYTES
-from recshard.types import CacheParams
+from recshard.types import CacheParams, PipelineType
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,10 @@ SECTOR_BYTES = 32  # a row read or write moves at least one 32-byte sector
 # A sharded pooled module's step holds its rank's local output four times: the output dist's
 # received buffer, the KeyedTensor built from it, their gradient, and the gradient sent back.
 MODULE_OUTPUT_COPIES = 4
+# batches of ids a rank holds at once under each training pipeline (TorchRec's factors): the
+# one being looked up, and those the pipeline has already sent on ahead
+INPUT_COPIES = {PipelineType.NONE: 1, PipelineType.TRAIN_BASE: 1,
+                PipelineType.TRAIN_SPARSE_DIST: 2, PipelineType.TRAIN_PREFETCH_SPARSE_DIST: 3}
 
 # Optimizer state of the fused (fbgemm) optimizers: (fp32 bytes per element, bytes per row).
 _OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {
@@ -350,13 +354,14 @@ class EmbeddingStorageEstimator:
       sharder's fused_params, counted whether or not an optimizer is attached yet; see
       `optimizer_state_bytes`); dense kernel and data-parallel add an fp32 gradient
       `4 rows cols` (data-parallel twice: DDP keeps a bucket copy).
-    - io = 2 ids_in id_bytes (this batch and the next one in flight) + 2 bags_out cols s_out
-      (the output and its gradient).
+    - io = c ids_in id_bytes + 2 bags_out cols s_out (the output and its gradient), `c` the
+      batches of ids a rank holds under `pipeline_type` (`INPUT_COPIES`, TorchRec's factors:
+      1 without a pipeline, 2 for TrainPipelineSparseDist, whose next batch is in flight).
     - quant kernel (inference): no optimizer state; 4 bytes per row of fp16 scale and bias.
     - calibrated (`topology.profile.memory`, cpu), fused kernel: weights count `weight_factor`
       times (the build's growth per byte of weights: 1.00 on cpu), and the step's transient
       is the measured `bytes_per_id ids_in + bytes_per_output_byte bags_out cols 4` (the
-      output and its gradient), plus the ids in flight; every kernel and type, calibrated
+      output and its gradient), plus the `c` batches of ids; every kernel and type, calibrated
       on cpu: plus `_module_buffers` (not measured on cuda). Data-parallel, calibrated on
       cpu: one gradient (averaged in backward, no DDP bucket) plus the flattened copy the
       shared all-reduce of tables under `ROW_EXCHANGE_MIN_BYTES` makes (its measured peak).
@@ -366,9 +371,11 @@ class EmbeddingStorageEstimator:
       `lf weights`, its index `rows (4 + 16 lf)` and io.
     """
 
-    def __init__(self, topology: Topology, batch_size: int = 512) -> None:
+    def __init__(self, topology: Topology, batch_size: int = 512,
+                 pipeline_type: PipelineType = PipelineType.NONE) -> None:
         self.topology = topology
         self.batch_size = batch_size
+        self.pipeline_type = pipeline_type
         self._facts: Dict[int, _TableFacts] = {}
 
     def estimate(
@@ -392,12 +399,13 @@ class EmbeddingStorageEstimator:
         elif compute_kernel == "dense" or sharding_type == "data_parallel":
             copies = 2 if sharding_type == "data_parallel" else 1
             state += copies * 4.0 * rows * cols
-        io = 2 * ids_in * facts.id_bytes + 2 * bags_out * cols * facts.s_out
+        ids = INPUT_COPIES[self.pipeline_type] * ids_in * facts.id_bytes
+        io = ids + 2 * bags_out * cols * facts.s_out
         memory = topo.profile.memory if topo.profile is not None else None
         if memory is not None and topo.compute_device == topo.profile.compute_device == "cpu":
             if compute_kernel == "fused" and sharding_type != "data_parallel":
                 weights *= memory.weight_factor
-                io = (ids_in * (2 * facts.id_bytes + memory.bytes_per_id)
+                io = (ids + ids_in * memory.bytes_per_id
                       + bags_out * cols * 4.0 * memory.bytes_per_output_byte)
             io += self._module_buffers(table, sharding_type, cols, bags_out, facts)
             if sharding_type == "data_parallel" and 4.0 * rows * cols >= ROW_EXCHANGE_MIN_BYTES:

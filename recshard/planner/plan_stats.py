@@ -40,7 +40,7 @@ from recshard.planner.estimators import (
 )
 from recshard.planner.planner_types import ROW_BLOCK_TYPES, TableMeta, Topology
 from recshard.planner.step_model import StepTimePerfModel
-from recshard.types import ParameterSharding, ShardingPlan, ShardingType
+from recshard.types import ParameterSharding, PipelineType, ShardingPlan, ShardingType
 
 _GRAD_BYTES = 4.0
 # a multi-sharding module's `[B, sum of dims]` copies (`recshard.distributed.pooled_output`):
@@ -196,13 +196,15 @@ def _shards(ps: ParameterSharding, table: TableMeta, world: int) -> List[Tuple[i
 
 
 def plan_stats(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topology,
-               batch_size: int = 512) -> PlanStats:
-    """The per-rank loads of `plan` for `tables` on `topology`. The plan must plan every
-    table once (matched by module path and name, or by name when unambiguous) and pass the
-    plan rules (`match_plan`); PlanValidationError names the table otherwise."""
+               batch_size: int = 512,
+               pipeline_type: PipelineType = PipelineType.NONE) -> PlanStats:
+    """The per-rank loads of `plan` for `tables` on `topology`, training under
+    `pipeline_type`. The plan must plan every table once (matched by module path and name,
+    or by name when unambiguous) and pass the plan rules (`match_plan`); PlanValidationError
+    names the table otherwise."""
     world = topology.world_size
     perf_est = EmbeddingPerfEstimator(topology, batch_size)
-    storage_est = EmbeddingStorageEstimator(topology, batch_size)
+    storage_est = EmbeddingStorageEstimator(topology, batch_size, pipeline_type)
     loads = [RankLoad(r) for r in range(world)]
     traffic = _Traffic(world, topology.local_world_size)
     groups = []

@@ -28,6 +28,7 @@ from recshard.planner.calibrate import (
 )
 from recshard.planner.estimators import MODULE_OUTPUT_COPIES
 from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, MemoryCost
+from recshard.types import PipelineType
 from tests.multiprocess import run_ranks
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -190,13 +191,18 @@ def test_calibrated_memory_scales_the_storage_estimate():
     ids, bags = 2 * 512 * 10, 2 * 512
     weights = 10_000 * 64 * 4
     module = MODULE_OUTPUT_COPIES * 512 * 64 * 4  # the rank's own output, held 4 times
-    assert calibrated.ddr == pytest.approx(1.5 * weights + ids * (16 + 100) + bags * 64 * 4 * 2
+    assert calibrated.ddr == pytest.approx(1.5 * weights + ids * (8 + 100) + bags * 64 * 4 * 2
                                            + module)
-    assert plain.ddr == pytest.approx(weights + 2 * ids * 8 + 2 * bags * 64 * 4)
+    assert plain.ddr == pytest.approx(weights + ids * 8 + 2 * bags * 64 * 4)
+    # TrainPipelineSparseDist holds the next batch's ids too (TorchRec's factor 2)
+    pipelined = EmbeddingStorageEstimator(Topology(2, profile=profile), 512,
+                                          PipelineType.TRAIN_SPARSE_DIST)
+    assert pipelined.estimate(table, "table_wise", "fused", 10_000, 64).ddr == pytest.approx(
+        calibrated.ddr + ids * 8)
     # row-wise: the reduce-scatter's receive and the all-gather's send buffer hold every
     # rank's bags; the reduced output of the rank's own bags and its gradient hold whole rows
     own = 512 * 64 * 4
-    row_wise = 1.5 * weights / 2 + (ids / 2) * (16 + 100) + bags * 64 * 4 * 2
+    row_wise = 1.5 * weights / 2 + (ids / 2) * (8 + 100) + bags * 64 * 4 * 2
     half = EmbeddingStorageEstimator(Topology(2, profile=profile), 512).estimate(
         table, "row_wise", "fused", 5_000, 64)
     assert half.ddr == pytest.approx(row_wise + 2 * bags * 64 * 4 + 2 * own)
@@ -210,5 +216,5 @@ def test_calibrated_memory_scales_the_storage_estimate():
                                                             5_000, 64)
     bags4 = 4 * 512
     assert quarter.ddr == pytest.approx(
-        1.5 * weights / 2 + (ids / 2 * 2) * (16 + 100) + bags4 * 64 * 4 * 2
+        1.5 * weights / 2 + (ids / 2 * 2) * (8 + 100) + bags4 * 64 * 4 * 2
         + 3 * bags4 * 64 * 4 + (2 + MODULE_OUTPUT_COPIES) * 2 * own)

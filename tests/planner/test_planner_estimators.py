@@ -14,7 +14,7 @@ from recshard.planner import (
 )
 from recshard.planner.enumerator import column_runs, row_runs
 from recshard.planner.estimators import optimizer_state_bytes
-from recshard.types import CacheParams
+from recshard.types import CacheParams, PipelineType
 
 
 def test_optimizer_state_per_type():
@@ -33,8 +33,13 @@ def test_storage_by_hand_cpu_table_wise():
         table, "table_wise", "fused", 1000, 64
     )
     ids_in = bags_out = 512 * 2
-    expected = 1000 * 64 * 4 + 1000 * 4 + 2 * ids_in * 8 + 2 * bags_out * 64 * 4
+    expected = 1000 * 64 * 4 + 1000 * 4 + ids_in * 8 + 2 * bags_out * 64 * 4
     assert storage.hbm == 0 and storage.ddr == expected
+    # a prefetching pipeline holds three batches of ids (TorchRec's factor)
+    prefetched = EmbeddingStorageEstimator(Topology(2), 512,
+                                           PipelineType.TRAIN_PREFETCH_SPARSE_DIST)
+    assert prefetched.estimate(table, "table_wise", "fused", 1000, 64).ddr == (
+        expected + 2 * ids_in * 8)
 
 
 def test_storage_placement_by_kernel_on_cuda():
