@@ -9,11 +9,7 @@ plan with a neutral yardstick; `explain_table` says why a table got its option.
 
 from recshard.planner.calibrate import CalibrationGrid, calibrate
 from recshard.planner.enumerator import EmbeddingEnumerator, tables_from_module
-from recshard.planner.estimators import (
-    EmbeddingPerfEstimator,
-    EmbeddingStorageEstimator,
-    StorageReservation,
-)
+from recshard.planner.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
 from recshard.planner.explain import Explanation, OptionCost, explain_table
 from recshard.planner.partitioners import (
     GreedyPerfPartitioner,
@@ -43,6 +39,7 @@ from recshard.planner.planner_types import (
 from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, MemoryCost
 from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
 from recshard.planner.refine import refine_placement
+from recshard.planner.reservation import StorageReservation
 from recshard.planner.stats import EmbeddingStats, PlannerStats
 from recshard.planner.step_model import StepTimePerfModel
 

@@ -30,7 +30,6 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from recshard.planner.calibrate_cli import calibrate_main
-from recshard.planner.estimators import StorageReservation
 from recshard.planner.explain import draw_explain_png, explain_table, read_measurements
 from recshard.planner.partitioners import GreedyPerfPartitioner, MemoryBalancedPartitioner
 from recshard.planner.plan_io import PlanValidationError, load_plan, save_plan
@@ -44,6 +43,7 @@ from recshard.planner.planner_types import (
     Topology,
 )
 from recshard.planner.profile import CalibrationProfile
+from recshard.planner.reservation import StorageReservation
 from recshard.planner.stats import PlannerStats
 from recshard.types import BoundsCheckMode
 

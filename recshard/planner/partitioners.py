@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from recshard.planner.estimators import Capacity
 from recshard.planner.planner_types import GIB, ShardingOption
+from recshard.planner.reservation import Capacity
 
 _EPS = 1e-9
 

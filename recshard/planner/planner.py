@@ -14,7 +14,6 @@ from torch import nn
 from recshard.plan.geometry import make_shards
 from recshard.plan.validate import validate_plan
 from recshard.planner.enumerator import EmbeddingEnumerator, tables_from_module
-from recshard.planner.estimators import Capacity, StorageReservation
 from recshard.planner.partitioners import GreedyPerfPartitioner, NoopPerfModel, PartitionResult
 from recshard.planner.planner_types import (
     GIB,
@@ -26,6 +25,7 @@ from recshard.planner.planner_types import (
 )
 from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
 from recshard.planner.refine import refine_placement
+from recshard.planner.reservation import Capacity, StorageReservation
 from recshard.planner.stats import EmbeddingStats, PlannerStats, build_stats
 from recshard.planner.step_model import StepTimePerfModel
 from recshard.types import ModuleSharder, ParameterSharding, ShardingPlan

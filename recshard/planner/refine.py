@@ -10,8 +10,8 @@ import heapq
 import time
 from typing import Callable, Iterator, List, Optional
 
-from recshard.planner.estimators import Capacity
 from recshard.planner.partitioners import PartitionResult
+from recshard.planner.reservation import Capacity
 
 _EPS = 1e-9
 

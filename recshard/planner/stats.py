@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Dict, List, Sequence
 
-from recshard.planner.estimators import Capacity
 from recshard.planner.partitioners import PartitionResult
 from recshard.planner.plan_stats import PlanStats, RankLoad, plan_stats
 from recshard.planner.planner_types import GIB, Topology
+from recshard.planner.reservation import Capacity
 
 logger = logging.getLogger(__name__)
 __all__ = ["EmbeddingStats", "PlanStats", "PlannerStats", "RankLoad", "RankStats", "TableStats",
