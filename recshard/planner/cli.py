@@ -30,6 +30,8 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from recshard.planner.calibrate_cli import calibrate_main
+from recshard.planner.enumerator import EmbeddingEnumerator
+from recshard.planner.estimators import EmbeddingStorageEstimator
 from recshard.planner.explain import draw_explain_png, explain_table, read_measurements
 from recshard.planner.partitioners import GreedyPerfPartitioner, MemoryBalancedPartitioner
 from recshard.planner.plan_io import PlanValidationError, load_plan, save_plan
@@ -45,7 +47,7 @@ from recshard.planner.planner_types import (
 from recshard.planner.profile import CalibrationProfile
 from recshard.planner.reservation import StorageReservation
 from recshard.planner.stats import PlannerStats
-from recshard.types import BoundsCheckMode
+from recshard.types import BoundsCheckMode, PipelineType
 
 _TABLE_KEYS = {"name", "num_embeddings", "embedding_dim", "feature_names", "pooling_factor",
                "pooling_factors", "num_poolings", "batch_sizes", "data_type", "weighted",
@@ -241,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured_ms (benchmarks/planner_accuracy.py) drawn beside the estimates")
     p.add_argument("--plan", default=None, metavar="PLAN_JSON",
                    help="print per-rank statistics of this plan instead of planning")
+    p.add_argument("--pipeline-type", default=PipelineType.NONE.value,
+                   choices=[t.value for t in PipelineType],
+                   help="the training pipeline: how many batches of ids a rank holds "
+                        "(none: 1, train_sparse_dist: 2, train_prefetch_sparse_dist: 3)")
     return p
 
 
@@ -274,8 +280,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             profile=CalibrationProfile.load(args.profile) if args.profile else None,
         )
         measured = read_measurements(args.measured) if args.measured else []
+        pipeline = PipelineType(args.pipeline_type)
         if args.plan:
-            print(existing_plan_stats(args.plan, tables, topology, batch_size).format())
+            print(existing_plan_stats(args.plan, tables, topology, batch_size,
+                                      pipeline).format())
             return 0
     except InputError as e:
         print(f"error: {args.tables_file}: {e}", file=sys.stderr)
@@ -286,8 +294,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    enumerator = EmbeddingEnumerator(topology, batch_size, constraints, storage_estimator=(
+        EmbeddingStorageEstimator(topology, batch_size, pipeline)))
     planner = EmbeddingShardingPlanner(
-        topology=topology, batch_size=batch_size,
+        topology=topology, batch_size=batch_size, enumerator=enumerator,
         storage_reservation=StorageReservation(gib(args.dense_gb), gib(args.kjt_gb)),
         partitioner=MemoryBalancedPartitioner() if args.balance_memory else GreedyPerfPartitioner(),
         constraints=constraints, debug=False, timeout_seconds=args.timeout,
@@ -320,12 +330,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def existing_plan_stats(path: str, tables: List[TableMeta], topology: Topology,
-                        batch_size: int) -> PlanStats:
+                        batch_size: int,
+                        pipeline_type: PipelineType = PipelineType.NONE) -> PlanStats:
     """`plan_stats` of the plan file at `path`; its errors (the file's, or the plan's against
     the tables: see `match_plan`) start with the file's name."""
     plan = load_plan(path)  # names the file itself
     try:
-        return plan_stats(plan, tables, topology, batch_size)
+        return plan_stats(plan, tables, topology, batch_size, pipeline_type)
     except PlanValidationError as e:
         raise PlanValidationError(f"{path}: {e}") from e
 

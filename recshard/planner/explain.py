@@ -15,7 +15,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from recshard.planner.enumerator import EmbeddingEnumerator
 from recshard.planner.planner import EmbeddingShardingPlanner
 from recshard.planner.planner_types import PlannerError, ShardingOption, TableMeta
 from recshard.planner.stats import compress_ranks
@@ -99,8 +98,7 @@ def explain_table(planner: EmbeddingShardingPlanner, tables: Sequence[TableMeta]
     best = planner.last_result
     if best is None:
         raise PlannerError("--explain needs a plan: call plan_tables first")
-    enumerator = EmbeddingEnumerator(planner.topology, planner.batch_size, planner.constraints)
-    space = enumerator.enumerate_tables(tables)
+    space = planner.enumerator.enumerate_tables(tables)
     index = _find(space, name)
     capacity = best.extra["capacity"]
     chosen = best.proposal[index]

@@ -116,6 +116,12 @@ class EmbeddingShardingPlanner:
             self._topology = Topology(world_size=world, compute_device=device)
         return self._topology
 
+    @property
+    def enumerator(self) -> EmbeddingEnumerator:
+        """The enumerator given, else one on the topology, batch size and constraints."""
+        return self._enumerator or EmbeddingEnumerator(self.topology, self.batch_size,
+                                                       self.constraints)
+
     def plan(self, module: nn.Module, sharders: Sequence[ModuleSharder]) -> ShardingPlan:
         """Plan every table of every submodule one of `sharders` handles."""
         tables, dense_bytes = tables_from_module(module, sharders, self.topology.compute_device)
@@ -133,10 +139,7 @@ class EmbeddingShardingPlanner:
         """Plan from table metadata alone (the CLI's entry point)."""
         start = time.perf_counter()
         topo = self.topology
-        enumerator = self._enumerator or EmbeddingEnumerator(
-            topo, self.batch_size, self.constraints
-        )
-        space = enumerator.enumerate_tables(tables)
+        space = self.enumerator.enumerate_tables(tables)
         capacity = self.storage_reservation.reserve(
             topo, [opts[0].table for opts in space], self.batch_size, dense_param_bytes
         )

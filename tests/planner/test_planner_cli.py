@@ -196,3 +196,33 @@ def test_cli_plan_file_missing_a_table_names_it(tmp_path, capsys):
     assert err.startswith(f"error: {path}: table 'ebc.w': among the tables but not in the plan")
     assert main([str(tables), "--plan", str(tmp_path / "absent.json")]) == 1
     assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'absent.json'}: ")
+
+
+def _max_memory_mib(out: str) -> float:
+    """The `max` row's memory column of `--plan`'s per-rank statistics."""
+    header = next(line.split() for line in out.splitlines() if line.startswith("rank "))
+    row = next(line.split() for line in out.splitlines() if line.startswith(" max "))
+    return float(row[header.index("memory") - 1])  # "rank" is one column, "memory MiB" two
+
+
+def test_cli_pipeline_type_counts_the_batches_of_ids_in_flight(tmp_path, capsys):
+    tables = tmp_path / "tables.json"
+    tables.write_text(json.dumps({"tables": [
+        {"name": "a", "num_embeddings": 100_000, "embedding_dim": 64, "pooling_factor": 20,
+         "constraints": {"sharding_types": ["row_wise"]}},
+        {"name": "b", "num_embeddings": 5_000, "embedding_dim": 32, "pooling_factor": 5,
+         "constraints": {"sharding_types": ["row_wise"]}}]}))
+    plan = str(tmp_path / "plan.json")
+    base = [str(tables), "--world-size", "2", "--batch-size", "512"]
+    for pipeline in ("none", "train_sparse_dist"):  # plans and explains under either
+        assert main(base + ["-o", plan, "--explain", "a", "--pipeline-type", pipeline]) == 0
+    capsys.readouterr()
+    memory = {}
+    for pipeline in ("none", "train_sparse_dist", "train_prefetch_sparse_dist"):
+        assert main(base + ["--plan", plan, "--pipeline-type", pipeline]) == 0
+        memory[pipeline] = _max_memory_mib(capsys.readouterr().out)
+    # a row-wise shard receives half the global batch's ids: (20 + 5) x 1024 / 2, 8 bytes each
+    batch_of_ids = 12_800 * 8 / 2**20
+    assert memory["train_sparse_dist"] - memory["none"] == pytest.approx(batch_of_ids, abs=2e-3)
+    assert memory["train_prefetch_sparse_dist"] - memory["none"] == pytest.approx(
+        2 * batch_of_ids, abs=2e-3)
