@@ -241,6 +241,12 @@ class ShardingEnv:
     def num_nodes(self) -> int:
         return self.world_size // self.local_world_size
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> ShardingEnv:
+        """A copy on the same process group (process groups cannot be copied), so modules
+        that keep their env (data-parallel tables) deep-copy as `DistributedModelParallel.copy`
+        does."""
+        return ShardingEnv(self.world_size, self.rank, self.pg, self.local_world_size)
+
     def __repr__(self) -> str:
         return (
             f"ShardingEnv(world_size={self.world_size}, rank={self.rank}, "

@@ -23,6 +23,7 @@ from recshard.comm.ops import (
     reduce_scatter_v_pooled,
     variable_batch_alltoall_pooled,
 )
+from recshard.comm.pg import HoldsGroup
 from recshard.types import Awaitable
 
 Callback = Callable[[torch.Tensor], torch.Tensor]
@@ -37,7 +38,7 @@ def _per_rank(values: List[int], pg: dist.ProcessGroup, what: str) -> List[int]:
     return list(values)
 
 
-class PooledEmbeddingsAllToAll(nn.Module):
+class PooledEmbeddingsAllToAll(HoldsGroup, nn.Module):
     """`[B_global, dim_sum_per_rank[me]]` -> `[B_local, sum(dim_sum_per_rank)]` (table-wise).
 
     Example: `dim_sum_per_rank=[2, 1]`, two ranks, `[6, 2]` on rank 0 and `[6, 1]` on rank 1
@@ -54,7 +55,7 @@ class PooledEmbeddingsAllToAll(nn.Module):
         codecs: Optional[QuantizedCommCodecs] = None,
     ) -> None:
         super().__init__()
-        self._pg = pg
+        self.pg = pg
         self._dim_sum_per_rank = _per_rank(dim_sum_per_rank, pg, "PooledEmbeddingsAllToAll: dim_sum_per_rank")
         self._callbacks: List[Callback] = list(callbacks or [])
         self._codecs = codecs
@@ -72,7 +73,7 @@ class PooledEmbeddingsAllToAll(nn.Module):
     def forward(
         self, local_embs: torch.Tensor, batch_size_per_rank: Optional[List[int]] = None
     ) -> Awaitable[torch.Tensor]:
-        world_size = dist.get_world_size(self._pg)
+        world_size = dist.get_world_size(self.pg)
         if batch_size_per_rank is None:
             if local_embs.size(0) % world_size:
                 raise ValueError(
@@ -82,13 +83,13 @@ class PooledEmbeddingsAllToAll(nn.Module):
             batch_size_per_rank = [local_embs.size(0) // world_size] * world_size
         awaitable = alltoall_pooled(
             local_embs, batch_size_per_rank, self._dim_sum_per_rank,
-            group=self._pg, codecs=self._codecs, column_blocks=self._column_blocks,
+            group=self.pg, codecs=self._codecs, column_blocks=self._column_blocks,
         )
         awaitable.callbacks.extend(self._callbacks)
         return awaitable
 
 
-class VariableBatchPooledEmbeddingsAllToAll(nn.Module):
+class VariableBatchPooledEmbeddingsAllToAll(HoldsGroup, nn.Module):
     """Pooled all-to-all with a batch size per rank per feature (VBE); flat in and out.
 
     `emb_dim_per_rank_per_feature[r]`: dims of rank r's features. See
@@ -110,7 +111,7 @@ class VariableBatchPooledEmbeddingsAllToAll(nn.Module):
                 f"VariableBatchPooledEmbeddingsAllToAll: emb_dim_per_rank_per_feature has "
                 f"{len(emb_dim_per_rank_per_feature)} entries, world size is {world_size}"
             )
-        self._pg = pg
+        self.pg = pg
         self._emb_dims = [list(d) for d in emb_dim_per_rank_per_feature]
         self._callbacks: List[Callback] = list(callbacks or [])
         self._codecs = codecs
@@ -127,13 +128,13 @@ class VariableBatchPooledEmbeddingsAllToAll(nn.Module):
     ) -> Awaitable[torch.Tensor]:
         awaitable = variable_batch_alltoall_pooled(
             local_embs, batch_size_per_rank_per_feature, batch_size_per_feature_pre_a2a,
-            self._emb_dims, group=self._pg, codecs=self._codecs,
+            self._emb_dims, group=self.pg, codecs=self._codecs,
         )
         awaitable.callbacks.extend(self._callbacks)
         return awaitable
 
 
-class PooledEmbeddingsReduceScatter(nn.Module):
+class PooledEmbeddingsReduceScatter(HoldsGroup, nn.Module):
     """Partial pools `[sum(B_r), D]` on every rank -> summed `[B_me, D]` (row-wise sharding).
 
     `input_splits` (rows per rank) for unequal batch sizes; default equal.
@@ -141,30 +142,30 @@ class PooledEmbeddingsReduceScatter(nn.Module):
 
     def __init__(self, pg: dist.ProcessGroup, codecs: Optional[QuantizedCommCodecs] = None) -> None:
         super().__init__()
-        self._pg, self._codecs = pg, codecs
+        self.pg, self._codecs = pg, codecs
 
     def forward(
         self, local_embs: torch.Tensor, input_splits: Optional[List[int]] = None
     ) -> Awaitable[torch.Tensor]:
         if input_splits is not None and len(set(input_splits)) > 1:
-            return reduce_scatter_v_pooled(local_embs, input_splits, self._pg, self._codecs)
+            return reduce_scatter_v_pooled(local_embs, input_splits, self.pg, self._codecs)
         if input_splits is not None:
-            _per_rank(input_splits, self._pg, "PooledEmbeddingsReduceScatter: input_splits")
-        return reduce_scatter_base_pooled(local_embs, self._pg, self._codecs)
+            _per_rank(input_splits, self.pg, "PooledEmbeddingsReduceScatter: input_splits")
+        return reduce_scatter_base_pooled(local_embs, self.pg, self._codecs)
 
 
-class PooledEmbeddingsAllGather(nn.Module):
+class PooledEmbeddingsAllGather(HoldsGroup, nn.Module):
     """`[B, D]` on every rank -> `[W * B, D]` in rank order; backward reduce-scatters."""
 
     def __init__(self, pg: dist.ProcessGroup, codecs: Optional[QuantizedCommCodecs] = None) -> None:
         super().__init__()
-        self._pg, self._codecs = pg, codecs
+        self.pg, self._codecs = pg, codecs
 
     def forward(self, local_emb: torch.Tensor) -> Awaitable[torch.Tensor]:
-        return all_gather_base_pooled(local_emb, self._pg, self._codecs)
+        return all_gather_base_pooled(local_emb, self.pg, self._codecs)
 
 
-class SequenceEmbeddingsAllToAll(nn.Module):
+class SequenceEmbeddingsAllToAll(HoldsGroup, nn.Module):
     """Per-id embeddings back to the ranks whose batches the ids came from.
 
     Call with the metadata of the `KJTAllToAll` that brought the ids here (its tensors
@@ -184,7 +185,7 @@ class SequenceEmbeddingsAllToAll(nn.Module):
         codecs: Optional[QuantizedCommCodecs] = None,
     ) -> None:
         super().__init__()
-        self._pg = pg
+        self.pg = pg
         self._features_per_rank = _per_rank(features_per_rank, pg, "SequenceEmbeddingsAllToAll: features_per_rank")
         self._codecs = codecs
 
@@ -198,7 +199,7 @@ class SequenceEmbeddingsAllToAll(nn.Module):
         batch_size_per_rank: Optional[List[int]] = None,
         sparse_features_recat: Optional[torch.Tensor] = None,
     ) -> Awaitable[torch.Tensor]:
-        world_size, rank = dist.get_world_size(self._pg), dist.get_rank(self._pg)
+        world_size, rank = dist.get_world_size(self.pg), dist.get_rank(self.pg)
         num_local = self._features_per_rank[rank]
         variable = batch_size_per_rank is not None and len(set(batch_size_per_rank)) > 1
         recat = sparse_features_recat
@@ -208,7 +209,7 @@ class SequenceEmbeddingsAllToAll(nn.Module):
         forward_recat = torch.argsort(recat.long()).to(torch.int32)
         awaitable = alltoall_sequence(
             local_embs, forward_recat, recat, lengths, input_splits, output_splits,
-            variable_batch_size=variable, group=self._pg, codecs=self._codecs,
+            variable_batch_size=variable, group=self.pg, codecs=self._codecs,
         )
         if unbucketize_permute_tensor is not None:
             permute = unbucketize_permute_tensor.long()

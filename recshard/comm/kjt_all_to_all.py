@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from recshard.comm.pg import HoldsGroup
 from recshard.comm.request import Pending, issue_all_to_all, wait_work
 from recshard.comm.verdict import MSG_WORDS, encode_message, raise_rejected
 from recshard.comm.wire import (
@@ -419,7 +420,7 @@ def _check_input(kjt: KeyedJaggedTensor, splits: List[int],
     return None
 
 
-class KJTAllToAll(nn.Module):
+class KJTAllToAll(HoldsGroup, nn.Module):
     """Send keys `[sum(splits[:r]), sum(splits[:r+1]))` of every rank's KJT to rank r.
 
     `splits[r]`: number of keys rank r owns (same list on every rank). `stagger` > 1
@@ -441,7 +442,7 @@ class KJTAllToAll(nn.Module):
             raise ValueError(f"KJTAllToAll: splits {splits} must be non-negative")
         if stagger < 1 or world_size % stagger:
             raise ValueError(f"KJTAllToAll: stagger {stagger} must divide world size {world_size}")
-        self._pg, self._splits, self._stagger = pg, list(splits), stagger
+        self.pg, self._splits, self._stagger = pg, list(splits), stagger
         self._id_rows: List[Optional[int]] = [None] * sum(splits)
 
     def set_id_rows(self, rows_per_key: Sequence[Optional[int]]) -> None:
@@ -461,10 +462,10 @@ class KJTAllToAll(nn.Module):
         they lie by the pack that narrows them instead of being permuted first."""
         with torch.no_grad():
             if key_order is not None and (
-                dist.get_world_size(self._pg) == 1 or input.variable_stride_per_key()
+                dist.get_world_size(self.pg) == 1 or input.variable_stride_per_key()
             ):
                 input, key_order = input.permute(key_order), None
             return KJTAllToAllSplitsAwaitable(
-                self._pg, input, self._splits, self._stagger, input_error, self._id_rows,
+                self.pg, input, self._splits, self._stagger, input_error, self._id_rows,
                 key_order,
             )

@@ -145,3 +145,30 @@ def _drain_and_destroy_groups() -> None:
         dist.destroy_process_group()
     time.sleep(EXIT_DRAIN_S)
     _GROUP_CACHE.clear()
+
+
+class _GroupRef:
+    """Holds a process group; deep copies share it (process groups cannot be copied)."""
+
+    __slots__ = ("pg",)
+
+    def __init__(self, pg: Optional[dist.ProcessGroup]) -> None:
+        self.pg = pg
+
+    def __deepcopy__(self, memo: dict) -> _GroupRef:
+        return self
+
+
+class HoldsGroup:
+    """Mixin for modules with a `pg` attribute, so `copy.deepcopy(module)` works (the copy
+    uses the same group)."""
+
+    _pg_ref: _GroupRef
+
+    @property
+    def pg(self) -> Optional[dist.ProcessGroup]:
+        return self._pg_ref.pg
+
+    @pg.setter
+    def pg(self, pg: Optional[dist.ProcessGroup]) -> None:
+        self._pg_ref = _GroupRef(pg)

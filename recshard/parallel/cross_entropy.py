@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from recshard.comm.pg import HoldsGroup
 from recshard.parallel.mappings import all_reduce, mp_reduce
-from recshard.parallel.utils import HoldsGroup, ProcessGroup, group_rank, group_size
+from recshard.parallel.utils import ProcessGroup, group_rank, group_size
 
 _REDUCTIONS = ("mean", "sum", "none")
 _OWNER = "vocab_parallel_cross_entropy"

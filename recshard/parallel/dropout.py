@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from recshard.parallel.utils import HoldsGroup, ProcessGroup, group_rank, group_size
+from recshard.comm.pg import HoldsGroup
+from recshard.parallel.utils import ProcessGroup, group_rank, group_size
 
 _RANK_SEED_OFFSET = 2718  # sharded streams: seed + 2718 * (rank + 1), never the shared seed
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from recshard.comm.pg import HoldsGroup
 from recshard.parallel.init import (
     InitMethod,
     embedding_master_weight,
@@ -21,7 +22,6 @@ from recshard.parallel.init import (
 )
 from recshard.parallel.mappings import all_reduce, mp_gather, mp_reduce, mp_reduce_scatter
 from recshard.parallel.utils import (
-    HoldsGroup,
     ProcessGroup,
     ShardSpec,
     divide,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from recshard.comm.pg import HoldsGroup
 from recshard.parallel.init import (
     InitMethod,
     MasterParams,
@@ -29,7 +30,6 @@ from recshard.parallel.mappings import (
     mp_scatter,
 )
 from recshard.parallel.utils import (
-    HoldsGroup,
     ProcessGroup,
     ShardSpec,
     divide,

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from recshard.comm.pg import HoldsGroup
 from recshard.parallel.init import MasterParams, linear_master_params, shard_parameter
 from recshard.parallel.linear import check_last_dim, column_parallel_linear, row_parallel_linear
 from recshard.parallel.mappings import mp_gather, mp_scatter
 from recshard.parallel.utils import (
-    HoldsGroup,
     ProcessGroup,
     ShardSpec,
     divide,

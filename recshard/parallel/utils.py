@@ -90,30 +90,3 @@ def mark_shard(param: Tensor, spec: ShardSpec) -> Tensor:
 
 def shard_spec_of(tensor: Tensor) -> ShardSpec | None:
     return getattr(tensor, "shard_spec", None)
-
-
-class _GroupRef:
-    """Holds a process group; deep copies share it (process groups cannot be copied)."""
-
-    __slots__ = ("pg",)
-
-    def __init__(self, pg: ProcessGroup | None) -> None:
-        self.pg = pg
-
-    def __deepcopy__(self, memo: dict) -> _GroupRef:
-        return self
-
-
-class HoldsGroup:
-    """Mixin for modules with a `pg` attribute, so `copy.deepcopy(module)` works (the copy
-    uses the same group)."""
-
-    _pg_ref: _GroupRef
-
-    @property
-    def pg(self) -> ProcessGroup | None:
-        return self._pg_ref.pg
-
-    @pg.setter
-    def pg(self, pg: ProcessGroup | None) -> None:
-        self._pg_ref = _GroupRef(pg)
