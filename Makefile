@@ -21,11 +21,13 @@ MALLOC_ENV := MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483648
 demo: $(STAMP)
 	$(MALLOC_ENV) $(BIN)/torchrun --standalone --nproc_per_node 2 -m examples.dlrm.train --demo
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest
 
+# Formatting and lint rules (pyproject.toml's [tool.ruff]); `make test` runs it first.
 lint: $(STAMP)
-	$(BIN)/ruff check recshard tests examples benchmarks
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check --quiet recshard tests examples benchmarks scripts
 
 clean:
 	rm -rf $(VENV)

@@ -15,7 +15,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -72,18 +72,30 @@ def bench_pooled(sizes: List[tuple], repeats: int) -> None:
                 return a2a(embs).wait()
 
             seconds, payload = _timed(run, repeats), _payload(run)
-            _emit(dict(bench="pooled_all_to_all", world_size=ws, precision=precision,
-                       batch_per_rank=batch, dim_per_rank=dim, payload_bytes=payload,
-                       median_s=round(seconds, 6), payload_bytes_per_s=round(payload / seconds)))
+            _emit(
+                dict(
+                    bench="pooled_all_to_all",
+                    world_size=ws,
+                    precision=precision,
+                    batch_per_rank=batch,
+                    dim_per_rank=dim,
+                    payload_bytes=payload,
+                    median_s=round(seconds, 6),
+                    payload_bytes_per_s=round(payload / seconds),
+                )
+            )
 
 
 def _kjt(num_keys: int, batch: int, mean_len: int, seed: int, weighted: bool) -> KeyedJaggedTensor:
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, 2 * mean_len + 1, (num_keys * batch,), generator=g, dtype=torch.int32)
+    lengths = torch.randint(
+        0, 2 * mean_len + 1, (num_keys * batch,), generator=g, dtype=torch.int32
+    )
     values = torch.randint(0, 1 << 30, (int(lengths.sum()),), generator=g)
     weights = torch.rand(values.numel(), generator=g) if weighted else None
-    return KeyedJaggedTensor.from_lengths_sync([f"f{k}" for k in range(num_keys)], values, lengths,
-                                               weights, stride=batch)
+    return KeyedJaggedTensor.from_lengths_sync(
+        [f"f{k}" for k in range(num_keys)], values, lengths, weights, stride=batch
+    )
 
 
 def bench_kjt(sizes: List[tuple], repeats: int) -> None:
@@ -99,10 +111,19 @@ def bench_kjt(sizes: List[tuple], repeats: int) -> None:
                 return a2a(kjt).wait().wait()
 
             seconds, payload = _timed(run, repeats), _payload(run)
-            _emit(dict(bench="kjt_all_to_all", world_size=ws, weighted=weighted, keys=num_keys,
-                       batch_per_rank=batch, ids_per_rank=kjt.values().numel(),
-                       payload_bytes=payload, median_s=round(seconds, 6),
-                       payload_bytes_per_s=round(payload / seconds)))
+            _emit(
+                dict(
+                    bench="kjt_all_to_all",
+                    world_size=ws,
+                    weighted=weighted,
+                    keys=num_keys,
+                    batch_per_rank=batch,
+                    ids_per_rank=kjt.values().numel(),
+                    payload_bytes=payload,
+                    median_s=round(seconds, 6),
+                    payload_bytes_per_s=round(payload / seconds),
+                )
+            )
 
 
 def bench_overlap(batch: int, dim: int, repeats: int) -> None:
@@ -139,10 +160,20 @@ def bench_overlap(batch: int, dim: int, repeats: int) -> None:
     comm_s = _timed(lambda: a2a(embs).wait(), repeats)
     both_s = _timed(both, repeats)
     hidden = (compute_s + comm_s - both_s) / min(compute_s, comm_s)
-    _emit(dict(bench="overlap", world_size=ws, payload_bytes=embs.numel() * embs.element_size(),
-               matmuls=matmuls, compute_s=round(compute_s, 6), all_to_all_s=round(comm_s, 6),
-               overlapped_s=round(both_s, 6), serial_s=round(compute_s + comm_s, 6),
-               hidden_fraction=round(hidden, 3), torch_threads=torch.get_num_threads()))
+    _emit(
+        dict(
+            bench="overlap",
+            world_size=ws,
+            payload_bytes=embs.numel() * embs.element_size(),
+            matmuls=matmuls,
+            compute_s=round(compute_s, 6),
+            all_to_all_s=round(comm_s, 6),
+            overlapped_s=round(both_s, 6),
+            serial_s=round(compute_s + comm_s, 6),
+            hidden_fraction=round(hidden, 3),
+            torch_threads=torch.get_num_threads(),
+        )
+    )
 
 
 def main(args: argparse.Namespace) -> None:
@@ -160,7 +191,7 @@ def main(args: argparse.Namespace) -> None:
     bench_overlap(*overlap, repeats=args.repeats)
 
 
-def cli(argv: Optional[List[str]] = None) -> None:
+def cli(argv: List[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
@@ -168,6 +199,7 @@ def cli(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     run_on_ranks(main, args, args.world_size, args.threads)
+
 
 if __name__ == "__main__":
     cli()

@@ -31,7 +31,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from benchmarks.ebc import measure
 from benchmarks.ebc_workload import QUICK, Sizes, copy_bandwidth_gbs, floor_ms, pooling_factors
@@ -50,14 +50,17 @@ class Case:
     threads: int
 
 
-CASES = {c.name: c for c in [
-    Case("table_wise", "table_wise", 2, 1),
-    Case("row_wise", "row_wise", 2, 1),
-    Case("column_wise", "column_wise", 2, 1),
-    Case("table_row_wise", "table_row_wise", 2, 1),
-    Case("planner", "planner", 2, 1),
-    Case("table_wise_1rank_2threads", "table_wise", 1, 2),
-]}
+CASES = {
+    c.name: c
+    for c in [
+        Case("table_wise", "table_wise", 2, 1),
+        Case("row_wise", "row_wise", 2, 1),
+        Case("column_wise", "column_wise", 2, 1),
+        Case("table_row_wise", "table_row_wise", 2, 1),
+        Case("planner", "planner", 2, 1),
+        Case("table_wise_1rank_2threads", "table_wise", 1, 2),
+    ]
+}
 
 
 class TorchRecServer:
@@ -67,8 +70,13 @@ class TorchRecServer:
         python = venv / "bin" / "python"
         if not python.exists():
             raise SystemExit(f"--venv {venv}: no {python} (recipe in ../shared/TARGETS.md)")
-        self._proc = subprocess.Popen([str(python), str(TORCHREC_SIDE)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True, cwd=TORCHREC_SIDE.parent)
+        self._proc = subprocess.Popen(
+            [str(python), str(TORCHREC_SIDE)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=TORCHREC_SIDE.parent,
+        )
 
     def run(self, request: Dict[str, Any]) -> List[Dict[str, Any]]:
         """Every rank's result of one run."""
@@ -77,7 +85,7 @@ class TorchRecServer:
         self._proc.stdin.flush()
         for line in self._proc.stdout:
             if line.startswith("RESULT "):
-                reply = json.loads(line[len("RESULT "):])
+                reply = json.loads(line[len("RESULT ") :])
                 if not reply["ok"]:
                     raise RuntimeError(f"TorchRec side failed on {request}:\n{reply['error']}")
                 return reply["ranks"]
@@ -92,16 +100,32 @@ class TorchRecServer:
 def _run_args(case: Case, args: argparse.Namespace) -> argparse.Namespace:
     """What `benchmarks.ebc.measure` and the rank processes read, for this case."""
     return argparse.Namespace(
-        threads=case.threads, pin=True, timeout=args.timeout, steps=args.steps,
-        warmup=args.warmup, batches=args.batches, inter_host_gbps=None,
-        profile_steps=args.profile_steps)
+        threads=case.threads,
+        pin=True,
+        timeout=args.timeout,
+        steps=args.steps,
+        warmup=args.warmup,
+        batches=args.batches,
+        inter_host_gbps=None,
+        profile_steps=args.profile_steps,
+    )
 
 
 def _request(case: Case, args: argparse.Namespace, profile: bool) -> Dict[str, Any]:
-    return dict(plan=case.plan, world_size=case.world_size, threads=case.threads, pin=True,
-                timeout=args.timeout, steps=args.steps, warmup=args.warmup,
-                batches=args.batches, quick=args.quick, profile=profile,
-                profile_steps=args.profile_steps, top=args.top)
+    return dict(
+        plan=case.plan,
+        world_size=case.world_size,
+        threads=case.threads,
+        pin=True,
+        timeout=args.timeout,
+        steps=args.steps,
+        warmup=args.warmup,
+        batches=args.batches,
+        quick=args.quick,
+        profile=profile,
+        profile_steps=args.profile_steps,
+        top=args.top,
+    )
 
 
 def _slowest_median(per_rank: List[Dict[str, Any]]) -> float:
@@ -119,30 +143,50 @@ def compare(args: argparse.Namespace) -> None:
     os.sched_setaffinity(0, set(rank_cpus(0, 1)))  # one core's bandwidth, before any rank runs
     bandwidth = copy_bandwidth_gbs()
     os.sched_setaffinity(0, allowed)
-    emit(dict(bench="compare_setup", copy_bandwidth_gbs_per_core=round(bandwidth, 2),
-              lookups_per_rank_batch=sum(pooling) * sizes.batch, batch_per_rank=sizes.batch,
-              dim=sizes.dim, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-              cases=[c.name for c in args.cases], torchrec_venv=str(args.venv)))
+    emit(
+        dict(
+            bench="compare_setup",
+            copy_bandwidth_gbs_per_core=round(bandwidth, 2),
+            lookups_per_rank_batch=sum(pooling) * sizes.batch,
+            batch_per_rank=sizes.batch,
+            dim=sizes.dim,
+            steps=args.steps,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            cases=[c.name for c in args.cases],
+            torchrec_venv=str(args.venv),
+        )
+    )
     server = TorchRecServer(args.venv)
     try:
         if args.profile:
             for case in args.cases:
-                mine = run_ranks(case.world_size, _run_args(case, args), measure,
-                                 case.plan, sizes, _run_args(case, args), True)[0]["profile"]
+                mine = run_ranks(
+                    case.world_size,
+                    _run_args(case, args),
+                    measure,
+                    case.plan,
+                    sizes,
+                    _run_args(case, args),
+                    True,
+                )[0]["profile"]
                 theirs = server.run(_request(case, args, True))[0]["profile"]
                 emit({**mine, "bench": "profile", "library": "recshard", "case": case.name})
                 emit({**theirs, "bench": "profile", "library": "torchrec", "case": case.name})
             return
         medians: Dict[str, Dict[str, List[float]]] = {
-            c.name: {"recshard": [], "torchrec": []} for c in args.cases}
+            c.name: {"recshard": [], "torchrec": []} for c in args.cases
+        }
         torchrec_kinds: Dict[str, List[str]] = {}
         faults: Dict[str, Dict[str, List[float]]] = {
-            c.name: {"recshard": [], "torchrec": []} for c in args.cases}
+            c.name: {"recshard": [], "torchrec": []} for c in args.cases
+        }
         for _ in range(args.repeats):
             for case in args.cases:
                 run_args = _run_args(case, args)
-                mine = run_ranks(case.world_size, run_args, measure, case.plan, sizes, run_args,
-                                 False)
+                mine = run_ranks(
+                    case.world_size, run_args, measure, case.plan, sizes, run_args, False
+                )
                 theirs = server.run(_request(case, args, False))
                 for side, ranks in (("recshard", mine), ("torchrec", theirs)):
                     medians[case.name][side].append(_slowest_median(ranks))
@@ -155,20 +199,32 @@ def compare(args: argparse.Namespace) -> None:
         ours = statistics.median(medians[case.name]["recshard"])
         theirs = statistics.median(medians[case.name]["torchrec"])
         floor = floor_ms(sizes, pooling, case.threads, bandwidth)
-        emit(dict(
-            bench="compare_torchrec", case=case.name, plan=case.plan,
-            world_size=case.world_size, threads_per_rank=case.threads,
-            torchrec_sharding_types=kinds, recshard_step_ms=round(1e3 * ours, 2), torchrec_step_ms=round(1e3 * theirs, 2),
-            recshard_samples_per_s=round(case.world_size * sizes.batch / ours),
-            torchrec_samples_per_s=round(case.world_size * sizes.batch / theirs),
-            ratio=round(theirs / ours, 3),
-            recshard_repeats_ms=[round(1e3 * m, 2) for m in medians[case.name]["recshard"]],
-            torchrec_repeats_ms=[round(1e3 * m, 2) for m in medians[case.name]["torchrec"]],
-            floor_ms=round(floor, 2), recshard_vs_floor=round(1e3 * ours / floor, 2),
-            torchrec_vs_floor=round(1e3 * theirs / floor, 2),
-            recshard_page_faults_per_step=round(statistics.median(faults[case.name]["recshard"])),
-            torchrec_page_faults_per_step=round(statistics.median(faults[case.name]["torchrec"])),
-        ))
+        emit(
+            dict(
+                bench="compare_torchrec",
+                case=case.name,
+                plan=case.plan,
+                world_size=case.world_size,
+                threads_per_rank=case.threads,
+                torchrec_sharding_types=kinds,
+                recshard_step_ms=round(1e3 * ours, 2),
+                torchrec_step_ms=round(1e3 * theirs, 2),
+                recshard_samples_per_s=round(case.world_size * sizes.batch / ours),
+                torchrec_samples_per_s=round(case.world_size * sizes.batch / theirs),
+                ratio=round(theirs / ours, 3),
+                recshard_repeats_ms=[round(1e3 * m, 2) for m in medians[case.name]["recshard"]],
+                torchrec_repeats_ms=[round(1e3 * m, 2) for m in medians[case.name]["torchrec"]],
+                floor_ms=round(floor, 2),
+                recshard_vs_floor=round(1e3 * ours / floor, 2),
+                torchrec_vs_floor=round(1e3 * theirs / floor, 2),
+                recshard_page_faults_per_step=round(
+                    statistics.median(faults[case.name]["recshard"])
+                ),
+                torchrec_page_faults_per_step=round(
+                    statistics.median(faults[case.name]["torchrec"])
+                ),
+            )
+        )
 
 
 def _parse_cases(text: str) -> List[Case]:
@@ -176,22 +232,34 @@ def _parse_cases(text: str) -> List[Case]:
     unknown = [n for n in names if n not in CASES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown case(s) {unknown or text!r}; choose from {', '.join(CASES)}")
+            f"unknown case(s) {unknown or text!r}; choose from {', '.join(CASES)}"
+        )
     return [CASES[n] for n in names]
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--venv", type=Path, required=True,
-                        help="a venv with TorchRec 1.8 (../shared/TARGETS.md has the recipe)")
-    parser.add_argument("--cases", type=_parse_cases, default=list(CASES.values()),
-                        help=f"comma-separated, default all: {', '.join(CASES)}")
+    parser.add_argument(
+        "--venv",
+        type=Path,
+        required=True,
+        help="a venv with TorchRec 1.8 (../shared/TARGETS.md has the recipe)",
+    )
+    parser.add_argument(
+        "--cases",
+        type=_parse_cases,
+        default=list(CASES.values()),
+        help=f"comma-separated, default all: {', '.join(CASES)}",
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (30)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run (3)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved runs (3)")
     parser.add_argument("--batches", type=int, default=4, help="distinct batches cycled")
-    parser.add_argument("--profile", action="store_true",
-                        help="profile each case on rank 0 on both sides instead of timing")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile each case on rank 0 on both sides instead of timing",
+    )
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=15, help="ops listed per profile")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
@@ -204,7 +272,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def cli(argv: Optional[List[str]] = None) -> None:
+def cli(argv: List[str] | None = None) -> None:
     compare(parse_args(argv))
 
 

@@ -61,8 +61,9 @@ def _timed(fn: Callable[[], int]) -> float:
     return rows / (time.perf_counter() - start)
 
 
-def _data_stages(bench: argparse.Namespace, work: Path, settings: VocabSettings,
-                 sizes: List[int]) -> Dict[str, Callable[[], int]]:
+def _data_stages(
+    bench: argparse.Namespace, work: Path, settings: VocabSettings, sizes: List[int]
+) -> Dict[str, Callable[[], int]]:
     tsv = str(work / "input" / "criteo.txt")
     binary = str(work / "bin")
     rounds = itertools.count()
@@ -90,19 +91,39 @@ def _data_stages(bench: argparse.Namespace, work: Path, settings: VocabSettings,
 
 
 def _worker(rank: int, world_size: int, port: int, bench: argparse.Namespace, work: Path) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=600)
+    )
     try:
-        args = parse_args(["--demo", "--data", "criteo", "--data-path", str(work / "bin"),
-                           "--seed", str(bench.seed)])
+        args = parse_args(
+            [
+                "--demo",
+                "--data",
+                "criteo",
+                "--data-path",
+                str(work / "bin"),
+                "--seed",
+                str(bench.seed),
+            ]
+        )
         dmp, optimizer, _, _ = build_training(args, torch.device("cpu"), world_size, world_size)
         step = Runner(dmp, optimizer, torch.device("cpu"), True, lambda _: None).step
-        batches = itertools.cycle(list(itertools.islice(
-            BinaryCriteo(str(work / "bin"), args.batch_size, "all", rank, world_size), 32)))
+        batches = itertools.cycle(
+            list(
+                itertools.islice(
+                    BinaryCriteo(str(work / "bin"), args.batch_size, "all", rank, world_size), 32
+                )
+            )
+        )
         for _ in range(bench.warmup):
             step(batches)
         settings = VocabSettings("hash", args.num_embeddings_per_feature, 0, 10)
@@ -126,25 +147,56 @@ def _worker(rank: int, world_size: int, port: int, bench: argparse.Namespace, wo
         dist.destroy_process_group()
 
 
-def _report(bench: argparse.Namespace, rates: Dict[str, List[float]], world_size: int,
-            batch_size: int) -> None:
+def _report(
+    bench: argparse.Namespace, rates: Dict[str, List[float]], world_size: int, batch_size: int
+) -> None:
     medians = {name: statistics.median(values) for name, values in rates.items()}
-    common = {"bench": "data", "rows": bench.rows, "repeats": bench.repeats,
-              "load_average": [round(v, 2) for v in os.getloadavg()]}
+    common = {
+        "bench": "data",
+        "rows": bench.rows,
+        "repeats": bench.repeats,
+        "load_average": [round(v, 2) for v in os.getloadavg()],
+    }
     for name in ("tsv", "preprocess", "binary"):
-        print(json.dumps({**common, "stage": name, "rows_per_s": round(medians[name]),
-                          "rows_per_s_all": [round(v) for v in rates[name]]}), flush=True)
-    print(json.dumps({**common, "stage": "train", "samples_per_s": round(medians["train"]),
-                      "samples_per_s_all": [round(v) for v in rates["train"]],
-                      "world_size": world_size, "batch_size_per_rank": batch_size,
-                      "config": "--demo, pipelined, fused, 1 thread per rank"}), flush=True)
+        print(
+            json.dumps(
+                {
+                    **common,
+                    "stage": name,
+                    "rows_per_s": round(medians[name]),
+                    "rows_per_s_all": [round(v) for v in rates[name]],
+                }
+            ),
+            flush=True,
+        )
+    print(
+        json.dumps(
+            {
+                **common,
+                "stage": "train",
+                "samples_per_s": round(medians["train"]),
+                "samples_per_s_all": [round(v) for v in rates["train"]],
+                "world_size": world_size,
+                "batch_size_per_rank": batch_size,
+                "config": "--demo, pipelined, fused, 1 thread per rank",
+            }
+        ),
+        flush=True,
+    )
     ratios = [b / t for b, t in zip(rates["binary"], rates["train"])]
-    print(json.dumps({**common, "stage": "summary",
-                      "binary_over_train": round(statistics.median(ratios), 2),
-                      "binary_over_train_all": [round(r, 2) for r in ratios],
-                      "binary_over_tsv": round(medians["binary"] / medians["tsv"], 1),
-                      "preprocess_over_tsv": round(medians["preprocess"] / medians["tsv"], 1)}),
-          flush=True)
+    print(
+        json.dumps(
+            {
+                **common,
+                "stage": "summary",
+                "binary_over_train": round(statistics.median(ratios), 2),
+                "binary_over_train_all": [round(r, 2) for r in ratios],
+                "binary_over_tsv": round(medians["binary"] / medians["tsv"], 1),
+                "preprocess_over_tsv": round(medians["preprocess"] / medians["tsv"], 1),
+            }
+        ),
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -162,13 +214,18 @@ def main() -> None:
         (work / "input").mkdir()
         write_rows(work / "input" / "criteo.txt", bench.rows)
         demo = parse_args(["--demo"])
-        preprocess([str(work / "input")], str(work / "bin"),
-                   VocabSettings("hash", demo.num_embeddings_per_feature, 0, 10), workers=1)
+        preprocess(
+            [str(work / "input")],
+            str(work / "bin"),
+            VocabSettings("hash", demo.num_embeddings_per_feature, 0, 10),
+            workers=1,
+        )
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_worker, args=(bench.world_size, port, bench, work), nprocs=bench.world_size,
-                 join=True)
+        mp.spawn(
+            _worker, args=(bench.world_size, port, bench, work), nprocs=bench.world_size, join=True
+        )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import socket
 import statistics
 import time
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -45,15 +45,27 @@ def _pipeline_available() -> bool:
     return _pipeline_classes() is not None
 
 
-def _build_case(bench: argparse.Namespace, loop: str, kernel: str, rank: int, world_size: int,
-                device: torch.device) -> Dict[str, Any]:
+def _build_case(
+    bench: argparse.Namespace,
+    loop: str,
+    kernel: str,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> Dict[str, Any]:
     """One case's model, optimizer, step function and batch stream, warmed up."""
     from examples.dlrm.args import parse_args
     from examples.dlrm.data.loaders import train_batches
     from examples.dlrm.train import Runner, build_training
 
-    argv = ["--demo", "--kernel", kernel, "--seed", str(bench.seed),
-            "--pipeline" if loop == "pipeline" else "--no-pipeline"]
+    argv = [
+        "--demo",
+        "--kernel",
+        kernel,
+        "--seed",
+        str(bench.seed),
+        "--pipeline" if loop == "pipeline" else "--no-pipeline",
+    ]
     if bench.batch_size:
         argv += ["--batch-size", str(bench.batch_size)]
     args = parse_args(argv)
@@ -64,12 +76,24 @@ def _build_case(bench: argparse.Namespace, loop: str, kernel: str, rank: int, wo
     batches = train_batches(args, rank, world_size, 0, None)
     for _ in range(bench.warmup):
         step(batches)
-    return {"loop": loop, "kernel": kernel, "args": args, "step": step, "batches": batches,
-            "rates": [], "wait_shares": []}
+    return {
+        "loop": loop,
+        "kernel": kernel,
+        "args": args,
+        "step": step,
+        "batches": batches,
+        "rates": [],
+        "wait_shares": [],
+    }
 
 
-def _time_block(bench: argparse.Namespace, case: Dict[str, Any], world_size: int,
-                device: torch.device, waits: CollectiveWaitClock) -> None:
+def _time_block(
+    bench: argparse.Namespace,
+    case: Dict[str, Any],
+    world_size: int,
+    device: torch.device,
+    waits: CollectiveWaitClock,
+) -> None:
     """Run `bench.steps` steps of one case between barriers; record global samples/s."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -86,31 +110,50 @@ def _time_block(bench: argparse.Namespace, case: Dict[str, Any], world_size: int
     case["rates"].append(bench.steps * case["args"].batch_size * world_size / seconds)
 
 
-def _report(bench: argparse.Namespace, case: Dict[str, Any], world_size: int,
-            device: torch.device) -> Dict[str, Any]:
+def _report(
+    bench: argparse.Namespace, case: Dict[str, Any], world_size: int, device: torch.device
+) -> Dict[str, Any]:
     args, rates = case["args"], case["rates"]
     median = statistics.median(rates)
     return {
-        "bench": "dlrm_e2e", "link": link_label(), "loop": case["loop"], "kernel": case["kernel"],
-        "world_size": world_size, "device": device.type, "batch_size_per_rank": args.batch_size,
-        "embedding_dim": args.embedding_dim, "tables": len(args.num_embeddings_per_feature),
-        "steps_per_block": bench.steps, "blocks": bench.repeats, "seed": bench.seed,
+        "bench": "dlrm_e2e",
+        "link": link_label(),
+        "loop": case["loop"],
+        "kernel": case["kernel"],
+        "world_size": world_size,
+        "device": device.type,
+        "batch_size_per_rank": args.batch_size,
+        "embedding_dim": args.embedding_dim,
+        "tables": len(args.num_embeddings_per_feature),
+        "steps_per_block": bench.steps,
+        "blocks": bench.repeats,
+        "seed": bench.seed,
         "samples_per_s_median": round(median, 1),
         "ms_per_step_median": round(1e3 * args.batch_size * world_size / median, 3),
         "samples_per_s": [round(r, 1) for r in rates],
-        "wait_share": {k: statistics.median(s[k] for s in case["wait_shares"])
-                       for k in case["wait_shares"][0]},
+        "wait_share": {
+            k: statistics.median(s[k] for s in case["wait_shares"]) for k in case["wait_shares"][0]
+        },
     }
 
 
 def _worker(rank: int, world_size: int, port: int, bench: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(bench.threads)
     use_cuda = bench.device == "cuda"
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=300),
+    )
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -121,10 +164,18 @@ def _worker(rank: int, world_size: int, port: int, bench: argparse.Namespace) ->
                 continue
             if loop == "pipeline" and not _pipeline_available():
                 if rank == 0:
-                    print(json.dumps({"bench": "dlrm_e2e", "link": link_label(), "loop": loop,
-                                      "kernel": kernel,
-                                      "skipped": "recshard has no TrainPipelineSparseDist"}),
-                          flush=True)
+                    print(
+                        json.dumps(
+                            {
+                                "bench": "dlrm_e2e",
+                                "link": link_label(),
+                                "loop": loop,
+                                "kernel": kernel,
+                                "skipped": "recshard has no TrainPipelineSparseDist",
+                            }
+                        ),
+                        flush=True,
+                    )
                 continue
             cases.append(_build_case(bench, loop, kernel, rank, world_size, device))
         waits = CollectiveWaitClock()
@@ -139,7 +190,7 @@ def _worker(rank: int, world_size: int, port: int, bench: argparse.Namespace) ->
         dist.destroy_process_group()
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: List[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=50, help="steps per timed block")

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -106,8 +106,9 @@ BASELINE = "table_wise"
 def criteo_tables(sizes: Sizes) -> List[EmbeddingBagConfig]:
     """26 tables `t<i>`, each read by one feature `cat_<i>`, rows capped at `sizes.row_cap`."""
     return [
-        EmbeddingBagConfig(num_embeddings=rows, embedding_dim=sizes.dim, name=f"t{i}",
-                           feature_names=[f"cat_{i}"])
+        EmbeddingBagConfig(
+            num_embeddings=rows, embedding_dim=sizes.dim, name=f"t{i}", feature_names=[f"cat_{i}"]
+        )
         for i, rows in enumerate(table_rows(sizes))
     ]
 
@@ -117,13 +118,19 @@ def make_batches(
 ) -> List[KeyedJaggedTensor]:
     """`count` KJTs of `batch` samples: table t's bags hold `pooling[t]` uniform ids."""
     keys = [f for t in tables for f in t.feature_names]
-    return [KeyedJaggedTensor.from_lengths_sync(keys, values, lengths, stride=batch)
-            for values, lengths in batch_tensors([t.num_embeddings for t in tables], pooling,
-                                                 batch, seed, count)]
+    return [
+        KeyedJaggedTensor.from_lengths_sync(keys, values, lengths, stride=batch)
+        for values, lengths in batch_tensors(
+            [t.num_embeddings for t in tables], pooling, batch, seed, count
+        )
+    ]
 
 
 def per_table_plan(
-    name: str, tables: List[EmbeddingBagConfig], pooling: List[int], world_size: int,
+    name: str,
+    tables: List[EmbeddingBagConfig],
+    pooling: List[int],
+    world_size: int,
     local_size: int,
 ) -> Dict[str, ShardingGenerator]:
     """Table-wise: tables balanced over ranks; table-row-wise: over hosts (`local_size` ranks
@@ -147,24 +154,39 @@ class Trainee:
     """A sharded EBC and the dense optimizer its non-fused weights need (or None)."""
 
     module: nn.Module
-    optimizer: Optional[torch.optim.Optimizer]
+    optimizer: torch.optim.Optimizer | None
 
 
-def planned(ebc: EmbeddingBagCollection, sharder: EmbeddingBagCollectionSharder,
-            pooling: List[int], batch: int, inter_host_gbps: Optional[float]) -> Any:
+def planned(
+    ebc: EmbeddingBagCollection,
+    sharder: EmbeddingBagCollectionSharder,
+    pooling: List[int],
+    batch: int,
+    inter_host_gbps: float | None,
+) -> Any:
     """The planner's module plan for `ebc` on this group's topology (rank 0 plans)."""
     world_size = dist.get_world_size()
-    topology = Topology(world_size, "cpu", local_world_size=get_local_size(world_size),
-                        inter_host_bw=None if inter_host_gbps is None else inter_host_gbps / 8)
-    constraints = {name: ParameterConstraints(compute_kernels=["fused"],
-                                              pooling_factors=[float(p)])
-                   for name, p in zip(ebc.embedding_bags, pooling)}
+    topology = Topology(
+        world_size,
+        "cpu",
+        local_world_size=get_local_size(world_size),
+        inter_host_bw=None if inter_host_gbps is None else inter_host_gbps / 8,
+    )
+    constraints = {
+        name: ParameterConstraints(compute_kernels=["fused"], pooling_factors=[float(p)])
+        for name, p in zip(ebc.embedding_bags, pooling)
+    }
     planner = EmbeddingShardingPlanner(topology, batch_size=batch, constraints=constraints)
     return planner.collective_plan(ebc, [sharder]).plan[""]
 
 
-def build(name: str, tables: List[EmbeddingBagConfig], pooling: List[int], batch: int,
-          inter_host_gbps: Optional[float]) -> Trainee:
+def build(
+    name: str,
+    tables: List[EmbeddingBagConfig],
+    pooling: List[int],
+    batch: int,
+    inter_host_gbps: float | None,
+) -> Trainee:
     ebc = EmbeddingBagCollection(tables, device="meta")  # shards initialize from the configs
     world_size = dist.get_world_size()
     local_size = get_local_size(world_size)
@@ -177,12 +199,17 @@ def build(name: str, tables: List[EmbeddingBagConfig], pooling: List[int], batch
         plan = planned(ebc, sharder, pooling, batch, inter_host_gbps)
     else:
         plan = construct_module_sharding_plan(
-            ebc, per_table_plan(name, tables, pooling, world_size, local_size),
-            local_size=local_size, world_size=world_size,
+            ebc,
+            per_table_plan(name, tables, pooling, world_size, local_size),
+            local_size=local_size,
+            world_size=world_size,
         )
     module = sharder.shard(ebc, plan, ShardingEnv.from_process_group(dist.group.WORLD))
-    dense = [p for p in module.parameters()
-             if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)]
+    dense = [
+        p
+        for p in module.parameters()
+        if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)
+    ]
     optimizer = torch.optim.SGD(dense, lr=LEARNING_RATE) if dense else None
     return Trainee(module, optimizer)
 
@@ -226,8 +253,14 @@ def measure(name: str, sizes: Sizes, args: argparse.Namespace, profile: bool) ->
     times = timed_steps(lambda i: train_step(trainee, batches[i % len(batches)]), args.steps)
     faults = minor_faults() - faults
     waits.close()
-    return {"times": times, "waits": waits.take(), "faults_per_step": faults / args.steps, "rss_start_mb": rss_start, "rss_end_mb": rss_mb(),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {
+        "times": times,
+        "waits": waits.take(),
+        "faults_per_step": faults / args.steps,
+        "rss_start_mb": rss_start,
+        "rss_end_mb": rss_mb(),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 def emit(record: Dict[str, object]) -> None:
@@ -236,8 +269,9 @@ def emit(record: Dict[str, object]) -> None:
         print(json.dumps({**record, "link": link_label()}), flush=True)
 
 
-def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace,
-              ranks: Callable[..., List[Any]]) -> None:
+def bench_ebc(
+    names: List[str], sizes: Sizes, args: argparse.Namespace, ranks: Callable[..., List[Any]]
+) -> None:
     """Every configuration once per repeat (interleaved), each run by `ranks` (`run_ranks`:
     fresh processes; `launched_ranks`: torchrun's); one JSON line per configuration, then
     the profiles."""
@@ -245,14 +279,25 @@ def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace,
     local_size = get_local_size(ws)
     tables = criteo_tables(sizes)
     pooling = pooling_factors(len(tables), sizes.max_pooling)
-    emit(dict(bench="ebc_setup", world_size=ws, tables=len(tables), dim=sizes.dim,
-              total_rows=sum(t.num_embeddings for t in tables), batch_per_rank=sizes.batch,
-              pooling_factors=pooling, lookups_per_rank_batch=sum(pooling) * sizes.batch,
-              table_wise_ranks=balanced_ranks(pooling, ws),
-              table_wise_in_order_ranks=contiguous_ranks(pooling, ws),
-              torch_threads_per_rank=args.threads, pinned=args.pin,
-              hosts=ws // local_size, ranks_per_host=local_size,
-              launcher="torchrun" if dist.is_initialized() else "forkserver"))
+    emit(
+        dict(
+            bench="ebc_setup",
+            world_size=ws,
+            tables=len(tables),
+            dim=sizes.dim,
+            total_rows=sum(t.num_embeddings for t in tables),
+            batch_per_rank=sizes.batch,
+            pooling_factors=pooling,
+            lookups_per_rank_batch=sum(pooling) * sizes.batch,
+            table_wise_ranks=balanced_ranks(pooling, ws),
+            table_wise_in_order_ranks=contiguous_ranks(pooling, ws),
+            torch_threads_per_rank=args.threads,
+            pinned=args.pin,
+            hosts=ws // local_size,
+            ranks_per_host=local_size,
+            launcher="torchrun" if dist.is_initialized() else "forkserver",
+        )
+    )
     repeat_medians: Dict[str, List[float]] = {name: [] for name in names}
     growth: Dict[str, List[float]] = {name: [] for name in names}
     peak: Dict[str, float] = {name: 0.0 for name in names}
@@ -262,8 +307,9 @@ def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace,
             per_rank = ranks(ws, args, measure, name, sizes, args, False)
             slowest = [max(step) for step in zip(*(r["times"] for r in per_rank))]
             repeat_medians[name].append(statistics.median(slowest))
-            growth[name].append(max((r["rss_end_mb"] - r["rss_start_mb"]) / args.steps
-                                    for r in per_rank))
+            growth[name].append(
+                max((r["rss_end_mb"] - r["rss_start_mb"]) / args.steps for r in per_rank)
+            )
             peak[name] = max([peak[name]] + [r["peak_rss_mb"] for r in per_rank])
             wait_shares[name].append(per_rank[0]["waits"].shares(1e3 * sum(per_rank[0]["times"])))
     results = {name: statistics.median(m) for name, m in repeat_medians.items()}
@@ -272,15 +318,22 @@ def bench_ebc(names: List[str], sizes: Sizes, args: argparse.Namespace,
         sharding_type, kernel = CONFIGS[name]
         step_s = results[name]
         record = dict(
-            bench="ebc_step", name=name, sharding_type=sharding_type, compute_kernel=kernel,
-            world_size=ws, batch=sizes.batch, steps=args.steps, repeats=args.repeats,
+            bench="ebc_step",
+            name=name,
+            sharding_type=sharding_type,
+            compute_kernel=kernel,
+            world_size=ws,
+            batch=sizes.batch,
+            steps=args.steps,
+            repeats=args.repeats,
             median_step_ms=round(1e3 * step_s, 2),
             samples_per_s=round(ws * sizes.batch / step_s),
             repeat_medians_ms=[round(1e3 * m, 2) for m in repeat_medians[name]],
             rss_growth_mb_per_step=round(statistics.median(growth[name]), 2),
             peak_rss_mb=round(peak[name]),
-            wait_share={k: statistics.median(s[k] for s in wait_shares[name])
-                        for k in wait_shares[name][0]},
+            wait_share={
+                k: statistics.median(s[k] for s in wait_shares[name]) for k in wait_shares[name][0]
+            },
         )
         if base is not None:
             record["step_ms_vs_table_wise"] = round(step_s / base, 3)
@@ -315,29 +368,43 @@ def bench_kernels(sizes: Sizes, args: argparse.Namespace) -> None:
     ids = torch.randint(0, rows, (num, batch * pooling), generator=g)
     offsets = torch.arange(0, num * batch * pooling + 1, pooling)  # every bag `pooling` long
     bag_offsets = torch.arange(0, batch * pooling + 1, pooling)
-    kjt = KeyedJaggedTensor(keys=[f"f{t}" for t in range(num)], values=ids.reshape(-1),
-                            lengths=torch.full((num * batch,), pooling))
+    kjt = KeyedJaggedTensor(
+        keys=[f"f{t}" for t in range(num)],
+        values=ids.reshape(-1),
+        lengths=torch.full((num * batch,), pooling),
+    )
 
     def lookup(kernel: EmbeddingComputeKernel) -> GroupedLookup:
-        tables = [LocalTable(EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim,
-                                                name=f"t{t}", feature_names=[f"f{t}"]),
-                             rows, dim, 0, 0, kernel, PoolingType.SUM,
-                             {"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE})
-                  for t in range(num)]
+        tables = [
+            LocalTable(
+                EmbeddingBagConfig(
+                    num_embeddings=rows, embedding_dim=dim, name=f"t{t}", feature_names=[f"f{t}"]
+                ),
+                rows,
+                dim,
+                0,
+                0,
+                kernel,
+                PoolingType.SUM,
+                {"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE},
+            )
+            for t in range(num)
+        ]
         return GroupedLookup(tables, pooled=True, device=torch.device("cpu"))
 
     fused, dense = lookup(EmbeddingComputeKernel.FUSED), lookup(EmbeddingComputeKernel.DENSE)
     dense_sgd = torch.optim.SGD(dense.parameters(), lr=LEARNING_RATE)
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)] * num,
-        optimizer=EmbOptimType.EXACT_SGD, learning_rate=LEARNING_RATE,
+        optimizer=EmbOptimType.EXACT_SGD,
+        learning_rate=LEARNING_RATE,
     )
     bags = nn.ModuleList(
         nn.EmbeddingBag(rows, dim, mode="sum", include_last_offset=True) for _ in range(num)
     )
     bags_sgd = torch.optim.SGD(bags.parameters(), lr=LEARNING_RATE)
 
-    def sgd_step(loss: torch.Tensor, optimizer: Optional[torch.optim.Optimizer]) -> None:
+    def sgd_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> None:
         loss.backward()
         if optimizer is not None:
             optimizer.step()
@@ -347,8 +414,10 @@ def bench_kernels(sizes: Sizes, args: argparse.Namespace) -> None:
         "recshard_fused": lambda: sgd_step(fused(kjt).sum(), None),
         "recshard_dense": lambda: sgd_step(dense(kjt).sum(), dense_sgd),
         "fbgemm_tbe_fused_exact_sgd": lambda: sgd_step(tbe(ids.reshape(-1), offsets).sum(), None),
-        "nn_embeddingbag_torch_sgd": lambda: sgd_step(torch.cat(
-            [bag(ids[t], bag_offsets) for t, bag in enumerate(bags)], dim=1).sum(), bags_sgd),
+        "nn_embeddingbag_torch_sgd": lambda: sgd_step(
+            torch.cat([bag(ids[t], bag_offsets) for t, bag in enumerate(bags)], dim=1).sum(),
+            bags_sgd,
+        ),
     }
     repeat_medians: Dict[str, List[float]] = {name: [] for name in cases}
     for _ in range(args.repeats):
@@ -363,17 +432,38 @@ def bench_kernels(sizes: Sizes, args: argparse.Namespace) -> None:
             repeat_medians[name].append(statistics.median(times))
     results = {name: statistics.median(m) for name, m in repeat_medians.items()}
     for name, step_s in results.items():
-        emit(dict(bench="kernel", name=name, world_size=1, tables=num, rows=rows, dim=dim,
-                  batch=batch, pooling=pooling, steps=args.steps, repeats=args.repeats,
-                  torch_threads=torch.get_num_threads(), median_step_ms=round(1e3 * step_s, 2),
-                  samples_per_s=round(batch / step_s),
-                  repeat_medians_ms=[round(1e3 * m, 2) for m in repeat_medians[name]]))
-    for name, dense_name in [("recshard_fused", "recshard_dense"),
-                             ("recshard_fused", "nn_embeddingbag_torch_sgd"),
-                             ("fbgemm_tbe_fused_exact_sgd", "nn_embeddingbag_torch_sgd")]:
-        emit(dict(bench="kernel_ratio", name=f"{name}_speedup_vs_{dense_name}",
-                  value=round(results[dense_name] / results[name], 2), target=4.0,
-                  torch_threads=torch.get_num_threads()))
+        emit(
+            dict(
+                bench="kernel",
+                name=name,
+                world_size=1,
+                tables=num,
+                rows=rows,
+                dim=dim,
+                batch=batch,
+                pooling=pooling,
+                steps=args.steps,
+                repeats=args.repeats,
+                torch_threads=torch.get_num_threads(),
+                median_step_ms=round(1e3 * step_s, 2),
+                samples_per_s=round(batch / step_s),
+                repeat_medians_ms=[round(1e3 * m, 2) for m in repeat_medians[name]],
+            )
+        )
+    for name, dense_name in [
+        ("recshard_fused", "recshard_dense"),
+        ("recshard_fused", "nn_embeddingbag_torch_sgd"),
+        ("fbgemm_tbe_fused_exact_sgd", "nn_embeddingbag_torch_sgd"),
+    ]:
+        emit(
+            dict(
+                bench="kernel_ratio",
+                name=f"{name}_speedup_vs_{dense_name}",
+                value=round(results[dense_name] / results[name], 2),
+                target=4.0,
+                torch_threads=torch.get_num_threads(),
+            )
+        )
 
 
 # ----------------------------------------------------------------------------- entry
@@ -389,33 +479,51 @@ def _parse_types(text: str) -> List[str]:
     return names
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (30)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run (3)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved runs (3)")
-    parser.add_argument("--types", type=_parse_types, default=list(DEFAULT_TYPES),
-                        help=f"comma-separated configurations, default {','.join(DEFAULT_TYPES)}; "
-                             f"any of {', '.join(CONFIGS)}")
+    parser.add_argument(
+        "--types",
+        type=_parse_types,
+        default=list(DEFAULT_TYPES),
+        help=f"comma-separated configurations, default {','.join(DEFAULT_TYPES)}; "
+        f"any of {', '.join(CONFIGS)}",
+    )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--pin", action="store_true", help="pin rank r to the r-th allowed CPU")
     parser.add_argument("--batches", type=int, default=4, help="distinct batches cycled")
-    parser.add_argument("--profile", type=_parse_types, default=None,
-                        help="configurations to profile on rank 0 (default table_wise)")
+    parser.add_argument(
+        "--profile",
+        type=_parse_types,
+        default=None,
+        help="configurations to profile on rank 0 (default table_wise)",
+    )
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel comparison")
-    parser.add_argument("--kernel-threads", type=lambda text: [int(n) for n in text.split(",")],
-                        default=sorted({1, torch.get_num_threads()}),
-                        help="torch thread counts for the kernel comparison (default: 1 and "
-                             "torch's default)")
+    parser.add_argument(
+        "--kernel-threads",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=sorted({1, torch.get_num_threads()}),
+        help="torch thread counts for the kernel comparison (default: 1 and torch's default)",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
-    parser.add_argument("--inter-host-gbps", type=float, default=None,
-                        help="the planner configuration's inter-host bandwidth, Gbit/s "
-                             "(default: the planner's, 25 GbE)")
+    parser.add_argument(
+        "--inter-host-gbps",
+        type=float,
+        default=None,
+        help="the planner configuration's inter-host bandwidth, Gbit/s "
+        "(default: the planner's, 25 GbE)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few steps (smoke test)")
-    parser.add_argument("--compare-torchrec", metavar="VENV", default=None,
-                        help="run benchmarks.compare_torchrec with this TorchRec venv instead")
+    parser.add_argument(
+        "--compare-torchrec",
+        metavar="VENV",
+        default=None,
+        help="run benchmarks.compare_torchrec with this TorchRec venv instead",
+    )
     add_link_argument(parser)
     args = parser.parse_args(argv)
     defaults = (2, 1, 1) if args.quick else (30, 3, 3)
@@ -430,15 +538,26 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def compare_torchrec(args: argparse.Namespace) -> None:
     """`python -m benchmarks.compare_torchrec --venv VENV` with this run's step counts."""
-    command = [sys.executable, "-m", "benchmarks.compare_torchrec", "--venv", args.compare_torchrec,
-               "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--repeats", str(args.repeats), *(["--quick"] if args.quick else [])]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.compare_torchrec",
+        "--venv",
+        args.compare_torchrec,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--repeats",
+        str(args.repeats),
+        *(["--quick"] if args.quick else []),
+    ]
     status = subprocess.run(command, cwd=Path(__file__).resolve().parents[1]).returncode
     if status:
         raise SystemExit(status)
 
 
-def cli(argv: Optional[List[str]] = None) -> None:
+def cli(argv: List[str] | None = None) -> None:
     args = parse_args(argv)
     if args.compare_torchrec is not None:
         compare_torchrec(args)

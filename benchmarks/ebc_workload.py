@@ -16,8 +16,32 @@ import torch
 
 # Distinct values per categorical column of the Criteo Kaggle data (26 sparse features).
 CRITEO_KAGGLE_ROWS = [
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
 ]
 LEARNING_RATE = 0.01
 # A step reads each looked-up row in forward, then reads and writes it in the fused update.
@@ -38,8 +62,16 @@ class Sizes:
     kernel_pooling: int = 20
 
 
-QUICK = Sizes(row_cap=1000, dim=16, batch=64, max_pooling=4, kernel_tables=2, kernel_rows=1000,
-              kernel_batch=64, kernel_pooling=4)
+QUICK = Sizes(
+    row_cap=1000,
+    dim=16,
+    batch=64,
+    max_pooling=4,
+    kernel_tables=2,
+    kernel_rows=1000,
+    kernel_batch=64,
+    kernel_pooling=4,
+)
 
 
 def table_rows(sizes: Sizes) -> List[int]:
@@ -61,8 +93,12 @@ def batch_tensors(
     g = torch.Generator().manual_seed(seed)
     lengths = torch.tensor(pooling, dtype=torch.int32).repeat_interleave(batch)
     return [
-        (torch.cat([torch.randint(0, n, (p * batch,), generator=g) for n, p in zip(rows, pooling)]),
-         lengths)
+        (
+            torch.cat(
+                [torch.randint(0, n, (p * batch,), generator=g) for n, p in zip(rows, pooling)]
+            ),
+            lengths,
+        )
         for _ in range(count)
     ]
 

@@ -31,10 +31,18 @@ def _run(main: Main, args: argparse.Namespace, threads: int, **init: object) -> 
         dist.destroy_process_group()
 
 
-def _worker(rank: int, world_size: int, port: int, main: Main, args: argparse.Namespace,
-            threads: int) -> None:
-    _run(main, args, threads, backend="gloo", init_method=f"tcp://127.0.0.1:{port}",
-         rank=rank, world_size=world_size)
+def _worker(
+    rank: int, world_size: int, port: int, main: Main, args: argparse.Namespace, threads: int
+) -> None:
+    _run(
+        main,
+        args,
+        threads,
+        backend="gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+    )
 
 
 def run_on_ranks(main: Main, args: argparse.Namespace, world_size: int, threads: int = 1) -> None:
@@ -42,5 +50,6 @@ def run_on_ranks(main: Main, args: argparse.Namespace, world_size: int, threads:
     if "RANK" in os.environ:  # launched by torchrun
         _run(main, args, threads)
         return
-    torch.multiprocessing.spawn(_worker, args=(world_size, free_port(), main, args, threads),
-                                nprocs=world_size, join=True)
+    torch.multiprocessing.spawn(
+        _worker, args=(world_size, free_port(), main, args, threads), nprocs=world_size, join=True
+    )

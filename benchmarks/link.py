@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 import torch
 
@@ -42,12 +42,16 @@ _RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$")
 
 
 def add_link_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--link", default=None, metavar="RATE",
-                        help="re-run under ../shared/tools/slowlink with the loopback shaped to "
-                             "RATE (tc units: 1gbit, 500mbit); default: the unshaped loopback")
+    parser.add_argument(
+        "--link",
+        default=None,
+        metavar="RATE",
+        help="re-run under ../shared/tools/slowlink with the loopback shaped to "
+        "RATE (tc units: 1gbit, 500mbit); default: the unshaped loopback",
+    )
 
 
-def slowlink_missing() -> Optional[str]:
+def slowlink_missing() -> str | None:
     """Why slowlink cannot run here (None: it can)."""
     if not SLOWLINK.is_file():
         return f"{SLOWLINK} not found"
@@ -79,11 +83,13 @@ def _check_shaped(rate: str) -> None:
     """In the re-run child: the loopback must carry slowlink's tbf qdisc."""
     shown = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True)
     if "tbf" not in shown.stdout:
-        raise SystemExit(f"--link {rate}: {LINK_ENV} is set but the loopback has no tbf qdisc "
-                         f"({shown.stdout.strip() or shown.stderr.strip()!r})")
+        raise SystemExit(
+            f"--link {rate}: {LINK_ENV} is set but the loopback has no tbf qdisc "
+            f"({shown.stdout.strip() or shown.stderr.strip()!r})"
+        )
 
 
-def relaunch_under_link(module: str, link: Optional[str], argv: Optional[List[str]] = None) -> bool:
+def relaunch_under_link(module: str, link: str | None, argv: List[str] | None = None) -> bool:
     """With `link`, re-run `python -m module argv` under slowlink and return True once it has
     finished (the caller then returns); False when there is nothing to do (no `link`, or this
     is the re-run child). Exits with the child's status when it fails."""
@@ -97,8 +103,10 @@ def relaunch_under_link(module: str, link: Optional[str], argv: Optional[List[st
         _check_shaped(link)
         return False
     if "RANK" in os.environ:
-        raise SystemExit(f"--link {link} under torchrun: run torchrun itself under slowlink "
-                         f"with {LINK_ENV}={link} set")
+        raise SystemExit(
+            f"--link {link} under torchrun: run torchrun itself under slowlink "
+            f"with {LINK_ENV}={link} set"
+        )
     missing = slowlink_missing()
     if missing is not None:
         raise SystemExit(f"--link {link}: {missing}")
@@ -124,8 +132,12 @@ class WaitTimes:
 
     def shares(self, step_ms: float) -> Dict[str, float]:
         """Each kind's share of `step_ms` (and their sum), rounded for a JSON line."""
-        parts = {"kjt": self.kjt, "pooled_forward": self.pooled_forward,
-                 "backward": self.backward, "total": self.total}
+        parts = {
+            "kjt": self.kjt,
+            "pooled_forward": self.pooled_forward,
+            "backward": self.backward,
+            "total": self.total,
+        }
         return {k: round(v / step_ms, 3) for k, v in parts.items()}
 
     def per_step(self, steps: int) -> WaitTimes:

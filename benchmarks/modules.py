@@ -33,14 +33,40 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from types import ModuleType
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
 # Criteo-like: 26 one-feature tables, the rows of its 26 categorical features capped at 10 k
 # (the dense optimizer's pass over every row, the same in any library, would hide the rest)
-CRITEO_ROWS = [1460, 583, 10000, 10000, 305, 24, 10000, 633, 3, 10000, 5683, 10000, 3194,
-               27, 10000, 10000, 10, 5652, 2173, 4, 10000, 18, 15, 10000, 105, 10000]
+CRITEO_ROWS = [
+    1460,
+    583,
+    10000,
+    10000,
+    305,
+    24,
+    10000,
+    633,
+    3,
+    10000,
+    5683,
+    10000,
+    3194,
+    27,
+    10000,
+    10000,
+    10,
+    5652,
+    2173,
+    4,
+    10000,
+    18,
+    15,
+    10000,
+    105,
+    10000,
+]
 
 
 @dataclass(frozen=True)
@@ -75,16 +101,18 @@ class Record:
 
 
 def _feature_names(tables: TableSet) -> List[List[str]]:
-    return [[f"f{t}_{k}" for k in range(tables.features_per_table)] for t in range(len(tables.rows))]
+    return [
+        [f"f{t}_{k}" for k in range(tables.features_per_table)] for t in range(len(tables.rows))
+    ]
 
 
 def _batch(api: ModuleType, tables: TableSet, batch: int, seed: int) -> object:
     g = torch.Generator().manual_seed(seed)
     rows = [r for r in tables.rows for _ in range(tables.features_per_table)]
     lengths = torch.randint(0, 2 * tables.pooling + 1, (len(rows), batch), generator=g)
-    values = torch.cat([
-        torch.randint(0, r, (int(n),), generator=g) for r, n in zip(rows, lengths.sum(1))
-    ])
+    values = torch.cat(
+        [torch.randint(0, r, (int(n),), generator=g) for r, n in zip(rows, lengths.sum(1))]
+    )
     keys = [f for names in _feature_names(tables) for f in names]
     return api.KeyedJaggedTensor.from_lengths_sync(keys, values, lengths.flatten().int())
 
@@ -92,8 +120,10 @@ def _batch(api: ModuleType, tables: TableSet, batch: int, seed: int) -> object:
 def _module(api: ModuleType, kind: str, tables: TableSet) -> torch.nn.Module:
     torch.manual_seed(0)
     config = api.EmbeddingBagConfig if kind == "ebc" else api.EmbeddingConfig
-    configs = [config(num_embeddings=rows, embedding_dim=tables.dim, name=f"t{i}", feature_names=names)
-               for i, (rows, names) in enumerate(zip(tables.rows, _feature_names(tables)))]
+    configs = [
+        config(num_embeddings=rows, embedding_dim=tables.dim, name=f"t{i}", feature_names=names)
+        for i, (rows, names) in enumerate(zip(tables.rows, _feature_names(tables)))
+    ]
     if kind == "ebc":
         return api.EmbeddingBagCollection(tables=configs)
     return api.EmbeddingCollection(tables=configs)
@@ -123,8 +153,16 @@ def bench(api_name: str, kind: str, tables: TableSet, batch: int, steps: int, op
             optimizer.step()
         if step >= 3:
             times.append((time.perf_counter() - start) * 1e3)
-    return Record("module_step", api_name, kind, tables.name, batch, steps, optim,
-                  round(statistics.median(times), 3))
+    return Record(
+        "module_step",
+        api_name,
+        kind,
+        tables.name,
+        batch,
+        steps,
+        optim,
+        round(statistics.median(times), 3),
+    )
 
 
 @dataclass(frozen=True)
@@ -135,7 +173,7 @@ class Side:
     label: str
     python: str
     api: str
-    cwd: Optional[str]
+    cwd: str | None
 
     @staticmethod
     def parse(spec: str) -> Side:
@@ -152,28 +190,52 @@ def compare(args: argparse.Namespace, own: List[str]) -> None:
     side, one process per table set (what one table set leaves in the allocator changes the
     next one's page faults by up to 30%); print every record (with the side's label as `side`), then one `module_compare`
     line per (module, table set) with each side's median and its ratio to recshard's."""
-    sides = [Side("recshard", sys.executable, "recshard", None)] + [Side.parse(s) for s in args.compare]
+    sides = [Side("recshard", sys.executable, "recshard", None)] + [
+        Side.parse(s) for s in args.compare
+    ]
     runs: Dict[Tuple[str, str, str], List[float]] = {}
     for _ in range(args.repeats):
         for tables in args.tables.split(","):
             for side in sides:
                 proc = subprocess.run(
-                    [side.python, "-m", "benchmarks.modules", "--api", side.api, "--tables", tables, *own],
-                    capture_output=True, text=True, check=True, cwd=side.cwd)
+                    [
+                        side.python,
+                        "-m",
+                        "benchmarks.modules",
+                        "--api",
+                        side.api,
+                        "--tables",
+                        tables,
+                        *own,
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    cwd=side.cwd,
+                )
                 for line in proc.stdout.splitlines():
                     record = {**json.loads(line), "side": side.label}
                     print(json.dumps(record), flush=True)
                     runs.setdefault((record["module"], record["tables"], side.label), []).append(
-                        record["median_step_ms"])
+                        record["median_step_ms"]
+                    )
     for module, tables, label in list(runs):
         if label != "recshard":
             continue
         ours = statistics.median(runs[(module, tables, "recshard")])
-        line = {"bench": "module_compare", "module": module, "tables": tables,
-                "optimizer": args.optimizer, "repeats": args.repeats, "recshard_ms": ours}
+        line = {
+            "bench": "module_compare",
+            "module": module,
+            "tables": tables,
+            "optimizer": args.optimizer,
+            "repeats": args.repeats,
+            "recshard_ms": ours,
+        }
         for side in sides[1:]:
             theirs = statistics.median(runs[(module, tables, side.label)])
-            line.update({f"{side.label}_ms": theirs, f"ratio_to_{side.label}": round(ours / theirs, 3)})
+            line.update(
+                {f"{side.label}_ms": theirs, f"ratio_to_{side.label}": round(ours / theirs, 3)}
+            )
         print(json.dumps(line), flush=True)
 
 
@@ -183,8 +245,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=None, help="default: each table set's")
-    parser.add_argument("--tables", default=None, help="comma-separated; default: all "
-                        "(--quick: small,criteo_like)")
+    parser.add_argument(
+        "--tables", default=None, help="comma-separated; default: all (--quick: small,criteo_like)"
+    )
     parser.add_argument("--modules", default="ebc,ec")
     parser.add_argument("--optimizer", choices=["adam", "none"], default="none")
     parser.add_argument("--threads", type=int, default=1)
@@ -193,8 +256,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.tables is None:
         args.tables = "small,criteo_like" if args.quick else ",".join(t.name for t in TABLE_SETS)
-    own = ["--steps", str(args.steps), "--modules", args.modules,
-           "--optimizer", args.optimizer, "--threads", str(args.threads)]
+    own = [
+        "--steps",
+        str(args.steps),
+        "--modules",
+        args.modules,
+        "--optimizer",
+        args.optimizer,
+        "--threads",
+        str(args.threads),
+    ]
     own += ["--quick"] if args.quick else []
     own += ["--batch", str(args.batch)] if args.batch else []
     if args.compare:

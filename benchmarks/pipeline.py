@@ -45,7 +45,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -80,13 +80,18 @@ class Batch:
     labels: torch.Tensor
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
-        return Batch(self.dense_features.to(device, non_blocking=non_blocking),
-                     self.sparse_features.to(device, non_blocking=non_blocking),
-                     self.labels.to(device, non_blocking=non_blocking))
+        return Batch(
+            self.dense_features.to(device, non_blocking=non_blocking),
+            self.sparse_features.to(device, non_blocking=non_blocking),
+            self.labels.to(device, non_blocking=non_blocking),
+        )
 
     def pin_memory(self) -> Batch:
-        return Batch(self.dense_features.pin_memory(), self.sparse_features.pin_memory(),
-                     self.labels.pin_memory())
+        return Batch(
+            self.dense_features.pin_memory(),
+            self.sparse_features.pin_memory(),
+            self.labels.pin_memory(),
+        )
 
     def record_stream(self, stream: torch.Stream) -> None:
         for t in (self.dense_features, self.labels):
@@ -113,30 +118,44 @@ class Model(nn.Module):
         self.over = _mlp([dim * (len(tables) + 1), hidden, hidden, 1])
 
     def forward(self, batch: Batch) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-        x = torch.cat([self.dense(batch.dense_features), self.ebc(batch.sparse_features).values()], 1)
+        x = torch.cat(
+            [self.dense(batch.dense_features), self.ebc(batch.sparse_features).values()], 1
+        )
         logits = self.over(x).squeeze(1)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
         return loss, (loss.detach(), logits.detach())
 
 
 def _tables(args: argparse.Namespace) -> List[EmbeddingBagConfig]:
-    return [EmbeddingBagConfig(num_embeddings=min(args.rows, CRITEO_KAGGLE_ROWS[i % 26]),
-                               embedding_dim=args.dim, name=f"t{i}", feature_names=[f"f{i}"])
-            for i in range(args.features)]
+    return [
+        EmbeddingBagConfig(
+            num_embeddings=min(args.rows, CRITEO_KAGGLE_ROWS[i % 26]),
+            embedding_dim=args.dim,
+            name=f"t{i}",
+            feature_names=[f"f{i}"],
+        )
+        for i in range(args.features)
+    ]
 
 
 def _build(args: argparse.Namespace, world_size: int) -> Tuple[DistributedModelParallel, Any]:
     torch.manual_seed(0)
     model = Model(_tables(args), args.dense_in, args.hidden)
     per_table = {f"t{i}": table_wise(i % world_size) for i in range(args.features)}
-    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, per_table,
-                                                               world_size=world_size)})
-    sharders = [EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "exact_sgd", "learning_rate": 0.01},
-        qcomm_codecs_registry=get_qcomm_codecs_registry(args.pooled_precision))]
+    plan = ShardingPlan(
+        {"ebc": construct_module_sharding_plan(model.ebc, per_table, world_size=world_size)}
+    )
+    sharders = [
+        EmbeddingBagCollectionSharder(
+            fused_params={"optimizer": "exact_sgd", "learning_rate": 0.01},
+            qcomm_codecs_registry=get_qcomm_codecs_registry(args.pooled_precision),
+        )
+    ]
     dmp = DistributedModelParallel(model, plan=plan, sharders=sharders)
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda p: torch.optim.SGD(p, lr=0.01))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda p: torch.optim.SGD(p, lr=0.01),
+    )
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
@@ -147,13 +166,20 @@ def _batches(args: argparse.Namespace, rank: int) -> List[Batch]:
     for _ in range(args.pool):
         b = args.batch_size
         lengths = torch.randint(0, 2 * args.pooling + 1, (args.features, b), generator=g)
-        values = torch.cat([torch.randint(0, n, (int(ids),), generator=g)
-                            for n, ids in zip(rows, lengths.sum(1))])
+        values = torch.cat(
+            [torch.randint(0, n, (int(ids),), generator=g) for n, ids in zip(rows, lengths.sum(1))]
+        )
         lengths = lengths.reshape(-1)
-        kjt = KeyedJaggedTensor.from_lengths_sync([f"f{i}" for i in range(args.features)],
-                                                  values, lengths.int())
-        out.append(Batch(torch.randn(b, args.dense_in, generator=g), kjt,
-                         torch.randint(0, 2, (b,), generator=g).float()))
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            [f"f{i}" for i in range(args.features)], values, lengths.int()
+        )
+        out.append(
+            Batch(
+                torch.randn(b, args.dense_in, generator=g),
+                kjt,
+                torch.randint(0, 2, (b,), generator=g).float(),
+            )
+        )
     return out
 
 
@@ -215,10 +241,12 @@ class StaleReference:
     i's sparse update; the dense model trains on a detached copy whose gradient then runs the
     embeddings' backward."""
 
-    def __init__(self, model: DistributedModelParallel, optimizer: Any, batches: Iterator[Batch]) -> None:
+    def __init__(
+        self, model: DistributedModelParallel, optimizer: Any, batches: Iterator[Batch]
+    ) -> None:
         self._model, self._optimizer, self._batches = model, optimizer, batches
         self._ebc = model.module.ebc
-        self._next: Optional[Tuple[Batch, KeyedTensor]] = None
+        self._next: Tuple[Batch, KeyedTensor] | None = None
 
     def _lookup(self) -> Tuple[Batch, KeyedTensor]:
         batch = next(self._batches)
@@ -280,8 +308,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     def input_dist() -> None:
         ebc.input_dist(ebc.create_context(), pool[0].sparse_features).wait().wait()
 
-    steps = {"plain": plain_step, "pipelined": piped_step, "semi_sync": semi_step,
-             "semi_sync_reference": stale_step}
+    steps = {
+        "plain": plain_step,
+        "pipelined": piped_step,
+        "semi_sync": semi_step,
+        "semi_sync_reference": stale_step,
+    }
     for _ in range(args.warmup):
         for step_fn in steps.values():
             step_fn()
@@ -309,8 +341,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             wait[name].append(waits.take().per_step(args.steps))
             if name == "plain":
                 comm_ms.append(clock.ms / args.steps)
-                payload_mb = {k: round(v / 1e6 / args.steps, 3)
-                              for k, v in comm_payload_bytes().items()}
+                payload_mb = {
+                    k: round(v / 1e6 / args.steps, 3) for k, v in comm_payload_bytes().items()
+                }
     waits.close()
     plain, piped, semi, ref, in_dist = (statistics.median(wall[k]) for k in [*LOOPS, "input_dist"])
     in_step_comm = statistics.median(comm_ms)
@@ -320,26 +353,40 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     ids = sum(b.sparse_features.values().numel() for b in pool) / len(pool)
     return {
-        "bench": "train_pipeline", "link": link_label(), "world_size": world_size,
+        "bench": "train_pipeline",
+        "link": link_label(),
+        "world_size": world_size,
         "backend": dist.get_backend(),
-        "torch_threads": torch.get_num_threads(), "batch_size_per_rank": args.batch_size,
-        "features": args.features, "mean_pooling": args.pooling, "dim": args.dim,
+        "torch_threads": torch.get_num_threads(),
+        "batch_size_per_rank": args.batch_size,
+        "features": args.features,
+        "mean_pooling": args.pooling,
+        "dim": args.dim,
         "pooled_precision": args.pooled_precision,
-        "ids_per_rank_per_batch": int(ids), "steps_per_block": args.steps, "blocks": args.blocks,
-        "plain_ms": round(plain, 3), "pipelined_ms": round(piped, 3),
-        "semi_sync_ms": round(semi, 3), "semi_sync_reference_ms": round(ref, 3),
+        "ids_per_rank_per_batch": int(ids),
+        "steps_per_block": args.steps,
+        "blocks": args.blocks,
+        "plain_ms": round(plain, 3),
+        "pipelined_ms": round(piped, 3),
+        "semi_sync_ms": round(semi, 3),
+        "semi_sync_reference_ms": round(ref, 3),
         "pipelined_over_plain": round(piped / plain, 3),
         "pipelined_over_plain_paired": paired("pipelined"),
         "semi_sync_over_plain": round(semi / plain, 3),
         "semi_sync_over_plain_paired": paired("semi_sync"),
-        **{f"{k}_samples_per_s": round(world_size * args.batch_size * 1e3 / statistics.median(wall[k]))
-           for k in LOOPS},
+        **{
+            f"{k}_samples_per_s": round(
+                world_size * args.batch_size * 1e3 / statistics.median(wall[k])
+            )
+            for k in LOOPS
+        },
         "losses_identical": losses["plain"] == losses["pipelined"],
         "semi_sync_losses_identical": losses["semi_sync"] == losses["semi_sync_reference"],
         "steps_compared": len(losses["plain"]),
         **{f"{k}_wait_share": _median_shares(wait[k], wall[k]) for k in LOOPS},
         **{f"{k}_cpu_ms": round(statistics.median(cpu[k]), 3) for k in LOOPS},
-        "input_dist_ms": round(in_dist, 3), "input_dist_fraction": round(in_dist / plain, 3),
+        "input_dist_ms": round(in_dist, 3),
+        "input_dist_fraction": round(in_dist / plain, 3),
         "plain_forward_all_to_all_ms": round(in_step_comm, 3),
         "plain_forward_all_to_all_fraction": round(in_step_comm / plain, 3),
         "link_mb_per_step": {k: round(statistics.median(v), 3) for k, v in link_mb.items()},
@@ -348,7 +395,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "plain_ms_blocks": [round(x, 2) for x in wall["plain"]],
         "pipelined_ms_blocks": [round(x, 2) for x in wall["pipelined"]],
         "semi_sync_ms_blocks": [round(x, 2) for x in wall["semi_sync"]],
-        "load_average_1min": round(os.getloadavg()[0], 2), "cpu_count": os.cpu_count(),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "cpu_count": os.cpu_count(),
     }
 
 
@@ -391,11 +439,19 @@ def background_progress(args: argparse.Namespace, repeats: int = 5) -> Dict[str,
             tensors.wait()
             t5 = time.perf_counter()
             out.append((t1 - t0, t3 - t2, t5 - t4))
-    med = [[round(1e3 * statistics.median(x[i] for x in runs), 3) for i in range(3)]
-           for runs in (serial, overlapped)]
-    return {"bench": "input_dist_background_progress", "link": link_label(), "world_size": world_size,
-            "ids_per_rank": kjt.values().numel(), "busy_ms": args.busy_ms,
-            "serial_issue_splits_tensors_ms": med[0], "after_compute_issue_splits_tensors_ms": med[1]}
+    med = [
+        [round(1e3 * statistics.median(x[i] for x in runs), 3) for i in range(3)]
+        for runs in (serial, overlapped)
+    ]
+    return {
+        "bench": "input_dist_background_progress",
+        "link": link_label(),
+        "world_size": world_size,
+        "ids_per_rank": kjt.values().numel(),
+        "busy_ms": args.busy_ms,
+        "serial_issue_splits_tensors_ms": med[0],
+        "after_compute_issue_splits_tensors_ms": med[1],
+    }
 
 
 def _main(args: argparse.Namespace) -> None:
@@ -405,7 +461,7 @@ def _main(args: argparse.Namespace) -> None:
             print(json.dumps(result), flush=True)
 
 
-def cli(argv: Optional[List[str]] = None) -> None:
+def cli(argv: List[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=2048, help="per rank")
@@ -420,12 +476,20 @@ def cli(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--pool", type=int, default=4, help="distinct batches, reused cyclically")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--busy-ms", type=float, default=50.0,
-                   help="compute after each input-dist stage in the background-progress probe")
+    p.add_argument(
+        "--busy-ms",
+        type=float,
+        default=50.0,
+        help="compute after each input-dist stage in the background-progress probe",
+    )
     p.add_argument("--quick", action="store_true", help="smaller batch, fewer blocks")
-    p.add_argument("--pooled-precision", choices=["fp32", "fp16", "bf16"], default="fp32",
-                   help="dtype of the pooled all-to-all on the wire, both ways (comm codecs); "
-                        "every loop uses it, so the loops' losses stay comparable")
+    p.add_argument(
+        "--pooled-precision",
+        choices=["fp32", "fp16", "bf16"],
+        default="fp32",
+        help="dtype of the pooled all-to-all on the wire, both ways (comm codecs); "
+        "every loop uses it, so the loops' losses stay comparable",
+    )
     add_link_argument(p)
     args = p.parse_args(argv)
     if relaunch_under_link("benchmarks.pipeline", args.link, argv):
@@ -433,6 +497,7 @@ def cli(argv: Optional[List[str]] = None) -> None:
     if args.quick:
         args.batch_size, args.steps, args.blocks, args.warmup = 512, 5, 3, 2
     run_on_ranks(_main, args, args.world_size, args.threads)
+
 
 if __name__ == "__main__":
     cli()

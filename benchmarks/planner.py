@@ -27,7 +27,7 @@ import os
 import random
 import time
 from collections import Counter
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from recshard.planner import EmbeddingEnumerator, EmbeddingShardingPlanner, TableMeta, Topology
 from recshard.planner.planner_types import GIB
@@ -36,9 +36,13 @@ from recshard.planner.planner_types import GIB
 def make_tables(n: int, seed: int = 0, max_rows_log10: float = 7.0) -> List[TableMeta]:
     rng = random.Random(seed)
     return [
-        TableMeta(f"t{i}", int(10 ** rng.uniform(3, max_rows_log10)), rng.choice(range(32, 257, 8)),
-                  pooling_factors=[round(rng.uniform(1, 20), 2)],
-                  optimizer="exact_row_wise_adagrad")
+        TableMeta(
+            f"t{i}",
+            int(10 ** rng.uniform(3, max_rows_log10)),
+            rng.choice(range(32, 257, 8)),
+            pooling_factors=[round(rng.uniform(1, 20), 2)],
+            optimizer="exact_row_wise_adagrad",
+        )
         for i in range(n)
     ]
 
@@ -48,8 +52,16 @@ def lower_bound(tables: List[TableMeta], topology: Topology, batch_size: int) ->
     return sum(min(o.total_perf for o in options) for options in space) / topology.world_size
 
 
-def run_case(n: int, world: int, device: str, batch_size: int, seed: int, bound: bool,
-             max_rows_log10: float = 7.0, hbm_gb: Optional[float] = None) -> dict:
+def run_case(
+    n: int,
+    world: int,
+    device: str,
+    batch_size: int,
+    seed: int,
+    bound: bool,
+    max_rows_log10: float = 7.0,
+    hbm_gb: float | None = None,
+) -> dict:
     tables = make_tables(n, seed, max_rows_log10)
     hbm = None if hbm_gb is None or device == "cpu" else hbm_gb * GIB
     topology = Topology(world, device, local_world_size=min(8, world), hbm_cap=hbm)
@@ -60,11 +72,21 @@ def run_case(n: int, world: int, device: str, batch_size: int, seed: int, bound:
     stats = planner.last_stats
     assert stats is not None
     row = {
-        "bench": "planner", "tables": n, "ranks": world, "local_world_size": min(8, world),
-        "device": device, "batch_size": batch_size, "seed": seed,
-        "max_rows": int(10 ** max_rows_log10), "hbm_gib": topology.hbm_cap / GIB, "plan_s": round(elapsed, 3),
-        "plan_cpu_s": round(cpu, 3), "load_avg_1m": round(os.getloadavg()[0], 2), "imbalance": round(stats.imbalance, 4),
-        "max_ms": round(stats.max_time, 3), "mean_ms": round(stats.mean_time, 3),
+        "bench": "planner",
+        "tables": n,
+        "ranks": world,
+        "local_world_size": min(8, world),
+        "device": device,
+        "batch_size": batch_size,
+        "seed": seed,
+        "max_rows": int(10**max_rows_log10),
+        "hbm_gib": topology.hbm_cap / GIB,
+        "plan_s": round(elapsed, 3),
+        "plan_cpu_s": round(cpu, 3),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "imbalance": round(stats.imbalance, 4),
+        "max_ms": round(stats.max_time, 3),
+        "mean_ms": round(stats.mean_time, 3),
         "proposals": stats.num_proposals,
         "types": dict(Counter(t.sharding_type for t in stats.tables)),
         "kernels": dict(Counter(t.compute_kernel for t in stats.tables)),
@@ -81,18 +103,35 @@ def main() -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--large", action="store_true",
-                   help="also run 50,000 tables x 8 ranks and 10,000 tables x 1,024 ranks")
+    p.add_argument(
+        "--large",
+        action="store_true",
+        help="also run 50,000 tables x 8 ranks and 10,000 tables x 1,024 ranks",
+    )
     p.add_argument("--no-bound", action="store_true", help="skip the lower-bound computation")
     args = p.parse_args()
     # (tables, ranks, log10 of the most rows, HBM GiB per rank or None for the default)
-    cases: List[Tuple[int, int, float, Optional[float]]] = [
-        (n, w, 7.0, None) for n in args.tables for w in args.ranks]
+    cases: List[Tuple[int, int, float, float | None]] = [
+        (n, w, 7.0, None) for n in args.tables for w in args.ranks
+    ]
     if args.large:
         cases += [(50_000, 8, 4.0, 80.0), (10_000, 1024, 7.0, None)]
     for n, w, max_rows_log10, hbm_gb in cases:
-        print(json.dumps(run_case(n, w, args.device, args.batch_size, args.seed,
-                                  not args.no_bound, max_rows_log10, hbm_gb)), flush=True)
+        print(
+            json.dumps(
+                run_case(
+                    n,
+                    w,
+                    args.device,
+                    args.batch_size,
+                    args.seed,
+                    not args.no_bound,
+                    max_rows_log10,
+                    hbm_gb,
+                )
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -80,8 +80,12 @@ FORCED = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_paral
 ZIPF_S = 1.05
 MIN_PARTITION = 8  # column-wise shards as narrow as 8 (dim 16 splits in two)
 STATS_SEED = 1000  # sampled cache statistics: seeds apart from the ranks' (1 + rank)
-TARGETS = {"median_rel_error": 0.20, "worst_rel_error": 0.35, "planner_vs_fastest": 1.05,
-           "memory_rel_error": 0.15}
+TARGETS = {
+    "median_rel_error": 0.20,
+    "worst_rel_error": 0.35,
+    "planner_vs_fastest": 1.05,
+    "memory_rel_error": 0.15,
+}
 
 
 @dataclass(frozen=True)
@@ -96,16 +100,30 @@ class Workload:
 
 
 def configs(w: Workload, row_cap: int) -> List[EmbeddingBagConfig]:
-    return [EmbeddingBagConfig(num_embeddings=min(rows, row_cap), embedding_dim=w.dim,
-                               name=f"t{i}", feature_names=[f"cat_{i}"])
-            for i, rows in enumerate(CRITEO_KAGGLE_ROWS)]
+    return [
+        EmbeddingBagConfig(
+            num_embeddings=min(rows, row_cap),
+            embedding_dim=w.dim,
+            name=f"t{i}",
+            feature_names=[f"cat_{i}"],
+        )
+        for i, rows in enumerate(CRITEO_KAGGLE_ROWS)
+    ]
 
 
 def metas(w: Workload, row_cap: int, max_pooling: int) -> List[TableMeta]:
     pooling = pooling_factors(len(CRITEO_KAGGLE_ROWS), max_pooling)
-    return [TableMeta(c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names),
-                      pooling_factors=[float(p)], optimizer="exact_sgd")
-            for c, p in zip(configs(w, row_cap), pooling)]
+    return [
+        TableMeta(
+            c.name,
+            c.num_embeddings,
+            c.embedding_dim,
+            list(c.feature_names),
+            pooling_factors=[float(p)],
+            optimizer="exact_sgd",
+        )
+        for c, p in zip(configs(w, row_cap), pooling)
+    ]
 
 
 def _ids(rows: int, count: int, kind: str, g: torch.Generator, table: int) -> torch.Tensor:
@@ -117,17 +135,28 @@ def _ids(rows: int, count: int, kind: str, g: torch.Generator, table: int) -> to
     return hot[ranks]  # the hot rows scattered over the table
 
 
-def make_batches(w: Workload, row_cap: int, max_pooling: int, seed: int,
-                 count: int) -> List[KeyedJaggedTensor]:
+def make_batches(
+    w: Workload, row_cap: int, max_pooling: int, seed: int, count: int
+) -> List[KeyedJaggedTensor]:
     tables = configs(w, row_cap)
     pooling = pooling_factors(len(tables), max_pooling)
     g = torch.Generator().manual_seed(seed)
     keys = [t.feature_names[0] for t in tables]
     lengths = torch.tensor(pooling, dtype=torch.int32).repeat_interleave(w.batch)
-    return [KeyedJaggedTensor.from_lengths_sync(keys, torch.cat([
-        _ids(t.num_embeddings, p * w.batch, w.ids, g, i)
-        for i, (t, p) in enumerate(zip(tables, pooling))]), lengths, stride=w.batch)
-        for _ in range(count)]
+    return [
+        KeyedJaggedTensor.from_lengths_sync(
+            keys,
+            torch.cat(
+                [
+                    _ids(t.num_embeddings, p * w.batch, w.ids, g, i)
+                    for i, (t, p) in enumerate(zip(tables, pooling))
+                ]
+            ),
+            lengths,
+            stride=w.batch,
+        )
+        for _ in range(count)
+    ]
 
 
 class SampledCacheStatistics(CacheStatistics):
@@ -160,14 +189,19 @@ def sampled_cache_params(w: Workload, args: argparse.Namespace) -> Dict[str, Cac
     not use."""
     per_table: Dict[str, List[torch.Tensor]] = {}
     for sample in range(args.stats_samples):
-        ranks = [make_batches(w, args.row_cap, args.max_pooling,
-                              STATS_SEED + sample * args.world_size + r, 1)[0]
-                 for r in range(args.world_size)]
+        ranks = [
+            make_batches(
+                w, args.row_cap, args.max_pooling, STATS_SEED + sample * args.world_size + r, 1
+            )[0]
+            for r in range(args.world_size)
+        ]
         for c in configs(w, args.row_cap):
             key = c.feature_names[0]
             per_table.setdefault(c.name, []).append(torch.cat([b[key].values() for b in ranks]))
-    return {c.name: CacheParams(stats=SampledCacheStatistics(per_table[c.name], c.num_embeddings))
-            for c in configs(w, args.row_cap)}
+    return {
+        c.name: CacheParams(stats=SampledCacheStatistics(per_table[c.name], c.num_embeddings))
+        for c in configs(w, args.row_cap)
+    }
 
 
 # ----------------------------------------------------------------------------- on the ranks
@@ -182,9 +216,14 @@ class Allocator(enum.Enum):
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # glibc's malloc.h
-_SETTINGS = {Allocator.TIMING: ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31)),
-             Allocator.MEMORY: ((_M_MMAP_MAX, 65536), (_M_MMAP_THRESHOLD, 128 * 1024),
-                                (_M_TRIM_THRESHOLD, 128 * 1024))}  # glibc's defaults, held
+_SETTINGS = {
+    Allocator.TIMING: ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31)),
+    Allocator.MEMORY: (
+        (_M_MMAP_MAX, 65536),
+        (_M_MMAP_THRESHOLD, 128 * 1024),
+        (_M_TRIM_THRESHOLD, 128 * 1024),
+    ),
+}  # glibc's defaults, held
 
 
 def set_allocator(kind: Allocator) -> None:
@@ -211,8 +250,12 @@ def rank_calibrate(args: argparse.Namespace) -> Dict[str, Any]:
     kernel's update of a whole table cost 1.7-1.9e-6 ms an element at dim 128, 0.5e-6 without."""
     set_allocator(Allocator.TIMING)
     grid = CalibrationGrid.quick() if args.quick else CalibrationGrid()
-    return calibrate_job(args.calibration_budget, grid, local_world_size=args.local_world_size,
-                         probe=StepProbe.quick() if args.quick else None).to_dict()
+    return calibrate_job(
+        args.calibration_budget,
+        grid,
+        local_world_size=args.local_world_size,
+        probe=StepProbe.quick() if args.quick else None,
+    ).to_dict()
 
 
 def warm_dense_optimizer() -> None:
@@ -225,8 +268,9 @@ def warm_dense_optimizer() -> None:
     optimizer.step()
 
 
-def rank_measure(plan: ShardingPlan, w: Workload, args: argparse.Namespace,
-                 allocator: Allocator) -> Dict[str, Any]:
+def rank_measure(
+    plan: ShardingPlan, w: Workload, args: argparse.Namespace, allocator: Allocator
+) -> Dict[str, Any]:
     """Build the plan's sharded EBC, warm up, time `steps` steps; RSS before and peak."""
     set_allocator(allocator)
     rank = dist.get_rank()
@@ -235,11 +279,15 @@ def rank_measure(plan: ShardingPlan, w: Workload, args: argparse.Namespace,
     rss_before = rss_mb()
     ebc = EmbeddingBagCollection(configs(w, args.row_cap), device="meta")
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE})
+        fused_params={"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE}
+    )
     env = ShardingEnv.from_process_group(dist.group.WORLD, args.local_world_size)
     module = sharder.shard(ebc, plan.plan[""], env)
-    dense = [p for p in module.parameters()
-             if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)]
+    dense = [
+        p
+        for p in module.parameters()
+        if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)
+    ]
     trainee = Trainee(module, torch.optim.SGD(dense, lr=LEARNING_RATE) if dense else None)
     built = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, rss_mb())
     for i in range(args.warmup):
@@ -256,34 +304,62 @@ def rank_measure(plan: ShardingPlan, w: Workload, args: argparse.Namespace,
             trainee.optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"times": times, "forwards": forwards, "build_growth_mb": built - rss_before,
-            "rss_growth_mb": max(peak, rss_mb()) - rss_before}
+    return {
+        "times": times,
+        "forwards": forwards,
+        "build_growth_mb": built - rss_before,
+        "rss_growth_mb": max(peak, rss_mb()) - rss_before,
+    }
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def plans_for(w: Workload, profile: CalibrationProfile, args: argparse.Namespace,
-              link_check: Optional[CalibrationProfile]) -> List[Tuple[str, ShardingPlan]]:
+def plans_for(
+    w: Workload,
+    profile: CalibrationProfile,
+    args: argparse.Namespace,
+    link_check: CalibrationProfile | None,
+) -> List[Tuple[str, ShardingPlan]]:
     tables = metas(w, args.row_cap, args.max_pooling)
     topology = _topology(profile, args)
     cache = sampled_cache_params(w, args) if args.stats_samples else {}
     out = []
     for st in FORCED:
         kernel = ["dense"] if st == "data_parallel" else ["fused"]
-        forced = {t.name: ParameterConstraints(sharding_types=[st], compute_kernels=kernel,
-                                               min_partition=MIN_PARTITION,
-                                               cache_params=cache.get(t.name))
-                  for t in tables}
-        out.append((st, EmbeddingShardingPlanner(topology, w.batch, constraints=forced,
-                                                 debug=False).plan_tables(tables)))
-    own = {t.name: ParameterConstraints(min_partition=MIN_PARTITION,
-                                        cache_params=cache.get(t.name)) for t in tables}
-    out.append(("planner", EmbeddingShardingPlanner(topology, w.batch, constraints=own,
-                                                    debug=False).plan_tables(tables)))
+        forced = {
+            t.name: ParameterConstraints(
+                sharding_types=[st],
+                compute_kernels=kernel,
+                min_partition=MIN_PARTITION,
+                cache_params=cache.get(t.name),
+            )
+            for t in tables
+        }
+        out.append(
+            (
+                st,
+                EmbeddingShardingPlanner(
+                    topology, w.batch, constraints=forced, debug=False
+                ).plan_tables(tables),
+            )
+        )
+    own = {
+        t.name: ParameterConstraints(min_partition=MIN_PARTITION, cache_params=cache.get(t.name))
+        for t in tables
+    }
+    out.append(
+        (
+            "planner",
+            EmbeddingShardingPlanner(topology, w.batch, constraints=own, debug=False).plan_tables(
+                tables
+            ),
+        )
+    )
     if link_check is not None:
-        other = EmbeddingShardingPlanner(_topology(link_check, args), w.batch, constraints=own,
-                                         debug=False)
+        other = EmbeddingShardingPlanner(
+            _topology(link_check, args), w.batch, constraints=own, debug=False
+        )
         out.append(("planner@" + args.link_check, other.plan_tables(tables)))
     return out
 
@@ -304,9 +380,13 @@ def _median_slowest(per_rank: List[Dict[str, Any]], key: str) -> float:
     return 1e3 * statistics.median(max(step) for step in zip(*(r[key] for r in per_rank)))
 
 
-def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namespace,
-                 link_check: Optional[CalibrationProfile],
-                 ranks: Callable[..., List[Any]] = run_ranks) -> List[Dict[str, Any]]:
+def run_workload(
+    w: Workload,
+    profile: CalibrationProfile,
+    args: argparse.Namespace,
+    link_check: CalibrationProfile | None,
+    ranks: Callable[..., List[Any]] = run_ranks,
+) -> List[Dict[str, Any]]:
     tables = metas(w, args.row_cap, args.max_pooling)
     topology = _topology(profile, args)
     labelled = plans_for(w, profile, args, link_check)
@@ -317,8 +397,16 @@ def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namesp
     runs: Dict[str, List[List[Dict[str, Any]]]] = {key: [] for key in first}
 
     def measure(i: int, allocator: Allocator) -> List[Dict[str, Any]]:
-        return ranks(args.world_size, args, rank_measure, labelled[i][1], w, args, allocator,
-                     local_world_size=args.local_world_size)
+        return ranks(
+            args.world_size,
+            args,
+            rank_measure,
+            labelled[i][1],
+            w,
+            args,
+            allocator,
+            local_world_size=args.local_world_size,
+        )
 
     for _ in range(args.repeats):  # round robin: a slow spell of the machine hits every plan
         for key, i in first.items():
@@ -335,17 +423,23 @@ def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namesp
         mem_est = stats.max("memory") / 2**20
         mem_meas = max(r["rss_growth_mb"] for r in per_rank)
         terms = max(stats.ranks, key=lambda r: r.total_ms).terms
-        record = dict(bench="planner_accuracy", workload=w.name, plan=label,
-                      sharding_types=_types(plan), predicted_ms=round(stats.predicted_step_ms, 3),
-                      measured_ms=round(measured, 3),
-                      rel_error=round(abs(stats.predicted_step_ms - measured) / measured, 4),
-                      predicted_terms_ms={k: round(v, 3) for k, v in asdict(terms).items()},
-                      predicted_fixed_ms=round(stats.fixed_ms, 3),
-                      measured_fwd_ms=round(forward, 3),
-                      memory_estimate_mb=round(mem_est, 1), memory_measured_mb=round(mem_meas, 1),
-                      memory_build_mb=round(max(r["build_growth_mb"] for r in per_rank), 1),
-                      memory_stored_mb=round(stats.max("bytes_stored") / 2**20, 1),
-                      memory_rel_error=round(abs(mem_est - mem_meas) / max(mem_meas, 1e-9), 4))
+        record = dict(
+            bench="planner_accuracy",
+            workload=w.name,
+            plan=label,
+            sharding_types=_types(plan),
+            predicted_ms=round(stats.predicted_step_ms, 3),
+            measured_ms=round(measured, 3),
+            rel_error=round(abs(stats.predicted_step_ms - measured) / measured, 4),
+            predicted_terms_ms={k: round(v, 3) for k, v in asdict(terms).items()},
+            predicted_fixed_ms=round(stats.fixed_ms, 3),
+            measured_fwd_ms=round(forward, 3),
+            memory_estimate_mb=round(mem_est, 1),
+            memory_measured_mb=round(mem_meas, 1),
+            memory_build_mb=round(max(r["build_growth_mb"] for r in per_rank), 1),
+            memory_stored_mb=round(stats.max("bytes_stored") / 2**20, 1),
+            memory_rel_error=round(abs(mem_est - mem_meas) / max(mem_meas, 1e-9), 4),
+        )
         if args.repeats > 1:
             record["measured_repeats_ms"] = [round(ms, 3) for ms in each]
         if same_as is not None:
@@ -355,10 +449,14 @@ def run_workload(w: Workload, profile: CalibrationProfile, args: argparse.Namesp
     forced = [r for r in records if r["plan"] in FORCED]
     fastest = min(forced, key=lambda r: r["measured_ms"])
     own = next(r for r in records if r["plan"] == "planner")
-    summary = dict(bench="planner_accuracy_workload", workload=w.name,
-                   fastest_forced=fastest["plan"], fastest_forced_ms=fastest["measured_ms"],
-                   planner_ms=own["measured_ms"],
-                   planner_vs_fastest=round(own["measured_ms"] / fastest["measured_ms"], 3))
+    summary = dict(
+        bench="planner_accuracy_workload",
+        workload=w.name,
+        fastest_forced=fastest["plan"],
+        fastest_forced_ms=fastest["measured_ms"],
+        planner_ms=own["measured_ms"],
+        planner_vs_fastest=round(own["measured_ms"] / fastest["measured_ms"], 3),
+    )
     other = next((r for r in records if r["plan"].startswith("planner@")), None)
     if other is not None:
         summary["link_check_vs_planner"] = round(other["measured_ms"] / own["measured_ms"], 3)
@@ -374,42 +472,70 @@ def summarize(records: List[Dict[str, Any]], workloads: List[Workload]) -> Dict[
         mine = [r for r in records if r["workload"] == w.name]
         fastest = min(r["measured_ms"] for r in mine if r["plan"] in FORCED)
         ratios.append(next(r["measured_ms"] for r in mine if r["plan"] == "planner") / fastest)
-    result = dict(median_rel_error=statistics.median(errors), worst_rel_error=max(errors),
-                  planner_vs_fastest=max(ratios), memory_rel_error=max(mem))
+    result = dict(
+        median_rel_error=statistics.median(errors),
+        worst_rel_error=max(errors),
+        planner_vs_fastest=max(ratios),
+        memory_rel_error=max(mem),
+    )
     met = {k: result[k] <= TARGETS[k] for k in TARGETS}
-    return dict(bench="planner_accuracy_summary", runs=len(records),
-                **{k: round(v, 4) for k, v in result.items()}, targets=TARGETS, met=met)
+    return dict(
+        bench="planner_accuracy_summary",
+        runs=len(records),
+        **{k: round(v, 4) for k, v in result.items()},
+        targets=TARGETS,
+        met=met,
+    )
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dims", default=None, help="16,64,128 (quick: 16)")
     parser.add_argument("--ids", default="uniform,zipf")
     parser.add_argument("--batches-per-rank", default=None, help="512,2048 (quick: 64)")
-    parser.add_argument("--workloads", default=None,
-                        help="only these workloads, e.g. d64_zipf_b2048,d16_uniform_b512")
+    parser.add_argument(
+        "--workloads",
+        default=None,
+        help="only these workloads, e.g. d64_zipf_b2048,d16_uniform_b512",
+    )
     parser.add_argument("--row-cap", type=int, default=50_000)
     parser.add_argument("--max-pooling", type=int, default=20)
     parser.add_argument("--steps", type=int, default=16, help="timed steps per plan")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="fresh rank processes per plan; measured_ms is the median of "
-                             "their medians (a run can sit 1.5-2x off for its whole length "
-                             "on a busy 2-core machine)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="fresh rank processes per plan; measured_ms is the median of "
+        "their medians (a run can sit 1.5-2x off for its whole length "
+        "on a busy 2-core machine)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batches", type=int, default=2, help="distinct batches cycled")
-    parser.add_argument("--stats-samples", type=int, default=4,
-                        help="global batches sampled per workload for each table's "
-                             "CacheStatistics (0: plan and estimate without stats)")
+    parser.add_argument(
+        "--stats-samples",
+        type=int,
+        default=4,
+        help="global batches sampled per workload for each table's "
+        "CacheStatistics (0: plan and estimate without stats)",
+    )
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--local-world-size", type=int, default=None,
-                        help="ranks per (simulated) host; default all on one host")
+    parser.add_argument(
+        "--local-world-size",
+        type=int,
+        default=None,
+        help="ranks per (simulated) host; default all on one host",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--pin", action="store_true", help="pin rank r to the r-th CPU")
     parser.add_argument("--calibration-budget", type=float, default=35.0)
     parser.add_argument("--profile", default=None, help="use this profile, do not calibrate")
     parser.add_argument("--save-profile", default=None, help="write the calibration here")
-    parser.add_argument("--link-check", default=None, metavar="PROFILE",
-                        help="also run the planner's plan under this profile's costs")
+    parser.add_argument(
+        "--link-check",
+        default=None,
+        metavar="PROFILE",
+        help="also run the planner's plan under this profile's costs",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     add_link_argument(parser)
@@ -423,7 +549,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def cli(argv: Optional[List[str]] = None) -> None:
+def cli(argv: List[str] | None = None) -> None:
     args = parse_args(argv)
     if relaunch_under_link("benchmarks.planner_accuracy", args.link, argv):
         return
@@ -447,24 +573,41 @@ def run(args: argparse.Namespace, ranks: Callable[..., List[Any]]) -> None:
         profile = CalibrationProfile.load(args.profile)
     else:
         profile = CalibrationProfile.from_dict(
-            ranks(args.world_size, args, rank_calibrate, args,
-                  local_world_size=args.local_world_size)[0])
+            ranks(
+                args.world_size, args, rank_calibrate, args, local_world_size=args.local_world_size
+            )[0]
+        )
     if args.save_profile and (not dist.is_initialized() or dist.get_rank() == 0):
         profile.save(args.save_profile)
     link_check = CalibrationProfile.load(args.link_check) if args.link_check else None
-    emit(dict(bench="planner_accuracy_setup", world_size=args.world_size,
-              local_world_size=args.local_world_size, threads=args.threads,
-              row_cap=args.row_cap, steps=args.steps, calibration_s=round(profile.seconds, 1),
-              links={f"{c.collective}/{c.level}": [round(c.gbps, 3), round(c.latency_ms, 4)]
-                     for c in profile.links}))
-    workloads = [Workload(int(d), ids, int(b)) for d in args.dims.split(",")
-                 for ids in args.ids.split(",") for b in args.batches_per_rank.split(",")]
+    emit(
+        dict(
+            bench="planner_accuracy_setup",
+            world_size=args.world_size,
+            local_world_size=args.local_world_size,
+            threads=args.threads,
+            row_cap=args.row_cap,
+            steps=args.steps,
+            calibration_s=round(profile.seconds, 1),
+            links={
+                f"{c.collective}/{c.level}": [round(c.gbps, 3), round(c.latency_ms, 4)]
+                for c in profile.links
+            },
+        )
+    )
+    workloads = [
+        Workload(int(d), ids, int(b))
+        for d in args.dims.split(",")
+        for ids in args.ids.split(",")
+        for b in args.batches_per_rank.split(",")
+    ]
     if args.workloads:
         names = args.workloads.split(",")
         unknown = sorted(set(names) - {w.name for w in workloads})
         if unknown:
-            raise SystemExit(f"--workloads: no workload named {unknown} among "
-                             f"{[w.name for w in workloads]}")
+            raise SystemExit(
+                f"--workloads: no workload named {unknown} among {[w.name for w in workloads]}"
+            )
         workloads = [w for w in workloads if w.name in names]
     records: List[Dict[str, Any]] = []
     for w in workloads:

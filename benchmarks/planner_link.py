@@ -31,7 +31,7 @@ import json
 import os
 import statistics
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -50,49 +50,79 @@ from recshard.types import ShardingEnv, ShardingPlan
 
 
 def tables(args: argparse.Namespace) -> List[TableMeta]:
-    return [TableMeta("big", args.rows, args.dim, ["f_big"], pooling_factors=[float(args.pooling)],
-                      optimizer="exact_sgd"),
-            TableMeta("small", 1000, 16, ["f_small"], pooling_factors=[1.0],
-                      optimizer="exact_sgd")]
+    return [
+        TableMeta(
+            "big",
+            args.rows,
+            args.dim,
+            ["f_big"],
+            pooling_factors=[float(args.pooling)],
+            optimizer="exact_sgd",
+        ),
+        TableMeta("small", 1000, 16, ["f_small"], pooling_factors=[1.0], optimizer="exact_sgd"),
+    ]
 
 
 def fast_profile(profile: CalibrationProfile) -> CalibrationProfile:
     """`profile` with every inter-host link fit replaced by the same collective's intra-host
     one: the planner told the network between hosts is as fast as inside a host."""
     intra = {c.collective: c for c in profile.links if c.level == "intra"}
-    links = [dataclasses.replace(intra[c.collective], level="inter", ranks=c.ranks)
-             if c.level == "inter" and c.collective in intra else c for c in profile.links]
+    links = [
+        dataclasses.replace(intra[c.collective], level="inter", ranks=c.ranks)
+        if c.level == "inter" and c.collective in intra
+        else c
+        for c in profile.links
+    ]
     return dataclasses.replace(profile, links=links)
 
 
-def _plan(profile: CalibrationProfile, world: int, local: int, args: argparse.Namespace,
-          types: str) -> ShardingPlan:
+def _plan(
+    profile: CalibrationProfile, world: int, local: int, args: argparse.Namespace, types: str
+) -> ShardingPlan:
     topology = Topology(world, local_world_size=local, profile=profile)
-    constraints = {"big": ParameterConstraints(sharding_types=types.split(","))} \
-        if types else None
-    return EmbeddingShardingPlanner(topology, args.batch, constraints=constraints,
-                                    debug=False).plan_tables(tables(args))
+    constraints = {"big": ParameterConstraints(sharding_types=types.split(","))} if types else None
+    return EmbeddingShardingPlanner(
+        topology, args.batch, constraints=constraints, debug=False
+    ).plan_tables(tables(args))
 
 
 def _batch(args: argparse.Namespace, seed: int) -> KeyedJaggedTensor:
     g = torch.Generator().manual_seed(seed)
-    values = torch.cat([torch.randint(0, args.rows, (args.batch * args.pooling,), generator=g),
-                        torch.randint(0, 1000, (args.batch,), generator=g)])
+    values = torch.cat(
+        [
+            torch.randint(0, args.rows, (args.batch * args.pooling,), generator=g),
+            torch.randint(0, 1000, (args.batch,), generator=g),
+        ]
+    )
     lengths = torch.tensor([args.pooling, 1], dtype=torch.int32).repeat_interleave(args.batch)
-    return KeyedJaggedTensor.from_lengths_sync(["f_big", "f_small"], values, lengths,
-                                               stride=args.batch)
+    return KeyedJaggedTensor.from_lengths_sync(
+        ["f_big", "f_small"], values, lengths, stride=args.batch
+    )
 
 
 def _trainee(plan: ShardingPlan, args: argparse.Namespace, local: int) -> Trainee:
-    configs = [EmbeddingBagConfig(num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
-                                  name=t.name, feature_names=list(t.feature_names))
-               for t in tables(args)]
+    configs = [
+        EmbeddingBagConfig(
+            num_embeddings=t.num_embeddings,
+            embedding_dim=t.embedding_dim,
+            name=t.name,
+            feature_names=list(t.feature_names),
+        )
+        for t in tables(args)
+    ]
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE})
-    module = sharder.shard(EmbeddingBagCollection(configs, device="meta"), plan.plan[""],
-                           ShardingEnv.from_process_group(dist.group.WORLD, local))
-    dense = [p for p in module.parameters()
-             if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)]
+        fused_params={"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE}
+    )
+    module = sharder.shard(
+        EmbeddingBagCollection(configs, device="meta"),
+        plan.plan[""],
+        ShardingEnv.from_process_group(dist.group.WORLD, local),
+    )
+    dense = [
+        p
+        for p in module.parameters()
+        if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)
+    ]
     return Trainee(module, torch.optim.SGD(dense, lr=LEARNING_RATE) if dense else None)
 
 
@@ -100,14 +130,17 @@ def _types(plan: ShardingPlan) -> Dict[str, str]:
     return {name: ps.sharding_type for name, ps in plan.plan[""].items()}
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: List[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=500_000)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--pooling", type=int, default=8)
     parser.add_argument("--batch", type=int, default=2048, help="per rank")
-    parser.add_argument("--types", default="row_wise,table_row_wise",
-                        help="sharding types allowed for the large table ('' = any)")
+    parser.add_argument(
+        "--types",
+        default="row_wise,table_row_wise",
+        help="sharding types allowed for the large table ('' = any)",
+    )
     parser.add_argument("--steps", type=int, default=8, help="timed steps per block")
     parser.add_argument("--blocks", type=int, default=3, help="alternating blocks per plan")
     parser.add_argument("--warmup", type=int, default=2)
@@ -123,21 +156,28 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.profile:
         profile = CalibrationProfile.load(args.profile)
     else:
-        profile = calibrate_job(args.calibration_budget, CalibrationGrid(),
-                                local_world_size=local)
+        profile = calibrate_job(args.calibration_budget, CalibrationGrid(), local_world_size=local)
     if rank == 0 and args.save_profile:
         profile.save(args.save_profile)
     fast = fast_profile(profile)
-    candidates = {"slow_link": _plan(profile, world, local, args, args.types),
-                  "fast_link": _plan(fast, world, local, args, args.types)}
+    candidates = {
+        "slow_link": _plan(profile, world, local, args, args.types),
+        "fast_link": _plan(fast, world, local, args, args.types),
+    }
     for forced in args.types.split(",") if args.types else []:
         candidates[forced] = _plan(profile, world, local, args, forced)
     plans: Dict[str, ShardingPlan] = {}  # each distinct plan once
     same_as: Dict[str, str] = {}
     for label, plan in candidates.items():
         key = json.dumps(plan_to_dict(plan)["modules"], sort_keys=True)
-        first = next((k for k, p in plans.items()
-                      if json.dumps(plan_to_dict(p)["modules"], sort_keys=True) == key), None)
+        first = next(
+            (
+                k
+                for k, p in plans.items()
+                if json.dumps(plan_to_dict(p)["modules"], sort_keys=True) == key
+            ),
+            None,
+        )
         if first is None:
             plans[label] = plan
         else:
@@ -156,31 +196,65 @@ def main(argv: Optional[List[str]] = None) -> None:
                 t0 = time.perf_counter()
                 train_step(trainee, batches[i % 2])
                 times[label].append(time.perf_counter() - t0)
-    gathered: List[Optional[Dict[str, List[float]]]] = [None] * world
+    gathered: List[Dict[str, List[float]] | None] = [None] * world
     dist.all_gather_object(gathered, times)
     if rank == 0:
-        print(json.dumps(dict(bench="planner_link_setup", world_size=world,
-                              local_world_size=local, calibration_s=round(profile.seconds, 1),
-                              links={f"{c.collective}/{c.level}": [round(c.gbps, 3),
-                                                                   round(c.latency_ms, 3)]
-                                     for c in profile.links})), flush=True)
+        print(
+            json.dumps(
+                dict(
+                    bench="planner_link_setup",
+                    world_size=world,
+                    local_world_size=local,
+                    calibration_s=round(profile.seconds, 1),
+                    links={
+                        f"{c.collective}/{c.level}": [round(c.gbps, 3), round(c.latency_ms, 3)]
+                        for c in profile.links
+                    },
+                )
+            ),
+            flush=True,
+        )
         measured = {}
         for label, plan in candidates.items():
             run = same_as.get(label, label)
             slowest = [max(step) for step in zip(*(g[run] for g in gathered))]
             measured[label] = 1e3 * statistics.median(slowest)
-            print(json.dumps(dict(
-                bench="planner_link", plan=label, same_as=same_as.get(label),
-                sharding_types=_types(plan),
-                predicted_ms=round(plan_stats(plan, tables(args), slow_topology,
-                                              args.batch).predicted_step_ms, 2),
-                predicted_fast_ms=round(plan_stats(plan, tables(args), fast_topology,
-                                                   args.batch).predicted_step_ms, 2),
-                measured_ms=round(measured[label], 2), steps=len(slowest))), flush=True)
-        print(json.dumps(dict(bench="planner_link_summary",
-            same_plan=same_as.get("fast_link") == "slow_link",
-            fast_over_slow=round(measured["fast_link"] / measured["slow_link"], 3),
-            seconds=round(time.perf_counter() - start, 1))), flush=True)
+            print(
+                json.dumps(
+                    dict(
+                        bench="planner_link",
+                        plan=label,
+                        same_as=same_as.get(label),
+                        sharding_types=_types(plan),
+                        predicted_ms=round(
+                            plan_stats(
+                                plan, tables(args), slow_topology, args.batch
+                            ).predicted_step_ms,
+                            2,
+                        ),
+                        predicted_fast_ms=round(
+                            plan_stats(
+                                plan, tables(args), fast_topology, args.batch
+                            ).predicted_step_ms,
+                            2,
+                        ),
+                        measured_ms=round(measured[label], 2),
+                        steps=len(slowest),
+                    )
+                ),
+                flush=True,
+            )
+        print(
+            json.dumps(
+                dict(
+                    bench="planner_link_summary",
+                    same_plan=same_as.get("fast_link") == "slow_link",
+                    fast_over_slow=round(measured["fast_link"] / measured["slow_link"], 3),
+                    seconds=round(time.perf_counter() - start, 1),
+                )
+            ),
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

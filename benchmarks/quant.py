@@ -16,7 +16,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,13 @@ from recshard.comm import (
 )
 from recshard.quant import QuantEmbeddingBagCollection
 
-LOOKUP_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.qint8,
-                 "int4": torch.quint4x2, "int2": torch.quint2x4}
+LOOKUP_DTYPES = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "int8": torch.qint8,
+    "int4": torch.quint4x2,
+    "int2": torch.quint2x4,
+}
 
 
 def _emit(record: Dict[str, object]) -> None:
@@ -50,14 +55,22 @@ def _batch(num_tables: int, rows: int, batch: int, pooling: int, seed: int) -> K
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 2 * pooling + 1, (num_tables * batch,), generator=g)
     values = torch.randint(0, rows, (int(lengths.sum()),), generator=g)
-    return KeyedJaggedTensor.from_lengths_sync([f"f{t}" for t in range(num_tables)], values, lengths)
+    return KeyedJaggedTensor.from_lengths_sync(
+        [f"f{t}" for t in range(num_tables)], values, lengths
+    )
 
 
-def bench_lookups(num_tables: int, rows: int, dim: int, batch: int, pooling: int, repeats: int) -> None:
+def bench_lookups(
+    num_tables: int, rows: int, dim: int, batch: int, pooling: int, repeats: int
+) -> None:
     """Forward of the float EBC and of its quantized twins on the same batches."""
     torch.manual_seed(0)
-    configs = [EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim, name=f"t{t}",
-                                  feature_names=[f"f{t}"]) for t in range(num_tables)]
+    configs = [
+        EmbeddingBagConfig(
+            num_embeddings=rows, embedding_dim=dim, name=f"t{t}", feature_names=[f"f{t}"]
+        )
+        for t in range(num_tables)
+    ]
     float_ebc = EmbeddingBagCollection(configs)
     modules: Dict[str, torch.nn.Module] = {"float_ebc": float_ebc}
     for name, dtype in LOOKUP_DTYPES.items():
@@ -82,14 +95,25 @@ def bench_lookups(num_tables: int, rows: int, dim: int, batch: int, pooling: int
             else:
                 table_bytes = module.storage_bytes() / num_tables
                 max_error = (module(batches[0]).values() - reference).abs().max().item()
-            _emit(dict(bench="lookup", name=name, tables=num_tables, rows=rows, dim=dim,
-                       batch=batch, ids_per_batch=round(ids), median_ms=round(seconds * 1e3, 3),
-                       ids_per_s=round(ids / seconds), samples_per_s=round(batch / seconds),
-                       bytes_per_table=round(table_bytes),
-                       bytes_per_row=round(table_bytes / rows, 2),
-                       size_vs_fp32=round(rows * dim * 4 / table_bytes, 3),
-                       max_abs_error_vs_fp32=round(max_error, 6),
-                       threads=torch.get_num_threads()))
+            _emit(
+                dict(
+                    bench="lookup",
+                    name=name,
+                    tables=num_tables,
+                    rows=rows,
+                    dim=dim,
+                    batch=batch,
+                    ids_per_batch=round(ids),
+                    median_ms=round(seconds * 1e3, 3),
+                    ids_per_s=round(ids / seconds),
+                    samples_per_s=round(batch / seconds),
+                    bytes_per_table=round(table_bytes),
+                    bytes_per_row=round(table_bytes / rows, 2),
+                    size_vs_fp32=round(rows * dim * 4 / table_bytes, 3),
+                    max_abs_error_vs_fp32=round(max_error, 6),
+                    threads=torch.get_num_threads(),
+                )
+            )
 
 
 # ------------------------------------------------------------------------------ collectives
@@ -118,23 +142,29 @@ def bench_collectives(sizes: List[tuple], repeats: int) -> None:
     for batch, dim in sizes:
         g = torch.Generator().manual_seed(rank)
         embs = torch.randn(ws * batch, dim, generator=g)
-        grads = {"pooled_all_to_all": torch.randn(batch, ws * dim, generator=g),
-                 "pooled_reduce_scatter": torch.randn(batch, dim, generator=g)}
+        grads = {
+            "pooled_all_to_all": torch.randn(batch, ws * dim, generator=g),
+            "pooled_reduce_scatter": torch.randn(batch, dim, generator=g),
+        }
         cases: Dict[tuple, Callable[[], object]] = {}
         for precision in ("fp32", "fp16", "bf16"):
             registry = get_qcomm_codecs_registry(precision)
             modules = {
                 "pooled_all_to_all": PooledEmbeddingsAllToAll(
-                    dist.group.WORLD, [dim] * ws,
-                    codecs=codecs_from_registry(registry, CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)),
+                    dist.group.WORLD,
+                    [dim] * ws,
+                    codecs=codecs_from_registry(registry, CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL),
+                ),
                 "pooled_reduce_scatter": PooledEmbeddingsReduceScatter(
                     dist.group.WORLD,
-                    codecs=codecs_from_registry(registry, CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER)),
+                    codecs=codecs_from_registry(registry, CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER),
+                ),
             }
             for bench, module in modules.items():
                 cases[(bench, precision, "forward")] = lambda m=module, x=embs: m(x).wait()
                 cases[(bench, precision, "forward_backward")] = (
-                    lambda m=module, x=embs, grad=grads[bench]: _backward(m, x, grad))
+                    lambda m=module, x=embs, grad=grads[bench]: _backward(m, x, grad)
+                )
         times: Dict[tuple, List[float]] = {key: [] for key in cases}
         for round_ in range(repeats + 2):  # two warm-up rounds
             for key, fn in cases.items():
@@ -144,10 +174,19 @@ def bench_collectives(sizes: List[tuple], repeats: int) -> None:
         for (bench, precision, direction), fn in cases.items():
             seconds = statistics.median(times[(bench, precision, direction)])
             payload = _payload(fn)
-            _emit(dict(bench=bench, world_size=ws, precision=precision, direction=direction,
-                       batch_per_rank=batch, dim=dim, payload_bytes=payload,
-                       median_ms=round(seconds * 1e3, 3),
-                       payload_bytes_per_s=round(payload / seconds)))
+            _emit(
+                dict(
+                    bench=bench,
+                    world_size=ws,
+                    precision=precision,
+                    direction=direction,
+                    batch_per_rank=batch,
+                    dim=dim,
+                    payload_bytes=payload,
+                    median_ms=round(seconds * 1e3, 3),
+                    payload_bytes_per_s=round(payload / seconds),
+                )
+            )
 
 
 def _backward(module: torch.nn.Module, embs: torch.Tensor, grad: torch.Tensor) -> None:
@@ -163,7 +202,7 @@ def _collectives(args: argparse.Namespace) -> None:
     bench_collectives(sizes, args.repeats)
 
 
-def cli(argv: Optional[List[str]] = None) -> None:
+def cli(argv: List[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=None, help="default 20 (5 with --quick)")
@@ -176,10 +215,13 @@ def cli(argv: Optional[List[str]] = None) -> None:
     torch.set_num_threads(args.threads)
     if args.only != "collectives":
         if args.quick:
-            bench_lookups(num_tables=4, rows=20_000, dim=64, batch=256, pooling=8, repeats=args.repeats)
+            bench_lookups(
+                num_tables=4, rows=20_000, dim=64, batch=256, pooling=8, repeats=args.repeats
+            )
         else:
-            bench_lookups(num_tables=8, rows=100_000, dim=128, batch=2048, pooling=20,
-                          repeats=args.repeats)
+            bench_lookups(
+                num_tables=8, rows=100_000, dim=128, batch=2048, pooling=20, repeats=args.repeats
+            )
     if args.only != "lookups":
         run_on_ranks(_collectives, args, args.world_size, args.threads)
 

@@ -22,7 +22,7 @@ import json
 import os
 import statistics
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch.distributed as dist
 
@@ -42,12 +42,15 @@ def run(name: str, sizes: Sizes, args: argparse.Namespace, shm: bool) -> Dict[st
     trainee = build(name, tables, pooling, sizes.batch, None)
     warm_up(lambda i: train_step(trainee, batches[i % len(batches)]), args.warmup)
     times = timed_steps(lambda i: train_step(trainee, batches[i % len(batches)]), args.steps)
-    checksum = sum(float(w.double().sum()) for sharding in trainee.module.shardings.values()
-                   for w in sharding.lookup.table_weights())
+    checksum = sum(
+        float(w.double().sum())
+        for sharding in trainee.module.shardings.values()
+        for w in sharding.lookup.table_weights()
+    )
     return {"times": times, "checksum": checksum}
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: List[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default="column_wise,table_wise")
     parser.add_argument("--repeats", type=int, default=3)
@@ -69,16 +72,34 @@ def main(argv: Optional[List[str]] = None) -> None:
                 step = statistics.median(max(s) for s in zip(*(r["times"] for r in ranks)))
                 figures.setdefault(case, {}).setdefault(shm, []).append(step)
                 sums[shm] = [r["checksum"] for r in ranks]
-            print(json.dumps(dict(bench="shm_exchange_run", case=case,
-                                  gloo_ms=round(1e3 * figures[case][False][-1], 2),
-                                  shm_ms=round(1e3 * figures[case][True][-1], 2),
-                                  same_weights=sums[False] == sums[True])), flush=True)
+            print(
+                json.dumps(
+                    dict(
+                        bench="shm_exchange_run",
+                        case=case,
+                        gloo_ms=round(1e3 * figures[case][False][-1], 2),
+                        shm_ms=round(1e3 * figures[case][True][-1], 2),
+                        same_weights=sums[False] == sums[True],
+                    )
+                ),
+                flush=True,
+            )
     for case, by_mode in figures.items():
         gloo, shm = statistics.median(by_mode[False]), statistics.median(by_mode[True])
-        print(json.dumps(dict(bench="shm_exchange", case=case, gloo_step_ms=round(1e3 * gloo, 2),
-                              shm_step_ms=round(1e3 * shm, 2), saved_pct=round(100 * (1 - shm / gloo), 1),
-                              gloo_repeats_ms=[round(1e3 * m, 2) for m in by_mode[False]],
-                              shm_repeats_ms=[round(1e3 * m, 2) for m in by_mode[True]])), flush=True)
+        print(
+            json.dumps(
+                dict(
+                    bench="shm_exchange",
+                    case=case,
+                    gloo_step_ms=round(1e3 * gloo, 2),
+                    shm_step_ms=round(1e3 * shm, 2),
+                    saved_pct=round(100 * (1 - shm / gloo), 1),
+                    gloo_repeats_ms=[round(1e3 * m, 2) for m in by_mode[False]],
+                    shm_repeats_ms=[round(1e3 * m, 2) for m in by_mode[True]],
+                )
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

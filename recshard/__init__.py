@@ -25,10 +25,26 @@ from recshard.types import (
     ShardingType,
 )
 
-_SUBPACKAGES = frozenset({
-    "checkpoint", "comm", "datasets", "distributed", "fx", "lookup", "models", "modules", "optim",
-    "parallel", "plan", "planner", "port", "quant", "sharding", "sparse",
-})
+_SUBPACKAGES = frozenset(
+    {
+        "checkpoint",
+        "comm",
+        "datasets",
+        "distributed",
+        "fx",
+        "lookup",
+        "models",
+        "modules",
+        "optim",
+        "parallel",
+        "plan",
+        "planner",
+        "port",
+        "quant",
+        "sharding",
+        "sparse",
+    }
+)
 
 
 def __getattr__(name: str) -> ModuleType:

@@ -18,7 +18,6 @@ from typing import (
     Generic,
     Iterator,
     List,
-    Optional,
     Protocol,
     Type,
     TypeVar,
@@ -116,17 +115,25 @@ class CacheParams:
     the plan. `precision` is a `recshard.DataType` (typed `Any` here: this module sits below
     `recshard.modules`). The hash leaves `stats` out, as TorchRec's does."""
 
-    algorithm: Optional[CacheAlgorithm] = None
-    load_factor: Optional[float] = None
-    reserved_memory: Optional[float] = None
-    precision: Optional[Any] = None
-    prefetch_pipeline: Optional[bool] = None
-    stats: Optional[CacheStatistics] = None
-    multipass_prefetch_config: Optional[Any] = None
+    algorithm: CacheAlgorithm | None = None
+    load_factor: float | None = None
+    reserved_memory: float | None = None
+    precision: Any | None = None
+    prefetch_pipeline: bool | None = None
+    stats: CacheStatistics | None = None
+    multipass_prefetch_config: Any | None = None
 
     def __hash__(self) -> int:
-        return hash((self.algorithm, self.load_factor, self.reserved_memory, self.precision,
-                     self.prefetch_pipeline, self.multipass_prefetch_config))
+        return hash(
+            (
+                self.algorithm,
+                self.load_factor,
+                self.reserved_memory,
+                self.precision,
+                self.prefetch_pipeline,
+                self.multipass_prefetch_config,
+            )
+        )
 
 
 @dataclass
@@ -152,21 +159,23 @@ class ParameterSharding:
 
     sharding_type: str
     compute_kernel: str
-    ranks: Optional[List[int]] = None
-    shards: Optional[List[ShardMetadata]] = None
-    bounds_check_mode: Optional[BoundsCheckMode] = None
-    cache_params: Optional[CacheParams] = None
+    ranks: List[int] | None = None
+    shards: List[ShardMetadata] | None = None
+    bounds_check_mode: BoundsCheckMode | None = None
+    cache_params: CacheParams | None = None
 
     @property
-    def sharding_spec(self) -> Optional[EnumerableShardingSpec]:
+    def sharding_spec(self) -> EnumerableShardingSpec | None:
         """The shards as torch's `EnumerableShardingSpec` (as TorchRec fills its field);
         None for data-parallel tables."""
         if self.shards is None:
             return None
-        return EnumerableShardingSpec([
-            TorchShardMetadata(list(s.shard_offsets), list(s.shard_sizes), s.placement)
-            for s in self.shards
-        ])
+        return EnumerableShardingSpec(
+            [
+                TorchShardMetadata(list(s.shard_offsets), list(s.shard_sizes), s.placement)
+                for s in self.shards
+            ]
+        )
 
 
 EmbeddingModuleShardingPlan = Dict[str, ParameterSharding]
@@ -178,7 +187,7 @@ class ShardingPlan:
 
     plan: Dict[str, EmbeddingModuleShardingPlan] = field(default_factory=dict)
 
-    def get_plan_for_module(self, module_path: str) -> Optional[EmbeddingModuleShardingPlan]:
+    def get_plan_for_module(self, module_path: str) -> EmbeddingModuleShardingPlan | None:
         return self.plan.get(module_path)
 
     def __str__(self) -> str:
@@ -192,14 +201,13 @@ class ShardingPlan:
         return "\n".join(lines)
 
 
-def get_local_size(world_size: Optional[int] = None) -> int:
+def get_local_size(world_size: int | None = None) -> int:
     """Ranks per node: torchrun's LOCAL_WORLD_SIZE, else the whole world (one node)."""
     if "LOCAL_WORLD_SIZE" in os.environ:
         return int(os.environ["LOCAL_WORLD_SIZE"])
     if world_size is not None:
         return world_size
     return dist.get_world_size() if dist.is_initialized() else 1
-
 
 
 class ShardingEnv:
@@ -213,8 +221,8 @@ class ShardingEnv:
         self,
         world_size: int,
         rank: int,
-        pg: Optional[dist.ProcessGroup] = None,
-        local_world_size: Optional[int] = None,
+        pg: dist.ProcessGroup | None = None,
+        local_world_size: int | None = None,
     ) -> None:
         self.world_size = world_size
         self.rank = rank
@@ -229,7 +237,7 @@ class ShardingEnv:
 
     @classmethod
     def from_process_group(
-        cls, pg: dist.ProcessGroup, local_world_size: Optional[int] = None
+        cls, pg: dist.ProcessGroup, local_world_size: int | None = None
     ) -> ShardingEnv:
         return cls(dist.get_world_size(pg), dist.get_rank(pg), pg, local_world_size)
 
@@ -344,8 +352,19 @@ def _lazy_binary(op: str) -> Callable[[LazyAwaitable, Any], Any]:
     return method
 
 
-for _op in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
-            "__truediv__", "__rtruediv__", "__matmul__", "__rmatmul__", "__eq__"):
+for _op in (
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__matmul__",
+    "__rmatmul__",
+    "__eq__",
+):
     setattr(LazyAwaitable, _op, _lazy_binary(_op))
 LazyAwaitable.__hash__ = object.__hash__  # type: ignore[method-assign]
 
@@ -411,8 +430,8 @@ class ModuleSharder(abc.ABC, Generic[M]):
 
     def __init__(
         self,
-        fused_params: Optional[Dict[str, Any]] = None,
-        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+        fused_params: Dict[str, Any] | None = None,
+        qcomm_codecs_registry: Dict[str, Any] | None = None,
     ) -> None:
         self._fused_params = dict(fused_params) if fused_params else None
         self._qcomm_codecs_registry = qcomm_codecs_registry
@@ -422,11 +441,11 @@ class ModuleSharder(abc.ABC, Generic[M]):
     def module_type(self) -> Type[M]: ...
 
     @property
-    def fused_params(self) -> Optional[Dict[str, Any]]:
+    def fused_params(self) -> Dict[str, Any] | None:
         return self._fused_params
 
     @property
-    def qcomm_codecs_registry(self) -> Optional[Dict[str, Any]]:
+    def qcomm_codecs_registry(self) -> Dict[str, Any] | None:
         return self._qcomm_codecs_registry
 
     @abc.abstractmethod
@@ -444,6 +463,5 @@ class ModuleSharder(abc.ABC, Generic[M]):
         module: M,
         params: EmbeddingModuleShardingPlan,
         env: ShardingEnv,
-        device: Optional[torch.device] = None,
+        device: torch.device | None = None,
     ) -> ShardedModule: ...
-

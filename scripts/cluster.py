@@ -33,7 +33,7 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Dict, List, Optional, Sequence
+from typing import IO, Dict, List, Sequence
 
 SUBNET = "10.77.0"
 TOOLS = {"unshare": "util-linux", "nsenter": "util-linux", "ip": "iproute2", "tc": "iproute2"}
@@ -45,13 +45,17 @@ LATENCY = "50ms"
 def missing() -> List[str]:
     """What this machine lacks to build a cluster (empty when it can): tools, root, and the
     right to create namespaces (a container without CAP_SYS_ADMIN has the tools but not it)."""
-    gaps = [f"{tool} (apt-get install {package})" for tool, package in TOOLS.items()
-            if shutil.which(tool) is None]
+    gaps = [
+        f"{tool} (apt-get install {package})"
+        for tool, package in TOOLS.items()
+        if shutil.which(tool) is None
+    ]
     if hasattr(os, "geteuid") and os.geteuid() != 0:
         gaps.append(f"root (running as uid {os.geteuid()})")
     if not gaps:
-        probe = subprocess.run(["unshare", "-n", "-u", "-m", "--", "true"], capture_output=True,
-                               text=True)
+        probe = subprocess.run(
+            ["unshare", "-n", "-u", "-m", "--", "true"], capture_output=True, text=True
+        )
         if probe.returncode != 0:
             gaps.append(f"namespaces: 'unshare -n -u -m true' failed: {probe.stderr.strip()}")
     return gaps
@@ -79,7 +83,7 @@ class Cluster:
     members: List[Host] = field(default_factory=list, init=False)
     _holders: List[subprocess.Popen] = field(default_factory=list, init=False)
     _jobs: List[subprocess.Popen] = field(default_factory=list, init=False)
-    _dir: Optional[tempfile.TemporaryDirectory] = field(default=None, init=False)
+    _dir: tempfile.TemporaryDirectory | None = field(default=None, init=False)
     _switch_pid: int = field(default=0, init=False)
 
     def __enter__(self) -> Cluster:
@@ -105,19 +109,25 @@ class Cluster:
         self._dir = tempfile.TemporaryDirectory(prefix="recshard-cluster-")
         hosts_file = Path(self._dir.name) / "hosts"
         names = [(f"host{i}", f"{SUBNET}.{i + 1}") for i in range(self.hosts)]
-        hosts_file.write_text("127.0.0.1 localhost\n"
-                              + "".join(f"{addr} {name}\n" for name, addr in names))
+        hosts_file.write_text(
+            "127.0.0.1 localhost\n" + "".join(f"{addr} {name}\n" for name, addr in names)
+        )
         self._switch_pid = self._hold(["-n"])
         self._switch("ip link set lo up && ip link add br0 type bridge && ip link set br0 up")
         for index, (name, address) in enumerate(names):
             pid = self._hold(["-n", "-u", "-m", "--propagation", "private"])
             host = Host(index, name, address, pid, f"veth{index}")
-            self._switch(f"ip link add {host.veth} type veth peer name eth0 netns {pid} && "
-                         f"ip link set {host.veth} master br0 && ip link set {host.veth} up")
+            self._switch(
+                f"ip link add {host.veth} type veth peer name eth0 netns {pid} && "
+                f"ip link set {host.veth} master br0 && ip link set {host.veth} up"
+            )
             self._shape(["nsenter", "-t", str(self._switch_pid), "-n"], host.veth, "add")
-            self._in_host(host, f"hostname {name} && mount --bind {hosts_file} /etc/hosts && "
-                                f"ip link set lo up && ip addr add {address}/24 dev eth0 && "
-                                f"ip link set eth0 up")
+            self._in_host(
+                host,
+                f"hostname {name} && mount --bind {hosts_file} /etc/hosts && "
+                f"ip link set lo up && ip addr add {address}/24 dev eth0 && "
+                f"ip link set eth0 up",
+            )
             self._shape(self.enter(host), "eth0", "add")
             self.members.append(host)
 
@@ -125,7 +135,10 @@ class Cluster:
         """A process in fresh namespaces that lives until our end of its stdin closes."""
         holder = subprocess.Popen(
             ["unshare", *flags, "--", "sh", "-c", "echo ready; exec cat >/dev/null"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self._holders.append(holder)
         assert holder.stdout is not None
         if holder.stdout.readline().strip() != "ready":
@@ -139,26 +152,49 @@ class Cluster:
         _check([*self.enter(host), "sh", "-c", script])
 
     def _shape(self, prefix: List[str], device: str, verb: str) -> None:
-        _check([*prefix, "tc", "qdisc", verb, "dev", device, "root", "tbf", "rate", self.rate,
-                "burst", self.burst, "latency", LATENCY])
+        _check(
+            [
+                *prefix,
+                "tc",
+                "qdisc",
+                verb,
+                "dev",
+                device,
+                "root",
+                "tbf",
+                "rate",
+                self.rate,
+                "burst",
+                self.burst,
+                "latency",
+                LATENCY,
+            ]
+        )
 
-    def enter(self, host: Host, cwd: Optional[str] = None) -> List[str]:
+    def enter(self, host: Host, cwd: str | None = None) -> List[str]:
         """The command prefix that runs a program on `host`, in `cwd` (default: ours)."""
         return ["nsenter", "-t", str(host.pid), "-n", "-u", "-m", f"--wd={cwd or os.getcwd()}"]
 
-    def popen(self, host: int, argv: Sequence[str], cwd: Optional[str] = None,
-              **kwargs: object) -> subprocess.Popen:
+    def popen(
+        self, host: int, argv: Sequence[str], cwd: str | None = None, **kwargs: object
+    ) -> subprocess.Popen:
         """Start `argv` on host `host` in a session of its own (`stop` kills what is left)."""
-        job = subprocess.Popen([*self.enter(self.members[host], cwd), *argv],
-                               start_new_session=True, **kwargs)  # type: ignore[call-overload]
+        job = subprocess.Popen(
+            [*self.enter(self.members[host], cwd), *argv], start_new_session=True, **kwargs
+        )  # type: ignore[call-overload]
         self._jobs.append(job)
         return job
 
-    def run(self, host: int, argv: Sequence[str], timeout: float = 60.0
-            ) -> subprocess.CompletedProcess:
+    def run(
+        self, host: int, argv: Sequence[str], timeout: float = 60.0
+    ) -> subprocess.CompletedProcess:
         """Run `argv` on host `host` to the end; its output captured as text."""
-        return subprocess.run([*self.enter(self.members[host]), *argv], capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run(
+            [*self.enter(self.members[host]), *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def set_rate(self, rate: str) -> None:
         """Reshape every host link (both directions) to `rate`."""
@@ -221,10 +257,17 @@ def run_everywhere(cluster: Cluster, argv: Sequence[str], env: Dict[str, str]) -
     lock = threading.Lock()
     jobs, relays = [], []
     for host in cluster.members:
-        job = cluster.popen(host.index, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, **env, "CLUSTER_HOST": str(host.index)})
-        relay = threading.Thread(target=_relay, args=(f"[{host.name}] ", job.stdout, sys.stdout,
-                                                      lock), daemon=True)
+        job = cluster.popen(
+            host.index,
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **env, "CLUSTER_HOST": str(host.index)},
+        )
+        relay = threading.Thread(
+            target=_relay, args=(f"[{host.name}] ", job.stdout, sys.stdout, lock), daemon=True
+        )
         relay.start()
         jobs.append(job)
         relays.append(relay)
@@ -234,19 +277,26 @@ def run_everywhere(cluster: Cluster, argv: Sequence[str], env: Dict[str, str]) -
     return next((code for code in codes if code != 0), 0)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m scripts.cluster",
         description="Run CMD on every host of a simulated cluster (network namespaces on a "
-                    "bridge, each link shaped with tc tbf). Hosts are host0, host1, ... "
-                    f"({SUBNET}.1, .2, ...); CLUSTER_HOST holds the host's index.")
+        "bridge, each link shaped with tc tbf). Hosts are host0, host1, ... "
+        f"({SUBNET}.1, .2, ...); CLUSTER_HOST holds the host's index.",
+    )
     parser.add_argument("--hosts", type=int, default=2, help="number of hosts")
-    parser.add_argument("--rate", default="10gbit",
-                        help="every host link's rate, each direction (tc units: 1gbit, 500mbit)")
-    parser.add_argument("--burst", default=BURST,
-                        help="tbf bucket per link (default 4mb, enough for 10gbit); a step's "
-                             "few-MB bursts pass a slow link at full speed unless it is lower "
-                             "(1gbit: 512kb)")
+    parser.add_argument(
+        "--rate",
+        default="10gbit",
+        help="every host link's rate, each direction (tc units: 1gbit, 500mbit)",
+    )
+    parser.add_argument(
+        "--burst",
+        default=BURST,
+        help="tbf bucket per link (default 4mb, enough for 10gbit); a step's "
+        "few-MB bursts pass a slow link at full speed unless it is lower "
+        "(1gbit: 512kb)",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

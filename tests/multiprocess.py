@@ -18,7 +18,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 _PRELOAD = ["torch", "torch.distributed", "recshard"]
 try:  # fbgemm is optional: the library runs without it
@@ -80,7 +80,7 @@ def run_ranks(
     fn: Callable[..., Any],
     *args: Any,
     timeout: float = 120.0,
-    env: Optional[Dict[str, str]] = None,
+    env: Dict[str, str] | None = None,
     pg_timeout_s: float = PG_TIMEOUT_S,
 ) -> List[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return results by rank.
@@ -109,14 +109,15 @@ def run_ranks(
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(results) - set(errors))
                 detail = "".join(f"\n--- rank {r} ---\n{t}" for r, t in sorted(errors.items()))
-                raise TimeoutError(
-                    f"ranks {missing} did not finish within {timeout:.0f}s{detail}"
-                )
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s{detail}")
             try:
                 rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
             except Exception:  # queue.Empty
-                dead = [r for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in results and r not in errors]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in results and r not in errors
+                ]
                 for r in dead:
                     errors[r] = f"process exited with code {procs[r].exitcode}"
                 continue
@@ -126,7 +127,9 @@ def run_ranks(
                 # collective), then stop waiting: the first error is what matters.
                 deadline = min(deadline, time.monotonic() + 10.0)
     finally:
-        reported = set(results) | {r for r, t in errors.items() if not t.startswith("process exited")}
+        reported = set(results) | {
+            r for r, t in errors.items() if not t.startswith("process exited")
+        }
         for r, p in enumerate(procs):
             p.join(timeout=5.0 if r in reported or not errors else 0.5)  # stuck ranks: kill
             if p.is_alive():

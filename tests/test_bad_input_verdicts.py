@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -44,41 +44,61 @@ ROWS = {"t0": 10, "t1": 6}
 
 def _configs(bags: bool) -> List:
     kind = EmbeddingBagConfig if bags else EmbeddingConfig
-    return [kind(num_embeddings=ROWS[t], embedding_dim=4, name=t, feature_names=[f])
-            for t, f in zip(ROWS, KEYS)]
+    return [
+        kind(num_embeddings=ROWS[t], embedding_dim=4, name=t, feature_names=[f])
+        for t, f in zip(ROWS, KEYS)
+    ]
 
 
 def _module(kind: str, weighted: bool) -> Tuple[torch.nn.Module, object, bool]:
     """(unsharded module, sharder, trains) for `kind` in ebc / ec / qebc / qec."""
     torch.manual_seed(0)
     if kind == "ebc":
-        return EmbeddingBagCollection(_configs(True), is_weighted=weighted), \
-            EmbeddingBagCollectionSharder(), True
+        return (
+            EmbeddingBagCollection(_configs(True), is_weighted=weighted),
+            EmbeddingBagCollectionSharder(),
+            True,
+        )
     if kind == "ec":
         return EmbeddingCollection(_configs(False)), EmbeddingCollectionSharder(), True
     if kind == "qebc":
-        return QuantEmbeddingBagCollection.from_float(
-            EmbeddingBagCollection(_configs(True), is_weighted=weighted), torch.qint8), \
-            QuantEmbeddingBagCollectionSharder(), False
-    return QuantEmbeddingCollection.from_float(EmbeddingCollection(_configs(False)), torch.qint8), \
-        QuantEmbeddingCollectionSharder(), False
+        return (
+            QuantEmbeddingBagCollection.from_float(
+                EmbeddingBagCollection(_configs(True), is_weighted=weighted), torch.qint8
+            ),
+            QuantEmbeddingBagCollectionSharder(),
+            False,
+        )
+    return (
+        QuantEmbeddingCollection.from_float(EmbeddingCollection(_configs(False)), torch.qint8),
+        QuantEmbeddingCollectionSharder(),
+        False,
+    )
 
 
 def _plan(kind: str, plan: str, module: torch.nn.Module, ws: int) -> Dict:
     kernel = "quant" if kind.startswith("q") else None
     dp = data_parallel(compute_kernel=kernel) if kernel else data_parallel()
-    other = (row_wise(compute_kernel=kernel) if kind.endswith("ebc") else table_wise(1, compute_kernel=kernel))
+    other = (
+        row_wise(compute_kernel=kernel)
+        if kind.endswith("ebc")
+        else table_wise(1, compute_kernel=kernel)
+    )
     per_table = {"t0": dp, "t1": dp if plan == "data_parallel" else other}
     return construct_module_sharding_plan(module, per_table, world_size=ws)
 
 
-def _kjt(values: List, lengths: List[int], weights: Optional[torch.Tensor] = None,
-         keys: List[str] = KEYS, validate: bool = True) -> KeyedJaggedTensor:
+def _kjt(
+    values: List,
+    lengths: List[int],
+    weights: torch.Tensor | None = None,
+    keys: List[str] = KEYS,
+    validate: bool = True,
+) -> KeyedJaggedTensor:
     values_t = torch.tensor(values)
     if validate:
         return KeyedJaggedTensor.from_lengths_sync(keys, values_t, torch.tensor(lengths), weights)
-    return KeyedJaggedTensor(keys, values_t, weights, lengths=torch.tensor(lengths),
-                             validate=False)
+    return KeyedJaggedTensor(keys, values_t, weights, lengths=torch.tensor(lengths), validate=False)
 
 
 def _good(weighted: bool) -> KeyedJaggedTensor:
@@ -88,39 +108,59 @@ def _good(weighted: bool) -> KeyedJaggedTensor:
 def bad_batches(weighted: bool) -> Dict[str, Tuple[KeyedJaggedTensor, str]]:
     w = torch.ones(5) if weighted else None
     cases = {
-        "id out of range": (_kjt([1, 2, 3, 6, 5], [2, 1, 1, 1], w),
-                            r"table 't1', feature 'f1': id 6 is outside \[0, 6\)"),
-        "negative id": (_kjt([1, -2, 3, 4, 5], [2, 1, 1, 1], w),
-                        r"table 't0', feature 'f0': id -2 is outside \[0, 10\)"),
-        "missing feature": (_kjt([1, 2, 3], [2, 1], w[:3] if weighted else None, keys=["f0"]),
-                            r"features \['f1'\] are missing"),
-        "float ids": (_kjt([1.0, 2, 3, 4, 5], [2, 1, 1, 1], w, validate=False),
-                      "ids must be int32 or int64, got torch.float32"),
-        "lengths/values mismatch": (_kjt([1, 2, 3, 4], [2, 1, 1, 1],
-                                         w[:4] if weighted else None, validate=False),
-                                    r"lengths sum to 5 .* but values has 4 entries"),
+        "id out of range": (
+            _kjt([1, 2, 3, 6, 5], [2, 1, 1, 1], w),
+            r"table 't1', feature 'f1': id 6 is outside \[0, 6\)",
+        ),
+        "negative id": (
+            _kjt([1, -2, 3, 4, 5], [2, 1, 1, 1], w),
+            r"table 't0', feature 'f0': id -2 is outside \[0, 10\)",
+        ),
+        "missing feature": (
+            _kjt([1, 2, 3], [2, 1], w[:3] if weighted else None, keys=["f0"]),
+            r"features \['f1'\] are missing",
+        ),
+        "float ids": (
+            _kjt([1.0, 2, 3, 4, 5], [2, 1, 1, 1], w, validate=False),
+            "ids must be int32 or int64, got torch.float32",
+        ),
+        "lengths/values mismatch": (
+            _kjt([1, 2, 3, 4], [2, 1, 1, 1], w[:4] if weighted else None, validate=False),
+            r"lengths sum to 5 .* but values has 4 entries",
+        ),
     }
     if weighted:
         nan, inf = torch.ones(5), torch.ones(5)
         nan[1], inf[4] = float("nan"), float("inf")
-        cases.update({
-            "float64 weights": (_kjt([1, 2, 3, 4, 5], [2, 1, 1, 1], torch.ones(5, dtype=torch.float64)),
-                                "per-id weights must be float32, got torch.float64"),
-            "nan weight": (_kjt([1, 2, 3, 4, 5], [2, 1, 1, 1], nan),
-                           r"table 't0', feature 'f0': weight nan at position 1 of the feature's "
-                           r"values is not finite"),
-            "inf weight": (_kjt([1, 2, 3, 4, 5], [2, 1, 1, 1], inf),
-                           r"table 't1', feature 'f1': weight inf at position 1 of the feature's "
-                           r"values is not finite"),
-        })
+        cases.update(
+            {
+                "float64 weights": (
+                    _kjt([1, 2, 3, 4, 5], [2, 1, 1, 1], torch.ones(5, dtype=torch.float64)),
+                    "per-id weights must be float32, got torch.float64",
+                ),
+                "nan weight": (
+                    _kjt([1, 2, 3, 4, 5], [2, 1, 1, 1], nan),
+                    r"table 't0', feature 'f0': weight nan at position 1 of the feature's "
+                    r"values is not finite",
+                ),
+                "inf weight": (
+                    _kjt([1, 2, 3, 4, 5], [2, 1, 1, 1], inf),
+                    r"table 't1', feature 'f1': weight inf at position 1 of the feature's "
+                    r"values is not finite",
+                ),
+            }
+        )
     return cases
 
 
 def _step(sharded: torch.nn.Module, kjt: KeyedJaggedTensor, trains: bool) -> Tuple[int, ...]:
     out = sharded(kjt)
     out = out.wait() if hasattr(out, "wait") else out
-    tensor = out.values() if hasattr(out, "values") and callable(out.values) and not isinstance(
-        out, dict) else torch.cat([jt.values() for jt in out.values()])
+    tensor = (
+        out.values()
+        if hasattr(out, "values") and callable(out.values) and not isinstance(out, dict)
+        else torch.cat([jt.values() for jt in out.values()])
+    )
     if trains:
         tensor.sum().backward()
     return tuple(tensor.shape)
@@ -143,9 +183,15 @@ def run_cases(rank: int, ws: int, kind: str, plan: str, weighted: bool) -> Dict[
     return outcome
 
 
-MODULES = [("ebc", "data_parallel", True), ("ebc", "mixed", True), ("ec", "data_parallel", False),
-           ("ec", "mixed", False), ("qebc", "data_parallel", True), ("qebc", "mixed", True),
-           ("qec", "data_parallel", False)]
+MODULES = [
+    ("ebc", "data_parallel", True),
+    ("ebc", "mixed", True),
+    ("ec", "data_parallel", False),
+    ("ec", "mixed", False),
+    ("qebc", "data_parallel", True),
+    ("qebc", "mixed", True),
+    ("qec", "data_parallel", False),
+]
 
 
 @pytest.mark.parametrize("kind, plan, weighted", MODULES)
@@ -210,7 +256,7 @@ def error_paths(rank: int, ws: int) -> int:
 
 @pytest.mark.parametrize("repeats", [3, pytest.param(50, marks=pytest.mark.slow)])
 def test_ranks_that_handled_errors_exit_cleanly(repeats: int) -> None:
-    """"terminate called without an active exception" (exit -6) was seen at interpreter exit
+    """ "terminate called without an active exception" (exit -6) was seen at interpreter exit
     after handled errors; every run must exit 0."""
     for _ in range(repeats):
         counts = run_ranks(2, error_paths, timeout=300, pg_timeout_s=300)

@@ -28,8 +28,9 @@ from recshard.types import ShardingEnv
 
 def good_batch() -> KeyedJaggedTensor:
     keys = ["f0", "f1", "f2", "f3", "f4", "f5"]
-    return KeyedJaggedTensor.from_lengths_sync(keys, torch.tensor([1, 2, 0, 3, 1, 4]),
-                                               torch.ones(6, dtype=torch.int32))
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys, torch.tensor([1, 2, 0, 3, 1, 4]), torch.ones(6, dtype=torch.int32)
+    )
 
 
 def bad_batches() -> Dict[str, Tuple[KeyedJaggedTensor, str]]:
@@ -38,34 +39,47 @@ def bad_batches() -> Dict[str, Tuple[KeyedJaggedTensor, str]]:
     return {
         "id out of range": (
             KeyedJaggedTensor.from_lengths_sync(keys, torch.tensor([1, 2, 9, 3, 1, 4]), ones),
-            r"table 't1', feature 'f2': id 9 is outside \[0, 3\)"),
+            r"table 't1', feature 'f2': id 9 is outside \[0, 3\)",
+        ),
         "negative id": (
             KeyedJaggedTensor.from_lengths_sync(keys, torch.tensor([1, 2, 0, -3, 1, 4]), ones),
-            r"table 't2', feature 'f3': id -3 is outside \[0, 20\)"),
+            r"table 't2', feature 'f3': id -3 is outside \[0, 20\)",
+        ),
         "missing feature": (
             KeyedJaggedTensor.from_lengths_sync(keys[:5], torch.tensor([1, 2, 0, 3, 1]), ones[:5]),
-            r"features \['f5'\] are missing"),
+            r"features \['f5'\] are missing",
+        ),
         "unknown feature": (
-            KeyedJaggedTensor.from_lengths_sync(keys + ["zz"], torch.tensor([1, 2, 0, 3, 1, 4, 0]),
-                                                torch.ones(7, dtype=torch.int32)),
-            r"features \['zz'\] that no table reads"),
+            KeyedJaggedTensor.from_lengths_sync(
+                keys + ["zz"], torch.tensor([1, 2, 0, 3, 1, 4, 0]), torch.ones(7, dtype=torch.int32)
+            ),
+            r"features \['zz'\] that no table reads",
+        ),
         "float ids": (
-            KeyedJaggedTensor(keys, torch.tensor([1.0, 2, 0, 3, 1, 4]), lengths=ones, validate=False),
-            "ids must be int32 or int64, got torch.float32"),
+            KeyedJaggedTensor(
+                keys, torch.tensor([1.0, 2, 0, 3, 1, 4]), lengths=ones, validate=False
+            ),
+            "ids must be int32 or int64, got torch.float32",
+        ),
         "weights on unweighted": (
-            KeyedJaggedTensor.from_lengths_sync(keys, torch.tensor([1, 2, 0, 3, 1, 4]), ones,
-                                                weights=torch.ones(6)),
-            "carries weights but the collection is unweighted"),
+            KeyedJaggedTensor.from_lengths_sync(
+                keys, torch.tensor([1, 2, 0, 3, 1, 4]), ones, weights=torch.ones(6)
+            ),
+            "carries weights but the collection is unweighted",
+        ),
         "lengths/values mismatch": (
             KeyedJaggedTensor(keys, torch.tensor([1, 2, 0, 3, 1]), lengths=ones, validate=False),
-            r"lengths sum to 6 .* but values has 5 entries"),
+            r"lengths sum to 6 .* but values has 5 entries",
+        ),
     }
 
 
 def run_bad_cases(rank: int, ws: int) -> Dict[str, List[str]]:
     env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
     reference = make_ebc(False)
-    plan = construct_module_sharding_plan(reference, plan_for("mixed", ws, ws, "fused"), world_size=ws)
+    plan = construct_module_sharding_plan(
+        reference, plan_for("mixed", ws, ws, "fused"), world_size=ws
+    )
     sharded = EmbeddingBagCollectionSharder().shard(copy.deepcopy(reference), plan, env)
     outcome: Dict[str, List[str]] = {}
     for name, (bad, _) in bad_batches().items():
@@ -112,7 +126,9 @@ def test_plan_errors_at_shard_time_name_the_table() -> None:
     with pytest.raises(ValueError, match="table 't1': unknown sharding type 'diagonal'"):
         sharder.shard(ebc, plan, env)
     ec = EmbeddingCollection([EmbeddingConfig(num_embeddings=4, embedding_dim=4, name="s")])
-    ec_plan = construct_module_sharding_plan(ec, {"s": table_row_wise(0)}, world_size=2, local_size=2)
+    ec_plan = construct_module_sharding_plan(
+        ec, {"s": table_row_wise(0)}, world_size=2, local_size=2
+    )
     with pytest.raises(ValueError, match="table 's': .* does not support table_row_wise"):
         EmbeddingCollectionSharder().shard(ec, ec_plan, env)
 
@@ -125,11 +141,16 @@ def run_unequal_batches(rank: int, ws: int) -> List[str]:
     reference = make_ebc(False)
     problems = []
     for kind in ["table_wise", "row_wise", "column_wise", "data_parallel", "mixed"]:
-        plan = construct_module_sharding_plan(reference, plan_for(kind, ws, 1, "fused"), world_size=ws,
-                                              local_size=1 if kind == "mixed" else ws)
+        plan = construct_module_sharding_plan(
+            reference,
+            plan_for(kind, ws, 1, "fused"),
+            world_size=ws,
+            local_size=1 if kind == "mixed" else ws,
+        )
         if kind == "mixed":  # table-row-wise needs equal batches: keep it out
             plan = construct_module_sharding_plan(
-                reference, {**plan_for(kind, ws, 1, "fused"), "t4": table_wise(0)}, world_size=ws)
+                reference, {**plan_for(kind, ws, 1, "fused"), "t4": table_wise(0)}, world_size=ws
+            )
         sharded = EmbeddingBagCollectionSharder().shard(copy.deepcopy(reference), plan, env)
         out = sharded(batch(rank, 0, 3 - rank, False, False))
         expected = reference(batch(rank, 0, 3 - rank, False, False))
@@ -151,16 +172,22 @@ def run_bounds_modes(rank: int, ws: int) -> Dict[str, object]:
 
     env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
     reference = make_ebc(False)
-    plan = construct_module_sharding_plan(reference, plan_for("table_wise", ws, ws, "fused"), world_size=ws)
+    plan = construct_module_sharding_plan(
+        reference, plan_for("table_wise", ws, ws, "fused"), world_size=ws
+    )
     plan["t1"].bounds_check_mode = BoundsCheckMode.WARNING
     plan["t2"].bounds_check_mode = "ignore"
     sharded = EmbeddingBagCollectionSharder().shard(copy.deepcopy(reference), plan, env)
     keys = ["f0", "f1", "f2", "f3", "f4", "f5"]
     # f2 (t1, 3 rows): id 7 is bad; f3 (t2, 20 rows): id 25 is bad
-    bad = KeyedJaggedTensor.from_lengths_sync(keys, torch.tensor([1, 2, 0, 7, 25, 3, 1, 4]),
-                                              torch.tensor([1, 1, 2, 2, 1, 1], dtype=torch.int32))
-    clean = KeyedJaggedTensor.from_lengths_sync(keys, torch.tensor([1, 2, 0, 3, 1, 4]),
-                                                torch.ones(6, dtype=torch.int32))
+    bad = KeyedJaggedTensor.from_lengths_sync(
+        keys,
+        torch.tensor([1, 2, 0, 7, 25, 3, 1, 4]),
+        torch.tensor([1, 1, 2, 2, 1, 1], dtype=torch.int32),
+    )
+    clean = KeyedJaggedTensor.from_lengths_sync(
+        keys, torch.tensor([1, 2, 0, 3, 1, 4]), torch.ones(6, dtype=torch.int32)
+    )
     records: List[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
@@ -168,8 +195,9 @@ def run_bounds_modes(rank: int, ws: int) -> Dict[str, object]:
     got = sharded(bad).values()
     sharded(bad).values()  # a second bad batch: no second warning
     expected = sharded(clean).values()
-    fatal = KeyedJaggedTensor.from_lengths_sync(keys, torch.tensor([11, 2, 0, 3, 1, 4]),
-                                                torch.ones(6, dtype=torch.int32))
+    fatal = KeyedJaggedTensor.from_lengths_sync(
+        keys, torch.tensor([11, 2, 0, 3, 1, 4]), torch.ones(6, dtype=torch.int32)
+    )
     try:
         sharded(fatal if rank == 1 else clean).values()
         error = "none"
@@ -195,15 +223,18 @@ def run_shared_feature_bounds(rank: int, ws: int) -> Dict[str, bool]:
     env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
     reference = make_ebc(False, shared=True)
     plan = construct_module_sharding_plan(
-        reference, plan_for("mixed", ws, ws, "fused", shared=True), world_size=ws)
+        reference, plan_for("mixed", ws, ws, "fused", shared=True), world_size=ws
+    )
     plan["t1"].bounds_check_mode = "ignore"
     sharded = EmbeddingBagCollectionSharder().shard(copy.deepcopy(reference), plan, env)
     keys = ["f0", "f1", "f2", "f3", "f4", "f5"]
 
     def one_sample(f0_ids: List[int]) -> KeyedJaggedTensor:
         return KeyedJaggedTensor.from_lengths_sync(
-            keys, torch.tensor(f0_ids + [1, 2, 3, 4, 5]),
-            torch.tensor([len(f0_ids), 1, 1, 1, 1, 1], dtype=torch.int32))
+            keys,
+            torch.tensor(f0_ids + [1, 2, 3, 4, 5]),
+            torch.tensor([len(f0_ids), 1, 1, 1, 1, 1], dtype=torch.int32),
+        )
 
     with_bad = sharded(one_sample([5, 1]))
     without = sharded(one_sample([1]))
@@ -211,8 +242,11 @@ def run_shared_feature_bounds(rank: int, ws: int) -> Dict[str, bool]:
     return {
         "t1 dropped it": bool(torch.allclose(with_bad["f0@t1"], without["f0@t1"])),
         "t0 pooled it": bool(torch.allclose(with_bad["f0@t0"][0], t0[5] + t0[1], atol=1e-6)),
-        "others untouched": all(bool(torch.allclose(with_bad[k], without[k]))
-                                for k in with_bad.keys() if not k.startswith("f0@")),
+        "others untouched": all(
+            bool(torch.allclose(with_bad[k], without[k]))
+            for k in with_bad.keys()
+            if not k.startswith("f0@")
+        ),
     }
 
 

@@ -47,8 +47,14 @@ WORLD_SIZE = 2
 LR = 0.1
 DEFAULT_CASES = 200
 SLOW_CASES = 1000
-KINDS = ["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise",
-         "data_parallel"]
+KINDS = [
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "table_row_wise",
+    "table_column_wise",
+    "data_parallel",
+]
 
 Case = Dict[str, Any]  # plain data: picklable, printable, rebuilt identically on every rank
 
@@ -83,16 +89,20 @@ def cases(draw: st.DrawFn) -> Case:
         if features and draw(st.integers(0, 3)) == 0:  # also read by an earlier table
             names[-1] = draw(st.sampled_from(features))
         features += [f for f in names if f not in features]
-        tables.append({
-            "name": f"t{t}",
-            "rows": draw(st.integers(1, 500)),
-            "dim": draw(st.integers(4, 64)),
-            "pooling": draw(st.sampled_from(["SUM", "MEAN"])),
-            "features": names,
-            "plan": draw(table_plans(lws)),
-        })
-    batch_sizes = draw(st.lists(st.integers(1, 4), min_size=WORLD_SIZE, max_size=WORLD_SIZE)
-                       | st.integers(1, 4).map(lambda b: [b] * WORLD_SIZE))
+        tables.append(
+            {
+                "name": f"t{t}",
+                "rows": draw(st.integers(1, 500)),
+                "dim": draw(st.integers(4, 64)),
+                "pooling": draw(st.sampled_from(["SUM", "MEAN"])),
+                "features": names,
+                "plan": draw(table_plans(lws)),
+            }
+        )
+    batch_sizes = draw(
+        st.lists(st.integers(1, 4), min_size=WORLD_SIZE, max_size=WORLD_SIZE)
+        | st.integers(1, 4).map(lambda b: [b] * WORLD_SIZE)
+    )
     shape = draw(st.sampled_from(["random"] * 4 + ["zeros_mixed"] * 3 + ["all_empty"]))
     lengths = []  # [rank][feature][sample]
     for b in batch_sizes:
@@ -120,8 +130,14 @@ def draw_cases(count: int) -> List[Case]:
     """`count` distinct cases, the same every run (hypothesis derandomized, nothing stored)."""
     drawn: Dict[str, Case] = {}
 
-    @settings(max_examples=count + count // 4, derandomize=True, database=None,
-              phases=[Phase.generate], deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=count + count // 4,
+        derandomize=True,
+        database=None,
+        phases=[Phase.generate],
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=cases())
     def collect(case: Case) -> None:
         drawn.setdefault(repr(case), case)
@@ -134,9 +150,16 @@ def draw_cases(count: int) -> List[Case]:
 
 
 def _configs(case: Case) -> List[EmbeddingBagConfig]:
-    return [EmbeddingBagConfig(num_embeddings=t["rows"], embedding_dim=t["dim"], name=t["name"],
-                               feature_names=t["features"], pooling=PoolingType[t["pooling"]])
-            for t in case["tables"]]
+    return [
+        EmbeddingBagConfig(
+            num_embeddings=t["rows"],
+            embedding_dim=t["dim"],
+            name=t["name"],
+            feature_names=t["features"],
+            pooling=PoolingType[t["pooling"]],
+        )
+        for t in case["tables"]
+    ]
 
 
 def _generator(plan: Dict[str, Any]):  # noqa: ANN202
@@ -164,12 +187,15 @@ def _batch(case: Case, rank: int) -> KeyedJaggedTensor:
     features = list(dict.fromkeys(f for t in case["tables"] for f in t["features"]))
     per_feature = dict(zip(features, case["lengths"][rank]))
     lengths = [per_feature[k] for k in case["key_order"]]
-    values = [torch.randint(0, rows[k], (sum(n),), generator=g) for k, n in
-              zip(case["key_order"], lengths)]
+    values = [
+        torch.randint(0, rows[k], (sum(n),), generator=g)
+        for k, n in zip(case["key_order"], lengths)
+    ]
     values_t = torch.cat(values) if values else torch.zeros(0, dtype=torch.int64)
     weights = torch.rand(values_t.numel(), generator=g) + 0.5 if case["weighted"] else None
     return KeyedJaggedTensor.from_lengths_sync(
-        case["key_order"], values_t, torch.tensor([n for ls in lengths for n in ls]), weights)
+        case["key_order"], values_t, torch.tensor([n for ls in lengths for n in ls]), weights
+    )
 
 
 def _global_batch(case: Case) -> KeyedJaggedTensor:
@@ -184,26 +210,33 @@ def _global_batch(case: Case) -> KeyedJaggedTensor:
             if case["weighted"]:
                 weights.append(jt.weights())
     return KeyedJaggedTensor.from_lengths_sync(
-        case["key_order"], torch.cat(values), torch.cat(lengths),
-        torch.cat(weights) if case["weighted"] else None)
+        case["key_order"],
+        torch.cat(values),
+        torch.cat(lengths),
+        torch.cat(weights) if case["weighted"] else None,
+    )
 
 
 def _gather_tables(sharded: Any, configs: List[EmbeddingBagConfig]) -> Dict[str, torch.Tensor]:
-    local = [(name, table.row_offset, table.col_offset, weight.detach().clone())
-             for name, shards in sharded.local_table_shards().items() for table, weight in shards]
+    local = [
+        (name, table.row_offset, table.col_offset, weight.detach().clone())
+        for name, shards in sharded.local_table_shards().items()
+        for table, weight in shards
+    ]
     gathered: List[Any] = [None] * WORLD_SIZE
     dist.all_gather_object(gathered, local)
     full = {c.name: torch.full((c.num_embeddings, c.embedding_dim), float("nan")) for c in configs}
     for part in gathered:
         for name, row, col, weight in part:
-            full[name][row:row + weight.size(0), col:col + weight.size(1)] = weight
+            full[name][row : row + weight.size(0), col : col + weight.size(1)] = weight
     return full
 
 
 def _unequal_batches_with_twrw(case: Case) -> bool:
     """Table-row-wise sharding rejects unequal batch sizes (a clear ValueError, by design)."""
     return len(set(case["batch_sizes"])) > 1 and any(
-        t["plan"]["kind"] == "table_row_wise" for t in case["tables"])
+        t["plan"]["kind"] == "table_row_wise" for t in case["tables"]
+    )
 
 
 def check_case(rank: int, case: Case) -> List[str]:
@@ -214,10 +247,14 @@ def check_case(rank: int, case: Case) -> List[str]:
     reference = EmbeddingBagCollection(configs, is_weighted=case["weighted"])
     env = ShardingEnv.from_process_group(dist.group.WORLD, local_world_size=case["lws"])
     plan = construct_module_sharding_plan(
-        reference, {t["name"]: _generator(t["plan"]) for t in case["tables"]},
-        local_size=case["lws"], world_size=WORLD_SIZE)
+        reference,
+        {t["name"]: _generator(t["plan"]) for t in case["tables"]},
+        local_size=case["lws"],
+        world_size=WORLD_SIZE,
+    )
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "exact_sgd", "learning_rate": LR})
+        fused_params={"optimizer": "exact_sgd", "learning_rate": LR}
+    )
     sharded = sharder.shard(copy.deepcopy(reference), plan, env)
     dense_params = [p for _, p in in_backward_optimizer_filter(sharded.named_parameters())]
 
@@ -229,14 +266,18 @@ def check_case(rank: int, case: Case) -> List[str]:
         raise
     ref_out = reference(_global_batch(case))
     sizes = case["batch_sizes"]
-    mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
-    grad = torch.randn(sum(sizes), ref_out.values().size(1),
-                       generator=torch.Generator().manual_seed(case["seed"] + 1))
+    mine = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    grad = torch.randn(
+        sum(sizes),
+        ref_out.values().size(1),
+        generator=torch.Generator().manual_seed(case["seed"] + 1),
+    )
     if out.keys() != ref_out.keys():
         problems.append(f"keys {out.keys()} != {ref_out.keys()}")
     if out.values().shape != ref_out.values()[mine].shape:
-        problems.append(f"forward shape {tuple(out.values().shape)} != "
-                        f"{tuple(ref_out.values()[mine].shape)}")
+        problems.append(
+            f"forward shape {tuple(out.values().shape)} != {tuple(ref_out.values()[mine].shape)}"
+        )
     elif not torch.allclose(out.values(), ref_out.values()[mine], atol=1e-5, rtol=1e-5):
         diff = (out.values() - ref_out.values()[mine]).abs().max()
         problems.append(f"forward differs by {diff:.3g}")
@@ -304,8 +345,12 @@ def test_cases_cover_the_space() -> None:
     assert any(all(n == 0 for rank in c["lengths"] for f in rank for n in f) for c in drawn)
     assert any(t["rows"] == 1 for c in drawn for t in c["tables"])
     assert any(len(c["tables"]) == 4 for c in drawn)
-    shared = [c for c in drawn if len({f for t in c["tables"] for f in t["features"]})
-              < sum(len(t["features"]) for t in c["tables"])]
+    shared = [
+        c
+        for c in drawn
+        if len({f for t in c["tables"] for f in t["features"]})
+        < sum(len(t["features"]) for t in c["tables"])
+    ]
     assert len(shared) >= len(drawn) // 5, len(shared)  # features read by several tables
 
 
@@ -322,14 +367,23 @@ def _fbgemm_table_rows(rank: int, ws: int) -> List[List[int]]:
     """Rows of each table inside each fused kernel's fbgemm TBE (no TBE: an empty list) of a
     sharded EBC whose row-wise table 'tiny' has 1 row: rank 1 holds 0 of its rows, in the same
     fused group as 'big'."""
-    configs = [EmbeddingBagConfig(num_embeddings=8, embedding_dim=4, name="big", feature_names=["f0"]),
-               EmbeddingBagConfig(num_embeddings=1, embedding_dim=4, name="tiny", feature_names=["f1"])]
+    configs = [
+        EmbeddingBagConfig(num_embeddings=8, embedding_dim=4, name="big", feature_names=["f0"]),
+        EmbeddingBagConfig(num_embeddings=1, embedding_dim=4, name="tiny", feature_names=["f1"]),
+    ]
     ebc = EmbeddingBagCollection(configs)
-    plan = construct_module_sharding_plan(ebc, {"big": row_wise(), "tiny": row_wise()}, world_size=ws)
-    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": "exact_sgd", "learning_rate": LR})
+    plan = construct_module_sharding_plan(
+        ebc, {"big": row_wise(), "tiny": row_wise()}, world_size=ws
+    )
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": "exact_sgd", "learning_rate": LR}
+    )
     sharded = sharder.shard(ebc, plan, ShardingEnv.from_process_group(dist.group.WORLD))
-    return [[spec[0] for spec in m.tbe.embedding_specs] if hasattr(m, "tbe") else []
-            for m in sharded.modules() if getattr(m, "is_fused", False)]
+    return [
+        [spec[0] for spec in m.tbe.embedding_specs] if hasattr(m, "tbe") else []
+        for m in sharded.modules()
+        if getattr(m, "is_fused", False)
+    ]
 
 
 def test_no_zero_row_table_inside_an_fbgemm_kernel() -> None:

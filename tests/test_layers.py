@@ -70,13 +70,24 @@ def test_imports_sit_at_module_level_except_optional_dependencies() -> None:
     late = []
     for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text())
-        top = {id(n) for n in tree.body} | {
-            id(n) for node in tree.body if isinstance(node, ast.If) for n in node.body  # TYPE_CHECKING
-        } | {id(n) for node in tree.body if isinstance(node, ast.Try) for n in node.body}
+        top = (
+            {id(n) for n in tree.body}
+            | {
+                id(n)
+                for node in tree.body
+                if isinstance(node, ast.If)
+                for n in node.body  # TYPE_CHECKING
+            }
+            | {id(n) for node in tree.body if isinstance(node, ast.Try) for n in node.body}
+        )
         for node in _imports(tree):
             if id(node) in top:
                 continue
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+            )
             if any(name.split(".")[0] not in OPTIONAL for name in names):
                 late.append(f"{path.relative_to(ROOT)}:{node.lineno}: {names}")
     assert late == []
@@ -87,6 +98,9 @@ def test_no_private_name_is_imported_across_modules() -> None:
     for path in sorted(list(PACKAGE.rglob("*.py")) + list((ROOT / "tests").rglob("*.py"))):
         for node in _imports(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("recshard"):
-                private += [f"{path.relative_to(ROOT)}:{node.lineno}: {a.name}"
-                            for a in node.names if a.name.startswith("_")]
+                private += [
+                    f"{path.relative_to(ROOT)}:{node.lineno}: {a.name}"
+                    for a in node.names
+                    if a.name.startswith("_")
+                ]
     assert private == []

@@ -36,14 +36,24 @@ from recshard.sparse import jagged_ops as ops
 @pytest.mark.parametrize("lengths", [[], [0], [0, 0, 0], [3], [1, 0, 2, 5]])
 def test_complete_cumsum(fbgemm, dtype, lengths):
     with ops.use_fbgemm(fbgemm):
-        same(ops.asynchronous_complete_cumsum(torch.tensor(lengths, dtype=dtype)), ref_cumsum(lengths), dtype)
+        same(
+            ops.asynchronous_complete_cumsum(torch.tensor(lengths, dtype=dtype)),
+            ref_cumsum(lengths),
+            dtype,
+        )
 
 
 @pytest.mark.parametrize("fbgemm", BACKENDS)
 def test_complete_cumsum_2d_and_float(fbgemm):
     with ops.use_fbgemm(fbgemm):
-        same(ops.asynchronous_complete_cumsum(torch.tensor([[1, 2], [3, 4]])), [[0, 1, 3], [0, 3, 7]])
-        same(ops.asynchronous_complete_cumsum(torch.tensor([1.0, 2.0])), [0.0, 1.0, 3.0], torch.float32)
+        same(
+            ops.asynchronous_complete_cumsum(torch.tensor([[1, 2], [3, 4]])), [[0, 1, 3], [0, 3, 7]]
+        )
+        same(
+            ops.asynchronous_complete_cumsum(torch.tensor([1.0, 2.0])),
+            [0.0, 1.0, 3.0],
+            torch.float32,
+        )
         with pytest.raises(ValueError, match="1-D or 2-D"):
             ops.asynchronous_complete_cumsum(torch.tensor(3))
 
@@ -54,20 +64,27 @@ def test_complete_cumsum_2d_and_float(fbgemm):
 @pytest.mark.parametrize("fbgemm", BACKENDS)
 @pytest.mark.parametrize("dtype", INDEX_DTYPES)
 @pytest.mark.parametrize("with_weights", [False, True])
-@pytest.mark.parametrize("permute,lengths", [
-    ([2, 0, 0], [[1, 2], [0, 3], [2, 0]]),   # repeat + drop
-    ([1], [[1, 2], [0, 3], [2, 0]]),          # single key out
-    ([], [[1, 2], [0, 3]]),                   # nothing out
-    ([0], [[4]]),                             # F=1, B=1
-    ([1, 0], [[0, 0], [0, 0]]),               # all-zero lengths, empty values
-])
+@pytest.mark.parametrize(
+    "permute,lengths",
+    [
+        ([2, 0, 0], [[1, 2], [0, 3], [2, 0]]),  # repeat + drop
+        ([1], [[1, 2], [0, 3], [2, 0]]),  # single key out
+        ([], [[1, 2], [0, 3]]),  # nothing out
+        ([0], [[4]]),  # F=1, B=1
+        ([1, 0], [[0, 0], [0, 0]]),  # all-zero lengths, empty values
+    ],
+)
 def test_permute_2D(fbgemm, dtype, with_weights, permute, lengths):
     total = sum(map(sum, lengths))
     values = [10 * i for i in range(total)]
     weights = [float(i) for i in range(total)] if with_weights else None
     expected = ref_permute_2D(permute, lengths, values, weights)
-    args = (torch.tensor(permute, dtype=torch.int32), torch.tensor(lengths, dtype=dtype),
-            torch.tensor(values, dtype=dtype), None if weights is None else torch.tensor(weights))
+    args = (
+        torch.tensor(permute, dtype=torch.int32),
+        torch.tensor(lengths, dtype=dtype),
+        torch.tensor(values, dtype=dtype),
+        None if weights is None else torch.tensor(weights),
+    )
     with ops.use_fbgemm(fbgemm):
         for lengths_sum in (None, len(expected[1])):
             new_lengths, new_values, new_weights = ops.permute_2D_sparse_data(*args, lengths_sum)
@@ -78,7 +95,9 @@ def test_permute_2D(fbgemm, dtype, with_weights, permute, lengths):
 
 
 @pytest.mark.parametrize("fbgemm", BACKENDS)
-@pytest.mark.parametrize("permute", [[1, 0], [1, 1, 0], [1]])  # fbgemm's backward breaks on the last two
+@pytest.mark.parametrize(
+    "permute", [[1, 0], [1, 1, 0], [1]]
+)  # fbgemm's backward breaks on the last two
 def test_permute_weights_gradient(fbgemm, permute):
     lengths = [[1, 2], [0, 3]]
     weights = torch.arange(6.0, requires_grad=True)
@@ -86,10 +105,12 @@ def test_permute_weights_gradient(fbgemm, permute):
     _, landed, _ = ref_permute_2D(permute, lengths, list(range(6)), None)
     expected = [float(sum(pos for pos, i in enumerate(landed) if i == k)) for k in range(6)]
     with ops.use_fbgemm(fbgemm):
-        _, _, w2 = ops.permute_2D_sparse_data(torch.tensor(permute), torch.tensor(lengths),
-                                              torch.arange(6), weights)
-        _, _, w1 = ops.permute_1D_sparse_data(torch.tensor(permute), torch.tensor(lengths).sum(1),
-                                              torch.arange(6), weights)
+        _, _, w2 = ops.permute_2D_sparse_data(
+            torch.tensor(permute), torch.tensor(lengths), torch.arange(6), weights
+        )
+        _, _, w1 = ops.permute_1D_sparse_data(
+            torch.tensor(permute), torch.tensor(lengths).sum(1), torch.arange(6), weights
+        )
     for new_weights in (w2, w1):
         weights.grad = None
         (new_weights * torch.arange(float(len(landed)))).sum().backward()
@@ -101,8 +122,15 @@ def test_bucketize_and_segment_sum_gradients(fbgemm):
     weights = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     values = torch.arange(6.0, requires_grad=True)
     with ops.use_fbgemm(fbgemm):
-        out = ops.block_bucketize_sparse_features(torch.tensor([2, 1]), torch.tensor([0, 9, 4]),
-                                                  False, False, torch.tensor([5]), 2, weights)
+        out = ops.block_bucketize_sparse_features(
+            torch.tensor([2, 1]),
+            torch.tensor([0, 9, 4]),
+            False,
+            False,
+            torch.tensor([5]),
+            2,
+            weights,
+        )
         sums = ops.segment_sum_csr(2, torch.tensor([0, 1, 3]), values)
     (out[2] * torch.tensor([10.0, 20.0, 30.0])).sum().backward()
     assert weights.grad.tolist() == [10.0, 30.0, 20.0]  # new order: ids 0, 4(bag 1), 9
@@ -112,16 +140,26 @@ def test_bucketize_and_segment_sum_gradients(fbgemm):
 
 @pytest.mark.parametrize("fbgemm", BACKENDS)
 @pytest.mark.parametrize("dtype", INDEX_DTYPES)
-@pytest.mark.parametrize("permute,lengths", [
-    ([5, 3, 3, 0], [1, 2, 0, 3, 2, 0]), ([0], [3]), ([], [1, 2]), ([1, 0], [0, 0]),
-])
+@pytest.mark.parametrize(
+    "permute,lengths",
+    [
+        ([5, 3, 3, 0], [1, 2, 0, 3, 2, 0]),
+        ([0], [3]),
+        ([], [1, 2]),
+        ([1, 0], [0, 0]),
+    ],
+)
 def test_permute_1D(fbgemm, dtype, permute, lengths):
     values = list(range(100, 100 + sum(lengths)))
     weights = [v / 2 for v in values]
     expected = ref_permute_1D(permute, lengths, values, weights)
     with ops.use_fbgemm(fbgemm):
-        out = ops.permute_1D_sparse_data(torch.tensor(permute), torch.tensor(lengths, dtype=dtype),
-                                         torch.tensor(values, dtype=dtype), torch.tensor(weights))
+        out = ops.permute_1D_sparse_data(
+            torch.tensor(permute),
+            torch.tensor(lengths, dtype=dtype),
+            torch.tensor(values, dtype=dtype),
+            torch.tensor(weights),
+        )
     for actual, want, want_dtype in zip(out, expected, (dtype, dtype, torch.float32)):
         same(actual, want, want_dtype)
 
@@ -130,14 +168,21 @@ def test_permute_1D(fbgemm, dtype, permute, lengths):
 def test_permute_rejects_bad_input(fbgemm):
     with ops.use_fbgemm(fbgemm):
         with pytest.raises(ValueError, match="index 3 out of range for 3"):
-            ops.permute_2D_sparse_data(torch.tensor([3]), torch.zeros(3, 2, dtype=torch.long),
-                                       torch.zeros(0, dtype=torch.long))
+            ops.permute_2D_sparse_data(
+                torch.tensor([3]),
+                torch.zeros(3, 2, dtype=torch.long),
+                torch.zeros(0, dtype=torch.long),
+            )
         with pytest.raises(ValueError, match="index -1 out of range"):
-            ops.permute_1D_sparse_data(torch.tensor([-1]), torch.ones(2, dtype=torch.long),
-                                       torch.zeros(2, dtype=torch.long))
+            ops.permute_1D_sparse_data(
+                torch.tensor([-1]),
+                torch.ones(2, dtype=torch.long),
+                torch.zeros(2, dtype=torch.long),
+            )
         with pytest.raises(ValueError, match="2-D"):
-            ops.permute_2D_sparse_data(torch.tensor([0]), torch.ones(2, dtype=torch.long),
-                                       torch.zeros(2, dtype=torch.long))
+            ops.permute_2D_sparse_data(
+                torch.tensor([0]), torch.ones(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+            )
 
 
 @given(data=keyed_jagged(), permute=st.lists(st.integers(0, 3), max_size=6))
@@ -151,14 +196,20 @@ def test_permute_properties(data, permute):
     w = None if weights is None else torch.tensor(weights, dtype=torch.float64)
     for fbgemm in AVAILABLE:
         with ops.use_fbgemm(fbgemm):
-            out = ops.permute_2D_sparse_data(torch.tensor(permute, dtype=torch.int64),
-                                             torch.tensor(lengths, dtype=dtype),
-                                             torch.tensor(values, dtype=dtype), w)
+            out = ops.permute_2D_sparse_data(
+                torch.tensor(permute, dtype=torch.int64),
+                torch.tensor(lengths, dtype=dtype),
+                torch.tensor(values, dtype=dtype),
+                w,
+            )
             for actual, want in zip(out, expected_2d):
                 same(actual, want)
-            out = ops.permute_1D_sparse_data(torch.tensor(permute, dtype=torch.int32),
-                                             torch.tensor(flat, dtype=dtype),
-                                             torch.tensor(values, dtype=dtype), w)
+            out = ops.permute_1D_sparse_data(
+                torch.tensor(permute, dtype=torch.int32),
+                torch.tensor(flat, dtype=dtype),
+                torch.tensor(values, dtype=dtype),
+                w,
+            )
             for actual, want in zip(out, expected_1d):
                 same(actual, want)
 
@@ -168,16 +219,25 @@ def test_permute_properties(data, permute):
 
 @pytest.mark.parametrize("fbgemm", BACKENDS)
 @pytest.mark.parametrize("dtype", INDEX_DTYPES)
-@pytest.mark.parametrize("permute,lengths", [
-    ([5, 3, 4, 0, 2, 1], [1, 2, 0, 3, 2, 0]), ([0], [3]), ([0], [0]), ([1, 0], [2, 1]),
-])
+@pytest.mark.parametrize(
+    "permute,lengths",
+    [
+        ([5, 3, 4, 0, 2, 1], [1, 2, 0, 3, 2, 0]),
+        ([0], [3]),
+        ([0], [0]),
+        ([1, 0], [2, 1]),
+    ],
+)
 def test_expand_into_jagged_permute(fbgemm, dtype, permute, lengths):
     in_off = ref_cumsum(lengths)
     out_off = ref_cumsum([lengths[p] for p in permute])
     with ops.use_fbgemm(fbgemm):
-        out = ops.expand_into_jagged_permute(torch.tensor(permute, dtype=torch.int32),
-                                             torch.tensor(in_off, dtype=dtype),
-                                             torch.tensor(out_off, dtype=dtype), out_off[-1])
+        out = ops.expand_into_jagged_permute(
+            torch.tensor(permute, dtype=torch.int32),
+            torch.tensor(in_off, dtype=dtype),
+            torch.tensor(out_off, dtype=dtype),
+            out_off[-1],
+        )
     same(out, ref_expand(permute, in_off, out_off), dtype)
 
 
@@ -189,5 +249,6 @@ def test_expand_into_jagged_permute_edges(fbgemm):
         with pytest.raises(ValueError, match="need S, S\\+1, S\\+1"):
             ops.expand_into_jagged_permute(torch.tensor([0, 0]), empty, empty, 0)
         with pytest.raises(ValueError, match="output_size 2"):
-            ops.expand_into_jagged_permute(torch.tensor([0]), torch.tensor([0, 3]),
-                                           torch.tensor([0, 3]), 2)
+            ops.expand_into_jagged_permute(
+                torch.tensor([0]), torch.tensor([0, 3]), torch.tensor([0, 3]), 2
+            )

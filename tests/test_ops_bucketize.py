@@ -37,14 +37,22 @@ from recshard.sparse import jagged_ops as ops
 
 def _bucketize(lengths, indices, block_sizes, my_size, weights, dtype, lengths_dtype=None):
     return ops.block_bucketize_sparse_features(
-        torch.tensor(lengths, dtype=lengths_dtype or dtype), torch.tensor(indices, dtype=dtype),
-        True, True, torch.tensor(block_sizes, dtype=torch.int64), my_size,
-        None if weights is None else torch.tensor(weights))
+        torch.tensor(lengths, dtype=lengths_dtype or dtype),
+        torch.tensor(indices, dtype=dtype),
+        True,
+        True,
+        torch.tensor(block_sizes, dtype=torch.int64),
+        my_size,
+        None if weights is None else torch.tensor(weights),
+    )
 
 
-def _check_bucketize(out, lengths, indices, block_sizes, my_size, weights, dtype, lengths_dtype=None):
-    expected = ref_bucketize(lengths, indices, block_sizes, my_size, weights,
-                             torch.iinfo(dtype).bits)
+def _check_bucketize(
+    out, lengths, indices, block_sizes, my_size, weights, dtype, lengths_dtype=None
+):
+    expected = ref_bucketize(
+        lengths, indices, block_sizes, my_size, weights, torch.iinfo(dtype).bits
+    )
     new_lengths, new_indices, new_weights, new_pos, unbucketize = out
     assert new_lengths.shape == (my_size * len(lengths),)
     same(new_lengths, expected[0], lengths_dtype or dtype)
@@ -63,8 +71,8 @@ def test_bucketize_design_example(fbgemm, dtype):
     same(out[0], [1, 1, 1, 0], dtype)
     same(out[1], [0, 4, 4], dtype)
     same(out[2], [1.0, 3.0, 2.0], torch.float32)
-    same(out[3], [0, 0, 1], dtype)   # position in the original bag
-    same(out[4], [0, 2, 1], dtype)   # original id i sits at out[4][i] in the bucketized ids
+    same(out[3], [0, 0, 1], dtype)  # position in the original bag
+    same(out[4], [0, 2, 1], dtype)  # original id i sits at out[4][i] in the bucketized ids
 
 
 @pytest.mark.parametrize("fbgemm", BACKENDS)
@@ -77,7 +85,7 @@ def test_bucketize_out_of_range_ids(fbgemm, dtype):
         same(out[0], [2, 2, 1, 0], dtype)
         same(out[1], [0, 6, 4, 50, 13], dtype)  # 12 -> b0:6, 27 -> b1:13, 100 -> b0:50
         out = _bucketize([2], [-1, -4], [5], 3, None, dtype)
-        big = (1 << torch.iinfo(dtype).bits) - 1   # -1 as unsigned; divisible by 3
+        big = (1 << torch.iinfo(dtype).bits) - 1  # -1 as unsigned; divisible by 3
         same(out[0], [2, 0, 0], dtype)
         same(out[1], [big // 3, (big - 3) // 3], dtype)
     for my_size in (1, 2, 3, 4):
@@ -87,42 +95,66 @@ def test_bucketize_out_of_range_ids(fbgemm, dtype):
 
 
 @pytest.mark.parametrize("fbgemm", BACKENDS)
-@pytest.mark.parametrize("case", [
-    dict(lengths=[0, 0, 0, 0], indices=[], block_sizes=[5, 3], my_size=3),      # empty values
-    dict(lengths=[1, 2, 0, 1], indices=[3, 7, 1, 2], block_sizes=[4, 1], my_size=3),
-    dict(lengths=[3], indices=[0, 12, 27], block_sizes=[5], my_size=1),           # one bucket
-    dict(lengths=[2, 2], indices=[0, 7, 3, 1], block_sizes=[0], my_size=2),       # block 0
-    dict(lengths=[], indices=[], block_sizes=[], my_size=2),                       # no features
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(lengths=[0, 0, 0, 0], indices=[], block_sizes=[5, 3], my_size=3),  # empty values
+        dict(lengths=[1, 2, 0, 1], indices=[3, 7, 1, 2], block_sizes=[4, 1], my_size=3),
+        dict(lengths=[3], indices=[0, 12, 27], block_sizes=[5], my_size=1),  # one bucket
+        dict(lengths=[2, 2], indices=[0, 7, 3, 1], block_sizes=[0], my_size=2),  # block 0
+        dict(lengths=[], indices=[], block_sizes=[], my_size=2),  # no features
+    ],
+)
 @pytest.mark.parametrize("dtype", INDEX_DTYPES)
 @pytest.mark.parametrize("with_weights", [False, True])
 def test_bucketize_edges(fbgemm, case, dtype, with_weights):
     weights = [float(i) + 0.5 for i in range(len(case["indices"]))] if with_weights else None
     for lengths_dtype in INDEX_DTYPES:  # lengths and ids may differ in dtype
         with ops.use_fbgemm(fbgemm):
-            out = _bucketize(case["lengths"], case["indices"], case["block_sizes"], case["my_size"],
-                             weights, dtype, lengths_dtype)
-        _check_bucketize(out, case["lengths"], case["indices"], case["block_sizes"],
-                         case["my_size"], weights, dtype, lengths_dtype)
+            out = _bucketize(
+                case["lengths"],
+                case["indices"],
+                case["block_sizes"],
+                case["my_size"],
+                weights,
+                dtype,
+                lengths_dtype,
+            )
+        _check_bucketize(
+            out,
+            case["lengths"],
+            case["indices"],
+            case["block_sizes"],
+            case["my_size"],
+            weights,
+            dtype,
+            lengths_dtype,
+        )
 
 
 @pytest.mark.parametrize("fbgemm", BACKENDS)
 def test_bucketize_optional_outputs_and_errors(fbgemm):
     with ops.use_fbgemm(fbgemm):
         out = ops.block_bucketize_sparse_features(
-            torch.tensor([2]), torch.tensor([1, 6]), False, False, torch.tensor([5]), 2)
+            torch.tensor([2]), torch.tensor([1, 6]), False, False, torch.tensor([5]), 2
+        )
         assert out[2] is None and out[3] is None and out[4] is None
         with pytest.raises(ValueError, match="my_size must be >= 1"):
             ops.block_bucketize_sparse_features(
-                torch.tensor([2]), torch.tensor([1, 6]), False, False, torch.tensor([5]), 0)
+                torch.tensor([2]), torch.tensor([1, 6]), False, False, torch.tensor([5]), 0
+            )
         with pytest.raises(ValueError, match="3 lengths do not split into 2"):
             ops.block_bucketize_sparse_features(
-                torch.tensor([1, 1, 0]), torch.tensor([1, 6]), False, False, torch.tensor([5, 5]), 2)
+                torch.tensor([1, 1, 0]), torch.tensor([1, 6]), False, False, torch.tensor([5, 5]), 2
+            )
 
 
-@given(data=keyed_jagged(max_len=5), my_size=st.integers(1, 4),
-       blocks=st.lists(st.integers(1, 9), min_size=4, max_size=4),
-       id_shift=st.integers(-5, 20))
+@given(
+    data=keyed_jagged(max_len=5),
+    my_size=st.integers(1, 4),
+    blocks=st.lists(st.integers(1, 9), min_size=4, max_size=4),
+    id_shift=st.integers(-5, 20),
+)
 @FAST
 def test_bucketize_properties(data, my_size, blocks, id_shift):
     lengths, values, weights, dtype = data
@@ -136,7 +168,9 @@ def test_bucketize_properties(data, my_size, blocks, id_shift):
         # Property, independent of the reference: through unbucketize_permute, every in-range
         # id comes back as bucket * block + local id.
         unbucketize = out[4].long()
-        bucket = torch.arange(my_size).repeat_interleave(out[0].view(my_size, -1).sum(1))[unbucketize]
+        bucket = torch.arange(my_size).repeat_interleave(out[0].view(my_size, -1).sum(1))[
+            unbucketize
+        ]
         block = torch.tensor(block_sizes).repeat_interleave(len(lengths[0]))
         block = block.repeat_interleave(torch.tensor(flat, dtype=torch.long))
         ids = torch.tensor(indices)
@@ -157,9 +191,15 @@ def _pooled_args(dims, permute):
 
 @pytest.mark.parametrize("fbgemm", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("batch,dims,permute", [
-    (2, [1, 2, 3], [2, 0, 1]), (1, [4], [0]), (0, [2, 3], [1, 0]), (3, [2, 2, 1, 5], [3, 1, 0, 2]),
-])
+@pytest.mark.parametrize(
+    "batch,dims,permute",
+    [
+        (2, [1, 2, 3], [2, 0, 1]),
+        (1, [4], [0]),
+        (0, [2, 3], [1, 0]),
+        (3, [2, 2, 1, 5], [3, 1, 0, 2]),
+    ],
+)
 def test_permute_pooled_embs(fbgemm, dtype, batch, dims, permute):
     pooled = torch.arange(batch * sum(dims), dtype=dtype).view(batch, sum(dims)).requires_grad_()
     with ops.use_fbgemm(fbgemm):
@@ -172,16 +212,22 @@ def test_permute_pooled_embs(fbgemm, dtype, batch, dims, permute):
     same(pooled.grad, ref_permute_pooled(grad.tolist(), permuted_dims, inverse), dtype)
 
 
-@given(batch=st.integers(0, 3), dims=st.lists(st.integers(1, 4), min_size=1, max_size=5),
-       data=st.data())
+@given(
+    batch=st.integers(0, 3),
+    dims=st.lists(st.integers(1, 4), min_size=1, max_size=5),
+    data=st.data(),
+)
 @FAST
 def test_permute_pooled_embs_properties(batch, dims, data):
     permute = data.draw(st.permutations(range(len(dims))))
     pooled = torch.arange(batch * sum(dims), dtype=torch.float32).view(batch, sum(dims))
     for fbgemm in AVAILABLE:
         with ops.use_fbgemm(fbgemm):
-            same(ops.permute_pooled_embs(pooled, *_pooled_args(dims, permute)),
-                 ref_permute_pooled(pooled.tolist(), dims, permute), torch.float32)
+            same(
+                ops.permute_pooled_embs(pooled, *_pooled_args(dims, permute)),
+                ref_permute_pooled(pooled.tolist(), dims, permute),
+                torch.float32,
+            )
 
 
 # ---------------------------------------------------------------- segment_sum_csr
@@ -189,29 +235,45 @@ def test_permute_pooled_embs_properties(batch, dims, data):
 
 @pytest.mark.parametrize("fbgemm", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
-@pytest.mark.parametrize("batch_size,csr_seg,num_values", [
-    (2, [0, 2, 3, 6], 12), (1, [0, 2, 3, 6], 6), (2, [3, 4, 6], 12), (2, [0, 2, 2, 6], 12),
-    (3, [0, 1, 2], 12), (2, [0], 0), (1, [0, 0], 0),
-])
+@pytest.mark.parametrize(
+    "batch_size,csr_seg,num_values",
+    [
+        (2, [0, 2, 3, 6], 12),
+        (1, [0, 2, 3, 6], 6),
+        (2, [3, 4, 6], 12),
+        (2, [0, 2, 2, 6], 12),
+        (3, [0, 1, 2], 12),
+        (2, [0], 0),
+        (1, [0, 0], 0),
+    ],
+)
 def test_segment_sum_csr(fbgemm, dtype, batch_size, csr_seg, num_values):
     values = torch.arange(num_values).to(dtype)
     with ops.use_fbgemm(fbgemm):
         out = ops.segment_sum_csr(batch_size, torch.tensor(csr_seg, dtype=torch.int32), values)
         same(out, ref_segment_sum(batch_size, csr_seg, values.tolist()), dtype)
         if num_values:  # values are read flat, whatever their shape
-            same(ops.segment_sum_csr(batch_size, torch.tensor(csr_seg), values.view(-1, 2)),
-                 out.tolist(), dtype)
+            same(
+                ops.segment_sum_csr(batch_size, torch.tensor(csr_seg), values.view(-1, 2)),
+                out.tolist(),
+                dtype,
+            )
 
 
-@given(batch_size=st.integers(1, 3), seg_lengths=st.lists(st.integers(0, 4), min_size=1, max_size=6),
-       values=st.lists(st.integers(-100, 100), min_size=60, max_size=60))
+@given(
+    batch_size=st.integers(1, 3),
+    seg_lengths=st.lists(st.integers(0, 4), min_size=1, max_size=6),
+    values=st.lists(st.integers(-100, 100), min_size=60, max_size=60),
+)
 @FAST
 def test_segment_sum_csr_properties(batch_size, seg_lengths, values):
     csr_seg = ref_cumsum(seg_lengths)
     flat = values[: csr_seg[-1] * batch_size]
     for fbgemm in AVAILABLE:
         with ops.use_fbgemm(fbgemm):
-            out = ops.segment_sum_csr(batch_size, torch.tensor(csr_seg), torch.tensor(flat, dtype=torch.float32))
+            out = ops.segment_sum_csr(
+                batch_size, torch.tensor(csr_seg), torch.tensor(flat, dtype=torch.float32)
+            )
         same(out, [float(x) for x in ref_segment_sum(batch_size, csr_seg, flat)], torch.float32)
 
 
@@ -221,10 +283,18 @@ def test_segment_sum_csr_properties(batch_size, seg_lengths, values):
 @pytest.mark.parametrize("fbgemm", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64])
 @pytest.mark.parametrize("width", [None, 2])
-@pytest.mark.parametrize("offsets,max_length", [
-    ([0, 2, 2, 6], 3), ([0, 2, 2, 6], 0), ([0, 2, 2, 6], 5), ([1, 3, 4], 3),
-    ([0, 0, 0], 2), ([0], 2), ([0, 6], 6),
-])
+@pytest.mark.parametrize(
+    "offsets,max_length",
+    [
+        ([0, 2, 2, 6], 3),
+        ([0, 2, 2, 6], 0),
+        ([0, 2, 2, 6], 5),
+        ([1, 3, 4], 3),
+        ([0, 0, 0], 2),
+        ([0], 2),
+        ([0, 6], 6),
+    ],
+)
 def test_jagged_to_padded_dense(fbgemm, dtype, width, offsets, max_length):
     num_rows = 6 if offsets[-1] else 0
     values = torch.arange(num_rows * (width or 1)).to(dtype)
@@ -254,8 +324,12 @@ def test_jagged_to_padded_dense_properties(data, max_length):
     offsets = ref_cumsum(lengths)
     for fbgemm in AVAILABLE:
         with ops.use_fbgemm(fbgemm):
-            out = ops.jagged_to_padded_dense(torch.tensor(values, dtype=dtype),
-                                             torch.tensor(offsets, dtype=dtype), max_length, 7.0)
+            out = ops.jagged_to_padded_dense(
+                torch.tensor(values, dtype=dtype),
+                torch.tensor(offsets, dtype=dtype),
+                max_length,
+                7.0,
+            )
         same(out, ref_jagged_to_padded(values, offsets, max_length, 7), dtype)
 
 
@@ -279,9 +353,12 @@ def _run_every_op() -> None:
     ops.asynchronous_complete_cumsum(lengths.view(-1))
     ops.permute_2D_sparse_data(torch.tensor([1, 0]), lengths, torch.arange(6), torch.ones(6))
     ops.permute_1D_sparse_data(torch.tensor([1, 0]), lengths.view(-1)[:2], torch.arange(3))
-    ops.expand_into_jagged_permute(torch.tensor([1, 0]), torch.tensor([0, 1, 3]), torch.tensor([0, 2, 3]), 3)
-    ops.block_bucketize_sparse_features(lengths.view(-1), torch.arange(6), True, True,
-                                        torch.tensor([3, 3]), 2, torch.ones(6))
+    ops.expand_into_jagged_permute(
+        torch.tensor([1, 0]), torch.tensor([0, 1, 3]), torch.tensor([0, 2, 3]), 3
+    )
+    ops.block_bucketize_sparse_features(
+        lengths.view(-1), torch.arange(6), True, True, torch.tensor([3, 3]), 2, torch.ones(6)
+    )
     ops.permute_pooled_embs(torch.ones(2, 3), *_pooled_args([1, 2], [1, 0]))
     ops.segment_sum_csr(1, torch.tensor([0, 2, 3]), torch.ones(3))
     ops.jagged_to_padded_dense(torch.ones(3), torch.tensor([0, 1, 3]), 2)
@@ -297,13 +374,32 @@ def test_switch_decides_which_kernels_run(fbgemm):
 def test_unsupported_dtypes_take_the_torch_path():
     """fbgemm 1.8 has no kernel for these dtypes; recshard answers anyway, with torch."""
     with _RecordNamespaces() as record:
-        same(ops.asynchronous_complete_cumsum(torch.tensor([1, 2], dtype=torch.int16)), [0, 1, 3], torch.int16)
-        same(ops.jagged_to_padded_dense(torch.tensor([True, False]), torch.tensor([0, 2]), 3),
-             [[True, False, False]], torch.bool)
-        same(ops.segment_sum_csr(1, torch.tensor([0, 2]), torch.tensor([1.0, 2.0], dtype=torch.float64)),
-             [3.0], torch.float64)
-        out = ops.block_bucketize_sparse_features(torch.tensor([2]), torch.tensor([1, 6]), False, False,
-                                                  torch.tensor([5]), 2, torch.tensor([1.0, 2.0]).half())
+        same(
+            ops.asynchronous_complete_cumsum(torch.tensor([1, 2], dtype=torch.int16)),
+            [0, 1, 3],
+            torch.int16,
+        )
+        same(
+            ops.jagged_to_padded_dense(torch.tensor([True, False]), torch.tensor([0, 2]), 3),
+            [[True, False, False]],
+            torch.bool,
+        )
+        same(
+            ops.segment_sum_csr(
+                1, torch.tensor([0, 2]), torch.tensor([1.0, 2.0], dtype=torch.float64)
+            ),
+            [3.0],
+            torch.float64,
+        )
+        out = ops.block_bucketize_sparse_features(
+            torch.tensor([2]),
+            torch.tensor([1, 6]),
+            False,
+            False,
+            torch.tensor([5]),
+            2,
+            torch.tensor([1.0, 2.0]).half(),
+        )
         same(out[2], [1.0, 2.0], torch.float16)
     assert "fbgemm" not in record.namespaces
 
@@ -311,8 +407,9 @@ def test_unsupported_dtypes_take_the_torch_path():
 def test_switch_restores_state_after_an_error():
     with pytest.raises(ValueError):
         with ops.use_fbgemm(False):
-            ops.block_bucketize_sparse_features(torch.tensor([1]), torch.tensor([1]), False, False,
-                                                torch.tensor([1]), 0)
+            ops.block_bucketize_sparse_features(
+                torch.tensor([1]), torch.tensor([1]), False, False, torch.tensor([1]), 0
+            )
     if ops.fbgemm_available():
         with _RecordNamespaces() as record:
             ops.asynchronous_complete_cumsum(torch.tensor([1, 2]))
@@ -334,6 +431,7 @@ def test_env_var_disables_fbgemm_in_a_fresh_process():
         print("ok")
     """)
     env = dict(os.environ, RECSHARD_DISABLE_FBGEMM="1")
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -10,16 +10,21 @@ import pytest
 import recshard
 
 
-@pytest.mark.parametrize("expr", [
-    "recshard.distributed.DistributedModelParallel",
-    "recshard.optim.CombinedOptimizer",
-    "recshard.planner.EmbeddingShardingPlanner",
-    "recshard.sparse.KeyedJaggedTensor",
-])
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "recshard.distributed.DistributedModelParallel",
+        "recshard.optim.CombinedOptimizer",
+        "recshard.planner.EmbeddingShardingPlanner",
+        "recshard.sparse.KeyedJaggedTensor",
+    ],
+)
 def test_subpackage_reachable_after_import_recshard(expr: str) -> None:
     # a fresh interpreter: this test process has imported the subpackages already
     code = f"import recshard\nprint({expr}.__name__)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == expr.rsplit(".", 1)[1]
 

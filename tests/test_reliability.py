@@ -22,7 +22,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import pytest
 import torch
@@ -46,18 +46,26 @@ FAILING_STEP = 2
 def _dmp(ws: int) -> DistributedModelParallel:
     torch.manual_seed(0)
     per_table = {t: table_wise(i % ws) for i, t in enumerate(["ta", "tb", "tc"])}
-    plan = ShardingPlan({"ebc": construct_module_sharding_plan(TinyDLRM("meta").ebc, per_table,
-                                                               world_size=ws)})
-    sharders = [EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "exact_sgd", "learning_rate": 0.05})]
+    plan = ShardingPlan(
+        {"ebc": construct_module_sharding_plan(TinyDLRM("meta").ebc, per_table, world_size=ws)}
+    )
+    sharders = [
+        EmbeddingBagCollectionSharder(
+            fused_params={"optimizer": "exact_sgd", "learning_rate": 0.05}
+        )
+    ]
     return DistributedModelParallel(TinyDLRM(), plan=plan, sharders=sharders)
 
 
 def _fail_rank_1(how: str, stage: str, hang_s: float) -> None:
     """Rank 1's misbehaviour `how` if it is due at `stage` of the failing step."""
-    due = {"exit_in_output_dist": "output_dist", "hang_in_output_dist": "output_dist",
-           "sigkill_before_backward": "backward", "exit_between_steps": "start",
-           "raise_between_steps": "start"}[how]
+    due = {
+        "exit_in_output_dist": "output_dist",
+        "hang_in_output_dist": "output_dist",
+        "sigkill_before_backward": "backward",
+        "exit_between_steps": "start",
+        "raise_between_steps": "start",
+    }[how]
     if stage != due:
         return
     if how == "exit_in_output_dist":
@@ -100,8 +108,10 @@ def _train_until_rank_1_fails(rank: int, ws: int, how: str, hang_s: float) -> No
             loss.backward()
             optimizer.step()
         except Exception as e:
-            raise RuntimeError(f"rank {rank} raised at step {step} after "
-                               f"{time.monotonic() - start:.1f}s: {type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"rank {rank} raised at step {step} after "
+                f"{time.monotonic() - start:.1f}s: {type(e).__name__}: {e}"
+            ) from e
     raise AssertionError(f"rank {rank} finished every step although rank 1 failed")
 
 
@@ -117,8 +127,7 @@ def _rank_text(error: RankError, rank: int) -> str:
 
 def _rank_0_error(how: str, pg_timeout_s: float = PG_TIMEOUT_S, hang_s: float = 0.0) -> str:
     with pytest.raises(RankError) as info:  # a harness TimeoutError would fail here
-        run_ranks(2, _train_until_rank_1_fails, how, hang_s, timeout=120,
-                  pg_timeout_s=pg_timeout_s)
+        run_ranks(2, _train_until_rank_1_fails, how, hang_s, timeout=120, pg_timeout_s=pg_timeout_s)
     text = _rank_text(info.value, 0)
     match = re.search(r"rank 0 raised at step (\d+) after ([\d.]+)s: (\w+): (.*)", text)
     assert match, f"rank 0 did not raise on its own:\n{text}"
@@ -147,8 +156,14 @@ def test_rank_killed_between_steps_stops_the_other() -> None:
 
 def test_rank_raising_between_steps_stops_the_other() -> None:
     with pytest.raises(RankError) as info:
-        run_ranks(2, _train_until_rank_1_fails, "raise_between_steps", 0.0, timeout=120,
-                  pg_timeout_s=PG_TIMEOUT_S)
+        run_ranks(
+            2,
+            _train_until_rank_1_fails,
+            "raise_between_steps",
+            0.0,
+            timeout=120,
+            pg_timeout_s=PG_TIMEOUT_S,
+        )
     assert "ValueError: rank 1 gave up between steps" in _rank_text(info.value, 1)
     text = _rank_text(info.value, 0)
     assert re.search(r"rank 0 raised at step 2 after [\d.]+s", text), text
@@ -167,8 +182,10 @@ def test_stuck_rank_times_out_with_the_collective_name() -> None:
 def test_collective_names_and_timeout_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert describe_collective("alltoall_pooled") == ("pooled all-to-all", "forward")
     assert describe_collective("alltoall_pooled_bwd") == ("pooled all-to-all", "backward")
-    assert describe_collective("reduce_scatter_v_pooled_bwd") == ("pooled reduce-scatter-v",
-                                                                  "backward")
+    assert describe_collective("reduce_scatter_v_pooled_bwd") == (
+        "pooled reduce-scatter-v",
+        "backward",
+    )
     assert describe_collective("kjt_all_to_all_values") == ("KJT all-to-all values", "forward")
     assert describe_collective("my_op") == ("my op", "forward")
     assert issubclass(CollectiveError, RuntimeError)
@@ -185,8 +202,11 @@ def _subgroup_timeouts(rank: int, ws: int) -> List[float]:
     from recshard.comm.pg import intra_and_cross_node_pg
 
     intra, cross = intra_and_cross_node_pg(torch.distributed.group.WORLD, 1)
-    return [pg_timeout(torch.distributed.group.WORLD).total_seconds(),
-            pg_timeout(intra).total_seconds(), pg_timeout(cross).total_seconds()]
+    return [
+        pg_timeout(torch.distributed.group.WORLD).total_seconds(),
+        pg_timeout(intra).total_seconds(),
+        pg_timeout(cross).total_seconds(),
+    ]
 
 
 def test_subgroups_inherit_the_process_group_timeout() -> None:
@@ -200,10 +220,14 @@ def test_subgroups_inherit_the_process_group_timeout() -> None:
 
 def _ebc(rows: int = 64, dim: int = 8, seed: int = 0) -> EmbeddingBagCollection:
     torch.manual_seed(seed)
-    return EmbeddingBagCollection([
-        EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim, name="t0", feature_names=["f0"]),
-        EmbeddingBagConfig(num_embeddings=32, embedding_dim=4, name="t1", feature_names=["f1"]),
-    ])
+    return EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(
+                num_embeddings=rows, embedding_dim=dim, name="t0", feature_names=["f0"]
+            ),
+            EmbeddingBagConfig(num_embeddings=32, embedding_dim=4, name="t1", feature_names=["f1"]),
+        ]
+    )
 
 
 def _weights(model: EmbeddingBagCollection) -> Dict[str, torch.Tensor]:
@@ -250,8 +274,9 @@ def _second_save_killed(rank: int, ws: int, path: str, kill_at: str, rows: int, 
     return "saved"
 
 
-def _assert_previous_checkpoint_loads(path: str, first_dir: str, first: Dict[str, torch.Tensor],
-                                      rows: int, dim: int) -> None:
+def _assert_previous_checkpoint_loads(
+    path: str, first_dir: str, first: Dict[str, torch.Tensor], rows: int, dim: int
+) -> None:
     assert str(checkpoint.latest_checkpoint(path)) == first_dir
     restored = _ebc(rows, dim, seed=5)
     assert checkpoint.load(path, restored) == {"save": 1}
@@ -360,30 +385,40 @@ def test_corrupted_shard_bytes_raise_naming_the_checkpoint() -> None:
         with open(shard, "r+b") as f:
             f.write(os.urandom(size))
         text = _load_error(path, _ebc(seed=3))
-        assert f"checkpoint {directory}: shard file {os.path.basename(shard)} does not match " \
-               f"its checksum" in text, text
+        assert (
+            f"checkpoint {directory}: shard file {os.path.basename(shard)} does not match "
+            f"its checksum" in text
+        ), text
 
 
 @pytest.mark.parametrize("rows, dim, missing", [(80, 8, None), (64, 16, None), (64, 8, "t2")])
 def test_mismatched_checkpoint_names_the_table_and_both_shapes(
-        rows: int, dim: int, missing: Optional[str]) -> None:
+    rows: int, dim: int, missing: str | None
+) -> None:
     with tempfile.TemporaryDirectory() as path:
         directory = checkpoint.save(path, _ebc(), extra={"save": 1})
         model = _ebc(rows, dim, seed=3)
         if missing:  # a table the checkpoint does not have
             torch.manual_seed(3)
             model = EmbeddingBagCollection(
-                [EmbeddingBagConfig(num_embeddings=64, embedding_dim=8, name="t0",
-                                    feature_names=["f0"]),
-                 EmbeddingBagConfig(num_embeddings=9, embedding_dim=4, name=missing,
-                                    feature_names=["f2"])])
+                [
+                    EmbeddingBagConfig(
+                        num_embeddings=64, embedding_dim=8, name="t0", feature_names=["f0"]
+                    ),
+                    EmbeddingBagConfig(
+                        num_embeddings=9, embedding_dim=4, name=missing, feature_names=["f2"]
+                    ),
+                ]
+            )
         text = _load_error(path, model)
         assert directory in text, text
         if missing:
             assert f"no table '{missing}'" in text, text
         else:
-            assert (f"table 't0' ('embedding_bags.t0.weight') (model) has shape (64, 8) in the "
-                    f"checkpoint but ({rows}, {dim}) in the model") in text, text
+            assert (
+                f"table 't0' ('embedding_bags.t0.weight') (model) has shape (64, 8) in the "
+                f"checkpoint but ({rows}, {dim}) in the model"
+            ) in text, text
 
 
 def test_checkpoint_table_the_model_lacks_is_reported_unless_not_strict() -> None:
@@ -391,14 +426,20 @@ def test_checkpoint_table_the_model_lacks_is_reported_unless_not_strict() -> Non
         saved = _ebc()
         directory = checkpoint.save(path, saved, extra={"save": 1})
         torch.manual_seed(3)
-        smaller = EmbeddingBagCollection([EmbeddingBagConfig(
-            num_embeddings=64, embedding_dim=8, name="t0", feature_names=["f0"])])
+        smaller = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(
+                    num_embeddings=64, embedding_dim=8, name="t0", feature_names=["f0"]
+                )
+            ]
+        )
         text = _load_error(path, smaller)
         assert directory in text and "1 saved key(s) the model does not have" in text, text
         assert "table 't1' ('embedding_bags.t1.weight')" in text and "strict=False" in text, text
         assert checkpoint.load(path, smaller, strict=False) == {"save": 1}
-        torch.testing.assert_close(smaller.embedding_bags["t0"].weight,
-                                   saved.embedding_bags["t0"].weight)
+        torch.testing.assert_close(
+            smaller.embedding_bags["t0"].weight, saved.embedding_bags["t0"].weight
+        )
 
 
 def _save_then_load_sharded(rank: int, ws: int, path: str) -> str:
@@ -407,9 +448,12 @@ def _save_then_load_sharded(rank: int, ws: int, path: str) -> str:
     model = _dmp(ws)
     checkpoint.save(path, model, make_optimizer(model, fused=True, adagrad=False))
     wider = TinyDLRM()
-    wider.ebc = EmbeddingBagCollection([
-        EmbeddingBagConfig(num_embeddings=12, embedding_dim=4, name="ta", feature_names=["a"]),
-        *TinyDLRM("meta").ebc.embedding_bag_configs()[1:]])
+    wider.ebc = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(num_embeddings=12, embedding_dim=4, name="ta", feature_names=["a"]),
+            *TinyDLRM("meta").ebc.embedding_bag_configs()[1:],
+        ]
+    )
     try:
         checkpoint.load(path, wider)
     except ValueError as e:
@@ -421,8 +465,10 @@ def test_mismatched_checkpoint_raises_on_every_rank() -> None:
     with tempfile.TemporaryDirectory() as path:
         results = run_ranks(2, _save_then_load_sharded, path, timeout=120, pg_timeout_s=20)
     for text in results:
-        assert "table 'ta' ('ebc.embedding_bags.ta.weight') (model) has shape (10, 4) in the " \
-               "checkpoint but (12, 4) in the model" in text, text
+        assert (
+            "table 'ta' ('ebc.embedding_bags.ta.weight') (model) has shape (10, 4) in the "
+            "checkpoint but (12, 4) in the model" in text
+        ), text
 
 
 def _save_twice_rank_1_dies(rank: int, ws: int, path: str) -> None:
@@ -441,8 +487,9 @@ def _save_twice_rank_1_dies(rank: int, ws: int, path: str) -> None:
     try:
         checkpoint.save(path, model, optimizer, extra={"save": 2})
     except Exception as e:
-        raise RuntimeError(f"rank {rank} raised after {time.monotonic() - start:.1f}s: "
-                           f"{type(e).__name__}: {e}") from e
+        raise RuntimeError(
+            f"rank {rank} raised after {time.monotonic() - start:.1f}s: {type(e).__name__}: {e}"
+        ) from e
 
 
 def test_rank_dying_during_a_sharded_save_leaves_the_previous_checkpoint() -> None:
@@ -452,9 +499,12 @@ def test_rank_dying_during_a_sharded_save_leaves_the_previous_checkpoint() -> No
         with pytest.raises(RankError) as info:
             run_ranks(2, _save_twice_rank_1_dies, path, timeout=120, pg_timeout_s=PG_TIMEOUT_S)
         text = _rank_text(info.value, 0)
-        assert re.search(r"rank 0 raised after [\d.]+s: RuntimeError: saving checkpoint "
-                         r"\S+/ckpt-\w+: writing shards \(torch.distributed.checkpoint\) failed; "
-                         r"the previous checkpoint is still the latest", text), text
+        assert re.search(
+            r"rank 0 raised after [\d.]+s: RuntimeError: saving checkpoint "
+            r"\S+/ckpt-\w+: writing shards \(torch.distributed.checkpoint\) failed; "
+            r"the previous checkpoint is still the latest",
+            text,
+        ), text
         assert "process-group timeout ran out" not in text, text
         torch.manual_seed(0)
         initial = TinyDLRM()  # what both ranks held at the first save

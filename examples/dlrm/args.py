@@ -12,19 +12,30 @@ from examples.dlrm.sharding import OPTIMIZER_CHOICES, SHARDING_CHOICES
 
 # What `--demo` changes (flags given explicitly still win): about a minute on 2 CPU ranks.
 DEMO = dict(
-    data="synthetic", steps=400, batch_size=512, embedding_dim=16,
-    num_embeddings_per_feature="100000", dense_arch_layers="64,16",
-    over_arch_layers="64,32,1", optimizer="rowwise_adagrad", lr=0.05, eval_every=100,
-    eval_batches=20, sharding="auto", metrics_json="out/dlrm_demo_metrics.json",
+    data="synthetic",
+    steps=400,
+    batch_size=512,
+    embedding_dim=16,
+    num_embeddings_per_feature="100000",
+    dense_arch_layers="64,16",
+    over_arch_layers="64,32,1",
+    optimizer="rowwise_adagrad",
+    lr=0.05,
+    eval_every=100,
+    eval_batches=20,
+    sharding="auto",
+    metrics_json="out/dlrm_demo_metrics.json",
 )
 
 
 def int_list(text: str) -> List[int]:
-    """"512,256,64" -> [512, 256, 64]."""
+    """ "512,256,64" -> [512, 256, 64]."""
     try:
         values = [int(v) for v in text.replace(" ", "").split(",") if v]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
@@ -37,7 +48,8 @@ def table_sizes(text: str) -> List[int]:
         return capped_num_embeddings(values[0])
     if len(values) != NUM_SPARSE:
         raise argparse.ArgumentTypeError(
-            f"--num-embeddings-per-feature needs 1 or {NUM_SPARSE} values, got {len(values)}")
+            f"--num-embeddings-per-feature needs 1 or {NUM_SPARSE} values, got {len(values)}"
+        )
     return values
 
 
@@ -45,94 +57,186 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m examples.dlrm.train",
         description="Train DLRM with sharded embedding tables (recshard). Launch with torchrun, "
-                    "e.g. torchrun --standalone --nproc_per_node 2 -m examples.dlrm.train --demo. "
-                    "Without torchrun it runs as a single rank.",
+        "e.g. torchrun --standalone --nproc_per_node 2 -m examples.dlrm.train --demo. "
+        "Without torchrun it runs as a single rank.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--demo", action="store_true",
-                   help="preset: synthetic data, small model, ~1 minute on 2 CPU ranks, ends with "
-                        f"the eval AUC (sets {', '.join(sorted(DEMO))} unless given)")
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        help="preset: synthetic data, small model, ~1 minute on 2 CPU ranks, ends with "
+        f"the eval AUC (sets {', '.join(sorted(DEMO))} unless given)",
+    )
     g = p.add_argument_group("training length")
-    g.add_argument("--steps", type=int, default=None,
-                   help="training steps (batches per rank); synthetic data needs it "
-                        "(default 1000 there); with Criteo data it stops early or cycles the files")
-    g.add_argument("--epochs", type=int, default=1,
-                   help="passes over the Criteo train split when --steps is not given")
+    g.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="training steps (batches per rank); synthetic data needs it "
+        "(default 1000 there); with Criteo data it stops early or cycles the files",
+    )
+    g.add_argument(
+        "--epochs",
+        type=int,
+        default=1,
+        help="passes over the Criteo train split when --steps is not given",
+    )
     g.add_argument("--batch-size", type=int, default=512, help="samples per rank per step")
     g = p.add_argument_group("model")
     g.add_argument("--embedding-dim", type=int, default=64, help="dimension of every table")
-    g.add_argument("--num-embeddings-per-feature", type=table_sizes, default="100000",
-                   help=f"rows per table: {NUM_SPARSE} comma-separated values, or one value N = "
-                        "Criteo Kaggle's sizes capped at N")
-    g.add_argument("--dense-arch-layers", type=int_list, default="512,256,64",
-                   help="dense MLP sizes; the last must equal --embedding-dim")
-    g.add_argument("--over-arch-layers", type=int_list, default="512,512,256,1",
-                   help="over MLP sizes; the last must be 1")
-    g.add_argument("--interaction", choices=["dot", "dcn"], default="dot",
-                   help="pairwise dot products (DLRM) or a low-rank DCN-v2 cross network")
+    g.add_argument(
+        "--num-embeddings-per-feature",
+        type=table_sizes,
+        default="100000",
+        help=f"rows per table: {NUM_SPARSE} comma-separated values, or one value N = "
+        "Criteo Kaggle's sizes capped at N",
+    )
+    g.add_argument(
+        "--dense-arch-layers",
+        type=int_list,
+        default="512,256,64",
+        help="dense MLP sizes; the last must equal --embedding-dim",
+    )
+    g.add_argument(
+        "--over-arch-layers",
+        type=int_list,
+        default="512,512,256,1",
+        help="over MLP sizes; the last must be 1",
+    )
+    g.add_argument(
+        "--interaction",
+        choices=["dot", "dcn"],
+        default="dot",
+        help="pairwise dot products (DLRM) or a low-rank DCN-v2 cross network",
+    )
     g.add_argument("--dcn-num-layers", type=int, default=3, help="DCN cross layers")
     g.add_argument("--dcn-low-rank-dim", type=int, default=64, help="DCN low-rank dimension")
     g = p.add_argument_group("sharding and optimizer")
-    g.add_argument("--sharding", choices=SHARDING_CHOICES, default="auto",
-                   help="auto = recshard's planner; otherwise every table sharded this way "
-                        "(table_wise: tables round-robin over ranks)")
-    g.add_argument("--plan", default=None,
-                   help="sharding plan JSON (from recshard-plan or a previous run); overrides "
-                        "--sharding")
-    g.add_argument("--save-plan", default=None,
-                   help="write the plan this run uses as JSON (rank 0), for --plan later")
-    g.add_argument("--kernel", choices=["fused", "dense"], default="fused",
-                   help="fused: fbgemm TBE with the optimizer in backward; dense: autograd "
-                        "weights updated by the dense optimizer (data_parallel is always dense)")
-    g.add_argument("--optimizer", choices=OPTIMIZER_CHOICES, default="rowwise_adagrad",
-                   help="embedding optimizer; the dense arch uses SGD, or Adagrad for both "
-                        "Adagrad choices")
+    g.add_argument(
+        "--sharding",
+        choices=SHARDING_CHOICES,
+        default="auto",
+        help="auto = recshard's planner; otherwise every table sharded this way "
+        "(table_wise: tables round-robin over ranks)",
+    )
+    g.add_argument(
+        "--plan",
+        default=None,
+        help="sharding plan JSON (from recshard-plan or a previous run); overrides --sharding",
+    )
+    g.add_argument(
+        "--save-plan",
+        default=None,
+        help="write the plan this run uses as JSON (rank 0), for --plan later",
+    )
+    g.add_argument(
+        "--kernel",
+        choices=["fused", "dense"],
+        default="fused",
+        help="fused: fbgemm TBE with the optimizer in backward; dense: autograd "
+        "weights updated by the dense optimizer (data_parallel is always dense)",
+    )
+    g.add_argument(
+        "--optimizer",
+        choices=OPTIMIZER_CHOICES,
+        default="rowwise_adagrad",
+        help="embedding optimizer; the dense arch uses SGD, or Adagrad for both Adagrad choices",
+    )
     g.add_argument("--lr", type=float, default=0.05, help="learning rate (embeddings and dense)")
     g.add_argument("--eps", type=float, default=1e-8, help="Adagrad epsilon")
-    g.add_argument("--comm-precision", choices=["fp32", "fp16", "bf16"], default="fp32",
-                   help="precision of the pooled embedding all-to-alls / reduce-scatters on "
-                        "the wire, forward and backward (halves their bytes)")
-    g.add_argument("--tp-over-arch", action="store_true",
-                   help="run the over arch's first two layers as a column->row tensor-parallel "
-                        "pair over all ranks on the global batch (recshard.parallel); trains "
-                        "like the data-parallel over arch")
-    g.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
-                   help="TrainPipelineSparseDist: overlap the next batch's copy and input "
-                        "all-to-all with this batch's compute")
+    g.add_argument(
+        "--comm-precision",
+        choices=["fp32", "fp16", "bf16"],
+        default="fp32",
+        help="precision of the pooled embedding all-to-alls / reduce-scatters on "
+        "the wire, forward and backward (halves their bytes)",
+    )
+    g.add_argument(
+        "--tp-over-arch",
+        action="store_true",
+        help="run the over arch's first two layers as a column->row tensor-parallel "
+        "pair over all ranks on the global batch (recshard.parallel); trains "
+        "like the data-parallel over arch",
+    )
+    g.add_argument(
+        "--pipeline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="TrainPipelineSparseDist: overlap the next batch's copy and input "
+        "all-to-all with this batch's compute",
+    )
     g = p.add_argument_group("data")
-    g.add_argument("--data", choices=["synthetic", "criteo"], default="synthetic",
-                   help="built-in synthetic Criteo-like data or Criteo TSV/CSV files")
-    g.add_argument("--data-path", default=None,
-                   help="Criteo file, directory or glob; every 10th line is held out for eval "
-                        "unless --eval-data-path is given; or a directory written by "
-                        "python -m examples.dlrm.preprocess (detected, read memory-mapped)")
+    g.add_argument(
+        "--data",
+        choices=["synthetic", "criteo"],
+        default="synthetic",
+        help="built-in synthetic Criteo-like data or Criteo TSV/CSV files",
+    )
+    g.add_argument(
+        "--data-path",
+        default=None,
+        help="Criteo file, directory or glob; every 10th line is held out for eval "
+        "unless --eval-data-path is given; or a directory written by "
+        "python -m examples.dlrm.preprocess (detected, read memory-mapped)",
+    )
     g.add_argument("--eval-data-path", default=None, help="separate Criteo eval files")
-    g.add_argument("--shuffle-buffer", type=int, default=0,
-                   help="preprocessed data: shuffle the training rows within buffers of this "
-                        "many rows (0: file order, as the TSV reader)")
+    g.add_argument(
+        "--shuffle-buffer",
+        type=int,
+        default=0,
+        help="preprocessed data: shuffle the training rows within buffers of this "
+        "many rows (0: file order, as the TSV reader)",
+    )
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader workers (Criteo)")
-    g.add_argument("--multi-hot", type=int, default=1,
-                   help="synthetic: up to this many ids per feature and sample")
+    g.add_argument(
+        "--multi-hot",
+        type=int,
+        default=1,
+        help="synthetic: up to this many ids per feature and sample",
+    )
     g.add_argument("--zipf-alpha", type=float, default=1.1, help="synthetic: id skew")
     g = p.add_argument_group("evaluation, checkpoints, output")
-    g.add_argument("--eval-every", type=int, default=0,
-                   help="evaluate every N steps (0: only at the end)")
-    g.add_argument("--eval-batches", type=int, default=50,
-                   help="eval batches per rank (synthetic; for Criteo an upper bound, 0 = all)")
-    g.add_argument("--checkpoint-dir", default=None,
-                   help="save a sharded checkpoint here at every eval and at the end")
-    g.add_argument("--checkpoint-every", type=int, default=0,
-                   help="also checkpoint every N steps (model, both optimizers, step, data "
-                        "position, RNG state, per-step losses)")
-    g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
-                   help="continue from the newest complete checkpoint in --checkpoint-dir, if "
-                        "any (default with --checkpoint-dir, so a job restarted by torchrun "
-                        "--max-restarts continues); --no-resume starts over")
+    g.add_argument(
+        "--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)"
+    )
+    g.add_argument(
+        "--eval-batches",
+        type=int,
+        default=50,
+        help="eval batches per rank (synthetic; for Criteo an upper bound, 0 = all)",
+    )
+    g.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save a sharded checkpoint here at every eval and at the end",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="also checkpoint every N steps (model, both optimizers, step, data "
+        "position, RNG state, per-step losses)",
+    )
+    g.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="continue from the newest complete checkpoint in --checkpoint-dir, if "
+        "any (default with --checkpoint-dir, so a job restarted by torchrun "
+        "--max-restarts continues); --no-resume starts over",
+    )
     g.add_argument("--seed", type=int, default=0, help="model init and data seed")
-    g.add_argument("--metrics-json", default=None,
-                   help="write the run's config, plan, throughput and eval metrics here (rank 0)")
-    g.add_argument("--pg-timeout", type=float, default=300.0,
-                   help="seconds before a collective waiting on a dead rank fails")
+    g.add_argument(
+        "--metrics-json",
+        default=None,
+        help="write the run's config, plan, throughput and eval metrics here (rank 0)",
+    )
+    g.add_argument(
+        "--pg-timeout",
+        type=float,
+        default=300.0,
+        help="seconds before a collective waiting on a dead rank fails",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -150,8 +254,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.steps = 1000
     if args.data == "criteo":
         try:
-            manifests = {p: Manifest.load(p) for p in (args.data_path, args.eval_data_path)
-                         if is_preprocessed(p)}
+            manifests = {
+                p: Manifest.load(p)
+                for p in (args.data_path, args.eval_data_path)
+                if is_preprocessed(p)
+            }
             for path, manifest in manifests.items():
                 check_table_sizes(manifest, args.num_embeddings_per_feature, path)
             if len(manifests) == 2:
@@ -167,8 +274,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.resume is None:
         args.resume = args.checkpoint_dir is not None
     if args.dense_arch_layers[-1] != args.embedding_dim:
-        parser.error(f"--dense-arch-layers must end with --embedding-dim {args.embedding_dim}, "
-                     f"got {args.dense_arch_layers}")
+        parser.error(
+            f"--dense-arch-layers must end with --embedding-dim {args.embedding_dim}, "
+            f"got {args.dense_arch_layers}"
+        )
     if args.over_arch_layers[-1] != 1:
         parser.error(f"--over-arch-layers must end with 1, got {args.over_arch_layers}")
     for name in ("batch_size", "embedding_dim"):

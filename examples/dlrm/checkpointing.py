@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -62,18 +62,35 @@ def _gather(value: Any) -> List[Any]:
     return values
 
 
-def save_progress(directory: str, dmp: DistributedModelParallel, optimizer: CombinedOptimizer,
-                  progress: Progress, device: torch.device) -> None:
+def save_progress(
+    directory: str,
+    dmp: DistributedModelParallel,
+    optimizer: CombinedOptimizer,
+    progress: Progress,
+    device: torch.device,
+) -> None:
     """Checkpoint the model, both optimizers and `progress` (collective: every rank calls it)."""
     per_rank = _gather({"losses": progress.losses, "rng": _rng_state(device)})
-    save(directory, dmp, optimizer, {
-        "step": progress.step, "evals": progress.evals,
-        "losses": [r["losses"] for r in per_rank], "rng": [r["rng"] for r in per_rank],
-    })
+    save(
+        directory,
+        dmp,
+        optimizer,
+        {
+            "step": progress.step,
+            "evals": progress.evals,
+            "losses": [r["losses"] for r in per_rank],
+            "rng": [r["rng"] for r in per_rank],
+        },
+    )
 
 
-def resume(directory: str, dmp: DistributedModelParallel, optimizer: CombinedOptimizer,
-           device: torch.device, say: Callable[[str], None]) -> Optional[Progress]:
+def resume(
+    directory: str,
+    dmp: DistributedModelParallel,
+    optimizer: CombinedOptimizer,
+    device: torch.device,
+    say: Callable[[str], None],
+) -> Progress | None:
     """Load the newest complete checkpoint under `directory` into `dmp` and `optimizer`, and
     restore this rank's RNG state; None when there is none yet. A checkpoint from another
     world size loads too (resharded), but the ranks' loss histories and RNG streams cannot
@@ -90,7 +107,9 @@ def resume(directory: str, dmp: DistributedModelParallel, optimizer: CombinedOpt
         progress.losses = [float(v) for v in extra["losses"][rank]]
         _set_rng_state(extra["rng"][rank], device)
     else:
-        say(f"notice: the checkpoint in {directory} comes from {saved_ranks or 'an unknown number of'}"
+        say(
+            f"notice: the checkpoint in {directory} comes from {saved_ranks or 'an unknown number of'}"
             f" rank(s), this job has {world_size}: tables and optimizer state are resharded, "
-            f"per-rank losses and RNG streams start afresh")
+            f"per-rank losses and RNG streams start afresh"
+        )
     return progress

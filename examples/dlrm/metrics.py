@@ -23,9 +23,15 @@ class NormalizedEntropy(Metric):
     def __init__(self, eps: float = 1e-12, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.eps = eps
-        self.add_state("log_loss", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("positives", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state(
+            "log_loss", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum"
+        )
+        self.add_state(
+            "positives", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum"
+        )
+        self.add_state(
+            "count", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum"
+        )
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         labels = labels.to(torch.float64)
@@ -53,10 +59,12 @@ class EvalMetrics:
 
     def __init__(self, device: torch.device, process_group: Any | None = None) -> None:
         kwargs = {"process_group": process_group, "sync_on_compute": True}
-        self.metrics = MetricCollection({
-            "auc": BinaryAUROC(**kwargs),
-            "accuracy": BinaryAccuracy(**kwargs),
-        }).to(device)
+        self.metrics = MetricCollection(
+            {
+                "auc": BinaryAUROC(**kwargs),
+                "accuracy": BinaryAccuracy(**kwargs),
+            }
+        ).to(device)
         self.ne = NormalizedEntropy(**kwargs).to(device)
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
@@ -68,8 +76,9 @@ class EvalMetrics:
     def compute(self) -> Dict[str, float]:
         values = {name: float(v) for name, v in self.metrics.compute().items()}
         ne = self.ne.compute()
-        values.update(ne=float(ne["ne"]), log_loss=float(ne["log_loss"]),
-                      samples=int(ne["samples"]))
+        values.update(
+            ne=float(ne["ne"]), log_loss=float(ne["log_loss"]), samples=int(ne["samples"])
+        )
         return values
 
     def reset(self) -> None:

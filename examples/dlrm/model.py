@@ -10,7 +10,7 @@ Everything builds on `device="meta"`; `DistributedModelParallel` materializes it
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 from torch import nn
@@ -28,9 +28,11 @@ class ExampleDLRMTrain(DLRMTrain):
 
     def __init__(self, dlrm_module: DLRM) -> None:
         super().__init__(dlrm_module)
-        self.global_batch: Optional[nn.Module] = None
+        self.global_batch: nn.Module | None = None
 
-    def forward(self, batch: Batch) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def forward(
+        self, batch: Batch
+    ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         if self.global_batch is None:
             return super().forward(batch)
         logits = self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
@@ -53,11 +55,23 @@ def build_dlrm(
     let DistributedModelParallel materialize it)."""
     ebc = EmbeddingBagCollection(tables=tables, device=device)
     if interaction == "dot":
-        dlrm = DLRM(ebc, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes,
-                    dense_device=device)
+        dlrm = DLRM(
+            ebc,
+            dense_in_features,
+            dense_arch_layer_sizes,
+            over_arch_layer_sizes,
+            dense_device=device,
+        )
     elif interaction == "dcn":
-        dlrm = DLRM_DCN(ebc, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes,
-                        dcn_num_layers, dcn_low_rank_dim, dense_device=device)
+        dlrm = DLRM_DCN(
+            ebc,
+            dense_in_features,
+            dense_arch_layer_sizes,
+            over_arch_layer_sizes,
+            dcn_num_layers,
+            dcn_low_rank_dim,
+            dense_device=device,
+        )
     else:
         raise ValueError(f"interaction must be 'dot' or 'dcn', got {interaction!r}")
     return ExampleDLRMTrain(dlrm)

@@ -19,7 +19,7 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Tuple
 
 import torch.distributed as dist
 
@@ -47,7 +47,7 @@ def _own_address() -> str:
         return probe.getsockname()[0]
 
 
-def _dial(peer: Peer, timeout_s: float) -> Optional[str]:
+def _dial(peer: Peer, timeout_s: float) -> str | None:
     """None when `peer` answers, else why not ("timed out", "connection refused", ...)."""
     try:
         with socket.create_connection((peer.address, peer.port), timeout=timeout_s):
@@ -69,7 +69,7 @@ class PeerDirectory:
         self._listener.listen(128)
         rank = dist.get_rank()
         me = Peer(rank, socket.gethostname(), _own_address(), self._listener.getsockname()[1])
-        peers: List[Optional[Peer]] = [None] * dist.get_world_size()
+        peers: List[Peer | None] = [None] * dist.get_world_size()
         dist.all_gather_object(peers, me)
         self.me = me
         self.others = [p for p in peers if p is not None and p.rank != rank]
@@ -101,7 +101,9 @@ def naming_unreachable_peers() -> Iterator[None]:
         if not lost:
             raise
         names = "; ".join(f"{peer}: {why}" for peer, why in lost)
-        raise RuntimeError(f"rank {directory.me.rank} on {directory.me.host} cannot reach "
-                           f"{len(lost)} peer(s): {names}. It failed with: {error}") from error
+        raise RuntimeError(
+            f"rank {directory.me.rank} on {directory.me.host} cannot reach "
+            f"{len(lost)} peer(s): {names}. It failed with: {error}"
+        ) from error
     finally:
         directory.close()

@@ -23,15 +23,25 @@ from recshard.distributed.sharding_plan import (
 from recshard.modules import EmbeddingBagCollection
 
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
-SHARDING_CHOICES = ["auto", "table_wise", "row_wise", "column_wise", "table_row_wise",
-                    "data_parallel"]
+SHARDING_CHOICES = [
+    "auto",
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "table_row_wise",
+    "data_parallel",
+]
 OPTIMIZER_CHOICES = ["sgd", "adagrad", "rowwise_adagrad"]
-_FUSED_NAME = {"sgd": "exact_sgd", "adagrad": "exact_adagrad",
-               "rowwise_adagrad": "exact_row_wise_adagrad"}
+_FUSED_NAME = {
+    "sgd": "exact_sgd",
+    "adagrad": "exact_adagrad",
+    "rowwise_adagrad": "exact_row_wise_adagrad",
+}
 
 
-def _generator(kind: str, table_index: int, world_size: int, local_size: int,
-               kernel: str) -> ShardingGenerator:
+def _generator(
+    kind: str, table_index: int, world_size: int, local_size: int, kernel: str
+) -> ShardingGenerator:
     """Per-table helper for one uniform sharding type; tables round-robin over ranks/hosts."""
     if kind == "table_wise":
         return table_wise(rank=table_index % world_size, compute_kernel=kernel)
@@ -47,10 +57,19 @@ def _generator(kind: str, table_index: int, world_size: int, local_size: int,
     raise ValueError(f"unknown sharding {kind!r}; choose from {SHARDING_CHOICES}")
 
 
-def make_plan(kind: str, model: nn.Module, tables: List[EmbeddingBagConfig], world_size: int,
-              local_size: int, kernel: str, sharders: List[EmbeddingBagCollectionSharder],
-              batch_size: int, pooling_factor: float = 1.0, device_type: str = "cpu",
-              plan_path: str | None = None) -> Tuple[ShardingPlan, str]:
+def make_plan(
+    kind: str,
+    model: nn.Module,
+    tables: List[EmbeddingBagConfig],
+    world_size: int,
+    local_size: int,
+    kernel: str,
+    sharders: List[EmbeddingBagCollectionSharder],
+    batch_size: int,
+    pooling_factor: float = 1.0,
+    device_type: str = "cpu",
+    plan_path: str | None = None,
+) -> Tuple[ShardingPlan, str]:
     """The plan for the DLRM's EBC and a line about it (collective for "auto").
 
     `plan_path`: a JSON plan file. "auto": recshard's planner (rank 0 plans for this batch
@@ -72,29 +91,36 @@ def make_plan(kind: str, model: nn.Module, tables: List[EmbeddingBagConfig], wor
             for t in tables
         }
         planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=world_size, compute_device=device_type,
-                              local_world_size=local_size),
-            batch_size=batch_size, constraints=constraints, debug=False,
+            topology=Topology(
+                world_size=world_size, compute_device=device_type, local_world_size=local_size
+            ),
+            batch_size=batch_size,
+            constraints=constraints,
+            debug=False,
         )
         plan = planner.collective_plan(model, sharders)
         stats = planner.last_stats  # rank 0 only: it planned
         note = "recshard planner"
         if stats is not None:
-            note += (f", {stats.num_proposals} proposals in {stats.plan_time_s:.2f}s, estimated "
-                     f"imbalance {stats.imbalance:.2f}, memory imbalance "
-                     f"{stats.memory_imbalance:.2f}")
+            note += (
+                f", {stats.num_proposals} proposals in {stats.plan_time_s:.2f}s, estimated "
+                f"imbalance {stats.imbalance:.2f}, memory imbalance "
+                f"{stats.memory_imbalance:.2f}"
+            )
         return plan, note
     ebc = EmbeddingBagCollection(tables, device="meta")
-    per_table = {t.name: _generator(kind, i, world_size, local_size, kernel)
-                 for i, t in enumerate(tables)}
+    per_table = {
+        t.name: _generator(kind, i, world_size, local_size, kernel) for i, t in enumerate(tables)
+    }
     module_plan = construct_module_sharding_plan(
         ebc, per_table, local_size=local_size, world_size=world_size, device_type=device_type
     )
     return ShardingPlan(plan={EBC_PATH: module_plan}), f"every table {kind}"
 
 
-def make_sharders(optimizer: str, lr: float, eps: float = 1e-8,
-                  comm_precision: str = "fp32") -> List[EmbeddingBagCollectionSharder]:
+def make_sharders(
+    optimizer: str, lr: float, eps: float = 1e-8, comm_precision: str = "fp32"
+) -> List[EmbeddingBagCollectionSharder]:
     """The EBC sharder with the fused (in-backward) embedding optimizer, and fp16/bf16 codecs
     on the pooled all-to-alls and reduce-scatters (forward and backward) if asked."""
     fused = {"optimizer": _FUSED_NAME[optimizer], "learning_rate": lr, "eps": eps}
@@ -102,8 +128,9 @@ def make_sharders(optimizer: str, lr: float, eps: float = 1e-8,
     return [EmbeddingBagCollectionSharder(fused_params=fused, qcomm_codecs_registry=registry)]
 
 
-def dense_optimizer_factory(optimizer: str, lr: float,
-                            eps: float = 1e-8) -> Callable[[List[torch.Tensor]], torch.optim.Optimizer]:
+def dense_optimizer_factory(
+    optimizer: str, lr: float, eps: float = 1e-8
+) -> Callable[[List[torch.Tensor]], torch.optim.Optimizer]:
     """Torch optimizer for the dense arch and dense-kernel tables: SGD, or Adagrad for both
     Adagrad choices (as TorchRec's DLRM example)."""
     if optimizer == "sgd":
@@ -120,9 +147,14 @@ def plan_table(plan: ShardingPlan, tables: List[EmbeddingBagConfig]) -> str:
         for name, ps in module_plan.items():
             config = sizes.get(name)
             shape = f"{config.num_embeddings} x {config.embedding_dim}" if config else "?"
-            shards = "replicated" if not ps.shards else ", ".join(
-                f"{s.shard_sizes[0]}x{s.shard_sizes[1]}@{s.rank}" for s in ps.shards[:4]
-            ) + (f", ... ({len(ps.shards)} shards)" if len(ps.shards) > 4 else "")
+            shards = (
+                "replicated"
+                if not ps.shards
+                else ", ".join(
+                    f"{s.shard_sizes[0]}x{s.shard_sizes[1]}@{s.rank}" for s in ps.shards[:4]
+                )
+                + (f", ... ({len(ps.shards)} shards)" if len(ps.shards) > 4 else "")
+            )
             ranks = "all" if ps.ranks is None else ",".join(map(str, ps.ranks))
             rows.append([name, shape, ps.sharding_type, ps.compute_kernel, ranks, shards])
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]

@@ -12,7 +12,7 @@ updates: the mean loss over the global batch.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,24 +36,28 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _world(pg: Optional[dist.ProcessGroup]) -> int:
+def _world(pg: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(pg) if dist.is_initialized() else 1
 
 
 class TensorParallelOverArch(nn.Module):
     """`[B, D]` on each rank -> logits `[W*B, 1]` for the global batch, identical on all ranks."""
 
-    def __init__(self, over_arch: OverArch, pg: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, over_arch: OverArch, pg: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         linears = over_arch.linears()  # a ReLU follows each but the last
         if len(linears) < 2:
-            raise ValueError("--tp-over-arch needs an over arch of at least two layers "
-                             "(e.g. --over-arch-layers 64,32,1)")
+            raise ValueError(
+                "--tp-over-arch needs an over arch of at least two layers "
+                "(e.g. --over-arch-layers 64,32,1)"
+            )
         if dist.is_initialized():  # slices of one matrix: rank 0's full weights for everyone
             with torch.no_grad():
                 for layer in linears[:2]:
                     for param in layer.parameters():
-                        dist.broadcast(param, src=dist.get_global_rank(pg or dist.group.WORLD, 0), group=pg)
+                        dist.broadcast(
+                            param, src=dist.get_global_rank(pg or dist.group.WORLD, 0), group=pg
+                        )
         self.pg = pg
         self.column = ColumnParallelLinear.from_linear(linears[0], pg, gather_output=False)
         self.activation = nn.ReLU()
@@ -69,7 +73,7 @@ class TensorParallelOverArch(nn.Module):
 class GlobalBatch(nn.Module):
     """Labels of every rank's batch (rank order, no gradient), and this rank's rows back."""
 
-    def __init__(self, pg: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, pg: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.pg = pg
 
@@ -87,7 +91,7 @@ class GlobalBatch(nn.Module):
         return rows.narrow(0, rank * batch, batch)
 
 
-def to_tensor_parallel(model: ExampleDLRMTrain, pg: Optional[dist.ProcessGroup] = None) -> None:
+def to_tensor_parallel(model: ExampleDLRMTrain, pg: dist.ProcessGroup | None = None) -> None:
     """Switch a (materialized) DLRMTrain to the tensor-parallel over arch, in place. Call it
     on every rank, before the dense part is wrapped in DDP (`DistributedModelParallel(...,
     init_data_parallel=False)`, then `dmp.init_data_parallel()`)."""

@@ -45,8 +45,14 @@ def init_distributed(timeout_s: float) -> Tuple[int, int, int, torch.device]:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            os.environ.update(
+                RANK="0",
+                WORLD_SIZE="1",
+                LOCAL_RANK="0",
+                LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -61,8 +67,12 @@ def init_distributed(timeout_s: float) -> Tuple[int, int, int, torch.device]:
 
 def make_tables(args: argparse.Namespace) -> List[EmbeddingBagConfig]:
     return [
-        EmbeddingBagConfig(num_embeddings=rows, embedding_dim=args.embedding_dim,
-                           name=f"t_{feature}", feature_names=[feature])
+        EmbeddingBagConfig(
+            num_embeddings=rows,
+            embedding_dim=args.embedding_dim,
+            name=f"t_{feature}",
+            feature_names=[feature],
+        )
         for feature, rows in zip(SPARSE_NAMES, args.num_embeddings_per_feature)
     ]
 
@@ -74,28 +84,51 @@ def build_training(
     and a line about the plan."""
     torch.manual_seed(args.seed)
     tables = make_tables(args)
-    model = build_dlrm(tables, NUM_DENSE, args.dense_arch_layers, args.over_arch_layers,
-                       args.interaction, device="meta", dcn_num_layers=args.dcn_num_layers,
-                       dcn_low_rank_dim=args.dcn_low_rank_dim)
+    model = build_dlrm(
+        tables,
+        NUM_DENSE,
+        args.dense_arch_layers,
+        args.over_arch_layers,
+        args.interaction,
+        device="meta",
+        dcn_num_layers=args.dcn_num_layers,
+        dcn_low_rank_dim=args.dcn_low_rank_dim,
+    )
     sharders = make_sharders(args.optimizer, args.lr, args.eps, args.comm_precision)
     plan, plan_note = make_plan(
-        args.sharding, model, tables, world_size, local_size, args.kernel, sharders,
-        args.batch_size, pooling_factor=(1 + args.multi_hot) / 2, device_type=device.type,
-        plan_path=args.plan)
+        args.sharding,
+        model,
+        tables,
+        world_size,
+        local_size,
+        args.kernel,
+        sharders,
+        args.batch_size,
+        pooling_factor=(1 + args.multi_hot) / 2,
+        device_type=device.type,
+        plan_path=args.plan,
+    )
     # DDP re-lays its gradient buckets after the first step, which changes the order gloo sums
     # them in; a resumed run would sum its first step differently from the uninterrupted one.
     # With checkpoints, keep the first layout (find_unused_parameters skips the re-layout).
     wrapper = DefaultDataParallelWrapper(find_unused_parameters=args.checkpoint_dir is not None)
-    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders,
-                                   init_data_parallel=not args.tp_over_arch,
-                                   data_parallel_wrapper=wrapper)
+    dmp = DistributedModelParallel(
+        model,
+        device=device,
+        plan=plan,
+        sharders=sharders,
+        init_data_parallel=not args.tp_over_arch,
+        data_parallel_wrapper=wrapper,
+    )
     if args.tp_over_arch:  # the over arch's first two layers tensor-parallel over all ranks
         from examples.dlrm.tp import to_tensor_parallel
 
         to_tensor_parallel(dmp.module)
         dmp.init_data_parallel()
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  dense_optimizer_factory(args.optimizer, args.lr, args.eps))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        dense_optimizer_factory(args.optimizer, args.lr, args.eps),
+    )
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), tables, plan_note
 
 
@@ -115,8 +148,14 @@ class Runner:
     copy and input all-to-all overlap batch i) or plain. `step` returns `(loss, logits,
     labels)` of one batch and raises StopIteration at the end of the data."""
 
-    def __init__(self, dmp: DistributedModelParallel, optimizer: CombinedOptimizer,
-                 device: torch.device, pipeline: bool, say: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        dmp: DistributedModelParallel,
+        optimizer: CombinedOptimizer,
+        device: torch.device,
+        pipeline: bool,
+        say: Callable[[str], None],
+    ) -> None:
         self.dmp, self.optimizer, self.device = dmp, optimizer, device
         classes = _pipeline_classes() if pipeline else None
         if pipeline and classes is None:
@@ -164,14 +203,23 @@ def _progress_bar(total: int | None, initial: int, enabled: bool) -> Any:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
-                mininterval=0.5, file=sys.stderr)
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=0.5,
+        file=sys.stderr,
+    )
 
 
 def _fmt(metrics: Dict[str, float]) -> str:
-    return (f"auc {metrics['auc']:.4f}  accuracy {metrics['accuracy']:.4f}  "
-            f"ne {metrics['ne']:.4f}  log_loss {metrics['log_loss']:.4f}  "
-            f"({metrics['samples']} samples)")
+    return (
+        f"auc {metrics['auc']:.4f}  accuracy {metrics['accuracy']:.4f}  "
+        f"ne {metrics['ne']:.4f}  log_loss {metrics['log_loss']:.4f}  "
+        f"({metrics['samples']} samples)"
+    )
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
@@ -188,12 +236,16 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     t_build = time.perf_counter()
     dmp, optimizer, tables, plan_note = build_training(args, device, world_size, local_size)
     build_s = time.perf_counter() - t_build
-    say(f"DLRM on {world_size} rank(s), {device.type}, backend {dist.get_backend()}: "
+    say(
+        f"DLRM on {world_size} rank(s), {device.type}, backend {dist.get_backend()}: "
         f"{len(tables)} tables, {sum(t.num_embeddings for t in tables):,} rows x "
         f"{args.embedding_dim}, interaction {args.interaction}, optimizer {args.optimizer}, "
-        f"lr {args.lr}, batch {args.batch_size}/rank ({args.batch_size * world_size} global)")
-    say(f"sharding plan ({plan_note}; model built and sharded in {build_s:.1f}s):\n"
-        f"{plan_table(dmp.plan, tables)}")
+        f"lr {args.lr}, batch {args.batch_size}/rank ({args.batch_size * world_size} global)"
+    )
+    say(
+        f"sharding plan ({plan_note}; model built and sharded in {build_s:.1f}s):\n"
+        f"{plan_table(dmp.plan, tables)}"
+    )
 
     if args.save_plan and is_main:
         from recshard.planner import save_plan
@@ -201,8 +253,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         save_plan(dmp.plan, args.save_plan, {"world_size": world_size, "note": plan_note})
         say(f"plan saved to {args.save_plan}")
     if args.kernel == "dense" and args.optimizer == "rowwise_adagrad":
-        say("notice: dense-kernel tables are updated by torch Adagrad (element-wise), not "
-            "row-wise Adagrad")
+        say(
+            "notice: dense-kernel tables are updated by torch Adagrad (element-wise), not "
+            "row-wise Adagrad"
+        )
     progress = Progress()
     if args.resume:  # on by default with --checkpoint-dir: a restarted job continues
         restored = resume(args.checkpoint_dir, dmp, optimizer, device, say)
@@ -229,17 +283,20 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     def checkpoint() -> None:
         read_losses()
         if args.checkpoint_dir:
-            save_progress(args.checkpoint_dir, dmp, optimizer,
-                          Progress(step, history, losses), device)
+            save_progress(
+                args.checkpoint_dir, dmp, optimizer, Progress(step, history, losses), device
+            )
 
     def eval_now(final: bool) -> None:
         nonlocal t0, eval_s
         t_eval = time.perf_counter()
         result = runner.evaluate(eval_batches(args, rank, world_size, sync_group), metrics)
         if result["samples"] == 0:
-            say("warning: no eval batch: some rank's share of the eval split (per DataLoader "
+            say(
+                "warning: no eval batch: some rank's share of the eval split (per DataLoader "
                 "worker) is smaller than --batch-size; use a smaller --batch-size, fewer "
-                "--num-workers, or --eval-data-path")
+                "--num-workers, or --eval-data-path"
+            )
         history.append({"step": step, **result})
         line = f"eval{' (final)' if final else ''} @ step {step}: {_fmt(result)}"
         if bar is not None:
@@ -265,8 +322,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             if step % 10 == 0 or step == start_step + 1:
                 elapsed = train_s + time.perf_counter() - t0
                 rate = (step - start_step) * args.batch_size * world_size / max(elapsed, 1e-9)
-                bar.set_postfix(loss=f"{float(loss_ema):.4f}", samples_per_s=f"{rate:,.0f}",
-                                refresh=False)
+                bar.set_postfix(
+                    loss=f"{float(loss_ema):.4f}", samples_per_s=f"{rate:,.0f}", refresh=False
+                )
             bar.update(1)
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
             train_s += time.perf_counter() - t0  # eval time is not training time
@@ -283,13 +341,21 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     steps_run = step - start_step
     samples = steps_run * args.batch_size * world_size
     summary: Dict[str, Any] = {
-        "world_size": world_size, "device": device.type, "backend": dist.get_backend(),
-        "pipeline": runner.pipelined, "steps": step, "steps_this_run": steps_run,
-        "global_samples": samples, "train_seconds": train_s,
+        "world_size": world_size,
+        "device": device.type,
+        "backend": dist.get_backend(),
+        "pipeline": runner.pipelined,
+        "steps": step,
+        "steps_this_run": steps_run,
+        "global_samples": samples,
+        "train_seconds": train_s,
         "samples_per_s": samples / train_s if train_s > 0 else 0.0,
         "final_loss_ema": None if loss_ema is None else float(loss_ema),
-        "final_eval": history[-1], "evals": history, "build_seconds": build_s,
-        "eval_seconds": eval_s, "wall_seconds": time.perf_counter() - t_start,
+        "final_eval": history[-1],
+        "evals": history,
+        "build_seconds": build_s,
+        "eval_seconds": eval_s,
+        "wall_seconds": time.perf_counter() - t_start,
         "losses": losses,
     }
     say(_summary_text(summary))
@@ -302,21 +368,24 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 def _summary_text(summary: Dict[str, Any]) -> str:
     final = summary["final_eval"]
     history = ", ".join(f"{e['step']}: {e['auc']:.4f}" for e in summary["evals"])
-    return "\n".join([
-        "summary",
-        f"  steps        {summary['steps']} ({summary['steps_this_run']} this run, "
-        f"{summary['global_samples']:,} samples over {summary['world_size']} rank(s))",
-        f"  train time   {summary['train_seconds']:.1f} s, {summary['samples_per_s']:,.0f} "
-        f"samples/s ({'pipelined' if summary['pipeline'] else 'plain loop'})",
-        f"  wall time    {summary['wall_seconds']:.1f} s (build {summary['build_seconds']:.1f} s, "
-        f"eval {summary['eval_seconds']:.1f} s, train {summary['train_seconds']:.1f} s)",
-        f"  final eval   {_fmt(final)}",
-        f"  AUC by step  {history}",
-    ])
+    return "\n".join(
+        [
+            "summary",
+            f"  steps        {summary['steps']} ({summary['steps_this_run']} this run, "
+            f"{summary['global_samples']:,} samples over {summary['world_size']} rank(s))",
+            f"  train time   {summary['train_seconds']:.1f} s, {summary['samples_per_s']:,.0f} "
+            f"samples/s ({'pipelined' if summary['pipeline'] else 'plain loop'})",
+            f"  wall time    {summary['wall_seconds']:.1f} s (build {summary['build_seconds']:.1f} s, "
+            f"eval {summary['eval_seconds']:.1f} s, train {summary['train_seconds']:.1f} s)",
+            f"  final eval   {_fmt(final)}",
+            f"  AUC by step  {history}",
+        ]
+    )
 
 
-def _write_metrics(path: Path, args: argparse.Namespace, summary: Dict[str, Any],
-                   plan: Any) -> None:
+def _write_metrics(
+    path: Path, args: argparse.Namespace, summary: Dict[str, Any], plan: Any
+) -> None:
     from recshard.planner import plan_to_dict
 
     path.parent.mkdir(parents=True, exist_ok=True)

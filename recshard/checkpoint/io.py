@@ -25,7 +25,7 @@ import shutil
 import uuid
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ from recshard.optim.keyed import CombinedOptimizer, KeyedOptimizer
 LATEST = "LATEST"
 
 
-def _dense_optimizers(optimizer: Optional[KeyedOptimizer]) -> List[KeyedOptimizer]:
+def _dense_optimizers(optimizer: KeyedOptimizer | None) -> List[KeyedOptimizer]:
     """Dense (non-fused) keyed optimizers; their state is replicated, keyed by param FQN."""
     if optimizer is None:
         return []
@@ -62,7 +62,7 @@ def _dense_optimizers(optimizer: Optional[KeyedOptimizer]) -> List[KeyedOptimize
     return [] if isinstance(optimizer, FusedOptimizer) else [optimizer]
 
 
-def _training_state(model: nn.Module, optimizer: Optional[KeyedOptimizer]) -> Dict[str, Any]:
+def _training_state(model: nn.Module, optimizer: KeyedOptimizer | None) -> Dict[str, Any]:
     module = get_unwrapped_module(model)
     state: Dict[str, Any] = {"model": model_state_dict(module)}
     if optimizer is not None:
@@ -73,8 +73,13 @@ def _training_state(model: nn.Module, optimizer: Optional[KeyedOptimizer]) -> Di
         for opt in _dense_optimizers(optimizer):
             opt.init_state()
             for fqn, entry in opt.state_dict()["state"].items():
-                dense.update({f"{fqn}.{name}": value for name, value in entry.items()
-                              if isinstance(value, torch.Tensor)})
+                dense.update(
+                    {
+                        f"{fqn}.{name}": value
+                        for name, value in entry.items()
+                        if isinstance(value, torch.Tensor)
+                    }
+                )
         if dense:  # stateless optimizers (plain SGD) save no section, and load expects none
             state["dense_optim"] = dense
     return state
@@ -103,22 +108,33 @@ def _step(what: str, where: Path, fn: Callable[[], Any], committed: bool = False
     try:
         return fn()
     except (Exception, CheckpointException) as e:
-        state = ("rank 0 may have committed it (see LATEST)" if committed
-                 else "the previous checkpoint is still the latest")
-        raise RuntimeError(f"saving checkpoint {where}: {what} failed; {state}: "
-                           f"{_first_cause(e)}") from e
+        state = (
+            "rank 0 may have committed it (see LATEST)"
+            if committed
+            else "the previous checkpoint is still the latest"
+        )
+        raise RuntimeError(
+            f"saving checkpoint {where}: {what} failed; {state}: {_first_cause(e)}"
+        ) from e
 
 
 @quiet_sharded_tensor()
-def save(path: str, model: nn.Module, optimizer: Optional[KeyedOptimizer] = None,
-         extra: Optional[Dict[str, Any]] = None) -> str:
+def save(
+    path: str,
+    model: nn.Module,
+    optimizer: KeyedOptimizer | None = None,
+    extra: Dict[str, Any] | None = None,
+) -> str:
     """Write a checkpoint (collective: every rank calls it). Returns its directory."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     directory = root / _step("agreeing on a directory name (broadcast)", root, _shared_name)
     state = _training_state(model, optimizer)
-    _step("writing shards (torch.distributed.checkpoint)", directory,
-          lambda: dcp.save(state, storage_writer=ManifestWriter(str(directory))))
+    _step(
+        "writing shards (torch.distributed.checkpoint)",
+        directory,
+        lambda: dcp.save(state, storage_writer=ManifestWriter(str(directory))),
+    )
     _step("waiting for every rank to finish writing (barrier)", directory, _barrier)
     if _rank() == 0:
         _write_durably(directory / "extra.json", json.dumps(extra or {}))
@@ -171,16 +187,22 @@ def latest_checkpoint(path: str) -> Path:
     except UnicodeDecodeError:
         name = ""
     if not _DIRECTORY_NAME.fullmatch(name) or name in (".", ".."):
-        raise ValueError(f"{pointer}: must hold the name of a checkpoint directory beside it "
-                         f"(like 'ckpt-0123456789ab'), not {pointer.read_bytes()[:60]!r}")
+        raise ValueError(
+            f"{pointer}: must hold the name of a checkpoint directory beside it "
+            f"(like 'ckpt-0123456789ab'), not {pointer.read_bytes()[:60]!r}"
+        )
     directory = root / name
     if not directory.is_dir() or directory.resolve().parent != root.resolve():
         raise ValueError(f"{pointer}: names {name!r}, which is not a directory beside it")
     if not (directory / MANIFEST).exists():
-        older = " (written by an older recshard, whose pickled .metadata is no longer read)" \
-            if (directory / ".metadata").exists() else ""
-        raise ValueError(f"checkpoint {directory} is incomplete or truncated "
-                         f"(no {MANIFEST}){older}")
+        older = (
+            " (written by an older recshard, whose pickled .metadata is no longer read)"
+            if (directory / ".metadata").exists()
+            else ""
+        )
+        raise ValueError(
+            f"checkpoint {directory} is incomplete or truncated (no {MANIFEST}){older}"
+        )
     return directory
 
 
@@ -201,45 +223,54 @@ def _check_shapes(template: Dict[str, Any], directory: Path, metadata: Any) -> N
             full_key = f"{section}.{key}"
             if full_key not in saved:
                 raise ValueError(
-                    f"checkpoint {directory}: no {_describe_key(key)} ({section}) in it")
+                    f"checkpoint {directory}: no {_describe_key(key)} ({section}) in it"
+                )
             saved_size = tuple(getattr(saved[full_key], "size", ()))
             size = tuple(value.size())
             if saved_size != size:
                 raise ValueError(
                     f"checkpoint {directory}: {_describe_key(key)} ({section}) has shape "
-                    f"{saved_size} in the checkpoint but {size} in the model")
+                    f"{saved_size} in the checkpoint but {size} in the model"
+                )
 
 
 def _check_no_extra_keys(template: Dict[str, Any], directory: Path, metadata: Any) -> None:
     """strict: every model key in the checkpoint must be in the model (nothing dropped)."""
-    extra = sorted(full_key.split(".", 1)[1] for full_key in metadata.state_dict_metadata
-                   if full_key.startswith("model.")
-                   and full_key.split(".", 1)[1] not in template["model"])
+    extra = sorted(
+        full_key.split(".", 1)[1]
+        for full_key in metadata.state_dict_metadata
+        if full_key.startswith("model.") and full_key.split(".", 1)[1] not in template["model"]
+    )
     if extra:
         shown = ", ".join(_describe_key(k) for k in extra[:4]) + (" ..." if len(extra) > 4 else "")
-        raise ValueError(f"checkpoint {directory}: {len(extra)} saved key(s) the model does not "
-                         f"have: {shown}; pass strict=False to load the rest")
+        raise ValueError(
+            f"checkpoint {directory}: {len(extra)} saved key(s) the model does not "
+            f"have: {shown}; pass strict=False to load the rest"
+        )
 
 
 def _check_files(template: Dict[str, Any], directory: Path, manifest: Manifest) -> None:
     """This rank's share of the shard files (every world-size-th, by name) exists with the
     size and SHA-256 the manifest records; the ranks exchange verdicts afterwards."""
-    wanted: Set[str] = {f"{section}.{key}" for section, entries in template.items()
-                        for key in entries}
+    wanted: Set[str] = {
+        f"{section}.{key}" for section, entries in template.items() for key in entries
+    }
     holds: Dict[str, Set[str]] = defaultdict(set)
     for index, info in manifest.metadata.storage_data.items():
         if index.fqn in wanted:
             holds[info.relative_path].add(index.fqn.split(".", 1)[1])
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    for name in sorted(manifest.files)[_rank()::world_size]:
+    for name in sorted(manifest.files)[_rank() :: world_size]:
         try:
             check_file(directory, name, manifest.files[name])
         except ValueError as e:
             keys = sorted(holds[name])
-            shown = ", ".join(_describe_key(k) for k in keys[:4]) + (" ..." if len(keys) > 4
-                                                                     else "")
-            raise ValueError(f"checkpoint {directory}: {e}"
-                             + (f" (it holds {shown})" if keys else "")) from None
+            shown = ", ".join(_describe_key(k) for k in keys[:4]) + (
+                " ..." if len(keys) > 4 else ""
+            )
+            raise ValueError(
+                f"checkpoint {directory}: {e}" + (f" (it holds {shown})" if keys else "")
+            ) from None
 
 
 def _read_extra(directory: Path) -> Dict[str, Any]:
@@ -247,19 +278,22 @@ def _read_extra(directory: Path) -> Dict[str, Any]:
     try:
         extra = json.loads(file.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"checkpoint {directory}: cannot read extra.json "
-                         f"({type(e).__name__}: {e})") from None
+        raise ValueError(
+            f"checkpoint {directory}: cannot read extra.json ({type(e).__name__}: {e})"
+        ) from None
     if not isinstance(extra, dict):
-        raise ValueError(f"checkpoint {directory}: extra.json holds a {type(extra).__name__}, "
-                         f"not the JSON object save() wrote")
+        raise ValueError(
+            f"checkpoint {directory}: extra.json holds a {type(extra).__name__}, "
+            f"not the JSON object save() wrote"
+        )
     return extra
 
 
-def _agree(error: Optional[Exception]) -> None:
+def _agree(error: Exception | None) -> None:
     """Every rank learns every rank's verdict before any collective of the load starts, so
     a problem one rank found raises the same error on all of them (nothing hangs)."""
     verdict = None if error is None else (isinstance(error, FileNotFoundError), str(error))
-    verdicts: List[Optional[Tuple[bool, str]]] = [verdict]
+    verdicts: List[Tuple[bool, str] | None] = [verdict]
     if dist.is_initialized() and dist.get_world_size() > 1:
         verdicts = [None] * dist.get_world_size()
         dist.all_gather_object(verdicts, verdict)
@@ -268,8 +302,9 @@ def _agree(error: Optional[Exception]) -> None:
         raise (FileNotFoundError if first[0] else ValueError)(first[1])
 
 
-def _verify(template: Dict[str, Any], directory: Path, strict: bool
-            ) -> Tuple[Manifest, Dict[str, Any]]:
+def _verify(
+    template: Dict[str, Any], directory: Path, strict: bool
+) -> Tuple[Manifest, Dict[str, Any]]:
     """Everything a load reads, checked before it touches the model (this rank's part)."""
     manifest = read_manifest(directory)
     _check_shapes(template, directory, manifest.metadata)
@@ -287,15 +322,16 @@ def _first_cause(error: BaseException) -> str:
 
 
 @quiet_sharded_tensor()
-def load(path: str, model: nn.Module, optimizer: Optional[KeyedOptimizer] = None,
-         strict: bool = True) -> Dict[str, Any]:
+def load(
+    path: str, model: nn.Module, optimizer: KeyedOptimizer | None = None, strict: bool = True
+) -> Dict[str, Any]:
     """Load the newest checkpoint under `path` into `model` (and `optimizer`), resharding to the
     model's current plan and world size. Returns the `extra` dict given to `save`.
 
     Every model key must be in the checkpoint with the same shape; with `strict` (default),
     every model key in the checkpoint must also be in the model (as `load_state_dict`).
     """
-    error: Optional[Exception] = None
+    error: Exception | None = None
     try:
         directory = latest_checkpoint(path)
         template = _training_state(model, optimizer)
@@ -306,14 +342,19 @@ def load(path: str, model: nn.Module, optimizer: Optional[KeyedOptimizer] = None
     try:
         dcp.load(template, storage_reader=ManifestReader(directory, manifest))
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        raise RuntimeError(f"loading checkpoint {directory} failed after it was verified; the "
-                           f"model may be partly loaded: {_first_cause(e)}") from e
+        raise RuntimeError(
+            f"loading checkpoint {directory} failed after it was verified; the "
+            f"model may be partly loaded: {_first_cause(e)}"
+        ) from e
     with torch.no_grad():  # DCP may replace plain tensors instead of copying into them
         live = _training_state(model, optimizer)
         for section, entries in template.items():
             for key, value in entries.items():
                 target = live[section][key]
-                if isinstance(value, torch.Tensor) and not hasattr(value, "local_shards") \
-                        and value.data_ptr() != target.data_ptr():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and not hasattr(value, "local_shards")
+                    and value.data_ptr() != target.data_ptr()
+                ):
                     target.copy_(value)
     return extra

@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -48,7 +48,7 @@ class StorageInfo:
     relative_path: str
     offset: int
     length: int
-    transform_descriptors: Optional[Sequence[str]] = None
+    transform_descriptors: Sequence[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,11 @@ def file_sha256(path: Path) -> str:
 
 
 def _tensor_entry(meta: TensorStorageMetadata) -> Dict[str, Any]:
-    return {"dtype": str(meta.properties.dtype).removeprefix("torch."), "size": list(meta.size),
-            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in meta.chunks]}
+    return {
+        "dtype": str(meta.properties.dtype).removeprefix("torch."),
+        "size": list(meta.size),
+        "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in meta.chunks],
+    }
 
 
 def manifest_json(metadata: Metadata, directory: Path) -> Dict[str, Any]:
@@ -91,16 +94,32 @@ def manifest_json(metadata: Metadata, directory: Path) -> Dict[str, Any]:
             byte_keys.append(fqn)
     storage = []
     for index, info in metadata.storage_data.items():
-        storage.append({
-            "fqn": index.fqn, "offset": None if index.offset is None else list(index.offset),
-            "index": index.index, "file": info.relative_path, "file_offset": info.offset,
-            "length": info.length, "transforms": list(info.transform_descriptors or [])})
+        storage.append(
+            {
+                "fqn": index.fqn,
+                "offset": None if index.offset is None else list(index.offset),
+                "index": index.index,
+                "file": info.relative_path,
+                "file_offset": info.offset,
+                "length": info.length,
+                "transforms": list(info.transform_descriptors or []),
+            }
+        )
     names = sorted({entry["file"] for entry in storage})
-    files = {name: {"size": (directory / name).stat().st_size,
-                    "sha256": file_sha256(directory / name)} for name in names}
+    files = {
+        name: {"size": (directory / name).stat().st_size, "sha256": file_sha256(directory / name)}
+        for name in names
+    }
     planner_data = {key: list(path) for key, path in (metadata.planner_data or {}).items()}
-    return {"format": FORMAT, "version": VERSION, "tensors": tensors, "bytes": byte_keys,
-            "storage": storage, "files": files, "planner_data": planner_data}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "tensors": tensors,
+        "bytes": byte_keys,
+        "storage": storage,
+        "files": files,
+        "planner_data": planner_data,
+    }
 
 
 class ManifestWriter(FileSystemWriter):
@@ -155,7 +174,8 @@ class _Parser:
 
     def ints(self, value: Any, where: str) -> Tuple[int, ...]:
         if not isinstance(value, list) or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        ):
             raise self.fail(where, f"expected a list of non-negative integers, got {value!r:.60}")
         return tuple(value)
 
@@ -174,16 +194,23 @@ def _tensor_meta(p: _Parser, entry: Any, where: str) -> TensorStorageMetadata:
         at = f"{where}.chunks[{i}]"
         offsets = p.ints(p.get(chunk, "offsets", at, list), f"{at}.offsets")
         sizes = p.ints(p.get(chunk, "sizes", at, list), f"{at}.sizes")
-        if len(offsets) != len(size) or len(sizes) != len(size) or any(
-                o + s > n for o, s, n in zip(offsets, sizes, size)):
-            raise p.fail(at, f"chunk at {list(offsets)} of size {list(sizes)} does not fit "
-                             f"the tensor's size {list(size)}")
+        if (
+            len(offsets) != len(size)
+            or len(sizes) != len(size)
+            or any(o + s > n for o, s, n in zip(offsets, sizes, size))
+        ):
+            raise p.fail(
+                at,
+                f"chunk at {list(offsets)} of size {list(sizes)} does not fit "
+                f"the tensor's size {list(size)}",
+            )
         chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
     return TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(size), chunks)
 
 
-def _storage(p: _Parser, entries: List[Any], files: Dict[str, FileInfo]
-             ) -> Dict[MetadataIndex, StorageInfo]:
+def _storage(
+    p: _Parser, entries: List[Any], files: Dict[str, FileInfo]
+) -> Dict[MetadataIndex, StorageInfo]:
     out: Dict[MetadataIndex, StorageInfo] = {}
     for i, entry in enumerate(entries):
         at = f"storage[{i}]"
@@ -196,8 +223,9 @@ def _storage(p: _Parser, entries: List[Any], files: Dict[str, FileInfo]
         start = p.get(entry, "file_offset", at, int)
         length = p.get(entry, "length", at, int)
         if start < 0 or length < 0 or start + length > files[name].size:
-            raise p.fail(at, f"bytes {start}..{start + length} lie outside {name} "
-                             f"({files[name].size} bytes)")
+            raise p.fail(
+                at, f"bytes {start}..{start + length} lie outside {name} ({files[name].size} bytes)"
+            )
         transforms = p.get(entry, "transforms", at, list, optional=True) or []
         if not all(isinstance(t, str) for t in transforms):
             raise p.fail(f"{at}.transforms", "expected a list of strings")
@@ -228,14 +256,20 @@ def read_manifest(directory: Path) -> Manifest:
     try:
         doc = json.loads(file.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"{file}: not a recshard checkpoint manifest (not UTF-8 JSON: {e})") \
-            from None
+        raise ValueError(
+            f"{file}: not a recshard checkpoint manifest (not UTF-8 JSON: {e})"
+        ) from None
     if p.get(doc, "format", "$", str) != FORMAT or p.get(doc, "version", "$", int) != VERSION:
-        raise p.fail("$", f"format {doc.get('format')!r:.40} version {doc.get('version')!r:.20}; "
-                          f"this recshard reads {FORMAT!r} version {VERSION}")
+        raise p.fail(
+            "$",
+            f"format {doc.get('format')!r:.40} version {doc.get('version')!r:.20}; "
+            f"this recshard reads {FORMAT!r} version {VERSION}",
+        )
     files = _files(p, p.get(doc, "files", "$", dict))
-    state: Dict[str, Any] = {fqn: _tensor_meta(p, entry, f"tensors[{fqn!r:.80}]")
-                             for fqn, entry in p.get(doc, "tensors", "$", dict).items()}
+    state: Dict[str, Any] = {
+        fqn: _tensor_meta(p, entry, f"tensors[{fqn!r:.80}]")
+        for fqn, entry in p.get(doc, "tensors", "$", dict).items()
+    }
     for i, fqn in enumerate(p.get(doc, "bytes", "$", list)):
         if not isinstance(fqn, str):
             raise p.fail(f"bytes[{i}]", "expected a string")
@@ -257,8 +291,11 @@ def check_file(directory: Path, name: str, info: FileInfo) -> None:
     size = file.stat().st_size
     if size != info.size:
         state = "truncated" if size < info.size else "longer than written"
-        raise ValueError(f"shard file {name} is {state}: {size} bytes, the manifest says "
-                         f"{info.size}")
+        raise ValueError(
+            f"shard file {name} is {state}: {size} bytes, the manifest says {info.size}"
+        )
     if file_sha256(file) != info.sha256:
-        raise ValueError(f"shard file {name} does not match its checksum (SHA-256 in "
-                         f"{MANIFEST}): its bytes changed after the save")
+        raise ValueError(
+            f"shard file {name} does not match its checksum (SHA-256 in "
+            f"{MANIFEST}): its bytes changed after the save"
+        )

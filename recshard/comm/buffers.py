@@ -14,7 +14,7 @@ call site, about one step's receive buffers in all.
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -51,8 +51,9 @@ def take(site: str, numel: int, dtype: torch.dtype, device: torch.device) -> tor
     key = (site, dtype, device)
     with _lock:
         slots = _slots.setdefault(key, [])
-        found: Optional[_Slot] = next(
-            (s for s in slots if numel <= s.tensor.numel() <= 2 * numel and s.idle()), None)
+        found: _Slot | None = next(
+            (s for s in slots if numel <= s.tensor.numel() <= 2 * numel and s.idle()), None
+        )
         if found is None:
             found = _Slot(torch.empty(numel, dtype=dtype, device=device))
             slots.append(found)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Protocol, Tuple, Union, runtime_checkable
+from typing import Any, Dict, List, Protocol, Tuple, runtime_checkable
 
 import torch
 
@@ -36,16 +36,16 @@ class CommType(enum.Enum):
 class QuantizedCommCodec(Protocol):
     """Encodes a tensor for the wire and decodes it on arrival (TorchRec's protocol)."""
 
-    def encode(self, input_tensor: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor: ...
+    def encode(self, input_tensor: torch.Tensor, ctx: Any | None = None) -> torch.Tensor: ...
 
-    def decode(self, input_grad: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor: ...
+    def decode(self, input_grad: torch.Tensor, ctx: Any | None = None) -> torch.Tensor: ...
 
     @property
     def quantized_dtype(self) -> torch.dtype: ...
 
-    def calc_quantized_size(self, input_len: int, ctx: Optional[Any] = None) -> int: ...
+    def calc_quantized_size(self, input_len: int, ctx: Any | None = None) -> int: ...
 
-    def create_context(self) -> Optional[Any]: ...
+    def create_context(self) -> Any | None: ...
 
 
 class NoOpQuantizedCommCodec:
@@ -54,20 +54,20 @@ class NoOpQuantizedCommCodec:
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self._dtype = dtype
 
-    def encode(self, input_tensor: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor:
+    def encode(self, input_tensor: torch.Tensor, ctx: Any | None = None) -> torch.Tensor:
         return input_tensor
 
-    def decode(self, input_grad: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor:
+    def decode(self, input_grad: torch.Tensor, ctx: Any | None = None) -> torch.Tensor:
         return input_grad
 
     @property
     def quantized_dtype(self) -> torch.dtype:
         return self._dtype
 
-    def calc_quantized_size(self, input_len: int, ctx: Optional[Any] = None) -> int:
+    def calc_quantized_size(self, input_len: int, ctx: Any | None = None) -> int:
         return input_len
 
-    def create_context(self) -> Optional[Any]:
+    def create_context(self) -> Any | None:
         return None
 
     def padded_size(
@@ -76,7 +76,7 @@ class NoOpQuantizedCommCodec:
         """(local dim after padding, padding added): casts never pad."""
         return input_tensor.size(1) if input_tensor.dim() == 2 else input_tensor.numel(), 0
 
-    def cast_to(self, dtype: torch.dtype) -> Optional[torch.dtype]:
+    def cast_to(self, dtype: torch.dtype) -> torch.dtype | None:
         """The wire dtype of a `dtype` tensor when encode and decode are plain casts (None
         otherwise): a collective may then cast inside the copies it makes anyway, instead of in
         passes of their own. This codec sends tensors as they are."""
@@ -94,24 +94,24 @@ class CastCommCodec(NoOpQuantizedCommCodec):
         self,
         wire_dtype: torch.dtype,
         output_dtype: torch.dtype = torch.float32,
-        loss_scale: Optional[float] = None,
+        loss_scale: float | None = None,
     ) -> None:
         super().__init__(wire_dtype)
         self._output_dtype = output_dtype
         self._loss_scale = loss_scale
 
-    def encode(self, input_tensor: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor:
+    def encode(self, input_tensor: torch.Tensor, ctx: Any | None = None) -> torch.Tensor:
         if self._loss_scale is not None:
             input_tensor = input_tensor * self._loss_scale
         return input_tensor.to(self._dtype)
 
-    def decode(self, input_grad: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor:
+    def decode(self, input_grad: torch.Tensor, ctx: Any | None = None) -> torch.Tensor:
         output = input_grad.to(self._output_dtype)
         if self._loss_scale is not None:
             output = output / self._loss_scale
         return output
 
-    def cast_to(self, dtype: torch.dtype) -> Optional[torch.dtype]:
+    def cast_to(self, dtype: torch.dtype) -> torch.dtype | None:
         plain = self._loss_scale is None and dtype == self._output_dtype
         return self._dtype if plain else None
 
@@ -122,14 +122,14 @@ class CastCommCodec(NoOpQuantizedCommCodec):
 class FP16CommCodec(CastCommCodec):
     """fp32 on both ends, fp16 on the wire (half the bytes)."""
 
-    def __init__(self, loss_scale: Optional[float] = None) -> None:
+    def __init__(self, loss_scale: float | None = None) -> None:
         super().__init__(torch.float16, loss_scale=loss_scale)
 
 
 class BF16CommCodec(CastCommCodec):
     """fp32 on both ends, bf16 on the wire: half the bytes, fp32's range, 8 bits of mantissa."""
 
-    def __init__(self, loss_scale: Optional[float] = None) -> None:
+    def __init__(self, loss_scale: float | None = None) -> None:
         super().__init__(torch.bfloat16, loss_scale=loss_scale)
 
 
@@ -141,7 +141,7 @@ class QuantizedCommCodecs:
     backward: QuantizedCommCodec = field(default_factory=NoOpQuantizedCommCodec)
 
 
-def _comm_type(precision: Union[str, CommType]) -> CommType:
+def _comm_type(precision: str | CommType) -> CommType:
     if isinstance(precision, CommType):
         return precision
     try:
@@ -151,9 +151,7 @@ def _comm_type(precision: Union[str, CommType]) -> CommType:
         raise ValueError(f"unknown comm precision {precision!r}; expected one of {names}") from None
 
 
-def codec_for(
-    precision: Union[str, CommType], loss_scale: Optional[float] = None
-) -> QuantizedCommCodec:
+def codec_for(precision: str | CommType, loss_scale: float | None = None) -> QuantizedCommCodec:
     """The codec that sends at `precision` ("fp32", "fp16", "bf16")."""
     comm_type = _comm_type(precision)
     if comm_type is CommType.FP16:
@@ -167,17 +165,17 @@ def codec_for(
 class QCommsConfig:
     """Wire precision of the forward and backward collectives (TorchRec's config)."""
 
-    forward_precision: Union[str, CommType] = CommType.FP32
-    backward_precision: Union[str, CommType] = CommType.FP32
-    forward_loss_scale: Optional[float] = None
-    backward_loss_scale: Optional[float] = None
+    forward_precision: str | CommType = CommType.FP32
+    backward_precision: str | CommType = CommType.FP32
+    forward_loss_scale: float | None = None
+    backward_loss_scale: float | None = None
 
     def __post_init__(self) -> None:
         self.forward_precision = _comm_type(self.forward_precision)
         self.backward_precision = _comm_type(self.backward_precision)
 
 
-def get_qcomm_codecs(qcomms_config: Optional[QCommsConfig]) -> QuantizedCommCodecs:
+def get_qcomm_codecs(qcomms_config: QCommsConfig | None) -> QuantizedCommCodecs:
     if qcomms_config is None:
         return QuantizedCommCodecs()
     return QuantizedCommCodecs(
@@ -187,10 +185,10 @@ def get_qcomm_codecs(qcomms_config: Optional[QCommsConfig]) -> QuantizedCommCode
 
 
 def get_qcomm_codecs_registry(
-    qcomms_config: Union[QCommsConfig, str, None],
-    comm_ops: Optional[List[CommOp]] = None,
-    device: Optional[torch.device] = None,
-) -> Optional[Dict[str, QuantizedCommCodecs]]:
+    qcomms_config: QCommsConfig | str | None,
+    comm_ops: List[CommOp] | None = None,
+    device: torch.device | None = None,
+) -> Dict[str, QuantizedCommCodecs] | None:
     """`{CommOp.name: QuantizedCommCodecs}` for every comm op (or `comm_ops`).
 
     `qcomms_config` is a `QCommsConfig` or a precision name ("fp16" sends both the
@@ -207,7 +205,7 @@ def get_qcomm_codecs_registry(
     return {op.name: get_qcomm_codecs(qcomms_config) for op in comm_ops or list(CommOp)}
 
 
-def cast_dtype(codec: Optional[QuantizedCommCodec], dtype: torch.dtype) -> Optional[torch.dtype]:
+def cast_dtype(codec: QuantizedCommCodec | None, dtype: torch.dtype) -> torch.dtype | None:
     """The dtype a tensor of `dtype` travels in when `codec` (None: no codec) only casts it; None
     when the codec does more (scales, quantizes) or is not one of recshard's."""
     if codec is None:
@@ -217,7 +215,7 @@ def cast_dtype(codec: Optional[QuantizedCommCodec], dtype: torch.dtype) -> Optio
 
 
 def codecs_from_registry(
-    registry: Optional[Dict[str, QuantizedCommCodecs]], op: CommOp
-) -> Optional[QuantizedCommCodecs]:
+    registry: Dict[str, QuantizedCommCodecs] | None, op: CommOp
+) -> QuantizedCommCodecs | None:
     """The codecs of `op` in a sharder's `qcomm_codecs_registry`, if any."""
     return registry.get(op.name) if registry else None

@@ -51,8 +51,9 @@ def check_blocks(blocks: Sequence[Block], chunk_widths: Sequence[int]) -> List[B
     else:
         if all(covered[c] == w for c, w in enumerate(chunk_widths)):
             return list(blocks)
-    raise ValueError(f"column blocks {list(blocks)} do not cover chunk widths "
-                     f"{list(chunk_widths)} exactly once")
+    raise ValueError(
+        f"column blocks {list(blocks)} do not cover chunk widths {list(chunk_widths)} exactly once"
+    )
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,12 @@ def strided_runs(blocks: Sequence[Block]) -> List[_Run]:
     for chunk, start, width in blocks:
         i = open_run.get(chunk)
         run = runs[i] if i is not None else None
-        if (run is not None and run.width == width
-                and run.chunk_start + run.count * width == start
-                and (run.count == 1 or run.out_start + run.count * run.out_stride == out)):
+        if (
+            run is not None
+            and run.width == width
+            and run.chunk_start + run.count * width == start
+            and (run.count == 1 or run.out_start + run.count * run.out_stride == out)
+        ):
             stride = out - run.out_start if run.count == 1 else run.out_stride
             runs[i] = _Run(chunk, run.chunk_start, width, run.count + 1, run.out_start, stride)
         else:
@@ -89,25 +93,33 @@ def strided_runs(blocks: Sequence[Block]) -> List[_Run]:
     return runs
 
 
-def _run_views(columns: torch.Tensor, chunks: List[torch.Tensor],
-               run: _Run) -> Tuple[torch.Tensor, torch.Tensor]:
+def _run_views(
+    columns: torch.Tensor, chunks: List[torch.Tensor], run: _Run
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(the output's columns, the chunk's columns) of `run`, as `[rows, count, width]` views."""
     rows = columns.size(0)
-    out = columns.as_strided((rows, run.count, run.width),
-                             (columns.stride(0), run.out_stride * columns.stride(1), columns.stride(1)),
-                             columns.storage_offset() + run.out_start * columns.stride(1))
+    out = columns.as_strided(
+        (rows, run.count, run.width),
+        (columns.stride(0), run.out_stride * columns.stride(1), columns.stride(1)),
+        columns.storage_offset() + run.out_start * columns.stride(1),
+    )
     chunk = chunks[run.chunk]
-    src = chunk[:, run.chunk_start:run.chunk_start + run.count * run.width]
+    src = chunk[:, run.chunk_start : run.chunk_start + run.count * run.width]
     return out, src.unflatten(1, (run.count, run.width))
 
 
 def _chunk_views(flat: torch.Tensor, rows: int, chunk_widths: Sequence[int]) -> List[torch.Tensor]:
     offsets = itertools.accumulate((rows * w for w in chunk_widths), initial=0)
-    return [flat[start:start + rows * w].view(rows, w) for start, w in zip(offsets, chunk_widths)]
+    return [flat[start : start + rows * w].view(rows, w) for start, w in zip(offsets, chunk_widths)]
 
 
-def columns_from_chunks(flat: torch.Tensor, rows: int, chunk_widths: Sequence[int],
-                        blocks: Sequence[Block], dtype: torch.dtype) -> torch.Tensor:
+def columns_from_chunks(
+    flat: torch.Tensor,
+    rows: int,
+    chunk_widths: Sequence[int],
+    blocks: Sequence[Block],
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """`[rows, sum(chunk_widths)]` of `dtype` from the chunks in `flat`, one copy per block
     (a copy that also casts when `flat` is of another dtype: a cast codec's decode for free)."""
     chunks = _chunk_views(flat, rows, chunk_widths)
@@ -119,8 +131,13 @@ def columns_from_chunks(flat: torch.Tensor, rows: int, chunk_widths: Sequence[in
     return out
 
 
-def chunks_from_columns(columns: torch.Tensor, chunk_widths: Sequence[int], blocks: Sequence[Block],
-                        dtype: torch.dtype, divisor: int = 1) -> torch.Tensor:
+def chunks_from_columns(
+    columns: torch.Tensor,
+    chunk_widths: Sequence[int],
+    blocks: Sequence[Block],
+    dtype: torch.dtype,
+    divisor: int = 1,
+) -> torch.Tensor:
     """The transpose of `columns_from_chunks`: a flat buffer of `dtype` holding the chunks (a
     cast codec's encode happens in the same copy), divided by `divisor` as it copies;
     `columns` may have any strides."""
@@ -136,8 +153,13 @@ def chunks_from_columns(columns: torch.Tensor, chunk_widths: Sequence[int], bloc
 
 class _ChunksToColumns(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, flat: torch.Tensor, rows: int, chunk_widths: Sequence[int],  # noqa: ANN001
-                blocks: Sequence[Block]) -> torch.Tensor:
+    def forward(
+        ctx,
+        flat: torch.Tensor,
+        rows: int,
+        chunk_widths: Sequence[int],  # noqa: ANN001
+        blocks: Sequence[Block],
+    ) -> torch.Tensor:
         ctx.chunk_widths, ctx.blocks = chunk_widths, blocks
         return columns_from_chunks(flat, rows, chunk_widths, blocks, flat.dtype)
 
@@ -146,12 +168,15 @@ class _ChunksToColumns(torch.autograd.Function):
         return chunks_from_columns(grad, ctx.chunk_widths, ctx.blocks, grad.dtype), None, None, None
 
 
-def chunks_to_columns(flat: torch.Tensor, rows: int, chunk_widths: Sequence[int],
-                      blocks: Sequence[Block]) -> torch.Tensor:
+def chunks_to_columns(
+    flat: torch.Tensor, rows: int, chunk_widths: Sequence[int], blocks: Sequence[Block]
+) -> torch.Tensor:
     """`flat` holds `[rows, w]` row-major chunks one after another (`w` in `chunk_widths`);
     returns `[rows, sum(chunk_widths)]`: the `blocks` side by side in the given order. The
     blocks must cover every chunk column once (`check_blocks`, done where they are made)."""
     if flat.numel() != rows * sum(chunk_widths):
-        raise ValueError(f"chunks_to_columns: {flat.numel()} values, but {rows} rows of chunk "
-                         f"widths {list(chunk_widths)} need {rows * sum(chunk_widths)}")
+        raise ValueError(
+            f"chunks_to_columns: {flat.numel()} values, but {rows} rows of chunk "
+            f"widths {list(chunk_widths)} need {rows * sum(chunk_widths)}"
+        )
     return _ChunksToColumns.apply(flat, rows, list(chunk_widths), list(blocks))

@@ -6,7 +6,7 @@ arguments. Each call returns an `Awaitable` (callbacks run at `wait()`).
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,9 @@ Callback = Callable[[torch.Tensor], torch.Tensor]
 def _per_rank(values: List[int], pg: dist.ProcessGroup, what: str) -> List[int]:
     world_size = dist.get_world_size(pg)
     if len(values) != world_size:
-        raise ValueError(f"{what} {list(values)} needs one entry per rank (world size {world_size})")
+        raise ValueError(
+            f"{what} {list(values)} needs one entry per rank (world size {world_size})"
+        )
     if any(v < 0 for v in values):
         raise ValueError(f"{what} {list(values)} must be non-negative")
     return list(values)
@@ -50,16 +52,18 @@ class PooledEmbeddingsAllToAll(HoldsGroup, nn.Module):
         self,
         pg: dist.ProcessGroup,
         dim_sum_per_rank: List[int],
-        device: Optional[torch.device] = None,
-        callbacks: Optional[List[Callback]] = None,
-        codecs: Optional[QuantizedCommCodecs] = None,
+        device: torch.device | None = None,
+        callbacks: List[Callback] | None = None,
+        codecs: QuantizedCommCodecs | None = None,
     ) -> None:
         super().__init__()
         self.pg = pg
-        self._dim_sum_per_rank = _per_rank(dim_sum_per_rank, pg, "PooledEmbeddingsAllToAll: dim_sum_per_rank")
+        self._dim_sum_per_rank = _per_rank(
+            dim_sum_per_rank, pg, "PooledEmbeddingsAllToAll: dim_sum_per_rank"
+        )
         self._callbacks: List[Callback] = list(callbacks or [])
         self._codecs = codecs
-        self._column_blocks: Optional[List[Block]] = None
+        self._column_blocks: List[Block] | None = None
 
     @property
     def callbacks(self) -> List[Callback]:
@@ -71,7 +75,7 @@ class PooledEmbeddingsAllToAll(HoldsGroup, nn.Module):
         self._column_blocks = check_blocks(blocks, self._dim_sum_per_rank)
 
     def forward(
-        self, local_embs: torch.Tensor, batch_size_per_rank: Optional[List[int]] = None
+        self, local_embs: torch.Tensor, batch_size_per_rank: List[int] | None = None
     ) -> Awaitable[torch.Tensor]:
         world_size = dist.get_world_size(self.pg)
         if batch_size_per_rank is None:
@@ -82,8 +86,12 @@ class PooledEmbeddingsAllToAll(HoldsGroup, nn.Module):
                 )
             batch_size_per_rank = [local_embs.size(0) // world_size] * world_size
         awaitable = alltoall_pooled(
-            local_embs, batch_size_per_rank, self._dim_sum_per_rank,
-            group=self.pg, codecs=self._codecs, column_blocks=self._column_blocks,
+            local_embs,
+            batch_size_per_rank,
+            self._dim_sum_per_rank,
+            group=self.pg,
+            codecs=self._codecs,
+            column_blocks=self._column_blocks,
         )
         awaitable.callbacks.extend(self._callbacks)
         return awaitable
@@ -100,9 +108,9 @@ class VariableBatchPooledEmbeddingsAllToAll(HoldsGroup, nn.Module):
         self,
         pg: dist.ProcessGroup,
         emb_dim_per_rank_per_feature: List[List[int]],
-        device: Optional[torch.device] = None,
-        callbacks: Optional[List[Callback]] = None,
-        codecs: Optional[QuantizedCommCodecs] = None,
+        device: torch.device | None = None,
+        callbacks: List[Callback] | None = None,
+        codecs: QuantizedCommCodecs | None = None,
     ) -> None:
         super().__init__()
         world_size = dist.get_world_size(pg)
@@ -127,8 +135,12 @@ class VariableBatchPooledEmbeddingsAllToAll(HoldsGroup, nn.Module):
         batch_size_per_feature_pre_a2a: List[int],
     ) -> Awaitable[torch.Tensor]:
         awaitable = variable_batch_alltoall_pooled(
-            local_embs, batch_size_per_rank_per_feature, batch_size_per_feature_pre_a2a,
-            self._emb_dims, group=self.pg, codecs=self._codecs,
+            local_embs,
+            batch_size_per_rank_per_feature,
+            batch_size_per_feature_pre_a2a,
+            self._emb_dims,
+            group=self.pg,
+            codecs=self._codecs,
         )
         awaitable.callbacks.extend(self._callbacks)
         return awaitable
@@ -140,12 +152,12 @@ class PooledEmbeddingsReduceScatter(HoldsGroup, nn.Module):
     `input_splits` (rows per rank) for unequal batch sizes; default equal.
     """
 
-    def __init__(self, pg: dist.ProcessGroup, codecs: Optional[QuantizedCommCodecs] = None) -> None:
+    def __init__(self, pg: dist.ProcessGroup, codecs: QuantizedCommCodecs | None = None) -> None:
         super().__init__()
         self.pg, self._codecs = pg, codecs
 
     def forward(
-        self, local_embs: torch.Tensor, input_splits: Optional[List[int]] = None
+        self, local_embs: torch.Tensor, input_splits: List[int] | None = None
     ) -> Awaitable[torch.Tensor]:
         if input_splits is not None and len(set(input_splits)) > 1:
             return reduce_scatter_v_pooled(local_embs, input_splits, self.pg, self._codecs)
@@ -157,7 +169,7 @@ class PooledEmbeddingsReduceScatter(HoldsGroup, nn.Module):
 class PooledEmbeddingsAllGather(HoldsGroup, nn.Module):
     """`[B, D]` on every rank -> `[W * B, D]` in rank order; backward reduce-scatters."""
 
-    def __init__(self, pg: dist.ProcessGroup, codecs: Optional[QuantizedCommCodecs] = None) -> None:
+    def __init__(self, pg: dist.ProcessGroup, codecs: QuantizedCommCodecs | None = None) -> None:
         super().__init__()
         self.pg, self._codecs = pg, codecs
 
@@ -181,12 +193,14 @@ class SequenceEmbeddingsAllToAll(HoldsGroup, nn.Module):
         self,
         pg: dist.ProcessGroup,
         features_per_rank: List[int],
-        device: Optional[torch.device] = None,
-        codecs: Optional[QuantizedCommCodecs] = None,
+        device: torch.device | None = None,
+        codecs: QuantizedCommCodecs | None = None,
     ) -> None:
         super().__init__()
         self.pg = pg
-        self._features_per_rank = _per_rank(features_per_rank, pg, "SequenceEmbeddingsAllToAll: features_per_rank")
+        self._features_per_rank = _per_rank(
+            features_per_rank, pg, "SequenceEmbeddingsAllToAll: features_per_rank"
+        )
         self._codecs = codecs
 
     def forward(
@@ -195,9 +209,9 @@ class SequenceEmbeddingsAllToAll(HoldsGroup, nn.Module):
         lengths: torch.Tensor,
         input_splits: List[int],
         output_splits: List[int],
-        unbucketize_permute_tensor: Optional[torch.Tensor] = None,
-        batch_size_per_rank: Optional[List[int]] = None,
-        sparse_features_recat: Optional[torch.Tensor] = None,
+        unbucketize_permute_tensor: torch.Tensor | None = None,
+        batch_size_per_rank: List[int] | None = None,
+        sparse_features_recat: torch.Tensor | None = None,
     ) -> Awaitable[torch.Tensor]:
         world_size, rank = dist.get_world_size(self.pg), dist.get_rank(self.pg)
         num_local = self._features_per_rank[rank]
@@ -208,8 +222,15 @@ class SequenceEmbeddingsAllToAll(HoldsGroup, nn.Module):
         variable = variable or recat.numel() != num_local * world_size
         forward_recat = torch.argsort(recat.long()).to(torch.int32)
         awaitable = alltoall_sequence(
-            local_embs, forward_recat, recat, lengths, input_splits, output_splits,
-            variable_batch_size=variable, group=self.pg, codecs=self._codecs,
+            local_embs,
+            forward_recat,
+            recat,
+            lengths,
+            input_splits,
+            output_splits,
+            variable_batch_size=variable,
+            group=self.pg,
+            codecs=self._codecs,
         )
         if unbucketize_permute_tensor is not None:
             permute = unbucketize_permute_tensor.long()

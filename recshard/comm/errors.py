@@ -7,7 +7,7 @@ failed on rank 0 of 2 ..."), so a training loop can tell a dead peer from a bug.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch.distributed as dist
 
@@ -48,7 +48,7 @@ def describe_collective(name: str) -> Tuple[str, str]:
 
 
 def collective_error(
-    name: str, op: str, pg: Optional[dist.ProcessGroup], error: BaseException, stage: str = "failed"
+    name: str, op: str, pg: dist.ProcessGroup | None, error: BaseException, stage: str = "failed"
 ) -> CollectiveError:
     """A `CollectiveError` for `error` raised by collective `name` (backend call `op`)."""
     readable, direction = describe_collective(name)
@@ -61,9 +61,11 @@ def collective_error(
     text = str(error).strip() or type(error).__name__
     hint = ""
     if "timed out" in text.lower() or "timeout" in text.lower():
-        hint = (" (the process-group timeout ran out: another rank died, hangs, or waits in a"
-                " different collective; the timeout is init_process_group(timeout=...), e.g."
-                " recshard.comm.pg.pg_timeout(), which reads RECSHARD_PG_TIMEOUT_S)")
+        hint = (
+            " (the process-group timeout ran out: another rank died, hangs, or waits in a"
+            " different collective; the timeout is init_process_group(timeout=...), e.g."
+            " recshard.comm.pg.pg_timeout(), which reads RECSHARD_PG_TIMEOUT_S)"
+        )
     return CollectiveError(
         f"{readable} ({direction}) {stage}{where} [{op}]: {text}{hint}", readable, direction
     )

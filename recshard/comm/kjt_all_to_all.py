@@ -23,7 +23,7 @@ receives A and B for batch positions `[rank 0's 3 | rank 1's 3]` (stride 6), ran
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,17 +45,34 @@ from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse import jagged_ops as ops
 from recshard.types import Awaitable
 
-_DTYPES = [torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16,
-           torch.float64, torch.int16, torch.int8, torch.uint8]
+_DTYPES = [
+    torch.int32,
+    torch.int64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+]
 # Fixed columns of a metadata row: rejected flag, variable-batch flag, stride, 3 dtype codes,
 # the smallest and largest of the sender's lengths.
-(_REJECTED, _VBE, _STRIDE, _LENGTHS_DTYPE, _VALUES_DTYPE, _WEIGHTS_DTYPE,
- _LENGTHS_MIN, _LENGTHS_MAX) = range(8)
+(
+    _REJECTED,
+    _VBE,
+    _STRIDE,
+    _LENGTHS_DTYPE,
+    _VALUES_DTYPE,
+    _WEIGHTS_DTYPE,
+    _LENGTHS_MIN,
+    _LENGTHS_MAX,
+) = range(8)
 _FIXED = 8
 _LABELS = ("lengths", "values", "weights")
 
 
-def _dtype_code(t: Optional[torch.Tensor]) -> int:
+def _dtype_code(t: torch.Tensor | None) -> int:
     return 0 if t is None else _DTYPES.index(t.dtype) + 1 if t.dtype in _DTYPES else -1
 
 
@@ -73,8 +90,8 @@ def get_recat(
     local_split: int,
     num_splits: int,
     stagger: int = 1,
-    device: Optional[torch.device] = None,
-    batch_size_per_rank: Optional[List[int]] = None,
+    device: torch.device | None = None,
+    batch_size_per_rank: List[int] | None = None,
 ) -> torch.Tensor:
     """Permute from rank-major (what arrives) to feature-major (the output KJT), int32.
 
@@ -113,17 +130,23 @@ class _Selected:
     lengths: torch.Tensor
 
 
-def _select(kjt: KeyedJaggedTensor, key_order: Optional[List[int]]) -> _Selected:
+def _select(kjt: KeyedJaggedTensor, key_order: List[int] | None) -> _Selected:
     """`kjt`'s keys as sent; `key_order` (indices, repeats allowed) needs one batch size."""
     starts = kjt.offset_per_key()[:-1]
     if key_order is None:
-        return _Selected(kjt.keys(), kjt.stride_per_key(), kjt.length_per_key(), starts,
-                         kjt.lengths())
+        return _Selected(
+            kjt.keys(), kjt.stride_per_key(), kjt.length_per_key(), starts, kjt.lengths()
+        )
     keys, counts = kjt.keys(), kjt.length_per_key()
     order = torch.tensor(key_order, dtype=torch.int64)
     lengths = kjt.lengths().view(len(keys), -1).index_select(0, order).view(-1)
-    return _Selected([keys[i] for i in key_order], [kjt.stride()] * len(key_order),
-                     [counts[i] for i in key_order], [starts[i] for i in key_order], lengths)
+    return _Selected(
+        [keys[i] for i in key_order],
+        [kjt.stride()] * len(key_order),
+        [counts[i] for i in key_order],
+        [starts[i] for i in key_order],
+        lengths,
+    )
 
 
 @dataclass
@@ -140,7 +163,7 @@ class _Outgoing:
     input_splits: Dict[str, List[int]]
     lengths: torch.Tensor
     values: torch.Tensor
-    weights: Optional[torch.Tensor]
+    weights: torch.Tensor | None
     wire_splits: Dict[str, List[int]]
     local_id_dtypes: List[torch.dtype]
     dtypes: Dict[str, torch.dtype]  # lengths / values / weights as every rank holds them
@@ -173,8 +196,8 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         self._dtypes = sent.dtypes
         self._input_splits = sent.input_splits
         self.stride_per_rank: List[int] = received[:, _STRIDE].tolist()
-        strides = received[:, _FIXED: _FIXED + num_local]
-        counts = received[:, _FIXED + num_local: _FIXED + 2 * num_local]
+        strides = received[:, _FIXED : _FIXED + num_local]
+        counts = received[:, _FIXED + num_local : _FIXED + 2 * num_local]
         self.stride_per_key_per_rank: List[List[int]] = strides.t().tolist()
         self.values_per_key_per_rank: List[List[int]] = counts.t().tolist()
         self._vbe = bool(received[:, _VBE].any())  # some rank has a batch size per key
@@ -186,8 +209,10 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         self._segment_strides = strides.reshape(-1).to(device)
         # the segments as they arrive, rank-major: from each rank its lengths (in the type its
         # range picks), then each key's ids in their wire dtype; weights per key
-        lengths_dtypes = [lengths_wire_dtype(low, high, sent.dtypes["lengths"]) for low, high
-                          in received[:, [_LENGTHS_MIN, _LENGTHS_MAX]].tolist()]
+        lengths_dtypes = [
+            lengths_wire_dtype(low, high, sent.dtypes["lengths"])
+            for low, high in received[:, [_LENGTHS_MIN, _LENGTHS_MAX]].tolist()
+        ]
         self._arrived_counts = {"values": [], "weights": counts.reshape(-1).tolist()}
         self._arrived_dtypes = {"values": []}
         for r, rank_counts in enumerate(counts.tolist()):
@@ -195,26 +220,37 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
             self._arrived_dtypes["values"] += [lengths_dtypes[r]] + sent.local_id_dtypes
         if sent.weights is not None:
             self._arrived_dtypes["weights"] = [sent.dtypes["weights"]] * world_size * num_local
-        self._recat_cache: Optional[torch.Tensor] = None
+        self._recat_cache: torch.Tensor | None = None
         self._pending: Dict[str, Pending] = {}
         if world_size == 1:  # nothing to send: the input is already feature-major
-            self._pending = {label: Pending([], lambda t=t: t) for label, t in
-                             (("lengths", sent.lengths), ("values", sent.values),
-                              ("weights", sent.weights)) if t is not None}
+            self._pending = {
+                label: Pending([], lambda t=t: t)
+                for label, t in (
+                    ("lengths", sent.lengths),
+                    ("values", sent.values),
+                    ("weights", sent.weights),
+                )
+                if t is not None
+            }
             return
         for label, packed in (("values", sent.values), ("weights", sent.weights)):
             if packed is not None:
                 self._pending[label] = issue_all_to_all(
-                    packed, sent.wire_splits[label], self._arrived_bytes(label), pg,
+                    packed,
+                    sent.wire_splits[label],
+                    self._arrived_bytes(label),
+                    pg,
                     name=f"kjt_all_to_all_{label}",
                 )
 
     def _arrived_bytes(self, label: str) -> List[int]:
         """Packed bytes of `label` from each rank."""
-        sizes = [segment_bytes(n, d)
-                 for n, d in zip(self._arrived_counts[label], self._arrived_dtypes[label])]
+        sizes = [
+            segment_bytes(n, d)
+            for n, d in zip(self._arrived_counts[label], self._arrived_dtypes[label])
+        ]
         per_rank = len(sizes) // self._world_size
-        return [sum(sizes[r * per_rank: (r + 1) * per_rank]) for r in range(self._world_size)]
+        return [sum(sizes[r * per_rank : (r + 1) * per_rank]) for r in range(self._world_size)]
 
     @property
     def input_splits(self) -> Dict[str, List[int]]:
@@ -244,11 +280,18 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
 
     _recat = recat  # TorchRec's attribute name
 
-    def _unpack(self, wire: torch.Tensor, label: str, dtype_label: str,
-                order: List[int]) -> torch.Tensor:
+    def _unpack(
+        self, wire: torch.Tensor, label: str, dtype_label: str, order: List[int]
+    ) -> torch.Tensor:
         """Segments `order` of `label`'s packed buffer, cast back to the senders' dtype."""
-        return unpack(wire, self._arrived_counts[label], self._arrived_dtypes[label],
-                      self._dtypes[dtype_label], order, f"kjt_all_to_all_{dtype_label}_unpacked")
+        return unpack(
+            wire,
+            self._arrived_counts[label],
+            self._arrived_dtypes[label],
+            self._dtypes[dtype_label],
+            order,
+            f"kjt_all_to_all_{dtype_label}_unpacked",
+        )
 
     def _wait_impl(self) -> KeyedJaggedTensor:
         num_local, world_size = len(self._keys), self._world_size
@@ -261,12 +304,15 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
             order = recat.tolist()
             wire = self._pending["values"].wait()
             # segment r * F + f of the recat is rank r's key f, after rank r's lengths
-            lengths = self._unpack(wire, "values", "lengths",
-                                   [r * (num_local + 1) for r in range(world_size)])
-            values = self._unpack(wire, "values", "values",
-                                  [i + i // num_local + 1 for i in order])
-            weights = (self._unpack(self._pending["weights"].wait(), "weights", "weights", order)
-                       if "weights" in self._pending else None)
+            lengths = self._unpack(
+                wire, "values", "lengths", [r * (num_local + 1) for r in range(world_size)]
+            )
+            values = self._unpack(wire, "values", "values", [i + i // num_local + 1 for i in order])
+            weights = (
+                self._unpack(self._pending["weights"].wait(), "weights", "weights", order)
+                if "weights" in self._pending
+                else None
+            )
             if lengths.numel() and not self.variable_stride:
                 lengths = lengths.view(num_local * world_size, -1).index_select(0, recat).view(-1)
             elif lengths.numel():
@@ -278,10 +324,14 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
             order_ranks = rank_order(world_size, self._stagger)
             spkpr = [[row[r] for r in order_ranks] for row in self.stride_per_key_per_rank]
         return KeyedJaggedTensor(
-            self._keys, values, weights, lengths=lengths,
+            self._keys,
+            values,
+            weights,
+            lengths=lengths,
             stride=None if spkpr else sum(self.stride_per_rank),
             stride_per_key_per_rank=spkpr,
-            length_per_key=[sum(c) for c in self.values_per_key_per_rank], validate=False,
+            length_per_key=[sum(c) for c in self.values_per_key_per_rank],
+            validate=False,
         )
 
 
@@ -294,9 +344,9 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         kjt: KeyedJaggedTensor,
         splits: List[int],
         stagger: int,
-        input_error: Optional[str],
-        id_rows: Sequence[Optional[int]],
-        key_order: Optional[List[int]] = None,
+        input_error: str | None,
+        id_rows: Sequence[int | None],
+        key_order: List[int] | None = None,
     ) -> None:
         super().__init__()
         self._pg, self._splits, self._stagger = pg, splits, stagger
@@ -309,7 +359,7 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         sent = torch.zeros(world_size, width, dtype=torch.int64)  # built on the host
         if self._input_error is not None:
             sent[:, _REJECTED] = 1
-            sent[:, width - MSG_WORDS:] = encode_message(self._input_error)
+            sent[:, width - MSG_WORDS :] = encode_message(self._input_error)
         else:
             selected = _select(kjt, key_order)
             self._fill(sent, kjt, selected)
@@ -322,8 +372,9 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         # packing the lengths and ids overlaps the splits exchange
         self._outgoing = None
         if self._input_error is None:
-            lengths_dtype = lengths_wire_dtype(int(sent[0, _LENGTHS_MIN]),
-                                               int(sent[0, _LENGTHS_MAX]), kjt.lengths().dtype)
+            lengths_dtype = lengths_wire_dtype(
+                int(sent[0, _LENGTHS_MIN]), int(sent[0, _LENGTHS_MAX]), kjt.lengths().dtype
+            )
             self._outgoing = self._pack(kjt, selected, id_rows, lengths_dtype, world_size)
 
     def _fill(self, sent: torch.Tensor, kjt: KeyedJaggedTensor, selected: _Selected) -> None:
@@ -340,12 +391,18 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             sent[:, _LENGTHS_MIN], sent[:, _LENGTHS_MAX] = int(low), int(high)
         for r, num in enumerate(self._splits):
             lo, hi = bounds[r], bounds[r + 1]
-            sent[r, _FIXED: _FIXED + num] = torch.tensor(strides[lo:hi], dtype=torch.int64)
-            sent[r, _FIXED + num: _FIXED + 2 * num] = torch.tensor(counts[lo:hi], dtype=torch.int64)
+            sent[r, _FIXED : _FIXED + num] = torch.tensor(strides[lo:hi], dtype=torch.int64)
+            sent[r, _FIXED + num : _FIXED + 2 * num] = torch.tensor(
+                counts[lo:hi], dtype=torch.int64
+            )
 
     def _pack(
-        self, kjt: KeyedJaggedTensor, selected: _Selected, id_rows: Sequence[Optional[int]],
-        lengths_dtype: torch.dtype, world_size: int
+        self,
+        kjt: KeyedJaggedTensor,
+        selected: _Selected,
+        id_rows: Sequence[int | None],
+        lengths_dtype: torch.dtype,
+        world_size: int,
     ) -> _Outgoing:
         """The tensors to send: with other ranks, per destination its lengths (as
         `lengths_dtype`) and its keys' ids in one buffer, weights per key in another."""
@@ -355,11 +412,16 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         me = self._rank
         per_rank = [range(bounds[r], bounds[r + 1]) for r in range(len(self._splits))]
         sent = _Outgoing(
-            keys=selected.keys[bounds[me]: bounds[me + 1]],
-            input_splits={"lengths": [sum(strides[k] for k in keys) for keys in per_rank],
-                          "values": [sum(counts[k] for k in keys) for keys in per_rank]},
-            lengths=selected.lengths, values=values, weights=weights, wire_splits={},
-            local_id_dtypes=id_dtypes[bounds[me]: bounds[me + 1]],
+            keys=selected.keys[bounds[me] : bounds[me + 1]],
+            input_splits={
+                "lengths": [sum(strides[k] for k in keys) for keys in per_rank],
+                "values": [sum(counts[k] for k in keys) for keys in per_rank],
+            },
+            lengths=selected.lengths,
+            values=values,
+            weights=weights,
+            wire_splits={},
+            local_id_dtypes=id_dtypes[bounds[me] : bounds[me + 1]],
             dtypes={"lengths": kjt.lengths().dtype, "values": values.dtype},
         )
         if weights is not None:
@@ -377,20 +439,22 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         sent.wire_splits["values"] = [
             segment_bytes(num_lengths, lengths_dtype)
             + sum(segment_bytes(counts[k], id_dtypes[k]) for k in keys)
-            for keys, num_lengths in zip(per_rank, sent.input_splits["lengths"])]
+            for keys, num_lengths in zip(per_rank, sent.input_splits["lengths"])
+        ]
         if weights is not None:
             weight_dtypes = [weights.dtype] * len(counts)
-            sent.weights = pack(weights, counts, weight_dtypes, "kjt_all_to_all_weights_packed",
-                                selected.starts)
+            sent.weights = pack(
+                weights, counts, weight_dtypes, "kjt_all_to_all_weights_packed", selected.starts
+            )
             sent.wire_splits["weights"] = [
-                sum(segment_bytes(counts[k], weights.dtype) for k in keys) for keys in per_rank]
+                sum(segment_bytes(counts[k], weights.dtype) for k in keys) for keys in per_rank
+            ]
         return sent
 
     def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
         wait_work(self._work, "kjt_all_to_all_splits", pg=self._pg)
         received = self._received.cpu()
-        raise_rejected(self._input_error, received[:, _REJECTED].tolist(),
-                       received[:, -MSG_WORDS:])
+        raise_rejected(self._input_error, received[:, _REJECTED].tolist(), received[:, -MSG_WORDS:])
         for column, label in zip((_LENGTHS_DTYPE, _VALUES_DTYPE, _WEIGHTS_DTYPE), _LABELS):
             codes = received[:, column].tolist()
             if len(set(codes)) > 1:
@@ -401,16 +465,21 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         return KJTAllToAllTensorsAwaitable(self._pg, received, sent, self._stagger)
 
 
-def _check_input(kjt: KeyedJaggedTensor, splits: List[int],
-                 key_order: Optional[List[int]]) -> Optional[str]:
+def _check_input(
+    kjt: KeyedJaggedTensor, splits: List[int], key_order: List[int] | None
+) -> str | None:
     """What is wrong with this rank's input, or None."""
     keys = kjt.keys() if key_order is None else [kjt.keys()[i] for i in key_order]
     if sum(splits) != len(keys):
-        return (f"KJTAllToAll: splits {splits} sum to {sum(splits)} keys but the "
-                f"KeyedJaggedTensor has {len(keys)}: {keys}")
+        return (
+            f"KJTAllToAll: splits {splits} sum to {sum(splits)} keys but the "
+            f"KeyedJaggedTensor has {len(keys)}: {keys}"
+        )
     if kjt.values().is_floating_point() or kjt.lengths().is_floating_point():
-        return (f"KJTAllToAll: ids and lengths must be integers, got values "
-                f"{kjt.values().dtype} and lengths {kjt.lengths().dtype}")
+        return (
+            f"KJTAllToAll: ids and lengths must be integers, got values "
+            f"{kjt.values().dtype} and lengths {kjt.lengths().dtype}"
+        )
     weights = kjt.weights_or_none()
     if weights is not None and not weights.is_floating_point():
         return f"KJTAllToAll: weights must be floating point, got {weights.dtype}"
@@ -436,27 +505,32 @@ class KJTAllToAll(HoldsGroup, nn.Module):
         super().__init__()
         world_size = dist.get_world_size(pg)
         if len(splits) != world_size:
-            raise ValueError(f"KJTAllToAll: splits {splits} need one entry per rank "
-                             f"(world size {world_size})")
+            raise ValueError(
+                f"KJTAllToAll: splits {splits} need one entry per rank (world size {world_size})"
+            )
         if any(s < 0 for s in splits):
             raise ValueError(f"KJTAllToAll: splits {splits} must be non-negative")
         if stagger < 1 or world_size % stagger:
             raise ValueError(f"KJTAllToAll: stagger {stagger} must divide world size {world_size}")
         self.pg, self._splits, self._stagger = pg, list(splits), stagger
-        self._id_rows: List[Optional[int]] = [None] * sum(splits)
+        self._id_rows: List[int | None] = [None] * sum(splits)
 
-    def set_id_rows(self, rows_per_key: Sequence[Optional[int]]) -> None:
+    def set_id_rows(self, rows_per_key: Sequence[int | None]) -> None:
         """The ids of key k lie in `[0, rows_per_key[k])` (the caller checked them; None: any
         value), so they travel in the narrowest type that holds them (`comm/wire.py`). The
         same list on every rank; without it ids travel in their own dtype."""
         if len(rows_per_key) != sum(self._splits):
-            raise ValueError(f"KJTAllToAll.set_id_rows: {len(rows_per_key)} keys' rows for "
-                             f"splits {self._splits} ({sum(self._splits)} keys)")
+            raise ValueError(
+                f"KJTAllToAll.set_id_rows: {len(rows_per_key)} keys' rows for "
+                f"splits {self._splits} ({sum(self._splits)} keys)"
+            )
         self._id_rows = list(rows_per_key)
 
     def forward(
-        self, input: KeyedJaggedTensor, input_error: Optional[str] = None,
-        key_order: Optional[List[int]] = None,
+        self,
+        input: KeyedJaggedTensor,
+        input_error: str | None = None,
+        key_order: List[int] | None = None,
     ) -> KJTAllToAllSplitsAwaitable:
         """`key_order`: send `input.permute(key_order)` (repeats allowed), the ids read where
         they lie by the pack that narrows them instead of being permuted first."""
@@ -466,6 +540,11 @@ class KJTAllToAll(HoldsGroup, nn.Module):
             ):
                 input, key_order = input.permute(key_order), None
             return KJTAllToAllSplitsAwaitable(
-                self.pg, input, self._splits, self._stagger, input_error, self._id_rows,
+                self.pg,
+                input,
+                self._splits,
+                self._stagger,
+                input_error,
+                self._id_rows,
                 key_order,
             )

@@ -9,7 +9,7 @@ World size 1 returns the input untouched.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from recshard.sparse.jagged_ops import asynchronous_complete_cumsum, expand_into
 from recshard.types import Awaitable, NoWait
 
 
-def _group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group if group is not None else dist.distributed_c10d._get_default_group()
 
 
@@ -53,11 +53,11 @@ def alltoall_pooled(
     a2a_pooled_embs_tensor: torch.Tensor,
     batch_size_per_rank: List[int],
     dim_sum_per_rank: List[int],
-    dim_sum_per_rank_tensor: Optional[torch.Tensor] = None,
-    cumsum_dim_sum_per_rank_tensor: Optional[torch.Tensor] = None,
-    group: Optional[dist.ProcessGroup] = None,
-    codecs: Optional[QuantizedCommCodecs] = None,
-    column_blocks: Optional[Sequence[Block]] = None,
+    dim_sum_per_rank_tensor: torch.Tensor | None = None,
+    cumsum_dim_sum_per_rank_tensor: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+    codecs: QuantizedCommCodecs | None = None,
+    column_blocks: Sequence[Block] | None = None,
 ) -> Awaitable[torch.Tensor]:
     """Pooled embeddings from model-parallel to data-parallel layout.
 
@@ -70,7 +70,10 @@ def alltoall_pooled(
     pg = _group(group)
     world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
     x = a2a_pooled_embs_tensor
-    _check(x.dim() == 2, f"alltoall_pooled: expected a 2-D [B_global, D_local] tensor, got {tuple(x.shape)}")
+    _check(
+        x.dim() == 2,
+        f"alltoall_pooled: expected a 2-D [B_global, D_local] tensor, got {tuple(x.shape)}",
+    )
     _check(
         len(batch_size_per_rank) == world_size and len(dim_sum_per_rank) == world_size,
         f"alltoall_pooled: batch_size_per_rank ({len(batch_size_per_rank)}) and dim_sum_per_rank "
@@ -88,8 +91,11 @@ def alltoall_pooled(
     )
     blocks = list(column_blocks) if column_blocks is not None else whole_chunks(dim_sum_per_rank)
     if world_size == 1:
-        return NoWait(x if column_blocks is None
-                      else chunks_to_columns(x.reshape(-1), x.size(0), dim_sum_per_rank, blocks))
+        return NoWait(
+            x
+            if column_blocks is None
+            else chunks_to_columns(x.reshape(-1), x.size(0), dim_sum_per_rank, blocks)
+        )
     b_local = batch_size_per_rank[rank]
     input_splits = [b * x.size(1) for b in batch_size_per_rank]
     output_splits = [b_local * d for d in dim_sum_per_rank]
@@ -106,9 +112,16 @@ class PooledAllToAll(AllToAllV):
     pass instead of layout, then encode. Other codecs encode and decode around plain copies.
     """
 
-    def __init__(self, pg: dist.ProcessGroup, input_splits: List[int], output_splits: List[int],
-                 codecs: Optional[QuantizedCommCodecs], rows: int, chunk_widths: Sequence[int],
-                 blocks: Sequence[Block]) -> None:
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        input_splits: List[int],
+        output_splits: List[int],
+        codecs: QuantizedCommCodecs | None,
+        rows: int,
+        chunk_widths: Sequence[int],
+        blocks: Sequence[Block],
+    ) -> None:
         super().__init__(pg, input_splits, output_splits, codecs, name="alltoall_pooled")
         self.rows, self.chunk_widths, self.blocks = rows, list(chunk_widths), list(blocks)
         self.dtype = torch.float32  # the embeddings' dtype, set by forward
@@ -122,29 +135,45 @@ class PooledAllToAll(AllToAllV):
             flat = wire if fused else decode(wire, codec, x.dtype)
             return columns_from_chunks(flat, self.rows, self.chunk_widths, self.blocks, x.dtype)
 
-        return issue_all_to_all(x, self.input_splits, self.output_splits, self.pg, codec,
-                                self.name, read)
+        return issue_all_to_all(
+            x, self.input_splits, self.output_splits, self.pg, codec, self.name, read
+        )
 
     def backward(self, grad: torch.Tensor) -> Pending:
         codec = self.codecs.backward if self.codecs else None
         wire_dtype = cast_dtype(codec, grad.dtype)
         if wire_dtype is None:  # encode and decode of their own, around plain copies
             flat = chunks_from_columns(grad, self.chunk_widths, self.blocks, grad.dtype)
-            return issue_all_to_all(flat, self.output_splits, self.input_splits, self.pg, codec,
-                                    self.name + "_bwd", lambda wire: decode(wire, codec, self.dtype))
+            return issue_all_to_all(
+                flat,
+                self.output_splits,
+                self.input_splits,
+                self.pg,
+                codec,
+                self.name + "_bwd",
+                lambda wire: decode(wire, codec, self.dtype),
+            )
         # packed in the wire dtype already: the cast codec's encode then returns it as it is
         wire = chunks_from_columns(grad, self.chunk_widths, self.blocks, wire_dtype)
-        return issue_all_to_all(wire, self.output_splits, self.input_splits, self.pg, codec,
-                                self.name + "_bwd", lambda received: received.to(self.dtype))
+        return issue_all_to_all(
+            wire,
+            self.output_splits,
+            self.input_splits,
+            self.pg,
+            codec,
+            self.name + "_bwd",
+            lambda received: received.to(self.dtype),
+        )
 
-    def backward_dividing(self, grad: torch.Tensor, divisor: int) -> Optional[Pending]:
+    def backward_dividing(self, grad: torch.Tensor, divisor: int) -> Pending | None:
         """Without a codec: the packing copy reads `grad` as it is (an expanded gradient too)
         and divides."""
         if self.codecs is not None and self.codecs.backward is not None:
             return None
         wire = chunks_from_columns(grad, self.chunk_widths, self.blocks, grad.dtype, divisor)
-        return issue_all_to_all(wire, self.output_splits, self.input_splits, self.pg, None,
-                                self.name + "_bwd")
+        return issue_all_to_all(
+            wire, self.output_splits, self.input_splits, self.pg, None, self.name + "_bwd"
+        )
 
 
 def variable_batch_alltoall_pooled(
@@ -152,8 +181,8 @@ def variable_batch_alltoall_pooled(
     batch_size_per_rank_per_feature: List[List[int]],
     batch_size_per_feature_pre_a2a: List[int],
     emb_dim_per_rank_per_feature: List[List[int]],
-    group: Optional[dist.ProcessGroup] = None,
-    codecs: Optional[QuantizedCommCodecs] = None,
+    group: dist.ProcessGroup | None = None,
+    codecs: QuantizedCommCodecs | None = None,
 ) -> Awaitable[torch.Tensor]:
     """Pooled all-to-all when each rank's batch size differs per feature (VBE).
 
@@ -198,13 +227,13 @@ def variable_batch_alltoall_pooled(
 def alltoall_sequence(
     a2a_sequence_embs_tensor: torch.Tensor,
     forward_recat_tensor: torch.Tensor,
-    backward_recat_tensor: Optional[torch.Tensor],
+    backward_recat_tensor: torch.Tensor | None,
     lengths_after_sparse_data_all2all: torch.Tensor,
     input_splits: List[int],
     output_splits: List[int],
     variable_batch_size: bool = False,
-    group: Optional[dist.ProcessGroup] = None,
-    codecs: Optional[QuantizedCommCodecs] = None,
+    group: dist.ProcessGroup | None = None,
+    codecs: QuantizedCommCodecs | None = None,
 ) -> Awaitable[torch.Tensor]:
     """Per-id embeddings back to the ranks that sent the ids: the sparse all-to-all reversed.
 
@@ -244,7 +273,10 @@ def alltoall_sequence(
         x = x.index_select(0, rows.long())
     dim = x.size(1)
     a2a = AllToAllV(
-        pg, [n * dim for n in output_splits], [n * dim for n in input_splits], codecs,
+        pg,
+        [n * dim for n in output_splits],
+        [n * dim for n in input_splits],
+        codecs,
         name="alltoall_sequence",
     )
     return CommRequest(a2a, x.reshape(-1), lambda flat: flat.view(-1, dim))
@@ -252,10 +284,10 @@ def alltoall_sequence(
 
 def alltoallv(
     inputs: List[torch.Tensor],
-    out_split: Optional[List[int]] = None,
-    per_rank_split_lengths: Optional[List[int]] = None,
-    group: Optional[dist.ProcessGroup] = None,
-    codecs: Optional[QuantizedCommCodecs] = None,
+    out_split: List[int] | None = None,
+    per_rank_split_lengths: List[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+    codecs: QuantizedCommCodecs | None = None,
 ) -> Awaitable[List[torch.Tensor]]:
     """Pooled all-to-all of a list of local tables; one output tensor per source rank.
 
@@ -306,8 +338,8 @@ def alltoallv(
 
 def reduce_scatter_pooled(
     inputs: List[torch.Tensor],
-    group: Optional[dist.ProcessGroup] = None,
-    codecs: Optional[QuantizedCommCodecs] = None,
+    group: dist.ProcessGroup | None = None,
+    codecs: QuantizedCommCodecs | None = None,
 ) -> Awaitable[torch.Tensor]:
     """`inputs[r]` summed over ranks lands on rank r (shape of `inputs[r]`, same on every rank)."""
     pg = _group(group)
@@ -327,8 +359,8 @@ def reduce_scatter_pooled(
 
 def reduce_scatter_base_pooled(
     input: torch.Tensor,
-    group: Optional[dist.ProcessGroup] = None,
-    codecs: Optional[QuantizedCommCodecs] = None,
+    group: dist.ProcessGroup | None = None,
+    codecs: QuantizedCommCodecs | None = None,
 ) -> Awaitable[torch.Tensor]:
     """`[W * B, D]` partial sums on every rank -> `[B, D]`: rows `r*B..(r+1)*B` summed, on rank r."""
     pg = _group(group)
@@ -343,8 +375,8 @@ def reduce_scatter_base_pooled(
 def reduce_scatter_v_pooled(
     input: torch.Tensor,
     input_splits: List[int],
-    group: Optional[dist.ProcessGroup] = None,
-    codecs: Optional[QuantizedCommCodecs] = None,
+    group: dist.ProcessGroup | None = None,
+    codecs: QuantizedCommCodecs | None = None,
 ) -> Awaitable[torch.Tensor]:
     """`[sum(input_splits), D...]` partial sums -> `[input_splits[r], D...]` on rank r: the sum
     over ranks of row block r (uneven batch sizes per rank). Backward: all-gather."""
@@ -370,8 +402,8 @@ def reduce_scatter_v_pooled(
 
 def all_gather_base_pooled(
     input: torch.Tensor,
-    group: Optional[dist.ProcessGroup] = None,
-    codecs: Optional[QuantizedCommCodecs] = None,
+    group: dist.ProcessGroup | None = None,
+    codecs: QuantizedCommCodecs | None = None,
 ) -> Awaitable[torch.Tensor]:
     """`[B, D...]` on every rank -> `[W * B, D...]`, rank blocks in rank order.
     Backward: reduce-scatter (divided by W when gradient division is on, as TorchRec)."""

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ TORCH_DEFAULT_TIMEOUT = timedelta(minutes=30)  # what init_process_group gives g
 _warned_groups: Set[dist.ProcessGroup] = set()
 
 
-def pg_timeout(pg: Optional[dist.ProcessGroup] = None) -> timedelta:
+def pg_timeout(pg: dist.ProcessGroup | None = None) -> timedelta:
     """How long a collective may wait before it fails (a dead or stuck rank then raises).
 
     `RECSHARD_PG_TIMEOUT_S` when set (read at call time, not import time), else the timeout
@@ -46,7 +46,7 @@ def pg_timeout(pg: Optional[dist.ProcessGroup] = None) -> timedelta:
     return timeout if timeout is not None else DEFAULT_TIMEOUT
 
 
-def _group_timeout(pg: dist.ProcessGroup) -> Optional[timedelta]:
+def _group_timeout(pg: dist.ProcessGroup) -> timedelta | None:
     for device in ("cpu", "cuda"):
         try:
             return pg._get_backend(torch.device(device)).options._timeout
@@ -55,7 +55,7 @@ def _group_timeout(pg: dist.ProcessGroup) -> Optional[timedelta]:
     return None
 
 
-def warn_if_default_timeout(pg: Optional[dist.ProcessGroup]) -> None:
+def warn_if_default_timeout(pg: dist.ProcessGroup | None) -> None:
     """Log once per group when the user's group waits torch's default 30 minutes: a dead or
     stuck rank then holds every other rank that long. recshard's own groups follow
     `RECSHARD_PG_TIMEOUT_S`; the user's group only if created with `timeout=pg_timeout()`."""
@@ -69,7 +69,9 @@ def warn_if_default_timeout(pg: Optional[dist.ProcessGroup]) -> None:
         "the process group has torch's default timeout of 30 minutes: a dead or stuck rank holds "
         "the others that long. Set %s (seconds; recshard's own groups follow it) and create the "
         "group with init_process_group(..., timeout=recshard.comm.pg.pg_timeout()) so that it "
-        "follows it too", TIMEOUT_ENV)
+        "follows it too",
+        TIMEOUT_ENV,
+    )
 
 
 def get_local_rank(rank: int, local_world_size: int) -> int:
@@ -152,7 +154,7 @@ class _GroupRef:
 
     __slots__ = ("pg",)
 
-    def __init__(self, pg: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, pg: dist.ProcessGroup | None) -> None:
         self.pg = pg
 
     def __deepcopy__(self, memo: dict) -> _GroupRef:
@@ -166,9 +168,9 @@ class HoldsGroup:
     _pg_ref: _GroupRef
 
     @property
-    def pg(self) -> Optional[dist.ProcessGroup]:
+    def pg(self) -> dist.ProcessGroup | None:
         return self._pg_ref.pg
 
     @pg.setter
-    def pg(self, pg: Optional[dist.ProcessGroup]) -> None:
+    def pg(self, pg: dist.ProcessGroup | None) -> None:
         self._pg_ref = _GroupRef(pg)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from recshard.types import Awaitable
 logger = logging.getLogger(__name__)
 
 _GRADIENT_DIVISION = True
-_USE_NATIVE_REDUCE_SCATTER: Optional[bool] = None
+_USE_NATIVE_REDUCE_SCATTER: bool | None = None
 _PAYLOAD_BYTES: Dict[str, int] = defaultdict(int)
 
 
@@ -50,7 +50,7 @@ def get_gradient_division() -> bool:
     return _GRADIENT_DIVISION
 
 
-def set_use_native_reduce_scatter(val: Optional[bool]) -> None:
+def set_use_native_reduce_scatter(val: bool | None) -> None:
     """True: the backend's reduce-scatter; False: all-to-all plus a local sum; None (default):
     all-to-all plus sum for CPU tensors (gloo's reduce-scatter clones and copies the whole
     input: the row-wise EBC step is ~10% faster, benchmarks/ebc.py), the backend's own for
@@ -74,8 +74,12 @@ def reset_comm_payload_bytes() -> None:
     _PAYLOAD_BYTES.clear()
 
 
-def wait_work(work: Optional[dist.Work | shm.Exchange], name: str, op: str = "all_to_all_single",
-              pg: Optional[dist.ProcessGroup] = None) -> None:
+def wait_work(
+    work: dist.Work | shm.Exchange | None,
+    name: str,
+    op: str = "all_to_all_single",
+    pg: dist.ProcessGroup | None = None,
+) -> None:
     """`work.wait()`, re-raising a backend error as a `CollectiveError` that names `name`."""
     if work is None:
         return
@@ -102,10 +106,14 @@ class Pending:
     backend reports a failure or the process-group timeout, instead of a bare gloo/NCCL error.
     """
 
-    def __init__(self, works: List[Optional[dist.Work | shm.Exchange]],
-                 finish: Callable[[], torch.Tensor],
-                 name: str = "collective", op: str = "collective",
-                 pg: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(
+        self,
+        works: List[dist.Work | shm.Exchange | None],
+        finish: Callable[[], torch.Tensor],
+        name: str = "collective",
+        op: str = "collective",
+        pg: dist.ProcessGroup | None = None,
+    ) -> None:
         self._works = works
         self._finish = finish
         self.name, self._op, self._pg = name, op, pg
@@ -119,18 +127,16 @@ class Pending:
 # ----------------------------------------------------------------------------- primitives
 
 
-def _encode(x: torch.Tensor, codec: Optional[QuantizedCommCodec]) -> torch.Tensor:
+def _encode(x: torch.Tensor, codec: QuantizedCommCodec | None) -> torch.Tensor:
     return (x if codec is None else codec.encode(x)).contiguous()
 
 
-def decode(
-    x: torch.Tensor, codec: Optional[QuantizedCommCodec], dtype: torch.dtype
-) -> torch.Tensor:
+def decode(x: torch.Tensor, codec: QuantizedCommCodec | None, dtype: torch.dtype) -> torch.Tensor:
     """What arrived on the wire, decoded by `codec` (None: sent as is) to `dtype`."""
     return (x if codec is None else codec.decode(x)).to(dtype)
 
 
-def _sizes(splits: List[int], codec: Optional[QuantizedCommCodec]) -> List[int]:
+def _sizes(splits: List[int], codec: QuantizedCommCodec | None) -> List[int]:
     return splits if codec is None else [codec.calc_quantized_size(s) for s in splits]
 
 
@@ -139,9 +145,9 @@ def issue_all_to_all(
     input_splits: List[int],
     output_splits: List[int],
     pg: dist.ProcessGroup,
-    codec: Optional[QuantizedCommCodec] = None,
+    codec: QuantizedCommCodec | None = None,
     name: str = "all_to_all",
-    read: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    read: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Pending:
     """Flat all-to-all-v: `x[1-D]` sends `input_splits[r]` elements to rank r; the result
     holds `output_splits[r]` elements from each rank r, in rank order: `read(received)` of the
@@ -150,13 +156,24 @@ def issue_all_to_all(
     out = buffers.take(name, sum(_sizes(output_splits, codec)), wire.dtype, wire.device)
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
     finish = (lambda: read(out)) if read is not None else (lambda: decode(out, codec, x.dtype))
-    local = shm.issue(pg, wire, _sizes(input_splits, codec), _sizes(output_splits, codec), out, name)
+    local = shm.issue(
+        pg, wire, _sizes(input_splits, codec), _sizes(output_splits, codec), out, name
+    )
     if local is not None:  # all ranks on this host: through /dev/shm (recshard.comm.shm)
         return Pending([local], finish, name, shm.OP, pg)  # waited like a backend's work
-    work = _start(name, "all_to_all_single", pg, lambda: dist.all_to_all_single(
-        out, wire, _sizes(output_splits, codec), _sizes(input_splits, codec),
-        group=pg, async_op=True,
-    ))
+    work = _start(
+        name,
+        "all_to_all_single",
+        pg,
+        lambda: dist.all_to_all_single(
+            out,
+            wire,
+            _sizes(output_splits, codec),
+            _sizes(input_splits, codec),
+            group=pg,
+            async_op=True,
+        ),
+    )
     return Pending([work], finish, name, "all_to_all_single", pg)
 
 
@@ -164,7 +181,7 @@ def issue_reduce_scatter(
     x: torch.Tensor,
     input_splits: List[int],
     pg: dist.ProcessGroup,
-    codec: Optional[QuantizedCommCodec] = None,
+    codec: QuantizedCommCodec | None = None,
     name: str = "reduce_scatter",
 ) -> Pending:
     """Flat reduce-scatter-v: `x[1-D]` is cut into `input_splits` chunks; rank r gets the
@@ -180,9 +197,14 @@ def issue_reduce_scatter(
         local = shm.issue(pg, wire, sizes, [sizes[rank]] * world_size, received, name)
         if local is not None:  # all ranks on this host: through /dev/shm (recshard.comm.shm)
             return Pending([local], finish, name, shm.OP, pg)
-        work = _start(name, "all_to_all_single", pg, lambda: dist.all_to_all_single(
-            received, wire, [sizes[rank]] * world_size, sizes, group=pg, async_op=True
-        ))
+        work = _start(
+            name,
+            "all_to_all_single",
+            pg,
+            lambda: dist.all_to_all_single(
+                received, wire, [sizes[rank]] * world_size, sizes, group=pg, async_op=True
+            ),
+        )
         return Pending([work], finish, name, "all_to_all_single", pg)
     out = buffers.take(name, sizes[rank], wire.dtype, wire.device)
     if len(set(sizes)) == 1:
@@ -190,8 +212,12 @@ def issue_reduce_scatter(
         work = _start(name, op, pg, lambda: _reduce_scatter_single(out, wire, pg))
     else:
         op = "reduce_scatter"
-        work = _start(name, op, pg, lambda: dist.reduce_scatter(
-            out, list(wire.split(sizes)), group=pg, async_op=True))
+        work = _start(
+            name,
+            op,
+            pg,
+            lambda: dist.reduce_scatter(out, list(wire.split(sizes)), group=pg, async_op=True),
+        )
     return Pending([work], lambda: decode(out, codec, x.dtype), name, op, pg)
 
 
@@ -199,7 +225,7 @@ def issue_all_gather(
     x: torch.Tensor,
     output_splits: List[int],
     pg: dist.ProcessGroup,
-    codec: Optional[QuantizedCommCodec] = None,
+    codec: QuantizedCommCodec | None = None,
     name: str = "all_gather",
     divisor: int = 1,
 ) -> Pending:
@@ -224,8 +250,12 @@ def issue_all_gather(
         work = _start(name, op, pg, lambda: _all_gather_single(out, wire, pg))
     elif not gloo:
         op = "all_gather"
-        work = _start(name, op, pg, lambda: dist.all_gather(
-            list(out.split(sizes)), wire, group=pg, async_op=True))
+        work = _start(
+            name,
+            op,
+            pg,
+            lambda: dist.all_gather(list(out.split(sizes)), wire, group=pg, async_op=True),
+        )
     else:  # every rank sends its whole input to every rank
         op = "all_to_all_single"
         send = buffers.take(name + "_send", world_size * wire.numel(), wire.dtype, wire.device)
@@ -237,9 +267,14 @@ def issue_all_gather(
         local = shm.issue(pg, send, [wire.numel()] * world_size, sizes, out, name)
         if local is not None:  # all ranks on this host: through /dev/shm (recshard.comm.shm)
             return Pending([local], lambda: decode(out, codec, x.dtype), name, shm.OP, pg)
-        work = _start(name, op, pg, lambda: dist.all_to_all_single(
-            out, send, sizes, [wire.numel()] * world_size, group=pg, async_op=True
-        ))
+        work = _start(
+            name,
+            op,
+            pg,
+            lambda: dist.all_to_all_single(
+                out, send, sizes, [wire.numel()] * world_size, group=pg, async_op=True
+            ),
+        )
     return Pending([work], lambda: decode(out, codec, x.dtype), name, op, pg)
 
 
@@ -280,7 +315,7 @@ class Collective(abc.ABC):
     @abc.abstractmethod
     def backward(self, grad: torch.Tensor) -> Pending: ...
 
-    def backward_dividing(self, grad: torch.Tensor, divisor: int) -> Optional[Pending]:
+    def backward_dividing(self, grad: torch.Tensor, divisor: int) -> Pending | None:
         """`backward(grad / divisor)` with the division done by the copy that packs the send
         buffer, from `grad` of any strides (the receiver then leaves it alone), or None where
         this collective cannot (a codec changes the values on the wire). Dividing before the
@@ -322,11 +357,10 @@ class ReduceScatterV(Collective):
         codec = self.codecs.backward if self.codecs else None
         return issue_all_gather(grad, self.input_splits, self.pg, codec, self.name + "_bwd")
 
-    def backward_dividing(self, grad: torch.Tensor, divisor: int) -> Optional[Pending]:
+    def backward_dividing(self, grad: torch.Tensor, divisor: int) -> Pending | None:
         if self.codecs is not None and self.codecs.backward is not None:
             return None
-        return issue_all_gather(grad, self.input_splits, self.pg, None, self.name + "_bwd",
-                                divisor)
+        return issue_all_gather(grad, self.input_splits, self.pg, None, self.name + "_bwd", divisor)
 
 
 class AllGatherV(Collective):
@@ -358,8 +392,8 @@ class _Exchange:
 
     def __init__(self, collective: Collective) -> None:
         self.collective = collective
-        self.pending: Optional[Pending] = None
-        self.grad_pending: Optional[Pending] = None
+        self.pending: Pending | None = None
+        self.grad_pending: Pending | None = None
         self.divided_before_send = False
 
 
@@ -433,7 +467,7 @@ class CommRequest(Awaitable[torch.Tensor]):
         self,
         collective: Collective,
         x: torch.Tensor,
-        post: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        post: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.collective = collective

@@ -10,14 +10,12 @@ same on every rank: it depends only on the agreed rows).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
 
 def average_rows_over_ranks(
-    grad: torch.Tensor, ids: torch.Tensor, group: Optional[dist.ProcessGroup] = None
+    grad: torch.Tensor, ids: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """`grad` `[rows, D]` <- its mean over the ranks of `group`, in place; returns `grad`.
 

@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Sequence, Set
 
 import numpy as np
 import torch
@@ -117,7 +117,7 @@ class _Group:
         self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
         self.layout = _Layout(self.world_size)
         self.timeout_s = pg_timeout(pg).total_seconds()
-        self.sites: Dict[str, Optional[_Site]] = {}
+        self.sites: Dict[str, _Site | None] = {}
         self.linked: Set[str] = set()  # files of this rank not yet unlinked
         self.lock = threading.Lock()
         size = self.layout.words * 8
@@ -125,9 +125,12 @@ class _Group:
         with open(own, "wb") as f:
             f.truncate(size)
         dist.barrier(group=pg)
-        self.controls = [torch.from_file(self._path(f"ctl-{r}"), shared=True, size=size,
-                                         dtype=torch.uint8).numpy().view(np.int64)
-                         for r in range(self.world_size)]
+        self.controls = [
+            torch.from_file(self._path(f"ctl-{r}"), shared=True, size=size, dtype=torch.uint8)
+            .numpy()
+            .view(np.int64)
+            for r in range(self.world_size)
+        ]
         dist.barrier(group=pg)
         os.unlink(own)
 
@@ -137,7 +140,7 @@ class _Group:
     def _data_path(self, writer: int, index: int, slot: int, gen: int) -> str:
         return self._path(f"{writer}-{index}-{slot}-{gen}")
 
-    def site(self, name: str) -> Optional[_Site]:
+    def site(self, name: str) -> _Site | None:
         """The site `name`, made at its first call (None past MAX_SITES: the backend's)."""
         if name not in self.sites:
             index = len(self.sites)
@@ -182,7 +185,7 @@ def _starts(sizes: List[int]) -> List[int]:
     return out
 
 
-_groups: Dict[dist.ProcessGroup, Optional[_Group]] = {}
+_groups: Dict[dist.ProcessGroup, _Group | None] = {}
 _groups_lock = threading.Lock()
 
 
@@ -215,7 +218,7 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip() != "0"
 
 
-def group_for(pg: dist.ProcessGroup) -> Optional[_Group]:
+def group_for(pg: dist.ProcessGroup) -> _Group | None:
     """The shared-memory state of `pg`, or None when it goes through the backend. Decided once
     per group at its first all-to-all, collectively: every rank must call this then."""
     with _groups_lock:
@@ -232,12 +235,17 @@ def _node() -> int:
     return dist.get_rank() // int(local) if local and dist.is_initialized() else 0
 
 
-def _agree(pg: dist.ProcessGroup) -> Optional[_Group]:
+def _agree(pg: dist.ProcessGroup) -> _Group | None:
     world_size = dist.get_world_size(pg)
     if world_size < 2:
         return None
-    mine = (enabled(), (socket.gethostname(), _boot_id(), _node()), os.path.isdir(_DIR),
-            os.urandom(8).hex(), os.getpid())
+    mine = (
+        enabled(),
+        (socket.gethostname(), _boot_id(), _node()),
+        os.path.isdir(_DIR),
+        os.urandom(8).hex(),
+        os.getpid(),
+    )
     everyone: List[tuple] = [None] * world_size
     dist.all_gather_object(everyone, mine, group=pg)
     if not all(e[0] and e[2] and e[1] == everyone[0][1] and e[1][1] for e in everyone):
@@ -251,10 +259,23 @@ def _agree(pg: dist.ProcessGroup) -> Optional[_Group]:
 class Exchange:
     """One issued all-to-all-v through shared memory; `wait()` completes it (waits, copies)."""
 
-    def __init__(self, group: _Group, site: _Site, name: str, wire: torch.Tensor,
-                 input_sizes: List[int], output_sizes: List[int], out: torch.Tensor) -> None:
+    def __init__(
+        self,
+        group: _Group,
+        site: _Site,
+        name: str,
+        wire: torch.Tensor,
+        input_sizes: List[int],
+        output_sizes: List[int],
+        out: torch.Tensor,
+    ) -> None:
         self.group, self.site, self.name = group, site, name
-        self.wire, self.input_sizes, self.output_sizes, self.out = wire, input_sizes, output_sizes, out
+        self.wire, self.input_sizes, self.output_sizes, self.out = (
+            wire,
+            input_sizes,
+            output_sizes,
+            out,
+        )
         with group.lock:
             site.seq += 1
             self.seq = site.seq
@@ -262,7 +283,7 @@ class Exchange:
         self.deadline = time.monotonic() + group.timeout_s  # for waiting for the slot
         me = group.rank
         at, arrive = _starts(input_sizes), _starts(output_sizes)
-        out[arrive[me]:arrive[me + 1]].copy_(wire[at[me]:at[me + 1]])
+        out[arrive[me] : arrive[me + 1]].copy_(wire[at[me] : at[me + 1]])
         self.done = False
         for earlier in [e for e in site.unfinished if e.seq <= self.seq - SLOTS]:
             earlier.wait()  # never waited (a pipeline dropped it), or SLOTS calls behind
@@ -270,14 +291,23 @@ class Exchange:
         ctl, layout = group.controls[me], group.layout
         for r in range(group.world_size):
             if r != me:
-                self._wait(lambda r=r: ctl[layout.ack(site.index, r, self.slot)]
-                           >= self.seq - SLOTS, r, "to take the all-to-all before")
+                self._wait(
+                    lambda r=r: ctl[layout.ack(site.index, r, self.slot)] >= self.seq - SLOTS,
+                    r,
+                    "to take the all-to-all before",
+                )
         self._write()
 
     def _fail(self, peer: int, what: str) -> CollectiveError:
         self.group.give_up()
-        return collective_error(self.name, OP, self.group.pg, TimeoutError(
-            f"timed out after {self.group.timeout_s:.0f} s waiting for rank {peer} {what}"))
+        return collective_error(
+            self.name,
+            OP,
+            self.group.pg,
+            TimeoutError(
+                f"timed out after {self.group.timeout_s:.0f} s waiting for rank {peer} {what}"
+            ),
+        )
 
     def _write(self) -> None:
         """Copy the chunks for the peers into this rank's slot and publish the sequence number."""
@@ -306,8 +336,9 @@ class Exchange:
         for r in range(g.world_size):
             ctl[base + 3 + r] = offset
             if sizes[r]:
-                segment[offset:offset + sizes[r]].view(self.wire.dtype).copy_(
-                    self.wire[at[r]:at[r + 1]])
+                segment[offset : offset + sizes[r]].view(self.wire.dtype).copy_(
+                    self.wire[at[r] : at[r + 1]]
+                )
             offset += sizes[r]
         ctl[base + 3 + g.world_size] = offset
         ctl[base] = self.seq  # last: readers take the chunks once they see it
@@ -335,22 +366,35 @@ class Exchange:
         self._wait(lambda: ctl[base] >= self.seq, peer, "to send its chunk")
         if ctl[layout.site(index)] != _hash(self.name):
             g.give_up()
-            raise collective_error(self.name, OP, g.pg, RuntimeError(
-                f"rank {peer} issued a different collective at this point (ranks must issue "
-                "all-to-alls in the same order)"))
+            raise collective_error(
+                self.name,
+                OP,
+                g.pg,
+                RuntimeError(
+                    f"rank {peer} issued a different collective at this point (ranks must issue "
+                    "all-to-alls in the same order)"
+                ),
+            )
         elem = self.out.element_size()
         lo, hi = int(ctl[base + 3 + g.rank]), int(ctl[base + 4 + g.rank])
         if hi - lo != (end - start) * elem:
             g.give_up()
-            raise collective_error(self.name, OP, g.pg, RuntimeError(
-                f"rank {peer} sends {hi - lo} bytes, this rank expects {(end - start) * elem}"))
+            raise collective_error(
+                self.name,
+                OP,
+                g.pg,
+                RuntimeError(
+                    f"rank {peer} sends {hi - lo} bytes, this rank expects {(end - start) * elem}"
+                ),
+            )
         gen = int(ctl[base + 1])
         known = self.site.peers.get((peer, slot))
         if gen and (known is None or known[0] != gen):  # map it even if this rank's chunk is empty
             path = g._data_path(peer, index, slot, gen)
             try:
-                segment = torch.from_file(path, shared=True, size=int(ctl[base + 2]),
-                                          dtype=torch.uint8)
+                segment = torch.from_file(
+                    path, shared=True, size=int(ctl[base + 2]), dtype=torch.uint8
+                )
             except (OSError, RuntimeError) as e:
                 g.give_up()
                 raise collective_error(self.name, OP, g.pg, e) from e
@@ -373,15 +417,27 @@ class Exchange:
                 raise self._fail(peer, what)
             if pause >= 1e-3 and not _alive(self.group.pids[peer]):  # gloo sees a closed socket
                 self.group.give_up()
-                raise collective_error(self.name, OP, self.group.pg, RuntimeError(
-                    f"rank {peer} (pid {self.group.pids[peer]}) exited while this rank waited "
-                    f"for it {what}"))
+                raise collective_error(
+                    self.name,
+                    OP,
+                    self.group.pg,
+                    RuntimeError(
+                        f"rank {peer} (pid {self.group.pids[peer]}) exited while this rank waited "
+                        f"for it {what}"
+                    ),
+                )
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
 
 
-def issue(pg: dist.ProcessGroup, wire: torch.Tensor, input_sizes: List[int],
-          output_sizes: List[int], out: torch.Tensor, name: str) -> Optional[Exchange]:
+def issue(
+    pg: dist.ProcessGroup,
+    wire: torch.Tensor,
+    input_sizes: List[int],
+    output_sizes: List[int],
+    out: torch.Tensor,
+    name: str,
+) -> Exchange | None:
     """Start an all-to-all-v of `wire` (contiguous, CPU) into `out` through shared memory, or
     None when `pg` goes through the backend (then the caller issues it there)."""
     if wire.device.type != "cpu":

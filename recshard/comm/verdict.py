@@ -11,7 +11,7 @@ rank `RuntimeError("rank R rejected its input: message")`.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ def decode_message(words: torch.Tensor) -> str:
     return words.cpu().numpy().tobytes().rstrip(b"\0").decode("utf-8", errors="ignore")
 
 
-def raise_rejected(own_error: Optional[str], flags: List[int], messages: torch.Tensor) -> None:
+def raise_rejected(own_error: str | None, flags: List[int], messages: torch.Tensor) -> None:
     """Raise if this rank (`own_error`) or any rank (`flags[r]` set) rejected its input;
     `messages[r]` holds rank r's encoded message."""
     if own_error is not None:
@@ -50,7 +50,7 @@ def raise_rejected(own_error: Optional[str], flags: List[int], messages: torch.T
 class VerdictAwaitable(Awaitable[None]):
     """The exchange in flight; `wait()` returns if every rank accepted its batch, else raises."""
 
-    def __init__(self, pg: dist.ProcessGroup, error: Optional[str], device: torch.device) -> None:
+    def __init__(self, pg: dist.ProcessGroup, error: str | None, device: torch.device) -> None:
         super().__init__()
         self._pg, self._error = pg, error
         mine = torch.zeros(1 + MSG_WORDS, dtype=torch.int64)
@@ -68,8 +68,9 @@ class VerdictAwaitable(Awaitable[None]):
         raise_rejected(self._error, table[:, 0].tolist(), table[:, 1:])
 
 
-def exchange_verdict(pg: Optional[dist.ProcessGroup], error: Optional[str],
-                     device: torch.device) -> Optional[VerdictAwaitable]:
+def exchange_verdict(
+    pg: dist.ProcessGroup | None, error: str | None, device: torch.device
+) -> VerdictAwaitable | None:
     """Start the exchange on `pg` (None when there is nobody to tell: one rank, no group)."""
     if pg is None or not dist.is_initialized() or dist.get_world_size(pg) == 1:
         return None

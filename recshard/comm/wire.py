@@ -16,7 +16,7 @@ segments in any order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ def narrowest(low: int, high: int) -> torch.dtype:
     raise ValueError(f"integers in [{low}, {high}] do not fit int64")
 
 
-def id_wire_dtype(rows: Optional[int], dtype: torch.dtype) -> torch.dtype:
+def id_wire_dtype(rows: int | None, dtype: torch.dtype) -> torch.dtype:
     """What the ids of a `rows`-row table (`[0, rows)`, checked; None: unchecked, any value)
     travel as when they are `dtype`: the narrower of the two."""
     if rows is None:
@@ -75,15 +75,19 @@ def pack_segments(segments: Sequence[Segment], site: str) -> torch.Tensor:
     offset = 0
     for s, size in zip(segments, sizes):
         if s.count:
-            out[offset: offset + s.count * s.dtype.itemsize].view(s.dtype).copy_(
-                s.source[s.start: s.start + s.count])
+            out[offset : offset + s.count * s.dtype.itemsize].view(s.dtype).copy_(
+                s.source[s.start : s.start + s.count]
+            )
         offset += size
     return out
 
 
 def pack(
-    x: torch.Tensor, counts: Sequence[int], dtypes: Sequence[torch.dtype], site: str,
-    starts: Optional[Sequence[int]] = None,
+    x: torch.Tensor,
+    counts: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    site: str,
+    starts: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """`x[1-D]`, cut into segments of `counts` elements (back to back, or beginning at
     `starts`, in any order, repeats allowed), each cast to its dtype (`pack_segments`)."""
@@ -91,8 +95,10 @@ def pack(
         starts = [0]
         for count in counts[:-1]:
             starts.append(starts[-1] + count)
-    return pack_segments([Segment(x, start, count, dtype)
-                          for start, count, dtype in zip(starts, counts, dtypes)], site)
+    return pack_segments(
+        [Segment(x, start, count, dtype) for start, count, dtype in zip(starts, counts, dtypes)],
+        site,
+    )
 
 
 def unpack(
@@ -100,7 +106,7 @@ def unpack(
     counts: Sequence[int],
     dtypes: Sequence[torch.dtype],
     dtype: torch.dtype,
-    order: Optional[List[int]],
+    order: List[int] | None,
     site: str,
 ) -> torch.Tensor:
     """A packed buffer's segments (`counts`, `dtypes` in buffer order) cast to `dtype` and
@@ -116,7 +122,7 @@ def unpack(
     for i in order:
         count, segment_dtype = counts[i], dtypes[i]
         if count:
-            raw = wire[offsets[i]: offsets[i] + count * segment_dtype.itemsize]
-            out[start: start + count].copy_(raw.view(segment_dtype))
+            raw = wire[offsets[i] : offsets[i] + count * segment_dtype.itemsize]
+            out[start : start + count].copy_(raw.view(segment_dtype))
         start += count
     return out

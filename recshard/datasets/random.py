@@ -10,7 +10,7 @@ cycled; a negative `num_generated_batches` draws every batch fresh.
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, List, Optional
+from typing import Iterator, List
 
 import torch
 from torch.utils.data import IterableDataset
@@ -19,8 +19,9 @@ from recshard.datasets.utils import Batch
 from recshard.sparse import KeyedJaggedTensor
 
 
-def _per_key(name: str, per_key: Optional[List[int]], one: Optional[int], default: int,
-             keys: List[str]) -> List[int]:
+def _per_key(
+    name: str, per_key: List[int] | None, one: int | None, default: int, keys: List[str]
+) -> List[int]:
     """`per_key` if given (one value per key), else `one` (or `default`) for every key."""
     if per_key is None:
         per_key = [default if one is None else one] * len(keys)
@@ -41,34 +42,39 @@ class RandomRecDataset(IterableDataset[Batch]):
         self,
         keys: List[str],
         batch_size: int,
-        hash_size: Optional[int] = None,
-        hash_sizes: Optional[List[int]] = None,
-        ids_per_feature: Optional[int] = None,
-        ids_per_features: Optional[List[int]] = None,
+        hash_size: int | None = None,
+        hash_sizes: List[int] | None = None,
+        ids_per_feature: int | None = None,
+        ids_per_features: List[int] | None = None,
         num_dense: int = 50,
-        manual_seed: Optional[int] = None,
-        num_batches: Optional[int] = None,
+        manual_seed: int | None = None,
+        num_batches: int | None = None,
         num_generated_batches: int = 10,
-        min_ids_per_feature: Optional[int] = None,
-        min_ids_per_features: Optional[List[int]] = None,
+        min_ids_per_feature: int | None = None,
+        min_ids_per_features: List[int] | None = None,
     ) -> None:
         super().__init__()
         self.keys = list(keys)
         self.batch_size = batch_size
         self.hash_sizes = _per_key("hash_sizes", hash_sizes, hash_size, 100, self.keys)
-        self.ids_per_features = _per_key("ids_per_features", ids_per_features, ids_per_feature, 2,
-                                         self.keys)
+        self.ids_per_features = _per_key(
+            "ids_per_features", ids_per_features, ids_per_feature, 2, self.keys
+        )
         min_one = ids_per_feature if min_ids_per_feature is None else min_ids_per_feature
-        self.min_ids_per_features = _per_key("min_ids_per_features", min_ids_per_features, min_one,
-                                             0, self.keys)
-        for key, size, low, high in zip(self.keys, self.hash_sizes, self.min_ids_per_features,
-                                        self.ids_per_features):
+        self.min_ids_per_features = _per_key(
+            "min_ids_per_features", min_ids_per_features, min_one, 0, self.keys
+        )
+        for key, size, low, high in zip(
+            self.keys, self.hash_sizes, self.min_ids_per_features, self.ids_per_features
+        ):
             if size < 1 or not 0 <= low <= high:
-                raise ValueError(f"RandomRecDataset: feature '{key}' needs hash_size >= 1 and "
-                                 f"0 <= min ids <= ids, got {size}, {low}, {high}")
+                raise ValueError(
+                    f"RandomRecDataset: feature '{key}' needs hash_size >= 1 and "
+                    f"0 <= min ids <= ids, got {size}, {low}, {high}"
+                )
         self.num_dense = num_dense
         self.num_batches = num_batches
-        self.generator: Optional[torch.Generator] = None
+        self.generator: torch.Generator | None = None
         if manual_seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(manual_seed)
@@ -78,9 +84,12 @@ class RandomRecDataset(IterableDataset[Batch]):
     def _generate_batch(self) -> Batch:
         values: List[torch.Tensor] = []
         lengths: List[torch.Tensor] = []
-        for size, low, high in zip(self.hash_sizes, self.min_ids_per_features, self.ids_per_features):
-            length = torch.randint(low, high + 1, (self.batch_size,), dtype=torch.int32,
-                                   generator=self.generator)
+        for size, low, high in zip(
+            self.hash_sizes, self.min_ids_per_features, self.ids_per_features
+        ):
+            length = torch.randint(
+                low, high + 1, (self.batch_size,), dtype=torch.int32, generator=self.generator
+            )
             lengths.append(length)
             values.append(torch.randint(0, size, (int(length.sum()),), generator=self.generator))
         sparse = KeyedJaggedTensor.from_lengths_sync(

@@ -24,7 +24,9 @@ class Batch(Pipelineable):
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return Batch(
             dense_features=self.dense_features.to(device, non_blocking=non_blocking),
-            sparse_features=self.sparse_features.to(torch.device(device), non_blocking=non_blocking),
+            sparse_features=self.sparse_features.to(
+                torch.device(device), non_blocking=non_blocking
+            ),
             labels=self.labels.to(device, non_blocking=non_blocking),
         )
 

@@ -18,7 +18,6 @@ import socket
 import statistics
 import subprocess
 import sys
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -45,15 +44,22 @@ def rank_overhead_probe(port: int, rank: int) -> str:
     training it `PROBE_STEPS` steps, as JSON."""
     store = dist.TCPStore("127.0.0.1", port, PROBE_RANKS, is_master=rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=PROBE_RANKS)
-    configs = [EmbeddingBagConfig(num_embeddings=8, embedding_dim=8, name=f"t{i}",
-                                  feature_names=[f"f{i}"]) for i in range(PROBE_RANKS)]
+    configs = [
+        EmbeddingBagConfig(num_embeddings=8, embedding_dim=8, name=f"t{i}", feature_names=[f"f{i}"])
+        for i in range(PROBE_RANKS)
+    ]
     kjt = KeyedJaggedTensor.from_lengths_sync(
-        [c.feature_names[0] for c in configs], torch.arange(4 * PROBE_RANKS),
-        torch.ones(4 * PROBE_RANKS, dtype=torch.int32), stride=4)
+        [c.feature_names[0] for c in configs],
+        torch.arange(4 * PROBE_RANKS),
+        torch.ones(4 * PROBE_RANKS, dtype=torch.int32),
+        stride=4,
+    )
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "exact_sgd", "learning_rate": 0.01})
+        fused_params={"optimizer": "exact_sgd", "learning_rate": 0.01}
+    )
     plan = EmbeddingShardingPlanner(Topology(PROBE_RANKS), 4, debug=False).plan(
-        EmbeddingBagCollection(configs, device="meta"), [sharder])
+        EmbeddingBagCollection(configs, device="meta"), [sharder]
+    )
     before = reset_peak()
     ebc = EmbeddingBagCollection(configs, device="meta")
     module = sharder.shard(ebc, plan.plan[""], ShardingEnv.from_process_group(dist.group.WORLD))
@@ -64,7 +70,7 @@ def rank_overhead_probe(port: int, rank: int) -> str:
     return json.dumps(growth)
 
 
-def measure_rank_overhead() -> Optional[float]:
+def measure_rank_overhead() -> float | None:
     """The median of `PROBE_RUNS` fresh-process `rank_overhead_probe`s (bytes); None where it
     cannot be measured (not Linux, /proc not writable)."""
     runs = []
@@ -72,12 +78,22 @@ def measure_rank_overhead() -> Optional[float]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs = [subprocess.Popen(
-            [sys.executable, "-c", "import recshard, fbgemm_gpu; "
-             "from recshard.distributed.calibrate_memory import rank_overhead_probe; "
-             f"print(rank_overhead_probe({port}, {rank}))"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=dict(os.environ, OMP_NUM_THREADS="1")) for rank in range(PROBE_RANKS)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    "import recshard, fbgemm_gpu; "
+                    "from recshard.distributed.calibrate_memory import rank_overhead_probe; "
+                    f"print(rank_overhead_probe({port}, {rank}))",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=dict(os.environ, OMP_NUM_THREADS="1"),
+            )
+            for rank in range(PROBE_RANKS)
+        ]
         for proc in procs:
             out, err = proc.communicate(timeout=300)
             if proc.returncode != 0:

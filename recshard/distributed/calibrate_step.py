@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -66,24 +66,42 @@ class StepProbe:
     work_rows: Tuple[int, ...] = (20, 200, 2_000, 20_000, 50_000, 500, 5_000, 50_000) * 3
     # the 8-table modules: ids mostly to large tables; 24: as many ids as a Criteo-like set's
     # (~11 per table), many to small tables
-    work_poolings: Tuple[int, ...] = ((1, 2, 4, 8, 16, 3, 6, 12) + (20, 16, 12, 4, 2, 20, 8, 10)
-                                      + (16, 20, 8, 20, 12, 4, 20, 16))
+    work_poolings: Tuple[int, ...] = (
+        (1, 2, 4, 8, 16, 3, 6, 12) + (20, 16, 12, 4, 2, 20, 8, 10) + (16, 20, 8, 20, 12, 4, 20, 16)
+    )
     # (dim, batch, tables): the first `tables` of work_rows / work_poolings; 12 modules, so
     # that 3 terms per type and phase are fitted on 12 points (on 4, they moved by 2x from
     # one calibration to the next)
     work: Tuple[Tuple[int, int, int], ...] = (
-        (32, 256, 8), (16, 2048, 24), (128, 512, 24), (64, 2048, 24), (16, 512, 24),
-        (128, 2048, 24), (64, 512, 8), (16, 256, 8), (128, 256, 8), (64, 1024, 24),
-        (32, 2048, 8), (128, 1024, 8))
+        (32, 256, 8),
+        (16, 2048, 24),
+        (128, 512, 24),
+        (64, 2048, 24),
+        (16, 512, 24),
+        (128, 2048, 24),
+        (64, 512, 8),
+        (16, 256, 8),
+        (128, 256, 8),
+        (64, 1024, 24),
+        (32, 2048, 8),
+        (128, 1024, 8),
+    )
     work_steps: int = 10
     budget_s: float = 0.4  # per module: more steps where they fit (at most max_steps)
     max_steps: int = 80
 
     @classmethod
     def quick(cls) -> StepProbe:
-        return cls(features=(1, 3), steps=2, warmup=1, work_rows=(20, 2_000),
-                   work_poolings=(1, 4), work=((16, 64, 1), (16, 64, 2)), work_steps=2,
-                   budget_s=0.0)
+        return cls(
+            features=(1, 3),
+            steps=2,
+            warmup=1,
+            work_rows=(20, 2_000),
+            work_poolings=(1, 4),
+            work=((16, 64, 1), (16, 64, 2)),
+            work_steps=2,
+            budget_s=0.0,
+        )
 
 
 @dataclass(frozen=True)
@@ -96,41 +114,74 @@ class _Probe:
     batch: int
 
     def metas(self) -> List[TableMeta]:
-        return [TableMeta(f"t{i}", rows, self.dim, [f"f{i}"], pooling_factors=[float(pooling)])
-                for i, (rows, pooling) in enumerate(zip(self.rows, self.poolings))]
+        return [
+            TableMeta(f"t{i}", rows, self.dim, [f"f{i}"], pooling_factors=[float(pooling)])
+            for i, (rows, pooling) in enumerate(zip(self.rows, self.poolings))
+        ]
 
 
 def _probe_plan(sharding_type: str, probe: _Probe, topology: Topology) -> ShardingPlan:
     kernel = ["dense"] if sharding_type == "data_parallel" else ["fused"]
-    forced = {m.name: ParameterConstraints(sharding_types=[sharding_type], compute_kernels=kernel,
-                                           min_partition=max(probe.dim // 4, 1))
-              for m in probe.metas()}
-    return EmbeddingShardingPlanner(topology, probe.batch, constraints=forced,
-                                    debug=False).plan_tables(probe.metas())
+    forced = {
+        m.name: ParameterConstraints(
+            sharding_types=[sharding_type],
+            compute_kernels=kernel,
+            min_partition=max(probe.dim // 4, 1),
+        )
+        for m in probe.metas()
+    }
+    return EmbeddingShardingPlanner(
+        topology, probe.batch, constraints=forced, debug=False
+    ).plan_tables(probe.metas())
 
 
-def _time_plan(plan: ShardingPlan, probe: _Probe, group: dist.ProcessGroup, steps: int,
-               warmup: int, budget_s: float = 0.0, max_steps: int = 0) -> Tuple[float, float]:
+def _time_plan(
+    plan: ShardingPlan,
+    probe: _Probe,
+    group: dist.ProcessGroup,
+    steps: int,
+    warmup: int,
+    budget_s: float = 0.0,
+    max_steps: int = 0,
+) -> Tuple[float, float]:
     """Slowest rank's median ms of the forward and of backward + update, every rank
     stepping together: `steps` steps, or more (up to `max_steps`) where they fit in
     `budget_s` (small modules' medians steady with more steps, for little time)."""
-    configs = [EmbeddingBagConfig(num_embeddings=m.num_embeddings, embedding_dim=m.embedding_dim,
-                                  name=m.name, feature_names=list(m.feature_names))
-               for m in probe.metas()]
+    configs = [
+        EmbeddingBagConfig(
+            num_embeddings=m.num_embeddings,
+            embedding_dim=m.embedding_dim,
+            name=m.name,
+            feature_names=list(m.feature_names),
+        )
+        for m in probe.metas()
+    ]
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "exact_sgd", "learning_rate": _LR})
-    module = sharder.shard(EmbeddingBagCollection(configs, device="meta"), plan.plan[""],
-                           ShardingEnv.from_process_group(group))
-    dense = [p for p in module.parameters()
-             if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)]
+        fused_params={"optimizer": "exact_sgd", "learning_rate": _LR}
+    )
+    module = sharder.shard(
+        EmbeddingBagCollection(configs, device="meta"),
+        plan.plan[""],
+        ShardingEnv.from_process_group(group),
+    )
+    dense = [
+        p
+        for p in module.parameters()
+        if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)
+    ]
     sgd = torch.optim.SGD(dense, lr=_LR) if dense else None
     g = torch.Generator().manual_seed(dist.get_rank(group))
     kjt = KeyedJaggedTensor.from_lengths_sync(
         [c.feature_names[0] for c in configs],
-        torch.cat([torch.randint(0, rows, (probe.batch * pooling,), generator=g)
-                   for rows, pooling in zip(probe.rows, probe.poolings)]),
+        torch.cat(
+            [
+                torch.randint(0, rows, (probe.batch * pooling,), generator=g)
+                for rows, pooling in zip(probe.rows, probe.poolings)
+            ]
+        ),
         torch.tensor(probe.poolings, dtype=torch.int32).repeat_interleave(probe.batch),
-        stride=probe.batch)
+        stride=probe.batch,
+    )
     fwd, bwd = [], []
     total = warmup + steps
     step = 0
@@ -174,51 +225,80 @@ class WorkSample:
     modelled_update_ms: float = 0.0  # the kernels' per-element part of `modelled_ms`
 
 
-def measure_fixed_costs(group: dist.ProcessGroup, topology: Topology,
-                        probe: StepProbe) -> List[StepCost]:
+def measure_fixed_costs(
+    group: dist.ProcessGroup, topology: Topology, probe: StepProbe
+) -> List[StepCost]:
     """Per sharding type and phase, one group's fixed ms and ms per feature, from the tiny
     probes (work scale 1, nothing per shard or id yet)."""
     fixed: List[StepCost] = []
     for sharding_type in STEP_TYPES:
-        times = [_time_plan(_probe_plan(sharding_type, tiny, topology), tiny, group,
-                            probe.steps, probe.warmup, probe.budget_s, probe.max_steps)
-                 for tiny in (_Probe((probe.rows,) * n, (1,) * n, probe.dim, probe.batch)
-                              for n in probe.features)]
+        times = [
+            _time_plan(
+                _probe_plan(sharding_type, tiny, topology),
+                tiny,
+                group,
+                probe.steps,
+                probe.warmup,
+                probe.budget_s,
+                probe.max_steps,
+            )
+            for tiny in (
+                _Probe((probe.rows,) * n, (1,) * n, probe.dim, probe.batch) for n in probe.features
+            )
+        ]
         f0, f1 = probe.features
         for p, phase in enumerate(("fwd", "bwd")):
             per_feature = max((times[1][p] - times[0][p]) / (f1 - f0), 0.0)
-            fixed.append(StepCost(sharding_type, phase,
-                                  max(times[0][p] - per_feature * f0, 0.0), per_feature))
+            fixed.append(
+                StepCost(
+                    sharding_type, phase, max(times[0][p] - per_feature * f0, 0.0), per_feature
+                )
+            )
     return fixed
 
 
-def measure_work(group: dist.ProcessGroup, costed: Topology,
-                 probe: StepProbe) -> List[WorkSample]:
+def measure_work(group: dist.ProcessGroup, costed: Topology, probe: StepProbe) -> List[WorkSample]:
     """The real-sized probe modules of every sharding type, timed against `costed`'s
     estimate (its profile's kernel and link fits and fixed step costs)."""
     assert costed.profile is not None
-    no_update = Topology(costed.world_size, costed.compute_device,
-                         local_world_size=costed.local_world_size,
-                         profile=_without_element_costs(costed.profile))
+    no_update = Topology(
+        costed.world_size,
+        costed.compute_device,
+        local_world_size=costed.local_world_size,
+        profile=_without_element_costs(costed.profile),
+    )
     samples: List[WorkSample] = []
     for dim, batch, tables in probe.work:
         work = _Probe(probe.work_rows[:tables], probe.work_poolings[:tables], dim, batch)
         for sharding_type in STEP_TYPES:
             plan = _probe_plan(sharding_type, work, costed)
-            measured = _time_plan(plan, work, group, probe.work_steps, probe.warmup,
-                                  probe.budget_s, probe.max_steps)
-            slowest = max(plan_stats(plan, work.metas(), costed, batch).ranks,
-                          key=lambda r: r.total_ms)
-            rest = next(r for r in plan_stats(plan, work.metas(), no_update, batch).ranks
-                        if r.rank == slowest.rank)
+            measured = _time_plan(
+                plan, work, group, probe.work_steps, probe.warmup, probe.budget_s, probe.max_steps
+            )
+            slowest = max(
+                plan_stats(plan, work.metas(), costed, batch).ranks, key=lambda r: r.total_ms
+            )
+            rest = next(
+                r
+                for r in plan_stats(plan, work.metas(), no_update, batch).ranks
+                if r.rank == slowest.rank
+            )
             modelled = (_phase_ms(slowest.terms, "fwd"), _phase_ms(slowest.terms, "bwd"))
             modelled_rest = (_phase_ms(rest.terms, "fwd"), _phase_ms(rest.terms, "bwd"))
             shards = float(_shards_on(plan, slowest.rank))
             for p, phase in enumerate(("fwd", "bwd")):
                 overhead = costed.profile.step_ms_phase(sharding_type, phase, len(work.rows))
-                samples.append(WorkSample(sharding_type, phase, modelled[p], shards,
-                                          slowest.lookups, measured[p] - overhead,
-                                          max(modelled[p] - modelled_rest[p], 0.0)))
+                samples.append(
+                    WorkSample(
+                        sharding_type,
+                        phase,
+                        modelled[p],
+                        shards,
+                        slowest.lookups,
+                        measured[p] - overhead,
+                        max(modelled[p] - modelled_rest[p], 0.0),
+                    )
+                )
     return samples
 
 
@@ -239,23 +319,37 @@ def fit_step_costs(fixed: Sequence[StepCost], samples: Sequence[WorkSample]) -> 
     out = []
     for cost in fixed:
         scale, element_scale, per_shard, per_id = fit_work(
-            [s for s in samples if (s.sharding_type, s.phase) == (cost.sharding_type, cost.phase)])
-        out.append(replace(cost, work_scale=scale, element_scale=element_scale,
-                           ms_per_shard=per_shard, ms_per_id=per_id))
+            [s for s in samples if (s.sharding_type, s.phase) == (cost.sharding_type, cost.phase)]
+        )
+        out.append(
+            replace(
+                cost,
+                work_scale=scale,
+                element_scale=element_scale,
+                ms_per_shard=per_shard,
+                ms_per_id=per_id,
+            )
+        )
     return out
 
 
-def measure_step_costs(group: dist.ProcessGroup, profile: CalibrationProfile,
-                       probe: Optional[StepProbe] = None) -> List[StepCost]:
+def measure_step_costs(
+    group: dist.ProcessGroup, profile: CalibrationProfile, probe: StepProbe | None = None
+) -> List[StepCost]:
     """Per sharding type and phase, the fixed overhead of one group per step and the work
     scale (see the module docstring), on top of `profile`'s kernel and link fits. Every rank
     of `group` must call this."""
     probe = probe or StepProbe()
-    topology = Topology(dist.get_world_size(group), "cpu",
-                        local_world_size=profile.local_world_size)
+    topology = Topology(
+        dist.get_world_size(group), "cpu", local_world_size=profile.local_world_size
+    )
     fixed = measure_fixed_costs(group, topology, probe)
-    costed = Topology(topology.world_size, "cpu", local_world_size=profile.local_world_size,
-                      profile=replace(profile, steps=fixed))
+    costed = Topology(
+        topology.world_size,
+        "cpu",
+        local_world_size=profile.local_world_size,
+        profile=replace(profile, steps=fixed),
+    )
     out = fit_step_costs(fixed, measure_work(group, costed, probe))
     # the same samples on every rank, but least squares may round differently per process
     shared = [out]
@@ -265,9 +359,12 @@ def measure_step_costs(group: dist.ProcessGroup, profile: CalibrationProfile,
 
 def _shards_on(plan: ShardingPlan, rank: int) -> int:
     """Shards of `plan` held by `rank` (a data-parallel table: one on every rank)."""
-    return sum(1 if ps.sharding_type == "data_parallel"
-               else sum(1 for s in ps.shards or [] if s.rank == rank)
-               for ps in plan.plan[""].values())
+    return sum(
+        1
+        if ps.sharding_type == "data_parallel"
+        else sum(1 for s in ps.shards or [] if s.rank == rank)
+        for ps in plan.plan[""].values()
+    )
 
 
 def fit_work(samples: Sequence[WorkSample]) -> Tuple[float, float, float, float]:
@@ -282,8 +379,13 @@ def fit_work(samples: Sequence[WorkSample]) -> Tuple[float, float, float, float]
     if not usable:
         return 1.0, 1.0, 0.0, 0.0
     coef, _ = fit_nonnegative(
-        [[s.modelled_ms - s.modelled_update_ms, s.modelled_update_ms, s.shards, s.ids]
-         for s in usable], [s.beyond_ms for s in usable], intercept=False)
+        [
+            [s.modelled_ms - s.modelled_update_ms, s.modelled_update_ms, s.shards, s.ids]
+            for s in usable
+        ],
+        [s.beyond_ms for s in usable],
+        intercept=False,
+    )
     if not any(coef):
         return 1.0, 1.0, 0.0, 0.0
     scale, element_scale, per_shard, per_id = coef
@@ -292,10 +394,10 @@ def fit_work(samples: Sequence[WorkSample]) -> Tuple[float, float, float, float]
 
 def calibrate_job(
     budget_s: float = 35.0,
-    grid: Optional[CalibrationGrid] = None,
-    pg: Optional[dist.ProcessGroup] = None,
-    local_world_size: Optional[int] = None,
-    probe: Optional[StepProbe] = None,
+    grid: CalibrationGrid | None = None,
+    pg: dist.ProcessGroup | None = None,
+    local_world_size: int | None = None,
+    probe: StepProbe | None = None,
 ) -> CalibrationProfile:
     """`calibrate` (kernels, memory, links), the per-rank fixed memory of a sharded step
     (rank 0, `measure_rank_overhead`), then, among two or more ranks, the sharded
@@ -321,10 +423,13 @@ def _measure(budget_s: float, grid: CalibrationGrid) -> CalibrationProfile:
     return calibrate_job(budget_s, grid, probe=StepProbe.quick() if quick else None)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: List[str] | None = None) -> int:
     """The `recshard-plan calibrate` command line, with the step costs measured too."""
-    return calibrate_main(sys.argv[1:] if argv is None else argv, _measure,
-                          prog="python -m recshard.distributed.calibrate_step")
+    return calibrate_main(
+        sys.argv[1:] if argv is None else argv,
+        _measure,
+        prog="python -m recshard.distributed.calibrate_step",
+    )
 
 
 if __name__ == "__main__":

@@ -42,14 +42,19 @@ class SequenceOutputLayout:
     """Per output key (embedding name), where its column pieces come from (in column order),
     and each sharding's input keys (to cut its rows per key)."""
 
-    def __init__(self, shardings: Dict[str, EmbeddingSharding], embedding_names: List[str],
-                 need_indices: bool) -> None:
+    def __init__(
+        self,
+        shardings: Dict[str, EmbeddingSharding],
+        embedding_names: List[str],
+        need_indices: bool,
+    ) -> None:
         found: Dict[str, List[Tuple[int, str, int]]] = {f: [] for f in embedding_names}
         for name, sharding in shardings.items():
             for k, (feature, col_offset, _) in enumerate(sharding.output_columns):
                 found[feature].append((col_offset, name, k))
         self.pieces: Dict[str, _Pieces] = {
-            f: [(name, k) for _, name, k in sorted(p)] for f, p in found.items()}
+            f: [(name, k) for _, name, k in sorted(p)] for f, p in found.items()
+        }
         self.input_features = {name: s.input_features for name, s in shardings.items()}
         self.need_indices = need_indices
 
@@ -88,8 +93,10 @@ class _JaggedDictAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
 
 
 def sequence_output_dist(
-    shardings: Dict[str, EmbeddingSharding], layout: SequenceOutputLayout,
-    ctx: EmbeddingModuleContext, output: List[torch.Tensor],
+    shardings: Dict[str, EmbeddingSharding],
+    layout: SequenceOutputLayout,
+    ctx: EmbeddingModuleContext,
+    output: List[torch.Tensor],
 ) -> LazyAwaitable[Dict[str, JaggedTensor]]:
     """Start every sharding's sequence all-to-all; the wait gives `{feature: JaggedTensor}`."""
     pending = {
@@ -112,13 +119,29 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
         fused_params: Dict[str, Any] | None = None,
         qcomm_codecs_registry: Dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(module, "embeddings", module.embedding_configs(), table_plans, env,
-                         device, fused_params, pooled=False, is_weighted=False)
-        self.set_shardings(build_sequence_shardings(
-            self.storage.table_specs(self, module), env, self._device, qcomm_codecs_registry,
-            self.storage.make_lookup))
-        self._layout = SequenceOutputLayout(self.shardings, self._embedding_names,
-                                            module.need_indices())
+        super().__init__(
+            module,
+            "embeddings",
+            module.embedding_configs(),
+            table_plans,
+            env,
+            device,
+            fused_params,
+            pooled=False,
+            is_weighted=False,
+        )
+        self.set_shardings(
+            build_sequence_shardings(
+                self.storage.table_specs(self, module),
+                env,
+                self._device,
+                qcomm_codecs_registry,
+                self.storage.make_lookup,
+            )
+        )
+        self._layout = SequenceOutputLayout(
+            self.shardings, self._embedding_names, module.need_indices()
+        )
         self.storage.load(self, module)
 
     # input_dist, compute: `ShardedEmbeddingModule`'s

@@ -13,7 +13,7 @@ data-parallel tables alike: the output dists divide gradients by the world size 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 from torch import nn
@@ -41,17 +41,34 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
         module: EmbeddingBagCollection,
         table_plans: EmbeddingModuleShardingPlan,
         env: ShardingEnv,
-        device: Optional[torch.device] = None,
-        fused_params: Optional[Dict[str, Any]] = None,
-        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+        device: torch.device | None = None,
+        fused_params: Dict[str, Any] | None = None,
+        qcomm_codecs_registry: Dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(module, "embedding_bags", module.embedding_bag_configs(), table_plans,
-                         env, device, fused_params, pooled=True, is_weighted=module.is_weighted())
-        self.set_shardings(build_pooled_shardings(
-            self.storage.table_specs(self, module), env, self._device, self._is_weighted,
-            qcomm_codecs_registry, self.storage.make_lookup))
+        super().__init__(
+            module,
+            "embedding_bags",
+            module.embedding_bag_configs(),
+            table_plans,
+            env,
+            device,
+            fused_params,
+            pooled=True,
+            is_weighted=module.is_weighted(),
+        )
+        self.set_shardings(
+            build_pooled_shardings(
+                self.storage.table_specs(self, module),
+                env,
+                self._device,
+                self._is_weighted,
+                qcomm_codecs_registry,
+                self.storage.make_lookup,
+            )
+        )
         self._layout = PooledOutputLayout(
-            list(self.shardings.values()), self._embedding_names, self._embedding_dims)
+            list(self.shardings.values()), self._embedding_names, self._embedding_dims
+        )
         self.storage.load(self, module)
 
     # input_dist, compute: `ShardedEmbeddingModule`'s

@@ -16,7 +16,7 @@ and returned under the unsharded module's output key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Set, Tuple
 
 import torch
 
@@ -47,7 +47,7 @@ class EmbeddingModuleContext:
 
     # the checked batch: the caller's keys and order, or one key per embedding name (in
     # config order) when a feature is read by several tables
-    features: Optional[KeyedJaggedTensor] = None
+    features: KeyedJaggedTensor | None = None
     sharding_contexts: List[EmbeddingShardingContext] = field(default_factory=list)  # by sharding
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
@@ -68,7 +68,7 @@ class _ListAwaitable(Awaitable[List[Any]]):
         return [a.wait() for a in self._awaitables]
 
 
-def _mode(value: Any) -> Optional[BoundsCheckMode]:
+def _mode(value: Any) -> BoundsCheckMode | None:
     if value is None or isinstance(value, BoundsCheckMode):
         return value
     return BoundsCheckMode(str(getattr(value, "name", value)).lower())
@@ -111,12 +111,15 @@ class CollectionInputDist:
         self._wire_features = [f for s in shardings for f in s.input_features]
         self._wire_splits = [len(s.input_features) for s in shardings]
         self._permute_cache: Dict[Tuple[str, ...], torch.Tensor] = {}
-        checked = {name: rows for name, (table, rows) in self._feature_to_table.items()
-                   if self._bounds_modes[table] != BoundsCheckMode.NONE}
+        checked = {
+            name: rows
+            for name, (table, rows) in self._feature_to_table.items()
+            if self._bounds_modes[table] != BoundsCheckMode.NONE
+        }
         for sharding in shardings:  # their ids are checked before they are sent
             sharding.set_checked_rows(checked)
 
-    def _checked(self, features: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, Optional[str]]:
+    def _checked(self, features: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, str | None]:
         """(the batch to route, None) or (the batch, why it is rejected)."""
         try:
             validate_kjt(features)
@@ -126,8 +129,9 @@ class CollectionInputDist:
             check_dtypes_and_weights(features, self._is_weighted, self._owner)
             if self._copied_features is not None:
                 features = self._copy_shared_features(features)
-            features = bounds_check(features, self._feature_to_table, self._bounds_modes,
-                                    self._owner, self._warned)
+            features = bounds_check(
+                features, self._feature_to_table, self._bounds_modes, self._owner, self._warned
+            )
         except ValueError as e:
             return features, str(e)
         return features, None
@@ -139,10 +143,14 @@ class CollectionInputDist:
         copied = features.permute([index[f] for f in self._copied_features])
         variable = copied.variable_stride_per_key()
         return KeyedJaggedTensor(
-            self._embedding_names, copied.values(), copied.weights_or_none(),
-            lengths=copied.lengths(), stride=copied.stride(),
+            self._embedding_names,
+            copied.values(),
+            copied.weights_or_none(),
+            lengths=copied.lengths(),
+            stride=copied.stride(),
             stride_per_key_per_rank=copied.stride_per_key_per_rank() if variable else None,
-            length_per_key=copied.length_per_key(), validate=False,
+            length_per_key=copied.length_per_key(),
+            validate=False,
         )
 
     def _wire_permutation(self, keys: List[str]) -> torch.Tensor:
@@ -164,7 +172,8 @@ class CollectionInputDist:
             permutation = self._wire_permutation(features.keys())
             if len(self._shardings) == 1:
                 in_order = self._shardings[0].input_dist_in_order(
-                    features, permutation.tolist(), ctx.sharding_contexts[0])
+                    features, permutation.tolist(), ctx.sharding_contexts[0]
+                )
             if in_order is None:
                 features = features.permute(permutation.tolist(), permutation.to(features.device()))
         if error is None:
@@ -176,17 +185,23 @@ class CollectionInputDist:
             verdict = exchange_verdict(self._env.pg, error, self._device)
             if verdict is None and error is not None:
                 raise ValueError(error)
-        splits = _ListAwaitable([in_order] if in_order is not None else [
-            s.input_dist(part, sharding_ctx, error)
-            for s, sharding_ctx, part in zip(self._shardings, ctx.sharding_contexts, parts)
-        ])
+        splits = _ListAwaitable(
+            [in_order]
+            if in_order is not None
+            else [
+                s.input_dist(part, sharding_ctx, error)
+                for s, sharding_ctx, part in zip(self._shardings, ctx.sharding_contexts, parts)
+            ]
+        )
 
         def start_tensors() -> Awaitable[List[KeyedJaggedTensor]]:
             if verdict is not None:
                 verdict.wait()
             tensors = splits.wait()
             # every rank's batch size, learned in the splits exchange (unequal batches work)
-            sizes = next((t.stride_per_rank for t in tensors if hasattr(t, "stride_per_rank")), None)
+            sizes = next(
+                (t.stride_per_rank for t in tensors if hasattr(t, "stride_per_rank")), None
+            )
             if sizes is not None and len(set(sizes)) > 1:
                 for sharding_ctx in ctx.sharding_contexts:
                     sharding_ctx.batch_size_per_rank = list(sizes)
@@ -197,5 +212,10 @@ class CollectionInputDist:
 
 def _placeholder(keys: List[str]) -> KeyedJaggedTensor:
     """An empty batch with the wire keys: lets a rejecting rank join the splits exchange."""
-    return KeyedJaggedTensor(keys, torch.empty(0, dtype=torch.int64),
-                             lengths=torch.zeros(0, dtype=torch.int32), stride=0, validate=False)
+    return KeyedJaggedTensor(
+        keys,
+        torch.empty(0, dtype=torch.int64),
+        lengths=torch.zeros(0, dtype=torch.int32),
+        stride=0,
+        validate=False,
+    )

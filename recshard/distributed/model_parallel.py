@@ -15,7 +15,7 @@ tables update in backward; replicated tables average their own gradients).
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,8 +40,12 @@ from recshard.types import ModuleSharder, ShardedModule, ShardingEnv, ShardingPl
 
 def default_sharders() -> List[ModuleSharder]:
     """The sharders DistributedModelParallel uses when none are given."""
-    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder(),
-            QuantEmbeddingBagCollectionSharder(), QuantEmbeddingCollectionSharder()]
+    return [
+        EmbeddingBagCollectionSharder(),
+        EmbeddingCollectionSharder(),
+        QuantEmbeddingBagCollectionSharder(),
+        QuantEmbeddingCollectionSharder(),
+    ]
 
 
 register_default_sharders(default_sharders)
@@ -50,19 +54,33 @@ register_default_sharders(default_sharders)
 class DefaultDataParallelWrapper:
     """Wraps the sharded model in DDP (gloo on CPU, NCCL on GPU: the process group's backend)."""
 
-    def __init__(self, bucket_cap_mb: int = 25, static_graph: bool = False,
-                 find_unused_parameters: bool = False) -> None:
-        self._kwargs = dict(bucket_cap_mb=bucket_cap_mb, static_graph=static_graph,
-                            find_unused_parameters=find_unused_parameters)
+    def __init__(
+        self,
+        bucket_cap_mb: int = 25,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        self._kwargs = dict(
+            bucket_cap_mb=bucket_cap_mb,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+        )
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         """Parameters of sharded modules and tensor-parallel shards (`recshard.parallel`,
         marked `shard_spec`: each rank's gradient is already complete) stay out of DDP."""
         module = dmp._dmp_wrapped_module
         ignore = [name for name, _ in _sharded_parameter_names(module)]
-        ignore += [name for name, p in nn.Module.named_parameters(module)
-                   if getattr(getattr(p, "shard_spec", None), "world_size", 1) > 1]
-        dense = [p for n, p in nn.Module.named_parameters(module) if n not in set(ignore) and p.requires_grad]
+        ignore += [
+            name
+            for name, p in nn.Module.named_parameters(module)
+            if getattr(getattr(p, "shard_spec", None), "world_size", 1) > 1
+        ]
+        dense = [
+            p
+            for n, p in nn.Module.named_parameters(module)
+            if n not in set(ignore) and p.requires_grad
+        ]
         if env.world_size == 1 or not dense:
             return
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignore)
@@ -82,8 +100,9 @@ def _sharded_parameter_names(module: nn.Module) -> Iterator[Tuple[str, nn.Parame
             yield from nn.Module.named_buffers(child, prefix=name)
 
 
-def _unsharded_named(module: nn.Module, prefix: str, buffers: bool,
-                     remove_duplicate: bool) -> Iterator[Tuple[str, torch.Tensor]]:
+def _unsharded_named(
+    module: nn.Module, prefix: str, buffers: bool, remove_duplicate: bool
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """Parameters (or persistent-or-not buffers) under the unsharded model's names: sharded
     modules speak for their own subtree (`embedding_bags.<t>.weight`), kernels stay hidden."""
     seen: Set[int] = set()
@@ -94,8 +113,9 @@ def _unsharded_named(module: nn.Module, prefix: str, buffers: bool,
         head = ".".join(p for p in (prefix, path) if p)
         if isinstance(child, ShardedModule):
             sharded.append(path)
-            items = (child.named_buffers(prefix=head) if buffers
-                     else child.named_parameters(prefix=head))
+            items = (
+                child.named_buffers(prefix=head) if buffers else child.named_parameters(prefix=head)
+            )
         else:
             own = child._buffers if buffers else child._parameters
             items = ((f"{head}.{n}" if head else n, t) for n, t in own.items() if t is not None)
@@ -109,7 +129,11 @@ def _unsharded_named(module: nn.Module, prefix: str, buffers: bool,
 def get_unwrapped_module(module: nn.Module) -> nn.Module:
     """Strip DMP and DDP wrappers."""
     while isinstance(module, (DistributedModelParallel, DistributedDataParallel)):
-        module = module._dmp_wrapped_module if isinstance(module, DistributedModelParallel) else module.module
+        module = (
+            module._dmp_wrapped_module
+            if isinstance(module, DistributedModelParallel)
+            else module.module
+        )
     return module
 
 
@@ -123,13 +147,13 @@ class DistributedModelParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        env: Optional[ShardingEnv] = None,
-        device: Optional[torch.device] = None,
-        plan: Optional[ShardingPlan] = None,
-        sharders: Optional[List[ModuleSharder]] = None,
+        env: ShardingEnv | None = None,
+        device: torch.device | None = None,
+        plan: ShardingPlan | None = None,
+        sharders: List[ModuleSharder] | None = None,
         init_data_parallel: bool = True,
         init_parameters: bool = True,
-        data_parallel_wrapper: Optional[DefaultDataParallelWrapper] = None,
+        data_parallel_wrapper: DefaultDataParallelWrapper | None = None,
     ) -> None:
         super().__init__()
         self._env = env or ShardingEnv.from_process_group(dist.group.WORLD)
@@ -153,8 +177,11 @@ class DistributedModelParallel(nn.Module):
     # ---------------------------------------------------------------- construction
 
     def _collective_plan(self, module: nn.Module) -> ShardingPlan:
-        topology = Topology(world_size=self._env.world_size, compute_device=self.device.type,
-                            local_world_size=self._env.local_world_size)
+        topology = Topology(
+            world_size=self._env.world_size,
+            compute_device=self.device.type,
+            local_world_size=self._env.local_world_size,
+        )
         planner = EmbeddingShardingPlanner(topology=topology)
         return planner.collective_plan(module, self._sharders, self._env.pg)
 
@@ -181,7 +208,9 @@ class DistributedModelParallel(nn.Module):
         for child in module.modules():
             if isinstance(child, ShardedModule):
                 continue
-            own = list(child.named_parameters(recurse=False)) + list(child.named_buffers(recurse=False))
+            own = list(child.named_parameters(recurse=False)) + list(
+                child.named_buffers(recurse=False)
+            )
             if any(t.is_meta for _, t in own):
                 child.to_empty(device=self.device, recurse=False)
                 if hasattr(child, "reset_parameters"):
@@ -213,26 +242,33 @@ class DistributedModelParallel(nn.Module):
     @property
     def fused_optimizer(self) -> CombinedOptimizer:
         """Every sharded module's fused optimizer, keyed by FQN in the model."""
-        parts = [(path, m.fused_optimizer) for path, m in self.module.named_modules()
-                 if isinstance(m, ShardedModule) and hasattr(m, "fused_optimizer")]
+        parts = [
+            (path, m.fused_optimizer)
+            for path, m in self.module.named_modules()
+            if isinstance(m, ShardedModule) and hasattr(m, "fused_optimizer")
+        ]
         return CombinedOptimizer(parts)
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, nn.Parameter]]:
         """The model's parameters under their unsharded names (no DMP/DDP prefix, no kernel
         internals): `ebc.embedding_bags.t0.weight` on every rank, empty where a rank holds none."""
         if not recurse:
             return
         yield from _unsharded_named(self.module, prefix, False, remove_duplicate)
 
-    def named_buffers(self, prefix: str = "", recurse: bool = True,
-                      remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, torch.Tensor]]:
         """The unsharded parts' buffers; sharded modules' kernel buffers stay hidden."""
         if not recurse:
             return
         yield from _unsharded_named(self.module, prefix, True, remove_duplicate)
 
-    def bare_named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+    def bare_named_parameters(
+        self, prefix: str = "", recurse: bool = True
+    ) -> Iterator[Tuple[str, nn.Parameter]]:
         """Parameters that a dense optimizer should see (fused kernels' internals excluded)."""
         for name, param in self.named_parameters(prefix, recurse):
             if not getattr(param, "_in_backward_optimizers", False):
@@ -243,12 +279,16 @@ class DistributedModelParallel(nn.Module):
         """Parameters whose gradients are sparse tensors (none: dense kernels use dense grads)."""
         return [n for n, p in self.named_parameters() if p.grad is not None and p.grad.is_sparse]
 
-    def state_dict(self, *args: Any, prefix: str = "", keep_vars: bool = False, **kwargs: Any) -> Dict[str, Any]:
+    def state_dict(
+        self, *args: Any, prefix: str = "", keep_vars: bool = False, **kwargs: Any
+    ) -> Dict[str, Any]:
         """Unsharded keys; sharded tables as ShardedTensors (global shape, this rank's shards)."""
         with quiet_sharded_tensor():
             return model_state_dict(self.module, prefix)
 
-    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
+    def load_state_dict(
+        self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
         return load_model_state_dict(self.module, state_dict, strict)
 
     def copy(self, device: torch.device) -> DistributedModelParallel:
@@ -261,15 +301,21 @@ class DistributedModelParallel(nn.Module):
         return other
 
 
-def _check_plan_paths(module: nn.Module, plan: ShardingPlan, sharder_map: Dict[type, ModuleSharder]) -> None:
+def _check_plan_paths(
+    module: nn.Module, plan: ShardingPlan, sharder_map: Dict[type, ModuleSharder]
+) -> None:
     """Every module path in the plan must name a module some sharder can shard."""
     modules = dict(module.named_modules())
     for path in plan.plan:
         target = modules.get(path)
         if target is None:
             shardable = [p for p, m in modules.items() if type(m) in sharder_map]
-            raise ValueError(f"the plan names module '{path}', which the model lacks "
-                             f"(shardable modules: {shardable})")
+            raise ValueError(
+                f"the plan names module '{path}', which the model lacks "
+                f"(shardable modules: {shardable})"
+            )
         if type(target) not in sharder_map:
-            raise ValueError(f"the plan names module '{path}' of type {type(target).__name__}, "
-                             "which no sharder handles")
+            raise ValueError(
+                f"the plan names module '{path}' of type {type(target).__name__}, "
+                "which no sharder handles"
+            )

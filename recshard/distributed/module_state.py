@@ -14,7 +14,7 @@ built.
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, Dict, Iterator, List, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, Iterator, List, Tuple, Type
 
 import torch
 from torch import nn
@@ -59,15 +59,16 @@ class TableStorage(abc.ABC):
     name, the specs and the lookup each sharding is built with, and where the shards' first
     rows come from. One per sharded module, made from the unsharded one."""
 
-    compute_kernels: ClassVar[Optional[List[str]]] = None  # None: every kernel the type runs
+    compute_kernels: ClassVar[List[str] | None] = None  # None: every kernel the type runs
 
     @abc.abstractmethod
     def __init__(self, module: nn.Module) -> None:
         """Keep what the storage needs of the unsharded `module` beyond `load`."""
 
     @abc.abstractmethod
-    def check_plan(self, configs: List[BaseEmbeddingConfig],
-                   table_plans: EmbeddingModuleShardingPlan) -> None:
+    def check_plan(
+        self, configs: List[BaseEmbeddingConfig], table_plans: EmbeddingModuleShardingPlan
+    ) -> None:
         """Rules of this storage on top of `check_module_plan`'s."""
 
     @abc.abstractmethod
@@ -75,8 +76,9 @@ class TableStorage(abc.ABC):
         """The tables the shardings are built from."""
 
     @abc.abstractmethod
-    def make_lookup(self, tables: List[LocalTable], pooled: bool, device: torch.device,
-                    is_weighted: bool) -> Lookup:
+    def make_lookup(
+        self, tables: List[LocalTable], pooled: bool, device: torch.device, is_weighted: bool
+    ) -> Lookup:
         """A sharding's lookup over this rank's shards (a `LookupFactory`)."""
 
     @abc.abstractmethod
@@ -92,15 +94,17 @@ class FloatTables(TableStorage):
     def __init__(self, module: nn.Module) -> None:
         """Nothing of `module` to keep: its weights are read once, by `load`."""
 
-    def check_plan(self, configs: List[BaseEmbeddingConfig],
-                   table_plans: EmbeddingModuleShardingPlan) -> None:
+    def check_plan(
+        self, configs: List[BaseEmbeddingConfig], table_plans: EmbeddingModuleShardingPlan
+    ) -> None:
         """None beyond `check_module_plan`'s."""
 
     def table_specs(self, sharded: ShardedEmbeddingModule, module: nn.Module) -> List[TableSpec]:
         return sharded.table_specs(module)
 
-    def make_lookup(self, tables: List[LocalTable], pooled: bool, device: torch.device,
-                    is_weighted: bool) -> Lookup:
+    def make_lookup(
+        self, tables: List[LocalTable], pooled: bool, device: torch.device, is_weighted: bool
+    ) -> Lookup:
         return GroupedLookup(tables, pooled, device, is_weighted)
 
     def load(self, sharded: ShardedEmbeddingModule, module: nn.Module) -> None:
@@ -131,8 +135,8 @@ class ShardedEmbeddingModule(ShardedModule):
         configs: List[BaseEmbeddingConfig],
         table_plans: EmbeddingModuleShardingPlan,
         env: ShardingEnv,
-        device: Optional[torch.device],
-        fused_params: Optional[Dict[str, Any]],
+        device: torch.device | None,
+        fused_params: Dict[str, Any] | None,
         pooled: bool,
         is_weighted: bool,
     ) -> None:
@@ -142,9 +146,15 @@ class ShardedEmbeddingModule(ShardedModule):
         super().__init__()
         what = type(module).__name__
         self.storage = self.storage_type(module)
-        check_module_plan(configs, table_plans, what, env.world_size, env.local_world_size,
-                          ALL_SHARDING_TYPES if pooled else SEQUENCE_SHARDING_TYPES,
-                          self.storage.compute_kernels)
+        check_module_plan(
+            configs,
+            table_plans,
+            what,
+            env.world_size,
+            env.local_world_size,
+            ALL_SHARDING_TYPES if pooled else SEQUENCE_SHARDING_TYPES,
+            self.storage.compute_kernels,
+        )
         self.storage.check_plan(configs, table_plans)
         destroy_groups_at_exit()  # its collectives could otherwise abort the process at exit
         self.env = env
@@ -157,7 +167,9 @@ class ShardedEmbeddingModule(ShardedModule):
         self._is_weighted = is_weighted
         self._pooled = pooled
         self._table_fused_params: Dict[str, Dict[str, Any]] = {}
-        self._embedding_names = embedding_names(configs)  # the output keys, one per (table, feature)
+        self._embedding_names = embedding_names(
+            configs
+        )  # the output keys, one per (table, feature)
         self._embedding_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
 
     def table_specs(self, module: nn.Module) -> List[TableSpec]:
@@ -171,7 +183,8 @@ class ShardedEmbeddingModule(ShardedModule):
             spec = TableSpec(c, self._table_plans[c.name], fused)
             if spec.kernel != EmbeddingComputeKernel.DENSE:
                 fbgemm_on_cuda = self._device.type == "cuda" and uses_fbgemm(
-                    spec.local_table(0), self._is_weighted)
+                    spec.local_table(0), self._is_weighted
+                )
                 check_backend(parse_fused_params(fused, c.name), c.name, fbgemm_on_cuda)
             specs.append(spec)
         self._table_fused_params = {s.config.name: s.fused_params for s in specs}
@@ -183,8 +196,16 @@ class ShardedEmbeddingModule(ShardedModule):
         for name, sharding in shardings.items():
             self.add_module(f"sharding_{name}", sharding)
         self.input = CollectionInputDist(
-            self._owner, self.env, self._device, self._configs, self._table_plans,
-            self._fused_params, self._is_weighted, list(shardings.values()), one_batch=self._pooled)
+            self._owner,
+            self.env,
+            self._device,
+            self._configs,
+            self._table_plans,
+            self._fused_params,
+            self._is_weighted,
+            list(shardings.values()),
+            one_batch=self._pooled,
+        )
 
     def input_dist(
         self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor
@@ -202,7 +223,8 @@ class ShardedEmbeddingModule(ShardedModule):
 
     def create_context(self) -> EmbeddingModuleContext:
         return EmbeddingModuleContext(
-            sharding_contexts=[s.create_context() for s in self.shardings.values()])
+            sharding_contexts=[s.create_context() for s in self.shardings.values()]
+        )
 
     # ---------------------------------------------------------------- table state
     # What `recshard.distributed.sharded_state` (state_dict, checkpoints) reads: the
@@ -250,8 +272,10 @@ class ShardedEmbeddingModule(ShardedModule):
                     continue
                 tensor = full[name]
                 for table, weight in shards:
-                    block = tensor[table.row_offset:table.row_offset + table.rows,
-                                   table.col_offset:table.col_offset + table.cols]
+                    block = tensor[
+                        table.row_offset : table.row_offset + table.rows,
+                        table.col_offset : table.col_offset + table.cols,
+                    ]
                     if tuple(block.shape) != tuple(weight.shape):
                         raise ValueError(
                             f"table '{name}': shard needs a {tuple(weight.shape)} block, the source "
@@ -280,8 +304,9 @@ class ShardedEmbeddingModule(ShardedModule):
 
     # ---------------------------------------------------------------- unsharded names
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, nn.Parameter]]:
         """Each table's local weight under its unsharded name (`embedding_bags.<t>.weight`, as
         `shard_fqn` names it), never the kernels' storage. A table with no shard here gives an
         empty parameter (as TorchRec); fused tables are marked `_in_backward_optimizers`."""
@@ -290,8 +315,9 @@ class ShardedEmbeddingModule(ShardedModule):
         for name, param in self._unsharded_parameters().items():
             yield (f"{prefix}.{name}" if prefix else name), param
 
-    def named_buffers(self, prefix: str = "", recurse: bool = True,
-                      remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, torch.Tensor]]:
         """None: kernel buffers (offsets, caches, optimizer state) are internal; weights are
         parameters and optimizer state is `fused_optimizer`'s."""
         return iter(())
@@ -341,13 +367,14 @@ class ShardedEmbeddingModule(ShardedModule):
         """`{table fqn: {state name: ShardedTensor}}`: the fused state laid out like its table
         (views of the live state), for the fused optimizer's `state_dict()`."""
         nested: Dict[str, Dict[str, Any]] = {  # every fused table, on every rank (SGD: {})
-            f"{self._tables_attr}.{c.name}.weight": {} for c in self._configs
-            if self._table_plans[c.name].compute_kernel != EmbeddingComputeKernel.DENSE.value}
+            f"{self._tables_attr}.{c.name}.weight": {}
+            for c in self._configs
+            if self._table_plans[c.name].compute_kernel != EmbeddingComputeKernel.DENSE.value
+        }
         for key, value in fused_state(self, "").items():
             fqn, name = key.split(".weight.", 1)
             nested.setdefault(f"{fqn}.weight", {})[name] = value
         return nested
-
 
 
 class EmbeddingModuleSharder(ModuleSharder[nn.Module]):
@@ -368,7 +395,7 @@ class EmbeddingModuleSharder(ModuleSharder[nn.Module]):
         module: nn.Module,
         params: EmbeddingModuleShardingPlan,
         env: ShardingEnv,
-        device: Optional[torch.device] = None,
+        device: torch.device | None = None,
     ) -> ShardedEmbeddingModule:
         return self.sharded_type(
             module, params, env, device, self.fused_params, self.qcomm_codecs_registry

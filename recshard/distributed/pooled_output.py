@@ -11,7 +11,7 @@ copied.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -25,14 +25,19 @@ from recshard.types import Awaitable, LazyAwaitable
 class PooledOutputLayout:
     """Where the module's columns sit in its shardings' concatenated outputs."""
 
-    def __init__(self, shardings: List[EmbeddingSharding], embedding_names: List[str],
-                 embedding_dims: List[int]) -> None:
+    def __init__(
+        self,
+        shardings: List[EmbeddingSharding],
+        embedding_names: List[str],
+        embedding_dims: List[int],
+    ) -> None:
         self.embedding_names, self.embedding_dims = embedding_names, embedding_dims
         self.column_blocks = _output_order(shardings, embedding_names, embedding_dims)
 
 
-def _output_order(shardings: List[EmbeddingSharding], embedding_names: List[str],
-                  embedding_dims: List[int]) -> Optional[List[Block]]:
+def _output_order(
+    shardings: List[EmbeddingSharding], embedding_names: List[str], embedding_dims: List[int]
+) -> List[Block] | None:
     """Blocks taking the concatenated sharding outputs to the module's column order, or None
     when nothing is left to reorder (already in order, or a single sharding took the order
     into its all-to-all)."""
@@ -71,16 +76,21 @@ class _KeyedTensorAwaitable(LazyAwaitable[KeyedTensor]):
         parts = [p.wait() for p in self._pending]
         values = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
         if layout.column_blocks is not None:
-            values = chunks_to_columns(values.reshape(-1), values.size(0), [values.size(1)],
-                                       layout.column_blocks)
+            values = chunks_to_columns(
+                values.reshape(-1), values.size(0), [values.size(1)], layout.column_blocks
+            )
         return KeyedTensor(layout.embedding_names, layout.embedding_dims, values)
 
 
 def pooled_output_dist(
-    shardings: List[EmbeddingSharding], layout: PooledOutputLayout,
-    ctx: EmbeddingModuleContext, output: List[torch.Tensor],
+    shardings: List[EmbeddingSharding],
+    layout: PooledOutputLayout,
+    ctx: EmbeddingModuleContext,
+    output: List[torch.Tensor],
 ) -> LazyAwaitable[KeyedTensor]:
     """Start every sharding's output dist; the wait gives the module's `KeyedTensor`."""
-    pending = [s.output_dist(local, sharding_ctx)
-               for s, sharding_ctx, local in zip(shardings, ctx.sharding_contexts, output)]
+    pending = [
+        s.output_dist(local, sharding_ctx)
+        for s, sharding_ctx, local in zip(shardings, ctx.sharding_contexts, output)
+    ]
     return _KeyedTensorAwaitable(pending, layout)

@@ -40,13 +40,20 @@ class QuantShardLookup(nn.Module):
     `output_dtype`.
     """
 
-    def __init__(self, tables: List[LocalTable], pooled: bool, device: torch.device,
-                 output_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        tables: List[LocalTable],
+        pooled: bool,
+        device: torch.device,
+        output_dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         self.tables = tables
         self._pooled, self._device, self._output_dtype = pooled, device, output_dtype
-        quant_tables = [QuantTable(t.name, t.rows, t.cols, t.config.data_type, t.feature_names,
-                                   t.pooling) for t in tables]
+        quant_tables = [
+            QuantTable(t.name, t.rows, t.cols, t.config.data_type, t.feature_names, t.pooling)
+            for t in tables
+        ]
         self.kernels = nn.ModuleList(
             [QuantLookup(quant_tables, pooled, device, output_dtype)] if tables else []
         )
@@ -63,10 +70,12 @@ class QuantShardLookup(nn.Module):
                 values, scale_bias = full[local.name]
                 rows = slice(local.row_offset, local.row_offset + local.rows)
                 per_byte = 8 // BITS.get(local.config.data_type, 8)  # packed columns
-                cols = slice(local.col_offset // per_byte,
-                             (local.col_offset + local.cols) // per_byte)
+                cols = slice(
+                    local.col_offset // per_byte, (local.col_offset + local.cols) // per_byte
+                )
                 kernel.load_quantized(
-                    index, values[rows, cols].to(self._device),
+                    index,
+                    values[rows, cols].to(self._device),
                     None if scale_bias is None else scale_bias[rows].to(self._device),
                 )
 
@@ -77,8 +86,9 @@ class QuantShardLookup(nn.Module):
         return self.kernels[0](features)
 
 
-def check_packed_columns(configs: List[BaseEmbeddingConfig],
-                         plan: EmbeddingModuleShardingPlan) -> None:
+def check_packed_columns(
+    configs: List[BaseEmbeddingConfig], plan: EmbeddingModuleShardingPlan
+) -> None:
     """Column shards never split a byte of packed values (the rest of the plan is checked by
     `recshard.plan.validate` when the module is built, with `QUANT_KERNELS`)."""
     for config in configs:
@@ -106,16 +116,20 @@ class QuantTables(TableStorage):
         """`module`: a `QuantEmbeddingBagCollection` or `QuantEmbeddingCollection`."""
         self.output_dtype: torch.dtype = module.output_dtype()
 
-    def check_plan(self, configs: List[BaseEmbeddingConfig],
-                   table_plans: EmbeddingModuleShardingPlan) -> None:
+    def check_plan(
+        self, configs: List[BaseEmbeddingConfig], table_plans: EmbeddingModuleShardingPlan
+    ) -> None:
         check_packed_columns(configs, table_plans)
 
     def table_specs(self, sharded: ShardedEmbeddingModule, module: nn.Module) -> List[TableSpec]:
-        return [TableSpec(c, sharded.table_plan(c.name), output_dtype=self.output_dtype)
-                for c in sharded.table_configs()]
+        return [
+            TableSpec(c, sharded.table_plan(c.name), output_dtype=self.output_dtype)
+            for c in sharded.table_configs()
+        ]
 
-    def make_lookup(self, tables: List[LocalTable], pooled: bool, device: torch.device,
-                    is_weighted: bool) -> QuantShardLookup:
+    def make_lookup(
+        self, tables: List[LocalTable], pooled: bool, device: torch.device, is_weighted: bool
+    ) -> QuantShardLookup:
         return QuantShardLookup(tables, pooled, device, self.output_dtype)
 
     def load(self, sharded: ShardedEmbeddingModule, module: nn.Module) -> None:
@@ -124,4 +138,3 @@ class QuantTables(TableStorage):
             lookup = sharding.lookup
             assert isinstance(lookup, QuantShardLookup), type(lookup)  # made by make_lookup
             lookup.load_slices(full)
-

@@ -40,18 +40,25 @@ def quiet_sharded_tensor() -> Iterator[None]:
     (DTensor cannot place a table-wise shard on one rank of the group): users did not choose
     it and cannot act on it."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Please use DTensor instead.*", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=".*Please use DTensor instead.*", category=FutureWarning
+        )
         yield
 
 
 def _sharded(
-    global_size: List[int], metas: List[TorchShardMetadata], local: List[Tuple[torch.Tensor, TorchShardMetadata]],
-    pg: Any, dtype: torch.dtype,
+    global_size: List[int],
+    metas: List[TorchShardMetadata],
+    local: List[Tuple[torch.Tensor, TorchShardMetadata]],
+    pg: Any,
+    dtype: torch.dtype,
 ) -> ShardedTensor:
     meta = ShardedTensorMetadata(metas, torch.Size(global_size), TensorProperties(dtype=dtype))
     shards = [Shard(tensor.detach(), m) for tensor, m in local]  # views: loads land in place
     with quiet_sharded_tensor():
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=pg)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, meta, process_group=pg
+        )
 
 
 def _torch_meta(offsets: List[int], sizes: List[int], rank: int) -> TorchShardMetadata:
@@ -78,8 +85,9 @@ class ShardedTableState(Protocol):
 
 
 def _plan_metas(module: ShardedTableState, table: str) -> List[TorchShardMetadata]:
-    return [_torch_meta(s.shard_offsets, s.shard_sizes, s.rank)
-            for s in module.table_plan(table).shards]
+    return [
+        _torch_meta(s.shard_offsets, s.shard_sizes, s.rank) for s in module.table_plan(table).shards
+    ]
 
 
 def _local_meta(table: LocalTable, rank: int) -> TorchShardMetadata:
@@ -98,9 +106,11 @@ def table_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
             out[key] = local[0][1].detach()
             continue
         out[key] = _sharded(
-            [config.num_embeddings, config.embedding_dim], _plan_metas(module, config.name),
-            [(w, _local_meta(t, rank)) for t, w in local], module.env.pg, local[0][1].dtype if local
-            else torch.float32,
+            [config.num_embeddings, config.embedding_dim],
+            _plan_metas(module, config.name),
+            [(w, _local_meta(t, rank)) for t, w in local],
+            module.env.pg,
+            local[0][1].dtype if local else torch.float32,
         )
     return out
 
@@ -121,21 +131,38 @@ def fused_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
             rowwise = spec.rowwise_state
             if not rowwise:
                 out[f"{base}.{name}"] = _sharded(
-                    [config.num_embeddings, config.embedding_dim], _plan_metas(module, config.name),
-                    [(s[name], _local_meta(t, rank)) for t, s in local], module.env.pg, torch.float32)
+                    [config.num_embeddings, config.embedding_dim],
+                    _plan_metas(module, config.name),
+                    [(s[name], _local_meta(t, rank)) for t, s in local],
+                    module.env.pg,
+                    torch.float32,
+                )
             elif ShardingType(plan.sharding_type) in COLUMN_SPLIT_TYPES:
                 for shard in plan.shards:
-                    mine = [(s[name], _torch_meta([0], [config.num_embeddings], rank))
-                            for t, s in local if t.col_offset == shard.shard_offsets[1]]
+                    mine = [
+                        (s[name], _torch_meta([0], [config.num_embeddings], rank))
+                        for t, s in local
+                        if t.col_offset == shard.shard_offsets[1]
+                    ]
                     out[f"{base}.{name}@col{shard.shard_offsets[1]}"] = _sharded(
-                        [config.num_embeddings], [_torch_meta([0], [config.num_embeddings], shard.rank)],
-                        mine, module.env.pg, torch.float32)
+                        [config.num_embeddings],
+                        [_torch_meta([0], [config.num_embeddings], shard.rank)],
+                        mine,
+                        module.env.pg,
+                        torch.float32,
+                    )
             else:
-                metas = [_torch_meta([s.shard_offsets[0]], [s.shard_sizes[0]], s.rank) for s in plan.shards]
+                metas = [
+                    _torch_meta([s.shard_offsets[0]], [s.shard_sizes[0]], s.rank)
+                    for s in plan.shards
+                ]
                 out[f"{base}.{name}"] = _sharded(
-                    [config.num_embeddings], metas,
+                    [config.num_embeddings],
+                    metas,
                     [(s[name], _torch_meta([t.row_offset], [t.rows], rank)) for t, s in local],
-                    module.env.pg, torch.float32)
+                    module.env.pg,
+                    torch.float32,
+                )
     return out
 
 
@@ -176,7 +203,9 @@ def fused_optimizer_state(model: nn.Module) -> Dict[str, Any]:
     return out
 
 
-def load_model_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> List[str]:
+def load_model_state_dict(
+    model: nn.Module, state_dict: Dict[str, Any], strict: bool = True
+) -> List[str]:
     """Copy values into the live model: full tensors are sliced per shard, ShardedTensors
     must already be in this model's layout (use `recshard.checkpoint.load` to reshard)."""
     own = model_state_dict(model)
@@ -198,8 +227,10 @@ def load_model_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
                     _load_full(sharded, key, value)
             else:
                 if tuple(target.shape) != tuple(value.shape):
-                    raise ValueError(f"'{key}': checkpoint shape {tuple(value.shape)} != model "
-                                     f"shape {tuple(target.shape)}")
+                    raise ValueError(
+                        f"'{key}': checkpoint shape {tuple(value.shape)} != model "
+                        f"shape {tuple(target.shape)}"
+                    )
                 target.copy_(value)
     return missing
 
@@ -208,5 +239,5 @@ def _load_full(sharded: List[Tuple[str, ShardedTableState]], key: str, value: to
     for path, module in sharded:
         head = f"{path}{module.tables_attr}."
         if key.startswith(head) and key.endswith(".weight"):
-            module.load_full_tables({key[len(head):-len(".weight")]: value})
+            module.load_full_tables({key[len(head) : -len(".weight")]: value})
             return

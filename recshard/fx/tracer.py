@@ -11,7 +11,7 @@ TorchRec's tracer does. Tracing an embedding collection itself gives a graph of 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ class Tracer(torch.fx.Tracer):
     """torch.fx tracer that keeps recshard's embedding modules (and any module whose class
     name is in `leaf_modules`) as leaves."""
 
-    def __init__(self, leaf_modules: Optional[List[str]] = None) -> None:
+    def __init__(self, leaf_modules: List[str] | None = None) -> None:
         super().__init__()
         self._leaf_modules: List[str] = list(leaf_modules or [])
 
@@ -49,8 +49,9 @@ class Tracer(torch.fx.Tracer):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
-    def trace(self, root: Union[nn.Module, Callable[..., Any]],
-              concrete_args: Optional[Dict[str, Any]] = None) -> torch.fx.Graph:
+    def trace(
+        self, root: nn.Module | Callable[..., Any], concrete_args: Dict[str, Any] | None = None
+    ) -> torch.fx.Graph:
         global _tracing
         previous, _tracing = _tracing, True
         try:
@@ -71,9 +72,9 @@ class _LeafRoot(nn.Module):
 
 
 def symbolic_trace(
-    root: Union[nn.Module, Callable[..., Any]],
-    concrete_args: Optional[Dict[str, Any]] = None,
-    leaf_modules: Optional[List[str]] = None,
+    root: nn.Module | Callable[..., Any],
+    concrete_args: Dict[str, Any] | None = None,
+    leaf_modules: List[str] | None = None,
 ) -> torch.fx.GraphModule:
     """`root` traced with `Tracer(leaf_modules)` into a `GraphModule`."""
     if isinstance(root, LEAF_TYPES[:-1]):  # an embedding collection itself

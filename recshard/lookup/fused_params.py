@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
@@ -33,9 +33,12 @@ _FBGEMM_CUDA_ONLY = {OptimType.ADAM}
 ANY_KERNEL = [o for o in OptimType if o not in _FBGEMM_CUDA_ONLY]  # fbgemm CPU and torch run these
 
 
-_ALIASES = {"sgd": OptimType.EXACT_SGD, "adagrad": OptimType.EXACT_ADAGRAD,
-            "rowwise_adagrad": OptimType.EXACT_ROWWISE_ADAGRAD,
-            "row_wise_adagrad": OptimType.EXACT_ROWWISE_ADAGRAD}
+_ALIASES = {
+    "sgd": OptimType.EXACT_SGD,
+    "adagrad": OptimType.EXACT_ADAGRAD,
+    "rowwise_adagrad": OptimType.EXACT_ROWWISE_ADAGRAD,
+    "row_wise_adagrad": OptimType.EXACT_ROWWISE_ADAGRAD,
+}
 SUPPORTED = ", ".join(o.name for o in OptimType)
 
 
@@ -52,16 +55,19 @@ class FusedOptimSpec:
 
     @property
     def state_names(self) -> List[str]:
-        return {OptimType.EXACT_SGD: [], OptimType.EXACT_ADAGRAD: ["momentum1"],
-                OptimType.EXACT_ROWWISE_ADAGRAD: ["momentum1"],
-                OptimType.ADAM: ["momentum1", "momentum2"]}[self.optim]
+        return {
+            OptimType.EXACT_SGD: [],
+            OptimType.EXACT_ADAGRAD: ["momentum1"],
+            OptimType.EXACT_ROWWISE_ADAGRAD: ["momentum1"],
+            OptimType.ADAM: ["momentum1", "momentum2"],
+        }[self.optim]
 
     @property
     def rowwise_state(self) -> bool:
         """True when each state tensor holds one value per row (`[rows]`), not per element."""
         return self.optim == OptimType.EXACT_ROWWISE_ADAGRAD
 
-    def state_shape(self, rows: int, cols: int) -> Optional[List[int]]:
+    def state_shape(self, rows: int, cols: int) -> List[int] | None:
         if self.optim in (OptimType.EXACT_ADAGRAD, OptimType.ADAM):
             return [rows, cols]
         if self.optim == OptimType.EXACT_ROWWISE_ADAGRAD:
@@ -69,7 +75,7 @@ class FusedOptimSpec:
         return None
 
 
-def parse_fused_params(fused_params: Optional[Dict[str, Any]], table: str) -> FusedOptimSpec:
+def parse_fused_params(fused_params: Dict[str, Any] | None, table: str) -> FusedOptimSpec:
     """Read `optimizer`, `learning_rate`, `eps`, `weight_decay` from fused params."""
     params = dict(fused_params or {})
     raw = params.get("optimizer", OptimType.EXACT_SGD)

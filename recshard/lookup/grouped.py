@@ -66,7 +66,9 @@ def _build_kernel(
     return TorchFusedKernel(tables, pooled, spec, device)
 
 
-def group_tables(tables: List[LocalTable], is_weighted: bool) -> List[Tuple[bool, List[LocalTable]]]:
+def group_tables(
+    tables: List[LocalTable], is_weighted: bool
+) -> List[Tuple[bool, List[LocalTable]]]:
     """Tables grouped by `group_key`, groups in order of first appearance: (fbgemm?, tables)."""
     groups: Dict[Tuple, List[LocalTable]] = {}
     for table in tables:
@@ -117,7 +119,11 @@ class GroupedLookup(nn.Module):
     """
 
     def __init__(
-        self, tables: List[LocalTable], pooled: bool, device: torch.device, is_weighted: bool = False
+        self,
+        tables: List[LocalTable],
+        pooled: bool,
+        device: torch.device,
+        is_weighted: bool = False,
     ) -> None:
         super().__init__()
         self.pooled = pooled
@@ -125,8 +131,11 @@ class GroupedLookup(nn.Module):
         self.kernels = nn.ModuleList(
             _build_kernel(run, pooled, fbgemm, device)
             for fbgemm, group in group_tables(tables, is_weighted)
-            for run in (split_evenly(group, threads * KERNELS_PER_THREAD if threads > 1 else 1)
-                        if fbgemm else [group])
+            for run in (
+                split_evenly(group, threads * KERNELS_PER_THREAD if threads > 1 else 1)
+                if fbgemm
+                else [group]
+            )
         )
         self.side_by_side = threads > 1 and sum(k.is_fused for k in self.kernels) > 1
         self.tables: List[LocalTable] = [t for k in self.kernels for t in k.tables]
@@ -162,8 +171,17 @@ class GroupedLookup(nn.Module):
     def _fused_side_by_side(self, parts: List[KeyedJaggedTensor]) -> List[torch.Tensor]:
         """Fused kernels on torch's threads, the others on this one; outputs in kernel order."""
         fused = [i for i, kernel in enumerate(self.kernels) if kernel.is_fused]
-        outputs = dict(zip(fused, run_side_by_side([self.kernels[i] for i in fused],
-                                                   [parts[i] for i in fused],
-                                                   [parts[i].values().numel() for i in fused])))
-        return [outputs[i] if i in outputs else kernel(parts[i])
-                for i, kernel in enumerate(self.kernels)]
+        outputs = dict(
+            zip(
+                fused,
+                run_side_by_side(
+                    [self.kernels[i] for i in fused],
+                    [parts[i] for i in fused],
+                    [parts[i].values().numel() for i in fused],
+                ),
+            )
+        )
+        return [
+            outputs[i] if i in outputs else kernel(parts[i])
+            for i, kernel in enumerate(self.kernels)
+        ]

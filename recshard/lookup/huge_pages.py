@@ -46,6 +46,6 @@ def huge_page_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype)
     raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)  # untouched pages
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
-    region = raw[start:start + nbytes]
+    region = raw[start : start + nbytes]
     _advise_huge(region.data_ptr(), nbytes - nbytes % HUGE_PAGE_BYTES)
     return region.view(dtype).zero_()

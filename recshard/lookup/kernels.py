@@ -11,7 +11,7 @@ Output: pooled `[B, sum of the features' dims]`, or sequence `[N, D]` (one row p
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +60,7 @@ def _tbe_rows(table: LocalTable) -> int:
     return max(table.rows, 1)
 
 
-def _host_weights(tables: List[LocalTable], on_cuda: bool) -> Optional[Dict[str, torch.Tensor]]:
+def _host_weights(tables: List[LocalTable], on_cuda: bool) -> Dict[str, torch.Tensor] | None:
     """On CPU, the TBE's weight storage (fp32, its default precision: every table's rows x
     cols back to back) on huge pages (`recshard.lookup.huge_pages`); fbgemm checks the size."""
     if on_cuda:
@@ -106,8 +106,11 @@ class FbgemmFusedKernel(LookupKernel):
             for t in tables
         ]
         pooling_mode = (
-            PoolingMode.NONE if not pooled
-            else PoolingMode.MEAN if self.pooling == PoolingType.MEAN else PoolingMode.SUM
+            PoolingMode.NONE
+            if not pooled
+            else PoolingMode.MEAN
+            if self.pooling == PoolingType.MEAN
+            else PoolingMode.SUM
         )
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
             specs,
@@ -126,15 +129,17 @@ class FbgemmFusedKernel(LookupKernel):
         self._init_weights()
 
     def table_weights(self) -> List[torch.Tensor]:
-        return [w[:t.rows] for t, w in zip(self.tables, self.tbe.split_embedding_weights())]
+        return [w[: t.rows] for t, w in zip(self.tables, self.tbe.split_embedding_weights())]
 
     def optimizer_states(self) -> List[Dict[str, torch.Tensor]]:
         """One dict per table (empty for SGD: fbgemm then returns no states at all)."""
         names = self.spec.state_names
         if not names:
             return [{} for _ in self.tables]
-        return [{name: state[:t.rows] for name, state in zip(names, states)}
-                for t, states in zip(self.tables, self.tbe.split_optimizer_states())]
+        return [
+            {name: state[: t.rows] for name, state in zip(names, states)}
+            for t, states in zip(self.tables, self.tbe.split_optimizer_states())
+        ]
 
     def set_learning_rate(self, lr: float) -> None:
         self.tbe.set_learning_rate(lr)
@@ -153,8 +158,12 @@ class _TorchFusedLookup(torch.autograd.Function):
     """Forward: plain lookups. Backward: sum gradients per unique row, update in place."""
 
     @staticmethod
-    def forward(ctx, placeholder: torch.Tensor, kernel: TorchFusedKernel,  # noqa: ANN001
-                features: KeyedJaggedTensor) -> torch.Tensor:
+    def forward(
+        ctx,
+        placeholder: torch.Tensor,
+        kernel: TorchFusedKernel,  # noqa: ANN001
+        features: KeyedJaggedTensor,
+    ) -> torch.Tensor:
         ctx.kernel, ctx.features = kernel, features
         return kernel.lookup(features)
 
@@ -177,7 +186,9 @@ class TorchFusedKernel(LookupKernel):
         self.lr = spec.learning_rate
         for i, t in enumerate(tables):
             dtype = DATA_TYPE_TO_DTYPE[t.config.data_type]
-            self.register_buffer(f"weight_{i}", torch.empty(t.rows, t.cols, dtype=dtype, device=device))
+            self.register_buffer(
+                f"weight_{i}", torch.empty(t.rows, t.cols, dtype=dtype, device=device)
+            )
             for name in spec.state_names:
                 shape = spec.state_shape(t.rows, t.cols)
                 self.register_buffer(f"{name}_{i}", torch.zeros(shape, device=device))
@@ -187,8 +198,10 @@ class TorchFusedKernel(LookupKernel):
         return [getattr(self, f"weight_{i}") for i in range(len(self.tables))]
 
     def optimizer_states(self) -> List[Dict[str, torch.Tensor]]:
-        return [{n: getattr(self, f"{n}_{i}") for n in self.spec.state_names}
-                for i in range(len(self.tables))]
+        return [
+            {n: getattr(self, f"{n}_{i}") for n in self.spec.state_names}
+            for i in range(len(self.tables))
+        ]
 
     def set_learning_rate(self, lr: float) -> None:
         self.lr = lr
@@ -211,7 +224,7 @@ class TorchFusedKernel(LookupKernel):
         ):
             ids = jt.values().long()
             if self.pooled:
-                grad = grad_output[:, columns:columns + dim]
+                grad = grad_output[:, columns : columns + dim]
                 columns += dim
                 lengths = jt.lengths()
                 if self.pooling == PoolingType.MEAN:
@@ -221,7 +234,7 @@ class TorchFusedKernel(LookupKernel):
                 if jt.weights_or_none() is not None:
                     rows_grad = rows_grad * jt.weights().unsqueeze(1)
             else:
-                rows_grad = grad_output[offsets[index]:offsets[index + 1]]
+                rows_grad = grad_output[offsets[index] : offsets[index + 1]]
             per_table_ids.setdefault(t_index, []).append(ids)
             per_table_grads.setdefault(t_index, []).append(rows_grad)
         states = self.optimizer_states()
@@ -232,10 +245,16 @@ class TorchFusedKernel(LookupKernel):
                 if ids.numel() == 0:
                     continue
                 unique, inverse = torch.unique(ids, return_inverse=True)
-                grad = torch.zeros(unique.numel(), self.tables[t_index].cols,
-                                   dtype=grad_output.dtype, device=grad_output.device)
+                grad = torch.zeros(
+                    unique.numel(),
+                    self.tables[t_index].cols,
+                    dtype=grad_output.dtype,
+                    device=grad_output.device,
+                )
                 grad.index_add_(0, inverse, torch.cat(per_table_grads[t_index]))
-                apply_row_update(self.spec, self.lr, weights[t_index], states[t_index], unique, grad)
+                apply_row_update(
+                    self.spec, self.lr, weights[t_index], states[t_index], unique, grad
+                )
 
 
 WeightsInUse = Callable[[List[torch.Tensor], List[torch.Tensor]], List[torch.Tensor]]
@@ -252,11 +271,14 @@ class DenseKernel(LookupKernel):
     def __init__(self, tables: List[LocalTable], pooled: bool, device: torch.device) -> None:
         super().__init__(tables, pooled)
         self.weights = nn.ParameterList(
-            nn.Parameter(torch.empty(t.rows, t.cols, dtype=DATA_TYPE_TO_DTYPE[t.config.data_type],
-                                     device=device))
+            nn.Parameter(
+                torch.empty(
+                    t.rows, t.cols, dtype=DATA_TYPE_TO_DTYPE[t.config.data_type], device=device
+                )
+            )
             for t in tables
         )
-        self.weights_in_use: Optional[WeightsInUse] = None
+        self.weights_in_use: WeightsInUse | None = None
         self._init_weights()
 
     def table_weights(self) -> List[torch.Tensor]:
@@ -278,9 +300,9 @@ def jagged_by_index(features: KeyedJaggedTensor) -> List[JaggedTensor]:
     offsets, lengths_offsets = features.offset_per_key(), features.lengths_offset_per_key()
     return [
         JaggedTensor(
-            values[offsets[i]:offsets[i + 1]],
-            None if weights is None else weights[offsets[i]:offsets[i + 1]],
-            lengths=lengths[lengths_offsets[i]:lengths_offsets[i + 1]],
+            values[offsets[i] : offsets[i + 1]],
+            None if weights is None else weights[offsets[i] : offsets[i + 1]],
+            lengths=lengths[lengths_offsets[i] : lengths_offsets[i + 1]],
         )
         for i in range(len(features.keys()))
     ]
@@ -297,11 +319,19 @@ def _plain_lookup(
         if not kernel.pooled:
             outputs.append(F.embedding(ids, weight))
             continue
-        psw: Optional[torch.Tensor] = jt.weights_or_none()
-        pooled = F.embedding_bag(
-            ids, weight, jt.offsets().long(), mode="sum", per_sample_weights=psw,
-            include_last_offset=True,
-        ) if weight.numel() else torch.zeros(jt.lengths().numel(), weight.size(1), dtype=weight.dtype)
+        psw: torch.Tensor | None = jt.weights_or_none()
+        pooled = (
+            F.embedding_bag(
+                ids,
+                weight,
+                jt.offsets().long(),
+                mode="sum",
+                per_sample_weights=psw,
+                include_last_offset=True,
+            )
+            if weight.numel()
+            else torch.zeros(jt.lengths().numel(), weight.size(1), dtype=weight.dtype)
+        )
         if kernel.pooling == PoolingType.MEAN:
             pooled = pooled / _mean_divisor(jt.lengths())
         outputs.append(pooled)

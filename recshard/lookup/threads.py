@@ -26,12 +26,12 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
-_pool: Optional[ThreadPoolExecutor] = None
+_pool: ThreadPoolExecutor | None = None
 _pool_key: Tuple[int, int] = (-1, 0)  # (pid, workers): a forked child builds its own pool
 
 
@@ -82,24 +82,35 @@ class _JoinOutputs(torch.autograd.Function):
     """Hands out the kernels' (detached) outputs; backward runs their graphs in parallel."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, outputs: List[torch.Tensor],  # noqa: ANN001
-                costs: Sequence[int], *detached: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    def forward(
+        ctx,
+        anchor: torch.Tensor,
+        outputs: List[torch.Tensor],  # noqa: ANN001
+        costs: Sequence[int],
+        *detached: torch.Tensor,
+    ) -> Tuple[torch.Tensor, ...]:
         ctx.outputs, ctx.costs = outputs, costs
         ctx.set_materialize_grads(False)  # an unused output's kernel gets no backward at all
         return tuple(out.view_as(out) for out in detached)
 
     @staticmethod
-    def backward(ctx, *grads: Optional[torch.Tensor]):  # noqa: ANN001, ANN205
+    def backward(ctx, *grads: torch.Tensor | None):  # noqa: ANN001, ANN205
         outputs, ctx.outputs = ctx.outputs, None
-        used = [i for i, (out, g) in enumerate(zip(outputs, grads))
-                if g is not None and out.grad_fn is not None]
-        _fan_out([(lambda out=outputs[i], g=grads[i]: torch.autograd.backward(out, g))
-                  for i in used], [ctx.costs[i] for i in used])
+        used = [
+            i
+            for i, (out, g) in enumerate(zip(outputs, grads))
+            if g is not None and out.grad_fn is not None
+        ]
+        _fan_out(
+            [(lambda out=outputs[i], g=grads[i]: torch.autograd.backward(out, g)) for i in used],
+            [ctx.costs[i] for i in used],
+        )
         return (None, None, None, *([None] * len(outputs)))
 
 
-def run_side_by_side(kernels: Sequence[nn.Module], inputs: Sequence[object],
-                     costs: Sequence[int]) -> List[torch.Tensor]:
+def run_side_by_side(
+    kernels: Sequence[nn.Module], inputs: Sequence[object], costs: Sequence[int]
+) -> List[torch.Tensor]:
     """`[k(x) for k, x in zip(kernels, inputs)]`, kernels on parallel threads, costliest first
     (`costs[i]`: the ids kernel i looks up; forward and backward both follow it).
 
@@ -113,9 +124,9 @@ def run_side_by_side(kernels: Sequence[nn.Module], inputs: Sequence[object],
         with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
             return kernel(features)
 
-    outputs: List[torch.Tensor] = _fan_out([
-        (lambda k=k, x=x: call(k, x)) for k, x in zip(kernels, inputs)
-    ], costs)
+    outputs: List[torch.Tensor] = _fan_out(
+        [(lambda k=k, x=x: call(k, x)) for k, x in zip(kernels, inputs)], costs
+    )
     if not any(out.requires_grad for out in outputs):
         return outputs
     anchor = torch.empty(0, requires_grad=True)  # gives the join a node in the outer graph

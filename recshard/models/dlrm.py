@@ -158,7 +158,9 @@ class DLRM(nn.Module):
         over_in = dim + choose(num_sparse, 2) + num_sparse
         self.over_arch = OverArch(over_in, over_arch_layer_sizes, dense_device)
 
-    def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+    def forward(
+        self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
+    ) -> torch.Tensor:
         embedded_dense = self.dense_arch(dense_features)
         embedded_sparse = self.sparse_arch(sparse_features)
         return self.over_arch(self.inter_arch(embedded_dense, embedded_sparse))
@@ -178,8 +180,13 @@ class DLRM_DCN(DLRM):  # noqa: N801 (TorchRec's name)
         dcn_low_rank_dim: int,
         dense_device: DeviceLike = None,
     ) -> None:
-        super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes,
-                         over_arch_layer_sizes, dense_device)
+        super().__init__(
+            embedding_bag_collection,
+            dense_in_features,
+            dense_arch_layer_sizes,
+            over_arch_layer_sizes,
+            dense_device,
+        )
         width = (self.sparse_arch.F + 1) * self.sparse_arch.D
         crossnet = LowRankCrossNet(width, dcn_num_layers, dcn_low_rank_dim, device=dense_device)
         self.inter_arch = InteractionDCNArch(self.sparse_arch.F, crossnet)
@@ -195,7 +202,9 @@ class DLRMTrain(nn.Module):
         self.model = dlrm_module
         self.loss_fn: nn.Module = nn.BCEWithLogitsLoss()
 
-    def forward(self, batch: Batch) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def forward(
+        self, batch: Batch
+    ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         logits = self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
         loss = self.loss_fn(logits, batch.labels.float())
         return loss, (loss.detach(), logits.detach(), batch.labels.detach())

@@ -21,8 +21,13 @@ class _InitializedList(nn.ParameterList):
     """Parameters of one shape and one initializer; `reset_parameters` lets
     `DistributedModelParallel` initialize them when it materializes the list off `meta`."""
 
-    def __init__(self, count: int, shape: Tuple[int, ...], init: Callable[[torch.Tensor], object],
-                 device: DeviceLike) -> None:
+    def __init__(
+        self,
+        count: int,
+        shape: Tuple[int, ...],
+        init: Callable[[torch.Tensor], object],
+        device: DeviceLike,
+    ) -> None:
         super().__init__(nn.Parameter(torch.empty(shape, device=device)) for _ in range(count))
         self._init = init
         self.reset_parameters()
@@ -38,15 +43,20 @@ class _InitializedList(nn.ParameterList):
 class LowRankCrossNet(nn.Module):
     """`num_layers` cross layers of rank `low_rank`: `[B, N]` -> `[B, N]`."""
 
-    def __init__(self, in_features: int, num_layers: int, low_rank: int = 1,
-                 device: DeviceLike = None) -> None:
+    def __init__(
+        self, in_features: int, num_layers: int, low_rank: int = 1, device: DeviceLike = None
+    ) -> None:
         super().__init__()
         if low_rank < 1:
             raise ValueError(f"LowRankCrossNet: low_rank must be >= 1, got {low_rank}")
         self._num_layers = num_layers
         self._low_rank = low_rank
-        self.W_kernels = _InitializedList(num_layers, (in_features, low_rank), nn.init.xavier_normal_, device)
-        self.V_kernels = _InitializedList(num_layers, (low_rank, in_features), nn.init.xavier_normal_, device)
+        self.W_kernels = _InitializedList(
+            num_layers, (in_features, low_rank), nn.init.xavier_normal_, device
+        )
+        self.V_kernels = _InitializedList(
+            num_layers, (low_rank, in_features), nn.init.xavier_normal_, device
+        )
         self.bias = _InitializedList(num_layers, (in_features,), nn.init.zeros_, device)
 
     def reset_parameters(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 import torch
 
@@ -51,9 +51,9 @@ class BaseEmbeddingConfig:
     name: str = ""
     data_type: DataType = DataType.FP32
     feature_names: List[str] = field(default_factory=list)
-    weight_init_max: Optional[float] = None
-    weight_init_min: Optional[float] = None
-    init_fn: Optional[Callable[[torch.Tensor], None]] = None
+    weight_init_max: float | None = None
+    weight_init_min: float | None = None
+    init_fn: Callable[[torch.Tensor], None] | None = None
     need_pos: bool = False
 
     def __post_init__(self) -> None:

@@ -7,7 +7,7 @@ before any collective, so a bad batch fails on its rank instead of hanging the o
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Set, Tuple
 
 import torch
 
@@ -63,7 +63,11 @@ def check_layout(kjt: KeyedJaggedTensor, owner: str) -> None:
         or sum(kjt.length_per_key()) != values.numel()
         or (weights is not None and weights.numel() != values.numel())
         or (lengths.numel() > 0 and bool(lengths.min() < 0))
-        or (offsets is not None and offsets.numel() > 0 and _offsets_leave_values(offsets, values.numel()))
+        or (
+            offsets is not None
+            and offsets.numel() > 0
+            and _offsets_leave_values(offsets, values.numel())
+        )
     ):
         try:
             validate_kjt(kjt)
@@ -145,7 +149,7 @@ def _key_of(kjt: KeyedJaggedTensor, position: int) -> int:
 
 def find_out_of_range(
     kjt: KeyedJaggedTensor, rows_per_key: List[int]
-) -> Optional[Tuple[int, int, int]]:
+) -> Tuple[int, int, int] | None:
     """First id outside [0, rows) of its key: (key index, id, count of bad ids), or None."""
     if kjt.values().numel() == 0 or not keys_with_bad_ids(kjt, rows_per_key):
         return None
@@ -177,8 +181,12 @@ def check_ids(
         )
 
 
-def check_ids_per_key(kjt: KeyedJaggedTensor, rows_per_key: torch.Tensor,
-                      feature_to_table: Dict[str, Tuple[str, int]], owner: str) -> None:
+def check_ids_per_key(
+    kjt: KeyedJaggedTensor,
+    rows_per_key: torch.Tensor,
+    feature_to_table: Dict[str, Tuple[str, int]],
+    owner: str,
+) -> None:
     """Every id of key k in [0, rows_per_key[k]) (`[keys]`, the KJT's key order): one min and
     one fbgemm bounds check over all keys, no Python per key; when they refuse the batch,
     `check_ids` names table, feature and id. Skipped where the data cannot be read."""
@@ -193,15 +201,21 @@ def check_ids_per_key(kjt: KeyedJaggedTensor, rows_per_key: torch.Tensor,
         raise
 
 
-def check_rows_per_key(ids: torch.Tensor, key_offsets: torch.Tensor, rows_per_key: torch.Tensor) -> None:
+def check_rows_per_key(
+    ids: torch.Tensor, key_offsets: torch.Tensor, rows_per_key: torch.Tensor
+) -> None:
     """RuntimeError unless every id of key k (ids `[key_offsets[k], key_offsets[k+1])`) is in
     [0, rows_per_key[k]): one min (fbgemm's check lets -1 through, its "pruned row" mark)
     and fbgemm's bounds check, what its TBE runs before a lookup."""
     if ids.numel() and bool(ids.min() < 0):
         raise RuntimeError(f"negative id {int(ids.min())}")
     torch.ops.fbgemm.bounds_check_indices(
-        rows_per_key.to(torch.int64), ids, key_offsets.to(ids.dtype), 0,
-        torch.zeros(1, dtype=torch.int64, device=ids.device))
+        rows_per_key.to(torch.int64),
+        ids,
+        key_offsets.to(ids.dtype),
+        0,
+        torch.zeros(1, dtype=torch.int64, device=ids.device),
+    )
 
 
 class InputKeyOrder:
@@ -213,22 +227,27 @@ class InputKeyOrder:
         self._feature_names = feature_names
         self._order = order
         self._owner = owner
-        self._permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
+        self._permutations: Dict[Tuple[str, ...], List[int] | None] = {}
 
-    def permutation(self, kjt: KeyedJaggedTensor) -> Optional[List[int]]:
+    def permutation(self, kjt: KeyedJaggedTensor) -> List[int] | None:
         """Indices that put `kjt`'s keys in the module's order (None when they are)."""
         keys = tuple(kjt.keys())
         if keys not in self._permutations:
             check_features(kjt, self._feature_names, self._owner)
             index = {k: i for i, k in enumerate(keys)}
             permutation = [index[f] for f in self._order]
-            self._permutations[keys] = None if permutation == list(range(len(keys))) else permutation
+            self._permutations[keys] = (
+                None if permutation == list(range(len(keys))) else permutation
+            )
         return self._permutations[keys]
 
 
 def check_input(
-    kjt: KeyedJaggedTensor, feature_names: List[str],
-    feature_to_table: Dict[str, Tuple[str, int]], is_weighted: bool, owner: str,
+    kjt: KeyedJaggedTensor,
+    feature_names: List[str],
+    feature_to_table: Dict[str, Tuple[str, int]],
+    is_weighted: bool,
+    owner: str,
 ) -> None:
     """Every check of an unsharded collection's input (float or quantized), in order: keys,
     dtypes and weights, layout, ids in range, finite weights."""
@@ -239,7 +258,7 @@ def check_input(
     check_weights(kjt, feature_to_table, owner)
 
 
-def nonfinite_weight_mask(kjt: KeyedJaggedTensor) -> Optional[torch.Tensor]:
+def nonfinite_weight_mask(kjt: KeyedJaggedTensor) -> torch.Tensor | None:
     """`[N]` True where a per-id weight is NaN or infinite; None when all are finite (one
     reduction on the good path)."""
     weights = kjt.weights_or_none()
@@ -261,8 +280,12 @@ def check_weights(
         raise _weight_error(kjt, bad, feature_to_table, owner)
 
 
-def _weight_error(kjt: KeyedJaggedTensor, bad: torch.Tensor,
-                  feature_to_table: Dict[str, Tuple[str, int]], owner: str) -> ValueError:
+def _weight_error(
+    kjt: KeyedJaggedTensor,
+    bad: torch.Tensor,
+    feature_to_table: Dict[str, Tuple[str, int]],
+    owner: str,
+) -> ValueError:
     position = int(torch.nonzero(bad)[0])
     key_index = _key_of(kjt, position)
     feature = kjt.keys()[key_index]
@@ -294,8 +317,10 @@ def bounds_check(
     if kjt.values().numel() == 0 or all(m == BoundsCheckMode.NONE for m in key_modes):
         return kjt
     unchecked = torch.iinfo(torch.int64).max
-    rows = [feature_to_table[k][1] if m != BoundsCheckMode.NONE else unchecked
-            for k, m in zip(keys, key_modes)]
+    rows = [
+        feature_to_table[k][1] if m != BoundsCheckMode.NONE else unchecked
+        for k, m in zip(keys, key_modes)
+    ]
     bad_weight = nonfinite_weight_mask(kjt)
     if not keys_with_bad_ids(kjt, rows) and bad_weight is None:
         return kjt
@@ -321,31 +346,50 @@ def bounds_check(
     if bad_weight is not None and bool((bad_weight & fatal).any()):
         raise _weight_error(kjt, bad_weight & fatal, feature_to_table, owner)
     bad = bad_id if bad_weight is None else bad_id | bad_weight
-    for kind, mask in (("ids outside [0, num_embeddings)", bad_id),
-                       ("non-finite per-id weights", bad_weight)):
+    for kind, mask in (
+        ("ids outside [0, num_embeddings)", bad_id),
+        ("non-finite per-id weights", bad_weight),
+    ):
         if mask is None:
             continue
         for key_index, segment in enumerate(torch.split(mask, kjt.length_per_key())):
             table = tables[key_index]
-            if modes.get(table) == BoundsCheckMode.WARNING and (table, kind) not in warned \
-                    and bool(segment.any()):
+            if (
+                modes.get(table) == BoundsCheckMode.WARNING
+                and (table, kind) not in warned
+                and bool(segment.any())
+            ):
                 warned.add((table, kind))
-                logger.warning("%s: table '%s' (num_embeddings=%d) got %s; dropping them "
-                               "(bounds_check_mode=WARNING, %d in this batch; logged once)",
-                               owner, table, feature_to_table[keys[key_index]][1], kind,
-                               int(mask.sum()))
+                logger.warning(
+                    "%s: table '%s' (num_embeddings=%d) got %s; dropping them "
+                    "(bounds_check_mode=WARNING, %d in this batch; logged once)",
+                    owner,
+                    table,
+                    feature_to_table[keys[key_index]][1],
+                    kind,
+                    int(mask.sum()),
+                )
     return _drop(kjt, bad)
 
 
 def _drop(kjt: KeyedJaggedTensor, bad: torch.Tensor) -> KeyedJaggedTensor:
     lengths = kjt.lengths()
-    bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths.long())
-    removed = torch.zeros_like(lengths).index_add_(0, bag[bad], torch.ones_like(bag[bad], dtype=lengths.dtype))
+    bag = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=lengths.device), lengths.long()
+    )
+    removed = torch.zeros_like(lengths).index_add_(
+        0, bag[bad], torch.ones_like(bag[bad], dtype=lengths.dtype)
+    )
     keep = ~bad
     weights = kjt.weights_or_none()
     return KeyedJaggedTensor(
-        kjt.keys(), kjt.values()[keep], None if weights is None else weights[keep],
-        lengths=lengths - removed, stride=None if kjt.variable_stride_per_key() else kjt.stride(),
-        stride_per_key_per_rank=kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None,
+        kjt.keys(),
+        kjt.values()[keep],
+        None if weights is None else weights[keep],
+        lengths=lengths - removed,
+        stride=None if kjt.variable_stride_per_key() else kjt.stride(),
+        stride_per_key_per_rank=kjt.stride_per_key_per_rank()
+        if kjt.variable_stride_per_key()
+        else None,
         validate=False,
     )

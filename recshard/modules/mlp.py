@@ -7,14 +7,14 @@ of a model built from these blocks loads as is.
 
 from __future__ import annotations
 
-from typing import Callable, List, Union
+from typing import Callable, List
 
 import torch
 from torch import nn
 
 from recshard.modules.embedding_modules import DeviceLike
 
-Activation = Union[str, nn.Module, Callable[[torch.Tensor], torch.Tensor]]
+Activation = str | nn.Module | Callable[[torch.Tensor], torch.Tensor]
 
 _NAMED_ACTIVATIONS = {"relu": torch.relu, "sigmoid": torch.sigmoid}
 
@@ -27,7 +27,7 @@ class Perceptron(nn.Module):
         in_size: int,
         out_size: int,
         bias: bool = True,
-        activation: Union[nn.Module, Callable[[torch.Tensor], torch.Tensor]] = torch.relu,
+        activation: nn.Module | Callable[[torch.Tensor], torch.Tensor] = torch.relu,
         device: DeviceLike = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -41,7 +41,7 @@ class Perceptron(nn.Module):
         return self._activation_fn(self._linear(input))
 
 
-def _resolve(activation: Activation) -> Union[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+def _resolve(activation: Activation) -> nn.Module | Callable[[torch.Tensor], torch.Tensor]:
     if not isinstance(activation, str):
         return activation
     if activation not in _NAMED_ACTIVATIONS:
@@ -69,14 +69,21 @@ class MLP(nn.Module):
         super().__init__()
         resolved = _resolve(activation)
         sizes = [in_size, *layer_sizes]
-        self._mlp = nn.Sequential(*[
-            Perceptron(
-                sizes[i], sizes[i + 1], bias=bias,
-                activation=resolved if activation_on_last or i < len(layer_sizes) - 1 else nn.Identity(),
-                device=device, dtype=dtype,
-            )
-            for i in range(len(layer_sizes))
-        ])
+        self._mlp = nn.Sequential(
+            *[
+                Perceptron(
+                    sizes[i],
+                    sizes[i + 1],
+                    bias=bias,
+                    activation=resolved
+                    if activation_on_last or i < len(layer_sizes) - 1
+                    else nn.Identity(),
+                    device=device,
+                    dtype=dtype,
+                )
+                for i in range(len(layer_sizes))
+            ]
+        )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self._mlp(input)

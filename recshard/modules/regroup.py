@@ -12,7 +12,7 @@ layout changes between batches regroup correctly and `clear_cache()` has nothing
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 from torch import nn
@@ -25,8 +25,13 @@ class KTRegroupAsDict(nn.Module):
     """`groups[i]`: the input keys of output `keys[i]`. `multi_device` is accepted for
     TorchRec's signature (the gather index follows the values' device anyway)."""
 
-    def __init__(self, groups: List[List[str]], keys: List[str],
-                 emb_dtype: Optional[DataType] = None, multi_device: bool = False) -> None:
+    def __init__(
+        self,
+        groups: List[List[str]],
+        keys: List[str],
+        emb_dtype: DataType | None = None,
+        multi_device: bool = False,
+    ) -> None:
         super().__init__()
         if len(groups) != len(keys):
             raise ValueError(f"KTRegroupAsDict: {len(groups)} groups but {len(keys)} keys ({keys})")
@@ -34,8 +39,10 @@ class KTRegroupAsDict(nn.Module):
         if repeated:
             raise ValueError(f"KTRegroupAsDict: output keys {repeated} appear more than once")
         if emb_dtype is not None and emb_dtype not in DATA_TYPE_TO_DTYPE:
-            raise ValueError(f"KTRegroupAsDict: emb_dtype {emb_dtype} is not one of "
-                             f"{[d.value for d in DATA_TYPE_TO_DTYPE]}")
+            raise ValueError(
+                f"KTRegroupAsDict: emb_dtype {emb_dtype} is not one of "
+                f"{[d.value for d in DATA_TYPE_TO_DTYPE]}"
+            )
         self._groups = [list(g) for g in groups]
         self._keys = list(keys)
         self._dtype = None if emb_dtype is None else DATA_TYPE_TO_DTYPE[emb_dtype]
@@ -60,8 +67,12 @@ def _check_inputs(keyed_tensors: List[KeyedTensor]) -> None:
     first = keyed_tensors[0]
     for index, kt in enumerate(keyed_tensors):
         if kt.key_dim() != first.key_dim():
-            raise ValueError(f"KTRegroupAsDict: KeyedTensor {index} (keys {kt.keys()}) has key dim "
-                             f"{kt.key_dim()}, KeyedTensor 0 has {first.key_dim()}")
+            raise ValueError(
+                f"KTRegroupAsDict: KeyedTensor {index} (keys {kt.keys()}) has key dim "
+                f"{kt.key_dim()}, KeyedTensor 0 has {first.key_dim()}"
+            )
         if kt.device() != first.device():
-            raise ValueError(f"KTRegroupAsDict: KeyedTensor {index} (keys {kt.keys()}) is on "
-                             f"{kt.device()}, KeyedTensor 0 on {first.device()}")
+            raise ValueError(
+                f"KTRegroupAsDict: KeyedTensor {index} (keys {kt.keys()}) is on "
+                f"{kt.device()}, KeyedTensor 0 on {first.device()}"
+            )

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,7 @@ from torch.autograd.function import FunctionCtx
 
 from recshard.sparse import jagged_ops
 
-DeviceLike = Union[str, torch.device, None]
+DeviceLike = str | torch.device | None
 FBGEMM_SUM = 0  # fbgemm's PoolingMode.SUM (MEAN tables are pooled as SUM, then divided)
 
 # a table module's Parameter read from its parameter dict: `module.weight` would run
@@ -59,7 +59,9 @@ class KernelLayout:
     total_rows: int
 
     @staticmethod
-    def build(rows: Sequence[int], dims: Sequence[int], features_per_table: Sequence[int]) -> KernelLayout:
+    def build(
+        rows: Sequence[int], dims: Sequence[int], features_per_table: Sequence[int]
+    ) -> KernelLayout:
         first_row = [0]
         first_element = [0]
         for r, d in zip(rows, dims):
@@ -71,17 +73,20 @@ class KernelLayout:
         for d in feature_dims:
             dim_offsets.append(dim_offsets[-1] + d)
         return KernelLayout(
-            weights_offsets=torch.tensor([first_element[t] for t in per_feature], dtype=torch.int64),
+            weights_offsets=torch.tensor(
+                [first_element[t] for t in per_feature], dtype=torch.int64
+            ),
             dim_offsets=torch.tensor(dim_offsets, dtype=torch.int32),
-            hash_size_cumsum=torch.tensor([first_row[t] for t in per_feature] + [first_row[-1]],
-                                          dtype=torch.int64),
+            hash_size_cumsum=torch.tensor(
+                [first_row[t] for t in per_feature] + [first_row[-1]], dtype=torch.int64
+            ),
             total_dim=dim_offsets[-1],
             max_dim=max(dims),
             total_rows=first_row[-1],
         )
 
 
-def fbgemm_kernels_apply(flat: Optional[torch.Tensor]) -> bool:
+def fbgemm_kernels_apply(flat: torch.Tensor | None) -> bool:
     """fbgemm's CPU kernels serve this call: float32 storage on CPU, fbgemm importable, eager
     mode (export / compile trace the per-table path, whose kernels they know)."""
     return (
@@ -106,12 +111,15 @@ class GroupStorage:
         self._groups = [tuple(g) for g in groups]
         order = [t for g in self._groups for t in g]
         # a tuple even for one table (itemgetter of one index returns the item itself)
-        self._order = itemgetter(*order) if len(order) > 1 else itemgetter(slice(order[0], order[0] + 1))
-        self._flats: List[Optional[torch.Tensor]] = []
+        self._order = (
+            itemgetter(*order) if len(order) > 1 else itemgetter(slice(order[0], order[0] + 1))
+        )
+        self._flats: List[torch.Tensor | None] = []
         self._pointers: Tuple[int, ...] = ()
 
-    def allocate(self, shapes: Sequence[Tuple[int, int]], dtypes: Sequence[torch.dtype],
-                 device: DeviceLike) -> List[torch.Tensor]:
+    def allocate(
+        self, shapes: Sequence[Tuple[int, int]], dtypes: Sequence[torch.dtype], device: DeviceLike
+    ) -> List[torch.Tensor]:
         """Fresh uninitialized tables `[rows, D]` (collection order), each a view of its
         group's flat tensor: one allocation per group."""
         tables: List[torch.Tensor] = [torch.empty(0)] * len(shapes)
@@ -126,7 +134,9 @@ class GroupStorage:
         """`params` (collection order) in lookup order."""
         return self._order(tuple(params))
 
-    def current(self, tables: nn.ModuleDict) -> Tuple[Tuple[nn.Parameter, ...], List[Optional[torch.Tensor]]]:
+    def current(
+        self, tables: nn.ModuleDict
+    ) -> Tuple[Tuple[nn.Parameter, ...], List[torch.Tensor | None]]:
         """The tables' Parameters in lookup order and each group's flat tensor; C calls only
         (no Python frame per table)."""
         ordered = self._order(table_weights(tables))
@@ -153,15 +163,18 @@ class GroupStorage:
         self._pointers = tuple(map(torch.Tensor.data_ptr, self._order(tuple(params))))
 
 
-def _flat_of(members: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+def _flat_of(members: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The flat 1-D tensor `members` already tile back to back (one storage, contiguous,
     adjacent), or None."""
     first = members[0]
     storage = first.untyped_storage()
     at = first.storage_offset()
     for p in members:
-        if not p.is_contiguous() or p.untyped_storage().data_ptr() != storage.data_ptr() \
-                or p.storage_offset() != at:
+        if (
+            not p.is_contiguous()
+            or p.untyped_storage().data_ptr() != storage.data_ptr()
+            or p.storage_offset() != at
+        ):
             return None
         at += p.numel()
     total = at - first.storage_offset()
@@ -187,39 +200,74 @@ class GroupedPooledLookup(torch.autograd.Function):
     Parameters (views of `flat`, listed so autograd hands each its gradient)."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, layout: KernelLayout, flat: torch.Tensor, ids: torch.Tensor,
-                offsets: torch.Tensor, per_id_weights: Optional[torch.Tensor],
-                *weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: FunctionCtx,
+        layout: KernelLayout,
+        flat: torch.Tensor,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        per_id_weights: torch.Tensor | None,
+        *weights: torch.Tensor,
+    ) -> torch.Tensor:
         ctx.layout, ctx.shapes = layout, weights
         offsets = offsets.to(ids.dtype)  # the backward kernel takes one index type
         ctx.save_for_backward(flat, ids, offsets, per_id_weights)
         return torch.ops.fbgemm.split_embedding_codegen_forward_cpu(
-            flat, layout.weights_offsets, layout.dim_offsets, layout.total_dim,
-            layout.hash_size_cumsum, ids, offsets, FBGEMM_SUM, per_id_weights, 0)
+            flat,
+            layout.weights_offsets,
+            layout.dim_offsets,
+            layout.total_dim,
+            layout.hash_size_cumsum,
+            ids,
+            offsets,
+            FBGEMM_SUM,
+            per_id_weights,
+            0,
+        )
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> Tuple[torch.Tensor | None, ...]:
         flat, ids, offsets, per_id_weights = ctx.saved_tensors
         layout: KernelLayout = ctx.layout
         grad = grad.contiguous()
         grad_per_id_weights = None
         if ctx.needs_input_grad[4]:
             grad_per_id_weights = torch.ops.fbgemm.split_embedding_codegen_grad_indice_weights_cpu(
-                grad, flat, layout.weights_offsets, layout.dim_offsets, ids, offsets,
-                torch.ones(layout.weights_offsets.numel(), dtype=torch.int32))
-        table_grads: Sequence[Optional[torch.Tensor]] = (None,) * len(ctx.shapes)
+                grad,
+                flat,
+                layout.weights_offsets,
+                layout.dim_offsets,
+                ids,
+                offsets,
+                torch.ones(layout.weights_offsets.numel(), dtype=torch.int32),
+            )
+        table_grads: Sequence[torch.Tensor | None] = (None,) * len(ctx.shapes)
         if any(ctx.needs_input_grad[5:]):
             flat_grad = torch.ops.fbgemm.split_embedding_backward_codegen_dense_cpu(
-                grad, flat, layout.weights_offsets, layout.dim_offsets, layout.max_dim,
-                layout.hash_size_cumsum, max(layout.total_rows, 1).bit_length(), ids, offsets,
-                FBGEMM_SUM, per_id_weights)
+                grad,
+                flat,
+                layout.weights_offsets,
+                layout.dim_offsets,
+                layout.max_dim,
+                layout.hash_size_cumsum,
+                max(layout.total_rows, 1).bit_length(),
+                ids,
+                offsets,
+                FBGEMM_SUM,
+                per_id_weights,
+            )
             table_grads = _table_grads(flat_grad, ctx.shapes)
         return (None, None, None, None, grad_per_id_weights, *table_grads)
 
 
-def grouped_pooled_lookup(layout: KernelLayout, flat: torch.Tensor, weights: Sequence[nn.Parameter],
-                          ids: torch.Tensor, offsets: torch.Tensor,
-                          per_id_weights: Optional[torch.Tensor]) -> torch.Tensor:
+def grouped_pooled_lookup(
+    layout: KernelLayout,
+    flat: torch.Tensor,
+    weights: Sequence[nn.Parameter],
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    per_id_weights: torch.Tensor | None,
+) -> torch.Tensor:
     """Sum-pooled lookup of a group's features (see `GroupedPooledLookup`)."""
     return GroupedPooledLookup.apply(layout, flat, ids, offsets, per_id_weights, *weights)
 
@@ -230,8 +278,13 @@ class GroupedSequenceLookup(torch.autograd.Function):
     gather checks them against R). Backward: fbgemm's dense kernel, one call."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, layout: KernelLayout, flat: torch.Tensor, flat_rows: torch.Tensor,
-                *weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: FunctionCtx,
+        layout: KernelLayout,
+        flat: torch.Tensor,
+        flat_rows: torch.Tensor,
+        *weights: torch.Tensor,
+    ) -> torch.Tensor:
         bags = torch.arange(flat_rows.numel() + 1, dtype=flat_rows.dtype, device=flat_rows.device)
         ctx.layout, ctx.shapes = layout, weights
         ctx.save_for_backward(flat, flat_rows, bags)
@@ -239,20 +292,33 @@ class GroupedSequenceLookup(torch.autograd.Function):
         return F.embedding(flat_rows, flat.view(-1, layout.max_dim))
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> Tuple[torch.Tensor | None, ...]:
         flat, flat_rows, bags = ctx.saved_tensors
         layout: KernelLayout = ctx.layout
-        table_grads: Sequence[Optional[torch.Tensor]] = (None,) * len(ctx.shapes)
+        table_grads: Sequence[torch.Tensor | None] = (None,) * len(ctx.shapes)
         if any(ctx.needs_input_grad[3:]):
             flat_grad = torch.ops.fbgemm.split_embedding_backward_codegen_dense_cpu(
-                grad.contiguous(), flat, layout.weights_offsets, layout.dim_offsets, layout.max_dim,
-                layout.hash_size_cumsum, max(layout.total_rows, 1).bit_length(), flat_rows, bags,
-                FBGEMM_SUM, None)
+                grad.contiguous(),
+                flat,
+                layout.weights_offsets,
+                layout.dim_offsets,
+                layout.max_dim,
+                layout.hash_size_cumsum,
+                max(layout.total_rows, 1).bit_length(),
+                flat_rows,
+                bags,
+                FBGEMM_SUM,
+                None,
+            )
             table_grads = _table_grads(flat_grad, ctx.shapes)
         return (None, None, None, *table_grads)
 
 
-def grouped_sequence_lookup(layout: KernelLayout, flat: torch.Tensor,
-                            weights: Sequence[nn.Parameter], flat_rows: torch.Tensor) -> torch.Tensor:
+def grouped_sequence_lookup(
+    layout: KernelLayout,
+    flat: torch.Tensor,
+    weights: Sequence[nn.Parameter],
+    flat_rows: torch.Tensor,
+) -> torch.Tensor:
     """Sequence lookup of a group's ids (see `GroupedSequenceLookup`)."""
     return GroupedSequenceLookup.apply(layout, flat, flat_rows, *weights)

@@ -18,7 +18,7 @@ fused update is the torch optimizer's step, or the table is not sharded at all.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
+from typing import Any, Dict, Iterable, List, Tuple, Type
 
 import torch
 from torch.distributed.optim import _apply_optimizer_in_backward
@@ -31,12 +31,21 @@ from recshard.optim.rowwise_adagrad import RowWiseAdagrad
 # values): recshard.optim stays off the embedding stack (pyproject's import contracts).
 _OFF = {"weight_decay": 0.0, "maximize": False}
 _FUSED: Dict[Type[Optimizer], Tuple[str, Tuple[str, ...], Dict[str, Any]]] = {
-    torch.optim.SGD: ("exact_sgd", ("lr",),
-                      {**_OFF, "momentum": 0.0, "dampening": 0.0, "nesterov": False}),
-    torch.optim.Adagrad: ("exact_adagrad", ("lr", "eps"),
-                          {**_OFF, "lr_decay": 0.0, "initial_accumulator_value": 0.0}),
-    RowWiseAdagrad: ("exact_row_wise_adagrad", ("lr", "eps"),
-                     {**_OFF, "lr_decay": 0.0, "initial_accumulator_value": 0.0}),
+    torch.optim.SGD: (
+        "exact_sgd",
+        ("lr",),
+        {**_OFF, "momentum": 0.0, "dampening": 0.0, "nesterov": False},
+    ),
+    torch.optim.Adagrad: (
+        "exact_adagrad",
+        ("lr", "eps"),
+        {**_OFF, "lr_decay": 0.0, "initial_accumulator_value": 0.0},
+    ),
+    RowWiseAdagrad: (
+        "exact_row_wise_adagrad",
+        ("lr", "eps"),
+        {**_OFF, "lr_decay": 0.0, "initial_accumulator_value": 0.0},
+    ),
     torch.optim.Adam: ("adam", ("lr", "eps", "betas"), {**_OFF, "amsgrad": False}),
 }
 
@@ -50,7 +59,9 @@ def apply_optimizer_in_backward(
     _apply_optimizer_in_backward(optimizer_class, params, optimizer_kwargs)
 
 
-def attached_optimizers(weight: Optional[torch.Tensor]) -> List[Tuple[Type[Optimizer], Dict[str, Any]]]:
+def attached_optimizers(
+    weight: torch.Tensor | None,
+) -> List[Tuple[Type[Optimizer], Dict[str, Any]]]:
     """The (class, kwargs) of every optimizer attached to `weight`, in attach order (the
     attributes torch's `_apply_optimizer_in_backward` sets; none for a plain tensor)."""
     classes = getattr(weight, "_optimizer_classes", [])
@@ -59,12 +70,15 @@ def attached_optimizers(weight: Optional[torch.Tensor]) -> List[Tuple[Type[Optim
 
 
 def _class_defaults(optimizer_class: Type[Optimizer]) -> Dict[str, Any]:
-    return {name: p.default for name, p in inspect.signature(optimizer_class.__init__).parameters.items()
-            if p.default is not inspect.Parameter.empty}
+    return {
+        name: p.default
+        for name, p in inspect.signature(optimizer_class.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
 
 
 def fused_params_for(
-    weight: Optional[torch.Tensor], fused_params: Optional[Dict[str, Any]], table: str
+    weight: torch.Tensor | None, fused_params: Dict[str, Any] | None, table: str
 ) -> Dict[str, Any]:
     """The fused params of `table`: the sharder's, overridden by the optimizer attached to
     its unsharded `weight` (if any)."""
@@ -73,20 +87,25 @@ def fused_params_for(
     if not attached:
         return merged
     if len(attached) != 1:
-        raise ValueError(f"table '{table}': {len(attached)} optimizers are attached to its weight "
-                         f"({[c.__name__ for c, _ in attached]}); a fused table runs exactly one")
+        raise ValueError(
+            f"table '{table}': {len(attached)} optimizers are attached to its weight "
+            f"({[c.__name__ for c, _ in attached]}); a fused table runs exactly one"
+        )
     optimizer_class, given = attached[0]
     if optimizer_class not in _FUSED:
         raise ValueError(
             f"table '{table}': optimizer {optimizer_class.__module__}.{optimizer_class.__name__} "
             f"has no fused kernel; supported: {', '.join(c.__name__ for c in _FUSED)} (or use "
-            "compute_kernel='dense' and any torch optimizer)")
+            "compute_kernel='dense' and any torch optimizer)"
+        )
     optim, carried, off = _FUSED[optimizer_class]
     settings = {**_class_defaults(optimizer_class), **given}
     for name, value in off.items():
         if name in settings and settings[name] != value:
-            raise ValueError(f"table '{table}': {optimizer_class.__name__} {name}={settings[name]!r} "
-                             f"is not run by the fused kernel (only {name}={value!r})")
+            raise ValueError(
+                f"table '{table}': {optimizer_class.__name__} {name}={settings[name]!r} "
+                f"is not run by the fused kernel (only {name}={value!r})"
+            )
     merged["optimizer"] = optim
     merged["learning_rate"] = float(settings["lr"])
     if "eps" in carried:

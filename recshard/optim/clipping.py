@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from enum import Enum, unique
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from recshard.optim.keyed import KeyedOptimizer, OptimizerWrapper
 
 logger = logging.getLogger(__name__)
 
-ProcessGroups = Tuple[Optional[dist.ProcessGroup], ...]  # None: the default group
+ProcessGroups = Tuple[dist.ProcessGroup | None, ...]  # None: the default group
 
 
 @unique
@@ -43,7 +43,7 @@ class GradientClipping(Enum):
 class ShardedAcross:
     """On a parameter: each rank of `pg` (None: the default group) holds a different piece."""
 
-    pg: Optional[dist.ProcessGroup]
+    pg: dist.ProcessGroup | None
 
     def __reduce__(self) -> Tuple[Any, Tuple[()]]:
         return _no_mark, ()  # a process group does not travel: a pickled param comes back unmarked
@@ -53,12 +53,12 @@ def _no_mark() -> None:
     return None
 
 
-def mark_sharded(param: torch.Tensor, pg: Optional[dist.ProcessGroup]) -> None:
+def mark_sharded(param: torch.Tensor, pg: dist.ProcessGroup | None) -> None:
     """Record that `param` is this rank's piece of a tensor cut across the ranks of `pg`."""
     param.sharded_across = ShardedAcross(pg)  # type: ignore[attr-defined]
 
 
-def sharded_across(param: torch.Tensor) -> Optional[ShardedAcross]:
+def sharded_across(param: torch.Tensor) -> ShardedAcross | None:
     """The mark `mark_sharded` left on `param`, None for a replicated (or local) one."""
     return getattr(param, "sharded_across", None)
 
@@ -73,24 +73,28 @@ class GradientClippingOptimizer(OptimizerWrapper):
         optimizer: KeyedOptimizer,
         clipping: GradientClipping = GradientClipping.NONE,
         max_gradient: float = 0.1,
-        norm_type: Union[float, str] = 2.0,
+        norm_type: float | str = 2.0,
         enable_global_grad_clip: bool = False,
-        param_to_pgs: Optional[Dict[torch.nn.Parameter, List[dist.ProcessGroup]]] = None,
+        param_to_pgs: Dict[torch.nn.Parameter, List[dist.ProcessGroup]] | None = None,
         track_grad_norm: bool = False,
     ) -> None:
         super().__init__(optimizer)
         if not isinstance(clipping, GradientClipping):
-            raise ValueError(f"GradientClippingOptimizer: clipping {clipping!r} is not a GradientClipping")
+            raise ValueError(
+                f"GradientClippingOptimizer: clipping {clipping!r} is not a GradientClipping"
+            )
         norm = float(norm_type)
         if not norm > 0:
-            raise ValueError(f"GradientClippingOptimizer: norm_type={norm_type!r} must be > 0 or 'inf'")
+            raise ValueError(
+                f"GradientClippingOptimizer: norm_type={norm_type!r} must be > 0 or 'inf'"
+            )
         if clipping != GradientClipping.NONE and not max_gradient >= 0:
             raise ValueError(f"GradientClippingOptimizer: max_gradient={max_gradient} must be >= 0")
         self._clipping = clipping
         self._max_gradient = max_gradient
         self._norm_type = norm
         self._track_grad_norm = track_grad_norm
-        self._last_total_grad_norm: Optional[torch.Tensor] = None
+        self._last_total_grad_norm: torch.Tensor | None = None
         self._replicated: List[torch.Tensor] = []
         self._sharded: Dict[ProcessGroups, List[torch.Tensor]] = {}
         given = param_to_pgs if enable_global_grad_clip and param_to_pgs else {}
@@ -103,11 +107,14 @@ class GradientClippingOptimizer(OptimizerWrapper):
                     self._sharded.setdefault((mark.pg,), []).append(param)
                 else:
                     self._replicated.append(param)
-        logger.info("gradient clipping over %d sharded and %d replicated params",
-                    sum(len(p) for p in self._sharded.values()), len(self._replicated))
+        logger.info(
+            "gradient clipping over %d sharded and %d replicated params",
+            sum(len(p) for p in self._sharded.values()),
+            len(self._replicated),
+        )
 
     @property
-    def last_total_grad_norm(self) -> Optional[torch.Tensor]:
+    def last_total_grad_norm(self) -> torch.Tensor | None:
         """The total gradient norm of the latest step (None before, or when not computed)."""
         return self._last_total_grad_norm
 
@@ -148,7 +155,7 @@ class GradientClippingOptimizer(OptimizerWrapper):
             grads += sharded
         return (total if inf else total.pow(1.0 / self._norm_type)), grads
 
-    def clip_grad_norm_(self) -> Optional[torch.Tensor]:
+    def clip_grad_norm_(self) -> torch.Tensor | None:
         """Scale every gradient by `max_gradient / (total norm + 1e-6)`, capped at 1; returns
         the total norm (None when no parameter has a gradient)."""
         total, grads = self.compute_total_grad_norm()

@@ -11,7 +11,7 @@ rank's part and loads it into any world size; `load_state_dict` copies into the 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Set
+from typing import Any, Callable, Dict, List, Mapping, Set
 
 import torch
 
@@ -24,19 +24,27 @@ class FusedOptimizer(KeyedOptimizer):
     """`kernels`: fused lookup kernels; `param_names[i]` lists FQNs of kernel i's tables;
     `sharded_state()`: `{table fqn: {state name: ShardedTensor}}` over the live state."""
 
-    def __init__(self, kernels: List[Any], param_names: List[List[str]],
-                 sharded_state: ShardedState) -> None:
+    def __init__(
+        self, kernels: List[Any], param_names: List[List[str]], sharded_state: ShardedState
+    ) -> None:
         params: Dict[str, torch.Tensor] = {}
         state: Dict[torch.Tensor, Dict[str, Any]] = {}
         groups: List[Dict[str, Any]] = []
         for kernel, names in zip(kernels, param_names):
             tensors = []
-            for name, weight, states in zip(names, kernel.table_weights(), kernel.optimizer_states()):
+            for name, weight, states in zip(
+                names, kernel.table_weights(), kernel.optimizer_states()
+            ):
                 params[name] = weight
                 state[weight] = dict(states)
                 tensors.append(weight)
-            groups.append({"params": tensors, "lr": kernel.spec.learning_rate,
-                           "optimizer": kernel.spec.optim.value})
+            groups.append(
+                {
+                    "params": tensors,
+                    "lr": kernel.spec.learning_rate,
+                    "optimizer": kernel.spec.optim.value,
+                }
+            )
         self._kernels = kernels
         self._sharded_state = sharded_state
         super().__init__(params, state, groups)
@@ -54,7 +62,9 @@ class FusedOptimizer(KeyedOptimizer):
                 raise ValueError(f"optimizer state for '{fqn}' is missing from the checkpoint")
             for name, target in entry.items():
                 if name not in saved[fqn]:
-                    raise ValueError(f"optimizer state '{fqn}.{name}' is missing from the checkpoint")
+                    raise ValueError(
+                        f"optimizer state '{fqn}.{name}' is missing from the checkpoint"
+                    )
                 copy_into(target, saved[fqn][name], f"{fqn}.{name}")
         self._load_param_groups(state_dict)
         self._push_learning_rates()
@@ -69,6 +79,6 @@ class FusedOptimizer(KeyedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._push_learning_rates()
 
-    def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
+    def init_state(self, sparse_grad_parameter_names: Set[str] | None = None) -> None:
         """Nothing to do: the kernels hold their state from construction (and a gradient set
         on a fused table would only waste its size in memory)."""

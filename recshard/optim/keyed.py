@@ -8,7 +8,7 @@ own group dicts, so the change reaches each of them (the fused ones push it into
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Set, Tuple
 
 import torch
 from torch import nn
@@ -38,7 +38,9 @@ class KeyedOptimizer(Optimizer):
         known = {id(t) for t in self.params.values()}
         strays = [key for key in state if id(key) not in known]
         if strays:
-            raise ValueError(f"All state keys must be params. The following keys are not: {strays}.")
+            raise ValueError(
+                f"All state keys must be params. The following keys are not: {strays}."
+            )
 
     def __getstate__(self) -> Dict[str, Any]:
         return self.__dict__
@@ -93,15 +95,16 @@ class KeyedOptimizer(Optimizer):
                 raise ValueError(f"param group of {key} is missing from the checkpoint")
             group.update({k: v for k, v in by_params[key].items() if k != "params"})
 
-    def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
+    def init_state(self, sparse_grad_parameter_names: Set[str] | None = None) -> None:
         """Materialize lazy optimizer state (torch optimizers create it on their first step)
         with one step at lr 0 over the parameters that have none yet, on zero gradients:
         weights do not move and existing state is untouched. A parameter that had a gradient
         gets it back; the others keep the zero one (sparse if named in
         `sparse_grad_parameter_names`), as in TorchRec."""
         sparse_names = sparse_grad_parameter_names or set()
-        missing = {name for name, p in self.params.items()
-                   if p.requires_grad and not self.state.get(p)}
+        missing = {
+            name for name, p in self.params.items() if p.requires_grad and not self.state.get(p)
+        }
         if not missing:
             return
         stashed = {name: p.grad for name, p in self.params.items()}
@@ -166,15 +169,19 @@ def copy_into(target: torch.Tensor, value: Any, what: str) -> None:
     if hasattr(value, "local_shards") and hasattr(target, "local_shards"):
         for dst, src in zip(target.local_shards(), value.local_shards(), strict=True):
             if tuple(dst.metadata.shard_offsets) != tuple(src.metadata.shard_offsets):
-                raise ValueError(f"optimizer state '{what}': saved shard at "
-                                 f"{src.metadata.shard_offsets}, this rank holds "
-                                 f"{dst.metadata.shard_offsets} (load it with torch.distributed.checkpoint)")
+                raise ValueError(
+                    f"optimizer state '{what}': saved shard at "
+                    f"{src.metadata.shard_offsets}, this rank holds "
+                    f"{dst.metadata.shard_offsets} (load it with torch.distributed.checkpoint)"
+                )
             dst.tensor.copy_(src.tensor)
         return
     source = value.local_tensor() if hasattr(value, "local_tensor") else value
     if tuple(target.shape) != tuple(source.shape):
-        raise ValueError(f"optimizer state '{what}': checkpoint shape {tuple(source.shape)} "
-                         f"!= model shape {tuple(target.shape)}")
+        raise ValueError(
+            f"optimizer state '{what}': checkpoint shape {tuple(source.shape)} "
+            f"!= model shape {tuple(target.shape)}"
+        )
     target.copy_(source)
 
 
@@ -207,7 +214,7 @@ class CombinedOptimizer(KeyedOptimizer):
     reaches the sub-optimizer.
     """
 
-    def __init__(self, optims: Iterable[Union[KeyedOptimizer, Tuple[str, KeyedOptimizer]]]) -> None:
+    def __init__(self, optims: Iterable[KeyedOptimizer | Tuple[str, KeyedOptimizer]]) -> None:
         _init_hooks(self)
         self.optimizers: List[Tuple[str, KeyedOptimizer]] = [
             o if isinstance(o, tuple) else ("", o) for o in optims
@@ -226,8 +233,11 @@ class CombinedOptimizer(KeyedOptimizer):
 
     @property
     def params(self) -> Dict[str, torch.Tensor]:  # type: ignore[override]
-        return {_prefixed(prefix, name): t for prefix, opt in self.optimizers
-                for name, t in opt.params.items()}
+        return {
+            _prefixed(prefix, name): t
+            for prefix, opt in self.optimizers
+            for name, t in opt.params.items()
+        }
 
     @property
     def state(self) -> Dict[torch.Tensor, Any]:  # type: ignore[override]
@@ -250,8 +260,10 @@ class CombinedOptimizer(KeyedOptimizer):
         for prefix, opt in self.optimizers:
             own = opt.state_dict()
             state.update({_prefixed(prefix, fqn): entry for fqn, entry in own["state"].items()})
-            groups.extend({**g, "params": sorted(_prefixed(prefix, p) for p in g["params"])}
-                          for g in own.get("param_groups", []))
+            groups.extend(
+                {**g, "params": sorted(_prefixed(prefix, p) for p in g["params"])}
+                for g in own.get("param_groups", [])
+            )
         out: Dict[str, Any] = {"state": state}
         if self.defaults.get("_save_param_groups"):
             out["param_groups"] = groups
@@ -260,8 +272,11 @@ class CombinedOptimizer(KeyedOptimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Hand each optimizer its part: the entries under its prefix, prefix removed."""
         for prefix, opt in self.optimizers:
-            state = {name: v for k, v in state_dict["state"].items()
-                     if (name := _unprefixed(prefix, k)) is not None}
+            state = {
+                name: v
+                for k, v in state_dict["state"].items()
+                if (name := _unprefixed(prefix, k)) is not None
+            }
             part: Dict[str, Any] = {"state": state}
             if "param_groups" in state_dict:
                 part["param_groups"] = []
@@ -279,11 +294,13 @@ class CombinedOptimizer(KeyedOptimizer):
         for _, opt in self.optimizers:
             opt.zero_grad(set_to_none)
 
-    def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
+    def init_state(self, sparse_grad_parameter_names: Set[str] | None = None) -> None:
         for prefix, opt in self.optimizers:
             names = None
             if sparse_grad_parameter_names is not None:
-                names = {n for n in opt.params if _prefixed(prefix, n) in sparse_grad_parameter_names}
+                names = {
+                    n for n in opt.params if _prefixed(prefix, n) in sparse_grad_parameter_names
+                }
             opt.init_state(names)
 
 
@@ -293,13 +310,13 @@ def _prefixed(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _unprefixed(prefix: str, fqn: str) -> Optional[str]:
+def _unprefixed(prefix: str, fqn: str) -> str | None:
     """`fqn` without `prefix`, or None when it is not under it."""
     if not prefix:
         return fqn
     if fqn == prefix:
         return ""
-    return fqn[len(prefix) + 1:] if fqn.startswith(f"{prefix}.") else None
+    return fqn[len(prefix) + 1 :] if fqn.startswith(f"{prefix}.") else None
 
 
 class OptimizerWrapper(KeyedOptimizer):
@@ -342,7 +359,7 @@ class OptimizerWrapper(KeyedOptimizer):
     def save_param_groups(self, save: bool) -> None:
         self._optimizer.save_param_groups(save)
 
-    def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
+    def init_state(self, sparse_grad_parameter_names: Set[str] | None = None) -> None:
         self._optimizer.init_state(sparse_grad_parameter_names)
 
 

@@ -10,7 +10,7 @@ with the fused row-wise kernel, or use it directly on unsharded modules.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
@@ -28,15 +28,28 @@ class RowWiseAdagrad(Optimizer):
         initial_accumulator_value: float = 0.0,
         eps: float = 1e-10,
     ) -> None:
-        for name, value in (("lr", lr), ("lr_decay", lr_decay), ("weight_decay", weight_decay),
-                            ("initial_accumulator_value", initial_accumulator_value), ("eps", eps)):
+        for name, value in (
+            ("lr", lr),
+            ("lr_decay", lr_decay),
+            ("weight_decay", weight_decay),
+            ("initial_accumulator_value", initial_accumulator_value),
+            ("eps", eps),
+        ):
             if value < 0.0:
                 raise ValueError(f"RowWiseAdagrad: invalid {name} {value} (must be >= 0)")
-        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
-                                      initial_accumulator_value=initial_accumulator_value, eps=eps))
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                lr_decay=lr_decay,
+                weight_decay=weight_decay,
+                initial_accumulator_value=initial_accumulator_value,
+                eps=eps,
+            ),
+        )
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -52,8 +65,12 @@ class RowWiseAdagrad(Optimizer):
                 if not state:
                     state["step"] = torch.zeros(())
                     rows = param.shape[0] if param.dim() > 1 else 1
-                    state["sum"] = torch.full((rows,), float(group["initial_accumulator_value"]),
-                                              dtype=param.dtype, device=param.device)
+                    state["sum"] = torch.full(
+                        (rows,),
+                        float(group["initial_accumulator_value"]),
+                        dtype=param.dtype,
+                        device=param.device,
+                    )
                 state["step"] += 1
                 if group["weight_decay"]:
                     grad = grad + group["weight_decay"] * param

@@ -24,7 +24,7 @@ import logging
 import math
 from dataclasses import dataclass
 from enum import Enum, unique
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 
@@ -60,8 +60,8 @@ class WarmupStage:
     lr_scale: float = 1.0
     decay_iters: int = -1
     sgdr_period: int = 1
-    start_interpolating_iters: Optional[int] = None
-    end_value: Optional[float] = None
+    start_interpolating_iters: int | None = None
+    end_value: float | None = None
 
 
 _FINAL_STAGE = WarmupStage(policy=WarmupPolicy.NONE, max_iters=1 << 63, value=1.0)
@@ -77,27 +77,37 @@ def warmup_stages(stages: List[WarmupStage]) -> List[WarmupStage]:
         if not isinstance(stage.policy, WarmupPolicy):
             raise ValueError(f"warmup stage {index}: policy {stage.policy!r} is not a WarmupPolicy")
         if stage.max_iters <= previous:
-            raise ValueError(f"{what}: max_iters={stage.max_iters} must be greater than the "
-                             f"previous stage's max_iters {previous}")
+            raise ValueError(
+                f"{what}: max_iters={stage.max_iters} must be greater than the "
+                f"previous stage's max_iters {previous}"
+            )
         decay_iters = stage.decay_iters
         if decay_iters <= 0:
             decay_iters = 1 if stage.policy == WarmupPolicy.STEP else stage.max_iters
         if stage.policy == WarmupPolicy.POLY and decay_iters < stage.max_iters:
-            raise ValueError(f"{what}: decay_iters={decay_iters} < max_iters={stage.max_iters} "
-                             "takes (1 - iteration / decay_iters) below 0")
+            raise ValueError(
+                f"{what}: decay_iters={decay_iters} < max_iters={stage.max_iters} "
+                "takes (1 - iteration / decay_iters) below 0"
+            )
         if stage.policy == WarmupPolicy.INVSQRT and previous == 0:
-            raise ValueError(f"{what}: 1 / sqrt(iteration) is undefined at iteration 0; "
-                             "put another stage before it")
+            raise ValueError(
+                f"{what}: 1 / sqrt(iteration) is undefined at iteration 0; "
+                "put another stage before it"
+            )
         if stage.policy == WarmupPolicy.COSINE_ANNEALING_WARM_RESTARTS and stage.sgdr_period < 1:
             raise ValueError(f"{what}: sgdr_period={stage.sgdr_period} must be at least 1")
         if stage.policy == WarmupPolicy.INTERPOLATE:
             start = stage.start_interpolating_iters
             if start is None or stage.end_value is None:
-                raise ValueError(f"{what}: needs start_interpolating_iters and end_value "
-                                 f"(got {start} and {stage.end_value})")
+                raise ValueError(
+                    f"{what}: needs start_interpolating_iters and end_value "
+                    f"(got {start} and {stage.end_value})"
+                )
             if start >= stage.max_iters:
-                raise ValueError(f"{what}: start_interpolating_iters={start} must be less than "
-                                 f"max_iters={stage.max_iters}")
+                raise ValueError(
+                    f"{what}: start_interpolating_iters={start} must be less than "
+                    f"max_iters={stage.max_iters}"
+                )
         checked.append(dataclasses.replace(stage, decay_iters=decay_iters))
         previous = stage.max_iters
     return checked + [dataclasses.replace(_FINAL_STAGE)]
@@ -117,12 +127,16 @@ def lr_multiplier(stage: WarmupStage, iteration: int) -> float:
     elif policy == WarmupPolicy.INVSQRT:
         multiplier = 1.0 / math.sqrt(iteration)
     elif policy == WarmupPolicy.COSINE_ANNEALING_WARM_RESTARTS:  # SGDR without period growth
-        cosine = 0.5 * (1.0 + math.cos(math.pi * (iteration % stage.sgdr_period) / stage.sgdr_period))
+        cosine = 0.5 * (
+            1.0 + math.cos(math.pi * (iteration % stage.sgdr_period) / stage.sgdr_period)
+        )
         multiplier = stage.value + (1.0 - stage.value) * cosine
     elif policy == WarmupPolicy.INTERPOLATE:
         start = float(stage.start_interpolating_iters)  # type: ignore[arg-type]
         span = stage.max_iters - start
-        multiplier = stage.value + (float(stage.end_value) - stage.value) * (iteration - start) / span  # type: ignore[arg-type]
+        multiplier = (
+            stage.value + (float(stage.end_value) - stage.value) * (iteration - start) / span
+        )  # type: ignore[arg-type]
     else:
         multiplier = 1.0
     return multiplier * stage.lr_scale
@@ -142,8 +156,10 @@ class WarmupOptimizer(OptimizerWrapper):
     ) -> None:
         super().__init__(optimizer)
         if param_name in optimizer.params:
-            raise ValueError(f"WarmupOptimizer: param_name '{param_name}' is already a parameter "
-                             "of the wrapped optimizer")
+            raise ValueError(
+                f"WarmupOptimizer: param_name '{param_name}' is already a parameter "
+                "of the wrapped optimizer"
+            )
         self._stages = warmup_stages(stages)
         self._lr = lr
         self._lr_param = lr_param
@@ -163,13 +179,17 @@ class WarmupOptimizer(OptimizerWrapper):
     def state(self) -> Dict[torch.Tensor, Any]:  # type: ignore[override]
         return {**self._optimizer.state, self._warmup_param: {"warmup": self._position}}
 
-    def _iteration_and_stage(self, position: Optional[torch.Tensor] = None) -> Tuple[int, int]:
+    def _iteration_and_stage(self, position: torch.Tensor | None = None) -> Tuple[int, int]:
         """The position in the schedule (`position`, else the live one), checked: state may
         have been loaded from anywhere."""
-        values = [int(v) for v in (self._position if position is None else position).reshape(-1).tolist()]
+        values = [
+            int(v) for v in (self._position if position is None else position).reshape(-1).tolist()
+        ]
         if len(values) != 2 or values[0] < 0 or not 0 <= values[1] < len(self._stages):
-            raise ValueError(f"warm-up state '{self._param_name}.warmup' = {values}: needs "
-                             f"[iteration >= 0, stage in [0, {len(self._stages)})]")
+            raise ValueError(
+                f"warm-up state '{self._param_name}.warmup' = {values}: needs "
+                f"[iteration >= 0, stage in [0, {len(self._stages)})]"
+            )
         return values[0], values[1]
 
     def _set_lr(self) -> None:
@@ -204,7 +224,9 @@ class WarmupOptimizer(OptimizerWrapper):
         saved = dict(state_dict["state"])
         entry = saved.pop(self._param_name, None)
         if entry is None or "warmup" not in entry:
-            raise ValueError(f"warm-up state '{self._param_name}.warmup' is missing from the checkpoint")
+            raise ValueError(
+                f"warm-up state '{self._param_name}.warmup' is missing from the checkpoint"
+            )
         iteration, stage = self._iteration_and_stage(torch.as_tensor(entry["warmup"]))
         self._optimizer.load_state_dict({**state_dict, "state": saved})
         self._position.copy_(torch.tensor([iteration, stage]))

@@ -8,7 +8,7 @@ A column-parallel layer without gather followed by a row-parallel layer with
 
 from __future__ import annotations
 
-from typing import Any, Tuple, Union
+from typing import Any, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ from recshard.parallel.utils import (
     unstride,
 )
 
-LinearOutput = Union[Tensor, Tuple[Tensor, Tensor | None]]
+LinearOutput = Tensor | Tuple[Tensor, Tensor | None]
 
 
 def check_last_dim(x: Tensor, expected: int, owner: str, what: str) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Tuple
 
 from torch import nn
 
@@ -40,7 +40,7 @@ class Shard:
     dim: int
 
 
-Layout = Union[Replicate, Shard]
+Layout = Replicate | Shard
 
 
 def _layout(value: Any, default: Layout, owner: str) -> Layout:
@@ -187,7 +187,7 @@ def _swap(root: nn.Module, replacements: Dict[int, nn.Module]) -> nn.Module:
 def parallelize_module(
     module: nn.Module,
     pg: ProcessGroup | None = None,
-    plan: Union[ParallelStyle, Dict[str, ParallelStyle], None] = None,
+    plan: ParallelStyle | Dict[str, ParallelStyle] | None = None,
 ) -> nn.Module:
     """Apply `plan` ({fqn pattern: style}, or one style for `module` itself) over `pg`.
 

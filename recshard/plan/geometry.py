@@ -14,7 +14,7 @@ the sharded modules so that all three agree on every offset.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 from recshard.plan.sharding_types import ROW_SPLIT_TYPES
 from recshard.types import ShardingType, ShardMetadata
@@ -49,7 +49,7 @@ def make_shards(
     cols: int,
     ranks: Sequence[int],
     device_type: str = "cpu",
-) -> Optional[List[ShardMetadata]]:
+) -> List[ShardMetadata] | None:
     """The shards of a `rows x cols` table placed on `ranks` (one shard per listed rank).
 
     Row-wise types list every rank that holds rows, in row order; column-wise types list one

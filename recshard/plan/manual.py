@@ -24,7 +24,7 @@ kernel defaults to fused (dense for data-parallel).
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch.distributed as dist
 from torch import nn
@@ -43,20 +43,27 @@ from recshard.types import (
 )
 
 ShardingGenerator = Callable[
-    [BaseEmbeddingConfig, int, int, str, Optional[ModuleSharder]], ParameterSharding
+    [BaseEmbeddingConfig, int, int, str, ModuleSharder | None], ParameterSharding
 ]
 ParameterShardingGenerator = ShardingGenerator  # TorchRec's name
 
 # default kernel: the first of these the sharder offers (TorchRec's order of preference)
 _KERNEL_PREFERENCE = {
     True: [EmbeddingComputeKernel.DENSE, EmbeddingComputeKernel.QUANT],  # data-parallel
-    False: [EmbeddingComputeKernel.FUSED, EmbeddingComputeKernel.DENSE,
-            EmbeddingComputeKernel.QUANT],
+    False: [
+        EmbeddingComputeKernel.FUSED,
+        EmbeddingComputeKernel.DENSE,
+        EmbeddingComputeKernel.QUANT,
+    ],
 }
 
 
-def _default_kernel(config: BaseEmbeddingConfig, sharding_type: ShardingType,
-                    device_type: str, sharder: Optional[ModuleSharder]) -> str:
+def _default_kernel(
+    config: BaseEmbeddingConfig,
+    sharding_type: ShardingType,
+    device_type: str,
+    sharder: ModuleSharder | None,
+) -> str:
     preference = _KERNEL_PREFERENCE[sharding_type == ShardingType.DATA_PARALLEL]
     if sharder is None:
         return preference[0].value
@@ -64,41 +71,60 @@ def _default_kernel(config: BaseEmbeddingConfig, sharding_type: ShardingType,
     for kernel in preference:
         if kernel.value in offered:
             return kernel.value
-    raise ValueError(f"table '{config.name}': {type(sharder).__name__} offers no default compute "
-                     f"kernel for {sharding_type.value} on {device_type} (offers {offered})")
+    raise ValueError(
+        f"table '{config.name}': {type(sharder).__name__} offers no default compute "
+        f"kernel for {sharding_type.value} on {device_type} (offers {offered})"
+    )
 
 
 def _check_devices(config: BaseEmbeddingConfig, devices: Sequence[str], device_type: str) -> None:
     other = sorted({d for d in devices if d != device_type})
     if other:
-        raise ValueError(f"table '{config.name}': shard device {other} differs from the plan's "
-                         f"device_type '{device_type}'; recshard places every shard on the plan's "
-                         "device type (pass device_type to construct_module_sharding_plan)")
+        raise ValueError(
+            f"table '{config.name}': shard device {other} differs from the plan's "
+            f"device_type '{device_type}'; recshard places every shard on the plan's "
+            "device type (pass device_type to construct_module_sharding_plan)"
+        )
 
 
-def _generator(sharding_type: ShardingType, ranks_fn: Callable[[int, int], List[int]],
-               compute_kernel: Optional[str],
-               devices: Optional[Sequence[str]] = None) -> ShardingGenerator:
+def _generator(
+    sharding_type: ShardingType,
+    ranks_fn: Callable[[int, int], List[int]],
+    compute_kernel: str | None,
+    devices: Sequence[str] | None = None,
+) -> ShardingGenerator:
     if compute_kernel is not None:
         EmbeddingComputeKernel(compute_kernel)  # an unknown kernel fails where it is written
 
-    def generate(config: BaseEmbeddingConfig, local_size: int, world_size: int,
-                 device_type: str, sharder: Optional[ModuleSharder] = None) -> ParameterSharding:
+    def generate(
+        config: BaseEmbeddingConfig,
+        local_size: int,
+        world_size: int,
+        device_type: str,
+        sharder: ModuleSharder | None = None,
+    ) -> ParameterSharding:
         ranks = ranks_fn(local_size, world_size)
         bad = [r for r in ranks if not 0 <= r < world_size]
         if bad:
-            raise ValueError(f"table '{config.name}': ranks {bad} are outside world size {world_size}")
+            raise ValueError(
+                f"table '{config.name}': ranks {bad} are outside world size {world_size}"
+            )
         if devices is not None:
             if len(devices) != len(ranks):
-                raise ValueError(f"table '{config.name}': {len(devices)} device types for "
-                                 f"{len(ranks)} shards")
+                raise ValueError(
+                    f"table '{config.name}': {len(devices)} device types for {len(ranks)} shards"
+                )
             _check_devices(config, devices, device_type)
-        shards = make_shards(sharding_type.value, config.num_embeddings, config.embedding_dim,
-                             ranks, device_type)
+        shards = make_shards(
+            sharding_type.value, config.num_embeddings, config.embedding_dim, ranks, device_type
+        )
         kernel = compute_kernel or _default_kernel(config, sharding_type, device_type, sharder)
-        return ParameterSharding(sharding_type.value, kernel,
-                                 None if sharding_type == ShardingType.DATA_PARALLEL else ranks,
-                                 shards)
+        return ParameterSharding(
+            sharding_type.value,
+            kernel,
+            None if sharding_type == ShardingType.DATA_PARALLEL else ranks,
+            shards,
+        )
 
     return generate
 
@@ -107,55 +133,77 @@ def _unsupported(helper: str, argument: str, why: str) -> ValueError:
     return ValueError(f"{helper}: {argument} is not supported by recshard ({why})")
 
 
-def data_parallel(*, compute_kernel: Optional[str] = None) -> ShardingGenerator:
+def data_parallel(*, compute_kernel: str | None = None) -> ShardingGenerator:
     """Every rank holds the whole table (`compute_kernel` is recshard's, keyword-only)."""
     return _generator(ShardingType.DATA_PARALLEL, lambda lws, ws: list(range(ws)), compute_kernel)
 
 
-def table_wise(rank: int, device: Optional[str] = None,
-               compute_kernel: Optional[str] = None) -> ShardingGenerator:
+def table_wise(
+    rank: int, device: str | None = None, compute_kernel: str | None = None
+) -> ShardingGenerator:
     """The whole table on `rank`; `device`, when given, must be the plan's device type."""
-    return _generator(ShardingType.TABLE_WISE, lambda lws, ws: [rank], compute_kernel,
-                      None if device is None else [device])
+    return _generator(
+        ShardingType.TABLE_WISE,
+        lambda lws, ws: [rank],
+        compute_kernel,
+        None if device is None else [device],
+    )
 
 
-def row_wise(sizes_placement: Optional[Tuple[List[int], Union[str, List[str]]]] = None,
-             compute_kernel: Optional[str] = None,
-             num_buckets: Optional[int] = None) -> ShardingGenerator:
+def row_wise(
+    sizes_placement: Tuple[List[int], str | List[str]] | None = None,
+    compute_kernel: str | None = None,
+    num_buckets: int | None = None,
+) -> ShardingGenerator:
     """Rows in equal blocks over every rank (the last ranks may hold fewer or none)."""
     if sizes_placement is not None:
-        raise _unsupported("row_wise", f"sizes_placement={sizes_placement!r}",
-                           "row-wise shards are equal blocks of ceil(rows / world_size) rows")
+        raise _unsupported(
+            "row_wise",
+            f"sizes_placement={sizes_placement!r}",
+            "row-wise shards are equal blocks of ceil(rows / world_size) rows",
+        )
     if num_buckets is not None:
         raise _unsupported("row_wise", f"num_buckets={num_buckets}", "no bucketized row-wise")
     return _generator(ShardingType.ROW_WISE, lambda lws, ws: list(range(ws)), compute_kernel)
 
 
-def column_wise(ranks: Optional[List[int]] = None, size_per_rank: Optional[List[int]] = None,
-                compute_kernel: Optional[str] = None,
-                device_types: Optional[List[str]] = None) -> ShardingGenerator:
+def column_wise(
+    ranks: List[int] | None = None,
+    size_per_rank: List[int] | None = None,
+    compute_kernel: str | None = None,
+    device_types: List[str] | None = None,
+) -> ShardingGenerator:
     """One column shard per listed rank (a rank may be listed twice), widths as even as possible
     (TorchRec requires the dim to divide evenly; recshard lets widths differ by one)."""
     if size_per_rank is not None:
-        raise _unsupported("column_wise", f"size_per_rank={size_per_rank}",
-                           "column widths are split evenly over `ranks`")
+        raise _unsupported(
+            "column_wise",
+            f"size_per_rank={size_per_rank}",
+            "column widths are split evenly over `ranks`",
+        )
     if ranks is None:
         raise ValueError("column_wise: pass `ranks`, the rank of each column shard")
     chosen = list(ranks)
-    return _generator(ShardingType.COLUMN_WISE, lambda lws, ws: chosen, compute_kernel,
-                      device_types)
+    return _generator(
+        ShardingType.COLUMN_WISE, lambda lws, ws: chosen, compute_kernel, device_types
+    )
 
 
-def table_row_wise(host_index: int, *, compute_kernel: Optional[str] = None) -> ShardingGenerator:
+def table_row_wise(host_index: int, *, compute_kernel: str | None = None) -> ShardingGenerator:
     """Rows split over every rank of node `host_index` (`compute_kernel` is recshard's)."""
-    return _generator(ShardingType.TABLE_ROW_WISE,
-                      lambda lws, ws: [host_index * lws + i for i in range(lws)], compute_kernel)
+    return _generator(
+        ShardingType.TABLE_ROW_WISE,
+        lambda lws, ws: [host_index * lws + i for i in range(lws)],
+        compute_kernel,
+    )
 
 
-def table_column_wise(host_index: int, ranks: Optional[List[int]] = None,
-                      compute_kernel: Optional[str] = None) -> ShardingGenerator:
+def table_column_wise(
+    host_index: int, ranks: List[int] | None = None, compute_kernel: str | None = None
+) -> ShardingGenerator:
     """Column shards on ranks of node `host_index` (local ranks `ranks`, default all of them);
     recshard's own helper (TorchRec has none)."""
+
     def ranks_fn(lws: int, ws: int) -> List[int]:
         local = list(range(lws)) if ranks is None else ranks
         bad = [r for r in local if not 0 <= r < lws]
@@ -175,17 +223,19 @@ def module_table_configs(module: nn.Module) -> List[BaseEmbeddingConfig]:
 
 def _check_sharder(module: nn.Module, sharder: ModuleSharder) -> None:
     if not isinstance(module, sharder.module_type):
-        raise ValueError(f"construct_module_sharding_plan: {type(sharder).__name__} shards "
-                         f"{sharder.module_type.__name__}, not {type(module).__name__}")
+        raise ValueError(
+            f"construct_module_sharding_plan: {type(sharder).__name__} shards "
+            f"{sharder.module_type.__name__}, not {type(module).__name__}"
+        )
 
 
 def construct_module_sharding_plan(
     module: nn.Module,
     per_param_sharding: Dict[str, ShardingGenerator],
-    sharder: Optional[ModuleSharder] = None,
-    local_size: Optional[int] = None,
-    world_size: Optional[int] = None,
-    device_type: Optional[str] = None,
+    sharder: ModuleSharder | None = None,
+    local_size: int | None = None,
+    world_size: int | None = None,
+    device_type: str | None = None,
 ) -> EmbeddingModuleShardingPlan:
     """A plan for one collection: `{table: ParameterSharding}` from per-table helpers.
 
@@ -202,18 +252,31 @@ def construct_module_sharding_plan(
         _check_sharder(module, sharder)
     unknown = [t for t in per_param_sharding if t not in configs]
     if unknown:
-        raise ValueError(f"construct_module_sharding_plan: tables {unknown} are not in the module "
-                         f"(its tables: {list(configs)})")
+        raise ValueError(
+            f"construct_module_sharding_plan: tables {unknown} are not in the module "
+            f"(its tables: {list(configs)})"
+        )
     plan = {
         name: generate(configs[name], local_size, world_size, device_type, sharder)
         for name, generate in per_param_sharding.items()
     }
-    sharding_types = (ALL_SHARDING_TYPES if sharder is None else
-                      {ShardingType(t) for t in sharder.sharding_types(device_type)})
+    sharding_types = (
+        ALL_SHARDING_TYPES
+        if sharder is None
+        else {ShardingType(t) for t in sharder.sharding_types(device_type)}
+    )
     owner = "the module" if sharder is None else type(sharder).__name__
     for name, ps in plan.items():
-        kernels = (None if sharder is None
-                   else sharder.compute_kernels(str(ps.sharding_type), device_type))
-        check_table_plan(configs[name], ps, world_size, local_size, sharding_types=sharding_types,
-                         compute_kernels=kernels, owner=owner)
+        kernels = (
+            None if sharder is None else sharder.compute_kernels(str(ps.sharding_type), device_type)
+        )
+        check_table_plan(
+            configs[name],
+            ps,
+            world_size,
+            local_size,
+            sharding_types=sharding_types,
+            compute_kernels=kernels,
+            owner=owner,
+        )
     return plan

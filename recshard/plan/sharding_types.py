@@ -10,25 +10,42 @@ from recshard.types import EmbeddingComputeKernel, ShardingType
 
 ALL_SHARDING_TYPES: FrozenSet[ShardingType] = frozenset(ShardingType)
 # EmbeddingCollection (sequence outputs): no table-row-wise or table-column-wise
-SEQUENCE_SHARDING_TYPES: FrozenSet[ShardingType] = frozenset({
-    ShardingType.DATA_PARALLEL, ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE,
-    ShardingType.ROW_WISE,
-})
+SEQUENCE_SHARDING_TYPES: FrozenSet[ShardingType] = frozenset(
+    {
+        ShardingType.DATA_PARALLEL,
+        ShardingType.TABLE_WISE,
+        ShardingType.COLUMN_WISE,
+        ShardingType.ROW_WISE,
+    }
+)
 # shards cut the rows (every shard spans all columns) / the columns (all rows)
-ROW_SPLIT_TYPES: FrozenSet[ShardingType] = frozenset({
-    ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE,
-})
-COLUMN_SPLIT_TYPES: FrozenSet[ShardingType] = frozenset({
-    ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE,
-})
+ROW_SPLIT_TYPES: FrozenSet[ShardingType] = frozenset(
+    {
+        ShardingType.TABLE_WISE,
+        ShardingType.ROW_WISE,
+        ShardingType.TABLE_ROW_WISE,
+    }
+)
+COLUMN_SPLIT_TYPES: FrozenSet[ShardingType] = frozenset(
+    {
+        ShardingType.COLUMN_WISE,
+        ShardingType.TABLE_COLUMN_WISE,
+    }
+)
 # a table's rows cut in blocks over several ranks: ids bucketized by block, partial pools summed
-ROW_BLOCK_TYPES: FrozenSet[ShardingType] = frozenset({
-    ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE,
-})
+ROW_BLOCK_TYPES: FrozenSet[ShardingType] = frozenset(
+    {
+        ShardingType.ROW_WISE,
+        ShardingType.TABLE_ROW_WISE,
+    }
+)
 # shards confined to one node of `local_world_size` ranks
-WITHIN_NODE_TYPES: FrozenSet[ShardingType] = frozenset({
-    ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE,
-})
+WITHIN_NODE_TYPES: FrozenSet[ShardingType] = frozenset(
+    {
+        ShardingType.TABLE_ROW_WISE,
+        ShardingType.TABLE_COLUMN_WISE,
+    }
+)
 # whole tables or column blocks placed on ranks: one KJT all-to-all and one output all-to-all
 # serve all of them (`recshard/sharding/placed.py`, `sequence.py`)
 PLACED_TYPES: FrozenSet[ShardingType] = frozenset({ShardingType.TABLE_WISE}) | COLUMN_SPLIT_TYPES
@@ -45,6 +62,8 @@ def supported_compute_kernels(sharding_type: str, compute_device_type: str) -> L
         return [EmbeddingComputeKernel.DENSE.value]
     kernels = [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
     if compute_device_type == "cuda":
-        kernels += [EmbeddingComputeKernel.FUSED_UVM.value,
-                    EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
+        kernels += [
+            EmbeddingComputeKernel.FUSED_UVM.value,
+            EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
+        ]
     return kernels

@@ -17,7 +17,7 @@ included), by the planner on its own output, by `construct_module_sharding_plan`
 
 from __future__ import annotations
 
-from typing import Collection, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Collection, Dict, List, Protocol, Sequence, Tuple
 
 from torch import nn
 
@@ -69,9 +69,14 @@ def _covers(where: str, what: str, extent: int, pieces: Sequence[Tuple[int, int]
         raise PlanValidationError(f"{where}: {what} shards cover {position} of {extent}")
 
 
-def _check_shards(where: str, config: TableShape, st: ShardingType,
-                  shards: List[ShardMetadata], world_size: Optional[int],
-                  local_world_size: Optional[int]) -> None:
+def _check_shards(
+    where: str,
+    config: TableShape,
+    st: ShardingType,
+    shards: List[ShardMetadata],
+    world_size: int | None,
+    local_world_size: int | None,
+) -> None:
     rows, cols = config.num_embeddings, config.embedding_dim
     if st == ShardingType.TABLE_WISE and len(shards) != 1:
         raise PlanValidationError(f"{where}: table_wise takes exactly one shard, got {len(shards)}")
@@ -79,42 +84,53 @@ def _check_shards(where: str, config: TableShape, st: ShardingType,
     for shard in shards:
         across, full = (1, cols) if row_split else (0, rows)
         if shard.shard_offsets[across] != 0 or shard.shard_sizes[across] != full:
-            raise PlanValidationError(f"{where}: {st.value} shards must span all {full} "
-                                      f"{'columns' if row_split else 'rows'}")
+            raise PlanValidationError(
+                f"{where}: {st.value} shards must span all {full} "
+                f"{'columns' if row_split else 'rows'}"
+            )
     axis = 0 if row_split else 1
-    _covers(where, "row" if row_split else "column", rows if row_split else cols,
-            [(s.shard_offsets[axis], s.shard_sizes[axis]) for s in shards])
+    _covers(
+        where,
+        "row" if row_split else "column",
+        rows if row_split else cols,
+        [(s.shard_offsets[axis], s.shard_sizes[axis]) for s in shards],
+    )
     ranks = [s.rank for s in shards]
     if world_size is not None and st == ShardingType.ROW_WISE and ranks != list(range(world_size)):
-        raise PlanValidationError(f"{where}: row_wise shards must sit on ranks "
-                                  f"0..{world_size - 1} in order, got {ranks}")
+        raise PlanValidationError(
+            f"{where}: row_wise shards must sit on ranks 0..{world_size - 1} in order, got {ranks}"
+        )
     if local_world_size and st in WITHIN_NODE_TYPES:
         hosts = sorted({r // local_world_size for r in ranks})
         if len(hosts) != 1:
-            raise PlanValidationError(f"{where}: {st.value} shards span hosts {hosts} "
-                                      f"(local_world_size {local_world_size}), ranks {ranks}")
+            raise PlanValidationError(
+                f"{where}: {st.value} shards span hosts {hosts} "
+                f"(local_world_size {local_world_size}), ranks {ranks}"
+            )
         expected = [hosts[0] * local_world_size + i for i in range(local_world_size)]
         if st == ShardingType.TABLE_ROW_WISE and ranks != expected:
-            raise PlanValidationError(f"{where}: table_row_wise shards must sit on ranks "
-                                      f"{expected} in order, got {ranks}")
+            raise PlanValidationError(
+                f"{where}: table_row_wise shards must sit on ranks {expected} in order, got {ranks}"
+            )
 
 
 def check_ranks_agree(where: str, ranks: Sequence[int], shards: Sequence[ShardMetadata]) -> None:
     """A table's `ranks` name exactly the ranks its shards are placed on."""
     placed = sorted({s.rank for s in shards})
     if sorted(set(ranks)) != placed:
-        raise PlanValidationError(f"{where}: {list(ranks)} do not agree with the shards' "
-                                  f"placements (ranks {placed})")
+        raise PlanValidationError(
+            f"{where}: {list(ranks)} do not agree with the shards' placements (ranks {placed})"
+        )
 
 
 def check_table_plan(
     config: TableShape,
     ps: ParameterSharding,
-    world_size: Optional[int] = None,
-    local_world_size: Optional[int] = None,
+    world_size: int | None = None,
+    local_world_size: int | None = None,
     sharding_types: Collection[ShardingType] = ALL_SHARDING_TYPES,
-    compute_kernels: Optional[Collection[str]] = None,
-    where: Optional[str] = None,
+    compute_kernels: Collection[str] | None = None,
+    where: str | None = None,
     owner: str = "the module",
 ) -> None:
     """One table's entry against the table, the world and what its module supports."""
@@ -124,11 +140,13 @@ def check_table_plan(
     except ValueError:
         raise PlanValidationError(
             f"{where}: unknown sharding type '{_value(ps.sharding_type)}' "
-            f"(choose from {[t.value for t in ShardingType]})") from None
+            f"(choose from {[t.value for t in ShardingType]})"
+        ) from None
     if st not in sharding_types:
         raise PlanValidationError(
             f"{where}: {owner} does not support {st.value} "
-            f"(supported: {sorted(sharding_type_values(frozenset(sharding_types)))})")
+            f"(supported: {sorted(sharding_type_values(frozenset(sharding_types)))})"
+        )
     kernel = _value(ps.compute_kernel)
     try:
         EmbeddingComputeKernel(kernel)
@@ -136,8 +154,9 @@ def check_table_plan(
         raise PlanValidationError(f"{where}: unknown compute kernel '{kernel}'") from None
     if compute_kernels is not None and kernel not in compute_kernels:
         allowed = " or ".join(repr(k) for k in sorted(compute_kernels))
-        raise PlanValidationError(f"{where}: {owner} is sharded with compute_kernel={allowed}, "
-                                  f"got '{kernel}'")
+        raise PlanValidationError(
+            f"{where}: {owner} is sharded with compute_kernel={allowed}, got '{kernel}'"
+        )
     ranks = list(ps.ranks or []) + [s.rank for s in ps.shards or []]
     if world_size is not None:
         bad = sorted({r for r in ranks if not 0 <= r < world_size})
@@ -146,8 +165,10 @@ def check_table_plan(
     if st == ShardingType.DATA_PARALLEL:
         return
     if not ps.shards:
-        raise PlanValidationError(f"{where}: {st.value} needs shard metadata "
-                                  "(build plans with construct_module_sharding_plan or the planner)")
+        raise PlanValidationError(
+            f"{where}: {st.value} needs shard metadata "
+            "(build plans with construct_module_sharding_plan or the planner)"
+        )
     _check_shards(where, config, st, ps.shards, world_size, local_world_size)
     if ps.ranks is not None:
         check_ranks_agree(f"{where}: ranks", ps.ranks, ps.shards)
@@ -157,10 +178,10 @@ def check_module_plan(
     configs: Sequence[BaseEmbeddingConfig],
     plan: EmbeddingModuleShardingPlan,
     owner: str,
-    world_size: Optional[int] = None,
-    local_world_size: Optional[int] = None,
+    world_size: int | None = None,
+    local_world_size: int | None = None,
     sharding_types: Collection[ShardingType] = ALL_SHARDING_TYPES,
-    compute_kernels: Optional[Collection[str]] = None,
+    compute_kernels: Collection[str] | None = None,
     fqn: str = "",
 ) -> None:
     """A collection's plan (`{table: ParameterSharding}`) against its tables: each table
@@ -169,14 +190,23 @@ def check_module_plan(
     known = set(names)  # membership by set: linear in the tables, not quadratic
     unknown = [t for t in plan if t not in known]
     if unknown:
-        raise PlanValidationError(f"{owner}: the plan names tables {unknown} that the module "
-                                  f"lacks (its tables: {names})")
+        raise PlanValidationError(
+            f"{owner}: the plan names tables {unknown} that the module lacks (its tables: {names})"
+        )
     missing = [t for t in names if t not in plan]
     if missing:
         raise PlanValidationError(f"{owner}: the plan has no entry for tables {missing}")
     for config in configs:
-        check_table_plan(config, plan[config.name], world_size, local_world_size, sharding_types,
-                         compute_kernels, f"table '{fqn + '.' if fqn else ''}{config.name}'", owner)
+        check_table_plan(
+            config,
+            plan[config.name],
+            world_size,
+            local_world_size,
+            sharding_types,
+            compute_kernels,
+            f"table '{fqn + '.' if fqn else ''}{config.name}'",
+            owner,
+        )
 
 
 def _module_configs(module: nn.Module) -> Dict[str, Tuple[List[BaseEmbeddingConfig], bool]]:
@@ -193,8 +223,8 @@ def _module_configs(module: nn.Module) -> Dict[str, Tuple[List[BaseEmbeddingConf
 def validate_plan(
     plan: ShardingPlan,
     module: nn.Module,
-    world_size: Optional[int] = None,
-    local_world_size: Optional[int] = None,
+    world_size: int | None = None,
+    local_world_size: int | None = None,
 ) -> None:
     """Check that `plan` fits `module` (every planned module exists and each of its plans
     passes `check_module_plan`; sequence collections support their types only). Raises
@@ -207,5 +237,12 @@ def validate_plan(
                 f"{sorted(modules)}"
             )
         configs, pooled = modules[fqn]
-        check_module_plan(configs, planned, f"module '{fqn}'", world_size, local_world_size,
-                          ALL_SHARDING_TYPES if pooled else SEQUENCE_SHARDING_TYPES, fqn=fqn)
+        check_module_plan(
+            configs,
+            planned,
+            f"module '{fqn}'",
+            world_size,
+            local_world_size,
+            ALL_SHARDING_TYPES if pooled else SEQUENCE_SHARDING_TYPES,
+            fqn=fqn,
+        )

@@ -6,7 +6,6 @@ are priced as uniform draws (`distinct_rows`) and a cache's hits as Zipf(1)-like
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 from recshard.planner.planner_types import TableMeta
 from recshard.planner.profile import distinct_rows
@@ -22,12 +21,14 @@ def expected_lookups(table: TableMeta, stats: CacheStatistics) -> float:
     if not 0.0 <= value <= table.num_embeddings:  # also refuses NaN
         raise ValueError(
             f"table '{table.key}': cache_params.stats.expected_lookups must be the distinct rows "
-            f"of a global batch, between 0 and its {table.num_embeddings} rows; got {value}")
+            f"of a global batch, between 0 and its {table.num_embeddings} rows; got {value}"
+        )
     return value
 
 
-def touched_rows(table: TableMeta, cache_params: Optional[CacheParams], rows: int,
-                 ids_in: float, global_ids: float) -> float:
+def touched_rows(
+    table: TableMeta, cache_params: CacheParams | None, rows: int, ids_in: float, global_ids: float
+) -> float:
     """Expected distinct rows among the `ids_in` ids a `rows`-row shard of `table` receives
     per step, of the `global_ids` ids of a global batch. With `cache_params.stats`: its
     `expected_lookups` times the shard's share `ids_in / global_ids` (a row block's share of
@@ -39,14 +40,14 @@ def touched_rows(table: TableMeta, cache_params: Optional[CacheParams], rows: in
     return expected_lookups(table, stats) * ids_in / global_ids if global_ids > 0 else 0.0
 
 
-def cache_load_factor(cache_params: Optional[CacheParams]) -> float:
+def cache_load_factor(cache_params: CacheParams | None) -> float:
     """`cache_params.load_factor`, or `DEFAULT_CACHE_LOAD_FACTOR` when not given."""
     if cache_params is None or cache_params.load_factor is None:
         return DEFAULT_CACHE_LOAD_FACTOR
     return float(cache_params.load_factor)
 
 
-def cache_hit_rate(cache_params: Optional[CacheParams], rows: int) -> float:
+def cache_hit_rate(cache_params: CacheParams | None, rows: int) -> float:
     """Expected hit rate of a UVM cache holding `load_factor` of `rows` rows: with
     `cache_params.stats`, `1 - stats.expected_miss_rate(load_factor)` (measured on the data);
     without, for ids drawn Zipf(1)-like (a few hot rows), caching the hottest `lf rows` hits

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -66,16 +66,22 @@ class CalibrationGrid:
 
     @classmethod
     def quick(cls) -> CalibrationGrid:
-        return cls(dims=(16, 32), poolings=(1, 4), batches=(32, 128), rows=(200, 2000),
-                   link_bytes=(1 << 10, 1 << 14, 1 << 16), all_reduce_bytes=(1 << 14, 1 << 16),
-                   link_repeats=3)
+        return cls(
+            dims=(16, 32),
+            poolings=(1, 4),
+            batches=(32, 128),
+            rows=(200, 2000),
+            link_bytes=(1 << 10, 1 << 14, 1 << 16),
+            all_reduce_bytes=(1 << 14, 1 << 16),
+            link_repeats=3,
+        )
 
 
 def calibrate(
     budget_s: float = 35.0,
-    grid: Optional[CalibrationGrid] = None,
-    pg: Optional[dist.ProcessGroup] = None,
-    local_world_size: Optional[int] = None,
+    grid: CalibrationGrid | None = None,
+    pg: dist.ProcessGroup | None = None,
+    local_world_size: int | None = None,
 ) -> CalibrationProfile:
     """Measure kernels (within about `budget_s`) and, if a process group is initialized
     (`pg` or the default one), its links; every rank of `pg` must call this."""
@@ -84,8 +90,9 @@ def calibrate(
     group = pg if pg is not None else (dist.group.WORLD if dist.is_initialized() else None)
     world = dist.get_world_size(group) if group is not None else 1
     local = local_world_size or (get_local_size(world) if group is not None else 1)
-    profile = CalibrationProfile("cpu", torch.get_num_threads(), world, local,
-                                 host=socket.gethostname())
+    profile = CalibrationProfile(
+        "cpu", torch.get_num_threads(), world, local, host=socket.gethostname()
+    )
     points = len(grid.dims) * len(grid.poolings) * len(grid.batches) * 2 * 2
     per_point_s = 0.8 * budget_s / max(points, 1)
     for dim in grid.dims:
@@ -95,8 +102,12 @@ def calibrate(
         dist.barrier(group)
         profile.links = measure_links(group, local, grid)
     profile.seconds = time.perf_counter() - start
-    logger.info("calibrated in %.1f s: %d kernel fits, %d link fits", profile.seconds,
-                len(profile.kernels), len(profile.links))
+    logger.info(
+        "calibrated in %.1f s: %d kernel fits, %d link fits",
+        profile.seconds,
+        len(profile.kernels),
+        len(profile.links),
+    )
     return profile
 
 
@@ -104,11 +115,21 @@ def calibrate(
 
 
 def _lookup(kernel: EmbeddingComputeKernel, tables: int, rows: int, dim: int) -> GroupedLookup:
-    local = [LocalTable(EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim, name=f"t{t}",
-                                           feature_names=[f"f{t}"]),
-                        rows, dim, 0, 0, kernel, PoolingType.SUM,
-                        {"optimizer": "exact_sgd", "learning_rate": _LR})
-             for t in range(tables)]
+    local = [
+        LocalTable(
+            EmbeddingBagConfig(
+                num_embeddings=rows, embedding_dim=dim, name=f"t{t}", feature_names=[f"f{t}"]
+            ),
+            rows,
+            dim,
+            0,
+            0,
+            kernel,
+            PoolingType.SUM,
+            {"optimizer": "exact_sgd", "learning_rate": _LR},
+        )
+        for t in range(tables)
+    ]
     return GroupedLookup(local, pooled=True, device=torch.device("cpu"))
 
 
@@ -132,8 +153,12 @@ def _median_ms(fn: Callable[[], None], budget_s: float, min_calls: int = 3) -> f
     return statistics.median(times)
 
 
-def _time_point(lookup: GroupedLookup, sgd: Optional[torch.optim.Optimizer],
-                kjt: KeyedJaggedTensor, budget_s: float) -> Tuple[float, float]:
+def _time_point(
+    lookup: GroupedLookup,
+    sgd: torch.optim.Optimizer | None,
+    kjt: KeyedJaggedTensor,
+    budget_s: float,
+) -> Tuple[float, float]:
     """Median ms of a forward, and of a forward + backward + update."""
 
     def forward() -> None:
@@ -161,8 +186,10 @@ def measure_kernels(dim: int, grid: CalibrationGrid, per_point_s: float) -> List
     hot, cold = min(grid.rows), max(grid.rows)
     features: Dict[Tuple[str, str], List[List[float]]] = {}
     times: Dict[Tuple[str, str], List[float]] = {}
-    for name, kernel in (("fused", EmbeddingComputeKernel.FUSED),
-                         ("dense", EmbeddingComputeKernel.DENSE)):
+    for name, kernel in (
+        ("fused", EmbeddingComputeKernel.FUSED),
+        ("dense", EmbeddingComputeKernel.DENSE),
+    ):
         for rows in (hot, cold):
             lookup = _lookup(kernel, grid.tables, rows, dim)
             params = [p for p in lookup.parameters() if p.requires_grad]
@@ -173,19 +200,36 @@ def measure_kernels(dim: int, grid: CalibrationGrid, per_point_s: float) -> List
                     fwd, total = _time_point(lookup, sgd, kjt, per_point_s)
                     ids = float(grid.tables * batch * pooling)
                     updated = rows if name == "dense" else distinct_rows(rows, ids / grid.tables)
-                    work = [ids if rows == hot else 0.0, ids if rows == cold else 0.0,
-                            float(grid.tables * batch), float(grid.tables * updated * dim)]
+                    work = [
+                        ids if rows == hot else 0.0,
+                        ids if rows == cold else 0.0,
+                        float(grid.tables * batch),
+                        float(grid.tables * updated * dim),
+                    ]
                     for phase, ms in (("fwd", fwd), ("bwd", max(total - fwd, 0.0))):
                         features.setdefault((name, phase), []).append(work)
                         times.setdefault((name, phase), []).append(ms)
     out = []
     for (name, phase), x in features.items():
         with_elements = name == "dense" or phase == "bwd"
-        coef, per_call = fit_kernel([row if with_elements else row[:3] for row in x],
-                                    times[(name, phase)])
+        coef, per_call = fit_kernel(
+            [row if with_elements else row[:3] for row in x], times[(name, phase)]
+        )
         per_element = coef[3] if with_elements else 0.0
-        out.append(KernelCost(name, phase, dim, coef[0], coef[2], per_element, per_call,
-                              ms_per_id_cold=coef[1], hot_rows=hot, cold_rows=cold))
+        out.append(
+            KernelCost(
+                name,
+                phase,
+                dim,
+                coef[0],
+                coef[2],
+                per_element,
+                per_call,
+                ms_per_id_cold=coef[1],
+                hot_rows=hot,
+                cold_rows=cold,
+            )
+        )
     return out
 
 
@@ -200,8 +244,9 @@ def fit_kernel(x: Sequence[Sequence[float]], ms: Sequence[float]) -> Tuple[List[
     return coef, per_call
 
 
-def fit_nonnegative(x: Sequence[Sequence[float]], ms: Sequence[float],
-                    intercept: bool = True) -> Tuple[List[float], float]:
+def fit_nonnegative(
+    x: Sequence[Sequence[float]], ms: Sequence[float], intercept: bool = True
+) -> Tuple[List[float], float]:
     """Non-negative least squares of `ms ~ x . coef + per_call`, weighted by `1 / sqrt(ms)`:
     per-id costs grow with the working set (caches), and the large calls are what a training
     step is made of; a negative coefficient is dropped and the rest refitted (where the last
@@ -216,8 +261,9 @@ def fit_nonnegative(x: Sequence[Sequence[float]], ms: Sequence[float],
     weight = 1.0 / y.clamp_min(1e-3).sqrt()
     full = torch.tensor([list(row) + [1.0] for row in x], dtype=torch.float64)
     while True:
-        coef = torch.linalg.lstsq(full[:, columns] * weight[:, None],
-                                  (y * weight)[:, None]).solution[:, 0]
+        coef = torch.linalg.lstsq(
+            full[:, columns] * weight[:, None], (y * weight)[:, None]
+        ).solution[:, 0]
         negative = [c for c, v in zip(columns, coef.tolist()) if v < 0]
         if not negative or len(columns) == 1:
             break
@@ -231,13 +277,13 @@ def fit_nonnegative(x: Sequence[Sequence[float]], ms: Sequence[float],
     return values[:width], values[width]
 
 
-def fit_costs(points: Sequence[Sample], with_elements: bool,
-              intercept: bool = True) -> Tuple[float, float, float, float]:
+def fit_costs(
+    points: Sequence[Sample], with_elements: bool, intercept: bool = True
+) -> Tuple[float, float, float, float]:
     """(per id, per bag, per element, per call) of `ms ~ ids a + bags b + elements c + d`
     over (ids, bags, elements, ms) points (`fit_nonnegative`)."""
     width = 3 if with_elements else 2
-    coef, per_call = fit_nonnegative([p[:width] for p in points], [p[3] for p in points],
-                                     intercept)
+    coef, per_call = fit_nonnegative([p[:width] for p in points], [p[3] for p in points], intercept)
     coef += [0.0] * (3 - width)
     return coef[0], coef[1], coef[2], per_call
 
@@ -302,7 +348,7 @@ def fit_build(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
     return factor, max(fixed, 0.0)
 
 
-def measure_memory(grid: CalibrationGrid) -> Optional[MemoryCost]:
+def measure_memory(grid: CalibrationGrid) -> MemoryCost | None:
     """Peak resident growth of the fused kernel, one fresh process each: `grid.tables`
     tables of the largest size, built and stepped at the largest batch and the smallest and
     largest pooling factors, each `MEMORY_REPEATS` times (the median step growth: the two
@@ -318,10 +364,17 @@ def measure_memory(grid: CalibrationGrid) -> Optional[MemoryCost]:
     for tables, pooling in probes:
         steps = []
         for _ in range(MEMORY_REPEATS if pooling else 1):
-            code = ("from recshard.planner.calibrate import memory_probe; "
-                    f"print(memory_probe({tables}, {rows}, {dim}, {batch}, {pooling}))")
-            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                  timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            code = (
+                "from recshard.planner.calibrate import memory_probe; "
+                f"print(memory_probe({tables}, {rows}, {dim}, {batch}, {pooling}))"
+            )
+            proc = subprocess.run(
+                [sys.executable, "-c", code],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env=dict(os.environ, OMP_NUM_THREADS="1"),
+            )
             if proc.returncode != 0:
                 logger.warning("memory not calibrated: %s", proc.stderr.strip()[-500:])
                 return None
@@ -329,8 +382,14 @@ def measure_memory(grid: CalibrationGrid) -> Optional[MemoryCost]:
             builds.append((4.0 * tables * rows * dim, build))
             steps.append(max(step, 0.0))
         if pooling:
-            points.append((float(tables * batch * pooling), 4.0 * tables * batch * dim, 0.0,
-                           statistics.median(steps)))
+            points.append(
+                (
+                    float(tables * batch * pooling),
+                    4.0 * tables * batch * dim,
+                    0.0,
+                    statistics.median(steps),
+                )
+            )
     per_id, per_out, _, _ = fit_costs(points, with_elements=False, intercept=False)
     factor, fixed = fit_build(builds)
     return MemoryCost(factor, per_id, per_out, build_fixed_bytes=fixed)
@@ -351,16 +410,17 @@ def _collectives(group: dist.ProcessGroup) -> Dict[str, Callable[[torch.Tensor],
 
     return {
         "all_to_all": all_to_all,
-        "reduce_scatter": lambda buf: reduce_scatter_base_pooled(
-            buf.view(world, -1), group).wait(),
+        "reduce_scatter": lambda buf: reduce_scatter_base_pooled(buf.view(world, -1), group).wait(),
         "all_gather": lambda buf: all_gather_base_pooled(
-            buf[: buf.numel() // world].view(1, -1), group).wait(),
+            buf[: buf.numel() // world].view(1, -1), group
+        ).wait(),
         "all_reduce": lambda buf: dist.all_reduce(buf, group=group),
     }
 
 
-def measure_links(group: dist.ProcessGroup, local_world_size: int,
-                  grid: CalibrationGrid) -> List[LinkCost]:
+def measure_links(
+    group: dist.ProcessGroup, local_world_size: int, grid: CalibrationGrid
+) -> List[LinkCost]:
     """Latency and bandwidth of each collective inside a host and, with several hosts,
     across hosts. Every rank runs the same calls in the same order."""
     world = dist.get_world_size(group)
@@ -407,8 +467,9 @@ def fit_link(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
     x = torch.tensor([[1.0, b] for b, _ in points], dtype=torch.float64)
     y = torch.tensor([ms for _, ms in points], dtype=torch.float64)
     weight = 1.0 / y.clamp_min(1e-4)
-    latency, per_byte = torch.linalg.lstsq(x * weight[:, None],
-                                           (y * weight)[:, None]).solution[:, 0].tolist()
+    latency, per_byte = (
+        torch.linalg.lstsq(x * weight[:, None], (y * weight)[:, None]).solution[:, 0].tolist()
+    )
     if per_byte <= 0:  # flat timings: all latency; take the largest point's rate
         per_byte = max(ms / b for b, ms in points)
     return max(latency, 0.0), per_byte

@@ -27,7 +27,7 @@ import json
 import logging
 import math
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from recshard.planner.calibrate_cli import calibrate_main
 from recshard.planner.enumerator import EmbeddingEnumerator
@@ -49,12 +49,35 @@ from recshard.planner.reservation import StorageReservation
 from recshard.planner.stats import PlannerStats
 from recshard.types import BoundsCheckMode, PipelineType
 
-_TABLE_KEYS = {"name", "num_embeddings", "embedding_dim", "feature_names", "pooling_factor",
-               "pooling_factors", "num_poolings", "batch_sizes", "data_type", "weighted",
-               "is_weighted", "pooled", "module", "optimizer", "constraints"}
-_CONSTRAINT_KEYS = {"sharding_types", "compute_kernels", "min_partition", "enforce_hbm",
-                    "cache_params", "bounds_check_mode", "stochastic_rounding", "batch_sizes",
-                    "pooling_factors", "num_poolings"}
+_TABLE_KEYS = {
+    "name",
+    "num_embeddings",
+    "embedding_dim",
+    "feature_names",
+    "pooling_factor",
+    "pooling_factors",
+    "num_poolings",
+    "batch_sizes",
+    "data_type",
+    "weighted",
+    "is_weighted",
+    "pooled",
+    "module",
+    "optimizer",
+    "constraints",
+}
+_CONSTRAINT_KEYS = {
+    "sharding_types",
+    "compute_kernels",
+    "min_partition",
+    "enforce_hbm",
+    "cache_params",
+    "bounds_check_mode",
+    "stochastic_rounding",
+    "batch_sizes",
+    "pooling_factors",
+    "num_poolings",
+}
 
 
 class InputError(ValueError):
@@ -69,7 +92,9 @@ def read_tables_file(path: str) -> Dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputError(f"not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
+        raise InputError(
+            f"not UTF-8 text (byte {e.start}: {raw[e.start : e.start + 1]!r})"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as json_error:
@@ -78,13 +103,15 @@ def read_tables_file(path: str) -> Dict[str, Any]:
         try:
             import yaml  # type: ignore[import-untyped]
         except ImportError:
-            raise InputError(f"not valid JSON ({json_error}); install PyYAML to read "
-                             "YAML") from None
+            raise InputError(
+                f"not valid JSON ({json_error}); install PyYAML to read YAML"
+            ) from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise InputError(f"neither JSON ({json_error}) nor YAML "
-                             f"({' '.join(str(e).split())})") from None
+            raise InputError(
+                f"neither JSON ({json_error}) nor YAML ({' '.join(str(e).split())})"
+            ) from None
     if isinstance(data, list):
         data = {"tables": data}
     if not isinstance(data, dict) or not isinstance(data.get("tables"), list):
@@ -98,8 +125,9 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _per_feature(value: Any, n: int, key: str, name: str, integer: bool = False
-                 ) -> Optional[List[Any]]:
+def _per_feature(
+    value: Any, n: int, key: str, name: str, integer: bool = False
+) -> List[Any] | None:
     """Per-feature values (a scalar applies to every feature); each a finite number > 0
     (`integer`: an integer >= 1)."""
     if value is None:
@@ -119,46 +147,61 @@ def _feature_names(entry: Dict[str, Any], name: str) -> List[str]:
     features = entry.get("feature_names")
     if features is None:
         return [name]
-    if not isinstance(features, list) or not features or not all(
-            isinstance(f, str) and f for f in features):
-        raise InputError(f"table '{name}': 'feature_names' must be a non-empty list of "
-                         f"names, got {features!r:.80}")
+    if (
+        not isinstance(features, list)
+        or not features
+        or not all(isinstance(f, str) and f for f in features)
+    ):
+        raise InputError(
+            f"table '{name}': 'feature_names' must be a non-empty list of "
+            f"names, got {features!r:.80}"
+        )
     return features
 
 
 def parse_tables(
-    data: Dict[str, Any], default_optimizer: Optional[str] = None
+    data: Dict[str, Any], default_optimizer: str | None = None
 ) -> Tuple[List[TableMeta], Dict[str, ParameterConstraints]]:
     """Table metadata and constraints from the parsed tables file."""
     tables: List[TableMeta] = []
     constraints: Dict[str, ParameterConstraints] = {}
     optimizer = data.get("optimizer", default_optimizer)
     for index, entry in enumerate(data["tables"]):
-        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) \
-                or not entry["name"]:
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("name"), str)
+            or not entry["name"]
+        ):
             raise InputError(f"table #{index}: needs an object with a 'name' string")
         name = entry["name"]
         unknown = sorted(set(entry) - _TABLE_KEYS)
         if unknown:
-            raise InputError(f"table '{name}': unknown keys {unknown}; known: {sorted(_TABLE_KEYS)}")
+            raise InputError(
+                f"table '{name}': unknown keys {unknown}; known: {sorted(_TABLE_KEYS)}"
+            )
         for key in ("num_embeddings", "embedding_dim"):
             if not _is_int(entry.get(key)) or entry[key] < 1:
-                raise InputError(f"table '{name}': '{key}' must be an integer >= 1, got "
-                                 f"{entry.get(key)!r}")
+                raise InputError(
+                    f"table '{name}': '{key}' must be an integer >= 1, got {entry.get(key)!r}"
+                )
         features = _feature_names(entry, name)
         n = len(features)
         pooling = entry.get("pooling_factors", entry.get("pooling_factor"))
         try:
             table = TableMeta(
-                name=name, num_embeddings=entry["num_embeddings"],
-                embedding_dim=entry["embedding_dim"], feature_names=features,
+                name=name,
+                num_embeddings=entry["num_embeddings"],
+                embedding_dim=entry["embedding_dim"],
+                feature_names=features,
                 pooling_factors=_per_feature(pooling, n, "pooling_factor", name),
                 num_poolings=_per_feature(entry.get("num_poolings"), n, "num_poolings", name),
-                batch_sizes=_per_feature(entry.get("batch_sizes"), n, "batch_sizes", name,
-                                         integer=True),
+                batch_sizes=_per_feature(
+                    entry.get("batch_sizes"), n, "batch_sizes", name, integer=True
+                ),
                 data_type=entry.get("data_type", "FP32"),
                 is_weighted=bool(entry.get("weighted", entry.get("is_weighted", False))),
-                pooled=bool(entry.get("pooled", True)), module_fqn=str(entry.get("module", "")),
+                pooled=bool(entry.get("pooled", True)),
+                module_fqn=str(entry.get("module", "")),
                 optimizer=entry.get("optimizer", optimizer),
             )
         except ValueError as e:
@@ -174,13 +217,19 @@ def check_arguments(args: argparse.Namespace, data: Dict[str, Any]) -> Tuple[int
     be replaced by a default or end as 'no plan fits'). Returns (world size, batch size)."""
     world_size = args.world_size if args.world_size is not None else data.get("world_size", 1)
     batch_size = args.batch_size if args.batch_size is not None else data.get("batch_size", 512)
-    for what, value in (("--world-size / world_size", world_size),
-                        ("--batch-size / batch_size", batch_size),
-                        ("--local-world-size", args.local_world_size)):
+    for what, value in (
+        ("--world-size / world_size", world_size),
+        ("--batch-size / batch_size", batch_size),
+        ("--local-world-size", args.local_world_size),
+    ):
         if value is not None and (not _is_int(value) or value < 1):
             raise InputError(f"{what} must be an integer >= 1, got {value!r}")
-    for flag, value in (("--hbm-gb", args.hbm_gb), ("--ddr-gb", args.ddr_gb),
-                        ("--dense-gb", args.dense_gb), ("--kjt-gb", args.kjt_gb)):
+    for flag, value in (
+        ("--hbm-gb", args.hbm_gb),
+        ("--ddr-gb", args.ddr_gb),
+        ("--dense-gb", args.dense_gb),
+        ("--kjt-gb", args.kjt_gb),
+    ):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise InputError(f"{flag} must be a finite number >= 0, got {value}")
     if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
@@ -191,8 +240,9 @@ def check_arguments(args: argparse.Namespace, data: Dict[str, Any]) -> Tuple[int
 def _parse_constraints(name: str, raw: Dict[str, Any]) -> ParameterConstraints:
     unknown = sorted(set(raw) - _CONSTRAINT_KEYS)
     if unknown:
-        raise InputError(f"table '{name}': unknown constraint keys {unknown}; known: "
-                         f"{sorted(_CONSTRAINT_KEYS)}")
+        raise InputError(
+            f"table '{name}': unknown constraint keys {unknown}; known: {sorted(_CONSTRAINT_KEYS)}"
+        )
     raw = dict(raw)
     if raw.get("bounds_check_mode") is not None:
         raw["bounds_check_mode"] = BoundsCheckMode(str(raw["bounds_check_mode"]).lower())
@@ -209,81 +259,135 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("tables_file", help="JSON (or YAML) list of tables")
     p.add_argument("--world-size", type=int, default=None, help="ranks (default: file or 1)")
-    p.add_argument("--local-world-size", type=int, default=None,
-                   help="ranks per host (default: all ranks on one host)")
+    p.add_argument(
+        "--local-world-size",
+        type=int,
+        default=None,
+        help="ranks per host (default: all ranks on one host)",
+    )
     p.add_argument("--compute-device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--hbm-gb", type=float, default=None, help="HBM per rank, GiB (cuda)")
     p.add_argument("--ddr-gb", type=float, default=None, help="DDR per rank, GiB")
     p.add_argument("--batch-size", type=int, default=None, help="samples per rank (512)")
-    p.add_argument("--optimizer", default=None,
-                   help="fused optimizer for tables without one, e.g. exact_row_wise_adagrad")
-    p.add_argument("--dense-gb", type=float, default=0.0,
-                   help="per-rank memory reserved for the dense model, GiB (0)")
-    p.add_argument("--kjt-gb", type=float, default=None,
-                   help="per-rank memory reserved for input batches, GiB (default: estimated)")
-    p.add_argument("--balance-memory", action="store_true",
-                   help="after balancing time, even out memory (within 2%% of the best time)")
+    p.add_argument(
+        "--optimizer",
+        default=None,
+        help="fused optimizer for tables without one, e.g. exact_row_wise_adagrad",
+    )
+    p.add_argument(
+        "--dense-gb",
+        type=float,
+        default=0.0,
+        help="per-rank memory reserved for the dense model, GiB (0)",
+    )
+    p.add_argument(
+        "--kjt-gb",
+        type=float,
+        default=None,
+        help="per-rank memory reserved for input batches, GiB (default: estimated)",
+    )
+    p.add_argument(
+        "--balance-memory",
+        action="store_true",
+        help="after balancing time, even out memory (within 2%% of the best time)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="stop searching after N s")
-    p.add_argument("--max-table-rows", type=int, default=0,
-                   help="print at most N rows of the per-table table (0: all)")
+    p.add_argument(
+        "--max-table-rows",
+        type=int,
+        default=0,
+        help="print at most N rows of the per-table table (0: all)",
+    )
     p.add_argument("-o", "--output", default=None, help="write the plan as JSON here")
     p.add_argument("--png", default=None, help="draw per-rank memory and time here")
     p.add_argument("-v", "--verbose", action="store_true", help="log the planner's progress")
-    p.add_argument("--profile", default=None,
-                   help="calibration profile from `recshard-plan calibrate` (default: built-in "
-                        "costs)")
-    p.add_argument("--intra-host-gbps", type=float, default=None,
-                   help="bandwidth between ranks of a host, GB/s (overrides the profile)")
-    p.add_argument("--inter-host-gbps", type=float, default=None,
-                   help="bandwidth per rank between hosts, GB/s (overrides the profile)")
-    p.add_argument("--explain", default=None, metavar="TABLE",
-                   help="print every option priced for TABLE and why the chosen one won")
-    p.add_argument("--measured", default=None, metavar="FILE",
-                   help="with --explain --png: JSON lines with plan / predicted_ms / "
-                        "measured_ms (benchmarks/planner_accuracy.py) drawn beside the estimates")
-    p.add_argument("--plan", default=None, metavar="PLAN_JSON",
-                   help="print per-rank statistics of this plan instead of planning")
-    p.add_argument("--pipeline-type", default=PipelineType.NONE.value,
-                   choices=[t.value for t in PipelineType],
-                   help="the training pipeline: how many batches of ids a rank holds "
-                        "(none: 1, train_sparse_dist: 2, train_prefetch_sparse_dist: 3)")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="calibration profile from `recshard-plan calibrate` (default: built-in costs)",
+    )
+    p.add_argument(
+        "--intra-host-gbps",
+        type=float,
+        default=None,
+        help="bandwidth between ranks of a host, GB/s (overrides the profile)",
+    )
+    p.add_argument(
+        "--inter-host-gbps",
+        type=float,
+        default=None,
+        help="bandwidth per rank between hosts, GB/s (overrides the profile)",
+    )
+    p.add_argument(
+        "--explain",
+        default=None,
+        metavar="TABLE",
+        help="print every option priced for TABLE and why the chosen one won",
+    )
+    p.add_argument(
+        "--measured",
+        default=None,
+        metavar="FILE",
+        help="with --explain --png: JSON lines with plan / predicted_ms / "
+        "measured_ms (benchmarks/planner_accuracy.py) drawn beside the estimates",
+    )
+    p.add_argument(
+        "--plan",
+        default=None,
+        metavar="PLAN_JSON",
+        help="print per-rank statistics of this plan instead of planning",
+    )
+    p.add_argument(
+        "--pipeline-type",
+        default=PipelineType.NONE.value,
+        choices=[t.value for t in PipelineType],
+        help="the training pipeline: how many batches of ids a rank holds "
+        "(none: 1, train_sparse_dist: 2, train_prefetch_sparse_dist: 3)",
+    )
     return p
 
 
-def gib(value: Optional[float]) -> Optional[float]:
+def gib(value: float | None) -> float | None:
     """GiB -> bytes (None stays None)."""
     return None if value is None else value * GIB
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["calibrate"]:
         return calibrate_main(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     if args.png:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("error: --png needs matplotlib (pip install matplotlib, or recshard[plot])",
-                  file=sys.stderr)
+            print(
+                "error: --png needs matplotlib (pip install matplotlib, or recshard[plot])",
+                file=sys.stderr,
+            )
             return 1
     try:
         data = read_tables_file(args.tables_file)
         tables, constraints = parse_tables(data, args.optimizer)
         world_size, batch_size = check_arguments(args, data)
         topology = Topology(
-            world_size=world_size, compute_device=args.compute_device, hbm_cap=gib(args.hbm_gb),
-            ddr_cap=gib(args.ddr_gb), local_world_size=args.local_world_size,
-            intra_host_bw=args.intra_host_gbps, inter_host_bw=args.inter_host_gbps,
+            world_size=world_size,
+            compute_device=args.compute_device,
+            hbm_cap=gib(args.hbm_gb),
+            ddr_cap=gib(args.ddr_gb),
+            local_world_size=args.local_world_size,
+            intra_host_bw=args.intra_host_gbps,
+            inter_host_bw=args.inter_host_gbps,
             profile=CalibrationProfile.load(args.profile) if args.profile else None,
         )
         measured = read_measurements(args.measured) if args.measured else []
         pipeline = PipelineType(args.pipeline_type)
         if args.plan:
-            print(existing_plan_stats(args.plan, tables, topology, batch_size,
-                                      pipeline).format())
+            print(existing_plan_stats(args.plan, tables, topology, batch_size, pipeline).format())
             return 0
     except InputError as e:
         print(f"error: {args.tables_file}: {e}", file=sys.stderr)
@@ -294,13 +398,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    enumerator = EmbeddingEnumerator(topology, batch_size, constraints, storage_estimator=(
-        EmbeddingStorageEstimator(topology, batch_size, pipeline)))
+    enumerator = EmbeddingEnumerator(
+        topology,
+        batch_size,
+        constraints,
+        storage_estimator=(EmbeddingStorageEstimator(topology, batch_size, pipeline)),
+    )
     planner = EmbeddingShardingPlanner(
-        topology=topology, batch_size=batch_size, enumerator=enumerator,
+        topology=topology,
+        batch_size=batch_size,
+        enumerator=enumerator,
         storage_reservation=StorageReservation(gib(args.dense_gb), gib(args.kjt_gb)),
         partitioner=MemoryBalancedPartitioner() if args.balance_memory else GreedyPerfPartitioner(),
-        constraints=constraints, debug=False, timeout_seconds=args.timeout,
+        constraints=constraints,
+        debug=False,
+        timeout_seconds=args.timeout,
     )
     try:
         plan = planner.plan_tables(tables)
@@ -329,9 +441,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def existing_plan_stats(path: str, tables: List[TableMeta], topology: Topology,
-                        batch_size: int,
-                        pipeline_type: PipelineType = PipelineType.NONE) -> PlanStats:
+def existing_plan_stats(
+    path: str,
+    tables: List[TableMeta],
+    topology: Topology,
+    batch_size: int,
+    pipeline_type: PipelineType = PipelineType.NONE,
+) -> PlanStats:
     """`plan_stats` of the plan file at `path`; its errors (the file's, or the plan's against
     the tables: see `match_plan`) start with the file's name."""
     plan = load_plan(path)  # names the file itself
@@ -342,10 +458,16 @@ def existing_plan_stats(path: str, tables: List[TableMeta], topology: Topology,
 
 
 def _metadata(stats: PlannerStats) -> Dict[str, Any]:
-    return {"world_size": stats.world_size, "local_world_size": stats.local_world_size,
-            "compute_device": stats.compute_device, "batch_size": stats.batch_size,
-            "estimated_max_rank_ms": stats.max_time, "estimated_mean_rank_ms": stats.mean_time,
-            "imbalance": stats.imbalance, "generator": "recshard-plan"}
+    return {
+        "world_size": stats.world_size,
+        "local_world_size": stats.local_world_size,
+        "compute_device": stats.compute_device,
+        "batch_size": stats.batch_size,
+        "estimated_max_rank_ms": stats.max_time,
+        "estimated_mean_rank_ms": stats.mean_time,
+        "imbalance": stats.imbalance,
+        "generator": "recshard-plan",
+    }
 
 
 def draw_png(stats: PlannerStats, path: str) -> None:
@@ -363,8 +485,12 @@ def draw_png(stats: PlannerStats, path: str) -> None:
     mem_ax.bar(ranks, hbm, label="HBM")
     mem_ax.bar(ranks, ddr, bottom=hbm, label="DDR")
     cap = stats.ranks[0].hbm_cap if stats.compute_device == "cuda" else stats.ranks[0].ddr_cap
-    mem_ax.axhline(cap / GIB, linestyle="--", color="gray",
-                   label=f"{'HBM' if stats.compute_device == 'cuda' else 'DDR'} for tables")
+    mem_ax.axhline(
+        cap / GIB,
+        linestyle="--",
+        color="gray",
+        label=f"{'HBM' if stats.compute_device == 'cuda' else 'DDR'} for tables",
+    )
     mem_ax.set_ylabel("GiB")
     mem_ax.set_title("memory per rank")
     mem_ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))

@@ -4,7 +4,7 @@ cost of each shard; plus reading table metadata off a module and its sharders.""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from torch import nn
 
@@ -69,7 +69,7 @@ def column_shard_counts(cols: int, min_partition: int, max_shards: int) -> List[
 
 
 def find_constraints(
-    constraints: Optional[Dict[str, ParameterConstraints]], table: TableMeta
+    constraints: Dict[str, ParameterConstraints] | None, table: TableMeta
 ) -> ParameterConstraints:
     """The constraints for `table`, by `"<fqn>.<table>"` first, then by table name."""
     if constraints:
@@ -118,9 +118,9 @@ class EmbeddingEnumerator:
         self,
         topology: Topology,
         batch_size: int = 512,
-        constraints: Optional[Dict[str, ParameterConstraints]] = None,
-        perf_estimator: Optional[EmbeddingPerfEstimator] = None,
-        storage_estimator: Optional[EmbeddingStorageEstimator] = None,
+        constraints: Dict[str, ParameterConstraints] | None = None,
+        perf_estimator: EmbeddingPerfEstimator | None = None,
+        storage_estimator: EmbeddingStorageEstimator | None = None,
     ) -> None:
         self.topology = topology
         self.batch_size = batch_size
@@ -130,7 +130,9 @@ class EmbeddingEnumerator:
             topology, batch_size
         )
 
-    def enumerate(self, module: nn.Module, sharders: Sequence[ModuleSharder]) -> List[List[ShardingOption]]:
+    def enumerate(
+        self, module: nn.Module, sharders: Sequence[ModuleSharder]
+    ) -> List[List[ShardingOption]]:
         """Options for every table of every shardable submodule of `module`."""
         tables, _ = tables_from_module(module, sharders, self.topology.compute_device)
         return self.enumerate_tables(tables)
@@ -168,15 +170,20 @@ class EmbeddingEnumerator:
                         key = (st, kernel, rows, cols)
                         if key not in cache:
                             cache[key] = (
-                                self.perf_estimator.estimate(table, st, kernel, rows, cols,
-                                                             c.cache_params),
-                                self.storage_estimator.estimate(table, st, kernel, rows, cols,
-                                                                c.cache_params),
+                                self.perf_estimator.estimate(
+                                    table, st, kernel, rows, cols, c.cache_params
+                                ),
+                                self.storage_estimator.estimate(
+                                    table, st, kernel, rows, cols, c.cache_params
+                                ),
                             )
                         perf, storage = cache[key]
                         segments.append(Segment(count, rows, cols, perf, storage))
-                    options.append(ShardingOption(table, st, kernel, segments, c.cache_params,
-                                                  c.bounds_check_mode))
+                    options.append(
+                        ShardingOption(
+                            table, st, kernel, segments, c.cache_params, c.bounds_check_mode
+                        )
+                    )
         if not options:
             raise PlannerError(
                 f"table '{table.key}': no sharding type / compute kernel combination left. "
@@ -187,8 +194,9 @@ class EmbeddingEnumerator:
             )
         return options
 
-    def _kernels(self, table: TableMeta, c: ParameterConstraints, st: str,
-                 allowed: List[str]) -> List[str]:
+    def _kernels(
+        self, table: TableMeta, c: ParameterConstraints, st: str, allowed: List[str]
+    ) -> List[str]:
         device = self.topology.compute_device
         if table.compute_kernels is not None:
             kernels = list(table.compute_kernels.get(st, []))
@@ -198,8 +206,10 @@ class EmbeddingEnumerator:
             kernels = [k for k in kernels if k in c.compute_kernels]
         if device != "cuda" or c.enforce_hbm:
             kernels = [k for k in kernels if k not in UVM_KERNELS]
-        if "fused" in kernels and "dense" in kernels and not (
-            c.compute_kernels and "dense" in c.compute_kernels
+        if (
+            "fused" in kernels
+            and "dense" in kernels
+            and not (c.compute_kernels and "dense" in c.compute_kernels)
         ):
             kernels.remove("dense")
         if st != "data_parallel" and "data_parallel" in allowed and "dense" in kernels:
@@ -250,8 +260,11 @@ def tables_from_module(
             continue
         sharded_params.update(id(p) for p in mod.parameters())
         tables.extend(_module_tables(fqn, mod, sharder, compute_device))
-    dense_bytes = float(sum(p.numel() * p.element_size() for p in module.parameters()
-                            if id(p) not in sharded_params))
+    dense_bytes = float(
+        sum(
+            p.numel() * p.element_size() for p in module.parameters() if id(p) not in sharded_params
+        )
+    )
     return tables, dense_bytes
 
 
@@ -273,11 +286,21 @@ def _module_tables(
         cfg = by_name.get(name)
         if cfg is None:
             raise PlannerError(f"module '{fqn}': shardable parameter '{name}' has no table config")
-        tables.append(TableMeta(
-            name=name, num_embeddings=cfg.num_embeddings, embedding_dim=cfg.embedding_dim,
-            feature_names=list(cfg.feature_names), data_type=cfg.data_type,
-            is_weighted=weighted, pooled=pooled, module_fqn=fqn, sharding_types=types,
-            compute_kernels=kernels,
-            optimizer=None if optimizer is None else str(getattr(optimizer, "value", optimizer)),
-        ))
+        tables.append(
+            TableMeta(
+                name=name,
+                num_embeddings=cfg.num_embeddings,
+                embedding_dim=cfg.embedding_dim,
+                feature_names=list(cfg.feature_names),
+                data_type=cfg.data_type,
+                is_weighted=weighted,
+                pooled=pooled,
+                module_fqn=fqn,
+                sharding_types=types,
+                compute_kernels=kernels,
+                optimizer=None
+                if optimizer is None
+                else str(getattr(optimizer, "value", optimizer)),
+            )
+        )
     return tables

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 
@@ -51,24 +51,38 @@ SECTOR_BYTES = 32  # a row read or write moves at least one 32-byte sector
 MODULE_OUTPUT_COPIES = 4
 # batches of ids a rank holds at once under each training pipeline (TorchRec's factors): the
 # one being looked up, and those the pipeline has already sent on ahead
-INPUT_COPIES = {PipelineType.NONE: 1, PipelineType.TRAIN_BASE: 1,
-                PipelineType.TRAIN_SPARSE_DIST: 2, PipelineType.TRAIN_PREFETCH_SPARSE_DIST: 3}
+INPUT_COPIES = {
+    PipelineType.NONE: 1,
+    PipelineType.TRAIN_BASE: 1,
+    PipelineType.TRAIN_SPARSE_DIST: 2,
+    PipelineType.TRAIN_PREFETCH_SPARSE_DIST: 3,
+}
 
 # Optimizer state of the fused (fbgemm) optimizers: (fp32 bytes per element, bytes per row).
 _OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {
-    "sgd": (0, 0), "exactsgd": (0, 0), "none": (0, 0), "larssgd": (0, 0),
-    "adagrad": (4, 0), "exactadagrad": (4, 0),
-    "rowwiseadagrad": (0, 4), "exactrowwiseadagrad": (0, 4),
-    "exactrowwiseweightedadagrad": (0, 4), "emainplacerowwiseadagrad": (0, 4),
+    "sgd": (0, 0),
+    "exactsgd": (0, 0),
+    "none": (0, 0),
+    "larssgd": (0, 0),
+    "adagrad": (4, 0),
+    "exactadagrad": (4, 0),
+    "rowwiseadagrad": (0, 4),
+    "exactrowwiseadagrad": (0, 4),
+    "exactrowwiseweightedadagrad": (0, 4),
+    "emainplacerowwiseadagrad": (0, 4),
     "ensemblerowwiseadagrad": (4, 4),
-    "adam": (8, 0), "lamb": (8, 0),
-    "partialrowwiseadam": (4, 4), "partialrowwiselamb": (4, 4),
-    "madgrad": (8, 4), "shampoo": (8, 0), "shampoov2": (8, 0),
+    "adam": (8, 0),
+    "lamb": (8, 0),
+    "partialrowwiseadam": (4, 4),
+    "partialrowwiselamb": (4, 4),
+    "madgrad": (8, 4),
+    "shampoo": (8, 0),
+    "shampoov2": (8, 0),
 }
 _warned: set = set()
 
 
-def optimizer_state_bytes(optimizer: Optional[str], rows: int, cols: int) -> float:
+def optimizer_state_bytes(optimizer: str | None, rows: int, cols: int) -> float:
     """Bytes of optimizer state for a `rows x cols` shard: 0 for SGD (and no optimizer),
     `4 rows cols` for Adagrad, `4 rows` for row-wise Adagrad, `8 rows cols` for Adam/LAMB,
     `4 rows cols + 4 rows` for the partial row-wise ones. Unknown names count as Adam + a row
@@ -96,8 +110,12 @@ def table_workload(table: TableMeta, batch_size: int) -> Tuple[float, float]:
 
 
 def shard_traffic(
-    table: TableMeta, sharding_type: str, rows: int, topology: Topology, batch_size: int,
-    workload: Optional[Tuple[float, float]] = None,
+    table: TableMeta,
+    sharding_type: str,
+    rows: int,
+    topology: Topology,
+    batch_size: int,
+    workload: Tuple[float, float] | None = None,
 ) -> Tuple[float, float]:
     """(ids_in, bags_out) of one shard holding `rows` of the table's rows."""
     ids, bags = workload or table_workload(table, batch_size)
@@ -110,10 +128,13 @@ def shard_traffic(
     return ids * world, bags * world
 
 
-def data_parallel_exchange(table: TableMeta, world: int, batch_size: int,
-                           workload: Optional[Tuple[float, float]] = None,
-                           cache_params: Optional[CacheParams] = None,
-                           ) -> Tuple[float, int]:
+def data_parallel_exchange(
+    table: TableMeta,
+    world: int,
+    batch_size: int,
+    workload: Tuple[float, float] | None = None,
+    cache_params: CacheParams | None = None,
+) -> Tuple[float, int]:
     """(bytes all-reduced, collectives) per step to average a data-parallel table's gradient.
     Below `ROW_EXCHANGE_MIN_BYTES` of fp32 gradient: the whole gradient, in an all-reduce
     shared with the kernel's other small tables (0 collectives of its own). At or above: a
@@ -148,8 +169,9 @@ class _TableFacts:
 def wire_id_bytes(rows: int, weighted: bool) -> float:
     """Bytes one id of a `rows`-row shard takes in the KJT all-to-all: checked ids travel in the
     narrowest integer type of their range (`recshard.comm.wire`), per-id weights as fp32."""
-    return float(id_wire_dtype(rows, torch.int64).itemsize
-                 + (PER_ID_WEIGHT_BYTES if weighted else 0))
+    return float(
+        id_wire_dtype(rows, torch.int64).itemsize + (PER_ID_WEIGHT_BYTES if weighted else 0)
+    )
 
 
 def _facts(cache: Dict[int, _TableFacts], table: TableMeta, batch_size: int) -> _TableFacts:
@@ -206,13 +228,15 @@ class EmbeddingPerfEstimator:
         self._facts: Dict[int, _TableFacts] = {}
         topo = topology
         world, lw = topo.world_size, topo.local_world_size
-        self._a2a_s_per_byte = ((lw - 1) / world / topo.intra_host_bw
-                                + (world - lw) / world / topo.inter_host_bw)
+        self._a2a_s_per_byte = (lw - 1) / world / topo.intra_host_bw + (
+            world - lw
+        ) / world / topo.inter_host_bw
         ring_bw = topo.inter_host_bw if topo.num_hosts > 1 else topo.intra_host_bw
         self._ring_s_per_byte = (world - 1) / world / ring_bw
         profile = topo.profile
-        self._profile = profile if profile and profile.compute_device == topo.compute_device \
-            else None
+        self._profile = (
+            profile if profile and profile.compute_device == topo.compute_device else None
+        )
         self._allreduce_ms, self._allreduce_s_per_byte = 0.0, 2 * self._ring_s_per_byte  # a ring
         if profile is not None and world > 1:
             multi_host = topo.num_hosts > 1
@@ -222,11 +246,13 @@ class EmbeddingPerfEstimator:
                 self._allreduce_ms = measured.latency_ms
                 self._allreduce_s_per_byte = self._ring_s_per_byte * a2a_gbps / measured.gbps
             else:  # an older profile: the ring's two halves
-                self._allreduce_ms = sum(profile.latency_ms(c, multi_host) or 0.0
-                                         for c in ("reduce_scatter", "all_gather"))
+                self._allreduce_ms = sum(
+                    profile.latency_ms(c, multi_host) or 0.0
+                    for c in ("reduce_scatter", "all_gather")
+                )
 
     def kernel_bw(
-        self, kernel: str, cache_params: Optional[CacheParams] = None, rows: int = 1
+        self, kernel: str, cache_params: CacheParams | None = None, rows: int = 1
     ) -> float:
         """Bytes/ms a compute kernel streams embedding rows at (`rows`: of the shard)."""
         topo = self.topology
@@ -250,15 +276,16 @@ class EmbeddingPerfEstimator:
         compute_kernel: str,
         rows: int,
         cols: int,
-        cache_params: Optional[CacheParams] = None,
+        cache_params: CacheParams | None = None,
     ) -> Perf:
         """Perf of one `rows x cols` shard of `table` (formulas in the class docstring)."""
         topo = self.topology
         if cache_params is not None and cache_params.stats is not None:
             expected_lookups(table, cache_params.stats)  # bad stats fail whatever the option
         facts = _facts(self._facts, table, self.batch_size)
-        ids_in, bags_out = shard_traffic(table, sharding_type, rows, topo, self.batch_size,
-                                         facts.workload)
+        ids_in, bags_out = shard_traffic(
+            table, sharding_type, rows, topo, self.batch_size, facts.workload
+        )
         bw = self.kernel_bw(compute_kernel, cache_params, rows)
         s_w = facts.s_w
         row = math.ceil(cols * s_w / SECTOR_BYTES) * SECTOR_BYTES
@@ -274,21 +301,28 @@ class EmbeddingPerfEstimator:
             bwd_compute = (out_bytes + ids_in * (2 * row + 2 * state_row)) / bw
         update = (0.0, 0.0)  # the kernels' per-element part of fwd / bwd compute (measured only)
         if self._profile is not None and compute_kernel in ("fused", "dense") and rows > 0:
-            updated = float(rows) if dense_update else touched_rows(
-                table, cache_params, rows, ids_in, facts.workload[0] * topo.world_size)
-            measured = self._measured(compute_kernel, dense_update, updated, rows, cols,
-                                      ids_in, bags_out, state_row / row)
+            updated = (
+                float(rows)
+                if dense_update
+                else touched_rows(
+                    table, cache_params, rows, ids_in, facts.workload[0] * topo.world_size
+                )
+            )
+            measured = self._measured(
+                compute_kernel, dense_update, updated, rows, cols, ids_in, bags_out, state_row / row
+            )
             if measured is not None:
                 fwd_compute, bwd_compute, update = measured
         if table.is_weighted:
             bwd_compute += ids_in * row / bw
         if sharding_type == "data_parallel":
-            exchanged, collectives = data_parallel_exchange(table, topo.world_size,
-                                                            self.batch_size, facts.workload,
-                                                            cache_params)
+            exchanged, collectives = data_parallel_exchange(
+                table, topo.world_size, self.batch_size, facts.workload, cache_params
+            )
             comms = exchanged * self._allreduce_s_per_byte + collectives * self._allreduce_ms
-            return self._scaled(sharding_type, Perf(fwd_compute, 0.0, bwd_compute, comms, 0.0),
-                                ids_in, update)
+            return self._scaled(
+                sharding_type, Perf(fwd_compute, 0.0, bwd_compute, comms, 0.0), ids_in, update
+            )
         input_dist = ids_in * wire_id_bytes(rows, table.is_weighted) * self._a2a_s_per_byte
         if not table.pooled or sharding_type in ("table_wise", "column_wise", "table_column_wise"):
             comms = out_bytes * self._a2a_s_per_byte
@@ -298,11 +332,13 @@ class EmbeddingPerfEstimator:
             lw, hosts = topo.local_world_size, topo.num_hosts
             comms = out_bytes * (lw - 1) / lw / topo.intra_host_bw
             comms += out_bytes / lw * (hosts - 1) / hosts / topo.inter_host_bw
-        return self._scaled(sharding_type, Perf(fwd_compute, comms, bwd_compute, comms,
-                                                input_dist), ids_in, update)
+        return self._scaled(
+            sharding_type, Perf(fwd_compute, comms, bwd_compute, comms, input_dist), ids_in, update
+        )
 
-    def _scaled(self, sharding_type: str, perf: Perf, ids_in: float,
-                update: Tuple[float, float]) -> Perf:
+    def _scaled(
+        self, sharding_type: str, perf: Perf, ids_in: float, update: Tuple[float, float]
+    ) -> Perf:
         """`perf` with each phase times the profile's measured `work_scale` of the type (its
         kernels' per-element part `update` times its `element_scale`), plus its measured cost
         per shard and per id looked up."""
@@ -313,16 +349,25 @@ class EmbeddingPerfEstimator:
         bwd = profile.work_scale(sharding_type, "bwd")
         fwd_update = update[0] * (profile.element_scale(sharding_type, "fwd") - fwd)
         bwd_update = update[1] * (profile.element_scale(sharding_type, "bwd") - bwd)
-        return Perf(perf.fwd_compute * fwd + fwd_update
-                    + profile.shard_ms(sharding_type, "fwd", ids_in),
-                    perf.fwd_comms * fwd,
-                    perf.bwd_compute * bwd + bwd_update
-                    + profile.shard_ms(sharding_type, "bwd", ids_in),
-                    perf.bwd_comms * bwd, perf.input_dist * fwd)
+        return Perf(
+            perf.fwd_compute * fwd + fwd_update + profile.shard_ms(sharding_type, "fwd", ids_in),
+            perf.fwd_comms * fwd,
+            perf.bwd_compute * bwd + bwd_update + profile.shard_ms(sharding_type, "bwd", ids_in),
+            perf.bwd_comms * bwd,
+            perf.input_dist * fwd,
+        )
 
-    def _measured(self, kernel: str, dense_update: bool, updated: float, rows: int,
-                  cols: int, ids_in: float, bags_out: float, state_ratio: float
-                  ) -> Optional[Tuple[float, float, Tuple[float, float]]]:
+    def _measured(
+        self,
+        kernel: str,
+        dense_update: bool,
+        updated: float,
+        rows: int,
+        cols: int,
+        ids_in: float,
+        bags_out: float,
+        state_ratio: float,
+    ) -> Tuple[float, float, Tuple[float, float]] | None:
         """(fwd, bwd, their per-element parts) ms from the calibration profile (`updated`:
         rows the update touches, `rows`: the shard's); None if it lacks the kernel. A sparse
         update's ids cost what they cost in a table of their `working_rows`: skewed ids touch
@@ -331,10 +376,12 @@ class EmbeddingPerfEstimator:
         assert profile is not None
         measured_kernel = "dense" if dense_update else kernel
         id_rows = float(rows) if dense_update else working_rows(rows, updated, ids_in)
-        fwd = profile.kernel_ms(measured_kernel, "fwd", cols, ids_in, bags_out, updated * cols,
-                                id_rows)
-        bwd = profile.kernel_ms(measured_kernel, "bwd", cols, ids_in, bags_out, updated * cols,
-                                id_rows)
+        fwd = profile.kernel_ms(
+            measured_kernel, "fwd", cols, ids_in, bags_out, updated * cols, id_rows
+        )
+        bwd = profile.kernel_ms(
+            measured_kernel, "bwd", cols, ids_in, bags_out, updated * cols, id_rows
+        )
         if fwd is None or bwd is None:
             return None
         elements = updated * cols
@@ -368,8 +415,12 @@ class EmbeddingStorageEstimator:
       `lf weights`, its index `rows (4 + 16 lf)` and io.
     """
 
-    def __init__(self, topology: Topology, batch_size: int = 512,
-                 pipeline_type: PipelineType = PipelineType.NONE) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        batch_size: int = 512,
+        pipeline_type: PipelineType = PipelineType.NONE,
+    ) -> None:
         self.topology = topology
         self.batch_size = batch_size
         self.pipeline_type = pipeline_type
@@ -382,13 +433,14 @@ class EmbeddingStorageEstimator:
         compute_kernel: str,
         rows: int,
         cols: int,
-        cache_params: Optional[CacheParams] = None,
+        cache_params: CacheParams | None = None,
     ) -> Storage:
         """Storage of one `rows x cols` shard of `table` (formulas in the class docstring)."""
         topo = self.topology
         facts = _facts(self._facts, table, self.batch_size)
-        ids_in, bags_out = shard_traffic(table, sharding_type, rows, topo, self.batch_size,
-                                         facts.workload)
+        ids_in, bags_out = shard_traffic(
+            table, sharding_type, rows, topo, self.batch_size, facts.workload
+        )
         weights = float(rows) * cols * facts.s_w
         state = optimizer_state_bytes(table.optimizer, rows, cols)
         if compute_kernel == "quant":  # inference: no optimizer; per-row fp16 scale + bias
@@ -402,8 +454,11 @@ class EmbeddingStorageEstimator:
         if memory is not None and topo.compute_device == topo.profile.compute_device == "cpu":
             if compute_kernel == "fused" and sharding_type != "data_parallel":
                 weights *= memory.weight_factor
-                io = (ids + ids_in * memory.bytes_per_id
-                      + bags_out * cols * 4.0 * memory.bytes_per_output_byte)
+                io = (
+                    ids
+                    + ids_in * memory.bytes_per_id
+                    + bags_out * cols * 4.0 * memory.bytes_per_output_byte
+                )
             io += self._module_buffers(table, sharding_type, cols, bags_out, facts)
             if sharding_type == "data_parallel" and 4.0 * rows * cols >= ROW_EXCHANGE_MIN_BYTES:
                 state -= 4.0 * rows * cols  # averaged in place, no flattened copy
@@ -416,8 +471,9 @@ class EmbeddingStorageEstimator:
             return Storage(lf * weights + rows * (4 + 16 * lf) + io, weights + state)
         return Storage(weights + state + io, 0.0)
 
-    def _module_buffers(self, table: TableMeta, sharding_type: str, cols: int, bags_out: float,
-                        facts: _TableFacts) -> float:
+    def _module_buffers(
+        self, table: TableMeta, sharding_type: str, cols: int, bags_out: float, facts: _TableFacts
+    ) -> float:
         """This shard's part of the module's step buffers as `recshard.comm` keeps them
         (measured at 2 and 4 ranks, 1 and 2 hosts). Table-/column-wise: `MODULE_OUTPUT_COPIES`
         own outputs. Row-wise (table-row-wise on one host): the reduce-scatter's receive and

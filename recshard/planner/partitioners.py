@@ -13,7 +13,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from recshard.planner.planner_types import GIB, ShardingOption
 from recshard.planner.reservation import Capacity
@@ -31,14 +31,14 @@ class PartitionResult:
     """
 
     proposal: List[ShardingOption]
-    ranks: List[Optional[List[int]]]
+    ranks: List[List[int] | None]
     perf: List[float]
     hbm: List[float]
     ddr: List[float]
     rating: float = math.inf
-    failed_index: Optional[int] = None
-    failed_resource: Optional[str] = None
-    error: Optional[str] = None
+    failed_index: int | None = None
+    failed_resource: str | None = None
+    error: str | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -65,8 +65,9 @@ def _fits(need: float, used: float, cap: float) -> bool:
     return used + need <= cap * (1 + _EPS) + 1.0
 
 
-def _short_resource(hbm: List[float], ddr: List[float], capacity: Capacity,
-                    need_hbm: float, need_ddr: float) -> str:
+def _short_resource(
+    hbm: List[float], ddr: List[float], capacity: Capacity, need_hbm: float, need_ddr: float
+) -> str:
     """Which memory kind no rank had room for."""
     if need_hbm and not any(_fits(need_hbm, u, c) for u, c in zip(hbm, capacity.hbm)):
         return "hbm"
@@ -101,16 +102,19 @@ class GreedyPerfPartitioner:
                 result = retry
         result.extra["capacity"] = capacity  # what it was placed within (refinement keeps it)
         if not result.feasible:
-            result.extra["free"] = [(ch - h, cd - d) for ch, h, cd, d in
-                                    zip(capacity.hbm, result.hbm, capacity.ddr, result.ddr)]
+            result.extra["free"] = [
+                (ch - h, cd - d)
+                for ch, h, cd, d in zip(capacity.hbm, result.hbm, capacity.ddr, result.ddr)
+            ]
             result.extra["deficit"] = memory_deficit(result.proposal, capacity)
             result.extra["rank_capacity"] = {"hbm": max(capacity.hbm), "ddr": max(capacity.ddr)}
         return result
 
-    def _partition(self, proposal: List[ShardingOption], capacity: Capacity,
-                   sort_by: str) -> PartitionResult:
+    def _partition(
+        self, proposal: List[ShardingOption], capacity: Capacity, sort_by: str
+    ) -> PartitionResult:
         world = len(capacity.hbm)
-        ranks: List[Optional[List[int]]] = [None] * len(proposal)
+        ranks: List[List[int] | None] = [None] * len(proposal)
         perf, hbm, ddr = self._place_uniform(proposal, world, ranks)
         result = PartitionResult(proposal, ranks, perf, hbm, ddr)
         cap_h, cap_d = capacity.hbm, capacity.ddr
@@ -126,8 +130,9 @@ class GreedyPerfPartitioner:
         return result
 
     @staticmethod
-    def _place_uniform(proposal: List[ShardingOption], world: int,
-                       ranks: List[Optional[List[int]]]) -> Tuple[List[float], ...]:
+    def _place_uniform(
+        proposal: List[ShardingOption], world: int, ranks: List[List[int] | None]
+    ) -> Tuple[List[float], ...]:
         d_perf = [0.0] * (world + 1)
         d_hbm = [0.0] * (world + 1)
         d_ddr = [0.0] * (world + 1)
@@ -147,8 +152,11 @@ class GreedyPerfPartitioner:
                 d_ddr[end] -= d
                 start = end
             ranks[i] = all_ranks
-        return (list(accumulate(d_perf))[:world], list(accumulate(d_hbm))[:world],
-                list(accumulate(d_ddr))[:world])
+        return (
+            list(accumulate(d_perf))[:world],
+            list(accumulate(d_hbm))[:world],
+            list(accumulate(d_ddr))[:world],
+        )
 
     @staticmethod
     def _uniform_failure(result: PartitionResult, capacity: Capacity, rank: int) -> PartitionResult:
@@ -182,18 +190,20 @@ class GreedyPerfPartitioner:
         )
         if not items:
             return True
-        host_load = [sum(perf[h * local:(h + 1) * local]) for h in range(hosts)]
+        host_load = [sum(perf[h * local : (h + 1) * local]) for h in range(hosts)]
         for _, i in items:
             option = proposal[i]
             costs = option.costs
             row_wise = option.sharding_type == "table_row_wise"
-            placed: Optional[List[int]] = None
+            placed: List[int] | None = None
             for h in sorted(range(hosts), key=host_load.__getitem__):
                 base = h * local
                 if row_wise:
                     targets = list(range(base, base + local))
-                    if all(_fits(c[1], hbm[r], cap_h[r]) and _fits(c[2], ddr[r], cap_d[r])
-                           for c, r in zip(costs, targets)):
+                    if all(
+                        _fits(c[1], hbm[r], cap_h[r]) and _fits(c[2], ddr[r], cap_d[r])
+                        for c, r in zip(costs, targets)
+                    ):
                         placed = targets
                 else:
                     placed = _spread_in_host(costs, base, local, perf, hbm, ddr, cap_h, cap_d)
@@ -261,13 +271,22 @@ class GreedyPerfPartitioner:
         return True
 
 
-def _device_failure(result: PartitionResult, capacity: Capacity, room_h: List[float],
-                    room_d: List[float], i: int, j: int, h: float, d: float) -> None:
+def _device_failure(
+    result: PartitionResult,
+    capacity: Capacity,
+    room_h: List[float],
+    room_d: List[float],
+    i: int,
+    j: int,
+    h: float,
+    d: float,
+) -> None:
     option = result.proposal[i]
     result.failed_index = i
     free_h, free_d = max(room_h), max(room_d)
-    result.failed_resource = "hbm" if h > free_h else ("ddr" if d > free_d else
-                                                      ("hbm" if h >= d else "ddr"))
+    result.failed_resource = (
+        "hbm" if h > free_h else ("ddr" if d > free_d else ("hbm" if h >= d else "ddr"))
+    )
     result.error = (
         f"shard {j} of table '{option.table.key}' ({option.sharding_type}, "
         f"{option.compute_kernel}) needs {h / GIB:.3f} GiB HBM + {d / GIB:.3f} GiB DDR; "
@@ -275,18 +294,28 @@ def _device_failure(result: PartitionResult, capacity: Capacity, room_h: List[fl
     )
 
 
-def _spread_in_host(costs: List[Tuple[float, float, float]], base: int, local: int,
-                    perf: List[float], hbm: List[float], ddr: List[float],
-                    cap_h: List[float], cap_d: List[float]) -> Optional[List[int]]:
+def _spread_in_host(
+    costs: List[Tuple[float, float, float]],
+    base: int,
+    local: int,
+    perf: List[float],
+    hbm: List[float],
+    ddr: List[float],
+    cap_h: List[float],
+    cap_d: List[float],
+) -> List[int] | None:
     """Ranks in host [base, base+local) for each shard, least-loaded first; None if no fit."""
-    load = perf[base:base + local]
-    used_h = hbm[base:base + local]
-    used_d = ddr[base:base + local]
+    load = perf[base : base + local]
+    used_h = hbm[base : base + local]
+    used_d = ddr[base : base + local]
     out = [0] * len(costs)
     for j in sorted(range(len(costs)), key=lambda k: -costs[k][0]):
         p, h, d = costs[j]
-        fitting = [k for k in range(local)
-                   if _fits(h, used_h[k], cap_h[base + k]) and _fits(d, used_d[k], cap_d[base + k])]
+        fitting = [
+            k
+            for k in range(local)
+            if _fits(h, used_h[k], cap_h[base + k]) and _fits(d, used_d[k], cap_d[base + k])
+        ]
         if not fitting:
             return None
         k = min(fitting, key=load.__getitem__)
@@ -322,8 +351,11 @@ class MemoryBalancedPartitioner:
             mid = (low + high) / 2
             caps = [min(c, mid) for c in (capacity.hbm if on_hbm else capacity.ddr)]
             capped = Capacity(
-                caps if on_hbm else capacity.hbm, capacity.ddr if on_hbm else caps,
-                capacity.dense_bytes, capacity.kjt_bytes, capacity.fraction,
+                caps if on_hbm else capacity.hbm,
+                capacity.ddr if on_hbm else caps,
+                capacity.dense_bytes,
+                capacity.kjt_bytes,
+                capacity.fraction,
                 capacity.local_world_size,
             )
             trial = self.greedy.partition(proposal, capped)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from torch import nn
 
@@ -41,7 +41,7 @@ PLAN_FORMAT = "recshard.sharding_plan"
 PLAN_VERSION = 1
 
 
-def plan_to_dict(plan: ShardingPlan, metadata: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def plan_to_dict(plan: ShardingPlan, metadata: Dict[str, Any] | None = None) -> Dict[str, Any]:
     """The JSON-ready dict of `plan` (schema in the module docstring)."""
     modules: Dict[str, Any] = {}
     for fqn, tables in plan.plan.items():
@@ -51,21 +51,31 @@ def plan_to_dict(plan: ShardingPlan, metadata: Optional[Dict[str, Any]] = None) 
                 "sharding_type": getattr(ps.sharding_type, "value", ps.sharding_type),
                 "compute_kernel": getattr(ps.compute_kernel, "value", ps.compute_kernel),
                 "ranks": list(ps.ranks) if ps.ranks is not None else None,
-                "shards": None if ps.shards is None else [
-                    {"offsets": list(s.shard_offsets), "sizes": list(s.shard_sizes),
-                     "placement": s.placement} for s in ps.shards
+                "shards": None
+                if ps.shards is None
+                else [
+                    {
+                        "offsets": list(s.shard_offsets),
+                        "sizes": list(s.shard_sizes),
+                        "placement": s.placement,
+                    }
+                    for s in ps.shards
                 ],
                 "bounds_check_mode": ps.bounds_check_mode.value if ps.bounds_check_mode else None,
                 "cache_params": cache_params_to_dict(ps.cache_params),
             }
-    return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "metadata": metadata or {},
-            "modules": modules}
+    return {
+        "format": PLAN_FORMAT,
+        "version": PLAN_VERSION,
+        "metadata": metadata or {},
+        "modules": modules,
+    }
 
 
 _PLACEMENT = re.compile(r"rank:(\d+)/[A-Za-z]+(?::\d+)?")
 
 
-def _field(entry: Any, key: str, where: str, kind: Optional[type] = None) -> Any:
+def _field(entry: Any, key: str, where: str, kind: type | None = None) -> Any:
     """`entry[key]`, which must be there (and of `kind`); errors name the JSON path."""
     if not isinstance(entry, dict):
         raise PlanValidationError(f"{where}: expected an object, got {type(entry).__name__}")
@@ -79,12 +89,13 @@ def _field(entry: Any, key: str, where: str, kind: Optional[type] = None) -> Any
 
 def _ints(value: Any, where: str) -> List[int]:
     if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
         raise PlanValidationError(f"{where}: expected a list of integers >= 0, got {value!r:.60}")
     return value
 
 
-def _shards(raw: Any, where: str) -> Optional[List[ShardMetadata]]:
+def _shards(raw: Any, where: str) -> List[ShardMetadata] | None:
     if raw is None:
         return None
     if not isinstance(raw, list):
@@ -94,10 +105,16 @@ def _shards(raw: Any, where: str) -> Optional[List[ShardMetadata]]:
         at = f"{where}.shards[{k}]"
         placement = _field(s, "placement", at, str)
         if not _PLACEMENT.fullmatch(placement):
-            raise PlanValidationError(f"{at}.placement: expected 'rank:<r>/<device>', got "
-                                      f"{placement!r:.60}")
-        shards.append(ShardMetadata(_ints(_field(s, "offsets", at), f"{at}.offsets"),
-                                    _ints(_field(s, "sizes", at), f"{at}.sizes"), placement))
+            raise PlanValidationError(
+                f"{at}.placement: expected 'rank:<r>/<device>', got {placement!r:.60}"
+            )
+        shards.append(
+            ShardMetadata(
+                _ints(_field(s, "offsets", at), f"{at}.offsets"),
+                _ints(_field(s, "sizes", at), f"{at}.sizes"),
+                placement,
+            )
+        )
     return shards
 
 
@@ -114,16 +131,19 @@ def _table_entry(entry: Any, where: str) -> ParameterSharding:
     except ValueError:
         raise PlanValidationError(
             f"{where}.bounds_check_mode: {mode!r:.40} is not one of "
-            f"{[m.value for m in BoundsCheckMode]}") from None
+            f"{[m.value for m in BoundsCheckMode]}"
+        ) from None
     return ParameterSharding(
         sharding_type=_field(entry, "sharding_type", where, str),
         compute_kernel=_field(entry, "compute_kernel", where, str),
-        ranks=ranks, shards=shards, bounds_check_mode=bounds,
+        ranks=ranks,
+        shards=shards,
+        bounds_check_mode=bounds,
         cache_params=_cache_params(entry.get("cache_params"), f"{where}.cache_params"),
     )
 
 
-def _cache_params(raw: Any, where: str) -> Optional[CacheParams]:
+def _cache_params(raw: Any, where: str) -> CacheParams | None:
     if raw is None:
         return None
     if not isinstance(raw, dict):
@@ -147,31 +167,41 @@ def plan_from_dict(data: Dict[str, Any]) -> ShardingPlan:
     plan: Dict[str, Dict[str, ParameterSharding]] = {}
     for fqn, tables in _field(data, "modules", "$", dict).items():
         if not isinstance(tables, dict):
-            raise PlanValidationError(f"$.modules[{json.dumps(fqn)}]: expected an object of "
-                                      f"tables, got {tables!r:.60}")
+            raise PlanValidationError(
+                f"$.modules[{json.dumps(fqn)}]: expected an object of tables, got {tables!r:.60}"
+            )
         plan[fqn] = {}
         for name, entry in tables.items():
             try:
                 plan[fqn][name] = _table_entry(
-                    entry, f"$.modules[{json.dumps(fqn)}][{json.dumps(name)}]")
+                    entry, f"$.modules[{json.dumps(fqn)}][{json.dumps(name)}]"
+                )
             except PlanValidationError as e:
-                raise PlanValidationError(f"table '{f'{fqn}.' if fqn else ''}{name}': {e}") \
-                    from None
+                raise PlanValidationError(
+                    f"table '{f'{fqn}.' if fqn else ''}{name}': {e}"
+                ) from None
     return ShardingPlan(plan)
 
 
-def save_plan(plan: ShardingPlan, path: str, metadata: Optional[Dict[str, Any]] = None) -> None:
+def save_plan(plan: ShardingPlan, path: str, metadata: Dict[str, Any] | None = None) -> None:
     """Write `plan` as JSON to `path` (written to a temp file, then renamed)."""
     data = plan_to_dict(plan, metadata)
-    lines = ["{", f' "format": {json.dumps(data["format"])},', f' "version": {data["version"]},',
-             f' "metadata": {json.dumps(data["metadata"], sort_keys=True)},', ' "modules": {']
+    lines = [
+        "{",
+        f' "format": {json.dumps(data["format"])},',
+        f' "version": {data["version"]},',
+        f' "metadata": {json.dumps(data["metadata"], sort_keys=True)},',
+        ' "modules": {',
+    ]
     modules = list(data["modules"].items())
     for m, (fqn, tables) in enumerate(modules):
         lines.append(f"  {json.dumps(fqn)}: {{")
         items = list(tables.items())
         for t, (name, entry) in enumerate(items):  # one line per table keeps big plans small
             comma = "," if t + 1 < len(items) else ""
-            lines.append(f"   {json.dumps(name)}: {json.dumps(entry, separators=(',', ':'))}{comma}")
+            lines.append(
+                f"   {json.dumps(name)}: {json.dumps(entry, separators=(',', ':'))}{comma}"
+            )
         lines.append("  }" + ("," if m + 1 < len(modules) else ""))
     lines += [" }", "}", ""]
     tmp = f"{path}.tmp{os.getpid()}"
@@ -182,9 +212,9 @@ def save_plan(plan: ShardingPlan, path: str, metadata: Optional[Dict[str, Any]] 
 
 def load_plan(
     path: str,
-    module: Optional[nn.Module] = None,
-    world_size: Optional[int] = None,
-    local_world_size: Optional[int] = None,
+    module: nn.Module | None = None,
+    world_size: int | None = None,
+    local_world_size: int | None = None,
 ) -> ShardingPlan:
     """Read a plan written by `save_plan` or `recshard-plan -o`; with `module`, also check it
     fits that model (and world) with `validate_plan`."""

@@ -24,7 +24,7 @@ every rank (`module_join_bytes`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from recshard.comm import shm
 from recshard.plan.sharding_types import ALL_SHARDING_TYPES, PLACED_TYPES, SEQUENCE_SHARDING_TYPES
@@ -80,9 +80,9 @@ class RankLoad:
         return self.compute_ms + self.comms_ms
 
 
-LOAD_FIELDS = [f.name for f in fields(RankLoad)
-               if f.name not in ("rank", "terms", "transport_memory")] + [
-    "total_ms"]
+LOAD_FIELDS = [
+    f.name for f in fields(RankLoad) if f.name not in ("rank", "terms", "transport_memory")
+] + ["total_ms"]
 
 
 @dataclass
@@ -107,8 +107,18 @@ class PlanStats:
 
     def format(self) -> str:
         """Per-rank table with a max and a mean row (MiB, millions of ids, ms)."""
-        header = ["rank", "stored MiB", "memory MiB", "lookups M", "read MiB", "sent MiB",
-                  "recv MiB", "compute ms", "comms ms", "total ms"]
+        header = [
+            "rank",
+            "stored MiB",
+            "memory MiB",
+            "lookups M",
+            "read MiB",
+            "sent MiB",
+            "recv MiB",
+            "compute ms",
+            "comms ms",
+            "total ms",
+        ]
         units = [2**20, 2**20, 1e6, 2**20, 2**20, 2**20, 1.0, 1.0, 1.0]
 
         def row(label: str, values: Sequence[float]) -> List[str]:
@@ -120,14 +130,20 @@ class PlanStats:
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
         lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
         lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-        lines.append(f"per-step fixed cost (collective latency, kernel calls): "
-                     f"{self.fixed_ms:.3f} ms; predicted step time: "
-                     f"{self.predicted_step_ms:.3f} ms")
+        lines.append(
+            f"per-step fixed cost (collective latency, kernel calls): "
+            f"{self.fixed_ms:.3f} ms; predicted step time: "
+            f"{self.predicted_step_ms:.3f} ms"
+        )
         return "\n".join(lines)
 
 
-def _find_table(tables: Dict[Tuple[str, str], TableMeta], by_name: Dict[str, List[TableMeta]],
-                fqn: str, name: str) -> TableMeta:
+def _find_table(
+    tables: Dict[Tuple[str, str], TableMeta],
+    by_name: Dict[str, List[TableMeta]],
+    fqn: str,
+    name: str,
+) -> TableMeta:
     found = tables.get((fqn, name))
     if found is not None:
         return found
@@ -135,13 +151,16 @@ def _find_table(tables: Dict[Tuple[str, str], TableMeta], by_name: Dict[str, Lis
     if len(candidates) == 1:
         return candidates[0]
     where = f"'{fqn}.{name}'" if fqn else f"'{name}'"
-    raise PlanValidationError(f"table {where}: in the plan but not among the tables given"
-                              if not candidates else
-                              f"table {where}: several tables of that name; give module paths")
+    raise PlanValidationError(
+        f"table {where}: in the plan but not among the tables given"
+        if not candidates
+        else f"table {where}: several tables of that name; give module paths"
+    )
 
 
-def match_plan(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topology
-               ) -> List[Tuple[TableMeta, ParameterSharding]]:
+def match_plan(
+    plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topology
+) -> List[Tuple[TableMeta, ParameterSharding]]:
     """Each plan entry with its table, checked by the plan rules (`check_table_plan`: known
     type and kernel, ranks inside the world and agreeing with the placements, shards that
     tile the table); every table planned exactly once. PlanValidationError names the table."""
@@ -158,20 +177,28 @@ def match_plan(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topolo
             if id(table) in planned:
                 raise PlanValidationError(f"{where}: planned twice (also as {planned[id(table)]})")
             planned[id(table)] = where
-            check_table_plan(table, ps, topology.world_size, topology.local_world_size,
-                             ALL_SHARDING_TYPES if table.pooled else SEQUENCE_SHARDING_TYPES,
-                             where=where,
-                             owner="a pooled table" if table.pooled else "a sequence table")
+            check_table_plan(
+                table,
+                ps,
+                topology.world_size,
+                topology.local_world_size,
+                ALL_SHARDING_TYPES if table.pooled else SEQUENCE_SHARDING_TYPES,
+                where=where,
+                owner="a pooled table" if table.pooled else "a sequence table",
+            )
             out.append((table, ps))
     missing = [t.key for t in tables if id(t) not in planned]
     if missing:
-        raise PlanValidationError(f"table '{missing[0]}': among the tables but not in the plan"
-                                  + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise PlanValidationError(
+            f"table '{missing[0]}': among the tables but not in the plan"
+            + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
     return out
 
 
-def module_join_bytes(matched: Sequence[Tuple[TableMeta, ParameterSharding]],
-                      batch_size: int) -> float:
+def module_join_bytes(
+    matched: Sequence[Tuple[TableMeta, ParameterSharding]], batch_size: int
+) -> float:
     """Bytes every rank holds to join the outputs of modules whose pooled tables span more
     than one sharding: `JOIN_COPIES x batch x (sum of the module's dims)` fp32 each (a 2 x 2
     ranks plan of 9 table-wise, 6 column-wise and 11 data-parallel tables at d128, batch 2048,
@@ -182,10 +209,14 @@ def module_join_bytes(matched: Sequence[Tuple[TableMeta, ParameterSharding]],
         if table.pooled:
             st = ShardingType(ps.sharding_type)
             kinds.setdefault(table.module_fqn, set()).add("placed" if st in PLACED_TYPES else st)
-            widths[table.module_fqn] = (widths.get(table.module_fqn, 0)
-                                        + table.embedding_dim * len(table.feature_names))
-    return sum(JOIN_COPIES * batch_size * widths[fqn] * _GRAD_BYTES
-               for fqn, found in kinds.items() if len(found) > 1)
+            widths[table.module_fqn] = widths.get(table.module_fqn, 0) + table.embedding_dim * len(
+                table.feature_names
+            )
+    return sum(
+        JOIN_COPIES * batch_size * widths[fqn] * _GRAD_BYTES
+        for fqn, found in kinds.items()
+        if len(found) > 1
+    )
 
 
 def _shards(ps: ParameterSharding, table: TableMeta, world: int) -> List[Tuple[int, int, int]]:
@@ -195,9 +226,13 @@ def _shards(ps: ParameterSharding, table: TableMeta, world: int) -> List[Tuple[i
     return [(s.rank, s.shard_sizes[0], s.shard_sizes[1]) for s in ps.shards or []]
 
 
-def plan_stats(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topology,
-               batch_size: int = 512,
-               pipeline_type: PipelineType = PipelineType.NONE) -> PlanStats:
+def plan_stats(
+    plan: ShardingPlan,
+    tables: Sequence[TableMeta],
+    topology: Topology,
+    batch_size: int = 512,
+    pipeline_type: PipelineType = PipelineType.NONE,
+) -> PlanStats:
     """The per-rank loads of `plan` for `tables` on `topology`, training under
     `pipeline_type`. The plan must plan every table once (matched by module path and name,
     or by name when unambiguous) and pass the plan rules (`match_plan`); PlanValidationError
@@ -210,19 +245,23 @@ def plan_stats(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topolo
     groups = []
     matched = match_plan(plan, tables, topology)
     for table, ps in matched:
-        groups.append((ps.sharding_type, ps.compute_kernel, table.embedding_dim,
-                       len(table.feature_names)))
+        groups.append(
+            (ps.sharding_type, ps.compute_kernel, table.embedding_dim, len(table.feature_names))
+        )
         s_w = table.data_type.element_size
         shards = _shards(ps, table, world)
         for rank, rows, cols in shards:
             load = loads[rank]
-            perf = perf_est.estimate(table, ps.sharding_type, ps.compute_kernel, rows, cols,
-                                     ps.cache_params)
-            storage = storage_est.estimate(table, ps.sharding_type, ps.compute_kernel, rows,
-                                           cols, ps.cache_params)
+            perf = perf_est.estimate(
+                table, ps.sharding_type, ps.compute_kernel, rows, cols, ps.cache_params
+            )
+            storage = storage_est.estimate(
+                table, ps.sharding_type, ps.compute_kernel, rows, cols, ps.cache_params
+            )
             ids_in, _ = shard_traffic(table, ps.sharding_type, rows, topology, batch_size)
             load.bytes_stored += rows * cols * s_w + optimizer_state_bytes(
-                table.optimizer, rows, cols)
+                table.optimizer, rows, cols
+            )
             load.memory += storage.hbm + storage.ddr
             load.lookups += ids_in
             load.bytes_read += ids_in * cols * s_w
@@ -235,10 +274,12 @@ def plan_stats(plan: ShardingPlan, tables: Sequence[TableMeta], topology: Topolo
             terms.bwd_comms += perf.bwd_comms
         traffic.add_table(table, ps, shards, batch_size)
     overhead = rank_overhead_bytes(topology) + module_join_bytes(matched, batch_size)
-    transport = (traffic.shm_resident() if topology.compute_device == "cpu" and shm.enabled()
-                 else [0.0] * world)
-    for load, sent, received, resident in zip(loads, traffic.sent(), traffic.received(),
-                                              transport):
+    transport = (
+        traffic.shm_resident()
+        if topology.compute_device == "cpu" and shm.enabled()
+        else [0.0] * world
+    )
+    for load, sent, received, resident in zip(loads, traffic.sent(), traffic.received(), transport):
         load.bytes_sent, load.bytes_received = sent, received
         load.transport_memory = resident
         load.memory += overhead + resident
@@ -250,8 +291,12 @@ def rank_overhead_bytes(topology: Topology) -> float:
     """The measured fixed memory growth of a rank (calibrated on cpu:
     `MemoryCost.fixed_bytes_per_rank`); 0 without a cpu memory profile."""
     profile = topology.profile
-    if (profile is None or profile.memory is None or topology.compute_device != "cpu"
-            or profile.compute_device != "cpu"):
+    if (
+        profile is None
+        or profile.memory is None
+        or topology.compute_device != "cpu"
+        or profile.compute_device != "cpu"
+    ):
         return 0.0
     return profile.memory.fixed_bytes_per_rank()
 
@@ -283,7 +328,7 @@ class _Flow:
         self._sent[rank] += sent
         self._recv[rank] += received
 
-    def one_to_all(self, owner: int, amount: float, ranks: Optional[range] = None) -> None:
+    def one_to_all(self, owner: int, amount: float, ranks: range | None = None) -> None:
         """`owner` sends `amount` to every other rank (of `ranks`; default all)."""
         if ranks is None:
             self._all_recv += amount
@@ -326,11 +371,14 @@ class _Traffic:
         return self._flows[key]
 
     def sent(self) -> List[float]:
-        return [sum(v) for v in zip(*(f.sent() for f in self._flows.values()))] or [0.0] * self.world
+        return [sum(v) for v in zip(*(f.sent() for f in self._flows.values()))] or [
+            0.0
+        ] * self.world
 
     def received(self) -> List[float]:
-        return [sum(v) for v in zip(*(f.received() for f in self._flows.values()))
-                ] or [0.0] * self.world
+        return [sum(v) for v in zip(*(f.received() for f in self._flows.values()))] or [
+            0.0
+        ] * self.world
 
     def shm_resident(self) -> List[float]:
         """Per rank, the bytes the shared-memory transport keeps resident (`shm.resident_bytes`
@@ -348,24 +396,32 @@ class _Traffic:
                     out[rank] += shm.resident_bytes(calls)
         return out
 
-    def add_table(self, table: TableMeta, ps: ParameterSharding,
-                  shards: List[Tuple[int, int, int]], batch_size: int) -> None:
+    def add_table(
+        self,
+        table: TableMeta,
+        ps: ParameterSharding,
+        shards: List[Tuple[int, int, int]],
+        batch_size: int,
+    ) -> None:
         world, fqn = self.world, table.module_fqn
         ids, bags = table_workload(table, batch_size)
         st = ps.sharding_type
         if st == "data_parallel":
             if world > 1:
-                exchanged, _ = data_parallel_exchange(table, world, batch_size,
-                                                      cache_params=ps.cache_params)
+                exchanged, _ = data_parallel_exchange(
+                    table, world, batch_size, cache_params=ps.cache_params
+                )
                 self._flow(_BACKEND, "all_reduce", fqn, st).every_rank(
-                    2.0 * (world - 1) / world * exchanged)  # ring
+                    2.0 * (world - 1) / world * exchanged
+                )  # ring
             return
         rows_split = st in ROW_BLOCK_TYPES
         out_site = "pooled" if table.pooled else "sequence"
         for rank, rows, cols in shards:
             share = rows / table.num_embeddings if rows_split else 1.0
             self._flow(_WORLD, "input_dist", fqn, st).all_to_one(
-                rank, ids * share * wire_id_bytes(rows, table.is_weighted))
+                rank, ids * share * wire_id_bytes(rows, table.is_weighted)
+            )
             out = cols * _GRAD_BYTES
             if not table.pooled:  # sequence: per-id rows back, per-id grads in
                 self._flow(_WORLD, out_site, fqn, st).one_to_all(rank, ids * share * out)
@@ -376,8 +432,9 @@ class _Traffic:
         if rows_split and table.pooled:
             self._pooled_rows(st, fqn, table, shards, bags)
 
-    def _pooled_rows(self, st: str, fqn: str, table: TableMeta,
-                     shards: List[Tuple[int, int, int]], bags: float) -> None:
+    def _pooled_rows(
+        self, st: str, fqn: str, table: TableMeta, shards: List[Tuple[int, int, int]], bags: float
+    ) -> None:
         """Row-wise: reduce-scatter (fwd) + all-gather (bwd) over all ranks, `(W-1)/W` of the
         `W B cols` buffer each way. Table-row-wise: the same inside the owners' host (over
         all ranks when there is one host), then an a2a across hosts."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -75,17 +75,17 @@ class EmbeddingShardingPlanner:
 
     def __init__(
         self,
-        topology: Optional[Topology] = None,
-        batch_size: Optional[int] = None,
-        enumerator: Optional[EmbeddingEnumerator] = None,
-        storage_reservation: Optional[StorageReservation] = None,
-        proposer: Optional[Union[object, List[object]]] = None,
-        partitioner: Optional[object] = None,
-        performance_model: Optional[NoopPerfModel] = None,
-        stats: Optional[EmbeddingStats] = None,
-        constraints: Optional[Dict[str, ParameterConstraints]] = None,
+        topology: Topology | None = None,
+        batch_size: int | None = None,
+        enumerator: EmbeddingEnumerator | None = None,
+        storage_reservation: StorageReservation | None = None,
+        proposer: object | List[object] | None = None,
+        partitioner: object | None = None,
+        performance_model: NoopPerfModel | None = None,
+        stats: EmbeddingStats | None = None,
+        constraints: Dict[str, ParameterConstraints] | None = None,
         debug: bool = True,
-        timeout_seconds: Optional[float] = None,
+        timeout_seconds: float | None = None,
         refine: bool = True,
     ) -> None:
         self._topology = topology
@@ -99,14 +99,15 @@ class EmbeddingShardingPlanner:
         self.partitioner = partitioner or GreedyPerfPartitioner()
         calibrated = topology is not None and topology.profile is not None
         self.performance_model = performance_model or (
-            StepTimePerfModel(topology) if calibrated else NoopPerfModel())
+            StepTimePerfModel(topology) if calibrated else NoopPerfModel()
+        )
         self.stats = stats or EmbeddingStats()
         self.constraints = constraints
         self.debug = debug
         self.timeout_seconds = timeout_seconds
         self.refine = refine
-        self.last_stats: Optional[PlannerStats] = None
-        self.last_result: Optional[PartitionResult] = None
+        self.last_stats: PlannerStats | None = None
+        self.last_result: PartitionResult | None = None
 
     @property
     def topology(self) -> Topology:
@@ -119,8 +120,9 @@ class EmbeddingShardingPlanner:
     @property
     def enumerator(self) -> EmbeddingEnumerator:
         """The enumerator given, else one on the topology, batch size and constraints."""
-        return self._enumerator or EmbeddingEnumerator(self.topology, self.batch_size,
-                                                       self.constraints)
+        return self._enumerator or EmbeddingEnumerator(
+            self.topology, self.batch_size, self.constraints
+        )
 
     def plan(self, module: nn.Module, sharders: Sequence[ModuleSharder]) -> ShardingPlan:
         """Plan every table of every submodule one of `sharders` handles."""
@@ -135,7 +137,9 @@ class EmbeddingShardingPlanner:
         validate_plan(plan, module, topology.world_size, topology.local_world_size)
         return plan
 
-    def plan_tables(self, tables: Sequence[TableMeta], dense_param_bytes: float = 0.0) -> ShardingPlan:
+    def plan_tables(
+        self, tables: Sequence[TableMeta], dense_param_bytes: float = 0.0
+    ) -> ShardingPlan:
         """Plan from table metadata alone (the CLI's entry point)."""
         start = time.perf_counter()
         topo = self.topology
@@ -149,12 +153,19 @@ class EmbeddingShardingPlanner:
             raise PlannerError(self._no_plan_message(space, capacity, evaluated, failure))
         best = ranked[0]
         if self.refine:
-            deadline = None if not self.timeout_seconds else (
-                time.monotonic() + max(0.0, self.timeout_seconds - (time.perf_counter() - start)))
+            deadline = (
+                None
+                if not self.timeout_seconds
+                else (
+                    time.monotonic()
+                    + max(0.0, self.timeout_seconds - (time.perf_counter() - start))
+                )
+            )
             best = self._refine_best(ranked, capacity, deadline)
         self.last_result = best
-        self.last_stats = build_stats(best, capacity, topo, self.batch_size, evaluated, feasible,
-                                      time.perf_counter() - start)
+        self.last_stats = build_stats(
+            best, capacity, topo, self.batch_size, evaluated, feasible, time.perf_counter() - start
+        )
         if self.debug:
             self.stats.log(self.last_stats)
         return to_sharding_plan(best, topo)
@@ -165,8 +176,9 @@ class EmbeddingShardingPlanner:
         """Options whose largest shard fits an empty rank; PlannerError naming the tables
         that have none."""
         cap_h, cap_d = max(capacity.hbm), max(capacity.ddr)
-        kept = [[o for o in options if o.max_hbm <= cap_h and o.max_ddr <= cap_d]
-                for options in space]
+        kept = [
+            [o for o in options if o.max_hbm <= cap_h and o.max_ddr <= cap_d] for options in space
+        ]
         if all(kept):
             return kept
         lost = [options for options, k in zip(space, kept) if not k]
@@ -183,20 +195,29 @@ class EmbeddingShardingPlanner:
             per_kernel: Dict[str, Tuple[float, float]] = {}
             for o in options:
                 need = (o.max_hbm, o.max_ddr)
-                if o.compute_kernel not in per_kernel or sum(need) < sum(per_kernel[o.compute_kernel]):
+                if o.compute_kernel not in per_kernel or sum(need) < sum(
+                    per_kernel[o.compute_kernel]
+                ):
                     per_kernel[o.compute_kernel] = need
             table = options[0].table
-            lines.append(f"  {table.key} ({table.num_embeddings} x {table.embedding_dim}, "
-                         f"{table.optimizer or 'exact_sgd'}): " + ", ".join(
-                             f"{k} {h / GIB:.3f} GiB HBM + {d / GIB:.3f} GiB DDR"
-                             for k, (h, d) in per_kernel.items()))
-        lines.append("Possible fixes: more memory per rank (--hbm-gb / --ddr-gb), more ranks "
-                     "with column-wise or row-wise sharding allowed, a smaller batch size or "
-                     "reservation, or fewer constraints.")
+            lines.append(
+                f"  {table.key} ({table.num_embeddings} x {table.embedding_dim}, "
+                f"{table.optimizer or 'exact_sgd'}): "
+                + ", ".join(
+                    f"{k} {h / GIB:.3f} GiB HBM + {d / GIB:.3f} GiB DDR"
+                    for k, (h, d) in per_kernel.items()
+                )
+            )
+        lines.append(
+            "Possible fixes: more memory per rank (--hbm-gb / --ddr-gb), more ranks "
+            "with column-wise or row-wise sharding allowed, a smaller batch size or "
+            "reservation, or fewer constraints."
+        )
         raise PlannerError("\n".join(lines))
 
-    def _refine_best(self, ranked: List[PartitionResult], capacity: Capacity,
-                     deadline: Optional[float]) -> PartitionResult:
+    def _refine_best(
+        self, ranked: List[PartitionResult], capacity: Capacity, deadline: float | None
+    ) -> PartitionResult:
         """The best of the `_REFINED` best-rated placements once each is refined. Refinement
         can take a placement below one rated better before it: at 2 hosts x 2 ranks, d128, the
         all-table-wise plan rates 218.9 ms as placed and 210.6 refined, the best-rated mixed
@@ -206,22 +227,24 @@ class EmbeddingShardingPlanner:
         for candidate in ranked[:_REFINED]:
             if candidate is not ranked[0] and _even_rating(candidate) >= best.rating:
                 continue
-            refined = refine_placement(candidate, candidate.extra.get("capacity", capacity),
-                                       deadline=deadline)
+            refined = refine_placement(
+                candidate, candidate.extra.get("capacity", capacity), deadline=deadline
+            )
             refined.rating = self.performance_model.rate(refined)
-            if refined.rating < best.rating or (candidate is ranked[0]
-                                                and refined.rating <= best.rating):
+            if refined.rating < best.rating or (
+                candidate is ranked[0] and refined.rating <= best.rating
+            ):
                 best = refined
         return best
 
     def _search(
         self, space: List[List[ShardingOption]], capacity: Capacity, start: float
-    ) -> Tuple[List[PartitionResult], int, int, Optional[PartitionResult]]:
+    ) -> Tuple[List[PartitionResult], int, int, PartitionResult | None]:
         """Every proposal placed once; the feasible placements best-rated first, the counts of
         placements evaluated and feasible, and the last infeasible one."""
         seen: Dict[Tuple[int, ...], PartitionResult] = {}
         found: List[PartitionResult] = []
-        failure: Optional[PartitionResult] = None
+        failure: PartitionResult | None = None
         evaluated = feasible = 0
         for proposer in self.proposers:
             proposer.load(space)  # type: ignore[attr-defined]
@@ -249,7 +272,7 @@ class EmbeddingShardingPlanner:
         space: List[List[ShardingOption]],
         capacity: Capacity,
         evaluated: int,
-        failure: Optional[PartitionResult],
+        failure: PartitionResult | None,
     ) -> str:
         topo = self.topology
         cap_h, cap_d = capacity.hbm[0], capacity.ddr[0]
@@ -268,11 +291,19 @@ class EmbeddingShardingPlanner:
             f"(each at its smallest option); {topo.world_size} ranks have "
             f"{sum(capacity.hbm) / GIB:.3f} GiB HBM and {sum(capacity.ddr) / GIB:.3f} GiB DDR."
         )
-        lines.append("Largest tables, memory per compute kernel (whole table incl. optimizer "
-                     "state):")
-        sized = sorted(space, key=lambda opts: -(opts[0].table.num_embeddings
-                                                 * opts[0].table.embedding_dim
-                                                 * opts[0].table.data_type.element_size))
+        lines.append(
+            "Largest tables, memory per compute kernel (whole table incl. optimizer state):"
+        )
+        sized = sorted(
+            space,
+            key=lambda opts: (
+                -(
+                    opts[0].table.num_embeddings
+                    * opts[0].table.embedding_dim
+                    * opts[0].table.data_type.element_size
+                )
+            ),
+        )
         for options in sized[:5]:
             table = options[0].table
             per_kernel: Dict[str, Tuple[float, float]] = {}
@@ -280,41 +311,60 @@ class EmbeddingShardingPlanner:
                 if o.sharding_type == "data_parallel":
                     continue
                 need = (o.total_hbm, o.total_ddr)
-                if o.compute_kernel not in per_kernel or sum(need) < sum(per_kernel[o.compute_kernel]):
+                if o.compute_kernel not in per_kernel or sum(need) < sum(
+                    per_kernel[o.compute_kernel]
+                ):
                     per_kernel[o.compute_kernel] = need
-            needs = ", ".join(f"{k} {h / GIB:.3f} GiB HBM + {d / GIB:.3f} GiB DDR"
-                              for k, (h, d) in per_kernel.items()) or "data-parallel only"
-            lines.append(f"  {table.key} ({table.num_embeddings} x {table.embedding_dim}, "
-                         f"{table.optimizer or 'exact_sgd'}): {needs}")
+            needs = (
+                ", ".join(
+                    f"{k} {h / GIB:.3f} GiB HBM + {d / GIB:.3f} GiB DDR"
+                    for k, (h, d) in per_kernel.items()
+                )
+                or "data-parallel only"
+            )
+            lines.append(
+                f"  {table.key} ({table.num_embeddings} x {table.embedding_dim}, "
+                f"{table.optimizer or 'exact_sgd'}): {needs}"
+            )
         if failure is not None and failure.error:
-            lines.append(f"Last failure ({(failure.failed_resource or '').upper()} fell short): "
-                         f"{failure.error}")
-        lines.append("Possible fixes: more ranks (--world-size), more memory per rank "
-                     "(--hbm-gb / --ddr-gb), a smaller batch size or reservation, UVM kernels "
-                     "on cuda, or fewer constraints.")
+            lines.append(
+                f"Last failure ({(failure.failed_resource or '').upper()} fell short): "
+                f"{failure.error}"
+            )
+        lines.append(
+            "Possible fixes: more ranks (--world-size), more memory per rank "
+            "(--hbm-gb / --ddr-gb), a smaller batch size or reservation, UVM kernels "
+            "on cuda, or fewer constraints."
+        )
         return "\n".join(lines)
 
     def collective_plan(
-        self, module: nn.Module, sharders: Optional[Sequence[ModuleSharder]] = None,
-        pg: Optional[object] = None,
+        self,
+        module: nn.Module,
+        sharders: Sequence[ModuleSharder] | None = None,
+        pg: object | None = None,
     ) -> ShardingPlan:
         """Rank 0 of `pg` (default: the world) plans with `sharders` (default: DMP's default
         sharders) and broadcasts the plan; every rank returns the same plan. If rank 0 fails,
         its error is broadcast and every rank raises (no rank hangs)."""
         if sharders is None:
             if not _default_sharders:
-                raise PlannerError("collective_plan: no sharders given and no default sharders "
-                                   "registered (import recshard.distributed, or pass sharders)")
+                raise PlannerError(
+                    "collective_plan: no sharders given and no default sharders "
+                    "registered (import recshard.distributed, or pass sharders)"
+                )
             sharders = _default_sharders[0]()
         group = pg if pg is not None else dist.group.WORLD
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if self._topology is None:
             self._topology = Topology(world_size=world, compute_device=self.topology.compute_device)
         if self.topology.world_size != world:
-            raise PlannerError(f"topology has world_size {self.topology.world_size} but the "
-                               f"process group has {world} ranks")
+            raise PlannerError(
+                f"topology has world_size {self.topology.world_size} but the "
+                f"process group has {world} ranks"
+            )
         payload: List[object] = [None]
-        error: Optional[BaseException] = None
+        error: BaseException | None = None
         if rank == 0:
             try:
                 payload[0] = ("ok", self.plan(module, sharders))
@@ -356,8 +406,9 @@ def to_sharding_plan(result: PartitionResult, topology: Topology) -> ShardingPla
             shards = None
             ranks = list(range(topology.world_size))
         else:
-            shards = make_shards(option.sharding_type, table.num_embeddings,
-                                 table.embedding_dim, ranks, device)
+            shards = make_shards(
+                option.sharding_type, table.num_embeddings, table.embedding_dim, ranks, device
+            )
         plan.setdefault(table.module_fqn, {})[table.name] = ParameterSharding(
             sharding_type=option.sharding_type,
             compute_kernel=option.compute_kernel,

@@ -9,7 +9,7 @@ stored in bytes/ms.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 from recshard.modules.embedding_configs import DataType
 from recshard.plan import sharding_types
@@ -55,16 +55,16 @@ class Topology:
         self,
         world_size: int,
         compute_device: str = "cpu",
-        hbm_cap: Optional[float] = None,
-        ddr_cap: Optional[float] = None,
-        local_world_size: Optional[int] = None,
-        hbm_mem_bw: Optional[float] = None,
-        ddr_mem_bw: Optional[float] = None,
-        hbm_to_ddr_mem_bw: Optional[float] = None,
-        intra_host_bw: Optional[float] = None,
-        inter_host_bw: Optional[float] = None,
+        hbm_cap: float | None = None,
+        ddr_cap: float | None = None,
+        local_world_size: int | None = None,
+        hbm_mem_bw: float | None = None,
+        ddr_mem_bw: float | None = None,
+        hbm_to_ddr_mem_bw: float | None = None,
+        intra_host_bw: float | None = None,
+        inter_host_bw: float | None = None,
         uvm_efficiency: float = 0.1,
-        profile: Optional[CalibrationProfile] = None,
+        profile: CalibrationProfile | None = None,
     ) -> None:
         if compute_device not in _DEFAULTS:
             raise ValueError(f"compute_device must be 'cpu' or 'cuda', got {compute_device!r}")
@@ -123,18 +123,18 @@ class ParameterConstraints:
     TorchRec compatibility but `ParameterSharding` has no field for it yet.
     """
 
-    sharding_types: Optional[List[str]] = None
-    compute_kernels: Optional[List[str]] = None
-    min_partition: Optional[int] = None
-    pooling_factors: Optional[List[float]] = None
-    num_poolings: Optional[List[float]] = None
-    batch_sizes: Optional[List[int]] = None
-    is_weighted: Optional[bool] = None
-    cache_params: Optional[CacheParams] = None
-    enforce_hbm: Optional[bool] = None
-    stochastic_rounding: Optional[bool] = None
-    bounds_check_mode: Optional[BoundsCheckMode] = None
-    feature_names: Optional[List[str]] = None
+    sharding_types: List[str] | None = None
+    compute_kernels: List[str] | None = None
+    min_partition: int | None = None
+    pooling_factors: List[float] | None = None
+    num_poolings: List[float] | None = None
+    batch_sizes: List[int] | None = None
+    is_weighted: bool | None = None
+    cache_params: CacheParams | None = None
+    enforce_hbm: bool | None = None
+    stochastic_rounding: bool | None = None
+    bounds_check_mode: BoundsCheckMode | None = None
+    feature_names: List[str] | None = None
 
     def __post_init__(self) -> None:
         for name in ("sharding_types", "compute_kernels"):
@@ -150,12 +150,13 @@ class ParameterConstraints:
         if isinstance(self.cache_params, dict):
             self.cache_params = cache_params_from_dict(self.cache_params)
         elif self.cache_params is not None and not isinstance(self.cache_params, CacheParams):
-            raise ValueError("cache_params must be a CacheParams (or a dict of its fields), "
-                             f"got {type(self.cache_params).__name__}")
+            raise ValueError(
+                "cache_params must be a CacheParams (or a dict of its fields), "
+                f"got {type(self.cache_params).__name__}"
+            )
 
 
-_CACHE_FIELDS = ("algorithm", "load_factor", "reserved_memory", "precision",
-                 "prefetch_pipeline")
+_CACHE_FIELDS = ("algorithm", "load_factor", "reserved_memory", "precision", "prefetch_pipeline")
 
 
 def cache_params_from_dict(raw: Dict[str, Any]) -> CacheParams:
@@ -165,8 +166,10 @@ def cache_params_from_dict(raw: Dict[str, Any]) -> CacheParams:
     JSON: pass a `CacheParams` for them. ValueError names the bad key and value."""
     unknown = sorted(set(raw) - set(_CACHE_FIELDS))
     if unknown:
-        raise ValueError(f"cache_params: unknown keys {unknown}; known: {list(_CACHE_FIELDS)} "
-                         "(stats: pass a CacheParams with a CacheStatistics from Python)")
+        raise ValueError(
+            f"cache_params: unknown keys {unknown}; known: {list(_CACHE_FIELDS)} "
+            "(stats: pass a CacheParams with a CacheStatistics from Python)"
+        )
     values = dict(raw)
     try:
         if isinstance(values.get("algorithm"), str):
@@ -174,18 +177,21 @@ def cache_params_from_dict(raw: Dict[str, Any]) -> CacheParams:
         if isinstance(values.get("precision"), str):
             values["precision"] = DataType(values["precision"].upper())
     except (KeyError, ValueError):
-        raise ValueError(f"cache_params: bad algorithm / precision in {raw}; algorithm is one "
-                         f"of {[a.name for a in CacheAlgorithm]}, precision one of "
-                         f"{[d.value for d in DataType]}") from None
+        raise ValueError(
+            f"cache_params: bad algorithm / precision in {raw}; algorithm is one "
+            f"of {[a.name for a in CacheAlgorithm]}, precision one of "
+            f"{[d.value for d in DataType]}"
+        ) from None
     for key in ("load_factor", "reserved_memory"):
         value = values.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 <= value):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value
+        ):
             raise ValueError(f"cache_params: {key} must be a number >= 0, got {value!r}")
     return CacheParams(**values)
 
 
-def cache_params_to_dict(params: Optional[CacheParams]) -> Optional[Dict[str, Any]]:
+def cache_params_to_dict(params: CacheParams | None) -> Dict[str, Any] | None:
     """The JSON form of `params` (see `cache_params_from_dict`): the set fields other than
     `stats` and the prefetch config, which are objects (TorchRec's hash leaves `stats` out
     too); None for None."""
@@ -213,16 +219,16 @@ class TableMeta:
     num_embeddings: int
     embedding_dim: int
     feature_names: List[str] = field(default_factory=list)
-    pooling_factors: Optional[List[float]] = None
-    num_poolings: Optional[List[float]] = None
-    batch_sizes: Optional[List[int]] = None
+    pooling_factors: List[float] | None = None
+    num_poolings: List[float] | None = None
+    batch_sizes: List[int] | None = None
     data_type: DataType = DataType.FP32
     is_weighted: bool = False
     pooled: bool = True
     module_fqn: str = ""
-    sharding_types: Optional[List[str]] = None
-    compute_kernels: Optional[Dict[str, List[str]]] = None
-    optimizer: Optional[str] = None
+    sharding_types: List[str] | None = None
+    compute_kernels: Dict[str, List[str]] | None = None
+    optimizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_embeddings < 1 or self.embedding_dim < 1:
@@ -269,7 +275,9 @@ class Perf:
 
     @property
     def total(self) -> float:
-        return self.fwd_compute + self.fwd_comms + self.bwd_compute + self.bwd_comms + self.input_dist
+        return (
+            self.fwd_compute + self.fwd_comms + self.bwd_compute + self.bwd_comms + self.input_dist
+        )
 
 
 @dataclass(slots=True)
@@ -288,7 +296,7 @@ class Shard:
     offset: List[int]
     perf: Perf
     storage: Storage
-    rank: Optional[int] = None
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -324,9 +332,24 @@ class ShardingOption:
     the placed copies that the planner returns.
     """
 
-    __slots__ = ("table", "sharding_type", "compute_kernel", "partition_by", "segments",
-                 "num_shards", "total_perf", "max_perf", "total_hbm", "total_ddr", "max_hbm",
-                 "max_ddr", "cache_params", "bounds_check_mode", "ranks", "costs")
+    __slots__ = (
+        "table",
+        "sharding_type",
+        "compute_kernel",
+        "partition_by",
+        "segments",
+        "num_shards",
+        "total_perf",
+        "max_perf",
+        "total_hbm",
+        "total_ddr",
+        "max_hbm",
+        "max_ddr",
+        "cache_params",
+        "bounds_check_mode",
+        "ranks",
+        "costs",
+    )
 
     def __init__(
         self,
@@ -334,8 +357,8 @@ class ShardingOption:
         sharding_type: str,
         compute_kernel: str,
         segments: List[Segment],
-        cache_params: Optional[CacheParams] = None,
-        bounds_check_mode: Optional[BoundsCheckMode] = None,
+        cache_params: CacheParams | None = None,
+        bounds_check_mode: BoundsCheckMode | None = None,
     ) -> None:
         self.table = table
         self.sharding_type = sharding_type
@@ -344,7 +367,7 @@ class ShardingOption:
         self.segments = segments
         self.cache_params = cache_params
         self.bounds_check_mode = bounds_check_mode
-        self.ranks: Optional[List[int]] = None
+        self.ranks: List[int] | None = None
         num = 0
         total_perf = total_hbm = total_ddr = max_perf = max_hbm = max_ddr = 0.0
         for seg in segments:

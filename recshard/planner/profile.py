@@ -31,7 +31,7 @@ import json
 import logging
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 PHASES = ("fwd", "bwd")  # bwd: backward + optimizer update
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class KernelCost:
     ms_per_bag: float
     ms_per_element: float = 0.0
     ms_per_call: float = 0.0
-    ms_per_id_cold: Optional[float] = None
+    ms_per_id_cold: float | None = None
     hot_rows: int = 0
     cold_rows: int = 0
 
@@ -137,7 +137,7 @@ class StepCost:
     ms_per_id: float = 0.0  # and each id it looks up
     # the kernels' per-element work's (the update's) scale, apart from the rest's (None:
     # work_scale, as fitted before it)
-    element_scale: Optional[float] = None
+    element_scale: float | None = None
 
 
 @dataclass
@@ -150,16 +150,18 @@ class CalibrationProfile:
     local_world_size: int = 1
     kernels: List[KernelCost] = field(default_factory=list)
     links: List[LinkCost] = field(default_factory=list)
-    memory: Optional[MemoryCost] = None
+    memory: MemoryCost | None = None
     steps: List[StepCost] = field(default_factory=list)
     seconds: float = 0.0
     host: str = ""
 
-    def kernel_cost(self, kernel: str, phase: str, dim: int) -> Optional[KernelCost]:
+    def kernel_cost(self, kernel: str, phase: str, dim: int) -> KernelCost | None:
         """The fit for `kernel` / `phase` at `dim`, interpolated between measured dims; None
         when the kernel was not measured."""
-        fits = sorted((k for k in self.kernels if k.kernel == kernel and k.phase == phase),
-                      key=lambda k: k.dim)
+        fits = sorted(
+            (k for k in self.kernels if k.kernel == kernel and k.phase == phase),
+            key=lambda k: k.dim,
+        )
         if not fits:
             return None
         if dim <= fits[0].dim or len(fits) == 1:
@@ -174,19 +176,32 @@ class CalibrationProfile:
         cold = None
         if a.ms_per_id_cold is not None and b.ms_per_id_cold is not None:
             cold = (1 - w) * a.ms_per_id_cold + w * b.ms_per_id_cold
-        return KernelCost(kernel, phase, dim, *mix, ms_per_id_cold=cold,
-                          hot_rows=min(a.hot_rows, b.hot_rows),
-                          cold_rows=max(a.cold_rows, b.cold_rows))
+        return KernelCost(
+            kernel,
+            phase,
+            dim,
+            *mix,
+            ms_per_id_cold=cold,
+            hot_rows=min(a.hot_rows, b.hot_rows),
+            cold_rows=max(a.cold_rows, b.cold_rows),
+        )
 
-    def kernel_ms(self, kernel: str, phase: str, dim: int, ids: float, bags: float,
-                  elements: float = 0.0, rows: float = 0.0) -> Optional[float]:
+    def kernel_ms(
+        self,
+        kernel: str,
+        phase: str,
+        dim: int,
+        ids: float,
+        bags: float,
+        elements: float = 0.0,
+        rows: float = 0.0,
+    ) -> float | None:
         """Estimated ms of one call's variable work (no per-call term) on a table (shard) of
         `rows` rows; None if unmeasured."""
         cost = self.kernel_cost(kernel, phase, dim)
         if cost is None:
             return None
-        return (ids * cost.id_ms(rows) + bags * cost.ms_per_bag
-                + elements * cost.ms_per_element)
+        return ids * cost.id_ms(rows) + bags * cost.ms_per_bag + elements * cost.ms_per_element
 
     def call_ms(self, kernel: str, dim: int) -> float:
         """Fixed ms of one forward + backward call of `kernel` (0 when unmeasured)."""
@@ -196,7 +211,7 @@ class CalibrationProfile:
             total += cost.ms_per_call if cost is not None else 0.0
         return total
 
-    def step_ms(self, sharding_type: str, features: int) -> Optional[float]:
+    def step_ms(self, sharding_type: str, features: int) -> float | None:
         """Measured per-step overhead (forward + backward) of one `sharding_type` group
         serving `features` features; None where that type was not measured."""
         measured = STEP_TYPE_OF.get(sharding_type, sharding_type)
@@ -205,12 +220,13 @@ class CalibrationProfile:
             return None
         return sum(c.ms_per_group + c.ms_per_feature * features for c in costs)
 
-    def _step(self, sharding_type: str, phase: str) -> Optional[StepCost]:
+    def _step(self, sharding_type: str, phase: str) -> StepCost | None:
         """The measured step cost of `sharding_type` (`STEP_TYPE_OF`) in `phase`; None where
         not measured."""
         measured = STEP_TYPE_OF.get(sharding_type, sharding_type)
-        return next((c for c in self.steps if c.sharding_type == measured
-                     and c.phase == phase), None)
+        return next(
+            (c for c in self.steps if c.sharding_type == measured and c.phase == phase), None
+        )
 
     def step_ms_phase(self, sharding_type: str, phase: str, features: int) -> float:
         """Measured per-step overhead of one `sharding_type` group in `phase` (0.0 where not
@@ -239,16 +255,17 @@ class CalibrationProfile:
         cost = self._step(sharding_type, phase)
         return cost.ms_per_shard + cost.ms_per_id * ids if cost is not None else 0.0
 
-    def link(self, collective: str, level: str) -> Optional[LinkCost]:
-        return next((c for c in self.links if c.collective == collective and c.level == level),
-                    None)
+    def link(self, collective: str, level: str) -> LinkCost | None:
+        return next(
+            (c for c in self.links if c.collective == collective and c.level == level), None
+        )
 
-    def gbps(self, level: str) -> Optional[float]:
+    def gbps(self, level: str) -> float | None:
         """Bandwidth of a link level: its all-to-all fit (what most of the traffic uses)."""
         cost = self.link("all_to_all", level)
         return cost.gbps if cost is not None else None
 
-    def latency_ms(self, collective: str, multi_host: bool) -> Optional[float]:
+    def latency_ms(self, collective: str, multi_host: bool) -> float | None:
         """Latency of one collective among the job's ranks (inter-host when it spans hosts)."""
         cost = self.link(collective, "inter" if multi_host else "intra")
         if cost is None and multi_host:
@@ -266,8 +283,13 @@ class CalibrationProfile:
             links = [LinkCost(**c) for c in data.pop("links", [])]
             steps = [StepCost(**c) for c in data.pop("steps", [])]
             memory = data.pop("memory", None)
-            profile = cls(kernels=kernels, links=links, steps=steps,
-                          memory=MemoryCost(**memory) if memory else None, **data)
+            profile = cls(
+                kernels=kernels,
+                links=links,
+                steps=steps,
+                memory=MemoryCost(**memory) if memory else None,
+                **data,
+            )
         except TypeError as e:
             raise ValueError(f"not a calibration profile: {e}") from e
         if memory and "build_fixed_bytes" not in memory:
@@ -276,7 +298,9 @@ class CalibrationProfile:
                 "fit: weight_factor %.2f counts fbgemm's import (~55 MB) as weights, and "
                 "bytes_per_output_byte misses the output gradient's buffer; memory estimates "
                 "from it are off by up to ~30%%: re-run `recshard-plan calibrate`",
-                profile.host, profile.memory.weight_factor)
+                profile.host,
+                profile.memory.weight_factor,
+            )
         return profile
 
     def save(self, path: str) -> None:
@@ -306,6 +330,15 @@ def _terms(cost: KernelCost) -> List[float]:
 def _scaled(cost: KernelCost, factor: float, dim: int) -> KernelCost:
     """`cost` with its per-id and per-bag terms scaled by `factor` (a wider row)."""
     cold = cost.ms_per_id_cold * factor if cost.ms_per_id_cold is not None else None
-    return KernelCost(cost.kernel, cost.phase, dim, cost.ms_per_id * factor,
-                      cost.ms_per_bag * factor, cost.ms_per_element, cost.ms_per_call,
-                      cold, cost.hot_rows, cost.cold_rows)
+    return KernelCost(
+        cost.kernel,
+        cost.phase,
+        dim,
+        cost.ms_per_id * factor,
+        cost.ms_per_bag * factor,
+        cost.ms_per_element,
+        cost.ms_per_call,
+        cold,
+        cost.hot_rows,
+        cost.cold_rows,
+    )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Set, Tuple
 
 from recshard.planner.partitioners import PartitionResult
 from recshard.planner.planner_types import ShardingOption
@@ -22,7 +22,7 @@ class Proposer:
     def load(self, search_space: SearchSpace) -> None:
         raise NotImplementedError
 
-    def propose(self) -> Optional[List[ShardingOption]]:
+    def propose(self) -> List[ShardingOption] | None:
         raise NotImplementedError
 
     def feedback(self, result: PartitionResult) -> None:
@@ -81,8 +81,8 @@ class GreedyProposer:
     def load(self, search_space: SearchSpace) -> None:
         self._space = [_by_perf(options) for options in search_space]
         self._choice = [0] * len(self._space)
-        self._best: Optional[PartitionResult] = None
-        self._move: Optional[Tuple[int, int]] = None
+        self._best: PartitionResult | None = None
+        self._move: Tuple[int, int] | None = None
         self._tried: Set[Tuple[int, int]] = set()
         self._stale = 0
         self._count = 0
@@ -90,10 +90,10 @@ class GreedyProposer:
         self._visited: Set[int] = set()
         self._escalation = 0
         self._memory_steps = 0
-        self._savings: Dict[Tuple[int, int, str], Optional[Tuple[float, float, float, int, int]]] = {}
+        self._savings: Dict[Tuple[int, int, str], Tuple[float, float, float, int, int] | None] = {}
         self._done = not self._space
 
-    def propose(self) -> Optional[List[ShardingOption]]:
+    def propose(self) -> List[ShardingOption] | None:
         if self._done:
             return None
         self._count += 1
@@ -120,8 +120,11 @@ class GreedyProposer:
             if state in self._visited and not self._done:  # going in circles: free more
                 self._escalation += 1
                 resource = result.failed_resource or "hbm"
-                need = self.memory_slack * 2**self._escalation * sum(
-                    _use(o, resource) for o in result.proposal)
+                need = (
+                    self.memory_slack
+                    * 2**self._escalation
+                    * sum(_use(o, resource) for o in result.proposal)
+                )
                 other = "ddr" if resource == "hbm" else "hbm"
                 room = -result.extra.get("deficit", {}).get(other, 0.0)
                 self._done = self._escalation > 8 or not self._shrink_many(resource, need, room)
@@ -135,7 +138,7 @@ class GreedyProposer:
                 self._move = (t, self._choice[t])
                 self._choice[t] = index
 
-    def _cheapest_smaller(self, t: int, resource: str, per_shard: bool) -> Optional[int]:
+    def _cheapest_smaller(self, t: int, resource: str, per_shard: bool) -> int | None:
         """Index of table t's cheapest option using less of `resource` than its current one."""
         options = self._space[t]
         limit = _use(options[self._choice[t]], resource, per_shard) * (1 - 1e-9)
@@ -185,15 +188,18 @@ class GreedyProposer:
                 return True
         if fits_a_rank and self._shrink_many(resource, bulk * _use(failed, resource), room):
             return True
-        for u in [t] + sorted(range(len(self._space)), reverse=True,
-                              key=lambda u: _use(self._space[u][self._choice[u]], resource)):
+        for u in [t] + sorted(
+            range(len(self._space)),
+            reverse=True,
+            key=lambda u: _use(self._space[u][self._choice[u]], resource),
+        ):
             index = self._cheapest_smaller(u, resource, per_shard=u == t)
             if index is not None:
                 self._choice[u] = index
                 return True
         return False
 
-    def _fits_now(self, t: int, free: Optional[List[Tuple[float, float]]]) -> Optional[int]:
+    def _fits_now(self, t: int, free: List[Tuple[float, float]] | None) -> int | None:
         """Table t's cheapest other option whose largest shard fits the memory some rank had
         left when the placement failed (splitting or offloading just enough)."""
         if not free:
@@ -229,8 +235,9 @@ class GreedyProposer:
             room_other -= added
         return freed > 0
 
-    def _cheapest_saving(self, t: int, choice: int, resource: str
-                         ) -> Optional[Tuple[float, float, float, int, int]]:
+    def _cheapest_saving(
+        self, t: int, choice: int, resource: str
+    ) -> Tuple[float, float, float, int, int] | None:
         """(extra time per byte saved, bytes saved, bytes of the other memory added, t, k) of
         table t's option k that saves `resource` most cheaply from option `choice`; None if
         none saves any. Memoised: the memory search asks again for the many tables whose
@@ -254,7 +261,7 @@ class GreedyProposer:
         self._savings[key] = best
         return best
 
-    def _balance_move(self, best: PartitionResult) -> Optional[Tuple[int, int]]:
+    def _balance_move(self, best: PartitionResult) -> Tuple[int, int] | None:
         perf = best.perf
         slowest = max(range(len(perf)), key=perf.__getitem__)
         candidates = []
@@ -266,8 +273,10 @@ class GreedyProposer:
         candidates.sort(reverse=True)
         for share, t in candidates:
             for k, option in enumerate(self._space[t]):
-                if k != self._choice[t] and (t, k) not in self._tried and (
-                    option.max_perf < share * (1 - 1e-6)
+                if (
+                    k != self._choice[t]
+                    and (t, k) not in self._tried
+                    and (option.max_perf < share * (1 - 1e-6))
                 ):
                     return t, k
         return None
@@ -291,7 +300,7 @@ class UniformProposer:
                 proposals.append(proposal)
         self._proposals: Iterator[List[ShardingOption]] = iter(proposals)
 
-    def propose(self) -> Optional[List[ShardingOption]]:
+    def propose(self) -> List[ShardingOption] | None:
         return next(self._proposals, None)
 
     def feedback(self, result: PartitionResult) -> None:
@@ -309,13 +318,12 @@ class GridSearchProposer:
         total = math.prod(len(options) for options in search_space) if search_space else 0
         if total > self.max_proposals or total == 0:
             if total:
-                logger.debug("grid search skipped: %d combinations > %d", total,
-                             self.max_proposals)
+                logger.debug("grid search skipped: %d combinations > %d", total, self.max_proposals)
             self._grid: Iterator[Tuple[ShardingOption, ...]] = iter(())
         else:
             self._grid = itertools.product(*[_by_perf(options) for options in search_space])
 
-    def propose(self) -> Optional[List[ShardingOption]]:
+    def propose(self) -> List[ShardingOption] | None:
         combo = next(self._grid, None)
         return None if combo is None else list(combo)
 

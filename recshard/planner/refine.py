@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import time
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List
 
 from recshard.planner.partitioners import PartitionResult
 from recshard.planner.reservation import Capacity
@@ -32,9 +32,9 @@ def _nearest(keys: List[float], target: float) -> Iterator[int]:
 def refine_placement(
     result: PartitionResult,
     capacity: Capacity,
-    max_rounds: Optional[int] = None,
+    max_rounds: int | None = None,
     receivers: int = 8,
-    deadline: Optional[float] = None,
+    deadline: float | None = None,
     probes: int = 16,
     clock: Callable[[], float] = time.monotonic,
 ) -> PartitionResult:
@@ -57,7 +57,7 @@ def refine_placement(
     world = len(perf)
     cap_h = [c * (1 + _EPS) + 1.0 for c in capacity.hbm]
     cap_d = [c * (1 + _EPS) + 1.0 for c in capacity.ddr]
-    ranks: List[Optional[List[int]]] = list(result.ranks)
+    ranks: List[List[int] | None] = list(result.ranks)
     copied: set = set()
     on_rank: List[List[list]] = [[] for _ in range(world)]  # sorted by time
     for i, option in enumerate(result.proposal):
@@ -118,8 +118,10 @@ def refine_placement(
                         break
                     y = on_rank[r][k]
                     delta = x[0] - y[0]
-                    if 0 < delta < gap and fits(r, x[1] - y[1], x[2] - y[2]) and fits(
-                        slow, y[1] - x[1], y[2] - x[2]
+                    if (
+                        0 < delta < gap
+                        and fits(r, x[1] - y[1], x[2] - y[2])
+                        and fits(slow, y[1] - x[1], y[2] - x[2])
                     ):
                         value = max(top - delta, perf[r] + delta)
                         if value < best_value:

@@ -4,7 +4,7 @@ is left for them (`Capacity`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 from recshard.planner.estimators import table_workload
 from recshard.planner.planner_types import GIB, PlannerError, TableMeta, Topology
@@ -36,8 +36,8 @@ class StorageReservation:
 
     def __init__(
         self,
-        dense_bytes: Optional[float] = None,
-        kjt_bytes: Optional[float] = None,
+        dense_bytes: float | None = None,
+        kjt_bytes: float | None = None,
         fraction: float = 0.0,
     ) -> None:
         if not 0.0 <= fraction < 1.0:

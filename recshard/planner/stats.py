@@ -14,11 +14,27 @@ from recshard.planner.planner_types import GIB, Topology
 from recshard.planner.reservation import Capacity
 
 logger = logging.getLogger(__name__)
-__all__ = ["EmbeddingStats", "PlanStats", "PlannerStats", "RankLoad", "RankStats", "TableStats",
-           "build_stats", "compress_ranks", "format_stats", "plan_stats"]
+__all__ = [
+    "EmbeddingStats",
+    "PlanStats",
+    "PlannerStats",
+    "RankLoad",
+    "RankStats",
+    "TableStats",
+    "build_stats",
+    "compress_ranks",
+    "format_stats",
+    "plan_stats",
+]
 
-_ABBREV = {"data_parallel": "DP", "table_wise": "TW", "row_wise": "RW", "column_wise": "CW",
-           "table_row_wise": "TWRW", "table_column_wise": "TWCW"}
+_ABBREV = {
+    "data_parallel": "DP",
+    "table_wise": "TW",
+    "row_wise": "RW",
+    "column_wise": "CW",
+    "table_row_wise": "TWRW",
+    "table_column_wise": "TWCW",
+}
 _PERF_PARTS = ("fwd_compute", "fwd_comms", "bwd_compute", "bwd_comms", "input_dist")
 
 
@@ -99,7 +115,7 @@ class PlannerStats:
 
 
 def compress_ranks(ranks: Sequence[int]) -> str:
-    """"0-3,6,8-9" for [0,1,2,3,6,8,9] (order kept, runs collapsed)."""
+    """ "0-3,6,8-9" for [0,1,2,3,6,8,9] (order kept, runs collapsed)."""
     parts: List[str] = []
     i = 0
     while i < len(ranks):
@@ -153,25 +169,56 @@ def build_stats(
                     num_shards[r] += 1
                     num_shards[r + 1] -= 1
                     types[r][abbrev] = types[r].get(abbrev, 0) + 1
-        tables.append(TableStats(option.module_fqn, option.name, option.sharding_type,
-                                 option.compute_kernel, list(ranks), option.num_shards,
-                                 option.max_perf, option.total_hbm, option.total_ddr))
+        tables.append(
+            TableStats(
+                option.module_fqn,
+                option.name,
+                option.sharding_type,
+                option.compute_kernel,
+                list(ranks),
+                option.num_shards,
+                option.max_perf,
+                option.total_hbm,
+                option.total_ddr,
+            )
+        )
     sums = {name: list(accumulate(values)) for name, values in parts.items()}
     counts = list(accumulate(num_shards))
-    stats = PlannerStats(world, topology.local_world_size, topology.compute_device, batch_size,
-                         num_proposals, num_feasible, plan_time_s, capacity.dense_bytes,
-                         capacity.kjt_bytes, capacity.fraction, tables=tables)
+    stats = PlannerStats(
+        world,
+        topology.local_world_size,
+        topology.compute_device,
+        batch_size,
+        num_proposals,
+        num_feasible,
+        plan_time_s,
+        capacity.dense_bytes,
+        capacity.kjt_bytes,
+        capacity.fraction,
+        tables=tables,
+    )
     for r in range(world):
-        stats.ranks.append(RankStats(
-            r, result.hbm[r], capacity.hbm[r], result.ddr[r], capacity.ddr[r],
-            *(sums[name][r] for name in _PERF_PARTS), result.perf[r], counts[r], types[r],
-        ))
+        stats.ranks.append(
+            RankStats(
+                r,
+                result.hbm[r],
+                capacity.hbm[r],
+                result.ddr[r],
+                capacity.ddr[r],
+                *(sums[name][r] for name in _PERF_PARTS),
+                result.perf[r],
+                counts[r],
+                types[r],
+            )
+        )
     return stats
 
 
 def _table(header: List[str], rows: List[List[str]]) -> str:
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
-              for i, h in enumerate(header)]
+    widths = [
+        max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
+        for i, h in enumerate(header)
+    ]
     line = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
     fmt = "| " + " | ".join(f"{{:{'>' if i else '<'}{w}}}" for i, w in enumerate(widths)) + " |"
     out = [line, fmt.format(*header), line]
@@ -208,25 +255,59 @@ def format_stats(stats: PlannerStats, max_rows: int = 0) -> str:
         f"{_size(stats.reserved_kjt_bytes)}, fraction {stats.reserved_fraction:.0%}",
     ]
     rank_rows = [
-        [str(r.rank), f"{_gib(r.hbm)} ({_pct(r.hbm, r.hbm_cap)})",
-         f"{_gib(r.ddr)} ({_pct(r.ddr, r.ddr_cap)})", f"{r.total:.3f}",
-         f"{r.fwd_compute:.3f}", f"{r.fwd_comms:.3f}", f"{r.bwd_compute:.3f}",
-         f"{r.bwd_comms:.3f}", f"{r.input_dist:.3f}", str(r.num_shards),
-         " ".join(f"{k}:{v}" for k, v in sorted(r.sharding_types.items()))]
+        [
+            str(r.rank),
+            f"{_gib(r.hbm)} ({_pct(r.hbm, r.hbm_cap)})",
+            f"{_gib(r.ddr)} ({_pct(r.ddr, r.ddr_cap)})",
+            f"{r.total:.3f}",
+            f"{r.fwd_compute:.3f}",
+            f"{r.fwd_comms:.3f}",
+            f"{r.bwd_compute:.3f}",
+            f"{r.bwd_comms:.3f}",
+            f"{r.input_dist:.3f}",
+            str(r.num_shards),
+            " ".join(f"{k}:{v}" for k, v in sorted(r.sharding_types.items())),
+        ]
         for r in stats.ranks
     ]
-    lines.append(_table(
-        ["rank", "HBM GiB (%)", "DDR GiB (%)", "time ms", "fwd comp", "fwd comm", "bwd comp",
-         "bwd comm", "in dist", "shards", "types"], rank_rows))
+    lines.append(
+        _table(
+            [
+                "rank",
+                "HBM GiB (%)",
+                "DDR GiB (%)",
+                "time ms",
+                "fwd comp",
+                "fwd comm",
+                "bwd comp",
+                "bwd comm",
+                "in dist",
+                "shards",
+                "types",
+            ],
+            rank_rows,
+        )
+    )
     shown = stats.tables[:max_rows] if max_rows > 0 else stats.tables
     table_rows = [
-        [f"{t.module_fqn}.{t.name}" if t.module_fqn else t.name, _ABBREV[t.sharding_type],
-         t.compute_kernel, str(t.num_shards), f"{t.max_shard_perf:.3f}", _gib(t.hbm),
-         _gib(t.ddr), compress_ranks(t.ranks)]
+        [
+            f"{t.module_fqn}.{t.name}" if t.module_fqn else t.name,
+            _ABBREV[t.sharding_type],
+            t.compute_kernel,
+            str(t.num_shards),
+            f"{t.max_shard_perf:.3f}",
+            _gib(t.hbm),
+            _gib(t.ddr),
+            compress_ranks(t.ranks),
+        ]
         for t in shown
     ]
-    lines.append(_table(["table", "type", "kernel", "shards", "max shard ms", "HBM GiB",
-                         "DDR GiB", "ranks"], table_rows))
+    lines.append(
+        _table(
+            ["table", "type", "kernel", "shards", "max shard ms", "HBM GiB", "DDR GiB", "ranks"],
+            table_rows,
+        )
+    )
     if len(shown) < len(stats.tables):
         lines.append(f"... {len(stats.tables) - len(shown)} more tables")
     return "\n".join(lines)

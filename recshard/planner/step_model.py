@@ -38,8 +38,9 @@ class StepTimePerfModel:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
 
-    def group_ms(self, sharding_type: str, compute_kernel: str, dim: int,
-                 features: int = 1) -> float:
+    def group_ms(
+        self, sharding_type: str, compute_kernel: str, dim: int, features: int = 1
+    ) -> float:
         """Fixed ms per step of one (sharding type, kernel) group with rows `dim` wide,
         serving `features` features."""
         profile = self.topology.profile
@@ -66,13 +67,15 @@ class StepTimePerfModel:
             key = (sharding_type, kernel)
             old_dim, old_features = widest.get(key, (0, 0))
             widest[key] = (max(old_dim, dim), old_features + features)
-        return sum(self.group_ms(st, k, dim, features)
-                   for (st, k), (dim, features) in widest.items())
+        return sum(
+            self.group_ms(st, k, dim, features) for (st, k), (dim, features) in widest.items()
+        )
 
     def rate(self, result: PartitionResult) -> float:
         slowest = max(result.perf) if result.perf else 0.0
         if self.topology.profile is None:
             return slowest
         return slowest + self.fixed_ms(
-            (o.sharding_type, o.compute_kernel, o.table.embedding_dim,
-             len(o.table.feature_names)) for o in result.proposal)
+            (o.sharding_type, o.compute_kernel, o.table.embedding_dim, len(o.table.feature_names))
+            for o in result.proposal
+        )

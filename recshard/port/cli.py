@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from recshard.port.codemod import port_source
 from recshard.port.notebook import port_notebook
@@ -28,13 +28,17 @@ def port_path(path: Path) -> Tuple[str, str, List[str]]:
     return text, result.code, [f"{path}:{i.line}: {i.name}: {i.reason}" for i in result.issues]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m recshard.port",
-        description="Rewrite torchrec imports in Python files and notebooks to recshard's.")
+        description="Rewrite torchrec imports in Python files and notebooks to recshard's.",
+    )
     parser.add_argument("files", nargs="+", type=Path, help=".py or .ipynb files")
-    parser.add_argument("--check", action="store_true",
-                        help="only report what would change and what cannot be mapped")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="only report what would change and what cannot be mapped",
+    )
     args = parser.parse_args(argv)
     failed = False
     for path in args.files:

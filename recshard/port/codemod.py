@@ -15,7 +15,7 @@ Whatever cannot be mapped is left as it was and reported with the reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Union
+from typing import Dict, List, Sequence, Set
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
@@ -53,7 +53,7 @@ class _ModuleBinding:
     new_local: str
 
 
-def _dotted(node: cst.BaseExpression) -> Optional[List[str]]:
+def _dotted(node: cst.BaseExpression) -> List[str] | None:
     """`a.b.c` as `["a", "b", "c"]`; None for anything that is not a plain dotted name."""
     if isinstance(node, cst.Name):
         return [node.value]
@@ -63,13 +63,13 @@ def _dotted(node: cst.BaseExpression) -> Optional[List[str]]:
     return None
 
 
-def _is_torchrec(path: Optional[List[str]]) -> bool:
+def _is_torchrec(path: List[str] | None) -> bool:
     return bool(path) and path[0] == ROOT
 
 
-def _expr(dotted: str) -> Union[cst.Name, cst.Attribute]:
+def _expr(dotted: str) -> cst.Name | cst.Attribute:
     parts = dotted.split(".")
-    node: Union[cst.Name, cst.Attribute] = cst.Name(parts[0])
+    node: cst.Name | cst.Attribute = cst.Name(parts[0])
     for part in parts[1:]:
         node = cst.Attribute(value=node, attr=cst.Name(part))
     return node
@@ -136,8 +136,9 @@ class _Planner(cst.CSTVisitor):
                 self._report(node, f"{module}.{name}", str(err))
             if f"{module}.{name}" in MODULE_MAP:  # a module imported by name
                 local = cst.ensure_type(alias.asname.name, cst.Name).value if alias.asname else name
-                self.bindings[local] = _ModuleBinding(local, f"{module}.{name}",
-                                                      MODULE_MAP[f"{module}.{name}"], local)
+                self.bindings[local] = _ModuleBinding(
+                    local, f"{module}.{name}", MODULE_MAP[f"{module}.{name}"], local
+                )
         return False
 
     def visit_Attribute(self, node: cst.Attribute) -> bool:
@@ -155,14 +156,23 @@ class _Planner(cst.CSTVisitor):
         self._plan(node, parts, binding, resolved, max(consumed_local, 1))
         return False
 
-    def _plan(self, node: cst.Attribute, parts: Sequence[str], binding: _ModuleBinding,
-              resolved: Resolved, depth: int) -> None:
+    def _plan(
+        self,
+        node: cst.Attribute,
+        parts: Sequence[str],
+        binding: _ModuleBinding,
+        resolved: Resolved,
+        depth: int,
+    ) -> None:
         target = binding.target
         if resolved.dotted != target and not resolved.dotted.startswith(target + "."):
-            self._report(node, ".".join(parts),
-                         f"{resolved.dotted} is not under {target}; import it from {resolved.module}")
+            self._report(
+                node,
+                ".".join(parts),
+                f"{resolved.dotted} is not under {target}; import it from {resolved.module}",
+            )
             return
-        new = binding.new_local + resolved.dotted[len(target):]
+        new = binding.new_local + resolved.dotted[len(target) :]
         if resolved.module != target:
             self.needed.setdefault(binding.new_local, set()).add(resolved.module)
         prefix = _prefix_node(node, depth)
@@ -178,7 +188,9 @@ class _Rewriter(cst.CSTTransformer):
         self.plan = plan
         self._extra_done: Set[str] = set()
 
-    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.BaseExpression:
+    def leave_Attribute(
+        self, original: cst.Attribute, updated: cst.Attribute
+    ) -> cst.BaseExpression:
         return self.plan.replacements.get(original, updated)
 
     def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.BaseExpression:
@@ -192,7 +204,11 @@ class _Rewriter(cst.CSTTransformer):
             if not _is_torchrec(path) or full not in MODULE_MAP:
                 names.append(alias)
                 continue
-            new_local = "recshard" if alias.asname is None else cst.ensure_type(alias.asname.name, cst.Name).value
+            new_local = (
+                "recshard"
+                if alias.asname is None
+                else cst.ensure_type(alias.asname.name, cst.Name).value
+            )
             names.append(alias.with_changes(name=_expr(MODULE_MAP[full])))
             if new_local not in self._extra_done:
                 self._extra_done.add(new_local)
@@ -205,7 +221,7 @@ class _Rewriter(cst.CSTTransformer):
 
     def leave_SimpleStatementLine(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
-    ) -> Union[cst.SimpleStatementLine, cst.FlattenSentinel[cst.SimpleStatementLine]]:
+    ) -> cst.SimpleStatementLine | cst.FlattenSentinel[cst.SimpleStatementLine]:
         if len(updated.body) != 1 or not isinstance(updated.body[0], cst.ImportFrom):
             return updated
         statements = self._split_from_import(updated.body[0])
@@ -215,7 +231,7 @@ class _Rewriter(cst.CSTTransformer):
         lines += [cst.SimpleStatementLine(body=[s]) for s in statements[1:]]
         return lines[0] if len(lines) == 1 else cst.FlattenSentinel(lines)
 
-    def _split_from_import(self, node: cst.ImportFrom) -> Optional[List[cst.ImportFrom]]:
+    def _split_from_import(self, node: cst.ImportFrom) -> List[cst.ImportFrom] | None:
         """The statements replacing `from torchrec.X import ...`, grouped by recshard module;
         None when the statement is not TorchRec's."""
         path = _dotted(node.module) if node.module is not None and not node.relative else None
@@ -223,7 +239,11 @@ class _Rewriter(cst.CSTTransformer):
             return None
         module = ".".join(path)
         if isinstance(node.names, cst.ImportStar):
-            return [node.with_changes(module=_expr(MODULE_MAP[module]))] if module in MODULE_MAP else None
+            return (
+                [node.with_changes(module=_expr(MODULE_MAP[module]))]
+                if module in MODULE_MAP
+                else None
+            )
         groups: Dict[str, List[cst.ImportAlias]] = {}
         for alias in node.names:
             name = cst.ensure_type(alias.name, cst.Name).value
@@ -241,9 +261,12 @@ class _Rewriter(cst.CSTTransformer):
         # each group ends as the statement did: a parenthesized one keeps its trailing comma
         # (and the line break before ")"), a bare one must end without a comma
         ending = node.names[-1].comma if node.rpar is not None else cst.MaybeSentinel.DEFAULT
-        return [node.with_changes(module=_expr(target),
-                                  names=[*aliases[:-1], aliases[-1].with_changes(comma=ending)])
-                for target, aliases in groups.items()]
+        return [
+            node.with_changes(
+                module=_expr(target), names=[*aliases[:-1], aliases[-1].with_changes(comma=ending)]
+            )
+            for target, aliases in groups.items()
+        ]
 
 
 def port_source(code: str) -> PortResult:
@@ -254,4 +277,3 @@ def port_source(code: str) -> PortResult:
     new_module = wrapper.module.visit(_Rewriter(planner))
     issues = sorted(set(planner.issues), key=lambda i: (i.line, i.name))
     return PortResult(new_module.code, issues)
-

@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 MODULE_MAP: Dict[str, str] = {
     "torchrec": "recshard",
@@ -70,7 +70,7 @@ class Resolved:
     (None when the TorchRec path is itself a module)."""
 
     module: str
-    name: Optional[str]
+    name: str | None
 
     @property
     def dotted(self) -> str:

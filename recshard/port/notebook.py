@@ -37,18 +37,27 @@ def _unmask(source: str, masked: List[str]) -> str:
 
 
 def _install_issues(index: int, source: str) -> List[CellIssue]:
-    return [(index, Issue(number, "pip install torchrec",
-                          "a shell line installs torchrec: install recshard instead"))
-            for number, line in enumerate(source.split("\n"), start=1)
-            if _INSTALLS_TORCHREC.match(line)]
+    return [
+        (
+            index,
+            Issue(
+                number,
+                "pip install torchrec",
+                "a shell line installs torchrec: install recshard instead",
+            ),
+        )
+        for number, line in enumerate(source.split("\n"), start=1)
+        if _INSTALLS_TORCHREC.match(line)
+    ]
 
 
 def port_cells(sources: List[str]) -> Tuple[List[str], List[CellIssue]]:
     """Code cells' sources, ported together, and the issues by (cell, line in the cell)."""
     masked: List[str] = []
     python = [not s.lstrip().startswith("%%") for s in sources]
-    combined = "".join(_mask(s, masked) + _BOUNDARY if ok else _BOUNDARY
-                       for s, ok in zip(sources, python))
+    combined = "".join(
+        _mask(s, masked) + _BOUNDARY if ok else _BOUNDARY for s, ok in zip(sources, python)
+    )
     result = port_source(combined)
     pieces = _unmask(result.code, masked).split(_BOUNDARY)[: len(sources)]
     starts, line = [], 1
@@ -69,8 +78,12 @@ def port_notebook(text: str) -> Tuple[str, List[CellIssue]]:
     """A notebook's JSON text, ported, and the issues as `(cell index, issue)`. Unchanged
     notebooks come back byte for byte; changed ones keep nbformat's 1-space indent."""
     notebook: Dict[str, Any] = json.loads(text)
-    cells = [(i, c) for i, c in enumerate(notebook.get("cells", [])) if c.get("cell_type") == "code"]
-    sources = [c["source"] if isinstance(c["source"], str) else "".join(c["source"]) for _, c in cells]
+    cells = [
+        (i, c) for i, c in enumerate(notebook.get("cells", [])) if c.get("cell_type") == "code"
+    ]
+    sources = [
+        c["source"] if isinstance(c["source"], str) else "".join(c["source"]) for _, c in cells
+    ]
     ported, issues = port_cells(sources)
     issues = [(cells[k][0], issue) for k, issue in issues]
     if ported == sources:

@@ -5,7 +5,7 @@ TorchRec's tutorial. A plain `torch.quantization.QConfig` works too (no per-tabl
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Tuple
 
 import torch
 
@@ -16,7 +16,7 @@ class QuantConfig(NamedTuple):
 
     activation: Any  # an observer class or partial, e.g. PlaceholderObserver.with_args(...)
     weight: Any
-    per_table_weight_dtype: Optional[Dict[str, torch.dtype]] = None
+    per_table_weight_dtype: Dict[str, torch.dtype] | None = None
 
 
 def dtypes_from_qconfig(qconfig: Any) -> Tuple[torch.dtype, Dict[str, torch.dtype], torch.dtype]:  # noqa: ANN401

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from itertools import chain
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -41,13 +41,19 @@ from recshard.quant.kernel import QuantLookup, QuantTable, check_output_dtype
 from recshard.quant.rowwise import DtypeLike, check_table_layout, data_type_of, quantize_rows
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-DeviceLike = Union[str, torch.device, None]
-QuantizedWeights = Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]
+DeviceLike = str | torch.device | None
+QuantizedWeights = Dict[str, Tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def _quant_table(config: BaseEmbeddingConfig) -> QuantTable:
-    return QuantTable(config.name, config.num_embeddings, config.embedding_dim, config.data_type,
-                      list(config.feature_names), getattr(config, "pooling", PoolingType.NONE))
+    return QuantTable(
+        config.name,
+        config.num_embeddings,
+        config.embedding_dim,
+        config.data_type,
+        list(config.feature_names),
+        getattr(config, "pooling", PoolingType.NONE),
+    )
 
 
 class _QuantTables(nn.Module):
@@ -63,7 +69,7 @@ class _QuantTables(nn.Module):
         is_weighted: bool,
         device: DeviceLike,
         output_dtype: torch.dtype,
-        table_name_to_quantized_weights: Optional[QuantizedWeights],
+        table_name_to_quantized_weights: QuantizedWeights | None,
     ) -> None:
         super().__init__()
         check_unique_tables(tables, type(self).__name__)
@@ -78,12 +84,16 @@ class _QuantTables(nn.Module):
         }
         device = torch.device(device or "cpu")
         self.lookups = nn.ModuleList(
-            QuantLookup([_quant_table(self._configs[i]) for i in group], pooled, device, output_dtype)
+            QuantLookup(
+                [_quant_table(self._configs[i]) for i in group], pooled, device, output_dtype
+            )
             for group in groups
         )
         # table name -> (kernel index, table index inside it)
         self._where = {
-            self._configs[i].name: (k, j) for k, group in enumerate(groups) for j, i in enumerate(group)
+            self._configs[i].name: (k, j)
+            for k, group in enumerate(groups)
+            for j, i in enumerate(group)
         }
         self._register_weight_views()
         self._is_weighted = is_weighted
@@ -137,8 +147,13 @@ class _QuantTables(nn.Module):
         """Every check of an input (keys, dtypes, layout, ids within their tables, finite
         per-id weights), each a ValueError naming feature, table and value. Forward runs only
         the cheap ones and those that keep the kernel inside its memory (see `_prepare`)."""
-        check_input(features, self._feature_names, self._feature_to_table, self._is_weighted,
-                    type(self).__name__)
+        check_input(
+            features,
+            self._feature_names,
+            self._feature_to_table,
+            self._is_weighted,
+            type(self).__name__,
+        )
 
     def _prepare(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The input checked and in the kernels' key order: keys once per key order, dtypes,
@@ -166,18 +181,25 @@ class QuantEmbeddingBagCollection(_QuantTables):
         is_weighted: bool = False,
         device: DeviceLike = None,
         output_dtype: torch.dtype = torch.float32,
-        table_name_to_quantized_weights: Optional[QuantizedWeights] = None,
+        table_name_to_quantized_weights: QuantizedWeights | None = None,
     ) -> None:
-        super().__init__(tables, [list(range(len(tables)))], True, is_weighted, device, output_dtype,
-                         table_name_to_quantized_weights)
+        super().__init__(
+            tables,
+            [list(range(len(tables)))],
+            True,
+            is_weighted,
+            device,
+            output_dtype,
+            table_name_to_quantized_weights,
+        )
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
 
     @classmethod
     def from_float(
         cls,
         module: EmbeddingBagCollection,
-        dtype: Optional[Union[DtypeLike, Mapping[str, DtypeLike]]] = None,
-        output_dtype: Optional[torch.dtype] = None,
+        dtype: DtypeLike | Mapping[str, DtypeLike] | None = None,
+        output_dtype: torch.dtype | None = None,
     ) -> QuantEmbeddingBagCollection:
         """Quantize a trained EBC (on its device). `dtype`: one for all tables or per table;
         None: from `module.qconfig` (a `QuantConfig`, as `quantize_dynamic` sets it)."""
@@ -209,13 +231,20 @@ class QuantEmbeddingCollection(_QuantTables):
         device: DeviceLike = None,
         need_indices: bool = False,
         output_dtype: torch.dtype = torch.float32,
-        table_name_to_quantized_weights: Optional[QuantizedWeights] = None,
+        table_name_to_quantized_weights: QuantizedWeights | None = None,
     ) -> None:
         by_dim: Dict[int, List[int]] = {}
         for i, config in enumerate(tables):
             by_dim.setdefault(config.embedding_dim, []).append(i)
-        super().__init__(tables, list(by_dim.values()), False, False, device, output_dtype,
-                         table_name_to_quantized_weights)
+        super().__init__(
+            tables,
+            list(by_dim.values()),
+            False,
+            False,
+            device,
+            output_dtype,
+            table_name_to_quantized_weights,
+        )
         self._need_indices = need_indices
         self._features_per_lookup = [len(lookup.feature_names) for lookup in self.lookups]
         # each output key (config order): its position in the kernels' key order
@@ -226,8 +255,8 @@ class QuantEmbeddingCollection(_QuantTables):
     def from_float(
         cls,
         module: EmbeddingCollection,
-        dtype: Optional[Union[DtypeLike, Mapping[str, DtypeLike]]] = None,
-        output_dtype: Optional[torch.dtype] = None,
+        dtype: DtypeLike | Mapping[str, DtypeLike] | None = None,
+        output_dtype: torch.dtype | None = None,
     ) -> QuantEmbeddingCollection:
         """As QuantEmbeddingBagCollection.from_float."""
         dtype, output_dtype = _dtypes(module, dtype, output_dtype)
@@ -247,11 +276,18 @@ class QuantEmbeddingCollection(_QuantTables):
         ids_per_key = ordered.values().split(ordered.length_per_key())
         lengths_per_key = ordered.lengths().split(ordered.stride_per_key())
         parts = ordered.split(self._features_per_lookup) if len(self.lookups) > 1 else [ordered]
-        rows = list(chain.from_iterable(
-            lookup(part).split(part.length_per_key()) for lookup, part in zip(self.lookups, parts)))
+        rows = list(
+            chain.from_iterable(
+                lookup(part).split(part.length_per_key())
+                for lookup, part in zip(self.lookups, parts)
+            )
+        )
         return {
-            name: JaggedTensor(rows[k], weights=ids_per_key[k] if self._need_indices else None,
-                               lengths=lengths_per_key[k])
+            name: JaggedTensor(
+                rows[k],
+                weights=ids_per_key[k] if self._need_indices else None,
+                lengths=lengths_per_key[k],
+            )
             for name, k in zip(self._feature_names, self._output_positions)
         }
 
@@ -261,14 +297,16 @@ class QuantEmbeddingCollection(_QuantTables):
 
 def _dtypes(
     module: nn.Module,
-    dtype: Optional[Union[DtypeLike, Mapping[str, DtypeLike]]],
-    output_dtype: Optional[torch.dtype],
-) -> Tuple[Union[DtypeLike, Mapping[str, DtypeLike]], torch.dtype]:
+    dtype: DtypeLike | Mapping[str, DtypeLike] | None,
+    output_dtype: torch.dtype | None,
+) -> Tuple[DtypeLike | Mapping[str, DtypeLike], torch.dtype]:
     """What from_float was asked for, else what `module.qconfig` says, else INT8 -> float32."""
     qconfig = getattr(module, "qconfig", None)
     if qconfig is None:
-        return (torch.qint8 if dtype is None else dtype,
-                torch.float32 if output_dtype is None else output_dtype)
+        return (
+            torch.qint8 if dtype is None else dtype,
+            torch.float32 if output_dtype is None else output_dtype,
+        )
     weight, per_table, activation = dtypes_from_qconfig(qconfig)
     if dtype is None:
         dtype = {c.name: per_table.get(c.name, weight) for c in _configs_of(module)}
@@ -282,7 +320,7 @@ def _configs_of(module: nn.Module) -> Sequence[BaseEmbeddingConfig]:
 
 
 def _quantized_configs(
-    configs: Sequence[BaseEmbeddingConfig], dtype: Union[DtypeLike, Mapping[str, DtypeLike]]
+    configs: Sequence[BaseEmbeddingConfig], dtype: DtypeLike | Mapping[str, DtypeLike]
 ) -> List[BaseEmbeddingConfig]:
     """Copies of `configs` with the storage type of `dtype`; checks every table first."""
     out = []
@@ -303,7 +341,7 @@ def quantize_embeddings(
     dtype: DtypeLike = torch.qint8,
     inplace: bool = True,
     output_dtype: torch.dtype = torch.float32,
-    per_table_weight_dtype: Optional[Mapping[str, DtypeLike]] = None,
+    per_table_weight_dtype: Mapping[str, DtypeLike] | None = None,
 ) -> nn.Module:
     """Replace every `EmbeddingBagCollection` / `EmbeddingCollection` in `model` by its
     quantized twin; returns the model (the new module if `model` itself is one).
@@ -323,15 +361,21 @@ def quantize_embeddings(
     def convert(module: nn.Module) -> nn.Module:
         if type(module) is EmbeddingBagCollection:
             return QuantEmbeddingBagCollection.from_float(
-                module, dtypes_for(module.embedding_bag_configs()), output_dtype)
+                module, dtypes_for(module.embedding_bag_configs()), output_dtype
+            )
         return QuantEmbeddingCollection.from_float(
-            module, dtypes_for(module.embedding_configs()), output_dtype)
+            module, dtypes_for(module.embedding_configs()), output_dtype
+        )
 
-    collections = [m for m in model.modules()
-                   if type(m) in (EmbeddingBagCollection, EmbeddingCollection)]
+    collections = [
+        m for m in model.modules() if type(m) in (EmbeddingBagCollection, EmbeddingCollection)
+    ]
     for module in collections:  # validate everything before converting anything
-        configs = (module.embedding_bag_configs() if isinstance(module, EmbeddingBagCollection)
-                   else module.embedding_configs())
+        configs = (
+            module.embedding_bag_configs()
+            if isinstance(module, EmbeddingBagCollection)
+            else module.embedding_configs()
+        )
         _quantized_configs(configs, dtypes_for(configs))
     if type(model) in (EmbeddingBagCollection, EmbeddingCollection):
         return convert(model)
@@ -348,4 +392,3 @@ def quantize_embeddings(
 
     visit(model)
     return model
-

@@ -13,7 +13,7 @@ table gets one zero row that no id can reach.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ class QuantLookup(nn.Module):
         self,
         tables: List[QuantTable],
         pooled: bool,
-        device: Optional[torch.device] = None,
+        device: torch.device | None = None,
         output_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
@@ -115,24 +115,26 @@ class QuantLookup(nn.Module):
     def feature_names(self) -> List[str]:
         return [f for t in self.tables for f in t.feature_names]
 
-    def storage(self) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    def storage(self) -> List[Tuple[torch.Tensor, torch.Tensor | None]]:
         """Per table, views of its rows: values (`uint8 [rows, D*bits/8]`, or `[rows, D]` fp16 /
         fp32) and scale_bias (`fp16 [rows, 2]`: scale, bias; None for float types)."""
         out = []
         for table, (values, scale_bias) in zip(self.tables, self.tbe.split_embedding_weights()):
-            values = values[:table.rows, :data_bytes(table.dim, table.data_type)]
+            values = values[: table.rows, : data_bytes(table.dim, table.data_type)]
             if table.data_type == DataType.FP16:
                 values = values.view(torch.float16)
             elif table.data_type == DataType.FP32:
                 values = values.view(torch.float32)
             if scale_bias is not None:
-                scale_bias = scale_bias[:table.rows].view(torch.float16)
+                scale_bias = scale_bias[: table.rows].view(torch.float16)
             out.append((values, scale_bias))
         return out
 
     def storage_bytes(self) -> int:
         """Bytes of fbgemm's weight buffer (rows, scale/bias, row and table padding)."""
-        return sum(t.numel() for t in (self.tbe.weights_host, self.tbe.weights_dev, self.tbe.weights_uvm))
+        return sum(
+            t.numel() for t in (self.tbe.weights_host, self.tbe.weights_dev, self.tbe.weights_uvm)
+        )
 
     def load_float(self, index: int, weight: torch.Tensor) -> None:
         """Quantize float rows `[rows, D]` into table `index`."""
@@ -141,7 +143,7 @@ class QuantLookup(nn.Module):
         self.load_quantized(index, values, scale_bias)
 
     def load_quantized(
-        self, index: int, values: torch.Tensor, scale_bias: Optional[torch.Tensor]
+        self, index: int, values: torch.Tensor, scale_bias: torch.Tensor | None
     ) -> None:
         """Copy already quantized rows (as `storage()` lays them out) into table `index`."""
         table = self.tables[index]
@@ -155,7 +157,9 @@ class QuantLookup(nn.Module):
             dest_values.copy_(values)
             if dest_scale_bias is not None:
                 if scale_bias is None:
-                    raise ValueError(f"table '{table.name}': {table.data_type.value} rows need scale_bias")
+                    raise ValueError(
+                        f"table '{table.name}': {table.data_type.value} rows need scale_bias"
+                    )
                 dest_scale_bias.copy_(scale_bias)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
@@ -163,7 +167,9 @@ class QuantLookup(nn.Module):
         if values.dtype != offsets.dtype:
             values, offsets = values.long(), offsets.long()
         weights = features.weights_or_none()
-        out = self.tbe(values, offsets, per_sample_weights=None if weights is None else weights.float())
+        out = self.tbe(
+            values, offsets, per_sample_weights=None if weights is None else weights.float()
+        )
         if self.pooled and any(self._mean_columns):
             out = out / self._mean_divisor(features, out.dtype)
         return out

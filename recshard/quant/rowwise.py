@@ -18,7 +18,7 @@ at most `|x| * 2**-11`.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, Tuple
 
 import torch
 
@@ -37,7 +37,7 @@ BITS = {DataType.INT8: 8, DataType.INT4: 4, DataType.INT2: 2}
 SCALE_BIAS_BYTES = 4  # fp16 scale, fp16 bias, at the start of each row
 FP16_MAX = 65504.0
 
-DtypeLike = Union[torch.dtype, DataType, str]
+DtypeLike = torch.dtype | DataType | str
 
 
 def _choices() -> str:
@@ -91,7 +91,7 @@ def row_bytes(dim: int, data_type: DataType) -> int:
 
 def quantize_rows(
     weight: torch.Tensor, data_type: DataType, table: str = "?"
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+) -> Tuple[torch.Tensor, torch.Tensor | None]:
     """Float rows `[R, D]` -> (values, scale_bias) in the kernel's layout.
 
     Integer types: values `uint8 [R, D * bits / 8]`, scale_bias `fp16 [R, 2]` (scale, bias).
@@ -143,7 +143,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 def dequantize_rows(
-    values: torch.Tensor, scale_bias: Optional[torch.Tensor], data_type: DataType, dim: int
+    values: torch.Tensor, scale_bias: torch.Tensor | None, data_type: DataType, dim: int
 ) -> torch.Tensor:
     """The float rows `[R, D]` the kernel reads from (values, scale_bias)."""
     if data_type not in BITS:
@@ -154,7 +154,7 @@ def dequantize_rows(
 
 
 def max_row_error(
-    values: torch.Tensor, scale_bias: Optional[torch.Tensor], data_type: DataType, dim: int
+    values: torch.Tensor, scale_bias: torch.Tensor | None, data_type: DataType, dim: int
 ) -> torch.Tensor:
     """`[R]`: the most any value of each stored row can differ from the float it came from.
 

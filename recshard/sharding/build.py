@@ -7,7 +7,7 @@ data-parallel tables get one sharding each. Fewer collectives per step than one 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
@@ -31,7 +31,7 @@ def build_pooled_shardings(
     env: ShardingEnv,
     device: torch.device,
     is_weighted: bool,
-    qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+    qcomm_codecs_registry: Dict[str, Any] | None = None,
     make_lookup: LookupFactory = GroupedLookup,
 ) -> Dict[str, EmbeddingSharding]:
     """Shardings keyed by name ("placed", "row_wise", "table_row_wise", "data_parallel"),
@@ -51,7 +51,13 @@ def build_pooled_shardings(
     for kind, within_node in (("row_wise", False), ("table_row_wise", True)):
         if kind in by_kind:
             shardings[kind] = RowWisePooledSharding(
-                by_kind[kind], env, device, is_weighted, within_node, rs_codecs, a2a_codecs,
+                by_kind[kind],
+                env,
+                device,
+                is_weighted,
+                within_node,
+                rs_codecs,
+                a2a_codecs,
                 make_lookup,
             )
     if "data_parallel" in by_kind:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Protocol, Tuple
 
 import torch
 from torch import nn
@@ -67,7 +67,7 @@ class EmbeddingShardingContext:
     (TorchRec's name). Shardings that keep more subclass it and return it from
     `create_context`."""
 
-    batch_size_per_rank: Optional[List[int]] = None  # every rank's batch size, when they differ
+    batch_size_per_rank: List[int] | None = None  # every rank's batch size, when they differ
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """Mark the device tensors kept here as used on `stream` (none in the base)."""
@@ -84,7 +84,7 @@ class TableSpec:
     sharding: ParameterSharding
     fused_params: Dict[str, Any] = field(default_factory=dict)
     embedding_names: List[str] = field(default_factory=list)
-    output_dtype: Optional[torch.dtype] = None
+    output_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if not self.embedding_names:
@@ -107,7 +107,7 @@ class TableSpec:
         assert self.sharding.shards is not None, self.config.name
         return self.sharding.shards
 
-    def local_table(self, shard_index: int, pooling: Optional[PoolingType] = None) -> LocalTable:
+    def local_table(self, shard_index: int, pooling: PoolingType | None = None) -> LocalTable:
         shard = self.shards()[shard_index]
         return LocalTable(
             config=self.config,
@@ -125,16 +125,27 @@ class TableSpec:
     def whole_table(self) -> LocalTable:
         """The full table as one local shard (data-parallel replicas)."""
         c = self.config
-        return LocalTable(c, c.num_embeddings, c.embedding_dim, 0, 0, self.kernel, self.pooling,
-                          self.fused_params, embedding_names=self.embedding_names)
+        return LocalTable(
+            c,
+            c.num_embeddings,
+            c.embedding_dim,
+            0,
+            0,
+            self.kernel,
+            self.pooling,
+            self.fused_params,
+            embedding_names=self.embedding_names,
+        )
 
 
 def with_embedding_names(specs: List[TableSpec]) -> List[TableSpec]:
     """A collection's table specs with each feature's embedding name: the feature, or
     `feature@table` when several of these tables read it (the unsharded module's output keys)."""
     names = iter(embedding_names([s.config for s in specs]))
-    return [dataclasses.replace(s, embedding_names=[next(names) for _ in s.config.feature_names])
-            for s in specs]
+    return [
+        dataclasses.replace(s, embedding_names=[next(names) for _ in s.config.feature_names])
+        for s in specs
+    ]
 
 
 class EmbeddingSharding(nn.Module, abc.ABC):
@@ -164,14 +175,13 @@ class EmbeddingSharding(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def input_dist(
-        self, features: KeyedJaggedTensor, ctx: EmbeddingShardingContext,
-        input_error: Optional[str]
+        self, features: KeyedJaggedTensor, ctx: EmbeddingShardingContext, input_error: str | None
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         """Route this rank's ids (`features` in wire order) to the ranks that own them."""
 
     def input_dist_in_order(
         self, features: KeyedJaggedTensor, key_order: List[int], ctx: EmbeddingShardingContext
-    ) -> Optional[Awaitable[Awaitable[KeyedJaggedTensor]]]:
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]] | None:
         """`input_dist(features.permute(key_order), ctx, None)` without permuting the ids
         first, or None where this sharding cannot (the caller permutes then)."""
         return None
@@ -200,8 +210,10 @@ class EmbeddingSharding(nn.Module, abc.ABC):
 
 
 def mean_divisor_columns(
-    output_columns: OutputColumns, mean_features: List[str], lengths_per_feature: Dict[str, torch.Tensor]
-) -> Optional[torch.Tensor]:
+    output_columns: OutputColumns,
+    mean_features: List[str],
+    lengths_per_feature: Dict[str, torch.Tensor],
+) -> torch.Tensor | None:
     """`[B, cols]` divisors that turn summed MEAN features into means (1 elsewhere), or None.
 
     Row-wise shardings split a bag over ranks, so they pool with SUM and divide afterwards.
@@ -213,8 +225,13 @@ def mean_divisor_columns(
     blocks = []
     for feature, _, width in output_columns:
         if feature in mean:
-            blocks.append(lengths_per_feature[feature].clamp(min=1).to(torch.float32)
-                          .unsqueeze(1).expand(batch, width))
+            blocks.append(
+                lengths_per_feature[feature]
+                .clamp(min=1)
+                .to(torch.float32)
+                .unsqueeze(1)
+                .expand(batch, width)
+            )
         else:
             blocks.append(torch.ones(batch, width))
     return torch.cat(blocks, dim=1)

@@ -10,7 +10,7 @@ fraction of the table. Smaller tables share one all-reduce per lookup kernel.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,8 +39,12 @@ class _AverageGradsOverRanks(torch.autograd.Function):
     right mean."""
 
     @staticmethod
-    def forward(ctx, pg: Optional[dist.ProcessGroup], ids: List[Optional[torch.Tensor]],  # noqa: ANN001
-                *weights: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    def forward(
+        ctx,
+        pg: dist.ProcessGroup | None,
+        ids: List[torch.Tensor | None],  # noqa: ANN001
+        *weights: torch.Tensor,
+    ) -> Tuple[torch.Tensor, ...]:
         ctx.pg, ctx.ids = pg, ids
         return tuple(w.view_as(w) for w in weights)
 
@@ -65,7 +69,11 @@ class DataParallelPooledSharding(EmbeddingSharding):
     carries_input_error = False
 
     def __init__(
-        self, specs: List[TableSpec], env: ShardingEnv, device: torch.device, is_weighted: bool,
+        self,
+        specs: List[TableSpec],
+        env: ShardingEnv,
+        device: torch.device,
+        is_weighted: bool,
         pooled: bool = True,
         make_lookup: LookupFactory = GroupedLookup,
     ) -> None:
@@ -92,18 +100,23 @@ class DataParallelPooledSharding(EmbeddingSharding):
         if self.env.world_size > 1:
             with torch.no_grad():
                 for weight in self.lookup.table_weights():
-                    dist.broadcast(weight.data, src=dist.get_global_rank(self.env.pg, 0)
-                                   if self.env.pg is not None else 0, group=self.env.pg)
+                    dist.broadcast(
+                        weight.data,
+                        src=dist.get_global_rank(self.env.pg, 0) if self.env.pg is not None else 0,
+                        group=self.env.pg,
+                    )
 
-    def _averaged_in_backward(self, weights: List[torch.Tensor],
-                              ids: List[torch.Tensor]) -> List[torch.Tensor]:
-        exchange = [table_ids if w.numel() * w.element_size() >= self._row_exchange_min_bytes
-                    else None for w, table_ids in zip(weights, ids)]
+    def _averaged_in_backward(
+        self, weights: List[torch.Tensor], ids: List[torch.Tensor]
+    ) -> List[torch.Tensor]:
+        exchange = [
+            table_ids if w.numel() * w.element_size() >= self._row_exchange_min_bytes else None
+            for w, table_ids in zip(weights, ids)
+        ]
         return list(_AverageGradsOverRanks.apply(self.env.pg, exchange, *weights))
 
     def input_dist(
-        self, features: KeyedJaggedTensor, ctx: EmbeddingShardingContext,
-        input_error: Optional[str]
+        self, features: KeyedJaggedTensor, ctx: EmbeddingShardingContext, input_error: str | None
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         # A rejected input is raised by the sharded module (no collective to carry it here).
         return NoWait(NoWait(features))

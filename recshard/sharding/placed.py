@@ -10,7 +10,7 @@ the pooled columns back with one all-to-all. Table-column-wise differs only in p
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 import torch
 
@@ -37,7 +37,7 @@ class PlacedPooledSharding(EmbeddingSharding):
         env: ShardingEnv,
         device: torch.device,
         is_weighted: bool,
-        codecs: Optional[Any] = None,
+        codecs: Any | None = None,
         make_lookup: LookupFactory = GroupedLookup,
     ) -> None:
         super().__init__(env)
@@ -48,7 +48,10 @@ class PlacedPooledSharding(EmbeddingSharding):
         ordered = [lookup_order(tables, is_weighted) for tables in per_rank]
         self.input_features = [f for tables in ordered for t in tables for f in t.embedding_names]
         self.output_columns = [
-            (f, t.col_offset, t.cols) for tables in ordered for t in tables for f in t.embedding_names
+            (f, t.col_offset, t.cols)
+            for tables in ordered
+            for t in tables
+            for f in t.embedding_names
         ]
         features_per_rank = [sum(t.num_features for t in tables) for tables in ordered]
         dim_sum_per_rank = [sum(t.cols * t.num_features for t in tables) for tables in ordered]
@@ -67,14 +70,13 @@ class PlacedPooledSharding(EmbeddingSharding):
         self._kjt_a2a.set_id_rows([rows.get(f) for f in self.input_features])
 
     def input_dist(
-        self, features: KeyedJaggedTensor, ctx: EmbeddingShardingContext,
-        input_error: Optional[str]
+        self, features: KeyedJaggedTensor, ctx: EmbeddingShardingContext, input_error: str | None
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         return self._kjt_a2a(features, input_error=input_error)
 
     def input_dist_in_order(
         self, features: KeyedJaggedTensor, key_order: List[int], ctx: EmbeddingShardingContext
-    ) -> Optional[Awaitable[Awaitable[KeyedJaggedTensor]]]:
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]] | None:
         """The KJT all-to-all's pack reads each key's ids where they lie (a column-wise
         feature goes to every rank with a shard: the permute would copy its ids once each)."""
         return self._kjt_a2a(features, key_order=key_order)

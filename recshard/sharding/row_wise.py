@@ -17,7 +17,7 @@ the output dist.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
@@ -43,12 +43,21 @@ def bucketize(
 ) -> KeyedJaggedTensor:
     """Split every bag into `num_buckets` bags by `id // block` (ids rebased); bucket-major keys."""
     lengths, values, weights, _, _ = ops.block_bucketize_sparse_features(
-        features.lengths(), features.values(), False, False, block_sizes.to(features.values().dtype),
-        num_buckets, features.weights_or_none(),
+        features.lengths(),
+        features.values(),
+        False,
+        False,
+        block_sizes.to(features.values().dtype),
+        num_buckets,
+        features.weights_or_none(),
     )
     return KeyedJaggedTensor(
-        features.keys() * num_buckets, values, weights, lengths=lengths,
-        stride=features.stride(), validate=False,
+        features.keys() * num_buckets,
+        values,
+        weights,
+        lengths=lengths,
+        stride=features.stride(),
+        validate=False,
     )
 
 
@@ -75,8 +84,8 @@ class RowWisePooledSharding(EmbeddingSharding):
         device: torch.device,
         is_weighted: bool,
         within_node: bool,
-        codecs: Optional[Any] = None,
-        cross_codecs: Optional[Any] = None,
+        codecs: Any | None = None,
+        cross_codecs: Any | None = None,
         make_lookup: LookupFactory = GroupedLookup,
     ) -> None:
         """`codecs` for the reduce-scatter, `cross_codecs` for TWRW's cross-node all-to-all."""
@@ -95,21 +104,34 @@ class RowWisePooledSharding(EmbeddingSharding):
         self._groups = ordered
         self.input_features = [f for group in ordered for s in group for f in s.embedding_names]
         self.output_columns = [
-            (f, 0, s.config.embedding_dim) for group in ordered for s in group
+            (f, 0, s.config.embedding_dim)
+            for group in ordered
+            for s in group
             for f in s.embedding_names
         ]
         self._mean_features = [
-            f for group in ordered for s in group if s.pooling == PoolingType.MEAN
+            f
+            for group in ordered
+            for s in group
+            if s.pooling == PoolingType.MEAN
             for f in s.embedding_names
         ]
         self._features_per_group = [sum(s.config.num_features for s in g) for g in ordered]
         self._block_sizes = [
-            torch.tensor([row_block_size(s.config.num_embeddings, self.group_size)
-                          for s in g for _ in s.config.feature_names], dtype=torch.int64)
+            torch.tensor(
+                [
+                    row_block_size(s.config.num_embeddings, self.group_size)
+                    for s in g
+                    for _ in s.config.feature_names
+                ],
+                dtype=torch.int64,
+            )
             for g in ordered
         ]
         self.lookup = make_lookup(
-            [s.local_table(my_index, PoolingType.SUM) for s in ordered[my_group]], True, device,
+            [s.local_table(my_index, PoolingType.SUM) for s in ordered[my_group]],
+            True,
+            device,
             is_weighted,
         )
         splits = [n for n in self._features_per_group for _ in range(self.group_size)]
@@ -124,7 +146,8 @@ class RowWisePooledSharding(EmbeddingSharding):
         self._reduce_scatter = PooledEmbeddingsReduceScatter(intra, codecs=codecs)
         self._cross_a2a = (
             PooledEmbeddingsAllToAll(cross, self._dims_per_group, device, codecs=cross_codecs)
-            if cross is not None else None
+            if cross is not None
+            else None
         )
         self._num_groups = num_groups
 
@@ -133,7 +156,7 @@ class RowWisePooledSharding(EmbeddingSharding):
 
     def set_checked_rows(self, rows: Dict[str, int]) -> None:
         """A checked id, bucketized, lies in its row block."""
-        per_key: List[Optional[int]] = []
+        per_key: List[int | None] = []
         for group, blocks in zip(self._groups, self._block_sizes):
             names = [f for s in group for f in s.embedding_names]
             bucket = [b if f in rows else None for f, b in zip(names, blocks.tolist())]
@@ -141,15 +164,16 @@ class RowWisePooledSharding(EmbeddingSharding):
         self._kjt_a2a.set_id_rows(per_key)
 
     def input_dist(
-        self, features: KeyedJaggedTensor, ctx: RowWiseShardingContext,
-        input_error: Optional[str]
+        self, features: KeyedJaggedTensor, ctx: RowWiseShardingContext, input_error: str | None
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         if self._mean_features:
             ctx.mean_lengths = {f: features[f].lengths() for f in self._mean_features}
         if input_error is None:
             parts = features.split(self._features_per_group) if self._num_groups > 1 else [features]
-            buckets = [bucketize(part, block, self.group_size)
-                       for part, block in zip(parts, self._block_sizes)]
+            buckets = [
+                bucketize(part, block, self.group_size)
+                for part, block in zip(parts, self._block_sizes)
+            ]
             routed = KeyedJaggedTensor.concat(buckets) if len(buckets) > 1 else buckets[0]
         else:
             routed = features
@@ -173,7 +197,9 @@ class RowWisePooledSharding(EmbeddingSharding):
 
         def divide() -> torch.Tensor:
             pooled = pending.wait()
-            divisor = mean_divisor_columns(self.output_columns, self._mean_features, ctx.mean_lengths)
+            divisor = mean_divisor_columns(
+                self.output_columns, self._mean_features, ctx.mean_lengths
+            )
             return pooled / divisor
 
         return FnAwaitable(divide)

@@ -18,7 +18,7 @@ sequence lookup stacks the rows of all its tables into one `[N, D]` tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -46,8 +46,8 @@ class SequenceShardingContext(EmbeddingShardingContext):
     """What a sequence sharding's output dist needs from its input dist (TorchRec's name)."""
 
     a2a: Any = None  # the KJT all-to-all's tensors awaitable: its splits, recat, batch sizes
-    received_lengths: Optional[torch.Tensor] = None  # lengths of the ids this rank received
-    unbucketize_permute: Optional[torch.Tensor] = None  # row-wise: bucketized -> sent id order
+    received_lengths: torch.Tensor | None = None  # lengths of the ids this rank received
+    unbucketize_permute: torch.Tensor | None = None  # row-wise: bucketized -> sent id order
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         for tensor in (self.received_lengths, self.unbucketize_permute):
@@ -83,11 +83,13 @@ class _SequenceSharding(EmbeddingSharding):
     def set_checked_rows(self, rows: Dict[str, int]) -> None:
         self._kjt_a2a.set_id_rows(self._routed_rows(rows))
 
-    def _routed_rows(self, rows: Dict[str, int]) -> List[Optional[int]]:
+    def _routed_rows(self, rows: Dict[str, int]) -> List[int | None]:
         """Per key of the routed KJT, the rows its checked ids lie in (None: unchecked)."""
         return [rows.get(f) for f in self.input_features]
 
-    def _route(self, features: KeyedJaggedTensor, ctx: SequenceShardingContext) -> KeyedJaggedTensor:
+    def _route(
+        self, features: KeyedJaggedTensor, ctx: SequenceShardingContext
+    ) -> KeyedJaggedTensor:
         return features
 
     def input_dist(
@@ -157,7 +159,10 @@ class PlacedSequenceSharding(_SequenceSharding):
         ordered = [lookup_order(tables, False) for tables in per_rank]
         self.input_features = [f for tables in ordered for t in tables for f in t.embedding_names]
         self.output_columns = [
-            (f, t.col_offset, t.cols) for tables in ordered for t in tables for f in t.embedding_names
+            (f, t.col_offset, t.cols)
+            for tables in ordered
+            for t in tables
+            for f in t.embedding_names
         ]
         self.lookup = make_lookup(ordered[env.rank], False, device, False)
         self._make_dists([sum(t.num_features for t in tables) for tables in ordered])
@@ -195,13 +200,15 @@ class RowWiseSequenceSharding(_SequenceSharding):
         self.lookup = make_lookup([s.local_table(env.rank) for s in ordered], False, device, False)
         self._make_dists([len(self.input_features)] * world)
 
-    def _routed_rows(self, rows: Dict[str, int]) -> List[Optional[int]]:
+    def _routed_rows(self, rows: Dict[str, int]) -> List[int | None]:
         """A checked id, bucketized, lies in its row block (keys bucket-major)."""
         blocks = self._block_sizes.tolist()
         bucket = [b if f in rows else None for f, b in zip(self.input_features, blocks)]
         return bucket * self.env.world_size
 
-    def _route(self, features: KeyedJaggedTensor, ctx: SequenceShardingContext) -> KeyedJaggedTensor:
+    def _route(
+        self, features: KeyedJaggedTensor, ctx: SequenceShardingContext
+    ) -> KeyedJaggedTensor:
         """Bucket-major KJT (keys repeated once per rank, ids rebased to the row block)."""
         world = self.env.world_size
         lengths, values, _, _, unbucketize = ops.block_bucketize_sparse_features(

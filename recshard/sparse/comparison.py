@@ -6,14 +6,14 @@ Two tensors are equal when their values, weights, lengths and offsets match (flo
 
 from __future__ import annotations
 
-from typing import List, Optional, Union
+from typing import List
 
 import torch
 
 from recshard.sparse.jagged_tensor import JaggedTensor
 from recshard.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 
-Field = Union[torch.Tensor, List[int], int, None]
+Field = torch.Tensor | List[int] | int | None
 
 
 def _same(a: Field, b: Field) -> bool:
@@ -24,7 +24,7 @@ def _same(a: Field, b: Field) -> bool:
     return a == b
 
 
-def _fields(x: Union[JaggedTensor, KeyedJaggedTensor]) -> List[Optional[torch.Tensor]]:
+def _fields(x: JaggedTensor | KeyedJaggedTensor) -> List[torch.Tensor | None]:
     # lengths and offsets derive from each other: compare both, whichever was given
     return [x.weights_or_none(), x.lengths(), x.offsets()]
 
@@ -47,7 +47,4 @@ def kjt_is_equal(kjt_1: KeyedJaggedTensor, kjt_2: KeyedJaggedTensor) -> bool:
         return False
     if not all(_same(a, b) for a, b in zip(_fields(kjt_1), _fields(kjt_2))):
         return False
-    return (
-        kjt_1.length_per_key() == kjt_2.length_per_key()
-        and kjt_1.stride() == kjt_2.stride()
-    )
+    return kjt_1.length_per_key() == kjt_2.length_per_key() and kjt_1.stride() == kjt_2.stride()

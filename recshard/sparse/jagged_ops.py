@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 import os
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Tuple
 
 import torch
 from torch import Tensor
@@ -37,8 +37,9 @@ def fbgemm_available() -> bool:
     try:
         import fbgemm_gpu  # noqa: F401
     except Exception as e:  # ImportError, OSError from a mismatched .so, ...
-        logger.debug("fbgemm_gpu did not load (%s: %s): jagged ops use the torch path",
-                     type(e).__name__, e)
+        logger.debug(
+            "fbgemm_gpu did not load (%s: %s): jagged ops use the torch path", type(e).__name__, e
+        )
         return False
     return True
 
@@ -48,8 +49,10 @@ def use_fbgemm(enabled: bool) -> Iterator[None]:
     """Run the block with fbgemm kernels on (`True`, needs fbgemm) or off (torch path)."""
     global _enabled
     if enabled and not fbgemm_available():
-        raise RuntimeError(f"use_fbgemm(True): fbgemm_gpu is not available "
-                           f"(not installed, failed to load, or {DISABLE_ENV_VAR} is set)")
+        raise RuntimeError(
+            f"use_fbgemm(True): fbgemm_gpu is not available "
+            f"(not installed, failed to load, or {DISABLE_ENV_VAR} is set)"
+        )
     previous, _enabled = _enabled, enabled
     try:
         yield
@@ -63,14 +66,15 @@ _KERNEL_OF = {"jagged_to_padded_dense": "jagged_to_padded_dense_forward"}
 
 
 @functools.cache
-def _resolve(name: str, device_type: str) -> Optional[Callable[..., Any]]:
+def _resolve(name: str, device_type: str) -> Callable[..., Any] | None:
     key = _DISPATCH_KEYS.get(device_type)
     if key is None or not fbgemm_available():
         return None
     try:
         op = getattr(torch.ops.fbgemm, name)
         has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(
-            "fbgemm::" + _KERNEL_OF.get(name, name), key)
+            "fbgemm::" + _KERNEL_OF.get(name, name), key
+        )
     except Exception as e:  # op missing from this fbgemm build
         logger.debug("fbgemm op %s unavailable (%s): torch path", name, e)
         return None
@@ -80,7 +84,7 @@ def _resolve(name: str, device_type: str) -> Optional[Callable[..., Any]]:
     return op
 
 
-def _fbgemm(name: str, device: torch.device, supported: bool = True) -> Optional[Callable[..., Any]]:
+def _fbgemm(name: str, device: torch.device, supported: bool = True) -> Callable[..., Any] | None:
     """fbgemm's op `name` if it should run here (enabled, loaded, kernel for device), else None."""
     if not (_enabled and supported):
         return None
@@ -89,23 +93,26 @@ def _fbgemm(name: str, device: torch.device, supported: bool = True) -> Optional
 
 def _complete_cumsum(lengths: Tensor) -> Tensor:
     """Torch `[N] -> [N+1]` int64 offsets (internal index math)."""
-    return torch.cat([lengths.new_zeros(1, dtype=torch.long), torch.cumsum(lengths, 0, dtype=torch.long)])
+    return torch.cat(
+        [lengths.new_zeros(1, dtype=torch.long), torch.cumsum(lengths, 0, dtype=torch.long)]
+    )
 
 
-def _segment_ranges(starts: Tensor, seg_lengths: Tensor, total: Optional[int] = None) -> Tensor:
+def _segment_ranges(starts: Tensor, seg_lengths: Tensor, total: int | None = None) -> Tensor:
     """Concatenation of `arange(starts[i], starts[i] + seg_lengths[i])` over i, int64 `[sum]`.
 
     `total` (= `seg_lengths.sum()`) avoids a device sync when given.
     """
     seg_lengths = seg_lengths.long()
     segment = torch.repeat_interleave(
-        torch.arange(seg_lengths.numel(), device=seg_lengths.device), seg_lengths, output_size=total)
+        torch.arange(seg_lengths.numel(), device=seg_lengths.device), seg_lengths, output_size=total
+    )
     out_starts = torch.cumsum(seg_lengths, 0) - seg_lengths
     shift = starts.long() - out_starts
     return shift[segment] + torch.arange(segment.numel(), device=segment.device)
 
 
-def _needs_grad(*tensors: Optional[Tensor]) -> bool:
+def _needs_grad(*tensors: Tensor | None) -> bool:
     """True when autograd must flow into one of `tensors`."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -121,7 +128,7 @@ def _check_permute(permute: Tensor, size: int, what: str) -> None:
             raise ValueError(f"{what}: permute index {bad} out of range for {size} segments")
 
 
-def _check_1d(what: str, **tensors: Optional[Tensor]) -> None:
+def _check_1d(what: str, **tensors: Tensor | None) -> None:
     for name, t in tensors.items():
         if t is not None and t.dim() != 1:
             raise ValueError(f"{what}: {name} must be 1-D, got shape {tuple(t.shape)}")
@@ -137,8 +144,10 @@ def asynchronous_complete_cumsum(lengths: Tensor) -> Tensor:
     last bits (torch accumulates in higher precision); integer results are identical.
     """
     if lengths.dim() not in (1, 2):
-        raise ValueError(f"asynchronous_complete_cumsum: lengths must be 1-D or 2-D, "
-                         f"got shape {tuple(lengths.shape)}")
+        raise ValueError(
+            f"asynchronous_complete_cumsum: lengths must be 1-D or 2-D, "
+            f"got shape {tuple(lengths.shape)}"
+        )
     supported = lengths.dtype in _INDEX_DTYPES + (torch.float16, torch.bfloat16, torch.float32)
     op = _fbgemm("asynchronous_complete_cumsum", lengths.device, supported)
     if op is not None:
@@ -154,9 +163,9 @@ def permute_2D_sparse_data(
     permute: Tensor,
     lengths: Tensor,
     values: Tensor,
-    weights: Optional[Tensor] = None,
-    permuted_lengths_sum: Optional[int] = None,
-) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    weights: Tensor | None = None,
+    permuted_lengths_sum: int | None = None,
+) -> Tuple[Tensor, Tensor, Tensor | None]:
     """Reorder whole keys (rows) of a key-major jagged layout.
 
     permute `[F']` (may repeat or drop keys), lengths `[F, B]`, values `[N]`, weights `[N]`
@@ -165,21 +174,25 @@ def permute_2D_sparse_data(
     backward inverts `permute`, which is wrong for repeats and drops (1.8.0 segfaults).
     """
     if lengths.dim() != 2:
-        raise ValueError(f"permute_2D_sparse_data: lengths must be 2-D [F, B], "
-                         f"got shape {tuple(lengths.shape)}")
+        raise ValueError(
+            f"permute_2D_sparse_data: lengths must be 2-D [F, B], got shape {tuple(lengths.shape)}"
+        )
     _check_1d("permute_2D_sparse_data", values=values, weights=weights)
     _check_permute(permute, lengths.size(0), "permute_2D_sparse_data")
-    supported = (lengths.dtype in _INDEX_DTYPES
-                 and values.dtype in _INDEX_DTYPES + (torch.float16, torch.bfloat16, torch.float32)
-                 and (weights is None or weights.dtype in (torch.float16, torch.float32, torch.float64))
-                 and not _needs_grad(values, weights))
+    supported = (
+        lengths.dtype in _INDEX_DTYPES
+        and values.dtype in _INDEX_DTYPES + (torch.float16, torch.bfloat16, torch.float32)
+        and (weights is None or weights.dtype in (torch.float16, torch.float32, torch.float64))
+        and not _needs_grad(values, weights)
+    )
     op = _fbgemm("permute_2D_sparse_data", values.device, supported)
     if op is not None:
         return op(permute.int(), lengths, values, weights, permuted_lengths_sum)
     permuted_lengths = lengths.index_select(0, permute.long())
     per_key = lengths.sum(1)
-    gather = _segment_ranges(_complete_cumsum(per_key)[permute.long()],
-                             per_key[permute.long()], permuted_lengths_sum)
+    gather = _segment_ranges(
+        _complete_cumsum(per_key)[permute.long()], per_key[permute.long()], permuted_lengths_sum
+    )
     new_weights = None if weights is None else weights.index_select(0, gather)
     return permuted_lengths, values.index_select(0, gather), new_weights
 
@@ -188,9 +201,9 @@ def permute_1D_sparse_data(
     permute: Tensor,
     lengths: Tensor,
     values: Tensor,
-    weights: Optional[Tensor] = None,
-    permuted_lengths_sum: Optional[int] = None,
-) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    weights: Tensor | None = None,
+    permuted_lengths_sum: int | None = None,
+) -> Tuple[Tensor, Tensor, Tensor | None]:
     """Reorder whole segments of a jagged layout.
 
     permute `[S']` (may repeat or drop), lengths `[S]`, values `[N]`, weights `[N]`
@@ -199,16 +212,19 @@ def permute_1D_sparse_data(
     """
     _check_1d("permute_1D_sparse_data", lengths=lengths, values=values, weights=weights)
     _check_permute(permute, lengths.numel(), "permute_1D_sparse_data")
-    supported = (lengths.dtype in _INDEX_DTYPES
-                 and values.dtype in _INDEX_DTYPES + (torch.float16, torch.bfloat16, torch.float32)
-                 and (weights is None or weights.dtype in (torch.float32, torch.float64))
-                 and not _needs_grad(values, weights))
+    supported = (
+        lengths.dtype in _INDEX_DTYPES
+        and values.dtype in _INDEX_DTYPES + (torch.float16, torch.bfloat16, torch.float32)
+        and (weights is None or weights.dtype in (torch.float32, torch.float64))
+        and not _needs_grad(values, weights)
+    )
     op = _fbgemm("permute_1D_sparse_data", values.device, supported)
     if op is not None:
         return op(permute.int(), lengths, values, weights, permuted_lengths_sum)
     permuted_lengths = lengths.index_select(0, permute.long())
-    gather = _segment_ranges(_complete_cumsum(lengths)[permute.long()], permuted_lengths,
-                             permuted_lengths_sum)
+    gather = _segment_ranges(
+        _complete_cumsum(lengths)[permute.long()], permuted_lengths, permuted_lengths_sum
+    )
     new_weights = None if weights is None else weights.index_select(0, gather)
     return permuted_lengths, values.index_select(0, gather), new_weights
 
@@ -224,20 +240,28 @@ def expand_into_jagged_permute(
     `output_size` must equal `output_offsets[-1]`. Empty `permute` gives an empty result
     (fbgemm raises there).
     """
-    _check_1d("expand_into_jagged_permute", input_offsets=input_offsets, output_offsets=output_offsets)
+    _check_1d(
+        "expand_into_jagged_permute", input_offsets=input_offsets, output_offsets=output_offsets
+    )
     num_segments = input_offsets.numel() - 1
     if permute.numel() != num_segments or output_offsets.numel() != num_segments + 1:
         raise ValueError(
             f"expand_into_jagged_permute: permute has {permute.numel()} entries, input_offsets "
             f"{input_offsets.numel()} and output_offsets {output_offsets.numel()} "
-            f"(need S, S+1, S+1)")
+            f"(need S, S+1, S+1)"
+        )
     _check_permute(permute, num_segments, "expand_into_jagged_permute")
     if output_offsets.device.type == "cpu" and int(output_offsets[-1]) != output_size:
-        raise ValueError(f"expand_into_jagged_permute: output_size {output_size} != "
-                         f"output_offsets[-1] {int(output_offsets[-1])}")
+        raise ValueError(
+            f"expand_into_jagged_permute: output_size {output_size} != "
+            f"output_offsets[-1] {int(output_offsets[-1])}"
+        )
     dtype = input_offsets.dtype
-    op = _fbgemm("expand_into_jagged_permute", input_offsets.device,
-                 dtype in _INDEX_DTYPES and num_segments > 0)
+    op = _fbgemm(
+        "expand_into_jagged_permute",
+        input_offsets.device,
+        dtype in _INDEX_DTYPES and num_segments > 0,
+    )
     if op is not None:
         return op(permute.to(dtype), input_offsets, output_offsets.to(dtype), output_size)
     starts = input_offsets.long()[permute.long()]
@@ -283,8 +307,8 @@ def block_bucketize_sparse_features(
     sequence: bool,
     block_sizes: Tensor,
     my_size: int,
-    weights: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    weights: Tensor | None = None,
+) -> Tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Split every bag of ids into `my_size` buckets by row block (row-wise sharding).
 
     lengths `[F*B]` (key-major), indices `[N]`, block_sizes `[F]`, weights `[N]` ->
@@ -296,26 +320,44 @@ def block_bucketize_sparse_features(
     `i % block_sizes[f]`; ids at or past `my_size * block` (and negative ids, read as
     unsigned like fbgemm) go to bucket `i % my_size` as `i // my_size`. Bag order is kept.
     """
-    _check_1d("block_bucketize_sparse_features", lengths=lengths, indices=indices,
-              block_sizes=block_sizes, weights=weights)
+    _check_1d(
+        "block_bucketize_sparse_features",
+        lengths=lengths,
+        indices=indices,
+        block_sizes=block_sizes,
+        weights=weights,
+    )
     num_features, num_bags = block_sizes.numel(), lengths.numel()
     if my_size < 1:
         raise ValueError(f"block_bucketize_sparse_features: my_size must be >= 1, got {my_size}")
     if (num_bags % num_features if num_features else num_bags) != 0:
-        raise ValueError(f"block_bucketize_sparse_features: {num_bags} lengths do not split "
-                         f"into {num_features} features (block_sizes)")
-    supported = (num_features > 0 and lengths.dtype in _INDEX_DTYPES
-                 and indices.dtype in _INDEX_DTYPES
-                 and (weights is None or weights.dtype in (torch.float32, torch.float64))
-                 and not _needs_grad(weights))  # fbgemm's op has no backward
+        raise ValueError(
+            f"block_bucketize_sparse_features: {num_bags} lengths do not split "
+            f"into {num_features} features (block_sizes)"
+        )
+    supported = (
+        num_features > 0
+        and lengths.dtype in _INDEX_DTYPES
+        and indices.dtype in _INDEX_DTYPES
+        and (weights is None or weights.dtype in (torch.float32, torch.float64))
+        and not _needs_grad(weights)
+    )  # fbgemm's op has no backward
     op = _fbgemm("block_bucketize_sparse_features", indices.device, supported)
     if op is not None:
-        return op(lengths, indices, bucketize_pos, sequence, block_sizes.to(indices.dtype),
-                  my_size, weights)
+        return op(
+            lengths,
+            indices,
+            bucketize_pos,
+            sequence,
+            block_sizes.to(indices.dtype),
+            my_size,
+            weights,
+        )
     device, num_ids = indices.device, indices.numel()
     batch_size = num_bags // num_features if num_features else 0
-    bag = torch.repeat_interleave(torch.arange(num_bags, device=device), lengths.long(),
-                                  output_size=num_ids)
+    bag = torch.repeat_interleave(
+        torch.arange(num_bags, device=device), lengths.long(), output_size=num_ids
+    )
     block = block_sizes.long().repeat_interleave(batch_size)[bag]
     bucket, local = _block_bucket(indices, block, my_size)
     new_bag = bucket * num_bags + bag  # bucket-major, then the original bag
@@ -328,8 +370,11 @@ def block_bucketize_sparse_features(
         new_pos = position[order].to(indices.dtype)
     unbucketize_permute = None
     if sequence:
-        unbucketize_permute = torch.empty_like(order).scatter_(
-            0, order, torch.arange(num_ids, device=device)).to(indices.dtype)
+        unbucketize_permute = (
+            torch.empty_like(order)
+            .scatter_(0, order, torch.arange(num_ids, device=device))
+            .to(indices.dtype)
+        )
     return new_lengths, local[order].to(indices.dtype), new_weights, new_pos, unbucketize_permute
 
 
@@ -354,14 +399,22 @@ def permute_pooled_embs(
     `permute_list` repeats or drops blocks).
     """
     if pooled_embs.dim() != 2:
-        raise ValueError(f"permute_pooled_embs: pooled_embs must be 2-D [B, D_sum], "
-                         f"got shape {tuple(pooled_embs.shape)}")
+        raise ValueError(
+            f"permute_pooled_embs: pooled_embs must be 2-D [B, D_sum], "
+            f"got shape {tuple(pooled_embs.shape)}"
+        )
     _check_permute(permute_list, offset_dim_list.numel() - 1, "permute_pooled_embs")
-    op = _fbgemm("permute_pooled_embs_auto_grad", pooled_embs.device,
-                 pooled_embs.is_floating_point())
+    op = _fbgemm(
+        "permute_pooled_embs_auto_grad", pooled_embs.device, pooled_embs.is_floating_point()
+    )
     if op is not None:
-        return op(pooled_embs, offset_dim_list.long(), permute_list.long(),
-                  inv_offset_dim_list.long(), inv_permute_list.long())
+        return op(
+            pooled_embs,
+            offset_dim_list.long(),
+            permute_list.long(),
+            inv_offset_dim_list.long(),
+            inv_permute_list.long(),
+        )
     offsets, permute = offset_dim_list.long(), permute_list.long()
     columns = _segment_ranges(offsets[permute], offsets[permute + 1] - offsets[permute])
     return pooled_embs.index_select(1, columns)
@@ -375,8 +428,10 @@ def segment_sum_csr(batch_size: int, csr_seg: Tensor, values: Tensor) -> Tensor:
     Differentiable (through the torch path).
     """
     _check_1d("segment_sum_csr", csr_seg=csr_seg)
-    supported = values.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int32,
-                                 torch.int64) and csr_seg.dtype in _INDEX_DTYPES
+    supported = (
+        values.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+        and csr_seg.dtype in _INDEX_DTYPES
+    )
     supported = supported and not _needs_grad(values)  # fbgemm's op has no backward
     op = _fbgemm("segment_sum_csr", values.device, supported)
     if op is not None:
@@ -400,13 +455,19 @@ def jagged_to_padded_dense(
     dtype of values (`padding_value` cast to it, so 0.5 pads an int tensor with 0).
     """
     if values.dim() not in (1, 2):
-        raise ValueError(f"jagged_to_padded_dense: values must be [N] or [N, D], "
-                         f"got shape {tuple(values.shape)}")
+        raise ValueError(
+            f"jagged_to_padded_dense: values must be [N] or [N, D], got shape {tuple(values.shape)}"
+        )
     _check_1d("jagged_to_padded_dense", offsets=offsets)
     if offsets.numel() == 0:
         raise ValueError("jagged_to_padded_dense: offsets must have B+1 >= 1 entries, got none")
     supported = offsets.dtype in _INDEX_DTYPES and values.dtype in (
-        torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int32,
+        torch.int64,
+    )
     op = _fbgemm("jagged_to_padded_dense", values.device, supported)
     if op is not None:
         return op(values, [offsets], [max_length], padding_value)

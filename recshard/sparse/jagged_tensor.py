@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 
@@ -16,7 +16,7 @@ def lengths_from_offsets(offsets: torch.Tensor) -> torch.Tensor:
     return offsets[1:] - offsets[:-1]
 
 
-def check_index_dtype(tensor: Optional[torch.Tensor], name: str, owner: str) -> None:
+def check_index_dtype(tensor: torch.Tensor | None, name: str, owner: str) -> None:
     """lengths / offsets count values: a non-empty one must hold integers (O(1) check)."""
     if tensor is not None and tensor.numel() and tensor.dtype not in INDEX_DTYPES:
         raise ValueError(f"{owner}: {name} must be of integer type, got {tensor.dtype}")
@@ -31,7 +31,7 @@ def values_string(values: torch.Tensor, offsets: List[int]) -> str:
 
 
 @torch.fx.wrap
-def masked_or_none(tensor: Optional[torch.Tensor], mask: torch.Tensor) -> Optional[torch.Tensor]:
+def masked_or_none(tensor: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
     """`tensor[mask]`, or None without a tensor. A leaf in torch.fx traces (TorchRec's
     `_optional_mask`): traced with `weights` as a placeholder, None is only known at run time."""
     return None if tensor is None else tensor[mask]
@@ -45,9 +45,9 @@ class JaggedStorage(metaclass=TraceableConstruction):
     (`TraceableConstruction`, as TorchRec's), so models that build KJTs in `forward` trace."""
 
     _values: torch.Tensor
-    _weights: Optional[torch.Tensor]
-    _lengths: Optional[torch.Tensor]
-    _offsets: Optional[torch.Tensor]
+    _weights: torch.Tensor | None
+    _lengths: torch.Tensor | None
+    _offsets: torch.Tensor | None
 
     def values(self) -> torch.Tensor:
         return self._values
@@ -57,7 +57,7 @@ class JaggedStorage(metaclass=TraceableConstruction):
             raise ValueError(f"this {type(self).__name__} has no weights")
         return self._weights
 
-    def weights_or_none(self) -> Optional[torch.Tensor]:
+    def weights_or_none(self) -> torch.Tensor | None:
         return self._weights
 
     def lengths(self) -> torch.Tensor:
@@ -65,7 +65,7 @@ class JaggedStorage(metaclass=TraceableConstruction):
             self._lengths = lengths_from_offsets(self._offsets)
         return self._lengths
 
-    def lengths_or_none(self) -> Optional[torch.Tensor]:
+    def lengths_or_none(self) -> torch.Tensor | None:
         return self._lengths
 
     def offsets(self) -> torch.Tensor:
@@ -73,7 +73,7 @@ class JaggedStorage(metaclass=TraceableConstruction):
             self._offsets = ops.asynchronous_complete_cumsum(self._lengths)
         return self._offsets
 
-    def offsets_or_none(self) -> Optional[torch.Tensor]:
+    def offsets_or_none(self) -> torch.Tensor | None:
         return self._offsets
 
 
@@ -88,9 +88,9 @@ class JaggedTensor(JaggedStorage):
     def __init__(
         self,
         values: torch.Tensor,
-        weights: Optional[torch.Tensor] = None,
-        lengths: Optional[torch.Tensor] = None,
-        offsets: Optional[torch.Tensor] = None,
+        weights: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
     ) -> None:
         if lengths is None and offsets is None:
             raise ValueError("JaggedTensor needs lengths or offsets")
@@ -103,7 +103,7 @@ class JaggedTensor(JaggedStorage):
 
     @staticmethod
     def from_dense(
-        values: List[torch.Tensor], weights: Optional[List[torch.Tensor]] = None
+        values: List[torch.Tensor], weights: List[torch.Tensor] | None = None
     ) -> JaggedTensor:
         """Build from one tensor per row (no rows: torch's default dtype, as `empty()`)."""
         lengths = torch.tensor([v.size(0) for v in values], dtype=torch.int32)
@@ -113,7 +113,7 @@ class JaggedTensor(JaggedStorage):
 
     @staticmethod
     def from_dense_lengths(
-        values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor] = None
+        values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None
     ) -> JaggedTensor:
         """Row i is the first `lengths[i]` entries of `values[i]` (`values`: `[B, L, ...]`)."""
         keep = torch.arange(values.size(1), device=values.device) < lengths.unsqueeze(-1)
@@ -122,9 +122,9 @@ class JaggedTensor(JaggedStorage):
     @staticmethod
     def empty(
         is_weighted: bool = False,
-        device: Optional[torch.device] = None,
-        values_dtype: Optional[torch.dtype] = None,
-        weights_dtype: Optional[torch.dtype] = None,
+        device: torch.device | None = None,
+        values_dtype: torch.dtype | None = None,
+        weights_dtype: torch.dtype | None = None,
         lengths_dtype: torch.dtype = torch.int32,
     ) -> JaggedTensor:
         """No rows (TorchRec's signature: `values_dtype` None is torch's default dtype)."""
@@ -136,21 +136,25 @@ class JaggedTensor(JaggedStorage):
         )
 
     @staticmethod
-    def empty_like(jt: JaggedTensor, device: Optional[torch.device] = None) -> JaggedTensor:
+    def empty_like(jt: JaggedTensor, device: torch.device | None = None) -> JaggedTensor:
         """No rows, `jt`'s dtypes; with `device`, uninitialized tensors of `jt`'s shapes there."""
         if device is None:
             weights = jt.weights_or_none()
             return JaggedTensor(
                 torch.empty(0, dtype=jt.values().dtype, device=jt.device()),
-                None if weights is None else torch.empty(0, dtype=weights.dtype, device=jt.device()),
+                None
+                if weights is None
+                else torch.empty(0, dtype=weights.dtype, device=jt.device()),
                 lengths=torch.empty(0, dtype=jt.lengths().dtype, device=jt.device()),
             )
 
-        def like(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        def like(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else torch.empty_like(t, device=device)
 
         return JaggedTensor(
-            like(jt.values()), like(jt.weights_or_none()), like(jt.lengths_or_none()),
+            like(jt.values()),
+            like(jt.weights_or_none()),
+            like(jt.lengths_or_none()),
             like(jt.offsets_or_none()),
         )
 
@@ -161,33 +165,37 @@ class JaggedTensor(JaggedStorage):
         """One tensor per row."""
         return list(torch.split(self._values, self.lengths().tolist()))
 
-    def to_dense_weights(self) -> Optional[List[torch.Tensor]]:
+    def to_dense_weights(self) -> List[torch.Tensor] | None:
         if self._weights is None:
             return None
         return list(torch.split(self._weights, self.lengths().tolist()))
 
     def to_padded_dense(
-        self, desired_length: Optional[int] = None, padding_value: float = 0.0
+        self, desired_length: int | None = None, padding_value: float = 0.0
     ) -> torch.Tensor:
         """`[B, L]` (or `[B, L, D]`): rows cut or padded to `desired_length` (default: longest)."""
         lengths = self.lengths()
         if desired_length is None:
             desired_length = int(lengths.max().item()) if lengths.numel() else 0
-        return ops.jagged_to_padded_dense(self._values, self.offsets(), desired_length, padding_value)
+        return ops.jagged_to_padded_dense(
+            self._values, self.offsets(), desired_length, padding_value
+        )
 
     def to_padded_dense_weights(
-        self, desired_length: Optional[int] = None, padding_value: float = 0.0
-    ) -> Optional[torch.Tensor]:
+        self, desired_length: int | None = None, padding_value: float = 0.0
+    ) -> torch.Tensor | None:
         """`to_padded_dense` of the weights (None when there are none)."""
         if self._weights is None:
             return None
         lengths = self.lengths()
         if desired_length is None:
             desired_length = int(lengths.max().item()) if lengths.numel() else 0
-        return ops.jagged_to_padded_dense(self._weights, self.offsets(), desired_length, padding_value)
+        return ops.jagged_to_padded_dense(
+            self._weights, self.offsets(), desired_length, padding_value
+        )
 
     def to(self, device: torch.device, non_blocking: bool = False) -> JaggedTensor:
-        def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
         return JaggedTensor(
@@ -195,10 +203,12 @@ class JaggedTensor(JaggedStorage):
         )
 
     def pin_memory(self) -> JaggedTensor:
-        def pin(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        def pin(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.pin_memory()
 
-        return JaggedTensor(pin(self._values), pin(self._weights), pin(self._lengths), pin(self._offsets))
+        return JaggedTensor(
+            pin(self._values), pin(self._weights), pin(self._lengths), pin(self._offsets)
+        )
 
     def record_stream(self, stream: torch.Stream) -> None:
         for t in (self._values, self._weights, self._lengths, self._offsets):
@@ -211,8 +221,11 @@ class JaggedTensor(JaggedStorage):
         if self._weights is None:
             return "JaggedTensor({\n    " + values_string(self._values, offsets) + "\n})\n"
         return (
-            'JaggedTensor({\n    "values": ' + values_string(self._values, offsets)
-            + ',\n    "weights": ' + values_string(self._weights, offsets) + "\n})\n"
+            'JaggedTensor({\n    "values": '
+            + values_string(self._values, offsets)
+            + ',\n    "weights": '
+            + values_string(self._weights, offsets)
+            + "\n})\n"
         )
 
     def __repr__(self) -> str:

@@ -11,7 +11,7 @@ on first use or eagerly by `sync()`, and cached.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -34,15 +34,15 @@ class KeyedJaggedTensor(JaggedStorage):
         self,
         keys: List[str],
         values: torch.Tensor,
-        weights: Optional[torch.Tensor] = None,
-        lengths: Optional[torch.Tensor] = None,
-        offsets: Optional[torch.Tensor] = None,
-        stride: Optional[int] = None,
-        stride_per_key_per_rank: Optional[Union[List[List[int]], torch.Tensor]] = None,
-        stride_per_key: Optional[List[int]] = None,
-        length_per_key: Optional[List[int]] = None,
-        offset_per_key: Optional[List[int]] = None,
-        inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
+        weights: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+        stride: int | None = None,
+        stride_per_key_per_rank: List[List[int]] | torch.Tensor | None = None,
+        stride_per_key: List[int] | None = None,
+        length_per_key: List[int] | None = None,
+        offset_per_key: List[int] | None = None,
+        inverse_indices: Tuple[List[str], torch.Tensor] | None = None,
         validate: bool = True,
     ) -> None:
         if lengths is None and offsets is None:
@@ -60,7 +60,7 @@ class KeyedJaggedTensor(JaggedStorage):
         self._inverse_indices = inverse_indices
         self._length_per_key = length_per_key
         self._offset_per_key = offset_per_key
-        self._jt_dict: Optional[Dict[str, JaggedTensor]] = None
+        self._jt_dict: Dict[str, JaggedTensor] | None = None
         if stride_per_key_per_rank is not None:
             self._stride_per_key = stride_per_key or [sum(s) for s in stride_per_key_per_rank]
             if stride is None and inverse_indices is not None and inverse_indices[1].numel():
@@ -84,16 +84,21 @@ class KeyedJaggedTensor(JaggedStorage):
         keys: List[str],
         values: torch.Tensor,
         lengths: torch.Tensor,
-        weights: Optional[torch.Tensor] = None,
-        stride: Optional[int] = None,
-        stride_per_key_per_rank: Optional[List[List[int]]] = None,
-        inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
+        weights: torch.Tensor | None = None,
+        stride: int | None = None,
+        stride_per_key_per_rank: List[List[int]] | None = None,
+        inverse_indices: Tuple[List[str], torch.Tensor] | None = None,
         validate: bool = True,
     ) -> KeyedJaggedTensor:
         """Built from per-bag lengths, per-key sums computed now (one host sync)."""
         return KeyedJaggedTensor(
-            keys, values, weights, lengths=lengths, stride=stride,
-            stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices,
+            keys,
+            values,
+            weights,
+            lengths=lengths,
+            stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank,
+            inverse_indices=inverse_indices,
             validate=validate,
         ).sync()
 
@@ -102,16 +107,21 @@ class KeyedJaggedTensor(JaggedStorage):
         keys: List[str],
         values: torch.Tensor,
         offsets: torch.Tensor,
-        weights: Optional[torch.Tensor] = None,
-        stride: Optional[int] = None,
-        stride_per_key_per_rank: Optional[List[List[int]]] = None,
-        inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
+        weights: torch.Tensor | None = None,
+        stride: int | None = None,
+        stride_per_key_per_rank: List[List[int]] | None = None,
+        inverse_indices: Tuple[List[str], torch.Tensor] | None = None,
         validate: bool = True,
     ) -> KeyedJaggedTensor:
         """Built from bag offsets (`[0] + cumsum(lengths)`), per-key sums computed now."""
         return KeyedJaggedTensor(
-            keys, values, weights, offsets=offsets, stride=stride,
-            stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices,
+            keys,
+            values,
+            weights,
+            offsets=offsets,
+            stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank,
+            inverse_indices=inverse_indices,
             validate=validate,
         ).sync()
 
@@ -142,9 +152,9 @@ class KeyedJaggedTensor(JaggedStorage):
     @staticmethod
     def empty(
         is_weighted: bool = False,
-        device: Optional[torch.device] = None,
-        values_dtype: Optional[torch.dtype] = None,
-        weights_dtype: Optional[torch.dtype] = None,
+        device: torch.device | None = None,
+        values_dtype: torch.dtype | None = None,
+        weights_dtype: torch.dtype | None = None,
         lengths_dtype: torch.dtype = torch.int32,
     ) -> KeyedJaggedTensor:
         """No keys; values and weights of torch's default dtype unless given (TorchRec's)."""
@@ -196,7 +206,7 @@ class KeyedJaggedTensor(JaggedStorage):
             return []
         return self._stride_per_key_per_rank
 
-    def inverse_indices_or_none(self) -> Optional[Tuple[List[str], torch.Tensor]]:
+    def inverse_indices_or_none(self) -> Tuple[List[str], torch.Tensor] | None:
         return self._inverse_indices
 
     def inverse_indices(self) -> Tuple[List[str], torch.Tensor]:
@@ -225,7 +235,8 @@ class KeyedJaggedTensor(JaggedStorage):
                 lengths = self.lengths()
                 self._length_per_key = (
                     lengths.view(len(self._keys), -1).sum(dim=1).tolist()
-                    if lengths.numel() else [0] * len(self._keys)
+                    if lengths.numel()
+                    else [0] * len(self._keys)
                 )
             else:
                 boundaries = torch.tensor(self.lengths_offset_per_key(), dtype=torch.long)
@@ -260,19 +271,24 @@ class KeyedJaggedTensor(JaggedStorage):
         self,
         keys: List[str],
         values: torch.Tensor,
-        weights: Optional[torch.Tensor],
+        weights: torch.Tensor | None,
         lengths: torch.Tensor,
-        stride_per_key_per_rank: Optional[List[List[int]]],
-        length_per_key: Optional[List[int]],
+        stride_per_key_per_rank: List[List[int]] | None,
+        length_per_key: List[int] | None,
     ) -> KeyedJaggedTensor:
         return KeyedJaggedTensor(
-            keys, values, weights, lengths=lengths, stride=self._stride,
+            keys,
+            values,
+            weights,
+            lengths=lengths,
+            stride=self._stride,
             stride_per_key_per_rank=stride_per_key_per_rank,
-            length_per_key=length_per_key, validate=False,
+            length_per_key=length_per_key,
+            validate=False,
         )
 
     def permute(
-        self, indices: Sequence[int], indices_tensor: Optional[torch.Tensor] = None
+        self, indices: Sequence[int], indices_tensor: torch.Tensor | None = None
     ) -> KeyedJaggedTensor:
         """Keys in the order `indices` (indices may repeat a key or leave one out)."""
         indices = list(indices)
@@ -287,15 +303,22 @@ class KeyedJaggedTensor(JaggedStorage):
         keys = [self._keys[i] for i in indices]
         if not self.variable_stride_per_key():
             lengths, values, weights = ops.permute_2D_sparse_data(
-                indices_tensor, self.lengths().view(num_keys, -1), self._values,
-                self._weights, sum(new_lpk),
+                indices_tensor,
+                self.lengths().view(num_keys, -1),
+                self._values,
+                self._weights,
+                sum(new_lpk),
             )
             return self._with(keys, values, weights, lengths.reshape(-1), None, new_lpk)
         # Variable batch: permute lengths by per-key stride segments, values by per-key sums.
         device = self._values.device
         strides = torch.tensor(self._stride_per_key, dtype=torch.long, device=device)
         _, lengths, _ = ops.permute_1D_sparse_data(
-            indices_tensor, strides, self.lengths(), None, sum(self._stride_per_key[i] for i in indices)
+            indices_tensor,
+            strides,
+            self.lengths(),
+            None,
+            sum(self._stride_per_key[i] for i in indices),
         )
         counts = torch.tensor(lpk, dtype=torch.long, device=device)
         _, values, weights = ops.permute_1D_sparse_data(
@@ -306,8 +329,14 @@ class KeyedJaggedTensor(JaggedStorage):
 
     def flatten_lengths(self) -> KeyedJaggedTensor:
         """The same batch with `lengths` as one 1-D tensor (TorchRec's)."""
-        return self._with(self._keys, self._values, self._weights, self.lengths().view(-1),
-                          self._stride_per_key_per_rank, self.length_per_key())
+        return self._with(
+            self._keys,
+            self._values,
+            self._weights,
+            self.lengths().view(-1),
+            self._stride_per_key_per_rank,
+            self.length_per_key(),
+        )
 
     def split(self, segments: Sequence[int]) -> List[KeyedJaggedTensor]:
         """Consecutive groups of `segments[i]` keys, as views of this tensor's storage."""
@@ -332,7 +361,8 @@ class KeyedJaggedTensor(JaggedStorage):
                     self._values[v0:v1],
                     None if self._weights is None else self._weights[v0:v1],
                     self.lengths().reshape(-1)[l0:l1],
-                    None if self._stride_per_key_per_rank is None
+                    None
+                    if self._stride_per_key_per_rank is None
                     else self._stride_per_key_per_rank[start:end],
                     lpk[start:end],
                 )
@@ -343,8 +373,12 @@ class KeyedJaggedTensor(JaggedStorage):
     def _no_keys(self) -> KeyedJaggedTensor:
         no_rows = torch.empty(0, dtype=torch.int32, device=self._values.device)
         return KeyedJaggedTensor(
-            [], self._values[:0], None if self._weights is None else self._weights[:0],
-            lengths=no_rows, offsets=no_rows, stride=self._stride,
+            [],
+            self._values[:0],
+            None if self._weights is None else self._weights[:0],
+            lengths=no_rows,
+            offsets=no_rows,
+            stride=self._stride,
             stride_per_key_per_rank=None if self._stride_per_key_per_rank is None else [],
             validate=False,
         )
@@ -363,7 +397,7 @@ class KeyedJaggedTensor(JaggedStorage):
             self._values[v0:v1],
             None if self._weights is None else self._weights[v0:v1],
             # reshape: TorchRec accepts lengths as [keys, batch] too; slice them flat
-            lengths=self.lengths().reshape(-1)[lopk[index]:lopk[index + 1]],
+            lengths=self.lengths().reshape(-1)[lopk[index] : lopk[index + 1]],
         )
 
     def to_dict(self) -> Dict[str, JaggedTensor]:
@@ -382,21 +416,26 @@ class KeyedJaggedTensor(JaggedStorage):
         return JaggedTensor(jt.values(), jt.weights_or_none(), lengths=no_rows, offsets=no_rows)
 
     def _map(self, fn) -> KeyedJaggedTensor:  # noqa: ANN001 - tensor -> tensor
-        def apply(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        def apply(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else fn(t)
 
         inverse = self._inverse_indices
         return KeyedJaggedTensor(
-            self._keys, apply(self._values), apply(self._weights),
-            lengths=apply(self._lengths), offsets=apply(self._offsets),
-            stride=self._stride, stride_per_key_per_rank=self._stride_per_key_per_rank,
-            length_per_key=self._length_per_key, offset_per_key=self._offset_per_key,
+            self._keys,
+            apply(self._values),
+            apply(self._weights),
+            lengths=apply(self._lengths),
+            offsets=apply(self._offsets),
+            stride=self._stride,
+            stride_per_key_per_rank=self._stride_per_key_per_rank,
+            length_per_key=self._length_per_key,
+            offset_per_key=self._offset_per_key,
             inverse_indices=None if inverse is None else (inverse[0], fn(inverse[1])),
             validate=False,
         )
 
     def to(
-        self, device: torch.device, non_blocking: bool = False, dtype: Optional[torch.dtype] = None
+        self, device: torch.device, non_blocking: bool = False, dtype: torch.dtype | None = None
     ) -> KeyedJaggedTensor:
         moved = self._map(lambda t: t.to(device, non_blocking=non_blocking))
         if dtype is not None and moved._weights is not None:
@@ -425,13 +464,16 @@ class KeyedJaggedTensor(JaggedStorage):
         bounds = self.lengths_offset_per_key()
         entries = []
         for index, key in enumerate(self._keys):
-            rows = offsets[bounds[index]:bounds[index + 1] + 1]
+            rows = offsets[bounds[index] : bounds[index + 1] + 1]
             if self._weights is None:
                 entries.append(f'    "{key}": ' + values_string(self._values, rows))
             else:
                 entries.append(
-                    f'    "{key}": {{\n        "values": ' + values_string(self._values, rows)
-                    + ',\n        "weights": ' + values_string(self._weights, rows) + "\n    }"
+                    f'    "{key}": {{\n        "values": '
+                    + values_string(self._values, rows)
+                    + ',\n        "weights": '
+                    + values_string(self._weights, rows)
+                    + "\n    }"
                 )
         return "KeyedJaggedTensor({\n" + ",\n".join(entries) + "\n})\n"
 
@@ -463,8 +505,11 @@ def concat_kjts(kjts: List[KeyedJaggedTensor]) -> KeyedJaggedTensor:
         raise ValueError(f"concat: batch sizes differ ({sorted(strides)}); use variable batch")
     spkpr = None
     if variable:
-        spkpr = [row for k in kjts for row in
-                 (k.stride_per_key_per_rank() or [[s] for s in k.stride_per_key()])]
+        spkpr = [
+            row
+            for k in kjts
+            for row in (k.stride_per_key_per_rank() or [[s] for s in k.stride_per_key()])
+        ]
     return KeyedJaggedTensor(
         [key for k in kjts for key in k.keys()],
         torch.cat([k.values() for k in kjts]),

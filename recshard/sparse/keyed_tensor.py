@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -27,8 +27,8 @@ class KeyedTensor(metaclass=TraceableConstruction):
         length_per_key: List[int],
         values: torch.Tensor,
         key_dim: int = 1,
-        offset_per_key: Optional[List[int]] = None,
-        index_per_key: Optional[Dict[str, int]] = None,
+        offset_per_key: List[int] | None = None,
+        index_per_key: Dict[str, int] | None = None,
     ) -> None:
         if len(keys) != len(length_per_key):
             raise ValueError(f"{len(keys)} keys but {len(length_per_key)} lengths")
@@ -106,7 +106,9 @@ class KeyedTensor(metaclass=TraceableConstruction):
 
     def to(self, device: torch.device, non_blocking: bool = False) -> KeyedTensor:
         return KeyedTensor(
-            self._keys, self._length_per_key, self._values.to(device, non_blocking=non_blocking),
+            self._keys,
+            self._length_per_key,
+            self._values.to(device, non_blocking=non_blocking),
             self._key_dim,
         )
 
@@ -148,7 +150,9 @@ def regroup_kts(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> Li
     values = torch.cat([kt.values() for kt in keyed_tensors], dim=key_dim)
     out = []
     for group in groups:
-        index = torch.cat([columns[k] for k in group]) if group else torch.empty(0, dtype=torch.long)
+        index = (
+            torch.cat([columns[k] for k in group]) if group else torch.empty(0, dtype=torch.long)
+        )
         out.append(values.index_select(key_dim, index.to(values.device)))
     return out
 

@@ -3,7 +3,7 @@ scanning) see through them to their tensors."""
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 import torch
 from torch.fx._pytree import register_pytree_flatten_spec
@@ -13,7 +13,7 @@ from recshard.sparse.jagged_tensor import JaggedTensor
 from recshard.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 from recshard.sparse.keyed_tensor import KeyedTensor, permute_multi_embedding
 
-Children = List[Optional[torch.Tensor]]
+Children = List[torch.Tensor | None]
 
 
 def _present(tensors: Children) -> Tuple[List[torch.Tensor], Tuple[bool, ...]]:
@@ -28,10 +28,15 @@ def _restore(leaves: List[torch.Tensor], present: Tuple[bool, ...]) -> Children:
 
 def _kjt_flatten(kjt: KeyedJaggedTensor) -> Tuple[List[torch.Tensor], Any]:
     inverse = kjt.inverse_indices_or_none()
-    leaves, present = _present([
-        kjt.values(), kjt.weights_or_none(), kjt.lengths_or_none(), kjt.offsets_or_none(),
-        None if inverse is None else inverse[1],
-    ])
+    leaves, present = _present(
+        [
+            kjt.values(),
+            kjt.weights_or_none(),
+            kjt.lengths_or_none(),
+            kjt.offsets_or_none(),
+            None if inverse is None else inverse[1],
+        ]
+    )
     spkpr = kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None
     inverse_keys = None if inverse is None else inverse[0]
     return leaves, (kjt.keys(), kjt.stride(), spkpr, inverse_keys, present)
@@ -41,9 +46,15 @@ def _kjt_unflatten(leaves: List[torch.Tensor], context: Any) -> KeyedJaggedTenso
     keys, stride, spkpr, inverse_keys, present = context
     values, weights, lengths, offsets, inverse = _restore(leaves, present)
     return KeyedJaggedTensor(
-        keys, values, weights, lengths=lengths, offsets=offsets, stride=stride,
+        keys,
+        values,
+        weights,
+        lengths=lengths,
+        offsets=offsets,
+        stride=stride,
         stride_per_key_per_rank=spkpr,
-        inverse_indices=None if inverse is None else (inverse_keys, inverse), validate=False,
+        inverse_indices=None if inverse is None else (inverse_keys, inverse),
+        validate=False,
     )
 
 
@@ -111,13 +122,22 @@ def register() -> None:
     """Pytree nodes (torch.utils._pytree) and their fx flatten specs (torch.fx._pytree's
     `tree_flatten_spec`, what exported and traced programs flatten their inputs with)."""
     for cls, flatten, unflatten, with_keys, flatten_spec in (
-        (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten, _kjt_flatten_with_keys, _kjt_flatten_spec),
+        (
+            KeyedJaggedTensor,
+            _kjt_flatten,
+            _kjt_unflatten,
+            _kjt_flatten_with_keys,
+            _kjt_flatten_spec,
+        ),
         (JaggedTensor, _jt_flatten, _jt_unflatten, _jt_flatten_with_keys, _jt_flatten_spec),
         (KeyedTensor, _kt_flatten, _kt_unflatten, _kt_flatten_with_keys, _kt_flatten_spec),
     ):
         if cls not in pytree.SUPPORTED_NODES:
             pytree.register_pytree_node(
-                cls, flatten, unflatten, serialized_type_name=f"recshard.{cls.__name__}",
+                cls,
+                flatten,
+                unflatten,
+                serialized_type_name=f"recshard.{cls.__name__}",
                 flatten_with_keys_fn=with_keys,
             )
             register_pytree_flatten_spec(cls, flatten_spec)

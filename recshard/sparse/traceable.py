@@ -22,8 +22,9 @@ class TraceableConstruction(type):
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         if is_fx_symbolic_tracing():
             proxies: List[Proxy] = []
-            map_aggregate((args, kwargs),
-                          lambda a: proxies.append(a) if isinstance(a, Proxy) else None)
+            map_aggregate(
+                (args, kwargs), lambda a: proxies.append(a) if isinstance(a, Proxy) else None
+            )
             if proxies:
                 return proxies[0].tracer.create_proxy("call_function", cls, args, kwargs)
         return super().__call__(*args, **kwargs)

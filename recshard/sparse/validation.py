@@ -13,7 +13,7 @@ as a warning and a False result.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Protocol, Sequence
+from typing import Dict, List, Protocol, Sequence
 
 import torch
 
@@ -28,9 +28,9 @@ class KeyedJaggedLike(Protocol):
 
     def keys(self) -> List[str]: ...
     def values(self) -> torch.Tensor: ...
-    def weights_or_none(self) -> Optional[torch.Tensor]: ...
-    def lengths_or_none(self) -> Optional[torch.Tensor]: ...
-    def offsets_or_none(self) -> Optional[torch.Tensor]: ...
+    def weights_or_none(self) -> torch.Tensor | None: ...
+    def lengths_or_none(self) -> torch.Tensor | None: ...
+    def offsets_or_none(self) -> torch.Tensor | None: ...
     def stride(self) -> int: ...
     def stride_per_key(self) -> List[int]: ...
     def lengths_offset_per_key(self) -> List[int]: ...
@@ -83,8 +83,10 @@ def check_structure(kjt: KeyedJaggedLike) -> None:
     lengths = kjt.lengths_or_none()
     check_index_dtype(offsets, "offsets", "KeyedJaggedTensor")
     check_index_dtype(lengths, "lengths", "KeyedJaggedTensor")
-    if offsets is not None and offsets.numel() != expected_entries + 1 and (
-        offsets.numel() or expected_entries
+    if (
+        offsets is not None
+        and offsets.numel() != expected_entries + 1
+        and (offsets.numel() or expected_entries)
     ):
         raise ValueError(
             f"KeyedJaggedTensor: offsets has {offsets.numel()} entries, expected "
@@ -154,7 +156,9 @@ def validate_kjt(kjt: KeyedJaggedLike) -> None:
         )
 
 
-def validate_keyed_jagged_tensor(kjt: KeyedJaggedLike, configs: Optional[Sequence[TableLike]] = None) -> bool:
+def validate_keyed_jagged_tensor(
+    kjt: KeyedJaggedLike, configs: Sequence[TableLike] | None = None
+) -> bool:
     """TorchRec's validator: a ValueError if the KJT is inconsistent (`validate_kjt`); given
     `configs`, False (and a warning naming feature and ids) if some feature's ids fall outside
     `[0, num_embeddings)` of its table, else True."""
@@ -169,7 +173,12 @@ def validate_keyed_jagged_tensor(kjt: KeyedJaggedLike, configs: Optional[Sequenc
             continue
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= rows[key]:
-            logger.warning("feature '%s' has ids in [%d, %d], outside its table's [0, %d)",
-                           key, low, high, rows[key])
+            logger.warning(
+                "feature '%s' has ids in [%d, %d], outside its table's [0, %d)",
+                key,
+                low,
+                high,
+                rows[key],
+            )
             valid = False
     return valid

@@ -8,16 +8,33 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGURATIONS = {"table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel",
-                  "table_wise_dense"}
-STEP_FIELDS = {"name", "world_size", "batch", "steps", "median_step_ms", "samples_per_s",
-               "step_ms_vs_table_wise", "samples_per_s_vs_table_wise"}
+CONFIGURATIONS = {
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "table_row_wise",
+    "data_parallel",
+    "table_wise_dense",
+}
+STEP_FIELDS = {
+    "name",
+    "world_size",
+    "batch",
+    "steps",
+    "median_step_ms",
+    "samples_per_s",
+    "step_ms_vs_table_wise",
+    "samples_per_s_vs_table_wise",
+}
 
 
 def test_ebc_benchmark_quick_covers_every_configuration() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.ebc", "--quick"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     # every stdout line is JSON (the profiler may log on stderr)
@@ -35,8 +52,12 @@ def test_ebc_benchmark_quick_covers_every_configuration() -> None:
     assert steps["table_wise"]["samples_per_s_vs_table_wise"] == 1.0
 
     kernels = {r["name"] for r in by_bench["kernel"]}
-    assert kernels == {"recshard_fused", "recshard_dense", "fbgemm_tbe_fused_exact_sgd",
-                       "nn_embeddingbag_torch_sgd"}
+    assert kernels == {
+        "recshard_fused",
+        "recshard_dense",
+        "fbgemm_tbe_fused_exact_sgd",
+        "nn_embeddingbag_torch_sgd",
+    }
     ratios = {r["name"]: r["value"] for r in by_bench["kernel_ratio"]}
     assert "recshard_fused_speedup_vs_recshard_dense" in ratios and min(ratios.values()) > 0
 
@@ -48,7 +69,10 @@ def test_ebc_benchmark_quick_covers_every_configuration() -> None:
 def test_shm_exchange_quick_trains_the_same_weights_both_ways() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.shm_exchange", "--quick"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]

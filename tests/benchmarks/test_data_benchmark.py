@@ -16,9 +16,26 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(not (ROOT / "../shared/data/criteo").is_dir(), reason="no Criteo samples")
 def test_data_benchmark_reports_every_stage() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.data", "--rows", "6000", "--tsv-rows", "2048",
-         "--repeats", "1", "--train-steps", "2", "--warmup", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.data",
+            "--rows",
+            "6000",
+            "--tsv-rows",
+            "2048",
+            "--repeats",
+            "1",
+            "--train-steps",
+            "2",
+            "--warmup",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = {r["stage"]: r for r in map(json.loads, proc.stdout.splitlines())}
     assert set(records) == {"tsv", "preprocess", "binary", "train", "summary"}

@@ -28,8 +28,9 @@ needs_slowlink = pytest.mark.skipif(MISSING is not None, reason=f"slowlink canno
 
 
 def _records(*argv: str, timeout: float) -> List[Dict[str, Any]]:
-    proc = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "loopback shaped to" in proc.stderr, proc.stderr[-2000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -73,8 +74,16 @@ def test_wait_clock_attributes_input_dist_forward_and_backward_waits() -> None:
 
 @needs_slowlink
 def test_ebc_benchmark_under_a_shaped_link_reports_codecs_and_wait_shares() -> None:
-    records = _records("benchmarks.ebc", "--quick", "--no-kernels", "--link", "1gbit",
-                       "--types", "table_wise,table_wise_fp16,table_wise_bf16", timeout=300)
+    records = _records(
+        "benchmarks.ebc",
+        "--quick",
+        "--no-kernels",
+        "--link",
+        "1gbit",
+        "--types",
+        "table_wise,table_wise_fp16,table_wise_bf16",
+        timeout=300,
+    )
     assert records and all(r["link"] == "1gbit" for r in records)
     steps = {r["name"]: r for r in records if r["bench"] == "ebc_step"}
     assert set(steps) == {"table_wise", "table_wise_fp16", "table_wise_bf16"}
@@ -85,9 +94,23 @@ def test_ebc_benchmark_under_a_shaped_link_reports_codecs_and_wait_shares() -> N
 
 
 def test_ebc_benchmark_without_a_link_says_unshaped() -> None:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.ebc", "--quick", "--no-kernels",
-                           "--types", "table_wise", "--profile", "table_wise"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.ebc",
+            "--quick",
+            "--no-kernels",
+            "--types",
+            "table_wise",
+            "--profile",
+            "table_wise",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert records and all(r["link"] == "unshaped" for r in records)
@@ -96,8 +119,9 @@ def test_ebc_benchmark_without_a_link_says_unshaped() -> None:
 @pytest.mark.slow
 @needs_slowlink
 def test_pipeline_benchmark_under_a_shaped_link_keeps_losses_identical() -> None:
-    records = _records("benchmarks.pipeline", "--quick", "--blocks", "1", "--link", "1gbit",
-                       timeout=600)
+    records = _records(
+        "benchmarks.pipeline", "--quick", "--blocks", "1", "--link", "1gbit", timeout=600
+    )
     (result,) = [r for r in records if r["bench"] == "train_pipeline"]
     assert result["link"] == "1gbit" and result["features"] == 26
     assert result["losses_identical"] and result["steps_compared"] > 0, result
@@ -107,7 +131,19 @@ def test_pipeline_benchmark_under_a_shaped_link_keeps_losses_identical() -> None
 @pytest.mark.slow
 @needs_slowlink
 def test_dlrm_benchmark_under_a_shaped_link() -> None:
-    records = _records("benchmarks.dlrm", "--link", "2gbit", "--steps", "2", "--repeats", "1",
-                       "--warmup", "1", "--kernels", "fused", timeout=600)
+    records = _records(
+        "benchmarks.dlrm",
+        "--link",
+        "2gbit",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+        "--kernels",
+        "fused",
+        timeout=600,
+    )
     assert {(r["loop"], r["link"]) for r in records} == {("pipeline", "2gbit"), ("plain", "2gbit")}
     assert all(r["wait_share"]["total"] > 0 for r in records), records

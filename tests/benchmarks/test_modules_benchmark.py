@@ -11,21 +11,43 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_modules_benchmark_quick_covers_both_modules_and_table_sets() -> None:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.modules", "--quick"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.modules", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert {(r["module"], r["tables"]) for r in records} == {
-        (m, t) for m in ("ebc", "ec") for t in ("small", "criteo_like")}
+        (m, t) for m in ("ebc", "ec") for t in ("small", "criteo_like")
+    }
     assert all(r["api"] == "recshard" and r["median_step_ms"] > 0 for r in records)
 
 
 def test_modules_benchmark_compare_alternates_sides_and_reports_ratios() -> None:
     """`--compare` with this interpreter as the other side (no other library needed)."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.modules", "--quick", "--tables", "small",
-                           "--modules", "ebc", "--repeats", "2", "--compare",
-                           f"again={sys.executable}:recshard@{ROOT}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.modules",
+            "--quick",
+            "--tables",
+            "small",
+            "--modules",
+            "ebc",
+            "--repeats",
+            "2",
+            "--compare",
+            f"again={sys.executable}:recshard@{ROOT}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert [r["side"] for r in records[:-1]] == ["recshard", "again", "recshard", "again"]

@@ -21,19 +21,34 @@ PLANS = {"table_wise", "row_wise", "column_wise", "table_row_wise", "data_parall
 def test_planner_accuracy_quick(tmp_path) -> None:
     profile = tmp_path / "profile.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.planner_accuracy", "--quick", "--ids", "uniform",
-         "--repeats", "3", "--save-profile", str(profile)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.planner_accuracy",
+            "--quick",
+            "--ids",
+            "uniform",
+            "--repeats",
+            "3",
+            "--save-profile",
+            str(profile),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     runs = [r for r in records if r["bench"] == "planner_accuracy"]
     assert {r["plan"] for r in runs} == PLANS and {r["workload"] for r in runs} == {
-        "d16_uniform_b64"}
+        "d16_uniform_b64"
+    }
     for r in runs:
         assert r["predicted_ms"] > 0 and r["measured_ms"] > 0 and r["memory_estimate_mb"] > 0
         assert r["rel_error"] == pytest.approx(
-            abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"], rel=1e-3, abs=1e-3)
+            abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"], rel=1e-3, abs=1e-3
+        )
         # three fresh sets of ranks per plan; the median of their medians
         assert len(r["measured_repeats_ms"]) == 3
         assert r["measured_ms"] == pytest.approx(sorted(r["measured_repeats_ms"])[1], abs=1e-3)
@@ -41,8 +56,12 @@ def test_planner_accuracy_quick(tmp_path) -> None:
     assert forced["data_parallel"]["sharding_types"] == {"data_parallel": 26}
     summary = records[-1]
     assert summary["bench"] == "planner_accuracy_summary" and summary["runs"] == len(PLANS)
-    assert set(summary["met"]) == {"median_rel_error", "worst_rel_error", "planner_vs_fastest",
-                                   "memory_rel_error"}
+    assert set(summary["met"]) == {
+        "median_rel_error",
+        "worst_rel_error",
+        "planner_vs_fastest",
+        "memory_rel_error",
+    }
     assert json.loads(profile.read_text())["world_size"] == 2
 
 
@@ -64,7 +83,12 @@ def test_planner_accuracy_link_check_on_one_rank_hosts(tmp_path) -> None:
 
 
 def _run(*argv: str) -> list:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.planner_accuracy", *argv],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.planner_accuracy", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]

@@ -22,10 +22,13 @@ def _layout() -> Tuple[str, str, int]:
     return os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"], env.local_world_size
 
 
-@pytest.mark.parametrize("local_world_size, expected", [
-    (1, [("1", "0", 1), ("1", "0", 1)]),
-    (None, [("2", "0", 2), ("2", "1", 2)]),
-])
+@pytest.mark.parametrize(
+    "local_world_size, expected",
+    [
+        (1, [("1", "0", 1), ("1", "0", 1)]),
+        (None, [("2", "0", 2), ("2", "1", 2)]),
+    ],
+)
 def test_run_ranks_sets_host_layout(local_world_size, expected) -> None:
     args = parse_args(["--quick", "--timeout", "120"])
     assert run_ranks(2, args, _layout, local_world_size=local_world_size) == expected
@@ -41,12 +44,14 @@ def test_table_row_wise_plan_for_one_rank_hosts_runs() -> None:
     args = parse_args(["--quick", "--local-world-size", "1", "--timeout", "300"])
     w = Workload(16, "uniform", 64)
     tables = metas(w, args.row_cap, args.max_pooling)
-    forced = {t.name: ParameterConstraints(sharding_types=["table_row_wise"],
-                                           compute_kernels=["fused"]) for t in tables}
-    plan = EmbeddingShardingPlanner(Topology(2, local_world_size=1), w.batch,
-                                    constraints=forced, debug=False).plan_tables(tables)
+    forced = {
+        t.name: ParameterConstraints(sharding_types=["table_row_wise"], compute_kernels=["fused"])
+        for t in tables
+    }
+    plan = EmbeddingShardingPlanner(
+        Topology(2, local_world_size=1), w.batch, constraints=forced, debug=False
+    ).plan_tables(tables)
     # on 1-rank hosts table-row-wise keeps each table on one rank
     assert {len(ps.ranks) for ps in plan.plan[""].values()} == {1}
-    per_rank = run_ranks(2, args, rank_measure, plan, w, args, Allocator.TIMING,
-                         local_world_size=1)
+    per_rank = run_ranks(2, args, rank_measure, plan, w, args, Allocator.TIMING, local_world_size=1)
     assert [len(r["times"]) for r in per_rank] == [args.steps, args.steps]

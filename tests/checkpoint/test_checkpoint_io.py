@@ -15,7 +15,9 @@ from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectio
 
 def _dmp(optim: str) -> DistributedModelParallel:
     torch.manual_seed(0)
-    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": optim, "learning_rate": 0.05})
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": optim, "learning_rate": 0.05}
+    )
     return DistributedModelParallel(TinyDLRM(), sharders=[sharder])
 
 

@@ -38,10 +38,12 @@ class _Payload:
 def _dmp(ws: int, seed: int) -> DistributedModelParallel:
     torch.manual_seed(seed)
     per_table = {t: table_wise(i % ws) for i, t in enumerate(["ta", "tb", "tc"])}
-    plan = ShardingPlan({"ebc": construct_module_sharding_plan(TinyDLRM("meta").ebc, per_table,
-                                                               world_size=ws)})
+    plan = ShardingPlan(
+        {"ebc": construct_module_sharding_plan(TinyDLRM("meta").ebc, per_table, world_size=ws)}
+    )
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "exact_adagrad", "learning_rate": 0.05})
+        fused_params={"optimizer": "exact_adagrad", "learning_rate": 0.05}
+    )
     return DistributedModelParallel(TinyDLRM(), plan=plan, sharders=[sharder])
 
 
@@ -53,8 +55,11 @@ def _state(model: DistributedModelParallel, opt: CombinedOptimizer) -> List[torc
     for entry in opt.state_dict()["state"].values():
         values += [v for v in entry.values() if isinstance(v, torch.Tensor)]
     for value in values:
-        out += [s.tensor.clone() for s in value.local_shards()] if hasattr(
-            value, "local_shards") else [value.clone()]
+        out += (
+            [s.tensor.clone() for s in value.local_shards()]
+            if hasattr(value, "local_shards")
+            else [value.clone()]
+        )
     return out
 
 

@@ -32,12 +32,17 @@ KINDS = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parall
 def cases(local_world_size: int) -> List[EbcCase]:
     """Fused SGD and row-wise Adagrad, the dense kernel, and weighted TWRW, per plan kind."""
     lws = local_world_size
-    found = [EbcCase(lws, kind, "fused", optimizer, weighted=False, batch_size=3, steps=3)
-             for kind in KINDS for optimizer in ("sgd", "rowwise_adagrad")]
-    found += [EbcCase(lws, kind, "dense", "sgd", weighted=False, batch_size=3, steps=2)
-              for kind in KINDS]
-    found.append(EbcCase(lws, "table_row_wise", "fused", "sgd", weighted=True, batch_size=2,
-                         steps=2))
+    found = [
+        EbcCase(lws, kind, "fused", optimizer, weighted=False, batch_size=3, steps=3)
+        for kind in KINDS
+        for optimizer in ("sgd", "rowwise_adagrad")
+    ]
+    found += [
+        EbcCase(lws, kind, "dense", "sgd", weighted=False, batch_size=3, steps=2) for kind in KINDS
+    ]
+    found.append(
+        EbcCase(lws, "table_row_wise", "fused", "sgd", weighted=True, batch_size=2, steps=2)
+    )
     return found
 
 
@@ -50,8 +55,12 @@ def main(out_dir: str) -> None:
         results = run_all(rank, world_size, cases(local_world_size))
     finally:
         dist.destroy_process_group()
-    record = {"rank": rank, "host": socket.gethostname(), "results": results,
-              "env": {k: os.environ[k] for k in ("LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK")}}
+    record = {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "results": results,
+        "env": {k: os.environ[k] for k in ("LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK")},
+    }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
 
 

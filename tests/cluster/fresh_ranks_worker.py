@@ -30,17 +30,26 @@ def report(tag: str) -> Dict[str, object]:
     """This fresh rank: its group's rank and size, process, host layout, and a collective's sum."""
     total = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(total)
-    return dict(tag=tag, rank=dist.get_rank(), world=dist.get_world_size(), pid=os.getpid(),
-                host=socket.gethostname(), local_rank=os.environ["LOCAL_RANK"],
-                local_world_size=os.environ["LOCAL_WORLD_SIZE"], rank_sum=total.item())
+    return dict(
+        tag=tag,
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        local_rank=os.environ["LOCAL_RANK"],
+        local_world_size=os.environ["LOCAL_WORLD_SIZE"],
+        rank_sum=total.item(),
+    )
 
 
 def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     args = argparse.Namespace(threads=1, pin=False, timeout=120.0)
     world, local = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
-    runs = [launched_fresh_ranks(world, args, report, tag, local_world_size=local)
-            for tag in ("first", "second")]
+    runs = [
+        launched_fresh_ranks(world, args, report, tag, local_world_size=local)
+        for tag in ("first", "second")
+    ]
     launched = [None] * world
     dist.all_gather_object(launched, dict(pid=os.getpid(), host=socket.gethostname()))
     if dist.get_rank() == 0:

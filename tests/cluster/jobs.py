@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 from scripts.cluster import Cluster
 
@@ -39,8 +39,9 @@ class Job:
                 codes.append(process.wait(timeout=max(deadline - time.monotonic(), 0.1)))
             except subprocess.TimeoutExpired:
                 self.kill()
-                raise TimeoutError(f"torchrun did not finish within {timeout:.0f}s\n"
-                                   f"{self.output()}") from None
+                raise TimeoutError(
+                    f"torchrun did not finish within {timeout:.0f}s\n{self.output()}"
+                ) from None
         return codes
 
     def kill(self) -> None:
@@ -49,28 +50,59 @@ class Job:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
 
-    def output(self, host: Optional[int] = None) -> str:
+    def output(self, host: int | None = None) -> str:
         hosts = range(len(self.logs)) if host is None else [host]
         return "".join(f"----- host{h} -----\n{self.logs[h].read_text()}\n" for h in hosts)
 
 
-def torchrun(cluster: Cluster, target: Sequence[str], logs: Path, *, nproc: int = 2,
-             port: int = 29500, flags: Sequence[str] = (),
-             env: Optional[Dict[str, str]] = None) -> Job:
+def torchrun(
+    cluster: Cluster,
+    target: Sequence[str],
+    logs: Path,
+    *,
+    nproc: int = 2,
+    port: int = 29500,
+    flags: Sequence[str] = (),
+    env: Dict[str, str] | None = None,
+) -> Job:
     """Start `torchrun ... TARGET` on every host (`target`: `-m module args` or a script)."""
-    argv = [TORCHRUN, "--nnodes", str(len(cluster.members)), "--nproc_per_node", str(nproc),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"host0:{port}", *flags, *target]
+    argv = [
+        TORCHRUN,
+        "--nnodes",
+        str(len(cluster.members)),
+        "--nproc_per_node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"host0:{port}",
+        *flags,
+        *target,
+    ]
     # torchrun's shared rendezvous store keeps the last attempt's keys, so restarted gloo
     # groups dial dead peers (pytorch#135712): a fresh store per attempt avoids that.
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+    environment = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        **(env or {}),
+    }
     logs.mkdir(parents=True, exist_ok=True)
     processes, files = [], []
     for host in cluster.members:
         log = logs / f"{host.name}.log"
         with open(log, "w") as out:
-            processes.append(cluster.popen(host.index, argv, cwd=str(ROOT), stdout=out,
-                                           stderr=subprocess.STDOUT, env=environment))
+            processes.append(
+                cluster.popen(
+                    host.index,
+                    argv,
+                    cwd=str(ROOT),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=environment,
+                )
+            )
         files.append(log)
     return Job(processes, files)
 

@@ -14,11 +14,15 @@ from scripts.cluster import Cluster, missing
 pytestmark = pytest.mark.cluster
 
 # A one-shot TCP server on host0 (prints its port, answers with its host name) and a client.
-SERVER = ("import socket; s = socket.create_server(('0.0.0.0', 0)); "
-          "print(s.getsockname()[1], flush=True); c, _ = s.accept(); "
-          "c.sendall(socket.gethostname().encode()); c.close()")
-CLIENT = ("import socket, sys; c = socket.create_connection(('host0', int(sys.argv[1])), "
-          "timeout=3); print(c.recv(100).decode())")
+SERVER = (
+    "import socket; s = socket.create_server(('0.0.0.0', 0)); "
+    "print(s.getsockname()[1], flush=True); c, _ = s.accept(); "
+    "c.sendall(socket.gethostname().encode()); c.close()"
+)
+CLIENT = (
+    "import socket, sys; c = socket.create_connection(('host0', int(sys.argv[1])), "
+    "timeout=3); print(c.recv(100).decode())"
+)
 
 
 def _ask_host0(cluster: Cluster) -> subprocess.CompletedProcess:

@@ -30,11 +30,33 @@ from scripts.cluster import Cluster
 pytestmark = pytest.mark.cluster
 
 STEPS = 40
-TRAIN = ["-m", "examples.dlrm.train", "--embedding-dim", "8", "--num-embeddings-per-feature",
-         "500", "--dense-arch-layers", "16,8", "--over-arch-layers", "16,1", "--no-progress",
-         "--batch-size", "32", "--eval-batches", "2", "--eval-every", "20",
-         "--sharding", "table_row_wise", "--steps", str(STEPS), "--checkpoint-every", "4",
-         "--pg-timeout", "60"]
+TRAIN = [
+    "-m",
+    "examples.dlrm.train",
+    "--embedding-dim",
+    "8",
+    "--num-embeddings-per-feature",
+    "500",
+    "--dense-arch-layers",
+    "16,8",
+    "--over-arch-layers",
+    "16,1",
+    "--no-progress",
+    "--batch-size",
+    "32",
+    "--eval-batches",
+    "2",
+    "--eval-every",
+    "20",
+    "--sharding",
+    "table_row_wise",
+    "--steps",
+    str(STEPS),
+    "--checkpoint-every",
+    "4",
+    "--pg-timeout",
+    "60",
+]
 
 
 def _final_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
@@ -44,9 +66,11 @@ def _final_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
     manifest = read_manifest(latest)
     for name, info in manifest.files.items():
         check_file(latest, name, info)
-    state = {fqn: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for fqn, meta in manifest.metadata.state_dict_metadata.items()
-             if isinstance(meta, TensorStorageMetadata)}
+    state = {
+        fqn: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for fqn, meta in manifest.metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
     dcp.load(state, storage_reader=ManifestReader(latest, manifest), no_dist=True)
     return state
 
@@ -72,8 +96,11 @@ def _kill_one_rank_after(job: Job, checkpoint_dir: Path, step: int, timeout: flo
             job.kill()
             raise AssertionError(f"no checkpoint at step {step} in time\n{job.output()}")
         time.sleep(0.05)
-    workers = [pid for pid in children(job.processes[1].pid)
-               if "examples.dlrm.train" in Path(f"/proc/{pid}/cmdline").read_text()]
+    workers = [
+        pid
+        for pid in children(job.processes[1].pid)
+        if "examples.dlrm.train" in Path(f"/proc/{pid}/cmdline").read_text()
+    ]
     assert workers, f"no worker under host1's torchrun\n{job.output()}"
     os.kill(workers[-1], signal.SIGKILL)
     return saved
@@ -81,16 +108,25 @@ def _kill_one_rank_after(job: Job, checkpoint_dir: Path, step: int, timeout: flo
 
 def test_killed_rank_restarts_and_loses_nothing(cluster: Cluster, tmp_path: Path) -> None:
     straight_dir = tmp_path / "straight" / "ckpt"
-    straight = torchrun(cluster, TRAIN + ["--checkpoint-dir", str(straight_dir)],
-                        tmp_path / "straight", flags=["--max-restarts", "0"])
+    straight = torchrun(
+        cluster,
+        TRAIN + ["--checkpoint-dir", str(straight_dir)],
+        tmp_path / "straight",
+        flags=["--max-restarts", "0"],
+    )
     assert straight.wait(timeout=150) == [0, 0], straight.output()
     log = straight.output(0)
     assert "DLRM on 4 rank(s)" in log and f"eval (final) @ step {STEPS}" in log, log
     assert "250x8@0, 250x8@1" in log and "250x8@2, 250x8@3" in log, log  # TWRW within hosts
 
     killed_dir = tmp_path / "killed" / "ckpt"
-    killed = torchrun(cluster, TRAIN + ["--checkpoint-dir", str(killed_dir)],
-                      tmp_path / "killed", port=29501, flags=["--max-restarts", "2"])
+    killed = torchrun(
+        cluster,
+        TRAIN + ["--checkpoint-dir", str(killed_dir)],
+        tmp_path / "killed",
+        port=29501,
+        flags=["--max-restarts", "2"],
+    )
     saved = _kill_one_rank_after(killed, killed_dir, 8, timeout=120)
     assert killed.wait(timeout=150) == [0, 0], killed.output()
     log = killed.output(0)
@@ -104,7 +140,8 @@ def test_killed_rank_restarts_and_loses_nothing(cluster: Cluster, tmp_path: Path
     got = _final_state(killed_dir)
     assert got.keys() == expected.keys()
     assert any(k.startswith("fused_optim.") for k in got) and any(
-        k.startswith("dense_optim.") for k in got)
+        k.startswith("dense_optim.") for k in got
+    )
     different: List[str] = [k for k in expected if not torch.equal(got[k], expected[k])]
     assert not different, different
 
@@ -113,8 +150,12 @@ def test_unplugged_host_makes_the_others_fail_naming_it(cluster: Cluster, tmp_pa
     train = [a if a != "60" else "15" for a in TRAIN]  # --pg-timeout 15
     train[train.index("--steps") + 1] = "100000"  # runs until the link goes down
     checkpoint_dir = tmp_path / "ckpt"
-    job = torchrun(cluster, train + ["--checkpoint-dir", str(checkpoint_dir)], tmp_path,
-                   flags=["--max-restarts", "0"])
+    job = torchrun(
+        cluster,
+        train + ["--checkpoint-dir", str(checkpoint_dir)],
+        tmp_path,
+        flags=["--max-restarts", "0"],
+    )
     deadline = time.monotonic() + 120
     while _checkpointed_step(checkpoint_dir) < 4:  # training runs on both hosts
         assert time.monotonic() < deadline and job.processes[0].poll() is None, job.output()
@@ -127,5 +168,6 @@ def test_unplugged_host_makes_the_others_fail_naming_it(cluster: Cluster, tmp_pa
     log = job.output(0)
     assert code != 0, log
     for rank in (2, 3):
-        assert re.search(rf"cannot reach .*rank {rank} on host1 \(10\.77\.0\.2:\d+\): no answer",
-                         log), log
+        assert re.search(
+            rf"cannot reach .*rank {rank} on host1 \(10\.77\.0\.2:\d+\): no answer", log
+        ), log

@@ -19,26 +19,35 @@ from recshard.comm.column_blocks import (
 )
 
 
-def reference(flat: torch.Tensor, rows: int, widths: List[int], blocks: List[Block]) -> torch.Tensor:
+def reference(
+    flat: torch.Tensor, rows: int, widths: List[int], blocks: List[Block]
+) -> torch.Tensor:
     chunks = list(flat.split([rows * w for w in widths]))
-    return torch.cat([chunks[c].view(rows, widths[c])[:, s:s + w] for c, s, w in blocks], dim=1)
+    return torch.cat([chunks[c].view(rows, widths[c])[:, s : s + w] for c, s, w in blocks], dim=1)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("blocks", [
-    [(0, 0, 3), (1, 0, 2), (2, 0, 4)],               # whole chunks, chunk order
-    [(2, 2, 2), (0, 1, 2), (1, 0, 2), (2, 0, 2), (0, 0, 1)],  # shuffled pieces
-    [(0, 0, 1), (2, 0, 1), (0, 1, 1), (2, 1, 1), (0, 2, 1), (2, 2, 1), (1, 0, 2), (2, 3, 1)],
-])
-def test_forward_and_backward_match_cat_and_slices(rows: int, dtype: torch.dtype,
-                                                   blocks: List[Block]) -> None:
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        [(0, 0, 3), (1, 0, 2), (2, 0, 4)],  # whole chunks, chunk order
+        [(2, 2, 2), (0, 1, 2), (1, 0, 2), (2, 0, 2), (0, 0, 1)],  # shuffled pieces
+        [(0, 0, 1), (2, 0, 1), (0, 1, 1), (2, 1, 1), (0, 2, 1), (2, 2, 1), (1, 0, 2), (2, 3, 1)],
+    ],
+)
+def test_forward_and_backward_match_cat_and_slices(
+    rows: int, dtype: torch.dtype, blocks: List[Block]
+) -> None:
     widths = [3, 2, 4]
     check_blocks(blocks, widths)
     g = torch.Generator().manual_seed(rows)
     flat = torch.randn(rows * sum(widths), generator=g).to(dtype).requires_grad_()
     flat_ref = flat.detach().clone().requires_grad_()
-    out, want = chunks_to_columns(flat, rows, widths, blocks), reference(flat_ref, rows, widths, blocks)
+    out, want = (
+        chunks_to_columns(flat, rows, widths, blocks),
+        reference(flat_ref, rows, widths, blocks),
+    )
     assert torch.equal(out, want)
     grad = torch.randn(out.shape, generator=g).to(dtype)
     out.backward(grad)
@@ -48,18 +57,25 @@ def test_forward_and_backward_match_cat_and_slices(rows: int, dtype: torch.dtype
 
 def test_cut_at_chunks_splits_spans_at_chunk_edges() -> None:
     # chunks of widths 3 and 2 side by side: columns 0-2 | 3-4
-    assert cut_at_chunks([(2, 2), (0, 2), (4, 1)], [3, 2]) == [(0, 2, 1), (1, 0, 1), (0, 0, 2),
-                                                               (1, 1, 1)]
+    assert cut_at_chunks([(2, 2), (0, 2), (4, 1)], [3, 2]) == [
+        (0, 2, 1),
+        (1, 0, 1),
+        (0, 0, 2),
+        (1, 1, 1),
+    ]
     assert cut_at_chunks([(0, 5)], [3, 0, 2]) == [(0, 0, 3), (2, 0, 2)]
     assert whole_chunks([3, 0, 2]) == [(0, 0, 3), (2, 0, 2)]
 
 
-@pytest.mark.parametrize("blocks", [
-    [(0, 0, 3)],                      # chunk 1 missing
-    [(0, 0, 3), (1, 0, 1), (1, 0, 1)],  # a column twice
-    [(0, 0, 3), (1, 1, 1), (1, 0, 1), (2, 0, 1)],  # no chunk 2
-    [(0, 0, 4), (1, 0, 2)],           # past the chunk
-])
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        [(0, 0, 3)],  # chunk 1 missing
+        [(0, 0, 3), (1, 0, 1), (1, 0, 1)],  # a column twice
+        [(0, 0, 3), (1, 1, 1), (1, 0, 1), (2, 0, 1)],  # no chunk 2
+        [(0, 0, 4), (1, 0, 2)],  # past the chunk
+    ],
+)
 def test_blocks_that_do_not_cover_each_column_once_are_rejected(blocks: List[Block]) -> None:
     with pytest.raises(ValueError, match="exactly once"):
         check_blocks(blocks, [3, 2])
@@ -74,11 +90,15 @@ def test_interleaved_shards_copy_as_one_strided_run_per_chunk() -> None:
     """Column-wise layout: table t's columns are rank 0's shard then rank 1's."""
     blocks = [(r, 2 * t, 2) for t in range(3) for r in range(2)]
     runs = strided_runs(blocks)
-    assert [(r.chunk, r.count, r.out_start, r.out_stride) for r in runs] == [(0, 3, 0, 4), (1, 3, 2, 4)]
+    assert [(r.chunk, r.count, r.out_start, r.out_stride) for r in runs] == [
+        (0, 3, 0, 4),
+        (1, 3, 2, 4),
+    ]
     rows, widths = 5, [6, 6]
     flat = torch.randn(rows * 12, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(chunks_to_columns(flat, rows, widths, blocks),
-                       reference(flat, rows, widths, blocks))
+    assert torch.equal(
+        chunks_to_columns(flat, rows, widths, blocks), reference(flat, rows, widths, blocks)
+    )
 
 
 def test_packing_an_expanded_gradient_divides_like_a_division_after() -> None:

@@ -80,7 +80,10 @@ def test_codecs_close_to_fp32_with_half_the_bytes(world_size: int) -> None:
 
 def test_codec_roundtrip_and_sizes() -> None:
     x = torch.randn(100) * 10
-    for codec, dtype, tol in ((FP16CommCodec(), torch.float16, 1e-3), (BF16CommCodec(), torch.bfloat16, 1e-2)):
+    for codec, dtype, tol in (
+        (FP16CommCodec(), torch.float16, 1e-3),
+        (BF16CommCodec(), torch.bfloat16, 1e-2),
+    ):
         wire = codec.encode(x)
         assert wire.dtype == codec.quantized_dtype == dtype
         assert codec.calc_quantized_size(100) == 100 and codec.create_context() is None

@@ -49,7 +49,7 @@ def _pooled_case(name: str, ws: int, batch: List[int], dims: List[int], seed: in
     starts = [sum(batch[:r]) for r in range(ws)]
 
     def reference(xs: Tensors) -> Tensors:
-        return [torch.cat([x[starts[r]: starts[r] + batch[r]] for x in xs], 1) for r in range(ws)]
+        return [torch.cat([x[starts[r] : starts[r] + batch[r]] for x in xs], 1) for r in range(ws)]
 
     return Case(
         name,
@@ -65,7 +65,7 @@ def _reduce_scatter_cases(ws: int, seed: int) -> List[Case]:
 
     def ref_v(xs: Tensors) -> Tensors:
         total = torch.stack(xs).sum(0)
-        return [total[starts[r]: starts[r] + splits[r]] for r in range(ws)]
+        return [total[starts[r] : starts[r] + splits[r]] for r in range(ws)]
 
     def ref_base(xs: Tensors) -> Tensors:
         return list(torch.stack(xs).sum(0).chunk(ws))
@@ -79,21 +79,40 @@ def _reduce_scatter_cases(ws: int, seed: int) -> List[Case]:
         return as_list(torch.stack(xs).sum(0))
 
     return [
-        Case("rs_base", lambda r: seeded(seed + r, 3 * ws, 4),
-             lambda x: reduce_scatter_base_pooled(x).wait(), ref_base),
-        Case("rs_v", lambda r: seeded(seed + 10 + r, sum(splits), 3),
-             lambda x: reduce_scatter_v_pooled(x, splits).wait(), ref_v),
-        Case("rs_v_empty", lambda r: seeded(seed + 20 + r, 0, 3),
-             lambda x: reduce_scatter_v_pooled(x, [0] * ws).wait(),
-             lambda xs: [xs[0][:0] for _ in range(ws)]),
-        Case("rs_list", lambda r: seeded(seed + 30 + r, sum(a * b for a, b in sizes)),
-             lambda x: reduce_scatter_pooled(as_list(x)).wait(), ref_list),
+        Case(
+            "rs_base",
+            lambda r: seeded(seed + r, 3 * ws, 4),
+            lambda x: reduce_scatter_base_pooled(x).wait(),
+            ref_base,
+        ),
+        Case(
+            "rs_v",
+            lambda r: seeded(seed + 10 + r, sum(splits), 3),
+            lambda x: reduce_scatter_v_pooled(x, splits).wait(),
+            ref_v,
+        ),
+        Case(
+            "rs_v_empty",
+            lambda r: seeded(seed + 20 + r, 0, 3),
+            lambda x: reduce_scatter_v_pooled(x, [0] * ws).wait(),
+            lambda xs: [xs[0][:0] for _ in range(ws)],
+        ),
+        Case(
+            "rs_list",
+            lambda r: seeded(seed + 30 + r, sum(a * b for a, b in sizes)),
+            lambda x: reduce_scatter_pooled(as_list(x)).wait(),
+            ref_list,
+        ),
     ]
 
 
 def _all_gather_case(ws: int, seed: int) -> Case:
-    return Case("all_gather", lambda r: seeded(seed + r, 2, 3),
-                lambda x: all_gather_base_pooled(x).wait(), lambda xs: [torch.cat(xs)] * ws)
+    return Case(
+        "all_gather",
+        lambda r: seeded(seed + r, 2, 3),
+        lambda x: all_gather_base_pooled(x).wait(),
+        lambda xs: [torch.cat(xs)] * ws,
+    )
 
 
 def _alltoallv_case(ws: int, seed: int) -> Case:
@@ -108,10 +127,15 @@ def _alltoallv_case(ws: int, seed: int) -> Case:
         return torch.cat(alltoallv(tables, out_split=out_split).wait(), 1)
 
     def reference(xs: Tensors) -> Tensors:
-        return [torch.cat([x[starts[r]: starts[r] + batch[r]] for x in xs], 1) for r in range(ws)]
+        return [torch.cat([x[starts[r] : starts[r] + batch[r]] for x in xs], 1) for r in range(ws)]
 
-    return Case("alltoallv", lambda r: seeded(seed + r, b_global, out_split[r]), run, reference,
-                divides=False)
+    return Case(
+        "alltoallv",
+        lambda r: seeded(seed + r, b_global, out_split[r]),
+        run,
+        reference,
+        divides=False,
+    )
 
 
 def _variable_batch_case(ws: int, seed: int) -> Case:
@@ -131,14 +155,18 @@ def _variable_batch_case(ws: int, seed: int) -> Case:
 
     def reference(xs: Tensors) -> Tensors:
         per_source = [blocks(x, s) for s, x in enumerate(xs)]
-        return [torch.cat([per_source[s][(r, k)] for s in range(ws) for k in features[s]])
-                for r in range(ws)]
+        return [
+            torch.cat([per_source[s][(r, k)] for s in range(ws) for k in features[s]])
+            for r in range(ws)
+        ]
 
     def run(x: torch.Tensor) -> torch.Tensor:
         me = dist.get_rank()
         return variable_batch_alltoall_pooled(
             x,
-            batch_size_per_rank_per_feature=[[batch[r][k] for k in features[me]] for r in range(ws)],
+            batch_size_per_rank_per_feature=[
+                [batch[r][k] for k in features[me]] for r in range(ws)
+            ],
             batch_size_per_feature_pre_a2a=[batch[me][k] for s in range(ws) for k in features[s]],
             emb_dim_per_rank_per_feature=[[dim[k] for k in features[s]] for s in range(ws)],
         ).wait()
@@ -155,16 +183,28 @@ def _module_cases(ws: int, seed: int) -> List[Case]:
     rs = _reduce_scatter_cases(ws, seed + 10)[1]  # reduce-scatter-v over [2, 0, 3, 1]
     vb = _variable_batch_case(ws, seed + 20)
     return [
-        a2a._replace(run=lambda x: PooledEmbeddingsAllToAll(pg, dims, callbacks=[lambda t: 2 * t])(
-            x, batch).wait(),
-                     reference=lambda xs: [2 * o for o in a2a.reference(xs)]),
-        rs._replace(name="module_rs_v",
-                    run=lambda x: PooledEmbeddingsReduceScatter(pg)(x, [2, 0, 3, 1][:ws]).wait()),
-        Case("module_rs_equal", lambda r: seeded(seed + 30 + r, 2 * ws, 2),
-             lambda x: PooledEmbeddingsReduceScatter(pg)(x, [2] * ws).wait(),
-             lambda xs: list(torch.stack(xs).sum(0).chunk(ws))),
-        Case("module_all_gather", lambda r: seeded(seed + 40 + r, splits[0], 2),
-             lambda x: PooledEmbeddingsAllGather(pg)(x).wait(), lambda xs: [torch.cat(xs)] * ws),
+        a2a._replace(
+            run=lambda x: PooledEmbeddingsAllToAll(pg, dims, callbacks=[lambda t: 2 * t])(
+                x, batch
+            ).wait(),
+            reference=lambda xs: [2 * o for o in a2a.reference(xs)],
+        ),
+        rs._replace(
+            name="module_rs_v",
+            run=lambda x: PooledEmbeddingsReduceScatter(pg)(x, [2, 0, 3, 1][:ws]).wait(),
+        ),
+        Case(
+            "module_rs_equal",
+            lambda r: seeded(seed + 30 + r, 2 * ws, 2),
+            lambda x: PooledEmbeddingsReduceScatter(pg)(x, [2] * ws).wait(),
+            lambda xs: list(torch.stack(xs).sum(0).chunk(ws)),
+        ),
+        Case(
+            "module_all_gather",
+            lambda r: seeded(seed + 40 + r, splits[0], 2),
+            lambda x: PooledEmbeddingsAllGather(pg)(x).wait(),
+            lambda xs: [torch.cat(xs)] * ws,
+        ),
         vb._replace(name="module_variable_batch", run=lambda x: _run_variable_batch_module(x, ws)),
     ]
 
@@ -175,9 +215,11 @@ def _run_variable_batch_module(x: torch.Tensor, ws: int) -> torch.Tensor:
     batch = [[(r + k) % 3 for k in range(5)] for r in range(ws)]
     me = dist.get_rank()
     module = VariableBatchPooledEmbeddingsAllToAll(
-        dist.group.WORLD, [[dim[k] for k in features[s]] for s in range(ws)])
+        dist.group.WORLD, [[dim[k] for k in features[s]] for s in range(ws)]
+    )
     return module(
-        x, [[batch[r][k] for k in features[me]] for r in range(ws)],
+        x,
+        [[batch[r][k] for k in features[me]] for r in range(ws)],
         [batch[me][k] for s in range(ws) for k in features[s]],
     ).wait()
 
@@ -207,8 +249,11 @@ def _check(case: Case, rank: int, ws: int) -> None:
     grad = reference_grads(inputs, case.reference, weights)[rank]
     if case.divides and get_gradient_division():
         grad = grad / ws
-    assert_close(x.grad if x.grad is not None else torch.zeros_like(x), grad,
-                 f"{case.name} backward (division {get_gradient_division()})")
+    assert_close(
+        x.grad if x.grad is not None else torch.zeros_like(x),
+        grad,
+        f"{case.name} backward (division {get_gradient_division()})",
+    )
 
 
 def _all_cases(rank: int, ws: int) -> List[str]:

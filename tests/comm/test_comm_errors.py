@@ -100,13 +100,21 @@ def _bad_arguments(rank: int, ws: int) -> List[Outcome]:
         _outcome(lambda: PooledEmbeddingsAllToAll(pg, [2, 2])(torch.zeros(4, 3))),
         _outcome(lambda: PooledEmbeddingsAllToAll(pg, [2, 2])(torch.zeros(3, 2))),
         _outcome(lambda: alltoall_pooled(embs, [2, 1], [2, 2])),
-        _outcome(lambda: alltoallv([torch.zeros(4, 1), torch.zeros(4, 1, dtype=torch.float16)],
-                                   out_split=[2, 2])),
-        _outcome(lambda: reduce_scatter_pooled([torch.zeros(2), torch.zeros(2, dtype=torch.float64)])),
+        _outcome(
+            lambda: alltoallv(
+                [torch.zeros(4, 1), torch.zeros(4, 1, dtype=torch.float16)], out_split=[2, 2]
+            )
+        ),
+        _outcome(
+            lambda: reduce_scatter_pooled([torch.zeros(2), torch.zeros(2, dtype=torch.float64)])
+        ),
         _outcome(lambda: reduce_scatter_v_pooled(embs, [1, 2])),
         _outcome(lambda: PooledEmbeddingsReduceScatter(pg)(embs, [1, 1, 2])),
-        _outcome(lambda: SequenceEmbeddingsAllToAll(pg, [1, 1])(
-            torch.zeros(3, 2), torch.tensor([1, 1]), [1, 1], [1, 1])),
+        _outcome(
+            lambda: SequenceEmbeddingsAllToAll(pg, [1, 1])(
+                torch.zeros(3, 2), torch.tensor([1, 1]), [1, 1], [1, 1]
+            )
+        ),
     ]
     dist.barrier()  # nothing was issued: the group is still in step
     return results

@@ -7,7 +7,7 @@ every id it receives came from and check the sequence all-to-all, forward and ba
 from __future__ import annotations
 
 import random
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Tuple
 
 import pytest
 import torch
@@ -38,8 +38,12 @@ def _bags(case: Case, rank: int) -> List[List[Bag]]:
     bags = []
     for k in range(sum(case.splits)):
         stride = (rank + k) % 3 if case.vbe else case.batch[rank]
-        bags.append([[rank * 100000 + k * 1000 + 10 * b + i for i in range(rng.randint(0, 3))]
-                     for b in range(stride)])
+        bags.append(
+            [
+                [rank * 100000 + k * 1000 + 10 * b + i for i in range(rng.randint(0, 3))]
+                for b in range(stride)
+            ]
+        )
     return bags
 
 
@@ -54,7 +58,10 @@ def _kjt(case: Case, rank: int) -> KeyedJaggedTensor:
     lengths = torch.tensor([len(bag) for key_bags in bags for bag in key_bags], dtype=torch.int32)
     weights = torch.tensor([_weight(v) for v in values]) if case.weighted else None
     return KeyedJaggedTensor(
-        keys, torch.tensor(values, dtype=torch.int64), weights, lengths=lengths,
+        keys,
+        torch.tensor(values, dtype=torch.int64),
+        weights,
+        lengths=lengths,
         stride=None if case.vbe else case.batch[rank],
         stride_per_key_per_rank=[[len(b)] for b in bags] if case.vbe else None,
     )
@@ -92,15 +99,19 @@ def _check_case(case: Case, rank: int, ws: int) -> None:
     else:
         assert out.weights_or_none() is None
     if case.vbe:
-        expected = [[len(_bags(case, s)[int(key[1:])]) for s in rank_order(ws, case.stagger)]
-                    for key in keys]
+        expected = [
+            [len(_bags(case, s)[int(key[1:])]) for s in rank_order(ws, case.stagger)]
+            for key in keys
+        ]
         assert out.stride_per_key_per_rank() == expected, case.name
     else:
         assert out.stride() == sum(case.batch), (case.name, out.stride())
         assert tensors_awaitable.stride_per_rank == case.batch
     assert out.length_per_key() == [sum(lengths_of(out, k)) for k in range(len(keys))]
-    sent = [kjt.offset_per_key()[sum(case.splits[: r + 1])] - kjt.offset_per_key()[sum(case.splits[:r])]
-            for r in range(ws)]
+    sent = [
+        kjt.offset_per_key()[sum(case.splits[: r + 1])] - kjt.offset_per_key()[sum(case.splits[:r])]
+        for r in range(ws)
+    ]
     assert tensors_awaitable.input_splits["values"] == sent, case.name
     received = [sum(1 for v in values if v // 100000 == s) for s in range(ws)]
     assert tensors_awaitable.output_splits["values"] == received, case.name
@@ -123,8 +134,11 @@ def _check_sequence_back(case, rank, ws, sent_kjt, recv_kjt, awaitable) -> None:
     embs = _embedding(recv_kjt.values()).requires_grad_()
     seq = SequenceEmbeddingsAllToAll(dist.group.WORLD, case.splits)
     out = seq(
-        embs, recv_kjt.lengths(), awaitable.input_splits["values"],
-        awaitable.output_splits["values"], batch_size_per_rank=awaitable.stride_per_rank,
+        embs,
+        recv_kjt.lengths(),
+        awaitable.input_splits["values"],
+        awaitable.output_splits["values"],
+        batch_size_per_rank=awaitable.stride_per_rank,
         sparse_features_recat=awaitable.recat,
     ).wait()
     assert_close(out, _embedding(sent_kjt.values()), f"{case.name} sequence forward")
@@ -134,8 +148,11 @@ def _check_sequence_back(case, rank, ws, sent_kjt, recv_kjt, awaitable) -> None:
     for r in range(ws):
         for p, v in enumerate(_kjt(case, r).values().tolist()):
             position[v] = (r, p)
-    expected = torch.stack([weights[position[v][0]][position[v][1]]
-                            for v in recv_kjt.values().tolist()]) if embs.numel() else embs.detach()
+    expected = (
+        torch.stack([weights[position[v][0]][position[v][1]] for v in recv_kjt.values().tolist()])
+        if embs.numel()
+        else embs.detach()
+    )
     assert_close(embs.grad, expected / ws, f"{case.name} sequence backward")
 
 
@@ -165,7 +182,9 @@ def test_kjt_all_to_all_matches_reference(world_size: int) -> None:
     assert run_ranks(world_size, _run_cases, timeout=90)[0] == [c.name for c in _cases(world_size)]
 
 
-def _documented_example(rank: int, ws: int, weighted: bool) -> Tuple[List[str], List[int], List[int], Optional[List[float]]]:
+def _documented_example(
+    rank: int, ws: int, weighted: bool
+) -> Tuple[List[str], List[int], List[int], List[float] | None]:
     """TorchRec's docstring example: keys A, B, C, splits [2, 1], batch 3 on each rank."""
     a, b, c = 100, 200, 300  # A.Vi = 100 + i, B.Vi = 200 + i, C.Vi = 300 + i
     inputs = {
@@ -174,7 +193,8 @@ def _documented_example(rank: int, ws: int, weighted: bool) -> Tuple[List[str], 
     }[rank]
     values = [v for key in inputs for bag in key for v in bag]
     kjt = KeyedJaggedTensor.from_lengths_sync(
-        ["A", "B", "C"], torch.tensor(values),
+        ["A", "B", "C"],
+        torch.tensor(values),
         torch.tensor([len(bag) for key in inputs for bag in key]),
         weights=torch.tensor(values, dtype=torch.float32) / 10 if weighted else None,
     )
@@ -189,8 +209,11 @@ def test_documented_example(weighted: bool) -> None:
     # rank 0:   0      1     2          3      4      5
     #   'A'   [A.V0] None [A.V1,A.V2] [A.V3] [A.V4] None
     #   'B'    None [B.V0] None        None  [B.V1] [B.V2]
-    assert rank0[:3] == (["A", "B"], [1, 0, 2, 1, 1, 0, 0, 1, 0, 0, 1, 1],
-                         [100, 101, 102, 103, 104, 200, 201, 202])
+    assert rank0[:3] == (
+        ["A", "B"],
+        [1, 0, 2, 1, 1, 0, 0, 1, 0, 0, 1, 1],
+        [100, 101, 102, 103, 104, 200, 201, 202],
+    )
     # rank 1:  'C'  [C.V0] [C.V1] None [C.V2] [C.V3] None
     assert rank1[:3] == (["C"], [1, 1, 0, 1, 1, 0], [300, 301, 302, 303])
     assert rank0[4] == rank1[4] == 6
@@ -225,8 +248,7 @@ def _key_order_matches_permute(rank: int, ws: int) -> None:
     keys, batch = ["a", "b", "c"], 3 + rank
     lengths = torch.randint(0, 4, (len(keys) * batch,), generator=g)
     values = torch.randint(0, 1000, (int(lengths.sum()),), generator=g)
-    kjt = KeyedJaggedTensor(keys, values, torch.rand(values.numel(), generator=g),
-                            lengths=lengths)
+    kjt = KeyedJaggedTensor(keys, values, torch.rand(values.numel(), generator=g), lengths=lengths)
     order = [2, 0, 1, 0, 2, 1][: 2 * ws]  # every rank gets two keys; "a" and "c" go twice
     splits = [2] * ws
     results = []

@@ -25,13 +25,18 @@ def created_groups(rank: int, ws: int) -> Dict[str, float]:
     """Groups made with RECSHARD_PG_TIMEOUT_S=7 while the default group has 60 s."""
     intra, cross = intra_and_cross_node_pg(dist.group.WORLD, 1)
     twin = gloo_twin(dist.group.WORLD)  # the batch vote's group when the model's is NCCL
-    return {"world": _timeout_s(dist.group.WORLD), "intra": _timeout_s(intra),
-            "cross": _timeout_s(cross), "vote": _timeout_s(twin)}
+    return {
+        "world": _timeout_s(dist.group.WORLD),
+        "intra": _timeout_s(intra),
+        "cross": _timeout_s(cross),
+        "vote": _timeout_s(twin),
+    }
 
 
 def test_recshard_groups_follow_the_variable() -> None:
-    got = run_ranks(2, created_groups, timeout=60, pg_timeout_s=60,
-                    env={"RECSHARD_PG_TIMEOUT_S": "7"})[0]
+    got = run_ranks(
+        2, created_groups, timeout=60, pg_timeout_s=60, env={"RECSHARD_PG_TIMEOUT_S": "7"}
+    )[0]
     assert got == {"world": 60.0, "intra": 7.0, "cross": 7.0, "vote": 7.0}, got
 
 

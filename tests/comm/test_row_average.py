@@ -21,9 +21,9 @@ def rank_grad(case: str, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(gradient, looked-up ids): few rows, shared rows, one rank only, most rows, none."""
     g = torch.Generator().manual_seed(100 * rank + len(case))
     ids = {
-        "few_rows": torch.tensor([rank, 7, 30 + rank, 7]),   # shared row 7, private rows
+        "few_rows": torch.tensor([rank, 7, 30 + rank, 7]),  # shared row 7, private rows
         "one_rank_only": torch.tensor([5, 6]) if rank == 0 else torch.tensor([], dtype=torch.long),
-        "most_rows": torch.arange(rank % 2, ROWS),            # the dense all-reduce
+        "most_rows": torch.arange(rank % 2, ROWS),  # the dense all-reduce
         "none": torch.tensor([], dtype=torch.long),
         "nan_row": torch.tensor([11, 12]),
     }[case]
@@ -57,6 +57,10 @@ def check_all(rank: int, world_size: int) -> Dict[str, List[str]]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_row_average_equals_dense_mean(world_size: int) -> None:
     results = run_ranks(world_size, check_all, timeout=120)
-    failures = {(rank, case): p for rank, per_case in enumerate(results)
-                for case, p in per_case.items() if p}
+    failures = {
+        (rank, case): p
+        for rank, per_case in enumerate(results)
+        for case, p in per_case.items()
+        if p
+    }
     assert not failures, failures

@@ -12,7 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import time
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -35,12 +35,15 @@ def _calls(rank: int, ws: int, pg: dist.ProcessGroup, in_flight: int) -> List[to
     out: List[torch.Tensor] = []
     for call in range(5):
         pendings = []
-        for site, dtype in (("alltoall_pooled", torch.float32), ("kjt_all_to_all_values", torch.int64)):
+        for site, dtype in (
+            ("alltoall_pooled", torch.float32),
+            ("kjt_all_to_all_values", torch.int64),
+        ):
             for k in range(in_flight):
                 ins = [_splits(rank, d, call, k) for d in range(ws)]
                 outs = [_splits(s, rank, call, k) for s in range(ws)]
                 g = torch.Generator().manual_seed(1000 * rank + 10 * call + k)
-                x = torch.randint(-2**40, 2**40, (sum(ins),), generator=g).to(dtype)
+                x = torch.randint(-(2**40), 2**40, (sum(ins),), generator=g).to(dtype)
                 pendings.append(issue_all_to_all(x, ins, outs, pg, name=site))
         out.extend(p.wait().clone() for p in pendings)
     return out
@@ -109,7 +112,7 @@ def test_simulated_hosts_keep_cross_host_traffic_off_shared_memory() -> None:
         assert got == [2 * rank + i + 100 * s for s in range(4) for i in range(2)]
 
 
-def _missing_peer(rank: int, ws: int) -> Tuple[Optional[str], str]:
+def _missing_peer(rank: int, ws: int) -> Tuple[str | None, str]:
     x = torch.ones(ws * (1 << 20))
     splits = [1 << 20] * ws
     issue_all_to_all(x, splits, splits, dist.group.WORLD, name="alltoall_pooled").wait()

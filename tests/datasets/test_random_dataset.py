@@ -18,14 +18,24 @@ from recshard.types import Pipelineable
 
 
 def _same(a: Batch, b: Batch) -> bool:
-    return (torch.equal(a.dense_features, b.dense_features) and torch.equal(a.labels, b.labels)
-            and torch.equal(a.sparse_features.values(), b.sparse_features.values())
-            and torch.equal(a.sparse_features.lengths(), b.sparse_features.lengths()))
+    return (
+        torch.equal(a.dense_features, b.dense_features)
+        and torch.equal(a.labels, b.labels)
+        and torch.equal(a.sparse_features.values(), b.sparse_features.values())
+        and torch.equal(a.sparse_features.lengths(), b.sparse_features.lengths())
+    )
 
 
 def test_shapes_ranges_and_defaults() -> None:
-    dataset = RandomRecDataset(["a", "b"], batch_size=8, hash_sizes=[5, 1000], ids_per_features=[3, 1],
-                               num_dense=4, manual_seed=1, num_batches=3)
+    dataset = RandomRecDataset(
+        ["a", "b"],
+        batch_size=8,
+        hash_sizes=[5, 1000],
+        ids_per_features=[3, 1],
+        num_dense=4,
+        manual_seed=1,
+        num_batches=3,
+    )
     batches = list(dataset)
     assert len(batches) == len(dataset) == 3
     for batch in batches:
@@ -38,15 +48,25 @@ def test_shapes_ranges_and_defaults() -> None:
         assert 0 <= per_key["a"].lengths().min() and per_key["a"].lengths().max() <= 3
     defaults = next(iter(RandomRecDataset(["x"], 64, manual_seed=0, num_batches=1)))
     assert defaults.dense_features.shape == (64, 50)
-    assert defaults.sparse_features.values().max() < 100 and defaults.sparse_features.lengths().max() <= 2
+    assert (
+        defaults.sparse_features.values().max() < 100
+        and defaults.sparse_features.lengths().max() <= 2
+    )
 
 
 def test_ids_per_feature_alone_fixes_the_count() -> None:
     """TorchRec: `ids_per_feature` without a minimum gives exactly that many ids per sample."""
-    batch = next(iter(RandomRecDataset(["a", "b"], 6, ids_per_feature=3, manual_seed=0, num_batches=1)))
+    batch = next(
+        iter(RandomRecDataset(["a", "b"], 6, ids_per_feature=3, manual_seed=0, num_batches=1))
+    )
     assert batch.sparse_features.lengths().tolist() == [3] * 12
-    ranged = next(iter(RandomRecDataset(["a"], 200, ids_per_feature=3, min_ids_per_feature=1,
-                                        manual_seed=0, num_batches=1)))
+    ranged = next(
+        iter(
+            RandomRecDataset(
+                ["a"], 200, ids_per_feature=3, min_ids_per_feature=1, manual_seed=0, num_batches=1
+            )
+        )
+    )
     assert set(ranged.sparse_features.lengths().tolist()) == {1, 2, 3}
 
 

@@ -33,7 +33,9 @@ class TinyDLRM(nn.Module):
         self.ebc = EmbeddingBagCollection(tables(), device=device)
         self.over = nn.Linear(4 + 6, 1, device=device)
 
-    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, dense: torch.Tensor, sparse: KeyedJaggedTensor, labels: torch.Tensor
+    ) -> torch.Tensor:
         d = torch.relu(self.dense(dense))
         embs = [t.values() for t in [self.ebc(sparse)]][0].view(-1, 3, 4)
         stacked = torch.cat([d.unsqueeze(1), embs], dim=1)  # [B, 4, 4]
@@ -49,26 +51,42 @@ def global_samples(step: int) -> Tuple[torch.Tensor, List[List[List[int]]], torc
     dense = torch.randn(GLOBAL_BATCH, 3, generator=g)
     labels = torch.randint(0, 2, (GLOBAL_BATCH,), generator=g).float()
     rows = [t.num_embeddings for t in tables()]
-    ids = [[torch.randint(0, rows[f], (int(torch.randint(0, 3, (1,), generator=g)),), generator=g).tolist()
-            for f in range(3)] for _ in range(GLOBAL_BATCH)]
+    ids = [
+        [
+            torch.randint(
+                0, rows[f], (int(torch.randint(0, 3, (1,), generator=g)),), generator=g
+            ).tolist()
+            for f in range(3)
+        ]
+        for _ in range(GLOBAL_BATCH)
+    ]
     return dense, ids, labels
 
 
-def batch_for(step: int, rank: int, world_size: int) -> Tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
+def batch_for(
+    step: int, rank: int, world_size: int
+) -> Tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
     """Rank `rank`'s slice of the global batch of `step` (world_size 1: the whole batch)."""
     dense, ids, labels = global_samples(step)
     per = GLOBAL_BATCH // world_size
     mine = range(rank * per, (rank + 1) * per)
     lengths = [len(ids[s][f]) for f in range(3) for s in mine]
     values = [i for f in range(3) for s in mine for i in ids[s][f]]
-    kjt = KeyedJaggedTensor.from_lengths_sync(FEATURES, torch.tensor(values, dtype=torch.int64),
-                                              torch.tensor(lengths))
-    return dense[rank * per:(rank + 1) * per], kjt, labels[rank * per:(rank + 1) * per]
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        FEATURES, torch.tensor(values, dtype=torch.int64), torch.tensor(lengths)
+    )
+    return dense[rank * per : (rank + 1) * per], kjt, labels[rank * per : (rank + 1) * per]
 
 
 def make_optimizer(model: nn.Module, fused: bool, adagrad: bool) -> CombinedOptimizer:
-    factory = (lambda p: torch.optim.Adagrad(p, lr=LR)) if adagrad else (lambda p: torch.optim.SGD(p, lr=LR))
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())), factory)
+    factory = (
+        (lambda p: torch.optim.Adagrad(p, lr=LR))
+        if adagrad
+        else (lambda p: torch.optim.SGD(p, lr=LR))
+    )
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(model.named_parameters())), factory
+    )
     parts = [model.fused_optimizer, dense] if fused else [dense]
     return CombinedOptimizer(parts)
 

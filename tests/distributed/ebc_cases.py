@@ -27,18 +27,36 @@ def tables(shared: bool = False) -> List[EmbeddingBagConfig]:
     and t5, f3 by t2 and t5, f5 by t3 and t4); their ids fit the smallest table."""
     if shared:
         return [
-            EmbeddingBagConfig(num_embeddings=11, embedding_dim=4, name="t0", feature_names=["f0", "f1"]),
-            EmbeddingBagConfig(num_embeddings=3, embedding_dim=3, name="t1", feature_names=["f2", "f0"],
-                               pooling=PoolingType.MEAN),
+            EmbeddingBagConfig(
+                num_embeddings=11, embedding_dim=4, name="t0", feature_names=["f0", "f1"]
+            ),
+            EmbeddingBagConfig(
+                num_embeddings=3,
+                embedding_dim=3,
+                name="t1",
+                feature_names=["f2", "f0"],
+                pooling=PoolingType.MEAN,
+            ),
             EmbeddingBagConfig(num_embeddings=20, embedding_dim=6, name="t2", feature_names=["f3"]),
-            EmbeddingBagConfig(num_embeddings=8, embedding_dim=1, name="t3", feature_names=["f4", "f5"]),
+            EmbeddingBagConfig(
+                num_embeddings=8, embedding_dim=1, name="t3", feature_names=["f4", "f5"]
+            ),
             EmbeddingBagConfig(num_embeddings=13, embedding_dim=8, name="t4", feature_names=["f5"]),
-            EmbeddingBagConfig(num_embeddings=7, embedding_dim=5, name="t5", feature_names=["f1", "f3"]),
+            EmbeddingBagConfig(
+                num_embeddings=7, embedding_dim=5, name="t5", feature_names=["f1", "f3"]
+            ),
         ]
     return [
-        EmbeddingBagConfig(num_embeddings=11, embedding_dim=4, name="t0", feature_names=["f0", "f1"]),
-        EmbeddingBagConfig(num_embeddings=3, embedding_dim=3, name="t1", feature_names=["f2"],
-                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(
+            num_embeddings=11, embedding_dim=4, name="t0", feature_names=["f0", "f1"]
+        ),
+        EmbeddingBagConfig(
+            num_embeddings=3,
+            embedding_dim=3,
+            name="t1",
+            feature_names=["f2"],
+            pooling=PoolingType.MEAN,
+        ),
         EmbeddingBagConfig(num_embeddings=20, embedding_dim=6, name="t2", feature_names=["f3"]),
         EmbeddingBagConfig(num_embeddings=8, embedding_dim=1, name="t3", feature_names=["f4"]),
         EmbeddingBagConfig(num_embeddings=13, embedding_dim=8, name="t4", feature_names=["f5"]),
@@ -67,22 +85,29 @@ def plan_for(kind: str, ws: int, lws: int, kernel: str, shared: bool = False) ->
     if kind == "table_row_wise":
         return {n: table_row_wise(i % nodes, compute_kernel=k) for i, n in enumerate(names)}
     if kind == "table_column_wise":
-        return {n: table_column_wise(i % nodes, None if n != "t3" else [0], compute_kernel=k)
-                for i, n in enumerate(names)}
+        return {
+            n: table_column_wise(i % nodes, None if n != "t3" else [0], compute_kernel=k)
+            for i, n in enumerate(names)
+        }
     if kind == "data_parallel":
         return {n: data_parallel() for n in names}
     if kind == "mixed":
-        plan = {"t0": table_wise(ws - 1, compute_kernel=k), "t1": row_wise(compute_kernel=k),
-                "t2": column_wise(cw_ranks, compute_kernel=k), "t3": data_parallel(),
-                "t4": table_row_wise(nodes - 1, compute_kernel=k)}
+        plan = {
+            "t0": table_wise(ws - 1, compute_kernel=k),
+            "t1": row_wise(compute_kernel=k),
+            "t2": column_wise(cw_ranks, compute_kernel=k),
+            "t3": data_parallel(),
+            "t4": table_row_wise(nodes - 1, compute_kernel=k),
+        }
         if shared:
             plan["t5"] = table_column_wise(0, compute_kernel=k)
         return plan
     raise ValueError(kind)
 
 
-def batch(rank: int, step: int, batch_size: int, weighted: bool, zero_feature: bool,
-          shared: bool = False) -> KeyedJaggedTensor:
+def batch(
+    rank: int, step: int, batch_size: int, weighted: bool, zero_feature: bool, shared: bool = False
+) -> KeyedJaggedTensor:
     """Rank `rank`'s batch at `step` (every rank can rebuild every other rank's batch)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     rows: Dict[str, int] = {}
@@ -93,15 +118,19 @@ def batch(rank: int, step: int, batch_size: int, weighted: bool, zero_feature: b
     lengths = torch.randint(0, 4, (len(keys), batch_size), generator=g)
     if zero_feature:
         lengths[keys.index("f3")] = 0
-    values = torch.cat([
-        torch.randint(0, rows[k], (int(lengths[i].sum()),), generator=g) for i, k in enumerate(keys)
-    ])
+    values = torch.cat(
+        [
+            torch.randint(0, rows[k], (int(lengths[i].sum()),), generator=g)
+            for i, k in enumerate(keys)
+        ]
+    )
     weights = torch.rand(values.numel(), generator=g) + 0.5 if weighted else None
     return KeyedJaggedTensor.from_lengths_sync(keys, values, lengths.reshape(-1), weights)
 
 
-def global_batch(ws: int, step: int, batch_size: int, weighted: bool, zero: bool,
-                 shared: bool = False) -> KeyedJaggedTensor:
+def global_batch(
+    ws: int, step: int, batch_size: int, weighted: bool, zero: bool, shared: bool = False
+) -> KeyedJaggedTensor:
     """All ranks' batches stacked along the batch dimension (rank-major), module key order."""
     parts = [batch(r, step, batch_size, weighted, zero, shared) for r in range(ws)]
     keys = parts[0].keys()
@@ -130,33 +159,45 @@ def gather_tables(sharded, ws: int) -> Dict[str, torch.Tensor]:
             local.append((name, table.row_offset, table.col_offset, weight.detach().clone()))
     gathered: List = [None] * ws
     dist.all_gather_object(gathered, local)
-    full = {t.name: torch.full((t.num_embeddings, t.embedding_dim), float("nan"))
-            for t in sharded.table_configs()}
+    full = {
+        t.name: torch.full((t.num_embeddings, t.embedding_dim), float("nan"))
+        for t in sharded.table_configs()
+    }
     for part in gathered:
         for name, row, col, weight in part:
-            full[name][row:row + weight.size(0), col:col + weight.size(1)] = weight
+            full[name][row : row + weight.size(0), col : col + weight.size(1)] = weight
     return full
 
 
 def gather_row_states(sharded, ws: int) -> Dict[str, Dict[int, torch.Tensor]]:
     """Every rank's per-row fused optimizer state (row-wise Adagrad's accumulator), assembled
     on every rank: `{table: {column offset of the shard: [num_embeddings]}}` (SGD: empty)."""
-    local = [(name, table.row_offset, table.col_offset, state.detach().reshape(-1).clone())
-             for name, shards in sharded.fused_optimizer_states().items()
-             for table, states in shards for state in states.values()]
+    local = [
+        (name, table.row_offset, table.col_offset, state.detach().reshape(-1).clone())
+        for name, shards in sharded.fused_optimizer_states().items()
+        for table, states in shards
+        for state in states.values()
+    ]
     gathered: List = [None] * ws
     dist.all_gather_object(gathered, local)
     rows = {t.name: t.num_embeddings for t in sharded.table_configs()}
     full: Dict[str, Dict[int, torch.Tensor]] = {}
     for part in gathered:
         for name, row, col, state in part:
-            column = full.setdefault(name, {}).setdefault(col, torch.full((rows[name],), float("nan")))
-            column[row:row + state.numel()] = state
+            column = full.setdefault(name, {}).setdefault(
+                col, torch.full((rows[name],), float("nan"))
+            )
+            column[row : row + state.numel()] = state
     return full
 
 
-def reference_update(weight: torch.Tensor, grad: torch.Tensor, state: Dict[str, torch.Tensor],
-                     optimizer: str, column_blocks: List[int]) -> None:
+def reference_update(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    state: Dict[str, torch.Tensor],
+    optimizer: str,
+    column_blocks: List[int],
+) -> None:
     """The update a dense optimizer makes with the averaged gradient `grad`.
 
     Row-wise Adagrad keeps one accumulator per row per column shard (`column_blocks` widths):
@@ -168,15 +209,20 @@ def reference_update(weight: torch.Tensor, grad: torch.Tensor, state: Dict[str, 
             return
         start = 0
         for i, width in enumerate(column_blocks):
-            g = grad[:, start:start + width]
+            g = grad[:, start : start + width]
             m = state.setdefault(f"m{i}", torch.zeros(weight.size(0)))
             m += (g * g).mean(dim=1)
-            weight[:, start:start + width] -= LR * g / (m.sqrt() + EPS).unsqueeze(1)
+            weight[:, start : start + width] -= LR * g / (m.sqrt() + EPS).unsqueeze(1)
             start += width
 
 
-def state_mismatches(sharded, ws: int, state: Dict[str, Dict[str, torch.Tensor]],
-                     offsets: Dict[str, List[int]], step: int) -> List[str]:
+def state_mismatches(
+    sharded,
+    ws: int,
+    state: Dict[str, Dict[str, torch.Tensor]],
+    offsets: Dict[str, List[int]],
+    step: int,
+) -> List[str]:
     """Where the sharded row-wise Adagrad accumulators differ from `reference_update`'s
     (`state[table]["m<i>"]` for the column block starting at `offsets[table][i]`)."""
     row_states = gather_row_states(sharded, ws)
@@ -184,7 +230,11 @@ def state_mismatches(sharded, ws: int, state: Dict[str, Dict[str, torch.Tensor]]
     for name, columns in offsets.items():
         got = row_states.get(name, {})
         for i, offset in enumerate(columns):
-            if offset not in got or not torch.allclose(got[offset], state[name][f"m{i}"], atol=1e-5):
-                problems.append(f"step {step}: table {name} optimizer state of the columns "
-                                f"from {offset} differs")
+            if offset not in got or not torch.allclose(
+                got[offset], state[name][f"m{i}"], atol=1e-5
+            ):
+                problems.append(
+                    f"step {step}: table {name} optimizer state of the columns "
+                    f"from {offset} differs"
+                )
     return problems

@@ -21,14 +21,25 @@ def tables(shared: bool = False) -> List[EmbeddingConfig]:
     by t2 and t5, f5 by t3 and t4); their ids fit the smallest table."""
     return [
         EmbeddingConfig(num_embeddings=11, embedding_dim=4, name="t0", feature_names=["f0", "f1"]),
-        EmbeddingConfig(num_embeddings=3, embedding_dim=4, name="t1",
-                        feature_names=["f2", "f0"] if shared else ["f2"]),
+        EmbeddingConfig(
+            num_embeddings=3,
+            embedding_dim=4,
+            name="t1",
+            feature_names=["f2", "f0"] if shared else ["f2"],
+        ),
         EmbeddingConfig(num_embeddings=20, embedding_dim=6, name="t2", feature_names=["f3"]),
-        EmbeddingConfig(num_embeddings=8, embedding_dim=4, name="t3",
-                        feature_names=["f4", "f5"] if shared else ["f4"]),
+        EmbeddingConfig(
+            num_embeddings=8,
+            embedding_dim=4,
+            name="t3",
+            feature_names=["f4", "f5"] if shared else ["f4"],
+        ),
         EmbeddingConfig(num_embeddings=13, embedding_dim=8, name="t4", feature_names=["f5"]),
-    ] + ([EmbeddingConfig(num_embeddings=7, embedding_dim=4, name="t5", feature_names=["f1", "f3"])]
-         if shared else [])
+    ] + (
+        [EmbeddingConfig(num_embeddings=7, embedding_dim=4, name="t5", feature_names=["f1", "f3"])]
+        if shared
+        else []
+    )
 
 
 def make_ec(need_indices: bool = False, seed: int = 0, shared: bool = False) -> EmbeddingCollection:
@@ -65,7 +76,11 @@ def plan_for(kind: str, ws: int, kernel: str, shared: bool = False) -> Dict:
 
 
 def batch(
-    rank: int, step: int, batch_size: int, zero_feature: bool, dtype: torch.dtype = torch.int64,
+    rank: int,
+    step: int,
+    batch_size: int,
+    zero_feature: bool,
+    dtype: torch.dtype = torch.int64,
     shared: bool = False,
 ) -> KeyedJaggedTensor:
     """Rank `rank`'s batch at `step` (every rank can rebuild every other rank's batch);
@@ -97,14 +112,17 @@ def global_batch(parts: List[KeyedJaggedTensor]) -> KeyedJaggedTensor:
     return KeyedJaggedTensor.from_lengths_sync(keys, torch.cat(values), torch.cat(lengths))
 
 
-def output_grads(step: int, rank: int, kjt: KeyedJaggedTensor,
-                 shared: bool = False) -> Dict[str, torch.Tensor]:
+def output_grads(
+    step: int, rank: int, kjt: KeyedJaggedTensor, shared: bool = False
+) -> Dict[str, torch.Tensor]:
     """Upstream gradient of rank `rank`'s output, `[N_f, D_t]` per output key (embedding name)."""
     g = torch.Generator().manual_seed(7 + 100 * step + rank)
     configs = tables(shared)
     reads = [(f, t.embedding_dim) for t in configs for f in t.feature_names]
-    return {name: torch.randn(kjt[f].values().numel(), dim, generator=g)
-            for name, (f, dim) in zip(embedding_names(configs), reads)}
+    return {
+        name: torch.randn(kjt[f].values().numel(), dim, generator=g)
+        for name, (f, dim) in zip(embedding_names(configs), reads)
+    }
 
 
 def gather_tables(sharded, ws: int) -> Dict[str, torch.Tensor]:
@@ -116,8 +134,10 @@ def gather_tables(sharded, ws: int) -> Dict[str, torch.Tensor]:
     ]
     gathered: List = [None] * ws
     dist.all_gather_object(gathered, local)
-    full = {t.name: torch.full((t.num_embeddings, t.embedding_dim), float("nan"))
-            for t in sharded.table_configs()}
+    full = {
+        t.name: torch.full((t.num_embeddings, t.embedding_dim), float("nan"))
+        for t in sharded.table_configs()
+    }
     for part in gathered:
         for name, row, col, weight in part:
             full[name][row : row + weight.size(0), col : col + weight.size(1)] = weight

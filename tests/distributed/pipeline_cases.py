@@ -37,16 +37,22 @@ class Batch:
     index: int = -1  # which global batch this is (to check none is lost or repeated)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
-        return Batch(self.dense_features.to(device, non_blocking=non_blocking),
-                     self.sparse_features.to(device, non_blocking=non_blocking),
-                     self.labels.to(device, non_blocking=non_blocking),
-                     {k: v.to(device, non_blocking=non_blocking) for k, v in self.idlist.items()},
-                     self.index)
+        return Batch(
+            self.dense_features.to(device, non_blocking=non_blocking),
+            self.sparse_features.to(device, non_blocking=non_blocking),
+            self.labels.to(device, non_blocking=non_blocking),
+            {k: v.to(device, non_blocking=non_blocking) for k, v in self.idlist.items()},
+            self.index,
+        )
 
     def pin_memory(self) -> Batch:
-        return Batch(self.dense_features.pin_memory(), self.sparse_features.pin_memory(),
-                     self.labels.pin_memory(), {k: v.pin_memory() for k, v in self.idlist.items()},
-                     self.index)
+        return Batch(
+            self.dense_features.pin_memory(),
+            self.sparse_features.pin_memory(),
+            self.labels.pin_memory(),
+            {k: v.pin_memory() for k, v in self.idlist.items()},
+            self.index,
+        )
 
     def record_stream(self, stream: torch.Stream) -> None:
         for t in (self.dense_features, self.labels):
@@ -57,11 +63,14 @@ class Batch:
             kjt.record_stream(stream)
 
 
-def _kjt(keys: List[str], ids: List[List[List[int]]], samples: range, columns: List[int]) -> KeyedJaggedTensor:
+def _kjt(
+    keys: List[str], ids: List[List[List[int]]], samples: range, columns: List[int]
+) -> KeyedJaggedTensor:
     lengths = [len(ids[s][f]) for f in columns for s in samples]
     values = [i for f in columns for s in samples for i in ids[s][f]]
-    return KeyedJaggedTensor.from_lengths_sync(keys, torch.tensor(values, dtype=torch.int64),
-                                               torch.tensor(lengths))
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys, torch.tensor(values, dtype=torch.int64), torch.tensor(lengths)
+    )
 
 
 def batch_for(step: int, rank: int, world_size: int) -> Batch:
@@ -69,13 +78,20 @@ def batch_for(step: int, rank: int, world_size: int) -> Batch:
     dense, ids, labels = global_samples(step)
     per = GLOBAL_BATCH // world_size
     mine = range(rank * per, (rank + 1) * per)
-    return Batch(dense[rank * per:(rank + 1) * per], _kjt(["a", "b"], ids, mine, [0, 1]),
-                 labels[rank * per:(rank + 1) * per], {"item": _kjt(["c"], ids, mine, [2])}, step)
+    return Batch(
+        dense[rank * per : (rank + 1) * per],
+        _kjt(["a", "b"], ids, mine, [0, 1]),
+        labels[rank * per : (rank + 1) * per],
+        {"item": _kjt(["c"], ids, mine, [2])},
+        step,
+    )
 
 
 def remap_ids(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
     """Ids computed inside the model (a hash-like remap): the pipeline cannot pre-route them."""
-    return KeyedJaggedTensor.from_lengths_sync(kjt.keys(), (kjt.values() * 3 + 1) % 5, kjt.lengths())
+    return KeyedJaggedTensor.from_lengths_sync(
+        kjt.keys(), (kjt.values() * 3 + 1) % 5, kjt.lengths()
+    )
 
 
 torch.fx.wrap("remap_ids")
@@ -88,13 +104,23 @@ class TwoTowerModel(nn.Module):
         super().__init__()
         self.computed_item_ids = computed_item_ids
         self.dense = nn.Linear(3, 4)
-        self.user = EmbeddingBagCollection([
-            EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="ta", feature_names=["a"]),
-            EmbeddingBagConfig(num_embeddings=7, embedding_dim=4, name="tb", feature_names=["b"]),
-        ])
-        self.item = EmbeddingBagCollection([
-            EmbeddingBagConfig(num_embeddings=5, embedding_dim=4, name="tc", feature_names=["c"]),
-        ])
+        self.user = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(
+                    num_embeddings=10, embedding_dim=4, name="ta", feature_names=["a"]
+                ),
+                EmbeddingBagConfig(
+                    num_embeddings=7, embedding_dim=4, name="tb", feature_names=["b"]
+                ),
+            ]
+        )
+        self.item = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(
+                    num_embeddings=5, embedding_dim=4, name="tc", feature_names=["c"]
+                ),
+            ]
+        )
         self.over = nn.Linear(4 + 6, 1)
         self.loss_fn = nn.BCEWithLogitsLoss()
 
@@ -103,8 +129,9 @@ class TwoTowerModel(nn.Module):
         item_ids = batch.idlist["item"]
         if self.computed_item_ids:
             item_ids = remap_ids(item_ids)
-        embs = torch.cat([self.user(batch.sparse_features).values(),
-                          self.item(item_ids).values()], dim=1).view(-1, 3, 4)
+        embs = torch.cat(
+            [self.user(batch.sparse_features).values(), self.item(item_ids).values()], dim=1
+        ).view(-1, 3, 4)
         stacked = torch.cat([d.unsqueeze(1), embs], dim=1)  # [B, 4, 4]
         dots = torch.bmm(stacked, stacked.transpose(1, 2))
         rows, cols = torch.triu_indices(4, 4, offset=1)
@@ -113,20 +140,29 @@ class TwoTowerModel(nn.Module):
         return loss, (loss.detach(), logits.detach(), batch.index)
 
 
-def build(world_size: int, computed_item_ids: bool = False,
-          data_parallel_a: bool = False) -> DistributedModelParallel:
+def build(
+    world_size: int, computed_item_ids: bool = False, data_parallel_a: bool = False
+) -> DistributedModelParallel:
     """The same initial weights on every call (seeded); user: a table-wise (or data-parallel)
     + b row-wise, item: c table-wise on the last rank; fused SGD tables."""
     torch.manual_seed(0)
     model = TwoTowerModel(computed_item_ids)
     a_plan = data_parallel() if data_parallel_a else table_wise(0)
-    plan = ShardingPlan({
-        "user": construct_module_sharding_plan(model.user, {"ta": a_plan, "tb": row_wise()},
-                                               world_size=world_size),
-        "item": construct_module_sharding_plan(model.item, {"tc": table_wise(world_size - 1)},
-                                               world_size=world_size),
-    })
-    sharders = [EmbeddingBagCollectionSharder(fused_params={"optimizer": "exact_sgd", "learning_rate": 0.05})]
+    plan = ShardingPlan(
+        {
+            "user": construct_module_sharding_plan(
+                model.user, {"ta": a_plan, "tb": row_wise()}, world_size=world_size
+            ),
+            "item": construct_module_sharding_plan(
+                model.item, {"tc": table_wise(world_size - 1)}, world_size=world_size
+            ),
+        }
+    )
+    sharders = [
+        EmbeddingBagCollectionSharder(
+            fused_params={"optimizer": "exact_sgd", "learning_rate": 0.05}
+        )
+    ]
     return DistributedModelParallel(copy.deepcopy(model), plan=plan, sharders=sharders)
 
 
@@ -150,12 +186,19 @@ def _lookup(model: DistributedModelParallel, batch: Batch) -> Dict[str, KeyedTen
     """Both collections' embeddings of `batch` (with their autograd graphs), as the sharded
     modules' ordinary forwards compute them now."""
     inner = model.module
-    return {"user": inner.user(batch.sparse_features).wait(),
-            "item": inner.item(batch.idlist["item"]).wait()}
+    return {
+        "user": inner.user(batch.sparse_features).wait(),
+        "item": inner.item(batch.idlist["item"]).wait(),
+    }
 
 
-def semi_sync_loop(model: DistributedModelParallel, optimizer: Any, batches: List[Batch],
-                   start_batch: int = 0, stash_gradients: bool = False) -> List[Tuple[float, int]]:
+def semi_sync_loop(
+    model: DistributedModelParallel,
+    optimizer: Any,
+    batches: List[Batch],
+    start_batch: int = 0,
+    stash_gradients: bool = False,
+) -> List[Tuple[float, int]]:
     """The reference for TrainPipelineSemiSync, written as a plain loop: from batch `start_batch`
     on, batch i+1's embeddings are looked up after batch i's forward and before its backward
     (so without batch i's sparse update); the dense model trains on detached copies, whose
@@ -180,8 +223,9 @@ def semi_sync_loop(model: DistributedModelParallel, optimizer: Any, batches: Lis
         if stale and i + 1 < len(batches):
             looked_up = _lookup(model, batches[i + 1])
         loss.backward()
-        torch.autograd.backward([kt.values() for kt in embeddings.values()],
-                                [leaves[k].grad for k in embeddings])
+        torch.autograd.backward(
+            [kt.values() for kt in embeddings.values()], [leaves[k].grad for k in embeddings]
+        )
         skip_step = False
         if stale and stash_gradients:
             for name, param in model.named_parameters():
@@ -198,7 +242,9 @@ def semi_sync_loop(model: DistributedModelParallel, optimizer: Any, batches: Lis
     return seen
 
 
-def run_pipeline(pipeline: Any, batches: List[Batch], max_steps: int = 100) -> List[Tuple[float, int]]:
+def run_pipeline(
+    pipeline: Any, batches: List[Batch], max_steps: int = 100
+) -> List[Tuple[float, int]]:
     """`progress` until StopIteration. (loss, batch index) per step."""
     seen = []
     iterator = iter(batches)
@@ -224,5 +270,8 @@ def model_state(model: DistributedModelParallel) -> Dict[str, torch.Tensor]:
 def state_diff(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> List[str]:
     if set(got) != set(want):
         return [f"keys {sorted(got)} != {sorted(want)}"]
-    return [f"{k}: max diff {(got[k] - want[k]).abs().max().item():.3g}"
-            for k in sorted(got) if not torch.allclose(got[k], want[k], atol=1e-6, rtol=0)]
+    return [
+        f"{k}: max diff {(got[k] - want[k]).abs().max().item():.3g}"
+        for k in sorted(got)
+        if not torch.allclose(got[k], want[k], atol=1e-6, rtol=0)
+    ]

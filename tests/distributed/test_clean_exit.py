@@ -41,12 +41,24 @@ def _train_then_end(raise_at_end: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, ws = dist.get_rank(), dist.get_world_size()
-    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
-        TinyDLRM("meta").ebc, {"ta": data_parallel(), "tb": table_wise(0), "tc": table_wise(1)},
-        world_size=ws)})
-    model = DistributedModelParallel(TinyDLRM(), plan=plan, sharders=[
-        EmbeddingBagCollectionSharder(fused_params={"optimizer": "exact_sgd",
-                                                    "learning_rate": 0.05})])
+    plan = ShardingPlan(
+        {
+            "ebc": construct_module_sharding_plan(
+                TinyDLRM("meta").ebc,
+                {"ta": data_parallel(), "tb": table_wise(0), "tc": table_wise(1)},
+                world_size=ws,
+            )
+        }
+    )
+    model = DistributedModelParallel(
+        TinyDLRM(),
+        plan=plan,
+        sharders=[
+            EmbeddingBagCollectionSharder(
+                fused_params={"optimizer": "exact_sgd", "learning_rate": 0.05}
+            )
+        ],
+    )
     optimizer = make_optimizer(model, fused=True, adagrad=False)
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -70,11 +82,23 @@ def _run_pair(raise_at_end: bool) -> List[int]:
     here = Path(__file__).parent
     procs = []
     for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE="2", PYTHONPATH=os.pathsep.join([str(here), str(here.parent)]))
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, "1" if raise_at_end else "0"], env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            PYTHONPATH=os.pathsep.join([str(here), str(here.parent)]),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "1" if raise_at_end else "0"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     codes = []
     for p in procs:
         try:

@@ -30,13 +30,19 @@ def accumulate(rank: int, ws: int, mode: str, min_bytes: int) -> List[str]:
     data_parallel_sharding.ROW_EXCHANGE_MIN_BYTES = min_bytes
     reference = make_ebc(weighted=False)
     plan = construct_module_sharding_plan(
-        reference, {n: data_parallel() for n in reference.embedding_bags}, world_size=ws)
+        reference, {n: data_parallel() for n in reference.embedding_bags}, world_size=ws
+    )
     sharded = EmbeddingBagCollectionSharder().shard(
-        copy.deepcopy(reference), plan, ShardingEnv.from_process_group(torch.distributed.group.WORLD))
+        copy.deepcopy(reference),
+        plan,
+        ShardingEnv.from_process_group(torch.distributed.group.WORLD),
+    )
     losses = []
     for micro in range(2):
         out = sharded(batch(rank, micro, BATCH, False, False))
-        grad = output_grad(micro, ws, BATCH, out.values().size(1))[rank * BATCH:(rank + 1) * BATCH]
+        grad = output_grad(micro, ws, BATCH, out.values().size(1))[
+            rank * BATCH : (rank + 1) * BATCH
+        ]
         losses.append((out.values() * grad).sum())
         if mode == "separate_backwards":
             losses.pop().backward()
@@ -51,8 +57,10 @@ def accumulate(rank: int, ws: int, mode: str, min_bytes: int) -> List[str]:
         ((ref_out.values() * grad).sum() / ws).backward()
     problems = []
     mine: Dict[str, torch.Tensor] = {
-        name: weight for name, shards in sharded.local_table_shards().items()
-        for _, weight in shards}
+        name: weight
+        for name, shards in sharded.local_table_shards().items()
+        for _, weight in shards
+    }
     for name, bag in reference.embedding_bags.items():
         sharded_grad = mine[name].grad
         if sharded_grad is None or not torch.allclose(sharded_grad, bag.weight.grad, atol=1e-6):
@@ -68,13 +76,20 @@ def accumulate(rank: int, ws: int, mode: str, min_bytes: int) -> List[str]:
 
 def run_all(rank: int, ws: int) -> Dict[str, List[str]]:
     default = data_parallel_sharding.ROW_EXCHANGE_MIN_BYTES
-    return {f"{mode}/{min_bytes}": accumulate(rank, ws, mode, min_bytes)
-            for mode in MODES for min_bytes in (0, default)}
+    return {
+        f"{mode}/{min_bytes}": accumulate(rank, ws, mode, min_bytes)
+        for mode in MODES
+        for min_bytes in (0, default)
+    }
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_data_parallel_gradient_accumulation(world_size: int) -> None:
     results = run_ranks(world_size, run_all, timeout=300)
-    failures = {(rank, mode): p for rank, per_mode in enumerate(results)
-                for mode, p in per_mode.items() if p}
+    failures = {
+        (rank, mode): p
+        for rank, per_mode in enumerate(results)
+        for mode, p in per_mode.items()
+        if p
+    }
     assert not failures, failures

@@ -33,10 +33,18 @@ STEPS = 4
 def plan(kind: str, ws: int, kernel: str) -> ShardingPlan:
     k = None if kernel == "fused" else "dense"
     per_table = {
-        "table_wise": {t: table_wise(i % ws, compute_kernel=k) for i, t in enumerate(["ta", "tb", "tc"])},
+        "table_wise": {
+            t: table_wise(i % ws, compute_kernel=k) for i, t in enumerate(["ta", "tb", "tc"])
+        },
         "row_wise": {t: row_wise(compute_kernel=k) for t in ["ta", "tb", "tc"]},
-        "column_wise": {t: column_wise(list(range(ws)), compute_kernel=k) for t in ["ta", "tb", "tc"]},
-        "mixed": {"ta": table_wise(ws - 1, compute_kernel=k), "tb": row_wise(compute_kernel=k), "tc": data_parallel()},
+        "column_wise": {
+            t: column_wise(list(range(ws)), compute_kernel=k) for t in ["ta", "tb", "tc"]
+        },
+        "mixed": {
+            "ta": table_wise(ws - 1, compute_kernel=k),
+            "tb": row_wise(compute_kernel=k),
+            "tc": data_parallel(),
+        },
     }[kind]
     module_plan = construct_module_sharding_plan(TinyDLRM("meta").ebc, per_table, world_size=ws)
     return ShardingPlan({"ebc": module_plan})
@@ -49,7 +57,9 @@ def sharders(adagrad: bool) -> list:
 
 def build(kind: str, ws: int, kernel: str, adagrad: bool) -> DistributedModelParallel:
     torch.manual_seed(0)
-    return DistributedModelParallel(TinyDLRM(), plan=plan(kind, ws, kernel), sharders=sharders(adagrad))
+    return DistributedModelParallel(
+        TinyDLRM(), plan=plan(kind, ws, kernel), sharders=sharders(adagrad)
+    )
 
 
 def equivalence(rank: int, ws: int) -> Dict[str, List[str]]:
@@ -58,8 +68,9 @@ def equivalence(rank: int, ws: int) -> Dict[str, List[str]]:
         for kernel in ["fused", "dense"]:
             torch.manual_seed(0)
             reference = TinyDLRM()
-            dmp = DistributedModelParallel(copy.deepcopy(reference), plan=plan(kind, ws, kernel),
-                                           sharders=sharders(False))
+            dmp = DistributedModelParallel(
+                copy.deepcopy(reference), plan=plan(kind, ws, kernel), sharders=sharders(False)
+            )
             got = train(dmp, make_optimizer(dmp, kernel == "fused", False), range(STEPS), rank, ws)
             want = train(reference, make_optimizer(reference, False, False), range(STEPS), 0, 1)
             key = f"{kind}/{kernel}"
@@ -67,7 +78,8 @@ def equivalence(rank: int, ws: int) -> Dict[str, List[str]]:
                 problems[key] = [f"losses {got} != {want}"]
             if set(dmp.state_dict()) != set(reference.state_dict()):
                 problems.setdefault(key, []).append(
-                    f"keys {sorted(dmp.state_dict())} != {sorted(reference.state_dict())}")
+                    f"keys {sorted(dmp.state_dict())} != {sorted(reference.state_dict())}"
+                )
     return problems
 
 
@@ -107,12 +119,20 @@ def plain_first_loss(path: str) -> float:
 def test_checkpoint_reshards_across_world_sizes_and_plans() -> None:
     with tempfile.TemporaryDirectory() as path:
         uninterrupted = run_ranks(2, save_phase, path, 2, timeout=200)[0]
-        for ws, kind, threads in [(3, "row_wise", 1), (3, "column_wise", 1), (1, "table_wise", 1),
-                                  (1, "table_wise", 2)]:
+        for ws, kind, threads in [
+            (3, "row_wise", 1),
+            (3, "column_wise", 1),
+            (1, "table_wise", 1),
+            (1, "table_wise", 2),
+        ]:
             resumed = run_ranks(ws, load_phase, path, kind, threads, timeout=200)[0]
-            torch.testing.assert_close(torch.tensor(resumed), torch.tensor(uninterrupted),
-                                       atol=1e-5, rtol=0,
-                                       msg=f"resumed on {ws} ranks, {kind}, {threads} threads")
+            torch.testing.assert_close(
+                torch.tensor(resumed),
+                torch.tensor(uninterrupted),
+                atol=1e-5,
+                rtol=0,
+                msg=f"resumed on {ws} ranks, {kind}, {threads} threads",
+            )
         assert abs(plain_first_loss(path) - uninterrupted[0]) < 1e-5
 
 
@@ -123,7 +143,9 @@ def planned_from_meta(rank: int, ws: int) -> Dict[str, object]:
     dmp = DistributedModelParallel(TinyDLRM("meta"), sharders=sharders(False))
     opt = make_optimizer(dmp, True, False)
     losses = train(dmp, opt, range(3), rank, ws)
-    dense = [p.detach().clone() for n, p in dmp.named_parameters() if n.startswith(("dense", "over"))]
+    dense = [
+        p.detach().clone() for n, p in dmp.named_parameters() if n.startswith(("dense", "over"))
+    ]
     gathered: List = [None] * ws
     torch.distributed.all_gather_object(gathered, dense)
     same = all(torch.equal(a, b) for other in gathered for a, b in zip(gathered[0], other))
@@ -133,6 +155,10 @@ def planned_from_meta(rank: int, ws: int) -> Dict[str, object]:
 
 def test_dmp_plans_and_materializes_when_no_plan_is_given() -> None:
     results = run_ranks(2, planned_from_meta, timeout=200)
-    assert results[0]["plan"] == results[1]["plan"] and set(results[0]["plan"]) == {"ta", "tb", "tc"}
+    assert results[0]["plan"] == results[1]["plan"] and set(results[0]["plan"]) == {
+        "ta",
+        "tb",
+        "tc",
+    }
     assert all(r["dense_equal"] for r in results)
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in results)

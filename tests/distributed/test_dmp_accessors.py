@@ -25,9 +25,15 @@ from recshard.types import LazyNoWait, ShardingPlan
 
 def accessors(rank: int, ws: int) -> Dict[str, List[str]]:
     torch.manual_seed(0)
-    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
-        TinyDLRM("meta").ebc, {"ta": table_wise(0), "tb": table_wise(1), "tc": table_wise(0)},
-        world_size=ws)})
+    plan = ShardingPlan(
+        {
+            "ebc": construct_module_sharding_plan(
+                TinyDLRM("meta").ebc,
+                {"ta": table_wise(0), "tb": table_wise(1), "tc": table_wise(0)},
+                world_size=ws,
+            )
+        }
+    )
     model = DistributedModelParallel(TinyDLRM(), plan=plan)
     loss = model(*batch_for(0, rank, ws))
     loss.backward()
@@ -52,7 +58,9 @@ def test_dmp_accessors_follow_torchrec() -> None:
         assert set(result["bare"]) < set(result["all"])
         assert result["sparse_grads"] == []
         assert result["state_protocol"] == ["True"]  # checkpoints read tables through it only
-        assert result["state_keys"] == [f"ebc.embedding_bags.{t}.weight" for t in ("ta", "tb", "tc")]
+        assert result["state_keys"] == [
+            f"ebc.embedding_bags.{t}.weight" for t in ("ta", "tb", "tc")
+        ]
 
 
 def test_lazy_no_wait_returns_its_value_and_acts_like_it() -> None:
@@ -68,17 +76,29 @@ def copied(rank: int, ws: int) -> Dict[str, List[float]]:
     losses: Dict[str, List[float]] = {}
     for kernel in ("fused", "dense"):
         k = None if kernel == "fused" else "dense"
-        plan = ShardingPlan({"ebc": construct_module_sharding_plan(TinyDLRM("meta").ebc, {
-            "ta": table_wise(ws - 1, compute_kernel=k), "tb": row_wise(compute_kernel=k),
-            "tc": data_parallel()}, world_size=ws)})
+        plan = ShardingPlan(
+            {
+                "ebc": construct_module_sharding_plan(
+                    TinyDLRM("meta").ebc,
+                    {
+                        "ta": table_wise(ws - 1, compute_kernel=k),
+                        "tb": row_wise(compute_kernel=k),
+                        "tc": data_parallel(),
+                    },
+                    world_size=ws,
+                )
+            }
+        )
         torch.manual_seed(0)
         original = DistributedModelParallel(TinyDLRM(), plan=plan)
         twin = original.copy(torch.device("cpu"))
         fused = kernel == "fused"
-        losses[f"{kernel}/twin"] = train(twin, make_optimizer(twin, fused, False), range(2),
-                                         rank, ws)
-        losses[f"{kernel}/original"] = train(original, make_optimizer(original, fused, False),
-                                             range(2), rank, ws)
+        losses[f"{kernel}/twin"] = train(
+            twin, make_optimizer(twin, fused, False), range(2), rank, ws
+        )
+        losses[f"{kernel}/original"] = train(
+            original, make_optimizer(original, fused, False), range(2), rank, ws
+        )
     return losses
 
 
@@ -87,5 +107,8 @@ def test_copy_of_a_model_with_data_parallel_tables_trains_on_its_own() -> None:
     # the copy shares the group
     for result in run_ranks(2, copied):
         for kernel in ("fused", "dense"):
-            torch.testing.assert_close(torch.tensor(result[f"{kernel}/twin"]),
-                                       torch.tensor(result[f"{kernel}/original"]), msg=kernel)
+            torch.testing.assert_close(
+                torch.tensor(result[f"{kernel}/twin"]),
+                torch.tensor(result[f"{kernel}/original"]),
+                msg=kernel,
+            )

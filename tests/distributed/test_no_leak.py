@@ -26,7 +26,9 @@ def freed_after_step(rank: int, ws: int) -> Dict[str, bool]:
     gc.disable()
     try:
         for kind in KINDS:
-            plan = construct_module_sharding_plan(reference, plan_for(kind, ws, ws, "fused"), world_size=ws)
+            plan = construct_module_sharding_plan(
+                reference, plan_for(kind, ws, ws, "fused"), world_size=ws
+            )
             sharded = EmbeddingBagCollectionSharder().shard(copy.deepcopy(reference), plan, env)
             out = sharded(batch(rank, 0, 3, False, False))
             values = out.values()

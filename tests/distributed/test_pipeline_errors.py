@@ -68,7 +68,8 @@ def test_progress_goes_on_after_a_bad_batch(kind: str, bad: Tuple[int, ...]) -> 
         events = result["events"]
         errors = [i for i, e in enumerate(events) if not e.isdigit()]
         assert [e for e in events if e.isdigit()] == [
-            str(s) for s in range(STEPS) if s not in bad], (rank, events)
+            str(s) for s in range(STEPS) if s not in bad
+        ], (rank, events)
         assert errors == list(bad), (rank, events)  # raised at the bad batch's own step
         for i in errors:
             want = "ValueError" if rank == 1 else "RuntimeError: rank 1 rejected its input"

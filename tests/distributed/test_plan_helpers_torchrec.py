@@ -32,19 +32,28 @@ from tests.multiprocess import run_ranks
 
 
 def _ebc() -> EmbeddingBagCollection:
-    return EmbeddingBagCollection([
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=10, feature_names=[f"f{i}"])
-        for i in range(3)
-    ])
+    return EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(
+                name=f"t{i}", embedding_dim=8, num_embeddings=10, feature_names=[f"f{i}"]
+            )
+            for i in range(3)
+        ]
+    )
 
 
 def test_sharding_spec_lists_the_shards() -> None:
     plan = construct_module_sharding_plan(
-        _ebc(), {"t0": column_wise(ranks=[1, 0]), "t1": row_wise(), "t2": data_parallel()}, world_size=2)
+        _ebc(),
+        {"t0": column_wise(ranks=[1, 0]), "t1": row_wise(), "t2": data_parallel()},
+        world_size=2,
+    )
     spec = plan["t0"].sharding_spec
     assert isinstance(spec, EnumerableShardingSpec)
     assert [(s.shard_offsets, s.shard_sizes, str(s.placement)) for s in spec.shards] == [
-        ([0, 0], [10, 4], "rank:1/cpu"), ([0, 4], [10, 4], "rank:0/cpu")]
+        ([0, 0], [10, 4], "rank:1/cpu"),
+        ([0, 4], [10, 4], "rank:0/cpu"),
+    ]
     assert [s.shard_sizes for s in plan["t1"].sharding_spec.shards] == [[5, 8], [5, 8]]
     assert plan["t2"].sharding_spec is None
 
@@ -64,14 +73,20 @@ def test_collective_plan_defaults_its_sharders() -> None:
 def _torchrec_style_training(rank: int, ws: int) -> Tuple[List[float], List[float]]:
     torch.manual_seed(0)
     reference = TinyDLRM()
-    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": "exact_sgd",
-                                                          "learning_rate": LR})
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": "exact_sgd", "learning_rate": LR}
+    )
     module_plan = construct_module_sharding_plan(
         reference.ebc,
         {"ta": table_wise(1, "cpu"), "tb": row_wise(None, "dense"), "tc": column_wise([1, 0])},
-        sharder, local_size=ws, world_size=ws, device_type="cpu")
-    dmp = DistributedModelParallel(copy.deepcopy(reference), plan=ShardingPlan({"ebc": module_plan}),
-                                   sharders=[sharder])
+        sharder,
+        local_size=ws,
+        world_size=ws,
+        device_type="cpu",
+    )
+    dmp = DistributedModelParallel(
+        copy.deepcopy(reference), plan=ShardingPlan({"ebc": module_plan}), sharders=[sharder]
+    )
     got = train(dmp, make_optimizer(dmp, True, False), range(3), rank, ws)
     want = train(reference, make_optimizer(reference, False, False), range(3), 0, 1)
     return got, want

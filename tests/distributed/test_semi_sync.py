@@ -36,8 +36,9 @@ def _compare(got: List[Any], want: List[Any], model: Any, reference: Any) -> Lis
     problems = []
     if [i for _, i in got] != [i for _, i in want]:
         problems.append(f"batches run {[i for _, i in got]} != {[i for _, i in want]}")
-    elif not torch.allclose(torch.tensor([x for x, _ in got]), torch.tensor([x for x, _ in want]),
-                            atol=1e-6, rtol=0):
+    elif not torch.allclose(
+        torch.tensor([x for x, _ in got]), torch.tensor([x for x, _ in want]), atol=1e-6, rtol=0
+    ):
         problems.append(f"losses {got} != {want}")
     return problems + state_diff(model_state(model), model_state(reference))
 
@@ -51,7 +52,9 @@ def equivalence(rank: int, ws: int, step_counts: List[int]) -> Dict[str, List[st
             want = semi_sync_loop(reference, optimizer_for(reference), batches, start_batch)
             model = build(ws)
             got = run_pipeline(_pipeline(model, start_batch=start_batch), batches)
-            problems[f"semi_sync/{steps}/start {start_batch}"] = _compare(got, want, model, reference)
+            problems[f"semi_sync/{steps}/start {start_batch}"] = _compare(
+                got, want, model, reference
+            )
     # the staleness is real: from the second step on the semi-sync losses leave the plain loop's
     batches = [batch_for(s, rank, ws) for s in range(5)]
     plain_model = build(ws)
@@ -59,8 +62,9 @@ def equivalence(rank: int, ws: int, step_counts: List[int]) -> Dict[str, List[st
     stale_model = build(ws)
     stale = run_pipeline(_pipeline(stale_model, start_batch=0), batches)
     same = [abs(a - b) < 1e-6 for (a, _), (b, _) in zip(stale, plain)]
-    problems["stale differs from plain"] = [] if same[0] and not all(same[1:]) \
-        else [f"stale {stale} vs plain {plain}"]
+    problems["stale differs from plain"] = (
+        [] if same[0] and not all(same[1:]) else [f"stale {stale} vs plain {plain}"]
+    )
     # default start_batch (900): synchronous, the plain loop exactly
     model = build(ws)
     got = run_pipeline(_pipeline(model), batches)
@@ -158,9 +162,9 @@ def variants(rank: int, ws: int) -> Dict[str, List[str]]:
     problems["eval weights"] = state_diff(model_state(model), before)
 
     counts = [5, 3] if ws == 2 else [5] * ws  # rank 1 runs out first: every rank stops at 3
-    mine = batches[:counts[rank]]
+    mine = batches[: counts[rank]]
     reference = build(ws)
-    want = semi_sync_loop(reference, optimizer_for(reference), batches[:min(counts)])
+    want = semi_sync_loop(reference, optimizer_for(reference), batches[: min(counts)])
     model = build(ws)
     got = run_pipeline(_pipeline(model, start_batch=0), mine)
     problems["uneven"] = _compare(got, want, model, reference)

@@ -34,8 +34,15 @@ from recshard.distributed.sharding_plan import construct_module_sharding_plan
 from recshard.optim import in_backward_optimizer_filter
 from recshard.types import ShardingEnv
 
-KINDS = ["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise",
-         "data_parallel", "mixed"]
+KINDS = [
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "table_row_wise",
+    "table_column_wise",
+    "data_parallel",
+    "mixed",
+]
 
 
 @dataclass(frozen=True)
@@ -54,9 +61,11 @@ class EbcCase:
 
     @property
     def name(self) -> str:
-        return (f"{self.kind}/{self.kernel}/{self.optimizer}/lws{self.local_world_size}/"
-                f"{'weighted' if self.weighted else 'unweighted'}/batch{self.batch_size}/"
-                f"steps{self.steps}/threads{self.threads}{'/shared' if self.shared else ''}")
+        return (
+            f"{self.kind}/{self.kernel}/{self.optimizer}/lws{self.local_world_size}/"
+            f"{'weighted' if self.weighted else 'unweighted'}/batch{self.batch_size}/"
+            f"steps{self.steps}/threads{self.threads}{'/shared' if self.shared else ''}"
+        )
 
 
 def run_case(rank: int, ws: int, case: EbcCase) -> List[str]:
@@ -78,11 +87,13 @@ def _compare(rank: int, ws: int, case: EbcCase) -> List[str]:
     weighted, batch_size, steps, shared = case.weighted, case.batch_size, case.steps, case.shared
     env = ShardingEnv.from_process_group(torch.distributed.group.WORLD, local_world_size=lws)
     reference = make_ebc(weighted, shared=shared)
-    plan = construct_module_sharding_plan(reference, plan_for(kind, ws, lws, kernel, shared),
-                                          local_size=lws, world_size=ws)
+    plan = construct_module_sharding_plan(
+        reference, plan_for(kind, ws, lws, kernel, shared), local_size=lws, world_size=ws
+    )
     fused_optim = "exact_sgd" if optimizer == "sgd" else "exact_row_wise_adagrad"
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": fused_optim, "learning_rate": LR})
+        fused_params={"optimizer": fused_optim, "learning_rate": LR}
+    )
     sharded = sharder.shard(copy.deepcopy(reference), plan, env)
     dense_params = [p for _, p in in_backward_optimizer_filter(sharded.named_parameters())]
     dense_opt = torch.optim.SGD(dense_params, lr=LR) if dense_params else None
@@ -98,8 +109,10 @@ def _compare(rank: int, ws: int, case: EbcCase) -> List[str]:
         if out.keys() != ref_out.keys():
             problems.append(f"step {step}: keys {out.keys()} != {ref_out.keys()}")
         if not torch.allclose(out.values(), ref_out.values()[mine], atol=1e-5):
-            problems.append(f"step {step}: forward differs by "
-                            f"{(out.values() - ref_out.values()[mine]).abs().max():.3g}")
+            problems.append(
+                f"step {step}: forward differs by "
+                f"{(out.values() - ref_out.values()[mine]).abs().max():.3g}"
+            )
         (out.values() * grad[mine]).sum().backward()
         if dense_opt is not None:
             dense_opt.step()
@@ -109,8 +122,13 @@ def _compare(rank: int, ws: int, case: EbcCase) -> List[str]:
         ((ref_out.values() * grad).sum() / ws).backward()
         offsets: Dict[str, List[int]] = {}  # column offset of each block with its own state
         for name, bag in reference.embedding_bags.items():
-            opt = "sgd" if kernel == "dense" or kind == "data_parallel" or (
-                kind == "mixed" and name == "t3") else optimizer
+            opt = (
+                "sgd"
+                if kernel == "dense"
+                or kind == "data_parallel"
+                or (kind == "mixed" and name == "t3")
+                else optimizer
+            )
             shards = plan[name].shards or []
             column_split = plan[name].sharding_type in ("column_wise", "table_column_wise")
             blocks = [sh.shard_sizes[1] for sh in shards] if column_split else [bag.weight.size(1)]
@@ -142,8 +160,9 @@ def cases_for(ws: int) -> List[EbcCase]:
     cases = []
     for kind in KINDS:
         for optimizer in ("sgd", "rowwise_adagrad"):
-            cases.append(EbcCase(lws, kind, "fused", optimizer, weighted=False, batch_size=3,
-                                 steps=3))
+            cases.append(
+                EbcCase(lws, kind, "fused", optimizer, weighted=False, batch_size=3, steps=3)
+            )
         cases.append(EbcCase(lws, kind, "dense", "sgd", weighted=False, batch_size=3, steps=2))
     cases += [
         EbcCase(lws, "mixed", "fused", "sgd", weighted=True, batch_size=3, steps=2),
@@ -152,11 +171,31 @@ def cases_for(ws: int) -> List[EbcCase]:
     ]
     if ws <= 2:  # fbgemm kernels side by side on two threads
         for kind in ("table_wise", "row_wise", "mixed"):
-            cases.append(EbcCase(lws, kind, "fused", "rowwise_adagrad", weighted=kind == "mixed",
-                                 batch_size=3, steps=3, threads=2))
+            cases.append(
+                EbcCase(
+                    lws,
+                    kind,
+                    "fused",
+                    "rowwise_adagrad",
+                    weighted=kind == "mixed",
+                    batch_size=3,
+                    steps=3,
+                    threads=2,
+                )
+            )
     for kind in KINDS:  # features read by several tables
-        cases.append(EbcCase(lws, kind, "fused", "rowwise_adagrad", weighted=True, batch_size=3,
-                             steps=2, shared=True))
+        cases.append(
+            EbcCase(
+                lws,
+                kind,
+                "fused",
+                "rowwise_adagrad",
+                weighted=True,
+                batch_size=3,
+                steps=2,
+                shared=True,
+            )
+        )
     cases += [
         EbcCase(lws, "mixed", "fused", "sgd", weighted=False, batch_size=2, steps=3, shared=True),
         EbcCase(lws, "mixed", "dense", "sgd", weighted=True, batch_size=3, steps=2, shared=True),

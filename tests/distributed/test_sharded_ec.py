@@ -49,8 +49,10 @@ class EcCase:
         shared = "/shared" if self.shared else ""
         if self.kind in ("rejected", "errors"):
             return self.kind + shared
-        return (f"{self.kind}/{self.kernel}/{self.optimizer}/batch{self.batch_size}/"
-                f"steps{self.steps}{'/' + self.variant if self.variant else ''}{shared}")
+        return (
+            f"{self.kind}/{self.kernel}/{self.optimizer}/batch{self.batch_size}/"
+            f"steps{self.steps}{'/' + self.variant if self.variant else ''}{shared}"
+        )
 
 
 def _env() -> ShardingEnv:
@@ -58,8 +60,9 @@ def _env() -> ShardingEnv:
 
 
 def _shard(reference, kind: str, ws: int, kernel: str, optimizer: str, shared: bool = False):
-    plan = construct_module_sharding_plan(reference, plan_for(kind, ws, kernel, shared),
-                                          world_size=ws)
+    plan = construct_module_sharding_plan(
+        reference, plan_for(kind, ws, kernel, shared), world_size=ws
+    )
     fused = "exact_sgd" if optimizer == "sgd" else "exact_row_wise_adagrad"
     sharder = EmbeddingCollectionSharder(fused_params={"optimizer": fused, "learning_rate": LR})
     return plan, sharder.shard(copy.deepcopy(reference), plan, _env())
@@ -176,8 +179,11 @@ def run_rejected(rank: int, ws: int, shared: bool) -> List[str]:
         message = str(e)
     else:
         return ["bad batch did not raise"]
-    expected = ("table 't1', feature 'f0@t1': id 5 is outside [0, 3)" if shared
-                else "table 't4', feature 'f5': id 42 is outside [0, 13)")
+    expected = (
+        "table 't1', feature 'f0@t1': id 5 is outside [0, 3)"
+        if shared
+        else "table 't4', feature 'f5': id 42 is outside [0, 13)"
+    )
     if expected not in message:
         return [f"message {message!r} lacks {expected!r}"]
     if rank > 0 and not message.startswith("rank 0 rejected its input"):
@@ -228,9 +234,17 @@ def run_all(rank: int, ws: int, cases: List[EcCase]) -> Dict[str, List[str]]:
             elif case.kind == "errors":
                 results[case.name] = run_errors(rank, ws)
             else:
-                results[case.name] = run_case(rank, ws, case.kind, case.kernel, case.optimizer,
-                                              case.batch_size, case.steps, case.variant,
-                                              case.shared)
+                results[case.name] = run_case(
+                    rank,
+                    ws,
+                    case.kind,
+                    case.kernel,
+                    case.optimizer,
+                    case.batch_size,
+                    case.steps,
+                    case.variant,
+                    case.shared,
+                )
         except Exception as e:  # report per case, keep the group going
             results[case.name] = [f"raised {type(e).__name__}: {e}\n{traceback.format_exc()}"]
     return results
@@ -246,18 +260,30 @@ def cases_for(ws: int) -> List[EcCase]:
     cases.append(EcCase("mixed", "fused", "sgd", batch_size=1, steps=2, variant="indices"))
     cases.append(EcCase("row_wise", "fused", "sgd", batch_size=1, steps=2))
     if ws > 1:
-        cases.append(EcCase("mixed", "fused", "rowwise_adagrad", batch_size=2, steps=2,
-                            variant="uneven"))
+        cases.append(
+            EcCase("mixed", "fused", "rowwise_adagrad", batch_size=2, steps=2, variant="uneven")
+        )
     cases.append(EcCase("rejected"))
     for kind in KINDS:  # features read by several tables
-        cases.append(EcCase(kind, "dense" if kind == "data_parallel" else "fused",
-                            "rowwise_adagrad", batch_size=3, steps=2, shared=True))
-    cases += [EcCase("mixed", "fused", "sgd", batch_size=2, steps=2, variant="indices", shared=True),
-              EcCase("mixed", "dense", "sgd", batch_size=3, steps=2, shared=True),
-              EcCase("rejected", shared=True)]
+        cases.append(
+            EcCase(
+                kind,
+                "dense" if kind == "data_parallel" else "fused",
+                "rowwise_adagrad",
+                batch_size=3,
+                steps=2,
+                shared=True,
+            )
+        )
+    cases += [
+        EcCase("mixed", "fused", "sgd", batch_size=2, steps=2, variant="indices", shared=True),
+        EcCase("mixed", "dense", "sgd", batch_size=3, steps=2, shared=True),
+        EcCase("rejected", shared=True),
+    ]
     if ws > 1:
-        cases.append(EcCase("mixed", "fused", "sgd", batch_size=2, steps=2, variant="uneven",
-                            shared=True))
+        cases.append(
+            EcCase("mixed", "fused", "sgd", batch_size=2, steps=2, variant="uneven", shared=True)
+        )
     if ws == 2:
         cases.append(EcCase("errors"))
     return cases

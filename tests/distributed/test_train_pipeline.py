@@ -51,7 +51,9 @@ def _capture() -> _Capture:
     return handler
 
 
-def _compare(rank: int, ws: int, make_pipeline: Any, batches: List[Batch], computed: bool = False) -> List[str]:
+def _compare(
+    rank: int, ws: int, make_pipeline: Any, batches: List[Batch], computed: bool = False
+) -> List[str]:
     """Pipeline vs plain loop from the same weights: losses, batch order, final weights."""
     reference = build(ws, computed)
     want = plain_loop(reference, optimizer_for(reference), batches)
@@ -60,7 +62,9 @@ def _compare(rank: int, ws: int, make_pipeline: Any, batches: List[Batch], compu
     problems = []
     if [i for _, i in got] != [b.index for b in batches]:
         problems.append(f"batches run {[i for _, i in got]} != {[b.index for b in batches]}")
-    if not torch.allclose(torch.tensor([x for x, _ in got]), torch.tensor([x for x, _ in want]), atol=1e-6):
+    if not torch.allclose(
+        torch.tensor([x for x, _ in got]), torch.tensor([x for x, _ in want]), atol=1e-6
+    ):
         problems.append(f"losses {got} != {want}")
     return problems + state_diff(model_state(model), model_state(reference))
 
@@ -76,8 +80,11 @@ def equivalence(rank: int, ws: int) -> Dict[str, List[str]]:
 
     model = build(ws)
     pipeline = TrainPipelineSparseDist(model, optimizer_for(model), torch.device("cpu"))
-    problems["pipelined modules"] = [] if pipeline.pipelined_modules == ["user", "item"] else [
-        f"pipelined {pipeline.pipelined_modules}, unpipelined {pipeline.unpipelined_modules}"]
+    problems["pipelined modules"] = (
+        []
+        if pipeline.pipelined_modules == ["user", "item"]
+        else [f"pipelined {pipeline.pipelined_modules}, unpipelined {pipeline.unpipelined_modules}"]
+    )
     iterator = iter([batch_for(s, rank, ws) for s in range(2)])
     run = [pipeline.progress(iterator)[2] for _ in range(2)]
     for _ in range(2):  # stays stopped
@@ -142,9 +149,13 @@ def computed_input(rank: int, ws: int) -> Dict[str, Any]:
         strict_error = ""
     except ValueError as e:
         strict_error = str(e)
-    return {"problems": problems, "pipelined": pipelines[0].pipelined_modules,
-            "unpipelined": sorted(pipelines[0].unpipelined_modules), "warnings": capture.messages,
-            "strict_error": strict_error}
+    return {
+        "problems": problems,
+        "pipelined": pipelines[0].pipelined_modules,
+        "unpipelined": sorted(pipelines[0].unpipelined_modules),
+        "warnings": capture.messages,
+        "strict_error": strict_error,
+    }
 
 
 def test_computed_input_runs_unpipelined_with_a_warning() -> None:
@@ -163,19 +174,24 @@ def uneven(rank: int, ws: int) -> Dict[str, Any]:
     batches = [batch_for(s, rank, ws) for s in range(counts[rank])]
     out: Dict[str, Any] = {}
     model = build(ws)
-    out["sparse_dist"] = run_pipeline(TrainPipelineSparseDist(model, optimizer_for(model), "cpu"), batches)
+    out["sparse_dist"] = run_pipeline(
+        TrainPipelineSparseDist(model, optimizer_for(model), "cpu"), batches
+    )
     reference = build(ws)
     out["plain"] = plain_loop(reference, optimizer_for(reference), batches[:3])
     out["state"] = state_diff(model_state(model), model_state(reference))
     model = build(ws)
     out["base"] = run_pipeline(TrainPipelineBase(model, optimizer_for(model), "cpu"), batches)
     model = build(ws)
-    out["drop"] = run_pipeline(TrainPipelineSparseDist(model, optimizer_for(model), "cpu",
-                                                       execute_all_batches=False), batches)
+    out["drop"] = run_pipeline(
+        TrainPipelineSparseDist(model, optimizer_for(model), "cpu", execute_all_batches=False),
+        batches,
+    )
     model = build(ws)  # the same, with 5 batches on both ranks
-    out["drop_even"] = run_pipeline(TrainPipelineSparseDist(
-        model, optimizer_for(model), "cpu", execute_all_batches=False),
-        [batch_for(s, rank, ws) for s in range(5)])
+    out["drop_even"] = run_pipeline(
+        TrainPipelineSparseDist(model, optimizer_for(model), "cpu", execute_all_batches=False),
+        [batch_for(s, rank, ws) for s in range(5)],
+    )
     out["warnings"] = capture.messages
     return out
 
@@ -232,7 +248,10 @@ def evaluation(rank: int, ws: int) -> List[str]:
     before = model_state(model)
     train_pipeline = TrainPipelineSparseDist(model, optimizer_for(model), "cpu")
     eval_pipeline = EvalPipelineSparseDist(model, None, "cpu")
-    for name, pipeline in (("train pipeline in eval()", train_pipeline), ("eval pipeline", eval_pipeline)):
+    for name, pipeline in (
+        ("train pipeline in eval()", train_pipeline),
+        ("eval pipeline", eval_pipeline),
+    ):
         model.eval()
         iterator = iter(batches)
         got = [pipeline.progress(iterator)[1] for _ in batches]
@@ -300,8 +319,10 @@ class _Model(nn.Module):
 
 def test_tracing_finds_batch_selections_and_rejects_computed_inputs() -> None:
     found = trace_sharded_inputs(_Model())
-    assert {s.name: ([str(a) for a in s.args], {k: str(a) for k, a in s.kwargs.items()})
-            for s in found.pipelined} == {
+    assert {
+        s.name: ([str(a) for a in s.args], {k: str(a) for k, a in s.kwargs.items()})
+        for s in found.pipelined
+    } == {
         "by_item": (["batch['idlist']"], {}),
         "by_get": ([], {"features": "batch.extra.get('user')", "scale": "2"}),
         "tower.ebc": (["batch.sparse[0]"], {}),

@@ -35,26 +35,40 @@ class Model(nn.Module):
 
 def _plan() -> Dict[str, Any]:
     # t0 only on rank 1, t3 only on rank 0 (fused: fbgemm for dims 4/8, torch for 6)
-    return {"t0": table_wise(rank=1), "t1": row_wise(), "t2": data_parallel(),
-            "t3": table_wise(rank=0), "t4": column_wise(ranks=[0, 1])}
+    return {
+        "t0": table_wise(rank=1),
+        "t1": row_wise(),
+        "t2": data_parallel(),
+        "t3": table_wise(rank=0),
+        "t4": column_wise(ranks=[0, 1]),
+    }
 
 
 def _names(rank: int, ws: int, kind: str, root: bool) -> Tuple[List[str], ...]:
     model = Model(kind)
-    expected = ([n for n, _ in model.named_parameters()], [n for n, _ in model.named_buffers()],
-                sorted(model.state_dict()))
+    expected = (
+        [n for n, _ in model.named_parameters()],
+        [n for n, _ in model.named_buffers()],
+        sorted(model.state_dict()),
+    )
     if root:
-        expected = tuple([n[len("sparse."):] for n in names if n.startswith("sparse.")]
-                         for names in expected)
+        expected = tuple(
+            [n[len("sparse.") :] for n in names if n.startswith("sparse.")] for names in expected
+        )
     target = model.sparse if root else model
-    plan = ShardingPlan({"" if root else "sparse":
-                         construct_module_sharding_plan(model.sparse, _plan(), world_size=ws)})
+    plan = ShardingPlan(
+        {
+            "" if root else "sparse": construct_module_sharding_plan(
+                model.sparse, _plan(), world_size=ws
+            )
+        }
+    )
     dmp = DistributedModelParallel(target, plan=plan)
     params = dict(dmp.named_parameters())
     got = (list(params), [n for n, _ in dmp.named_buffers()], sorted(dmp.state_dict()))
     # the named parameter is the live table: it aliases the state dict's local shard
     key = "sparse.embedding_bags.t3.weight" if kind == "ebc" else "sparse.embeddings.t3.weight"
-    key = key[len("sparse."):] if root else key
+    key = key[len("sparse.") :] if root else key
     if rank == 0:
         shard = dmp.state_dict()[key].local_shards()[0].tensor
         assert params[key].data_ptr() == shard.data_ptr() and params[key].shape == shard.shape
@@ -73,5 +87,6 @@ def test_dmp_uses_unsharded_names(kind: str, root: bool) -> None:
         prefix = "" if root else "sparse."
         tables = "embedding_bags" if kind == "ebc" else "embeddings"
         # dense optimizer: the Linear (when nested) and the data-parallel table t2, nothing fused
-        assert dense == sorted(([] if root else ["dense.bias", "dense.weight"])
-                               + [f"{prefix}{tables}.t2.weight"]), f"rank {rank}"
+        assert dense == sorted(
+            ([] if root else ["dense.bias", "dense.weight"]) + [f"{prefix}{tables}.t2.weight"]
+        ), f"rank {rank}"

@@ -107,8 +107,7 @@ def test_shards_cover_every_line_once() -> None:
 
 def test_loader_builds_batches_with_workers() -> None:
     _sample("deepctr_criteo_sample_200.csv")
-    loader = criteo_loader(str(DATA_DIR), SIZES, batch_size=32, rank=1, world_size=2,
-                           num_workers=2)
+    loader = criteo_loader(str(DATA_DIR), SIZES, batch_size=32, rank=1, world_size=2, num_workers=2)
     batches = list(loader)
     # 3 files over 2 ranks: rank 1 reads the 2nd file (100 rows), its 2 workers 50 rows each,
     # and each worker drops its partial batch

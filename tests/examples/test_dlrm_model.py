@@ -16,8 +16,12 @@ DIM = 8
 
 
 def _tables() -> list:
-    return [EmbeddingBagConfig(num_embeddings=n, embedding_dim=DIM, name=f"t_cat_{i}",
-                               feature_names=[f"cat_{i}"]) for i, n in enumerate(SIZES)]
+    return [
+        EmbeddingBagConfig(
+            num_embeddings=n, embedding_dim=DIM, name=f"t_cat_{i}", feature_names=[f"cat_{i}"]
+        )
+        for i, n in enumerate(SIZES)
+    ]
 
 
 def _batch(batch_size: int = 6, multi_hot: int = 3):

@@ -32,13 +32,17 @@ from examples.dlrm.train import run
 from recshard.datasets.utils import Batch
 
 DATA_DIR = (Path(__file__).resolve().parents[2] / "../shared/data/criteo").resolve()
-SAMPLES = ["deepctr_criteo_sample_200.csv", "paddlerec_part-0_100.txt",
-           "pytorch-fm_fork_criteo_train_1000.txt"]
+SAMPLES = [
+    "deepctr_criteo_sample_200.csv",
+    "paddlerec_part-0_100.txt",
+    "pytorch-fm_fork_criteo_train_1000.txt",
+]
 SIZES = [1000] * 12 + [7, 1, 2, 50] * 3 + [10, 100]
 HASH = VocabSettings("hash", SIZES, 0, 10)
 
-pytestmark = pytest.mark.skipif(not all((DATA_DIR / n).is_file() for n in SAMPLES),
-                                reason="Criteo samples not on this machine")
+pytestmark = pytest.mark.skipif(
+    not all((DATA_DIR / n).is_file() for n in SAMPLES), reason="Criteo samples not on this machine"
+)
 
 
 def assert_same_batches(expected: List[Batch], actual: List[Batch]) -> None:
@@ -72,8 +76,10 @@ def _rows(batches: List[Batch]) -> List[Tuple]:
     rows = []
     for b in batches:
         ids = b.sparse_features.values().view(len(SIZES), -1).T
-        rows += [(int(b.labels[i]), *b.dense_features[i].tolist(), *ids[i].tolist())
-                 for i in range(b.batch_size)]
+        rows += [
+            (int(b.labels[i]), *b.dense_features[i].tolist(), *ids[i].tolist())
+            for i in range(b.batch_size)
+        ]
     return rows
 
 
@@ -84,8 +90,10 @@ def test_ranks_read_their_own_slices_and_shuffling_permutes(hashed: str) -> None
     assert [len(r) for r in per_rank] == [380] * 3  # 387 rows each, 38 full batches
     for rank, rows in enumerate(per_rank):
         assert rows == everything[rank * 387 : rank * 387 + 380]
-    shuffled = [_rows(list(BinaryCriteo(hashed, 10, "train", 1, 3, shuffle_buffer=100,
-                                        seed=0, epoch=e))) for e in range(2)]
+    shuffled = [
+        _rows(list(BinaryCriteo(hashed, 10, "train", 1, 3, shuffle_buffer=100, seed=0, epoch=e)))
+        for e in range(2)
+    ]
     for rows in shuffled:
         assert sorted(rows) == sorted(per_rank[1]) and rows != per_rank[1]
     assert shuffled[0] != shuffled[1]  # another epoch, another order
@@ -111,14 +119,15 @@ def _codes_by_line(path: Path) -> List[Tuple[int, List[int | None]]]:
     lines = path.read_text().splitlines()
     sep, header = sniff(lines[0])
     rows = []
-    for index, line in enumerate(lines[int(header):]):
+    for index, line in enumerate(lines[int(header) :]):
         values = line.split(sep)[14:]
         rows.append((index, [category_code(v) for v in values + [""] * (26 - len(values))]))
     return rows
 
 
 def test_frequency_vocabulary_maps_rare_values_to_one_row(
-        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     settings = VocabSettings("frequency", [], 3, 10)
     manifest = preprocess([str(DATA_DIR)], str(tmp_path), settings)
     by_file = [_codes_by_line(DATA_DIR / n) for n in SAMPLES]
@@ -135,8 +144,10 @@ def test_frequency_vocabulary_maps_rare_values_to_one_row(
     expected = {"train": [], "eval": []}
     for rows in by_file:
         for index, codes in rows:
-            ids = [0 if c is None else (2 + vocab[f].index(c) if c in vocab[f] else 1)
-                   for f, c in enumerate(codes)]
+            ids = [
+                0 if c is None else (2 + vocab[f].index(c) if c in vocab[f] else 1)
+                for f, c in enumerate(codes)
+            ]
             expected["eval" if is_eval_line(index, 10) else "train"].append(ids)
     for split in ("train", "eval"):
         _, _, ids = SplitArrays(str(tmp_path), manifest, split).read(0, len(expected[split]))
@@ -153,10 +164,11 @@ def test_frequency_vocabulary_maps_rare_values_to_one_row(
     _, _, ids = SplitArrays(str(tmp_path / "ev"), evaluation, "train").read(0, 89)
     assert ids[:, 0].tolist() == [
         0 if c is None else (2 + vocab[0].index(c) if c in vocab[0] else 1)
-        for index, (c, *_) in rows if not is_eval_line(index, 10)]
+        for index, (c, *_) in rows
+        if not is_eval_line(index, 10)
+    ]
     sizes = ",".join(map(str, manifest.num_embeddings_per_feature))
-    argv = ["--data", "criteo", "--data-path", str(tmp_path), "--num-embeddings-per-feature",
-            sizes]
+    argv = ["--data", "criteo", "--data-path", str(tmp_path), "--num-embeddings-per-feature", sizes]
     assert parse_args(argv + ["--eval-data-path", str(tmp_path / "ev")]).data == "criteo"
     hashed_alike = VocabSettings("hash", manifest.num_embeddings_per_feature, 0, 10)
     preprocess([str(source)], str(tmp_path / "hashed"), hashed_alike)  # same sizes, other rows
@@ -195,8 +207,10 @@ def test_gzip_input_and_truncated_gzip(tmp_path: Path) -> None:
     manifest = preprocess([str(packed.parent)], str(tmp_path / "gz"), HASH, chunk_bytes=4096)
     plain = preprocess([str(source)], str(tmp_path / "plain"), HASH)
     for split in ("train", "eval"):
-        arrays = [SplitArrays(str(tmp_path / d), m, split) for d, m in
-                  (("gz", manifest), ("plain", plain))]
+        arrays = [
+            SplitArrays(str(tmp_path / d), m, split)
+            for d, m in (("gz", manifest), ("plain", plain))
+        ]
         assert len(arrays[0]) == len(arrays[1]) > 0
         for a, b in zip(arrays[0].read(0, len(arrays[0])), arrays[1].read(0, len(arrays[1]))):
             assert np.array_equal(a, b)
@@ -214,16 +228,43 @@ def test_cli_writes_arrays_and_reports(tmp_path: Path, capsys: pytest.CaptureFix
     shutil.copy(DATA_DIR / "paddlerec_part-0_100.txt", inputs)
     corrupt = _corrupt_copy(tmp_path / "c")
     os.replace(corrupt, inputs / "corrupt.tsv")
-    main(["--input", str(inputs), "--output", str(tmp_path / "out"), "--no-progress",
-          "--num-embeddings-per-feature", "1000", "--workers", "2"])
+    main(
+        [
+            "--input",
+            str(inputs),
+            "--output",
+            str(tmp_path / "out"),
+            "--no-progress",
+            "--num-embeddings-per-feature",
+            "1000",
+            "--workers",
+            "2",
+        ]
+    )
     text = capsys.readouterr().out
     assert f"{inputs / 'corrupt.tsv'}: " in text and "3 bad rows skipped, first: " in text
     assert f"{inputs / 'corrupt.tsv'}:4:" in text and "197 rows in" in text
 
 
-TINY = ["--embedding-dim", "8", "--num-embeddings-per-feature", "500",
-        "--dense-arch-layers", "16,8", "--over-arch-layers", "16,1", "--no-progress",
-        "--data", "criteo", "--batch-size", "16", "--num-workers", "0", "--seed", "3"]
+TINY = [
+    "--embedding-dim",
+    "8",
+    "--num-embeddings-per-feature",
+    "500",
+    "--dense-arch-layers",
+    "16,8",
+    "--over-arch-layers",
+    "16,1",
+    "--no-progress",
+    "--data",
+    "criteo",
+    "--batch-size",
+    "16",
+    "--num-workers",
+    "0",
+    "--seed",
+    "3",
+]
 
 
 def _train(rank: int, world_size: int, argvs: List[List[str]]) -> List[dict]:
@@ -232,17 +273,23 @@ def _train(rank: int, world_size: int, argvs: List[List[str]]) -> List[dict]:
 
 
 def test_training_on_preprocessed_data_matches_the_tsv_reader(
-        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
 
     out = str(tmp_path / "bin")
     preprocess([str(DATA_DIR)], out, VocabSettings("hash", capped_num_embeddings(500), 0, 10))
     steps = ["--steps", "6", "--eval-batches", "3", "--eval-every", "3"]
-    tsv, binary = run_ranks(1, _train, [TINY + ["--data-path", str(DATA_DIR)] + steps,
-                                        TINY + ["--data-path", out] + steps], timeout=240)[0]
+    tsv, binary = run_ranks(
+        1,
+        _train,
+        [TINY + ["--data-path", str(DATA_DIR)] + steps, TINY + ["--data-path", out] + steps],
+        timeout=240,
+    )[0]
     assert binary["steps"] == 6 and binary["final_eval"]["samples"] == 48
     assert binary["evals"] == tsv["evals"] and binary["final_loss_ema"] == tsv["final_loss_ema"]
-    two = run_ranks(2, _train, [TINY + ["--data-path", out, "--shuffle-buffer", "64"] + steps],
-                    timeout=240)
+    two = run_ranks(
+        2, _train, [TINY + ["--data-path", out, "--shuffle-buffer", "64"] + steps], timeout=240
+    )
     assert [s[0]["steps"] for s in two] == [6, 6]
     assert two[0][0]["final_eval"] == two[1][0]["final_eval"]
     with pytest.raises(SystemExit):
@@ -253,13 +300,43 @@ def test_training_on_preprocessed_data_matches_the_tsv_reader(
 def test_parser_agrees_with_the_reader_on_odd_values(tmp_path: Path) -> None:
     """Numbers and categories of every shape the fast path decodes or hands to `parse_line`,
     blank lines, CRLF and lone CR line ends: the same rows and line indices as `read_rows`."""
-    dense_values = ["-1", "007", "1.5", "-0.25", "1e3", " 3", "+4", "12345678", "123456789",
-                    "1234567890123456789", "0.1234567890123456", ".5", "5."]
-    categories = ["ABCDEF12", "a", "123456789", "zz", "0x1f", "", "05db9164", "FFFFFFFF",
-                  "ffffffffffffffff", "1_0"] + [""] * 16
+    dense_values = [
+        "-1",
+        "007",
+        "1.5",
+        "-0.25",
+        "1e3",
+        " 3",
+        "+4",
+        "12345678",
+        "123456789",
+        "1234567890123456789",
+        "0.1234567890123456",
+        ".5",
+        "5.",
+    ]
+    categories = [
+        "ABCDEF12",
+        "a",
+        "123456789",
+        "zz",
+        "0x1f",
+        "",
+        "05db9164",
+        "FFFFFFFF",
+        "ffffffffffffffff",
+        "1_0",
+    ] + [""] * 16
     good = "\t".join(["1"] + dense_values + categories)
-    lines = [good, "", "0\t2", "   ", "\t".join(["0"] * 14 + ["c0ffee"]) + "\r",
-             "1\t3\r0\t4", good.upper().replace("E3", "e3")]
+    lines = [
+        good,
+        "",
+        "0\t2",
+        "   ",
+        "\t".join(["0"] * 14 + ["c0ffee"]) + "\r",
+        "1\t3\r0\t4",
+        good.upper().replace("E3", "e3"),
+    ]
     path = tmp_path / "odd.tsv"
     path.write_bytes(("\n".join(lines) + "\n").encode())
     expected = list(read_rows(FileShard(str(path)), SIZES))

@@ -13,10 +13,25 @@ from typing import Any, Dict, List
 
 from multiprocess import run_ranks
 
-TINY = ["--embedding-dim", "8", "--num-embeddings-per-feature", "500",
-        "--dense-arch-layers", "16,8", "--over-arch-layers", "16,1", "--no-progress",
-        "--batch-size", "32", "--eval-batches", "2", "--sharding", "row_wise",
-        "--checkpoint-every", "2"]
+TINY = [
+    "--embedding-dim",
+    "8",
+    "--num-embeddings-per-feature",
+    "500",
+    "--dense-arch-layers",
+    "16,8",
+    "--over-arch-layers",
+    "16,1",
+    "--no-progress",
+    "--batch-size",
+    "32",
+    "--eval-batches",
+    "2",
+    "--sharding",
+    "row_wise",
+    "--checkpoint-every",
+    "2",
+]
 
 
 def _run_many(rank: int, world_size: int, argvs: List[List[str]]) -> List[Dict[str, Any]]:
@@ -29,8 +44,12 @@ def _run_many(rank: int, world_size: int, argvs: List[List[str]]) -> List[Dict[s
 def test_restarted_job_resumes_by_itself_with_the_same_losses(tmp_path: Path) -> None:
     straight = TINY + ["--steps", "8", "--checkpoint-dir", str(tmp_path / "straight")]
     again = TINY + ["--checkpoint-dir", str(tmp_path / "stopped")]
-    argvs = [straight, again + ["--steps", "5"], again + ["--steps", "8"],
-             again + ["--steps", "8", "--no-resume"]]
+    argvs = [
+        straight,
+        again + ["--steps", "5"],
+        again + ["--steps", "8"],
+        again + ["--steps", "8", "--no-resume"],
+    ]
     for full, first, resumed, over in run_ranks(2, _run_many, argvs, timeout=240):
         assert len(full["losses"]) == 8 and first["steps"] == 5
         assert resumed["steps_this_run"] == 3 and resumed["losses"] == full["losses"]
@@ -58,7 +77,6 @@ def _rng_round_trip(rank: int, world_size: int, directory: str) -> List[List[flo
 
 
 def test_resume_restores_each_ranks_rng_state(tmp_path: Path) -> None:
-    (first, again), (other, _) = run_ranks(2, _rng_round_trip, str(tmp_path / "ckpt"),
-                                           timeout=120)
+    (first, again), (other, _) = run_ranks(2, _rng_round_trip, str(tmp_path / "ckpt"), timeout=120)
     assert first == again  # the stream continues from where the checkpoint was taken
     assert first != other  # rank 1 got its own state back, not rank 0's

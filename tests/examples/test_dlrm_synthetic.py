@@ -56,8 +56,12 @@ def test_zipf_is_skewed_and_a_bijection_of_ranks() -> None:
 
 def test_signal_is_learnable() -> None:
     torch.manual_seed(0)
-    tables = [EmbeddingBagConfig(num_embeddings=n, embedding_dim=8, name=f"t_cat_{i}",
-                                 feature_names=[f"cat_{i}"]) for i, n in enumerate(SIZES)]
+    tables = [
+        EmbeddingBagConfig(
+            num_embeddings=n, embedding_dim=8, name=f"t_cat_{i}", feature_names=[f"cat_{i}"]
+        )
+        for i, n in enumerate(SIZES)
+    ]
     model = build_dlrm(tables, 13, [16, 8], [16, 1])
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
     config = SyntheticConfig(SIZES, 256, seed=0)

@@ -15,8 +15,17 @@ from multiprocess import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 CRITEO_DIR = (ROOT / "../shared/data/criteo").resolve()
-TINY = ["--embedding-dim", "8", "--num-embeddings-per-feature", "500",
-        "--dense-arch-layers", "16,8", "--over-arch-layers", "16,1", "--no-progress"]
+TINY = [
+    "--embedding-dim",
+    "8",
+    "--num-embeddings-per-feature",
+    "500",
+    "--dense-arch-layers",
+    "16,8",
+    "--over-arch-layers",
+    "16,1",
+    "--no-progress",
+]
 
 
 def _train_losses(rank: int, world_size: int, argv: List[str]) -> List[float]:
@@ -52,13 +61,30 @@ def _run_many(rank: int, world_size: int, argvs: List[List[str]]) -> List[Dict[s
 def test_every_sharding_and_kernel_trains(tmp_path: Path) -> None:
     base = TINY + ["--steps", "3", "--batch-size", "32", "--eval-batches", "2"]
     plan = str(tmp_path / "plan.json")
-    argvs = [base + ["--sharding", s] for s in
-             ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")]
-    argvs += [base + ["--sharding", "row_wise", "--kernel", "dense", "--optimizer", "adagrad"],
-              base + ["--sharding", "table_wise", "--interaction", "dcn", "--optimizer", "sgd",
-                      "--dcn-low-rank-dim", "4", "--multi-hot", "3"]]
-    argvs += [base + ["--sharding", "table_wise", "--no-pipeline", "--eval-every", "2"],
-              base + ["--sharding", "table_wise", "--eval-every", "2"]]
+    argvs = [
+        base + ["--sharding", s]
+        for s in ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+    ]
+    argvs += [
+        base + ["--sharding", "row_wise", "--kernel", "dense", "--optimizer", "adagrad"],
+        base
+        + [
+            "--sharding",
+            "table_wise",
+            "--interaction",
+            "dcn",
+            "--optimizer",
+            "sgd",
+            "--dcn-low-rank-dim",
+            "4",
+            "--multi-hot",
+            "3",
+        ],
+    ]
+    argvs += [
+        base + ["--sharding", "table_wise", "--no-pipeline", "--eval-every", "2"],
+        base + ["--sharding", "table_wise", "--eval-every", "2"],
+    ]
     argvs += [base + ["--sharding", "column_wise", "--save-plan", plan], base + ["--plan", plan]]
     summaries = run_ranks(2, _run_many, argvs, timeout=240)
     saved, loaded = summaries[0][-2:]
@@ -77,8 +103,20 @@ def test_every_sharding_and_kernel_trains(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not CRITEO_DIR.is_dir(), reason="Criteo samples not on this machine")
 def test_criteo_files_train_and_eval() -> None:
-    argv = TINY + ["--data", "criteo", "--data-path", str(CRITEO_DIR), "--batch-size", "8",
-                   "--epochs", "1", "--num-workers", "0", "--eval-batches", "0"]  # daemon ranks: no workers
+    argv = TINY + [
+        "--data",
+        "criteo",
+        "--data-path",
+        str(CRITEO_DIR),
+        "--batch-size",
+        "8",
+        "--epochs",
+        "1",
+        "--num-workers",
+        "0",
+        "--eval-batches",
+        "0",
+    ]  # daemon ranks: no workers
     summaries = run_ranks(2, _run_many, [argv], timeout=180)
     first, second = (s[0] for s in summaries)
     # 3 files over 2 ranks: rank 0 gets 2 files, rank 1 one; both stop with the shorter one
@@ -91,15 +129,40 @@ def _torchrun(args: List[str], tmp_path: Path) -> subprocess.CompletedProcess:
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "examples.dlrm.train",
-         *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "examples.dlrm.train",
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_end_to_end(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.json"
-    argv = TINY + ["--batch-size", "64", "--eval-batches", "2", "--sharding", "row_wise",
-                   "--steps", "4", "--metrics-json", str(metrics),
-                   "--comm-precision", "fp16", "--tp-over-arch"]
+    argv = TINY + [
+        "--batch-size",
+        "64",
+        "--eval-batches",
+        "2",
+        "--sharding",
+        "row_wise",
+        "--steps",
+        "4",
+        "--metrics-json",
+        str(metrics),
+        "--comm-precision",
+        "fp16",
+        "--tp-over-arch",
+    ]
     done = _torchrun(argv, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "t_cat_25" in done.stdout and "row_wise" in done.stdout  # the plan table
@@ -110,12 +173,22 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
 
 
 def test_resume_continues_like_an_uninterrupted_run(tmp_path: Path) -> None:
-    common = TINY + ["--batch-size", "32", "--eval-batches", "2", "--eval-every", "4",
-                     "--optimizer", "adagrad"]
+    common = TINY + [
+        "--batch-size",
+        "32",
+        "--eval-batches",
+        "2",
+        "--eval-every",
+        "4",
+        "--optimizer",
+        "adagrad",
+    ]
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
-    argvs = [common + ["--steps", "6"],
-             common + ckpt + ["--steps", "4"],
-             common + ckpt + ["--steps", "6", "--resume"]]
+    argvs = [
+        common + ["--steps", "6"],
+        common + ckpt + ["--steps", "4"],
+        common + ckpt + ["--steps", "6", "--resume"],
+    ]
     straight, first, resumed = run_ranks(2, _run_many, argvs, timeout=180)[0]
     assert first["steps"] == 4 and resumed["steps_this_run"] == 2
     assert [e["step"] for e in resumed["evals"]] == [4, 6]
@@ -127,10 +200,32 @@ def test_help_documents_every_flag() -> None:
     from examples.dlrm.args import build_parser
 
     text = build_parser().format_help()
-    for flag in ("--steps", "--epochs", "--batch-size", "--embedding-dim",
-                 "--num-embeddings-per-feature", "--dense-arch-layers", "--over-arch-layers",
-                 "--interaction", "--sharding", "--plan", "--kernel", "--optimizer", "--lr",
-                 "--pipeline", "--no-pipeline", "--data", "--data-path", "--eval-every",
-                 "--checkpoint-dir", "--resume", "--seed", "--metrics-json", "--demo",
-                 "--save-plan", "--eval-data-path", "--multi-hot"):
+    for flag in (
+        "--steps",
+        "--epochs",
+        "--batch-size",
+        "--embedding-dim",
+        "--num-embeddings-per-feature",
+        "--dense-arch-layers",
+        "--over-arch-layers",
+        "--interaction",
+        "--sharding",
+        "--plan",
+        "--kernel",
+        "--optimizer",
+        "--lr",
+        "--pipeline",
+        "--no-pipeline",
+        "--data",
+        "--data-path",
+        "--eval-every",
+        "--checkpoint-dir",
+        "--resume",
+        "--seed",
+        "--metrics-json",
+        "--demo",
+        "--save-plan",
+        "--eval-data-path",
+        "--multi-hot",
+    ):
         assert flag in text, flag

@@ -23,8 +23,12 @@ ROWS = [50, 40, 30, 20]
 
 
 def _model():
-    tables = [EmbeddingBagConfig(num_embeddings=n, embedding_dim=8, name=f"t{i}",
-                                 feature_names=[f"cat_{i}"]) for i, n in enumerate(ROWS)]
+    tables = [
+        EmbeddingBagConfig(
+            num_embeddings=n, embedding_dim=8, name=f"t{i}", feature_names=[f"cat_{i}"]
+        )
+        for i, n in enumerate(ROWS)
+    ]
     torch.manual_seed(0)
     return build_dlrm(tables, 13, [16, 8], [16, 8, 1])
 
@@ -33,15 +37,25 @@ def _train(model, rank: int, tp: bool) -> List[float]:
     ws = dist.get_world_size()
     plan = construct_module_sharding_plan(
         model.model.sparse_arch.embedding_bag_collection,
-        {f"t{i}": table_wise(i % ws) for i in range(len(ROWS))}, world_size=ws)
-    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": "exact_sgd", "learning_rate": 0.1})
-    dmp = DistributedModelParallel(model, plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection": plan}),
-                                   sharders=[sharder], init_data_parallel=False)
+        {f"t{i}": table_wise(i % ws) for i in range(len(ROWS))},
+        world_size=ws,
+    )
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": "exact_sgd", "learning_rate": 0.1}
+    )
+    dmp = DistributedModelParallel(
+        model,
+        plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection": plan}),
+        sharders=[sharder],
+        init_data_parallel=False,
+    )
     if tp:
         to_tensor_parallel(dmp.module)
     dmp.init_data_parallel()
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda p: torch.optim.SGD(p, lr=0.1))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+    )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     config = SyntheticConfig(num_embeddings_per_feature=ROWS, batch_size=8, seed=3)
     losses = []

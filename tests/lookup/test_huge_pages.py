@@ -63,16 +63,27 @@ def test_large_buffers_carry_the_huge_page_advice() -> None:
 @pytest.mark.skipif(not ops.fbgemm_available(), reason="fbgemm not importable")
 def test_fbgemm_kernel_trains_on_huge_page_weights() -> None:
     rows, dim = MIN_BYTES // (4 * 16) + 7, 16
-    config = EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim, name="t", feature_names=["f"])
-    table = LocalTable(config, rows, dim, 0, 0, EmbeddingComputeKernel.FUSED, PoolingType.SUM,
-                       {"optimizer": "exact_sgd", "learning_rate": 0.5})
+    config = EmbeddingBagConfig(
+        num_embeddings=rows, embedding_dim=dim, name="t", feature_names=["f"]
+    )
+    table = LocalTable(
+        config,
+        rows,
+        dim,
+        0,
+        0,
+        EmbeddingComputeKernel.FUSED,
+        PoolingType.SUM,
+        {"optimizer": "exact_sgd", "learning_rate": 0.5},
+    )
     lookup = GroupedLookup([table], pooled=True, device=torch.device("cpu"))
     weight = lookup.table_weights()[0]
     assert weight.data_ptr() % HUGE_PAGE_BYTES == 0 and weight.shape == (rows, dim)
     assert weight.abs().sum() > 0  # initialized from the config, not left at zero
     before = weight.clone()
-    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([0, rows - 1, 0]),
-                                              torch.tensor([2, 1]))
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        ["f"], torch.tensor([0, rows - 1, 0]), torch.tensor([2, 1])
+    )
     lookup(kjt).sum().backward()
     changed = (weight != before).any(dim=1).nonzero().flatten().tolist()
     assert changed == [0, rows - 1]

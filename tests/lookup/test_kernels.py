@@ -23,16 +23,29 @@ from recshard.types import EmbeddingComputeKernel
 needs_fbgemm = pytest.mark.skipif(not ops.fbgemm_available(), reason="fbgemm not importable")
 
 
-def local_tables(dims: List[int], pooling: PoolingType, kernel=EmbeddingComputeKernel.FUSED,
-                 optim: OptimType = OptimType.EXACT_SGD, pooled: bool = True) -> List[LocalTable]:
+def local_tables(
+    dims: List[int],
+    pooling: PoolingType,
+    kernel=EmbeddingComputeKernel.FUSED,
+    optim: OptimType = OptimType.EXACT_SGD,
+    pooled: bool = True,
+) -> List[LocalTable]:
     config_cls = EmbeddingBagConfig if pooled else EmbeddingConfig
     tables = []
     for i, dim in enumerate(dims):
         extra = {"pooling": pooling} if pooled else {}
-        config = config_cls(num_embeddings=7, embedding_dim=dim, name=f"t{i}",
-                            feature_names=[f"t{i}_a", f"t{i}_b"] if i == 0 else [f"t{i}_a"], **extra)
-        tables.append(LocalTable(config, 7, dim, 0, 0, kernel, pooling,
-                                 {"optimizer": optim, "learning_rate": 0.1}))
+        config = config_cls(
+            num_embeddings=7,
+            embedding_dim=dim,
+            name=f"t{i}",
+            feature_names=[f"t{i}_a", f"t{i}_b"] if i == 0 else [f"t{i}_a"],
+            **extra,
+        )
+        tables.append(
+            LocalTable(
+                config, 7, dim, 0, 0, kernel, pooling, {"optimizer": optim, "learning_rate": 0.1}
+            )
+        )
     return tables
 
 
@@ -73,7 +86,9 @@ def test_torch_fused_matches_fbgemm(optim: OptimType, pooling: PoolingType, weig
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
         for sa, sb in zip(fb.optimizer_states(), th.optimizer_states()):
             for name in sa:
-                torch.testing.assert_close(sb[name].view_as(sa[name]), sa[name], rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(
+                    sb[name].view_as(sa[name]), sa[name], rtol=1e-5, atol=1e-6
+                )
 
 
 @pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
@@ -81,8 +96,9 @@ def test_torch_fused_matches_fbgemm(optim: OptimType, pooling: PoolingType, weig
 def test_torch_fused_sgd_equals_autograd_step(pooling: PoolingType, weighted: bool) -> None:
     """Fused SGD update == dense kernel's autograd gradient applied by hand."""
     tables = local_tables([3, 4], pooling)
-    fused = TorchFusedKernel(tables, True, parse_fused_params(tables[0].fused_params, "t0"),
-                             torch.device("cpu"))
+    fused = TorchFusedKernel(
+        tables, True, parse_fused_params(tables[0].fused_params, "t0"), torch.device("cpu")
+    )
     dense = DenseKernel(tables, True, torch.device("cpu"))
     copy_weights(fused, dense)
     kjt = features(tables, weighted, seed=7)
@@ -116,11 +132,13 @@ def test_sequence_kernels_match() -> None:
 def test_duplicates_sum_before_rowwise_update() -> None:
     """Id 2 twice in one bag: the row moves once, by the summed gradient's Adagrad step."""
     tables = local_tables([3], PoolingType.SUM, optim=OptimType.EXACT_ROWWISE_ADAGRAD)[:1]
-    kernel = TorchFusedKernel(tables, True, parse_fused_params(tables[0].fused_params, "t0"),
-                              torch.device("cpu"))
+    kernel = TorchFusedKernel(
+        tables, True, parse_fused_params(tables[0].fused_params, "t0"), torch.device("cpu")
+    )
     before = kernel.table_weights()[0].clone()
-    kjt = KeyedJaggedTensor.from_lengths_sync(["t0_a", "t0_b"], torch.tensor([2, 2]),
-                                              torch.tensor([2, 0, 0, 0, 0, 0]))
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        ["t0_a", "t0_b"], torch.tensor([2, 2]), torch.tensor([2, 0, 0, 0, 0, 0])
+    )
     kernel(kjt).backward(torch.ones(3, 6))
     g = torch.full((3,), 2.0)  # two occurrences, upstream gradient 1 each
     m = (g * g).mean()
@@ -149,8 +167,11 @@ def test_grouped_lookup_mixes_dims_and_kernels() -> None:
     for t in lookup.tables:
         for f in t.feature_names:
             jt = kjt[f]
-            columns.append(torch.nn.functional.embedding_bag(
-                jt.values(), weights[t.name], jt.offsets(), mode="sum", include_last_offset=True))
+            columns.append(
+                torch.nn.functional.embedding_bag(
+                    jt.values(), weights[t.name], jt.offsets(), mode="sum", include_last_offset=True
+                )
+            )
     torch.testing.assert_close(out, torch.cat(columns, dim=1))
     assert isinstance(lookup.kernels[-1], DenseKernel)
     out.sum().backward()
@@ -160,7 +181,9 @@ def test_grouped_lookup_mixes_dims_and_kernels() -> None:
 def test_unsupported_optimizer_names_the_table() -> None:
     with pytest.raises(ValueError, match="table 'big': fused optimizer 'lamb' is not supported"):
         parse_fused_params({"optimizer": "lamb"}, "big")
-    with pytest.raises(ValueError, match="table 'big': fused optimizer ADAM runs only in fbgemm's CUDA"):
+    with pytest.raises(
+        ValueError, match="table 'big': fused optimizer ADAM runs only in fbgemm's CUDA"
+    ):
         check_backend(parse_fused_params({"optimizer": "adam"}, "big"), "big", fbgemm_on_cuda=False)
 
 
@@ -178,33 +201,48 @@ def test_a_shard_with_no_rows_shares_the_fbgemm_kernel(optim: OptimType) -> None
     spec = parse_fused_params(tables[0].fused_params, "t0")
     fb = FbgemmFusedKernel(tables, True, spec, torch.device("cpu"))
     assert [tuple(w.shape) for w in fb.table_weights()] == [(0, 4), (7, 8)]
-    assert all(s.size(0) == t.rows for t, states in zip(tables, fb.optimizer_states())
-               for s in states.values())
+    assert all(
+        s.size(0) == t.rows
+        for t, states in zip(tables, fb.optimizer_states())
+        for s in states.values()
+    )
     th = TorchFusedKernel(tables, True, spec, torch.device("cpu"))
     copy_weights(fb, th)
     for step in range(3):
         g = torch.Generator().manual_seed(step)
-        lengths = torch.cat([torch.zeros(6, dtype=torch.long), torch.randint(0, 4, (3,), generator=g)])
+        lengths = torch.cat(
+            [torch.zeros(6, dtype=torch.long), torch.randint(0, 4, (3,), generator=g)]
+        )
         kjt = KeyedJaggedTensor.from_lengths_sync(
-            ["t0_a", "t0_b", "t1_a"], torch.randint(0, 7, (int(lengths.sum()),), generator=g), lengths)
+            ["t0_a", "t0_b", "t1_a"],
+            torch.randint(0, 7, (int(lengths.sum()),), generator=g),
+            lengths,
+        )
         grad = torch.randn(3, 16, generator=g)
         out_fb, out_th = fb(kjt), th(kjt)
         torch.testing.assert_close(out_fb, out_th, rtol=1e-5, atol=1e-6)
         assert not out_fb[:, :8].any()
         out_fb.backward(grad)
         out_th.backward(grad)
-        torch.testing.assert_close(fb.table_weights()[1], th.table_weights()[1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            fb.table_weights()[1], th.table_weights()[1], rtol=1e-5, atol=1e-6
+        )
         for name, state in fb.optimizer_states()[1].items():
-            torch.testing.assert_close(state, th.optimizer_states()[1][name].view_as(state),
-                                       rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                state, th.optimizer_states()[1][name].view_as(state), rtol=1e-5, atol=1e-6
+            )
 
 
 @needs_fbgemm
 @pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
 def test_fbgemm_kernel_runs_under_inference_mode(pooling: PoolingType) -> None:
     """fbgemm's training op has no inference-mode kernel: the lookup falls back to torch ops."""
-    kernel = FbgemmFusedKernel(local_tables([4, 8], pooling), True,
-                               parse_fused_params({"learning_rate": 0.1}, "t0"), torch.device("cpu"))
+    kernel = FbgemmFusedKernel(
+        local_tables([4, 8], pooling),
+        True,
+        parse_fused_params({"learning_rate": 0.1}, "t0"),
+        torch.device("cpu"),
+    )
     kjt = features(kernel.tables, True, seed=3)
     with torch.no_grad():
         expected = kernel(kjt)

@@ -45,12 +45,31 @@ def fbgemm_tables(optim: OptimType, pooled: bool, pooling: PoolingType) -> List[
     tables = []
     for i, dim in enumerate([4, 8, 12, 4] if pooled else [8] * 4):
         names = [f"t{i}_a", f"t{i}_b"] if i == 0 else [f"t{i}_a"]
-        config = (EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=dim, name=f"t{i}",
-                                     feature_names=names, pooling=pooling)
-                  if pooled else EmbeddingConfig(num_embeddings=ROWS, embedding_dim=dim,
-                                                 name=f"t{i}", feature_names=names))
-        tables.append(LocalTable(config, ROWS, dim, 0, 0, EmbeddingComputeKernel.FUSED, pooling,
-                                 {"optimizer": optim, "learning_rate": 0.1}))
+        config = (
+            EmbeddingBagConfig(
+                num_embeddings=ROWS,
+                embedding_dim=dim,
+                name=f"t{i}",
+                feature_names=names,
+                pooling=pooling,
+            )
+            if pooled
+            else EmbeddingConfig(
+                num_embeddings=ROWS, embedding_dim=dim, name=f"t{i}", feature_names=names
+            )
+        )
+        tables.append(
+            LocalTable(
+                config,
+                ROWS,
+                dim,
+                0,
+                0,
+                EmbeddingComputeKernel.FUSED,
+                pooling,
+                {"optimizer": optim, "learning_rate": 0.1},
+            )
+        )
     return tables
 
 
@@ -65,11 +84,15 @@ def features(tables: List[LocalTable], weighted: bool, seed: int) -> KeyedJagged
 
 def build(tables: List[LocalTable], pooled: bool, threads: int, weighted: bool) -> GroupedLookup:
     with torch_threads(threads):
-        return GroupedLookup(tables, pooled=pooled, device=torch.device("cpu"), is_weighted=weighted)
+        return GroupedLookup(
+            tables, pooled=pooled, device=torch.device("cpu"), is_weighted=weighted
+        )
 
 
 def states(lookup: GroupedLookup) -> List[torch.Tensor]:
-    return [s for k in lookup.kernels for per_table in k.optimizer_states() for s in per_table.values()]
+    return [
+        s for k in lookup.kernels for per_table in k.optimizer_states() for s in per_table.values()
+    ]
 
 
 @needs_fbgemm
@@ -96,8 +119,12 @@ def test_two_threads_equal_one_thread(optim: OptimType, pooled: bool, weighted: 
                 torch.testing.assert_close(b, a, rtol=0, atol=0)
             for a, b in zip(states(serial), states(parallel)):
                 torch.testing.assert_close(b, a, rtol=0, atol=0)
-    assert any(not torch.equal(w, w0) for w, w0 in zip(
-        parallel.table_weights(), build(tables, pooled, 1, weighted).table_weights()))
+    assert any(
+        not torch.equal(w, w0)
+        for w, w0 in zip(
+            parallel.table_weights(), build(tables, pooled, 1, weighted).table_weights()
+        )
+    )
 
 
 @needs_fbgemm
@@ -111,7 +138,9 @@ def test_weights_that_need_grad_get_the_serial_gradient() -> None:
     grads = []
     for lookup in (serial, parallel):
         weights = kjt.weights().clone().requires_grad_()
-        out = lookup(KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values(), kjt.lengths(), weights))
+        out = lookup(
+            KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values(), kjt.lengths(), weights)
+        )
         out.sum().backward()
         grads.append(weights.grad)
     assert grads[0] is not None
@@ -148,8 +177,9 @@ def test_an_error_on_a_worker_thread_reaches_the_caller() -> None:
 def test_side_by_side_returns_outputs_in_kernel_order() -> None:
     x = torch.arange(6.0)
     with torch_threads(2):
-        outputs = run_side_by_side([_Doubles(), _Doubles(), _Doubles()], list(x.split([1, 2, 3])),
-                                   [1, 2, 3])
+        outputs = run_side_by_side(
+            [_Doubles(), _Doubles(), _Doubles()], list(x.split([1, 2, 3])), [1, 2, 3]
+        )
     assert [out.tolist() for out in outputs] == [[0.0], [2.0, 4.0], [6.0, 8.0, 10.0]]
 
 
@@ -184,15 +214,29 @@ def test_split_evenly_keeps_order_and_balances_features() -> None:
 def test_dense_kernels_stay_on_the_callers_thread() -> None:
     """Dense weights carry hooks that run collectives (DP averaging, DDP): never on the pool."""
     fused = fbgemm_tables(OptimType.EXACT_SGD, True, PoolingType.SUM)
-    dense = [LocalTable(EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=4, name=f"d{i}",
-                                           feature_names=[f"d{i}_a"], pooling=pooling),
-                        ROWS, 4, 0, 0, EmbeddingComputeKernel.DENSE, pooling)
-             for i, pooling in enumerate([PoolingType.SUM, PoolingType.MEAN])]
+    dense = [
+        LocalTable(
+            EmbeddingBagConfig(
+                num_embeddings=ROWS,
+                embedding_dim=4,
+                name=f"d{i}",
+                feature_names=[f"d{i}_a"],
+                pooling=pooling,
+            ),
+            ROWS,
+            4,
+            0,
+            0,
+            EmbeddingComputeKernel.DENSE,
+            pooling,
+        )
+        for i, pooling in enumerate([PoolingType.SUM, PoolingType.MEAN])
+    ]
     lookup = build(fused + dense, True, 2, False)
     assert lookup.side_by_side and sum(k.is_fused for k in lookup.kernels) == 2 * KERNELS_PER_THREAD
     hook_threads: List[str] = []
     for kernel in lookup.kernels:
-        for weight in ([] if kernel.is_fused else kernel.table_weights()):
+        for weight in [] if kernel.is_fused else kernel.table_weights():
             weight.register_hook(lambda g: hook_threads.append(threading.current_thread().name))
     with torch_threads(2):
         lookup(features(lookup.tables, False, seed=0)).sum().backward()

@@ -30,15 +30,20 @@ KEYS = ["f0", "f1", "f2"]
 def _ebc(device: str | None = None, dims: List[int] | None = None) -> EmbeddingBagCollection:
     dims = dims or [DIM] * 2
     tables = [
-        EmbeddingBagConfig(name="t0", embedding_dim=dims[0], num_embeddings=10, feature_names=["f0", "f1"]),
-        EmbeddingBagConfig(name="t1", embedding_dim=dims[1], num_embeddings=7, feature_names=["f2"]),
+        EmbeddingBagConfig(
+            name="t0", embedding_dim=dims[0], num_embeddings=10, feature_names=["f0", "f1"]
+        ),
+        EmbeddingBagConfig(
+            name="t1", embedding_dim=dims[1], num_embeddings=7, feature_names=["f2"]
+        ),
     ]
     return EmbeddingBagCollection(tables=tables, device=device)
 
 
 def _batch(batch_size: int = 5, seed: int = 0):
-    dataset = RandomRecDataset(KEYS, batch_size, hash_sizes=[10, 10, 7], num_dense=6,
-                               manual_seed=seed, num_batches=1)
+    dataset = RandomRecDataset(
+        KEYS, batch_size, hash_sizes=[10, 10, 7], num_dense=6, manual_seed=seed, num_batches=1
+    )
     return next(iter(dataset))
 
 
@@ -80,15 +85,23 @@ def test_train_forward_backward(variant: str) -> None:
     torch.manual_seed(0)
     ebc = _ebc()
     if variant == "dot":
-        dlrm: DLRM = DLRM(ebc, dense_in_features=6, dense_arch_layer_sizes=[8, DIM],
-                          over_arch_layer_sizes=[5, 1])
+        dlrm: DLRM = DLRM(
+            ebc, dense_in_features=6, dense_arch_layer_sizes=[8, DIM], over_arch_layer_sizes=[5, 1]
+        )
     else:
-        dlrm = DLRM_DCN(ebc, dense_in_features=6, dense_arch_layer_sizes=[8, DIM],
-                        over_arch_layer_sizes=[5, 1], dcn_num_layers=2, dcn_low_rank_dim=2)
+        dlrm = DLRM_DCN(
+            ebc,
+            dense_in_features=6,
+            dense_arch_layer_sizes=[8, DIM],
+            over_arch_layer_sizes=[5, 1],
+            dcn_num_layers=2,
+            dcn_low_rank_dim=2,
+        )
     batch = _batch()
     loss, (loss_d, logits, labels) = DLRMTrain(dlrm)(batch)
     expected = torch.nn.functional.binary_cross_entropy_with_logits(
-        dlrm(batch.dense_features, batch.sparse_features).squeeze(-1), batch.labels.float())
+        dlrm(batch.dense_features, batch.sparse_features).squeeze(-1), batch.labels.float()
+    )
     torch.testing.assert_close(loss, expected)
     assert logits.shape == labels.shape == (5,) and not loss_d.requires_grad
     loss.backward()
@@ -98,18 +111,29 @@ def test_train_forward_backward(variant: str) -> None:
 def test_state_dict_keys_are_torchrecs() -> None:
     """TorchRec's layout (`model._mlp.N._linear`, `W_kernels` ...) so its checkpoints load."""
     dot = DLRMTrain(DLRM(_ebc(), 6, [8, DIM], [5, 3, 1])).state_dict()
-    dense = ["model.dense_arch.model._mlp.0._linear", "model.dense_arch.model._mlp.1._linear",
-             "model.over_arch.model.0._mlp.0._linear", "model.over_arch.model.0._mlp.1._linear",
-             "model.over_arch.model.1"]
-    tables = ["model.sparse_arch.embedding_bag_collection.embedding_bags.t0.weight",
-              "model.sparse_arch.embedding_bag_collection.embedding_bags.t1.weight"]
+    dense = [
+        "model.dense_arch.model._mlp.0._linear",
+        "model.dense_arch.model._mlp.1._linear",
+        "model.over_arch.model.0._mlp.0._linear",
+        "model.over_arch.model.0._mlp.1._linear",
+        "model.over_arch.model.1",
+    ]
+    tables = [
+        "model.sparse_arch.embedding_bag_collection.embedding_bags.t0.weight",
+        "model.sparse_arch.embedding_bag_collection.embedding_bags.t1.weight",
+    ]
     assert list(dot) == tables + [f"{m}.{p}" for m in dense for p in ("weight", "bias")]
     dcn = DLRM_DCN(_ebc(), 6, [8, DIM], [5, 1], dcn_num_layers=2, dcn_low_rank_dim=3).state_dict()
     cross = {k: tuple(v.shape) for k, v in dcn.items() if k.startswith("inter_arch")}
     n = 4 * DIM
-    assert cross == {"inter_arch.crossnet.W_kernels.0": (n, 3), "inter_arch.crossnet.W_kernels.1": (n, 3),
-                     "inter_arch.crossnet.V_kernels.0": (3, n), "inter_arch.crossnet.V_kernels.1": (3, n),
-                     "inter_arch.crossnet.bias.0": (n,), "inter_arch.crossnet.bias.1": (n,)}
+    assert cross == {
+        "inter_arch.crossnet.W_kernels.0": (n, 3),
+        "inter_arch.crossnet.W_kernels.1": (n, 3),
+        "inter_arch.crossnet.V_kernels.0": (3, n),
+        "inter_arch.crossnet.V_kernels.1": (3, n),
+        "inter_arch.crossnet.bias.0": (n,),
+        "inter_arch.crossnet.bias.1": (n,),
+    }
 
 
 def test_meta_build_then_materialize_like_dmp() -> None:
@@ -128,7 +152,8 @@ def test_meta_build_then_materialize_like_dmp() -> None:
             module.reset_parameters()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert all(torch.isfinite(p).all() for p in model.inter_arch.crossnet.bias) and not any(
-        p.abs().sum() for p in model.inter_arch.crossnet.bias)
+        p.abs().sum() for p in model.inter_arch.crossnet.bias
+    )
     batch = _batch()
     assert model(batch.dense_features, batch.sparse_features).shape == (5, 1)
 

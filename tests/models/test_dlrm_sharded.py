@@ -24,8 +24,12 @@ STEPS = 3
 
 
 def _model(variant: str) -> DLRMTrain:
-    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=50 + 10 * i,
-                                 feature_names=[key]) for i, key in enumerate(KEYS)]
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=8, num_embeddings=50 + 10 * i, feature_names=[key]
+        )
+        for i, key in enumerate(KEYS)
+    ]
     ebc = EmbeddingBagCollection(tables=tables)
     if variant == "dot":
         return DLRMTrain(DLRM(ebc, 5, [16, 8], [12, 1]))
@@ -33,18 +37,31 @@ def _model(variant: str) -> DLRMTrain:
 
 
 def _batches(rank: int) -> List[Batch]:
-    return list(RandomRecDataset(KEYS, 8, hash_sizes=[50, 60, 70, 80], ids_per_feature=3,
-                                 min_ids_per_feature=0, num_dense=5, manual_seed=rank,
-                                 num_batches=STEPS))
+    return list(
+        RandomRecDataset(
+            KEYS,
+            8,
+            hash_sizes=[50, 60, 70, 80],
+            ids_per_feature=3,
+            min_ids_per_feature=0,
+            num_dense=5,
+            manual_seed=rank,
+            num_batches=STEPS,
+        )
+    )
 
 
 def _losses(rank: int, world_size: int, variant: str) -> List[float]:
     torch.manual_seed(0)
     reference = _model(variant)
-    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": "exact_sgd", "learning_rate": LR})
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": "exact_sgd", "learning_rate": LR}
+    )
     dmp = DistributedModelParallel(copy.deepcopy(reference), sharders=[sharder])
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: torch.optim.SGD(params, lr=LR))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.SGD(params, lr=LR),
+    )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     losses = []
     for batch in _batches(rank):

@@ -16,11 +16,20 @@ from recshard.quant import QuantEmbeddingBagCollection, quantize_embeddings
 class _Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.ebc = EmbeddingBagCollection([
-            EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0", "f1"]),
-            EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=7, feature_names=["f2"],
-                               pooling=PoolingType.MEAN),
-        ])
+        self.ebc = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(
+                    name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0", "f1"]
+                ),
+                EmbeddingBagConfig(
+                    name="t1",
+                    embedding_dim=8,
+                    num_embeddings=7,
+                    feature_names=["f2"],
+                    pooling=PoolingType.MEAN,
+                ),
+            ]
+        )
         self.over = nn.Linear(16, 1)
 
     def forward(self, dense: torch.Tensor, features: KeyedJaggedTensor) -> torch.Tensor:
@@ -34,8 +43,12 @@ def _kjt(seed: int) -> KeyedJaggedTensor:
     for slot in torch.randint(0, 6, (9,), generator=g).tolist():
         lengths[slot] += 1
     rows = [10, 10, 10, 10, 7, 7]
-    values = torch.cat([torch.randint(0, rows[i], (int(n),), generator=g) for i, n in enumerate(lengths)])
-    return KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1", "f2"], values=values, lengths=lengths)
+    values = torch.cat(
+        [torch.randint(0, rows[i], (int(n),), generator=g) for i, n in enumerate(lengths)]
+    )
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0", "f1", "f2"], values=values, lengths=lengths
+    )
 
 
 @pytest.mark.parametrize("quantized", [False, True])

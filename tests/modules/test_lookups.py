@@ -4,8 +4,6 @@ and the same errors for ids outside the table."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
 import torch
 from torch import nn
@@ -36,7 +34,7 @@ def test_pooled_lookup_matches_nn_embedding_bag(dtype: torch.dtype, weighted: bo
     ids, starts, _ = _bags(1, rows=7, batch=40, dtype=dtype)  # few rows: many repeated ids
     reference = nn.EmbeddingBag(7, 5, mode="sum")
     weight = nn.Parameter(reference.weight.detach().clone())
-    per_id: Optional[torch.Tensor] = torch.rand(ids.numel()) if weighted else None
+    per_id: torch.Tensor | None = torch.rand(ids.numel()) if weighted else None
     ref_per_id = None if per_id is None else per_id.clone().requires_grad_()
     ours_per_id = None if per_id is None else per_id.clone().requires_grad_()
     expected = reference(ids, starts, per_sample_weights=ref_per_id)

@@ -26,13 +26,19 @@ META = torch.device("meta")
 
 
 def bag_tables() -> list:
-    return [EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=10, feature_names=["f1", "f3"]),
-            EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=10, feature_names=["f2"])]
+    return [
+        EmbeddingBagConfig(
+            name="t1", embedding_dim=3, num_embeddings=10, feature_names=["f1", "f3"]
+        ),
+        EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=10, feature_names=["f2"]),
+    ]
 
 
 def seq_tables() -> list:
-    return [EmbeddingConfig(name="t1", embedding_dim=5, num_embeddings=10, feature_names=["f1", "f2"]),
-            EmbeddingConfig(name="t2", embedding_dim=5, num_embeddings=10, feature_names=["f3"])]
+    return [
+        EmbeddingConfig(name="t1", embedding_dim=5, num_embeddings=10, feature_names=["f1", "f2"]),
+        EmbeddingConfig(name="t2", embedding_dim=5, num_embeddings=10, feature_names=["f3"]),
+    ]
 
 
 def weighted_kjt() -> KeyedJaggedTensor:
@@ -47,16 +53,23 @@ def weighted_kjt() -> KeyedJaggedTensor:
 
 def seq_kjt() -> KeyedJaggedTensor:
     return KeyedJaggedTensor.from_offsets_sync(
-        keys=["f1", "f2", "f3"], values=torch.tensor([0, 1, 2, 3, 8]),
+        keys=["f1", "f2", "f3"],
+        values=torch.tensor([0, 1, 2, 3, 8]),
         offsets=torch.tensor([0, 2, 3, 3, 4, 4, 5]),
     )
 
 
 def test_shared_table_features_keep_config_order() -> None:
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=3, num_embeddings=10,
-                                                     feature_names=["f1", "f2"])])
-    kjt = KeyedJaggedTensor.from_offsets_sync(keys=["f2", "f1"], values=torch.arange(8),
-                                              offsets=torch.tensor([0, 2, 2, 3, 4, 5, 8]))
+    ebc = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(
+                name="t", embedding_dim=3, num_embeddings=10, feature_names=["f1", "f2"]
+            )
+        ]
+    )
+    kjt = KeyedJaggedTensor.from_offsets_sync(
+        keys=["f2", "f1"], values=torch.arange(8), offsets=torch.tensor([0, 2, 2, 3, 4, 5, 8])
+    )
     out = ebc(kjt)
     assert out.values().shape == (3, 6) and out.keys() == ["f1", "f2"]
     assert out.offset_per_key() == [0, 3, 6]
@@ -67,26 +80,36 @@ def test_shared_table_features_keep_config_order() -> None:
 
 def test_shared_feature_gives_one_output_per_table() -> None:
     """A feature several tables read: one output per table, keyed `feature@table`."""
-    ebc = EmbeddingBagCollection([
-        EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=10, feature_names=["f1"]),
-        EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=10, feature_names=["f1", "g"]),
-    ])
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["g", "f1"], values=torch.tensor([5, 1, 2, 3]),
-                                              lengths=torch.tensor([1, 0, 2, 1]))
+    ebc = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=10, feature_names=["f1"]),
+            EmbeddingBagConfig(
+                name="t2", embedding_dim=4, num_embeddings=10, feature_names=["f1", "g"]
+            ),
+        ]
+    )
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["g", "f1"], values=torch.tensor([5, 1, 2, 3]), lengths=torch.tensor([1, 0, 2, 1])
+    )
     out = ebc(kjt)
     assert out.keys() == ["f1@t1", "f1@t2", "g"] and out.offset_per_key() == [0, 3, 7, 11]
     t1, t2 = ebc.embedding_bags["t1"].weight, ebc.embedding_bags["t2"].weight
     torch.testing.assert_close(out["f1@t1"][0], t1[1] + t1[2])
     torch.testing.assert_close(out["f1@t2"][1], t2[3])
-    ec = EmbeddingCollection(seq_tables() + [EmbeddingConfig(name="t3", embedding_dim=5,
-                                                             num_embeddings=4, feature_names=["f2"])],
-                             need_indices=True)
+    ec = EmbeddingCollection(
+        seq_tables()
+        + [EmbeddingConfig(name="t3", embedding_dim=5, num_embeddings=4, feature_names=["f2"])],
+        need_indices=True,
+    )
     seq = ec(seq_kjt())
     assert list(seq) == ["f1", "f2@t1", "f3", "f2@t3"]
     assert seq["f2@t1"].weights().tolist() == seq["f2@t3"].weights().tolist() == [3]
     torch.testing.assert_close(seq["f2@t3"].values(), ec.embeddings["t3"].weight[[3]])
-    bad = KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2", "f3"], values=torch.tensor([0, 7, 1]),
-                                              lengths=torch.tensor([1, 0, 1, 0, 1, 0]))
+    bad = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f1", "f2", "f3"],
+        values=torch.tensor([0, 7, 1]),
+        lengths=torch.tensor([1, 0, 1, 0, 1, 0]),
+    )
     with pytest.raises(ValueError, match=r"table 't3', feature 'f2': id 7 is outside \[0, 4\)"):
         ec(bad)  # a shared feature's ids must fit its smallest table
 
@@ -97,14 +120,24 @@ class _SharedFeatureModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.ebc = EmbeddingBagCollection([
-            EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=10, feature_names=["f"]),
-            EmbeddingBagConfig(name="b", embedding_dim=3, num_embeddings=6, feature_names=["g", "f"]),
-        ])
-        self.ec = EmbeddingCollection([
-            EmbeddingConfig(name="c", embedding_dim=4, num_embeddings=10, feature_names=["f", "g"]),
-            EmbeddingConfig(name="d", embedding_dim=4, num_embeddings=6, feature_names=["f"]),
-        ])
+        self.ebc = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(
+                    name="a", embedding_dim=4, num_embeddings=10, feature_names=["f"]
+                ),
+                EmbeddingBagConfig(
+                    name="b", embedding_dim=3, num_embeddings=6, feature_names=["g", "f"]
+                ),
+            ]
+        )
+        self.ec = EmbeddingCollection(
+            [
+                EmbeddingConfig(
+                    name="c", embedding_dim=4, num_embeddings=10, feature_names=["f", "g"]
+                ),
+                EmbeddingConfig(name="d", embedding_dim=4, num_embeddings=6, feature_names=["f"]),
+            ]
+        )
 
     def forward(self, kjt: KeyedJaggedTensor) -> tuple:
         return self.ebc(kjt), self.ec(kjt)
@@ -115,17 +148,22 @@ def _shard_shared_feature(rank: int, world_size: int) -> Dict[str, object]:
     rank's outputs equal the unsharded modules' on its batch, keys included."""
     reference = _SharedFeatureModel()
     dmp = DistributedModelParallel(_SharedFeatureModel())
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["g", "f"], values=torch.tensor([4, 1, 2, 3]) + rank,
-                                              lengths=torch.tensor([1, 0, 2, 1]))
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["g", "f"],
+        values=torch.tensor([4, 1, 2, 3]) + rank,
+        lengths=torch.tensor([1, 0, 2, 1]),
+    )
     pooled, sequence = dmp(kjt)
     ref_pooled, ref_sequence = reference(kjt)
     return {
         "keys": (pooled.keys(), list(sequence)),
         "ref_keys": (ref_pooled.keys(), list(ref_sequence)),
         "pooled_equal": torch.allclose(pooled.values(), ref_pooled.values()),
-        "sequence_equal": all(torch.allclose(sequence[k].values(), ref_sequence[k].values())
-                              and torch.equal(sequence[k].lengths(), ref_sequence[k].lengths())
-                              for k in ref_sequence),
+        "sequence_equal": all(
+            torch.allclose(sequence[k].values(), ref_sequence[k].values())
+            and torch.equal(sequence[k].lengths(), ref_sequence[k].lengths())
+            for k in ref_sequence
+        ),
     }
 
 
@@ -169,8 +207,10 @@ def test_device_argument_and_context_manager() -> None:
 
 
 def test_duplicate_table_names_fail() -> None:
-    twice = [bag_tables()[0], EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=4,
-                                                 feature_names=["g"])]
+    twice = [
+        bag_tables()[0],
+        EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=4, feature_names=["g"]),
+    ]
     with pytest.raises(ValueError, match=r"duplicate table names \['t1'\]"):
         EmbeddingBagCollection(twice)
 
@@ -182,7 +222,11 @@ def test_forward_on_meta_infers_shapes() -> None:
     assert out.keys() == ["f1", "f3", "f2"] and out.offset_per_key() == [0, 3, 6, 10]
     ec = EmbeddingCollection(seq_tables(), device=META, need_indices=True)
     seq = ec(seq_kjt().to(META))
-    assert {k: tuple(v.values().shape) for k, v in seq.items()} == {"f1": (3, 5), "f2": (1, 5), "f3": (1, 5)}
+    assert {k: tuple(v.values().shape) for k, v in seq.items()} == {
+        "f1": (3, 5),
+        "f2": (1, 5),
+        "f3": (1, 5),
+    }
     assert seq["f1"].values().device == META
 
 
@@ -206,8 +250,9 @@ class _Ranker(nn.Module):
         self.ec = EmbeddingCollection(seq_tables(), device=device)
         self.over = nn.Linear(10 + 5 + 2, 1, device=device)
 
-    def forward(self, dense: torch.Tensor, pooled_ids: KeyedJaggedTensor,
-                seq_ids: KeyedJaggedTensor) -> torch.Tensor:
+    def forward(
+        self, dense: torch.Tensor, pooled_ids: KeyedJaggedTensor, seq_ids: KeyedJaggedTensor
+    ) -> torch.Tensor:
         pooled = self.ebc(pooled_ids).values()
         sequences: Dict[str, JaggedTensor] = self.ec(seq_ids)
         first = sequences["f1"].to_padded_dense(2).sum(1).sum(1, keepdim=True)  # [B, 1]

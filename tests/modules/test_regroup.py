@@ -58,7 +58,10 @@ def test_regroups_skips_and_repeats_keys_with_gradients() -> None:
 
 def test_layout_change_between_batches_still_regroups() -> None:
     regroup = KTRegroupAsDict(GROUPS, KEYS)
-    for dims in ({"d0": 2, "d1": 3, "s0": 1, "s1": 4, "s2": 2}, {"d0": 5, "d1": 1, "s0": 2, "s1": 1, "s2": 3}):
+    for dims in (
+        {"d0": 2, "d1": 3, "s0": 1, "s1": 4, "s2": 2},
+        {"d0": 5, "d1": 1, "s0": 2, "s1": 1, "s2": 3},
+    ):
         kts = inputs(dims, batch=4)
         for key, expected in zip(KEYS, by_hand(kts, GROUPS)):
             assert torch.equal(regroup(kts)[key], expected)
@@ -66,14 +69,18 @@ def test_layout_change_between_batches_still_regroups() -> None:
 
 
 def test_key_dim_zero() -> None:
-    kts = [KeyedTensor(["d0", "d1"], [2, 1], torch.arange(6.0).view(3, 2), key_dim=0),
-           KeyedTensor(["s0", "s1", "s2"], [1, 1, 2], torch.arange(8.0).view(4, 2), key_dim=0)]
+    kts = [
+        KeyedTensor(["d0", "d1"], [2, 1], torch.arange(6.0).view(3, 2), key_dim=0),
+        KeyedTensor(["s0", "s1", "s2"], [1, 1, 2], torch.arange(8.0).view(4, 2), key_dim=0),
+    ]
     out = KTRegroupAsDict(GROUPS, KEYS)(kts)
     for key, expected in zip(KEYS, by_hand(kts, GROUPS, dim=0)):
         assert torch.equal(out[key], expected)
 
 
-@pytest.mark.parametrize("data_type,dtype", [(DataType.FP16, torch.float16), (DataType.BF16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "data_type,dtype", [(DataType.FP16, torch.float16), (DataType.BF16, torch.bfloat16)]
+)
 def test_emb_dtype_casts(data_type: DataType, dtype: torch.dtype) -> None:
     kts = inputs({"d0": 2, "d1": 3, "s0": 1, "s1": 4, "s2": 2})
     plain = KTRegroupAsDict(GROUPS, KEYS)(kts)
@@ -111,7 +118,9 @@ def test_bad_arguments_and_inputs_are_named() -> None:
     with pytest.raises(ValueError, match="no KeyedTensors"):
         regroup([])
     flat = KeyedTensor(["s0", "s1", "s2"], [1, 1, 2], torch.zeros(4, 3), key_dim=0)
-    with pytest.raises(ValueError, match=r"KeyedTensor 1 \(keys \['s0', 's1', 's2'\]\) has key dim 0"):
+    with pytest.raises(
+        ValueError, match=r"KeyedTensor 1 \(keys \['s0', 's1', 's2'\]\) has key dim 0"
+    ):
         regroup([kts[0], flat])
     with pytest.raises(KeyError, match=r"\['s1', 's2'\]"):
         regroup([kts[0]])

@@ -29,16 +29,27 @@ from recshard.optim import apply_optimizer_in_backward
 # order), a table read by two features, a feature read by two tables
 TABLES = [
     EmbeddingBagConfig(num_embeddings=9, embedding_dim=3, name="a", feature_names=["x", "y"]),
-    EmbeddingBagConfig(num_embeddings=5, embedding_dim=2, name="b", feature_names=["w", "x"],
-                       pooling=PoolingType.MEAN),
+    EmbeddingBagConfig(
+        num_embeddings=5,
+        embedding_dim=2,
+        name="b",
+        feature_names=["w", "x"],
+        pooling=PoolingType.MEAN,
+    ),
     EmbeddingBagConfig(num_embeddings=7, embedding_dim=4, name="c", feature_names=["v"]),
 ]
 OUTPUTS = {"x@a": ("x", "a"), "y": ("y", "a"), "w": ("w", "b"), "x@b": ("x", "b"), "v": ("v", "c")}
-SEQ_TABLES = [EmbeddingConfig(num_embeddings=c.num_embeddings, embedding_dim=4, name=c.name,
-                              feature_names=c.feature_names) for c in TABLES]
+SEQ_TABLES = [
+    EmbeddingConfig(
+        num_embeddings=c.num_embeddings, embedding_dim=4, name=c.name, feature_names=c.feature_names
+    )
+    for c in TABLES
+]
 
 
-def batch(seed: int, weighted: bool = False, ids_dtype: torch.dtype = torch.int64) -> KeyedJaggedTensor:
+def batch(
+    seed: int, weighted: bool = False, ids_dtype: torch.dtype = torch.int64
+) -> KeyedJaggedTensor:
     """Batch 5, keys out of config order, ids < 5 (valid in every table)."""
     keys, g = ["v", "x", "w", "y"], torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 4, (len(keys) * 5,), generator=g)
@@ -54,8 +65,13 @@ def reference_pooled(ebc: EmbeddingBagCollection, features: KeyedJaggedTensor) -
     pieces = []
     for feature, table in OUTPUTS.values():
         jt, config = jts[feature], configs[table]
-        sums = F.embedding_bag(jt.values(), ebc.embedding_bags[table].weight, jt.offsets()[:-1],
-                               mode="sum", per_sample_weights=jt.weights_or_none())
+        sums = F.embedding_bag(
+            jt.values(),
+            ebc.embedding_bags[table].weight,
+            jt.offsets()[:-1],
+            mode="sum",
+            per_sample_weights=jt.weights_or_none(),
+        )
         if config.pooling == PoolingType.MEAN:
             sums = sums / jt.lengths().clamp(min=1).unsqueeze(1)
         pieces.append(sums)
@@ -65,7 +81,11 @@ def reference_pooled(ebc: EmbeddingBagCollection, features: KeyedJaggedTensor) -
 def kernel_calls(fn) -> Dict[str, int]:  # noqa: ANN001
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    return {e.key: e.count for e in prof.key_averages() if e.key.startswith(("fbgemm::", "aten::embedding"))}
+    return {
+        e.key: e.count
+        for e in prof.key_averages()
+        if e.key.startswith(("fbgemm::", "aten::embedding"))
+    }
 
 
 def check_against_reference(ebc: EmbeddingBagCollection, features: KeyedJaggedTensor) -> None:
@@ -106,8 +126,14 @@ def test_ec_groups_stop_at_the_byte_cap() -> None:
     """Past `EC_MAX_GROUP_BYTES` of weights a new group starts (big per-step buffers cost
     page faults): 3 tables of 6 MiB with a 16 MiB cap make groups of 2 and 1."""
     rows = (6 << 20) // (4 * 64)
-    ec = EmbeddingCollection([EmbeddingConfig(num_embeddings=rows, embedding_dim=64, name=f"t{i}",
-                                              feature_names=[f"f{i}"]) for i in range(3)])
+    ec = EmbeddingCollection(
+        [
+            EmbeddingConfig(
+                num_embeddings=rows, embedding_dim=64, name=f"t{i}", feature_names=[f"f{i}"]
+            )
+            for i in range(3)
+        ]
+    )
     assert EC_MAX_GROUP_BYTES == 16 << 20
     storage = [e.weight.untyped_storage().data_ptr() for e in ec.embeddings.values()]
     assert storage[0] == storage[1] != storage[2]
@@ -117,8 +143,9 @@ def test_ec_groups_stop_at_the_byte_cap() -> None:
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
 def test_grouped_lookup_matches_per_table_lookups(weighted: bool, ids_dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    check_against_reference(EmbeddingBagCollection(TABLES, is_weighted=weighted),
-                            batch(1, weighted, ids_dtype))
+    check_against_reference(
+        EmbeddingBagCollection(TABLES, is_weighted=weighted), batch(1, weighted, ids_dtype)
+    )
 
 
 def test_per_id_weight_gradients() -> None:
@@ -126,13 +153,15 @@ def test_per_id_weight_gradients() -> None:
     ebc = EmbeddingBagCollection(TABLES, is_weighted=True)
     features = batch(2, weighted=True)
     weights = features.weights().clone().requires_grad_()
-    grouped = KeyedJaggedTensor.from_lengths_sync(features.keys(), features.values(), features.lengths(),
-                                                  weights=weights)
+    grouped = KeyedJaggedTensor.from_lengths_sync(
+        features.keys(), features.values(), features.lengths(), weights=weights
+    )
     grad = torch.randn(5, sum(c.embedding_dim * len(c.feature_names) for c in TABLES))
     (ebc(grouped).values() * grad).sum().backward()
     expected_weights = features.weights().clone().requires_grad_()
-    reference = KeyedJaggedTensor.from_lengths_sync(features.keys(), features.values(), features.lengths(),
-                                                    weights=expected_weights)
+    reference = KeyedJaggedTensor.from_lengths_sync(
+        features.keys(), features.values(), features.lengths(), weights=expected_weights
+    )
     (reference_pooled(ebc, reference) * grad).sum().backward()
     torch.testing.assert_close(weights.grad, expected_weights.grad)
 
@@ -158,7 +187,9 @@ def test_moved_or_replaced_tables_are_regrouped() -> None:
     check_against_reference(twin, features)
     torch.testing.assert_close(twin(features).values(), ebc(features).values())
     double = copy.deepcopy(ebc).to(torch.float64)  # off fbgemm's float32 kernels: per-table path
-    out = double(KeyedJaggedTensor.from_lengths_sync(features.keys(), features.values(), features.lengths()))
+    out = double(
+        KeyedJaggedTensor.from_lengths_sync(features.keys(), features.values(), features.lengths())
+    )
     assert out.values().dtype == torch.float64
     torch.testing.assert_close(out.values().float(), ebc(features).values())
 
@@ -187,7 +218,9 @@ def _pickled(ebc: EmbeddingBagCollection) -> EmbeddingBagCollection:
     return torch.load(buffer, weights_only=False)
 
 
-@pytest.mark.parametrize("change", [_set_, _swap_tensors, _new_table_module, _child_load_assign, None])
+@pytest.mark.parametrize(
+    "change", [_set_, _swap_tensors, _new_table_module, _child_load_assign, None]
+)
 def test_changes_the_collection_does_not_see_are_found_on_the_next_call(change) -> None:  # noqa: ANN001
     """Storage changes no hook of the collection sees (`set_`, `swap_tensors`, a replaced
     table module, a table module's own assign load, a pickle round trip) after a first call
@@ -201,7 +234,9 @@ def test_changes_the_collection_does_not_see_are_found_on_the_next_call(change) 
     else:
         change(ebc)
     check_against_reference(ebc, features)
-    storage = {b.weight.untyped_storage().data_ptr() for n, b in ebc.embedding_bags.items() if n != "b"}
+    storage = {
+        b.weight.untyped_storage().data_ptr() for n, b in ebc.embedding_bags.items() if n != "b"
+    }
     assert len(storage) == 1  # regrouped
 
 
@@ -217,7 +252,9 @@ def _reference_modules(ebc: EmbeddingBagCollection) -> Dict[str, torch.nn.Parame
     return {n: torch.nn.Parameter(b.weight.detach().clone()) for n, b in ebc.embedding_bags.items()}
 
 
-def _reference_loss(params: Dict[str, torch.nn.Parameter], features: KeyedJaggedTensor) -> torch.Tensor:
+def _reference_loss(
+    params: Dict[str, torch.nn.Parameter], features: KeyedJaggedTensor
+) -> torch.Tensor:
     jts = features.to_dict()
     configs = {c.name: c for c in TABLES}
     loss = torch.zeros(())
@@ -226,7 +263,7 @@ def _reference_loss(params: Dict[str, torch.nn.Parameter], features: KeyedJagged
         sums = F.embedding_bag(jt.values(), params[table], jt.offsets()[:-1], mode="sum")
         if configs[table].pooling == PoolingType.MEAN:
             sums = sums / jt.lengths().clamp(min=1).unsqueeze(1)
-        loss = loss + (sums ** 2).sum()
+        loss = loss + (sums**2).sum()
     return loss
 
 
@@ -236,7 +273,10 @@ def test_optimizers_step_every_table_as_per_table_lookups(optimizer: str) -> Non
     ebc = EmbeddingBagCollection(TABLES)
     params = _reference_modules(ebc)
     if optimizer == "adam":
-        steppers = [torch.optim.Adam(ebc.parameters(), lr=0.1), torch.optim.Adam(params.values(), lr=0.1)]
+        steppers = [
+            torch.optim.Adam(ebc.parameters(), lr=0.1),
+            torch.optim.Adam(params.values(), lr=0.1),
+        ]
     else:
         cls = torch.optim.SGD if optimizer.startswith("sgd") else torch.optim.Adagrad
         apply_optimizer_in_backward(cls, ebc.parameters(), {"lr": 0.1})
@@ -251,7 +291,9 @@ def test_optimizers_step_every_table_as_per_table_lookups(optimizer: str) -> Non
             s.zero_grad()
     for name, bag in ebc.embedding_bags.items():
         torch.testing.assert_close(bag.weight, params[name], rtol=1e-5, atol=1e-6)
-    storage = {b.weight.untyped_storage().data_ptr() for n, b in ebc.embedding_bags.items() if n != "b"}
+    storage = {
+        b.weight.untyped_storage().data_ptr() for n, b in ebc.embedding_bags.items() if n != "b"
+    }
     assert len(storage) == 1  # in-place steps keep the group's storage
 
 
@@ -259,8 +301,10 @@ def test_meta_then_reset_parameters_groups_the_materialized_tables() -> None:
     ebc = EmbeddingBagCollection(TABLES, device="meta")
     assert ebc(batch(5).to(torch.device("meta"))).values().shape == (5, 3 + 3 + 2 + 2 + 4)
     ebc.reset_parameters()
-    assert ebc.embedding_bags["a"].weight.untyped_storage().data_ptr() == \
-        ebc.embedding_bags["c"].weight.untyped_storage().data_ptr()
+    assert (
+        ebc.embedding_bags["a"].weight.untyped_storage().data_ptr()
+        == ebc.embedding_bags["c"].weight.untyped_storage().data_ptr()
+    )
     check_against_reference(ebc, batch(6))
 
 
@@ -289,10 +333,13 @@ def test_validate_input_runs_the_checks_forward_leaves_out() -> None:
     features = batch(8, weighted=True)
     weights = features.weights().clone()
     weights[3] = float("nan")
-    nan = KeyedJaggedTensor.from_lengths_sync(features.keys(), features.values(), features.lengths(),
-                                              weights=weights)
+    nan = KeyedJaggedTensor.from_lengths_sync(
+        features.keys(), features.values(), features.lengths(), weights=weights
+    )
     assert torch.isnan(ebc(nan).values()).any()  # forward: no pass over the weights
-    with pytest.raises(ValueError, match=r"weight nan at position \d+ of the feature's values is not finite"):
+    with pytest.raises(
+        ValueError, match=r"weight nan at position \d+ of the feature's values is not finite"
+    ):
         ebc.validate_input(nan)
     with pytest.raises(ValueError, match=r"table 'c', feature 'v': id 8 is outside \[0, 7\)"):
         ebc.validate_input(_bad(features, "v", 8))
@@ -305,7 +352,9 @@ def check_ec_rows_and_grads(ec: EmbeddingCollection, features: KeyedJaggedTensor
     out = ec(features)
     assert list(out) == list(OUTPUTS)
     jts = features.to_dict()
-    grads: Dict[str, torch.Tensor] = {n: torch.zeros_like(e.weight) for n, e in ec.embeddings.items()}
+    grads: Dict[str, torch.Tensor] = {
+        n: torch.zeros_like(e.weight) for n, e in ec.embeddings.items()
+    }
     losses: List[torch.Tensor] = []
     for name, (feature, table) in OUTPUTS.items():
         ids = jts[feature].values()
@@ -325,8 +374,16 @@ def test_ec_grouped_lookup_matches_per_table_rows() -> None:
     check_ec_rows_and_grads(ec, features)
 
 
-ONE_DIM_TABLES = [EmbeddingBagConfig(num_embeddings=c.num_embeddings, embedding_dim=4, name=c.name,
-                                     feature_names=c.feature_names, pooling=c.pooling) for c in TABLES]
+ONE_DIM_TABLES = [
+    EmbeddingBagConfig(
+        num_embeddings=c.num_embeddings,
+        embedding_dim=4,
+        name=c.name,
+        feature_names=c.feature_names,
+        pooling=c.pooling,
+    )
+    for c in TABLES
+]
 
 
 def test_torch_path_is_one_call_per_group_of_one_dim() -> None:
@@ -337,7 +394,10 @@ def test_torch_path_is_one_call_per_group_of_one_dim() -> None:
     ebc = EmbeddingBagCollection(ONE_DIM_TABLES).to(torch.float64)
     features = batch(13)
     calls = kernel_calls(lambda: ebc(features))
-    assert calls.get("aten::embedding_bag") == 2 and "fbgemm::split_embedding_codegen_forward_cpu" not in calls
+    assert (
+        calls.get("aten::embedding_bag") == 2
+        and "fbgemm::split_embedding_codegen_forward_cpu" not in calls
+    )
     check_against_reference(ebc, features)
     ec = EmbeddingCollection(SEQ_TABLES).to(torch.float64)
     assert kernel_calls(lambda: ec(features)).get("aten::embedding") == 1

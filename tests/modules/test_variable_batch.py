@@ -12,11 +12,21 @@ from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 
 def ebc(weighted: bool = False) -> EmbeddingBagCollection:
     torch.manual_seed(0)
-    return EmbeddingBagCollection([
-        EmbeddingBagConfig(name="t1", embedding_dim=2, num_embeddings=10, feature_names=["f1", "f2"]),
-        EmbeddingBagConfig(name="t2", embedding_dim=3, num_embeddings=10, feature_names=["f3"],
-                           pooling=PoolingType.MEAN),
-    ], is_weighted=weighted)
+    return EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(
+                name="t1", embedding_dim=2, num_embeddings=10, feature_names=["f1", "f2"]
+            ),
+            EmbeddingBagConfig(
+                name="t2",
+                embedding_dim=3,
+                num_embeddings=10,
+                feature_names=["f3"],
+                pooling=PoolingType.MEAN,
+            ),
+        ],
+        is_weighted=weighted,
+    )
 
 
 VALUES = torch.tensor([1, 2, 3, 4, 5, 6, 7])
@@ -25,8 +35,14 @@ INVERSE = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [2, 1, 0, 1]])
 
 
 def vbe(inverse=(["f1", "f2", "f3"], INVERSE), strides=((2,), (1,), (3,)), weights=None):  # noqa: ANN001
-    return KeyedJaggedTensor(["f1", "f2", "f3"], VALUES, weights, lengths=LENGTHS,
-                             stride_per_key_per_rank=[list(s) for s in strides], inverse_indices=inverse)
+    return KeyedJaggedTensor(
+        ["f1", "f2", "f3"],
+        VALUES,
+        weights,
+        lengths=LENGTHS,
+        stride_per_key_per_rank=[list(s) for s in strides],
+        inverse_indices=inverse,
+    )
 
 
 def by_hand(module: EmbeddingBagCollection) -> torch.Tensor:
@@ -69,23 +85,35 @@ def test_weighted_variable_batch() -> None:
 
 def test_one_batch_with_inverse_indices_is_expanded_too() -> None:
     module = ebc()
-    uniform = KeyedJaggedTensor(["f1", "f2", "f3"], VALUES, lengths=torch.tensor([2, 1, 1, 0, 1, 2]),
-                                inverse_indices=(["f1", "f2", "f3"], torch.tensor([[0, 1, 1]] * 3)))
+    uniform = KeyedJaggedTensor(
+        ["f1", "f2", "f3"],
+        VALUES,
+        lengths=torch.tensor([2, 1, 1, 0, 1, 2]),
+        inverse_indices=(["f1", "f2", "f3"], torch.tensor([[0, 1, 1]] * 3)),
+    )
     out = module(uniform).values()
-    plain = module(KeyedJaggedTensor(["f1", "f2", "f3"], VALUES, lengths=uniform.lengths())).values()
+    plain = module(
+        KeyedJaggedTensor(["f1", "f2", "f3"], VALUES, lengths=uniform.lengths())
+    ).values()
     assert out.shape == (3, 7)
     torch.testing.assert_close(out, plain[[0, 1, 1]])
 
 
 def test_variable_batch_errors_name_the_features() -> None:
     module = ebc()
-    with pytest.raises(ValueError, match=r"different batch sizes \{'f1': 2, 'f2': 1, 'f3': 3\} "
-                                         "and the input has no inverse_indices"):
+    with pytest.raises(
+        ValueError,
+        match=r"different batch sizes \{'f1': 2, 'f2': 1, 'f3': 3\} "
+        "and the input has no inverse_indices",
+    ):
         module(vbe(inverse=None))
     bad = INVERSE.clone()
     bad[1, 1] = 1  # f2 has a batch of 1
-    with pytest.raises(ValueError, match=r"feature 'f2': inverse index 1 at position 1 is outside "
-                                         "its batch of 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"feature 'f2': inverse index 1 at position 1 is outside "
+        "its batch of 1",
+    ):
         module(vbe(inverse=(["f1", "f2", "f3"], bad)))
     with pytest.raises(ValueError, match=r"inverse_indices have no rows for features \['f3'\]"):
         module(vbe(inverse=(["f1", "f2"], INVERSE[:2])))

@@ -5,7 +5,7 @@ the table."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Type
 
 import pytest
 import torch
@@ -40,26 +40,42 @@ class Wrapper(nn.Module):
 def _plan(column: bool) -> Dict[str, Any]:
     """Every sharding type; fbgemm (dims 4, 8) and torch (dims 3, 6, 1) kernels. Row-wise
     Adagrad keeps one accumulator per column shard, so its case has no column-wise table."""
-    return {"t0": table_wise(rank=1), "t1": row_wise(), "t2": data_parallel(),
-            "t3": table_wise(rank=0), "t4": column_wise(ranks=[0, 1]) if column else row_wise()}
+    return {
+        "t0": table_wise(rank=1),
+        "t1": row_wise(),
+        "t2": data_parallel(),
+        "t3": table_wise(rank=0),
+        "t4": column_wise(ranks=[0, 1]) if column else row_wise(),
+    }
 
 
-def _sharded_steps(rank: int, ws: int, cls: Type[torch.optim.Optimizer], kwargs: Dict[str, Any],
-                   column: bool, steps: int) -> Dict[str, List[List[float]]]:
+def _sharded_steps(
+    rank: int,
+    ws: int,
+    cls: Type[torch.optim.Optimizer],
+    kwargs: Dict[str, Any],
+    column: bool,
+    steps: int,
+) -> Dict[str, List[List[float]]]:
     model = Wrapper()
     apply_optimizer_in_backward(cls, model.ebc.parameters(), kwargs)
     # the sharder says exact SGD at lr 0.5: the attached optimizer must win
-    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": "exact_sgd", "learning_rate": 0.5})
-    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, _plan(column), world_size=ws)})
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": "exact_sgd", "learning_rate": 0.5}
+    )
+    plan = ShardingPlan(
+        {"ebc": construct_module_sharding_plan(model.ebc, _plan(column), world_size=ws)}
+    )
     dmp = DistributedModelParallel(model, plan=plan, sharders=[sharder])
     for step in range(steps):
         out = dmp(batch(rank, step, B, False, False))
-        (out * output_grad(step, ws, B, WIDTH)[rank * B:(rank + 1) * B]).sum().backward()
+        (out * output_grad(step, ws, B, WIDTH)[rank * B : (rank + 1) * B]).sum().backward()
     return {name: weight.tolist() for name, weight in gather_tables(dmp.module.ebc, ws).items()}
 
 
-def _reference_steps(ws: int, cls: Type[torch.optim.Optimizer], kwargs: Dict[str, Any],
-                     steps: int) -> Dict[str, torch.Tensor]:
+def _reference_steps(
+    ws: int, cls: Type[torch.optim.Optimizer], kwargs: Dict[str, Any], steps: int
+) -> Dict[str, torch.Tensor]:
     ebc = make_ebc(weighted=False)
     optimizer = cls(ebc.parameters(), **kwargs)
     for step in range(steps):
@@ -78,9 +94,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("cls,kwargs,column", CASES, ids=["sgd", "adagrad", "adagrad-eps", "rowwise"])
-def test_attached_optimizer_matches_unsharded(cls: Type[torch.optim.Optimizer], kwargs: Dict[str, Any],
-                                              column: bool) -> None:
+@pytest.mark.parametrize(
+    "cls,kwargs,column", CASES, ids=["sgd", "adagrad", "adagrad-eps", "rowwise"]
+)
+def test_attached_optimizer_matches_unsharded(
+    cls: Type[torch.optim.Optimizer], kwargs: Dict[str, Any], column: bool
+) -> None:
     steps = 2
     results = run_ranks(2, _sharded_steps, cls, kwargs, column, steps, timeout=300)
     expected = _reference_steps(2, cls, kwargs, steps)
@@ -88,17 +107,30 @@ def test_attached_optimizer_matches_unsharded(cls: Type[torch.optim.Optimizer], 
     for name, weight in expected.items():
         assert not torch.equal(weight, start.embedding_bags[name].weight), name  # it did train
         for rank, tables in enumerate(results):
-            torch.testing.assert_close(torch.tensor(tables[name]), weight, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, n=name, r=rank: f"table {n} rank {r}: {m}")
+            torch.testing.assert_close(
+                torch.tensor(tables[name]),
+                weight,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, n=name, r=rank: f"table {n} rank {r}: {m}",
+            )
 
 
-def _shard_error(rank: int, ws: int, cls: Type[torch.optim.Optimizer], kwargs: Dict[str, Any],
-                 table: str) -> Optional[str]:
+def _shard_error(
+    rank: int, ws: int, cls: Type[torch.optim.Optimizer], kwargs: Dict[str, Any], table: str
+) -> str | None:
     model = Wrapper()
     apply_optimizer_in_backward(cls, [model.ebc.embedding_bags[table].weight], kwargs)
-    per_table = {"t0": table_wise(rank=1), "t1": table_wise(rank=1), "t2": table_wise(rank=1),
-                 "t3": table_wise(rank=1), "t4": table_wise(rank=1)}
-    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, per_table, world_size=ws)})
+    per_table = {
+        "t0": table_wise(rank=1),
+        "t1": table_wise(rank=1),
+        "t2": table_wise(rank=1),
+        "t3": table_wise(rank=1),
+        "t4": table_wise(rank=1),
+    }
+    plan = ShardingPlan(
+        {"ebc": construct_module_sharding_plan(model.ebc, per_table, world_size=ws)}
+    )
     try:
         DistributedModelParallel(model, plan=plan)
     except ValueError as e:
@@ -106,16 +138,20 @@ def _shard_error(rank: int, ws: int, cls: Type[torch.optim.Optimizer], kwargs: D
     return None
 
 
-@pytest.mark.parametrize("cls,kwargs,words", [
-    (torch.optim.Adam, {"lr": 0.1}, "ADAM"),  # fbgemm's CPU kernel has no Adam
-    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "momentum=0.9"),
-    (torch.optim.Adagrad, {"lr": 0.1, "weight_decay": 0.01}, "weight_decay=0.01"),
-    (torch.optim.RMSprop, {"lr": 0.1}, "RMSprop"),
-], ids=["adam-cpu", "sgd-momentum", "adagrad-weight-decay", "rmsprop"])
+@pytest.mark.parametrize(
+    "cls,kwargs,words",
+    [
+        (torch.optim.Adam, {"lr": 0.1}, "ADAM"),  # fbgemm's CPU kernel has no Adam
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "momentum=0.9"),
+        (torch.optim.Adagrad, {"lr": 0.1, "weight_decay": 0.01}, "weight_decay=0.01"),
+        (torch.optim.RMSprop, {"lr": 0.1}, "RMSprop"),
+    ],
+    ids=["adam-cpu", "sgd-momentum", "adagrad-weight-decay", "rmsprop"],
+)
 def test_optimizer_the_kernel_cannot_run_fails_on_every_rank(
     cls: Type[torch.optim.Optimizer], kwargs: Dict[str, Any], words: str
 ) -> None:
     # the table lives on rank 1 only: rank 0 must refuse too, or rank 1 waits for it
-    messages: List[Optional[str]] = run_ranks(2, _shard_error, cls, kwargs, "t4", timeout=120)
+    messages: List[str | None] = run_ranks(2, _shard_error, cls, kwargs, "t4", timeout=120)
     for message in messages:
         assert message is not None and "table 't4'" in message and words in message, message

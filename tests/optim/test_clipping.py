@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import pytest
 import torch
@@ -30,13 +30,15 @@ from recshard.types import ShardingPlan
 NORM, VALUE, NONE = GradientClipping.NORM, GradientClipping.VALUE, GradientClipping.NONE
 
 
-def clipper(grads: List[List[float]], clipping: GradientClipping, max_gradient: float,
-            **kwargs: object) -> List[float]:
+def clipper(
+    grads: List[List[float]], clipping: GradientClipping, max_gradient: float, **kwargs: object
+) -> List[float]:
     """Clip the given gradients of fresh params through one step at lr 0; the clipped grads,
     concatenated."""
     params = [torch.nn.Parameter(torch.ones(len(g))) for g in grads]
-    inner = KeyedOptimizerWrapper({f"p{i}": p for i, p in enumerate(params)},
-                                  lambda ps: torch.optim.SGD(ps, lr=0.0))
+    inner = KeyedOptimizerWrapper(
+        {f"p{i}": p for i, p in enumerate(params)}, lambda ps: torch.optim.SGD(ps, lr=0.0)
+    )
     optimizer = GradientClippingOptimizer(inner, clipping, max_gradient, **kwargs)
     for p, g in zip(params, grads):
         p.grad = torch.tensor(g)
@@ -47,7 +49,7 @@ def clipper(grads: List[List[float]], clipping: GradientClipping, max_gradient: 
 def test_torchrecs_clipping_cases() -> None:
     assert clipper([[1.0, 2.0]], NORM, 0.0) == [0.0, 0.0]
     assert clipper([[0.5, 0.5]], NORM, 1.0) == [0.5, 0.5]
-    assert clipper([[2.0, 4.0]], NORM, 1.0) == pytest.approx([2.0 / 20 ** 0.5, 4.0 / 20 ** 0.5])
+    assert clipper([[2.0, 4.0]], NORM, 1.0) == pytest.approx([2.0 / 20**0.5, 4.0 / 20**0.5])
     scale = 2.0 / (4 + 16 + 16 + 64) ** 0.5
     got = clipper([[2.0, 4.0], [4.0, 8.0]], NORM, 2.0)
     assert got == pytest.approx([2 * scale, 4 * scale, 4 * scale, 8 * scale], rel=1e-5)
@@ -56,7 +58,8 @@ def test_torchrecs_clipping_cases() -> None:
     assert clipper([[3.0, -4.0]], NONE, 0.1) == [3.0, -4.0]
     # inf-norm: the largest |g| is the norm
     assert clipper([[3.0, -4.0], [1.0]], NORM, 2.0, norm_type="inf") == pytest.approx(
-        [1.5, -2.0, 0.5], rel=1e-5)
+        [1.5, -2.0, 0.5], rel=1e-5
+    )
 
 
 def test_total_norm_is_tracked() -> None:
@@ -97,15 +100,19 @@ def test_sharded_mark_is_dropped_by_pickle() -> None:
     assert sharded_across(torch.load(buffer, weights_only=False)) is None
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"clipping": "norm"}, "clipping 'norm' is not a GradientClipping"),
-    ({"clipping": NORM, "norm_type": 0.0}, "norm_type=0.0"),
-    ({"clipping": NORM, "norm_type": "two"}, "could not convert"),
-    ({"clipping": VALUE, "max_gradient": -1.0}, "max_gradient=-1.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"clipping": "norm"}, "clipping 'norm' is not a GradientClipping"),
+        ({"clipping": NORM, "norm_type": 0.0}, "norm_type=0.0"),
+        ({"clipping": NORM, "norm_type": "two"}, "could not convert"),
+        ({"clipping": VALUE, "max_gradient": -1.0}, "max_gradient=-1.0"),
+    ],
+)
 def test_bad_arguments_name_the_value(kwargs: Dict[str, object], message: str) -> None:
-    inner = KeyedOptimizerWrapper({"p": torch.nn.Parameter(torch.ones(1))},
-                                  lambda ps: torch.optim.SGD(ps, lr=0.0))
+    inner = KeyedOptimizerWrapper(
+        {"p": torch.nn.Parameter(torch.ones(1))}, lambda ps: torch.optim.SGD(ps, lr=0.0)
+    )
     with pytest.raises(ValueError, match=message):
         GradientClippingOptimizer(inner, **kwargs)
 
@@ -119,19 +126,24 @@ CLIPS = [(NORM, 0.05, 2.0), (NORM, 0.02, "inf"), (VALUE, 0.01, 2.0)]
 def _plan(kind: str, ws: int) -> ShardingPlan:
     per_table = {
         # dense kernels: the tables have gradients; tc (data-parallel) is replicated
-        "mixed": {"ta": table_wise(1, compute_kernel="dense"), "tb": row_wise(compute_kernel="dense"),
-                  "tc": data_parallel()},
+        "mixed": {
+            "ta": table_wise(1, compute_kernel="dense"),
+            "tb": row_wise(compute_kernel="dense"),
+            "tc": data_parallel(),
+        },
         # rank 0 holds no table: it must still join the norm's all-reduce
         "one_rank": {t: table_wise(1, compute_kernel="dense") for t in ["ta", "tb", "tc"]},
         "column": {t: column_wise([1, 0], compute_kernel="dense") for t in ["ta", "tb", "tc"]},
         "fused": {"ta": table_wise(1), "tb": row_wise(), "tc": column_wise([0, 1])},
     }[kind]
-    return ShardingPlan({"ebc": construct_module_sharding_plan(TinyDLRM("meta").ebc, per_table,
-                                                               world_size=ws)})
+    return ShardingPlan(
+        {"ebc": construct_module_sharding_plan(TinyDLRM("meta").ebc, per_table, world_size=ws)}
+    )
 
 
-def _train(model: torch.nn.Module, optimizer, rank: int, ws: int,
-           clip_reference: Optional[object] = None) -> Dict[str, List[float]]:
+def _train(
+    model: torch.nn.Module, optimizer, rank: int, ws: int, clip_reference: object | None = None
+) -> Dict[str, List[float]]:
     losses, norms = [], []
     for step in range(STEPS):
         dense, kjt, labels = batch_for(step, rank, ws)
@@ -151,13 +163,25 @@ def _sharded(rank: int, ws: int, kind: str) -> List[Dict[str, List[float]]]:
     results = []
     for clipping, max_gradient, norm_type in CLIPS:
         torch.manual_seed(0)
-        sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": "exact_sgd", "learning_rate": 0.05})
+        sharder = EmbeddingBagCollectionSharder(
+            fused_params={"optimizer": "exact_sgd", "learning_rate": 0.05}
+        )
         model = DistributedModelParallel(TinyDLRM(), plan=_plan(kind, ws), sharders=[sharder])
-        optimizer = GradientClippingOptimizer(make_optimizer(model, kind == "fused", False), clipping,
-                                              max_gradient, norm_type, track_grad_norm=True)
+        optimizer = GradientClippingOptimizer(
+            make_optimizer(model, kind == "fused", False),
+            clipping,
+            max_gradient,
+            norm_type,
+            track_grad_norm=True,
+        )
         result = _train(model, optimizer, rank, ws)
-        dense = torch.cat([p.detach().flatten() for n, p in model.named_parameters()
-                           if n.startswith(("dense", "over"))])
+        dense = torch.cat(
+            [
+                p.detach().flatten()
+                for n, p in model.named_parameters()
+                if n.startswith(("dense", "over"))
+            ]
+        )
         everyone = [torch.empty_like(dense) for _ in range(ws)]
         dist.all_gather(everyone, dense)
         result["replicas_equal"] = [float(all(torch.equal(everyone[0], d) for d in everyone))]
@@ -173,12 +197,20 @@ def _unsharded(kind: str) -> List[Dict[str, List[float]]]:
         torch.manual_seed(0)
         model = TinyDLRM()
         optimizer = make_optimizer(model, False, False)
-        clipped = [p for n, p in model.named_parameters() if kind != "fused" or not n.startswith("ebc")]
+        clipped = [
+            p for n, p in model.named_parameters() if kind != "fused" or not n.startswith("ebc")
+        ]
 
-        def clip(clipping: GradientClipping = clipping, max_gradient: float = max_gradient,
-                 norm_type: object = norm_type, clipped: List[torch.Tensor] = clipped) -> float:
+        def clip(
+            clipping: GradientClipping = clipping,
+            max_gradient: float = max_gradient,
+            norm_type: object = norm_type,
+            clipped: List[torch.Tensor] = clipped,
+        ) -> float:
             if clipping == NORM:
-                return torch.nn.utils.clip_grad_norm_(clipped, max_gradient, float(norm_type)).item()
+                return torch.nn.utils.clip_grad_norm_(
+                    clipped, max_gradient, float(norm_type)
+                ).item()
             norm = torch.nn.utils.get_total_norm([p.grad for p in clipped], 2.0).item()
             torch.nn.utils.clip_grad_value_(clipped, max_gradient)
             return norm
@@ -201,6 +233,10 @@ def test_sharded_clipping_equals_unsharded(kind: str) -> None:
             got = copy.deepcopy(per_rank[CLIPS.index((clipping, max_gradient, norm_type))])
             assert got.pop("replicas_equal") == [1.0], f"{case} rank {rank}: dense layers differ"
             for key in ("losses", "norms"):
-                torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(expected[key]),
-                                           atol=1e-5, rtol=1e-5,
-                                           msg=lambda m, k=key, r=rank, c=case: f"{c} rank {r} {k}: {m}")
+                torch.testing.assert_close(
+                    torch.tensor(got[key]),
+                    torch.tensor(expected[key]),
+                    atol=1e-5,
+                    rtol=1e-5,
+                    msg=lambda m, k=key, r=rank, c=case: f"{c} rank {r} {k}: {m}",
+                )

@@ -17,10 +17,16 @@ class _Model(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         # dim 4 runs on fbgemm's TBE, dim 3 on recshard's torch kernel: both must follow lr
-        self.ebc = EmbeddingBagCollection([
-            EmbeddingBagConfig(num_embeddings=5, embedding_dim=4, name="t4", feature_names=["a"]),
-            EmbeddingBagConfig(num_embeddings=5, embedding_dim=3, name="t3", feature_names=["b"]),
-        ])
+        self.ebc = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(
+                    num_embeddings=5, embedding_dim=4, name="t4", feature_names=["a"]
+                ),
+                EmbeddingBagConfig(
+                    num_embeddings=5, embedding_dim=3, name="t3", feature_names=["b"]
+                ),
+            ]
+        )
         self.linear = torch.nn.Linear(7, 1)
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
@@ -28,15 +34,21 @@ class _Model(torch.nn.Module):
 
 
 def _batch() -> KeyedJaggedTensor:
-    return KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([1, 2]), torch.tensor([1, 1]))
+    return KeyedJaggedTensor.from_lengths_sync(
+        ["a", "b"], torch.tensor([1, 2]), torch.tensor([1, 1])
+    )
 
 
 def scheduled(rank: int, ws: int) -> Dict[str, object]:
     torch.manual_seed(0)
-    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": "exact_sgd", "learning_rate": 0.4})
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": "exact_sgd", "learning_rate": 0.4}
+    )
     model = DistributedModelParallel(_Model(), sharders=[sharder])
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
-                                  lambda p: torch.optim.SGD(p, lr=0.4))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(model.named_parameters())),
+        lambda p: torch.optim.SGD(p, lr=0.4),
+    )
     optimizer = CombinedOptimizer([model.fused_optimizer, dense])
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     moves = []
@@ -47,15 +59,26 @@ def scheduled(rank: int, ws: int) -> Dict[str, object]:
         optimizer.step()
         scheduler.step()
         after = model.state_dict()
-        moves.append({k: (after[k].local_shards()[0].tensor - before[k].local_shards()[0].tensor).abs().sum().item()
-                      for k in before})
+        moves.append(
+            {
+                k: (after[k].local_shards()[0].tensor - before[k].local_shards()[0].tensor)
+                .abs()
+                .sum()
+                .item()
+                for k in before
+            }
+        )
     kernels = [k for m in model.module.modules() for k in getattr(m, "kernels", [])]
     lrs = sorted(float(k.tbe.get_learning_rate()) if hasattr(k, "tbe") else k.lr for k in kernels)
     state = optimizer.state_dict()
     restored = copy.deepcopy(state)
     optimizer.load_state_dict(restored)
-    return {"lrs": lrs, "moves": moves, "groups": [g["lr"] for g in optimizer.param_groups],
-            "keys": sorted(state["state"])}
+    return {
+        "lrs": lrs,
+        "moves": moves,
+        "groups": [g["lr"] for g in optimizer.param_groups],
+        "keys": sorted(state["state"]),
+    }
 
 
 def test_lr_scheduler_reaches_fused_kernels() -> None:

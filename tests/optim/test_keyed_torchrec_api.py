@@ -44,7 +44,9 @@ def test_init_state_creates_state_without_moving_weights_and_keeps_pending_grads
     opt.init_state({"sparse"})
     assert set(opt.state_dict()["state"]) == {"dense", "sparse"}
     assert "momentum_buffer" in opt.state_dict()["state"]["sparse"]
-    assert torch.equal(dense.detach(), torch.ones(2, 3)) and torch.equal(sparse.detach(), torch.ones(4, 2))
+    assert torch.equal(dense.detach(), torch.ones(2, 3)) and torch.equal(
+        sparse.detach(), torch.ones(4, 2)
+    )
     assert dense.grad is pending and sparse.grad.is_sparse
     assert opt.param_groups[0]["lr"] == 0.5
 
@@ -68,11 +70,14 @@ def test_nested_and_stateful_state_round_trips() -> None:
 
     w = torch.ones(2)
     counter = Counter()
-    opt = KeyedOptimizer({"w": w}, {w: {"nested": {"t": torch.zeros(2)}, "counter": counter}},
-                         [{"params": [w]}])
+    opt = KeyedOptimizer(
+        {"w": w}, {w: {"nested": {"t": torch.zeros(2)}, "counter": counter}}, [{"params": [w]}]
+    )
     saved = opt.state_dict()
     assert saved["state"]["w"]["counter"] == {"n": 0}
-    opt.load_state_dict({"state": {"w": {"nested": {"t": torch.tensor([1.0, 2.0])}, "counter": {"n": 3}}}})
+    opt.load_state_dict(
+        {"state": {"w": {"nested": {"t": torch.tensor([1.0, 2.0])}, "counter": {"n": 3}}}}
+    )
     assert counter.n == 3 and opt.state[w]["nested"]["t"].tolist() == [1.0, 2.0]
 
 
@@ -109,5 +114,7 @@ def test_optimizer_wrapper_delegates_and_pickles() -> None:
     torch.save(wrapped._optimizer, buffer)
     buffer.seek(0)
     reloaded = torch.load(buffer, weights_only=False)
-    assert torch.equal(reloaded.state_dict()["state"]["w"]["momentum_buffer"],
-                       wrapped.state_dict()["state"]["w"]["momentum_buffer"])
+    assert torch.equal(
+        reloaded.state_dict()["state"]["w"]["momentum_buffer"],
+        wrapped.state_dict()["state"]["w"]["momentum_buffer"],
+    )

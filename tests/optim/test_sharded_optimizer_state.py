@@ -42,10 +42,19 @@ def _dmp(ws: int, optimizer: type) -> DistributedModelParallel:
     """Column-wise t4 keeps its two column shards at any world size (both on rank 0 at 1)."""
     model = Wrapper(optimizer)
     last = ws - 1
-    per_table = {"t0": table_wise(rank=last), "t1": row_wise(), "t2": table_wise(rank=0),
-                 "t3": row_wise(), "t4": column_wise(ranks=[0, last])}
-    return DistributedModelParallel(model, plan=ShardingPlan(
-        {"ebc": construct_module_sharding_plan(model.ebc, per_table, world_size=ws)}))
+    per_table = {
+        "t0": table_wise(rank=last),
+        "t1": row_wise(),
+        "t2": table_wise(rank=0),
+        "t3": row_wise(),
+        "t4": column_wise(ranks=[0, last]),
+    }
+    return DistributedModelParallel(
+        model,
+        plan=ShardingPlan(
+            {"ebc": construct_module_sharding_plan(model.ebc, per_table, world_size=ws)}
+        ),
+    )
 
 
 def _full_state(state: Dict[str, Dict[str, Any]]) -> Tuple[Full, List[str]]:
@@ -100,7 +109,9 @@ def _round_trip(optimizer: type, tmp_path: Any) -> None:
     saved = run_ranks(2, _train_and_save, optimizer, path, timeout=180)
     full, differing = saved[0]
     assert differing == [] and saved[1][0] == full
-    assert sorted({k.split("/")[0] for k in full}) == [f"ebc.embedding_bags.t{i}.weight" for i in range(5)]
+    assert sorted({k.split("/")[0] for k in full}) == [
+        f"ebc.embedding_bags.t{i}.weight" for i in range(5)
+    ]
     assert any(torch.tensor(v).any() for v in full.values())  # it trained
     loaded = run_ranks(1, _load, optimizer, path, timeout=180)[0]
     assert loaded == full

@@ -32,34 +32,63 @@ def _swap_first_two_ranks(entry: ParameterSharding) -> None:
 
 
 CASES = [
-    BadPlan("row_wise_out_of_rank_order", lambda p: _swap_first_two_ranks(p["rw"]),
-            r"row_wise shards must sit on ranks 0..3 in order, got \[1, 0, 2, 3\]"),
-    BadPlan("table_row_wise_out_of_node_order", lambda p: _swap_first_two_ranks(p["twrw"]),
-            r"table_row_wise shards must sit on ranks \[2, 3\] in order, got \[3, 2\]"),
-    BadPlan("column_gap", lambda p: p["cw"].shards[1].shard_offsets.__setitem__(1, 5),
-            r"column shards leave a gap or overlap at 4 \(next shard starts at 5\)"),
-    BadPlan("unknown_kernel", lambda p: setattr(p["rw"], "compute_kernel", "magic"),
-            r"unknown compute kernel 'magic'"),
-    BadPlan("rank_outside_world", lambda p: setattr(p["cw"].shards[0], "placement", "rank:7/cpu"),
-            r"ranks \[7\] are outside world size 4"),
-    BadPlan("ranks_disagree_with_placements", lambda p: setattr(p["cw"], "ranks", [0, 2]),
-            r"ranks: \[0, 2\] do not agree with the shards' placements \(ranks \[0, 1\]\)"),
-    BadPlan("missing_shards", lambda p: setattr(p["rw"], "shards", None),
-            r"row_wise needs shard metadata"),
+    BadPlan(
+        "row_wise_out_of_rank_order",
+        lambda p: _swap_first_two_ranks(p["rw"]),
+        r"row_wise shards must sit on ranks 0..3 in order, got \[1, 0, 2, 3\]",
+    ),
+    BadPlan(
+        "table_row_wise_out_of_node_order",
+        lambda p: _swap_first_two_ranks(p["twrw"]),
+        r"table_row_wise shards must sit on ranks \[2, 3\] in order, got \[3, 2\]",
+    ),
+    BadPlan(
+        "column_gap",
+        lambda p: p["cw"].shards[1].shard_offsets.__setitem__(1, 5),
+        r"column shards leave a gap or overlap at 4 \(next shard starts at 5\)",
+    ),
+    BadPlan(
+        "unknown_kernel",
+        lambda p: setattr(p["rw"], "compute_kernel", "magic"),
+        r"unknown compute kernel 'magic'",
+    ),
+    BadPlan(
+        "rank_outside_world",
+        lambda p: setattr(p["cw"].shards[0], "placement", "rank:7/cpu"),
+        r"ranks \[7\] are outside world size 4",
+    ),
+    BadPlan(
+        "ranks_disagree_with_placements",
+        lambda p: setattr(p["cw"], "ranks", [0, 2]),
+        r"ranks: \[0, 2\] do not agree with the shards' placements \(ranks \[0, 1\]\)",
+    ),
+    BadPlan(
+        "missing_shards",
+        lambda p: setattr(p["rw"], "shards", None),
+        r"row_wise needs shard metadata",
+    ),
 ]
 
 
 def _ebc() -> EmbeddingBagCollection:
-    return EmbeddingBagCollection([
-        EmbeddingBagConfig(num_embeddings=16, embedding_dim=8, name=name, feature_names=[f"f_{name}"])
-        for name in ("rw", "twrw", "cw")
-    ], device="meta")
+    return EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(
+                num_embeddings=16, embedding_dim=8, name=name, feature_names=[f"f_{name}"]
+            )
+            for name in ("rw", "twrw", "cw")
+        ],
+        device="meta",
+    )
 
 
 def _good_plan(ebc: EmbeddingBagCollection) -> Dict[str, ParameterSharding]:
     return construct_module_sharding_plan(
-        ebc, {"rw": row_wise(), "twrw": table_row_wise(1), "cw": column_wise([0, 1])},
-        local_size=LOCAL, world_size=WORLD)
+        ebc,
+        {"rw": row_wise(), "twrw": table_row_wise(1), "cw": column_wise([0, 1])},
+        local_size=LOCAL,
+        world_size=WORLD,
+    )
 
 
 class _Holder(nn.Module):
@@ -84,4 +113,3 @@ def test_bad_plan_gets_one_error_from_validate_plan_and_the_sharder(case: BadPla
     planner_message = str(planner_side.value).replace("table 'ebc.", "table '")
     assert re.search(case.error, planner_message), planner_message
     assert planner_message.split(": ", 1)[1] == str(sharder_side.value).split(": ", 1)[1]
-

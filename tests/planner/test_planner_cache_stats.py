@@ -29,7 +29,7 @@ from recshard.planner.profile import (
 from recshard.port import port_source
 from recshard.types import CacheAlgorithm, CacheParams, CacheStatistics, ShardingPlan
 
-TORCHREC_SCRIPT = '''
+TORCHREC_SCRIPT = """
 import torch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -66,7 +66,7 @@ def plan(expected_lookups):
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu"),
                                        constraints=constraints, debug=False)
     return planner, planner.plan(ebc, [EmbeddingBagCollectionSharder()])
-'''
+"""
 
 
 def test_torchrec_style_script_ports_and_its_stats_reach_the_plan():
@@ -105,10 +105,13 @@ class _Stats(CacheStatistics):
 
 def _kernel_profile() -> CalibrationProfile:
     """1e-4 ms per id, 1e-6 ms per updated element in backward; fixed costs 0.1 ms."""
-    kernels = [KernelCost("fused", phase, 64, 1e-4, 0.0, 1e-6 if phase == "bwd" else 0.0, 0.1)
-               for phase in ("fwd", "bwd")]
-    links = [LinkCost(c, "intra", 2, 2.0, 0.1)
-             for c in ("all_to_all", "reduce_scatter", "all_gather")]
+    kernels = [
+        KernelCost("fused", phase, 64, 1e-4, 0.0, 1e-6 if phase == "bwd" else 0.0, 0.1)
+        for phase in ("fwd", "bwd")
+    ]
+    links = [
+        LinkCost(c, "intra", 2, 2.0, 0.1) for c in ("all_to_all", "reduce_scatter", "all_gather")
+    ]
     return CalibrationProfile("cpu", 1, 2, 2, kernels, links)
 
 
@@ -129,14 +132,28 @@ def test_fused_update_prices_the_stats_distinct_rows():
     assert cw.bwd_compute < tw.bwd_compute
     # no stats (or stats-less CacheParams): uniform ids, as before
     assert touched_rows(table, CacheParams(load_factor=0.5), 100, 50.0, ids) == distinct_rows(
-        100, 50.0)
+        100, 50.0
+    )
 
 
 def test_skewed_ids_cost_what_they_cost_in_a_table_of_their_working_rows():
     # an id costs 1e-4 ms in a 2 k-row table, 4e-4 in a 200 k-row one (log-interpolated between)
-    kernels = [KernelCost(kernel, phase, 64, 1e-4, 0.0, 0.0, 0.0, ms_per_id_cold=4e-4,
-                          hot_rows=2_000, cold_rows=200_000)
-               for kernel in ("fused", "dense") for phase in ("fwd", "bwd")]
+    kernels = [
+        KernelCost(
+            kernel,
+            phase,
+            64,
+            1e-4,
+            0.0,
+            0.0,
+            0.0,
+            ms_per_id_cold=4e-4,
+            hot_rows=2_000,
+            cold_rows=200_000,
+        )
+        for kernel in ("fused", "dense")
+        for phase in ("fwd", "bwd")
+    ]
     profile = CalibrationProfile("cpu", 1, 2, 2, kernels, _kernel_profile().links)
     est = EmbeddingPerfEstimator(Topology(2, profile=profile), 512)
     table = TableMeta("t", 200_000, 64, pooling_factors=[10.0])
@@ -146,18 +163,22 @@ def test_skewed_ids_cost_what_they_cost_in_a_table_of_their_working_rows():
     # the ids touch as few rows as uniform draws from 2 k rows would: a hot table's cost
     hot = distinct_rows(2_000, ids)
     assert working_rows(200_000, hot, ids) == pytest.approx(2_000, rel=1e-5)
-    skewed = est.estimate(table, "table_wise", "fused", 200_000, 64,
-                          CacheParams(stats=_Stats(hot)))
+    skewed = est.estimate(table, "table_wise", "fused", 200_000, 64, CacheParams(stats=_Stats(hot)))
     assert skewed.fwd_compute == pytest.approx(ids * 1e-4)
     # as few as from 20 k rows: halfway in log rows
-    warm = est.estimate(table, "table_wise", "fused", 200_000, 64,
-                        CacheParams(stats=_Stats(distinct_rows(20_000, ids))))
+    warm = est.estimate(
+        table,
+        "table_wise",
+        "fused",
+        200_000,
+        64,
+        CacheParams(stats=_Stats(distinct_rows(20_000, ids))),
+    )
     assert warm.fwd_compute == pytest.approx(ids * 2.5e-4)
     # as many distinct rows as uniform ids (or more): the table's own size
     assert working_rows(200_000, 2 * ids, ids) == 200_000
     # the dense kernel updates the whole table: its per-id cost stays the table's
-    dense = est.estimate(table, "table_wise", "dense", 200_000, 64,
-                         CacheParams(stats=_Stats(hot)))
+    dense = est.estimate(table, "table_wise", "dense", 200_000, 64, CacheParams(stats=_Stats(hot)))
     assert dense.fwd_compute == pytest.approx(ids * 4e-4)
 
 
@@ -165,19 +186,25 @@ def test_data_parallel_exchange_and_cache_hits_use_the_stats():
     table = TableMeta("t", 1_000_000, 64, pooling_factors=[4.0])
     params = CacheParams(stats=_Stats(2_000.0))
     assert data_parallel_exchange(table, 2, 512, cache_params=params) == pytest.approx(
-        (1e6 + 4.0 * 2_000 * 64, 2))
+        (1e6 + 4.0 * 2_000 * 64, 2)
+    )
     busy = CacheParams(stats=_Stats(600_000.0))  # more than half the rows: the whole gradient
     assert data_parallel_exchange(table, 2, 512, cache_params=busy) == pytest.approx(
-        (1e6 + 4.0 * 1e6 * 64, 2))
+        (1e6 + 4.0 * 1e6 * 64, 2)
+    )
     assert cache_hit_rate(CacheParams(load_factor=0.5, stats=_Stats(1.0)), 1_000) == 0.25
     assert cache_hit_rate(CacheParams(stats=_Stats(1.0)), 1_000) == pytest.approx(0.04)  # lf 0.2
     without = cache_hit_rate(CacheParams(load_factor=0.5), 1_000)
     assert 0.5 < without < 1.0  # the Zipf-like default
     est = EmbeddingPerfEstimator(Topology(2, "cuda"), 512)
-    cold = est.kernel_bw("fused_uvm_caching", CacheParams(load_factor=0.5, stats=_Stats(1.0)),
-                         1_000)
-    assert est.kernel_bw("fused_uvm", None, 1_000) < cold < est.kernel_bw(
-        "fused_uvm_caching", CacheParams(load_factor=0.5), 1_000)
+    cold = est.kernel_bw(
+        "fused_uvm_caching", CacheParams(load_factor=0.5, stats=_Stats(1.0)), 1_000
+    )
+    assert (
+        est.kernel_bw("fused_uvm", None, 1_000)
+        < cold
+        < est.kernel_bw("fused_uvm_caching", CacheParams(load_factor=0.5), 1_000)
+    )
 
 
 def test_expected_lookups_beyond_the_rows_is_an_error_naming_the_table():
@@ -186,15 +213,18 @@ def test_expected_lookups_beyond_the_rows_is_an_error_naming_the_table():
         data_parallel_exchange(table, 2, 512, cache_params=CacheParams(stats=_Stats(5_000.0)))
     est = EmbeddingPerfEstimator(Topology(2, profile=_kernel_profile()), 512)
     with pytest.raises(ValueError, match="expected_lookups"):
-        est.estimate(table, "table_wise", "fused", 1_000, 16,
-                     CacheParams(stats=_Stats(float("nan"))))
+        est.estimate(
+            table, "table_wise", "fused", 1_000, 16, CacheParams(stats=_Stats(float("nan")))
+        )
 
 
 def test_dict_cache_params_convert_and_bad_ones_are_named():
-    constraints = ParameterConstraints(cache_params={"load_factor": 0.3, "algorithm": "lfu",
-                                                     "precision": "fp16"})
+    constraints = ParameterConstraints(
+        cache_params={"load_factor": 0.3, "algorithm": "lfu", "precision": "fp16"}
+    )
     assert constraints.cache_params == CacheParams(
-        algorithm=CacheAlgorithm.LFU, load_factor=0.3, precision=DataType.FP16)
+        algorithm=CacheAlgorithm.LFU, load_factor=0.3, precision=DataType.FP16
+    )
     with pytest.raises(ValueError, match=r"unknown keys \['hit_rate'\]"):
         ParameterConstraints(cache_params={"hit_rate": 0.9})
     with pytest.raises(ValueError, match="stats: pass a CacheParams"):
@@ -205,8 +235,16 @@ def test_dict_cache_params_convert_and_bad_ones_are_named():
         cache_params_from_dict({"load_factor": -0.1})
     with pytest.raises(ValueError, match="must be a CacheParams"):
         ParameterConstraints(cache_params=0.2)  # type: ignore[arg-type]
-    data = {"tables": [{"name": "t", "num_embeddings": 10, "embedding_dim": 8,
-                        "constraints": {"cache_params": {"load_factor": 0.2, "bogus": 1}}}]}
+    data = {
+        "tables": [
+            {
+                "name": "t",
+                "num_embeddings": 10,
+                "embedding_dim": 8,
+                "constraints": {"cache_params": {"load_factor": 0.2, "bogus": 1}},
+            }
+        ]
+    }
     with pytest.raises(InputError, match=r"table 't': bad constraints: cache_params: unknown"):
         parse_tables(data)
     data["tables"][0]["constraints"]["cache_params"] = {"load_factor": 0.2}
@@ -215,26 +253,36 @@ def test_dict_cache_params_convert_and_bad_ones_are_named():
 
 
 def test_plan_json_keeps_cache_params_but_not_stats():
-    params = CacheParams(algorithm=CacheAlgorithm.LRU, load_factor=0.25,
-                         precision=DataType.FP16, stats=_Stats(7.0))
-    assert hash(params) == hash(CacheParams(algorithm=CacheAlgorithm.LRU, load_factor=0.25,
-                                            precision=DataType.FP16))  # stats not hashed
+    params = CacheParams(
+        algorithm=CacheAlgorithm.LRU, load_factor=0.25, precision=DataType.FP16, stats=_Stats(7.0)
+    )
+    assert hash(params) == hash(
+        CacheParams(algorithm=CacheAlgorithm.LRU, load_factor=0.25, precision=DataType.FP16)
+    )  # stats not hashed
     table = TableMeta("t", 100, 8)
     saved = plan_to_dict(_plan_one(table, params))
     assert saved["modules"][""]["t"]["cache_params"] == {
-        "algorithm": "LRU", "load_factor": 0.25, "precision": "FP16"}
+        "algorithm": "LRU",
+        "load_factor": 0.25,
+        "precision": "FP16",
+    }
     loaded = plan_from_dict(saved).plan[""]["t"].cache_params
-    assert loaded == CacheParams(algorithm=CacheAlgorithm.LRU, load_factor=0.25,
-                                 precision=DataType.FP16)
+    assert loaded == CacheParams(
+        algorithm=CacheAlgorithm.LRU, load_factor=0.25, precision=DataType.FP16
+    )
     saved["modules"][""]["t"]["cache_params"] = {"load_factor": "x"}
     with pytest.raises(ValueError, match=r"modules.*t.*cache_params: load_factor"):
         plan_from_dict(saved)
 
 
 def _plan_one(table: TableMeta, params: CacheParams) -> ShardingPlan:
-    planner = EmbeddingShardingPlanner(Topology(2), constraints={
-        table.name: ParameterConstraints(sharding_types=["table_wise"], cache_params=params)},
-        debug=False)
+    planner = EmbeddingShardingPlanner(
+        Topology(2),
+        constraints={
+            table.name: ParameterConstraints(sharding_types=["table_wise"], cache_params=params)
+        },
+        debug=False,
+    )
     plan = planner.plan_tables([table])
     assert plan.plan[""]["t"].cache_params is params
     return plan

@@ -35,8 +35,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def test_fits_recover_known_costs():
-    points = [(ids, bags, 0.0, 0.5 + 2e-4 * ids + 1e-3 * bags)
-              for ids in (100.0, 1000.0, 5000.0) for bags in (10.0, 200.0)]
+    points = [
+        (ids, bags, 0.0, 0.5 + 2e-4 * ids + 1e-3 * bags)
+        for ids in (100.0, 1000.0, 5000.0)
+        for bags in (10.0, 200.0)
+    ]
     per_id, per_bag, per_element, per_call = fit_costs(points, with_elements=False)
     assert per_id == pytest.approx(2e-4, rel=1e-6) and per_bag == pytest.approx(1e-3, rel=1e-6)
     assert per_call == pytest.approx(0.5, rel=1e-6) and per_element == 0.0
@@ -59,18 +62,44 @@ def test_an_id_is_priced_by_its_table_size():
     coef, _ = fit_kernel(x, noisy)
     assert coef[0] == coef[1] > 0
     assert fit_kernel(x, ms)[0] == pytest.approx([1e-5, 4e-5, 1e-4])  # told apart: kept
-    cost = KernelCost("fused", "bwd", 64, 1e-5, 0.0, 0.0, 0.0, ms_per_id_cold=4e-5,
-                      hot_rows=2_000, cold_rows=200_000)
+    cost = KernelCost(
+        "fused",
+        "bwd",
+        64,
+        1e-5,
+        0.0,
+        0.0,
+        0.0,
+        ms_per_id_cold=4e-5,
+        hot_rows=2_000,
+        cold_rows=200_000,
+    )
     assert cost.id_ms(20) == cost.id_ms(2_000) == 1e-5
     assert cost.id_ms(200_000) == cost.id_ms(10**7) == 4e-5
     assert cost.id_ms(20_000) == pytest.approx(2.5e-5)  # half way in log rows
     # a profile without the cold cost (written before it) prices every id alike
     old = KernelCost("fused", "bwd", 64, 1e-5, 0.0)
     assert old.id_ms(10**7) == 1e-5
-    profile = CalibrationProfile("cpu", 1, kernels=[cost, old.__class__(
-        "fused", "fwd", 64, 1e-5, 0.0, ms_per_id_cold=4e-5, hot_rows=2_000, cold_rows=200_000)])
+    profile = CalibrationProfile(
+        "cpu",
+        1,
+        kernels=[
+            cost,
+            old.__class__(
+                "fused",
+                "fwd",
+                64,
+                1e-5,
+                0.0,
+                ms_per_id_cold=4e-5,
+                hot_rows=2_000,
+                cold_rows=200_000,
+            ),
+        ],
+    )
     assert profile.kernel_ms("fused", "bwd", 128, 1e3, 0.0, rows=10**6) == pytest.approx(
-        1e3 * 4e-5 * 2)  # wider rows scale the per-id cost, cold or not
+        1e3 * 4e-5 * 2
+    )  # wider rows scale the per-id cost, cold or not
     assert CalibrationProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
 
 
@@ -81,8 +110,11 @@ def test_calibrate_kernels_short_budget(tmp_path):
     assert fused_bwd is not None and profile.kernel_cost("dense", "fwd", 32) is not None
     assert fused_bwd.ms_per_id_cold is not None and fused_bwd.hot_rows < fused_bwd.cold_rows
     # real work costs something: 10k ids forward + backward are not free
-    assert profile.kernel_ms("fused", "fwd", 32, 1e4, 1e3) + profile.kernel_ms(
-        "fused", "bwd", 32, 1e4, 1e3) > 0
+    assert (
+        profile.kernel_ms("fused", "fwd", 32, 1e4, 1e3)
+        + profile.kernel_ms("fused", "bwd", 32, 1e4, 1e3)
+        > 0
+    )
     path = str(tmp_path / "profile.json")
     profile.save(path)
     assert CalibrationProfile.load(path) == profile
@@ -98,8 +130,12 @@ def test_calibrate_links_on_two_ranks():
     profile = CalibrationProfile.from_dict(profiles[0])
     assert profile.world_size == 2
     kinds = {(c.collective, c.level) for c in profile.links}
-    assert kinds == {("all_to_all", "intra"), ("reduce_scatter", "intra"),
-                     ("all_gather", "intra"), ("all_reduce", "intra")}
+    assert kinds == {
+        ("all_to_all", "intra"),
+        ("reduce_scatter", "intra"),
+        ("all_gather", "intra"),
+        ("all_reduce", "intra"),
+    }
     assert all(c.gbps > 0 and c.latency_ms >= 0 and c.ranks == 2 for c in profile.links)
     topo = Topology(2, profile=profile)
     assert topo.intra_host_bw == pytest.approx(profile.gbps("intra") * 1e6)
@@ -113,11 +149,17 @@ def test_calibrate_links_across_two_hosts():
 
 
 def _profile(per_id: float, inter_gbps: float = 1.0) -> CalibrationProfile:
-    kernels = [KernelCost(k, phase, dim, per_id * dim / 64, 0.0, 1e-7 if k == "dense" else 0.0,
-                          0.1) for k in ("fused", "dense") for phase in ("fwd", "bwd")
-               for dim in (16, 64)]
-    links = [LinkCost(c, level, 2, 20.0 if level == "intra" else inter_gbps, 0.05)
-             for c in ("all_to_all", "reduce_scatter", "all_gather") for level in ("intra", "inter")]
+    kernels = [
+        KernelCost(k, phase, dim, per_id * dim / 64, 0.0, 1e-7 if k == "dense" else 0.0, 0.1)
+        for k in ("fused", "dense")
+        for phase in ("fwd", "bwd")
+        for dim in (16, 64)
+    ]
+    links = [
+        LinkCost(c, level, 2, 20.0 if level == "intra" else inter_gbps, 0.05)
+        for c in ("all_to_all", "reduce_scatter", "all_gather")
+        for level in ("intra", "inter")
+    ]
     return CalibrationProfile("cpu", 1, 4, 2, kernels, links)
 
 
@@ -130,8 +172,9 @@ def test_profile_drives_estimates_and_flags_override():
     ids = 512 * 10 * 2  # both ranks' ids reach the one shard
     assert a.fwd_compute == pytest.approx(ids * 1e-4) and b.fwd_compute == pytest.approx(ids * 1e-5)
     # dim 32 interpolates between the measured 16 and 64
-    mid = slow.estimate(TableMeta("m", 100_000, 32, pooling_factors=[10.0]), "table_wise",
-                        "fused", 100_000, 32)
+    mid = slow.estimate(
+        TableMeta("m", 100_000, 32, pooling_factors=[10.0]), "table_wise", "fused", 100_000, 32
+    )
     assert mid.fwd_compute == pytest.approx(ids * 1e-4 * 32 / 64)
     topo = Topology(4, local_world_size=2, profile=_profile(1e-5, inter_gbps=0.5))
     assert topo.inter_host_bw == pytest.approx(0.5e6) and topo.intra_host_bw == pytest.approx(20e6)
@@ -152,9 +195,28 @@ def test_cli_calibrate_under_torchrun(tmp_path):
     out = tmp_path / "profile.json"
     env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "recshard.planner", "calibrate", "-o", str(out), "--quick", "--budget", "2"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "recshard.planner",
+            "calibrate",
+            "-o",
+            str(out),
+            "--quick",
+            "--budget",
+            "2",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     profile = CalibrationProfile.load(str(out))
     assert profile.world_size == 2 and profile.gbps("intra") > 0
@@ -163,17 +225,49 @@ def test_cli_calibrate_under_torchrun(tmp_path):
 def test_cli_calibrate_then_plan_with_profile(tmp_path):
     out = tmp_path / "profile.json"
     env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "recshard.planner", "calibrate", "-o", str(out),
-                           "--quick", "--budget", "2"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recshard.planner",
+            "calibrate",
+            "-o",
+            str(out),
+            "--quick",
+            "--budget",
+            "2",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["profile"] == str(out)
     tables = tmp_path / "tables.json"
-    tables.write_text(json.dumps([{"name": "t", "num_embeddings": 1000, "embedding_dim": 16,
-                                   "pooling_factor": 4}]))
-    proc = subprocess.run([sys.executable, "-m", "recshard.planner", str(tables),
-                           "--world-size", "2", "--profile", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    tables.write_text(
+        json.dumps(
+            [{"name": "t", "num_embeddings": 1000, "embedding_dim": 16, "pooling_factor": 4}]
+        )
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recshard.planner",
+            str(tables),
+            "--world-size",
+            "2",
+            "--profile",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "estimated step time" in proc.stdout
 
@@ -183,38 +277,50 @@ def test_calibrated_memory_scales_the_storage_estimate():
     assert measured is not None and measured.weight_factor >= 1.0  # a real fresh-process probe
     assert measured.bytes_per_id >= 0 and measured.bytes_per_output_byte >= 0
     table = TableMeta("t", 10_000, 64, pooling_factors=[10.0])
-    plain = EmbeddingStorageEstimator(Topology(2), 512).estimate(table, "table_wise", "fused",
-                                                                10_000, 64)
+    plain = EmbeddingStorageEstimator(Topology(2), 512).estimate(
+        table, "table_wise", "fused", 10_000, 64
+    )
     profile = CalibrationProfile("cpu", 1, memory=MemoryCost(1.5, 100.0, 2.0))
     calibrated = EmbeddingStorageEstimator(Topology(2, profile=profile), 512).estimate(
-        table, "table_wise", "fused", 10_000, 64)
+        table, "table_wise", "fused", 10_000, 64
+    )
     ids, bags = 2 * 512 * 10, 2 * 512
     weights = 10_000 * 64 * 4
     module = MODULE_OUTPUT_COPIES * 512 * 64 * 4  # the rank's own output, held 4 times
-    assert calibrated.ddr == pytest.approx(1.5 * weights + ids * (8 + 100) + bags * 64 * 4 * 2
-                                           + module)
+    assert calibrated.ddr == pytest.approx(
+        1.5 * weights + ids * (8 + 100) + bags * 64 * 4 * 2 + module
+    )
     assert plain.ddr == pytest.approx(weights + ids * 8 + 2 * bags * 64 * 4)
     # TrainPipelineSparseDist holds the next batch's ids too (TorchRec's factor 2)
-    pipelined = EmbeddingStorageEstimator(Topology(2, profile=profile), 512,
-                                          PipelineType.TRAIN_SPARSE_DIST)
+    pipelined = EmbeddingStorageEstimator(
+        Topology(2, profile=profile), 512, PipelineType.TRAIN_SPARSE_DIST
+    )
     assert pipelined.estimate(table, "table_wise", "fused", 10_000, 64).ddr == pytest.approx(
-        calibrated.ddr + ids * 8)
+        calibrated.ddr + ids * 8
+    )
     # row-wise: the reduce-scatter's receive and the all-gather's send buffer hold every
     # rank's bags; the reduced output of the rank's own bags and its gradient hold whole rows
     own = 512 * 64 * 4
     row_wise = 1.5 * weights / 2 + (ids / 2) * (8 + 100) + bags * 64 * 4 * 2
     half = EmbeddingStorageEstimator(Topology(2, profile=profile), 512).estimate(
-        table, "row_wise", "fused", 5_000, 64)
+        table, "row_wise", "fused", 5_000, 64
+    )
     assert half.ddr == pytest.approx(row_wise + 2 * bags * 64 * 4 + 2 * own)
     # table-row-wise on one host is row-wise; across 2 hosts x 2 ranks it also regroups the
     # rows before the host's reduce-scatter and sends the host's sums (2 own batches) across
     # hosts, held as a table-wise output is plus the sums and their gradient
     hosts = Topology(4, local_world_size=2, profile=profile)
     assert EmbeddingStorageEstimator(Topology(2, profile=profile), 512).estimate(
-        table, "table_row_wise", "fused", 5_000, 64).ddr == pytest.approx(half.ddr)
-    quarter = EmbeddingStorageEstimator(hosts, 512).estimate(table, "table_row_wise", "fused",
-                                                            5_000, 64)
+        table, "table_row_wise", "fused", 5_000, 64
+    ).ddr == pytest.approx(half.ddr)
+    quarter = EmbeddingStorageEstimator(hosts, 512).estimate(
+        table, "table_row_wise", "fused", 5_000, 64
+    )
     bags4 = 4 * 512
     assert quarter.ddr == pytest.approx(
-        1.5 * weights / 2 + (ids / 2 * 2) * (8 + 100) + bags4 * 64 * 4 * 2
-        + 3 * bags4 * 64 * 4 + (2 + MODULE_OUTPUT_COPIES) * 2 * own)
+        1.5 * weights / 2
+        + (ids / 2 * 2) * (8 + 100)
+        + bags4 * 64 * 4 * 2
+        + 3 * bags4 * 64 * 4
+        + (2 + MODULE_OUTPUT_COPIES) * 2 * own
+    )

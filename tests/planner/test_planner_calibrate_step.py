@@ -26,18 +26,21 @@ from tests.multiprocess import run_ranks
 
 
 def _calibrate_job(rank, world_size):
-    return calibrate_job(budget_s=1.0, grid=CalibrationGrid.quick(),
-                         probe=StepProbe.quick()).to_dict()
+    return calibrate_job(
+        budget_s=1.0, grid=CalibrationGrid.quick(), probe=StepProbe.quick()
+    ).to_dict()
 
 
 def test_step_costs_measured_on_two_ranks():
     profiles = run_ranks(2, _calibrate_job, timeout=300)
     # one profile for the job: the ranks plan the same probe modules and the same plans
-    assert {k: v for k, v in profiles[0].items() if k != "seconds"} == \
-        {k: v for k, v in profiles[1].items() if k != "seconds"}
+    assert {k: v for k, v in profiles[0].items() if k != "seconds"} == {
+        k: v for k, v in profiles[1].items() if k != "seconds"
+    }
     profile = CalibrationProfile.from_dict(profiles[0])
     assert {(c.sharding_type, c.phase) for c in profile.steps} == {
-        (t, p) for t in STEP_TYPES for p in ("fwd", "bwd")}
+        (t, p) for t in STEP_TYPES for p in ("fwd", "bwd")
+    }
     for cost in profile.steps:
         assert cost.ms_per_group >= 0 and cost.ms_per_feature >= 0
         assert cost.work_scale >= 0 and cost.ms_per_shard >= 0 and cost.ms_per_id >= 0
@@ -46,7 +49,8 @@ def test_step_costs_measured_on_two_ranks():
     assert profile.step_ms("table_wise", 4) > 0
     model = StepTimePerfModel(Topology(2, profile=profile))
     assert model.group_ms("row_wise", "fused", 16, 4) == pytest.approx(
-        profile.step_ms("row_wise", 4))
+        profile.step_ms("row_wise", 4)
+    )
 
 
 def test_calibrate_job_on_one_process_measures_no_steps():
@@ -59,41 +63,60 @@ def _sample(modelled, update, shards, ids, beyond):
 
 
 def test_fit_work_recovers_two_scales_a_cost_per_shard_and_per_id():
-    assert fit_work([_sample(m, 0.0, 24.0, 1e4, 1.7 * m) for m in (1.0, 5.0, 30.0)]) == \
-        pytest.approx((1.7, 0.0, 0.0, 0.0))
+    assert fit_work(
+        [_sample(m, 0.0, 24.0, 1e4, 1.7 * m) for m in (1.0, 5.0, 30.0)]
+    ) == pytest.approx((1.7, 0.0, 0.0, 0.0))
     # the rest scaled by 2.1, the kernels' update by 1.3, plus 1.1 ms per shard and 2e-5 ms
     # per id, told apart by modules mixing them differently
-    cases = [(7.0, 2.0, 8.0, 13e3), (30.0, 25.0, 24.0, 320e3), (82.0, 30.0, 24.0, 80e3),
-             (95.0, 70.0, 24.0, 320e3), (20.0, 4.0, 8.0, 50e3), (60.0, 50.0, 8.0, 200e3)]
-    samples = [_sample(m, i, n, ids, 2.1 * (m - i) + 1.3 * i + 1.1 * n + 2e-5 * ids)
-               for m, i, n, ids in cases]
+    cases = [
+        (7.0, 2.0, 8.0, 13e3),
+        (30.0, 25.0, 24.0, 320e3),
+        (82.0, 30.0, 24.0, 80e3),
+        (95.0, 70.0, 24.0, 320e3),
+        (20.0, 4.0, 8.0, 50e3),
+        (60.0, 50.0, 8.0, 200e3),
+    ]
+    samples = [
+        _sample(m, i, n, ids, 2.1 * (m - i) + 1.3 * i + 1.1 * n + 2e-5 * ids)
+        for m, i, n, ids in cases
+    ]
     assert fit_work(samples) == pytest.approx((2.1, 1.3, 1.1, 2e-5))
     assert fit_work([]) == (1.0, 1.0, 0.0, 0.0)  # nothing measured: nothing to scale
 
 
 def _profile(steps):
-    kernels = [KernelCost("fused", phase, 64, 1e-4, 0.0, 1e-6 if phase == "bwd" else 0.0, 0.1)
-               for phase in ("fwd", "bwd")]
-    links = [LinkCost(c, "intra", 2, 2.0, 0.1)
-             for c in ("all_to_all", "reduce_scatter", "all_gather")]
+    kernels = [
+        KernelCost("fused", phase, 64, 1e-4, 0.0, 1e-6 if phase == "bwd" else 0.0, 0.1)
+        for phase in ("fwd", "bwd")
+    ]
+    links = [
+        LinkCost(c, "intra", 2, 2.0, 0.1) for c in ("all_to_all", "reduce_scatter", "all_gather")
+    ]
     return CalibrationProfile("cpu", 1, 2, 2, kernels, links, steps=steps)
 
 
 def test_measured_step_costs_drive_the_step_model_and_estimates():
-    steps = [StepCost("table_wise", "fwd", 2.0, 0.1, work_scale=2.0, ms_per_shard=0.5,
-                      ms_per_id=1e-5),
-             StepCost("table_wise", "bwd", 1.0, 0.05, work_scale=3.0, ms_per_shard=0.25,
-                      element_scale=1.5),
-             StepCost("row_wise", "fwd", 4.0, 0.0), StepCost("row_wise", "bwd", 1.0, 0.0)]
+    steps = [
+        StepCost("table_wise", "fwd", 2.0, 0.1, work_scale=2.0, ms_per_shard=0.5, ms_per_id=1e-5),
+        StepCost(
+            "table_wise", "bwd", 1.0, 0.05, work_scale=3.0, ms_per_shard=0.25, element_scale=1.5
+        ),
+        StepCost("row_wise", "fwd", 4.0, 0.0),
+        StepCost("row_wise", "bwd", 1.0, 0.0),
+    ]
     model = StepTimePerfModel(Topology(2, profile=_profile(steps)))
     assert model.group_ms("table_wise", "fused", 64, 10) == pytest.approx(3.0 + 10 * 0.15)
     # a group's features add up over its tables; a second group pays its own fixed cost
-    groups = [("table_wise", "fused", 64, 4), ("table_wise", "fused", 64, 6),
-              ("row_wise", "fused", 64, 1)]
+    groups = [
+        ("table_wise", "fused", 64, 4),
+        ("table_wise", "fused", 64, 6),
+        ("row_wise", "fused", 64, 1),
+    ]
     assert model.fixed_ms(groups) == pytest.approx(3.0 + 10 * 0.15 + 5.0)
     # a type the profile did not measure falls back to its collectives' latencies
     assert model.group_ms("column_wise", "fused", 64, 1) == pytest.approx(
-        5 * 0.1 + 2 * 0.1)  # 5 all-to-alls + the fused kernel's per-call fwd + bwd
+        5 * 0.1 + 2 * 0.1
+    )  # 5 all-to-alls + the fused kernel's per-call fwd + bwd
     table = TableMeta("t", 50_000, 64, pooling_factors=[10.0])
     plain = EmbeddingPerfEstimator(Topology(2, profile=_profile([])), 512)
     scaled = EmbeddingPerfEstimator(Topology(2, profile=_profile(steps)), 512)
@@ -115,13 +138,20 @@ def test_fused_update_is_priced_by_distinct_rows():
     assert distinct_rows(1e7, 100) == pytest.approx(100, rel=1e-4)  # hardly any repeats
     est = EmbeddingPerfEstimator(Topology(2, profile=_profile([])), 512)
     ids = 2 * 512 * 10
-    small = est.estimate(TableMeta("s", 20, 64, pooling_factors=[10.0]), "table_wise", "fused",
-                         20, 64)
-    large = est.estimate(TableMeta("l", 10_000_000, 64, pooling_factors=[10.0]), "table_wise",
-                         "fused", 10_000_000, 64)
+    small = est.estimate(
+        TableMeta("s", 20, 64, pooling_factors=[10.0]), "table_wise", "fused", 20, 64
+    )
+    large = est.estimate(
+        TableMeta("l", 10_000_000, 64, pooling_factors=[10.0]),
+        "table_wise",
+        "fused",
+        10_000_000,
+        64,
+    )
     assert small.bwd_compute == pytest.approx(ids * 1e-4 + distinct_rows(20, ids) * 64 * 1e-6)
     assert large.bwd_compute == pytest.approx(
-        ids * 1e-4 + distinct_rows(10_000_000, ids) * 64 * 1e-6)
+        ids * 1e-4 + distinct_rows(10_000_000, ids) * 64 * 1e-6
+    )
     assert small.bwd_compute < large.bwd_compute
 
 
@@ -136,8 +166,7 @@ def test_data_parallel_prices_the_rows_exchanged():
     assert 4 * 20_000 * 64 >= ROW_EXCHANGE_MIN_BYTES
     assert data_parallel_exchange(busy, 2, 2048) == pytest.approx((20_000 + 4.0 * 20_000 * 64, 2))
     topo = Topology(2, profile=_profile([]))
-    perf = EmbeddingPerfEstimator(topo, 512).estimate(big, "data_parallel", "dense",
-                                                      1_000_000, 64)
+    perf = EmbeddingPerfEstimator(topo, 512).estimate(big, "data_parallel", "dense", 1_000_000, 64)
     exchanged = 1e6 + 4.0 * used * 64
     ring = 0.5 / topo.intra_host_bw  # (W-1)/W per byte
     assert perf.bwd_comms == pytest.approx(2 * exchanged * ring + 2 * (0.1 + 0.1))
@@ -146,18 +175,22 @@ def test_data_parallel_prices_the_rows_exchanged():
     timed = _profile([])
     timed.links.append(LinkCost("all_reduce", "intra", 2, 0.5, 0.3))
     perf = EmbeddingPerfEstimator(Topology(2, profile=timed), 512).estimate(
-        big, "data_parallel", "dense", 1_000_000, 64)
+        big, "data_parallel", "dense", 1_000_000, 64
+    )
     assert perf.bwd_comms == pytest.approx(exchanged * 0.5 / 0.5e6 + 2 * 0.3)
     slower = EmbeddingPerfEstimator(Topology(2, profile=timed, intra_host_bw=1.0), 512)
-    assert slower.estimate(big, "data_parallel", "dense", 1_000_000, 64).bwd_comms == \
-        pytest.approx(exchanged * 0.5 / 0.25e6 + 2 * 0.3)
+    assert slower.estimate(big, "data_parallel", "dense", 1_000_000, 64).bwd_comms == pytest.approx(
+        exchanged * 0.5 / 0.25e6 + 2 * 0.3
+    )
 
 
 def test_table_column_wise_is_priced_with_column_wise_step_costs():
     # the probes do not build table-column-wise modules: its shards run as column-wise ones
     # (one placed group), so they take column-wise's measured costs instead of none at all
-    steps = [StepCost("column_wise", "fwd", 2.0, 0.1, work_scale=2.0, ms_per_shard=0.5),
-             StepCost("column_wise", "bwd", 1.0, 0.05, work_scale=3.0, element_scale=1.5)]
+    steps = [
+        StepCost("column_wise", "fwd", 2.0, 0.1, work_scale=2.0, ms_per_shard=0.5),
+        StepCost("column_wise", "bwd", 1.0, 0.05, work_scale=3.0, element_scale=1.5),
+    ]
     profile = _profile(steps)
     assert profile.step_ms("table_column_wise", 4) == pytest.approx(3.0 + 4 * 0.15)
     assert profile.work_scale("table_column_wise", "bwd") == 3.0

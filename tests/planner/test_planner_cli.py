@@ -18,19 +18,35 @@ TABLES = {
     "optimizer": "exact_row_wise_adagrad",
     "tables": [
         {"name": "user", "num_embeddings": 2_000_000, "embedding_dim": 128, "pooling_factor": 1},
-        {"name": "item", "num_embeddings": 500_000, "embedding_dim": 64,
-         "feature_names": ["item", "item_hist"], "pooling_factor": [1, 20], "module": "sparse.ebc"},
+        {
+            "name": "item",
+            "num_embeddings": 500_000,
+            "embedding_dim": 64,
+            "feature_names": ["item", "item_hist"],
+            "pooling_factor": [1, 20],
+            "module": "sparse.ebc",
+        },
         {"name": "tiny", "num_embeddings": 100, "embedding_dim": 16, "weighted": True},
-        {"name": "wide", "num_embeddings": 10_000, "embedding_dim": 256,
-         "constraints": {"sharding_types": ["column_wise"], "min_partition": 64}},
+        {
+            "name": "wide",
+            "num_embeddings": 10_000,
+            "embedding_dim": 256,
+            "constraints": {"sharding_types": ["column_wise"], "min_partition": 64},
+        },
     ],
 }
 
 
 def _run(args, cwd):
     env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "recshard.planner", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "recshard.planner", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture
@@ -42,9 +58,24 @@ def tables_file(tmp_path):
 
 def test_cli_prints_tables_and_writes_plan(tables_file, tmp_path):
     out = str(tmp_path / "plan.json")
-    proc = _run([tables_file, "--world-size", "4", "--local-world-size", "2",
-                 "--compute-device", "cuda", "--hbm-gb", "16", "--batch-size", "256", "-o", out],
-                tmp_path)
+    proc = _run(
+        [
+            tables_file,
+            "--world-size",
+            "4",
+            "--local-world-size",
+            "2",
+            "--compute-device",
+            "cuda",
+            "--hbm-gb",
+            "16",
+            "--batch-size",
+            "256",
+            "-o",
+            out,
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "imbalance (max/mean)" in proc.stdout
     assert "| rank |" in proc.stdout and "sparse.ebc.item" in proc.stdout
@@ -64,8 +95,9 @@ def test_cli_exit_2_when_nothing_fits(tables_file, tmp_path):
 
 def test_cli_bad_input_names_the_table(tmp_path, capsys):
     path = tmp_path / "bad.json"
-    path.write_text(json.dumps([{"name": "t", "num_embeddings": 10, "embedding_dim": 4,
-                                 "pooling": 3}]))
+    path.write_text(
+        json.dumps([{"name": "t", "num_embeddings": 10, "embedding_dim": 4, "pooling": 3}])
+    )
     assert main([str(path)]) == 1
     assert "table 't': unknown keys ['pooling']" in capsys.readouterr().err
 
@@ -84,21 +116,51 @@ def test_cli_png(tables_file, tmp_path, capsys):
 
 _GOOD = {"name": "t", "num_embeddings": 1000, "embedding_dim": 16}
 _BAD_INPUT = [
-    ("world size 0", [_GOOD], ["--world-size", "0"], "--world-size / world_size must be an integer >= 1, got 0"),
-    ("batch size 0", [_GOOD], ["--batch-size", "0"], "--batch-size / batch_size must be an integer >= 1, got 0"),
+    (
+        "world size 0",
+        [_GOOD],
+        ["--world-size", "0"],
+        "--world-size / world_size must be an integer >= 1, got 0",
+    ),
+    (
+        "batch size 0",
+        [_GOOD],
+        ["--batch-size", "0"],
+        "--batch-size / batch_size must be an integer >= 1, got 0",
+    ),
     ("negative batch size", [_GOOD], ["--batch-size", "-4"], "must be an integer >= 1, got -4"),
     ("negative timeout", [_GOOD], ["--timeout", "-1"], "--timeout must be a number of seconds > 0"),
     ("negative ddr", [_GOOD], ["--ddr-gb", "-1"], "--ddr-gb must be a finite number >= 0"),
-    ("negative pooling", [{**_GOOD, "pooling_factor": -2}], [],
-     "table 't': 'pooling_factor' must be finite numbers > 0, got -2"),
-    ("nan pooling", '[{"name": "t", "num_embeddings": 10, "embedding_dim": 4, "pooling_factor": NaN}]',
-     [], "table 't': 'pooling_factor' must be finite numbers > 0, got nan"),
-    ("negative per-table batch", [{**_GOOD, "batch_sizes": [-1]}], [],
-     "table 't': 'batch_sizes' must be integers >= 1, got -1"),
-    ("bool rows", [{**_GOOD, "num_embeddings": True}], [],
-     "table 't': 'num_embeddings' must be an integer >= 1, got True"),
-    ("string features", [{**_GOOD, "feature_names": "user"}], [],
-     "table 't': 'feature_names' must be a non-empty list of names, got 'user'"),
+    (
+        "negative pooling",
+        [{**_GOOD, "pooling_factor": -2}],
+        [],
+        "table 't': 'pooling_factor' must be finite numbers > 0, got -2",
+    ),
+    (
+        "nan pooling",
+        '[{"name": "t", "num_embeddings": 10, "embedding_dim": 4, "pooling_factor": NaN}]',
+        [],
+        "table 't': 'pooling_factor' must be finite numbers > 0, got nan",
+    ),
+    (
+        "negative per-table batch",
+        [{**_GOOD, "batch_sizes": [-1]}],
+        [],
+        "table 't': 'batch_sizes' must be integers >= 1, got -1",
+    ),
+    (
+        "bool rows",
+        [{**_GOOD, "num_embeddings": True}],
+        [],
+        "table 't': 'num_embeddings' must be an integer >= 1, got True",
+    ),
+    (
+        "string features",
+        [{**_GOOD, "feature_names": "user"}],
+        [],
+        "table 't': 'feature_names' must be a non-empty list of names, got 'user'",
+    ),
     ("empty list", [], [], "the table list is empty"),
     ("malformed json", '[{"name": "t",', [], "not valid JSON"),
     ("not utf-8", b'[{"name": "\xff"}]', [], "not UTF-8 text"),
@@ -120,11 +182,20 @@ def test_cli_bad_input_exits_1_naming_file_and_table(case, tmp_path, capsys):
 
 
 def _plan_file(tmp_path, change) -> str:
-    entry = {"sharding_type": "table_wise", "compute_kernel": "fused", "ranks": [0],
-             "shards": [{"offsets": [0, 0], "sizes": [10, 4], "placement": "rank:0/cpu"}],
-             "bounds_check_mode": None, "cache_params": None}
-    data = {"format": "recshard.sharding_plan", "version": 1, "metadata": {},
-            "modules": {"ebc": {"t": entry}}}
+    entry = {
+        "sharding_type": "table_wise",
+        "compute_kernel": "fused",
+        "ranks": [0],
+        "shards": [{"offsets": [0, 0], "sizes": [10, 4], "placement": "rank:0/cpu"}],
+        "bounds_check_mode": None,
+        "cache_params": None,
+    }
+    data = {
+        "format": "recshard.sharding_plan",
+        "version": 1,
+        "metadata": {},
+        "modules": {"ebc": {"t": entry}},
+    }
     change(data, entry)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
@@ -132,14 +203,23 @@ def _plan_file(tmp_path, change) -> str:
 
 
 _BAD_PLANS = [
-    ("garbage placement", lambda d, e: e["shards"][0].update(placement="garbage"),
-     "table 'ebc.t': $.modules[\"ebc\"][\"t\"].shards[0].placement: expected 'rank:<r>/<device>'"),
+    (
+        "garbage placement",
+        lambda d, e: e["shards"][0].update(placement="garbage"),
+        "table 'ebc.t': $.modules[\"ebc\"][\"t\"].shards[0].placement: expected 'rank:<r>/<device>'",
+    ),
     ("modules as a list", lambda d, e: d.update(modules=[]), "$.modules: expected dict"),
-    ("bad bounds mode", lambda d, e: e.update(bounds_check_mode="loud"),
-     "table 'ebc.t': $.modules[\"ebc\"][\"t\"].bounds_check_mode: 'loud' is not one of"),
-    ("ranks disagree", lambda d, e: e["shards"][0].update(placement="rank:1/cpu"),
-     "table 'ebc.t': $.modules[\"ebc\"][\"t\"].ranks: [0] do not agree with the shards' "
-     "placements (ranks [1])"),
+    (
+        "bad bounds mode",
+        lambda d, e: e.update(bounds_check_mode="loud"),
+        "table 'ebc.t': $.modules[\"ebc\"][\"t\"].bounds_check_mode: 'loud' is not one of",
+    ),
+    (
+        "ranks disagree",
+        lambda d, e: e["shards"][0].update(placement="rank:1/cpu"),
+        'table \'ebc.t\': $.modules["ebc"]["t"].ranks: [0] do not agree with the shards\' '
+        "placements (ranks [1])",
+    ),
 ]
 
 
@@ -157,16 +237,31 @@ def test_load_plan_names_file_json_path_and_table(case, tmp_path):
 
 
 _BAD_PLANS_FOR_TABLES = _BAD_PLANS + [
-    ("rank outside the world", lambda d, e: (e.update(ranks=[5]), e["shards"][0].update(
-        placement="rank:5/cpu")), "table 'ebc.t': ranks [5] are outside world size 2"),
-    ("shards short of the table", lambda d, e: e["shards"][0].update(sizes=[6, 4]),
-     "table 'ebc.t': row shards cover 6 of 10"),
-    ("unknown sharding type", lambda d, e: e.update(sharding_type="diagonal"),
-     "table 'ebc.t': unknown sharding type 'diagonal'"),
-    ("unknown kernel", lambda d, e: e.update(compute_kernel="magic"),
-     "table 'ebc.t': unknown compute kernel 'magic'"),
-    ("table not given", lambda d, e: d["modules"]["ebc"].update(u=e),
-     "table 'ebc.u': in the plan but not among the tables given"),
+    (
+        "rank outside the world",
+        lambda d, e: (e.update(ranks=[5]), e["shards"][0].update(placement="rank:5/cpu")),
+        "table 'ebc.t': ranks [5] are outside world size 2",
+    ),
+    (
+        "shards short of the table",
+        lambda d, e: e["shards"][0].update(sizes=[6, 4]),
+        "table 'ebc.t': row shards cover 6 of 10",
+    ),
+    (
+        "unknown sharding type",
+        lambda d, e: e.update(sharding_type="diagonal"),
+        "table 'ebc.t': unknown sharding type 'diagonal'",
+    ),
+    (
+        "unknown kernel",
+        lambda d, e: e.update(compute_kernel="magic"),
+        "table 'ebc.t': unknown compute kernel 'magic'",
+    ),
+    (
+        "table not given",
+        lambda d, e: d["modules"]["ebc"].update(u=e),
+        "table 'ebc.u': in the plan but not among the tables given",
+    ),
     ("not a plan", lambda d, e: d.update(format="other"), "not a recshard sharding plan"),
 ]
 
@@ -177,8 +272,9 @@ def test_cli_bad_plan_file_exits_1_naming_file_and_table(case, tmp_path, capsys)
     `error: PLAN: table 'X': ...`, no traceback; checked against the tables it is given."""
     _, change, message = case
     tables = tmp_path / "tables.json"
-    tables.write_text(json.dumps([{"name": "t", "num_embeddings": 10, "embedding_dim": 4,
-                                   "module": "ebc"}]))
+    tables.write_text(
+        json.dumps([{"name": "t", "num_embeddings": 10, "embedding_dim": 4, "module": "ebc"}])
+    )
     path = _plan_file(tmp_path, change)
     assert main([str(tables), "--world-size", "2", "--plan", path]) == 1
     err = capsys.readouterr().err
@@ -188,8 +284,14 @@ def test_cli_bad_plan_file_exits_1_naming_file_and_table(case, tmp_path, capsys)
 
 def test_cli_plan_file_missing_a_table_names_it(tmp_path, capsys):
     tables = tmp_path / "tables.json"
-    tables.write_text(json.dumps([{"name": n, "num_embeddings": 10, "embedding_dim": 4,
-                                   "module": "ebc"} for n in ("t", "w")]))
+    tables.write_text(
+        json.dumps(
+            [
+                {"name": n, "num_embeddings": 10, "embedding_dim": 4, "module": "ebc"}
+                for n in ("t", "w")
+            ]
+        )
+    )
     path = _plan_file(tmp_path, lambda d, e: None)
     assert main([str(tables), "--world-size", "2", "--plan", path]) == 1
     err = capsys.readouterr().err
@@ -207,11 +309,28 @@ def _max_memory_mib(out: str) -> float:
 
 def test_cli_pipeline_type_counts_the_batches_of_ids_in_flight(tmp_path, capsys):
     tables = tmp_path / "tables.json"
-    tables.write_text(json.dumps({"tables": [
-        {"name": "a", "num_embeddings": 100_000, "embedding_dim": 64, "pooling_factor": 20,
-         "constraints": {"sharding_types": ["row_wise"]}},
-        {"name": "b", "num_embeddings": 5_000, "embedding_dim": 32, "pooling_factor": 5,
-         "constraints": {"sharding_types": ["row_wise"]}}]}))
+    tables.write_text(
+        json.dumps(
+            {
+                "tables": [
+                    {
+                        "name": "a",
+                        "num_embeddings": 100_000,
+                        "embedding_dim": 64,
+                        "pooling_factor": 20,
+                        "constraints": {"sharding_types": ["row_wise"]},
+                    },
+                    {
+                        "name": "b",
+                        "num_embeddings": 5_000,
+                        "embedding_dim": 32,
+                        "pooling_factor": 5,
+                        "constraints": {"sharding_types": ["row_wise"]},
+                    },
+                ]
+            }
+        )
+    )
     plan = str(tmp_path / "plan.json")
     base = [str(tables), "--world-size", "2", "--batch-size", "512"]
     for pipeline in ("none", "train_sparse_dist"):  # plans and explains under either
@@ -225,4 +344,5 @@ def test_cli_pipeline_type_counts_the_batches_of_ids_in_flight(tmp_path, capsys)
     batch_of_ids = 12_800 * 8 / 2**20
     assert memory["train_sparse_dist"] - memory["none"] == pytest.approx(batch_of_ids, abs=2e-3)
     assert memory["train_prefetch_sparse_dist"] - memory["none"] == pytest.approx(
-        2 * batch_of_ids, abs=2e-3)
+        2 * batch_of_ids, abs=2e-3
+    )

@@ -34,8 +34,9 @@ from recshard.types import CacheParams
 )
 def test_random_tables_fit_and_are_all_planned(seed, world, local, device, hbm_gb, ddr_gb):
     tables = random_tables(40, seed=seed)
-    topo = Topology(world, device, hbm_cap=hbm_gb and hbm_gb * GIB, ddr_cap=ddr_gb * GIB,
-                    local_world_size=local)
+    topo = Topology(
+        world, device, hbm_cap=hbm_gb and hbm_gb * GIB, ddr_cap=ddr_gb * GIB, local_world_size=local
+    )
     planner = EmbeddingShardingPlanner(topo, batch_size=256, debug=False)
     plan = planner.plan_tables(tables)
     assert_feasible_and_complete(planner, plan, tables)
@@ -66,8 +67,9 @@ def test_constraints_are_honored():
         "t2": ParameterConstraints(compute_kernels=["dense"]),
         "t3": ParameterConstraints(sharding_types=["table_wise", "data_parallel"]),
         "t4": ParameterConstraints(sharding_types=["table_column_wise"], min_partition=16),
-        "t5": ParameterConstraints(compute_kernels=["fused_uvm_caching"],
-                                   cache_params={"load_factor": 0.5}),
+        "t5": ParameterConstraints(
+            compute_kernels=["fused_uvm_caching"], cache_params={"load_factor": 0.5}
+        ),
         "t6": ParameterConstraints(enforce_hbm=True),
     }
     topo = Topology(8, "cuda", local_world_size=4)
@@ -94,9 +96,13 @@ def test_min_partition_sets_column_shard_counts():
     topo = Topology(16)
     for min_partition, most in [(64, 4), (32, 8), (100, 2)]:
         planner = EmbeddingShardingPlanner(
-            topo, debug=False,
-            constraints={"wide": ParameterConstraints(sharding_types=["column_wise"],
-                                                      min_partition=min_partition)},
+            topo,
+            debug=False,
+            constraints={
+                "wide": ParameterConstraints(
+                    sharding_types=["column_wise"], min_partition=min_partition
+                )
+            },
         )
         space = EmbeddingEnumerator(topo, constraints=planner.constraints).enumerate_tables([table])
         counts = sorted({o.num_shards for o in space[0]})
@@ -104,8 +110,10 @@ def test_min_partition_sets_column_shard_counts():
 
 
 def test_similar_tables_balance_within_ten_percent():
-    tables = [TableMeta(f"t{i}", 100_000 + 1000 * i, 64 + 8 * (i % 3), pooling_factors=[10.0])
-              for i in range(100)]
+    tables = [
+        TableMeta(f"t{i}", 100_000 + 1000 * i, 64 + 8 * (i % 3), pooling_factors=[10.0])
+        for i in range(100)
+    ]
     planner = EmbeddingShardingPlanner(Topology(8), debug=False)
     planner.plan_tables(tables)
     assert planner.last_stats.imbalance <= 1.1
@@ -150,7 +158,8 @@ def test_tables_too_big_together_raise_with_details():
 def test_no_allowed_option_names_the_table():
     tables = [TableMeta("t", 100, 16, sharding_types=["table_wise"])]
     planner = EmbeddingShardingPlanner(
-        Topology(2), debug=False,
+        Topology(2),
+        debug=False,
         constraints={"t": ParameterConstraints(sharding_types=["row_wise"])},
     )
     with pytest.raises(PlannerError, match="table 't': no sharding type"):
@@ -161,7 +170,8 @@ def test_reservation_is_explicit_and_reported():
     tables = random_tables(10, seed=1)
     topo = Topology(2, ddr_cap=4 * GIB)
     planner = EmbeddingShardingPlanner(
-        topo, storage_reservation=StorageReservation(dense_bytes=GIB, kjt_bytes=0.5 * GIB),
+        topo,
+        storage_reservation=StorageReservation(dense_bytes=GIB, kjt_bytes=0.5 * GIB),
         debug=False,
     )
     planner.plan_tables(tables)
@@ -211,20 +221,26 @@ if given is not None:
 
     @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(
-        sizes=st.lists(st.tuples(st.integers(1, 3_000_000), st.integers(1, 300),
-                                 st.floats(0.5, 50.0)), min_size=1, max_size=25),
+        sizes=st.lists(
+            st.tuples(st.integers(1, 3_000_000), st.integers(1, 300), st.floats(0.5, 50.0)),
+            min_size=1,
+            max_size=25,
+        ),
         world=st.sampled_from([(1, 1), (2, 2), (4, 2), (6, 3), (8, 4)]),
         device=st.sampled_from(["cpu", "cuda"]),
         mem_gb=st.floats(0.05, 4.0),
         optimizer=st.sampled_from(["exact_sgd", "exact_row_wise_adagrad", "adam"]),
     )
     def test_property_plan_fits_or_planner_error(sizes, world, device, mem_gb, optimizer):
-        tables = [TableMeta(f"t{i}", rows, dim, pooling_factors=[pf], optimizer=optimizer)
-                  for i, (rows, dim, pf) in enumerate(sizes)]
+        tables = [
+            TableMeta(f"t{i}", rows, dim, pooling_factors=[pf], optimizer=optimizer)
+            for i, (rows, dim, pf) in enumerate(sizes)
+        ]
         ws, local = world
         if device == "cuda":
-            topo = Topology(ws, "cuda", hbm_cap=mem_gb * GIB, ddr_cap=2 * mem_gb * GIB,
-                            local_world_size=local)
+            topo = Topology(
+                ws, "cuda", hbm_cap=mem_gb * GIB, ddr_cap=2 * mem_gb * GIB, local_world_size=local
+            )
         else:
             topo = Topology(ws, ddr_cap=mem_gb * GIB, local_world_size=local)
         planner = EmbeddingShardingPlanner(topo, batch_size=64, debug=False)
@@ -238,8 +254,9 @@ if given is not None:
 
 def test_search_stops_early():
     tables = random_tables(300, seed=2)
-    planner = EmbeddingShardingPlanner(Topology(16, "cuda", local_world_size=8),
-                                       proposer=GreedyProposer(patience=5), debug=False)
+    planner = EmbeddingShardingPlanner(
+        Topology(16, "cuda", local_world_size=8), proposer=GreedyProposer(patience=5), debug=False
+    )
     planner.plan_tables(tables)
     assert planner.last_stats.num_proposals < 300
 
@@ -247,8 +264,12 @@ def test_search_stops_early():
 def test_refinement_fixes_what_greedy_leaves_uneven():
     def option(name, ms):
         table = TableMeta(name, 10, 4)
-        return ShardingOption(table, "table_wise", "fused",
-                              [Segment(1, 10, 4, Perf(fwd_compute=ms), Storage(0.0, 100.0))])
+        return ShardingOption(
+            table,
+            "table_wise",
+            "fused",
+            [Segment(1, 10, 4, Perf(fwd_compute=ms), Storage(0.0, 100.0))],
+        )
 
     proposal = [option(f"t{i}", ms) for i, ms in enumerate([3.0, 3.0, 2.0, 2.0, 2.0])]
     capacity = StorageReservation(kjt_bytes=0).reserve(Topology(2), [], 1)
@@ -279,22 +300,33 @@ def test_planner_refines_more_than_the_best_rated_placement():
     """A placement rated worse as placed can be the better one once refined: the planner
     refines the best few, not only the first (at 2 x 2 ranks, d128, all-table-wise was rated
     218.9 ms as placed, 210.6 refined, and lost to a mixed plan of 212.8)."""
+
     def option(name, ms):
-        return ShardingOption(TableMeta(name, 10, 4), "table_wise", "fused",
-                              [Segment(1, 10, 4, Perf(fwd_compute=ms), Storage(0.0, 100.0))])
+        return ShardingOption(
+            TableMeta(name, 10, 4),
+            "table_wise",
+            "fused",
+            [Segment(1, 10, 4, Perf(fwd_compute=ms), Storage(0.0, 100.0))],
+        )
 
     uneven = [option(f"t{i}", ms) for i, ms in enumerate([3.0, 3.0, 2.0, 2.0, 2.0])]
     even = [option(f"t{i}", ms) for i, ms in enumerate([3.25, 3.25, 3.25, 3.25, 0.0])]
-    planner = EmbeddingShardingPlanner(Topology(2), batch_size=1, debug=False,
-                                       proposer=[_OneProposal(even), _OneProposal(uneven)])
+    planner = EmbeddingShardingPlanner(
+        Topology(2), batch_size=1, debug=False, proposer=[_OneProposal(even), _OneProposal(uneven)]
+    )
     plan = planner.plan_tables([o.table for o in uneven])
     assert planner.last_stats.num_proposals == 2
     # as placed: even 6.5 | 6.5, uneven 7 | 5 (LPT); refined, uneven is 6 | 6
     assert _same(planner.last_result.proposal, uneven)
     assert sorted(planner.last_result.perf) == [6, 6]
     assert len(plan.plan[""]) == 5
-    without = EmbeddingShardingPlanner(Topology(2), batch_size=1, debug=False, refine=False,
-                                       proposer=[_OneProposal(even), _OneProposal(uneven)])
+    without = EmbeddingShardingPlanner(
+        Topology(2),
+        batch_size=1,
+        debug=False,
+        refine=False,
+        proposer=[_OneProposal(even), _OneProposal(uneven)],
+    )
     without.plan_tables([o.table for o in uneven])
     assert _same(without.last_result.proposal, even) and without.last_result.rating == 6.5
 
@@ -310,8 +342,12 @@ def test_refinement_stops_at_its_deadline_and_scales_to_many_shards():
 
     def option(name, ms):
         table = TableMeta(name, 10, 4)
-        return ShardingOption(table, "table_wise", "fused",
-                              [Segment(1, 10, 4, Perf(fwd_compute=ms), Storage(0.0, 100.0))])
+        return ShardingOption(
+            table,
+            "table_wise",
+            "fused",
+            [Segment(1, 10, 4, Perf(fwd_compute=ms), Storage(0.0, 100.0))],
+        )
 
     proposal = [option(f"t{i}", ms) for i, ms in enumerate([3.0, 3.0, 2.0, 2.0, 2.0])]
     capacity = StorageReservation(kjt_bytes=0).reserve(Topology(2), [], 1)
@@ -334,8 +370,12 @@ def test_refinement_stops_at_its_deadline_mid_way():
 
     def option(name, ms):
         table = TableMeta(name, 10, 4)
-        return ShardingOption(table, "table_wise", "fused",
-                              [Segment(1, 10, 4, Perf(fwd_compute=ms), Storage(0.0, 100.0))])
+        return ShardingOption(
+            table,
+            "table_wise",
+            "fused",
+            [Segment(1, 10, 4, Perf(fwd_compute=ms), Storage(0.0, 100.0))],
+        )
 
     many = [option(f"t{i}", 1.0 + (i * 7919 % 1000) / 100) for i in range(400)]
     many += [option("big0", 40.0), option("big1", 30.0)]

@@ -17,15 +17,19 @@ def _train_with_planned_plan(rank: int, world_size: int) -> Tuple[List[float], L
 
     torch.manual_seed(0)
     reference = TinyDLRM()
-    sharders = [EmbeddingBagCollectionSharder(fused_params={"optimizer": "exact_sgd",
-                                                            "learning_rate": 0.05})]
+    sharders = [
+        EmbeddingBagCollectionSharder(
+            fused_params={"optimizer": "exact_sgd", "learning_rate": 0.05}
+        )
+    ]
     constraints = {
         "ta": ParameterConstraints(sharding_types=["column_wise"], min_partition=2),
         "tb": ParameterConstraints(sharding_types=["row_wise"]),
         "tc": ParameterConstraints(sharding_types=["table_row_wise"]),
     }
-    planner = EmbeddingShardingPlanner(Topology(world_size, local_world_size=1),
-                                       constraints=constraints, debug=False)
+    planner = EmbeddingShardingPlanner(
+        Topology(world_size, local_world_size=1), constraints=constraints, debug=False
+    )
     plan = planner.collective_plan(reference, sharders)
     dmp = DistributedModelParallel(copy.deepcopy(reference), sharders=sharders, plan=plan)
     got = train(dmp, make_optimizer(dmp, True, False), range(3), rank, world_size)

@@ -36,10 +36,12 @@ def test_storage_by_hand_cpu_table_wise():
     expected = 1000 * 64 * 4 + 1000 * 4 + ids_in * 8 + 2 * bags_out * 64 * 4
     assert storage.hbm == 0 and storage.ddr == expected
     # a prefetching pipeline holds three batches of ids (TorchRec's factor)
-    prefetched = EmbeddingStorageEstimator(Topology(2), 512,
-                                           PipelineType.TRAIN_PREFETCH_SPARSE_DIST)
+    prefetched = EmbeddingStorageEstimator(
+        Topology(2), 512, PipelineType.TRAIN_PREFETCH_SPARSE_DIST
+    )
     assert prefetched.estimate(table, "table_wise", "fused", 1000, 64).ddr == (
-        expected + 2 * ids_in * 8)
+        expected + 2 * ids_in * 8
+    )
 
 
 def test_storage_placement_by_kernel_on_cuda():
@@ -47,8 +49,9 @@ def test_storage_placement_by_kernel_on_cuda():
     est = EmbeddingStorageEstimator(Topology(2, "cuda"), batch_size=128)
     fused = est.estimate(table, "table_wise", "fused", 1_000_000, 64)
     uvm = est.estimate(table, "table_wise", "fused_uvm", 1_000_000, 64)
-    cached = est.estimate(table, "table_wise", "fused_uvm_caching", 1_000_000, 64,
-                          CacheParams(load_factor=0.1))
+    cached = est.estimate(
+        table, "table_wise", "fused_uvm_caching", 1_000_000, 64, CacheParams(load_factor=0.1)
+    )
     weights_and_state = 1_000_000 * 64 * (4 + 8)
     assert fused.ddr == 0 and fused.hbm > weights_and_state
     assert uvm.ddr == weights_and_state and uvm.hbm < 0.01 * fused.hbm
@@ -81,8 +84,10 @@ def test_perf_terms_move_the_right_way():
     assert rw.fwd_compute < tw.fwd_compute  # 1/8 of the ids
     weighted = TableMeta("w", 1_000_000, 128, pooling_factors=[10.0], is_weighted=True)
     unweighted = TableMeta("u", 1_000_000, 128, pooling_factors=[10.0])
-    assert est.estimate(weighted, "table_wise", "fused", 1_000_000, 128).total > est.estimate(
-        unweighted, "table_wise", "fused", 1_000_000, 128).total
+    assert (
+        est.estimate(weighted, "table_wise", "fused", 1_000_000, 128).total
+        > est.estimate(unweighted, "table_wise", "fused", 1_000_000, 128).total
+    )
 
 
 def test_inter_host_links_cost_more():

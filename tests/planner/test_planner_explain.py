@@ -13,9 +13,11 @@ from recshard.planner import EmbeddingShardingPlanner, TableMeta, Topology
 from recshard.planner.cli import main
 from recshard.planner.explain import explain_table, read_measurements
 
-TABLES = [TableMeta("big", 2_000_000, 128, pooling_factors=[20.0]),
-          TableMeta("mid", 200_000, 64, pooling_factors=[5.0]),
-          TableMeta("small", 1000, 16)]
+TABLES = [
+    TableMeta("big", 2_000_000, 128, pooling_factors=[20.0]),
+    TableMeta("mid", 200_000, 64, pooling_factors=[5.0]),
+    TableMeta("small", 1000, 16),
+]
 
 
 def _explain(name: str, **topo):
@@ -55,24 +57,49 @@ def test_options_that_do_not_fit_are_marked():
 
 def test_cli_explain_and_png_with_measurements(tmp_path, capsys):
     tables = tmp_path / "tables.json"
-    tables.write_text(json.dumps([{"name": t.name, "num_embeddings": t.num_embeddings,
-                                   "embedding_dim": t.embedding_dim,
-                                   "pooling_factor": (t.pooling_factors or [1.0])[0]}
-                                  for t in TABLES]))
+    tables.write_text(
+        json.dumps(
+            [
+                {
+                    "name": t.name,
+                    "num_embeddings": t.num_embeddings,
+                    "embedding_dim": t.embedding_dim,
+                    "pooling_factor": (t.pooling_factors or [1.0])[0],
+                }
+                for t in TABLES
+            ]
+        )
+    )
     assert main([str(tables), "--world-size", "4", "--explain", "mid"]) == 0
     out = capsys.readouterr().out
     assert "table 'mid':" in out and "chosen:" in out
     assert main([str(tables), "--world-size", "4", "--explain", "nope"]) == 1
     assert "table 'nope' not found" in capsys.readouterr().err
     measured = tmp_path / "m.jsonl"
-    measured.write_text("\n".join(json.dumps(r) for r in [
-        {"bench": "setup"},
-        {"workload": "w", "plan": "planner", "predicted_ms": 3.0, "measured_ms": 3.3},
-        {"workload": "w", "plan": "row_wise", "predicted_ms": 4.0, "measured_ms": 3.8}]) + "\n")
+    measured.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"bench": "setup"},
+                {"workload": "w", "plan": "planner", "predicted_ms": 3.0, "measured_ms": 3.3},
+                {"workload": "w", "plan": "row_wise", "predicted_ms": 4.0, "measured_ms": 3.8},
+            ]
+        )
+        + "\n"
+    )
     assert [r["plan"] for r in read_measurements(str(measured))] == ["planner", "row_wise"]
     png = str(tmp_path / "explain.png")
-    args = [str(tables), "--world-size", "4", "--explain", "big", "--png", png,
-            "--measured", str(measured)]
+    args = [
+        str(tables),
+        "--world-size",
+        "4",
+        "--explain",
+        "big",
+        "--png",
+        png,
+        "--measured",
+        str(measured),
+    ]
     try:
         import matplotlib  # noqa: F401
     except ImportError:

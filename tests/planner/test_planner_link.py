@@ -13,8 +13,10 @@ from recshard.planner.cli import main
 from recshard.planner.plan_stats import plan_stats
 from recshard.planner.profile import CalibrationProfile, LinkCost
 
-TABLES = [TableMeta("big", 4_000_000, 128, pooling_factors=[100.0]),
-          TableMeta("small", 1000, 16, pooling_factors=[1.0])]
+TABLES = [
+    TableMeta("big", 4_000_000, 128, pooling_factors=[100.0]),
+    TableMeta("small", 1000, 16, pooling_factors=[1.0]),
+]
 BATCH = 2048
 
 
@@ -32,13 +34,18 @@ def test_slow_inter_host_link_moves_row_wise_off_it():
     assert fast_type == "row_wise"
     assert slow_type in ("table_row_wise", "table_wise")
     # on the slow link, the chosen plan is estimated faster than the fast link's choice
-    assert plan_stats(slow_plan, TABLES, slow, BATCH).predicted_step_ms < plan_stats(
-        fast_plan, TABLES, slow, BATCH).predicted_step_ms
+    assert (
+        plan_stats(slow_plan, TABLES, slow, BATCH).predicted_step_ms
+        < plan_stats(fast_plan, TABLES, slow, BATCH).predicted_step_ms
+    )
 
 
 def _links(inter_gbps: float):
-    return [LinkCost(c, level, 2, 100.0 if level == "intra" else inter_gbps, 0.01)
-            for c in ("all_to_all", "reduce_scatter", "all_gather") for level in ("intra", "inter")]
+    return [
+        LinkCost(c, level, 2, 100.0 if level == "intra" else inter_gbps, 0.01)
+        for c in ("all_to_all", "reduce_scatter", "all_gather")
+        for level in ("intra", "inter")
+    ]
 
 
 @pytest.mark.parametrize("inter, expect_row_wise", [(100.0, True), (0.5, False)])
@@ -50,13 +57,42 @@ def test_profile_link_decides(inter, expect_row_wise):
 
 def test_cli_flags_decide(tmp_path):
     tables = tmp_path / "tables.json"
-    tables.write_text(json.dumps({"batch_size": BATCH, "tables": [
-        {"name": t.name, "num_embeddings": t.num_embeddings, "embedding_dim": t.embedding_dim,
-         "pooling_factor": t.pooling_factors[0]} for t in TABLES]}))
+    tables.write_text(
+        json.dumps(
+            {
+                "batch_size": BATCH,
+                "tables": [
+                    {
+                        "name": t.name,
+                        "num_embeddings": t.num_embeddings,
+                        "embedding_dim": t.embedding_dim,
+                        "pooling_factor": t.pooling_factors[0],
+                    }
+                    for t in TABLES
+                ],
+            }
+        )
+    )
     kinds = {}
     for gbps in ("100", "0.5"):
         out = str(tmp_path / f"plan{gbps}.json")
-        assert main([str(tables), "--world-size", "4", "--local-world-size", "2",
-                     "--intra-host-gbps", "100", "--inter-host-gbps", gbps, "-o", out]) == 0
+        assert (
+            main(
+                [
+                    str(tables),
+                    "--world-size",
+                    "4",
+                    "--local-world-size",
+                    "2",
+                    "--intra-host-gbps",
+                    "100",
+                    "--inter-host-gbps",
+                    gbps,
+                    "-o",
+                    out,
+                ]
+            )
+            == 0
+        )
         kinds[gbps] = load_plan(out).plan[""]["big"].sharding_type
     assert kinds["100"] == "row_wise" and kinds["0.5"] in ("table_row_wise", "table_wise")

@@ -34,8 +34,7 @@ def test_measured_build_is_the_weights_plus_a_fixed_part():
     """Real fresh-process probes (2 and 4 tables of 25 MB): no per-byte factor
     beyond the weights, and no table-sized transient; fbgemm's ~55 MB import is not counted
     (it was, as 1.27 x the weights of the default probe, before the two-size fit)."""
-    grid = CalibrationGrid(dims=(64,), poolings=(1, 4), batches=(256,), rows=(100_000,),
-                           tables=4)
+    grid = CalibrationGrid(dims=(64,), poolings=(1, 4), batches=(256,), rows=(100_000,), tables=4)
     measured = measure_memory(grid)
     assert measured is not None
     assert 1.0 <= measured.weight_factor < 1.05
@@ -65,8 +64,9 @@ def test_profile_from_before_the_build_fit_loads_with_a_warning(tmp_path, caplog
     assert "predate the two-size build fit" in caplog.text and "weight_factor 1.27" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="recshard.planner.profile"):
-        CalibrationProfile.from_dict(CalibrationProfile("cpu", 1, memory=MemoryCost(
-            1.0, 0.0, 1.0)).to_dict())
+        CalibrationProfile.from_dict(
+            CalibrationProfile("cpu", 1, memory=MemoryCost(1.0, 0.0, 1.0)).to_dict()
+        )
     assert caplog.text == ""  # a current profile: no warning
 
 

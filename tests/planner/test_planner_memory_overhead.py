@@ -23,19 +23,21 @@ def test_rank_overhead_is_added_once_per_rank_on_cpu_only():
     tables = [TableMeta(f"t{i}", 1000, 16, pooling_factors=[2.0]) for i in range(3)]
     plan = EmbeddingShardingPlanner(Topology(2), 64, debug=False).plan_tables(tables)
     memory = MemoryCost(1.0, 0.0, 1.0)
-    without = plan_stats(plan, tables, Topology(2, profile=CalibrationProfile("cpu", 1,
-                                                                                memory=memory)),
-                         64)
+    without = plan_stats(
+        plan, tables, Topology(2, profile=CalibrationProfile("cpu", 1, memory=memory)), 64
+    )
     memory_with = MemoryCost(1.0, 0.0, 1.0, rank_overhead_bytes=7e6)
     topo = Topology(2, profile=CalibrationProfile("cpu", 1, memory=memory_with))
     stats = plan_stats(plan, tables, topo, 64)
     for a, b in zip(without.ranks, stats.ranks):
         assert b.memory == pytest.approx(a.memory + 7e6)  # every rank, once
-    cuda = Topology(2, compute_device="cuda",
-                    profile=CalibrationProfile("cuda", 1, memory=memory_with))
+    cuda = Topology(
+        2, compute_device="cuda", profile=CalibrationProfile("cuda", 1, memory=memory_with)
+    )
     cuda_plain = Topology(2, compute_device="cuda")
-    assert ([r.memory for r in plan_stats(plan, tables, cuda, 64).ranks]
-            == [r.memory for r in plan_stats(plan, tables, cuda_plain, 64).ranks])
+    assert [r.memory for r in plan_stats(plan, tables, cuda, 64).ranks] == [
+        r.memory for r in plan_stats(plan, tables, cuda_plain, 64).ranks
+    ]
 
 
 def test_data_parallel_gradient_copies_on_cpu_with_a_profile():

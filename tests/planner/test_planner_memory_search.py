@@ -18,16 +18,24 @@ MAX_PROPOSALS = 120
 
 def _tight(n: int, hbm_per_table: float, ddr_per_table: float) -> Topology:
     """8 cuda ranks whose summed HBM / DDR are `n` times the given GiB per table."""
-    return Topology(8, "cuda", local_world_size=8, hbm_cap=n * hbm_per_table * GIB / 8,
-                    ddr_cap=n * ddr_per_table * GIB / 8)
+    return Topology(
+        8,
+        "cuda",
+        local_world_size=8,
+        hbm_cap=n * hbm_per_table * GIB / 8,
+        ddr_cap=n * ddr_per_table * GIB / 8,
+    )
 
 
-@pytest.mark.parametrize("n, hbm, ddr", [
-    (250, 0.3, 0.3),  # main: 1,877 proposals, then no plan
-    (1000, 0.2, 0.4),  # main: 2,001 proposals, no plan
-    (1000, 0.25, 0.35),  # main: 2,002 proposals, no plan
-    (2000, 0.3, 0.3),
-])
+@pytest.mark.parametrize(
+    "n, hbm, ddr",
+    [
+        (250, 0.3, 0.3),  # main: 1,877 proposals, then no plan
+        (1000, 0.2, 0.4),  # main: 2,001 proposals, no plan
+        (1000, 0.25, 0.35),  # main: 2,002 proposals, no plan
+        (2000, 0.3, 0.3),
+    ],
+)
 def test_tight_memory_plans_in_bounded_proposals(n, hbm, ddr):
     tables = random_tables(n, seed=0, max_rows_exp=7.0)
     planner = EmbeddingShardingPlanner(_tight(n, hbm, ddr), batch_size=512, debug=False)

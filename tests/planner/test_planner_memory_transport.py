@@ -24,15 +24,20 @@ PAGE = mmap.PAGESIZE
 
 
 def _tables() -> List[TableMeta]:
-    return [TableMeta(f"t{i}", ROWS, DIM, feature_names=[f"f{i}"], pooling_factors=[float(POOL)])
-            for i in range(TABLES)]
+    return [
+        TableMeta(f"t{i}", ROWS, DIM, feature_names=[f"f{i}"], pooling_factors=[float(POOL)])
+        for i in range(TABLES)
+    ]
 
 
 def _plan(types: Dict[str, str]) -> ShardingPlan:
-    constraints = {name: ParameterConstraints(sharding_types=[st], compute_kernels=["fused"])
-                   for name, st in types.items()}
-    return EmbeddingShardingPlanner(Topology(2), BATCH, constraints=constraints,
-                                    debug=False).plan_tables(_tables())
+    constraints = {
+        name: ParameterConstraints(sharding_types=[st], compute_kernels=["fused"])
+        for name, st in types.items()
+    }
+    return EmbeddingShardingPlanner(
+        Topology(2), BATCH, constraints=constraints, debug=False
+    ).plan_tables(_tables())
 
 
 def _segment_pages() -> int:
@@ -54,17 +59,22 @@ def _train(rank: int, world_size: int, plan: ShardingPlan) -> int:
     n = TABLES * BATCH * POOL
     ids = (torch.arange(n) * 7919 + rank) % ROWS
     kjt = KeyedJaggedTensor.from_lengths_sync(
-        [f"f{i}" for i in range(TABLES)], ids, torch.full((TABLES * BATCH,), POOL), stride=BATCH)
+        [f"f{i}" for i in range(TABLES)], ids, torch.full((TABLES * BATCH,), POOL), stride=BATCH
+    )
     for _ in range(shm.SLOTS + 2):
         module(kjt).values().sum().backward()
     return _segment_pages()
 
 
-@pytest.mark.parametrize("types", [
-    {f"t{i}": "table_wise" for i in range(TABLES)},
-    {f"t{i}": "row_wise" for i in range(TABLES)},
-    {"t0": "table_wise", "t1": "column_wise", "t2": "row_wise", "t3": "row_wise"},
-], ids=["table_wise", "row_wise", "mixed"])
+@pytest.mark.parametrize(
+    "types",
+    [
+        {f"t{i}": "table_wise" for i in range(TABLES)},
+        {f"t{i}": "row_wise" for i in range(TABLES)},
+        {"t0": "table_wise", "t1": "column_wise", "t2": "row_wise", "t3": "row_wise"},
+    ],
+    ids=["table_wise", "row_wise", "mixed"],
+)
 def test_transport_memory_matches_the_segments_ranks_map(types: Dict[str, str]) -> None:
     plan = _plan(types)
     estimate = [r.transport_memory for r in plan_stats(plan, _tables(), Topology(2), BATCH).ranks]

@@ -58,13 +58,23 @@ class _Sparse(nn.Module):
     def __init__(self, n: int, device: str = "meta") -> None:
         super().__init__()
         self.ebc = EmbeddingBagCollection(
-            [EmbeddingBagConfig(num_embeddings=1000 * (i + 1) ** 3, embedding_dim=16 * (1 + i % 4),
-                                name=f"bag{i}", feature_names=[f"f{i}"]) for i in range(n)],
+            [
+                EmbeddingBagConfig(
+                    num_embeddings=1000 * (i + 1) ** 3,
+                    embedding_dim=16 * (1 + i % 4),
+                    name=f"bag{i}",
+                    feature_names=[f"f{i}"],
+                )
+                for i in range(n)
+            ],
             device=device,
         )
         self.ec = EmbeddingCollection(
-            [EmbeddingConfig(num_embeddings=5000, embedding_dim=32, name="seq0",
-                             feature_names=["s0"])],
+            [
+                EmbeddingConfig(
+                    num_embeddings=5000, embedding_dim=32, name="seq0", feature_names=["s0"]
+                )
+            ],
             device=device,
         )
 
@@ -77,7 +87,10 @@ class _Model(nn.Module):
 
 
 def _sharders(optimizer: str = "exact_row_wise_adagrad") -> list:
-    return [EmbeddingBagCollectionSharder(fused_params={"optimizer": optimizer}), _SequenceSharder()]
+    return [
+        EmbeddingBagCollectionSharder(fused_params={"optimizer": optimizer}),
+        _SequenceSharder(),
+    ]
 
 
 def test_plan_module_covers_every_table_and_passes_module_checks():
@@ -88,24 +101,42 @@ def test_plan_module_covers_every_table_and_passes_module_checks():
     assert set(plan.plan["sparse.ebc"]) == {f"bag{i}" for i in range(6)}
     assert plan.plan["sparse.ec"]["seq0"].sharding_type in _SequenceSharder().sharding_types("cpu")
     validate_plan(plan, model, world_size=4)
-    check_module_plan(model.sparse.ebc.embedding_bag_configs(), plan.plan["sparse.ebc"],
-                      "EmbeddingBagCollection", world_size=4, local_world_size=2)
-    check_module_plan(model.sparse.ec.embedding_configs(), plan.plan["sparse.ec"],
-                      "EmbeddingCollection", world_size=4, local_world_size=2,
-                      sharding_types=SEQUENCE_SHARDING_TYPES)
+    check_module_plan(
+        model.sparse.ebc.embedding_bag_configs(),
+        plan.plan["sparse.ebc"],
+        "EmbeddingBagCollection",
+        world_size=4,
+        local_world_size=2,
+    )
+    check_module_plan(
+        model.sparse.ec.embedding_configs(),
+        plan.plan["sparse.ec"],
+        "EmbeddingCollection",
+        world_size=4,
+        local_world_size=2,
+        sharding_types=SEQUENCE_SHARDING_TYPES,
+    )
 
 
 def test_every_sharding_type_passes_module_checks():
     model = _Model(n=6)
     topo = Topology(4, local_world_size=2)
     types = [st.value for st in ShardingType]
-    constraints = {f"bag{i}": ParameterConstraints(sharding_types=[st], min_partition=8)
-                   for i, st in enumerate(types)}
+    constraints = {
+        f"bag{i}": ParameterConstraints(sharding_types=[st], min_partition=8)
+        for i, st in enumerate(types)
+    }
     plan = EmbeddingShardingPlanner(topo, constraints=constraints, debug=False).plan(
-        model, _sharders())
+        model, _sharders()
+    )
     assert [plan.plan["sparse.ebc"][f"bag{i}"].sharding_type for i in range(6)] == types
-    check_module_plan(model.sparse.ebc.embedding_bag_configs(), plan.plan["sparse.ebc"],
-                      "EmbeddingBagCollection", world_size=4, local_world_size=2)
+    check_module_plan(
+        model.sparse.ebc.embedding_bag_configs(),
+        plan.plan["sparse.ebc"],
+        "EmbeddingBagCollection",
+        world_size=4,
+        local_world_size=2,
+    )
     validate_plan(plan, model, world_size=4, local_world_size=2)
     twcw = plan.plan["sparse.ebc"]["bag5"]  # table_column_wise: move a shard to the other host
     twcw.shards[0].placement = "rank:2/cpu" if twcw.shards[1].rank < 2 else "rank:0/cpu"
@@ -130,11 +161,13 @@ def test_plan_file_round_trip(tmp_path):
     model = _Model()
     constraints = {
         "bag1": ParameterConstraints(sharding_types=["column_wise"], min_partition=8),
-        "sparse.ebc.bag2": ParameterConstraints(bounds_check_mode=BoundsCheckMode.WARNING,
-                                                cache_params={"load_factor": 0.3}),
+        "sparse.ebc.bag2": ParameterConstraints(
+            bounds_check_mode=BoundsCheckMode.WARNING, cache_params={"load_factor": 0.3}
+        ),
     }
     plan = EmbeddingShardingPlanner(Topology(3), constraints=constraints, debug=False).plan(
-        model, _sharders())
+        model, _sharders()
+    )
     path = str(tmp_path / "plan.json")
     save_plan(plan, path, metadata={"note": "test"})
     loaded = load_plan(path)
@@ -150,13 +183,24 @@ def test_validate_plan_names_the_mismatch(tmp_path):
     model = _Model()
     plan = EmbeddingShardingPlanner(Topology(2), debug=False).plan(model, _sharders())
     other = _Model(n=5)
-    with pytest.raises(PlanValidationError, match=r"module 'sparse.ebc': the plan names tables \['bag5'\] that the module lacks"):
+    with pytest.raises(
+        PlanValidationError,
+        match=r"module 'sparse.ebc': the plan names tables \['bag5'\] that the module lacks",
+    ):
         validate_plan(plan, other)
     bigger = _Model()
     bigger.sparse.ebc = EmbeddingBagCollection(
-        [EmbeddingBagConfig(num_embeddings=2000 * (i + 1) ** 3, embedding_dim=16 * (1 + i % 4),
-                            name=f"bag{i}", feature_names=[f"f{i}"]) for i in range(6)],
-        device="meta")
+        [
+            EmbeddingBagConfig(
+                num_embeddings=2000 * (i + 1) ** 3,
+                embedding_dim=16 * (1 + i % 4),
+                name=f"bag{i}",
+                feature_names=[f"f{i}"],
+            )
+            for i in range(6)
+        ],
+        device="meta",
+    )
     with pytest.raises(PlanValidationError, match="table 'sparse.ebc.bag"):
         validate_plan(plan, bigger)
     with pytest.raises(PlanValidationError, match="outside world size 1"):

@@ -20,10 +20,20 @@ WIRE_ID = 2  # bytes: ids of a 1000-row table (or 500-row block) travel as uint1
 
 
 def _plan(sharding_type: str, ranks) -> ShardingPlan:
-    shards = None if sharding_type == "data_parallel" else make_shards(
-        sharding_type, ROWS, DIM, ranks, "cpu")
-    return ShardingPlan({"": {"t": ParameterSharding(sharding_type, "fused" if shards else
-                                                     "dense", list(ranks), shards)}})
+    shards = (
+        None
+        if sharding_type == "data_parallel"
+        else make_shards(sharding_type, ROWS, DIM, ranks, "cpu")
+    )
+    return ShardingPlan(
+        {
+            "": {
+                "t": ParameterSharding(
+                    sharding_type, "fused" if shards else "dense", list(ranks), shards
+                )
+            }
+        }
+    )
 
 
 def _stats(plan: ShardingPlan, world: int = 2, local=None):
@@ -59,8 +69,9 @@ def test_row_wise_and_data_parallel_by_hand():
 
 def test_ids_are_priced_at_their_wire_width():
     """The input dist sends checked ids in the narrowest type of the shard's row range."""
-    assert [wire_id_bytes(rows, False) for rows in (256, 257, 2**16, 2**16 + 1, 2**31, 2**31 + 1)] \
-        == [1, 2, 2, 4, 4, 8]
+    assert [
+        wire_id_bytes(rows, False) for rows in (256, 257, 2**16, 2**16 + 1, 2**31, 2**31 + 1)
+    ] == [1, 2, 2, 4, 4, 8]
     assert wire_id_bytes(257, True) == 6  # + an fp32 weight per id
 
 
@@ -69,19 +80,28 @@ def test_table_row_wise_keeps_rows_in_one_host():
     half = ROWS // 2 * DIM * 4
     assert [r.bytes_stored for r in stats.ranks] == [0, 0, half, half]
     assert sum(r.bytes_sent for r in stats.ranks) == pytest.approx(
-        sum(r.bytes_received for r in stats.ranks))
+        sum(r.bytes_received for r in stats.ranks)
+    )
 
 
 def test_unknown_table_is_named():
-    plan = ShardingPlan({"m": {"nope": ParameterSharding("table_wise", "fused", [0],
-                                                         make_shards("table_wise", 4, 4, [0]))}})
+    plan = ShardingPlan(
+        {
+            "m": {
+                "nope": ParameterSharding(
+                    "table_wise", "fused", [0], make_shards("table_wise", 4, 4, [0])
+                )
+            }
+        }
+    )
     with pytest.raises(ValueError, match="table 'm.nope': in the plan but not among the tables"):
         _stats(plan)
 
 
 def test_matches_the_planners_own_estimate():
-    tables = [TableMeta(f"t{i}", 5000 * (i + 1), 32, pooling_factors=[float(i + 1)])
-              for i in range(5)]
+    tables = [
+        TableMeta(f"t{i}", 5000 * (i + 1), 32, pooling_factors=[float(i + 1)]) for i in range(5)
+    ]
     topo = Topology(4, local_world_size=2)
     planner = EmbeddingShardingPlanner(topo, 256, debug=False)
     plan = planner.plan_tables(tables)
@@ -91,12 +111,14 @@ def test_matches_the_planners_own_estimate():
 
 def test_cli_prints_stats_of_an_existing_plan(tmp_path, capsys):
     tables = tmp_path / "tables.json"
-    tables.write_text(json.dumps([{"name": "t", "num_embeddings": ROWS, "embedding_dim": DIM,
-                                   "pooling_factor": POOLING}]))
+    tables.write_text(
+        json.dumps(
+            [{"name": "t", "num_embeddings": ROWS, "embedding_dim": DIM, "pooling_factor": POOLING}]
+        )
+    )
     path = str(tmp_path / "plan.json")
     save_plan(_plan("table_wise", [1]), path)
-    assert main([str(tables), "--world-size", "2", "--batch-size", str(BATCH),
-                 "--plan", path]) == 0
+    assert main([str(tables), "--world-size", "2", "--batch-size", str(BATCH), "--plan", path]) == 0
     out = capsys.readouterr().out
     assert "bytes" not in out.split("\n")[0] and "sent MiB" in out and "predicted step" in out
     assert "evaluated" not in out  # no planning

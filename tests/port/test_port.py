@@ -32,8 +32,15 @@ def _free_port() -> int:
 
 def _run_env() -> Dict[str, str]:
     """One rank of a gloo job, as torchrun would set it up."""
-    return dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(_free_port()), PYTHONPATH=str(REPO))
+    return dict(
+        os.environ,
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        PYTHONPATH=str(REPO),
+    )
 
 
 def test_every_mapped_module_imports() -> None:
@@ -113,19 +120,27 @@ def test_unmapped_names_are_reported_and_left() -> None:
     )
     result = port_source(source)
     lines = result.code.splitlines()
-    assert lines[2:4] == ["from recshard.types import ShardingType",
-                          "from torchrec.distributed.types import NotAThing"]
+    assert lines[2:4] == [
+        "from recshard.types import ShardingType",
+        "from torchrec.distributed.types import NotAThing",
+    ]
     assert lines[4] == "from torchrec.modules.mc_modules import ManagedCollisionCollection"
     assert lines[5:] == ["ne = torchrec.metrics.NE", "topology = trec_dist.planner.Topology"]
     found = {(i.line, i.name): i.reason for i in result.issues}
     assert found == {
-        (3, "torchrec.distributed.types.NotAThing"):
-            "recshard.types has no NotAThing (TorchRec's torchrec.distributed.types.NotAThing)",
-        (4, "torchrec.modules.mc_modules.ManagedCollisionCollection"):
-            "recshard has no counterpart of module torchrec.modules.mc_modules",
+        (
+            3,
+            "torchrec.distributed.types.NotAThing",
+        ): "recshard.types has no NotAThing (TorchRec's torchrec.distributed.types.NotAThing)",
+        (
+            4,
+            "torchrec.modules.mc_modules.ManagedCollisionCollection",
+        ): "recshard has no counterpart of module torchrec.modules.mc_modules",
         (5, "torchrec.metrics.NE"): "recshard has no metrics (TorchRec's torchrec.metrics)",
-        (6, "trec_dist.planner.Topology"):
-            "recshard.planner.Topology is not under recshard.distributed; import it from recshard.planner",
+        (
+            6,
+            "trec_dist.planner.Topology",
+        ): "recshard.planner.Topology is not under recshard.distributed; import it from recshard.planner",
     }
 
 
@@ -156,11 +171,7 @@ def test_names_from_torchrecs_defining_modules_map() -> None:
 
 def test_split_parenthesized_import_keeps_its_shape() -> None:
     source = (
-        "from torchrec.models.dlrm import (\n"
-        "    DLRM,\n"
-        "    DLRM_Projection,\n"
-        "    DLRMTrain,\n"
-        ")\n"
+        "from torchrec.models.dlrm import (\n    DLRM,\n    DLRM_Projection,\n    DLRMTrain,\n)\n"
     )
     result = port_source(source)
     assert result.code == (
@@ -180,9 +191,11 @@ def test_cli_check_only_reports(tmp_path: Path, capsys: pytest.CaptureFixture[st
     script.write_text("from torchrec.distributed.types import ShardingType, NotAThing\n")
     assert main(["--check", str(script)]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out == [f"{script}:1: torchrec.distributed.types.NotAThing: recshard.types has no "
-                   "NotAThing (TorchRec's torchrec.distributed.types.NotAThing)",
-                   f"would rewrite {script}"]
+    assert out == [
+        f"{script}:1: torchrec.distributed.types.NotAThing: recshard.types has no "
+        "NotAThing (TorchRec's torchrec.distributed.types.NotAThing)",
+        f"would rewrite {script}",
+    ]
     assert script.read_text() == "from torchrec.distributed.types import ShardingType, NotAThing\n"
     clean = tmp_path / "clean.py"
     clean.write_text("from torchrec.models.dlrm import DLRM\n")
@@ -194,14 +207,24 @@ def test_cli_check_only_reports(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_golden_style_script_runs_after_port(tmp_path: Path) -> None:
     script = tmp_path / "train_dlrm.py"
     shutil.copy(SAMPLES / "golden_training_style.py.txt", script)
-    ported = subprocess.run([sys.executable, "-m", "recshard.port", str(script)], cwd=REPO,
-                            capture_output=True, text=True)
+    ported = subprocess.run(
+        [sys.executable, "-m", "recshard.port", str(script)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert ported.returncode == 0, ported.stdout + ported.stderr
     text = script.read_text()
     assert "torchrec" not in text.replace("TorchRec", "")
     assert "# one table per categorical feature, built on meta" in text  # comments kept
-    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_run_env(),
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=_run_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     loss = float(run.stdout.split("final loss")[1])
     assert 0 < loss < 10
@@ -220,11 +243,18 @@ def test_notebook_ports_across_cells_and_runs(tmp_path: Path) -> None:
     assert sources[4].startswith("%time\nmb = recshard.KeyedJaggedTensor(")
     assert all("torchrec" not in s for s in sources[1:])
     assert port_notebook(text)[0] == text  # already ported: byte for byte
-    code = "\n".join(line for s in sources for line in s.split("\n")
-                     if not line.lstrip().startswith(("!", "%")))
+    code = "\n".join(
+        line for s in sources for line in s.split("\n") if not line.lstrip().startswith(("!", "%"))
+    )
     script = tmp_path / "notebook.py"
     script.write_text(code)
-    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_run_env(),
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=_run_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().endswith("torch.Size([3, 16])")

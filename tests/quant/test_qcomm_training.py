@@ -55,7 +55,10 @@ KINDS = {
     "row_wise": (lambda ws: {t: row_wise() for t in TABLES}, 2),
     "column_wise": (lambda ws: {t: column_wise([1, 0]) for t in TABLES}, 2),
     "table_row_wise": (lambda ws: {t: table_row_wise(0) for t in TABLES}, 2),
-    "table_row_wise_2nodes": (lambda ws: {t: table_row_wise(i % 2) for i, t in enumerate(TABLES)}, 1),
+    "table_row_wise_2nodes": (
+        lambda ws: {t: table_row_wise(i % 2) for i, t in enumerate(TABLES)},
+        1,
+    ),
 }
 
 
@@ -76,9 +79,13 @@ class CountingCodec:
 def counting_registry(precision: str, counts: Counter) -> Dict[str, QuantizedCommCodecs]:
     registry = get_qcomm_codecs_registry(precision)
     assert registry is not None and set(registry) == {op.name for op in CommOp}
-    return {op: QuantizedCommCodecs(CountingCodec(c.forward, counts, f"{op}/forward"),
-                                    CountingCodec(c.backward, counts, f"{op}/backward"))
-            for op, c in registry.items()}
+    return {
+        op: QuantizedCommCodecs(
+            CountingCodec(c.forward, counts, f"{op}/forward"),
+            CountingCodec(c.backward, counts, f"{op}/backward"),
+        )
+        for op, c in registry.items()
+    }
 
 
 def train_with(rank: int, ws: int, kind: str, precision: str) -> Tuple[List[float], Dict[str, int]]:
@@ -87,26 +94,37 @@ def train_with(rank: int, ws: int, kind: str, precision: str) -> Tuple[List[floa
     counts: Counter = Counter()
     registry = None if precision == "fp32" else counting_registry(precision, counts)
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "exact_sgd", "learning_rate": LR}, qcomm_codecs_registry=registry)
-    plan = construct_module_sharding_plan(TinyDLRM("meta").ebc, per_table(ws), local_size=lws,
-                                          world_size=ws)
+        fused_params={"optimizer": "exact_sgd", "learning_rate": LR}, qcomm_codecs_registry=registry
+    )
+    plan = construct_module_sharding_plan(
+        TinyDLRM("meta").ebc, per_table(ws), local_size=lws, world_size=ws
+    )
     torch.manual_seed(0)
-    dmp = DistributedModelParallel(TinyDLRM(), env=env, plan=ShardingPlan({"ebc": plan}),
-                                   sharders=[sharder])
+    dmp = DistributedModelParallel(
+        TinyDLRM(), env=env, plan=ShardingPlan({"ebc": plan}), sharders=[sharder]
+    )
     losses = train(dmp, make_optimizer(dmp, fused=True, adagrad=False), range(STEPS), rank, ws)
     return losses, dict(counts)
 
 
 def all_runs(rank: int, ws: int) -> Dict[str, Tuple[List[float], Dict[str, int]]]:
-    return {f"{kind}/{precision}": train_with(rank, ws, kind, precision)
-            for kind in KINDS for precision in ("fp32", "fp16", "bf16")}
+    return {
+        f"{kind}/{precision}": train_with(rank, ws, kind, precision)
+        for kind in KINDS
+        for precision in ("fp32", "fp16", "bf16")
+    }
 
 
 RS, A2A = CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name, CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name
 # the collectives each sharding type's output dist runs, named by the registry entry TorchRec
 # takes their codecs from
-EXPECTED_OPS = {"table_wise": [A2A], "column_wise": [A2A], "row_wise": [RS],
-                "table_row_wise": [RS], "table_row_wise_2nodes": [A2A]}
+EXPECTED_OPS = {
+    "table_wise": [A2A],
+    "column_wise": [A2A],
+    "row_wise": [RS],
+    "table_row_wise": [RS],
+    "table_row_wise_2nodes": [A2A],
+}
 
 
 def forward_sensitivity() -> List[float]:
@@ -155,7 +173,12 @@ def test_codecs_reach_every_output_dist_both_ways(runs, kind: str) -> None:
             counts = rank_runs[f"{kind}/{precision}"][1]
             for direction in ("forward", "backward"):
                 encoded = sum(n for key, n in counts.items() if key.endswith(direction))
-                assert encoded == STEPS * len(EXPECTED_OPS[kind]), (kind, precision, direction, counts)
+                assert encoded == STEPS * len(EXPECTED_OPS[kind]), (
+                    kind,
+                    precision,
+                    direction,
+                    counts,
+                )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -167,7 +190,9 @@ def test_each_collective_takes_its_own_registry_entry(runs, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_losses_with_fp16_and_bf16_codecs_track_fp32(runs, allowance_per_unit_roundoff, kind: str) -> None:
+def test_losses_with_fp16_and_bf16_codecs_track_fp32(
+    runs, allowance_per_unit_roundoff, kind: str
+) -> None:
     for rank_runs in runs:
         reference = torch.tensor(rank_runs[f"{kind}/fp32"][0])
         assert reference[-1] < reference[:3].mean()  # it trains

@@ -24,10 +24,20 @@ def _bench_module():  # noqa: ANN202
 def test_lookup_benchmark_reports_size_and_speed(capsys) -> None:
     _bench_module().bench_lookups(num_tables=2, rows=64, dim=8, batch=4, pooling=2, repeats=1)
     records = {r["name"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert set(records) == {"float_ebc", "quant_fp32", "quant_fp16", "quant_int8", "quant_int4",
-                            "quant_int2"}
+    assert set(records) == {
+        "float_ebc",
+        "quant_fp32",
+        "quant_fp16",
+        "quant_int8",
+        "quant_int4",
+        "quant_int2",
+    }
     assert [records[f"quant_{n}"]["bytes_per_row"] for n in ("fp16", "int8", "int4", "int2")] == [
-        16, 12, 8, 6]  # values plus 4 bytes of scale/bias for the integer types
+        16,
+        12,
+        8,
+        6,
+    ]  # values plus 4 bytes of scale/bias for the integer types
     assert all(r["ids_per_s"] > 0 for r in records.values())
 
 

@@ -25,13 +25,21 @@ class Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.ebc = EmbeddingBagCollection([
-            EmbeddingBagConfig(num_embeddings=10, embedding_dim=8, name="t0", feature_names=["f0"]),
-            EmbeddingBagConfig(num_embeddings=6, embedding_dim=4, name="t1", feature_names=["f1"]),
-        ])
-        self.ec = EmbeddingCollection([
-            EmbeddingConfig(num_embeddings=5, embedding_dim=4, name="s0", feature_names=["g0"]),
-        ])
+        self.ebc = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(
+                    num_embeddings=10, embedding_dim=8, name="t0", feature_names=["f0"]
+                ),
+                EmbeddingBagConfig(
+                    num_embeddings=6, embedding_dim=4, name="t1", feature_names=["f1"]
+                ),
+            ]
+        )
+        self.ec = EmbeddingCollection(
+            [
+                EmbeddingConfig(num_embeddings=5, embedding_dim=4, name="s0", feature_names=["g0"]),
+            ]
+        )
         self.over = nn.Linear(12, 1)
 
     def forward(self, bags: KeyedJaggedTensor, seqs: KeyedJaggedTensor) -> torch.Tensor:
@@ -39,9 +47,12 @@ class Model(nn.Module):
 
 
 def inputs() -> tuple:
-    bags = KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.tensor([1, 9, 3, 0, 5]),
-                                               torch.tensor([2, 1, 1, 1]))
-    seqs = KeyedJaggedTensor.from_lengths_sync(["g0"], torch.tensor([4, 0, 2]), torch.tensor([1, 2]))
+    bags = KeyedJaggedTensor.from_lengths_sync(
+        ["f0", "f1"], torch.tensor([1, 9, 3, 0, 5]), torch.tensor([2, 1, 1, 1])
+    )
+    seqs = KeyedJaggedTensor.from_lengths_sync(
+        ["g0"], torch.tensor([4, 0, 2]), torch.tensor([1, 2])
+    )
     return bags, seqs
 
 
@@ -51,20 +62,28 @@ def observer(dtype: torch.dtype) -> object:
 
 def test_quantize_dynamic_maps_ebc_and_ec_to_quantized_twins() -> None:
     model = Model()
-    qconfig = QuantConfig(activation=observer(torch.float16), weight=observer(torch.quint4x2),
-                          per_table_weight_dtype={"t1": torch.qint8})
+    qconfig = QuantConfig(
+        activation=observer(torch.float16),
+        weight=observer(torch.quint4x2),
+        per_table_weight_dtype={"t1": torch.qint8},
+    )
     quantized = quantize_dynamic(
         model,
         qconfig_spec={EmbeddingBagCollection: qconfig, EmbeddingCollection: qconfig},
-        mapping={EmbeddingBagCollection: QuantEmbeddingBagCollection,
-                 EmbeddingCollection: QuantEmbeddingCollection},
+        mapping={
+            EmbeddingBagCollection: QuantEmbeddingBagCollection,
+            EmbeddingCollection: QuantEmbeddingCollection,
+        },
         inplace=False,
     )
     assert type(model.ebc) is EmbeddingBagCollection  # inplace=False leaves the original
     assert isinstance(quantized.ebc, QuantEmbeddingBagCollection)
     assert isinstance(quantized.ec, QuantEmbeddingCollection)
     assert type(quantized.over) is nn.Linear  # not in qconfig_spec: untouched
-    assert [c.data_type for c in quantized.ebc.embedding_bag_configs()] == [DataType.INT4, DataType.INT8]
+    assert [c.data_type for c in quantized.ebc.embedding_bag_configs()] == [
+        DataType.INT4,
+        DataType.INT8,
+    ]
     assert quantized.ec.embedding_configs()[0].data_type == DataType.INT4
     bags, seqs = inputs()
     pooled = quantized.ebc(bags)
@@ -78,8 +97,12 @@ def test_quantize_dynamic_maps_ebc_and_ec_to_quantized_twins() -> None:
 def test_plain_qconfig_and_explicit_dtype() -> None:
     model = Model()
     qconfig = QConfig(activation=PlaceholderObserver, weight=observer(torch.qint8))
-    quantize_dynamic(model, qconfig_spec={EmbeddingBagCollection: qconfig},
-                     mapping={EmbeddingBagCollection: QuantEmbeddingBagCollection}, inplace=True)
+    quantize_dynamic(
+        model,
+        qconfig_spec={EmbeddingBagCollection: qconfig},
+        mapping={EmbeddingBagCollection: QuantEmbeddingBagCollection},
+        inplace=True,
+    )
     assert isinstance(model.ebc, QuantEmbeddingBagCollection)
     assert {c.data_type for c in model.ebc.embedding_bag_configs()} == {DataType.INT8}
     assert model.ebc(inputs()[0]).values().dtype == torch.float32
@@ -93,5 +116,8 @@ def test_bad_qconfig_dtype_names_the_table() -> None:
     model = Model()
     qconfig = QuantConfig(activation=observer(torch.float), weight=observer(torch.int32))
     with pytest.raises(ValueError, match="table 't0': the quantized embedding kernel cannot store"):
-        quantize_dynamic(model, qconfig_spec={EmbeddingBagCollection: qconfig},
-                         mapping={EmbeddingBagCollection: QuantEmbeddingBagCollection})
+        quantize_dynamic(
+            model,
+            qconfig_spec={EmbeddingBagCollection: qconfig},
+            mapping={EmbeddingBagCollection: QuantEmbeddingBagCollection},
+        )

@@ -34,22 +34,44 @@ DTYPES = [torch.qint8, torch.quint4x2, torch.quint2x4, torch.float16]
 def bag_tables() -> List[EmbeddingBagConfig]:
     """Shared features, MEAN, mixed dims (all multiples of 4: every dtype can hold them)."""
     return [
-        EmbeddingBagConfig(num_embeddings=40, embedding_dim=8, name="t0", feature_names=["f0", "f1"]),
-        EmbeddingBagConfig(num_embeddings=7, embedding_dim=4, name="t1", feature_names=["f2"],
-                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(
+            num_embeddings=40, embedding_dim=8, name="t0", feature_names=["f0", "f1"]
+        ),
+        EmbeddingBagConfig(
+            num_embeddings=7,
+            embedding_dim=4,
+            name="t1",
+            feature_names=["f2"],
+            pooling=PoolingType.MEAN,
+        ),
         EmbeddingBagConfig(num_embeddings=25, embedding_dim=12, name="t2", feature_names=["f3"]),
-        EmbeddingBagConfig(num_embeddings=9, embedding_dim=16, name="t3", feature_names=["f4"],
-                           weight_init_min=-3.0, weight_init_max=5.0),  # wide, offset rows
+        EmbeddingBagConfig(
+            num_embeddings=9,
+            embedding_dim=16,
+            name="t3",
+            feature_names=["f4"],
+            weight_init_min=-3.0,
+            weight_init_max=5.0,
+        ),  # wide, offset rows
     ]
 
 
-def make_kjt(rows: Dict[str, int], batch: int, seed: int, weighted: bool = False,
-             id_dtype: torch.dtype = torch.int64) -> KeyedJaggedTensor:
+def make_kjt(
+    rows: Dict[str, int],
+    batch: int,
+    seed: int,
+    weighted: bool = False,
+    id_dtype: torch.dtype = torch.int64,
+) -> KeyedJaggedTensor:
     g = torch.Generator().manual_seed(seed)
     keys = list(reversed(list(rows)))  # input key order differs from the module's
     lengths = torch.randint(0, 5, (len(keys), batch), generator=g)
-    values = torch.cat([torch.randint(0, rows[k], (int(lengths[i].sum()),), generator=g)
-                        for i, k in enumerate(keys)]).to(id_dtype)
+    values = torch.cat(
+        [
+            torch.randint(0, rows[k], (int(lengths[i].sum()),), generator=g)
+            for i, k in enumerate(keys)
+        ]
+    ).to(id_dtype)
     weights = torch.rand(values.numel(), generator=g) * 2 - 0.5 if weighted else None
     return KeyedJaggedTensor.from_lengths_sync(keys, values, lengths.reshape(-1), weights)
 
@@ -62,9 +84,11 @@ def pooled_bound(qebc: QuantEmbeddingBagCollection, kjt: KeyedJaggedTensor) -> t
     """`[B, sum dims]`: per bag, sum over its ids of |weight| * that row's max error
     (divided by the bag length for MEAN): the most quantization can move a pooled value."""
     columns = []
-    errors = {name: max_row_error(v, sb, c.data_type, c.embedding_dim)
-              for c in qebc.embedding_bag_configs()
-              for name, (v, sb) in [(c.name, qebc.quantized_weights()[c.name])]}
+    errors = {
+        name: max_row_error(v, sb, c.data_type, c.embedding_dim)
+        for c in qebc.embedding_bag_configs()
+        for name, (v, sb) in [(c.name, qebc.quantized_weights()[c.name])]
+    }
     for config in qebc.embedding_bag_configs():
         for feature in config.feature_names:
             jt = kjt[feature]
@@ -90,7 +114,8 @@ def dequantized_ebc(qebc: QuantEmbeddingBagCollection, weighted: bool) -> Embedd
         for c in qebc.embedding_bag_configs():
             values, scale_bias = qebc.quantized_weights()[c.name]
             ebc.embedding_bags[c.name].weight.copy_(
-                dequantize_rows(values, scale_bias, c.data_type, c.embedding_dim))
+                dequantize_rows(values, scale_bias, c.data_type, c.embedding_dim)
+            )
     return ebc
 
 
@@ -131,9 +156,11 @@ def test_quant_ebc_within_quantization_error(dtype: torch.dtype, weighted: bool)
 @pytest.mark.parametrize("dtype", [torch.qint8, torch.quint4x2, torch.float16])
 def test_quant_ec_within_quantization_error(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    configs = [EmbeddingConfig(num_embeddings=30, embedding_dim=8, name="e0", feature_names=["a", "b"]),
-               EmbeddingConfig(num_embeddings=12, embedding_dim=4, name="e1", feature_names=["c"]),
-               EmbeddingConfig(num_embeddings=5, embedding_dim=8, name="e2", feature_names=["d"])]
+    configs = [
+        EmbeddingConfig(num_embeddings=30, embedding_dim=8, name="e0", feature_names=["a", "b"]),
+        EmbeddingConfig(num_embeddings=12, embedding_dim=4, name="e1", feature_names=["c"]),
+        EmbeddingConfig(num_embeddings=5, embedding_dim=8, name="e2", feature_names=["d"]),
+    ]
     ec = EmbeddingCollection(configs, need_indices=True)
     qec = QuantEmbeddingCollection.from_float(ec, dtype)
     assert len(qec.lookups) == 2  # one fbgemm sequence kernel per dim
@@ -151,13 +178,23 @@ def test_quant_ec_within_quantization_error(dtype: torch.dtype) -> None:
             assert bool((error <= row_error[ids].unsqueeze(1) + 1e-7).all()), feature
 
 
-@pytest.mark.parametrize("dtype,bytes_per_row", [
-    (torch.float32, 256), (torch.float16, 128), (torch.qint8, 64 + 4), (torch.quint4x2, 32 + 4),
-    (torch.quint2x4, 16 + 4),
-])
+@pytest.mark.parametrize(
+    "dtype,bytes_per_row",
+    [
+        (torch.float32, 256),
+        (torch.float16, 128),
+        (torch.qint8, 64 + 4),
+        (torch.quint4x2, 32 + 4),
+        (torch.quint2x4, 16 + 4),
+    ],
+)
 def test_model_size_shrinks_by_the_expected_factor(dtype: torch.dtype, bytes_per_row: int) -> None:
-    configs = [EmbeddingBagConfig(num_embeddings=2000, embedding_dim=64, name=f"t{i}",
-                                  feature_names=[f"f{i}"]) for i in range(3)]
+    configs = [
+        EmbeddingBagConfig(
+            num_embeddings=2000, embedding_dim=64, name=f"t{i}", feature_names=[f"f{i}"]
+        )
+        for i in range(3)
+    ]
     ebc = EmbeddingBagCollection(configs)
     qebc = QuantEmbeddingBagCollection.from_float(ebc, dtype)
     float_bytes = sum(t.numel() * t.element_size() for t in ebc.state_dict().values())
@@ -182,13 +219,24 @@ def test_quantize_embeddings_converts_a_model() -> None:
     model = Model()
     kjt = make_kjt(feature_rows(bag_tables()), batch=8, seed=3)
     want = model.ebc(kjt).values()
-    copy_model = quantize_embeddings(model, torch.quint4x2, inplace=False,
-                                     per_table_weight_dtype={"t3": torch.qint8})
+    copy_model = quantize_embeddings(
+        model, torch.quint4x2, inplace=False, per_table_weight_dtype={"t3": torch.qint8}
+    )
     assert type(model.ebc) is EmbeddingBagCollection  # not in place: the original is untouched
-    assert isinstance(copy_model.ebc, QuantEmbeddingBagCollection) and copy_model.alias is copy_model.ebc
+    assert (
+        isinstance(copy_model.ebc, QuantEmbeddingBagCollection)
+        and copy_model.alias is copy_model.ebc
+    )
     types = {c.name: c.data_type for c in copy_model.ebc.embedding_bag_configs()}
-    assert types == {"t0": DataType.INT4, "t1": DataType.INT4, "t2": DataType.INT4, "t3": DataType.INT8}
-    assert quantize_embeddings(model, torch.qint8) is model and isinstance(model.ebc, QuantEmbeddingBagCollection)
+    assert types == {
+        "t0": DataType.INT4,
+        "t1": DataType.INT4,
+        "t2": DataType.INT4,
+        "t3": DataType.INT8,
+    }
+    assert quantize_embeddings(model, torch.qint8) is model and isinstance(
+        model.ebc, QuantEmbeddingBagCollection
+    )
     assert (model.ebc(kjt).values() - want).abs().max() < 0.05
     bare = quantize_embeddings(EmbeddingBagCollection(bag_tables()), torch.float16)
     assert isinstance(bare, QuantEmbeddingBagCollection)
@@ -196,10 +244,15 @@ def test_quantize_embeddings_converts_a_model() -> None:
 
 def test_state_dict_round_trip_and_fresh_modules() -> None:
     torch.manual_seed(0)
-    qebc = QuantEmbeddingBagCollection.from_float(EmbeddingBagCollection(bag_tables()), torch.quint4x2)
+    qebc = QuantEmbeddingBagCollection.from_float(
+        EmbeddingBagCollection(bag_tables()), torch.quint4x2
+    )
     state = qebc.state_dict()
-    assert sorted(state) == sorted(f"embedding_bags.t{i}.{k}" for i in range(4)
-                                   for k in ("weight", "weight_qscale", "weight_qbias"))
+    assert sorted(state) == sorted(
+        f"embedding_bags.t{i}.{k}"
+        for i in range(4)
+        for k in ("weight", "weight_qscale", "weight_qbias")
+    )
     assert state["embedding_bags.t0.weight"].dtype == torch.uint8
     assert tuple(state["embedding_bags.t0.weight"].shape) == (40, 4)
     configs = [copy.copy(c) for c in qebc.embedding_bag_configs()]
@@ -219,15 +272,17 @@ def test_inputs_are_checked_like_the_float_module() -> None:
     assert torch.equal(qebc(int32).values(), qebc(int64).values())
     empty = make_kjt(rows, batch=0, seed=5)
     assert tuple(qebc(empty).values().shape) == (0, 8 + 8 + 4 + 12 + 16)
-    bad = KeyedJaggedTensor.from_lengths_sync(list(rows), torch.tensor([0, 1, 7, 3, 4]),
-                                              torch.tensor([1, 1, 1, 1, 1]))
+    bad = KeyedJaggedTensor.from_lengths_sync(
+        list(rows), torch.tensor([0, 1, 7, 3, 4]), torch.tensor([1, 1, 1, 1, 1])
+    )
     with pytest.raises(ValueError, match="f2"):  # table t1 has 7 rows
         qebc(bad)
 
 
 def test_bad_dtype_or_dim_names_the_table_and_changes_nothing() -> None:
-    configs = bag_tables() + [EmbeddingBagConfig(num_embeddings=5, embedding_dim=6, name="odd",
-                                                 feature_names=["g"])]
+    configs = bag_tables() + [
+        EmbeddingBagConfig(num_embeddings=5, embedding_dim=6, name="odd", feature_names=["g"])
+    ]
     model = nn.Sequential(EmbeddingBagCollection(configs))
     with pytest.raises(ValueError, match=r"table 't0'.*bfloat16"):
         quantize_embeddings(model, torch.bfloat16)
@@ -236,26 +291,49 @@ def test_bad_dtype_or_dim_names_the_table_and_changes_nothing() -> None:
     assert type(model[0]) is EmbeddingBagCollection  # checked before anything changed
     quantize_embeddings(model, torch.quint4x2)  # 6 is even: INT4 holds it
     with pytest.raises(ValueError, match=r"table 'x'.*embedding_dim 3.*INT4"):
-        QuantEmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=4, embedding_dim=3, name="x",
-                                                        data_type=DataType.INT4)])
+        QuantEmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(
+                    num_embeddings=4, embedding_dim=3, name="x", data_type=DataType.INT4
+                )
+            ]
+        )
     with pytest.raises(ValueError, match=r"table 'x'.*BF16"):
-        QuantEmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=4, embedding_dim=4, name="x",
-                                                        data_type=DataType.BF16)])
-    big = EmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=2, embedding_dim=4, name="big",
-                                                     weight_init_min=7e4, weight_init_max=8e4)])
+        QuantEmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(
+                    num_embeddings=4, embedding_dim=4, name="x", data_type=DataType.BF16
+                )
+            ]
+        )
+    big = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(
+                num_embeddings=2,
+                embedding_dim=4,
+                name="big",
+                weight_init_min=7e4,
+                weight_init_max=8e4,
+            )
+        ]
+    )
     with pytest.raises(ValueError, match=r"table 'big'.*fp16's range"):
         quantize_embeddings(big, torch.float16)
 
 
-EC_TABLES = [EmbeddingConfig(num_embeddings=30, embedding_dim=8, name="e0", feature_names=["a", "b"]),
-             EmbeddingConfig(num_embeddings=12, embedding_dim=4, name="e1", feature_names=["c"]),
-             EmbeddingConfig(num_embeddings=5, embedding_dim=8, name="e2", feature_names=["d"])]
+EC_TABLES = [
+    EmbeddingConfig(num_embeddings=30, embedding_dim=8, name="e0", feature_names=["a", "b"]),
+    EmbeddingConfig(num_embeddings=12, embedding_dim=4, name="e1", feature_names=["c"]),
+    EmbeddingConfig(num_embeddings=5, embedding_dim=8, name="e2", feature_names=["d"]),
+]
 
 
 def _one_id_each(keys: List[str], bad_key: str, bad_id: int) -> KeyedJaggedTensor:
     """Batch 1, one id per key (id 1), the id of `bad_key` replaced by `bad_id`."""
     values = torch.tensor([bad_id if k == bad_key else 1 for k in keys])
-    return KeyedJaggedTensor.from_lengths_sync(keys, values, torch.ones(len(keys), dtype=torch.int64))
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys, values, torch.ones(len(keys), dtype=torch.int64)
+    )
 
 
 @pytest.mark.parametrize("bad_id", [5, 29, 30, -1, -7])
@@ -267,8 +345,15 @@ def test_forward_refuses_an_id_outside_its_table_naming_feature_and_id(bad_id: i
     message = rf"table 'e2', feature 'd': id {bad_id} is outside \[0, 5\)"
     with pytest.raises(ValueError, match=message):
         qec(_one_id_each(["d", "c", "b", "a"], "d", bad_id))
-    bags = [EmbeddingBagConfig(num_embeddings=c.num_embeddings, embedding_dim=c.embedding_dim,
-                               name=c.name, feature_names=c.feature_names) for c in EC_TABLES]
+    bags = [
+        EmbeddingBagConfig(
+            num_embeddings=c.num_embeddings,
+            embedding_dim=c.embedding_dim,
+            name=c.name,
+            feature_names=c.feature_names,
+        )
+        for c in EC_TABLES
+    ]
     qebc = QuantEmbeddingBagCollection.from_float(EmbeddingBagCollection(bags), torch.quint4x2)
     with pytest.raises(ValueError, match=message):
         qebc(_one_id_each(["a", "b", "c", "d"], "d", bad_id))
@@ -278,13 +363,16 @@ def test_nonfinite_weights_are_left_to_validate_input() -> None:
     """Forward runs the checks that keep the kernel in its memory; a NaN per-id weight (a
     pass over every weight) is `validate_input`'s, as in the float collections."""
     qebc = QuantEmbeddingBagCollection.from_float(
-        EmbeddingBagCollection(bag_tables(), is_weighted=True), torch.qint8)
+        EmbeddingBagCollection(bag_tables(), is_weighted=True), torch.qint8
+    )
     kjt = make_kjt(feature_rows(bag_tables()), batch=6, seed=7, weighted=True)
     weights = kjt.weights().clone()
     weights[0] = float("nan")
     nan = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values(), kjt.lengths(), weights)
     assert torch.isnan(qebc(nan).values()).any()
-    with pytest.raises(ValueError, match=r"weight nan at position 0 of the feature's values is not finite"):
+    with pytest.raises(
+        ValueError, match=r"weight nan at position 0 of the feature's values is not finite"
+    ):
         qebc.validate_input(nan)
     qebc.validate_input(kjt)
     qec = QuantEmbeddingCollection.from_float(EmbeddingCollection(EC_TABLES), torch.qint8)
@@ -292,17 +380,25 @@ def test_nonfinite_weights_are_left_to_validate_input() -> None:
         qec.validate_input(_one_id_each(["a", "b", "c", "d"], "d", 5))
 
 
-@pytest.mark.parametrize("lengths,offsets,message", [
-    (None, [2, 3, 5], "offsets must start at 0, got 2"),
-    ([1, 2], [0, 4, 3], "offsets decrease at entry 2"),
-])
+@pytest.mark.parametrize(
+    "lengths,offsets,message",
+    [
+        (None, [2, 3, 5], "offsets must start at 0, got 2"),
+        ([1, 2], [0, 4, 3], "offsets decrease at entry 2"),
+    ],
+)
 def test_bag_offsets_outside_the_values_are_refused(lengths, offsets, message) -> None:  # noqa: ANN001
     """fbgemm's kernels read ids at the bag offsets unchecked: offsets given by the caller
     that leave `values` are refused before the lookup, float and quantized."""
-    kjt = KeyedJaggedTensor(["f0"], torch.tensor([1, 2, 3]), offsets=torch.tensor(offsets),
-                            lengths=None if lengths is None else torch.tensor(lengths))
-    float_ebc = EmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=40, embedding_dim=8, name="t0",
-                                                           feature_names=["f0"])])
+    kjt = KeyedJaggedTensor(
+        ["f0"],
+        torch.tensor([1, 2, 3]),
+        offsets=torch.tensor(offsets),
+        lengths=None if lengths is None else torch.tensor(lengths),
+    )
+    float_ebc = EmbeddingBagCollection(
+        [EmbeddingBagConfig(num_embeddings=40, embedding_dim=8, name="t0", feature_names=["f0"])]
+    )
     for module in (float_ebc, QuantEmbeddingBagCollection.from_float(float_ebc, torch.qint8)):
         with pytest.raises(ValueError, match=message):
             module(kjt)

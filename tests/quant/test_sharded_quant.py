@@ -38,18 +38,33 @@ Q = "quant"
 def tables() -> List[EmbeddingBagConfig]:
     """Shared features, MEAN, a 1-row table (an empty row-wise shard on rank 1)."""
     return [
-        EmbeddingBagConfig(num_embeddings=11, embedding_dim=8, name="t0", feature_names=["f0", "f1"]),
-        EmbeddingBagConfig(num_embeddings=1, embedding_dim=4, name="t1", feature_names=["f2"],
-                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(
+            num_embeddings=11, embedding_dim=8, name="t0", feature_names=["f0", "f1"]
+        ),
+        EmbeddingBagConfig(
+            num_embeddings=1,
+            embedding_dim=4,
+            name="t1",
+            feature_names=["f2"],
+            pooling=PoolingType.MEAN,
+        ),
         EmbeddingBagConfig(num_embeddings=20, embedding_dim=16, name="t2", feature_names=["f3"]),
     ]
 
 
 PLANS = {
-    "table_wise": {"t0": table_wise(1, compute_kernel=Q), "t1": table_wise(0, compute_kernel=Q), "t2": table_wise(1, compute_kernel=Q)},
+    "table_wise": {
+        "t0": table_wise(1, compute_kernel=Q),
+        "t1": table_wise(0, compute_kernel=Q),
+        "t2": table_wise(1, compute_kernel=Q),
+    },
     "row_wise": {n: row_wise(compute_kernel=Q) for n in ("t0", "t1", "t2")},
     "column_wise": {n: column_wise([1, 0], compute_kernel=Q) for n in ("t0", "t1", "t2")},
-    "mixed": {"t0": data_parallel(compute_kernel=Q), "t1": table_row_wise(0, compute_kernel=Q), "t2": column_wise([0, 1], compute_kernel=Q)},
+    "mixed": {
+        "t0": data_parallel(compute_kernel=Q),
+        "t1": table_row_wise(0, compute_kernel=Q),
+        "t2": column_wise([0, 1], compute_kernel=Q),
+    },
 }
 
 
@@ -57,8 +72,12 @@ def local_batch(rank: int, seed: int, batch_size: int, weighted: bool) -> KeyedJ
     g = torch.Generator().manual_seed(100 * seed + rank)
     rows = {"f3": 20, "f0": 11, "f2": 1, "f1": 11}  # not the module's key order
     lengths = torch.randint(0, 4, (len(rows), batch_size), generator=g)
-    values = torch.cat([torch.randint(0, n, (int(lengths[i].sum()),), generator=g)
-                        for i, n in enumerate(rows.values())])
+    values = torch.cat(
+        [
+            torch.randint(0, n, (int(lengths[i].sum()),), generator=g)
+            for i, n in enumerate(rows.values())
+        ]
+    )
     weights = torch.rand(values.numel(), generator=g) + 0.5 if weighted else None
     return KeyedJaggedTensor.from_lengths_sync(list(rows), values, lengths.reshape(-1), weights)
 
@@ -66,13 +85,22 @@ def local_batch(rank: int, seed: int, batch_size: int, weighted: bool) -> KeyedJ
 def sharded_equals_unsharded(rank: int, ws: int) -> Dict[str, float]:
     env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
     worst: Dict[str, float] = {}
-    cases = [(dtype, kind, False) for dtype in (torch.qint8, torch.quint4x2, torch.float16)
-             for kind in ("table_wise", "row_wise")]
-    cases += [(torch.quint4x2, "column_wise", False), (torch.quint2x4, "mixed", False),
-              (torch.qint8, "row_wise", True), (torch.qint8, "mixed", True)]
+    cases = [
+        (dtype, kind, False)
+        for dtype in (torch.qint8, torch.quint4x2, torch.float16)
+        for kind in ("table_wise", "row_wise")
+    ]
+    cases += [
+        (torch.quint4x2, "column_wise", False),
+        (torch.quint2x4, "mixed", False),
+        (torch.qint8, "row_wise", True),
+        (torch.qint8, "mixed", True),
+    ]
     for dtype, kind, weighted in cases:
         torch.manual_seed(0)
-        qebc = QuantEmbeddingBagCollection.from_float(EmbeddingBagCollection(tables(), weighted), dtype)
+        qebc = QuantEmbeddingBagCollection.from_float(
+            EmbeddingBagCollection(tables(), weighted), dtype
+        )
         plan = construct_module_sharding_plan(qebc, PLANS[kind], world_size=ws)
         sharded = QuantEmbeddingBagCollectionSharder().shard(qebc, plan, env)
         for step in range(2):
@@ -92,11 +120,24 @@ def dmp_inference(rank: int, ws: int) -> Dict[str, float]:
     for kind in ("table_wise", "row_wise"):
         torch.manual_seed(0)
         model = quantize_embeddings(TinyDLRM(), torch.quint4x2)
-        per_table = ({"ta": table_wise(0, compute_kernel=Q), "tb": table_wise(1, compute_kernel=Q), "tc": table_wise(1, compute_kernel=Q)}
-                     if kind == "table_wise" else {t: row_wise(compute_kernel=Q) for t in ("ta", "tb", "tc")})
-        plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, per_table, world_size=ws)})
-        dmp = DistributedModelParallel(model, plan=plan, sharders=[QuantEmbeddingBagCollectionSharder()],
-                                       init_data_parallel=False)
+        per_table = (
+            {
+                "ta": table_wise(0, compute_kernel=Q),
+                "tb": table_wise(1, compute_kernel=Q),
+                "tc": table_wise(1, compute_kernel=Q),
+            }
+            if kind == "table_wise"
+            else {t: row_wise(compute_kernel=Q) for t in ("ta", "tb", "tc")}
+        )
+        plan = ShardingPlan(
+            {"ebc": construct_module_sharding_plan(model.ebc, per_table, world_size=ws)}
+        )
+        dmp = DistributedModelParallel(
+            model,
+            plan=plan,
+            sharders=[QuantEmbeddingBagCollectionSharder()],
+            init_data_parallel=False,
+        )
         assert isinstance(dmp.module.ebc, ShardedQuantEmbeddingBagCollection)
         for step in range(2):
             dense, kjt, labels = batch_for(step, rank, ws)
@@ -126,9 +167,12 @@ def every_type_plans(ws: int) -> Dict[str, Dict]:
         "table_wise": {n: table_wise(i % ws, compute_kernel=Q) for i, n in enumerate(names)},
         "row_wise": {n: row_wise(compute_kernel=Q) for n in names},
         "column_wise": {n: column_wise([last, 0], compute_kernel=Q) for n in names},
-        "table_row_wise": {n: table_row_wise(i % nodes, compute_kernel=Q) for i, n in enumerate(names)},
-        "table_column_wise": {n: table_column_wise(i % nodes, compute_kernel=Q)
-                              for i, n in enumerate(names)},
+        "table_row_wise": {
+            n: table_row_wise(i % nodes, compute_kernel=Q) for i, n in enumerate(names)
+        },
+        "table_column_wise": {
+            n: table_column_wise(i % nodes, compute_kernel=Q) for i, n in enumerate(names)
+        },
         "data_parallel": {n: data_parallel(compute_kernel=Q) for n in names},
     }
 
@@ -147,8 +191,11 @@ def every_sharding_type(rank: int, ws: int) -> Dict[str, float]:
             for weighted in (False, True):
                 torch.manual_seed(0)
                 qebc = QuantEmbeddingBagCollection.from_float(
-                    EmbeddingBagCollection(tables(), weighted), dtype)
-                plan = construct_module_sharding_plan(qebc, per_table, local_size=lws, world_size=ws)
+                    EmbeddingBagCollection(tables(), weighted), dtype
+                )
+                plan = construct_module_sharding_plan(
+                    qebc, per_table, local_size=lws, world_size=ws
+                )
                 sharded = QuantEmbeddingBagCollectionSharder().shard(qebc, plan, env)
                 key = f"{dtype}/{kind}/{'weighted' if weighted else 'unweighted'}"
                 for step in range(2):
@@ -177,11 +224,25 @@ def test_quant_plans_are_checked_before_sharding() -> None:
     qebc = QuantEmbeddingBagCollection.from_float(EmbeddingBagCollection(tables()), torch.quint4x2)
     sharder = QuantEmbeddingBagCollectionSharder()
     assert sharder.compute_kernels("row_wise", "cpu") == ["quant"]
-    fused = construct_module_sharding_plan(qebc, {"t0": table_wise(0), "t1": table_wise(0, compute_kernel=Q),
-                                                  "t2": table_wise(1, compute_kernel=Q)}, world_size=2)
+    fused = construct_module_sharding_plan(
+        qebc,
+        {
+            "t0": table_wise(0),
+            "t1": table_wise(0, compute_kernel=Q),
+            "t2": table_wise(1, compute_kernel=Q),
+        },
+        world_size=2,
+    )
     with pytest.raises(ValueError, match=r"table 't0'.*compute_kernel='quant'.*'fused'"):
         sharder.shard(qebc, fused, env)
-    odd = construct_module_sharding_plan(qebc, {"t0": table_wise(0, compute_kernel=Q), "t1": table_wise(0, compute_kernel=Q),
-                                                "t2": column_wise([0, 1, 0, 1, 0], compute_kernel=Q)}, world_size=2)
+    odd = construct_module_sharding_plan(
+        qebc,
+        {
+            "t0": table_wise(0, compute_kernel=Q),
+            "t1": table_wise(0, compute_kernel=Q),
+            "t2": column_wise([0, 1, 0, 1, 0], compute_kernel=Q),
+        },
+        world_size=2,
+    )
     with pytest.raises(ValueError, match=r"table 't2'.*column 4 of width 3.*INT4"):
         sharder.shard(qebc, odd, env)

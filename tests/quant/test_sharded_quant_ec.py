@@ -45,11 +45,21 @@ def tables() -> List[EmbeddingConfig]:
 def plans(ws: int) -> Dict[str, Dict]:
     last = ws - 1
     return {
-        "table_wise": {"t0": table_wise(last, compute_kernel=Q), "t1": table_wise(0, compute_kernel=Q), "t2": table_wise(last, compute_kernel=Q)},
+        "table_wise": {
+            "t0": table_wise(last, compute_kernel=Q),
+            "t1": table_wise(0, compute_kernel=Q),
+            "t2": table_wise(last, compute_kernel=Q),
+        },
         "row_wise": {n: row_wise(compute_kernel=Q) for n in ROWS},
-        "column_wise": {n: column_wise([last, 0], compute_kernel=Q) for n in ROWS},  # even widths (INT4)
+        "column_wise": {
+            n: column_wise([last, 0], compute_kernel=Q) for n in ROWS
+        },  # even widths (INT4)
         "data_parallel": {n: data_parallel(compute_kernel=Q) for n in ROWS},
-        "mixed": {"t0": data_parallel(compute_kernel=Q), "t1": row_wise(compute_kernel=Q), "t2": column_wise([0, last], compute_kernel=Q)},
+        "mixed": {
+            "t0": data_parallel(compute_kernel=Q),
+            "t1": row_wise(compute_kernel=Q),
+            "t2": column_wise([0, last], compute_kernel=Q),
+        },
     }
 
 
@@ -57,22 +67,32 @@ def local_batch(rank: int, seed: int, batch_size: int) -> KeyedJaggedTensor:
     g = torch.Generator().manual_seed(100 * seed + rank)
     rows = {"f3": 20, "f0": 11, "f2": 1, "f1": 11}  # not the module's key order
     lengths = torch.randint(0, 4, (len(rows), batch_size), generator=g)
-    values = torch.cat([torch.randint(0, n, (int(lengths[i].sum()),), generator=g)
-                        for i, n in enumerate(rows.values())])
+    values = torch.cat(
+        [
+            torch.randint(0, n, (int(lengths[i].sum()),), generator=g)
+            for i, n in enumerate(rows.values())
+        ]
+    )
     return KeyedJaggedTensor.from_lengths_sync(list(rows), values, lengths.reshape(-1))
 
 
 def compare(rank: int, ws: int) -> Dict[str, List[str]]:
     env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
     problems: Dict[str, List[str]] = {}
-    cases = [(dtype, kind, torch.float32, False) for dtype in (torch.qint8, torch.quint4x2)
-             for kind in plans(ws)]
-    cases += [(torch.float16, "row_wise", torch.float16, True),
-              (torch.quint2x4, "mixed", torch.float32, True)]
+    cases = [
+        (dtype, kind, torch.float32, False)
+        for dtype in (torch.qint8, torch.quint4x2)
+        for kind in plans(ws)
+    ]
+    cases += [
+        (torch.float16, "row_wise", torch.float16, True),
+        (torch.quint2x4, "mixed", torch.float32, True),
+    ]
     for dtype, kind, output_dtype, need_indices in cases:
         torch.manual_seed(0)
         qec = QuantEmbeddingCollection.from_float(
-            EmbeddingCollection(tables(), need_indices=need_indices), dtype, output_dtype)
+            EmbeddingCollection(tables(), need_indices=need_indices), dtype, output_dtype
+        )
         plan = construct_module_sharding_plan(qec, plans(ws)[kind], world_size=ws)
         sharded = QuantEmbeddingCollectionSharder().shard(qec, plan, env)
         key, found = f"{dtype}/{kind}/{output_dtype}", []
@@ -85,7 +105,8 @@ def compare(rank: int, ws: int) -> Dict[str, List[str]]:
             for feature, jt in want.items():
                 mine = got[feature]
                 if mine.values().dtype != jt.values().dtype or not torch.allclose(
-                        mine.values(), jt.values(), atol=1e-5):
+                    mine.values(), jt.values(), atol=1e-5
+                ):
                     found.append(f"step {step} {feature}: values differ")
                 if not torch.equal(mine.lengths(), jt.lengths()):
                     found.append(f"step {step} {feature}: lengths differ")
@@ -101,8 +122,13 @@ def dmp_default_sharders(rank: int, ws: int) -> List[str]:
     model = torch.nn.Module()
     model.ec = quantize_embeddings(EmbeddingCollection(tables()), torch.qint8)
     reference = model.ec
-    plan = ShardingPlan({"ec": construct_module_sharding_plan(
-        model.ec, {n: row_wise(compute_kernel=Q) for n in ROWS}, world_size=ws)})
+    plan = ShardingPlan(
+        {
+            "ec": construct_module_sharding_plan(
+                model.ec, {n: row_wise(compute_kernel=Q) for n in ROWS}, world_size=ws
+            )
+        }
+    )
     dmp = DistributedModelParallel(model, plan=plan, init_data_parallel=False)
     if not isinstance(dmp.module.ec, ShardedQuantEmbeddingCollection):
         return [f"DMP built {type(dmp.module.ec).__name__}"]
@@ -132,6 +158,13 @@ def test_quant_ec_plans_are_checked_before_sharding() -> None:
     assert sharder.compute_kernels("row_wise", "cpu") == ["quant"]
     assert "table_row_wise" not in sharder.sharding_types("cpu")
     fused = construct_module_sharding_plan(
-        qec, {"t0": table_wise(0), "t1": table_wise(0, compute_kernel=Q), "t2": table_wise(1, compute_kernel=Q)}, world_size=2)
+        qec,
+        {
+            "t0": table_wise(0),
+            "t1": table_wise(0, compute_kernel=Q),
+            "t2": table_wise(1, compute_kernel=Q),
+        },
+        world_size=2,
+    )
     with pytest.raises(ValueError, match=r"table 't0'.*QuantEmbeddingCollection.*'quant'.*'fused'"):
         sharder.shard(qec, fused, env)

@@ -6,7 +6,7 @@ op is checked on both jagged-kernel backends (fbgemm and pure torch).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -25,7 +25,7 @@ if not ops.fbgemm_available():
 
 
 @st.composite
-def kjt_refs(draw: st.DrawFn, variable: Optional[bool] = None) -> Tuple[Ref, bool, bool]:
+def kjt_refs(draw: st.DrawFn, variable: bool | None = None) -> Tuple[Ref, bool, bool]:
     """(reference, weighted, variable batch): keys 1-6, batch 1-8, lengths 0-5."""
     num_keys = draw(st.integers(1, 6))
     if variable is None:
@@ -38,7 +38,9 @@ def kjt_refs(draw: st.DrawFn, variable: Optional[bool] = None) -> Tuple[Ref, boo
         rows = []
         for _ in range(stride):
             n = draw(st.integers(0, 5))
-            rows.append([(draw(st.integers(0, 99)), float(draw(st.integers(1, 9)))) for _ in range(n)])
+            rows.append(
+                [(draw(st.integers(0, 99)), float(draw(st.integers(1, 9)))) for _ in range(n)]
+            )
         ref[f"f{k}"] = rows
     return ref, weighted, variable
 
@@ -56,7 +58,9 @@ def build(ref: Ref, weighted: bool, variable: bool, use_offsets: bool = False) -
         stride_per_key_per_rank=[[len(ref[k])] for k in keys] if variable else None,
     )
     if use_offsets:
-        return KeyedJaggedTensor.from_offsets_sync(offsets=ops.asynchronous_complete_cumsum(lengths_t), **kwargs)
+        return KeyedJaggedTensor.from_offsets_sync(
+            offsets=ops.asynchronous_complete_cumsum(lengths_t), **kwargs
+        )
     return KeyedJaggedTensor.from_lengths_sync(lengths=lengths_t, **kwargs)
 
 
@@ -71,7 +75,11 @@ def to_ref(kjt: KeyedJaggedTensor) -> Ref:
 
 
 def strip_weights(ref: Ref, weighted: bool) -> Ref:
-    return ref if weighted else {k: [[(i, 1.0) for i, _ in row] for row in rows] for k, rows in ref.items()}
+    return (
+        ref
+        if weighted
+        else {k: [[(i, 1.0) for i, _ in row] for row in rows] for k, rows in ref.items()}
+    )
 
 
 def check_same(kjt: KeyedJaggedTensor, ref: Ref, weighted: bool) -> None:
@@ -85,7 +93,9 @@ def check_same(kjt: KeyedJaggedTensor, ref: Ref, weighted: bool) -> None:
 @pytest.mark.parametrize("fbgemm", BACKENDS)
 @settings(max_examples=80, deadline=None)
 @given(case=kjt_refs(), use_offsets=st.booleans())
-def test_construct_and_accessors(fbgemm: bool, case: Tuple[Ref, bool, bool], use_offsets: bool) -> None:
+def test_construct_and_accessors(
+    fbgemm: bool, case: Tuple[Ref, bool, bool], use_offsets: bool
+) -> None:
     ref, weighted, variable = case
     with ops.use_fbgemm(fbgemm):
         kjt = build(ref, weighted, variable, use_offsets)
@@ -102,7 +112,9 @@ def test_construct_and_accessors(fbgemm: bool, case: Tuple[Ref, bool, bool], use
 @pytest.mark.parametrize("fbgemm", BACKENDS)
 @settings(max_examples=80, deadline=None)
 @given(case=kjt_refs(), data=st.data())
-def test_permute_with_repeats(fbgemm: bool, case: Tuple[Ref, bool, bool], data: st.DataObject) -> None:
+def test_permute_with_repeats(
+    fbgemm: bool, case: Tuple[Ref, bool, bool], data: st.DataObject
+) -> None:
     ref, weighted, variable = case
     keys = list(ref)
     indices = data.draw(st.lists(st.integers(0, len(keys) - 1), min_size=1, max_size=8))
@@ -116,7 +128,9 @@ def test_permute_with_repeats(fbgemm: bool, case: Tuple[Ref, bool, bool], data: 
         assert permuted.values().tolist() == flat_ids
         assert permuted.lengths().tolist() == [len(r) for _, rows in expected for r in rows]
         if weighted:
-            assert permuted.weights().tolist() == [w for _, rows in expected for row in rows for _, w in row]
+            assert permuted.weights().tolist() == [
+                w for _, rows in expected for row in rows for _, w in row
+            ]
         if len(set(indices)) == len(indices):
             assert got == strip_weights(dict(expected), weighted)
 

@@ -28,7 +28,9 @@ def test_documented_layout() -> None:
     assert kjt.offsets().tolist() == [0, 2, 2, 3, 4, 5, 8]
     assert kjt["f2"].to_dense()[2].tolist() == [5, 6, 7]
     vbe = KeyedJaggedTensor(
-        ["a", "b"], torch.arange(5), lengths=torch.tensor([1, 1, 1, 1, 1]),
+        ["a", "b"],
+        torch.arange(5),
+        lengths=torch.tensor([1, 1, 1, 1, 1]),
         stride_per_key_per_rank=[[2], [3]],
     )
     assert vbe.stride_per_key() == [2, 3] and vbe.stride() == 3
@@ -100,24 +102,49 @@ def test_fx_traces_kjt_as_leaf_input() -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(keys=["a", "b"], values=torch.arange(3), lengths=torch.tensor([1, 1, 0, 2])),
-         r"lengths sum to 4 \(per key: a=2, b=2\) but values has 3 entries"),
-        (dict(keys=["a", "b"], values=torch.arange(3), lengths=torch.tensor([1, 2, -1, 1])),
-         "key 'b' has negative length -1 at batch position 0"),
-        (dict(keys=["a"], values=torch.arange(3), lengths=torch.tensor([1, 2]),
-              weights=torch.ones(2)), "weights has 2 entries but values has 3"),
-        (dict(keys=["a", "a"], values=torch.arange(2), lengths=torch.tensor([1, 1])),
-         "duplicate key 'a'"),
-        (dict(keys=["a"], values=torch.arange(3), offsets=torch.tensor([1, 2, 3])),
-         "offsets must start at 0, got 1"),
-        (dict(keys=["a", "b"], values=torch.arange(3), offsets=torch.tensor([0, 2, 1, 3, 3])),
-         r"offsets decrease at entry 2 \(key 'a'\): 2 -> 1"),
-        (dict(keys=["a", "b"], values=torch.arange(3), lengths=torch.tensor([1, 1, 1])),
-         r"lengths has 3 entries, expected 2"),
-        (dict(keys=["a", "b"], values=torch.arange(5), lengths=torch.tensor([1, 2, 0, 2]),
-              offsets=torch.tensor([0, 1, 3, 5, 5])),  # same total, rows of b disagree
-         "offsets are not the running sum of lengths: key 'b' at batch position 0 has length 0 "
-         "but offsets step 2"),
+        (
+            dict(keys=["a", "b"], values=torch.arange(3), lengths=torch.tensor([1, 1, 0, 2])),
+            r"lengths sum to 4 \(per key: a=2, b=2\) but values has 3 entries",
+        ),
+        (
+            dict(keys=["a", "b"], values=torch.arange(3), lengths=torch.tensor([1, 2, -1, 1])),
+            "key 'b' has negative length -1 at batch position 0",
+        ),
+        (
+            dict(
+                keys=["a"],
+                values=torch.arange(3),
+                lengths=torch.tensor([1, 2]),
+                weights=torch.ones(2),
+            ),
+            "weights has 2 entries but values has 3",
+        ),
+        (
+            dict(keys=["a", "a"], values=torch.arange(2), lengths=torch.tensor([1, 1])),
+            "duplicate key 'a'",
+        ),
+        (
+            dict(keys=["a"], values=torch.arange(3), offsets=torch.tensor([1, 2, 3])),
+            "offsets must start at 0, got 1",
+        ),
+        (
+            dict(keys=["a", "b"], values=torch.arange(3), offsets=torch.tensor([0, 2, 1, 3, 3])),
+            r"offsets decrease at entry 2 \(key 'a'\): 2 -> 1",
+        ),
+        (
+            dict(keys=["a", "b"], values=torch.arange(3), lengths=torch.tensor([1, 1, 1])),
+            r"lengths has 3 entries, expected 2",
+        ),
+        (
+            dict(
+                keys=["a", "b"],
+                values=torch.arange(5),
+                lengths=torch.tensor([1, 2, 0, 2]),
+                offsets=torch.tensor([0, 1, 3, 5, 5]),
+            ),  # same total, rows of b disagree
+            "offsets are not the running sum of lengths: key 'b' at batch position 0 has length 0 "
+            "but offsets step 2",
+        ),
     ],
 )
 def test_bad_input_messages(kwargs: dict, message: str) -> None:
@@ -141,10 +168,16 @@ def test_split_and_permute_errors() -> None:
     with pytest.raises(ValueError, match=r"indices \[2\] out of range for 2 keys"):
         kjt.permute([0, 2])
     with pytest.raises(ValueError, match="batch sizes differ"):
-        KeyedJaggedTensor.concat([example_kjt(), KeyedJaggedTensor.from_lengths_sync(
-            ["z"], torch.arange(1), torch.tensor([1]))])
+        KeyedJaggedTensor.concat(
+            [
+                example_kjt(),
+                KeyedJaggedTensor.from_lengths_sync(["z"], torch.arange(1), torch.tensor([1])),
+            ]
+        )
     with pytest.raises(ValueError, match=r"keys \['b'\] have no weights but others do"):
-        KeyedJaggedTensor.from_jt_dict({
-            "a": JaggedTensor(torch.arange(2), torch.ones(2), lengths=torch.tensor([1, 1])),
-            "b": JaggedTensor(torch.arange(1), lengths=torch.tensor([1])),
-        })
+        KeyedJaggedTensor.from_jt_dict(
+            {
+                "a": JaggedTensor(torch.arange(2), torch.ones(2), lengths=torch.tensor([1, 1])),
+                "b": JaggedTensor(torch.arange(1), lengths=torch.tensor([1])),
+            }
+        )

@@ -28,16 +28,21 @@ def test_from_dense_lengths_keeps_each_rows_prefix() -> None:
     assert jt.values().tolist() == [1.0, 2.0, 7.0, 8.0, 9.0]
     assert jt.weights().tolist() == [10.0, 20.0, 70.0, 80.0, 90.0]
     assert jt.lengths().tolist() == [2, 0, 3]
-    assert JaggedTensor.from_dense_lengths(values, torch.tensor([1, 1, 1])).weights_or_none() is None
+    assert (
+        JaggedTensor.from_dense_lengths(values, torch.tensor([1, 1, 1])).weights_or_none() is None
+    )
 
 
 def test_to_padded_dense_weights_pads_and_cuts() -> None:
-    jt = JaggedTensor(torch.arange(4), torch.tensor([0.1, 0.2, 0.3, 0.4]),
-                      lengths=torch.tensor([1, 3]))
+    jt = JaggedTensor(
+        torch.arange(4), torch.tensor([0.1, 0.2, 0.3, 0.4]), lengths=torch.tensor([1, 3])
+    )
     padded = jt.to_padded_dense_weights(desired_length=2, padding_value=-1.0)
     assert torch.allclose(padded, torch.tensor([[0.1, -1.0], [0.2, 0.3]]))
     assert jt.to_padded_dense_weights().shape == (2, 3)
-    assert JaggedTensor(torch.arange(1), lengths=torch.tensor([1])).to_padded_dense_weights() is None
+    assert (
+        JaggedTensor(torch.arange(1), lengths=torch.tensor([1])).to_padded_dense_weights() is None
+    )
 
 
 def test_lengths_and_offsets_must_be_integers() -> None:
@@ -50,8 +55,13 @@ def test_lengths_and_offsets_must_be_integers() -> None:
 def test_printed_forms_match_torchrec() -> None:
     jt = JaggedTensor(torch.tensor([1.0, 2.0, 3.0]), lengths=torch.tensor([1, 0, 2]))
     assert str(jt) == "JaggedTensor({\n    [[1.0], [], [2.0, 3.0]]\n})\n"
-    weighted = JaggedTensor(torch.tensor([1, 2]), torch.tensor([0.5, 1.5]), lengths=torch.tensor([2]))
-    assert str(weighted) == 'JaggedTensor({\n    "values": [[1, 2]],\n    "weights": [[0.5, 1.5]]\n})\n'
+    weighted = JaggedTensor(
+        torch.tensor([1, 2]), torch.tensor([0.5, 1.5]), lengths=torch.tensor([2])
+    )
+    assert (
+        str(weighted)
+        == 'JaggedTensor({\n    "values": [[1, 2]],\n    "weights": [[0.5, 1.5]]\n})\n'
+    )
     kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 0, 2, 0]))
     assert str(kjt) == 'KeyedJaggedTensor({\n    "a": [[1], []],\n    "b": [[2, 3], []]\n})\n'
     assert str(KeyedJaggedTensor.empty()) == "KeyedJaggedTensor()\n"
@@ -75,7 +85,9 @@ def test_constructor_accepts_what_torchrec_accepts_and_validate_checks() -> None
 
 
 def test_module_rejects_what_it_cannot_consume_with_the_validate_message() -> None:
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=4, embedding_dim=8, name="t", feature_names=["f"])])
+    ebc = EmbeddingBagCollection(
+        [EmbeddingBagConfig(num_embeddings=4, embedding_dim=8, name="t", feature_names=["f"])]
+    )
     extra_values = KeyedJaggedTensor(["f"], torch.tensor([0, 1, 2]), lengths=torch.tensor([1, 1]))
     with pytest.raises(ValueError, match=r"lengths sum to 2 \(per key: f=2\) but values has 3"):
         ebc(extra_values)
@@ -85,12 +97,19 @@ def test_module_rejects_what_it_cannot_consume_with_the_validate_message() -> No
 
 
 def test_empty_like_keeps_dtypes_device_and_batch() -> None:
-    kjt = KeyedJaggedTensor(["a"], torch.arange(3, dtype=torch.int32), torch.ones(3, dtype=torch.float64),
-                            lengths=torch.tensor([1, 2], dtype=torch.int64))
+    kjt = KeyedJaggedTensor(
+        ["a"],
+        torch.arange(3, dtype=torch.int32),
+        torch.ones(3, dtype=torch.float64),
+        lengths=torch.tensor([1, 2], dtype=torch.int64),
+    )
     empty = KeyedJaggedTensor.empty_like(kjt)
     assert empty.keys() == [] and empty.stride() == 2
     assert (empty.values().dtype, empty.weights().dtype, empty.lengths().dtype) == (
-        torch.int32, torch.float64, torch.int64)
+        torch.int32,
+        torch.float64,
+        torch.int64,
+    )
     jt = JaggedTensor.empty_like(kjt["a"])
     assert jt.values().numel() == 0 and jt.weights().dtype == torch.float64
 
@@ -99,20 +118,31 @@ def test_equality_compares_content_not_identity() -> None:
     by_lengths = JaggedTensor(torch.tensor([1.0, 2.0]), lengths=torch.tensor([2, 0]))
     by_offsets = JaggedTensor(torch.tensor([1.0, 2.0]), offsets=torch.tensor([0, 2, 2]))
     assert jt_is_equal(by_lengths, by_offsets)
-    assert not jt_is_equal(by_lengths, JaggedTensor(torch.tensor([1.0, 2.0]), lengths=torch.tensor([1, 1])))
+    assert not jt_is_equal(
+        by_lengths, JaggedTensor(torch.tensor([1.0, 2.0]), lengths=torch.tensor([1, 1]))
+    )
     assert not jt_is_equal(by_lengths, "not a jagged tensor")  # type: ignore[arg-type]
     kjt = KeyedJaggedTensor(["a", "b"], torch.arange(3), lengths=torch.tensor([1, 0, 2, 0]))
     same = KeyedJaggedTensor(["a", "b"], torch.arange(3), offsets=torch.tensor([0, 1, 1, 3, 3]))
     assert kjt_is_equal(kjt, same)
-    assert not kjt_is_equal(kjt, KeyedJaggedTensor(["b", "a"], torch.arange(3), lengths=torch.tensor([1, 0, 2, 0])))
-    assert not kjt_is_equal(kjt, KeyedJaggedTensor(["a", "b"], torch.arange(3), lengths=torch.tensor([0, 1, 2, 0])))
+    assert not kjt_is_equal(
+        kjt, KeyedJaggedTensor(["b", "a"], torch.arange(3), lengths=torch.tensor([1, 0, 2, 0]))
+    )
+    assert not kjt_is_equal(
+        kjt, KeyedJaggedTensor(["a", "b"], torch.arange(3), lengths=torch.tensor([0, 1, 2, 0]))
+    )
 
 
 def test_conversion_modules_round_trip_variable_batch() -> None:
     jt_dict = {
-        "a": JaggedTensor(torch.tensor([1, 2]), torch.tensor([1.0, 2.0]), lengths=torch.tensor([2, 0])),
-        "b": JaggedTensor(torch.tensor([3, 4, 5]), torch.tensor([3.0, 4.0, 5.0]),
-                          lengths=torch.tensor([1, 1, 0, 1])),
+        "a": JaggedTensor(
+            torch.tensor([1, 2]), torch.tensor([1.0, 2.0]), lengths=torch.tensor([2, 0])
+        ),
+        "b": JaggedTensor(
+            torch.tensor([3, 4, 5]),
+            torch.tensor([3.0, 4.0, 5.0]),
+            lengths=torch.tensor([1, 1, 0, 1]),
+        ),
     }
     kjt = ComputeJTDictToKJT()(jt_dict)
     assert kjt.variable_stride_per_key() and kjt.stride_per_key() == [2, 4]
@@ -123,16 +153,24 @@ def test_conversion_modules_round_trip_variable_batch() -> None:
 
 
 def test_variable_batch_split_keeps_the_global_stride() -> None:
-    kjt = KeyedJaggedTensor(["a", "b", "c"], torch.arange(6), lengths=torch.tensor([1, 1, 2, 1, 0, 1]),
-                            stride_per_key_per_rank=torch.tensor([[1], [2], [3]]))
+    kjt = KeyedJaggedTensor(
+        ["a", "b", "c"],
+        torch.arange(6),
+        lengths=torch.tensor([1, 1, 2, 1, 0, 1]),
+        stride_per_key_per_rank=torch.tensor([[1], [2], [3]]),
+    )
     assert kjt.stride() == 3
     first, rest = kjt.split([1, 2])
     assert (first.stride(), rest.stride()) == (3, 3)
     assert first.stride_per_key() == [1] and rest.stride_per_key() == [2, 3]
     assert rest["c"].lengths().tolist() == [1, 0, 1]
-    deduplicated = KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([1, 1]),
-                                     stride_per_key_per_rank=[[2]],
-                                     inverse_indices=(["a"], torch.tensor([[0, 1, 1, 0, 1]])))
+    deduplicated = KeyedJaggedTensor(
+        ["a"],
+        torch.arange(2),
+        lengths=torch.tensor([1, 1]),
+        stride_per_key_per_rank=[[2]],
+        inverse_indices=(["a"], torch.tensor([[0, 1, 1, 0, 1]])),
+    )
     assert deduplicated.stride() == 5
 
 
@@ -151,8 +189,13 @@ def test_regroup_duplicates_skips_and_grads(regroup) -> None:  # noqa: ANN001
 
 def test_pytree_keeps_inverse_indices_and_fixed_batch_has_no_per_rank_strides() -> None:
     inverse = torch.tensor([[0, 1, 0]])
-    kjt = KeyedJaggedTensor(["a"], torch.arange(3), lengths=torch.tensor([1, 2]),
-                            stride_per_key_per_rank=[[2]], inverse_indices=(["a"], inverse))
+    kjt = KeyedJaggedTensor(
+        ["a"],
+        torch.arange(3),
+        lengths=torch.tensor([1, 2]),
+        stride_per_key_per_rank=[[2]],
+        inverse_indices=(["a"], inverse),
+    )
     leaves, spec = pytree.tree_flatten(kjt)
     back = pytree.tree_unflatten(leaves, spec)
     assert back.inverse_indices()[0] == ["a"] and torch.equal(back.inverse_indices()[1], inverse)
@@ -174,7 +217,11 @@ def test_empty_values_and_weights_take_torchs_default_dtype(default: torch.dtype
     try:
         kjt = KeyedJaggedTensor.empty(is_weighted=True)
         jt = JaggedTensor.empty(is_weighted=True)
-        assert (kjt.values().dtype, kjt.weights().dtype, kjt.lengths().dtype) == (default, default, torch.int32)
+        assert (kjt.values().dtype, kjt.weights().dtype, kjt.lengths().dtype) == (
+            default,
+            default,
+            torch.int32,
+        )
         assert (jt.values().dtype, jt.weights().dtype) == (default, default)
         assert KeyedJaggedTensor.from_jt_dict({}).values().dtype == default
         assert JaggedTensor.from_dense([]).values().dtype == default
@@ -185,15 +232,18 @@ def test_empty_values_and_weights_take_torchs_default_dtype(default: torch.dtype
 
 def test_unsync_recomputes_the_per_key_sums() -> None:
     # length_per_key given by the caller is trusted until unsync() drops it
-    kjt = KeyedJaggedTensor(["a", "b"], torch.arange(5), lengths=torch.tensor([1, 2, 0, 2]),
-                            length_per_key=[2, 3])
+    kjt = KeyedJaggedTensor(
+        ["a", "b"], torch.arange(5), lengths=torch.tensor([1, 2, 0, 2]), length_per_key=[2, 3]
+    )
     assert kjt.length_per_key() == [2, 3]
     assert kjt.unsync() is kjt
     assert kjt.length_per_key() == [3, 2] and kjt.offset_per_key() == [0, 3, 5]
     assert kjt["b"].values().tolist() == [3, 4]
 
 
-@pytest.mark.parametrize("lengths", [torch.empty(2, 0, dtype=torch.int32), torch.empty(0, dtype=torch.int32)])
+@pytest.mark.parametrize(
+    "lengths", [torch.empty(2, 0, dtype=torch.int32), torch.empty(0, dtype=torch.int32)]
+)
 def test_a_batch_of_zero_gives_empty_lengths_and_offsets_per_key(lengths: torch.Tensor) -> None:
     kjt = KeyedJaggedTensor(["a", "b"], torch.empty(0, dtype=torch.int64), lengths=lengths)
     assert kjt.stride() == 0 and kjt.length_per_key() == [0, 0]
@@ -201,15 +251,23 @@ def test_a_batch_of_zero_gives_empty_lengths_and_offsets_per_key(lengths: torch.
         assert jt.lengths().shape == (0,) and jt.offsets().shape == (0,)
         assert jt.to_dense() == []
     assert kjt["a"].offsets().tolist() == [0]  # TorchRec's __getitem__ differs from its to_dict
-    variable = KeyedJaggedTensor(["a", "b"], torch.arange(2), lengths=torch.tensor([1, 1]),
-                                 stride_per_key_per_rank=[[0], [2]])
+    variable = KeyedJaggedTensor(
+        ["a", "b"],
+        torch.arange(2),
+        lengths=torch.tensor([1, 1]),
+        stride_per_key_per_rank=[[0], [2]],
+    )
     assert variable["a"].offsets().tolist() == [0]  # a zero-batch key of a variable batch
     assert variable["b"].offsets().tolist() == [0, 1, 2]
 
 
 def test_index_per_key_flatten_lengths_and_an_empty_split() -> None:
-    kjt = KeyedJaggedTensor(["a", "b"], torch.arange(4), torch.ones(4),
-                            lengths=torch.tensor([[1, 0], [2, 1]], dtype=torch.int64))
+    kjt = KeyedJaggedTensor(
+        ["a", "b"],
+        torch.arange(4),
+        torch.ones(4),
+        lengths=torch.tensor([[1, 0], [2, 1]], dtype=torch.int64),
+    )
     assert kjt.index_per_key() == {"a": 0, "b": 1}
     flat = kjt.flatten_lengths()
     assert flat.lengths().shape == (4,) and flat.keys() == ["a", "b"]

@@ -20,18 +20,27 @@ class _BuildsSparseTypes(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ebc = EmbeddingBagCollection([
-            EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=10, feature_names=["f1"]),
-            EmbeddingBagConfig(name="t2", embedding_dim=2, num_embeddings=10, feature_names=["f2"]),
-        ])
+        self.ebc = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(
+                    name="t1", embedding_dim=3, num_embeddings=10, feature_names=["f1"]
+                ),
+                EmbeddingBagConfig(
+                    name="t2", embedding_dim=2, num_embeddings=10, feature_names=["f2"]
+                ),
+            ]
+        )
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> KeyedTensor:
         features = KeyedJaggedTensor(keys=["f1", "f2"], values=ids, lengths=lengths)
         pooled = self.ebc(features)
         doubled = JaggedTensor(values=ids * 2, lengths=lengths)
         extra = doubled.values().float().sum().view(1, 1).expand(pooled.values().size(0), 1)
-        return KeyedTensor(keys=["pooled", "extra"], length_per_key=[5, 1],
-                           values=torch.cat([pooled.values(), extra], dim=1))
+        return KeyedTensor(
+            keys=["pooled", "extra"],
+            length_per_key=[5, 1],
+            values=torch.cat([pooled.values(), extra], dim=1),
+        )
 
 
 def _call_functions(traced: torch.fx.GraphModule) -> List[object]:
@@ -49,7 +58,10 @@ def test_sparse_types_built_in_forward_become_graph_nodes() -> None:
     assert isinstance(out, KeyedTensor) and out.keys() == ["pooled", "extra"]
     torch.testing.assert_close(out.values(), expected.values())
     # outside a trace the constructors build real objects
-    assert type(KeyedJaggedTensor(keys=["f"], values=ids, lengths=torch.tensor([5]))) is KeyedJaggedTensor
+    assert (
+        type(KeyedJaggedTensor(keys=["f"], values=ids, lengths=torch.tensor([5])))
+        is KeyedJaggedTensor
+    )
 
 
 def test_device_is_a_method_on_every_sparse_type() -> None:
@@ -62,8 +74,11 @@ def test_device_is_a_method_on_every_sparse_type() -> None:
 
 
 def test_kjt_built_on_meta_infers_stride_and_prints_without_data() -> None:
-    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.empty(7, dtype=torch.int64, device=META),
-                            lengths=torch.empty(6, dtype=torch.int32, device=META))
+    kjt = KeyedJaggedTensor(
+        keys=["a", "b"],
+        values=torch.empty(7, dtype=torch.int64, device=META),
+        lengths=torch.empty(6, dtype=torch.int32, device=META),
+    )
     assert kjt.device() == META and kjt.stride() == 3 and kjt.keys() == ["a", "b"]
     assert repr(kjt) == "KeyedJaggedTensor(keys=['a', 'b'], stride=3, device='meta')"
     assert str(kjt) == repr(kjt) + "\n"
@@ -103,11 +118,16 @@ def test_list_taking_sparse_ops_are_graph_leaves() -> None:
     assert concat.keys() == ["a", "b", "c"] and concat.lengths().tolist() == [1, 2, 0, 1, 1, 0]
     assert concat["c"].values().tolist() == [5]
 
-    kts = [KeyedTensor(["x", "y"], [1, 2], torch.arange(6.0).view(2, 3)),
-           KeyedTensor(["z"], [1], torch.tensor([[10.0], [20.0]]))]
+    kts = [
+        KeyedTensor(["x", "y"], [1, 2], torch.arange(6.0).view(2, 3)),
+        KeyedTensor(["z"], [1], torch.tensor([[10.0], [20.0]])),
+    ]
     regroup = symbolic_trace(_Regroup())
     out = regroup(kts, [["z", "x"], ["y"]])
-    assert out[0].tolist() == [[10.0, 0.0], [20.0, 3.0]] and out[1].tolist() == [[1.0, 2.0], [4.0, 5.0]]
+    assert out[0].tolist() == [[10.0, 0.0], [20.0, 3.0]] and out[1].tolist() == [
+        [1.0, 2.0],
+        [4.0, 5.0],
+    ]
     as_dict = symbolic_trace(_RegroupAsDict())(kts)
     assert list(as_dict) == ["first", "second"]
     assert as_dict["first"].tolist() == [[1.0, 2.0, 10.0], [4.0, 5.0, 20.0]]

@@ -9,8 +9,9 @@ import torch
 from recshard import KeyedJaggedTensor
 
 
-def make_kjt(keys: List[str], ids_per_feature: List[torch.Tensor],
-             lengths_per_feature: List[torch.Tensor]) -> KeyedJaggedTensor:
+def make_kjt(
+    keys: List[str], ids_per_feature: List[torch.Tensor], lengths_per_feature: List[torch.Tensor]
+) -> KeyedJaggedTensor:
     """KJT from per-feature ids (`[N_f]` int64) and lengths (`[B]` int32), keys in order."""
     return KeyedJaggedTensor.from_lengths_sync(
         keys=keys,

@@ -41,13 +41,21 @@ class SplitArrays:
                 rows = part.rows(s)
                 if rows == 0:
                     continue
-                self.parts.append((
-                    _map(part_path(directory, part.name, s, "labels"), np.uint8, (rows,)),
-                    _map(part_path(directory, part.name, s, "dense"), np.float32,
-                         (rows, NUM_DENSE)),
-                    _map(part_path(directory, part.name, s, "ids"), np.dtype(manifest.id_dtype),
-                         (rows, NUM_SPARSE)),
-                ))
+                self.parts.append(
+                    (
+                        _map(part_path(directory, part.name, s, "labels"), np.uint8, (rows,)),
+                        _map(
+                            part_path(directory, part.name, s, "dense"),
+                            np.float32,
+                            (rows, NUM_DENSE),
+                        ),
+                        _map(
+                            part_path(directory, part.name, s, "ids"),
+                            np.dtype(manifest.id_dtype),
+                            (rows, NUM_SPARSE),
+                        ),
+                    )
+                )
         self.starts = np.cumsum([0] + [p[0].shape[0] for p in self.parts])
 
     def __len__(self) -> int:
@@ -71,18 +79,22 @@ class SplitArrays:
 def _map(path: str, dtype: np.dtype, shape: Tuple[int, ...]) -> np.ndarray:
     expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if os.path.getsize(path) != expected:
-        raise ValueError(f"{path}: {os.path.getsize(path)} bytes, the manifest says {shape} "
-                         f"{np.dtype(dtype).name} ({expected} bytes); preprocess again")
+        raise ValueError(
+            f"{path}: {os.path.getsize(path)} bytes, the manifest says {shape} "
+            f"{np.dtype(dtype).name} ({expected} bytes); preprocess again"
+        )
     return np.memmap(path, dtype=dtype, mode="r", shape=shape)
 
 
-def make_batch(labels: np.ndarray, dense: np.ndarray, ids: np.ndarray,
-               keys: Sequence[str] = SPARSE_NAMES) -> Batch:
+def make_batch(
+    labels: np.ndarray, dense: np.ndarray, ids: np.ndarray, keys: Sequence[str] = SPARSE_NAMES
+) -> Batch:
     """Rows -> Batch, one id per feature (a KJT with all lengths 1, feature-major values)."""
     batch_size = labels.shape[0]
     values = torch.from_numpy(np.ascontiguousarray(ids.T)).reshape(-1).to(torch.int64)
     sparse = KeyedJaggedTensor.from_lengths_sync(
-        list(keys), values, torch.ones(len(keys) * batch_size, dtype=torch.int32))
+        list(keys), values, torch.ones(len(keys) * batch_size, dtype=torch.int32)
+    )
     return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels).to(torch.int64))
 
 
@@ -92,12 +104,22 @@ class BinaryCriteo:
     `shuffle_buffer` rows (0: no shuffling) are permuted at a time; `epoch` changes the order.
     """
 
-    def __init__(self, directory: str, batch_size: int, split: str = "train", rank: int = 0,
-                 world_size: int = 1, shuffle_buffer: int = 0, seed: int = 0,
-                 epoch: int = 0) -> None:
+    def __init__(
+        self,
+        directory: str,
+        batch_size: int,
+        split: str = "train",
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle_buffer: int = 0,
+        seed: int = 0,
+        epoch: int = 0,
+    ) -> None:
         if batch_size < 1 or shuffle_buffer < 0:
-            raise ValueError(f"batch_size must be >= 1 and shuffle_buffer >= 0, got "
-                             f"{batch_size}, {shuffle_buffer}")
+            raise ValueError(
+                f"batch_size must be >= 1 and shuffle_buffer >= 0, got "
+                f"{batch_size}, {shuffle_buffer}"
+            )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self.manifest = Manifest.load(directory)

@@ -43,8 +43,11 @@ class FileShard:
 def list_files(data_path: str) -> List[str]:
     """Files under a path: a file, a directory (its *.txt, *.tsv, *.csv, sorted) or a glob."""
     if os.path.isdir(data_path):
-        files = [os.path.join(data_path, name) for name in sorted(os.listdir(data_path))
-                 if name.endswith((".txt", ".tsv", ".csv"))]
+        files = [
+            os.path.join(data_path, name)
+            for name in sorted(os.listdir(data_path))
+            if name.endswith((".txt", ".tsv", ".csv"))
+        ]
     elif any(ch in data_path for ch in "*?["):
         files = sorted(glob.glob(data_path))
     else:
@@ -122,8 +125,9 @@ def sniff(first_line: str) -> Tuple[str, bool]:
         return sep, True
 
 
-def read_rows(shard: FileShard, num_embeddings: Sequence[int], split: str = "all",
-              eval_every_n: int = 10) -> Iterator[Row]:
+def read_rows(
+    shard: FileShard, num_embeddings: Sequence[int], split: str = "all", eval_every_n: int = 10
+) -> Iterator[Row]:
     """Parsed rows of one file shard; `split` is "train", "eval" or "all"."""
     with open(shard.path, encoding="utf-8") as f:
         first = f.readline()
@@ -149,13 +153,21 @@ def _chain(first: str, rest: Iterator[str]) -> Iterator[str]:
 class CriteoIterDataset(IterableDataset):
     """Rows of this rank's share of the files (and of this DataLoader worker's share)."""
 
-    def __init__(self, files: Sequence[str], num_embeddings_per_feature: Sequence[int],
-                 rank: int = 0, world_size: int = 1, split: str = "all",
-                 eval_every_n: int = 10) -> None:
+    def __init__(
+        self,
+        files: Sequence[str],
+        num_embeddings_per_feature: Sequence[int],
+        rank: int = 0,
+        world_size: int = 1,
+        split: str = "all",
+        eval_every_n: int = 10,
+    ) -> None:
         super().__init__()
         if len(num_embeddings_per_feature) != NUM_SPARSE:
-            raise ValueError(f"Criteo has {NUM_SPARSE} categorical features, got "
-                             f"{len(num_embeddings_per_feature)} table sizes")
+            raise ValueError(
+                f"Criteo has {NUM_SPARSE} categorical features, got "
+                f"{len(num_embeddings_per_feature)} table sizes"
+            )
         if split not in ("train", "eval", "all"):
             raise ValueError(f"split must be 'train', 'eval' or 'all', got {split!r}")
         self.shards = split_shards([FileShard(p) for p in files], rank, world_size)
@@ -165,7 +177,9 @@ class CriteoIterDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Row]:
         info = get_worker_info()
-        shards = self.shards if info is None else split_shards(self.shards, info.id, info.num_workers)
+        shards = (
+            self.shards if info is None else split_shards(self.shards, info.id, info.num_workers)
+        )
         for shard in shards:
             yield from read_rows(shard, self.num_embeddings, self.split, self.eval_every_n)
 
@@ -184,15 +198,34 @@ def collate_rows(rows: List[Row], keys: Sequence[str] = SPARSE_NAMES) -> Batch:
     return Batch(dense, sparse, labels)
 
 
-def criteo_loader(data_path: str, num_embeddings_per_feature: Sequence[int], batch_size: int,
-                  rank: int = 0, world_size: int = 1, split: str = "all", num_workers: int = 2,
-                  eval_every_n: int = 10, pin_memory: bool = False,
-                  files: Sequence[str] | None = None) -> DataLoader:
+def criteo_loader(
+    data_path: str,
+    num_embeddings_per_feature: Sequence[int],
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    split: str = "all",
+    num_workers: int = 2,
+    eval_every_n: int = 10,
+    pin_memory: bool = False,
+    files: Sequence[str] | None = None,
+) -> DataLoader:
     """A DataLoader of `Batch`es (`batch_size` rows each, last partial batch dropped)."""
-    dataset = CriteoIterDataset(files or list_files(data_path), num_embeddings_per_feature,
-                                rank, world_size, split, eval_every_n)
+    dataset = CriteoIterDataset(
+        files or list_files(data_path),
+        num_embeddings_per_feature,
+        rank,
+        world_size,
+        split,
+        eval_every_n,
+    )
     return DataLoader(
-        dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_rows,
-        drop_last=True, pin_memory=pin_memory,
-        persistent_workers=False, prefetch_factor=4 if num_workers > 0 else None,
+        dataset,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        collate_fn=collate_rows,
+        drop_last=True,
+        pin_memory=pin_memory,
+        persistent_workers=False,
+        prefetch_factor=4 if num_workers > 0 else None,
     )

@@ -73,8 +73,9 @@ def read_file(path: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[ParsedChunk
         try:
             first = f.readline()
         except (EOFError, OSError, zlib.error) as e:
-            raise ValueError(f"{path}:1: the file ends early or is corrupt "
-                             f"({type(e).__name__}: {e})") from None
+            raise ValueError(
+                f"{path}:1: the file ends early or is corrupt ({type(e).__name__}: {e})"
+            ) from None
         if not first:
             return
         sep, header = sniff(first.decode("utf-8", errors="replace"))
@@ -85,8 +86,9 @@ def read_file(path: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[ParsedChunk
                 data = f.read(chunk_bytes)
             except (EOFError, OSError, zlib.error) as e:
                 line_no = index + 1 + int(header) + _count_lines(pending)
-                raise ValueError(f"{path}:{line_no}: the file ends early or is corrupt "
-                                 f"({type(e).__name__}: {e})") from None
+                raise ValueError(
+                    f"{path}:{line_no}: the file ends early or is corrupt ({type(e).__name__}: {e})"
+                ) from None
             text = pending + data
             cut = text.rfind(b"\n") + 1 if data else len(text)
             if cut == 0 and data:
@@ -121,8 +123,9 @@ def _newlines_as_lf(buf: np.ndarray) -> np.ndarray:
     return buf
 
 
-def parse_chunk(lines: bytes, sep: str, first_index: int, line_offset: int,
-                path: str) -> ParsedChunk:
+def parse_chunk(
+    lines: bytes, sep: str, first_index: int, line_offset: int, path: str
+) -> ParsedChunk:
     """Parse complete lines (ending with a newline); line `i` of them has index
     `first_index + i` and 1-based line number `index + line_offset`."""
     buf = _newlines_as_lf(np.frombuffer(lines, np.uint8))
@@ -150,10 +153,12 @@ def parse_chunk(lines: bytes, sep: str, first_index: int, line_offset: int,
     label_char = buf[np.minimum(span_start[:, 0], buf.size - 1)]
     labels_ok = (label_len == 1) & ((label_char == _ZERO) | (label_char == _ZERO + 1))
     chunk = _ChunkBytes(buf, sep)
-    dense_values, dense_ok = _decimals(chunk, span_start[:, 1 : 1 + NUM_DENSE],
-                                       span_len[:, 1 : 1 + NUM_DENSE])
-    codes, codes_ok = _hex_codes(chunk, span_start[:, 1 + NUM_DENSE :],
-                                 span_len[:, 1 + NUM_DENSE :])
+    dense_values, dense_ok = _decimals(
+        chunk, span_start[:, 1 : 1 + NUM_DENSE], span_len[:, 1 : 1 + NUM_DENSE]
+    )
+    codes, codes_ok = _hex_codes(
+        chunk, span_start[:, 1 + NUM_DENSE :], span_len[:, 1 + NUM_DENSE :]
+    )
     blank = ends == starts
     fast = fits & labels_ok & dense_ok.all(1) & codes_ok.all(1) & ~blank
 
@@ -167,8 +172,9 @@ def parse_chunk(lines: bytes, sep: str, first_index: int, line_offset: int,
     slow = np.flatnonzero(~fast & ~blank)
     if slow.size == 0:
         return ParsedChunk(rows)
-    return _merge_slow(rows, lines, sep, starts[slow], ends[slow], first_index + slow,
-                       line_offset, path)
+    return _merge_slow(
+        rows, lines, sep, starts[slow], ends[slow], first_index + slow, line_offset, path
+    )
 
 
 class _ChunkBytes:
@@ -207,8 +213,9 @@ _BYTES_0F, _BYTES_F0 = _u64(0x0F0F0F0F0F0F0F0F), _u64(0xF0F0F0F0F0F0F0F0)
 _BYTES_30, _BYTES_06 = _u64(0x3030303030303030), _u64(0x0606060606060606)
 
 
-def _hex_codes(chunk: _ChunkBytes, start: np.ndarray, length: np.ndarray
-               ) -> Tuple[np.ndarray, np.ndarray]:
+def _hex_codes(
+    chunk: _ChunkBytes, start: np.ndarray, length: np.ndarray
+) -> Tuple[np.ndarray, np.ndarray]:
     """Fields as uint64 hex values and whether each is empty or 1-8 hex digits."""
     end = start + length
     ok = (length == 0) | ((length <= 8) & chunk.all_hex(start, end))
@@ -221,8 +228,9 @@ def _hex_codes(chunk: _ChunkBytes, start: np.ndarray, length: np.ndarray
     return np.where(ok, v, _u64(0)), ok
 
 
-def _decimals(chunk: _ChunkBytes, start: np.ndarray, length: np.ndarray
-              ) -> Tuple[np.ndarray, np.ndarray]:
+def _decimals(
+    chunk: _ChunkBytes, start: np.ndarray, length: np.ndarray
+) -> Tuple[np.ndarray, np.ndarray]:
     """Fields as float64 (empty -> 0) and whether each decoded exactly as Python's `float`:
     `[-]` and 1-8 digits here (SWAR), other plain decimals by `_plain_decimals`."""
     buf = chunk.buf
@@ -241,12 +249,14 @@ def _decimals(chunk: _ChunkBytes, start: np.ndarray, length: np.ndarray
     flat = np.flatnonzero(~ok.reshape(-1))
     if flat.size:
         values.reshape(-1)[flat], ok.reshape(-1)[flat] = _plain_decimals(
-            buf, start.reshape(-1)[flat], length.reshape(-1)[flat])
+            buf, start.reshape(-1)[flat], length.reshape(-1)[flat]
+        )
     return values, ok
 
 
-def _plain_decimals(buf: np.ndarray, start: np.ndarray, length: np.ndarray
-                    ) -> Tuple[np.ndarray, np.ndarray]:
+def _plain_decimals(
+    buf: np.ndarray, start: np.ndarray, length: np.ndarray
+) -> Tuple[np.ndarray, np.ndarray]:
     """`[N]` fields as float64 and whether each is `[-]digits[.digits]` with <= 15 digits
     (or an integer with <= 18): then `mantissa / 10**fraction_digits` is exactly the
     correctly rounded double Python's `float` gives."""
@@ -265,14 +275,23 @@ def _plain_decimals(buf: np.ndarray, start: np.ndarray, length: np.ndarray
     ok = plain & (num_digits > 0) & small & (length <= 20)
     mantissa = np.zeros(length.shape, np.int64)
     for p in range(width):
-        mantissa = np.where(digit[:, p], mantissa * 10 + (chars[:, p].astype(np.int64) - _ZERO),
-                            mantissa)
+        mantissa = np.where(
+            digit[:, p], mantissa * 10 + (chars[:, p].astype(np.int64) - _ZERO), mantissa
+        )
     values = mantissa.astype(np.float64) / np.power(10.0, num_frac)
     return np.where(ok, np.where(sign[:, 0], -values, values), 0.0), ok
 
 
-def _merge_slow(rows: ParsedRows, lines: bytes, sep: str, starts: np.ndarray, ends: np.ndarray,
-                indices: np.ndarray, line_offset: int, path: str) -> ParsedChunk:
+def _merge_slow(
+    rows: ParsedRows,
+    lines: bytes,
+    sep: str,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    indices: np.ndarray,
+    line_offset: int,
+    path: str,
+) -> ParsedChunk:
     """Parse the rows the fast path left line by line and merge them in line order."""
     bad: List[BadRow] = []
     parsed: List[Tuple[int, int, List[float], List[int], List[bool]]] = []
@@ -301,14 +320,24 @@ def _merge_slow(rows: ParsedRows, lines: bytes, sep: str, starts: np.ndarray, en
         present=np.array([p[4] for p in parsed], bool),
     )
     order = np.argsort(np.concatenate([rows.line_index, slow.line_index]), kind="stable")
-    merged = ParsedRows(*(np.concatenate([a, b])[order] for a, b in (
-        (rows.line_index, slow.line_index), (rows.labels, slow.labels),
-        (rows.dense, slow.dense), (rows.codes, slow.codes), (rows.present, slow.present))))
+    merged = ParsedRows(
+        *(
+            np.concatenate([a, b])[order]
+            for a, b in (
+                (rows.line_index, slow.line_index),
+                (rows.labels, slow.labels),
+                (rows.dense, slow.dense),
+                (rows.codes, slow.codes),
+                (rows.present, slow.present),
+            )
+        )
+    )
     return ParsedChunk(merged, bad)
 
 
-def _parse_slow_line(text: str, sep: str, where: str
-                     ) -> Tuple[int, List[float], List[int], List[bool]]:
+def _parse_slow_line(
+    text: str, sep: str, where: str
+) -> Tuple[int, List[float], List[int], List[bool]]:
     """One line by the reader's rules: (label, log-dense values, codes, present)."""
     label, dense, _ = parse_line(text, sep, [1] * NUM_SPARSE, where)  # validates, as the reader
     values = text.split(sep)[1 + NUM_DENSE :]
@@ -317,8 +346,9 @@ def _parse_slow_line(text: str, sep: str, where: str
     for value in values:
         code = category_code(value)
         if code is not None and not 0 <= code < _MAX_CODE:
-            raise ValueError(f"{where}: categorical value {value!r} is a hex number outside "
-                             "[0, 2**64)")
+            raise ValueError(
+                f"{where}: categorical value {value!r} is a hex number outside [0, 2**64)"
+            )
         codes.append(0 if code is None else code)
         present.append(code is not None)
     return label, dense, codes, present
@@ -326,5 +356,8 @@ def _parse_slow_line(text: str, sep: str, where: str
 
 def eval_mask(line_index: np.ndarray, eval_every_n: int) -> np.ndarray:
     """`is_eval_line` for many line indices: `[N]` bool."""
-    return np.fromiter((zlib.crc32(i.to_bytes(8, "little")) % eval_every_n == 0
-                        for i in line_index.tolist()), dtype=bool, count=line_index.size)
+    return np.fromiter(
+        (zlib.crc32(i.to_bytes(8, "little")) % eval_every_n == 0 for i in line_index.tolist()),
+        dtype=bool,
+        count=line_index.size,
+    )

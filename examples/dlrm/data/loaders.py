@@ -29,7 +29,9 @@ def _pinned(batches: Iterable[Batch]) -> Iterator[Batch]:
 def synthetic_config(args: argparse.Namespace) -> SyntheticConfig:
     return SyntheticConfig(
         num_embeddings_per_feature=args.num_embeddings_per_feature,
-        batch_size=args.batch_size, multi_hot=args.multi_hot, zipf_alpha=args.zipf_alpha,
+        batch_size=args.batch_size,
+        multi_hot=args.multi_hot,
+        zipf_alpha=args.zipf_alpha,
         seed=args.seed,
     )
 
@@ -67,8 +69,9 @@ class RankSynced:
         return batch
 
 
-def train_batches(args: argparse.Namespace, rank: int, world_size: int, start_step: int,
-                  group: Any | None) -> Iterator[Batch]:
+def train_batches(
+    args: argparse.Namespace, rank: int, world_size: int, start_step: int, group: Any | None
+) -> Iterator[Batch]:
     """The training stream from `start_step` on: `--steps` batches (synthetic, or Criteo
     cycled over), else `--epochs` passes over the Criteo train split."""
     if args.data == "synthetic":
@@ -80,11 +83,29 @@ def train_batches(args: argparse.Namespace, rank: int, world_size: int, start_st
 
     def one_pass(epoch: int) -> Iterable[Batch]:
         if binary:
-            return _pinned(BinaryCriteo(args.data_path, args.batch_size, split, rank, world_size,
-                                        args.shuffle_buffer, args.seed, epoch))
-        return criteo_loader(args.data_path, args.num_embeddings_per_feature, args.batch_size,
-                             rank, world_size, split, args.num_workers, pin_memory=_pin(),
-                             files=files)
+            return _pinned(
+                BinaryCriteo(
+                    args.data_path,
+                    args.batch_size,
+                    split,
+                    rank,
+                    world_size,
+                    args.shuffle_buffer,
+                    args.seed,
+                    epoch,
+                )
+            )
+        return criteo_loader(
+            args.data_path,
+            args.num_embeddings_per_feature,
+            args.batch_size,
+            rank,
+            world_size,
+            split,
+            args.num_workers,
+            pin_memory=_pin(),
+            files=files,
+        )
 
     def passes() -> Iterator[Batch]:
         epochs = itertools.count() if args.steps is not None else range(args.epochs)
@@ -100,8 +121,9 @@ def train_batches(args: argparse.Namespace, rank: int, world_size: int, start_st
     return RankSynced(stream, group)
 
 
-def eval_batches(args: argparse.Namespace, rank: int, world_size: int,
-                 group: Any | None) -> Iterator[Batch]:
+def eval_batches(
+    args: argparse.Namespace, rank: int, world_size: int, group: Any | None
+) -> Iterator[Batch]:
     """The eval stream: fixed synthetic eval batches, or the Criteo eval split/files."""
     if args.data == "synthetic":
         return iter(SyntheticCriteo(synthetic_config(args), rank, "eval", args.eval_batches))
@@ -111,6 +133,14 @@ def eval_batches(args: argparse.Namespace, rank: int, world_size: int,
     if is_preprocessed(path):
         binary = BinaryCriteo(path, args.batch_size, split, rank, world_size)
         return RankSynced(itertools.islice(_pinned(binary), limit), group)
-    loader = criteo_loader(path, args.num_embeddings_per_feature, args.batch_size, rank,
-                           world_size, split, args.num_workers, pin_memory=_pin())
+    loader = criteo_loader(
+        path,
+        args.num_embeddings_per_feature,
+        args.batch_size,
+        rank,
+        world_size,
+        split,
+        args.num_workers,
+        pin_memory=_pin(),
+    )
     return RankSynced(itertools.islice(loader, limit), group)

@@ -64,10 +64,14 @@ class VocabSettings:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"vocabulary mode must be one of {MODES}, got {self.mode!r}")
-        if self.mode == "hash" and (len(self.num_embeddings_per_feature) != NUM_SPARSE
-                                    or min(self.num_embeddings_per_feature) < 1):
-            raise ValueError(f"hashing needs {NUM_SPARSE} table sizes >= 1, got "
-                             f"{self.num_embeddings_per_feature}")
+        if self.mode == "hash" and (
+            len(self.num_embeddings_per_feature) != NUM_SPARSE
+            or min(self.num_embeddings_per_feature) < 1
+        ):
+            raise ValueError(
+                f"hashing needs {NUM_SPARSE} table sizes >= 1, got "
+                f"{self.num_embeddings_per_feature}"
+            )
         if self.mode == "frequency" and self.min_count < 1:
             raise ValueError(f"min_count must be >= 1, got {self.min_count}")
         if self.eval_every_n < 1:
@@ -109,11 +113,18 @@ class Manifest:
         with open(os.path.join(directory, MANIFEST)) as f:
             raw = json.load(f)
         if raw.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{directory}: preprocessed format version {raw.get('version')}, "
-                             f"this code reads {FORMAT_VERSION}; preprocess again")
-        return Manifest(raw["version"], VocabSettings(**raw["settings"]),
-                        raw["num_embeddings_per_feature"], raw["id_dtype"], raw["vocabulary"],
-                        [PartInfo(**p) for p in raw["parts"]])
+            raise ValueError(
+                f"{directory}: preprocessed format version {raw.get('version')}, "
+                f"this code reads {FORMAT_VERSION}; preprocess again"
+            )
+        return Manifest(
+            raw["version"],
+            VocabSettings(**raw["settings"]),
+            raw["num_embeddings_per_feature"],
+            raw["id_dtype"],
+            raw["vocabulary"],
+            [PartInfo(**p) for p in raw["parts"]],
+        )
 
 
 def list_input_files(inputs: Sequence[str]) -> List[str]:
@@ -121,8 +132,11 @@ def list_input_files(inputs: Sequence[str]) -> List[str]:
     files: List[str] = []
     for item in inputs:
         if os.path.isdir(item):
-            files += [os.path.join(item, n) for n in sorted(os.listdir(item))
-                      if n.removesuffix(".gz").endswith(_SUFFIXES)]
+            files += [
+                os.path.join(item, n)
+                for n in sorted(os.listdir(item))
+                if n.removesuffix(".gz").endswith(_SUFFIXES)
+            ]
         elif any(ch in item for ch in "*?["):
             files += sorted(glob.glob(item))
         elif os.path.isfile(item):
@@ -218,7 +232,7 @@ def load_vocabulary(output: str) -> List[np.ndarray]:
 
 
 def vocabulary_name(settings: VocabSettings, vocab: List[np.ndarray] | None) -> str:
-    """"hash:<sizes>", or "frequency:<sha256 of the kept codes>"."""
+    """ "hash:<sizes>", or "frequency:<sha256 of the kept codes>"."""
     if vocab is None:
         return "hash:" + ",".join(map(str, settings.num_embeddings_per_feature))
     digest = hashlib.sha256()
@@ -227,8 +241,9 @@ def vocabulary_name(settings: VocabSettings, vocab: List[np.ndarray] | None) -> 
     return "frequency:" + digest.hexdigest()
 
 
-def rows_of(rows: ParsedRows, settings: VocabSettings, vocab: List[np.ndarray] | None
-            ) -> np.ndarray:
+def rows_of(
+    rows: ParsedRows, settings: VocabSettings, vocab: List[np.ndarray] | None
+) -> np.ndarray:
     """Table rows of every categorical value: `[N, 26]` int64."""
     if settings.mode == "hash":
         sizes = np.array(settings.num_embeddings_per_feature, np.uint64)
@@ -239,8 +254,11 @@ def rows_of(rows: ParsedRows, settings: VocabSettings, vocab: List[np.ndarray] |
     for f, kept in enumerate(vocab):
         codes = rows.codes[:, f]
         pos = np.searchsorted(kept, codes)
-        found = kept[np.minimum(pos, max(kept.size - 1, 0))] == codes if kept.size else \
-            np.zeros(codes.shape, bool)
+        found = (
+            kept[np.minimum(pos, max(kept.size - 1, 0))] == codes
+            if kept.size
+            else np.zeros(codes.shape, bool)
+        )
         ids[:, f] = np.where(rows.present[:, f], np.where(found, pos + 2, 1), 0)
     return ids
 
@@ -248,8 +266,11 @@ def rows_of(rows: ParsedRows, settings: VocabSettings, vocab: List[np.ndarray] |
 def _convert_file(job: _FileJob) -> PartInfo:
     """Write the file's train/eval arrays under parts/, then its parts/<part>.json."""
     vocab = load_vocabulary(job.output) if job.settings.mode == "frequency" else None
-    outputs = {(s, a): open(part_path(job.output, job.name, s, a) + ".tmp", "wb")
-               for s in SPLITS for a in ("labels", "dense", "ids")}
+    outputs = {
+        (s, a): open(part_path(job.output, job.name, s, a) + ".tmp", "wb")
+        for s in SPLITS
+        for a in ("labels", "dense", "ids")
+    }
     bad: List[BadRow] = []
     counts = {s: 0 for s in SPLITS}
     try:
@@ -266,9 +287,15 @@ def _convert_file(job: _FileJob) -> PartInfo:
             f.close()
     for (split, array), f in outputs.items():
         os.replace(f.name, part_path(job.output, job.name, split, array))
-    info = PartInfo(job.name, os.path.abspath(job.path), os.path.getsize(job.path),
-                    counts["train"], counts["eval"], len(bad),
-                    [b.message for b in bad[:FIRST_BAD_KEPT]])
+    info = PartInfo(
+        job.name,
+        os.path.abspath(job.path),
+        os.path.getsize(job.path),
+        counts["train"],
+        counts["eval"],
+        len(bad),
+        [b.message for b in bad[:FIRST_BAD_KEPT]],
+    )
     _write_json(os.path.join(job.output, "parts", f"{job.name}.json"), asdict(info))
     return info
 
@@ -298,15 +325,23 @@ def _check_settings(output: str, settings: VocabSettings) -> None:
         with open(target) as f:
             previous = VocabSettings(**json.load(f))
         if previous != settings:
-            raise ValueError(f"{output} holds data preprocessed with {previous}, not {settings}; "
-                             "use another --output or the same settings")
+            raise ValueError(
+                f"{output} holds data preprocessed with {previous}, not {settings}; "
+                "use another --output or the same settings"
+            )
         return
     _write_json(target, asdict(settings))
 
 
-def preprocess(inputs: Sequence[str], output: str, settings: VocabSettings, workers: int = 1,
-               strict: bool = False, chunk_bytes: int = CHUNK_BYTES,
-               progress: Callable[[str, int], None] | None = None) -> Manifest:
+def preprocess(
+    inputs: Sequence[str],
+    output: str,
+    settings: VocabSettings,
+    workers: int = 1,
+    strict: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
+    progress: Callable[[str, int], None] | None = None,
+) -> Manifest:
     """Convert every input file (resuming a previous run into `output`) and write the manifest.
 
     `progress(stage, source_bytes)` is called as each file finishes a stage.
@@ -319,8 +354,10 @@ def preprocess(inputs: Sequence[str], output: str, settings: VocabSettings, work
     done = {n: _finished_part(output, n, p) for n, p in zip(names, files)}
     id_dtype = "int32"
     sizes = list(settings.num_embeddings_per_feature)
-    jobs = [_FileJob(p, n, output, settings, id_dtype, strict, chunk_bytes)
-            for p, n in zip(files, names)]
+    jobs = [
+        _FileJob(p, n, output, settings, id_dtype, strict, chunk_bytes)
+        for p, n in zip(files, names)
+    ]
     counting = settings.mode == "frequency" and not settings.vocabulary_from
     stages = ("count", "convert") if counting else ("convert",)
     for path in (p for n, p in zip(names, files) if done[n] is not None):
@@ -338,23 +375,33 @@ def preprocess(inputs: Sequence[str], output: str, settings: VocabSettings, work
         sizes = [2 + v.size for v in vocab]
     if max(sizes) > np.iinfo(np.int32).max:
         id_dtype = "int64"
-    jobs = [_FileJob(j.path, j.name, output, settings, id_dtype, strict, chunk_bytes)
-            for j in jobs if done[j.name] is None]
+    jobs = [
+        _FileJob(j.path, j.name, output, settings, id_dtype, strict, chunk_bytes)
+        for j in jobs
+        if done[j.name] is None
+    ]
     for info in _run(_convert_file, jobs, workers, progress, "convert"):
         done[info.name] = info
     parts = [done[n] for n in names]
     for info in parts:
         if info is not None and info.bad_rows:
-            logger.warning("%s: %d bad rows, first: %s", info.source, info.bad_rows,
-                           "; ".join(info.first_bad))
-    manifest = Manifest(FORMAT_VERSION, settings, sizes, id_dtype,
-                        vocabulary_name(settings, vocab), parts)
+            logger.warning(
+                "%s: %d bad rows, first: %s", info.source, info.bad_rows, "; ".join(info.first_bad)
+            )
+    manifest = Manifest(
+        FORMAT_VERSION, settings, sizes, id_dtype, vocabulary_name(settings, vocab), parts
+    )
     _write_json(os.path.join(output, MANIFEST), asdict(manifest))
     return manifest
 
 
-def _run(fn: Callable[[_FileJob], object], jobs: List[_FileJob], workers: int,
-         progress: Callable[[str, int], None] | None, stage: str) -> List:
+def _run(
+    fn: Callable[[_FileJob], object],
+    jobs: List[_FileJob],
+    workers: int,
+    progress: Callable[[str, int], None] | None,
+    stage: str,
+) -> List:
     """`fn` over the jobs, in worker processes when `workers > 1`; results in job order."""
     results = []
     if workers <= 1 or len(jobs) <= 1:
@@ -372,15 +419,17 @@ def _run(fn: Callable[[_FileJob], object], jobs: List[_FileJob], workers: int,
         return [future.result() for future in futures]
 
 
-def check_table_sizes(manifest: Manifest, num_embeddings_per_feature: Sequence[int],
-                      where: str) -> None:
+def check_table_sizes(
+    manifest: Manifest, num_embeddings_per_feature: Sequence[int], where: str
+) -> None:
     """Training must use the tables the data was made for."""
     if list(num_embeddings_per_feature) != manifest.num_embeddings_per_feature:
         sizes = ",".join(map(str, manifest.num_embeddings_per_feature))
         raise ValueError(
             f"{where} was preprocessed for tables of {manifest.num_embeddings_per_feature} rows "
             f"({manifest.settings.mode}), not {list(num_embeddings_per_feature)}: pass "
-            f"--num-embeddings-per-feature {sizes}")
+            f"--num-embeddings-per-feature {sizes}"
+        )
 
 
 def check_same_vocabulary(train: Manifest, evaluation: Manifest, where: str) -> None:
@@ -389,4 +438,5 @@ def check_same_vocabulary(train: Manifest, evaluation: Manifest, where: str) -> 
         raise ValueError(
             f"{where} maps categorical values to rows by {evaluation.vocabulary}, the training "
             f"data by {train.vocabulary}; preprocess it with the same hashing sizes, or with "
-            "--vocab frequency --vocab-from TRAINING_DIR")
+            "--vocab frequency --vocab-from TRAINING_DIR"
+        )

@@ -69,9 +69,14 @@ def hash_score(feature: torch.Tensor | int, ids: torch.Tensor, seed: int) -> tor
     return (h & 0xFFFFFF).to(torch.float32) / float(0xFFFFFF) * 2.0 - 1.0
 
 
-def zipf_rows(num_rows: torch.Tensor | int, count: int, alpha: float,
-              offset: torch.Tensor | int, generator: torch.Generator,
-              stride: torch.Tensor | int | None = None) -> torch.Tensor:
+def zipf_rows(
+    num_rows: torch.Tensor | int,
+    count: int,
+    alpha: float,
+    offset: torch.Tensor | int,
+    generator: torch.Generator,
+    stride: torch.Tensor | int | None = None,
+) -> torch.Tensor:
     """`count` ids, Zipf(alpha)-distributed by popularity rank, int64 `[count]`.
 
     `num_rows`, `offset` (and `stride`) are ints or per-id `[count]` tensors (one table per
@@ -111,7 +116,9 @@ class HiddenModel:
         self.dense_mu = torch.rand(config.num_dense, generator=g) * 3.0 + 0.5
         self.dense_sigma = torch.rand(config.num_dense, generator=g) * 1.0 + 0.5
         self.missing_rate = torch.rand(config.num_dense, generator=g) * 0.3
-        self.dense_weight = torch.randn(config.num_dense, generator=g) * (0.9 / config.num_dense**0.5)
+        self.dense_weight = torch.randn(config.num_dense, generator=g) * (
+            0.9 / config.num_dense**0.5
+        )
         num_signal = min(config.signal_features, num_sparse)
         weight = torch.zeros(num_sparse)
         if num_signal:
@@ -122,7 +129,8 @@ class HiddenModel:
         sizes = config.num_embeddings_per_feature
         self.num_rows = torch.tensor(sizes, dtype=torch.int64)
         self.row_offset = torch.tensor(
-            [int(torch.randint(0, n, (1,), generator=g)) for n in sizes], dtype=torch.int64)
+            [int(torch.randint(0, n, (1,), generator=g)) for n in sizes], dtype=torch.int64
+        )
         self.row_stride = torch.tensor([_coprime_stride(n) for n in sizes], dtype=torch.int64)
         self.bias = config.positive_rate_bias
 
@@ -134,8 +142,14 @@ class SyntheticCriteo:
     stream with `start_batch`. `split="eval"` draws other samples from the same hidden model.
     """
 
-    def __init__(self, config: SyntheticConfig, rank: int = 0, split: str = "train",
-                 num_batches: int | None = None, start_batch: int = 0) -> None:
+    def __init__(
+        self,
+        config: SyntheticConfig,
+        rank: int = 0,
+        split: str = "train",
+        num_batches: int | None = None,
+        start_batch: int = 0,
+    ) -> None:
         if split not in _SPLIT_CODE:
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         self.config = config
@@ -183,17 +197,24 @@ class SyntheticCriteo:
         else:
             lengths = torch.ones(num_features, b, dtype=torch.int64)
         feature_of_id = torch.repeat_interleave(torch.arange(num_features), lengths.sum(1))
-        ids = zipf_rows(hidden.num_rows[feature_of_id], feature_of_id.numel(), cfg.zipf_alpha,
-                        hidden.row_offset[feature_of_id], generator,
-                        stride=hidden.row_stride[feature_of_id])
+        ids = zipf_rows(
+            hidden.num_rows[feature_of_id],
+            feature_of_id.numel(),
+            cfg.zipf_alpha,
+            hidden.row_offset[feature_of_id],
+            generator,
+            stride=hidden.row_stride[feature_of_id],
+        )
         bag_of_id = torch.repeat_interleave(torch.arange(num_features * b), lengths.flatten())
         per_id = hash_score(feature_of_id, ids, hidden.seed)
-        bag_mean = (torch.zeros(num_features * b).index_add_(0, bag_of_id, per_id)
-                    / lengths.flatten()).view(num_features, b)
+        bag_mean = (
+            torch.zeros(num_features * b).index_add_(0, bag_of_id, per_id) / lengths.flatten()
+        ).view(num_features, b)
         logit = logit + hidden.sparse_weight @ bag_mean
         if hidden.pair is not None:
             logit = logit + 1.5 * bag_mean[hidden.pair[0]] * bag_mean[hidden.pair[1]]
         labels = (torch.rand(b, generator=generator) < torch.sigmoid(logit)).to(torch.int64)
         sparse = KeyedJaggedTensor.from_lengths_sync(
-            self.keys, ids, lengths.flatten().to(torch.int32))
+            self.keys, ids, lengths.flatten().to(torch.int32)
+        )
         return Batch(dense, sparse, labels)

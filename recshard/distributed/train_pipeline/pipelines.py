@@ -48,7 +48,6 @@ from typing import (
     Generic,
     Iterator,
     List,
-    Optional,
     Tuple,
     Type,
     TypeVar,
@@ -84,7 +83,7 @@ class TrainPipeline(abc.ABC, Generic[In, Out]):
     """Runs one training step per `progress` call on batches pulled from `dataloader_iter`;
     raises `StopIteration` when there is nothing left to run."""
 
-    _optimizer: Optional[torch.optim.Optimizer] = None
+    _optimizer: torch.optim.Optimizer | None = None
 
     @abc.abstractmethod
     def progress(self, dataloader_iter: Iterator[In]) -> Out: ...
@@ -97,7 +96,7 @@ class TrainPipeline(abc.ABC, Generic[In, Out]):
                 self._optimizer.step()
 
 
-def _process_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
+def _process_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The group the model's sharded modules talk on (None: the default group)."""
     if isinstance(model, DistributedModelParallel):
         return model.env.pg
@@ -125,16 +124,20 @@ class _BatchQueue:
     same votes in the same order.
     """
 
-    def __init__(self, device: torch.device, memcpy_stream: Optional[torch.cuda.Stream],
-                 vote: BatchVote, context_type: Type[TrainPipelineContext] = TrainPipelineContext,
-                 ) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        memcpy_stream: torch.cuda.Stream | None,
+        vote: BatchVote,
+        context_type: Type[TrainPipelineContext] = TrainPipelineContext,
+    ) -> None:
         self._device = device
         self._context_type = context_type
         self._memcpy_stream = memcpy_stream
         self._vote = vote
         self.batches: Deque[Any] = deque()
         self.contexts: Deque[TrainPipelineContext] = deque()
-        self._iterator: Optional[Iterator[Any]] = None
+        self._iterator: Iterator[Any] | None = None
         self._exhausted = False  # this rank's iterator ended: never call next() on it again
         self.stopped = False  # some rank ran out: fetch nothing more
         self._fetched = 0
@@ -177,7 +180,9 @@ class _BatchQueue:
             logger.warning(
                 "rank %d: another rank has run out of data; stopping after %d batches "
                 "(this rank's batch %d and any later ones are not run)",
-                rank, context.index, context.index,
+                rank,
+                context.index,
+                context.index,
             )
         return False
 
@@ -197,13 +202,16 @@ class TrainPipelineBase(TrainPipeline[In, Out]):
     same step, as in `TrainPipelineSparseDist`.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                 device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device
+    ) -> None:
         self._model = model
         self._optimizer = optimizer
         self._device = torch.device(device)
         self._memcpy_stream = new_stream(self._device)
-        self._queue = _BatchQueue(self._device, self._memcpy_stream, BatchVote(_process_group(model)))
+        self._queue = _BatchQueue(
+            self._device, self._memcpy_stream, BatchVote(_process_group(model))
+        )
         warn_if_default_timeout(_process_group(model))
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
@@ -250,7 +258,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
     def __init__(
         self,
         model: nn.Module,
-        optimizer: Optional[torch.optim.Optimizer],
+        optimizer: torch.optim.Optimizer | None,
         device: torch.device,
         execute_all_batches: bool = True,
         apply_jit: bool = False,
@@ -268,34 +276,43 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         self._slot = ForwardSlot()
         self._specs, self.unpipelined_modules = self._find_pipelined_modules(strict)
         self._forwards: Dict[str, PipelinedForward] = {
-            spec.name: self._pipelined_forward_type(spec.name, spec.module, self._slot,
-                                                    self._data_dist_stream)
+            spec.name: self._pipelined_forward_type(
+                spec.name, spec.module, self._slot, self._data_dist_stream
+            )
             for spec in self._specs
         }
         self._originals: Dict[str, Any] = {
             spec.name: spec.module.__dict__.get("forward") for spec in self._specs
         }
-        self._queue = _BatchQueue(self._device, self._memcpy_stream,
-                                  BatchVote(_process_group(model)), self._context_type)
+        self._queue = _BatchQueue(
+            self._device, self._memcpy_stream, BatchVote(_process_group(model)), self._context_type
+        )
         warn_if_default_timeout(_process_group(model))
 
     # ---------------------------------------------------------------- model rewrite
 
-    def _find_pipelined_modules(self, strict: bool) -> Tuple[List[PipelinedModuleSpec], Dict[str, str]]:
+    def _find_pipelined_modules(
+        self, strict: bool
+    ) -> Tuple[List[PipelinedModuleSpec], Dict[str, str]]:
         model = get_unwrapped_module(self._model)
         try:
             found = trace_sharded_inputs(model)
         except RuntimeError as e:
             if strict:
                 raise
-            logger.warning("%s; no sharded module is pipelined (each runs its input dist inside "
-                           "forward)", e)
+            logger.warning(
+                "%s; no sharded module is pipelined (each runs its input dist inside forward)", e
+            )
             return [], {}
         for name, reason in found.unpipelined.items():
             if strict:
                 raise ValueError(f"sharded module '{name}' cannot be pipelined: {reason}")
-            logger.warning("Module '%s' will NOT be pipelined: %s. It runs its input dist "
-                           "synchronously inside forward.", name, reason)
+            logger.warning(
+                "Module '%s' will NOT be pipelined: %s. It runs its input dist "
+                "synchronously inside forward.",
+                name,
+                reason,
+            )
         return found.pipelined, found.unpipelined
 
     @property
@@ -343,7 +360,9 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
                 module_context = spec.module.create_context()
                 context.module_contexts[spec.name] = module_context
                 args, kwargs = spec.inputs(batch)
-                context.splits_requests[spec.name] = spec.module.input_dist(module_context, *args, **kwargs)
+                context.splits_requests[spec.name] = spec.module.input_dist(
+                    module_context, *args, **kwargs
+                )
         return True
 
     def _wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
@@ -421,9 +440,15 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
 
     _run_backward = False
 
-    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                 device: Optional[torch.device] = None, apply_jit: bool = False,
-                 strict: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        device: torch.device | None = None,
+        apply_jit: bool = False,
+        strict: bool = False,
+    ) -> None:
         device = torch.device("cpu") if device is None else device
-        super().__init__(model, optimizer, device, execute_all_batches=True,
-                         apply_jit=apply_jit, strict=strict)
+        super().__init__(
+            model, optimizer, device, execute_all_batches=True, apply_jit=apply_jit, strict=strict
+        )

@@ -32,7 +32,7 @@ all-to-all waits behind them. Five batches are in flight (TorchRec: four).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 from torch import nn
@@ -48,21 +48,26 @@ from recshard.distributed.train_pipeline.utils import (
 from recshard.sparse import JaggedTensor, KeyedTensor
 from recshard.types import LazyNoWait
 
-Embeddings = Union[KeyedTensor, Dict[str, JaggedTensor]]
+Embeddings = KeyedTensor | Dict[str, JaggedTensor]
 # Queue positions (0: the batch this step trains) of the batch whose lookup this step starts,
 # and of the batch whose ids this step sends (its tensors exchange).
 _LOOKUP_AHEAD = 1
 _TENSORS_AHEAD = 3
 
 
-def _detach(embeddings: Embeddings, name: str) -> Tuple[Embeddings, List[torch.Tensor], List[torch.Tensor]]:
+def _detach(
+    embeddings: Embeddings, name: str
+) -> Tuple[Embeddings, List[torch.Tensor], List[torch.Tensor]]:
     """The same embeddings on fresh leaves; and (originals, leaves) to run their backward with."""
     if isinstance(embeddings, KeyedTensor):
         leaf = embeddings.values().detach().requires_grad_()
-        detached = KeyedTensor(embeddings.keys(), embeddings.length_per_key(), leaf,
-                               embeddings.key_dim())
+        detached = KeyedTensor(
+            embeddings.keys(), embeddings.length_per_key(), leaf, embeddings.key_dim()
+        )
         return detached, [embeddings.values()], [leaf]
-    if isinstance(embeddings, dict) and all(isinstance(v, JaggedTensor) for v in embeddings.values()):
+    if isinstance(embeddings, dict) and all(
+        isinstance(v, JaggedTensor) for v in embeddings.values()
+    ):
         out, originals, leaves = {}, [], []
         for key, jt in embeddings.items():
             leaf = jt.values().detach().requires_grad_()
@@ -70,9 +75,11 @@ def _detach(embeddings: Embeddings, name: str) -> Tuple[Embeddings, List[torch.T
             originals.append(jt.values())
             leaves.append(leaf)
         return out, originals, leaves
-    raise TypeError(f"TrainPipelineSemiSync: sharded module '{name}' returned "
-                    f"{type(embeddings).__name__}; it can pipeline modules that return a "
-                    "KeyedTensor or a dict of JaggedTensors")
+    raise TypeError(
+        f"TrainPipelineSemiSync: sharded module '{name}' returned "
+        f"{type(embeddings).__name__}; it can pipeline modules that return a "
+        "KeyedTensor or a dict of JaggedTensors"
+    )
 
 
 class EmbeddingPipelinedForward(PipelinedForward):
@@ -82,7 +89,10 @@ class EmbeddingPipelinedForward(PipelinedForward):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ctx = self._slot.context
-        if not isinstance(ctx, EmbeddingTrainPipelineContext) or self.name not in ctx.embedding_requests:
+        if (
+            not isinstance(ctx, EmbeddingTrainPipelineContext)
+            or self.name not in ctx.embedding_requests
+        ):
             return super().__call__(*args, **kwargs)
         embeddings = ctx.embedding_requests.pop(self.name).wait()
         detached, originals, leaves = _detach(embeddings, self.name)
@@ -108,19 +118,25 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     def __init__(
         self,
         model: nn.Module,
-        optimizer: Optional[torch.optim.Optimizer],
+        optimizer: torch.optim.Optimizer | None,
         device: torch.device,
         execute_all_batches: bool = True,
         apply_jit: bool = False,
         start_batch: int = 900,
         stash_gradients: bool = False,
         pipeline_postproc: bool = True,
-        custom_model_fwd: Optional[Callable[[Optional[In]], Tuple[torch.Tensor, Out]]] = None,
+        custom_model_fwd: Callable[[In | None], Tuple[torch.Tensor, Out]] | None = None,
         strict: bool = False,
-        dmp_collection_sync_interval_batches: Optional[int] = 1,
+        dmp_collection_sync_interval_batches: int | None = 1,
     ) -> None:
-        super().__init__(model, optimizer, device, execute_all_batches=execute_all_batches,
-                         apply_jit=apply_jit, strict=strict)
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            apply_jit=apply_jit,
+            strict=strict,
+        )
         self._start_batch = start_batch
         self._stash_gradients = stash_gradients
         self._model_fwd = custom_model_fwd if custom_model_fwd is not None else model
@@ -154,7 +170,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             for spec in self._specs:
                 data, module_ctx = take_routed_input(context, spec.name, self._data_dist_stream)
                 context.embedding_requests[spec.name] = spec.module.compute_and_output_dist(
-                    module_ctx, data)
+                    module_ctx, data
+                )
 
     def _fill(self, dataloader_iter: Iterator[In], training: bool) -> None:
         """Bring the queue to its steady state: the head batch's lookup started, the next
@@ -163,7 +180,9 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         for position in range(_TENSORS_AHEAD):
             if position == len(queue.batches) and not self._enqueue_batch(dataloader_iter):
                 break
-            if not queue.contexts[position].dist_started and not self._start_sparse_data_dist(position):
+            if not queue.contexts[position].dist_started and not self._start_sparse_data_dist(
+                position
+            ):
                 break
             self._issue_tensors(position)
             if position == 0:

@@ -53,7 +53,13 @@ class ArgInfo:
             return repr(self.constant)
         text = "batch"
         for kind, key in self.steps:
-            text += f".{key}" if kind == "attr" else f"[{key!r}]" if kind == "item" else f".get({key!r})"
+            text += (
+                f".{key}"
+                if kind == "attr"
+                else f"[{key!r}]"
+                if kind == "item"
+                else f".get({key!r})"
+            )
         return text
 
 
@@ -67,7 +73,9 @@ class PipelinedModuleSpec:
     kwargs: Dict[str, ArgInfo] = field(default_factory=dict)
 
     def inputs(self, batch: Any) -> Tuple[List[Any], Dict[str, Any]]:
-        return [a.fetch(batch) for a in self.args], {k: a.fetch(batch) for k, a in self.kwargs.items()}
+        return [a.fetch(batch) for a in self.args], {
+            k: a.fetch(batch) for k, a in self.kwargs.items()
+        }
 
 
 @dataclass
@@ -144,14 +152,28 @@ def _arg_info(value: Any, batch_node: fx.Node) -> ArgInfo:
     node = value
     while node is not batch_node:
         args = node.args
-        if node.op == "call_function" and node.target is getattr and len(args) == 2 \
-                and isinstance(args[1], str) and not node.kwargs:
+        if (
+            node.op == "call_function"
+            and node.target is getattr
+            and len(args) == 2
+            and isinstance(args[1], str)
+            and not node.kwargs
+        ):
             steps.append(("attr", args[1]))
-        elif node.op == "call_function" and node.target is operator.getitem and len(args) == 2 \
-                and not _has_node(args[1]):
+        elif (
+            node.op == "call_function"
+            and node.target is operator.getitem
+            and len(args) == 2
+            and not _has_node(args[1])
+        ):
             steps.append(("item", args[1]))
-        elif node.op == "call_method" and node.target == "get" and len(args) == 2 \
-                and not node.kwargs and not _has_node(args[1]):
+        elif (
+            node.op == "call_method"
+            and node.target == "get"
+            and len(args) == 2
+            and not node.kwargs
+            and not _has_node(args[1])
+        ):
             steps.append(("get", args[1]))
         else:
             raise _NotPipelineable(
@@ -204,4 +226,3 @@ def trace_sharded_inputs(model: nn.Module) -> TraceResult:
             continue
         pipelined.append(PipelinedModuleSpec(name, module, args, kwargs))
     return TraceResult(pipelined, unpipelined)
-

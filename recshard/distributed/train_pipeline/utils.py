@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, ContextManager, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,12 +28,12 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------- streams
 
 
-def new_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
+def new_stream(device: torch.device) -> torch.cuda.Stream | None:
     """A high-priority side stream on CUDA; None elsewhere (work then runs in order)."""
     return torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
 
 
-def stream_context(stream: Optional[torch.cuda.Stream]) -> ContextManager[Any]:
+def stream_context(stream: torch.cuda.Stream | None) -> ContextManager[Any]:
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
@@ -53,7 +53,7 @@ def record_stream(obj: Any, stream: torch.cuda.Stream) -> None:
         obj.record_stream(stream)
 
 
-def wait_for_batch(batch: Any, stream: Optional[torch.cuda.Stream]) -> None:
+def wait_for_batch(batch: Any, stream: torch.cuda.Stream | None) -> None:
     """Make the current stream wait for `stream` (which produced `batch`) and record `batch` on it."""
     if stream is None:
         return
@@ -92,7 +92,7 @@ class TrainPipelineContext:
     splits_requests: Dict[str, Awaitable[Awaitable[Any]]] = field(default_factory=dict)
     tensors_requests: Dict[str, Awaitable[Any]] = field(default_factory=dict)
     dist_started: bool = False
-    input_error: Optional[Exception] = None
+    input_error: Exception | None = None
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         record_stream(self.module_contexts, stream)
@@ -118,7 +118,7 @@ class ForwardSlot:
     """Which batch's forward the pipeline is running now (None outside the pipeline)."""
 
     def __init__(self) -> None:
-        self.context: Optional[TrainPipelineContext] = None
+        self.context: TrainPipelineContext | None = None
 
 
 class PipelinedForward:
@@ -131,8 +131,9 @@ class PipelinedForward:
     or a second call in one forward) it runs the module's ordinary forward.
     """
 
-    def __init__(self, name: str, module: ShardedModule, slot: ForwardSlot,
-                 stream: Optional[torch.cuda.Stream]) -> None:
+    def __init__(
+        self, name: str, module: ShardedModule, slot: ForwardSlot, stream: torch.cuda.Stream | None
+    ) -> None:
         self._name = name
         self._module = module
         self._slot = slot
@@ -144,15 +145,17 @@ class PipelinedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ctx = self._slot.context
-        if ctx is None or (self._name not in ctx.tensors_requests
-                           and self._name not in ctx.splits_requests):
+        if ctx is None or (
+            self._name not in ctx.tensors_requests and self._name not in ctx.splits_requests
+        ):
             return type(self._module).forward(self._module, *args, **kwargs)
         data, module_ctx = take_routed_input(ctx, self._name, self._stream)
         return self._module.compute_and_output_dist(module_ctx, data)
 
 
-def take_routed_input(ctx: TrainPipelineContext, name: str,
-                      stream: Optional[torch.cuda.Stream]) -> Tuple[Any, Any]:
+def take_routed_input(
+    ctx: TrainPipelineContext, name: str, stream: torch.cuda.Stream | None
+) -> Tuple[Any, Any]:
     """Finish module `name`'s input dist of one batch (waiting on the data-dist `stream`) and
     hand what it routed, with the module's context, to the current stream."""
     with stream_context(stream):
@@ -178,8 +181,9 @@ def gloo_twin(pg: dist.ProcessGroup) -> dist.ProcessGroup:
     """A gloo group over the ranks of `pg`, made once per group. `new_group` is collective over
     the default group: every rank builds its pipelines in the same order, so they all get here."""
     if pg not in _GLOO_TWINS:
-        _GLOO_TWINS[pg] = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo",
-                                         timeout=pg_timeout(pg))
+        _GLOO_TWINS[pg] = dist.new_group(
+            ranks=dist.get_process_group_ranks(pg), backend="gloo", timeout=pg_timeout(pg)
+        )
     return _GLOO_TWINS[pg]
 
 
@@ -194,8 +198,8 @@ class BatchVote:
     synchronizes a CUDA stream.
     """
 
-    def __init__(self, pg: Optional[dist.ProcessGroup]) -> None:
-        self._pg: Optional[dist.ProcessGroup] = None
+    def __init__(self, pg: dist.ProcessGroup | None) -> None:
+        self._pg: dist.ProcessGroup | None = None
         if not (dist.is_available() and dist.is_initialized()):
             return
         pg = pg if pg is not None else dist.group.WORLD
