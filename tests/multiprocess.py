@@ -52,6 +52,7 @@ def _worker(
     args: tuple,
     env: Dict[str, str],
     pg_timeout_s: float,
+    backend: str,
     queue: Any,
 ) -> None:
     import torch
@@ -64,7 +65,7 @@ def _worker(
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
         )
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
@@ -82,18 +83,20 @@ def run_ranks(
     timeout: float = 120.0,
     env: Dict[str, str] | None = None,
     pg_timeout_s: float = PG_TIMEOUT_S,
+    backend: str = "gloo",
 ) -> List[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return results by rank.
 
     `fn` must be a module-level function and its arguments and result picklable.
-    `env` is added to each rank's environment (e.g. LOCAL_WORLD_SIZE).
+    `env` is added to each rank's environment (e.g. LOCAL_WORLD_SIZE); `backend` is the
+    process group's ("nccl" for the CUDA tests).
     """
     queue = _CTX.Queue()
     port = free_port()
     procs = [
         _CTX.Process(
             target=_worker,
-            args=(rank, world_size, port, fn, args, env or {}, pg_timeout_s, queue),
+            args=(rank, world_size, port, fn, args, env or {}, pg_timeout_s, backend, queue),
             daemon=True,
         )
         for rank in range(world_size)
