@@ -1,5 +1,5 @@
 """The package layering is a checked contract: import-linter's contracts in pyproject.toml
-hold, no module imports itself back through others, imports sit at module level (except
+hold and name every package, no module imports itself back through others, imports sit at module level (except
 optional dependencies), and no private name crosses a module boundary."""
 
 from __future__ import annotations
@@ -13,6 +13,11 @@ from typing import Dict, List, Set
 
 import grimp
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "recshard"
 # imported where used, so recshard works without them (fbgemm may fail to load its .so)
@@ -23,6 +28,16 @@ def test_import_linter_contracts_hold() -> None:
     lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or "lint-imports"
     done = subprocess.run([lint, "--no-cache"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_package_sits_in_a_layer() -> None:
+    """A new package must be placed in the layers (and in docs/layout.md), not left unchecked."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (layers,) = [c["layers"] for c in config["contracts"] if c["type"] == "layers"]
+    placed = {name.strip() for layer in layers for name in layer.split("|")}
+    packages = {f"recshard.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    modules = {f"recshard.{p.stem}" for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    assert sorted((packages | modules) - placed) == []
 
 
 def _cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
