@@ -82,7 +82,13 @@ def test_layout_doc_matches_the_import_graph() -> None:
         said = set() if imports.startswith("nothing") else {i.strip() for i in imports.split(",")}
         documented[name] = (int(layer), said)
     actual = {name: (layer_of[name], imported[name]) for name in layer_of}
-    assert documented == actual
+    wrong = [
+        f"{name}: docs/layout.md says {documented.get(name)}, the contract and graph give "
+        f"layer {layer}, imports {', '.join(sorted(imports)) or 'nothing'}"
+        for name, (layer, imports) in sorted(actual.items())
+        if documented.get(name) != (layer, imports)
+    ] + [f"{name}: in docs/layout.md, not a package" for name in documented if name not in actual]
+    assert wrong == []
 
 
 def test_readme_layers_match_the_contract() -> None:
