@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: demo test test-cuda lint clean
+.PHONY: demo test test-cuda lint docs docs-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,13 +15,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[$(EXTRA),dev]'
 	touch $@
 
-# glibc: keep large per-step buffers in the heap instead of mmap/munmap every step (see README)
+# glibc: keep large per-step buffers in the heap instead of mmap/munmap every step
+# (docs/performance.md, "The allocator")
 MALLOC_ENV := MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483648
 
 demo: $(STAMP)
 	$(MALLOC_ENV) $(BIN)/torchrun --standalone --nproc_per_node 2 -m examples.dlrm.train --demo
 
-test: lint
+test: lint docs-check
 	$(BIN)/python -m pytest
 
 # The CUDA paths' tests in one run (a one-GPU machine, under 8 minutes); built with EXTRA=cuda.
@@ -34,5 +35,15 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check --quiet .
 	$(BIN)/ruff check --quiet recshard tests examples benchmarks scripts
 
+# The user guide and API reference (mkdocs.yml, docs/) into site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
+
+# `make test` builds the docs strictly into a scratch folder: broken links, anchors and API
+# references fail it (no --quiet: it would hide the warnings that --strict counts).
+docs-check: $(STAMP)
+	out=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d $$out; \
+	rc=$$?; rm -rf $$out; exit $$rc
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) site
