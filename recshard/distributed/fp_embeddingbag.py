@@ -75,6 +75,10 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 def _add_zero(kt: KeyedTensor, zero: torch.Tensor) -> KeyedTensor:
     return KeyedTensor(kt.keys(), kt.length_per_key(), kt.values() + zero, kt.key_dim())
 
@@ -137,12 +141,13 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedModule):
     ) -> Awaitable[Awaitable[List[KeyedJaggedTensor]]]:
         """Check bag lengths (a rejection reaches every rank), carry positions as weights."""
         max_lengths = {f: int(p.numel()) for f, p in self._position_weights().items()}
-        rejected = position_length_error(features, max_lengths, type(self).__name__)
+        rejected = None
         try:
+            rejected = position_length_error(features, max_lengths, type(self).__name__)
             positions = bag_positions(features.offsets(), features.values().numel())
             features = with_weights(features, positions.to(torch.float32))
-        except (RuntimeError, ValueError):
-            pass  # a malformed batch: the EBC's checks reject it, on every rank
+        except (RuntimeError, ValueError, IndexError):
+            pass  # a malformed batch: the EBC's own checks reject it, on every rank
         return self._embedding_bag_collection.input_dist(ctx, features, rejected)
 
     def compute(
@@ -190,8 +195,9 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedModule):
 
     def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
         """The tables' tensors only: the processors' parameters are DDP's."""
-        head = f"{prefix}._embedding_bag_collection" if prefix else "_embedding_bag_collection"
-        yield from self._embedding_bag_collection.sharded_parameter_names(head)
+        yield from self._embedding_bag_collection.sharded_parameter_names(
+            _join(prefix, "_embedding_bag_collection")
+        )
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -200,12 +206,11 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedModule):
         (this rank's shards) and the processors' parameters."""
         if not recurse:
             return
-        join = lambda name: f"{prefix}.{name}" if prefix else name  # noqa: E731
         yield from self._embedding_bag_collection.named_parameters(
-            join("_embedding_bag_collection"), recurse, remove_duplicate
+            _join(prefix, "_embedding_bag_collection"), recurse, remove_duplicate
         )
         yield from self._feature_processors.named_parameters(
-            join("_feature_processors"), recurse, remove_duplicate
+            _join(prefix, "_feature_processors"), recurse, remove_duplicate
         )
 
     def named_buffers(
@@ -213,9 +218,8 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedModule):
     ) -> Iterator[Tuple[str, torch.Tensor]]:
         if not recurse:
             return
-        join = lambda name: f"{prefix}.{name}" if prefix else name  # noqa: E731
         yield from self._feature_processors.named_buffers(
-            join("_feature_processors"), recurse, remove_duplicate
+            _join(prefix, "_feature_processors"), recurse, remove_duplicate
         )
 
     def embedding_bag_configs(self) -> List[Any]:
