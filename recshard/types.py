@@ -419,6 +419,14 @@ class ShardedModule(nn.Module, abc.ABC):
     def compute_and_output_dist(self, ctx: Any, dist_input: Any) -> LazyAwaitable[Any]:
         return self.output_dist(ctx, self.compute(ctx, dist_input))
 
+    def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
+        """Internal names (as `nn.Module` gives them) of the tensors this module keeps in step
+        itself, which DDP must leave alone: by default all of its parameters and buffers."""
+        for name, _ in nn.Module.named_parameters(self, prefix=prefix):
+            yield name
+        for name, _ in nn.Module.named_buffers(self, prefix=prefix):
+            yield name
+
     def forward(self, *inputs: Any) -> LazyAwaitable[Any]:
         ctx = self.create_context()
         dist_input = self.input_dist(ctx, *inputs).wait().wait()

@@ -111,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--dcn-num-layers", type=int, default=3, help="DCN cross layers")
     g.add_argument("--dcn-low-rank-dim", type=int, default=64, help="DCN low-rank dimension")
+    g.add_argument(
+        "--position-weighted",
+        default=None,
+        metavar="FEATURES",
+        help="comma list of sparse features (e.g. cat_0,cat_5) whose ids are weighted by "
+        "their position in the bag (FeatureProcessedEmbeddingBagCollection with "
+        "PositionWeightedModuleCollection; max_feature_length = --multi-hot)",
+    )
     g = p.add_argument_group("sharding and optimizer")
     g.add_argument(
         "--sharding",

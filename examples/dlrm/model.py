@@ -10,7 +10,7 @@ Everything builds on `device="meta"`; `DistributedModelParallel` materializes it
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -19,6 +19,8 @@ from recshard import EmbeddingBagCollection, EmbeddingBagConfig
 from recshard.datasets.utils import Batch
 from recshard.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
 from recshard.modules.embedding_modules import DeviceLike
+from recshard.modules.feature_processor_ import PositionWeightedModuleCollection
+from recshard.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
 
 class ExampleDLRMTrain(DLRMTrain):
@@ -50,10 +52,23 @@ def build_dlrm(
     device: DeviceLike = None,
     dcn_num_layers: int = 3,
     dcn_low_rank_dim: int = 64,
+    position_weighted: Dict[str, int] | None = None,
 ) -> ExampleDLRMTrain:
     """The training module with an EBC over `tables`, everything on `device` (use "meta" to
-    let DistributedModelParallel materialize it)."""
-    ebc = EmbeddingBagCollection(tables=tables, device=device)
+    let DistributedModelParallel materialize it). `position_weighted` ({feature: max bag
+    length}): those features' ids are weighted by their position in the bag (a
+    `FeatureProcessedEmbeddingBagCollection` in the EBC's place)."""
+    ebc: nn.Module = EmbeddingBagCollection(
+        tables=tables, is_weighted=bool(position_weighted), device=device
+    )
+    if position_weighted:
+        features = {f for t in tables for f in t.feature_names}
+        unknown = sorted(set(position_weighted) - features)
+        if unknown:
+            raise ValueError(f"position-weighted features {unknown} are not sparse features")
+        ebc = FeatureProcessedEmbeddingBagCollection(
+            ebc, PositionWeightedModuleCollection(position_weighted, device=device)
+        )
     if interaction == "dot":
         dlrm = DLRM(
             ebc,

@@ -11,6 +11,7 @@ from torch import nn
 from recshard import EmbeddingBagConfig, ShardingPlan
 from recshard.comm import get_qcomm_codecs_registry
 from recshard.distributed import EmbeddingBagCollectionSharder
+from recshard.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import (
     ShardingGenerator,
     column_wise,
@@ -21,6 +22,7 @@ from recshard.distributed.sharding_plan import (
     table_wise,
 )
 from recshard.modules import EmbeddingBagCollection
+from recshard.types import ModuleSharder
 
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
 SHARDING_CHOICES = [
@@ -64,7 +66,7 @@ def make_plan(
     world_size: int,
     local_size: int,
     kernel: str,
-    sharders: List[EmbeddingBagCollectionSharder],
+    sharders: List[ModuleSharder],
     batch_size: int,
     pooling_factor: float = 1.0,
     device_type: str = "cpu",
@@ -120,12 +122,14 @@ def make_plan(
 
 def make_sharders(
     optimizer: str, lr: float, eps: float = 1e-8, comm_precision: str = "fp32"
-) -> List[EmbeddingBagCollectionSharder]:
+) -> List[ModuleSharder]:
     """The EBC sharder with the fused (in-backward) embedding optimizer, and fp16/bf16 codecs
-    on the pooled all-to-alls and reduce-scatters (forward and backward) if asked."""
+    on the pooled all-to-alls and reduce-scatters (forward and backward) if asked; the same
+    for the EBC inside a FeatureProcessedEmbeddingBagCollection (`--position-weighted`)."""
     fused = {"optimizer": _FUSED_NAME[optimizer], "learning_rate": lr, "eps": eps}
     registry = get_qcomm_codecs_registry(comm_precision)  # None for fp32
-    return [EmbeddingBagCollectionSharder(fused_params=fused, qcomm_codecs_registry=registry)]
+    ebc = EmbeddingBagCollectionSharder(fused_params=fused, qcomm_codecs_registry=registry)
+    return [ebc, FeatureProcessedEmbeddingBagCollectionSharder(ebc)]
 
 
 def dense_optimizer_factory(

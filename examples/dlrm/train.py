@@ -77,6 +77,14 @@ def make_tables(args: argparse.Namespace) -> List[EmbeddingBagConfig]:
     ]
 
 
+def position_weighted_features(args: argparse.Namespace) -> Dict[str, int] | None:
+    """`--position-weighted a,b` -> {a: multi_hot, b: multi_hot} (bags hold up to --multi-hot
+    ids), None without the option."""
+    if not args.position_weighted:
+        return None
+    return {f.strip(): args.multi_hot for f in args.position_weighted.split(",") if f.strip()}
+
+
 def build_training(
     args: argparse.Namespace, device: torch.device, world_size: int, local_size: int
 ) -> Tuple[DistributedModelParallel, CombinedOptimizer, List[EmbeddingBagConfig], str]:
@@ -93,6 +101,7 @@ def build_training(
         device="meta",
         dcn_num_layers=args.dcn_num_layers,
         dcn_low_rank_dim=args.dcn_low_rank_dim,
+        position_weighted=position_weighted_features(args),
     )
     sharders = make_sharders(args.optimizer, args.lr, args.eps, args.comm_precision)
     plan, plan_note = make_plan(

@@ -5,12 +5,15 @@ uniform in `[0, hash_size)`; then dense features `~ N(0, 1)` `[B, num_dense]` an
 {0, 1} `[B]`, all drawn from one generator seeded by `manual_seed` — TorchRec's order, so a
 seed gives TorchRec's batches. The first `num_generated_batches` batches are made once and
 cycled; a negative `num_generated_batches` draws every batch fresh.
+
+Position-weighted features (`max_feature_lengths`, the argument `PositionWeightedModuleCollection`
+takes): their bags hold up to that many ids, so every position has a weight.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, List
+from typing import Dict, Iterator, List
 
 import torch
 from torch.utils.data import IterableDataset
@@ -36,6 +39,8 @@ class RandomRecDataset(IterableDataset[Batch]):
     `hash_size(s)` bound the ids (default 100), `ids_per_feature(s)` the ids per sample
     (default 2), `min_ids_per_feature(s)` their minimum (default: `ids_per_feature` when that
     is given, else 0). The `...s` list forms take precedence over the scalar forms.
+    `max_feature_lengths` ({feature: max bag length}, recshard's): those features draw their
+    bag lengths in `[min ids, max length]` instead, to feed position-weighted features.
     """
 
     def __init__(
@@ -52,6 +57,7 @@ class RandomRecDataset(IterableDataset[Batch]):
         num_generated_batches: int = 10,
         min_ids_per_feature: int | None = None,
         min_ids_per_features: List[int] | None = None,
+        max_feature_lengths: Dict[str, int] | None = None,
     ) -> None:
         super().__init__()
         self.keys = list(keys)
@@ -64,6 +70,13 @@ class RandomRecDataset(IterableDataset[Batch]):
         self.min_ids_per_features = _per_key(
             "min_ids_per_features", min_ids_per_features, min_one, 0, self.keys
         )
+        for key, length in (max_feature_lengths or {}).items():
+            if key not in self.keys or length < 1:
+                raise ValueError(
+                    f"RandomRecDataset: max_feature_lengths names '{key}' with {length}; it "
+                    f"needs one of the keys {self.keys} and a length >= 1"
+                )
+            self.ids_per_features[self.keys.index(key)] = length
         for key, size, low, high in zip(
             self.keys, self.hash_sizes, self.min_ids_per_features, self.ids_per_features
         ):

@@ -162,10 +162,13 @@ class CollectionInputDist:
         return cached
 
     def dist(
-        self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor
+        self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor, rejected: str | None = None
     ) -> Awaitable[Awaitable[List[KeyedJaggedTensor]]]:
-        """Check the batch, permute it into wire order once, start every sharding's dist."""
+        """Check the batch, permute it into wire order once, start every sharding's dist.
+        `rejected`: why a module wrapping this one refuses the batch (its own check), sent as
+        this module's verdict when the batch passes its checks."""
         features, error = self._checked(features)
+        error = error or rejected
         ctx.features = features
         in_order = None  # one sharding routing the keys in wire order without a permute
         if error is None and features.keys() != self._wire_features:  # else: no copy

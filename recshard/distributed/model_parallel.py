@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from recshard.comm.pg import destroy_groups_at_exit, warn_if_default_timeout
 from recshard.distributed.embedding import EmbeddingCollectionSharder
 from recshard.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from recshard.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from recshard.distributed.quant_embedding import QuantEmbeddingCollectionSharder
 from recshard.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
 from recshard.distributed.sharded_state import (
@@ -43,6 +44,7 @@ def default_sharders() -> List[ModuleSharder]:
     return [
         EmbeddingBagCollectionSharder(),
         EmbeddingCollectionSharder(),
+        FeatureProcessedEmbeddingBagCollectionSharder(),
         QuantEmbeddingBagCollectionSharder(),
         QuantEmbeddingCollectionSharder(),
     ]
@@ -70,7 +72,7 @@ class DefaultDataParallelWrapper:
         """Parameters of sharded modules and tensor-parallel shards (`recshard.parallel`,
         marked `shard_spec`: each rank's gradient is already complete) stay out of DDP."""
         module = dmp._dmp_wrapped_module
-        ignore = [name for name, _ in _sharded_parameter_names(module)]
+        ignore = list(_sharded_parameter_names(module))
         ignore += [
             name
             for name, p in nn.Module.named_parameters(module)
@@ -92,12 +94,11 @@ class DefaultDataParallelWrapper:
         )
 
 
-def _sharded_parameter_names(module: nn.Module) -> Iterator[Tuple[str, nn.Parameter]]:
-    """Internal names (as DDP sees them) of every tensor inside sharded modules."""
+def _sharded_parameter_names(module: nn.Module) -> Iterator[str]:
+    """Internal names (as DDP sees them) of the tensors sharded modules keep in step."""
     for name, child in module.named_modules():
         if isinstance(child, ShardedModule):
-            yield from nn.Module.named_parameters(child, prefix=name)
-            yield from nn.Module.named_buffers(child, prefix=name)
+            yield from child.sharded_parameter_names(name)
 
 
 def _unsharded_named(

@@ -208,11 +208,12 @@ class ShardedEmbeddingModule(ShardedModule):
         )
 
     def input_dist(
-        self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor
+        self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor, rejected: str | None = None
     ) -> Awaitable[Awaitable[List[KeyedJaggedTensor]]]:
         """The same for every collection: check the batch, then route each sharding's ids to
-        the ranks holding its tables (`CollectionInputDist`)."""
-        return self.input.dist(ctx, features)
+        the ranks holding its tables (`CollectionInputDist`). `rejected`: a wrapping module's
+        reason to refuse the batch, raised on every rank like this module's own."""
+        return self.input.dist(ctx, features, rejected)
 
     def compute(
         self, ctx: EmbeddingModuleContext, dist_input: List[KeyedJaggedTensor]

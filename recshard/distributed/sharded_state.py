@@ -31,7 +31,7 @@ from recshard.lookup.fused_params import FusedOptimSpec
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
 from recshard.plan.sharding_types import COLUMN_SPLIT_TYPES
-from recshard.types import ParameterSharding, ShardedModule, ShardingEnv, ShardingType
+from recshard.types import ParameterSharding, ShardingEnv, ShardingType
 
 
 @contextlib.contextmanager
@@ -167,7 +167,8 @@ def fused_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
 
 
 def _walk(model: nn.Module) -> Tuple[List[Tuple[str, ShardedTableState]], Dict[str, torch.Tensor]]:
-    """Sharded modules by path, and the plain parameters/buffers outside them."""
+    """Sharded tables' modules by path, and the plain parameters/buffers outside them (a
+    sharded module that wraps one, holding dense parameters of its own, is walked into)."""
     sharded: List[Tuple[str, ShardedTableState]] = []
     plain: Dict[str, torch.Tensor] = {}
     skip: List[str] = []
@@ -175,7 +176,7 @@ def _walk(model: nn.Module) -> Tuple[List[Tuple[str, ShardedTableState]], Dict[s
         if any(path == s or s == "" or path.startswith(s + ".") for s in skip):
             continue
         prefix = f"{path}." if path else ""
-        if isinstance(child, ShardedModule):
+        if isinstance(child, ShardedTableState):
             sharded.append((prefix, child))
             skip.append(path)
             continue

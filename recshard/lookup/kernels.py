@@ -21,7 +21,8 @@ from recshard.lookup.fused_params import FusedOptimSpec, apply_row_update, fbgem
 from recshard.lookup.huge_pages import huge_page_zeros
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE, PoolingType
-from recshard.sparse import JaggedTensor, KeyedJaggedTensor
+from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse.conversion import jagged_by_index
 from recshard.types import EmbeddingComputeKernel
 
 
@@ -161,6 +162,7 @@ class _TorchFusedLookup(torch.autograd.Function):
     def forward(
         ctx,
         placeholder: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
         kernel: TorchFusedKernel,  # noqa: ANN001
         features: KeyedJaggedTensor,
     ) -> torch.Tensor:
@@ -169,8 +171,8 @@ class _TorchFusedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):  # noqa: ANN001, ANN205
-        ctx.kernel.update(ctx.features, grad_output)
-        return None, None, None
+        weights_grad = ctx.kernel.update(ctx.features, grad_output, ctx.needs_input_grad[1])
+        return None, weights_grad, None, None
 
 
 class TorchFusedKernel(LookupKernel):
@@ -208,15 +210,22 @@ class TorchFusedKernel(LookupKernel):
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         placeholder = torch.empty(0, requires_grad=torch.is_grad_enabled())
-        return _TorchFusedLookup.apply(placeholder, self, features)
+        return _TorchFusedLookup.apply(placeholder, features.weights_or_none(), self, features)
 
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
         return _plain_lookup(self.table_weights(), self, features)
 
-    def update(self, features: KeyedJaggedTensor, grad_output: torch.Tensor) -> None:
-        """Per table: gradient rows of every id, summed per unique id, then one update."""
+    def update(
+        self, features: KeyedJaggedTensor, grad_output: torch.Tensor, weights_grad: bool = False
+    ) -> torch.Tensor | None:
+        """Per table: gradient rows of every id, summed per unique id, then one update.
+        `weights_grad`: also return the gradient of the per-sample weights (`[num ids]`, each
+        id's row before the update dotted with its bag's output gradient), for weights that
+        a feature processor computed."""
         per_table_ids: Dict[int, List[torch.Tensor]] = {}
         per_table_grads: Dict[int, List[torch.Tensor]] = {}
+        sample_grads: List[torch.Tensor] = []
+        weights = self.table_weights()
         columns = 0
         offsets = features.offset_per_key()
         for index, (jt, t_index, dim) in enumerate(
@@ -231,14 +240,16 @@ class TorchFusedKernel(LookupKernel):
                     grad = grad / _mean_divisor(lengths)
                 bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.long())
                 rows_grad = grad.index_select(0, bag)
+                if weights_grad:
+                    sample_grads.append((rows_grad * weights[t_index][ids]).sum(dim=1))
                 if jt.weights_or_none() is not None:
                     rows_grad = rows_grad * jt.weights().unsqueeze(1)
             else:
                 rows_grad = grad_output[offsets[index] : offsets[index + 1]]
             per_table_ids.setdefault(t_index, []).append(ids)
             per_table_grads.setdefault(t_index, []).append(rows_grad)
+        sample_grad = torch.cat(sample_grads) if weights_grad and sample_grads else None
         states = self.optimizer_states()
-        weights = self.table_weights()
         with torch.no_grad():
             for t_index, ids_list in per_table_ids.items():
                 ids = torch.cat(ids_list)
@@ -255,6 +266,7 @@ class TorchFusedKernel(LookupKernel):
                 apply_row_update(
                     self.spec, self.lr, weights[t_index], states[t_index], unique, grad
                 )
+        return sample_grad
 
 
 WeightsInUse = Callable[[List[torch.Tensor], List[torch.Tensor]], List[torch.Tensor]]
@@ -292,20 +304,6 @@ class DenseKernel(LookupKernel):
                 ids[t_index].append(jt.values().long())
             weights = self.weights_in_use(weights, [torch.cat(table_ids) for table_ids in ids])
         return _plain_lookup(weights, self, features)
-
-
-def jagged_by_index(features: KeyedJaggedTensor) -> List[JaggedTensor]:
-    """One JaggedTensor per key position (keys may repeat: column shards of one table)."""
-    values, weights, lengths = features.values(), features.weights_or_none(), features.lengths()
-    offsets, lengths_offsets = features.offset_per_key(), features.lengths_offset_per_key()
-    return [
-        JaggedTensor(
-            values[offsets[i] : offsets[i + 1]],
-            None if weights is None else weights[offsets[i] : offsets[i + 1]],
-            lengths=lengths[lengths_offsets[i] : lengths_offsets[i + 1]],
-        )
-        for i in range(len(features.keys()))
-    ]
 
 
 def _plain_lookup(

@@ -24,6 +24,9 @@ MODULE_MAP: Dict[str, str] = {
     "torchrec.modules.mlp": "recshard.modules.mlp",
     "torchrec.modules.crossnet": "recshard.modules.crossnet",
     "torchrec.modules.regroup": "recshard.modules.regroup",
+    "torchrec.modules.feature_processor": "recshard.modules.feature_processor",
+    "torchrec.modules.feature_processor_": "recshard.modules.feature_processor_",
+    "torchrec.modules.fp_embedding_modules": "recshard.modules.fp_embedding_modules",
     "torchrec.models": "recshard.models",
     "torchrec.models.dlrm": "recshard.models.dlrm",
     "torchrec.datasets": "recshard.datasets",
@@ -38,6 +41,10 @@ MODULE_MAP: Dict[str, str] = {
     "torchrec.distributed.model_parallel": "recshard.distributed",
     "torchrec.distributed.embeddingbag": "recshard.distributed",
     "torchrec.distributed.embedding": "recshard.distributed",
+    "torchrec.distributed.fp_embeddingbag": "recshard.distributed.fp_embeddingbag",
+    "torchrec.distributed.grouped_position_weighted": (
+        "recshard.distributed.grouped_position_weighted"
+    ),
     "torchrec.distributed.quant_embeddingbag": "recshard.distributed",
     "torchrec.distributed.train_pipeline": "recshard.distributed",
     "torchrec.distributed.train_pipeline.train_pipelines": "recshard.distributed",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from recshard import EmbeddingBagCollection, EmbeddingBagConfig
 from recshard.datasets.criteo import (
     CAT_FEATURE_COUNT,
     DEFAULT_CAT_NAMES,
@@ -14,6 +15,8 @@ from recshard.datasets.criteo import (
 )
 from recshard.datasets.random import RandomRecDataset
 from recshard.datasets.utils import Batch
+from recshard.modules.feature_processor_ import PositionWeightedModuleCollection
+from recshard.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from recshard.types import Pipelineable
 
 
@@ -105,3 +108,29 @@ def test_criteo_constants() -> None:
     assert (INT_FEATURE_COUNT, CAT_FEATURE_COUNT) == (13, 26)
     assert DEFAULT_INT_NAMES[0] == "int_0" and DEFAULT_CAT_NAMES[-1] == "cat_25"
     assert DEFAULT_COLUMN_NAMES == ["label", *DEFAULT_INT_NAMES, *DEFAULT_CAT_NAMES]
+
+
+def test_position_weighted_features_stay_within_their_max_length() -> None:
+    lengths = {"f1": 5}
+    ds = RandomRecDataset(
+        ["f0", "f1"],
+        batch_size=64,
+        ids_per_feature=None,
+        max_feature_lengths=lengths,
+        manual_seed=3,
+        num_batches=2,
+    )
+    tables = [
+        EmbeddingBagConfig(num_embeddings=100, embedding_dim=4, name=f"t{i}", feature_names=[f])
+        for i, f in enumerate(["f0", "f1"])
+    ]
+    fp_ebc = FeatureProcessedEmbeddingBagCollection(
+        EmbeddingBagCollection(tables, is_weighted=True), PositionWeightedModuleCollection(lengths)
+    )
+    for batch in ds:
+        bags = batch.sparse_features["f1"].lengths()
+        assert int(bags.max()) == 5 and int(bags.min()) >= 0
+        assert int(batch.sparse_features["f0"].lengths().max()) <= 2  # the default, unchanged
+        fp_ebc(batch.sparse_features)  # every position has a weight
+    with pytest.raises(ValueError, match="max_feature_lengths names 'nope'"):
+        RandomRecDataset(["f0"], batch_size=2, max_feature_lengths={"nope": 3})

@@ -258,3 +258,44 @@ def test_notebook_ports_across_cells_and_runs(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().endswith("torch.Size([3, 16])")
+
+
+def test_feature_processor_imports_port_and_run() -> None:
+    """TorchRec's feature-processor module paths port, and the ported code runs."""
+    source = (
+        "from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection\n"
+        "from torchrec.modules.fp_embedding_modules import (\n"
+        "    FeatureProcessedEmbeddingBagCollection,\n"
+        ")\n"
+        "from torchrec.distributed.fp_embeddingbag import (\n"
+        "    FeatureProcessedEmbeddingBagCollectionSharder,\n"
+        ")\n"
+        "from torchrec.distributed.grouped_position_weighted import GroupedPositionWeightedModule\n"
+        "from torchrec.modules.feature_processor import PositionWeightedModule\n"
+        "from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor\n"
+        "ebc = EmbeddingBagCollection(\n"
+        "    [EmbeddingBagConfig(name='t', embedding_dim=4, num_embeddings=10,"
+        " feature_names=['f'])],\n"
+        "    is_weighted=True,\n"
+        ")\n"
+        "fp = FeatureProcessedEmbeddingBagCollection(ebc, PositionWeightedModuleCollection({'f': 3}))\n"
+        "kjt = KeyedJaggedTensor.from_lengths_sync(['f'], torch.tensor([1, 2, 3]), torch.tensor([3]))\n"
+        "out = fp(kjt)['f']\n"
+        "sharder = FeatureProcessedEmbeddingBagCollectionSharder()\n"
+        "grouped = GroupedPositionWeightedModule({'f': 3})\n"
+        "old = PositionWeightedModule({'f': 3})\n"
+    )
+    result = port_source(source)
+    assert result.issues == [] and "torchrec" not in result.code, result.code
+    assert "from recshard.distributed.fp_embeddingbag import (" in result.code
+    scope: Dict[str, object] = {"torch": __import__("torch")}
+    exec(compile(result.code, "<ported>", "exec"), scope)  # noqa: S102 - our own sample
+    ebc_out = scope["ebc"](
+        scope["kjt"].__class__.from_lengths_sync(
+            ["f"],
+            scope["torch"].tensor([1, 2, 3]),
+            scope["torch"].tensor([3]),
+            scope["torch"].ones(3),
+        )
+    )["f"]
+    assert scope["torch"].equal(scope["out"], ebc_out)  # position weights start at 1.0

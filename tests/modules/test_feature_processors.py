@@ -1,0 +1,127 @@
+"""Feature processors and the unsharded FeatureProcessedEmbeddingBagCollection: position
+weights by position in bag, the same numbers as an EBC given those weights by hand (forward
+and the gradients of the position weights), every interface (per-feature, collection, dict of
+JaggedTensors, grouped with carried positions), and construction errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard.distributed.grouped_position_weighted import GroupedPositionWeightedModule
+from recshard.modules import feature_processor
+from recshard.modules.feature_processor_ import (
+    PositionWeightedModule,
+    PositionWeightedModuleCollection,
+    bag_positions,
+)
+from recshard.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+# TorchRec's docstring example: 3 features, batch 3
+KEYS = ["Feature0", "Feature1", "Feature2"]
+VALUES = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 3, 4, 5, 6, 7])
+LENGTHS = torch.tensor([2, 0, 1, 1, 1, 3, 2, 3, 0])
+POSITIONS = torch.tensor([0, 1, 0, 0, 0, 0, 1, 2, 0, 1, 0, 1, 2])
+
+
+def _kjt() -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.from_lengths_sync(KEYS, VALUES, LENGTHS)
+
+
+def _ramp(n: int) -> torch.Tensor:
+    return torch.arange(1, n + 1, dtype=torch.float32)  # weight of position p: p + 1
+
+
+def test_bag_positions() -> None:
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), LENGTHS.cumsum(0)])
+    assert torch.equal(bag_positions(offsets, VALUES.numel()), POSITIONS)
+    assert bag_positions(torch.zeros(1, dtype=torch.long), 0).numel() == 0
+
+
+def test_collection_weights_listed_features_and_keeps_layout() -> None:
+    pw = PositionWeightedModuleCollection({"Feature1": 3, "Feature2": 4})
+    with torch.no_grad():
+        pw.position_weights["Feature1"].copy_(_ramp(3))
+        pw.position_weights["Feature2"].copy_(_ramp(4))
+    out = pw(_kjt())
+    expected = (POSITIONS + 1).float()
+    expected[:3] = 1.0  # Feature0 has no position weights
+    assert torch.equal(out.weights(), expected)
+    assert out.keys() == KEYS and torch.equal(out.lengths(), LENGTHS)
+    assert torch.equal(out.values(), VALUES)
+
+
+def test_per_feature_module_and_dict_interface() -> None:
+    jt = _kjt()["Feature1"]
+    module = PositionWeightedModule(3)
+    with torch.no_grad():
+        module.position_weight.copy_(_ramp(3))
+    assert torch.equal(module(jt).weights(), torch.tensor([1.0, 1.0, 1.0, 2.0, 3.0]))
+    old = feature_processor.PositionWeightedModule({"Feature1": 3})
+    out = old(_kjt().to_dict())
+    assert torch.equal(out["Feature1"].weights(), torch.ones(5))
+    assert out["Feature0"].weights_or_none() is None
+
+
+def test_grouped_module_uses_carried_positions() -> None:
+    grouped = GroupedPositionWeightedModule({"Feature1": 3, "Feature2": 3})
+    with torch.no_grad():
+        grouped.position_weights["Feature2"].copy_(_ramp(3))
+    plain = grouped(_kjt())
+    carried = KeyedJaggedTensor.from_lengths_sync(KEYS, VALUES, LENGTHS, POSITIONS.float())
+    assert torch.equal(grouped(carried).weights(), plain.weights())
+    assert list(grouped.state_dict()) == [
+        "position_weights.Feature1",
+        "position_weights.Feature2",
+    ]
+
+
+def _tables() -> list:
+    return [
+        EmbeddingBagConfig(num_embeddings=8, embedding_dim=3, name="t0", feature_names=KEYS[:2]),
+        EmbeddingBagConfig(num_embeddings=8, embedding_dim=2, name="t1", feature_names=KEYS[2:]),
+    ]
+
+
+@pytest.mark.parametrize("form", ["collection", "dict"])
+def test_fp_ebc_equals_ebc_with_the_weights_by_hand(form: str) -> None:
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(_tables(), is_weighted=True)
+    lengths = {"Feature0": 2, "Feature1": 3, "Feature2": 3}
+    if form == "collection":
+        processors = PositionWeightedModuleCollection(lengths)
+    else:
+        processors = {k: PositionWeightedModule(n) for k, n in lengths.items()}
+    fp = FeatureProcessedEmbeddingBagCollection(ebc, processors)
+    params = fp.position_weights()
+    with torch.no_grad():
+        for p in params.values():
+            p.copy_(torch.rand(p.shape) + 0.5)
+    out = fp(_kjt())
+    # by hand: weights at each position, as a leaf, through the same EBC
+    by_hand = torch.cat(
+        [
+            params[k].detach()[POSITIONS[s]]
+            for k, s in zip(KEYS, [slice(0, 3), slice(3, 8), slice(8, 13)])
+        ]
+    ).requires_grad_()
+    ref = ebc(KeyedJaggedTensor.from_lengths_sync(KEYS, VALUES, LENGTHS, by_hand))
+    assert torch.allclose(out.values(), ref.values())
+    grad = torch.randn_like(ref.values())
+    (out.values() * grad).sum().backward()
+    (ref.values() * grad).sum().backward()
+    for key, s in zip(KEYS, [slice(0, 3), slice(3, 8), slice(8, 13)]):
+        expected = torch.zeros_like(params[key]).index_add_(0, POSITIONS[s], by_hand.grad[s])
+        assert torch.allclose(params[key].grad, expected)
+
+
+def test_construction_errors() -> None:
+    unweighted = EmbeddingBagCollection(_tables())
+    with pytest.raises(ValueError, match="is_weighted=True"):
+        FeatureProcessedEmbeddingBagCollection(unweighted, PositionWeightedModuleCollection({}))
+    weighted = EmbeddingBagCollection(_tables(), is_weighted=True)
+    with pytest.raises(ValueError, match="one processor per feature"):
+        FeatureProcessedEmbeddingBagCollection(weighted, {"Feature0": PositionWeightedModule(2)})
+    with pytest.raises(ValueError, match="must be > 0"):
+        PositionWeightedModuleCollection({"Feature0": 0})
