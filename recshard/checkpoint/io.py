@@ -48,12 +48,7 @@ from recshard.checkpoint.manifest import (
     parse_manifest,
     write_durably,
 )
-from recshard.checkpoint.staging import (
-    StagingReader,
-    copy_in,
-    describe_key,
-    staging_buffers,
-)
+from recshard.checkpoint.staging import StagingReader, describe_key
 from recshard.distributed.model_parallel import get_unwrapped_module
 from recshard.distributed.sharded_state import (
     fused_optimizer_state,
@@ -414,17 +409,16 @@ def load(
     try:
         _agree(error, identity)
         assert opened is not None  # no error on any rank: every rank opened it
-        staged = staging_buffers(template)
         reader = StagingReader(opened.directory, opened.dir_fd, opened.manifest, allow_non_finite)
         try:
-            dcp.load(staged, storage_reader=reader)
+            dcp.load(template, storage_reader=reader)  # reads, checks and keeps; copies nothing
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             raise RuntimeError(
                 f"loading checkpoint {opened.directory} failed; model and optimizer are "
                 f"unchanged: {_first_cause(e)}"
             ) from e
         _agree(None if reader.error is None else ValueError(reader.error))
-        copy_in(staged, template)
+        reader.copy_in()
     finally:
         if opened is not None:
             os.close(opened.dir_fd)

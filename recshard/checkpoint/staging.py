@@ -1,13 +1,14 @@
-"""Staged loads: read and check every tensor into buffers beside the model, copy in later.
+"""Staged loads: read and check every tensor before any of it reaches the model.
 
-`staging_buffers` makes empty tensors with the layout of the live state (ShardedTensors keep
-their shard placement, so DCP reshards into them as into the model). `StagingReader` is DCP's
-file reader with `read_data` replaced: each shard file is opened as a regular file, its size and
-SHA-256 checked, and every chunk read through that descriptor with `torch.load(weights_only=True)`
+`StagingReader` is DCP's file reader with `read_data` replaced. DCP plans the reads against
+the live state (so it reshards as usual), but each checked piece is kept beside the model
+instead of being copied in: each shard file is opened as a regular file, its size and SHA-256
+checked, and every chunk read through that descriptor with `torch.load(weights_only=True)`
 must hold exactly the dtype and shape the manifest declares, and finite values unless allowed.
 The first problem is kept in `error` (naming the key, the file and the byte range) instead of
-raised, so the load can still finish its collectives and the ranks exchange verdicts; only when
-every rank is content does `copy_in` touch the model.
+raised, so the load still finishes its collectives and the ranks exchange verdicts; only when
+every rank is content does `copy_in` touch the model. The pieces are as large as this rank's
+part of the state: a load needs that much memory again while it runs.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ import io
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -28,8 +28,6 @@ from torch.futures import Future
 
 from recshard.checkpoint.files import ShardFile
 from recshard.checkpoint.manifest import MANIFEST, Manifest
-
-State = Dict[str, Dict[str, Any]]
 
 _TABLE_KEY = re.compile(r"(?:embedding_bags|embeddings)\.([^.]+)\.")
 
@@ -46,33 +44,15 @@ def describe_fqn(fqn: str) -> str:
     return f"{describe_key(key)} ({section})"
 
 
-def _buffer(value: Any) -> Any:
-    if isinstance(value, ShardedTensor):
-        shards = [Shard(torch.empty_like(s.tensor), s.metadata) for s in value.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, value.metadata(), process_group=value._process_group
-        )
-    return torch.empty_like(value)
-
-
-def staging_buffers(state: State) -> State:
-    """Empty tensors shaped and placed like `state` (a second copy of this rank's state)."""
-    return {
-        section: {k: _buffer(v) for k, v in entries.items()} for section, entries in state.items()
-    }
-
-
-def copy_in(staged: State, live: State) -> None:
-    """Copy every staged tensor into the live state (shapes and dtypes were checked)."""
-    with torch.no_grad():
-        for section, entries in staged.items():
-            for key, value in entries.items():
-                target = live[section][key]
-                if isinstance(value, ShardedTensor):
-                    for dst, src in zip(target.local_shards(), value.local_shards()):
-                        dst.tensor.copy_(src.tensor)
-                else:
-                    target.copy_(value)
+def _non_finite(tensor: torch.Tensor) -> int:
+    """How many values are NaN or infinite. One pass of `aminmax` (it propagates NaN, and an
+    infinity is the min or the max) answers the common all-finite case without a temporary."""
+    if tensor.numel() == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
+        return 0
+    low, high = torch.aminmax(torch.view_as_real(tensor) if tensor.is_complex() else tensor)
+    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+        return 0
+    return int((~torch.isfinite(tensor)).sum())
 
 
 def _shown(size: Any) -> str:
@@ -89,9 +69,17 @@ class StagingReader(FileSystemReader):
         super().__init__(str(directory))
         self.directory = directory
         self.error: str | None = None
+        self.staged: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (live place, checked piece)
         self._dir_fd = dir_fd
         self._manifest = manifest
         self._allow_non_finite = allow_non_finite
+
+    def copy_in(self) -> None:
+        """Copy every checked piece into its place in the model (after all ranks agreed)."""
+        with torch.no_grad():
+            for target, piece in self.staged:
+                target.copy_(piece)
+        self.staged = []
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self._manifest.metadata.storage_meta = StorageMeta(load_id=self.load_id)
@@ -161,7 +149,7 @@ class StagingReader(FileSystemReader):
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except (RuntimeError, ValueError, EOFError, TypeError) as e:
             raise ValueError(f"{at}: not a saved tensor ({type(e).__name__}: {e})") from None
-        if type(tensor) is not torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{at}: holds a {type(tensor).__name__}, not a tensor")
         if tensor.dtype != meta.properties.dtype:
             raise ValueError(
@@ -172,19 +160,19 @@ class StagingReader(FileSystemReader):
                 f"{at}: has shape {_shown(tensor.size())} in the file, the manifest says "
                 f"{_shown(chunk.sizes)}"
             )
-        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
-        if not self._allow_non_finite and (tensor.is_floating_point() or tensor.is_complex()):
-            bad = int((~torch.isfinite(tensor)).sum())
+        piece = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        if not self._allow_non_finite:
+            bad = _non_finite(piece)
             if bad:
                 raise ValueError(
-                    f"{at}: {bad} of {tensor.numel()} values are NaN or infinite (pass "
+                    f"{at}: {bad} of {piece.numel()} values are NaN or infinite (pass "
                     f"allow_non_finite=True to load them)"
                 )
         target = planner.resolve_tensor(item).detach()
-        if target.size() != tensor.size() or target.dtype != tensor.dtype:
+        if target.size() != piece.size() or target.dtype != piece.dtype:
             raise ValueError(
-                f"{at}: a {tensor.dtype} piece of shape {_shown(tensor.size())} for a "
+                f"{at}: a {piece.dtype} piece of shape {_shown(piece.size())} for a "
                 f"{target.dtype} place of shape {_shown(target.size())} in the model"
             )
-        target.copy_(tensor)
-        planner.commit_tensor(item, target)
+        # Keep only the piece (not the whole chunk it was cut from) until the copy-in.
+        self.staged.append((target, piece if piece.numel() == tensor.numel() else piece.clone()))
