@@ -60,8 +60,8 @@ def _shown(size: Any) -> str:
 
 
 class StagingReader(FileSystemReader):
-    """DCP's file reader over a parsed manifest that reads into staging buffers, checking
-    everything it reads; the first problem lands in `error` (None if all was well)."""
+    """DCP's file reader over a parsed manifest that checks everything it reads and keeps it
+    in `staged` for `copy_in`; the first problem lands in `error` (None if all was well)."""
 
     def __init__(
         self, directory: Path, dir_fd: int, manifest: Manifest, allow_non_finite: bool
@@ -147,7 +147,7 @@ class StagingReader(FileSystemReader):
         try:
             data = shard.read(where.offset, where.length)
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except (RuntimeError, ValueError, EOFError, TypeError) as e:
+        except Exception as e:  # any failure to parse (e.g. a refused pickle) is a bad entry
             raise ValueError(f"{at}: not a saved tensor ({type(e).__name__}: {e})") from None
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{at}: holds a {type(tensor).__name__}, not a tensor")

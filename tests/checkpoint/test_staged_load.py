@@ -17,7 +17,15 @@ from typing import Dict
 
 import torch
 import torch.distributed as dist
-from ckpt_cases import last_stored_key, plant, read_manifest, saved_bytes, state_bytes, trained
+from ckpt_cases import (
+    Payload,
+    last_stored_key,
+    plant,
+    read_manifest,
+    saved_bytes,
+    state_bytes,
+    trained,
+)
 from ckpt_cases import write_manifest as forge_manifest
 from multiprocess import run_ranks
 
@@ -27,7 +35,9 @@ TABLE = "model.ebc.embedding_bags.ta.weight"  # [10, 4], table-wise on rank 0
 
 
 def _forge(directory: Path, case: str) -> None:
-    if case == "wider":
+    if case == "pickle_as_tensor":  # torch.save of an object whose unpickling runs a command
+        plant(directory, TABLE, saved_bytes(Payload(str(directory.parent / "payload-ran"))))
+    elif case == "wider":
         plant(directory, TABLE, saved_bytes(torch.randn(20, 4)))
     elif case == "int64_data":
         plant(directory, TABLE, saved_bytes(torch.arange(40).view(10, 4)))
@@ -45,6 +55,7 @@ def _forge(directory: Path, case: str) -> None:
 
 
 CASES = {  # case -> what the error must say
+    "pickle_as_tensor": "not a saved tensor (UnpicklingError: Weights only load failed",
     "wider": "has shape (20, 4) in the file, the manifest says (10, 4)",
     "int64_data": "holds torch.int64 values, the manifest says torch.float32",
     "int64_in_manifest": "has dtype torch.int64 in manifest.json but torch.float32 in the model",
@@ -79,6 +90,7 @@ def _load_each_forgery(rank: int, ws: int, path: str) -> Dict[str, str]:
             shutil.copytree(backup, directory)
         dist.barrier()
     outcome["last_key"] = last_stored_key(directory)
+    assert not (Path(path) / "payload-ran").exists(), "the planted pickle ran"
     assert checkpoint.load(path, target, target_opt) == {"step": 2}
     outcome["restored"] = str(state_bytes(target, target_opt) == state_bytes(model, opt))
     return outcome
