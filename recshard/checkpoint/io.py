@@ -423,3 +423,25 @@ def load(
         if opened is not None:
             os.close(opened.dir_fd)
     return extra
+
+
+def read_checkpoint(
+    path: str, allow_non_finite: bool = False, key: bytes | str | None = None
+) -> Dict[str, torch.Tensor]:
+    """Every tensor of the newest checkpoint under `path`, assembled whole in this process (no
+    process group), keyed `model.<key>`, `fused_optim.<key>`, `dense_optim.<key>`; checked
+    as `load` checks it. For inspecting or converting a checkpoint."""
+    opened = _open_checkpoint(path, checkpoint_key(key))
+    try:
+        state = {
+            fqn: torch.empty(meta.size, dtype=meta.properties.dtype)
+            for fqn, meta in opened.manifest.metadata.state_dict_metadata.items()
+        }
+        reader = StagingReader(opened.directory, opened.dir_fd, opened.manifest, allow_non_finite)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+        if reader.error is not None:
+            raise ValueError(reader.error)
+        reader.copy_in()
+        return state
+    finally:
+        os.close(opened.dir_fd)
