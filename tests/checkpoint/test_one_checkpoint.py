@@ -43,7 +43,7 @@ def _loads(rank: int, ws: int, root: str) -> Dict[str, str]:
     out["different"] = _try_load(a if rank == 0 else b, target, target_opt, before)
     dist.barrier()
     if rank == 1:  # rank 0 has read LATEST (a2) and waits for rank 1 in the load
-        time.sleep(2.0)
+        time.sleep(3.0)
         Path(a, "LATEST").write_text(older.name)
     out["latest_changed"] = _try_load(a, target, target_opt, before)
     dist.barrier()
