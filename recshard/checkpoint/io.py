@@ -9,38 +9,46 @@ mid-save leaves the previous checkpoint loadable. The previous directory
 is kept until the next save completes; a half-written one left by a killed save is removed
 by the next save that completes.
 
-`load` verifies everything before it touches the model: the manifest, that every key it needs
-is in the checkpoint with the model's shape, every shard file's size and SHA-256 (the ranks
-share the hashing), and `extra.json`. The ranks exchange their verdicts, so a problem any rank
-finds raises the same error on every rank, naming the checkpoint directory, the file or table,
-and both shapes or sizes; model and optimizer are then exactly as they were.
+`load` is all or nothing. Every file is opened as a regular file inside the checkpoint
+directory (`files.py`). Each rank resolves `LATEST`, parses the manifest (checking its HMAC
+when a key is configured: `authenticity.py`) and checks that every key it needs is there with
+the model's dtype and shape, and `extra.json`; the ranks then exchange verdicts together with
+the checkpoint each one read (directory name and manifest hash), so a problem on any rank, or
+ranks reading different checkpoints, raises the same error on every rank. Then every tensor is
+read into staging buffers and checked (`staging.py`); a second exchange of verdicts; only then
+is anything copied into the model and optimizer. On any error they are exactly as they were.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import uuid
-from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Set, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from recshard.checkpoint.authenticity import checkpoint_key
+from recshard.checkpoint.files import MIB, open_directory, read_small
 from recshard.checkpoint.manifest import (
+    EXTRA,
     MANIFEST,
     Manifest,
-    ManifestReader,
     ManifestWriter,
-    check_file,
-    read_manifest,
+    parse_manifest,
+    write_durably,
 )
+from recshard.checkpoint.staging import StagingReader, describe_key
 from recshard.distributed.model_parallel import get_unwrapped_module
 from recshard.distributed.sharded_state import (
     fused_optimizer_state,
@@ -51,6 +59,9 @@ from recshard.optim.fused import FusedOptimizer
 from recshard.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 LATEST = "LATEST"
+LATEST_LIMIT = 4096
+MANIFEST_LIMIT = 256 * MIB
+EXTRA_LIMIT = 16 * MIB
 
 
 def _dense_optimizers(optimizer: KeyedOptimizer | None) -> List[KeyedOptimizer]:
@@ -124,8 +135,14 @@ def save(
     model: nn.Module,
     optimizer: KeyedOptimizer | None = None,
     extra: Dict[str, Any] | None = None,
+    key: bytes | str | None = None,
 ) -> str:
-    """Write a checkpoint (collective: every rank calls it). Returns its directory."""
+    """Write a checkpoint (collective: every rank calls it). Returns its directory.
+
+    With a `key` (else `$RECSHARD_CHECKPOINT_KEY`) the manifest carries an HMAC-SHA256 that
+    `load` with the same key checks."""
+    secret = checkpoint_key(key)
+    extra_text = json.dumps(extra or {})
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     directory = root / _step("agreeing on a directory name (broadcast)", root, _shared_name)
@@ -133,15 +150,14 @@ def save(
     _step(
         "writing shards (torch.distributed.checkpoint)",
         directory,
-        lambda: dcp.save(state, storage_writer=ManifestWriter(str(directory))),
+        lambda: dcp.save(state, storage_writer=ManifestWriter(str(directory), extra_text, secret)),
     )
     _step("waiting for every rank to finish writing (barrier)", directory, _barrier)
     if _rank() == 0:
-        _write_durably(directory / "extra.json", json.dumps(extra or {}))
         _fsync_directory(directory)
         previous = (root / LATEST).read_text().strip() if (root / LATEST).exists() else None
         tmp = root / f"{LATEST}.tmp"
-        _write_durably(tmp, directory.name)
+        write_durably(tmp, directory.name)
         os.replace(tmp, root / LATEST)  # the commit point
         _fsync_directory(root)
         for stale in root.glob("ckpt-*"):
@@ -149,13 +165,6 @@ def save(
                 shutil.rmtree(stale, ignore_errors=True)
     _step("waiting for rank 0 to commit LATEST (barrier)", directory, _barrier, committed=True)
     return str(directory)
-
-
-def _write_durably(file: Path, text: str) -> None:
-    with open(file, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -175,66 +184,120 @@ def _fsync_directory(directory: Path) -> None:
 _DIRECTORY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
-def latest_checkpoint(path: str) -> Path:
-    """The directory `LATEST` names; it must be a sibling of `LATEST` (a plain name, no
-    path), so write access to `LATEST` alone cannot point `load` anywhere else."""
+def _open_latest(path: str) -> Tuple[Path, int]:
+    """The directory `LATEST` names and a descriptor of it. It must be a real directory beside
+    `LATEST` (a plain name, no path, no symlink), so write access to `LATEST` alone cannot
+    point `load` anywhere else."""
     root = Path(path)
     pointer = root / LATEST
-    if not pointer.exists():
-        raise FileNotFoundError(f"no complete checkpoint under {root} (no {LATEST} file)")
     try:
-        name = pointer.read_bytes().decode("ascii").strip()
-    except UnicodeDecodeError:
-        name = ""
-    if not _DIRECTORY_NAME.fullmatch(name) or name in (".", ".."):
-        raise ValueError(
-            f"{pointer}: must hold the name of a checkpoint directory beside it "
-            f"(like 'ckpt-0123456789ab'), not {pointer.read_bytes()[:60]!r}"
-        )
-    directory = root / name
-    if not directory.is_dir() or directory.resolve().parent != root.resolve():
-        raise ValueError(f"{pointer}: names {name!r}, which is not a directory beside it")
-    if not (directory / MANIFEST).exists():
-        older = (
-            " (written by an older recshard, whose pickled .metadata is no longer read)"
-            if (directory / ".metadata").exists()
-            else ""
-        )
-        raise ValueError(
-            f"checkpoint {directory} is incomplete or truncated (no {MANIFEST}){older}"
-        )
+        root_fd = open_directory(root)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no complete checkpoint under {root} (no {LATEST} file)") from None
+    try:
+        try:
+            raw = read_small(root_fd, LATEST, pointer, LATEST_LIMIT)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"no complete checkpoint under {root} (no {LATEST} file)"
+            ) from None
+        try:
+            name = raw.decode("ascii").strip()
+        except UnicodeDecodeError:
+            name = ""
+        if not _DIRECTORY_NAME.fullmatch(name) or name in (".", ".."):
+            raise ValueError(
+                f"{pointer}: must hold the name of a checkpoint directory beside it "
+                f"(like 'ckpt-0123456789ab'), not {raw[:60]!r}"
+            )
+        try:
+            return root / name, open_directory(Path(name), dir_fd=root_fd, follow=False)
+        except (OSError, ValueError):
+            raise ValueError(
+                f"{pointer}: names {name!r}, which is not a directory beside it"
+            ) from None
+    finally:
+        os.close(root_fd)
+
+
+def _missing_manifest(directory: Path, dir_fd: int) -> ValueError:
+    try:
+        os.stat(".metadata", dir_fd=dir_fd, follow_symlinks=False)
+        older = " (written by an older recshard, whose pickled .metadata is no longer read)"
+    except OSError:
+        older = ""
+    return ValueError(f"checkpoint {directory} is incomplete or truncated (no {MANIFEST}){older}")
+
+
+def latest_checkpoint(path: str) -> Path:
+    """The directory `LATEST` names (a real directory beside it, holding a manifest)."""
+    directory, dir_fd = _open_latest(path)
+    try:
+        os.stat(MANIFEST, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        raise _missing_manifest(directory, dir_fd) from None
+    finally:
+        os.close(dir_fd)
     return directory
 
 
-_TABLE_KEY = re.compile(r"(?:embedding_bags|embeddings)\.([^.]+)\.")
+@dataclass
+class _Opened:
+    """A checkpoint as this rank found it: its directory (and a descriptor of it), the parsed
+    manifest, and what identifies it across ranks (directory name, manifest SHA-256)."""
+
+    directory: Path
+    dir_fd: int
+    manifest: Manifest
+    identity: Tuple[str, str]
 
 
-def _describe_key(key: str) -> str:
-    """`table 't0' ('ebc.embedding_bags.t0.weight')` for table keys, else the quoted key."""
-    match = _TABLE_KEY.search(key)
-    return f"table '{match.group(1)}' ('{key}')" if match else f"'{key}'"
+def _open_checkpoint(path: str, key: bytes | None) -> _Opened:
+    directory, dir_fd = _open_latest(path)
+    try:
+        try:
+            data = read_small(dir_fd, MANIFEST, directory / MANIFEST, MANIFEST_LIMIT)
+        except FileNotFoundError:
+            raise _missing_manifest(directory, dir_fd) from None
+        manifest = parse_manifest(data, directory / MANIFEST, key)
+        return _Opened(
+            directory, dir_fd, manifest, (directory.name, hashlib.sha256(data).hexdigest())
+        )
+    except BaseException:
+        os.close(dir_fd)
+        raise
 
 
-def _check_shapes(template: Dict[str, Any], directory: Path, metadata: Any) -> None:
-    """Every key must exist in the checkpoint with the same global shape."""
+def _dtype(value: Any) -> torch.dtype:
+    return value.metadata().tensor_properties.dtype if hasattr(value, "metadata") else value.dtype
+
+
+def _check_entries(template: Dict[str, Any], directory: Path, metadata: Metadata) -> None:
+    """Every key must be a tensor in the checkpoint with the model's global shape and dtype."""
     saved = metadata.state_dict_metadata
     for section, entries in template.items():
         for key, value in entries.items():
             full_key = f"{section}.{key}"
-            if full_key not in saved:
+            meta = saved.get(full_key)
+            if not isinstance(meta, TensorStorageMetadata):
                 raise ValueError(
-                    f"checkpoint {directory}: no {_describe_key(key)} ({section}) in it"
+                    f"checkpoint {directory}: no {describe_key(key)} ({section}) in it"
                 )
-            saved_size = tuple(getattr(saved[full_key], "size", ()))
+            saved_size = tuple(meta.size)
             size = tuple(value.size())
             if saved_size != size:
                 raise ValueError(
-                    f"checkpoint {directory}: {_describe_key(key)} ({section}) has shape "
+                    f"checkpoint {directory}: {describe_key(key)} ({section}) has shape "
                     f"{saved_size} in the checkpoint but {size} in the model"
+                )
+            if meta.properties.dtype != _dtype(value):
+                raise ValueError(
+                    f"checkpoint {directory}: {describe_key(key)} ({section}) has dtype "
+                    f"{meta.properties.dtype} in {MANIFEST} but {_dtype(value)} in the model"
                 )
 
 
-def _check_no_extra_keys(template: Dict[str, Any], directory: Path, metadata: Any) -> None:
+def _check_no_extra_keys(template: Dict[str, Any], directory: Path, metadata: Metadata) -> None:
     """strict: every model key in the checkpoint must be in the model (nothing dropped)."""
     extra = sorted(
         full_key.split(".", 1)[1]
@@ -242,76 +305,66 @@ def _check_no_extra_keys(template: Dict[str, Any], directory: Path, metadata: An
         if full_key.startswith("model.") and full_key.split(".", 1)[1] not in template["model"]
     )
     if extra:
-        shown = ", ".join(_describe_key(k) for k in extra[:4]) + (" ..." if len(extra) > 4 else "")
+        shown = ", ".join(describe_key(k) for k in extra[:4]) + (" ..." if len(extra) > 4 else "")
         raise ValueError(
             f"checkpoint {directory}: {len(extra)} saved key(s) the model does not "
             f"have: {shown}; pass strict=False to load the rest"
         )
 
 
-def _check_files(template: Dict[str, Any], directory: Path, manifest: Manifest) -> None:
-    """This rank's share of the shard files (every world-size-th, by name) exists with the
-    size and SHA-256 the manifest records; the ranks exchange verdicts afterwards."""
-    wanted: Set[str] = {
-        f"{section}.{key}" for section, entries in template.items() for key in entries
-    }
-    holds: Dict[str, Set[str]] = defaultdict(set)
-    for index, info in manifest.metadata.storage_data.items():
-        if index.fqn in wanted:
-            holds[info.relative_path].add(index.fqn.split(".", 1)[1])
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    for name in sorted(manifest.files)[_rank() :: world_size]:
-        try:
-            check_file(directory, name, manifest.files[name])
-        except ValueError as e:
-            keys = sorted(holds[name])
-            shown = ", ".join(_describe_key(k) for k in keys[:4]) + (
-                " ..." if len(keys) > 4 else ""
-            )
-            raise ValueError(
-                f"checkpoint {directory}: {e}" + (f" (it holds {shown})" if keys else "")
-            ) from None
-
-
-def _read_extra(directory: Path) -> Dict[str, Any]:
-    file = directory / "extra.json"
+def _read_extra(opened: _Opened) -> Dict[str, Any]:
+    directory = opened.directory
     try:
-        extra = json.loads(file.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+        data = read_small(opened.dir_fd, EXTRA, directory / EXTRA, EXTRA_LIMIT)
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {directory}: {EXTRA} is missing") from None
+    recorded = opened.manifest.extra
+    if recorded is not None and (
+        len(data) != recorded.size or hashlib.sha256(data).hexdigest() != recorded.sha256
+    ):
         raise ValueError(
-            f"checkpoint {directory}: cannot read extra.json ({type(e).__name__}: {e})"
+            f"checkpoint {directory}: {EXTRA} does not match its size and SHA-256 in {MANIFEST}"
+        )
+    try:
+        extra = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(
+            f"checkpoint {directory}: cannot read {EXTRA} ({type(e).__name__}: {e})"
         ) from None
     if not isinstance(extra, dict):
         raise ValueError(
-            f"checkpoint {directory}: extra.json holds a {type(extra).__name__}, "
+            f"checkpoint {directory}: {EXTRA} holds a {type(extra).__name__}, "
             f"not the JSON object save() wrote"
         )
     return extra
 
 
-def _agree(error: Exception | None) -> None:
-    """Every rank learns every rank's verdict before any collective of the load starts, so
-    a problem one rank found raises the same error on all of them (nothing hangs)."""
+Identity = Tuple[str, str, str]  # (directory as this rank sees it, its name, manifest sha256)
+
+
+def _agree(error: Exception | None, identity: Identity | None = None) -> None:
+    """Every rank learns every rank's verdict (and which checkpoint each read) before the next
+    collective, so a problem one rank found raises the same error on all of them."""
     verdict = None if error is None else (isinstance(error, FileNotFoundError), str(error))
-    verdicts: List[Tuple[bool, str] | None] = [verdict]
+    gathered: List[Tuple[Tuple[bool, str] | None, Identity | None]] = [(verdict, identity)]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        verdicts = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, verdict)
-    first = next((v for v in verdicts if v is not None), None)
-    if first is not None:
-        raise (FileNotFoundError if first[0] else ValueError)(first[1])
-
-
-def _verify(
-    template: Dict[str, Any], directory: Path, strict: bool
-) -> Tuple[Manifest, Dict[str, Any]]:
-    """Everything a load reads, checked before it touches the model (this rank's part)."""
-    manifest = read_manifest(directory)
-    _check_shapes(template, directory, manifest.metadata)
-    if strict:
-        _check_no_extra_keys(template, directory, manifest.metadata)
-    _check_files(template, directory, manifest)
-    return manifest, _read_extra(directory)
+        gathered = [(None, None)] * dist.get_world_size()
+        dist.all_gather_object(gathered, (verdict, identity))
+    for rank, (found, _) in enumerate(gathered):
+        if found is not None:
+            raise (FileNotFoundError if found[0] else ValueError)(
+                f"{found[1]} (found by rank {rank})"
+            )
+    if len({ident[1:] for _, ident in gathered if ident is not None}) > 1:
+        shown = "; ".join(
+            f"rank {rank} reads {ident[0]} (manifest sha256 {ident[2][:12]})"
+            for rank, (_, ident) in enumerate(gathered)
+            if ident is not None
+        )
+        raise ValueError(
+            f"ranks are loading different checkpoints: {shown}; every rank must load the "
+            f"same one (the same path, and {LATEST} unchanged while they load)"
+        )
 
 
 def _first_cause(error: BaseException) -> str:
@@ -323,38 +376,72 @@ def _first_cause(error: BaseException) -> str:
 
 @quiet_sharded_tensor()
 def load(
-    path: str, model: nn.Module, optimizer: KeyedOptimizer | None = None, strict: bool = True
+    path: str,
+    model: nn.Module,
+    optimizer: KeyedOptimizer | None = None,
+    strict: bool = True,
+    allow_non_finite: bool = False,
+    key: bytes | str | None = None,
 ) -> Dict[str, Any]:
     """Load the newest checkpoint under `path` into `model` (and `optimizer`), resharding to the
     model's current plan and world size. Returns the `extra` dict given to `save`.
 
-    Every model key must be in the checkpoint with the same shape; with `strict` (default),
-    every model key in the checkpoint must also be in the model (as `load_state_dict`).
+    Every model key must be in the checkpoint with the same dtype and shape; with `strict`
+    (default), every model key in the checkpoint must also be in the model (as
+    `load_state_dict`). NaN and infinite values are refused unless `allow_non_finite`. With a
+    `key` (else `$RECSHARD_CHECKPOINT_KEY`) the manifest's HMAC must be valid. Nothing changes
+    unless every rank read and checked everything; it needs memory for a second copy of this
+    rank's model and optimizer state while it runs.
     """
     error: Exception | None = None
+    identity: Identity | None = None
+    opened: _Opened | None = None
     try:
-        directory = latest_checkpoint(path)
+        opened = _open_checkpoint(path, checkpoint_key(key))
+        identity = (str(opened.directory), *opened.identity)
         template = _training_state(model, optimizer)
-        manifest, extra = _verify(template, directory, strict)
+        _check_entries(template, opened.directory, opened.manifest.metadata)
+        if strict:
+            _check_no_extra_keys(template, opened.directory, opened.manifest.metadata)
+        extra = _read_extra(opened)
     except (OSError, ValueError) as e:
         error = e
-    _agree(error)
     try:
-        dcp.load(template, storage_reader=ManifestReader(directory, manifest))
-    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        raise RuntimeError(
-            f"loading checkpoint {directory} failed after it was verified; the "
-            f"model may be partly loaded: {_first_cause(e)}"
-        ) from e
-    with torch.no_grad():  # DCP may replace plain tensors instead of copying into them
-        live = _training_state(model, optimizer)
-        for section, entries in template.items():
-            for key, value in entries.items():
-                target = live[section][key]
-                if (
-                    isinstance(value, torch.Tensor)
-                    and not hasattr(value, "local_shards")
-                    and value.data_ptr() != target.data_ptr()
-                ):
-                    target.copy_(value)
+        _agree(error, identity)
+        assert opened is not None  # no error on any rank: every rank opened it
+        reader = StagingReader(opened.directory, opened.dir_fd, opened.manifest, allow_non_finite)
+        try:
+            dcp.load(template, storage_reader=reader)  # reads, checks and keeps; copies nothing
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            raise RuntimeError(
+                f"loading checkpoint {opened.directory} failed; model and optimizer are "
+                f"unchanged: {_first_cause(e)}"
+            ) from e
+        _agree(None if reader.error is None else ValueError(reader.error))
+        reader.copy_in()
+    finally:
+        if opened is not None:
+            os.close(opened.dir_fd)
     return extra
+
+
+def read_checkpoint(
+    path: str, allow_non_finite: bool = False, key: bytes | str | None = None
+) -> Dict[str, torch.Tensor]:
+    """Every tensor of the newest checkpoint under `path`, assembled whole in this process (no
+    process group), keyed `model.<key>`, `fused_optim.<key>`, `dense_optim.<key>`; checked
+    as `load` checks it. For inspecting or converting a checkpoint."""
+    opened = _open_checkpoint(path, checkpoint_key(key))
+    try:
+        state = {
+            fqn: torch.empty(meta.size, dtype=meta.properties.dtype)
+            for fqn, meta in opened.manifest.metadata.state_dict_metadata.items()
+        }
+        reader = StagingReader(opened.directory, opened.dir_fd, opened.manifest, allow_non_finite)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+        if reader.error is not None:
+            raise ValueError(reader.error)
+        reader.copy_in()
+        return state
+    finally:
+        os.close(opened.dir_fd)

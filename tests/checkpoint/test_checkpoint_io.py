@@ -56,3 +56,26 @@ def test_stateless_optimizers_round_trip() -> None:
 def test_save_leaves_optimizer_state_alone() -> None:
     with tempfile.TemporaryDirectory() as path:
         assert run_ranks(1, pending_grads, path, timeout=120)[0]
+
+
+def read_whole(rank: int, ws: int, path: str) -> bool:
+    """`read_checkpoint` assembles every saved tensor whole, equal to the model's."""
+    model = _dmp("exact_adagrad")
+    opt = make_optimizer(model, True, True)
+    train(model, opt, range(2), rank, ws)
+    checkpoint.save(path, model, opt)
+    state = checkpoint.read_checkpoint(path)
+    table = checkpoint.model_state_dict(model.module)["ebc.embedding_bags.ta.weight"]
+    whole = torch.empty(table.size())
+    for shard in table.local_shards():
+        rows, cols = shard.metadata.shard_offsets
+        h, w = shard.metadata.shard_sizes
+        whole[rows : rows + h, cols : cols + w] = shard.tensor
+    return torch.equal(state["model.ebc.embedding_bags.ta.weight"], whole) and torch.equal(
+        state["model.over.weight"], model.module.over.weight.detach()
+    )
+
+
+def test_read_checkpoint_assembles_every_tensor() -> None:
+    with tempfile.TemporaryDirectory() as path:
+        assert run_ranks(1, read_whole, path, timeout=120)[0]

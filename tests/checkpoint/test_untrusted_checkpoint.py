@@ -13,86 +13,41 @@ import os
 import pickle
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict
 
-import torch
 import torch.distributed as dist
-from dmp_cases import TinyDLRM, make_optimizer, train
+from ckpt_cases import Payload, state_bytes, trained
+from dmp_cases import TinyDLRM
 from multiprocess import run_ranks
 
 from recshard import checkpoint
-from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
-from recshard.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-from recshard.optim import CombinedOptimizer
-from recshard.types import ShardingPlan
-
-
-class _Payload:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> Tuple[object, Tuple[str]]:
-        return os.system, (f"touch {self.marker}",)
-
-
-def _dmp(ws: int, seed: int) -> DistributedModelParallel:
-    torch.manual_seed(seed)
-    per_table = {t: table_wise(i % ws) for i, t in enumerate(["ta", "tb", "tc"])}
-    plan = ShardingPlan(
-        {"ebc": construct_module_sharding_plan(TinyDLRM("meta").ebc, per_table, world_size=ws)}
-    )
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "exact_adagrad", "learning_rate": 0.05}
-    )
-    return DistributedModelParallel(TinyDLRM(), plan=plan, sharders=[sharder])
-
-
-def _state(model: DistributedModelParallel, opt: CombinedOptimizer) -> List[torch.Tensor]:
-    """Every local tensor of the model's and optimizer's state (this rank's shards of the
-    sharded ones), cloned."""
-    out: List[torch.Tensor] = []
-    values = list(checkpoint.model_state_dict(model.module).values())
-    for entry in opt.state_dict()["state"].values():
-        values += [v for v in entry.values() if isinstance(v, torch.Tensor)]
-    for value in values:
-        out += (
-            [s.tensor.clone() for s in value.local_shards()]
-            if hasattr(value, "local_shards")
-            else [value.clone()]
-        )
-    return out
 
 
 def _plant_in_every_file(rank: int, ws: int, path: str, marker: str) -> Dict[str, str]:
-    model = _dmp(ws, seed=0)
-    opt = make_optimizer(model, fused=True, adagrad=True)
-    train(model, opt, range(2), rank, ws)
+    model, opt = trained(ws, rank, seed=0, steps=2)
     directory = Path(checkpoint.save(path, model, opt, extra={"step": 2}))
     files = sorted([Path(path, "LATEST"), *directory.iterdir()])
-    target = _dmp(ws, seed=1)
-    target_opt = make_optimizer(target, fused=True, adagrad=True)
-    train(target, target_opt, range(1), rank, ws)
-    before = _state(target, target_opt)
+    target, target_opt = trained(ws, rank, seed=1, steps=1)
+    before = state_bytes(target, target_opt)
     errors: Dict[str, str] = {}
     for file in files:
         original = file.read_bytes()
         if rank == 0:
-            file.write_bytes(pickle.dumps(_Payload(marker)))
+            file.write_bytes(pickle.dumps(Payload(marker)))
         dist.barrier()
         try:
             checkpoint.load(path, target, target_opt)
             errors[file.name] = "loaded"
         except (ValueError, RuntimeError, FileNotFoundError) as e:
             errors[file.name] = str(e)
-        after = _state(target, target_opt)
-        assert all(torch.equal(a, b) for a, b in zip(before, after)), f"{file.name}: state changed"
+        assert state_bytes(target, target_opt) == before, f"{file.name}: state changed"
         dist.barrier()
         if rank == 0:
             file.write_bytes(original)
         dist.barrier()
     # A stale DCP `.metadata` beside the manifest is never read either.
     if rank == 0:
-        (directory / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+        (directory / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     dist.barrier()
     assert checkpoint.load(path, target, target_opt) == {"step": 2}
     errors["restored"] = "loaded"

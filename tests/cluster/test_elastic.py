@@ -19,12 +19,9 @@ from typing import Dict, List
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from jobs import Job, children, torchrun
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from recshard.checkpoint import latest_checkpoint
-from recshard.checkpoint.manifest import ManifestReader, check_file, read_manifest
+from recshard.checkpoint import read_checkpoint
 from scripts.cluster import Cluster
 
 pytestmark = pytest.mark.cluster
@@ -60,19 +57,9 @@ TRAIN = [
 
 
 def _final_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
-    """Every tensor of the newest checkpoint, assembled whole (no process group needed), read
-    through its verified manifest as `recshard.checkpoint.load` reads it."""
-    latest = latest_checkpoint(str(checkpoint_dir))
-    manifest = read_manifest(latest)
-    for name, info in manifest.files.items():
-        check_file(latest, name, info)
-    state = {
-        fqn: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for fqn, meta in manifest.metadata.state_dict_metadata.items()
-        if isinstance(meta, TensorStorageMetadata)
-    }
-    dcp.load(state, storage_reader=ManifestReader(latest, manifest), no_dist=True)
-    return state
+    """Every tensor of the newest checkpoint, assembled whole (no process group needed) and
+    checked as `recshard.checkpoint.load` checks it."""
+    return read_checkpoint(str(checkpoint_dir))
 
 
 def _extra(checkpoint_dir: Path) -> Dict:
