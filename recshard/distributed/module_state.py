@@ -268,6 +268,28 @@ class ShardedEmbeddingModule(ShardedModule):
                 out.setdefault(table.name, []).append((table, weight))
         return out
 
+    def local_scale_bias(self) -> Dict[str, List[Tuple[LocalTable, torch.Tensor]]]:
+        """Per quantized integer table, this rank's shards and their row scale/bias
+        (`fp16 [rows, 2]`, views); empty for float tables."""
+        out: Dict[str, List[Tuple[LocalTable, torch.Tensor]]] = {}
+        for sharding in self.shardings.values():
+            scale_bias = getattr(sharding.lookup, "table_scale_bias", None)
+            if scale_bias is None:
+                continue
+            for table, rows in zip(sharding.lookup.tables, scale_bias()):
+                if rows is not None:
+                    out.setdefault(table.name, []).append((table, rows))
+        return out
+
+    def load_full_quantized(
+        self, full: Dict[str, Tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> None:
+        """Copy each rank's slice out of unsharded quantized tables `{table: (values,
+        scale_bias)}` (as `QuantEmbeddingBagCollection.quantized_weights` lays them out)."""
+        with torch.no_grad():
+            for sharding in self.shardings.values():
+                sharding.lookup.load_slices(full)
+
     def load_full_tables(self, full: Dict[str, torch.Tensor]) -> None:
         """Copy each rank's slice out of full (unsharded) table tensors."""
         with torch.no_grad():

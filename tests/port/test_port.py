@@ -285,6 +285,8 @@ def test_names_torchrec_modules_re_export_are_found() -> None:
         "from torchrec.distributed.planner.types import ParameterConstraints, ShardingPlan\n"
         "from torchrec.distributed.embedding_types import ShardingType\n"
         "from torchrec.distributed.planner.enumerators import EmbeddingEnumerator\n"
+        "from torchrec.modules.embedding_configs import QuantConfig\n"
+        "from torchrec.distributed.shard import shard, shard_modules\n"
     )
     result = port_source(source)
     assert result.issues == []
@@ -295,6 +297,8 @@ def test_names_torchrec_modules_re_export_are_found() -> None:
         "from recshard.types import ShardingPlan\n"
         "from recshard.types import ShardingType\n"
         "from recshard.planner import EmbeddingEnumerator\n"
+        "from recshard.modules.embedding_configs import QuantConfig\n"
+        "from recshard.distributed.shard import shard, shard_modules\n"
     )
     namespace: Dict[str, object] = {}
     exec(result.code, namespace)
