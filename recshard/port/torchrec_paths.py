@@ -49,7 +49,10 @@ MODULE_MAP: Dict[str, str] = {
     "torchrec.distributed.train_pipeline.types": "recshard.distributed.train_pipeline",
     "torchrec.distributed.sharding_plan": "recshard.distributed.sharding_plan",
     "torchrec.distributed.types": "recshard.types",
-    "torchrec.distributed.embedding_types": "recshard.types",
+    "torchrec.distributed.embedding_types": "recshard.distributed.embedding_types",
+    "torchrec.distributed.embedding_sharding": "recshard.distributed.embedding_sharding",
+    "torchrec.distributed.collective_utils": "recshard.distributed.collective_utils",
+    "torchrec.distributed.comm": "recshard.distributed.comm",
     "torchrec.distributed.planner": "recshard.planner",
     "torchrec.distributed.planner.planners": "recshard.planner",
     "torchrec.distributed.planner.types": "recshard.planner",
@@ -79,6 +82,18 @@ MODULE_MAP: Dict[str, str] = {
 ALSO_SEARCHED: Dict[str, Tuple[str, ...]] = {
     "torchrec.modules": ("recshard.modules", "recshard.sparse"),
     "torchrec.distributed": ("recshard.distributed", "recshard.types", "recshard.comm"),
+    "torchrec.distributed.embeddingbag": (
+        "recshard.distributed.embeddingbag",
+        "recshard.distributed",
+        "recshard.distributed.embedding_sharding",
+        "recshard.types",
+    ),
+    "torchrec.distributed.embedding": (
+        "recshard.distributed.embedding",
+        "recshard.distributed",
+        "recshard.distributed.embedding_sharding",
+        "recshard.types",
+    ),
     "torchrec.distributed.planner": ("recshard.planner", "recshard.types"),
     "torchrec.distributed.train_pipeline": (
         "recshard.distributed.train_pipeline",
@@ -100,6 +115,15 @@ _SHARDINGS = (
 )
 _LATER = "recshard does not have it yet"
 _INTERNAL = "TorchRec's own implementation detail, not part of a training script's API"
+_FACTORY = (
+    "TorchRec's internal factory of its per-sharding-type classes: recshard builds shardings "
+    "from the plan inside the sharder; use EmbeddingBagCollectionSharder().shard(module, "
+    "plan, env) or recshard.distributed.shard.shard"
+)
+_COMM_REQUESTS = (
+    "recshard's comm ops take tensors and splits as arguments and return a "
+    "recshard.types.Awaitable; there are no Request / *Info objects to build"
+)
 
 NOT_PROVIDED: Dict[str, str] = {
     "torchrec.metrics": "TorchRec's RecMetrics: use torchmetrics (AUROC, NE)",
@@ -197,7 +221,53 @@ NOT_PROVIDED: Dict[str, str] = {
     "torchrec.distributed.mc_embedding_modules": _LATER,
     "torchrec.distributed.fp_embeddingbag": _LATER,
     "torchrec.distributed.grouped_position_weighted": _LATER,
-    "torchrec.distributed.collective_utils": _LATER,
-    "torchrec.distributed.comm": _LATER,
-    "torchrec.distributed.embedding_sharding": _LATER,
+    # names of the documented torchrec.distributed reference (tests/port/
+    # torchrec_distributed_names.txt) that recshard deliberately lacks
+    "torchrec.distributed.embedding.set_ec_index_dedup": _LATER,
+    "torchrec.distributed.embedding.get_ec_index_dedup": _LATER,
+    "torchrec.distributed.embeddingbag.EmbeddingBagSharder": _LATER
+    + " (wrap the nn.EmbeddingBag as a one-table EmbeddingBagCollection)",
+    "torchrec.distributed.embeddingbag.ShardedEmbeddingBag": _LATER
+    + " (wrap the nn.EmbeddingBag as a one-table EmbeddingBagCollection)",
+    "torchrec.distributed.embedding_sharding.bucketize_kjt_before_all2all": (
+        "TorchRec's row-wise input-dist step: recshard's row-wise sharding bucketizes ids "
+        "itself (plan the table row_wise())"
+    ),
+    "torchrec.distributed.embeddingbag.construct_output_kt": _INTERNAL
+    + " (the sharded EBC builds its KeyedTensor itself, in the unsharded key order)",
+    "torchrec.distributed.embeddingbag.create_embedding_bag_sharding": _FACTORY,
+    "torchrec.distributed.embeddingbag.create_sharding_infos_by_sharding": _FACTORY,
+    "torchrec.distributed.embedding.create_embedding_sharding": _FACTORY,
+    "torchrec.distributed.quant_embeddingbag.create_infer_embedding_bag_sharding": _FACTORY,
+    "torchrec.distributed.embeddingbag.replace_placement_with_meta_device": _INTERNAL
+    + " (recshard shards meta-device modules without rewriting plan placements)",
+    "torchrec.distributed.embedding_types.BaseEmbeddingSharder": (
+        "subclass EmbeddingBagCollectionSharder or EmbeddingCollectionSharder (override "
+        "sharding_types / compute_kernels to restrict them)"
+    ),
+    "torchrec.distributed.embedding_types.BaseQuantEmbeddingSharder": (
+        "subclass QuantEmbeddingBagCollectionSharder or QuantEmbeddingCollectionSharder"
+    ),
+    "torchrec.distributed.types.ModuleShardingPlan": (
+        "a module's plan is a plain dict {table: ParameterSharding}: "
+        "recshard.types.EmbeddingModuleShardingPlan"
+    ),
+    "torchrec.distributed.embeddingbag.EmbeddingBagCollectionAwaitable": (
+        "the sharded EBC's output dist returns a recshard.types.LazyAwaitable[KeyedTensor]"
+    ),
+    **{
+        f"torchrec.distributed.comm_ops.{name}": _COMM_REQUESTS
+        for name in (
+            "Request",
+            "All2AllPooledInfo",
+            "VariableBatchAll2AllPooledInfo",
+            "All2AllSequenceInfo",
+            "All2AllVInfo",
+            "All2AllDenseInfo",
+            "ReduceScatterInfo",
+            "ReduceScatterBaseInfo",
+            "ReduceScatterVInfo",
+            "AllGatherBaseInfo",
+        )
+    },
 }

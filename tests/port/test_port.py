@@ -295,7 +295,7 @@ def test_names_torchrec_modules_re_export_are_found() -> None:
         "from recshard.optim import apply_optimizer_in_backward as aob\n"
         "from recshard.planner import ParameterConstraints\n"
         "from recshard.types import ShardingPlan\n"
-        "from recshard.types import ShardingType\n"
+        "from recshard.distributed.embedding_types import ShardingType\n"
         "from recshard.planner import EmbeddingEnumerator\n"
         "from recshard.modules.embedding_configs import QuantConfig\n"
         "from recshard.distributed.shard import shard, shard_modules\n"
