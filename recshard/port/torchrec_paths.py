@@ -133,6 +133,7 @@ NOT_PROVIDED: Dict[str, str] = {
     ),
     "torchrec.ir": "TorchRec's export IR serializers: use torch.export",
     "torchrec.schema": "TorchRec's API-compatibility tests, not a library API",
+    "torchrec.test_utils": "TorchRec's own test helpers, not a library API",
     "torchrec.linter": "TorchRec's own development linter, not a library API",
     "torchrec.pt2": "TorchRec's torch.compile helpers: recshard's KJT compiles as it is",
     "torchrec.tensor_types": _LATER,
