@@ -56,6 +56,21 @@ class EmbeddingComputeKernel(enum.Enum):
     QUANT = "quant"
 
 
+class ComputeKernel(enum.Enum):
+    """TorchRec's base vocabulary of kernels: only the default (EmbeddingComputeKernel names
+    the embedding ones)."""
+
+    DEFAULT = "default"
+
+
+class ParameterStorage(enum.Enum):
+    """Where a shard's bytes live, as planner constraints name it: device memory (HBM) or host
+    memory (DDR)."""
+
+    HBM = "hbm"
+    DDR = "ddr"
+
+
 class BoundsCheckMode(enum.Enum):
     """What to do with ids outside [0, num_embeddings): raise (default), warn and drop, drop,
     or skip the check entirely."""
@@ -395,6 +410,13 @@ class Pipelineable(Protocol):
 
 
 # --------------------------------------------------------------------------- sharded modules
+
+
+class NullShardingContext:
+    """The context of a sharded module that carries nothing from input_dist to output_dist."""
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Nothing to keep alive on `stream`."""
 
 
 class ShardedModule(nn.Module, abc.ABC):

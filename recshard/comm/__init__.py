@@ -27,6 +27,7 @@ from recshard.comm.kjt_all_to_all import (  # noqa: F401
     KJTAllToAllSplitsAwaitable,
     KJTAllToAllTensorsAwaitable,
 )
+from recshard.comm.one_to_all import KJTList, KJTOneToAll, SeqEmbeddingsAllToOne  # noqa: F401
 from recshard.comm.ops import (  # noqa: F401
     all_gather_base_pooled,
     alltoall_pooled,

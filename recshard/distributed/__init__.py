@@ -8,6 +8,7 @@ from recshard.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection,
 )
 from recshard.distributed.model_parallel import (
+    DataParallelWrapper,
     DefaultDataParallelWrapper,
     DistributedModelParallel,
     default_sharders,
@@ -37,6 +38,7 @@ from recshard.types import ShardingEnv
 sys.modules[f"{__name__}.sharding_plan"] = sharding_plan
 
 __all__ = [
+    "DataParallelWrapper",
     "DefaultDataParallelWrapper",
     "DistributedModelParallel",
     "EmbeddingBagCollectionSharder",

@@ -38,6 +38,10 @@ from recshard.types import (
 _Pieces = List[Tuple[str, int]]
 
 
+# TorchRec's name for the sharded EC's per-batch context (input_dist -> output_dist)
+EmbeddingCollectionContext = EmbeddingModuleContext
+
+
 class SequenceOutputLayout:
     """Per output key (embedding name), where its column pieces come from (in column order),
     and each sharding's input keys (to cut its rows per key)."""

@@ -32,6 +32,9 @@ from recshard.types import (
     ShardingType,
 )
 
+# TorchRec's name for the sharded EBC's per-batch context (input_dist -> output_dist)
+EmbeddingBagCollectionContext = EmbeddingModuleContext
+
 
 class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
     """Sharded twin of `EmbeddingBagCollection`, built by `EmbeddingBagCollectionSharder`."""

@@ -14,6 +14,7 @@ tables update in backward; replicated tables average their own gradients).
 
 from __future__ import annotations
 
+import abc
 import copy
 from typing import Any, Dict, Iterator, List, Set, Tuple
 
@@ -53,7 +54,16 @@ def default_sharders() -> List[ModuleSharder]:
 register_default_sharders(default_sharders)
 
 
-class DefaultDataParallelWrapper:
+class DataParallelWrapper(abc.ABC):
+    """How DistributedModelParallel makes the dense (unsharded) part data-parallel: `wrap`
+    replaces `dmp._dmp_wrapped_module` (TorchRec's interface; subclass it to wrap otherwise)."""
+
+    @abc.abstractmethod
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        """Make `dmp`'s wrapped module data-parallel over `env`."""
+
+
+class DefaultDataParallelWrapper(DataParallelWrapper):
     """Wraps the sharded model in DDP (gloo on CPU, NCCL on GPU: the process group's backend)."""
 
     def __init__(
@@ -154,7 +164,7 @@ class DistributedModelParallel(nn.Module):
         sharders: List[ModuleSharder] | None = None,
         init_data_parallel: bool = True,
         init_parameters: bool = True,
-        data_parallel_wrapper: DefaultDataParallelWrapper | None = None,
+        data_parallel_wrapper: DataParallelWrapper | None = None,
     ) -> None:
         super().__init__()
         self._env = env or ShardingEnv.from_process_group(dist.group.WORLD)

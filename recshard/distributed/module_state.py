@@ -27,11 +27,7 @@ from recshard.lookup.grouped import GroupedLookup, uses_fbgemm
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
 from recshard.modules.embedding_modules import embedding_names
-from recshard.optim.apply_optimizer_in_backward import (
-    apply_optimizer_in_backward,
-    attached_optimizers,
-    fused_params_for,
-)
+from recshard.optim.apply_optimizer_in_backward import fused_params_for
 from recshard.optim.clipping import mark_sharded
 from recshard.optim.fused import FusedOptimizer
 from recshard.plan.sharding_types import (
@@ -175,12 +171,20 @@ class ShardedEmbeddingModule(ShardedModule):
     def table_specs(self, module: nn.Module) -> List[TableSpec]:
         """Each table with its fused params: the sharder's, overridden by the optimizer attached
         to the table's unsharded weight (`apply_optimizer_in_backward`). Checked here, on every
-        rank, that the table's kernel runs that optimizer."""
+        rank, that the table's kernel runs that optimizer. A dense-kernel table ignores the
+        attached optimizer, as in TorchRec: its weight is a plain parameter that
+        `in_backward_optimizer_filter` yields to the dense optimizer."""
         tables = getattr(module, self._tables_attr)
         specs = []
         for c in self._configs:
-            fused = fused_params_for(tables[c.name].weight, self._fused_params, c.name)
-            spec = TableSpec(c, self._table_plans[c.name], fused)
+            plan = self._table_plans[c.name]
+            weight = (
+                None
+                if plan.compute_kernel == EmbeddingComputeKernel.DENSE.value
+                else tables[c.name].weight
+            )
+            fused = fused_params_for(weight, self._fused_params, c.name)
+            spec = TableSpec(c, plan, fused)
             if spec.kernel != EmbeddingComputeKernel.DENSE:
                 fbgemm_on_cuda = self._device.type == "cuda" and uses_fbgemm(
                     spec.local_table(0), self._is_weighted
@@ -265,6 +269,28 @@ class ShardedEmbeddingModule(ShardedModule):
                 out.setdefault(table.name, []).append((table, weight))
         return out
 
+    def local_scale_bias(self) -> Dict[str, List[Tuple[LocalTable, torch.Tensor]]]:
+        """Per quantized integer table, this rank's shards and their row scale/bias
+        (`fp16 [rows, 2]`, views); empty for float tables."""
+        out: Dict[str, List[Tuple[LocalTable, torch.Tensor]]] = {}
+        for sharding in self.shardings.values():
+            scale_bias = getattr(sharding.lookup, "table_scale_bias", None)
+            if scale_bias is None:
+                continue
+            for table, rows in zip(sharding.lookup.tables, scale_bias()):
+                if rows is not None:
+                    out.setdefault(table.name, []).append((table, rows))
+        return out
+
+    def load_full_quantized(
+        self, full: Dict[str, Tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> None:
+        """Copy each rank's slice out of unsharded quantized tables `{table: (values,
+        scale_bias)}` (as `QuantEmbeddingBagCollection.quantized_weights` lays them out)."""
+        with torch.no_grad():
+            for sharding in self.shardings.values():
+                sharding.lookup.load_slices(full)
+
     def load_full_tables(self, full: Dict[str, torch.Tensor]) -> None:
         """Copy each rank's slice out of full (unsharded) table tensors."""
         with torch.no_grad():
@@ -288,12 +314,6 @@ class ShardedEmbeddingModule(ShardedModule):
         tables = getattr(module, self._tables_attr)
         full = {name: m.weight for name, m in tables.items() if m.weight.device.type != "meta"}
         self.load_full_tables(full)
-        for name, shards in self.local_table_shards().items():  # dense kernels: torch runs it
-            attached = attached_optimizers(tables[name].weight)
-            for table, weight in shards:
-                if table.compute_kernel == EmbeddingComputeKernel.DENSE:
-                    for optimizer_class, optimizer_kwargs in attached:
-                        apply_optimizer_in_backward(optimizer_class, [weight], optimizer_kwargs)
         for sharding in self.shardings.values():
             sharding.after_init()
 

@@ -62,11 +62,17 @@ class QuantShardLookup(nn.Module):
         """Each local shard's stored values (packed codes or fp16/fp32 rows), views."""
         return [values for k in self.kernels for values, _ in k.storage()]
 
+    def table_scale_bias(self) -> List[torch.Tensor | None]:
+        """Each local shard's row scale and bias (`fp16 [rows, 2]`; None for float types)."""
+        return [scale_bias for k in self.kernels for _, scale_bias in k.storage()]
+
     def load_slices(self, full: QuantizedWeights) -> None:
         """Copy each local shard's rows (and packed columns) out of the unsharded quantized
-        tables `full`."""
+        tables `full` (tables not in it keep their rows)."""
         for kernel in self.kernels:  # one kernel holding every local shard
             for index, local in enumerate(self.tables):
+                if local.name not in full:
+                    continue
                 values, scale_bias = full[local.name]
                 rows = slice(local.row_offset, local.row_offset + local.rows)
                 per_byte = 8 // BITS.get(local.config.data_type, 8)  # packed columns

@@ -29,8 +29,9 @@ from torch.distributed._shard.sharded_tensor import (
 
 from recshard.lookup.fused_params import FusedOptimSpec
 from recshard.lookup.tables import LocalTable
-from recshard.modules.embedding_configs import BaseEmbeddingConfig
+from recshard.modules.embedding_configs import BaseEmbeddingConfig, DataType
 from recshard.plan.sharding_types import COLUMN_SPLIT_TYPES
+from recshard.quant.rowwise import BITS
 from recshard.types import ParameterSharding, ShardingEnv, ShardingType
 
 
@@ -78,6 +79,10 @@ class ShardedTableState(Protocol):
     def table_plan(self, table: str) -> ParameterSharding: ...
     def local_table_shards(self) -> Dict[str, List[Tuple[LocalTable, torch.Tensor]]]: ...
     def load_full_tables(self, full: Dict[str, torch.Tensor]) -> None: ...
+    def local_scale_bias(self) -> Dict[str, List[Tuple[LocalTable, torch.Tensor]]]: ...
+    def load_full_quantized(
+        self, full: Dict[str, Tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> None: ...
     def fused_optim_spec(self, table: str) -> FusedOptimSpec: ...
     def fused_optimizer_states(
         self,
@@ -90,28 +95,78 @@ def _plan_metas(module: ShardedTableState, table: str) -> List[TorchShardMetadat
     ]
 
 
-def _local_meta(table: LocalTable, rank: int) -> TorchShardMetadata:
-    return _torch_meta([table.row_offset, table.col_offset], [table.rows, table.cols], rank)
+def _local_meta(table: LocalTable, rank: int, per_col: float = 1.0) -> TorchShardMetadata:
+    """A local shard's place; `per_col`: stored columns per logical one (packed codes)."""
+    return _torch_meta(
+        [table.row_offset, int(table.col_offset * per_col)],
+        [table.rows, int(table.cols * per_col)],
+        rank,
+    )
+
+
+QUANT_SUFFIXES = (".weight", ".weight_qscale", ".weight_qbias")
+
+
+def _stored_dtype(data_type: DataType) -> torch.dtype:
+    """How a table of `data_type` stores its rows (packed codes are bytes)."""
+    if data_type in BITS:
+        return torch.uint8
+    return torch.float16 if data_type == DataType.FP16 else torch.float32
 
 
 def table_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
-    """`{prefix}<tables_attr>.<t>.weight` for every table of a sharded collection."""
+    """`{prefix}<tables_attr>.<t>.weight` for every table of a sharded collection, and for a
+    quantized integer table its `.weight_qscale` / `.weight_qbias` (`[rows]`), as the
+    unsharded quantized module names them. A quantized table's packed rows are not contiguous
+    in the kernel, so its model-parallel state is a copy: load into it with
+    `load_state_dict`."""
     out: Dict[str, Any] = {}
     shards = module.local_table_shards()
+    scale_bias = module.local_scale_bias()
     rank = module.env.rank
     for config in module.table_configs():
         key = f"{prefix}{module.tables_attr}.{config.name}.weight"
         local = shards.get(config.name, [])
-        if module.table_plan(config.name).sharding_type == ShardingType.DATA_PARALLEL.value:
+        plan = module.table_plan(config.name)
+        rows = scale_bias.get(config.name, [])
+        if plan.sharding_type == ShardingType.DATA_PARALLEL.value:
             out[key] = local[0][1].detach()
+            for column, suffix in enumerate(QUANT_SUFFIXES[1:]):
+                if rows:
+                    out[key + suffix[len(".weight") :]] = rows[0][1][:, column]
             continue
+        quant = plan.compute_kernel == "quant"
+        per_col = BITS.get(config.data_type, 8) / 8 if quant else 1.0
         out[key] = _sharded(
-            [config.num_embeddings, config.embedding_dim],
-            _plan_metas(module, config.name),
-            [(w, _local_meta(t, rank)) for t, w in local],
+            [config.num_embeddings, int(config.embedding_dim * per_col)],
+            [
+                _torch_meta(
+                    [s.shard_offsets[0], int(s.shard_offsets[1] * per_col)],
+                    [s.shard_sizes[0], int(s.shard_sizes[1] * per_col)],
+                    s.rank,
+                )
+                for s in plan.shards
+            ],
+            [(w.contiguous(), _local_meta(t, rank, per_col)) for t, w in local],
             module.env.pg,
-            local[0][1].dtype if local else torch.float32,
+            local[0][1].dtype if local else _stored_dtype(config.data_type),
         )
+        if not (quant and config.data_type in BITS):
+            continue
+        row_shards = [s for s in plan.shards if s.shard_offsets[1] == 0]
+        metas = [_torch_meta([s.shard_offsets[0]], [s.shard_sizes[0]], s.rank) for s in row_shards]
+        for column, suffix in enumerate(QUANT_SUFFIXES[1:]):
+            out[key + suffix[len(".weight") :]] = _sharded(
+                [config.num_embeddings],
+                metas,
+                [
+                    (r[:, column].contiguous(), _torch_meta([t.row_offset], [t.rows], rank))
+                    for t, r in rows
+                    if t.col_offset == 0
+                ],
+                module.env.pg,
+                torch.float16,
+            )
     return out
 
 
@@ -215,9 +270,10 @@ def load_model_state_dict(
     if strict and (missing or unexpected):
         raise ValueError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
     sharded, _ = _walk(model)
+    quantized = _load_quantized(sharded, state_dict)
     with torch.no_grad():
         for key, target in own.items():
-            if key not in state_dict:
+            if key not in state_dict or key in quantized:
                 continue
             value = state_dict[key]
             if isinstance(target, ShardedTensor):
@@ -242,3 +298,36 @@ def _load_full(sharded: List[Tuple[str, ShardedTableState]], key: str, value: to
         if key.startswith(head) and key.endswith(".weight"):
             module.load_full_tables({key[len(head) : -len(".weight")]: value})
             return
+
+
+def _load_quantized(
+    sharded: List[Tuple[str, ShardedTableState]], state_dict: Dict[str, Any]
+) -> List[str]:
+    """Load the model-parallel quantized tables given as full tensors (an unsharded quantized
+    module's state: `.weight` codes with `.weight_qscale` / `.weight_qbias`); the keys used."""
+    used: List[str] = []
+    for path, module in sharded:
+        full: Dict[str, Tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for config in module.table_configs():
+            plan = module.table_plan(config.name)
+            if plan.compute_kernel != "quant" or plan.sharding_type == "data_parallel":
+                continue
+            base = f"{path}{module.tables_attr}.{config.name}.weight"
+            keys = [base + suffix[len(".weight") :] for suffix in QUANT_SUFFIXES]
+            if config.data_type not in BITS:
+                keys = keys[:1]
+            given = [state_dict.get(k) for k in keys]
+            if given[0] is None:
+                continue
+            if any(v is None or isinstance(v, ShardedTensor) for v in given):
+                raise ValueError(
+                    f"table '{config.name}': a sharded quantized table loads from full "
+                    f"tensors {keys} (an unsharded quantized module's state_dict); got "
+                    f"{[type(v).__name__ for v in given]}"
+                )
+            scale_bias = torch.stack(given[1:], dim=1) if len(given) == 3 else None
+            full[config.name] = (given[0], scale_bias)
+            used += keys
+        if full:
+            module.load_full_quantized(full)
+    return used

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Callable, List
+from typing import Any, Callable, Dict, List, NamedTuple
 
 import torch
 
@@ -110,3 +110,12 @@ class EmbeddingConfig(BaseEmbeddingConfig):
     """A sequence table (one vector per id), used by `EmbeddingCollection`."""
 
     pooling: PoolingType = PoolingType.NONE
+
+
+class QuantConfig(NamedTuple):
+    """`weight().dtype`: how rows are stored (`torch.qint8`, `torch.quint4x2`, ...);
+    `activation().dtype`: the output dtype; `per_table_weight_dtype`: overrides by table."""
+
+    activation: Any  # an observer class or partial, e.g. PlaceholderObserver.with_args(...)
+    weight: Any
+    per_table_weight_dtype: Dict[str, torch.dtype] | None = None

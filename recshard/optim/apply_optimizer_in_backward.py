@@ -13,6 +13,10 @@ are carried over and the class's own defaults fill the rest (torch's Adagrad eps
 Anything the fused update would not reproduce (SGD momentum, weight decay, lr decay, an
 initial accumulator, amsgrad, maximize, another class) is an error naming the table: the
 fused update is the torch optimizer's step, or the table is not sharded at all.
+
+A table given the 'dense' compute kernel (data-parallel ones always are) ignores the attached
+optimizer, as in TorchRec: its sharded weight is a plain parameter that
+`in_backward_optimizer_filter` yields, for the dense optimizer to step.
 """
 
 from __future__ import annotations

@@ -20,7 +20,14 @@ from typing import Dict, List, Sequence, Set
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from recshard.port.mapping import MODULE_MAP, Resolved, Unmapped, resolve_chain, resolve_name
+from recshard.port.mapping import (
+    MODULE_MAP,
+    Resolved,
+    Unmapped,
+    resolve_chain,
+    resolve_name,
+    unmapped_module_reason,
+)
 
 ROOT = "torchrec"
 
@@ -110,11 +117,11 @@ class _Planner(cst.CSTVisitor):
             if alias.asname is None:  # `import torchrec.x` binds `torchrec`
                 self.bindings[ROOT] = _ModuleBinding(ROOT, ROOT, MODULE_MAP[ROOT], "recshard")
                 if full not in MODULE_MAP:
-                    self._report(node, full, f"recshard has no counterpart of module {full}")
+                    self._report(node, full, unmapped_module_reason(full))
                 continue
             local = cst.ensure_type(alias.asname.name, cst.Name).value
             if full not in MODULE_MAP:
-                self._report(node, full, f"recshard has no counterpart of module {full}")
+                self._report(node, full, unmapped_module_reason(full))
                 continue
             self.bindings[local] = _ModuleBinding(local, full, MODULE_MAP[full], local)
         return False  # the imported paths are not uses
@@ -126,7 +133,7 @@ class _Planner(cst.CSTVisitor):
         module = ".".join(path)
         if isinstance(node.names, cst.ImportStar):
             if module not in MODULE_MAP:
-                self._report(node, f"{module}.*", f"recshard has no counterpart of module {module}")
+                self._report(node, f"{module}.*", unmapped_module_reason(module))
             return False
         for alias in node.names:
             name = cst.ensure_type(alias.name, cst.Name).value

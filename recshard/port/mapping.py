@@ -1,8 +1,9 @@
 """Which recshard module provides a name that a TorchRec module provides.
 
-`MODULE_MAP` maps TorchRec module paths to the recshard module holding the same public names.
-A name is mapped only if that recshard module really provides it (checked by importing it),
-so the table cannot promise more than recshard has; anything else comes back with a reason.
+The table is `recshard.port.torchrec_paths` (`MODULE_MAP`, `ALSO_SEARCHED`, `NOT_PROVIDED`).
+A name is mapped only if a recshard module really provides it (checked by importing it),
+so the table cannot promise more than recshard has; anything else comes back with a reason:
+the one `NOT_PROVIDED` gives, or that recshard lacks it.
 """
 
 from __future__ import annotations
@@ -11,64 +12,23 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Sequence, Tuple, TypeVar
 
-MODULE_MAP: Dict[str, str] = {
-    "torchrec": "recshard",
-    "torchrec.sparse": "recshard.sparse",
-    "torchrec.sparse.jagged_tensor": "recshard.sparse",
-    "torchrec.sparse.jagged_tensor_validator": "recshard.sparse.validation",
-    "torchrec.modules": "recshard.modules",
-    "torchrec.modules.embedding_configs": "recshard.modules",
-    "torchrec.modules.embedding_modules": "recshard.modules",
-    "torchrec.modules.mlp": "recshard.modules.mlp",
-    "torchrec.modules.crossnet": "recshard.modules.crossnet",
-    "torchrec.modules.regroup": "recshard.modules.regroup",
-    "torchrec.modules.feature_processor": "recshard.modules.feature_processor",
-    "torchrec.modules.feature_processor_": "recshard.modules.feature_processor_",
-    "torchrec.modules.fp_embedding_modules": "recshard.modules.fp_embedding_modules",
-    "torchrec.models": "recshard.models",
-    "torchrec.models.dlrm": "recshard.models.dlrm",
-    "torchrec.datasets": "recshard.datasets",
-    "torchrec.datasets.random": "recshard.datasets.random",
-    "torchrec.datasets.criteo": "recshard.datasets.criteo",
-    "torchrec.datasets.utils": "recshard.datasets.utils",
-    "torchrec.streamable": "recshard.types",
-    "torchrec.types": "recshard",
-    "torchrec.fx": "recshard.fx",
-    "torchrec.fx.tracer": "recshard.fx",
-    "torchrec.distributed": "recshard.distributed",
-    "torchrec.distributed.model_parallel": "recshard.distributed",
-    "torchrec.distributed.embeddingbag": "recshard.distributed",
-    "torchrec.distributed.embedding": "recshard.distributed",
-    "torchrec.distributed.fp_embeddingbag": "recshard.distributed.fp_embeddingbag",
-    "torchrec.distributed.grouped_position_weighted": (
-        "recshard.distributed.grouped_position_weighted"
-    ),
-    "torchrec.distributed.quant_embeddingbag": "recshard.distributed",
-    "torchrec.distributed.train_pipeline": "recshard.distributed",
-    "torchrec.distributed.train_pipeline.train_pipelines": "recshard.distributed",
-    "torchrec.distributed.sharding_plan": "recshard.distributed.sharding_plan",
-    "torchrec.distributed.types": "recshard.types",
-    "torchrec.distributed.embedding_types": "recshard.types",
-    "torchrec.distributed.planner": "recshard.planner",
-    "torchrec.distributed.planner.planners": "recshard.planner",
-    "torchrec.distributed.planner.types": "recshard.planner",
-    "torchrec.distributed.planner.storage_reservations": "recshard.planner",
-    "torchrec.distributed.fbgemm_qcomm_codec": "recshard.comm",
-    "torchrec.distributed.dist_data": "recshard.comm",
-    "torchrec.distributed.comm_ops": "recshard.comm",
-    "torchrec.optim": "recshard.optim",
-    "torchrec.optim.keyed": "recshard.optim",
-    "torchrec.optim.optimizers": "recshard.optim",
-    "torchrec.optim.rowwise_adagrad": "recshard.optim",
-    "torchrec.optim.fused": "recshard.optim",
-    "torchrec.optim.warmup": "recshard.optim",
-    "torchrec.optim.clipping": "recshard.optim",
-    "torchrec.quant": "recshard.quant",
-    "torchrec.quant.embedding_modules": "recshard.quant",
-    "torchrec.inference.modules": "recshard.quant",
-}
+from recshard.port.torchrec_paths import ALSO_SEARCHED, MODULE_MAP, NOT_PROVIDED
+
+__all__ = [
+    "MODULE_MAP",
+    "Resolved",
+    "Unmapped",
+    "not_provided_reason",
+    "provides",
+    "resolve_chain",
+    "resolve_name",
+    "unmapped_module_reason",
+]
+
+
+_V = TypeVar("_V")
 
 
 @dataclass(frozen=True)
@@ -116,10 +76,32 @@ def provides(module: str, name: str) -> bool:
     return _is_submodule(module, name)
 
 
+def _longest_prefix(path: str, table: Dict[str, _V]) -> _V | None:
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:cut])
+        if prefix in table:
+            return table[prefix]
+    return None
+
+
+def not_provided_reason(path: str) -> str | None:
+    """Why recshard deliberately lacks TorchRec's `path` (a module or `module.name`), or None."""
+    reason = _longest_prefix(path, NOT_PROVIDED)
+    return None if reason is None else f"not provided: {reason}"
+
+
+def unmapped_module_reason(torchrec_module: str) -> str:
+    """Why a TorchRec module path has no recshard counterpart."""
+    return not_provided_reason(torchrec_module) or (
+        f"recshard has no counterpart of module {torchrec_module}"
+    )
+
+
 def resolve_module(torchrec_module: str) -> str:
     """The recshard module for a TorchRec module path, or `Unmapped` with the reason."""
     if torchrec_module not in MODULE_MAP:
-        raise Unmapped(f"recshard has no counterpart of module {torchrec_module}")
+        raise Unmapped(unmapped_module_reason(torchrec_module))
     return MODULE_MAP[torchrec_module]
 
 
@@ -131,9 +113,13 @@ def resolve_name(torchrec_module: str, name: str) -> Resolved:
         parent, _, leaf = target.rpartition(".")
         return Resolved(parent, leaf) if parent else Resolved(target, None)
     module = resolve_module(torchrec_module)
-    if not provides(module, name):
-        raise Unmapped(f"{module} has no {name} (TorchRec's {torchrec_module}.{name})")
-    return Resolved(module, name)
+    reason = NOT_PROVIDED.get(f"{torchrec_module}.{name}")
+    if reason is not None:
+        raise Unmapped(f"not provided: {reason}")
+    for candidate in (module, *(_longest_prefix(torchrec_module, ALSO_SEARCHED) or ())):
+        if provides(candidate, name):
+            return Resolved(candidate, name)
+    raise Unmapped(f"{module} has no {name} (TorchRec's {torchrec_module}.{name})")
 
 
 def resolve_chain(parts: Sequence[str]) -> Tuple[Resolved, int]:
@@ -147,4 +133,4 @@ def resolve_chain(parts: Sequence[str]) -> Tuple[Resolved, int]:
         if cut == len(parts):
             return Resolved(MODULE_MAP[prefix], None), cut
         return resolve_name(prefix, parts[cut]), cut + 1
-    raise Unmapped(f"recshard has no counterpart of module {'.'.join(parts)}")
+    raise Unmapped(unmapped_module_reason(".".join(parts)))

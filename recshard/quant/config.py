@@ -1,22 +1,17 @@
-"""QuantConfig: TorchRec's qconfig for embedding modules, read by `from_float`, so
+"""QuantConfig (defined with the embedding configs, TorchRec's home for it), read by `from_float`, so
 `torch.quantization.quantize_dynamic(model, qconfig_spec={EmbeddingBagCollection: qconfig},
 mapping={EmbeddingBagCollection: QuantEmbeddingBagCollection})` converts a model as in
 TorchRec's tutorial. A plain `torch.quantization.QConfig` works too (no per-table dtypes)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
+from recshard.modules.embedding_configs import QuantConfig
 
-class QuantConfig(NamedTuple):
-    """`weight().dtype`: how rows are stored (`torch.qint8`, `torch.quint4x2`, ...);
-    `activation().dtype`: the output dtype; `per_table_weight_dtype`: overrides by table."""
-
-    activation: Any  # an observer class or partial, e.g. PlaceholderObserver.with_args(...)
-    weight: Any
-    per_table_weight_dtype: Dict[str, torch.dtype] | None = None
+__all__ = ["QuantConfig", "dtypes_from_qconfig"]
 
 
 def dtypes_from_qconfig(qconfig: Any) -> Tuple[torch.dtype, Dict[str, torch.dtype], torch.dtype]:  # noqa: ANN401

@@ -1,6 +1,7 @@
-"""`apply_optimizer_in_backward` is honoured by sharded tables, whatever the sharder's
-`fused_params` say: two steps of a sharded model equal two steps of the unsharded module
-with the same torch optimizer. Optimizers the kernels cannot run fail on every rank, naming
+"""`apply_optimizer_in_backward` is honoured by sharded fused tables, whatever the sharder's
+`fused_params` say, and a data-parallel (dense-kernel) table is left to the dense optimizer as
+in TorchRec: two steps of a sharded model equal two steps of the unsharded module with the
+same torch optimizer. Optimizers the kernels cannot run fail on every rank, naming
 the table."""
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from recshard.distributed.sharding_plan import (
     row_wise,
     table_wise,
 )
-from recshard.optim import RowWiseAdagrad, apply_optimizer_in_backward
+from recshard.optim import (
+    KeyedOptimizerWrapper,
+    RowWiseAdagrad,
+    apply_optimizer_in_backward,
+    in_backward_optimizer_filter,
+)
 from tests.distributed.ebc_cases import batch, gather_tables, global_batch, make_ebc, output_grad
 from tests.multiprocess import run_ranks
 
@@ -67,9 +73,15 @@ def _sharded_steps(
         {"ebc": construct_module_sharding_plan(model.ebc, _plan(column), world_size=ws)}
     )
     dmp = DistributedModelParallel(model, plan=plan, sharders=[sharder])
+    # as in TorchRec, the data-parallel (dense-kernel) table t2 is left to the dense optimizer
+    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    assert list(dense) == ["ebc.embedding_bags.t2.weight"], list(dense)
+    optimizer = KeyedOptimizerWrapper(dense, lambda params: cls(params, **kwargs))
     for step in range(steps):
+        optimizer.zero_grad()
         out = dmp(batch(rank, step, B, False, False))
         (out * output_grad(step, ws, B, WIDTH)[rank * B : (rank + 1) * B]).sum().backward()
+        optimizer.step()
     return {name: weight.tolist() for name, weight in gather_tables(dmp.module.ebc, ws).items()}
 
 

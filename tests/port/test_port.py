@@ -18,7 +18,7 @@ import pytest
 
 from recshard.port import MODULE_MAP, port_notebook, port_source
 from recshard.port.cli import main
-from recshard.port.mapping import provides
+from recshard.port.mapping import not_provided_reason, provides
 
 SAMPLES = Path(__file__).parent / "samples"
 REPO = Path(__file__).parents[2]
@@ -135,8 +135,10 @@ def test_unmapped_names_are_reported_and_left() -> None:
         (
             4,
             "torchrec.modules.mc_modules.ManagedCollisionCollection",
-        ): "recshard has no counterpart of module torchrec.modules.mc_modules",
-        (5, "torchrec.metrics.NE"): "recshard has no metrics (TorchRec's torchrec.metrics)",
+        ): "not provided: recshard does not have it yet",
+        (5, "torchrec.metrics.NE"): (
+            "not provided: TorchRec's RecMetrics: use torchmetrics (AUROC, NE)"
+        ),
         (
             6,
             "trec_dist.planner.Topology",
@@ -299,3 +301,93 @@ def test_feature_processor_imports_port_and_run() -> None:
         )
     )["f"]
     assert scope["torch"].equal(scope["out"], ebc_out)  # position weights start at 1.0
+
+
+def test_every_torchrec_module_path_is_mapped_or_excluded_with_a_reason() -> None:
+    listed = [
+        line
+        for line in (Path(__file__).parent / "torchrec_modules.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    assert "torchrec.distributed.embeddingbag" in listed and len(listed) > 200
+    for module in listed:
+        if module in MODULE_MAP:
+            continue
+        reason = not_provided_reason(module)
+        assert reason is not None, f"{module}: neither mapped nor excluded with a reason"
+        found = port_source(f"from {module} import Anything\n").issues
+        assert [i.reason for i in found] == [reason], module
+
+
+def test_names_torchrec_modules_re_export_are_found() -> None:
+    source = (
+        "from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward\n"
+        "from torchrec.optim import apply_optimizer_in_backward as aob\n"
+        "from torchrec.distributed.planner.types import ParameterConstraints, ShardingPlan\n"
+        "from torchrec.distributed.embedding_types import ShardingType\n"
+        "from torchrec.distributed.planner.enumerators import EmbeddingEnumerator\n"
+        "from torchrec.modules.embedding_configs import QuantConfig\n"
+        "from torchrec.distributed.shard import shard, shard_modules\n"
+    )
+    result = port_source(source)
+    assert result.issues == []
+    assert result.code == (
+        "from recshard.optim.apply_optimizer_in_backward import apply_optimizer_in_backward\n"
+        "from recshard.optim import apply_optimizer_in_backward as aob\n"
+        "from recshard.planner import ParameterConstraints\n"
+        "from recshard.types import ShardingPlan\n"
+        "from recshard.distributed.embedding_types import ShardingType\n"
+        "from recshard.planner import EmbeddingEnumerator\n"
+        "from recshard.modules.embedding_configs import QuantConfig\n"
+        "from recshard.distributed.shard import shard, shard_modules\n"
+    )
+    namespace: Dict[str, object] = {}
+    exec(result.code, namespace)
+    assert callable(namespace["apply_optimizer_in_backward"])
+    assert namespace["aob"] is namespace["apply_optimizer_in_backward"]
+
+
+def test_a_pattern_matching_nothing_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    ported = subprocess.run(
+        [sys.executable, "-m", "recshard.port", str(tmp_path / "unit" / "*.ipynb")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert ported.returncode == 2
+    assert ported.stdout == ""
+    assert ported.stderr == f"recshard.port: no file matches {tmp_path / 'unit' / '*.ipynb'}\n"
+
+
+def test_a_quoted_pattern_is_expanded(tmp_path: Path) -> None:
+    for name in ("a.py", "b.py"):
+        (tmp_path / name).write_text("from torchrec.models.dlrm import DLRM\n")
+    assert main([str(tmp_path / "*.py")]) == 0
+    assert (tmp_path / "b.py").read_text() == "from recshard.models.dlrm import DLRM\n"
+
+
+def test_report_summarises_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "train.py").write_text(
+        "from torchrec.distributed.types import ShardingType, NotAThing\n"
+    )
+    (tmp_path / "plain.py").write_text("import os\n")
+    shutil.copy(SAMPLES / "introduction_style.ipynb", tmp_path / "intro.ipynb")
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "skip.py").write_text("import torchrec\n")
+    assert main(["--report", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    block = out[out.index("recshard.port report") :].splitlines()
+    assert block == [
+        "recshard.port report",
+        f"{tmp_path / 'intro.ipynb'}: rewritten, 1 unmapped",
+        "    pip install torchrec: "
+        + port_notebook((SAMPLES / "introduction_style.ipynb").read_text())[1][0][1].reason,
+        f"{tmp_path / 'plain.py'}: unchanged",
+        f"{tmp_path / 'sub' / 'train.py'}: rewritten, 1 unmapped",
+        "    torchrec.distributed.types.NotAThing: recshard.types has no NotAThing "
+        "(TorchRec's torchrec.distributed.types.NotAThing)",
+        "3 files: 2 rewritten, 2 unmapped names",
+    ]
+    assert (tmp_path / ".hidden" / "skip.py").read_text() == "import torchrec\n"
+    assert main(["--report", str(tmp_path / "nothing")]) == 2
