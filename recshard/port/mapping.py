@@ -24,6 +24,8 @@ MODULE_MAP: Dict[str, str] = {
     "torchrec.modules.mlp": "recshard.modules.mlp",
     "torchrec.modules.crossnet": "recshard.modules.crossnet",
     "torchrec.modules.regroup": "recshard.modules.regroup",
+    "torchrec.modules.mc_modules": "recshard.modules.mc_modules",
+    "torchrec.modules.mc_embedding_modules": "recshard.modules.mc_embedding_modules",
     "torchrec.models": "recshard.models",
     "torchrec.models.dlrm": "recshard.models.dlrm",
     "torchrec.datasets": "recshard.datasets",

@@ -1,0 +1,542 @@
+"""Managed collision (zero-collision hashing, ZCH): raw ids -> rows of a table of `zch_size` rows.
+
+`MCHManagedCollisionModule` keeps, per row, the raw id that holds it and the eviction metadata
+of its policy (`recshard.modules.mc_eviction`). In training, every forward counts the ids it
+sees; every `eviction_interval` iterations the ids seen since the last eviction compete with
+the ids holding rows and the policy's best keep or get a row. An id holding a row maps to it
+until evicted; any other id maps to the reserved last row of its bucket (TorchRec's default
+row). `evict()` hands the rows given to new ids since the last call to the embedding module,
+which resets them.
+
+Buckets (recshard's layout, world-size independent): ids go to bucket `id % buckets` and the
+rows are cut into `buckets` contiguous ranges (sizes differ by at most one, any `zch_size >=
+buckets`); an id only ever holds a row of its bucket and each bucket evicts on its own. Sharded
+row-wise, each rank holds whole buckets, so the rank that owns an id's rows remaps it and the
+sharded model equals the unsharded one with the same `buckets`. `buckets=1` (TorchRec's default)
+is one table. The module may hold a slice of the buckets (`rebuild_with_bucket_range`): its
+buffers cover only their rows, and it returns global rows.
+
+State (`state_dict`), indexed by local row: `_mch_raw_ids` (the id holding the row, int64 max
+if free), `_mch_<metadata>` per policy, `_current_iter_tensor`. Ids seen since the last eviction
+are not state (as TorchRec).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from recshard.modules.embedding_configs import BaseEmbeddingConfig
+from recshard.modules.mc_eviction import (
+    COUNTS,
+    DistanceLFU_EvictionPolicy,
+    LFU_EvictionPolicy,
+    LRU_EvictionPolicy,
+    MCHEvictionPolicy,
+    MCHEvictionPolicyMetadataInfo,
+    average_threshold_filter,
+    dynamic_threshold_filter,
+    probabilistic_threshold_filter,
+)
+from recshard.sparse import JaggedTensor, KeyedJaggedTensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DistanceLFU_EvictionPolicy",
+    "LFU_EvictionPolicy",
+    "LRU_EvictionPolicy",
+    "MCHEvictionPolicy",
+    "MCHEvictionPolicyMetadataInfo",
+    "MCHManagedCollisionModule",
+    "ManagedCollisionCollection",
+    "ManagedCollisionModule",
+    "average_threshold_filter",
+    "bucket_row_starts",
+    "dynamic_threshold_filter",
+    "probabilistic_threshold_filter",
+]
+
+FREE = torch.iinfo(torch.int64).max  # raw id of a row no id holds
+HashFunc = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def bucket_row_starts(zch_size: int, buckets: int) -> List[int]:
+    """First row of each bucket and the end: `buckets + 1` ints, sizes differ by at most one."""
+    base, extra = divmod(zch_size, buckets)
+    return [b * base + min(b, extra) for b in range(buckets + 1)]
+
+
+class ManagedCollisionModule(nn.Module):
+    """Maps the ids of some features to rows `[0, output_size())` of one table."""
+
+    def __init__(self, device: torch.device | str | None) -> None:
+        super().__init__()
+        self._device = torch.device(device if device is not None else "cpu")
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @abc.abstractmethod
+    def preprocess(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
+        """Ids hashed into `[0, input_size())` (no-op without a hash function)."""
+
+    @abc.abstractmethod
+    def profile(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
+        """Count the ids (training only); evict when the interval is reached."""
+
+    @abc.abstractmethod
+    def remap(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
+        """Ids replaced by their rows."""
+
+    @abc.abstractmethod
+    def evict(self) -> torch.Tensor | None:
+        """Rows given to new ids since the last call (to reset), or None."""
+
+    @abc.abstractmethod
+    def output_size(self) -> int:
+        """Rows of the table (global)."""
+
+    @abc.abstractmethod
+    def input_size(self) -> int:
+        """Ids are in `[0, input_size())` after preprocessing."""
+
+    @abc.abstractmethod
+    def buckets(self) -> int:
+        """Buckets the ids and rows are cut into (the unit of row-wise sharding)."""
+
+    @abc.abstractmethod
+    def open_slots(self) -> torch.Tensor:
+        """Rows no id holds (reserved rows excluded), `[1]`."""
+
+    @abc.abstractmethod
+    def validate_state(self) -> None:
+        """Check the state (after loading a checkpoint) and rebuild what derives from it."""
+
+    @abc.abstractmethod
+    def rebuild_with_bucket_range(
+        self, first: int, last: int, device: torch.device | None = None
+    ) -> ManagedCollisionModule:
+        """A module holding buckets `[first, last)` only, with this module's state for them."""
+
+
+class MCHManagedCollisionModule(ManagedCollisionModule):
+    """ZCH with eviction (TorchRec's arguments; `buckets` as described in the module doc).
+
+    `mch_size` / `mch_hash_func` are deprecated in TorchRec and ignored there; here too, with
+    the same warning.
+    """
+
+    def __init__(
+        self,
+        zch_size: int,
+        device: torch.device | str | None,
+        eviction_policy: MCHEvictionPolicy,
+        eviction_interval: int,
+        input_hash_size: int = (2**63) - 1,
+        input_hash_func: HashFunc | None = None,
+        mch_size: int | None = None,
+        mch_hash_func: HashFunc | None = None,
+        name: str | None = None,
+        buckets: int = 1,
+        bucket_range: Tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__(device)
+        label = f"MCHManagedCollisionModule '{name}'" if name else "MCHManagedCollisionModule"
+        if mch_size is not None or mch_hash_func is not None:
+            logger.warning(
+                "%s: mch_size / mch_hash_func are deprecated (as in TorchRec) and ignored", label
+            )
+        if zch_size < 1:
+            raise ValueError(f"{label}: zch_size must be >= 1, got {zch_size}")
+        if buckets < 1 or buckets > zch_size:
+            raise ValueError(
+                f"{label}: buckets must be in [1, zch_size={zch_size}] (each bucket needs a row), "
+                f"got {buckets}"
+            )
+        if eviction_interval < 1:
+            raise ValueError(f"{label}: eviction_interval must be >= 1, got {eviction_interval}")
+        if not 1 <= input_hash_size <= FREE:
+            raise ValueError(
+                f"{label}: input_hash_size must be in [1, 2**63 - 1], got {input_hash_size}"
+            )
+        first, last = bucket_range if bucket_range is not None else (0, buckets)
+        if not 0 <= first < last <= buckets:
+            raise ValueError(f"{label}: bucket_range {bucket_range} is not inside [0, {buckets})")
+        self._name = name
+        self._label = label
+        self._zch_size = zch_size
+        self._buckets = buckets
+        self._bucket_range = (first, last)
+        self._input_hash_size = input_hash_size
+        self._input_hash_func = input_hash_func
+        self._eviction_policy = eviction_policy
+        self._eviction_interval = eviction_interval
+        starts = bucket_row_starts(zch_size, buckets)
+        self._row_offset = starts[first]
+        self._bucket_starts = [s - self._row_offset for s in starts[first : last + 1]]
+        rows = self._bucket_starts[-1]
+        dev = self.device
+        self.register_buffer(
+            "_mch_raw_ids", torch.full((rows,), FREE, dtype=torch.int64, device=dev)
+        )
+        for metadata in eviction_policy.metadata_names:
+            self.register_buffer(
+                f"_mch_{metadata}", torch.zeros(rows, dtype=torch.int64, device=dev)
+            )
+        self.register_buffer("_current_iter_tensor", torch.zeros(1, dtype=torch.int64, device=dev))
+        # derived from the state: ids holding rows, sorted, and their global rows
+        self._sorted_ids = torch.empty(0, dtype=torch.int64, device=dev)
+        self._sorted_rows = torch.empty(0, dtype=torch.int64, device=dev)
+        self._default_rows = torch.tensor(
+            [self._row_offset + s - 1 for s in self._bucket_starts[1:]],
+            dtype=torch.int64,
+            device=dev,
+        )
+        self._history: List[Tuple[torch.Tensor, int]] = []
+        self._evicted_rows: List[torch.Tensor] = []
+        self._rebuild_index()
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.validate_state())
+
+    # -- what the module is -------------------------------------------------------------
+
+    def output_size(self) -> int:
+        return self._zch_size
+
+    def input_size(self) -> int:
+        return self._input_hash_size
+
+    def buckets(self) -> int:
+        return self._buckets
+
+    def bucket_range(self) -> Tuple[int, int]:
+        return self._bucket_range
+
+    def row_range(self) -> Tuple[int, int]:
+        """Global rows `[start, end)` this module holds."""
+        return self._row_offset, self._row_offset + self._bucket_starts[-1]
+
+    @property
+    def eviction_policy(self) -> MCHEvictionPolicy:
+        return self._eviction_policy
+
+    def metadata(self) -> Dict[str, torch.Tensor]:
+        return {m: getattr(self, f"_mch_{m}") for m in self._eviction_policy.metadata_names}
+
+    def open_slots(self) -> torch.Tensor:
+        free = int((self._mch_raw_ids == FREE).sum()) - len(self._default_rows)
+        return torch.tensor([free], dtype=torch.int64)
+
+    def rows_in_use(self) -> int:
+        return int(self._mch_raw_ids.numel()) - int(self.open_slots()) - len(self._default_rows)
+
+    # -- forward ------------------------------------------------------------------------
+
+    def preprocess(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
+        if self._input_hash_func is None:
+            return features
+        return {
+            name: _with_values(jt, self._input_hash_func(jt.values(), self._input_hash_size))
+            for name, jt in features.items()
+        }
+
+    def check_ids(self, values: torch.Tensor, where: str) -> None:
+        """Ids (after preprocessing) must lie in `[0, input_hash_size)`: ValueError otherwise."""
+        if values.numel() == 0:
+            return
+        low, high = torch.aminmax(values)
+        if int(low) < 0 or int(high) >= self._input_hash_size:
+            bad = int(low) if int(low) < 0 else int(high)
+            hashed = " (after input_hash_func)" if self._input_hash_func is not None else ""
+            raise ValueError(
+                f"{where}: id {bad}{hashed} is outside [0, input_hash_size={self._input_hash_size})"
+                " of its managed collision module"
+            )
+
+    def profile(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
+        if not self.training:
+            return features
+        self._current_iter_tensor += 1
+        current = int(self._current_iter_tensor)
+        for jt in features.values():
+            self._history.append((jt.values().detach().to(torch.int64), current))
+        if current % self._eviction_interval == 0:
+            self._coalesce_and_evict(current)
+        return features
+
+    def remap(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
+        return {
+            name: _with_values(jt, self.remap_ids(jt.values())) for name, jt in features.items()
+        }
+
+    def remap_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global row of each id `[N]` (ids of this module's buckets only)."""
+        ids = ids.to(torch.int64)
+        if self._sorted_ids.numel() == 0:
+            return self._default_rows[self._local_bucket(ids)]
+        position = torch.searchsorted(self._sorted_ids, ids).clamp_(
+            max=self._sorted_ids.numel() - 1
+        )
+        hit = self._sorted_ids[position] == ids
+        return torch.where(
+            hit, self._sorted_rows[position], self._default_rows[self._local_bucket(ids)]
+        )
+
+    def forward(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
+        """`{name: JaggedTensor of raw ids}` -> the same with rows as values."""
+        features = self.preprocess(features)
+        for name, jt in features.items():
+            self.check_ids(jt.values(), f"{self._label}, feature '{name}'")
+        features = self.profile(features)
+        return self.remap(features)
+
+    @torch.no_grad()
+    def evict(self) -> torch.Tensor | None:
+        if not self._evicted_rows:
+            return None
+        rows = torch.cat(self._evicted_rows).unique()
+        self._evicted_rows = []
+        return rows
+
+    # -- eviction -----------------------------------------------------------------------
+
+    def _local_bucket(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._buckets == 1:
+            return torch.zeros_like(ids)
+        return ids % self._buckets - self._bucket_range[0]
+
+    @torch.no_grad()
+    def _coalesce_and_evict(self, current_iter: int) -> None:
+        if not self._history:
+            return
+        ids = torch.cat([h for h, _ in self._history])
+        seen_at = torch.cat([torch.full_like(h, it) for h, it in self._history])
+        self._history = []
+        unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        last_seen = torch.zeros_like(unique).scatter_reduce_(
+            0, inverse, seen_at, "amax", include_self=False
+        )
+        bucket = self._local_bucket(unique)
+        for b in torch.unique(bucket).tolist():
+            mine = bucket == b
+            self._compete(b, current_iter, unique[mine], counts[mine], last_seen[mine])
+        self._rebuild_index()
+
+    def _compete(
+        self,
+        bucket: int,
+        current_iter: int,
+        ids: torch.Tensor,
+        counts: torch.Tensor,
+        last_seen: torch.Tensor,
+    ) -> None:
+        """Ids seen in one bucket (`[U]`, sorted) update their rows' metadata or compete for
+        the bucket's rows (all but its reserved last row)."""
+        policy = self._eviction_policy
+        if policy.threshold_filtering_func is not None:
+            passed, _ = policy.threshold_filtering_func(counts)
+            ids, counts, last_seen = ids[passed], counts[passed], last_seen[passed]
+        start = self._bucket_starts[bucket]
+        slots = self._bucket_starts[bucket + 1] - 1 - start
+        if slots == 0 or ids.numel() == 0:
+            return
+        # rows holding ids, ordered by raw id (free rows last, in row order)
+        order = start + torch.argsort(self._mch_raw_ids[start : start + slots], stable=True)
+        held = self._mch_raw_ids[order]
+        position = torch.searchsorted(held, ids).clamp_(max=slots - 1)
+        hit = held[position] == ids
+        seen = {COUNTS: counts, "last_access_iter": last_seen}
+        meta = self.metadata()
+        hit_rows = order[position[hit]]
+        for name, buffer in meta.items():
+            if name == COUNTS:
+                buffer[hit_rows] += counts[hit]
+            else:
+                buffer[hit_rows] = seen[name][hit]
+        by_count = torch.argsort(counts[~hit], descending=True, stable=True)
+        new_ids = ids[~hit][by_count]
+        new_meta = {name: seen[name][~hit][by_count] for name in meta}
+        scores = torch.cat(
+            [
+                policy.eviction_scores(current_iter, {n: b[order] for n, b in meta.items()}),
+                policy.eviction_scores(current_iter, new_meta),
+            ]
+        )
+        ranked = torch.argsort(scores, descending=True, stable=True)
+        kept, dropped = ranked[:slots], ranked[slots:]
+        evicted = order[dropped[dropped < slots]]
+        admitted = kept[kept >= slots] - slots
+        if evicted.numel() != admitted.numel():
+            raise RuntimeError(
+                f"{self._label}: eviction paired {evicted.numel()} rows with {admitted.numel()} ids"
+            )
+        if evicted.numel() == 0:
+            return
+        self._mch_raw_ids[evicted] = new_ids[admitted]
+        for name, buffer in meta.items():
+            buffer[evicted] = new_meta[name][admitted]
+        self._evicted_rows.append(evicted + self._row_offset)
+
+    @torch.no_grad()
+    def _rebuild_index(self) -> None:
+        held = (self._mch_raw_ids != FREE).nonzero().squeeze(1)
+        ids = self._mch_raw_ids[held]
+        order = torch.argsort(ids)
+        self._sorted_ids = ids[order]
+        self._sorted_rows = held[order] + self._row_offset
+
+    # -- state --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def validate_state(self) -> None:
+        raw = self._mch_raw_ids
+        held = (raw != FREE).nonzero().squeeze(1)
+        ids = raw[held]
+        if ids.numel() != ids.unique().numel():
+            raise ValueError(f"{self._label}: the loaded state gives an id more than one row")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self._input_hash_size):
+            raise ValueError(f"{self._label}: the loaded state holds ids outside input_hash_size")
+        bucket_of_row = torch.bucketize(
+            held, torch.tensor(self._bucket_starts[1:], device=held.device), right=True
+        )
+        if not torch.equal(self._local_bucket(ids), bucket_of_row):
+            raise ValueError(
+                f"{self._label}: the loaded state places ids outside the rows of their bucket "
+                f"(saved with another `buckets` than {self._buckets}?)"
+            )
+        reserved = torch.tensor(self._bucket_starts[1:], device=raw.device) - 1
+        if bool((raw[reserved] != FREE).any()):
+            raise ValueError(
+                f"{self._label}: the loaded state gives a bucket's reserved row to an id"
+            )
+        self._history = []
+        self._rebuild_index()
+
+    def rebuild_with_bucket_range(
+        self, first: int, last: int, device: torch.device | None = None
+    ) -> MCHManagedCollisionModule:
+        rebuilt = MCHManagedCollisionModule(
+            zch_size=self._zch_size,
+            device=device or self.device,
+            eviction_policy=self._eviction_policy,
+            eviction_interval=self._eviction_interval,
+            input_hash_size=self._input_hash_size,
+            input_hash_func=self._input_hash_func,
+            name=self._name,
+            buckets=self._buckets,
+            bucket_range=(first, last),
+        )
+        begin, end = rebuilt.row_range()
+        own = self._row_offset
+        if begin < own or end > own + self._mch_raw_ids.numel():
+            raise ValueError(f"{self._label}: buckets [{first}, {last}) are not held here")
+        with torch.no_grad():
+            rebuilt._mch_raw_ids.copy_(self._mch_raw_ids[begin - own : end - own])
+            for name, buffer in rebuilt.metadata().items():
+                buffer.copy_(getattr(self, f"_mch_{name}")[begin - own : end - own])
+            rebuilt._current_iter_tensor.copy_(self._current_iter_tensor)
+        rebuilt.train(self.training)
+        rebuilt.validate_state()
+        return rebuilt
+
+    def extra_repr(self) -> str:
+        return (
+            f"zch_size={self._zch_size}, buckets={self._buckets}, bucket_range={self._bucket_range}, "
+            f"eviction_interval={self._eviction_interval}, "
+            f"policy={type(self._eviction_policy).__name__}"
+        )
+
+
+def _with_values(jt: JaggedTensor, values: torch.Tensor) -> JaggedTensor:
+    return JaggedTensor(values=values, lengths=jt.lengths(), weights=jt.weights_or_none())
+
+
+class ManagedCollisionCollection(nn.Module):
+    """One managed collision module per table: remaps a KJT of raw ids to a KJT of rows.
+
+    The output's keys are the tables' features in config order (as TorchRec); weights pass
+    through. Every feature of a table goes through that table's module.
+    """
+
+    def __init__(
+        self,
+        managed_collision_modules: Dict[str, ManagedCollisionModule],
+        embedding_configs: Sequence[BaseEmbeddingConfig],
+        need_preprocess: bool = True,
+    ) -> None:
+        super().__init__()
+        tables = [c.name for c in embedding_configs]
+        extra = sorted(set(managed_collision_modules) - set(tables))
+        if extra:
+            raise ValueError(
+                f"ManagedCollisionCollection: modules {extra} have no table in {tables}"
+            )
+        for config in embedding_configs:
+            module = managed_collision_modules.get(config.name)
+            if module is None:
+                raise ValueError(
+                    f"ManagedCollisionCollection: table '{config.name}' has no managed collision module"
+                )
+            if module.output_size() != config.num_embeddings:
+                raise ValueError(
+                    f"ManagedCollisionCollection: table '{config.name}' has {config.num_embeddings} "
+                    f"rows but its managed collision module maps to {module.output_size()} "
+                    "(zch_size must equal num_embeddings)"
+                )
+        self._managed_collision_modules = nn.ModuleDict(
+            {c.name: managed_collision_modules[c.name] for c in embedding_configs}
+        )
+        self._embedding_configs = list(embedding_configs)
+        self.need_preprocess = need_preprocess
+        self._table_to_features = {c.name: list(c.feature_names) for c in embedding_configs}
+        self._feature_to_table = {f: c.name for c in embedding_configs for f in c.feature_names}
+        self._feature_names = [f for c in embedding_configs for f in c.feature_names]
+        if len(set(self._feature_names)) != len(self._feature_names):
+            raise ValueError(
+                f"ManagedCollisionCollection: a feature is read by two tables ({self._feature_names})"
+            )
+
+    def embedding_configs(self) -> List[BaseEmbeddingConfig]:
+        return self._embedding_configs
+
+    def feature_names(self) -> List[str]:
+        return self._feature_names
+
+    def modules_by_table(self) -> Dict[str, ManagedCollisionModule]:
+        return dict(self._managed_collision_modules.items())  # type: ignore[arg-type]
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """KJT of raw ids (any key order, these features only) -> KJT of rows."""
+        keys = features.keys()
+        missing = [f for f in self._feature_names if f not in keys]
+        unknown = [k for k in keys if k not in self._feature_to_table]
+        if missing or unknown:
+            raise ValueError(
+                f"ManagedCollisionCollection: input features {keys} do not match the tables' "
+                f"features {self._feature_names} (missing {missing}, unknown {unknown})"
+            )
+        ordered = features.permute([keys.index(f) for f in self._feature_names])
+        jts = ordered.to_dict()
+        remapped: List[torch.Tensor] = []
+        for table, module in self._managed_collision_modules.items():
+            out = module({f: jts[f] for f in self._table_to_features[table]})
+            remapped += [out[f].values() for f in self._table_to_features[table]]
+        values = torch.cat(remapped) if remapped else ordered.values()
+        return KeyedJaggedTensor(
+            keys=self._feature_names,
+            values=values,
+            weights=ordered.weights_or_none(),
+            lengths=ordered.lengths(),
+            stride=ordered.stride(),
+        )
+
+    def evict(self) -> Dict[str, torch.Tensor | None]:
+        return {t: m.evict() for t, m in self._managed_collision_modules.items()}
+
+    def open_slots(self) -> Dict[str, torch.Tensor]:
+        return {t: m.open_slots() for t, m in self._managed_collision_modules.items()}
