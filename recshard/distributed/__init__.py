@@ -7,6 +7,14 @@ from recshard.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
 )
+from recshard.distributed.mc_embeddingbag import (
+    ManagedCollisionEmbeddingBagCollectionSharder,
+    ShardedManagedCollisionEmbeddingBagCollection,
+)
+from recshard.distributed.mc_modules import (
+    ManagedCollisionCollectionSharder,
+    ShardedManagedCollisionCollection,
+)
 from recshard.distributed.model_parallel import (
     DefaultDataParallelWrapper,
     DistributedModelParallel,
@@ -41,12 +49,16 @@ __all__ = [
     "DistributedModelParallel",
     "EmbeddingBagCollectionSharder",
     "EmbeddingCollectionSharder",
+    "ManagedCollisionCollectionSharder",
+    "ManagedCollisionEmbeddingBagCollectionSharder",
     "QuantEmbeddingBagCollectionSharder",
     "QuantEmbeddingCollectionSharder",
     "ShardedQuantEmbeddingBagCollection",
     "ShardedQuantEmbeddingCollection",
     "ShardedEmbeddingCollection",
     "ShardedEmbeddingBagCollection",
+    "ShardedManagedCollisionCollection",
+    "ShardedManagedCollisionEmbeddingBagCollection",
     "ShardingEnv",
     "EvalPipelineSparseDist",
     "TrainPipeline",

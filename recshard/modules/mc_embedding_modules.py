@@ -16,7 +16,11 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
-from recshard.modules.embedding_configs import BaseEmbeddingConfig
+from recshard.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+)
 from recshard.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recshard.modules.mc_modules import ManagedCollisionCollection
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
@@ -119,6 +123,13 @@ class ManagedCollisionEmbeddingBagCollection(BaseManagedCollisionEmbeddingCollec
     def _embedding_bag_collection(self) -> EmbeddingBagCollection:
         return self._embedding_module  # type: ignore[return-value]
 
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        """The tables (what plans and the planner read)."""
+        return self._embedding_bag_collection.embedding_bag_configs()
+
+    def is_weighted(self) -> bool:
+        return self._embedding_bag_collection.is_weighted()
+
 
 class ManagedCollisionEmbeddingCollection(BaseManagedCollisionEmbeddingCollection):
     """Managed collision in front of an EmbeddingCollection: `({feature: JT}, KJT | None)`."""
@@ -145,3 +156,7 @@ class ManagedCollisionEmbeddingCollection(BaseManagedCollisionEmbeddingCollectio
     @property
     def _embedding_collection(self) -> EmbeddingCollection:
         return self._embedding_module  # type: ignore[return-value]
+
+    def embedding_configs(self) -> List[EmbeddingConfig]:
+        """The tables (what plans and the planner read)."""
+        return self._embedding_collection.embedding_configs()

@@ -23,14 +23,19 @@ are not state (as TorchRec).
 
 from __future__ import annotations
 
-import abc
 import logging
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Dict, List, Tuple
 
 import torch
-from torch import nn
 
-from recshard.modules.embedding_configs import BaseEmbeddingConfig
+from recshard.modules.mc_base import (
+    FREE,
+    HashFunc,
+    ManagedCollisionModule,
+    bucket_row_starts,
+    with_values,
+)
+from recshard.modules.mc_collection import ManagedCollisionCollection
 from recshard.modules.mc_eviction import (
     COUNTS,
     DistanceLFU_EvictionPolicy,
@@ -42,11 +47,12 @@ from recshard.modules.mc_eviction import (
     dynamic_threshold_filter,
     probabilistic_threshold_filter,
 )
-from recshard.sparse import JaggedTensor, KeyedJaggedTensor
+from recshard.sparse import JaggedTensor
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "FREE",
     "DistanceLFU_EvictionPolicy",
     "LFU_EvictionPolicy",
     "LRU_EvictionPolicy",
@@ -60,69 +66,6 @@ __all__ = [
     "dynamic_threshold_filter",
     "probabilistic_threshold_filter",
 ]
-
-FREE = torch.iinfo(torch.int64).max  # raw id of a row no id holds
-HashFunc = Callable[[torch.Tensor, int], torch.Tensor]
-
-
-def bucket_row_starts(zch_size: int, buckets: int) -> List[int]:
-    """First row of each bucket and the end: `buckets + 1` ints, sizes differ by at most one."""
-    base, extra = divmod(zch_size, buckets)
-    return [b * base + min(b, extra) for b in range(buckets + 1)]
-
-
-class ManagedCollisionModule(nn.Module):
-    """Maps the ids of some features to rows `[0, output_size())` of one table."""
-
-    def __init__(self, device: torch.device | str | None) -> None:
-        super().__init__()
-        self._device = torch.device(device if device is not None else "cpu")
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @abc.abstractmethod
-    def preprocess(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
-        """Ids hashed into `[0, input_size())` (no-op without a hash function)."""
-
-    @abc.abstractmethod
-    def profile(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
-        """Count the ids (training only); evict when the interval is reached."""
-
-    @abc.abstractmethod
-    def remap(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
-        """Ids replaced by their rows."""
-
-    @abc.abstractmethod
-    def evict(self) -> torch.Tensor | None:
-        """Rows given to new ids since the last call (to reset), or None."""
-
-    @abc.abstractmethod
-    def output_size(self) -> int:
-        """Rows of the table (global)."""
-
-    @abc.abstractmethod
-    def input_size(self) -> int:
-        """Ids are in `[0, input_size())` after preprocessing."""
-
-    @abc.abstractmethod
-    def buckets(self) -> int:
-        """Buckets the ids and rows are cut into (the unit of row-wise sharding)."""
-
-    @abc.abstractmethod
-    def open_slots(self) -> torch.Tensor:
-        """Rows no id holds (reserved rows excluded), `[1]`."""
-
-    @abc.abstractmethod
-    def validate_state(self) -> None:
-        """Check the state (after loading a checkpoint) and rebuild what derives from it."""
-
-    @abc.abstractmethod
-    def rebuild_with_bucket_range(
-        self, first: int, last: int, device: torch.device | None = None
-    ) -> ManagedCollisionModule:
-        """A module holding buckets `[first, last)` only, with this module's state for them."""
 
 
 class MCHManagedCollisionModule(ManagedCollisionModule):
@@ -241,7 +184,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         if self._input_hash_func is None:
             return features
         return {
-            name: _with_values(jt, self._input_hash_func(jt.values(), self._input_hash_size))
+            name: with_values(jt, self._input_hash_func(jt.values(), self._input_hash_size))
             for name, jt in features.items()
         }
 
@@ -270,9 +213,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         return features
 
     def remap(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
-        return {
-            name: _with_values(jt, self.remap_ids(jt.values())) for name, jt in features.items()
-        }
+        return {name: with_values(jt, self.remap_ids(jt.values())) for name, jt in features.items()}
 
     def remap_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global row of each id `[N]` (ids of this module's buckets only)."""
@@ -444,99 +385,32 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         rebuilt.validate_state()
         return rebuilt
 
+    def is_fresh(self) -> bool:
+        """No id holds a row and no training step has run."""
+        return bool((self._mch_raw_ids == FREE).all()) and int(self._current_iter_tensor) == 0
+
+    def rebucketed(self, buckets: int) -> MCHManagedCollisionModule:
+        """The same module with `buckets` buckets (state empty: ids cannot change rows)."""
+        if not self.is_fresh():
+            raise ValueError(
+                f"{self._label}: cannot change buckets from {self._buckets} to {buckets} once ids "
+                "hold rows (their rows would change); build the module with buckets >= the "
+                "world size"
+            )
+        return MCHManagedCollisionModule(
+            zch_size=self._zch_size,
+            device=self.device,
+            eviction_policy=self._eviction_policy,
+            eviction_interval=self._eviction_interval,
+            input_hash_size=self._input_hash_size,
+            input_hash_func=self._input_hash_func,
+            name=self._name,
+            buckets=buckets,
+        ).train(self.training)
+
     def extra_repr(self) -> str:
         return (
             f"zch_size={self._zch_size}, buckets={self._buckets}, bucket_range={self._bucket_range}, "
             f"eviction_interval={self._eviction_interval}, "
             f"policy={type(self._eviction_policy).__name__}"
         )
-
-
-def _with_values(jt: JaggedTensor, values: torch.Tensor) -> JaggedTensor:
-    return JaggedTensor(values=values, lengths=jt.lengths(), weights=jt.weights_or_none())
-
-
-class ManagedCollisionCollection(nn.Module):
-    """One managed collision module per table: remaps a KJT of raw ids to a KJT of rows.
-
-    The output's keys are the tables' features in config order (as TorchRec); weights pass
-    through. Every feature of a table goes through that table's module.
-    """
-
-    def __init__(
-        self,
-        managed_collision_modules: Dict[str, ManagedCollisionModule],
-        embedding_configs: Sequence[BaseEmbeddingConfig],
-        need_preprocess: bool = True,
-    ) -> None:
-        super().__init__()
-        tables = [c.name for c in embedding_configs]
-        extra = sorted(set(managed_collision_modules) - set(tables))
-        if extra:
-            raise ValueError(
-                f"ManagedCollisionCollection: modules {extra} have no table in {tables}"
-            )
-        for config in embedding_configs:
-            module = managed_collision_modules.get(config.name)
-            if module is None:
-                raise ValueError(
-                    f"ManagedCollisionCollection: table '{config.name}' has no managed collision module"
-                )
-            if module.output_size() != config.num_embeddings:
-                raise ValueError(
-                    f"ManagedCollisionCollection: table '{config.name}' has {config.num_embeddings} "
-                    f"rows but its managed collision module maps to {module.output_size()} "
-                    "(zch_size must equal num_embeddings)"
-                )
-        self._managed_collision_modules = nn.ModuleDict(
-            {c.name: managed_collision_modules[c.name] for c in embedding_configs}
-        )
-        self._embedding_configs = list(embedding_configs)
-        self.need_preprocess = need_preprocess
-        self._table_to_features = {c.name: list(c.feature_names) for c in embedding_configs}
-        self._feature_to_table = {f: c.name for c in embedding_configs for f in c.feature_names}
-        self._feature_names = [f for c in embedding_configs for f in c.feature_names]
-        if len(set(self._feature_names)) != len(self._feature_names):
-            raise ValueError(
-                f"ManagedCollisionCollection: a feature is read by two tables ({self._feature_names})"
-            )
-
-    def embedding_configs(self) -> List[BaseEmbeddingConfig]:
-        return self._embedding_configs
-
-    def feature_names(self) -> List[str]:
-        return self._feature_names
-
-    def modules_by_table(self) -> Dict[str, ManagedCollisionModule]:
-        return dict(self._managed_collision_modules.items())  # type: ignore[arg-type]
-
-    def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """KJT of raw ids (any key order, these features only) -> KJT of rows."""
-        keys = features.keys()
-        missing = [f for f in self._feature_names if f not in keys]
-        unknown = [k for k in keys if k not in self._feature_to_table]
-        if missing or unknown:
-            raise ValueError(
-                f"ManagedCollisionCollection: input features {keys} do not match the tables' "
-                f"features {self._feature_names} (missing {missing}, unknown {unknown})"
-            )
-        ordered = features.permute([keys.index(f) for f in self._feature_names])
-        jts = ordered.to_dict()
-        remapped: List[torch.Tensor] = []
-        for table, module in self._managed_collision_modules.items():
-            out = module({f: jts[f] for f in self._table_to_features[table]})
-            remapped += [out[f].values() for f in self._table_to_features[table]]
-        values = torch.cat(remapped) if remapped else ordered.values()
-        return KeyedJaggedTensor(
-            keys=self._feature_names,
-            values=values,
-            weights=ordered.weights_or_none(),
-            lengths=ordered.lengths(),
-            stride=ordered.stride(),
-        )
-
-    def evict(self) -> Dict[str, torch.Tensor | None]:
-        return {t: m.evict() for t, m in self._managed_collision_modules.items()}
-
-    def open_slots(self) -> Dict[str, torch.Tensor]:
-        return {t: m.open_slots() for t, m in self._managed_collision_modules.items()}

@@ -1,0 +1,202 @@
+"""Sharded managed collision collections: a ShardedManagedCollisionCollection in front of a
+sharded EBC/EC whose tables are cut at bucket boundaries.
+
+forward = input_dist (check, hash, route raw ids to the ranks owning their buckets: one KJT
+all-to-all) -> compute (remap on the owner to local rows, reset the rows given to new ids —
+weights re-drawn by the table's init, fused optimizer state zeroed — then the sharded
+collection's local lookup) -> output_dist (the sharded collection's). The sharded collection's
+own input dist is never used: ids arrive already on the rank holding their rows.
+
+Equals the unsharded `ManagedCollision*Collection` with the same buckets, step for step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from recshard.distributed.input_dist import EmbeddingModuleContext
+from recshard.distributed.mc_modules import (
+    ManagedCollisionCollectionSharder,
+    modules_for_world,
+)
+from recshard.distributed.module_state import EmbeddingModuleSharder, ShardedEmbeddingModule
+from recshard.modules.embedding_configs import PoolingType
+from recshard.modules.mc_embedding_modules import (
+    BaseManagedCollisionEmbeddingCollection,
+    reset_rows,
+)
+from recshard.sparse import KeyedJaggedTensor
+from recshard.types import (
+    Awaitable,
+    EmbeddingModuleShardingPlan,
+    FnAwaitable,
+    LazyAwaitable,
+    ModuleSharder,
+    ShardedModule,
+    ShardingEnv,
+)
+
+
+@dataclass
+class ManagedCollisionEmbeddingContext:
+    """One batch's state from input_dist to output_dist."""
+
+    embedding: EmbeddingModuleContext
+    features: KeyedJaggedTensor | None = None  # the checked, hashed batch (wire order)
+    evictions_per_table: Dict[str, torch.Tensor | None] = field(default_factory=dict)
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        self.embedding.record_stream(stream)
+        if self.features is not None:
+            self.features.record_stream(stream)
+
+
+class _WithoutRemapped(LazyAwaitable[Tuple[Any, None]]):
+    """`(embeddings, None)`, as the unsharded module returns without remapped features."""
+
+    def __init__(self, embeddings: LazyAwaitable[Any]) -> None:
+        super().__init__()
+        self._embeddings = embeddings
+
+    def _wait_impl(self) -> Tuple[Any, None]:
+        return self._embeddings.wait(), None
+
+
+class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
+    """The sharded twin of `ManagedCollisionEmbedding(Bag)Collection` (row-wise tables)."""
+
+    def __init__(
+        self,
+        module: BaseManagedCollisionEmbeddingCollection,
+        table_plans: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None,
+        e_sharder: EmbeddingModuleSharder,
+        mc_sharder: ManagedCollisionCollectionSharder,
+    ) -> None:
+        super().__init__()
+        owner = type(module).__name__
+        if module._return_remapped_features:
+            raise ValueError(
+                f"{owner}: return_remapped_features=True is not supported sharded yet "
+                "(build the module with return_remapped_features=False)"
+            )
+        device = torch.device(device or "cpu")
+        mcc = module._managed_collision_collection
+        configs = mcc.embedding_configs()
+        modules = modules_for_world(mcc, env.world_size)
+        plans = mc_sharder.bucket_aligned_plans(
+            modules, table_plans, {c.name: c.embedding_dim for c in configs}, env, device.type
+        )
+        self._embedding_module: ShardedEmbeddingModule = e_sharder.shard(
+            module._embedding_module, plans, env, device
+        )
+        (sharding,) = self._embedding_module.shardings.values()  # one: every table row-wise
+        self._managed_collision_collection = mc_sharder.shard(
+            mcc,
+            modules,
+            env,
+            device,
+            list(sharding.input_features),
+            bool(getattr(module, "is_weighted", lambda: False)()),
+        )
+        self._configs = {c.name: c for c in configs}
+        self._mean_features = [
+            f
+            for c in configs
+            if getattr(c, "pooling", None) == PoolingType.MEAN
+            for f in c.feature_names
+        ]
+        self._in_place_data = module._allow_in_place_embed_weight_update
+
+    def create_context(self) -> ManagedCollisionEmbeddingContext:
+        return ManagedCollisionEmbeddingContext(self._embedding_module.create_context())
+
+    def input_dist(
+        self, ctx: ManagedCollisionEmbeddingContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        hashed, pending = self._managed_collision_collection.input_dist(features)
+        ctx.features = hashed
+        (sharding_ctx,) = ctx.embedding.sharding_contexts
+        if self._mean_features:
+            sharding_ctx.mean_lengths = {f: hashed[f].lengths() for f in self._mean_features}
+
+        def start_tensors() -> Awaitable[KeyedJaggedTensor]:
+            tensors = pending.wait()
+            sizes = getattr(tensors, "stride_per_rank", None)
+            if sizes is not None and len(set(sizes)) > 1:  # unequal batches reduce-scatter so
+                sharding_ctx.batch_size_per_rank = list(sizes)
+            return tensors
+
+        return FnAwaitable(start_tensors)
+
+    def compute(
+        self, ctx: ManagedCollisionEmbeddingContext, dist_input: KeyedJaggedTensor
+    ) -> List[torch.Tensor]:
+        local, evictions = self._managed_collision_collection.remap(dist_input)
+        self._reset(evictions)
+        ctx.evictions_per_table = evictions
+        return self._embedding_module.compute(ctx.embedding, [local])
+
+    def output_dist(
+        self, ctx: ManagedCollisionEmbeddingContext, output: List[torch.Tensor]
+    ) -> LazyAwaitable[Tuple[Any, None]]:
+        return _WithoutRemapped(self._embedding_module.output_dist(ctx.embedding, output))
+
+    @torch.no_grad()
+    def _reset(self, evictions: Dict[str, torch.Tensor | None]) -> None:
+        """Rows given to new ids (local rows): weights re-drawn by the table's init, fused
+        optimizer state zeroed."""
+        if not any(rows is not None and rows.numel() for rows in evictions.values()):
+            return
+        weights = self._embedding_module.local_table_shards()
+        states = self._embedding_module.fused_optimizer_states()
+        for table, rows in evictions.items():
+            if rows is None or rows.numel() == 0:
+                continue
+            for _, weight in weights.get(table, []):
+                reset_rows(weight, rows.to(weight.device), self._configs[table], True)
+            for local, state in states.get(table, []):
+                for tensor in state.values():
+                    if tensor.dim() >= 1 and tensor.size(0) == local.rows:
+                        tensor[rows.to(tensor.device)] = 0
+
+
+class BaseManagedCollisionEmbeddingCollectionSharder(ModuleSharder[Any]):
+    """An embedding sharder and a managed collision sharder composed; plans row-wise only."""
+
+    sharded_type: type
+
+    def __init__(
+        self,
+        e_sharder: EmbeddingModuleSharder,
+        mc_sharder: ManagedCollisionCollectionSharder | None = None,
+        qcomm_codecs_registry: Dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(e_sharder.fused_params, qcomm_codecs_registry)
+        self._e_sharder = e_sharder
+        self._mc_sharder = mc_sharder or ManagedCollisionCollectionSharder()
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        offered = set(self._e_sharder.sharding_types(compute_device_type))
+        return sorted(offered & set(self._mc_sharder.sharding_types(compute_device_type)))
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return self._e_sharder.compute_kernels(sharding_type, compute_device_type)
+
+    def shardable_parameters(
+        self, module: BaseManagedCollisionEmbeddingCollection
+    ) -> Dict[str, Any]:
+        return self._e_sharder.shardable_parameters(module._embedding_module)
+
+    def shard(
+        self,
+        module: BaseManagedCollisionEmbeddingCollection,
+        params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None = None,
+    ) -> BaseShardedManagedCollisionEmbeddingCollection:
+        return self.sharded_type(module, params, env, device, self._e_sharder, self._mc_sharder)
