@@ -13,9 +13,10 @@ Equals the unsharded `ManagedCollision*Collection` with the same buckets, step f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
+from torch import nn
 
 from recshard.distributed.input_dist import EmbeddingModuleContext
 from recshard.distributed.mc_modules import (
@@ -23,6 +24,9 @@ from recshard.distributed.mc_modules import (
     modules_for_world,
 )
 from recshard.distributed.module_state import EmbeddingModuleSharder, ShardedEmbeddingModule
+from recshard.distributed.sharded_state import row_sharded_tensor
+from recshard.lookup.fused_params import FusedOptimSpec
+from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import PoolingType
 from recshard.modules.mc_embedding_modules import (
     BaseManagedCollisionEmbeddingCollection,
@@ -35,6 +39,7 @@ from recshard.types import (
     FnAwaitable,
     LazyAwaitable,
     ModuleSharder,
+    ParameterSharding,
     ShardedModule,
     ShardingEnv,
 )
@@ -145,6 +150,72 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
         self, ctx: ManagedCollisionEmbeddingContext, output: List[torch.Tensor]
     ) -> LazyAwaitable[Tuple[Any, None]]:
         return _WithoutRemapped(self._embedding_module.output_dist(ctx.embedding, output))
+
+    # ---------------------------------------------------------------- state
+    # The tables' state is the sharded collection's, under `_embedding_module.`; the managed
+    # collision buffers are row-sharded like the tables (bucket-aligned), under the unsharded
+    # keys, so checkpoints reshard them to any world size with every id keeping its row.
+
+    @property
+    def env(self) -> ShardingEnv:
+        return self._embedding_module.env
+
+    @property
+    def tables_attr(self) -> str:
+        return f"_embedding_module.{self._embedding_module.tables_attr}"
+
+    def table_configs(self) -> List[Any]:
+        return self._embedding_module.table_configs()
+
+    def table_plan(self, table: str) -> ParameterSharding:
+        return self._embedding_module.table_plan(table)
+
+    def local_table_shards(self) -> Dict[str, List[Tuple[LocalTable, torch.Tensor]]]:
+        return self._embedding_module.local_table_shards()
+
+    def load_full_tables(self, full: Dict[str, torch.Tensor]) -> None:
+        self._embedding_module.load_full_tables(full)
+
+    def fused_optim_spec(self, table: str) -> FusedOptimSpec:
+        return self._embedding_module.fused_optim_spec(table)
+
+    def fused_optimizer_states(self) -> Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]]:
+        return self._embedding_module.fused_optimizer_states()
+
+    def sharded_buffer_state(self, prefix: str) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        env = self.env
+        head = f"{prefix}_managed_collision_collection._managed_collision_modules"
+        for table, module in self._managed_collision_collection.local_modules().items():
+            shards = [
+                (s.shard_offsets[0], s.shard_sizes[0], s.rank)
+                for s in self.table_plan(table).shards or []
+            ]
+            for name, buffer in module.named_buffers(recurse=False):
+                key = f"{head}.{table}.{name}"
+                if name != "_current_iter_tensor":  # indexed by row: cut like the table
+                    out[key] = row_sharded_tensor(
+                        buffer, module.output_size(), shards, env.rank, env.pg
+                    )
+                else:
+                    out[key] = buffer.detach()
+        return out
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, nn.Parameter]]:
+        """The tables' local weights under their unsharded names (the sharded collection's)."""
+        head = f"{prefix}._embedding_module" if prefix else "_embedding_module"
+        yield from self._embedding_module.named_parameters(head, recurse, remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, torch.Tensor]]:
+        """This rank's managed collision buffers (its rows), under their unsharded names."""
+        head = (
+            f"{prefix}._managed_collision_collection" if prefix else "_managed_collision_collection"
+        )
+        yield from self._managed_collision_collection.named_buffers(head, recurse, remove_duplicate)
 
     @torch.no_grad()
     def _reset(self, evictions: Dict[str, torch.Tensor | None]) -> None:

@@ -204,6 +204,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
     def profile(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
         if not self.training:
             return features
+        self._ensure_index()
         self._current_iter_tensor += 1
         current = int(self._current_iter_tensor)
         for jt in features.values():
@@ -217,6 +218,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
 
     def remap_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global row of each id `[N]` (ids of this module's buckets only)."""
+        self._ensure_index()
         ids = ids.to(torch.int64)
         if self._sorted_ids.numel() == 0:
             return self._default_rows[self._local_bucket(ids)]
@@ -330,6 +332,13 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         order = torch.argsort(ids)
         self._sorted_ids = ids[order]
         self._sorted_rows = held[order] + self._row_offset
+        self._index_version = self._mch_raw_ids._version
+
+    def _ensure_index(self) -> None:
+        """Rows written from outside (a checkpoint loaded into the buffer in place, e.g. by
+        torch.distributed.checkpoint): check the new state and rebuild the index."""
+        if self._mch_raw_ids._version != self._index_version:
+            self.validate_state()
 
     # -- state --------------------------------------------------------------------------
 
