@@ -7,6 +7,10 @@ from recshard.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
 )
+from recshard.distributed.mc_embedding import (
+    ManagedCollisionEmbeddingCollectionSharder,
+    ShardedManagedCollisionEmbeddingCollection,
+)
 from recshard.distributed.mc_embeddingbag import (
     ManagedCollisionEmbeddingBagCollectionSharder,
     ShardedManagedCollisionEmbeddingBagCollection,
@@ -51,6 +55,7 @@ __all__ = [
     "EmbeddingCollectionSharder",
     "ManagedCollisionCollectionSharder",
     "ManagedCollisionEmbeddingBagCollectionSharder",
+    "ManagedCollisionEmbeddingCollectionSharder",
     "QuantEmbeddingBagCollectionSharder",
     "QuantEmbeddingCollectionSharder",
     "ShardedQuantEmbeddingBagCollection",
@@ -59,6 +64,7 @@ __all__ = [
     "ShardedEmbeddingBagCollection",
     "ShardedManagedCollisionCollection",
     "ShardedManagedCollisionEmbeddingBagCollection",
+    "ShardedManagedCollisionEmbeddingCollection",
     "ShardingEnv",
     "EvalPipelineSparseDist",
     "TrainPipeline",

@@ -27,7 +27,6 @@ from recshard.distributed.module_state import EmbeddingModuleSharder, ShardedEmb
 from recshard.distributed.sharded_state import row_sharded_tensor
 from recshard.lookup.fused_params import FusedOptimSpec
 from recshard.lookup.tables import LocalTable
-from recshard.modules.embedding_configs import PoolingType
 from recshard.modules.mc_embedding_modules import (
     BaseManagedCollisionEmbeddingCollection,
     reset_rows,
@@ -49,14 +48,11 @@ from recshard.types import (
 class ManagedCollisionEmbeddingContext:
     """One batch's state from input_dist to output_dist."""
 
-    embedding: EmbeddingModuleContext
-    features: KeyedJaggedTensor | None = None  # the checked, hashed batch (wire order)
+    embedding: EmbeddingModuleContext  # its `features`: the checked, hashed batch (wire order)
     evictions_per_table: Dict[str, torch.Tensor | None] = field(default_factory=dict)
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         self.embedding.record_stream(stream)
-        if self.features is not None:
-            self.features.record_stream(stream)
 
 
 class _WithoutRemapped(LazyAwaitable[Tuple[Any, None]]):
@@ -109,12 +105,6 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
             bool(getattr(module, "is_weighted", lambda: False)()),
         )
         self._configs = {c.name: c for c in configs}
-        self._mean_features = [
-            f
-            for c in configs
-            if getattr(c, "pooling", None) == PoolingType.MEAN
-            for f in c.feature_names
-        ]
         self._in_place_data = module._allow_in_place_embed_weight_update
 
     def create_context(self) -> ManagedCollisionEmbeddingContext:
@@ -123,24 +113,35 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
     def input_dist(
         self, ctx: ManagedCollisionEmbeddingContext, features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        hashed, pending = self._managed_collision_collection.input_dist(features)
-        ctx.features = hashed
+        hashed, sent_to, pending = self._managed_collision_collection.input_dist(features)
+        ctx.embedding.features = hashed
         (sharding_ctx,) = ctx.embedding.sharding_contexts
-        if self._mean_features:
-            sharding_ctx.mean_lengths = {f: hashed[f].lengths() for f in self._mean_features}
+        self._before_send(sharding_ctx, hashed, sent_to)
 
         def start_tensors() -> Awaitable[KeyedJaggedTensor]:
             tensors = pending.wait()
-            sizes = getattr(tensors, "stride_per_rank", None)
-            if sizes is not None and len(set(sizes)) > 1:  # unequal batches reduce-scatter so
-                sharding_ctx.batch_size_per_rank = list(sizes)
+            self._after_splits(sharding_ctx, tensors)
             return tensors
 
         return FnAwaitable(start_tensors)
 
+    def _before_send(
+        self, sharding_ctx: Any, features: KeyedJaggedTensor, sent_to: torch.Tensor
+    ) -> None:
+        """Fill what the sharding's output dist reads from its own input dist (the routed
+        batch is `features`, its ids moved to positions `sent_to`)."""
+
+    def _after_splits(self, sharding_ctx: Any, tensors: Any) -> None:
+        """Keep what the sharding's output dist needs from the splits exchange."""
+
+    def _on_arrival(self, sharding_ctx: Any, received: KeyedJaggedTensor) -> None:
+        """Keep what the sharding's output dist needs from the received ids."""
+
     def compute(
         self, ctx: ManagedCollisionEmbeddingContext, dist_input: KeyedJaggedTensor
     ) -> List[torch.Tensor]:
+        (sharding_ctx,) = ctx.embedding.sharding_contexts
+        self._on_arrival(sharding_ctx, dist_input)
         local, evictions = self._managed_collision_collection.remap(dist_input)
         self._reset(evictions)
         ctx.evictions_per_table = evictions

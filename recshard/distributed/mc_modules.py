@@ -111,16 +111,17 @@ def bucket_aligned_plan(
 
 def route_to_owners(
     features: KeyedJaggedTensor, owner: torch.Tensor, world: int
-) -> KeyedJaggedTensor:
+) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
     """Every bag cut into one bag per destination rank (`owner [N]`), destination-major keys
-    (`keys * world`), ids kept in order within a bag: the layout `KJTAllToAll` sends."""
+    (`keys * world`), ids kept in order within a bag: the layout `KJTAllToAll` sends. Also
+    where each id went (`[N]`: position in the routed values, fbgemm's unbucketize permute)."""
     lengths = features.lengths()
     bags = lengths.numel()
     bag_of_id = torch.repeat_interleave(torch.arange(bags, device=lengths.device), lengths.long())
     order = torch.argsort(owner, stable=True)
     routed_lengths = torch.bincount(owner * bags + bag_of_id, minlength=world * bags)
     weights = features.weights_or_none()
-    return KeyedJaggedTensor(
+    routed = KeyedJaggedTensor(
         features.keys() * world,
         features.values()[order],
         weights[order] if weights is not None else None,
@@ -128,6 +129,9 @@ def route_to_owners(
         stride=features.stride(),
         validate=False,
     )
+    sent_to = torch.empty_like(order)
+    sent_to[order] = torch.arange(order.numel(), device=order.device)
+    return routed, sent_to
 
 
 class ShardedManagedCollisionCollection(nn.Module):
@@ -207,9 +211,9 @@ class ShardedManagedCollisionCollection(nn.Module):
 
     def input_dist(
         self, features: KeyedJaggedTensor
-    ) -> Tuple[KeyedJaggedTensor, Awaitable[Awaitable[KeyedJaggedTensor]]]:
-        """(the checked batch in wire order, the started all-to-all of its ids to their
-        owners). A bad batch raises here on its rank after sending its verdict, which makes
+    ) -> Tuple[KeyedJaggedTensor, torch.Tensor, Awaitable[Awaitable[KeyedJaggedTensor]]]:
+        """(the checked batch in wire order, where each of its ids went in the routed values,
+        the started all-to-all of its ids to their owners). A bad batch raises here on its rank after sending its verdict, which makes
         every other rank raise at its first wait."""
         try:
             hashed, owners = self._hashed_and_owners(features)
@@ -223,8 +227,8 @@ class ShardedManagedCollisionCollection(nn.Module):
             )
             self._kjt_a2a(empty, input_error=str(e)).wait()
             raise  # unreachable: the wait raises this rank's own error
-        routed = route_to_owners(hashed, owners, self.env.world_size)
-        return hashed, self._kjt_a2a(routed)
+        routed, sent_to = route_to_owners(hashed, owners, self.env.world_size)
+        return hashed, sent_to, self._kjt_a2a(routed)
 
     def remap(
         self, received: KeyedJaggedTensor

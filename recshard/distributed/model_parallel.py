@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from recshard.comm.pg import destroy_groups_at_exit, warn_if_default_timeout
 from recshard.distributed.embedding import EmbeddingCollectionSharder
 from recshard.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from recshard.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from recshard.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from recshard.distributed.quant_embedding import QuantEmbeddingCollectionSharder
 from recshard.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
@@ -47,6 +48,7 @@ def default_sharders() -> List[ModuleSharder]:
         QuantEmbeddingBagCollectionSharder(),
         QuantEmbeddingCollectionSharder(),
         ManagedCollisionEmbeddingBagCollectionSharder(),
+        ManagedCollisionEmbeddingCollectionSharder(),
     ]
 
 

@@ -43,6 +43,7 @@ MODULE_MAP: Dict[str, str] = {
     "torchrec.distributed.quant_embeddingbag": "recshard.distributed",
     "torchrec.distributed.mc_modules": "recshard.distributed.mc_modules",
     "torchrec.distributed.mc_embeddingbag": "recshard.distributed.mc_embeddingbag",
+    "torchrec.distributed.mc_embedding": "recshard.distributed.mc_embedding",
     "torchrec.distributed.mc_embedding_modules": "recshard.distributed.mc_embedding_modules",
     "torchrec.distributed.train_pipeline": "recshard.distributed",
     "torchrec.distributed.train_pipeline.train_pipelines": "recshard.distributed",

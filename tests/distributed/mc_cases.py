@@ -7,8 +7,17 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
-from recshard.modules import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
-from recshard.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+from recshard.modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    PoolingType,
+)
+from recshard.modules.mc_embedding_modules import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
 from recshard.modules.mc_modules import (
     DistanceLFU_EvictionPolicy,
     LFU_EvictionPolicy,
@@ -102,3 +111,35 @@ def kjt_of(parts: List[Dict[str, List[List[int]]]]) -> KeyedJaggedTensor:
     return KeyedJaggedTensor.from_lengths_sync(
         KEYS, torch.tensor(values, dtype=torch.int64), torch.tensor(lengths)
     )
+
+
+class SequenceModel(nn.Module):
+    """An MC-EC (one row per id) over the same ids; LRU and LFU tables."""
+
+    def __init__(self, buckets: int) -> None:
+        super().__init__()
+        tables = [
+            EmbeddingConfig(19, 4, name="t0", feature_names=["a", "b"], init_fn=_reset_init),
+            EmbeddingConfig(13, 4, name="t1", feature_names=["c"], init_fn=_reset_init),
+        ]
+        ec = EmbeddingCollection(tables)
+        gen = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for emb in ec.embeddings.values():
+                emb.weight.copy_(torch.rand(emb.weight.shape, generator=gen) - 0.5)
+        policies = {"t0": LRU_EvictionPolicy(), "t1": LFU_EvictionPolicy()}
+        mcc = ManagedCollisionCollection(
+            {
+                t.name: MCHManagedCollisionModule(
+                    t.num_embeddings, "cpu", policies[t.name], 1, HASH_SIZE, buckets=buckets
+                )
+                for t in tables
+            },
+            tables,
+        )
+        self.sparse = ManagedCollisionEmbeddingCollection(ec, mcc)
+        self.register_buffer("mix", torch.linspace(-1.0, 1.0, 4))
+
+    def forward(self, kjt: KeyedJaggedTensor) -> Dict[str, torch.Tensor]:
+        rows, _ = self.sparse(kjt)
+        return {f: rows[f].values() * self.mix * (k + 1) for k, f in enumerate(KEYS)}

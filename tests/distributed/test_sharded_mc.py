@@ -10,10 +10,11 @@ from typing import List
 
 import pytest
 import torch
-from mc_cases import LR, SparseModel, kjt_of, local_ids
+from mc_cases import LR, SequenceModel, SparseModel, kjt_of, local_ids
 from multiprocess import run_ranks
 
 from recshard.distributed import DistributedModelParallel
+from recshard.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from recshard.distributed.mc_embedding_modules import (
     BaseShardedManagedCollisionEmbeddingCollection,
 )
@@ -100,6 +101,39 @@ def _cases(rank: int, ws: int) -> dict:
         "planner, LRU": _compare(rank, ws, 6, 6, True, True),
         "buckets=1": _compare(rank, ws, 1, ws, False, False),
     }
+
+
+def _compare_sequence(rank: int, ws: int) -> List[str]:
+    reference, model = SequenceModel(6), SequenceModel(6)
+    sharder = ManagedCollisionEmbeddingCollectionSharder(
+        fused_params={"optimizer": "exact_sgd", "learning_rate": LR}
+    )
+    dmp = DistributedModelParallel(model, sharders=[sharder])
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    problems: List[str] = []
+    for step in range(STEPS):
+        parts = [local_ids(step, r) for r in range(ws)]
+        out = dmp(kjt_of([parts[rank]]))
+        sum(v.sum() for v in out.values()).backward()
+        ref_out = reference(kjt_of(parts))
+        ref_opt.zero_grad()
+        (sum(v.sum() for v in ref_out.values()) / ws).backward()
+        ref_opt.step()
+        for f, values in out.items():
+            before = sum(len(bag) for r in range(rank) for bag in parts[r][f])
+            want = ref_out[f].detach()[before : before + values.size(0)]
+            if values.shape != want.shape or not torch.allclose(values.detach(), want, atol=1e-5):
+                problems.append(f"step {step}, feature {f}: rows differ")
+    mcc = reference.sparse._managed_collision_collection.modules_by_table()
+    if not all(m.rows_in_use() > 0 for m in mcc.values()):
+        problems.append("a table never gave an id a row: the test exercised nothing")
+    return problems
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_sharded_mc_ec_equals_unsharded(ws: int) -> None:
+    for rank, problems in enumerate(run_ranks(ws, _compare_sequence, timeout=180)):
+        assert not problems, f"rank {rank}: {problems}"
 
 
 def _bad_batch(rank: int, ws: int) -> str:
