@@ -94,5 +94,14 @@ class ManagedCollisionCollection(nn.Module):
     def evict(self) -> Dict[str, torch.Tensor | None]:
         return {t: m.evict() for t, m in self._managed_collision_modules.items()}
 
+    def metrics(self, reset: bool = True) -> Dict[str, Dict[str, float]]:
+        """Per table: the module's `metrics()` (lookups, hits, hit rate, ids admitted and
+        evicted since the last reset; rows in use, open slots)."""
+        return {
+            t: m.metrics(reset)  # type: ignore[operator]
+            for t, m in self._managed_collision_modules.items()
+            if hasattr(m, "metrics")
+        }
+
     def open_slots(self) -> Dict[str, torch.Tensor]:
         return {t: m.open_slots() for t, m in self._managed_collision_modules.items()}

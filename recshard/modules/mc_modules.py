@@ -51,6 +51,8 @@ from recshard.sparse import JaggedTensor
 
 logger = logging.getLogger(__name__)
 
+_COUNTERS = ("lookups", "hits", "admitted", "evicted")
+
 __all__ = [
     "FREE",
     "DistanceLFU_EvictionPolicy",
@@ -143,6 +145,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         )
         self._history: List[Tuple[torch.Tensor, int]] = []
         self._evicted_rows: List[torch.Tensor] = []
+        self._counters = dict.fromkeys(_COUNTERS, 0)
         self._rebuild_index()
         self.register_load_state_dict_post_hook(lambda module, _keys: module.validate_state())
 
@@ -174,6 +177,18 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
     def open_slots(self) -> torch.Tensor:
         free = int((self._mch_raw_ids == FREE).sum()) - len(self._default_rows)
         return torch.tensor([free], dtype=torch.int64)
+
+    def metrics(self, reset: bool = True) -> Dict[str, float]:
+        """Since the last reset: `lookups` (ids remapped), `hits` (of them, ids holding a row),
+        `hit_rate`, `admitted` (ids given a row), `evicted` (ids that lost theirs); and now:
+        `rows_in_use`, `open_slots`. Counts this module's buckets only (a rank's, sharded)."""
+        out: Dict[str, float] = dict(self._counters)
+        out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
+        out["rows_in_use"] = self.rows_in_use()
+        out["open_slots"] = int(self.open_slots())
+        if reset:
+            self._counters = dict.fromkeys(_COUNTERS, 0)
+        return out
 
     def rows_in_use(self) -> int:
         return int(self._mch_raw_ids.numel()) - int(self.open_slots()) - len(self._default_rows)
@@ -220,12 +235,14 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         """Global row of each id `[N]` (ids of this module's buckets only)."""
         self._ensure_index()
         ids = ids.to(torch.int64)
+        self._counters["lookups"] += ids.numel()
         if self._sorted_ids.numel() == 0:
             return self._default_rows[self._local_bucket(ids)]
         position = torch.searchsorted(self._sorted_ids, ids).clamp_(
             max=self._sorted_ids.numel() - 1
         )
         hit = self._sorted_ids[position] == ids
+        self._counters["hits"] += int(hit.sum())
         return torch.where(
             hit, self._sorted_rows[position], self._default_rows[self._local_bucket(ids)]
         )
@@ -320,6 +337,8 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
             )
         if evicted.numel() == 0:
             return
+        self._counters["admitted"] += evicted.numel()
+        self._counters["evicted"] += int((self._mch_raw_ids[evicted] != FREE).sum())
         self._mch_raw_ids[evicted] = new_ids[admitted]
         for name, buffer in meta.items():
             buffer[evicted] = new_meta[name][admitted]

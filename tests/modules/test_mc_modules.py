@@ -252,3 +252,29 @@ def test_a_bucket_slice_maps_like_the_whole() -> None:
     mine = ids[ids % 3 != 0]
     probe = {"f": JaggedTensor(mine, lengths=torch.tensor([mine.numel()]))}
     assert torch.equal(whole.remap(probe)["f"].values(), part.remap(probe)["f"].values())
+
+
+def test_metrics_count_lookups_hits_admissions_and_evictions() -> None:
+    mc = MCHManagedCollisionModule(4, "cpu", LFU_EvictionPolicy(), 1, input_hash_size=100)
+
+    def step(ids: List[int]) -> dict:
+        mc({"f": JaggedTensor(torch.tensor(ids), lengths=torch.tensor([len(ids)]))})
+        return mc.metrics()
+
+    first = step([1, 1, 2, 3])  # 3 slots: 1, 2, 3 admitted into free rows, then remapped
+    assert first == {
+        "lookups": 4,
+        "hits": 4,
+        "hit_rate": 1.0,
+        "admitted": 3,
+        "evicted": 0,
+        "rows_in_use": 3,
+        "open_slots": 0,
+    }
+    second = step([5, 5, 5, 7])  # 5 (count 3) beats 2 or 3 (count 1); 7 (count 1) ties: kept out
+    assert (second["admitted"], second["evicted"], second["hits"], second["lookups"]) == (
+        1,
+        1,
+        3,
+        4,
+    )
