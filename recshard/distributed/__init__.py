@@ -7,6 +7,18 @@ from recshard.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
 )
+from recshard.distributed.mc_embedding import (
+    ManagedCollisionEmbeddingCollectionSharder,
+    ShardedManagedCollisionEmbeddingCollection,
+)
+from recshard.distributed.mc_embeddingbag import (
+    ManagedCollisionEmbeddingBagCollectionSharder,
+    ShardedManagedCollisionEmbeddingBagCollection,
+)
+from recshard.distributed.mc_modules import (
+    ManagedCollisionCollectionSharder,
+    ShardedManagedCollisionCollection,
+)
 from recshard.distributed.model_parallel import (
     DataParallelWrapper,
     DefaultDataParallelWrapper,
@@ -43,12 +55,18 @@ __all__ = [
     "DistributedModelParallel",
     "EmbeddingBagCollectionSharder",
     "EmbeddingCollectionSharder",
+    "ManagedCollisionCollectionSharder",
+    "ManagedCollisionEmbeddingBagCollectionSharder",
+    "ManagedCollisionEmbeddingCollectionSharder",
     "QuantEmbeddingBagCollectionSharder",
     "QuantEmbeddingCollectionSharder",
     "ShardedQuantEmbeddingBagCollection",
     "ShardedQuantEmbeddingCollection",
     "ShardedEmbeddingCollection",
     "ShardedEmbeddingBagCollection",
+    "ShardedManagedCollisionCollection",
+    "ShardedManagedCollisionEmbeddingBagCollection",
+    "ShardedManagedCollisionEmbeddingCollection",
     "ShardingEnv",
     "EvalPipelineSparseDist",
     "TrainPipeline",

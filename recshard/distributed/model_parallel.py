@@ -27,6 +27,8 @@ from recshard.comm.pg import destroy_groups_at_exit, warn_if_default_timeout
 from recshard.distributed.embedding import EmbeddingCollectionSharder
 from recshard.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from recshard.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+from recshard.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
+from recshard.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from recshard.distributed.quant_embedding import QuantEmbeddingCollectionSharder
 from recshard.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
 from recshard.distributed.sharded_state import (
@@ -48,6 +50,8 @@ def default_sharders() -> List[ModuleSharder]:
         FeatureProcessedEmbeddingBagCollectionSharder(),
         QuantEmbeddingBagCollectionSharder(),
         QuantEmbeddingCollectionSharder(),
+        ManagedCollisionEmbeddingBagCollectionSharder(),
+        ManagedCollisionEmbeddingCollectionSharder(),
     ]
 
 

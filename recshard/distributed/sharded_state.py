@@ -89,6 +89,24 @@ class ShardedTableState(Protocol):
     ) -> Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]]: ...
 
 
+@runtime_checkable
+class ShardedBufferState(Protocol):
+    """A sharded module with row-sharded buffers besides its tables (managed collision
+    state): ShardedTensors under the unsharded keys, loaded in place."""
+
+    def sharded_buffer_state(self, prefix: str) -> Dict[str, Any]: ...
+
+
+def row_sharded_tensor(
+    local: torch.Tensor, global_rows: int, shards: List[Tuple[int, int, int]], rank: int, pg: Any
+) -> ShardedTensor:
+    """A 1-d buffer cut in rows: `shards` are (row offset, rows, rank), `local` is this rank's
+    (a view: loads land in place)."""
+    mine = [(local, _torch_meta([o], [n], rank)) for o, n, r in shards if r == rank]
+    metas = [_torch_meta([o], [n], r) for o, n, r in shards]
+    return _sharded([global_rows], metas, mine, pg, local.dtype)
+
+
 def _plan_metas(module: ShardedTableState, table: str) -> List[TorchShardMetadata]:
     return [
         _torch_meta(s.shard_offsets, s.shard_sizes, s.rank) for s in module.table_plan(table).shards
@@ -248,6 +266,8 @@ def model_state_dict(model: nn.Module, prefix: str = "") -> Dict[str, Any]:
     out = {prefix + k: v.detach() for k, v in plain.items()}
     for path, module in sharded:
         out.update(table_state(module, prefix + path))
+        if isinstance(module, ShardedBufferState):
+            out.update(module.sharded_buffer_state(prefix + path))
     return out
 
 
@@ -280,8 +300,12 @@ def load_model_state_dict(
                 if isinstance(value, ShardedTensor):
                     for dst, src in zip(target.local_shards(), value.local_shards()):
                         dst.tensor.copy_(src.tensor)
-                else:
+                elif key.endswith(".weight"):
                     _load_full(sharded, key, value)
+                else:  # a row-sharded buffer: this rank's rows of the full tensor
+                    for shard in target.local_shards():
+                        start, rows = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+                        shard.tensor.copy_(value[start : start + rows])
             else:
                 if tuple(target.shape) != tuple(value.shape):
                     raise ValueError(

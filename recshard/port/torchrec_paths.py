@@ -27,6 +27,12 @@ MODULE_MAP: Dict[str, str] = {
     "torchrec.modules.feature_processor_": "recshard.modules.feature_processor_",
     "torchrec.modules.fp_embedding_modules": "recshard.modules.fp_embedding_modules",
     "torchrec.distributed.fp_embeddingbag": "recshard.distributed.fp_embeddingbag",
+    "torchrec.modules.mc_modules": "recshard.modules.mc_modules",
+    "torchrec.modules.mc_embedding_modules": "recshard.modules.mc_embedding_modules",
+    "torchrec.distributed.mc_modules": "recshard.distributed.mc_modules",
+    "torchrec.distributed.mc_embeddingbag": "recshard.distributed.mc_embeddingbag",
+    "torchrec.distributed.mc_embedding": "recshard.distributed.mc_embedding",
+    "torchrec.distributed.mc_embedding_modules": "recshard.distributed.mc_embedding_modules",
     "torchrec.distributed.grouped_position_weighted": (
         "recshard.distributed.grouped_position_weighted"
     ),
@@ -218,12 +224,6 @@ NOT_PROVIDED: Dict[str, str] = {
     "torchrec.distributed.train_pipeline.runtime_forwards": _INTERNAL,
     # pending: being built (managed collision, feature processors, the rest of the
     # documented torchrec.distributed reference)
-    "torchrec.modules.mc_modules": _LATER,
-    "torchrec.modules.mc_embedding_modules": _LATER,
-    "torchrec.distributed.mc_modules": _LATER,
-    "torchrec.distributed.mc_embedding": _LATER,
-    "torchrec.distributed.mc_embeddingbag": _LATER,
-    "torchrec.distributed.mc_embedding_modules": _LATER,
     # names of the documented torchrec.distributed reference (tests/port/
     # torchrec_distributed_names.txt) that recshard deliberately lacks
     "torchrec.distributed.embedding.set_ec_index_dedup": _LATER,

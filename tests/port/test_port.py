@@ -114,7 +114,7 @@ def test_unmapped_names_are_reported_and_left() -> None:
         "import torchrec\n"
         "import torchrec.distributed as trec_dist\n"
         "from torchrec.distributed.types import ShardingType, NotAThing\n"
-        "from torchrec.modules.mc_modules import ManagedCollisionCollection\n"
+        "from torchrec.modules.itep_modules import GenericITEPModule\n"
         "ne = torchrec.metrics.NE\n"
         "topology = trec_dist.planner.Topology\n"
     )
@@ -124,7 +124,7 @@ def test_unmapped_names_are_reported_and_left() -> None:
         "from recshard.types import ShardingType",
         "from torchrec.distributed.types import NotAThing",
     ]
-    assert lines[4] == "from torchrec.modules.mc_modules import ManagedCollisionCollection"
+    assert lines[4] == "from torchrec.modules.itep_modules import GenericITEPModule"
     assert lines[5:] == ["ne = torchrec.metrics.NE", "topology = trec_dist.planner.Topology"]
     found = {(i.line, i.name): i.reason for i in result.issues}
     assert found == {
@@ -134,7 +134,7 @@ def test_unmapped_names_are_reported_and_left() -> None:
         ): "recshard.types has no NotAThing (TorchRec's torchrec.distributed.types.NotAThing)",
         (
             4,
-            "torchrec.modules.mc_modules.ManagedCollisionCollection",
+            "torchrec.modules.itep_modules.GenericITEPModule",
         ): "not provided: recshard does not have it yet",
         (5, "torchrec.metrics.NE"): (
             "not provided: TorchRec's RecMetrics: use torchmetrics (AUROC, NE)"

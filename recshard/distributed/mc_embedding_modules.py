@@ -1,0 +1,274 @@
+"""Sharded managed collision collections: a ShardedManagedCollisionCollection in front of a
+sharded EBC/EC whose tables are cut at bucket boundaries.
+
+forward = input_dist (check, hash, route raw ids to the ranks owning their buckets: one KJT
+all-to-all) -> compute (remap on the owner to local rows, reset the rows given to new ids —
+weights re-drawn by the table's init, fused optimizer state zeroed — then the sharded
+collection's local lookup) -> output_dist (the sharded collection's). The sharded collection's
+own input dist is never used: ids arrive already on the rank holding their rows.
+
+Equals the unsharded `ManagedCollision*Collection` with the same buckets, step for step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Tuple
+
+import torch
+from torch import nn
+
+from recshard.distributed.input_dist import EmbeddingModuleContext
+from recshard.distributed.mc_modules import (
+    ManagedCollisionCollectionSharder,
+    modules_for_world,
+)
+from recshard.distributed.module_state import EmbeddingModuleSharder, ShardedEmbeddingModule
+from recshard.distributed.sharded_state import row_sharded_tensor
+from recshard.lookup.fused_params import FusedOptimSpec
+from recshard.lookup.tables import LocalTable
+from recshard.modules.mc_embedding_modules import (
+    BaseManagedCollisionEmbeddingCollection,
+    reset_rows,
+)
+from recshard.sparse import KeyedJaggedTensor
+from recshard.types import (
+    Awaitable,
+    EmbeddingModuleShardingPlan,
+    FnAwaitable,
+    LazyAwaitable,
+    ModuleSharder,
+    ParameterSharding,
+    ShardedModule,
+    ShardingEnv,
+)
+
+
+@dataclass
+class ManagedCollisionEmbeddingContext:
+    """One batch's state from input_dist to output_dist."""
+
+    embedding: EmbeddingModuleContext  # its `features`: the checked, hashed batch (wire order)
+    evictions_per_table: Dict[str, torch.Tensor | None] = field(default_factory=dict)
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        self.embedding.record_stream(stream)
+
+
+class _WithoutRemapped(LazyAwaitable[Tuple[Any, None]]):
+    """`(embeddings, None)`, as the unsharded module returns without remapped features."""
+
+    def __init__(self, embeddings: LazyAwaitable[Any]) -> None:
+        super().__init__()
+        self._embeddings = embeddings
+
+    def _wait_impl(self) -> Tuple[Any, None]:
+        return self._embeddings.wait(), None
+
+
+class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
+    """The sharded twin of `ManagedCollisionEmbedding(Bag)Collection` (row-wise tables)."""
+
+    def __init__(
+        self,
+        module: BaseManagedCollisionEmbeddingCollection,
+        table_plans: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None,
+        e_sharder: EmbeddingModuleSharder,
+        mc_sharder: ManagedCollisionCollectionSharder,
+    ) -> None:
+        super().__init__()
+        owner = type(module).__name__
+        if module._return_remapped_features:
+            raise ValueError(
+                f"{owner}: return_remapped_features=True is not supported sharded yet "
+                "(build the module with return_remapped_features=False)"
+            )
+        device = torch.device(device or "cpu")
+        mcc = module._managed_collision_collection
+        configs = mcc.embedding_configs()
+        modules = modules_for_world(mcc, env.world_size)
+        plans = mc_sharder.bucket_aligned_plans(
+            modules, table_plans, {c.name: c.embedding_dim for c in configs}, env, device.type
+        )
+        self._embedding_module: ShardedEmbeddingModule = e_sharder.shard(
+            module._embedding_module, plans, env, device
+        )
+        (sharding,) = self._embedding_module.shardings.values()  # one: every table row-wise
+        self._managed_collision_collection = mc_sharder.shard(
+            mcc,
+            modules,
+            env,
+            device,
+            list(sharding.input_features),
+            bool(getattr(module, "is_weighted", lambda: False)()),
+        )
+        self._configs = {c.name: c for c in configs}
+        self._in_place_data = module._allow_in_place_embed_weight_update
+
+    def create_context(self) -> ManagedCollisionEmbeddingContext:
+        return ManagedCollisionEmbeddingContext(self._embedding_module.create_context())
+
+    def input_dist(
+        self, ctx: ManagedCollisionEmbeddingContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        hashed, sent_to, pending = self._managed_collision_collection.input_dist(features)
+        ctx.embedding.features = hashed
+        (sharding_ctx,) = ctx.embedding.sharding_contexts
+        self._before_send(sharding_ctx, hashed, sent_to)
+
+        def start_tensors() -> Awaitable[KeyedJaggedTensor]:
+            tensors = pending.wait()
+            self._after_splits(sharding_ctx, tensors)
+            return tensors
+
+        return FnAwaitable(start_tensors)
+
+    def _before_send(
+        self, sharding_ctx: Any, features: KeyedJaggedTensor, sent_to: torch.Tensor
+    ) -> None:
+        """Fill what the sharding's output dist reads from its own input dist (the routed
+        batch is `features`, its ids moved to positions `sent_to`)."""
+
+    def _after_splits(self, sharding_ctx: Any, tensors: Any) -> None:
+        """Keep what the sharding's output dist needs from the splits exchange."""
+
+    def _on_arrival(self, sharding_ctx: Any, received: KeyedJaggedTensor) -> None:
+        """Keep what the sharding's output dist needs from the received ids."""
+
+    def compute(
+        self, ctx: ManagedCollisionEmbeddingContext, dist_input: KeyedJaggedTensor
+    ) -> List[torch.Tensor]:
+        (sharding_ctx,) = ctx.embedding.sharding_contexts
+        self._on_arrival(sharding_ctx, dist_input)
+        local, evictions = self._managed_collision_collection.remap(dist_input)
+        self._reset(evictions)
+        ctx.evictions_per_table = evictions
+        return self._embedding_module.compute(ctx.embedding, [local])
+
+    def output_dist(
+        self, ctx: ManagedCollisionEmbeddingContext, output: List[torch.Tensor]
+    ) -> LazyAwaitable[Tuple[Any, None]]:
+        return _WithoutRemapped(self._embedding_module.output_dist(ctx.embedding, output))
+
+    # ---------------------------------------------------------------- state
+    # The tables' state is the sharded collection's, under `_embedding_module.`; the managed
+    # collision buffers are row-sharded like the tables (bucket-aligned), under the unsharded
+    # keys, so checkpoints reshard them to any world size with every id keeping its row.
+
+    @property
+    def env(self) -> ShardingEnv:
+        return self._embedding_module.env
+
+    @property
+    def tables_attr(self) -> str:
+        return f"_embedding_module.{self._embedding_module.tables_attr}"
+
+    def table_configs(self) -> List[Any]:
+        return self._embedding_module.table_configs()
+
+    def table_plan(self, table: str) -> ParameterSharding:
+        return self._embedding_module.table_plan(table)
+
+    def local_table_shards(self) -> Dict[str, List[Tuple[LocalTable, torch.Tensor]]]:
+        return self._embedding_module.local_table_shards()
+
+    def load_full_tables(self, full: Dict[str, torch.Tensor]) -> None:
+        self._embedding_module.load_full_tables(full)
+
+    def fused_optim_spec(self, table: str) -> FusedOptimSpec:
+        return self._embedding_module.fused_optim_spec(table)
+
+    def fused_optimizer_states(self) -> Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]]:
+        return self._embedding_module.fused_optimizer_states()
+
+    def sharded_buffer_state(self, prefix: str) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        env = self.env
+        head = f"{prefix}_managed_collision_collection._managed_collision_modules"
+        for table, module in self._managed_collision_collection.local_modules().items():
+            shards = [
+                (s.shard_offsets[0], s.shard_sizes[0], s.rank)
+                for s in self.table_plan(table).shards or []
+            ]
+            for name, buffer in module.named_buffers(recurse=False):
+                key = f"{head}.{table}.{name}"
+                if name != "_current_iter_tensor":  # indexed by row: cut like the table
+                    out[key] = row_sharded_tensor(
+                        buffer, module.output_size(), shards, env.rank, env.pg
+                    )
+                else:
+                    out[key] = buffer.detach()
+        return out
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, nn.Parameter]]:
+        """The tables' local weights under their unsharded names (the sharded collection's)."""
+        head = f"{prefix}._embedding_module" if prefix else "_embedding_module"
+        yield from self._embedding_module.named_parameters(head, recurse, remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, torch.Tensor]]:
+        """This rank's managed collision buffers (its rows), under their unsharded names."""
+        head = (
+            f"{prefix}._managed_collision_collection" if prefix else "_managed_collision_collection"
+        )
+        yield from self._managed_collision_collection.named_buffers(head, recurse, remove_duplicate)
+
+    @torch.no_grad()
+    def _reset(self, evictions: Dict[str, torch.Tensor | None]) -> None:
+        """Rows given to new ids (local rows): weights re-drawn by the table's init, fused
+        optimizer state zeroed."""
+        if not any(rows is not None and rows.numel() for rows in evictions.values()):
+            return
+        weights = self._embedding_module.local_table_shards()
+        states = self._embedding_module.fused_optimizer_states()
+        for table, rows in evictions.items():
+            if rows is None or rows.numel() == 0:
+                continue
+            for _, weight in weights.get(table, []):
+                reset_rows(weight, rows.to(weight.device), self._configs[table], True)
+            for local, state in states.get(table, []):
+                for tensor in state.values():
+                    if tensor.dim() >= 1 and tensor.size(0) == local.rows:
+                        tensor[rows.to(tensor.device)] = 0
+
+
+class BaseManagedCollisionEmbeddingCollectionSharder(ModuleSharder[Any]):
+    """An embedding sharder and a managed collision sharder composed; plans row-wise only."""
+
+    sharded_type: type
+
+    def __init__(
+        self,
+        e_sharder: EmbeddingModuleSharder,
+        mc_sharder: ManagedCollisionCollectionSharder | None = None,
+        qcomm_codecs_registry: Dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(e_sharder.fused_params, qcomm_codecs_registry)
+        self._e_sharder = e_sharder
+        self._mc_sharder = mc_sharder or ManagedCollisionCollectionSharder()
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        offered = set(self._e_sharder.sharding_types(compute_device_type))
+        return sorted(offered & set(self._mc_sharder.sharding_types(compute_device_type)))
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return self._e_sharder.compute_kernels(sharding_type, compute_device_type)
+
+    def shardable_parameters(
+        self, module: BaseManagedCollisionEmbeddingCollection
+    ) -> Dict[str, Any]:
+        return self._e_sharder.shardable_parameters(module._embedding_module)
+
+    def shard(
+        self,
+        module: BaseManagedCollisionEmbeddingCollection,
+        params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None = None,
+    ) -> BaseShardedManagedCollisionEmbeddingCollection:
+        return self.sharded_type(module, params, env, device, self._e_sharder, self._mc_sharder)

@@ -1,0 +1,293 @@
+"""ShardedManagedCollisionCollection: raw ids routed to the rank that owns their rows and
+remapped there, so a raw id crosses the network once.
+
+Layout at world size W: a table's module has B >= W buckets (`recshard.modules.mc_modules`);
+rank r owns buckets `[r*B//W, (r+1)*B//W)` and exactly their rows (a row-wise shard cut at
+bucket boundaries, so any zch size works). A module built with fewer buckets than ranks
+(TorchRec's default `buckets=1`) and no ids yet is rebuilt with W buckets, as TorchRec splits
+its module per rank; with ids it is an error (they would change rows).
+
+input_dist: check the batch (features, dtypes, ids inside `input_hash_size` after the hash)
+on every rank, hash, route each id to `owner[id % B]` (one KJT all-to-all; a rejected batch
+sends its verdict instead, so every rank raises). compute: count and remap the received ids
+with this rank's slice of each module (the global batch's ids of its buckets, as the unsharded
+module sees them), return local rows and the rows given to new ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from recshard.comm import KJTAllToAll
+from recshard.modules.input_checks import check_dtypes_and_weights, check_features, check_one_batch
+from recshard.modules.mc_modules import (
+    ManagedCollisionCollection,
+    MCHManagedCollisionModule,
+    bucket_row_starts,
+)
+from recshard.plan.sharding_types import sharding_type_values
+from recshard.sparse import JaggedTensor, KeyedJaggedTensor
+from recshard.sparse.validation import validate_kjt
+from recshard.types import (
+    Awaitable,
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    ShardingEnv,
+    ShardingType,
+    ShardMetadata,
+)
+
+logger = logging.getLogger(__name__)
+
+MC_SHARDING_TYPES = [ShardingType.ROW_WISE]
+
+
+def owned_buckets(buckets: int, world_size: int, rank: int) -> Tuple[int, int]:
+    """Buckets `[first, last)` of `rank`: contiguous, as even as whole buckets allow."""
+    return rank * buckets // world_size, (rank + 1) * buckets // world_size
+
+
+def modules_for_world(
+    mcc: ManagedCollisionCollection, world_size: int
+) -> Dict[str, MCHManagedCollisionModule]:
+    """Each table's module with at least `world_size` buckets (see the module doc)."""
+    out: Dict[str, MCHManagedCollisionModule] = {}
+    for table, module in mcc.modules_by_table().items():
+        if not isinstance(module, MCHManagedCollisionModule):
+            raise TypeError(
+                f"table '{table}': sharded managed collision takes MCHManagedCollisionModule, "
+                f"got {type(module).__name__}"
+            )
+        if module.buckets() < world_size:
+            logger.warning(
+                "table '%s': managed collision module has %d bucket(s) for %d ranks; rebuilt "
+                "with %d buckets (it maps ids as the unsharded module with buckets=%d would)",
+                table,
+                module.buckets(),
+                world_size,
+                world_size,
+                world_size,
+            )
+            module = module.rebucketed(world_size)
+        out[table] = module
+    return out
+
+
+def bucket_aligned_plan(
+    table: str,
+    plan: ParameterSharding | None,
+    module: MCHManagedCollisionModule,
+    embedding_dim: int,
+    world_size: int,
+    device_type: str,
+) -> ParameterSharding:
+    """The table's row-wise plan with its shards cut at bucket boundaries."""
+    if plan is None:
+        raise ValueError(f"table '{table}': the plan has no entry for this managed collision table")
+    if plan.sharding_type not in sharding_type_values(MC_SHARDING_TYPES):
+        raise ValueError(
+            f"table '{table}': managed collision tables are sharded "
+            f"{sorted(sharding_type_values(MC_SHARDING_TYPES))}, the plan says "
+            f"'{plan.sharding_type}'"
+        )
+    starts = bucket_row_starts(module.output_size(), module.buckets())
+    shards = []
+    for rank in range(world_size):
+        first, last = owned_buckets(module.buckets(), world_size, rank)
+        shards.append(
+            ShardMetadata(
+                [starts[first], 0],
+                [starts[last] - starts[first], embedding_dim],
+                f"rank:{rank}/{device_type}",
+            )
+        )
+    return dataclasses.replace(plan, ranks=list(range(world_size)), shards=shards)
+
+
+def route_to_owners(
+    features: KeyedJaggedTensor, owner: torch.Tensor, world: int
+) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
+    """Every bag cut into one bag per destination rank (`owner [N]`), destination-major keys
+    (`keys * world`), ids kept in order within a bag: the layout `KJTAllToAll` sends. Also
+    where each id went (`[N]`: position in the routed values, fbgemm's unbucketize permute)."""
+    lengths = features.lengths()
+    bags = lengths.numel()
+    bag_of_id = torch.repeat_interleave(torch.arange(bags, device=lengths.device), lengths.long())
+    order = torch.argsort(owner, stable=True)
+    routed_lengths = torch.bincount(owner * bags + bag_of_id, minlength=world * bags)
+    weights = features.weights_or_none()
+    routed = KeyedJaggedTensor(
+        features.keys() * world,
+        features.values()[order],
+        weights[order] if weights is not None else None,
+        lengths=routed_lengths.to(lengths.dtype),
+        stride=features.stride(),
+        validate=False,
+    )
+    sent_to = torch.empty_like(order)
+    sent_to[order] = torch.arange(order.numel(), device=order.device)
+    return routed, sent_to
+
+
+class ShardedManagedCollisionCollection(nn.Module):
+    """This rank's slice of every table's module, and the id routing to it."""
+
+    def __init__(
+        self,
+        modules: Dict[str, MCHManagedCollisionModule],
+        mcc: ManagedCollisionCollection,
+        env: ShardingEnv,
+        device: torch.device,
+        wire_features: List[str],
+        is_weighted: bool,
+    ) -> None:
+        super().__init__()
+        self.env, self._device = env, device
+        self._owner = "ShardedManagedCollisionCollection"
+        self._is_weighted = is_weighted
+        world, rank = env.world_size, env.rank
+        self._managed_collision_modules = nn.ModuleDict(
+            {
+                t: m.rebuild_with_bucket_range(*owned_buckets(m.buckets(), world, rank), device)
+                for t, m in modules.items()
+            }
+        )
+        self._feature_names = mcc.feature_names()
+        self._feature_to_table = {
+            f: c.name for c in mcc.embedding_configs() for f in c.feature_names
+        }
+        self._wire_features = wire_features
+        self._owner_of_bucket = {
+            t: torch.tensor(
+                [r for r in range(world) for _ in range(*owned_buckets(m.buckets(), world, r))],
+                dtype=torch.int64,
+            )
+            for t, m in modules.items()
+        }
+        self._kjt_a2a = KJTAllToAll(env.pg, [len(wire_features)] * world)
+
+    def local_modules(self) -> Dict[str, MCHManagedCollisionModule]:
+        return dict(self._managed_collision_modules.items())  # type: ignore[arg-type]
+
+    def _hashed_and_owners(
+        self, features: KeyedJaggedTensor
+    ) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
+        """The batch in wire order with hashed ids, and each id's owner rank; ValueError on a
+        bad batch."""
+        validate_kjt(features)
+        check_features(features, self._feature_names, self._owner)
+        check_one_batch(features, self._owner)
+        check_dtypes_and_weights(features, self._is_weighted, self._owner)
+        keys = features.keys()
+        if keys != self._wire_features:
+            features = features.permute([keys.index(f) for f in self._wire_features])
+        values, owners = [], []
+        for feature, ids in zip(
+            self._wire_features, features.values().split(features.length_per_key())
+        ):
+            table = self._feature_to_table[feature]
+            module = self._managed_collision_modules[table]
+            hashed = module.preprocess(
+                {feature: JaggedTensor(ids, lengths=torch.tensor([ids.numel()]))}
+            )
+            ids = hashed[feature].values()
+            module.check_ids(ids, f"table '{table}', feature '{feature}'")
+            values.append(ids)
+            owners.append(self._owner_of_bucket[table].to(ids.device)[ids % module.buckets()])
+        hashed_kjt = KeyedJaggedTensor(
+            self._wire_features,
+            torch.cat(values) if values else features.values(),
+            features.weights_or_none(),
+            lengths=features.lengths(),
+            stride=features.stride(),
+            validate=False,
+        )
+        return hashed_kjt, torch.cat(owners) if owners else features.values()
+
+    def input_dist(
+        self, features: KeyedJaggedTensor
+    ) -> Tuple[KeyedJaggedTensor, torch.Tensor, Awaitable[Awaitable[KeyedJaggedTensor]]]:
+        """(the checked batch in wire order, where each of its ids went in the routed values,
+        the started all-to-all of its ids to their owners). A bad batch raises here on its rank after sending its verdict, which makes
+        every other rank raise at its first wait."""
+        try:
+            hashed, owners = self._hashed_and_owners(features)
+        except ValueError as e:
+            empty = KeyedJaggedTensor(
+                self._wire_features * self.env.world_size,
+                torch.empty(0, dtype=torch.int64),
+                lengths=torch.zeros(0, dtype=torch.int32),
+                stride=0,
+                validate=False,
+            )
+            self._kjt_a2a(empty, input_error=str(e)).wait()
+            raise  # unreachable: the wait raises this rank's own error
+        routed, sent_to = route_to_owners(hashed, owners, self.env.world_size)
+        return hashed, sent_to, self._kjt_a2a(routed)
+
+    def remap(
+        self, received: KeyedJaggedTensor
+    ) -> Tuple[KeyedJaggedTensor, Dict[str, torch.Tensor | None]]:
+        """Count (training) and remap the ids routed here: (local rows in the received layout,
+        per table the local rows given to new ids, or None)."""
+        keys = received.keys()
+        per_key = list(received.values().split(received.length_per_key()))
+        evictions: Dict[str, torch.Tensor | None] = {}
+        for table, module in self._managed_collision_modules.items():
+            positions = [k for k, f in enumerate(keys) if self._feature_to_table[f] == table]
+            if not positions:
+                continue
+            ids = torch.cat([per_key[k] for k in positions])
+            module.profile({table: JaggedTensor(ids, lengths=torch.tensor([ids.numel()]))})
+            rows = module.remap_ids(ids) - module.row_range()[0]
+            for k, part in zip(positions, rows.split([per_key[k].numel() for k in positions])):
+                per_key[k] = part
+            evicted = module.evict()
+            evictions[table] = None if evicted is None else evicted - module.row_range()[0]
+        local = KeyedJaggedTensor(
+            keys,
+            torch.cat(per_key) if per_key else received.values(),
+            received.weights_or_none(),
+            lengths=received.lengths(),
+            stride=received.stride(),
+            validate=False,
+        )
+        return local, evictions
+
+
+class ManagedCollisionCollectionSharder:
+    """Shards a ManagedCollisionCollection next to its embedding tables (row-wise)."""
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return sorted(sharding_type_values(MC_SHARDING_TYPES))
+
+    def shard(
+        self,
+        module: ManagedCollisionCollection,
+        modules: Dict[str, MCHManagedCollisionModule],
+        env: ShardingEnv,
+        device: torch.device,
+        wire_features: List[str],
+        is_weighted: bool,
+    ) -> ShardedManagedCollisionCollection:
+        return ShardedManagedCollisionCollection(
+            modules, module, env, device, wire_features, is_weighted
+        )
+
+    def bucket_aligned_plans(
+        self,
+        modules: Dict[str, MCHManagedCollisionModule],
+        table_plans: EmbeddingModuleShardingPlan,
+        dims: Dict[str, int],
+        env: ShardingEnv,
+        device_type: str,
+    ) -> Dict[str, ParameterSharding]:
+        return {
+            t: bucket_aligned_plan(t, table_plans.get(t), m, dims[t], env.world_size, device_type)
+            for t, m in modules.items()
+        }

@@ -1,0 +1,444 @@
+"""Managed collision (zero-collision hashing, ZCH): raw ids -> rows of a table of `zch_size` rows.
+
+`MCHManagedCollisionModule` keeps, per row, the raw id that holds it and the eviction metadata
+of its policy (`recshard.modules.mc_eviction`). In training, every forward counts the ids it
+sees; every `eviction_interval` iterations the ids seen since the last eviction compete with
+the ids holding rows and the policy's best keep or get a row. An id holding a row maps to it
+until evicted; any other id maps to the reserved last row of its bucket (TorchRec's default
+row). `evict()` hands the rows given to new ids since the last call to the embedding module,
+which resets them.
+
+Buckets (recshard's layout, world-size independent): ids go to bucket `id % buckets` and the
+rows are cut into `buckets` contiguous ranges (sizes differ by at most one, any `zch_size >=
+buckets`); an id only ever holds a row of its bucket and each bucket evicts on its own. Sharded
+row-wise, each rank holds whole buckets, so the rank that owns an id's rows remaps it and the
+sharded model equals the unsharded one with the same `buckets`. `buckets=1` (TorchRec's default)
+is one table. The module may hold a slice of the buckets (`rebuild_with_bucket_range`): its
+buffers cover only their rows, and it returns global rows.
+
+State (`state_dict`), indexed by local row: `_mch_raw_ids` (the id holding the row, int64 max
+if free), `_mch_<metadata>` per policy, `_current_iter_tensor`. Ids seen since the last eviction
+are not state (as TorchRec).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Tuple
+
+import torch
+
+from recshard.modules.mc_base import (
+    FREE,
+    HashFunc,
+    ManagedCollisionModule,
+    bucket_row_starts,
+    with_values,
+)
+from recshard.modules.mc_collection import ManagedCollisionCollection
+from recshard.modules.mc_eviction import (
+    COUNTS,
+    DistanceLFU_EvictionPolicy,
+    LFU_EvictionPolicy,
+    LRU_EvictionPolicy,
+    MCHEvictionPolicy,
+    MCHEvictionPolicyMetadataInfo,
+    average_threshold_filter,
+    dynamic_threshold_filter,
+    probabilistic_threshold_filter,
+)
+from recshard.sparse import JaggedTensor
+
+logger = logging.getLogger(__name__)
+
+_COUNTERS = ("lookups", "hits", "admitted", "evicted")
+
+__all__ = [
+    "FREE",
+    "DistanceLFU_EvictionPolicy",
+    "LFU_EvictionPolicy",
+    "LRU_EvictionPolicy",
+    "MCHEvictionPolicy",
+    "MCHEvictionPolicyMetadataInfo",
+    "MCHManagedCollisionModule",
+    "ManagedCollisionCollection",
+    "ManagedCollisionModule",
+    "average_threshold_filter",
+    "bucket_row_starts",
+    "dynamic_threshold_filter",
+    "probabilistic_threshold_filter",
+]
+
+
+class MCHManagedCollisionModule(ManagedCollisionModule):
+    """ZCH with eviction (TorchRec's arguments; `buckets` as described in the module doc).
+
+    `mch_size` / `mch_hash_func` are deprecated in TorchRec and ignored there; here too, with
+    the same warning.
+    """
+
+    def __init__(
+        self,
+        zch_size: int,
+        device: torch.device | str | None,
+        eviction_policy: MCHEvictionPolicy,
+        eviction_interval: int,
+        input_hash_size: int = (2**63) - 1,
+        input_hash_func: HashFunc | None = None,
+        mch_size: int | None = None,
+        mch_hash_func: HashFunc | None = None,
+        name: str | None = None,
+        buckets: int = 1,
+        bucket_range: Tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__(device)
+        label = f"MCHManagedCollisionModule '{name}'" if name else "MCHManagedCollisionModule"
+        if mch_size is not None or mch_hash_func is not None:
+            logger.warning(
+                "%s: mch_size / mch_hash_func are deprecated (as in TorchRec) and ignored", label
+            )
+        if zch_size < 1:
+            raise ValueError(f"{label}: zch_size must be >= 1, got {zch_size}")
+        if buckets < 1 or buckets > zch_size:
+            raise ValueError(
+                f"{label}: buckets must be in [1, zch_size={zch_size}] (each bucket needs a row), "
+                f"got {buckets}"
+            )
+        if eviction_interval < 1:
+            raise ValueError(f"{label}: eviction_interval must be >= 1, got {eviction_interval}")
+        if not 1 <= input_hash_size <= FREE:
+            raise ValueError(
+                f"{label}: input_hash_size must be in [1, 2**63 - 1], got {input_hash_size}"
+            )
+        first, last = bucket_range if bucket_range is not None else (0, buckets)
+        if not 0 <= first < last <= buckets:
+            raise ValueError(f"{label}: bucket_range {bucket_range} is not inside [0, {buckets})")
+        self._name = name
+        self._label = label
+        self._zch_size = zch_size
+        self._buckets = buckets
+        self._bucket_range = (first, last)
+        self._input_hash_size = input_hash_size
+        self._input_hash_func = input_hash_func
+        self._eviction_policy = eviction_policy
+        self._eviction_interval = eviction_interval
+        starts = bucket_row_starts(zch_size, buckets)
+        self._row_offset = starts[first]
+        self._bucket_starts = [s - self._row_offset for s in starts[first : last + 1]]
+        rows = self._bucket_starts[-1]
+        dev = self.device
+        self.register_buffer(
+            "_mch_raw_ids", torch.full((rows,), FREE, dtype=torch.int64, device=dev)
+        )
+        for metadata in eviction_policy.metadata_names:
+            self.register_buffer(
+                f"_mch_{metadata}", torch.zeros(rows, dtype=torch.int64, device=dev)
+            )
+        self.register_buffer("_current_iter_tensor", torch.zeros(1, dtype=torch.int64, device=dev))
+        # derived from the state: ids holding rows, sorted, and their global rows
+        self._sorted_ids = torch.empty(0, dtype=torch.int64, device=dev)
+        self._sorted_rows = torch.empty(0, dtype=torch.int64, device=dev)
+        self._default_rows = torch.tensor(
+            [self._row_offset + s - 1 for s in self._bucket_starts[1:]],
+            dtype=torch.int64,
+            device=dev,
+        )
+        self._history: List[Tuple[torch.Tensor, int]] = []
+        self._evicted_rows: List[torch.Tensor] = []
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._rebuild_index()
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.validate_state())
+
+    # -- what the module is -------------------------------------------------------------
+
+    def output_size(self) -> int:
+        return self._zch_size
+
+    def input_size(self) -> int:
+        return self._input_hash_size
+
+    def buckets(self) -> int:
+        return self._buckets
+
+    def bucket_range(self) -> Tuple[int, int]:
+        return self._bucket_range
+
+    def row_range(self) -> Tuple[int, int]:
+        """Global rows `[start, end)` this module holds."""
+        return self._row_offset, self._row_offset + self._bucket_starts[-1]
+
+    @property
+    def eviction_policy(self) -> MCHEvictionPolicy:
+        return self._eviction_policy
+
+    def metadata(self) -> Dict[str, torch.Tensor]:
+        return {m: getattr(self, f"_mch_{m}") for m in self._eviction_policy.metadata_names}
+
+    def open_slots(self) -> torch.Tensor:
+        free = int((self._mch_raw_ids == FREE).sum()) - len(self._default_rows)
+        return torch.tensor([free], dtype=torch.int64)
+
+    def metrics(self, reset: bool = True) -> Dict[str, float]:
+        """Since the last reset: `lookups` (ids remapped), `hits` (of them, ids holding a row),
+        `hit_rate`, `admitted` (ids given a row), `evicted` (ids that lost theirs); and now:
+        `rows_in_use`, `open_slots`. Counts this module's buckets only (a rank's, sharded)."""
+        out: Dict[str, float] = dict(self._counters)
+        out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
+        out["rows_in_use"] = self.rows_in_use()
+        out["open_slots"] = int(self.open_slots())
+        if reset:
+            self._counters = dict.fromkeys(_COUNTERS, 0)
+        return out
+
+    def rows_in_use(self) -> int:
+        return int(self._mch_raw_ids.numel()) - int(self.open_slots()) - len(self._default_rows)
+
+    # -- forward ------------------------------------------------------------------------
+
+    def preprocess(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
+        if self._input_hash_func is None:
+            return features
+        return {
+            name: with_values(jt, self._input_hash_func(jt.values(), self._input_hash_size))
+            for name, jt in features.items()
+        }
+
+    def check_ids(self, values: torch.Tensor, where: str) -> None:
+        """Ids (after preprocessing) must lie in `[0, input_hash_size)`: ValueError otherwise."""
+        if values.numel() == 0:
+            return
+        low, high = torch.aminmax(values)
+        if int(low) < 0 or int(high) >= self._input_hash_size:
+            bad = int(low) if int(low) < 0 else int(high)
+            hashed = " (after input_hash_func)" if self._input_hash_func is not None else ""
+            raise ValueError(
+                f"{where}: id {bad}{hashed} is outside [0, input_hash_size={self._input_hash_size})"
+                " of its managed collision module"
+            )
+
+    def profile(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
+        if not self.training:
+            return features
+        self._ensure_index()
+        self._current_iter_tensor += 1
+        current = int(self._current_iter_tensor)
+        for jt in features.values():
+            self._history.append((jt.values().detach().to(torch.int64), current))
+        if current % self._eviction_interval == 0:
+            self._coalesce_and_evict(current)
+        return features
+
+    def remap(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
+        return {name: with_values(jt, self.remap_ids(jt.values())) for name, jt in features.items()}
+
+    def remap_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global row of each id `[N]` (ids of this module's buckets only)."""
+        self._ensure_index()
+        ids = ids.to(torch.int64)
+        self._counters["lookups"] += ids.numel()
+        if self._sorted_ids.numel() == 0:
+            return self._default_rows[self._local_bucket(ids)]
+        position = torch.searchsorted(self._sorted_ids, ids).clamp_(
+            max=self._sorted_ids.numel() - 1
+        )
+        hit = self._sorted_ids[position] == ids
+        self._counters["hits"] += int(hit.sum())
+        return torch.where(
+            hit, self._sorted_rows[position], self._default_rows[self._local_bucket(ids)]
+        )
+
+    def forward(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
+        """`{name: JaggedTensor of raw ids}` -> the same with rows as values."""
+        features = self.preprocess(features)
+        for name, jt in features.items():
+            self.check_ids(jt.values(), f"{self._label}, feature '{name}'")
+        features = self.profile(features)
+        return self.remap(features)
+
+    @torch.no_grad()
+    def evict(self) -> torch.Tensor | None:
+        if not self._evicted_rows:
+            return None
+        rows = torch.cat(self._evicted_rows).unique()
+        self._evicted_rows = []
+        return rows
+
+    # -- eviction -----------------------------------------------------------------------
+
+    def _local_bucket(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._buckets == 1:
+            return torch.zeros_like(ids)
+        return ids % self._buckets - self._bucket_range[0]
+
+    @torch.no_grad()
+    def _coalesce_and_evict(self, current_iter: int) -> None:
+        if not self._history:
+            return
+        ids = torch.cat([h for h, _ in self._history])
+        seen_at = torch.cat([torch.full_like(h, it) for h, it in self._history])
+        self._history = []
+        unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        last_seen = torch.zeros_like(unique).scatter_reduce_(
+            0, inverse, seen_at, "amax", include_self=False
+        )
+        bucket = self._local_bucket(unique)
+        for b in torch.unique(bucket).tolist():
+            mine = bucket == b
+            self._compete(b, current_iter, unique[mine], counts[mine], last_seen[mine])
+        self._rebuild_index()
+
+    def _compete(
+        self,
+        bucket: int,
+        current_iter: int,
+        ids: torch.Tensor,
+        counts: torch.Tensor,
+        last_seen: torch.Tensor,
+    ) -> None:
+        """Ids seen in one bucket (`[U]`, sorted) update their rows' metadata or compete for
+        the bucket's rows (all but its reserved last row)."""
+        policy = self._eviction_policy
+        if policy.threshold_filtering_func is not None:
+            passed, _ = policy.threshold_filtering_func(counts)
+            ids, counts, last_seen = ids[passed], counts[passed], last_seen[passed]
+        start = self._bucket_starts[bucket]
+        slots = self._bucket_starts[bucket + 1] - 1 - start
+        if slots == 0 or ids.numel() == 0:
+            return
+        # rows holding ids, ordered by raw id (free rows last, in row order)
+        order = start + torch.argsort(self._mch_raw_ids[start : start + slots], stable=True)
+        held = self._mch_raw_ids[order]
+        position = torch.searchsorted(held, ids).clamp_(max=slots - 1)
+        hit = held[position] == ids
+        seen = {COUNTS: counts, "last_access_iter": last_seen}
+        meta = self.metadata()
+        hit_rows = order[position[hit]]
+        for name, buffer in meta.items():
+            if name == COUNTS:
+                buffer[hit_rows] += counts[hit]
+            else:
+                buffer[hit_rows] = seen[name][hit]
+        by_count = torch.argsort(counts[~hit], descending=True, stable=True)
+        new_ids = ids[~hit][by_count]
+        new_meta = {name: seen[name][~hit][by_count] for name in meta}
+        scores = torch.cat(
+            [
+                policy.eviction_scores(current_iter, {n: b[order] for n, b in meta.items()}),
+                policy.eviction_scores(current_iter, new_meta),
+            ]
+        )
+        ranked = torch.argsort(scores, descending=True, stable=True)
+        kept, dropped = ranked[:slots], ranked[slots:]
+        evicted = order[dropped[dropped < slots]]
+        admitted = kept[kept >= slots] - slots
+        if evicted.numel() != admitted.numel():
+            raise RuntimeError(
+                f"{self._label}: eviction paired {evicted.numel()} rows with {admitted.numel()} ids"
+            )
+        if evicted.numel() == 0:
+            return
+        self._counters["admitted"] += evicted.numel()
+        self._counters["evicted"] += int((self._mch_raw_ids[evicted] != FREE).sum())
+        self._mch_raw_ids[evicted] = new_ids[admitted]
+        for name, buffer in meta.items():
+            buffer[evicted] = new_meta[name][admitted]
+        self._evicted_rows.append(evicted + self._row_offset)
+
+    @torch.no_grad()
+    def _rebuild_index(self) -> None:
+        held = (self._mch_raw_ids != FREE).nonzero().squeeze(1)
+        ids = self._mch_raw_ids[held]
+        order = torch.argsort(ids)
+        self._sorted_ids = ids[order]
+        self._sorted_rows = held[order] + self._row_offset
+        self._index_version = self._mch_raw_ids._version
+
+    def _ensure_index(self) -> None:
+        """Rows written from outside (a checkpoint loaded into the buffer in place, e.g. by
+        torch.distributed.checkpoint): check the new state and rebuild the index."""
+        if self._mch_raw_ids._version != self._index_version:
+            self.validate_state()
+
+    # -- state --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def validate_state(self) -> None:
+        raw = self._mch_raw_ids
+        held = (raw != FREE).nonzero().squeeze(1)
+        ids = raw[held]
+        if ids.numel() != ids.unique().numel():
+            raise ValueError(f"{self._label}: the loaded state gives an id more than one row")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self._input_hash_size):
+            raise ValueError(f"{self._label}: the loaded state holds ids outside input_hash_size")
+        bucket_of_row = torch.bucketize(
+            held, torch.tensor(self._bucket_starts[1:], device=held.device), right=True
+        )
+        if not torch.equal(self._local_bucket(ids), bucket_of_row):
+            raise ValueError(
+                f"{self._label}: the loaded state places ids outside the rows of their bucket "
+                f"(saved with another `buckets` than {self._buckets}?)"
+            )
+        reserved = torch.tensor(self._bucket_starts[1:], device=raw.device) - 1
+        if bool((raw[reserved] != FREE).any()):
+            raise ValueError(
+                f"{self._label}: the loaded state gives a bucket's reserved row to an id"
+            )
+        self._history = []
+        self._rebuild_index()
+
+    def rebuild_with_bucket_range(
+        self, first: int, last: int, device: torch.device | None = None
+    ) -> MCHManagedCollisionModule:
+        rebuilt = MCHManagedCollisionModule(
+            zch_size=self._zch_size,
+            device=device or self.device,
+            eviction_policy=self._eviction_policy,
+            eviction_interval=self._eviction_interval,
+            input_hash_size=self._input_hash_size,
+            input_hash_func=self._input_hash_func,
+            name=self._name,
+            buckets=self._buckets,
+            bucket_range=(first, last),
+        )
+        begin, end = rebuilt.row_range()
+        own = self._row_offset
+        if begin < own or end > own + self._mch_raw_ids.numel():
+            raise ValueError(f"{self._label}: buckets [{first}, {last}) are not held here")
+        with torch.no_grad():
+            rebuilt._mch_raw_ids.copy_(self._mch_raw_ids[begin - own : end - own])
+            for name, buffer in rebuilt.metadata().items():
+                buffer.copy_(getattr(self, f"_mch_{name}")[begin - own : end - own])
+            rebuilt._current_iter_tensor.copy_(self._current_iter_tensor)
+        rebuilt.train(self.training)
+        rebuilt.validate_state()
+        return rebuilt
+
+    def is_fresh(self) -> bool:
+        """No id holds a row and no training step has run."""
+        return bool((self._mch_raw_ids == FREE).all()) and int(self._current_iter_tensor) == 0
+
+    def rebucketed(self, buckets: int) -> MCHManagedCollisionModule:
+        """The same module with `buckets` buckets (state empty: ids cannot change rows)."""
+        if not self.is_fresh():
+            raise ValueError(
+                f"{self._label}: cannot change buckets from {self._buckets} to {buckets} once ids "
+                "hold rows (their rows would change); build the module with buckets >= the "
+                "world size"
+            )
+        return MCHManagedCollisionModule(
+            zch_size=self._zch_size,
+            device=self.device,
+            eviction_policy=self._eviction_policy,
+            eviction_interval=self._eviction_interval,
+            input_hash_size=self._input_hash_size,
+            input_hash_func=self._input_hash_func,
+            name=self._name,
+            buckets=buckets,
+        ).train(self.training)
+
+    def extra_repr(self) -> str:
+        return (
+            f"zch_size={self._zch_size}, buckets={self._buckets}, bucket_range={self._bucket_range}, "
+            f"eviction_interval={self._eviction_interval}, "
+            f"policy={type(self._eviction_policy).__name__}"
+        )

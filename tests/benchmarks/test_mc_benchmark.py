@@ -1,0 +1,28 @@
+"""`python -m benchmarks.mc` runs end to end on 2 ranks and prints one JSON line per id
+distribution, with evictions on the Zipf one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_mc_benchmark_runs_small() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.mc", "--rows", "500", "--batch", "16", "--steps", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert [line["ids"] for line in lines] == ["uniform", "zipf"]
+    for line in lines:
+        assert line["plain_ebc_step_ms"] > 0 and line["mc_ebc_step_ms"] > 0
+        assert 0 < line["remap_share_of_mc_step"] < 1
+    assert lines[1]["evicted_rank0"] > 0

@@ -1,0 +1,97 @@
+"""Managed collision state in checkpoints: saved at world size 2, loaded at 1 and 3, every id
+keeps its row, and training goes on as the unsharded model's does."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import List
+
+import torch
+from mc_cases import LR, SparseModel, kjt_of, local_ids
+from multiprocess import run_ranks
+
+from recshard import checkpoint
+from recshard.distributed import DistributedModelParallel
+from recshard.distributed.mc_embedding_modules import (
+    BaseShardedManagedCollisionEmbeddingCollection,
+)
+from recshard.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+
+SAVED_AT, BEFORE, AFTER = 2, 8, 4
+
+
+def _dmp() -> DistributedModelParallel:
+    sharder = ManagedCollisionEmbeddingBagCollectionSharder(
+        fused_params={"optimizer": "exact_sgd", "learning_rate": LR}
+    )
+    return DistributedModelParallel(SparseModel(6), sharders=[sharder])
+
+
+def _global_batch(step: int, ws: int):
+    return kjt_of([local_ids(step, r) for r in range(ws)])
+
+
+def _train_and_save(rank: int, ws: int, path: str) -> None:
+    dmp = _dmp()
+    for step in range(BEFORE):
+        dmp(kjt_of([local_ids(step, rank)])).sum().backward()
+    checkpoint.save(path, dmp)
+
+
+def _load_and_go_on(rank: int, ws: int, path: str) -> List[str]:
+    """The reference trains unsharded on the saving run's global batches, then on this run's."""
+    reference = SparseModel(6)
+    opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(BEFORE):
+        opt.zero_grad()
+        (reference(_global_batch(step, SAVED_AT)).sum() / SAVED_AT).backward()
+        opt.step()
+    dmp = _dmp()
+    checkpoint.load(path, dmp)
+    sharded = next(
+        m for m in dmp.modules() if isinstance(m, BaseShardedManagedCollisionEmbeddingCollection)
+    )
+    ref_modules = reference.sparse._managed_collision_collection.modules_by_table()
+    problems = []
+    for step in range(BEFORE, BEFORE + AFTER):
+        for table, local in sharded._managed_collision_collection.local_modules().items():
+            lo, hi = local.row_range()
+            if not torch.equal(local._mch_raw_ids, ref_modules[table]._mch_raw_ids[lo:hi]):
+                problems.append(f"step {step}: table {table} rows {lo}:{hi} hold other ids")
+            if int(local._current_iter_tensor) != int(ref_modules[table]._current_iter_tensor):
+                problems.append(f"step {step}: table {table} iteration differs")
+        out = dmp(kjt_of([local_ids(step, rank)]))
+        out.sum().backward()
+        ref_out = reference(_global_batch(step, ws))
+        opt.zero_grad()
+        (ref_out.sum() / ws).backward()
+        opt.step()
+        want = ref_out.detach()[rank * 4 : (rank + 1) * 4]
+        if not torch.allclose(out.detach(), want, atol=1e-5):
+            problems.append(f"step {step}: outputs differ by {(out - want).abs().max():.3g}")
+    held = sum(
+        int(m._mch_raw_ids.ne(torch.iinfo(torch.int64).max).sum()) for m in ref_modules.values()
+    )
+    if held == 0:
+        problems.append("no id held a row: nothing was checked")
+    return problems
+
+
+def test_saved_at_two_ranks_loads_at_one_and_three() -> None:
+    with tempfile.TemporaryDirectory() as path:
+        run_ranks(SAVED_AT, _train_and_save, path, timeout=180)
+        for ws in (1, 3):
+            for rank, problems in enumerate(run_ranks(ws, _load_and_go_on, path, timeout=180)):
+                assert not problems, f"world size {ws}, rank {rank}: {problems}"
+
+
+def test_state_dict_keys_and_shapes_match_the_unsharded_module() -> None:
+    reference = SparseModel(6).state_dict()
+    found = run_ranks(2, _state_dict_shapes, timeout=120)
+    want = {k: tuple(v.shape) for k, v in reference.items()}
+    for rank, shapes in enumerate(found):
+        assert shapes == want, f"rank {rank}"
+
+
+def _state_dict_shapes(rank: int, ws: int) -> dict:
+    return {k: tuple(v.shape) for k, v in _dmp().state_dict().items()}

@@ -1,0 +1,193 @@
+"""Sharded managed collision (row-wise, bucket-aligned shards) equals the unsharded module with
+the same buckets, step for step, with evictions: outputs, the ids holding each row, weights.
+
+Reference: the unsharded model trained in one process on the concatenated global batches
+(SGD, loss divided by the world size: the sharded gradient convention)."""
+
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+from mc_cases import LR, SequenceModel, SparseModel, kjt_of, local_ids
+from multiprocess import run_ranks
+
+from recshard.distributed import DistributedModelParallel
+from recshard.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
+from recshard.distributed.mc_embedding_modules import (
+    BaseShardedManagedCollisionEmbeddingCollection,
+)
+from recshard.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+from recshard.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+from recshard.types import ShardingPlan
+
+STEPS = 12
+
+
+def _sharder(optimizer: str = "exact_sgd") -> ManagedCollisionEmbeddingBagCollectionSharder:
+    return ManagedCollisionEmbeddingBagCollectionSharder(
+        fused_params={"optimizer": optimizer, "learning_rate": LR}
+    )
+
+
+def _sharded(dmp: DistributedModelParallel) -> BaseShardedManagedCollisionEmbeddingCollection:
+    return next(
+        m for m in dmp.modules() if isinstance(m, BaseShardedManagedCollisionEmbeddingCollection)
+    )
+
+
+def _compare(
+    rank: int, ws: int, model_buckets: int, ref_buckets: int, use_planner: bool, lru: bool
+) -> List[str]:
+    reference, model = SparseModel(ref_buckets, lru), SparseModel(model_buckets, lru)
+    sharder = _sharder()
+    plan = None
+    if not use_planner:
+        per_table = {"t0": row_wise(), "t1": row_wise()}
+        module_plan = construct_module_sharding_plan(
+            model.sparse, per_table, sharder=sharder, world_size=ws
+        )
+        plan = ShardingPlan({"sparse": module_plan})
+    dmp = DistributedModelParallel(model, plan=plan, sharders=[sharder])
+    sharded = _sharded(dmp)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    problems: List[str] = []
+    evictions = 0
+    for step in range(STEPS):
+        parts = [local_ids(step, r) for r in range(ws)]
+        out = dmp(kjt_of([parts[rank]]))
+        out.sum().backward()
+        ref_out = reference(kjt_of(parts))
+        ref_opt.zero_grad()
+        (ref_out.sum() / ws).backward()
+        ref_opt.step()
+        want = ref_out.detach()[rank * 4 : (rank + 1) * 4]
+        if not torch.allclose(out.detach(), want, atol=1e-5):
+            problems.append(f"step {step}: outputs differ by {(out - want).abs().max():.3g}")
+        ref_mcc = reference.sparse._managed_collision_collection.modules_by_table()
+        for table, local in sharded._managed_collision_collection.local_modules().items():
+            lo, hi = local.row_range()
+            if not torch.equal(local._mch_raw_ids, ref_mcc[table]._mch_raw_ids[lo:hi]):
+                problems.append(f"step {step}: table {table} rows {lo}:{hi} hold other ids")
+            evictions += int(ref_mcc[table]._mch_raw_ids.ne(torch.iinfo(torch.int64).max).sum())
+    weights = sharded._embedding_module.local_table_shards()
+    for table, shards in weights.items():
+        for local_table, weight in shards:
+            ref = reference.sparse._embedding_module.embedding_bags[table].weight.detach()
+            block = ref[local_table.row_offset : local_table.row_offset + local_table.rows]
+            if not torch.allclose(weight, block, atol=1e-5):
+                problems.append(f"table {table}: weights differ by {(weight - block).abs().max()}")
+    if evictions == 0:
+        problems.append("no id ever got a row: the test exercised nothing")
+    return problems
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_sharded_equals_unsharded_with_evictions(ws: int) -> None:
+    """6 buckets serve 1, 2 and 3 ranks; zch sizes 23 and 17 are multiples of none; one
+    table LFU every 2 steps, one DistanceLFU every step (MEAN pooled); then LRU, the plan from
+    the planner, and TorchRec's default buckets=1 (rebuilt with one bucket per rank)."""
+
+    results = run_ranks(ws, _cases, timeout=240)
+    for rank, found in enumerate(results):
+        for case, problems in found.items():
+            assert not problems, f"rank {rank}, {case}: {problems}"
+
+
+def _cases(rank: int, ws: int) -> dict:
+    return {
+        "manual plan": _compare(rank, ws, 6, 6, False, False),
+        "planner, LRU": _compare(rank, ws, 6, 6, True, True),
+        "buckets=1": _compare(rank, ws, 1, ws, False, False),
+    }
+
+
+def _compare_sequence(rank: int, ws: int) -> List[str]:
+    reference, model = SequenceModel(6), SequenceModel(6)
+    sharder = ManagedCollisionEmbeddingCollectionSharder(
+        fused_params={"optimizer": "exact_sgd", "learning_rate": LR}
+    )
+    dmp = DistributedModelParallel(model, sharders=[sharder])
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    problems: List[str] = []
+    for step in range(STEPS):
+        parts = [local_ids(step, r) for r in range(ws)]
+        out = dmp(kjt_of([parts[rank]]))
+        sum(v.sum() for v in out.values()).backward()
+        ref_out = reference(kjt_of(parts))
+        ref_opt.zero_grad()
+        (sum(v.sum() for v in ref_out.values()) / ws).backward()
+        ref_opt.step()
+        for f, values in out.items():
+            before = sum(len(bag) for r in range(rank) for bag in parts[r][f])
+            want = ref_out[f].detach()[before : before + values.size(0)]
+            if values.shape != want.shape or not torch.allclose(values.detach(), want, atol=1e-5):
+                problems.append(f"step {step}, feature {f}: rows differ")
+    mcc = reference.sparse._managed_collision_collection.modules_by_table()
+    if not all(m.rows_in_use() > 0 for m in mcc.values()):
+        problems.append("a table never gave an id a row: the test exercised nothing")
+    return problems
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_sharded_mc_ec_equals_unsharded(ws: int) -> None:
+    for rank, problems in enumerate(run_ranks(ws, _compare_sequence, timeout=180)):
+        assert not problems, f"rank {rank}: {problems}"
+
+
+def _bad_batch(rank: int, ws: int) -> str:
+    dmp = DistributedModelParallel(SparseModel(6), sharders=[_sharder()])
+    parts = local_ids(0, rank)
+    if rank == ws - 1:
+        parts["c"][1] = [-5]
+    try:
+        dmp(kjt_of([parts]))
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_bad_id_on_one_rank_stops_every_rank() -> None:
+    messages = run_ranks(2, _bad_batch, timeout=120)
+    assert messages[1].startswith("ValueError: table 't1', feature 'c': id -5 is outside [0, ")
+    assert messages[0].startswith("RuntimeError: rank 1 rejected its input: table 't1'")
+
+
+def _fused_state_reset(rank: int, ws: int) -> List[str]:
+    """Rows whose id changed in a step hold zero row-wise Adagrad state after it (before the
+    backward), and some of them held state before."""
+    dmp = DistributedModelParallel(SparseModel(6), sharders=[_sharder("exact_row_wise_adagrad")])
+    sharded = _sharded(dmp)
+    local = sharded._managed_collision_collection.local_modules()["t1"]
+    for step in range(6):
+        dmp(kjt_of([local_ids(step, rank)])).sum().backward()
+    ((_, state),) = sharded._embedding_module.fused_optimizer_states()["t1"]
+    (momentum,) = state.values()
+    before_ids, before_state = local._mch_raw_ids.clone(), momentum.clone()
+    fresh = local_ids(100, rank)
+    fresh["c"] = [[(1 << 30) + 6 * k + j for j in range(6)] for k in range(4)]  # new ids
+    dmp(kjt_of([fresh]))
+    changed = (local._mch_raw_ids != before_ids).nonzero().squeeze(1)
+    problems = []
+    if changed.numel() == 0 or not bool((before_state[changed] != 0).any()):
+        problems.append(f"no trained row was evicted (changed rows {changed.tolist()})")
+    if bool((momentum[changed] != 0).any()):
+        problems.append(f"evicted rows kept their state: {momentum[changed].tolist()}")
+    kept = (local._mch_raw_ids == before_ids).nonzero().squeeze(1)
+    if not torch.equal(momentum[kept], before_state[kept]):
+        problems.append("rows that kept their ids lost their state")
+    return problems
+
+
+def test_eviction_zeroes_fused_optimizer_state() -> None:
+    for rank, problems in enumerate(run_ranks(2, _fused_state_reset, timeout=120)):
+        assert not problems, f"rank {rank}: {problems}"
+
+
+def test_only_row_wise_plans_are_accepted() -> None:
+    model = SparseModel(6)
+    with pytest.raises(ValueError, match="row_wise"):
+        construct_module_sharding_plan(
+            model.sparse, {"t0": table_wise(0)}, sharder=_sharder(), world_size=1
+        )
