@@ -1,6 +1,7 @@
 """Checkpoints of key-value tables: save on 2 ranks, load into a fresh key-value model (new
 storage files) and into an in-memory fused one; both resume with the losses and weights the
-saved model goes on to reach. Load into 1 rank (another world size): key-value and fused agree.
+saved model goes on to reach. Load into 1 rank (another world size): key-value and fused agree. Key-value shards are saved
+and loaded in pieces of 1 and 4 KiB (`sharded_state.KEY_VALUE_PIECE_BYTES`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from multiprocess import run_ranks
 from pipeline_cases import plain_loop
 
 from recshard import checkpoint
+from recshard.distributed import sharded_state
 
 
 def _fresh(kernel: str, ws: int, base: str, rank: int):  # noqa: ANN202
@@ -28,6 +30,7 @@ def _diff(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], what: str
 
 
 def save_and_resume(rank: int, ws: int, base: str) -> List[str]:
+    sharded_state.KEY_VALUE_PIECE_BYTES = 1024  # key_value shards saved in many pieces
     path = os.path.join(base, "ckpt")
     model, optimizer = _fresh("key_value", ws, base, rank)
     plain_loop(model, optimizer, [make_batch(step, rank) for step in range(3)])
@@ -48,6 +51,7 @@ def save_and_resume(rank: int, ws: int, base: str) -> List[str]:
 
 def load_elsewhere(rank: int, ws: int, base: str) -> List[str]:
     """Load the 2-rank checkpoint into this world size, key-value and fused, one step each."""
+    sharded_state.KEY_VALUE_PIECE_BYTES = 4096  # other pieces than the saved ones
     results = {}
     for kernel in ["key_value", "fused"]:
         model, optimizer = _fresh(kernel, ws, base, rank)
