@@ -199,3 +199,27 @@ def test_existing_files_are_never_reused(tmp_path) -> None:  # noqa: ANN001
     assert "table 't0'" in message and "already exists" in message
     modes = {os.stat(os.path.join(directory, f)).st_mode & 0o777 for f in os.listdir(directory)}
     assert modes == {0o600}
+
+
+def _too_big(rank: int, ws: int, directory: str) -> str:
+    """A table of ~1 PB (on `meta`) planned key_value: the space check fails before any file."""
+    config = EmbeddingBagConfig(
+        num_embeddings=1 << 40, embedding_dim=256, name="huge", feature_names=["f"]
+    )
+    module = EmbeddingBagCollection([config], device=torch.device("meta"))
+    plan = construct_module_sharding_plan(
+        module, {"huge": row_wise(compute_kernel="key_value")}, world_size=ws
+    )
+    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
+    fused = {"optimizer": "exact_sgd", "ssd_storage_directory": directory}
+    try:
+        EmbeddingBagCollectionSharder(fused_params=fused).shard(module, plan, env)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_no_space_fails_on_every_rank_before_any_file(tmp_path) -> None:  # noqa: ANN001
+    for message in run_ranks(2, _too_big, str(tmp_path)):
+        assert "rank 0" in message and "huge" in message and "only" in message, message
+    assert os.listdir(tmp_path) == []
