@@ -7,6 +7,8 @@ Output: pooled `[B, sum of the features' dims]`, or sequence `[N, D]` (one row p
 - `TorchFusedKernel`: the same contract in pure torch (dims not divisible by 4, weighted mean
   pooling, or no fbgemm on the machine).
 - `DenseKernel`: ordinary parameters with autograd `.grad`, for any torch optimizer.
+- `recshard.lookup.key_value.KeyValueKernel`: the torch fused kernel's lookup (`plain_lookup`)
+  and update (`row_gradients`, `apply_row_update`) on a DRAM row cache of a table in files.
 """
 
 from __future__ import annotations

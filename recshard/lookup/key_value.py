@@ -48,7 +48,7 @@ from recshard.modules.embedding_configs import DataType
 from recshard.sparse import KeyedJaggedTensor
 
 DEFAULT_CACHE_LOAD_FACTOR = 0.2  # TorchRec's default for key_value tables
-_INIT_CHUNK_BYTES = 16 << 20
+_INIT_CHUNK_BYTES = 1 << 20  # the init's transient buffer
 
 
 def state_widths(spec: FusedOptimSpec, cols: int) -> Dict[str, int]:
