@@ -22,8 +22,8 @@ import torch
 
 from recshard import EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.lookup.fused_params import parse_fused_params
-from recshard.lookup.key_value import KeyValueKernel, dram_bytes
 from recshard.lookup.kernels import LookupKernel, TorchFusedKernel
+from recshard.lookup.key_value import KeyValueKernel, dram_bytes
 from recshard.lookup.tables import LocalTable
 from recshard.types import EmbeddingComputeKernel
 
