@@ -47,13 +47,15 @@ class ShardingType(enum.Enum):
 
 class EmbeddingComputeKernel(enum.Enum):
     """How a shard's lookup runs: `fused` (TBE with the optimizer in backward), `dense`
-    (autograd weights for any torch optimizer), UVM variants on CUDA, `quant` for inference."""
+    (autograd weights for any torch optimizer), UVM variants on CUDA, `quant` for inference,
+    `key_value` (fused, rows on local storage behind a bounded DRAM cache; CPU)."""
 
     DENSE = "dense"
     FUSED = "fused"
     FUSED_UVM = "fused_uvm"
     FUSED_UVM_CACHING = "fused_uvm_caching"
     QUANT = "quant"
+    KEY_VALUE = "key_value"
 
 
 class ComputeKernel(enum.Enum):

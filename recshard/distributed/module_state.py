@@ -17,6 +17,7 @@ import abc
 from typing import Any, ClassVar, Dict, Iterator, List, Tuple, Type
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from recshard.comm.pg import destroy_groups_at_exit
@@ -24,6 +25,7 @@ from recshard.distributed.input_dist import CollectionInputDist, EmbeddingModule
 from recshard.distributed.sharded_state import fused_state
 from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fused_params
 from recshard.lookup.grouped import GroupedLookup, uses_fbgemm
+from recshard.lookup.key_value import check_storage
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
 from recshard.modules.embedding_modules import embedding_names
@@ -184,6 +186,8 @@ class ShardedEmbeddingModule(ShardedModule):
                 else tables[c.name].weight
             )
             fused = fused_params_for(weight, self._fused_params, c.name)
+            if plan.cache_params is not None and plan.cache_params.load_factor is not None:
+                fused["cache_load_factor"] = plan.cache_params.load_factor  # the plan's wins
             spec = TableSpec(c, plan, fused)
             if spec.kernel != EmbeddingComputeKernel.DENSE:
                 fbgemm_on_cuda = self._device.type == "cuda" and uses_fbgemm(
@@ -192,7 +196,33 @@ class ShardedEmbeddingModule(ShardedModule):
                 check_backend(parse_fused_params(fused, c.name), c.name, fbgemm_on_cuda)
             specs.append(spec)
         self._table_fused_params = {s.config.name: s.fused_params for s in specs}
+        self._check_key_value_storage(specs)
         return specs
+
+    def _check_key_value_storage(self, specs: List[TableSpec]) -> None:
+        """Every rank raises if any rank's storage cannot hold its key_value shards (one
+        gather of the verdicts, only when the plan has key_value tables)."""
+        key_value = [s for s in specs if s.kernel == EmbeddingComputeKernel.KEY_VALUE]
+        if not key_value:
+            return
+        mine = [
+            (spec.local_table(i), parse_fused_params(spec.fused_params, spec.config.name))
+            for spec in key_value
+            for i, shard in enumerate(spec.shards())
+            if shard.rank == self.env.rank
+        ]
+        verdict = ""
+        try:
+            check_storage([t for t, _ in mine], [s for _, s in mine])
+        except ValueError as e:
+            verdict = str(e)
+        verdicts = [verdict]
+        if self.env.pg is not None and self.env.world_size > 1:
+            verdicts = [""] * self.env.world_size
+            dist.all_gather_object(verdicts, verdict, group=self.env.pg)
+        for rank, text in enumerate(verdicts):
+            if text:
+                raise ValueError(f"rank {rank}: {text}")
 
     def set_shardings(self, shardings: Dict[str, EmbeddingSharding]) -> None:
         """Register the shardings as submodules and set up the input side over them."""
@@ -225,6 +255,13 @@ class ShardedEmbeddingModule(ShardedModule):
         """Each sharding's local lookup on the ids routed to this rank: pooled `[B_global,
         local cols]`, or one row per id `[N_recv, D]`."""
         return [s.compute(kjt) for s, kjt in zip(self.shardings.values(), dist_input)]
+
+    def prefetch(self, dist_input: List[KeyedJaggedTensor]) -> None:
+        """Bring the rows the routed ids read into the key-value tables' DRAM caches (batch
+        i+1's, while batch i trains: `PrefetchTrainPipelineSparseDist`)."""
+        for sharding, features in zip(self.shardings.values(), dist_input):
+            if isinstance(sharding.lookup, GroupedLookup):
+                sharding.lookup.prefetch(features)
 
     def create_context(self) -> EmbeddingModuleContext:
         return EmbeddingModuleContext(

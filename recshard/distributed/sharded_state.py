@@ -5,6 +5,9 @@ table's global shape and this rank's shards (offsets, sizes, placement from the 
 `torch.distributed.checkpoint` can load it into any other plan or world size by reading the
 overlapping regions. Data-parallel tables and dense parameters are plain tensors.
 
+Key-value tables' shards come as row pieces of at most `KEY_VALUE_PIECE_BYTES` each, views of
+their files, so checkpoints stream them piece by piece.
+
 Fused optimizer state follows the same layout: `<table fqn>.momentum1` is sharded like the
 weight (Adagrad) or by rows only (row-wise Adagrad, one value per row). A row-wise state of a
 column-sharded table has one accumulator per column shard (`...momentum1@col<offset>`); those
@@ -14,6 +17,7 @@ do not convert to other layouts.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from typing import Any, Dict, Iterator, List, Protocol, Tuple, runtime_checkable
 
@@ -32,7 +36,12 @@ from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig, DataType
 from recshard.plan.sharding_types import COLUMN_SPLIT_TYPES
 from recshard.quant.rowwise import BITS
-from recshard.types import ParameterSharding, ShardingEnv, ShardingType
+from recshard.types import (
+    EmbeddingComputeKernel,
+    ParameterSharding,
+    ShardingEnv,
+    ShardingType,
+)
 
 
 @contextlib.contextmanager
@@ -53,13 +62,48 @@ def _sharded(
     local: List[Tuple[torch.Tensor, TorchShardMetadata]],
     pg: Any,
     dtype: torch.dtype,
+    key_value: bool = False,
 ) -> ShardedTensor:
+    """`key_value`: every shard cut into row pieces of at most `KEY_VALUE_PIECE_BYTES` (the
+    local pieces are views of the mapped files), so a checkpoint saves and loads the table a
+    piece at a time and never holds a whole shard in memory."""
+    if key_value:
+        metas = [piece for m in metas for piece in _row_pieces(m)]
+        local = [
+            (
+                tensor.narrow(0, piece.shard_offsets[0] - m.shard_offsets[0], piece.shard_sizes[0]),
+                piece,
+            )
+            for tensor, m in local
+            for piece in _row_pieces(m)
+        ]
     meta = ShardedTensorMetadata(metas, torch.Size(global_size), TensorProperties(dtype=dtype))
     shards = [Shard(tensor.detach(), m) for tensor, m in local]  # views: loads land in place
     with quiet_sharded_tensor():
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             shards, meta, process_group=pg
         )
+
+
+KEY_VALUE_PIECE_BYTES = 16 << 20  # fp32 values of one state-dict piece of a key_value shard
+
+
+def _row_pieces(meta: TorchShardMetadata) -> List[TorchShardMetadata]:
+    """`meta` cut along rows into pieces of at most `KEY_VALUE_PIECE_BYTES` (a shard without
+    rows stays one piece)."""
+    rows, rest = meta.shard_sizes[0], meta.shard_sizes[1:]
+    step = max(1, KEY_VALUE_PIECE_BYTES // (4 * max(1, math.prod(rest))))
+    if rows == 0:
+        return [meta]
+    first = meta.shard_offsets[0]
+    return [
+        TorchShardMetadata(
+            [first + start, *meta.shard_offsets[1:]],
+            [min(step, rows - start), *rest],
+            meta.placement,
+        )
+        for start in range(0, rows, step)
+    ]
 
 
 def _torch_meta(offsets: List[int], sizes: List[int], rank: int) -> TorchShardMetadata:
@@ -132,6 +176,10 @@ def _stored_dtype(data_type: DataType) -> torch.dtype:
     return torch.float16 if data_type == DataType.FP16 else torch.float32
 
 
+def _is_key_value(module: ShardedTableState, table: str) -> bool:
+    return module.table_plan(table).compute_kernel == EmbeddingComputeKernel.KEY_VALUE.value
+
+
 def table_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
     """`{prefix}<tables_attr>.<t>.weight` for every table of a sharded collection, and for a
     quantized integer table its `.weight_qscale` / `.weight_qbias` (`[rows]`), as the
@@ -168,6 +216,7 @@ def table_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
             [(w.contiguous(), _local_meta(t, rank, per_col)) for t, w in local],
             module.env.pg,
             local[0][1].dtype if local else _stored_dtype(config.data_type),
+            key_value=_is_key_value(module, config.name),
         )
         if not (quant and config.data_type in BITS):
             continue
@@ -200,6 +249,7 @@ def fused_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
         base = f"{prefix}{module.tables_attr}.{config.name}.weight"
         local = per_table.get(config.name, [])
         spec = module.fused_optim_spec(config.name)
+        key_value = _is_key_value(module, config.name)
         for name in sorted({n for _, s in local for n in s}) or spec.state_names:
             rowwise = spec.rowwise_state
             if not rowwise:
@@ -209,6 +259,7 @@ def fused_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
                     [(s[name], _local_meta(t, rank)) for t, s in local],
                     module.env.pg,
                     torch.float32,
+                    key_value,
                 )
             elif ShardingType(plan.sharding_type) in COLUMN_SPLIT_TYPES:
                 for shard in plan.shards:
@@ -223,6 +274,7 @@ def fused_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
                         mine,
                         module.env.pg,
                         torch.float32,
+                        key_value,
                     )
             else:
                 metas = [
@@ -235,6 +287,7 @@ def fused_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
                     [(s[name], _torch_meta([t.row_offset], [t.rows], rank)) for t, s in local],
                     module.env.pg,
                     torch.float32,
+                    key_value,
                 )
     return out
 

@@ -21,6 +21,7 @@ from torch import nn
 from recshard.comm import buffers
 from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fused_params
 from recshard.lookup.kernels import DenseKernel, FbgemmFusedKernel, LookupKernel, TorchFusedKernel
+from recshard.lookup.key_value import KeyValueKernel
 from recshard.lookup.tables import LocalTable, group_key
 from recshard.lookup.threads import run_side_by_side
 from recshard.modules.embedding_configs import DataType, PoolingType
@@ -40,13 +41,13 @@ def uses_fbgemm(table: LocalTable, is_weighted: bool) -> bool:
     The choice depends only on table-level facts (never on a shard's row count), so every
     rank derives the same grouping, hence the same feature order, for every other rank.
 
-    Stay on the torch kernel: weighted MEAN tables (fbgemm 1.8's backward for them omits the
+    Key-value tables run `KeyValueKernel`. Stay on the torch kernel: weighted MEAN tables (fbgemm 1.8's backward for them omits the
     1/length its forward applies). A shard with no rows stays in fbgemm (`FbgemmFusedKernel`
     gives it a phantom row), so tiny row-wise tables cost no second kernel, no join of the
     kernels' outputs and no reordering of the output's columns.
     """
     return (
-        table.compute_kernel != EmbeddingComputeKernel.DENSE
+        table.compute_kernel not in (EmbeddingComputeKernel.DENSE, EmbeddingComputeKernel.KEY_VALUE)
         and not (is_weighted and table.pooling == PoolingType.MEAN)
         and ops.fbgemm_available()
         and table.cols % 4 == 0
@@ -61,6 +62,8 @@ def _build_kernel(
         return DenseKernel(tables, pooled, device)
     spec: FusedOptimSpec = parse_fused_params(tables[0].fused_params, tables[0].name)
     check_backend(spec, tables[0].name, fbgemm and device.type == "cuda")
+    if tables[0].compute_kernel == EmbeddingComputeKernel.KEY_VALUE:
+        return KeyValueKernel(tables, pooled, spec, device)
     if fbgemm:
         return FbgemmFusedKernel(tables, pooled, spec, device)
     return TorchFusedKernel(tables, pooled, spec, device)
@@ -152,6 +155,13 @@ class GroupedLookup(nn.Module):
     def table_weights(self) -> List[torch.Tensor]:
         """Local shard weights in `self.tables` order."""
         return [w for k in self.kernels for w in k.table_weights()]
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Bring the rows `features` read into the key-value kernels' caches (others: no-op)."""
+        parts = features.split(self._features_per_kernel) if self.kernels else []
+        for kernel, part in zip(self.kernels, parts):
+            if isinstance(kernel, KeyValueKernel):
+                kernel.prefetch(part)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         if len(self.kernels) == 1:

@@ -7,11 +7,13 @@ Output: pooled `[B, sum of the features' dims]`, or sequence `[N, D]` (one row p
 - `TorchFusedKernel`: the same contract in pure torch (dims not divisible by 4, weighted mean
   pooling, or no fbgemm on the machine).
 - `DenseKernel`: ordinary parameters with autograd `.grad`, for any torch optimizer.
+- `recshard.lookup.key_value.KeyValueKernel`: the torch fused kernel's lookup (`plain_lookup`)
+  and update (`row_gradients`, `apply_row_update`) on a DRAM row cache of a table in files.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -147,7 +149,7 @@ class FbgemmFusedKernel(LookupKernel):
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         if torch.is_inference_mode_enabled():  # fbgemm's training op has no inference kernel
-            return _plain_lookup(self.table_weights(), self, features)
+            return plain_lookup(self.table_weights(), self, features)
         return self.tbe(
             features.values().long(),
             features.offsets().long(),
@@ -155,15 +157,16 @@ class FbgemmFusedKernel(LookupKernel):
         )
 
 
-class _TorchFusedLookup(torch.autograd.Function):
-    """Forward: plain lookups. Backward: sum gradients per unique row, update in place."""
+class TorchFusedLookup(torch.autograd.Function):
+    """Forward: `kernel.lookup`. Backward: `kernel.update` (sum gradients per unique row,
+    update in place); no gradient flows on."""
 
     @staticmethod
     def forward(
         ctx,
         placeholder: torch.Tensor,
         per_sample_weights: torch.Tensor | None,
-        kernel: TorchFusedKernel,  # noqa: ANN001
+        kernel: LookupKernel,  # noqa: ANN001
         features: KeyedJaggedTensor,
     ) -> torch.Tensor:
         ctx.kernel, ctx.features = kernel, features
@@ -210,63 +213,83 @@ class TorchFusedKernel(LookupKernel):
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         placeholder = torch.empty(0, requires_grad=torch.is_grad_enabled())
-        return _TorchFusedLookup.apply(placeholder, features.weights_or_none(), self, features)
+        return TorchFusedLookup.apply(placeholder, features.weights_or_none(), self, features)
 
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        return _plain_lookup(self.table_weights(), self, features)
+        return plain_lookup(self.table_weights(), self, features)
 
     def update(
         self, features: KeyedJaggedTensor, grad_output: torch.Tensor, weights_grad: bool = False
     ) -> torch.Tensor | None:
         """Per table: gradient rows of every id, summed per unique id, then one update.
-        `weights_grad`: also return the gradient of the per-sample weights (`[num ids]`, each
-        id's row before the update dotted with its bag's output gradient), for weights that
-        a feature processor computed."""
-        per_table_ids: Dict[int, List[torch.Tensor]] = {}
-        per_table_grads: Dict[int, List[torch.Tensor]] = {}
-        sample_grads: List[torch.Tensor] = []
+        `weights_grad`: also return the gradient of the per-sample weights (see
+        `row_gradients`)."""
         weights = self.table_weights()
-        columns = 0
-        offsets = features.offset_per_key()
-        for index, (jt, t_index, dim) in enumerate(
-            zip(jagged_by_index(features), self.feature_table, self.feature_dims)
-        ):
-            ids = jt.values().long()
-            if self.pooled:
-                grad = grad_output[:, columns : columns + dim]
-                columns += dim
-                lengths = jt.lengths()
-                if self.pooling == PoolingType.MEAN:
-                    grad = grad / _mean_divisor(lengths)
-                bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.long())
-                rows_grad = grad.index_select(0, bag)
-                if weights_grad:
-                    sample_grads.append((rows_grad * weights[t_index][ids]).sum(dim=1))
-                if jt.weights_or_none() is not None:
-                    rows_grad = rows_grad * jt.weights().unsqueeze(1)
-            else:
-                rows_grad = grad_output[offsets[index] : offsets[index + 1]]
-            per_table_ids.setdefault(t_index, []).append(ids)
-            per_table_grads.setdefault(t_index, []).append(rows_grad)
-        sample_grad = torch.cat(sample_grads) if weights_grad and sample_grads else None
+        grads, sample_grad = row_gradients(
+            self, features, grad_output, weights if weights_grad else None
+        )
         states = self.optimizer_states()
         with torch.no_grad():
-            for t_index, ids_list in per_table_ids.items():
-                ids = torch.cat(ids_list)
-                if ids.numel() == 0:
-                    continue
-                unique, inverse = torch.unique(ids, return_inverse=True)
-                grad = torch.zeros(
-                    unique.numel(),
-                    self.tables[t_index].cols,
-                    dtype=grad_output.dtype,
-                    device=grad_output.device,
-                )
-                grad.index_add_(0, inverse, torch.cat(per_table_grads[t_index]))
+            for t_index, (unique, grad) in grads.items():
                 apply_row_update(
                     self.spec, self.lr, weights[t_index], states[t_index], unique, grad
                 )
         return sample_grad
+
+
+def row_gradients(
+    kernel: LookupKernel,
+    features: KeyedJaggedTensor,
+    grad_output: torch.Tensor,
+    table_weights: List[torch.Tensor] | None = None,
+) -> Tuple[Dict[int, Tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
+    """Per table index with ids: (unique ids, their summed gradient `[len(unique), cols]`)
+    from the lookup's output gradient, as a dense optimizer would see it. With
+    `table_weights` (rows before the update), also the gradient of the per-sample weights
+    (`[num ids]`: each id's row dotted with its bag's output gradient), for weights that a
+    feature processor computed; else None."""
+    per_table_ids: Dict[int, List[torch.Tensor]] = {}
+    per_table_grads: Dict[int, List[torch.Tensor]] = {}
+    sample_grads: List[torch.Tensor] = []
+    columns = 0
+    offsets = features.offset_per_key()
+    for index, (jt, t_index, dim) in enumerate(
+        zip(jagged_by_index(features), kernel.feature_table, kernel.feature_dims)
+    ):
+        ids = jt.values().long()
+        if kernel.pooled:
+            grad = grad_output[:, columns : columns + dim]
+            columns += dim
+            lengths = jt.lengths()
+            if kernel.pooling == PoolingType.MEAN:
+                grad = grad / _mean_divisor(lengths)
+            bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.long())
+            rows_grad = grad.index_select(0, bag)
+            if table_weights is not None:
+                sample_grads.append((rows_grad * table_weights[t_index][ids]).sum(dim=1))
+            if jt.weights_or_none() is not None:
+                rows_grad = rows_grad * jt.weights().unsqueeze(1)
+        else:
+            rows_grad = grad_output[offsets[index] : offsets[index + 1]]
+        per_table_ids.setdefault(t_index, []).append(ids)
+        per_table_grads.setdefault(t_index, []).append(rows_grad)
+    sample_grad = torch.cat(sample_grads) if table_weights is not None and sample_grads else None
+    out: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+    with torch.no_grad():
+        for t_index, ids_list in per_table_ids.items():
+            ids = torch.cat(ids_list)
+            if ids.numel() == 0:
+                continue
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            grad = torch.zeros(
+                unique.numel(),
+                kernel.tables[t_index].cols,
+                dtype=grad_output.dtype,
+                device=grad_output.device,
+            )
+            grad.index_add_(0, inverse, torch.cat(per_table_grads[t_index]))
+            out[t_index] = (unique, grad)
+    return out, sample_grad
 
 
 WeightsInUse = Callable[[List[torch.Tensor], List[torch.Tensor]], List[torch.Tensor]]
@@ -303,10 +326,10 @@ class DenseKernel(LookupKernel):
             for jt, t_index in zip(jagged_by_index(features), self.feature_table):
                 ids[t_index].append(jt.values().long())
             weights = self.weights_in_use(weights, [torch.cat(table_ids) for table_ids in ids])
-        return _plain_lookup(weights, self, features)
+        return plain_lookup(weights, self, features)
 
 
-def _plain_lookup(
+def plain_lookup(
     weights: List[torch.Tensor], kernel: LookupKernel, features: KeyedJaggedTensor
 ) -> torch.Tensor:
     """Look up every feature with torch ops; pooled `[B, sum dims]` or sequence `[N, D]`."""

@@ -31,7 +31,7 @@ from torch import nn
 
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
 from recshard.plan.geometry import make_shards
-from recshard.plan.sharding_types import ALL_SHARDING_TYPES
+from recshard.plan.sharding_types import ALL_SHARDING_TYPES, opt_in_compute_kernels
 from recshard.plan.validate import check_table_plan
 from recshard.types import (
     EmbeddingComputeKernel,
@@ -75,6 +75,15 @@ def _default_kernel(
         f"table '{config.name}': {type(sharder).__name__} offers no default compute "
         f"kernel for {sharding_type.value} on {device_type} (offers {offered})"
     )
+
+
+def _runnable_kernels(sharder: ModuleSharder, ps: ParameterSharding, device_type: str) -> List[str]:
+    """What `sharder` runs for `ps`'s type: what it offers, plus the opt-in kernels of float
+    (fused) sharders."""
+    offered = list(sharder.compute_kernels(str(ps.sharding_type), device_type))
+    if EmbeddingComputeKernel.FUSED.value in offered:
+        offered += opt_in_compute_kernels(str(ps.sharding_type), device_type)
+    return offered
 
 
 def _check_devices(config: BaseEmbeddingConfig, devices: Sequence[str], device_type: str) -> None:
@@ -267,9 +276,7 @@ def construct_module_sharding_plan(
     )
     owner = "the module" if sharder is None else type(sharder).__name__
     for name, ps in plan.items():
-        kernels = (
-            None if sharder is None else sharder.compute_kernels(str(ps.sharding_type), device_type)
-        )
+        kernels = None if sharder is None else _runnable_kernels(sharder, ps, device_type)
         check_table_plan(
             configs[name],
             ps,

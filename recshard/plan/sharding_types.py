@@ -67,3 +67,12 @@ def supported_compute_kernels(sharding_type: str, compute_device_type: str) -> L
             EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
         ]
     return kernels
+
+
+def opt_in_compute_kernels(sharding_type: str, compute_device_type: str) -> List[str]:
+    """Kernels a float sharder runs when a plan names them but never offers for a planner to
+    choose on its own (as TorchRec's planner takes `key_value` only from constraints):
+    `key_value` on CPU, for every type but data-parallel."""
+    if ShardingType(sharding_type) == ShardingType.DATA_PARALLEL or compute_device_type != "cpu":
+        return []
+    return [EmbeddingComputeKernel.KEY_VALUE.value]

@@ -2,7 +2,8 @@
 
 `TrainPipelineSparseDist` (and its eval twin `EvalPipelineSparseDist`) start batch i+1's input
 dist and batch i+2's copy while batch i runs; `TrainPipelineBase` overlaps only the copy;
-`TrainPipelineSemiSync` also runs batch i+1's lookup and output dist during batch i's backward
+`PrefetchTrainPipelineSparseDist` also brings batch i+1's key-value rows into DRAM during batch i's
+backward; `TrainPipelineSemiSync` also runs batch i+1's lookup and output dist during batch i's backward
 (one-step-stale embeddings).
 """
 
@@ -12,6 +13,7 @@ from recshard.distributed.train_pipeline.pipelines import (
     TrainPipelineBase,
     TrainPipelineSparseDist,
 )
+from recshard.distributed.train_pipeline.prefetch import PrefetchTrainPipelineSparseDist
 from recshard.distributed.train_pipeline.semi_sync import (
     EmbeddingPipelinedForward,
     TrainPipelineSemiSync,
@@ -29,6 +31,7 @@ __all__ = [
     "EmbeddingTrainPipelineContext",
     "EvalPipelineSparseDist",
     "PipelinedForward",
+    "PrefetchTrainPipelineSparseDist",
     "TrainPipeline",
     "TrainPipelineBase",
     "TrainPipelineContext",

@@ -43,6 +43,7 @@ from collections import deque
 from typing import (
     Any,
     Callable,
+    ContextManager,
     Deque,
     Dict,
     Generic,
@@ -397,6 +398,11 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         finally:
             self._slot.context = None
 
+    def _during_backward(self, following: TrainPipelineContext | None) -> ContextManager[Any]:
+        """What runs beside batch i's backward and optimizer step, given batch i+1's context
+        (None at the end): nothing here; `PrefetchTrainPipelineSparseDist` prefetches rows."""
+        return contextlib.nullcontext()
+
     # ---------------------------------------------------------------- one step
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
@@ -425,9 +431,11 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         self._enqueue_batch(dataloader_iter)  # batch i+2: fetch and copy
         try:
             losses, output = self._forward(batch, context, training)
-            if len(queue.batches) >= 2:
-                self._wait_sparse_data_dist(queue.contexts[1])  # batch i+1: tensors exchange
-            self._backward_and_step(losses, training)
+            following = queue.contexts[1] if len(queue.batches) >= 2 else None
+            if following is not None:
+                self._wait_sparse_data_dist(following)  # batch i+1: tensors exchange
+            with self._during_backward(following):
+                self._backward_and_step(losses, training)
         finally:
             queue.pop()  # a batch that raised is dropped: the next call goes on
         return output

@@ -1,0 +1,131 @@
+"""Key-value tables on one process: step time, DRAM-tier hit rate and resident memory growth of
+three ways to hold one table, on Zipf(1.05) ids. Prints one JSON line per tier.
+
+- `row_cache`: `compute_kernel="key_value"` (files + an LRU row cache of `--load-factor`).
+- `page_cache`: the pure-torch fused kernel with its weight and state buffers replaced by
+  mappings of files (the OS page cache is the DRAM tier; no bound of its own).
+- `in_memory`: the pure-torch fused kernel (the same math, the table in DRAM).
+
+    flock /tmp/recshard-timing.lock python -m benchmarks.key_value --rows 1000000 --dim 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from typing import Dict, List
+
+import torch
+
+from recshard import EmbeddingBagConfig, KeyedJaggedTensor
+from recshard.lookup.fused_params import parse_fused_params
+from recshard.lookup.kernels import LookupKernel, TorchFusedKernel
+from recshard.lookup.key_value import KeyValueKernel, dram_bytes
+from recshard.lookup.tables import LocalTable
+from recshard.types import EmbeddingComputeKernel
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def zipf_ids(rows: int, count: int, generator: torch.Generator, a: float = 1.05) -> torch.Tensor:
+    """Zipf(a) ranks by inverse CDF on a continuous approximation, scattered over the rows by
+    a fixed permutation-free hash (hot rows are not neighbours on storage)."""
+    u = torch.rand(count, generator=generator, dtype=torch.float64)
+    ranks = ((1 - u) * (rows ** (1 - a) - 1) + 1) ** (1 / (1 - a))
+    ranks = ranks.long().clamp(1, rows) - 1
+    return (ranks * 2654435761) % rows
+
+
+def _table(args: argparse.Namespace, kernel: EmbeddingComputeKernel, fused: Dict) -> LocalTable:
+    config = EmbeddingBagConfig(
+        num_embeddings=args.rows, embedding_dim=args.dim, name="t", feature_names=["f"]
+    )
+    return LocalTable(config, args.rows, args.dim, 0, 0, kernel, config.pooling, fused)
+
+
+def _map_buffers(kernel: TorchFusedKernel, directory: str) -> None:
+    """Replace the kernel's buffers with file mappings holding the same values."""
+    for name, buffer in list(kernel.named_buffers()):
+        path = os.path.join(directory, name)
+        with open(path, "wb") as f:
+            f.write(buffer.numpy().tobytes())
+        mapped = torch.from_file(path, shared=True, size=buffer.numel()).view(buffer.shape)
+        setattr(kernel, name, mapped)
+
+
+def run(args: argparse.Namespace, tier: str) -> Dict:
+    directory = tempfile.mkdtemp(prefix="kv-bench-", dir=args.directory)
+    fused = {
+        "optimizer": "exact_row_wise_adagrad",
+        "learning_rate": 0.01,
+        "ssd_storage_directory": directory,
+        "cache_load_factor": args.load_factor,
+    }
+    spec = parse_fused_params(fused, "t")
+    kind = EmbeddingComputeKernel.KEY_VALUE if tier == "row_cache" else EmbeddingComputeKernel.FUSED
+    table = _table(args, kind, fused)
+    g = torch.Generator().manual_seed(0)
+    batches: List[KeyedJaggedTensor] = [
+        KeyedJaggedTensor.from_lengths_sync(
+            ["f"],
+            zipf_ids(args.rows, args.batch * args.pooling, g),
+            torch.full((args.batch,), args.pooling),
+        )
+        for _ in range(args.steps + args.warmup)
+    ]
+    before = rss()
+    kernel: LookupKernel
+    if tier == "row_cache":
+        kernel = KeyValueKernel([table], True, spec, torch.device("cpu"))
+    else:
+        kernel = TorchFusedKernel([table], True, spec, torch.device("cpu"))
+        if tier == "page_cache":
+            _map_buffers(kernel, directory)
+    times = []
+    for i, features in enumerate(batches):
+        start = time.perf_counter()
+        kernel(features).sum().backward()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    times.sort()
+    step = times[len(times) // 2]
+    result = {
+        "tier": tier,
+        "rows": args.rows,
+        "dim": args.dim,
+        "table_mb": round(args.rows * args.dim * 4 / 2**20, 1),
+        "step_ms": round(step * 1e3, 2),
+        "samples_per_s": round(args.batch / step),
+        "rss_growth_mb": round((rss() - before) / 2**20, 1),
+    }
+    if tier == "row_cache":
+        result["hit_rate"] = round(kernel.hit_rate(), 3)
+        result["dram_budget_mb"] = round(dram_bytes(table, spec) / 2**20, 1)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--pooling", type=int, default=4)
+    parser.add_argument("--load-factor", type=float, default=0.1)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--directory", default=None, help="where the table files go")
+    parser.add_argument("--tiers", default="in_memory,row_cache,page_cache")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for tier in args.tiers.split(","):
+        print(json.dumps(run(args, tier)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

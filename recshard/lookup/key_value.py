@@ -1,0 +1,299 @@
+"""`compute_kernel="key_value"` on CPU: tables on local storage behind a bounded DRAM row cache.
+
+Each local shard's rows and fused optimizer state live in files (`RowStore`); a per-table
+cache of `ceil(cache_load_factor * rows)` rows (TorchRec's `cache_load_factor`, default 0.2,
+from the sharder's fused params or the plan's `CacheParams.load_factor`) holds the rows in
+use, evicting the least recently used. Files go to `ssd_storage_directory` (TorchRec's fused
+param, `@local_rank` filled in), or without one to a fresh private temporary directory, as in
+TorchRec; `check_storage` vets a given directory before any file is made. A step:
+
+    prefetch(batch)  ids not cached -> LRU slots, rows read from storage (pread)
+    forward          ids -> cache slots; the pure-torch fused lookup on the cache
+    backward         the same row gradients and optimizer math as `TorchFusedKernel`
+                     on the cache slots, then the updated rows written through (pwrite)
+
+Writes go through at once, so storage always holds the current table: state dicts and
+checkpoints read it from a mapping of the files (`table_weights`, `optimizer_states`), and a
+write there (a load) drops the cached copies. Slots looked up by a forward stay pinned until
+its backward, so a prefetch of the next batch never evicts them. DRAM held per table:
+the cache (`capacity x (cols + state width) x 4` bytes) and a row -> slot map (4 bytes a row).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import threading
+from typing import Dict, List
+
+import torch
+
+from recshard.lookup.fused_params import FusedOptimSpec, apply_row_update
+from recshard.lookup.kernels import LookupKernel, TorchFusedLookup, plain_lookup, row_gradients
+from recshard.lookup.row_store import (
+    RowStore,
+    StoreIdentity,
+    check_directory,
+    storage_directory,
+)
+from recshard.lookup.tables import LocalTable
+from recshard.modules.embedding_configs import DataType
+from recshard.sparse import KeyedJaggedTensor
+from recshard.sparse.conversion import jagged_by_index
+
+DEFAULT_CACHE_LOAD_FACTOR = 0.2  # TorchRec's default for key_value tables
+_INIT_CHUNK_BYTES = 1 << 20  # the init's transient buffer
+
+
+def state_widths(spec: FusedOptimSpec, cols: int) -> Dict[str, int]:
+    """Stored values per row of each file: the weight, then each optimizer state."""
+    widths = {"weight": cols}
+    for name in spec.state_names:
+        widths[name] = 1 if spec.rowwise_state else cols
+    return widths
+
+
+def store_identity(table: LocalTable, spec: FusedOptimSpec) -> StoreIdentity:
+    return StoreIdentity(
+        table.name,
+        table.rows,
+        table.cols,
+        table.row_offset,
+        table.col_offset,
+        state_widths(spec, table.cols),
+    )
+
+
+def cache_rows(table: LocalTable) -> int:
+    """Rows the DRAM cache of `table`'s shard holds."""
+    factor = float(table.fused_params.get("cache_load_factor") or DEFAULT_CACHE_LOAD_FACTOR)
+    if not 0.0 < factor <= 1.0:
+        raise ValueError(f"table '{table.name}': cache_load_factor must be in (0, 1], got {factor}")
+    return min(table.rows, max(1, math.ceil(factor * table.rows)))
+
+
+def table_directory(table: LocalTable) -> str | None:
+    """Where `table`'s files go: `ssd_storage_directory` (TorchRec's fused param; its
+    `@local_rank` is `LOCAL_RANK`), None when not given."""
+    raw = table.fused_params.get("ssd_storage_directory")
+    return storage_directory(str(raw), int(os.environ.get("LOCAL_RANK", "0"))) if raw else None
+
+
+def check_storage(tables: List[LocalTable], specs: List[FusedOptimSpec]) -> None:
+    """Raise if a directory given for these key_value shards cannot hold them (each
+    directory checked once for all its shards)."""
+    per_directory: Dict[str, List[StoreIdentity]] = {}
+    for table, spec in zip(tables, specs):
+        directory = table_directory(table)
+        if directory is not None:
+            per_directory.setdefault(directory, []).append(store_identity(table, spec))
+    for directory, identities in per_directory.items():
+        check_directory(directory, identities)
+
+
+def dram_bytes(table: LocalTable, spec: FusedOptimSpec) -> int:
+    """DRAM the kernel holds for `table`'s shard: cache rows with their state, the row map."""
+    per_row = sum(state_widths(spec, table.cols).values()) * 4
+    return cache_rows(table) * (per_row + 8 + 8) + table.rows * 4
+
+
+class _RowCache:
+    """One shard's cached rows: slot tensors, the row <-> slot maps, LRU ticks, pins."""
+
+    def __init__(self, store: RowStore, capacity: int) -> None:
+        self.store = store
+        self.capacity = capacity
+        self.values = {
+            suffix: torch.zeros(capacity, width) for suffix, width in store.identity.widths.items()
+        }
+        self.row_slot = torch.full((store.identity.rows,), -1, dtype=torch.int32)
+        self.slot_row = torch.full((capacity,), -1, dtype=torch.int64)
+        self.last_used = torch.full((capacity,), -1, dtype=torch.int64)
+        self.pinned: List[torch.Tensor] = []
+        self.lock = threading.Lock()  # a prefetch thread and the step's update share it
+        self.hits = 0
+        self.misses = 0
+
+    def ensure(self, ids: torch.Tensor, tick: int) -> None:
+        """Bring rows `ids` (unique, sorted) into the cache, evicting least recently used."""
+        slots = self.row_slot[ids].long()
+        missing = ids[slots < 0]
+        self.hits += ids.numel() - missing.numel()
+        self.misses += missing.numel()
+        if missing.numel():
+            keep = self.last_used.clone()
+            keep[slots[slots >= 0]] = torch.iinfo(torch.int64).max
+            for pinned in self.pinned:
+                keep[pinned] = torch.iinfo(torch.int64).max
+            free = int((keep < torch.iinfo(torch.int64).max).sum())
+            if missing.numel() > free:
+                raise ValueError(
+                    f"table '{self.store.identity.table}': a batch needs {missing.numel()} rows "
+                    f"not cached but only {free} of the cache's {self.capacity} slots are "
+                    "free (the rest hold this batch's or a batch in flight's rows); raise "
+                    "cache_load_factor"
+                )
+            victims = torch.topk(keep, missing.numel(), largest=False).indices
+            old = self.slot_row[victims]
+            self.row_slot[old[old >= 0]] = -1
+            for suffix, values in self.values.items():
+                values[victims] = self.store.read(suffix, missing)
+            self.slot_row[victims] = missing
+            self.row_slot[missing] = victims.to(torch.int32)
+        self.last_used[self.row_slot[ids].long()] = tick
+
+    def write_through(self, slots: torch.Tensor) -> None:
+        """Write the rows in `slots` back to storage (all files)."""
+        rows, order = torch.sort(self.slot_row[slots])
+        for suffix, values in self.values.items():
+            self.store.write(suffix, rows, values[slots[order]])
+
+    def drop_unpinned(self) -> None:
+        """Forget every cached row not pinned (storage was written behind the cache)."""
+        keep = torch.zeros(self.capacity, dtype=torch.bool)
+        for pinned in self.pinned:
+            keep[pinned] = True
+        dropped = self.slot_row[~keep]
+        self.row_slot[dropped[dropped >= 0]] = -1
+        self.slot_row[~keep] = -1
+        self.last_used[~keep] = -1
+
+
+class KeyValueKernel(LookupKernel):
+    """The fused contract with each table on storage and a bounded DRAM cache (CPU, fp32)."""
+
+    is_fused = True
+
+    def __init__(
+        self,
+        tables: List[LocalTable],
+        pooled: bool,
+        spec: FusedOptimSpec,
+        device: torch.device,
+    ) -> None:
+        super().__init__(tables, pooled)
+        for t in tables:
+            if device.type != "cpu" or t.config.data_type != DataType.FP32:
+                raise ValueError(
+                    f"table '{t.name}': compute_kernel='key_value' runs on CPU with FP32 "
+                    f"tables, got device {device.type}, data type {t.config.data_type.name}"
+                )
+        self.spec = spec
+        self.lr = spec.learning_rate
+        self.caches = [
+            _RowCache(
+                RowStore(
+                    table_directory(t) or tempfile.mkdtemp(prefix="recshard-kv-"),
+                    store_identity(t, spec),
+                ),
+                cache_rows(t) if t.rows else 0,
+            )
+            for t in tables
+        ]
+        self._tick = 0
+        self._init_weights()
+
+    # ------------------------------------------------------------------ storage views
+
+    def table_weights(self) -> List[torch.Tensor]:
+        """Each shard's weight mapped from storage `[rows, cols]`; the cache forgets its rows
+        (the caller may write these)."""
+        for cache in self.caches:
+            cache.drop_unpinned()
+        return [
+            c.store.view("weight").view(t.rows, t.cols) for t, c in zip(self.tables, self.caches)
+        ]
+
+    def optimizer_states(self) -> List[Dict[str, torch.Tensor]]:
+        """Each shard's optimizer state mapped from storage, shaped as the in-memory kernels'."""
+        out = []
+        for t, cache in zip(self.tables, self.caches):
+            cache.drop_unpinned()
+            shape = self.spec.state_shape(t.rows, t.cols)
+            out.append({n: cache.store.view(n).view(shape) for n in self.spec.state_names})
+        return out
+
+    def _init_weights(self) -> None:
+        """The table's init, written in chunks (the table never sits in DRAM whole)."""
+        for t, cache in zip(self.tables, self.caches):
+            chunk = max(1, _INIT_CHUNK_BYTES // (4 * max(t.cols, 1)))
+            for first in range(0, t.rows, chunk):
+                rows = torch.empty(min(chunk, t.rows - first), t.cols)
+                t.config.init_weight(rows)
+                cache.store.fill("weight", first, rows)
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.lr = lr
+
+    def hit_rate(self) -> float:
+        """Share of looked-up distinct rows per batch found in DRAM so far (1.0 before any)."""
+        hits = sum(c.hits for c in self.caches)
+        total = hits + sum(c.misses for c in self.caches)
+        return hits / total if total else 1.0
+
+    # ------------------------------------------------------------------ the step
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Bring every row `features` reads into the cache (the next batch's, ahead of time)."""
+        self._tick += 1
+        per_table: Dict[int, List[torch.Tensor]] = {}
+        for jt, t_index in zip(jagged_by_index(features), self.feature_table):
+            per_table.setdefault(t_index, []).append(jt.values().long())
+        for t_index, ids in per_table.items():
+            cache = self.caches[t_index]
+            with cache.lock:
+                cache.ensure(torch.unique(torch.cat(ids)), self._tick)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        self.prefetch(features)
+        slot_values = [
+            self.caches[t_index].row_slot[jt.values().long()].long()
+            for jt, t_index in zip(jagged_by_index(features), self.feature_table)
+        ]
+        in_slots = KeyedJaggedTensor(
+            features.keys(),
+            torch.cat(slot_values) if slot_values else features.values().long(),
+            weights=features.weights_or_none(),
+            lengths=features.lengths(),
+            stride=features.stride(),
+            validate=False,
+        )
+        if not torch.is_grad_enabled():
+            return self.lookup(in_slots)
+        for cache, slots in zip(self.caches, self._slots_by_table(slot_values)):
+            cache.pinned.append(slots)
+        placeholder = torch.empty(0, requires_grad=True)
+        return TorchFusedLookup.apply(placeholder, in_slots.weights_or_none(), self, in_slots)
+
+    def _slots_by_table(self, slot_values: List[torch.Tensor]) -> List[torch.Tensor]:
+        per_table: List[List[torch.Tensor]] = [[] for _ in self.tables]
+        for slots, t_index in zip(slot_values, self.feature_table):
+            per_table[t_index].append(slots)
+        return [torch.cat(s) if s else torch.empty(0, dtype=torch.int64) for s in per_table]
+
+    def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """Features hold cache slots, not rows."""
+        return plain_lookup([c.values["weight"] for c in self.caches], self, features)
+
+    def update(
+        self, features: KeyedJaggedTensor, grad_output: torch.Tensor, weights_grad: bool = False
+    ) -> torch.Tensor | None:
+        """`TorchFusedKernel.update` on the cache slots, then the rows written through."""
+        cached = [c.values["weight"] for c in self.caches]
+        grads, sample_grad = row_gradients(
+            self, features, grad_output, cached if weights_grad else None
+        )
+        for t_index, cache in enumerate(self.caches):
+            with cache.lock, torch.no_grad():
+                if t_index in grads:
+                    slots, grad = grads[t_index]
+                    states = {n: cache.values[n] for n in self.spec.state_names}
+                    if self.spec.rowwise_state:
+                        states = {n: s.view(-1) for n, s in states.items()}
+                    weight = cache.values["weight"]
+                    apply_row_update(self.spec, self.lr, weight, states, slots, grad)
+                    cache.write_through(slots)
+                if cache.pinned:
+                    cache.pinned.pop(0)
+        return sample_grad

@@ -1,0 +1,180 @@
+"""Rows of one table shard in files on local storage: the backing store of `key_value` tables.
+
+Layout: one file per tensor (`<stem>.weight`, `<stem>.<optimizer state>`), fp32 rows back to
+back (`[rows, width]`), plus `<stem>.json` naming the table, the shard and the widths. `stem`
+is `<table>.r<row_offset>.c<col_offset>.<rows>x<cols>`: shards of one table never collide,
+whatever rank or host holds them.
+
+Files are created with O_CREAT|O_EXCL and mode 0600 and their space is reserved up front
+(`posix_fallocate`), so a directory that is missing, not writable or too small fails at
+creation, and a step never meets a full disk halfway through a write. A file already there is
+never reused or overwritten: the error says which table and shape it holds.
+
+Reads and writes are `pread`/`pwrite` of runs of consecutive rows (ids sorted first), never a
+mapping, so resident memory is only what the caller keeps; `view` maps a file for state dicts
+and checkpoints (pages come in on access and leave with the mapping).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Dict, List
+
+import torch
+
+_FLOAT = 4  # bytes per stored value (fp32)
+
+
+@dataclass(frozen=True)
+class StoreIdentity:
+    """What a shard's files hold; written next to them and checked when a name is taken."""
+
+    table: str
+    rows: int
+    cols: int
+    row_offset: int
+    col_offset: int
+    widths: Dict[str, int]  # file suffix -> values per row ("weight": cols, states ...)
+
+    @property
+    def stem(self) -> str:
+        return f"{self.table}.r{self.row_offset}.c{self.col_offset}.{self.rows}x{self.cols}"
+
+    def bytes_needed(self) -> int:
+        return self.rows * sum(self.widths.values()) * _FLOAT
+
+
+def storage_directory(raw: str, local_rank: int) -> str:
+    """`ssd_storage_directory` with TorchRec's `@local_rank` placeholder filled in."""
+    return raw.replace("@local_rank", str(local_rank))
+
+
+def _describe(path: str) -> str:
+    try:
+        with open(path) as f:
+            held = json.load(f)
+        return f"table '{held['table']}' rows {held['rows']} x cols {held['cols']}"
+    except (OSError, ValueError, KeyError):
+        return "unknown contents"
+
+
+def check_directory(directory: str, identities: List[StoreIdentity]) -> None:
+    """Raise before any file is made if `directory` cannot hold these shards: missing, not a
+    writable directory, too little free space, or a file of one of them already there."""
+    names = ", ".join(sorted({i.table for i in identities}))
+    if not os.path.isdir(directory):
+        raise ValueError(
+            f"key_value tables {names}: ssd_storage_directory '{directory}' is not a directory"
+        )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"key_value tables {names}: ssd_storage_directory '{directory}' is not writable"
+        )
+    for identity in identities:
+        for suffix in [*identity.widths, "json"]:
+            path = os.path.join(directory, f"{identity.stem}.{suffix}")
+            if os.path.lexists(path):
+                raise ValueError(
+                    f"table '{identity.table}': '{path}' already exists (holding "
+                    f"{_describe(os.path.join(directory, identity.stem + '.json'))}); "
+                    "key_value files are never reused: give an empty directory (restore a "
+                    "table with recshard.checkpoint.load)"
+                )
+    needed = sum(i.bytes_needed() for i in identities)
+    stat = os.statvfs(directory)
+    free = stat.f_bavail * stat.f_frsize
+    if needed > free:
+        raise ValueError(
+            f"key_value tables {names}: need {needed} bytes in '{directory}', only {free} are free"
+        )
+
+
+class RowStore:
+    """One shard's rows on storage: `read(ids)` / `write(ids, values)` per file suffix."""
+
+    def __init__(self, directory: str, identity: StoreIdentity) -> None:
+        self.identity = identity
+        self.directory = directory
+        self.paths = {s: os.path.join(directory, f"{identity.stem}.{s}") for s in identity.widths}
+        self._fds: Dict[str, int] = {}
+        try:
+            for suffix, path in self.paths.items():
+                self._fds[suffix] = self._create(path, identity.rows * identity.widths[suffix])
+            meta = os.path.join(directory, f"{identity.stem}.json")
+            fd = os.open(meta, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(asdict(identity), f)
+        except OSError as e:
+            self.close()
+            raise RuntimeError(
+                f"table '{identity.table}': cannot create its key_value files in '{directory}': {e}"
+            ) from e
+
+    def _create(self, path: str, values: int) -> int:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if values:
+            os.posix_fallocate(fd, 0, values * _FLOAT)
+        return fd
+
+    def width(self, suffix: str) -> int:
+        return self.identity.widths[suffix]
+
+    def read(self, suffix: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (sorted, unique, int64) of one file as `[len(ids), width]` fp32."""
+        width = self.width(suffix)
+        out = torch.empty(ids.numel(), width, dtype=torch.float32)
+        fd = self._fds[suffix]
+        for start, first, count in _runs(ids):
+            view = out[start : start + count].numpy()
+            got = os.preadv(fd, [view], first * width * _FLOAT)
+            if got != view.nbytes:
+                raise RuntimeError(f"table '{self.identity.table}': short read of '{suffix}'")
+        return out
+
+    def write(self, suffix: str, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Write `values` `[len(ids), width]` to rows `ids` (sorted, unique) of one file."""
+        width = self.width(suffix)
+        values = values.detach().to(torch.float32).contiguous()
+        fd = self._fds[suffix]
+        try:
+            for start, first, count in _runs(ids):
+                block = values[start : start + count].numpy()
+                if os.pwritev(fd, [block], first * width * _FLOAT) != block.nbytes:
+                    raise OSError(f"short write of {block.nbytes} bytes")
+        except OSError as e:
+            raise RuntimeError(
+                f"table '{self.identity.table}': writing rows to '{self.paths[suffix]}' failed: {e}"
+            ) from e
+
+    def fill(self, suffix: str, first: int, values: torch.Tensor) -> None:
+        """Write consecutive rows `first ..` (init and checkpoint loads, in chunks)."""
+        self.write(suffix, torch.arange(first, first + values.size(0)), values)
+
+    def view(self, suffix: str) -> torch.Tensor:
+        """The whole file as a flat fp32 tensor mapped from storage (shared: writes go to the
+        file; pages come in on access and leave with the last reference)."""
+        values = self.identity.rows * self.width(suffix)
+        if values == 0:
+            return torch.empty(0)
+        return torch.from_file(self.paths[suffix], shared=True, size=values)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _runs(ids: torch.Tensor) -> List[tuple]:
+    """(position in `ids`, first row, count) of each run of consecutive rows in sorted `ids`."""
+    if ids.numel() == 0:
+        return []
+    breaks = torch.nonzero(ids[1:] != ids[:-1] + 1).flatten() + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), ids.numel()]
+    firsts = ids[starts].tolist()
+    return [(s, f, e - s) for s, f, e in zip(starts, firsts, ends)]
