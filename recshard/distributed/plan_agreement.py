@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, Dict, List
 
 import torch
@@ -34,13 +35,18 @@ SHARDING_FIELDS = (
     "cache_params",
 )
 FIRST = ("plan error", "plan modules")  # listed before the per-table items
-MAX_LISTED = 12  # differences named in the error; the count says how many more
+MAX_LISTED = 12
+_ADDRESS = re.compile(
+    r" at 0x[0-9a-fA-F]+"
+)  # differences named in the error; the count says how many more
 
 
 def _text(value: Any) -> str:
+    """A value as text that is the same on every rank for equal values (dicts by key; an
+    object's address, which differs by process, left out)."""
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {_text(v)}" for k, v in sorted(value.items())) + "}"
-    return repr(value)
+    return _ADDRESS.sub("", repr(value))
 
 
 def _configs(module: nn.Module) -> List[Any]:
