@@ -35,10 +35,8 @@ SHARDING_FIELDS = (
     "cache_params",
 )
 FIRST = ("plan error", "plan modules")  # listed before the per-table items
-MAX_LISTED = 12
-_ADDRESS = re.compile(
-    r" at 0x[0-9a-fA-F]+"
-)  # differences named in the error; the count says how many more
+MAX_LISTED = 12  # differences named in the error; the count says how many more
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _text(value: Any) -> str:
