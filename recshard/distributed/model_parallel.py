@@ -5,8 +5,9 @@
         dict(in_backward_optimizer_filter(model.named_parameters())), torch_optimizer_factory)])
 
 Steps: (1) a plan — the given one, else the planner's `collective_plan` (rank 0 plans,
-everyone receives it); (2) every module the plan names is replaced by its sharded version
-(the same module object at two paths is sharded once); (3) parameters still on `meta` are
+everyone receives it) — checked to be the same, for the same model, on every rank; (2) every
+module the plan names is replaced by its sharded version (the same module object at two
+paths is sharded once); (3) parameters still on `meta` are
 materialized with `reset_parameters()` on every rank and broadcast from rank 0 by DDP;
 (4) the dense rest is wrapped in DDP, leaving out parameters of the sharded modules (fused
 tables update in backward; replicated tables average their own gradients).
@@ -29,6 +30,7 @@ from recshard.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from recshard.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from recshard.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from recshard.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+from recshard.distributed.plan_agreement import check_ranks_agree, describe
 from recshard.distributed.quant_embedding import QuantEmbeddingCollectionSharder
 from recshard.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
 from recshard.distributed.sharded_state import (
@@ -179,8 +181,7 @@ class DistributedModelParallel(nn.Module):
         self._sharder_map = {s.module_type: s for s in self._sharders}
         if plan is None:
             plan = self._collective_plan(module)
-        else:
-            _check_plan_paths(module, plan, self._sharder_map)
+        self._agree_on_plan(module, plan)
         self._plan = plan
         self._dmp_wrapped_module: nn.Module = self._shard(module)
         if init_parameters:
@@ -199,6 +200,18 @@ class DistributedModelParallel(nn.Module):
         )
         planner = EmbeddingShardingPlanner(topology=topology)
         return planner.collective_plan(module, self._sharders, self._env.pg)
+
+    def _agree_on_plan(self, module: nn.Module, plan: ShardingPlan) -> None:
+        """The plan must fit the model, and every rank must have the same plan and model
+        (`plan_agreement.py`): checked on every rank together, so every rank raises."""
+        try:
+            _check_plan_paths(module, plan, self._sharder_map)
+            items, error = describe(module, plan, self._sharder_map), None
+        except ValueError as e:
+            items, error = {"plan error": str(e)}, str(e)
+        check_ranks_agree(items, self._env.pg, self.device)
+        if error is not None:
+            raise ValueError(error)
 
     def _shard(self, module: nn.Module) -> nn.Module:
         done: Dict[int, nn.Module] = {}

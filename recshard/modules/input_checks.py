@@ -61,7 +61,7 @@ def check_layout(kjt: KeyedJaggedTensor, owner: str) -> None:
     if (
         values.dim() != 1
         or sum(kjt.length_per_key()) != values.numel()
-        or (weights is not None and weights.numel() != values.numel())
+        or (weights is not None and (weights.dim() != 1 or weights.numel() != values.numel()))
         or (lengths.numel() > 0 and bool(lengths.min() < 0))
         or (
             offsets is not None

@@ -85,10 +85,27 @@ def _resolve(name: str, device_type: str) -> Callable[..., Any] | None:
 
 
 def _fbgemm(name: str, device: torch.device, supported: bool = True) -> Callable[..., Any] | None:
-    """fbgemm's op `name` if it should run here (enabled, loaded, kernel for device), else None."""
+    """fbgemm's op `name` if it should run here (enabled, loaded, kernel for device), else None.
+
+    The op is called with its tensor arguments made contiguous: fbgemm's CPU kernels read a
+    tensor's data pointer as a dense array, so a strided view (a KJT built from a slice, a
+    column) would be read wrong (`contiguous()` returns a dense tensor unchanged)."""
     if not (_enabled and supported):
         return None
-    return _resolve(name, device.type)
+    op = _resolve(name, device.type)
+    return None if op is None else functools.partial(_call_dense, op)
+
+
+def _call_dense(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return op(*(_dense(a) for a in args), **{k: _dense(v) for k, v in kwargs.items()})
+
+
+def _dense(arg: Any) -> Any:
+    if isinstance(arg, Tensor):
+        return arg.contiguous()
+    if isinstance(arg, (list, tuple)) and any(isinstance(a, Tensor) for a in arg):
+        return type(arg)(_dense(a) for a in arg)
+    return arg
 
 
 def _complete_cumsum(lengths: Tensor) -> Tensor:

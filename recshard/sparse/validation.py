@@ -101,7 +101,7 @@ def check_structure(kjt: KeyedJaggedLike) -> None:
 
 def validate_kjt(kjt: KeyedJaggedLike) -> None:
     """Raise ValueError if keys, lengths, offsets, values and weights disagree (values must
-    be 1-D ids, exactly as many as the lengths sum to)."""
+    be 1-D ids, exactly as many as the lengths sum to; weights 1-D, one per id)."""
     check_structure(kjt)
     keys: List[str] = kjt.keys()
     values = kjt.values()
@@ -149,6 +149,10 @@ def validate_kjt(kjt: KeyedJaggedLike) -> None:
             f"{values.numel()} entries"
         )
     weights = kjt.weights_or_none()
+    if weights is not None and weights.dim() != 1:
+        raise ValueError(
+            f"KeyedJaggedTensor: weights must be 1-D (one per id), got shape {tuple(weights.shape)}"
+        )
     if weights is not None and weights.numel() != values.numel():
         raise ValueError(
             f"KeyedJaggedTensor: weights has {weights.numel()} entries but values has "
