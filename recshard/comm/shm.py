@@ -151,10 +151,6 @@ class _Group:
         self.broken: _PeerError | None = None
         self.demand: Deque[int] = deque(maxlen=_WINDOW)
         self.lock = threading.RLock()
-        self.poller = select.poll()
-        self.fd_peer = {s.fileno(): p for p, s in self.socks.items()}
-        for sock in self.socks.values():
-            self.poller.register(sock, select.POLLIN)
 
     # ------------------------------------------------------------------ sending and receiving
 
@@ -183,10 +179,6 @@ class _Group:
         self.outbox[peer].clear()
         for rid in [r for r, (_, _, p) in self.regions.items() if p == peer]:
             self._acked(rid)  # it will never take them
-        try:
-            self.poller.unregister(self.socks[peer])
-        except (KeyError, ValueError):
-            pass
 
     def _receive(self, peer: int) -> None:
         sock = self.socks[peer]
@@ -350,10 +342,10 @@ class _Group:
                             f"rank {peer} (pid {self.pids[peer]}) {self.dead[peer]} while this "
                             "rank waited for it",
                         )
-                for peer, box in self.outbox.items():
-                    if peer not in self.dead:
-                        events = select.POLLIN | (select.POLLOUT if box else 0)
-                        self.poller.modify(self.socks[peer], events)
+                readable = [self.socks[p] for p in self.socks if p not in self.dead]
+                writable = [
+                    self.socks[p] for p, box in self.outbox.items() if box and p not in self.dead
+                ]
             left = deadline - time.monotonic()
             if left <= 0:
                 peer = needed[0] if needed else -1
@@ -362,7 +354,7 @@ class _Group:
                     f"timed out after {self.timeout_s:.0f} s waiting for rank {peer} "
                     "(for its part, or to take this rank's)",
                 )
-            self.poller.poll(min(left, 0.2) * 1000)
+            select.select(readable, writable, [], min(left, 0.2))  # threads may wait together
 
     def held_bytes(self) -> int:
         """Bytes of shared memory this rank holds for the group (its own rings)."""

@@ -33,6 +33,7 @@ __all__ = [
     "all_to_all",
     "cap_bytes",
     "enabled",
+    "held_bytes",
     "reduce_scatter",
     "uses_shared_memory",
 ]
@@ -44,6 +45,12 @@ def uses_shared_memory(pg: dist.ProcessGroup) -> bool:
     """Whether `pg`'s all-to-alls go through shared memory (decides it, collectively, at the
     first call on `pg`: every rank of `pg` must call this, or issue an all-to-all, then)."""
     return shm.group_for(pg) is not None
+
+
+def held_bytes(pg: dist.ProcessGroup) -> int:
+    """Bytes of shared memory this rank holds for `pg` now (its own segments; 0 on the
+    backend): at most `cap_bytes()`."""
+    return shm.held_bytes(pg)
 
 
 def start(name: str, op: str, pg: dist.ProcessGroup, issue: Callable[[], dist.Work]) -> dist.Work:
