@@ -395,6 +395,8 @@ class Exchange:
         self.out_bytes[arrive[me] : arrive[me + 1]].copy_(self.wire_bytes[at[me] : at[me + 1]])
         peers = [(me + step) % ws for step in range(1, ws)]
         with group.lock:
+            if group.broken is not None:  # an earlier call failed: so do later ones
+                raise collective_error(name, OP, group.pg, group.broken)
             self._guard(group.pump)  # acknowledgements first: they decide the ring's size
             group.calls += 1
             self.call = group.calls
