@@ -62,6 +62,7 @@ from benchmarks.link import CollectiveWaitClock, add_link_argument, link_label, 
 from benchmarks.ranks import launched_ranks, minor_faults, run_ranks, timed_steps, warm_up
 from benchmarks.step_profile import profile_steps
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard.comm import transport
 from recshard.comm.codecs import get_qcomm_codecs_registry
 from recshard.comm.pg import get_local_size
 from recshard.distributed import EmbeddingBagCollectionSharder
@@ -260,6 +261,7 @@ def measure(name: str, sizes: Sizes, args: argparse.Namespace, profile: bool) ->
         "rss_start_mb": rss_start,
         "rss_end_mb": rss_mb(),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "transport_mb": transport.held_bytes(dist.group.WORLD) / 2**20,
     }
 
 
@@ -301,6 +303,7 @@ def bench_ebc(
     repeat_medians: Dict[str, List[float]] = {name: [] for name in names}
     growth: Dict[str, List[float]] = {name: [] for name in names}
     peak: Dict[str, float] = {name: 0.0 for name in names}
+    transport_mb: Dict[str, List[float]] = {name: [0.0] * ws for name in names}
     wait_shares: Dict[str, List[Dict[str, float]]] = {name: [] for name in names}
     for _ in range(args.repeats):
         for name in names:
@@ -311,6 +314,8 @@ def bench_ebc(
                 max((r["rss_end_mb"] - r["rss_start_mb"]) / args.steps for r in per_rank)
             )
             peak[name] = max([peak[name]] + [r["peak_rss_mb"] for r in per_rank])
+            held = [r["transport_mb"] for r in per_rank]
+            transport_mb[name] = [max(a, b) for a, b in zip(transport_mb[name], held)]
             wait_shares[name].append(per_rank[0]["waits"].shares(1e3 * sum(per_rank[0]["times"])))
     results = {name: statistics.median(m) for name, m in repeat_medians.items()}
     base = results.get(BASELINE)
@@ -331,6 +336,7 @@ def bench_ebc(
             repeat_medians_ms=[round(1e3 * m, 2) for m in repeat_medians[name]],
             rss_growth_mb_per_step=round(statistics.median(growth[name]), 2),
             peak_rss_mb=round(peak[name]),
+            transport_mb_per_rank=[round(m, 1) for m in transport_mb[name]],
             wait_share={
                 k: statistics.median(s[k] for s in wait_shares[name]) for k in wait_shares[name][0]
             },

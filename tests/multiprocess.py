@@ -18,7 +18,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Sequence
 
 _PRELOAD = ["torch", "torch.distributed", "recshard"]
 try:  # fbgemm is optional: the library runs without it
@@ -84,12 +84,14 @@ def run_ranks(
     env: Dict[str, str] | None = None,
     pg_timeout_s: float = PG_TIMEOUT_S,
     backend: str = "gloo",
+    may_die: Sequence[int] = (),
 ) -> List[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return results by rank.
 
     `fn` must be a module-level function and its arguments and result picklable.
     `env` is added to each rank's environment (e.g. LOCAL_WORLD_SIZE); `backend` is the
-    process group's ("nccl" for the CUDA tests).
+    process group's ("nccl" for the CUDA tests). A rank in `may_die` that exits without
+    reporting gives `("exited", exit code)` as its result, not an error.
     """
     queue = _CTX.Queue()
     port = free_port()
@@ -119,10 +121,16 @@ def run_ranks(
                 dead = [
                     r
                     for r, p in enumerate(procs)
-                    if p.exitcode not in (None, 0) and r not in results and r not in errors
+                    if p.exitcode is not None
+                    and (p.exitcode != 0 or r in may_die)
+                    and r not in results
+                    and r not in errors
                 ]
                 for r in dead:
-                    errors[r] = f"process exited with code {procs[r].exitcode}"
+                    if r in may_die:
+                        results[r] = ("exited", procs[r].exitcode)
+                    else:
+                        errors[r] = f"process exited with code {procs[r].exitcode}"
                 continue
             (results if ok else errors)[rank] = payload
             if errors:
@@ -138,7 +146,7 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
-            elif p.exitcode != 0 and r in reported:
+            elif p.exitcode != 0 and r in reported and r not in may_die:
                 # reported (a result or a handled error), then died at exit: an abort in a
                 # destructor, e.g. "terminate called without an active exception" (-6)
                 how = "returned" if r in results else "raised"

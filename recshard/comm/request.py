@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from recshard.comm import buffers, shm
+from recshard.comm import buffers, transport
 from recshard.comm.codecs import QuantizedCommCodec
 from recshard.comm.errors import CollectiveError, collective_error
 from recshard.types import Awaitable
@@ -75,7 +75,7 @@ def reset_comm_payload_bytes() -> None:
 
 
 def wait_work(
-    work: dist.Work | shm.Exchange | None,
+    work: transport.Work | None,
     name: str,
     op: str = "all_to_all_single",
     pg: dist.ProcessGroup | None = None,
@@ -91,14 +91,6 @@ def wait_work(
         raise collective_error(name, op, pg, e) from e
 
 
-def _start(name: str, op: str, pg: dist.ProcessGroup, issue: Callable[[], dist.Work]) -> dist.Work:
-    """Issue a backend collective; an error raised at issue time names the collective too."""
-    try:
-        return issue()
-    except RuntimeError as e:  # backend errors; ValueError/TypeError are argument bugs, kept
-        raise collective_error(name, op, pg, e, stage="could not start") from e
-
-
 class Pending:
     """An issued collective: its work handle(s) and how to read the result when done.
 
@@ -108,7 +100,7 @@ class Pending:
 
     def __init__(
         self,
-        works: List[dist.Work | shm.Exchange | None],
+        works: List[transport.Work | None],
         finish: Callable[[], torch.Tensor],
         name: str = "collective",
         op: str = "collective",
@@ -156,25 +148,10 @@ def issue_all_to_all(
     out = buffers.take(name, sum(_sizes(output_splits, codec)), wire.dtype, wire.device)
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
     finish = (lambda: read(out)) if read is not None else (lambda: decode(out, codec, x.dtype))
-    local = shm.issue(
-        pg, wire, _sizes(input_splits, codec), _sizes(output_splits, codec), out, name
+    work, op = transport.all_to_all(
+        out, wire, _sizes(output_splits, codec), _sizes(input_splits, codec), pg, name
     )
-    if local is not None:  # all ranks on this host: through /dev/shm (recshard.comm.shm)
-        return Pending([local], finish, name, shm.OP, pg)  # waited like a backend's work
-    work = _start(
-        name,
-        "all_to_all_single",
-        pg,
-        lambda: dist.all_to_all_single(
-            out,
-            wire,
-            _sizes(output_splits, codec),
-            _sizes(input_splits, codec),
-            group=pg,
-            async_op=True,
-        ),
-    )
-    return Pending([work], finish, name, "all_to_all_single", pg)
+    return Pending([work], finish, name, op, pg)
 
 
 def issue_reduce_scatter(
@@ -194,30 +171,10 @@ def issue_reduce_scatter(
     if not _native_reduce_scatter(x.device):
         received = buffers.take(name, sizes[rank] * world_size, wire.dtype, wire.device)
         finish = lambda: decode(_sum_rows(received, world_size, name), codec, x.dtype)  # noqa: E731
-        local = shm.issue(pg, wire, sizes, [sizes[rank]] * world_size, received, name)
-        if local is not None:  # all ranks on this host: through /dev/shm (recshard.comm.shm)
-            return Pending([local], finish, name, shm.OP, pg)
-        work = _start(
-            name,
-            "all_to_all_single",
-            pg,
-            lambda: dist.all_to_all_single(
-                received, wire, [sizes[rank]] * world_size, sizes, group=pg, async_op=True
-            ),
-        )
-        return Pending([work], finish, name, "all_to_all_single", pg)
+        work, op = transport.all_to_all(received, wire, [sizes[rank]] * world_size, sizes, pg, name)
+        return Pending([work], finish, name, op, pg)
     out = buffers.take(name, sizes[rank], wire.dtype, wire.device)
-    if len(set(sizes)) == 1:
-        op = "reduce_scatter_tensor"
-        work = _start(name, op, pg, lambda: _reduce_scatter_single(out, wire, pg))
-    else:
-        op = "reduce_scatter"
-        work = _start(
-            name,
-            op,
-            pg,
-            lambda: dist.reduce_scatter(out, list(wire.split(sizes)), group=pg, async_op=True),
-        )
+    work, op = transport.reduce_scatter(out, wire, sizes, pg, name)
     return Pending([work], lambda: decode(out, codec, x.dtype), name, op, pg)
 
 
@@ -245,36 +202,16 @@ def issue_all_gather(
     sizes = _sizes(output_splits, codec)
     out = buffers.take(name, sum(sizes), wire.dtype, wire.device)
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
-    if len(set(sizes)) == 1 and not gloo:
-        op = "all_gather_into_tensor"
-        work = _start(name, op, pg, lambda: _all_gather_single(out, wire, pg))
-    elif not gloo:
-        op = "all_gather"
-        work = _start(
-            name,
-            op,
-            pg,
-            lambda: dist.all_gather(list(out.split(sizes)), wire, group=pg, async_op=True),
-        )
+    if not gloo:
+        work, op = transport.all_gather(out, wire, sizes, pg, name)
     else:  # every rank sends its whole input to every rank
-        op = "all_to_all_single"
         send = buffers.take(name + "_send", world_size * wire.numel(), wire.dtype, wire.device)
         copies = send.view(world_size, *wire.shape)
         copies[0].copy_(wire)
         if divisor != 1:
             copies[0].div_(divisor)  # a contiguous pass: faster than div(out=) from strides
         copies[1:].copy_(copies[0].unsqueeze(0).expand(copies[1:].shape))
-        local = shm.issue(pg, send, [wire.numel()] * world_size, sizes, out, name)
-        if local is not None:  # all ranks on this host: through /dev/shm (recshard.comm.shm)
-            return Pending([local], lambda: decode(out, codec, x.dtype), name, shm.OP, pg)
-        work = _start(
-            name,
-            op,
-            pg,
-            lambda: dist.all_to_all_single(
-                out, send, sizes, [wire.numel()] * world_size, group=pg, async_op=True
-            ),
-        )
+        work, op = transport.all_to_all(out, send, sizes, [wire.numel()] * world_size, pg, name)
     return Pending([work], lambda: decode(out, codec, x.dtype), name, op, pg)
 
 
@@ -283,16 +220,6 @@ def _sum_rows(received: torch.Tensor, world_size: int, name: str) -> torch.Tenso
     blocks = received.view(world_size, -1)
     out = buffers.take(name + "_sum", blocks.size(1), blocks.dtype, blocks.device)
     return torch.sum(blocks, 0, out=out)
-
-
-def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, pg: dist.ProcessGroup):
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, x, group=pg, async_op=True)
-
-
-def _all_gather_single(out: torch.Tensor, x: torch.Tensor, pg: dist.ProcessGroup):
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, x, group=pg, async_op=True)
 
 
 # ----------------------------------------------------------------------------- collectives

@@ -1,221 +1,447 @@
-"""All-to-all-v through shared memory for process groups whose ranks all run on one host.
+"""All-to-all-v through private shared memory, for process groups whose ranks all run on one host.
 
 gloo moves an all-to-all between ranks of one host over loopback TCP; the sharded step spends
-about 14% of its time there (benchmarks/README.md, "shared memory"). Here each rank writes
-what it sends into its own files in /dev/shm, and every peer copies its chunk straight out:
-the same copies gloo makes, without the sockets.
+about 14% of its time there (benchmarks/README.md, "shared memory"). Here each rank writes what
+it sends into its own segment and every peer copies its part straight out: the same copies
+gloo makes, without the sockets' buffers in between.
 
-Layout. At a group's first all-to-all every rank agrees, collectively, whether the group is
-eligible (same hostname and boot id on all ranks, world size >= 2, nobody set
-`RECSHARD_SHM_ALL_TO_ALL=0`). Each rank then maps a small control segment of every rank.
-Every call site (`name`) gets its own sequence of calls (1, 2, ...) and `SLOTS` slots per
-writer: call s uses slot s % SLOTS, a data segment of the writer that grows (a new file, a
-new generation) when a call needs more. The writer publishes, in its control segment, the
-slot's sequence number, generation, capacity and where each destination's chunk starts;
-a reader waits for that sequence number, maps a new generation by name, copies its chunk and
-acknowledges. A writer reuses a slot only when every peer has acknowledged the call SLOTS
-before; at issue it first completes its own calls that far behind that were never waited (a
-pipeline that stops early drops its in-flight batches), so with more than SLOTS calls of one
-site in flight, issue waits like a synchronous collective instead of deadlocking.
+How. Set-up (`recshard.comm.shm_setup`) gives each pair of ranks a verified UNIX seqpacket
+socket and each rank an anonymous, reserved segment of at most `cap_bytes()` (default 64 MiB)
+used as a ring. A call writes each peer's part into free space of the ring (`_Ring`) and sends
+that peer a small message saying where it is; the peer copies it into its output and answers
+with an acknowledgement that frees the space. The messages order the memory: the kernel's
+socket queue makes the payload written before a message visible to whoever reads the message
+(release/acquire through the kernel, on x86-64 and aarch64 alike), and the acknowledgement
+does the same for reuse. A part larger than the free space goes in pieces as space frees, so
+a call of any size works with any cap. A peer's death is end-of-file on its socket: a rank
+waiting for it raises a `CollectiveError` naming it at once; messages it sent before it exited
+are still read first (its memory stays alive as long as a peer maps it).
 
-Files are unlinked as soon as every rank has mapped them (control segments at set-up, data
-segments by whichever rank maps a generation last) and by a rank that gives up on an error:
-nothing stays in /dev/shm. Waits spin briefly, then sleep in growing steps (ranks may
-outnumber cores) and raise a `CollectiveError` naming the collective and the rank that did
-not arrive once the group's timeout (`recshard.comm.pg.pg_timeout`) runs out, or at once
-when that rank's process has exited (as gloo sees a closed socket).
+Progress. Issuing never blocks: it copies what fits and returns. Whenever a rank is inside the
+transport (issuing or waiting) it reads every message that arrived, copies parts of any call it
+has issued (waited for or not) and writes pending pieces, oldest call first; every rank issues
+a group's calls in the same order, so a waiting rank always finds its peers able to free space.
+The ring grows (a new segment generation) up to the cap while calls need more, and shrinks
+once the recent calls need much less.
 """
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import logging
-import math
-import mmap
 import os
+import select
 import socket
+import struct
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Set
+from collections import deque
+from typing import Callable, Deque, Dict, List, Sequence, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from recshard.comm.errors import CollectiveError, collective_error
+from recshard.comm import shm_setup
+from recshard.comm.errors import collective_error
 from recshard.comm.pg import pg_timeout
+from recshard.comm.shm_setup import DEFAULT_CAP_BYTES, ENV, MIN_SEGMENT, Link, Segment, enabled
 
 logger = logging.getLogger(__name__)
 
-ENV = "RECSHARD_SHM_ALL_TO_ALL"
-SLOTS = 4  # calls of one site that may be in flight before a writer defers its write
-MAX_SITES = 64  # call sites per group; later ones go through the backend
-_DIR = "/dev/shm"
-_MIN_BYTES = 1 << 20
+__all__ = ["ENV", "OP", "Exchange", "enabled", "group_for", "held_bytes", "issue"]
+
 OP = "shm all_to_all"
-_SPINS = 200
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-@dataclass
-class _Layout:
-    """Where things sit in a rank's control segment (int64 words)."""
-
-    world_size: int
-
-    @property
-    def slot_words(self) -> int:  # seq, gen, capacity, world_size + 1 chunk offsets
-        return 3 + self.world_size + 1
-
-    @property
-    def site_words(self) -> int:  # name hash, slots, then acks and mapped generations per reader
-        return 1 + SLOTS * self.slot_words + 2 * self.world_size * SLOTS
-
-    def site(self, index: int) -> int:
-        return index * self.site_words
-
-    def slot(self, index: int, slot: int) -> int:
-        return self.site(index) + 1 + slot * self.slot_words
-
-    def ack(self, index: int, reader: int, slot: int) -> int:
-        return self.site(index) + 1 + SLOTS * self.slot_words + reader * SLOTS + slot
-
-    def mapped(self, index: int, reader: int, slot: int) -> int:
-        return self.ack(index, reader, slot) + self.world_size * SLOTS
-
-    @property
-    def words(self) -> int:
-        return MAX_SITES * self.site_words
-
-
-@dataclass
-class _Site:
-    """One call site of a group: its index, its sequence, and the segments mapped for it."""
-
-    index: int
-    seq: int = 0
-    own: Dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> this rank's segment
-    own_gen: Dict[int, int] = field(default_factory=dict)
-    peers: Dict[tuple, tuple] = field(default_factory=dict)  # (writer, slot) -> (gen, segment)
-    unfinished: List[Exchange] = field(default_factory=list)  # issued, not read yet, in order
-
-
-class _Group:
-    """The shared-memory state of one eligible process group on this rank."""
-
-    def __init__(self, pg: dist.ProcessGroup, token: str, pids: List[int]) -> None:
-        self.pg, self.token, self.pids = pg, token, pids
-        self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
-        self.layout = _Layout(self.world_size)
-        self.timeout_s = pg_timeout(pg).total_seconds()
-        self.sites: Dict[str, _Site | None] = {}
-        self.linked: Set[str] = set()  # files of this rank not yet unlinked
-        self.lock = threading.Lock()
-        size = self.layout.words * 8
-        own = self._path(f"ctl-{self.rank}")
-        with open(own, "wb") as f:
-            f.truncate(size)
-        dist.barrier(group=pg)
-        self.controls = [
-            torch.from_file(self._path(f"ctl-{r}"), shared=True, size=size, dtype=torch.uint8)
-            .numpy()
-            .view(np.int64)
-            for r in range(self.world_size)
-        ]
-        dist.barrier(group=pg)
-        os.unlink(own)
-
-    def _path(self, what: str) -> str:
-        return f"{_DIR}/recshard-{self.token}-{what}"
-
-    def _data_path(self, writer: int, index: int, slot: int, gen: int) -> str:
-        return self._path(f"{writer}-{index}-{slot}-{gen}")
-
-    def site(self, name: str) -> _Site | None:
-        """The site `name`, made at its first call (None past MAX_SITES: the backend's)."""
-        if name not in self.sites:
-            index = len(self.sites)
-            self.sites[name] = _Site(index) if index < MAX_SITES else None
-            if index < MAX_SITES:
-                self.controls[self.rank][self.layout.site(index)] = _hash(name)
-        return self.sites[name]
-
-    def give_up(self) -> None:
-        """Unlink this rank's files that peers have not mapped yet (it stops on an error)."""
-        for path in list(self.linked):
-            _unlink(path)
-        self.linked.clear()
+_MSG = struct.Struct("<BxxxI7Q")  # kind, generation, site, call, total, at, offset, length, region
+_PART, _ACK = 1, 2
+_ALIGN = 64
+_WINDOW = 64  # calls whose demand decides the ring's size
 
 
 def _hash(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=7).digest(), "little")
 
 
-def _unlink(path: str) -> str:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    return path
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` (on this host) still runs: not gone, not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+class _PeerError(RuntimeError):
+    """A peer failed or broke the protocol; `peer` is its rank."""
+
+    def __init__(self, peer: int, text: str) -> None:
+        super().__init__(text)
+        self.peer = peer
 
 
-def _starts(sizes: List[int]) -> List[int]:
-    """Where each rank's chunk starts, and the end."""
-    out = [0]
-    for size in sizes:
-        out.append(out[-1] + size)
-    return out
+class _Ring:
+    """One generation of this rank's outgoing segment: regions in use, freed by acks."""
+
+    def __init__(self, gen: int, segment: Segment) -> None:
+        self.gen, self.segment, self.capacity = gen, segment, segment.capacity
+        self.head = self.tail = 0  # bytes ever allocated / freed
+        self.regions: Deque[List[int]] = deque()  # [end, done] in allocation order
+        self.told: set = set()  # peers that have this generation's descriptor
+
+    def empty(self) -> bool:
+        return self.head == self.tail
+
+    def alloc(self, want: int) -> Tuple[int, int, List[int]] | None:
+        """(offset, bytes <= want, region) of free space, or None when the ring is full."""
+        if self.empty():
+            self.head = self.tail = 0
+        free = self.capacity - (self.head - self.tail)
+        pos = self.head % self.capacity
+        contiguous = min(self.capacity - pos, free)
+        if contiguous < min(want, 4096) and free > contiguous:  # a sliver before the wrap
+            self.head += contiguous
+            self.regions.append([self.head, 1])
+            return self.alloc(want)
+        if contiguous <= 0:
+            return None
+        n = min(want, contiguous)
+        self.head += min(contiguous, -(-n // _ALIGN) * _ALIGN)
+        region = [self.head, 0]
+        self.regions.append(region)
+        return pos, n, region
+
+    def release(self, region: List[int]) -> None:
+        region[1] = 1
+        while self.regions and self.regions[0][1]:
+            self.tail = self.regions.popleft()[0]
+
+
+class _Write:
+    """A peer's part of a call, not yet (all) in the ring."""
+
+    __slots__ = ("exchange", "peer", "start", "done", "total")
+
+    def __init__(self, exchange: Exchange, peer: int, start: int, total: int) -> None:
+        self.exchange, self.peer, self.start, self.done, self.total = (
+            exchange,
+            peer,
+            start,
+            0,
+            total,
+        )
+
+
+class _Group:
+    """The shared-memory state of one process group on this rank."""
+
+    def __init__(self, pg: dist.ProcessGroup, link: Link, pids: List[int], cap: int) -> None:
+        self.pg, self.pids, self.cap = pg, pids, cap
+        self.rank, self.world_size = link.rank, link.world_size
+        self.timeout_s = pg_timeout(pg).total_seconds()
+        self.socks: Dict[int, socket.socket] = dict(link.socks)
+        self.peer_segments: Dict[int, Tuple[int, Segment]] = {
+            p: (0, s) for p, s in link.peer_segments.items()
+        }
+        self.ring = _Ring(0, link.segment)
+        self.ring.told = set(self.socks)
+        self.old_rings: List[_Ring] = []
+        self.gen = 0
+        self.regions: Dict[int, Tuple[_Ring, List[int], int]] = {}  # id -> ring, region, peer
+        self.next_region = 1
+        self.calls = 0
+        self.open: Dict[int, Exchange] = {}  # issued here, not complete
+        self.stash: Dict[int, List[Tuple[int, tuple, Segment | None]]] = {}
+        self.writes: Deque[_Write] = deque()
+        self.outbox: Dict[int, Deque[Tuple[bytes, List[int]]]] = {p: deque() for p in self.socks}
+        self.dead: Dict[int, str] = {}
+        self.broken: _PeerError | None = None
+        self.demand: Deque[int] = deque(maxlen=_WINDOW)
+        self.lock = threading.RLock()
+
+    # ------------------------------------------------------------------ sending and receiving
+
+    def _send(self, peer: int, data: bytes, fds: List[int] = ()) -> None:
+        if peer not in self.dead:
+            self.outbox[peer].append((data, list(fds)))
+            self._flush(peer)
+
+    def _flush(self, peer: int) -> None:
+        box, sock = self.outbox[peer], self.socks[peer]
+        while box and peer not in self.dead:
+            data, fds = box[0]
+            try:
+                socket.send_fds(sock, [data], fds) if fds else sock.send(data)
+            except BlockingIOError:
+                return
+            except OSError as e:  # broken pipe, reset: the peer is gone
+                self._died(peer, f"its connection broke ({e.strerror or e})")
+                return
+            box.popleft()
+
+    def _died(self, peer: int, how: str) -> None:
+        if peer in self.dead:
+            return
+        self.dead[peer] = how
+        self.outbox[peer].clear()
+        for rid in [r for r, (_, _, p) in self.regions.items() if p == peer]:
+            self._acked(rid)  # it will never take them
+
+    def _receive(self, peer: int) -> None:
+        sock = self.socks[peer]
+        while peer not in self.dead:
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, _MSG.size, 1, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                self._died(peer, f"its connection broke ({e.strerror or e})")
+                return
+            if not data and not fds:
+                self._died(peer, "exited or closed its connection")
+                return
+            kind, gen, site, call, total, at, offset, length, region = _MSG.unpack(data)
+            if fds:
+                self.peer_segments[peer] = (gen, Segment.adopt(fds[0]))
+            if kind == _ACK:
+                self._acked(region)
+                continue
+            segment = None
+            if length:
+                have_gen, segment = self.peer_segments[peer]
+                if have_gen != gen:
+                    raise _PeerError(peer, f"rank {peer} wrote into segment {gen} it never sent")
+            item = (peer, (site, total, at, offset, length, region), segment)
+            if call in self.open:
+                self._apply(self.open[call], *item)
+            else:
+                self.stash.setdefault(call, []).append(item)
+
+    def _apply(self, ex: Exchange, peer: int, header: tuple, segment: Segment | None) -> None:
+        """Copy a piece of `peer`'s part of `ex` into its output and acknowledge it."""
+        site, total, at, offset, length, region = header
+        if site != ex.site:
+            raise _PeerError(
+                peer,
+                f"rank {peer} issued a different collective at this point (ranks must issue "
+                "all-to-alls of a group in the same order)",
+            )
+        if total != ex.expect[peer]:
+            raise _PeerError(
+                peer, f"rank {peer} sends {total} bytes, this rank expects {ex.expect[peer]}"
+            )
+        if length:
+            start = ex.arrive[peer] + at
+            ex.out_bytes[start : start + length].copy_(segment.data[offset : offset + length])
+            self._send(peer, _MSG.pack(_ACK, 0, 0, 0, 0, 0, 0, 0, region))
+        ex.got[peer] += length
+        if ex.got[peer] == total:
+            ex.waiting.discard(peer)
+            self._maybe_done(ex)
+
+    def _acked(self, region_id: int) -> None:
+        found = self.regions.pop(region_id, None)
+        if found is None:
+            return
+        ring, region, _ = found
+        ring.release(region)
+        if ring is not self.ring and ring.empty():
+            self.old_rings.remove(ring)
+            ring.segment.close()
+
+    def _maybe_done(self, ex: Exchange) -> None:
+        if not ex.waiting and not ex.unwritten and self.open.get(ex.call) is ex:
+            del self.open[ex.call]
+            ex.wire = ex.wire_bytes = None
+
+    # ------------------------------------------------------------------ writing
+
+    def _write(self) -> None:
+        """Put pending parts into the ring, oldest first, as far as space allows."""
+        while self.writes:
+            w = self.writes[0]
+            ex = w.exchange
+            if w.peer in self.dead:
+                self.writes.popleft()
+                ex.unwritten -= 1
+                self._maybe_done(ex)
+                continue
+            if w.total == 0:
+                self._send(w.peer, _MSG.pack(_PART, 0, ex.site, ex.call, 0, 0, 0, 0, 0))
+            else:
+                got = self.ring.alloc(w.total - w.done)
+                if got is None:
+                    return
+                offset, n, region = got
+                src = w.start + w.done
+                self.ring.segment.data[offset : offset + n].copy_(ex.wire_bytes[src : src + n])
+                rid = self.next_region
+                self.next_region += 1
+                self.regions[rid] = (self.ring, region, w.peer)
+                fds = [] if w.peer in self.ring.told else [self.ring.segment.fd]
+                self.ring.told.add(w.peer)
+                msg = (_PART, self.ring.gen, ex.site, ex.call, w.total, w.done, offset, n, rid)
+                self._send(w.peer, _MSG.pack(*msg), fds)
+                w.done += n
+                if w.done < w.total:
+                    continue
+            self.writes.popleft()
+            ex.unwritten -= 1
+            self._maybe_done(ex)
+
+    def _resize(self, need: int) -> None:
+        """A new ring generation when calls need more than this one holds (twice the recent
+        demand, up to the cap) or, once everything has been taken, a quarter of it or less.
+        New segments cost (reserving and mapping zeroed pages), so sizes move in big steps."""
+        outstanding = sum(r.head - r.tail for r in [self.ring, *self.old_rings])
+        self.demand.append(outstanding + need)
+        target = min(self.cap, max(MIN_SEGMENT, _pow2(2 * max(self.demand))))
+        live = sum(r.capacity for r in self.old_rings)
+        live += 0 if self.ring.empty() else self.ring.capacity
+        grow = outstanding + need > self.ring.capacity and target > self.ring.capacity
+        grow = grow and live + target <= self.cap
+        shrink = 4 * target <= self.ring.capacity and outstanding == 0 and not self.writes
+        if not (grow or shrink):
+            return
+        try:
+            segment = Segment.create(target)
+        except OSError as e:  # no memory for a bigger ring: keep streaming through this one
+            logger.info("shared-memory ring stays at %d bytes: %s", self.ring.capacity, e)
+            self.demand.clear()
+            return
+        if self.ring.empty():
+            self.ring.segment.close()
+        else:
+            self.old_rings.append(self.ring)
+        self.gen += 1
+        self.ring = _Ring(self.gen, segment)
+
+    # ------------------------------------------------------------------ progress
+
+    def pump(self) -> None:
+        """Everything that can happen now without waiting."""
+        for peer in self.socks:
+            if peer not in self.dead:
+                self._receive(peer)
+                self._flush(peer)
+        self._write()
+
+    def progress(self, ex: Exchange, until: Callable[[], bool]) -> None:
+        """Pump until `until()`; raises `_PeerError` for a dead peer `ex` needs, or at the
+        group's timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            with self.lock:
+                if self.broken is not None:
+                    raise self.broken
+                try:
+                    self.pump()
+                except _PeerError as e:
+                    self.broken = e
+                    raise
+                if until():
+                    return
+                needed = sorted(ex.waiting) + [w.peer for w in self.writes if w.exchange is ex]
+                for peer in needed:
+                    if peer in self.dead:
+                        raise _PeerError(
+                            peer,
+                            f"rank {peer} (pid {self.pids[peer]}) {self.dead[peer]} while this "
+                            "rank waited for it",
+                        )
+                readable = [self.socks[p] for p in self.socks if p not in self.dead]
+                writable = [
+                    self.socks[p] for p, box in self.outbox.items() if box and p not in self.dead
+                ]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                peer = needed[0] if needed else -1
+                raise _PeerError(
+                    peer,
+                    f"timed out after {self.timeout_s:.0f} s waiting for rank {peer} "
+                    "(for its part, or to take this rank's)",
+                )
+            select.select(readable, writable, [], min(left, 0.2))  # threads may wait together
+
+    def held_bytes(self) -> int:
+        """Bytes of shared memory this rank holds for the group (its own rings)."""
+        return self.ring.capacity + sum(r.capacity for r in self.old_rings)
+
+    def close(self) -> None:
+        """Drop the sockets (in a forked child: the parent's peers must see its exit)."""
+        for sock in self.socks.values():
+            sock.close()
+        self.dead = {p: "is unreachable from a forked child" for p in self.socks}
+
+
+class Exchange:
+    """One issued all-to-all-v through shared memory; `wait()` completes it."""
+
+    def __init__(
+        self,
+        group: _Group,
+        name: str,
+        wire: torch.Tensor,
+        input_sizes: List[int],
+        output_sizes: List[int],
+        out: torch.Tensor,
+    ) -> None:
+        self.group, self.name, self.site = group, name, _hash(name)
+        me, ws, elem = group.rank, group.world_size, wire.element_size()
+        self.wire, self.wire_bytes = wire, wire.view(torch.uint8)
+        self.out_bytes = out.view(torch.uint8)
+        at = [0] * (ws + 1)
+        arrive = [0] * (ws + 1)
+        for r in range(ws):
+            at[r + 1] = at[r] + input_sizes[r] * elem
+            arrive[r + 1] = arrive[r] + output_sizes[r] * elem
+        self.arrive = arrive
+        self.expect = [output_sizes[r] * elem for r in range(ws)]
+        self.got = [0] * ws
+        self.waiting = {r for r in range(ws) if r != me}
+        self.out_bytes[arrive[me] : arrive[me + 1]].copy_(self.wire_bytes[at[me] : at[me + 1]])
+        peers = [(me + step) % ws for step in range(1, ws)]
+        with group.lock:
+            if group.broken is not None:  # an earlier call failed: so do later ones
+                raise collective_error(name, OP, group.pg, group.broken)
+            self._guard(group.pump)  # acknowledgements first: they decide the ring's size
+            group.calls += 1
+            self.call = group.calls
+            self.unwritten = ws - 1
+            group.open[self.call] = self
+            group._resize(at[ws] - (at[me + 1] - at[me]))
+            for peer in peers:
+                group.writes.append(_Write(self, peer, at[peer], at[peer + 1] - at[peer]))
+            for item in group.stash.pop(self.call, []):
+                self._guard(lambda item=item: group._apply(self, *item))
+            self._guard(group.pump)
+
+    def _guard(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except _PeerError as e:
+            self.group.broken = e
+            raise collective_error(self.name, OP, self.group.pg, e) from e
+
+    def done(self) -> bool:
+        return not self.waiting and not self.unwritten
+
+    def wait(self) -> None:
+        """Until every peer's part has arrived in the output and this rank's parts are all in
+        its ring; raises `CollectiveError` naming a peer that died or broke the protocol."""
+        if self.done():
+            return
+        try:
+            self.group.progress(self, self.done)
+        except _PeerError as e:
+            raise collective_error(self.name, OP, self.group.pg, e) from e
 
 
 _groups: Dict[dist.ProcessGroup, _Group | None] = {}
 _groups_lock = threading.Lock()
 
 
-@atexit.register
-def _unlink_at_exit() -> None:
-    """Files a peer never mapped (its last request was never waited) go at a normal exit."""
+def _forget_in_child() -> None:
     for group in _groups.values():
         if group is not None:
-            group.give_up()
+            group.close()
+    _groups.clear()
 
 
-def resident_bytes(calls: Sequence[float]) -> float:
-    """Bytes that one call site keeps resident in one rank's memory once every slot has been
-    used, when each step issues calls through it that move `calls` bytes each, in this order
-    (pass what the rank writes for its peers, or what it reads from them): call `seq` of a
-    site uses slot `seq % SLOTS`, a slot's segment stays mapped with every page a call wrote
-    or read in it, so each slot holds the largest call that lands in it, in whole pages. Both
-    sides count: the writer's pages in its own segments, the reader's in the peers' (shared
-    pages count in every process that touched them)."""
-    held = [0.0] * SLOTS
-    for seq in range(1, SLOTS * len(calls) + 1):  # every (call, slot) pairing recurs by then
-        size = calls[(seq - 1) % len(calls)]
-        pages = math.ceil(size / mmap.PAGESIZE) * mmap.PAGESIZE
-        held[seq % SLOTS] = max(held[seq % SLOTS], pages)
-    return sum(held)
-
-
-def enabled() -> bool:
-    """False when `RECSHARD_SHM_ALL_TO_ALL=0` (read at a group's first all-to-all)."""
-    return os.environ.get(ENV, "1").strip() != "0"
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def group_for(pg: dist.ProcessGroup) -> _Group | None:
@@ -223,211 +449,23 @@ def group_for(pg: dist.ProcessGroup) -> _Group | None:
     per group at its first all-to-all, collectively: every rank must call this then."""
     with _groups_lock:
         if pg not in _groups:
-            _groups[pg] = _agree(pg)
+            agreed = shm_setup.agree(pg)
+            _groups[pg] = None if agreed is None else _Group(pg, *agreed)
         return _groups[pg]
 
 
-def _node() -> int:
-    """This rank's node in torchrun's layout (global rank // LOCAL_WORLD_SIZE; 0 without
-    one): ranks that simulate several hosts on one machine keep their traffic across
-    "hosts" off shared memory, as on real hosts."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    return dist.get_rank() // int(local) if local and dist.is_initialized() else 0
+def held_bytes(pg: dist.ProcessGroup) -> int:
+    """Bytes of shared memory this rank holds for `pg` now (0 when `pg` uses the backend)."""
+    group = _groups.get(pg)
+    return 0 if group is None else group.held_bytes()
 
 
-def _agree(pg: dist.ProcessGroup) -> _Group | None:
-    world_size = dist.get_world_size(pg)
-    if world_size < 2:
-        return None
-    mine = (
-        enabled(),
-        (socket.gethostname(), _boot_id(), _node()),
-        os.path.isdir(_DIR),
-        os.urandom(8).hex(),
-        os.getpid(),
-    )
-    everyone: List[tuple] = [None] * world_size
-    dist.all_gather_object(everyone, mine, group=pg)
-    if not all(e[0] and e[2] and e[1] == everyone[0][1] and e[1][1] for e in everyone):
-        return None
-    try:
-        return _Group(pg, everyone[0][3], [e[4] for e in everyone])
-    except OSError as e:  # /dev/shm full or not writable: the ranks could now disagree
-        raise collective_error("shm_setup", OP, pg, e, stage="could not start") from e
-
-
-class Exchange:
-    """One issued all-to-all-v through shared memory; `wait()` completes it (waits, copies)."""
-
-    def __init__(
-        self,
-        group: _Group,
-        site: _Site,
-        name: str,
-        wire: torch.Tensor,
-        input_sizes: List[int],
-        output_sizes: List[int],
-        out: torch.Tensor,
-    ) -> None:
-        self.group, self.site, self.name = group, site, name
-        self.wire, self.input_sizes, self.output_sizes, self.out = (
-            wire,
-            input_sizes,
-            output_sizes,
-            out,
-        )
-        with group.lock:
-            site.seq += 1
-            self.seq = site.seq
-        self.slot = self.seq % SLOTS
-        self.deadline = time.monotonic() + group.timeout_s  # for waiting for the slot
-        me = group.rank
-        at, arrive = _starts(input_sizes), _starts(output_sizes)
-        out[arrive[me] : arrive[me + 1]].copy_(wire[at[me] : at[me + 1]])
-        self.done = False
-        for earlier in [e for e in site.unfinished if e.seq <= self.seq - SLOTS]:
-            earlier.wait()  # never waited (a pipeline dropped it), or SLOTS calls behind
-        site.unfinished.append(self)
-        ctl, layout = group.controls[me], group.layout
-        for r in range(group.world_size):
-            if r != me:
-                self._wait(
-                    lambda r=r: ctl[layout.ack(site.index, r, self.slot)] >= self.seq - SLOTS,
-                    r,
-                    "to take the all-to-all before",
-                )
-        self._write()
-
-    def _fail(self, peer: int, what: str) -> CollectiveError:
-        self.group.give_up()
-        return collective_error(
-            self.name,
-            OP,
-            self.group.pg,
-            TimeoutError(
-                f"timed out after {self.group.timeout_s:.0f} s waiting for rank {peer} {what}"
-            ),
-        )
-
-    def _write(self) -> None:
-        """Copy the chunks for the peers into this rank's slot and publish the sequence number."""
-        g, layout, index, slot = self.group, self.group.layout, self.site.index, self.slot
-        me, ctl = g.rank, g.controls[g.rank]
-        elem = self.wire.element_size()
-        sizes = [0 if r == me else self.input_sizes[r] * elem for r in range(g.world_size)]
-        needed = sum(sizes)
-        base = layout.slot(index, slot)
-        segment = self.site.own.get(slot)
-        if segment is not None:  # every peer took the call before from it, so has it mapped
-            g.linked.discard(_unlink(g._data_path(me, index, slot, self.site.own_gen[slot])))
-        if needed and (segment is None or segment.numel() < needed):
-            gen = self.site.own_gen.get(slot, 0) + 1
-            capacity = max(_MIN_BYTES, 1 << (needed - 1).bit_length())
-            path = g._data_path(me, index, slot, gen)
-            with open(path, "wb") as f:
-                f.truncate(capacity)
-            g.linked.add(path)
-            segment = torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8)
-            self.site.own[slot], self.site.own_gen[slot] = segment, gen
-            ctl[base + 1], ctl[base + 2] = gen, capacity
-            ctl[layout.mapped(index, me, slot)] = gen
-        at = _starts(self.input_sizes)
-        offset = 0
-        for r in range(g.world_size):
-            ctl[base + 3 + r] = offset
-            if sizes[r]:
-                segment[offset : offset + sizes[r]].view(self.wire.dtype).copy_(
-                    self.wire[at[r] : at[r + 1]]
-                )
-            offset += sizes[r]
-        ctl[base + 3 + g.world_size] = offset
-        ctl[base] = self.seq  # last: readers take the chunks once they see it
-
-    def wait(self) -> None:
-        """Copy every peer's chunk for this rank out of its segment and acknowledge (earlier
-        calls of this site first, so reads follow issue order). Once only."""
-        if self.done:
-            return
-        g = self.group
-        self.deadline = time.monotonic() + g.timeout_s
-        while self.site.unfinished[0] is not self:
-            self.site.unfinished[0].wait()
-        arrive = _starts(self.output_sizes)
-        for step in range(1, g.world_size):
-            peer = (g.rank + step) % g.world_size
-            self._read(peer, arrive[peer], arrive[peer + 1])
-        self.wire, self.done = None, True
-        self.site.unfinished.pop(0)
-
-    def _read(self, peer: int, start: int, end: int) -> None:
-        g, layout, index, slot = self.group, self.group.layout, self.site.index, self.slot
-        ctl = g.controls[peer]
-        base = layout.slot(index, slot)
-        self._wait(lambda: ctl[base] >= self.seq, peer, "to send its chunk")
-        if ctl[layout.site(index)] != _hash(self.name):
-            g.give_up()
-            raise collective_error(
-                self.name,
-                OP,
-                g.pg,
-                RuntimeError(
-                    f"rank {peer} issued a different collective at this point (ranks must issue "
-                    "all-to-alls in the same order)"
-                ),
-            )
-        elem = self.out.element_size()
-        lo, hi = int(ctl[base + 3 + g.rank]), int(ctl[base + 4 + g.rank])
-        if hi - lo != (end - start) * elem:
-            g.give_up()
-            raise collective_error(
-                self.name,
-                OP,
-                g.pg,
-                RuntimeError(
-                    f"rank {peer} sends {hi - lo} bytes, this rank expects {(end - start) * elem}"
-                ),
-            )
-        gen = int(ctl[base + 1])
-        known = self.site.peers.get((peer, slot))
-        if gen and (known is None or known[0] != gen):  # map it even if this rank's chunk is empty
-            path = g._data_path(peer, index, slot, gen)
-            try:
-                segment = torch.from_file(
-                    path, shared=True, size=int(ctl[base + 2]), dtype=torch.uint8
-                )
-            except (OSError, RuntimeError) as e:
-                g.give_up()
-                raise collective_error(self.name, OP, g.pg, e) from e
-            known = self.site.peers[(peer, slot)] = (gen, segment)
-            ctl[layout.mapped(index, g.rank, slot)] = gen
-            if all(ctl[layout.mapped(index, r, slot)] >= gen for r in range(g.world_size)):
-                _unlink(path)  # every rank has it mapped (else the writer does, at its next use)
-        if hi > lo:
-            self.out[start:end].copy_(known[1][lo:hi].view(self.out.dtype))
-        ctl[layout.ack(index, g.rank, slot)] = self.seq
-
-    def _wait(self, ready, peer: int, what: str) -> None:  # noqa: ANN001 - a predicate
-        """Until `ready()`: spin a little, then sleep 20 us doubling to 1 ms, up to the deadline."""
-        for _ in range(_SPINS):
-            if ready():
-                return
-        pause = 2e-5
-        while not ready():
-            if time.monotonic() > self.deadline:
-                raise self._fail(peer, what)
-            if pause >= 1e-3 and not _alive(self.group.pids[peer]):  # gloo sees a closed socket
-                self.group.give_up()
-                raise collective_error(
-                    self.name,
-                    OP,
-                    self.group.pg,
-                    RuntimeError(
-                        f"rank {peer} (pid {self.group.pids[peer]}) exited while this rank waited "
-                        f"for it {what}"
-                    ),
-                )
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+def resident_bytes(calls: Sequence[float]) -> float:
+    """At most what one rank holds for one group: its ring, sized to the calls it carries
+    (whole pages, at least `MIN_SEGMENT`), never more than `DEFAULT_CAP_BYTES`."""
+    if not calls or max(calls) <= 0:
+        return 0.0
+    return float(min(DEFAULT_CAP_BYTES, max(MIN_SEGMENT, _pow2(int(max(calls))))))
 
 
 def issue(
@@ -440,13 +478,7 @@ def issue(
 ) -> Exchange | None:
     """Start an all-to-all-v of `wire` (contiguous, CPU) into `out` through shared memory, or
     None when `pg` goes through the backend (then the caller issues it there)."""
-    if wire.device.type != "cpu":
-        return None
     group = group_for(pg)
     if group is None:
         return None
-    with group.lock:
-        site = group.site(name)
-    if site is None:
-        return None
-    return Exchange(group, site, name, wire, input_sizes, output_sizes, out)
+    return Exchange(group, name, wire, input_sizes, output_sizes, out)
