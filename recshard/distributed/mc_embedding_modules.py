@@ -177,6 +177,14 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
     def load_full_tables(self, full: Dict[str, torch.Tensor]) -> None:
         self._embedding_module.load_full_tables(full)
 
+    def local_scale_bias(self) -> Dict[str, List[Tuple[LocalTable, torch.Tensor]]]:
+        return self._embedding_module.local_scale_bias()
+
+    def load_full_quantized(
+        self, full: Dict[str, Tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> None:
+        self._embedding_module.load_full_quantized(full)
+
     def fused_optim_spec(self, table: str) -> FusedOptimSpec:
         return self._embedding_module.fused_optim_spec(table)
 
