@@ -2,12 +2,11 @@
 
 `EmbeddingShardingPlanner(topology, batch_size, constraints).plan(module, sharders)` returns
 a `ShardingPlan`; `save_plan` / `load_plan` store it as JSON; `recshard-plan` (or
-`python -m recshard.planner`) plans from a tables file without a model. `calibrate` measures
-the machine into a `CalibrationProfile` for `Topology(profile=...)`; `plan_stats` measures any
+`python -m recshard.planner`) plans from a tables file without a model. A `CalibrationProfile`
+(measured by `recshard.calibration`) gives `Topology(profile=...)` this machine's costs; `plan_stats` measures any
 plan with a neutral yardstick; `explain_table` says why a table got its option.
 """
 
-from recshard.planner.calibrate import CalibrationGrid, calibrate
 from recshard.planner.enumerator import EmbeddingEnumerator, tables_from_module
 from recshard.planner.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
 from recshard.planner.explain import Explanation, OptionCost, explain_table
@@ -44,7 +43,6 @@ from recshard.planner.stats import EmbeddingStats, PlannerStats
 from recshard.planner.step_model import StepTimePerfModel
 
 __all__ = [
-    "CalibrationGrid",
     "CalibrationProfile",
     "EmbeddingEnumerator",
     "EmbeddingPerfEstimator",
@@ -76,7 +74,6 @@ __all__ = [
     "TableMeta",
     "Topology",
     "UniformProposer",
-    "calibrate",
     "explain_table",
     "load_plan",
     "plan_from_dict",

@@ -11,7 +11,7 @@ tables, or {"tables": [...], "optimizer": ..., "batch_size": ...}. A table::
      "constraints": {"sharding_types": ["table_wise", "row_wise"], "compute_kernels": ["fused"],
                      "min_partition": 32, "enforce_hbm": true, "cache_params": {"load_factor": 0.2}}}
 
-`recshard-plan calibrate -o profile.json` measures this machine (see `calibrate_cli`);
+`recshard-plan calibrate -o profile.json` measures this machine and job (`recshard.calibration`);
 `--profile profile.json` plans with those costs. `--explain TABLE` prints every option priced
 for TABLE and why the chosen one won (`--png` then draws it, and with `--measured FILE`,
 estimated vs measured step times). `--plan existing.json` prints per-rank statistics of an
@@ -29,7 +29,6 @@ import math
 import sys
 from typing import Any, Dict, List, Sequence, Tuple
 
-from recshard.planner.calibrate_cli import calibrate_main
 from recshard.planner.enumerator import EmbeddingEnumerator
 from recshard.planner.estimators import EmbeddingStorageEstimator
 from recshard.planner.explain import draw_explain_png, explain_table, read_measurements
@@ -355,7 +354,12 @@ def gib(value: float | None) -> float | None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["calibrate"]:
-        return calibrate_main(argv[1:])
+        print(
+            "error: the planner measures nothing: calibrate with `recshard-plan calibrate` "
+            "or `python -m recshard.calibration`",
+            file=sys.stderr,
+        )
+        return 2
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

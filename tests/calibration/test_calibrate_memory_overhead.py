@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from recshard.distributed.calibrate_memory import measure_rank_overhead
+from recshard.calibration.memory import measure_rank_overhead
 from recshard.planner import EmbeddingShardingPlanner, TableMeta, Topology
 from recshard.planner.estimators import EmbeddingStorageEstimator
 from recshard.planner.plan_stats import plan_stats

@@ -10,8 +10,10 @@ import logging
 
 import pytest
 
+from recshard.calibration import CalibrationGrid
+from recshard.calibration.fitting import fit_build
+from recshard.calibration.memory import measure_memory
 from recshard.planner import EmbeddingShardingPlanner, TableMeta, Topology
-from recshard.planner.calibrate import CalibrationGrid, fit_build, measure_memory
 from recshard.planner.plan_stats import plan_stats
 from recshard.planner.profile import CalibrationProfile, MemoryCost
 

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from recshard.distributed.calibrate_step import StepProbe, WorkSample, calibrate_job, fit_work
+from recshard.calibration import CalibrationGrid, StepProbe, calibrate_job
+from recshard.calibration.fitting import WorkSample, fit_work
 from recshard.planner import EmbeddingPerfEstimator, TableMeta, Topology
-from recshard.planner.calibrate import CalibrationGrid
 from recshard.planner.estimators import data_parallel_exchange
 from recshard.planner.profile import (
     STEP_TYPES,
