@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Dict, List, Sequence, Tuple
 
@@ -350,13 +350,10 @@ class MemoryBalancedPartitioner:
                 break
             mid = (low + high) / 2
             caps = [min(c, mid) for c in (capacity.hbm if on_hbm else capacity.ddr)]
-            capped = Capacity(
-                caps if on_hbm else capacity.hbm,
-                capacity.ddr if on_hbm else caps,
-                capacity.dense_bytes,
-                capacity.kjt_bytes,
-                capacity.fraction,
-                capacity.local_world_size,
+            capped = replace(
+                capacity,
+                hbm=caps if on_hbm else capacity.hbm,
+                ddr=capacity.ddr if on_hbm else caps,
             )
             trial = self.greedy.partition(proposal, capped)
             if trial.feasible and trial.rating <= limit:

@@ -186,9 +186,8 @@ class EmbeddingShardingPlanner:
             f"no sharding plan fits: {len(lost)} table(s) have no option whose shards fit on one "
             f"rank, which has {cap_h / GIB:.3f} GiB HBM and {cap_d / GIB:.3f} GiB DDR for tables "
             f"(capacity {self.topology.hbm_cap / GIB:.3f} GiB HBM, "
-            f"{self.topology.ddr_cap / GIB:.3f} GiB DDR, minus reserved dense "
-            f"{capacity.dense_bytes / GIB:.3f} GiB, KJT {capacity.kjt_bytes / GIB:.3f} GiB, "
-            f"{capacity.fraction:.0%}).",
+            f"{self.topology.ddr_cap / GIB:.3f} GiB DDR, minus reserved "
+            f"{capacity.reserved()}).",
             "Smallest shard per compute kernel:",
         ]
         for options in lost[:5]:
@@ -281,8 +280,7 @@ class EmbeddingShardingPlanner:
             f"on {topo.world_size} ranks ({topo.compute_device}).",
             f"Per rank for tables: {cap_h / GIB:.3f} GiB HBM, {cap_d / GIB:.3f} GiB DDR "
             f"(capacity {topo.hbm_cap / GIB:.3f} GiB HBM, {topo.ddr_cap / GIB:.3f} GiB DDR, "
-            f"minus reserved dense {capacity.dense_bytes / GIB:.3f} GiB, KJT "
-            f"{capacity.kjt_bytes / GIB:.3f} GiB, {capacity.fraction:.0%}).",
+            f"minus reserved {capacity.reserved()}).",
         ]
         min_h = sum(min(o.total_hbm for o in options) for options in space)
         min_d = sum(min(o.total_ddr for o in options) for options in space)
