@@ -8,6 +8,7 @@ stored in bytes/ms.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
@@ -25,6 +26,13 @@ INTRA_HOST_TRANSPORT_BYTES = 64 * 1024**2
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _in_range(value: Any, positive: bool) -> bool:
+    """A finite real number, > 0 (`positive`) or >= 0."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return False
+    return value > 0 if positive else value >= 0
 
 
 ALL_SHARDING_TYPES = sharding_type_values(sharding_types.ALL_SHARDING_TYPES)  # strings, enum order
@@ -86,6 +94,20 @@ class Topology:
             raise ValueError(
                 f"local_world_size {local_world_size} must divide world_size {world_size}"
             )
+        for what, value, positive in (
+            ("hbm_cap", hbm_cap, False),
+            ("ddr_cap", ddr_cap, False),
+            ("hbm_mem_bw", hbm_mem_bw, True),
+            ("ddr_mem_bw", ddr_mem_bw, True),
+            ("hbm_to_ddr_mem_bw", hbm_to_ddr_mem_bw, True),
+            ("intra_host_bw", intra_host_bw, True),
+            ("inter_host_bw", inter_host_bw, True),
+        ):
+            if value is not None and not _in_range(value, positive):
+                bound = "> 0" if positive else ">= 0"
+                raise ValueError(f"{what} must be a finite number {bound}, got {value!r}")
+        if not (_in_range(uvm_efficiency, True) and uvm_efficiency <= 1):
+            raise ValueError(f"uvm_efficiency must be in (0, 1], got {uvm_efficiency!r}")
         d_hbm, d_ddr, d_hbm_bw, d_ddr_bw, d_h2d, d_intra, d_inter = _DEFAULTS[compute_device]
         if profile is not None:
             d_intra = profile.gbps("intra") or d_intra
