@@ -70,8 +70,8 @@ from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from recshard.calibration import CalibrationGrid, StepProbe, calibrate_job
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, TableMeta, Topology
+from recshard.planner.cost.plan_stats import plan_stats
 from recshard.planner.plan_io import plan_to_dict
-from recshard.planner.plan_stats import plan_stats
 from recshard.planner.profile import CalibrationProfile
 from recshard.types import CacheParams, CacheStatistics, ShardingEnv, ShardingPlan
 

@@ -75,7 +75,7 @@ ROW_EXCHANGE_MIN_BYTES = 4 << 20
 class PipelineType(enum.Enum):
     """The training pipeline a plan is for (TorchRec's names): how many batches of ids a
     rank holds at once, which the planner's memory estimate counts (`INPUT_COPIES` in
-    `recshard.planner.estimators`)."""
+    `recshard.planner.cost.estimators`)."""
 
     NONE = "none"
     TRAIN_BASE = "train_base"

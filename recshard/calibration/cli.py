@@ -1,5 +1,5 @@
 """`recshard-plan`: `recshard-plan calibrate -o profile.json [--budget S] [--quick]` measures
-this machine and job; anything else plans (`recshard.planner.cli`).
+this machine and job; anything else plans (`recshard.planner.report.cli`).
 
 Alone, `calibrate` measures the lookup kernels and memory; under torchrun
 (`torchrun --nproc_per_node N -m recshard.calibration -o profile.json`, or
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from recshard.calibration.grid import CalibrationGrid
 from recshard.calibration.machine import calibrate_job
 from recshard.calibration.step import StepProbe
-from recshard.planner.cli import main as plan_main
+from recshard.planner.report.cli import main as plan_main
 
 
 def calibrate_main(argv: List[str], prog: str = "recshard-plan calibrate") -> int:

@@ -33,10 +33,10 @@ from recshard.calibration.kernels import LR
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.modules.embedding_configs import EmbeddingBagConfig
 from recshard.modules.embedding_modules import EmbeddingBagCollection
-from recshard.planner.plan_stats import StepTerms, plan_stats
-from recshard.planner.planner import EmbeddingShardingPlanner
+from recshard.planner.cost.plan_stats import StepTerms, plan_stats
 from recshard.planner.planner_types import ParameterConstraints, TableMeta, Topology
 from recshard.planner.profile import STEP_TYPES, CalibrationProfile, StepCost
+from recshard.planner.search.planner import EmbeddingShardingPlanner
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import ShardingEnv, ShardingPlan
 

@@ -26,7 +26,7 @@ from recshard.planner import (
     TableMeta,
     Topology,
 )
-from recshard.planner.estimators import MODULE_OUTPUT_COPIES
+from recshard.planner.cost.estimators import MODULE_OUTPUT_COPIES
 from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, MemoryCost
 from recshard.types import PipelineType
 from tests.multiprocess import run_ranks

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from recshard.planner import load_plan
-from recshard.planner.cli import main
+from recshard.planner.report.cli import main
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from recshard.planner import Topology, load_plan
-from recshard.planner.cli import main
 from recshard.planner.json_input import MAX_DEPTH, MAX_FILE_BYTES, MAX_TABLES, InputLimitError
+from recshard.planner.report.cli import main
 
 _GOOD = {"name": "t", "num_embeddings": 1000, "embedding_dim": 16}
 

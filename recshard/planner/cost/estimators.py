@@ -23,7 +23,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from recshard.planner.cache_stats import (
+from recshard.planner.cost.cache_stats import (
     cache_hit_rate,
     cache_load_factor,
     expected_lookups,

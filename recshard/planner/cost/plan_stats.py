@@ -26,7 +26,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from recshard.plan.sharding_types import ALL_SHARDING_TYPES, PLACED_TYPES, SEQUENCE_SHARDING_TYPES
 from recshard.plan.validate import PlanValidationError, check_table_plan
-from recshard.planner.estimators import (
+from recshard.planner.cost.estimators import (
     EmbeddingPerfEstimator,
     EmbeddingStorageEstimator,
     data_parallel_exchange,
@@ -35,8 +35,8 @@ from recshard.planner.estimators import (
     table_workload,
     wire_id_bytes,
 )
+from recshard.planner.cost.step_model import StepTimePerfModel
 from recshard.planner.planner_types import ROW_BLOCK_TYPES, TableMeta, Topology
-from recshard.planner.step_model import StepTimePerfModel
 from recshard.types import ParameterSharding, PipelineType, ShardingPlan, ShardingType
 
 _GRAD_BYTES = 4.0

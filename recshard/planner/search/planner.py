@@ -13,8 +13,9 @@ from torch import nn
 
 from recshard.plan.geometry import make_shards
 from recshard.plan.validate import validate_plan
-from recshard.planner.enumerator import EmbeddingEnumerator, tables_from_module
-from recshard.planner.partitioners import GreedyPerfPartitioner, NoopPerfModel, PartitionResult
+from recshard.planner.cost.reservation import Capacity, StorageReservation
+from recshard.planner.cost.step_model import StepTimePerfModel
+from recshard.planner.placement import PartitionResult
 from recshard.planner.planner_types import (
     GIB,
     ParameterConstraints,
@@ -23,11 +24,11 @@ from recshard.planner.planner_types import (
     TableMeta,
     Topology,
 )
-from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
-from recshard.planner.refine import refine_placement
-from recshard.planner.reservation import Capacity, StorageReservation
-from recshard.planner.stats import EmbeddingStats, PlannerStats, build_stats
-from recshard.planner.step_model import StepTimePerfModel
+from recshard.planner.search.enumerator import EmbeddingEnumerator, tables_from_module
+from recshard.planner.search.partitioners import GreedyPerfPartitioner, NoopPerfModel
+from recshard.planner.search.proposers import GreedyProposer, GridSearchProposer, UniformProposer
+from recshard.planner.search.refine import refine_placement
+from recshard.planner.search.stats import EmbeddingStats, PlannerStats, build_stats
 from recshard.types import ModuleSharder, ParameterSharding, ShardingPlan
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class EmbeddingShardingPlanner:
     data-parallel (dense kernels are data-parallel). Where recshard's choice differs:
     - A model-parallel dense table (e.g. table-wise + dense) is planned only when the
       constraints rule data-parallel out; TorchRec's sharders offer no such option.
-    - Options are priced by recshard's own estimators (`recshard.planner.estimators`), so
+    - Options are priced by recshard's own estimators (`recshard.planner.cost.estimators`), so
       among the options the constraints leave, the pick may differ from TorchRec's on the
       same topology (e.g. a small table table-wise here, data-parallel there).
     - On one host, table-row-wise and table-column-wise are not enumerated when row-wise /

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence
 
-from recshard.planner.estimators import table_workload
+from recshard.planner.cost.estimators import table_workload
 from recshard.planner.planner_types import GIB, PlannerError, TableMeta, Topology
 
 

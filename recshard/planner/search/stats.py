@@ -1,5 +1,5 @@
 """Planner statistics as data (`PlannerStats`) and as the text tables the planner logs; for
-any plan (not only the planner's), `plan_stats` (from `recshard.planner.plan_stats`)."""
+any plan (not only the planner's), `plan_stats` (from `recshard.planner.cost.plan_stats`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Dict, List, Sequence
 
-from recshard.planner.partitioners import PartitionResult
-from recshard.planner.plan_stats import PlanStats, RankLoad, plan_stats
+from recshard.planner.cost.plan_stats import PlanStats, RankLoad, plan_stats
+from recshard.planner.cost.reservation import Capacity
+from recshard.planner.placement import PartitionResult
 from recshard.planner.planner_types import GIB, Topology
-from recshard.planner.reservation import Capacity
 
 logger = logging.getLogger(__name__)
 __all__ = [
