@@ -62,6 +62,7 @@ from benchmarks.link import CollectiveWaitClock, add_link_argument, link_label, 
 from benchmarks.ranks import launched_ranks, minor_faults, run_ranks, timed_steps, warm_up
 from benchmarks.step_profile import profile_steps
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard.calibration.procfs import rss_bytes
 from recshard.comm import transport
 from recshard.comm.codecs import get_qcomm_codecs_registry
 from recshard.comm.pg import get_local_size
@@ -229,8 +230,7 @@ def train_step(trainee: Trainee, kjt: KeyedJaggedTensor) -> None:
 
 def rss_mb() -> float:
     """This process's resident memory now, MiB."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return rss_bytes() / 2**20
 
 
 def measure(name: str, sizes: Sizes, args: argparse.Namespace, profile: bool) -> Dict[str, object]:

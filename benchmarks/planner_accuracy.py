@@ -67,12 +67,11 @@ from benchmarks.ebc_workload import CRITEO_KAGGLE_ROWS, LEARNING_RATE, pooling_f
 from benchmarks.link import add_link_argument, relaunch_under_link
 from benchmarks.ranks import launched_fresh_ranks, run_ranks
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard.calibration import CalibrationGrid, StepProbe, calibrate_job
 from recshard.distributed import EmbeddingBagCollectionSharder
-from recshard.distributed.calibrate_step import StepProbe, calibrate_job
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, TableMeta, Topology
-from recshard.planner.calibrate import CalibrationGrid
+from recshard.planner.cost.plan_stats import plan_stats
 from recshard.planner.plan_io import plan_to_dict
-from recshard.planner.plan_stats import plan_stats
 from recshard.planner.profile import CalibrationProfile
 from recshard.types import CacheParams, CacheStatistics, ShardingEnv, ShardingPlan
 

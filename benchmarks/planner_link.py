@@ -39,12 +39,11 @@ import torch.distributed as dist
 from benchmarks.ebc import Trainee, train_step
 from benchmarks.ebc_workload import LEARNING_RATE
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard.calibration import CalibrationGrid, calibrate_job
 from recshard.distributed import EmbeddingBagCollectionSharder
-from recshard.distributed.calibrate_step import calibrate_job
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, TableMeta, Topology
-from recshard.planner.calibrate import CalibrationGrid
+from recshard.planner.cost.plan_stats import plan_stats
 from recshard.planner.plan_io import plan_to_dict
-from recshard.planner.plan_stats import plan_stats
 from recshard.planner.profile import CalibrationProfile
 from recshard.types import ShardingEnv, ShardingPlan
 

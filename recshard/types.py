@@ -83,10 +83,16 @@ class BoundsCheckMode(enum.Enum):
     NONE = "none"
 
 
+# A data-parallel table whose fp32 gradient is smaller than this skips the exchange of the rows
+# in use (its extra collective costs more than the bytes it saves) and shares one all-reduce
+# per lookup kernel (`recshard.sharding.data_parallel`; the planner prices it the same way).
+ROW_EXCHANGE_MIN_BYTES = 4 << 20
+
+
 class PipelineType(enum.Enum):
     """The training pipeline a plan is for (TorchRec's names): how many batches of ids a
     rank holds at once, which the planner's memory estimate counts (`INPUT_COPIES` in
-    `recshard.planner.estimators`)."""
+    `recshard.planner.cost.estimators`)."""
 
     NONE = "none"
     TRAIN_BASE = "train_base"

@@ -34,7 +34,7 @@ def test_import_linter_contracts_hold() -> None:
 def test_every_package_sits_in_a_layer() -> None:
     """A new package must be placed in the layers (and in docs/layout.md), not left unchecked."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
-    (layers,) = [c["layers"] for c in config["contracts"] if c["type"] == "layers"]
+    (layers,) = [c["layers"] for c in config["contracts"] if c["name"] == "recshard layers"]
     placed = {name.strip() for layer in layers for name in layer.split("|")}
     packages = {f"recshard.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     modules = {f"recshard.{p.stem}" for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
@@ -54,7 +54,7 @@ def _layout_rows() -> List[List[str]]:
 def _layer_of() -> Dict[str, int]:
     """Package name (without `recshard.`) -> its layer in pyproject.toml, 1 at the bottom."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
-    (layers,) = [c["layers"] for c in config["contracts"] if c["type"] == "layers"]
+    (layers,) = [c["layers"] for c in config["contracts"] if c["name"] == "recshard layers"]
     return {
         name.strip().removeprefix("recshard."): len(layers) - i
         for i, layer in enumerate(layers)

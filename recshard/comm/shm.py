@@ -36,7 +36,7 @@ import struct
 import threading
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, List, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ import torch.distributed as dist
 from recshard.comm import shm_setup
 from recshard.comm.errors import collective_error
 from recshard.comm.pg import pg_timeout
-from recshard.comm.shm_setup import DEFAULT_CAP_BYTES, ENV, MIN_SEGMENT, Link, Segment, enabled
+from recshard.comm.shm_setup import ENV, MIN_SEGMENT, Link, Segment, enabled
 
 logger = logging.getLogger(__name__)
 
@@ -458,14 +458,6 @@ def held_bytes(pg: dist.ProcessGroup) -> int:
     """Bytes of shared memory this rank holds for `pg` now (0 when `pg` uses the backend)."""
     group = _groups.get(pg)
     return 0 if group is None else group.held_bytes()
-
-
-def resident_bytes(calls: Sequence[float]) -> float:
-    """At most what one rank holds for one group: its ring, sized to the calls it carries
-    (whole pages, at least `MIN_SEGMENT`), never more than `DEFAULT_CAP_BYTES`."""
-    if not calls or max(calls) <= 0:
-        return 0.0
-    return float(min(DEFAULT_CAP_BYTES, max(MIN_SEGMENT, _pow2(int(max(calls))))))
 
 
 def issue(

@@ -2,7 +2,8 @@
 
 The ids of a key whose table has `rows` rows lie in `[0, rows)` once the input dist has
 bounds-checked them, so they travel as uint8 (rows <= 2**8), uint16 (<= 2**16), int32
-(<= 2**31) or, beyond, int64 (`id_wire_dtype`); a sender's lengths travel in the narrowest type
+(<= 2**31) or, beyond, int64 (`id_wire_dtype`, in `recshard.wire_dtypes`, which the planner
+prices by too); a sender's lengths travel in the narrowest type
 that holds them (`narrowest`), in the same buffer as its ids. The receiver casts back to the
 sender's dtype: the numbers are the same, only the bytes on the wire differ (a 100 k-row
 table's int64 ids take half).
@@ -21,27 +22,9 @@ from typing import List, Sequence
 import torch
 
 from recshard.comm import buffers
+from recshard.wire_dtypes import id_wire_dtype, narrowest  # noqa: F401 - id_wire_dtype re-exported
 
-WIRE_DTYPES = (torch.uint8, torch.uint16, torch.int32, torch.int64)
 _ALIGN = 8  # bytes; the widest wire element
-
-
-def narrowest(low: int, high: int) -> torch.dtype:
-    """The first of `WIRE_DTYPES` that holds every integer in `[low, high]`."""
-    for dtype in WIRE_DTYPES:
-        info = torch.iinfo(dtype)
-        if info.min <= low and high <= info.max:
-            return dtype
-    raise ValueError(f"integers in [{low}, {high}] do not fit int64")
-
-
-def id_wire_dtype(rows: int | None, dtype: torch.dtype) -> torch.dtype:
-    """What the ids of a `rows`-row table (`[0, rows)`, checked; None: unchecked, any value)
-    travel as when they are `dtype`: the narrower of the two."""
-    if rows is None:
-        return dtype
-    wire = narrowest(0, max(rows - 1, 0))
-    return wire if wire.itemsize < dtype.itemsize else dtype
 
 
 def lengths_wire_dtype(low: int, high: int, dtype: torch.dtype) -> torch.dtype:

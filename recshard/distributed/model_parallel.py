@@ -40,7 +40,7 @@ from recshard.distributed.sharded_state import (
 )
 from recshard.optim.keyed import CombinedOptimizer
 from recshard.planner import EmbeddingShardingPlanner, Topology
-from recshard.planner.planner import register_default_sharders
+from recshard.planner.search.planner import register_default_sharders
 from recshard.types import ModuleSharder, ShardedModule, ShardingEnv, ShardingPlan
 
 

@@ -2,21 +2,16 @@
 
 `EmbeddingShardingPlanner(topology, batch_size, constraints).plan(module, sharders)` returns
 a `ShardingPlan`; `save_plan` / `load_plan` store it as JSON; `recshard-plan` (or
-`python -m recshard.planner`) plans from a tables file without a model. `calibrate` measures
-the machine into a `CalibrationProfile` for `Topology(profile=...)`; `plan_stats` measures any
+`python -m recshard.planner`) plans from a tables file without a model. A `CalibrationProfile`
+(measured by `recshard.calibration`) gives `Topology(profile=...)` this machine's costs; `plan_stats` measures any
 plan with a neutral yardstick; `explain_table` says why a table got its option.
 """
 
-from recshard.planner.calibrate import CalibrationGrid, calibrate
-from recshard.planner.enumerator import EmbeddingEnumerator, tables_from_module
-from recshard.planner.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
-from recshard.planner.explain import Explanation, OptionCost, explain_table
-from recshard.planner.partitioners import (
-    GreedyPerfPartitioner,
-    MemoryBalancedPartitioner,
-    NoopPerfModel,
-    PartitionResult,
-)
+from recshard.planner.cost.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+from recshard.planner.cost.plan_stats import PlanStats, RankLoad, plan_stats
+from recshard.planner.cost.reservation import StorageReservation
+from recshard.planner.cost.step_model import StepTimePerfModel
+from recshard.planner.placement import PartitionResult
 from recshard.planner.plan_io import (
     load_plan,
     plan_from_dict,
@@ -24,8 +19,6 @@ from recshard.planner.plan_io import (
     save_plan,
     validate_plan,
 )
-from recshard.planner.plan_stats import PlanStats, RankLoad, plan_stats
-from recshard.planner.planner import EmbeddingShardingPlanner
 from recshard.planner.planner_types import (
     ParameterConstraints,
     Perf,
@@ -37,14 +30,19 @@ from recshard.planner.planner_types import (
     Topology,
 )
 from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, MemoryCost
-from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
-from recshard.planner.refine import refine_placement
-from recshard.planner.reservation import StorageReservation
-from recshard.planner.stats import EmbeddingStats, PlannerStats
-from recshard.planner.step_model import StepTimePerfModel
+from recshard.planner.report.explain import Explanation, OptionCost, explain_table
+from recshard.planner.search.enumerator import EmbeddingEnumerator, tables_from_module
+from recshard.planner.search.partitioners import (
+    GreedyPerfPartitioner,
+    MemoryBalancedPartitioner,
+    NoopPerfModel,
+)
+from recshard.planner.search.planner import EmbeddingShardingPlanner
+from recshard.planner.search.proposers import GreedyProposer, GridSearchProposer, UniformProposer
+from recshard.planner.search.refine import refine_placement
+from recshard.planner.search.stats import EmbeddingStats, PlannerStats
 
 __all__ = [
-    "CalibrationGrid",
     "CalibrationProfile",
     "EmbeddingEnumerator",
     "EmbeddingPerfEstimator",
@@ -76,7 +74,6 @@ __all__ = [
     "TableMeta",
     "Topology",
     "UniformProposer",
-    "calibrate",
     "explain_table",
     "load_plan",
     "plan_from_dict",

@@ -2,6 +2,6 @@
 
 import sys
 
-from recshard.planner.cli import main
+from recshard.planner.report.cli import main
 
 sys.exit(main())

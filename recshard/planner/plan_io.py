@@ -28,6 +28,12 @@ from recshard.plan.validate import (  # noqa: F401 - PlanValidationError, valida
     check_ranks_agree,
     validate_plan,
 )
+from recshard.planner.json_input import (
+    InputLimitError,
+    check_table_count,
+    parse_json,
+    read_bounded,
+)
 from recshard.planner.planner_types import cache_params_from_dict, cache_params_to_dict
 from recshard.types import (
     BoundsCheckMode,
@@ -165,7 +171,9 @@ def plan_from_dict(data: Dict[str, Any]) -> ShardingPlan:
             f"plan schema version {version} is not supported (this recshard reads {PLAN_VERSION})"
         )
     plan: Dict[str, Dict[str, ParameterSharding]] = {}
-    for fqn, tables in _field(data, "modules", "$", dict).items():
+    modules = _field(data, "modules", "$", dict)
+    check_table_count(sum(len(t) for t in modules.values() if isinstance(t, dict)))
+    for fqn, tables in modules.items():
         if not isinstance(tables, dict):
             raise PlanValidationError(
                 f"$.modules[{json.dumps(fqn)}]: expected an object of tables, got {tables!r:.60}"
@@ -219,14 +227,17 @@ def load_plan(
     """Read a plan written by `save_plan` or `recshard-plan -o`; with `module`, also check it
     fits that model (and world) with `validate_plan`."""
     try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read().decode("utf-8"))
+        data = parse_json(read_bounded(path).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PlanValidationError(f"{path}: not valid JSON ({e})") from None
+    except InputLimitError as e:
+        raise InputLimitError(f"{path}: {e}") from None
     try:
         plan = plan_from_dict(data)
         if module is not None:
             validate_plan(plan, module, world_size, local_world_size)
     except PlanValidationError as e:
         raise PlanValidationError(f"{path}: {e}") from e
+    except InputLimitError as e:
+        raise InputLimitError(f"{path}: {e}") from None
     return plan

@@ -8,6 +8,7 @@ stored in bytes/ms.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
@@ -19,6 +20,20 @@ from recshard.types import BoundsCheckMode, CacheAlgorithm, CacheParams
 
 GIB = 1024**3
 _GBPS_TO_BYTES_PER_MS = 1e9 / 1e3
+# the intra-host shared-memory transport's default byte cap per rank (`recshard.comm`)
+INTRA_HOST_TRANSPORT_BYTES = 64 * 1024**2
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _in_range(value: Any, positive: bool) -> bool:
+    """A finite real number, > 0 (`positive`) or >= 0."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return False
+    return value > 0 if positive else value >= 0
+
 
 ALL_SHARDING_TYPES = sharding_type_values(sharding_types.ALL_SHARDING_TYPES)  # strings, enum order
 ROW_BLOCK_TYPES = frozenset(sharding_type_values(sharding_types.ROW_BLOCK_TYPES))  # strings
@@ -49,6 +64,9 @@ class Topology:
     `uvm_efficiency` scales host<->device bandwidth for random row reads from UVM memory.
     `profile` (from `recshard-plan calibrate`): measured kernel costs, and link bandwidths
     used for `intra_host_bw` / `inter_host_bw` where those are not given.
+    `intra_host_transport_bytes`: what the shared-memory transport among a host's ranks
+    (cpu) keeps resident per rank at most, its byte cap (default 64 MiB); 0 when the job runs
+    without it. Held on every rank of a host with two or more ranks.
     """
 
     def __init__(
@@ -65,6 +83,7 @@ class Topology:
         inter_host_bw: float | None = None,
         uvm_efficiency: float = 0.1,
         profile: CalibrationProfile | None = None,
+        intra_host_transport_bytes: int = INTRA_HOST_TRANSPORT_BYTES,
     ) -> None:
         if compute_device not in _DEFAULTS:
             raise ValueError(f"compute_device must be 'cpu' or 'cuda', got {compute_device!r}")
@@ -75,6 +94,20 @@ class Topology:
             raise ValueError(
                 f"local_world_size {local_world_size} must divide world_size {world_size}"
             )
+        for what, value, positive in (
+            ("hbm_cap", hbm_cap, False),
+            ("ddr_cap", ddr_cap, False),
+            ("hbm_mem_bw", hbm_mem_bw, True),
+            ("ddr_mem_bw", ddr_mem_bw, True),
+            ("hbm_to_ddr_mem_bw", hbm_to_ddr_mem_bw, True),
+            ("intra_host_bw", intra_host_bw, True),
+            ("inter_host_bw", inter_host_bw, True),
+        ):
+            if value is not None and not _in_range(value, positive):
+                bound = "> 0" if positive else ">= 0"
+                raise ValueError(f"{what} must be a finite number {bound}, got {value!r}")
+        if not (_in_range(uvm_efficiency, True) and uvm_efficiency <= 1):
+            raise ValueError(f"uvm_efficiency must be in (0, 1], got {uvm_efficiency!r}")
         d_hbm, d_ddr, d_hbm_bw, d_ddr_bw, d_h2d, d_intra, d_inter = _DEFAULTS[compute_device]
         if profile is not None:
             d_intra = profile.gbps("intra") or d_intra
@@ -94,6 +127,20 @@ class Topology:
         self.intra_host_bw = (d_intra if intra_host_bw is None else intra_host_bw) * gb
         self.inter_host_bw = (d_inter if inter_host_bw is None else inter_host_bw) * gb
         self.uvm_efficiency = uvm_efficiency
+        if not _is_int(intra_host_transport_bytes) or intra_host_transport_bytes < 0:
+            raise ValueError(
+                "intra_host_transport_bytes must be an integer >= 0, got "
+                f"{intra_host_transport_bytes!r}"
+            )
+        self.intra_host_transport_bytes = intra_host_transport_bytes
+
+    @property
+    def transport_bytes_per_rank(self) -> float:
+        """Bytes the intra-host shared-memory transport holds on each rank: its cap on cpu
+        when two or more ranks share a host, else 0."""
+        if self.compute_device != "cpu" or self.local_world_size < 2:
+            return 0.0
+        return float(self.intra_host_transport_bytes)
 
     @property
     def num_hosts(self) -> int:

@@ -116,7 +116,9 @@ class MemoryCost:
     weight_factor: float
     bytes_per_id: float
     bytes_per_output_byte: float
-    rank_overhead_bytes: float = 0.0  # a sharded step's fixed growth per rank (calibrate_memory)
+    rank_overhead_bytes: float = (
+        0.0  # a sharded step's fixed growth per rank (`recshard.calibration.memory`)
+    )
     build_fixed_bytes: float = 0.0  # building a process's first fused tables, whatever their size
 
     def fixed_bytes_per_rank(self) -> float:

@@ -24,11 +24,13 @@ from recshard.sharding.common import (
     TableSpec,
 )
 from recshard.sparse import KeyedJaggedTensor
-from recshard.types import Awaitable, EmbeddingComputeKernel, NoWait, ShardingEnv
-
-# Tables whose gradient is smaller than this skip the exchange of the rows in use (its extra
-# collective costs more than the bytes it saves) and share one all-reduce per lookup kernel.
-ROW_EXCHANGE_MIN_BYTES = 4 << 20
+from recshard.types import (
+    ROW_EXCHANGE_MIN_BYTES,
+    Awaitable,
+    EmbeddingComputeKernel,
+    NoWait,
+    ShardingEnv,
+)
 
 
 class _AverageGradsOverRanks(torch.autograd.Function):

@@ -14,9 +14,8 @@ from recshard.planner import (
     TableMeta,
     Topology,
 )
-from recshard.planner.cache_stats import cache_hit_rate, touched_rows
-from recshard.planner.cli import InputError, parse_tables
-from recshard.planner.estimators import data_parallel_exchange
+from recshard.planner.cost.cache_stats import cache_hit_rate, touched_rows
+from recshard.planner.cost.estimators import data_parallel_exchange
 from recshard.planner.plan_io import plan_from_dict, plan_to_dict
 from recshard.planner.planner_types import cache_params_from_dict
 from recshard.planner.profile import (
@@ -26,6 +25,7 @@ from recshard.planner.profile import (
     distinct_rows,
     working_rows,
 )
+from recshard.planner.report.tables_file import InputError, parse_tables
 from recshard.port import port_source
 from recshard.types import CacheAlgorithm, CacheParams, CacheStatistics, ShardingPlan
 

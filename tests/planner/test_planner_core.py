@@ -139,7 +139,8 @@ def test_table_too_big_for_any_rank_is_named():
     text = str(info.value)
     assert "no sharding plan fits: 1 table(s) have no option whose shards fit" in text
     assert "huge (100000000 x 128, adam): " in text and "fused 0.000 GiB HBM + 71.526" in text
-    assert "8.000 GiB DDR for tables" in text  # the capacity that fell short
+    # the capacity that fell short: 8 GiB less the intra-host transport's 64 MiB cap
+    assert "7.937 GiB DDR for tables" in text and "transport 0.062 GiB" in text
 
 
 def test_tables_too_big_together_raise_with_details():
@@ -149,9 +150,9 @@ def test_tables_too_big_together_raise_with_details():
         planner.plan_tables(tables)
     text = str(info.value)
     assert "no sharding plan fits: evaluated" in text
-    assert "Per rank for tables: 0.000 GiB HBM, 20.000 GiB DDR" in text
+    assert "Per rank for tables: 0.000 GiB HBM, 19.937 GiB DDR" in text
     assert "big0 (10000000 x 128, adam): fused 0.000 GiB HBM + 14.306 GiB DDR" in text
-    assert "2 ranks have 0.000 GiB HBM and 40.000 GiB DDR" in text
+    assert "2 ranks have 0.000 GiB HBM and 39.875 GiB DDR" in text
     assert "DDR fell short" in text
 
 
@@ -176,8 +177,11 @@ def test_reservation_is_explicit_and_reported():
     )
     planner.plan_tables(tables)
     stats = planner.last_stats
-    assert stats.ranks[0].ddr_cap == pytest.approx(2.5 * GIB)
+    # and the intra-host transport's byte cap (two cpu ranks share the host)
+    assert stats.ranks[0].ddr_cap == pytest.approx(2.5 * GIB - 64 * 1024**2)
     assert stats.reserved_dense_bytes == GIB and stats.reserved_kjt_bytes == 0.5 * GIB
+    assert stats.reserved_transport_bytes == 64 * 1024**2
+    assert "intra-host transport 64.000 MiB" in stats.format()
     with pytest.raises(PlannerError, match="reservation alone does not fit"):
         EmbeddingShardingPlanner(
             topo, storage_reservation=StorageReservation(dense_bytes=5 * GIB), debug=False

@@ -12,8 +12,8 @@ from recshard.planner import (
     TableMeta,
     Topology,
 )
-from recshard.planner.enumerator import column_runs, row_runs
-from recshard.planner.estimators import optimizer_state_bytes
+from recshard.planner.cost.estimators import optimizer_state_bytes
+from recshard.planner.search.enumerator import column_runs, row_runs
 from recshard.types import CacheParams, PipelineType
 
 

@@ -10,8 +10,8 @@ import os
 import pytest
 
 from recshard.planner import EmbeddingShardingPlanner, TableMeta, Topology
-from recshard.planner.cli import main
-from recshard.planner.explain import explain_table, read_measurements
+from recshard.planner.report.cli import main
+from recshard.planner.report.explain import explain_table, read_measurements
 
 TABLES = [
     TableMeta("big", 2_000_000, 128, pooling_factors=[20.0]),

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from recshard.planner import EmbeddingShardingPlanner, TableMeta, Topology, load_plan
-from recshard.planner.cli import main
-from recshard.planner.plan_stats import plan_stats
+from recshard.planner.cost.plan_stats import plan_stats
 from recshard.planner.profile import CalibrationProfile, LinkCost
+from recshard.planner.report.cli import main
 
 TABLES = [
     TableMeta("big", 4_000_000, 128, pooling_factors=[100.0]),

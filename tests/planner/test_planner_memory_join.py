@@ -14,7 +14,7 @@ from planner_cases import shard_on_world
 
 from recshard.comm import buffers
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, TableMeta, Topology
-from recshard.planner.plan_stats import JOIN_COPIES, match_plan, module_join_bytes
+from recshard.planner.cost.plan_stats import JOIN_COPIES, match_plan, module_join_bytes
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import ShardingPlan
 

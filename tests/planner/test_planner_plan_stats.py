@@ -9,9 +9,9 @@ import pytest
 
 from recshard.plan.geometry import make_shards
 from recshard.planner import EmbeddingShardingPlanner, TableMeta, Topology, save_plan
-from recshard.planner.cli import main
-from recshard.planner.estimators import wire_id_bytes
-from recshard.planner.plan_stats import plan_stats
+from recshard.planner.cost.estimators import wire_id_bytes
+from recshard.planner.cost.plan_stats import plan_stats
+from recshard.planner.report.cli import main
 from recshard.types import ParameterSharding, ShardingPlan
 
 ROWS, DIM, POOLING, BATCH = 1000, 16, 2, 4

@@ -9,7 +9,7 @@ import logging
 import math
 from typing import Dict, Iterator, List, Set, Tuple
 
-from recshard.planner.partitioners import PartitionResult
+from recshard.planner.placement import PartitionResult
 from recshard.planner.planner_types import ShardingOption
 
 logger = logging.getLogger(__name__)

@@ -1,33 +1,26 @@
-"""Measure a real sharded module's per-step costs per sharding type (`StepCost`), and
-`calibrate_job`: the whole calibration of a job's ranks (kernels, memory, links, step costs).
+"""A real sharded module's per-step costs per sharding type (`StepCost`).
 
 A sharded `EmbeddingBagCollection` costs more per step than its kernels' work and the bytes
-on its links. Per sharding group and per feature: the input dist's all-to-alls and splits, the
+on its links: per sharding group and per feature, the input dist's all-to-alls and splits, the
 permutes, the output dist, the autograd nodes. This is timed on tables so small (64 rows, dim
 16, batch 64, one id per bag) that their work is near zero, at two feature counts, and fitted
 as `ms = ms_per_group + ms_per_feature features` per sharding type and phase. And per unit of
-work: 12 modules of 8 and 24 real-sized tables (20 to 50 k rows, 1 to 20 ids per bag, many
-to small tables; dims 16 to 128, batches 256 to 2048) are timed per sharding type, and what
-the slowest rank takes beyond the tiny probes' overhead is fitted per phase as `work_scale`
-times the kernel and link fits' estimate for that rank (`plan_stats`), with its kernels'
-per-element part (the update) times `element_scale` instead, plus `ms_per_shard` times the shards it holds plus
-`ms_per_id` times the ids it looks up (`fit_work`): the copies, permutes and caches shared
-with the other tables scale with the work, the update (its per-element part) with a scale
-of its own (data-parallel's whole-table update costs a real module ~2-3x the kernel fits',
-its lookups ~1.3x, and workloads mix them differently: one scale over-priced data-parallel
-at batch 2048 by up to 49%); a real-sized table's own buffers, calls and collective waits come with each shard; the
-input dist's per-id work (bucketizing, splitting, narrowing ids) is neither in the kernel fits
-nor in the bytes on the wire. Table counts, dims and ids per table vary across the modules to
-tell them apart. Both run on the job's own ranks, so their links are in it. It lives in `recshard.distributed`, not beside `recshard.planner.calibrate`,
-because it builds sharded modules (a layer above the planner).
-
-    torchrun --nproc_per_node N -m recshard.distributed.calibrate_step -o profile.json
+work: 12 modules of 8 and 24 real-sized tables (20 to 50 k rows, 1 to 20 ids per bag, dims 16
+to 128, batches 256 to 2048) are timed per sharding type, and what the slowest rank takes
+beyond the tiny probes' overhead is fitted per phase (`fit_work`) as `work_scale` times the
+kernel and link fits' estimate for that rank (`plan_stats`) with its kernels' per-element part
+(the update) times `element_scale` instead, plus `ms_per_shard` per shard it holds and
+`ms_per_id` per id it looks up: copies and permutes scale with the work, the update with a
+scale of its own (data-parallel's whole-table update costs a real module 2-3x the kernel
+fits', its lookups ~1.3x), a real-sized table's own buffers and calls come with each shard, and
+the input dist's per-id work is neither in the kernel fits nor on the wire. Table counts, dims
+and ids per table vary across the modules to tell the terms apart. Both run on the job's own
+ranks, so their links are in it.
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from dataclasses import dataclass, replace
 from typing import List, Sequence, Tuple
@@ -35,20 +28,17 @@ from typing import List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from recshard.calibration.fitting import WorkSample, fit_work
+from recshard.calibration.kernels import LR
 from recshard.distributed import EmbeddingBagCollectionSharder
-from recshard.distributed.calibrate_memory import measure_rank_overhead
 from recshard.modules.embedding_configs import EmbeddingBagConfig
 from recshard.modules.embedding_modules import EmbeddingBagCollection
-from recshard.planner.calibrate import CalibrationGrid, calibrate, fit_nonnegative
-from recshard.planner.calibrate_cli import calibrate_main
-from recshard.planner.plan_stats import StepTerms, plan_stats
-from recshard.planner.planner import EmbeddingShardingPlanner
+from recshard.planner.cost.plan_stats import StepTerms, plan_stats
 from recshard.planner.planner_types import ParameterConstraints, TableMeta, Topology
 from recshard.planner.profile import STEP_TYPES, CalibrationProfile, StepCost
+from recshard.planner.search.planner import EmbeddingShardingPlanner
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import ShardingEnv, ShardingPlan
-
-_LR = 0.01
 
 
 @dataclass(frozen=True)
@@ -157,7 +147,7 @@ def _time_plan(
         for m in probe.metas()
     ]
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "exact_sgd", "learning_rate": _LR}
+        fused_params={"optimizer": "exact_sgd", "learning_rate": LR}
     )
     module = sharder.shard(
         EmbeddingBagCollection(configs, device="meta"),
@@ -169,7 +159,7 @@ def _time_plan(
         for p in module.parameters()
         if p.requires_grad and not getattr(p, "_in_backward_optimizers", False)
     ]
-    sgd = torch.optim.SGD(dense, lr=_LR) if dense else None
+    sgd = torch.optim.SGD(dense, lr=LR) if dense else None
     g = torch.Generator().manual_seed(dist.get_rank(group))
     kjt = KeyedJaggedTensor.from_lengths_sync(
         [c.feature_names[0] for c in configs],
@@ -206,23 +196,6 @@ def _time_plan(
     slowest = torch.tensor([statistics.median(fwd), statistics.median(bwd)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return slowest[0].item(), slowest[1].item()
-
-
-@dataclass(frozen=True)
-class WorkSample:
-    """One real-sized probe module's slowest rank in one phase: the kernel and link fits'
-    estimate (`modelled_ms`, of which the kernels' per-element terms, the update, give
-    `modelled_update_ms`), the
-    shards it holds and ids it looks up, and the measured time beyond the tiny probes'
-    overhead (`beyond_ms`)."""
-
-    sharding_type: str
-    phase: str
-    modelled_ms: float
-    shards: float
-    ids: float
-    beyond_ms: float
-    modelled_update_ms: float = 0.0  # the kernels' per-element part of `modelled_ms`
 
 
 def measure_fixed_costs(
@@ -365,72 +338,3 @@ def _shards_on(plan: ShardingPlan, rank: int) -> int:
         else sum(1 for s in ps.shards or [] if s.rank == rank)
         for ps in plan.plan[""].values()
     )
-
-
-def fit_work(samples: Sequence[WorkSample]) -> Tuple[float, float, float, float]:
-    """(scale `s`, update scale `v`, ms per shard `t`, ms per id `u`) of `measured beyond the
-    tiny probes' overhead ~ s (modelled - modelled update) + v modelled update + t shards +
-    u ids`: non-negative least squares (`fit_nonnegative`, no intercept; a phase without an
-    update fits `v` 0). Two scales, because a real module's time over the kernel fits differs
-    between the update (data-parallel's whole tables: gradients zeroed, all-reduced, stepped
-    by the dense optimizer) and the lookups, and workloads mix them differently. (1, 1, 0, 0)
-    where it leaves nothing."""
-    usable = [s for s in samples if s.beyond_ms > 0]
-    if not usable:
-        return 1.0, 1.0, 0.0, 0.0
-    coef, _ = fit_nonnegative(
-        [
-            [s.modelled_ms - s.modelled_update_ms, s.modelled_update_ms, s.shards, s.ids]
-            for s in usable
-        ],
-        [s.beyond_ms for s in usable],
-        intercept=False,
-    )
-    if not any(coef):
-        return 1.0, 1.0, 0.0, 0.0
-    scale, element_scale, per_shard, per_id = coef
-    return scale, element_scale, per_shard, per_id
-
-
-def calibrate_job(
-    budget_s: float = 35.0,
-    grid: CalibrationGrid | None = None,
-    pg: dist.ProcessGroup | None = None,
-    local_world_size: int | None = None,
-    probe: StepProbe | None = None,
-) -> CalibrationProfile:
-    """`calibrate` (kernels, memory, links), the per-rank fixed memory of a sharded step
-    (rank 0, `measure_rank_overhead`), then, among two or more ranks, the sharded
-    module's step costs per sharding type (`measure_step_costs`). Every rank calls this and
-    gets the same profile: rank 0's kernel fits are shared before the step probe is planned
-    (plans from each rank's own fits can differ, and mismatched modules hang or fail gloo)."""
-    start = time.perf_counter()
-    profile = calibrate(budget_s, grid, pg, local_world_size)
-    group = pg if pg is not None else (dist.group.WORLD if dist.is_initialized() else None)
-    if profile.memory is not None and (group is None or dist.get_rank(group) == 0):
-        profile.memory.rank_overhead_bytes = measure_rank_overhead() or 0.0
-    if group is not None and profile.world_size > 1:
-        shared = [profile]
-        dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
-        profile = shared[0]
-        profile.steps = measure_step_costs(group, profile, probe)
-        profile.seconds = time.perf_counter() - start
-    return profile
-
-
-def _measure(budget_s: float, grid: CalibrationGrid) -> CalibrationProfile:
-    quick = grid == CalibrationGrid.quick()
-    return calibrate_job(budget_s, grid, probe=StepProbe.quick() if quick else None)
-
-
-def main(argv: List[str] | None = None) -> int:
-    """The `recshard-plan calibrate` command line, with the step costs measured too."""
-    return calibrate_main(
-        sys.argv[1:] if argv is None else argv,
-        _measure,
-        prog="python -m recshard.distributed.calibrate_step",
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

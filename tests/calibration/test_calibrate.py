@@ -10,23 +10,23 @@ import sys
 
 import pytest
 
+from recshard.calibration import CalibrationGrid, calibrate
+from recshard.calibration.cli import main
+from recshard.calibration.fitting import (
+    fit_costs,
+    fit_kernel,
+    fit_link,
+    fit_nonnegative,
+    fit_rate,
+)
+from recshard.calibration.memory import measure_memory
 from recshard.planner import (
     EmbeddingPerfEstimator,
     EmbeddingStorageEstimator,
     TableMeta,
     Topology,
 )
-from recshard.planner.calibrate import (
-    CalibrationGrid,
-    calibrate,
-    fit_costs,
-    fit_kernel,
-    fit_link,
-    fit_nonnegative,
-    fit_rate,
-    measure_memory,
-)
-from recshard.planner.estimators import MODULE_OUTPUT_COPIES
+from recshard.planner.cost.estimators import MODULE_OUTPUT_COPIES
 from recshard.planner.profile import CalibrationProfile, KernelCost, LinkCost, MemoryCost
 from recshard.types import PipelineType
 from tests.multiprocess import run_ranks
@@ -203,8 +203,7 @@ def test_cli_calibrate_under_torchrun(tmp_path):
             "--nproc_per_node",
             "2",
             "-m",
-            "recshard.planner",
-            "calibrate",
+            "recshard.calibration",
             "-o",
             str(out),
             "--quick",
@@ -229,8 +228,7 @@ def test_cli_calibrate_then_plan_with_profile(tmp_path):
         [
             sys.executable,
             "-m",
-            "recshard.planner",
-            "calibrate",
+            "recshard.calibration",
             "-o",
             str(out),
             "--quick",
@@ -324,3 +322,11 @@ def test_calibrated_memory_scales_the_storage_estimate():
         + 3 * bags4 * 64 * 4
         + (2 + MODULE_OUTPUT_COPIES) * 2 * own
     )
+
+
+def test_recshard_plan_calibrate_is_the_calibration_command(tmp_path, capsys):
+    """`recshard-plan calibrate` reaches the calibration command (its own argument checks)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calibrate", "-o", str(tmp_path / "p.json"), "--budget", "nan"])
+    assert exit_info.value.code == 2
+    assert "--budget must be a finite number of seconds > 0, got nan" in capsys.readouterr().err

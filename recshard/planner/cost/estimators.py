@@ -23,8 +23,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from recshard.comm.wire import id_wire_dtype
-from recshard.planner.cache_stats import (
+from recshard.planner.cost.cache_stats import (
     cache_hit_rate,
     cache_load_factor,
     expected_lookups,
@@ -38,8 +37,8 @@ from recshard.planner.planner_types import (
     Topology,
 )
 from recshard.planner.profile import distinct_rows, working_rows
-from recshard.sharding.data_parallel import ROW_EXCHANGE_MIN_BYTES
-from recshard.types import CacheParams, PipelineType
+from recshard.types import ROW_EXCHANGE_MIN_BYTES, CacheParams, PipelineType
+from recshard.wire_dtypes import id_wire_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -11,12 +11,10 @@ way); table-row-wise reduces inside the host and exchanges across hosts among ra
 local rank. Every rank is assumed to feed the same batch (`batch_size` samples).
 
 Memory per rank is the storage estimate of its shards, the calibrated fixed growth of a rank
-and, on cpu, what the shared-memory transport (`recshard.comm.shm`, on unless
-`RECSHARD_SHM_ALL_TO_ALL=0` in this process) keeps resident for the collectives it carries:
-per call site, `SLOTS` slots holding the largest call landing in each, the pages a rank
-writes and those it reads both (`shm.resident_bytes`): e.g. row-wise on one host, 4 x (sent +
-received) for the reduce-scatter and as much for the all-gather (measured at d128, batch 2048
-per rank, 2 ranks: 430 MB of an 800 MB peak). A module whose pooled tables span more than one
+and, on cpu with two or more ranks on a host, what the shared-memory transport among them
+keeps resident: at most its byte cap, `Topology.intra_host_transport_bytes` (0: the job runs
+without it), held once the plan sends anything through it (any collective of the ranks of a
+host, or of all ranks when there is one host). A module whose pooled tables span more than one
 sharding (placed, row-wise, table-row-wise, data-parallel) also holds its outputs' join on
 every rank (`module_join_bytes`).
 """
@@ -26,10 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Dict, List, Sequence, Tuple
 
-from recshard.comm import shm
 from recshard.plan.sharding_types import ALL_SHARDING_TYPES, PLACED_TYPES, SEQUENCE_SHARDING_TYPES
 from recshard.plan.validate import PlanValidationError, check_table_plan
-from recshard.planner.estimators import (
+from recshard.planner.cost.estimators import (
     EmbeddingPerfEstimator,
     EmbeddingStorageEstimator,
     data_parallel_exchange,
@@ -38,8 +35,8 @@ from recshard.planner.estimators import (
     table_workload,
     wire_id_bytes,
 )
+from recshard.planner.cost.step_model import StepTimePerfModel
 from recshard.planner.planner_types import ROW_BLOCK_TYPES, TableMeta, Topology
-from recshard.planner.step_model import StepTimePerfModel
 from recshard.types import ParameterSharding, PipelineType, ShardingPlan, ShardingType
 
 _GRAD_BYTES = 4.0
@@ -274,12 +271,8 @@ def plan_stats(
             terms.bwd_comms += perf.bwd_comms
         traffic.add_table(table, ps, shards, batch_size)
     overhead = rank_overhead_bytes(topology) + module_join_bytes(matched, batch_size)
-    transport = (
-        traffic.shm_resident()
-        if topology.compute_device == "cpu" and shm.enabled()
-        else [0.0] * world
-    )
-    for load, sent, received, resident in zip(loads, traffic.sent(), traffic.received(), transport):
+    resident = topology.transport_bytes_per_rank if traffic.uses_transport() else 0.0
+    for load, sent, received in zip(loads, traffic.sent(), traffic.received()):
         load.bytes_sent, load.bytes_received = sent, received
         load.transport_memory = resident
         load.memory += overhead + resident
@@ -347,7 +340,7 @@ class _Flow:
         self._recv[owner] += amount * (self.world - 1)
 
 
-# The group of ranks a collective runs in (what decides whether the shared-memory transport
+# The group of ranks a collective runs in (what decides whether the intra-host transport
 # carries it): all ranks, the ranks of one host, or none of the transport's (the backend's own
 # all-reduce, table-row-wise's all-to-all across hosts).
 _WORLD, _HOST, _BACKEND = "world", "host", "backend"
@@ -356,8 +349,7 @@ _WORLD, _HOST, _BACKEND = "world", "host", "backend"
 class _Traffic:
     """Bytes each rank sends and receives per step, by collective call: a call is one sharding
     group's (module, `PLACED_TYPES` together, other types each alone: as
-    `recshard.sharding.build` groups tables) use of one call site (`recshard.comm.shm`
-    keeps slots per site and process group; the groups of all modules share the sites)."""
+    `recshard.sharding.build` groups tables) use of one call site."""
 
     def __init__(self, world: int, local_world_size: int) -> None:
         self.world, self.lw = world, local_world_size
@@ -380,21 +372,11 @@ class _Traffic:
             0.0
         ] * self.world
 
-    def shm_resident(self) -> List[float]:
-        """Per rank, the bytes the shared-memory transport keeps resident (`shm.resident_bytes`
-        of what each site's calls write and read) for the collectives it carries: those of a
-        group of two or more ranks on one host (all ranks when there is one host)."""
+    def uses_transport(self) -> bool:
+        """Whether any call goes through the intra-host transport: a collective of two or
+        more ranks on one host (all ranks when there is one host)."""
         carried = {_WORLD: self.world > 1 and self.world == self.lw, _HOST: self.lw > 1}
-        sites: Dict[Tuple[str, str], List[_Flow]] = {}
-        for (ranks, site, _, _), flow in self._flows.items():
-            if carried.get(ranks, False):
-                sites.setdefault((ranks, site), []).append(flow)
-        out = [0.0] * self.world
-        for flows in sites.values():
-            for amounts in (zip(*(f.sent() for f in flows)), zip(*(f.received() for f in flows))):
-                for rank, calls in enumerate(amounts):
-                    out[rank] += shm.resident_bytes(calls)
-        return out
+        return any(carried.get(ranks, False) for ranks, _, _, _ in self._flows)
 
     def add_table(
         self,

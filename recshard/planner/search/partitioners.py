@@ -10,40 +10,15 @@ shards go through a min-heap of rank loads.
 from __future__ import annotations
 
 import heapq
-import math
-from dataclasses import dataclass, field
+from dataclasses import replace
 from itertools import accumulate
 from typing import Dict, List, Sequence, Tuple
 
+from recshard.planner.cost.reservation import Capacity
+from recshard.planner.placement import PartitionResult
 from recshard.planner.planner_types import GIB, ShardingOption
-from recshard.planner.reservation import Capacity
 
 _EPS = 1e-9
-
-
-@dataclass
-class PartitionResult:
-    """Where every shard of a proposal went and what each rank then carries.
-
-    `ranks[i]` lists the rank of each shard of `proposal[i]` (data-parallel: every rank).
-    Infeasible results carry `failed_index` (the table that did not fit), `failed_resource`
-    ("hbm" or "ddr") and a message in `error`.
-    """
-
-    proposal: List[ShardingOption]
-    ranks: List[List[int] | None]
-    perf: List[float]
-    hbm: List[float]
-    ddr: List[float]
-    rating: float = math.inf
-    failed_index: int | None = None
-    failed_resource: str | None = None
-    error: str | None = None
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def feasible(self) -> bool:
-        return self.failed_index is None
 
 
 class NoopPerfModel:
@@ -350,13 +325,10 @@ class MemoryBalancedPartitioner:
                 break
             mid = (low + high) / 2
             caps = [min(c, mid) for c in (capacity.hbm if on_hbm else capacity.ddr)]
-            capped = Capacity(
-                caps if on_hbm else capacity.hbm,
-                capacity.ddr if on_hbm else caps,
-                capacity.dense_bytes,
-                capacity.kjt_bytes,
-                capacity.fraction,
-                capacity.local_world_size,
+            capped = replace(
+                capacity,
+                hbm=caps if on_hbm else capacity.hbm,
+                ddr=capacity.ddr if on_hbm else caps,
             )
             trial = self.greedy.partition(proposal, capped)
             if trial.feasible and trial.rating <= limit:

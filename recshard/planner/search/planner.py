@@ -13,8 +13,9 @@ from torch import nn
 
 from recshard.plan.geometry import make_shards
 from recshard.plan.validate import validate_plan
-from recshard.planner.enumerator import EmbeddingEnumerator, tables_from_module
-from recshard.planner.partitioners import GreedyPerfPartitioner, NoopPerfModel, PartitionResult
+from recshard.planner.cost.reservation import Capacity, StorageReservation
+from recshard.planner.cost.step_model import StepTimePerfModel
+from recshard.planner.placement import PartitionResult
 from recshard.planner.planner_types import (
     GIB,
     ParameterConstraints,
@@ -23,11 +24,11 @@ from recshard.planner.planner_types import (
     TableMeta,
     Topology,
 )
-from recshard.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
-from recshard.planner.refine import refine_placement
-from recshard.planner.reservation import Capacity, StorageReservation
-from recshard.planner.stats import EmbeddingStats, PlannerStats, build_stats
-from recshard.planner.step_model import StepTimePerfModel
+from recshard.planner.search.enumerator import EmbeddingEnumerator, tables_from_module
+from recshard.planner.search.partitioners import GreedyPerfPartitioner, NoopPerfModel
+from recshard.planner.search.proposers import GreedyProposer, GridSearchProposer, UniformProposer
+from recshard.planner.search.refine import refine_placement
+from recshard.planner.search.stats import EmbeddingStats, PlannerStats, build_stats
 from recshard.types import ModuleSharder, ParameterSharding, ShardingPlan
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class EmbeddingShardingPlanner:
     data-parallel (dense kernels are data-parallel). Where recshard's choice differs:
     - A model-parallel dense table (e.g. table-wise + dense) is planned only when the
       constraints rule data-parallel out; TorchRec's sharders offer no such option.
-    - Options are priced by recshard's own estimators (`recshard.planner.estimators`), so
+    - Options are priced by recshard's own estimators (`recshard.planner.cost.estimators`), so
       among the options the constraints leave, the pick may differ from TorchRec's on the
       same topology (e.g. a small table table-wise here, data-parallel there).
     - On one host, table-row-wise and table-column-wise are not enumerated when row-wise /
@@ -186,9 +187,8 @@ class EmbeddingShardingPlanner:
             f"no sharding plan fits: {len(lost)} table(s) have no option whose shards fit on one "
             f"rank, which has {cap_h / GIB:.3f} GiB HBM and {cap_d / GIB:.3f} GiB DDR for tables "
             f"(capacity {self.topology.hbm_cap / GIB:.3f} GiB HBM, "
-            f"{self.topology.ddr_cap / GIB:.3f} GiB DDR, minus reserved dense "
-            f"{capacity.dense_bytes / GIB:.3f} GiB, KJT {capacity.kjt_bytes / GIB:.3f} GiB, "
-            f"{capacity.fraction:.0%}).",
+            f"{self.topology.ddr_cap / GIB:.3f} GiB DDR, minus reserved "
+            f"{capacity.reserved()}).",
             "Smallest shard per compute kernel:",
         ]
         for options in lost[:5]:
@@ -281,8 +281,7 @@ class EmbeddingShardingPlanner:
             f"on {topo.world_size} ranks ({topo.compute_device}).",
             f"Per rank for tables: {cap_h / GIB:.3f} GiB HBM, {cap_d / GIB:.3f} GiB DDR "
             f"(capacity {topo.hbm_cap / GIB:.3f} GiB HBM, {topo.ddr_cap / GIB:.3f} GiB DDR, "
-            f"minus reserved dense {capacity.dense_bytes / GIB:.3f} GiB, KJT "
-            f"{capacity.kjt_bytes / GIB:.3f} GiB, {capacity.fraction:.0%}).",
+            f"minus reserved {capacity.reserved()}).",
         ]
         min_h = sum(min(o.total_hbm for o in options) for options in space)
         min_d = sum(min(o.total_ddr for o in options) for options in space)

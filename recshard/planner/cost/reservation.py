@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence
 
-from recshard.planner.estimators import table_workload
+from recshard.planner.cost.estimators import table_workload
 from recshard.planner.planner_types import GIB, PlannerError, TableMeta, Topology
 
 
@@ -20,6 +20,17 @@ class Capacity:
     kjt_bytes: float
     fraction: float
     local_world_size: int
+    transport_bytes: float = 0.0
+
+    def reserved(self) -> str:
+        """What was held back per rank, for messages."""
+        transport = (
+            f"transport {self.transport_bytes / GIB:.3f} GiB, " if self.transport_bytes else ""
+        )
+        return (
+            f"dense {self.dense_bytes / GIB:.3f} GiB, KJT {self.kjt_bytes / GIB:.3f} GiB, "
+            f"{transport}{self.fraction:.0%}"
+        )
 
 
 class StorageReservation:
@@ -31,7 +42,8 @@ class StorageReservation:
     `kjt_bytes`: input batches in flight per rank. None: 3 batches (pipeline depth) x
     (12 bytes per id + 4 per bag) summed over all tables' features at the planner batch size.
     `fraction`: a share of each rank's capacity held back (allocator slack); default 0.
-    Reservations come out of HBM on cuda and DDR on cpu.
+    Reservations come out of HBM on cuda and DDR on cpu; on cpu the intra-host transport's
+    byte cap (`Topology.transport_bytes_per_rank`) is held back too.
     """
 
     def __init__(
@@ -64,16 +76,24 @@ class StorageReservation:
             kjt = float(self.kjt_bytes)
         world = topology.world_size
         on_hbm = topology.compute_device == "cuda"
+        transport = topology.transport_bytes_per_rank
         hbm = topology.hbm_cap * (1 - self.fraction) - (dense + kjt if on_hbm else 0.0)
-        ddr = topology.ddr_cap * (1 - self.fraction) - (0.0 if on_hbm else dense + kjt)
+        ddr = topology.ddr_cap * (1 - self.fraction) - (0.0 if on_hbm else dense + kjt + transport)
         if hbm < 0 or ddr < 0:
             kind = "HBM" if on_hbm else "DDR"
             cap = topology.hbm_cap if on_hbm else topology.ddr_cap
+            shared = f"transport {transport / GIB:.3f} GiB + " if transport else ""
             raise PlannerError(
                 f"the storage reservation alone does not fit: dense {dense / GIB:.3f} GiB + "
-                f"KJT {kjt / GIB:.3f} GiB + {self.fraction:.0%} of {cap / GIB:.3f} GiB {kind} "
-                "per rank; lower the batch size or the reservation, or add memory"
+                f"KJT {kjt / GIB:.3f} GiB + {shared}{self.fraction:.0%} of {cap / GIB:.3f} GiB "
+                f"{kind} per rank; lower the batch size or the reservation, or add memory"
             )
         return Capacity(
-            [hbm] * world, [ddr] * world, dense, kjt, self.fraction, topology.local_world_size
+            [hbm] * world,
+            [ddr] * world,
+            dense,
+            kjt,
+            self.fraction,
+            topology.local_world_size,
+            transport,
         )

@@ -10,9 +10,11 @@ import logging
 
 import pytest
 
+from recshard.calibration import CalibrationGrid
+from recshard.calibration.fitting import fit_build
+from recshard.calibration.memory import measure_memory
 from recshard.planner import EmbeddingShardingPlanner, TableMeta, Topology
-from recshard.planner.calibrate import CalibrationGrid, fit_build, measure_memory
-from recshard.planner.plan_stats import plan_stats
+from recshard.planner.cost.plan_stats import plan_stats
 from recshard.planner.profile import CalibrationProfile, MemoryCost
 
 MB = 1 << 20

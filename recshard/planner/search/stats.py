@@ -1,5 +1,5 @@
 """Planner statistics as data (`PlannerStats`) and as the text tables the planner logs; for
-any plan (not only the planner's), `plan_stats` (from `recshard.planner.plan_stats`)."""
+any plan (not only the planner's), `plan_stats` (from `recshard.planner.cost.plan_stats`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Dict, List, Sequence
 
-from recshard.planner.partitioners import PartitionResult
-from recshard.planner.plan_stats import PlanStats, RankLoad, plan_stats
+from recshard.planner.cost.plan_stats import PlanStats, RankLoad, plan_stats
+from recshard.planner.cost.reservation import Capacity
+from recshard.planner.placement import PartitionResult
 from recshard.planner.planner_types import GIB, Topology
-from recshard.planner.reservation import Capacity
 
 logger = logging.getLogger(__name__)
 __all__ = [
@@ -86,6 +86,7 @@ class PlannerStats:
     reserved_dense_bytes: float
     reserved_kjt_bytes: float
     reserved_fraction: float
+    reserved_transport_bytes: float = 0.0
     ranks: List[RankStats] = field(default_factory=list)
     tables: List[TableStats] = field(default_factory=list)
 
@@ -195,6 +196,7 @@ def build_stats(
         capacity.dense_bytes,
         capacity.kjt_bytes,
         capacity.fraction,
+        capacity.transport_bytes,
         tables=tables,
     )
     for r in range(world):
@@ -252,7 +254,13 @@ def format_stats(stats: PlannerStats, max_rows: int = 0) -> str:
         f"imbalance (max/mean) {stats.imbalance:.3f}; memory imbalance "
         f"{stats.memory_imbalance:.3f}",
         f"reserved per rank: dense {_size(stats.reserved_dense_bytes)}, KJT "
-        f"{_size(stats.reserved_kjt_bytes)}, fraction {stats.reserved_fraction:.0%}",
+        f"{_size(stats.reserved_kjt_bytes)}, "
+        + (
+            f"intra-host transport {_size(stats.reserved_transport_bytes)}, "
+            if stats.reserved_transport_bytes
+            else ""
+        )
+        + f"fraction {stats.reserved_fraction:.0%}",
     ]
     rank_rows = [
         [

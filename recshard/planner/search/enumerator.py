@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from torch import nn
 
-from recshard.planner.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+from recshard.planner.cost.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
 from recshard.planner.planner_types import (
     ALL_SHARDING_TYPES,
     UVM_KERNELS,

@@ -11,210 +11,86 @@ tables, or {"tables": [...], "optimizer": ..., "batch_size": ...}. A table::
      "constraints": {"sharding_types": ["table_wise", "row_wise"], "compute_kernels": ["fused"],
                      "min_partition": 32, "enforce_hbm": true, "cache_params": {"load_factor": 0.2}}}
 
-`recshard-plan calibrate -o profile.json` measures this machine (see `calibrate_cli`);
+`recshard-plan calibrate -o profile.json` measures this machine and job (`recshard.calibration`);
 `--profile profile.json` plans with those costs. `--explain TABLE` prints every option priced
 for TABLE and why the chosen one won (`--png` then draws it, and with `--measured FILE`,
 estimated vs measured step times). `--plan existing.json` prints per-rank statistics of an
 existing plan (`plan_stats`) without planning.
 
-Exit status: 0 planned, 1 bad input, 2 no plan fits (the PlannerError text on stderr).
+Exit status: 0 planned; 1 a malformed or unreadable file; 2 a bad argument, a number that
+is not finite or out of range (in a flag or a file), a file over the planner's limits
+(`json_input`: size, nesting depth, table count), or no plan fits. Errors are one line on
+stderr, `error: ...` (argparse's: `recshard-plan: error: ...`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import sys
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Sequence, Tuple
 
-from recshard.planner.calibrate_cli import calibrate_main
-from recshard.planner.enumerator import EmbeddingEnumerator
-from recshard.planner.estimators import EmbeddingStorageEstimator
-from recshard.planner.explain import draw_explain_png, explain_table, read_measurements
-from recshard.planner.partitioners import GreedyPerfPartitioner, MemoryBalancedPartitioner
+from recshard.planner.cost.estimators import EmbeddingStorageEstimator
+from recshard.planner.cost.plan_stats import PlanStats, plan_stats
+from recshard.planner.cost.reservation import StorageReservation
+from recshard.planner.json_input import InputLimitError
 from recshard.planner.plan_io import PlanValidationError, load_plan, save_plan
-from recshard.planner.plan_stats import PlanStats, plan_stats
-from recshard.planner.planner import EmbeddingShardingPlanner
 from recshard.planner.planner_types import (
     GIB,
-    ParameterConstraints,
     PlannerError,
     TableMeta,
     Topology,
 )
 from recshard.planner.profile import CalibrationProfile
-from recshard.planner.reservation import StorageReservation
-from recshard.planner.stats import PlannerStats
-from recshard.types import BoundsCheckMode, PipelineType
-
-_TABLE_KEYS = {
-    "name",
-    "num_embeddings",
-    "embedding_dim",
-    "feature_names",
-    "pooling_factor",
-    "pooling_factors",
-    "num_poolings",
-    "batch_sizes",
-    "data_type",
-    "weighted",
-    "is_weighted",
-    "pooled",
-    "module",
-    "optimizer",
-    "constraints",
-}
-_CONSTRAINT_KEYS = {
-    "sharding_types",
-    "compute_kernels",
-    "min_partition",
-    "enforce_hbm",
-    "cache_params",
-    "bounds_check_mode",
-    "stochastic_rounding",
-    "batch_sizes",
-    "pooling_factors",
-    "num_poolings",
-}
+from recshard.planner.report.explain import draw_explain_png, explain_table, read_measurements
+from recshard.planner.report.tables_file import (
+    InputError,
+    NumberError,
+    is_int,
+    parse_tables,
+    read_tables_file,
+)
+from recshard.planner.search.enumerator import EmbeddingEnumerator
+from recshard.planner.search.partitioners import GreedyPerfPartitioner, MemoryBalancedPartitioner
+from recshard.planner.search.planner import EmbeddingShardingPlanner
+from recshard.planner.search.stats import PlannerStats
+from recshard.types import PipelineType
 
 
-class InputError(ValueError):
-    """The tables file is malformed; the message names the table and key."""
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (exit status 2, as argparse's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def read_tables_file(path: str) -> Dict[str, Any]:
-    """Parse the tables file (JSON, or YAML if PyYAML is importable) into a dict. Errors do
-    not repeat the path (`main` prefixes it)."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(
-            f"not UTF-8 text (byte {e.start}: {raw[e.start : e.start + 1]!r})"
-        ) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as json_error:
-        if path.endswith(".json") or text.lstrip()[:1] in ("{", "["):
-            raise InputError(f"not valid JSON: {json_error}") from None
+def _number(kind: type, low: float, strict: bool) -> Callable[[str], float]:
+    """An argparse type: a finite `kind` above `low` (`strict`) or at least `low`."""
+    bound = f"> {low:g}" if strict else f">= {low:g}"
+    what = f"{'an integer' if kind is int else 'a finite number'} {bound}"
+
+    def parse(text: str) -> float:
         try:
-            import yaml  # type: ignore[import-untyped]
-        except ImportError:
-            raise InputError(
-                f"not valid JSON ({json_error}); install PyYAML to read YAML"
-            ) from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise InputError(
-                f"neither JSON ({json_error}) nor YAML ({' '.join(str(e).split())})"
-            ) from None
-    if isinstance(data, list):
-        data = {"tables": data}
-    if not isinstance(data, dict) or not isinstance(data.get("tables"), list):
-        raise InputError("expected a list of tables or an object with a 'tables' list")
-    if not data["tables"]:
-        raise InputError("the table list is empty: nothing to plan")
-    return data
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _per_feature(
-    value: Any, n: int, key: str, name: str, integer: bool = False
-) -> List[Any] | None:
-    """Per-feature values (a scalar applies to every feature); each a finite number > 0
-    (`integer`: an integer >= 1)."""
-    if value is None:
-        return None
-    values = list(value) if isinstance(value, (list, tuple)) else [value] * n
-    if len(values) != n:
-        raise InputError(f"table '{name}': '{key}' has {len(values)} values for {n} features")
-    for v in values:
-        number = _is_int(v) or (isinstance(v, float) and not integer)
-        if not number or not math.isfinite(v) or v <= 0:
-            kind = "integers >= 1" if integer else "finite numbers > 0"
-            raise InputError(f"table '{name}': '{key}' must be {kind}, got {v!r}")
-    return values
-
-
-def _feature_names(entry: Dict[str, Any], name: str) -> List[str]:
-    features = entry.get("feature_names")
-    if features is None:
-        return [name]
-    if (
-        not isinstance(features, list)
-        or not features
-        or not all(isinstance(f, str) and f for f in features)
-    ):
-        raise InputError(
-            f"table '{name}': 'feature_names' must be a non-empty list of "
-            f"names, got {features!r:.80}"
-        )
-    return features
-
-
-def parse_tables(
-    data: Dict[str, Any], default_optimizer: str | None = None
-) -> Tuple[List[TableMeta], Dict[str, ParameterConstraints]]:
-    """Table metadata and constraints from the parsed tables file."""
-    tables: List[TableMeta] = []
-    constraints: Dict[str, ParameterConstraints] = {}
-    optimizer = data.get("optimizer", default_optimizer)
-    for index, entry in enumerate(data["tables"]):
-        if (
-            not isinstance(entry, dict)
-            or not isinstance(entry.get("name"), str)
-            or not entry["name"]
-        ):
-            raise InputError(f"table #{index}: needs an object with a 'name' string")
-        name = entry["name"]
-        unknown = sorted(set(entry) - _TABLE_KEYS)
-        if unknown:
-            raise InputError(
-                f"table '{name}': unknown keys {unknown}; known: {sorted(_TABLE_KEYS)}"
-            )
-        for key in ("num_embeddings", "embedding_dim"):
-            if not _is_int(entry.get(key)) or entry[key] < 1:
-                raise InputError(
-                    f"table '{name}': '{key}' must be an integer >= 1, got {entry.get(key)!r}"
-                )
-        features = _feature_names(entry, name)
-        n = len(features)
-        pooling = entry.get("pooling_factors", entry.get("pooling_factor"))
-        try:
-            table = TableMeta(
-                name=name,
-                num_embeddings=entry["num_embeddings"],
-                embedding_dim=entry["embedding_dim"],
-                feature_names=features,
-                pooling_factors=_per_feature(pooling, n, "pooling_factor", name),
-                num_poolings=_per_feature(entry.get("num_poolings"), n, "num_poolings", name),
-                batch_sizes=_per_feature(
-                    entry.get("batch_sizes"), n, "batch_sizes", name, integer=True
-                ),
-                data_type=entry.get("data_type", "FP32"),
-                is_weighted=bool(entry.get("weighted", entry.get("is_weighted", False))),
-                pooled=bool(entry.get("pooled", True)),
-                module_fqn=str(entry.get("module", "")),
-                optimizer=entry.get("optimizer", optimizer),
-            )
-        except ValueError as e:
-            raise InputError(f"table '{name}': {e}") from e
-        tables.append(table)
-        if entry.get("constraints"):
-            constraints[table.key] = _parse_constraints(name, entry["constraints"])
-    return tables, constraints
+POSITIVE_INT = _number(int, 0, strict=True)
+NON_NEGATIVE_INT = _number(int, 0, strict=False)
+POSITIVE = _number(float, 0, strict=True)
+NON_NEGATIVE = _number(float, 0, strict=False)
 
 
 def check_arguments(args: argparse.Namespace, data: Dict[str, Any]) -> Tuple[int, int]:
-    """Sizes, capacities and the timeout must make sense (a zero or negative value used to
-    be replaced by a default or end as 'no plan fits'). Returns (world size, batch size)."""
+    """The world and batch sizes, from the flags or the file, must be integers >= 1 (the
+    flags' other numbers are checked as they are parsed). Returns (world size, batch size)."""
     world_size = args.world_size if args.world_size is not None else data.get("world_size", 1)
     batch_size = args.batch_size if args.batch_size is not None else data.get("batch_size", 512)
     for what, value in (
@@ -222,53 +98,30 @@ def check_arguments(args: argparse.Namespace, data: Dict[str, Any]) -> Tuple[int
         ("--batch-size / batch_size", batch_size),
         ("--local-world-size", args.local_world_size),
     ):
-        if value is not None and (not _is_int(value) or value < 1):
-            raise InputError(f"{what} must be an integer >= 1, got {value!r}")
-    for flag, value in (
-        ("--hbm-gb", args.hbm_gb),
-        ("--ddr-gb", args.ddr_gb),
-        ("--dense-gb", args.dense_gb),
-        ("--kjt-gb", args.kjt_gb),
-    ):
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise InputError(f"{flag} must be a finite number >= 0, got {value}")
-    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise InputError(f"--timeout must be a number of seconds > 0, got {args.timeout}")
+        if value is not None and (not is_int(value) or value < 1):
+            raise NumberError(f"{what} must be an integer >= 1, got {value!r}")
     return world_size, batch_size
 
 
-def _parse_constraints(name: str, raw: Dict[str, Any]) -> ParameterConstraints:
-    unknown = sorted(set(raw) - _CONSTRAINT_KEYS)
-    if unknown:
-        raise InputError(
-            f"table '{name}': unknown constraint keys {unknown}; known: {sorted(_CONSTRAINT_KEYS)}"
-        )
-    raw = dict(raw)
-    if raw.get("bounds_check_mode") is not None:
-        raw["bounds_check_mode"] = BoundsCheckMode(str(raw["bounds_check_mode"]).lower())
-    try:
-        return ParameterConstraints(**raw)
-    except (TypeError, ValueError) as e:
-        raise InputError(f"table '{name}': bad constraints: {e}") from e
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="recshard-plan",
         description="Plan how embedding tables are sharded over ranks, from a tables file.",
     )
     p.add_argument("tables_file", help="JSON (or YAML) list of tables")
-    p.add_argument("--world-size", type=int, default=None, help="ranks (default: file or 1)")
+    p.add_argument(
+        "--world-size", type=POSITIVE_INT, default=None, help="ranks (default: file or 1)"
+    )
     p.add_argument(
         "--local-world-size",
-        type=int,
+        type=POSITIVE_INT,
         default=None,
         help="ranks per host (default: all ranks on one host)",
     )
     p.add_argument("--compute-device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--hbm-gb", type=float, default=None, help="HBM per rank, GiB (cuda)")
-    p.add_argument("--ddr-gb", type=float, default=None, help="DDR per rank, GiB")
-    p.add_argument("--batch-size", type=int, default=None, help="samples per rank (512)")
+    p.add_argument("--hbm-gb", type=NON_NEGATIVE, default=None, help="HBM per rank, GiB (cuda)")
+    p.add_argument("--ddr-gb", type=NON_NEGATIVE, default=None, help="DDR per rank, GiB")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=None, help="samples per rank (512)")
     p.add_argument(
         "--optimizer",
         default=None,
@@ -276,13 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--dense-gb",
-        type=float,
+        type=NON_NEGATIVE,
         default=0.0,
         help="per-rank memory reserved for the dense model, GiB (0)",
     )
     p.add_argument(
         "--kjt-gb",
-        type=float,
+        type=NON_NEGATIVE,
         default=None,
         help="per-rank memory reserved for input batches, GiB (default: estimated)",
     )
@@ -291,10 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="after balancing time, even out memory (within 2%% of the best time)",
     )
-    p.add_argument("--timeout", type=float, default=None, help="stop searching after N s")
+    p.add_argument("--timeout", type=POSITIVE, default=None, help="stop searching after N s")
     p.add_argument(
         "--max-table-rows",
-        type=int,
+        type=NON_NEGATIVE_INT,
         default=0,
         help="print at most N rows of the per-table table (0: all)",
     )
@@ -308,13 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--intra-host-gbps",
-        type=float,
+        type=POSITIVE,
         default=None,
         help="bandwidth between ranks of a host, GB/s (overrides the profile)",
     )
     p.add_argument(
         "--inter-host-gbps",
-        type=float,
+        type=POSITIVE,
         default=None,
         help="bandwidth per rank between hosts, GB/s (overrides the profile)",
     )
@@ -355,7 +208,12 @@ def gib(value: float | None) -> float | None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["calibrate"]:
-        return calibrate_main(argv[1:])
+        print(
+            "error: the planner measures nothing: calibrate with `recshard-plan calibrate` "
+            "or `python -m recshard.calibration`",
+            file=sys.stderr,
+        )
+        return 2
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -389,9 +247,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plan:
             print(existing_plan_stats(args.plan, tables, topology, batch_size, pipeline).format())
             return 0
+    except NumberError as e:
+        print(f"error: {args.tables_file}: {e}", file=sys.stderr)
+        return 2
     except InputError as e:
         print(f"error: {args.tables_file}: {e}", file=sys.stderr)
         return 1
+    except InputLimitError as e:  # the plan file's (its message names it)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"error: {e.filename or args.tables_file}: {e.strerror or e}", file=sys.stderr)
         return 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Tuple
 
-from recshard.planner.partitioners import PartitionResult
+from recshard.planner.placement import PartitionResult
 from recshard.planner.planner_types import Topology
 
 _KJT = ("all_to_all",) * 3  # input dist: splits, lengths, values

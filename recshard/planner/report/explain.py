@@ -15,9 +15,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence
 
-from recshard.planner.planner import EmbeddingShardingPlanner
 from recshard.planner.planner_types import PlannerError, ShardingOption, TableMeta
-from recshard.planner.stats import compress_ranks
+from recshard.planner.search.planner import EmbeddingShardingPlanner
+from recshard.planner.search.stats import compress_ranks
 
 
 @dataclass

@@ -8,10 +8,11 @@ import math
 
 import pytest
 
-from recshard.distributed.calibrate_step import StepProbe, WorkSample, calibrate_job, fit_work
+from recshard.calibration import CalibrationGrid, StepProbe, calibrate_job
+from recshard.calibration.fitting import WorkSample, fit_work
 from recshard.planner import EmbeddingPerfEstimator, TableMeta, Topology
-from recshard.planner.calibrate import CalibrationGrid
-from recshard.planner.estimators import data_parallel_exchange
+from recshard.planner.cost.estimators import data_parallel_exchange
+from recshard.planner.cost.step_model import StepTimePerfModel
 from recshard.planner.profile import (
     STEP_TYPES,
     CalibrationProfile,
@@ -20,7 +21,6 @@ from recshard.planner.profile import (
     StepCost,
     distinct_rows,
 )
-from recshard.planner.step_model import StepTimePerfModel
 from recshard.sharding.data_parallel import ROW_EXCHANGE_MIN_BYTES
 from tests.multiprocess import run_ranks
 

@@ -10,8 +10,8 @@ import heapq
 import time
 from typing import Callable, Iterator, List
 
-from recshard.planner.partitioners import PartitionResult
-from recshard.planner.reservation import Capacity
+from recshard.planner.cost.reservation import Capacity
+from recshard.planner.placement import PartitionResult
 
 _EPS = 1e-9
 
