@@ -14,8 +14,8 @@ table sets. Prints one JSON line per (module, table set).
 EmbeddingCollection, EmbeddingConfig and KeyedJaggedTensor (recshard's top level does);
 nothing here depends on any other library. `--compare SIDE...` runs this file's work in
 fresh processes (one per table set), alternating recshard (this interpreter) and each side,
-`--repeats` times (A B A B ...), prints every run's lines, then one `module_compare` line per (module, table
-set) with the median over repeats of each side and `ratio_to_X` = recshard / X (< 1:
+`--repeats` times (A B A B ...), prints every run's lines, then one `module_compare` line per
+(module, table set) with the median over repeats of each side and `ratio_to_X` = recshard / X (< 1:
 recshard faster). Absolute times on a shared machine drift between runs; the ratio of
 interleaved runs is the figure to quote.
 Seeds are fixed; `median_step_ms` is the median over `--steps` timed steps after a warm-up.
@@ -188,8 +188,9 @@ class Side:
 def compare(args: argparse.Namespace, own: List[str]) -> None:
     """Alternate fresh runs of recshard (this interpreter and directory) and every `--compare`
     side, one process per table set (what one table set leaves in the allocator changes the
-    next one's page faults by up to 30%); print every record (with the side's label as `side`), then one `module_compare`
-    line per (module, table set) with each side's median and its ratio to recshard's."""
+    next one's page faults by up to 30%); print every record (with the side's label as `side`), then
+    one `module_compare` line per (module, table set) with each side's median and its ratio to
+    recshard's."""
     sides = [Side("recshard", sys.executable, "recshard", None)] + [
         Side.parse(s) for s in args.compare
     ]

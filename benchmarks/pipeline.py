@@ -1,5 +1,5 @@
-"""Step time of TrainPipelineSparseDist and TrainPipelineSemiSync vs the plain loop, on a model whose
-input all-to-all is a large share of the step. Prints JSON lines.
+"""Step time of TrainPipelineSparseDist and TrainPipelineSemiSync vs the plain loop, on a model
+whose input all-to-all is a large share of the step. Prints JSON lines.
 
     python -m benchmarks.pipeline                    # spawns 2 gloo ranks on this machine
     python -m benchmarks.pipeline --quick            # smaller, fewer blocks
@@ -17,22 +17,22 @@ load on the machine hits all alike; a block ends when every collective it issued
 block; a block's time is the slowest rank's, and the lines report medians over blocks of ms per
 step (`*_over_plain_paired`: the median of the per-block ratios, robust to load drifting
 between blocks). `*_cpu_ms` is rank 0's process CPU time per step (all threads): when it is close
-to the wall time, the ranks are CPU-bound and overlap has no idle core to use. `input_dist_ms` is the
-input dist alone (both all-to-all stages plus their host work) of one batch, and
+to the wall time, the ranks are CPU-bound and overlap has no idle core to use. `input_dist_ms` is
+the input dist alone (both all-to-all stages plus their host work) of one batch, and
 `input_dist_fraction` its share of the plain step. `link_mb_per_step`: MB per step sent over
 the loopback by both ranks (`/proc/net/dev`, headers included; under `--link`, what crossed the
 shaped link); `plain_payload_mb_per_step`: what rank 0 handed to each collective per plain step
-(its own chunk of an all-to-all included, which does not cross the link). `plain_forward_all_to_all_ms` is what the
-plain loop's forward spends in its all-to-alls (input dist issue and waits, output dist wait;
-rank 0's clock), the share the target's ">= 30% of the step" refers to.
-`wait_share` is each loop's time blocked in collective waits per step (`benchmarks/link.py`:
-KJT all-to-alls, pooled forward, backward) over its step; `losses_identical` compares the two
-loops' per-step losses bit for bit, `semi_sync_losses_identical` the semi-sync pipeline's
-against its reference's (the stale plain loop). The model: 26 tables with the Criteo Kaggle cardinalities
-capped at `--rows`, multi-hot bags (mean `--pooling` ids) of narrow rows, so the input dist is
-the big all-to-all. `--link RATE` re-runs the benchmark on a shaped loopback (`link` field);
-`--pooled-precision fp16|bf16` sends the pooled all-to-all in that dtype in every loop.
-Batches are generated before timing and reused cyclically. A first line checks that a started
+(its own chunk of an all-to-all included, which does not cross the link).
+`plain_forward_all_to_all_ms` is what the plain loop's forward spends in its all-to-alls (input dist
+issue and waits, output dist wait; rank 0's clock), the share the target's ">= 30% of the step"
+refers to. `wait_share` is each loop's time blocked in collective waits per step
+(`benchmarks/link.py`: KJT all-to-alls, pooled forward, backward) over its step; `losses_identical`
+compares the two loops' per-step losses bit for bit, `semi_sync_losses_identical` the semi-sync
+pipeline's against its reference's (the stale plain loop). The model: 26 tables with the Criteo
+Kaggle cardinalities capped at `--rows`, multi-hot bags (mean `--pooling` ids) of narrow rows, so
+the input dist is the big all-to-all. `--link RATE` re-runs the benchmark on a shaped loopback
+(`link` field); `--pooled-precision fp16|bf16` sends the pooled all-to-all in that dtype in every
+loop. Batches are generated before timing and reused cyclically. A first line checks that a started
 input dist progresses while the main thread computes (gloo runs collectives on worker threads).
 """
 

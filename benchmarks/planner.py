@@ -9,9 +9,9 @@ Tables: rows log-uniform in [1e3, 1e7], dims 32..256 (multiples of 8), one featu
 pooling factor uniform in [1, 20], row-wise Adagrad. Topology: 8 ranks per host, defaults of
 `Topology` for the device (cuda: 32 GiB HBM, 128 GiB DDR per rank). One JSON line per case:
 plan_s (wall time of `plan_tables`), plan_cpu_s (its process CPU time: less skewed by other
-load), load_avg_1m (the machine's 1-minute load average after the case), imbalance (max/mean estimated rank time), max_ms,
-mean_ms, bound_ratio (max rank time over a lower bound: least total work / ranks, ignoring
-memory), proposals, and the chosen sharding types and kernels.
+load), load_avg_1m (the machine's 1-minute load average after the case), imbalance (max/mean
+estimated rank time), max_ms, mean_ms, bound_ratio (max rank time over a lower bound: least total
+work / ranks, ignoring memory), proposals, and the chosen sharding types and kernels.
 
 The large cases must fit to be planned at all: 50,000 tables of up to 1e7 rows are ~31 TB,
 and every table, even on UVM, keeps a few MiB of HBM at batch 512 (~250 GiB for 50,000), so

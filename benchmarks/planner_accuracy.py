@@ -15,14 +15,14 @@ and every run's ranks are still fresh processes, each started by its launched ra
 rank's host (`benchmarks.ranks.launched_fresh_ranks`); rank 0 prints.
 
 First a calibration profile is measured on the same ranks (as `calibrate_job`: kernels, links
-among the ranks, a sharded module's step overhead per sharding type), or read with `--profile`. Workloads: the 26 Criteo-like
-tables of `benchmarks.ebc` (Kaggle sizes capped at `--row-cap` rows), one feature each with a
-fixed pooling factor 1-20 (seed 0), at dims 16, 64 and 128, uniform or Zipf(1.05) ids, per-rank
-batch 512 and 2048. Each table's `CacheParams.stats` (`SampledCacheStatistics`: distinct rows per
-global batch, measured on `--stats-samples` sampled global batches of the workload's own id
-generator) goes to the planner and to every forced plan's estimate, as TorchRec users pass
-what they measured on their data (`--stats-samples 0`: no stats, ids priced as uniform).
-Plans: each sharding type forced on every table (fused kernel;
+among the ranks, a sharded module's step overhead per sharding type), or read with `--profile`.
+Workloads: the 26 Criteo-like tables of `benchmarks.ebc` (Kaggle sizes capped at `--row-cap` rows),
+one feature each with a fixed pooling factor 1-20 (seed 0), at dims 16, 64 and 128, uniform or
+Zipf(1.05) ids, per-rank batch 512 and 2048. Each table's `CacheParams.stats`
+(`SampledCacheStatistics`: distinct rows per global batch, measured on `--stats-samples` sampled
+global batches of the workload's own id generator) goes to the planner and to every forced plan's
+estimate, as TorchRec users pass what they measured on their data (`--stats-samples 0`: no stats,
+ids priced as uniform). Plans: each sharding type forced on every table (fused kernel;
 data-parallel: dense), placed by the planner, and the planner's own plan (`"plan":
 "planner"`); with `--link-check P`, also the planner's plan under profile P's costs.
 Each plan runs in fresh rank processes: `--warmup` steps, then `--steps` timed steps of

@@ -1,4 +1,5 @@
-"""Plain-Python references and strategies for the recshard.sparse.jagged_ops tests (shared by both files)."""
+"""Plain-Python references and strategies for the recshard.sparse.jagged_ops tests
+(shared by both files)."""
 
 from __future__ import annotations
 

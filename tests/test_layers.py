@@ -1,6 +1,6 @@
 """The package layering is a checked contract: import-linter's contracts in pyproject.toml
-hold and name every package, no module imports itself back through others, imports sit at module level (except
-optional dependencies), and no private name crosses a module boundary."""
+hold and name every package, no module imports itself back through others, imports sit at module
+level (except optional dependencies), and no private name crosses a module boundary."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""recshard.sparse.jagged_ops on both backends against plain-Python references: cumsum, permutes, expand.
+"""recshard.sparse.jagged_ops on both backends against plain-Python references: cumsum, permutes,
+expand.
 
 References come from fbgemm's documented behaviour and from calling fbgemm-gpu-cpu 1.8.0.
 """

@@ -1,5 +1,5 @@
-"""recshard.sparse.jagged_ops on both backends: bucketize, pooled permute, segment sum, padded dense, and
-the fbgemm/torch switch."""
+"""recshard.sparse.jagged_ops on both backends: bucketize, pooled permute, segment sum, padded
+dense, and the fbgemm/torch switch."""
 
 from __future__ import annotations
 

@@ -108,7 +108,8 @@ def resume(
         _set_rng_state(extra["rng"][rank], device)
     else:
         say(
-            f"notice: the checkpoint in {directory} comes from {saved_ranks or 'an unknown number of'}"
+            f"notice: the checkpoint in {directory} comes from "
+            f"{saved_ranks or 'an unknown number of'}"
             f" rank(s), this job has {world_size}: tables and optimizer state are resharded, "
             f"per-rank losses and RNG streams start afresh"
         )

@@ -384,7 +384,8 @@ def _summary_text(summary: Dict[str, Any]) -> str:
             f"{summary['global_samples']:,} samples over {summary['world_size']} rank(s))",
             f"  train time   {summary['train_seconds']:.1f} s, {summary['samples_per_s']:,.0f} "
             f"samples/s ({'pipelined' if summary['pipeline'] else 'plain loop'})",
-            f"  wall time    {summary['wall_seconds']:.1f} s (build {summary['build_seconds']:.1f} s, "
+            f"  wall time    {summary['wall_seconds']:.1f} s "
+            f"(build {summary['build_seconds']:.1f} s, "
             f"eval {summary['eval_seconds']:.1f} s, train {summary['train_seconds']:.1f} s)",
             f"  final eval   {_fmt(final)}",
             f"  AUC by step  {history}",

@@ -4,8 +4,9 @@ A pooled all-to-all receives one `[B, D_r]` chunk per rank, one after another in
 buffer; the sharded module wants the columns in its own key order. `chunks_to_columns`
 goes from the flat buffer straight to that order: each output block is copied once from its
 chunk, and backward copies each block of the gradient once back into a flat buffer shaped
-like the input. Both buffers are reused across steps (`recshard.comm.buffers`). (A `cat` of the chunks followed by a block permute copies twice each way,
-and the split that cuts the flat buffer into chunks adds a third copy in backward.)
+like the input. Both buffers are reused across steps (`recshard.comm.buffers`). (A `cat` of the
+chunks followed by a block permute copies twice each way, and the split that cuts the flat buffer
+into chunks adds a third copy in backward.)
 """
 
 from __future__ import annotations

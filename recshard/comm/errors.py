@@ -41,7 +41,8 @@ class CollectiveError(RuntimeError):
 
 
 def describe_collective(name: str) -> Tuple[str, str]:
-    """`(readable name, "forward" | "backward")` for a payload name such as `alltoall_pooled_bwd`."""
+    """`(readable name, "forward" | "backward")` for a payload name such as
+    `alltoall_pooled_bwd`."""
     direction = "backward" if name.endswith("_bwd") else "forward"
     base = name[: -len("_bwd")] if direction == "backward" else name
     return _READABLE.get(base, base.replace("_", " ")), direction

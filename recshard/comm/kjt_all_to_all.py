@@ -109,7 +109,8 @@ def get_recat(
 
 
 def _expand(segment_recat: torch.Tensor, segment_sizes: torch.Tensor) -> torch.Tensor:
-    """A segment permute expanded to the elements of the segments (`segment_sizes`, source order)."""
+    """A segment permute expanded to the elements of the segments
+    (`segment_sizes`, source order)."""
     in_offsets = ops.asynchronous_complete_cumsum(segment_sizes)
     permuted = segment_sizes[segment_recat.long()]
     out_offsets = ops.asynchronous_complete_cumsum(permuted)

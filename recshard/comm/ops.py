@@ -303,7 +303,8 @@ def alltoallv(
     b_global = inputs[0].size(0)
     _check(
         all(t.dim() == 2 and t.size(0) == b_global for t in inputs),
-        f"alltoallv: inputs must be 2-D with {b_global} rows, got {[tuple(t.shape) for t in inputs]}",
+        f"alltoallv: inputs must be 2-D with {b_global} rows, "
+        f"got {[tuple(t.shape) for t in inputs]}",
     )
     if out_split is not None:
         dims_per_rank = list(out_split)
@@ -362,12 +363,14 @@ def reduce_scatter_base_pooled(
     group: dist.ProcessGroup | None = None,
     codecs: QuantizedCommCodecs | None = None,
 ) -> Awaitable[torch.Tensor]:
-    """`[W * B, D]` partial sums on every rank -> `[B, D]`: rows `r*B..(r+1)*B` summed, on rank r."""
+    """`[W * B, D]` partial sums on every rank -> `[B, D]`: rows `r*B..(r+1)*B`
+    summed, on rank r."""
     pg = _group(group)
     world_size = dist.get_world_size(pg)
     _check(
         input.size(0) % world_size == 0,
-        f"reduce_scatter_base_pooled: {input.size(0)} rows do not split evenly over {world_size} ranks",
+        f"reduce_scatter_base_pooled: {input.size(0)} rows do not split evenly "
+        f"over {world_size} ranks",
     )
     return reduce_scatter_v_pooled(input, [input.size(0) // world_size] * world_size, pg, codecs)
 

@@ -2,8 +2,8 @@
 its sharder.
 
 forward = input_dist (as the sharded EBC's, `input_dist.py`: check the batch, permute it
-once into wire order, route ids with two-stage all-to-alls) -> compute (sequence lookups, one row per id) ->
-output_dist (sequence all-to-alls back), each step asynchronous. The result is
+once into wire order, route ids with two-stage all-to-alls) -> compute (sequence lookups, one row
+per id) -> output_dist (sequence all-to-alls back), each step asynchronous. The result is
 `{feature: JaggedTensor}` like the unsharded module's: values `[N_f, D]` in the input's id
 order, the input's lengths, keys in the module's feature order, ids as weights when
 `need_indices`. Column shards of a feature are joined along dim 1 in column order.

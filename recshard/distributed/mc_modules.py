@@ -213,8 +213,8 @@ class ShardedManagedCollisionCollection(nn.Module):
         self, features: KeyedJaggedTensor
     ) -> Tuple[KeyedJaggedTensor, torch.Tensor, Awaitable[Awaitable[KeyedJaggedTensor]]]:
         """(the checked batch in wire order, where each of its ids went in the routed values,
-        the started all-to-all of its ids to their owners). A bad batch raises here on its rank after sending its verdict, which makes
-        every other rank raise at its first wait."""
+        the started all-to-all of its ids to their owners). A bad batch raises here on its rank
+        after sending its verdict, which makes every other rank raise at its first wait."""
         try:
             hashed, owners = self._hashed_and_owners(features)
         except ValueError as e:

@@ -342,8 +342,9 @@ class ShardedEmbeddingModule(ShardedModule):
                     ]
                     if tuple(block.shape) != tuple(weight.shape):
                         raise ValueError(
-                            f"table '{name}': shard needs a {tuple(weight.shape)} block, the source "
-                            f"tensor of shape {tuple(tensor.shape)} gives {tuple(block.shape)}"
+                            f"table '{name}': shard needs a {tuple(weight.shape)} block, "
+                            f"the source tensor of shape {tuple(tensor.shape)} "
+                            f"gives {tuple(block.shape)}"
                         )
                     weight.copy_(block)
 

@@ -1,8 +1,11 @@
 """ShardedQuantEmbeddingCollection: quantized sequence tables spread over ranks, for inference,
 and its sharder.
 
-    plan = construct_module_sharding_plan(qec, {"t0": table_wise(1, compute_kernel="quant"),
-                                                "t1": row_wise(compute_kernel="quant")}, world_size=2)
+    plan = construct_module_sharding_plan(
+        qec,
+        {"t0": table_wise(1, compute_kernel="quant"), "t1": row_wise(compute_kernel="quant")},
+        world_size=2,
+    )
     model = DistributedModelParallel(quantized_model, plan=ShardingPlan({"ec": plan}),
                                      sharders=[QuantEmbeddingCollectionSharder()])
 

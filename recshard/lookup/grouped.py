@@ -41,10 +41,10 @@ def uses_fbgemm(table: LocalTable, is_weighted: bool) -> bool:
     The choice depends only on table-level facts (never on a shard's row count), so every
     rank derives the same grouping, hence the same feature order, for every other rank.
 
-    Key-value tables run `KeyValueKernel`. Stay on the torch kernel: weighted MEAN tables (fbgemm 1.8's backward for them omits the
-    1/length its forward applies). A shard with no rows stays in fbgemm (`FbgemmFusedKernel`
-    gives it a phantom row), so tiny row-wise tables cost no second kernel, no join of the
-    kernels' outputs and no reordering of the output's columns.
+    Key-value tables run `KeyValueKernel`. Stay on the torch kernel: weighted MEAN tables (fbgemm
+    1.8's backward for them omits the 1/length its forward applies). A shard with no rows stays in
+    fbgemm (`FbgemmFusedKernel` gives it a phantom row), so tiny row-wise tables cost no second
+    kernel, no join of the kernels' outputs and no reordering of the output's columns.
     """
     return (
         table.compute_kernel not in (EmbeddingComputeKernel.DENSE, EmbeddingComputeKernel.KEY_VALUE)

@@ -291,7 +291,8 @@ def _weight_error(
     feature = kjt.keys()[key_index]
     return ValueError(
         f"{owner}: table '{feature_to_table[feature][0]}', feature '{feature}': weight "
-        f"{float(kjt.weights()[position])} at position {position - kjt.offset_per_key()[key_index]} "
+        f"{float(kjt.weights()[position])} at position "
+        f"{position - kjt.offset_per_key()[key_index]} "
         f"of the feature's values is not finite ({int(bad.sum())} non-finite weight(s) in batch)"
     )
 

@@ -36,11 +36,13 @@ class ManagedCollisionCollection(nn.Module):
             module = managed_collision_modules.get(config.name)
             if module is None:
                 raise ValueError(
-                    f"ManagedCollisionCollection: table '{config.name}' has no managed collision module"
+                    f"ManagedCollisionCollection: table '{config.name}' has no managed "
+                    "collision module"
                 )
             if module.output_size() != config.num_embeddings:
                 raise ValueError(
-                    f"ManagedCollisionCollection: table '{config.name}' has {config.num_embeddings} "
+                    f"ManagedCollisionCollection: table '{config.name}' has "
+                    f"{config.num_embeddings} "
                     f"rows but its managed collision module maps to {module.output_size()} "
                     "(zch_size must equal num_embeddings)"
                 )
@@ -54,7 +56,8 @@ class ManagedCollisionCollection(nn.Module):
         self._feature_names = [f for c in embedding_configs for f in c.feature_names]
         if len(set(self._feature_names)) != len(self._feature_names):
             raise ValueError(
-                f"ManagedCollisionCollection: a feature is read by two tables ({self._feature_names})"
+                "ManagedCollisionCollection: a feature is read by two tables "
+                f"({self._feature_names})"
             )
 
     def embedding_configs(self) -> List[BaseEmbeddingConfig]:

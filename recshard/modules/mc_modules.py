@@ -438,7 +438,8 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
 
     def extra_repr(self) -> str:
         return (
-            f"zch_size={self._zch_size}, buckets={self._buckets}, bucket_range={self._bucket_range}, "
+            f"zch_size={self._zch_size}, buckets={self._buckets}, "
+            f"bucket_range={self._bucket_range}, "
             f"eviction_interval={self._eviction_interval}, "
             f"policy={type(self._eviction_policy).__name__}"
         )

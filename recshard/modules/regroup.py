@@ -48,7 +48,8 @@ class KTRegroupAsDict(nn.Module):
         self._dtype = None if emb_dtype is None else DATA_TYPE_TO_DTYPE[emb_dtype]
 
     def forward(self, keyed_tensors: List[KeyedTensor]) -> Dict[str, torch.Tensor]:
-        """`{keys[i]: [B, sum of groups[i]'s key lengths]}` (key dim 1; along dim 0 for key dim 0)."""
+        """`{keys[i]: [B, sum of groups[i]'s key lengths]}` (key dim 1; along dim 0
+        for key dim 0)."""
         if all(isinstance(kt, KeyedTensor) for kt in keyed_tensors):  # not Proxies (torch.fx)
             _check_inputs(keyed_tensors)
         out = KeyedTensor.regroup_as_dict(keyed_tensors, self._groups, self._keys)

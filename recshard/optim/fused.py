@@ -5,8 +5,8 @@ only push the current learning rate into the kernels, so `torch.optim.lr_schedul
 Params are the local table shards keyed by table FQN (e.g. `ebc.embedding_bags.t0.weight`),
 state the optimizer's per-shard tensors (`momentum1` for Adagrad variants), shared with the
 kernels (in place). `state_dict()` gives each table's state as ShardedTensors with the global
-layout (`recshard.distributed.sharded_state.fused_state`), so `torch.distributed.checkpoint` saves every
-rank's part and loads it into any world size; `load_state_dict` copies into the live state.
+layout (`recshard.distributed.sharded_state.fused_state`), so `torch.distributed.checkpoint` saves
+every rank's part and loads it into any world size; `load_state_dict` copies into the live state.
 """
 
 from __future__ import annotations

@@ -187,7 +187,8 @@ def copy_into(target: torch.Tensor, value: Any, what: str) -> None:
 
 class KeyedOptimizerWrapper(KeyedOptimizer):
     """A torch optimizer over named params, keyed by name:
-    `KeyedOptimizerWrapper(dict(model.named_parameters()), lambda p: torch.optim.SGD(p, lr=0.1))`."""
+    `KeyedOptimizerWrapper(dict(model.named_parameters()), lambda p: torch.optim.SGD(p, lr=0.1))`.
+    """
 
     def __init__(
         self,

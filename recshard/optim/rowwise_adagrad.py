@@ -2,8 +2,8 @@
 EXACT_ROWWISE_ADAGRAD.
 
 For a `[rows, D]` parameter: `sum[r] += mean(g[r]**2)`, `w[r] -= lr * g[r] / (sqrt(sum[r]) + eps)`.
-Without weight decay a row whose gradient is zero is left as it is, so a dense step over a whole table equals the
-fused kernel's sparse step over the rows looked up. Attach it with
+Without weight decay a row whose gradient is zero is left as it is, so a dense step over a whole
+table equals the fused kernel's sparse step over the rows looked up. Attach it with
 `recshard.optim.apply_optimizer_in_backward(RowWiseAdagrad, ...)` to train sharded tables
 with the fused row-wise kernel, or use it directly on unsharded modules.
 """

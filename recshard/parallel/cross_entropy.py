@@ -153,7 +153,8 @@ class ParallelCrossEntropyLoss(HoldsGroup, nn.Module):
         super().__init__()
         if reduction not in _REDUCTIONS:
             raise ValueError(
-                f"ParallelCrossEntropyLoss: reduction must be one of {_REDUCTIONS}, got {reduction!r}"
+                f"ParallelCrossEntropyLoss: reduction must be one of {_REDUCTIONS}, "
+                f"got {reduction!r}"
             )
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction = ignore_index, reduction

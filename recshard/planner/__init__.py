@@ -3,8 +3,9 @@
 `EmbeddingShardingPlanner(topology, batch_size, constraints).plan(module, sharders)` returns
 a `ShardingPlan`; `save_plan` / `load_plan` store it as JSON; `recshard-plan` (or
 `python -m recshard.planner`) plans from a tables file without a model. A `CalibrationProfile`
-(measured by `recshard.calibration`) gives `Topology(profile=...)` this machine's costs; `plan_stats` measures any
-plan with a neutral yardstick; `explain_table` says why a table got its option.
+(measured by `recshard.calibration`) gives `Topology(profile=...)` this machine's costs;
+`plan_stats` measures any plan with a neutral yardstick; `explain_table` says why a table got its
+option.
 """
 
 from recshard.planner.cost.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator

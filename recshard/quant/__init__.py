@@ -3,9 +3,15 @@
     from recshard.quant import quantize_embeddings
     model = quantize_embeddings(model, torch.quint4x2)     # every EBC/EC -> quantized twin
     # or, as in TorchRec's tutorial:
-    torch.quantization.quantize_dynamic(model, qconfig_spec={EmbeddingBagCollection: QuantConfig(
-        activation=PlaceholderObserver.with_args(dtype=torch.float), weight=PlaceholderObserver
-        .with_args(dtype=torch.qint8))}, mapping={EmbeddingBagCollection: QuantEmbeddingBagCollection})
+    qconfig = QuantConfig(
+        activation=PlaceholderObserver.with_args(dtype=torch.float),
+        weight=PlaceholderObserver.with_args(dtype=torch.qint8),
+    )
+    torch.quantization.quantize_dynamic(
+        model,
+        qconfig_spec={EmbeddingBagCollection: qconfig},
+        mapping={EmbeddingBagCollection: QuantEmbeddingBagCollection},
+    )
 
 Sharded inference: `recshard.distributed.QuantEmbeddingBagCollectionSharder` (every sharding
 type) and `QuantEmbeddingCollectionSharder` (data-parallel, table-wise, column-wise, row-wise),

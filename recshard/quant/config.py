@@ -1,5 +1,5 @@
-"""QuantConfig (defined with the embedding configs, TorchRec's home for it), read by `from_float`, so
-`torch.quantization.quantize_dynamic(model, qconfig_spec={EmbeddingBagCollection: qconfig},
+"""QuantConfig (defined with the embedding configs, TorchRec's home for it), read by `from_float`,
+so `torch.quantization.quantize_dynamic(model, qconfig_spec={EmbeddingBagCollection: qconfig},
 mapping={EmbeddingBagCollection: QuantEmbeddingBagCollection})` converts a model as in
 TorchRec's tutorial. A plain `torch.quantization.QConfig` works too (no per-table dtypes)."""
 

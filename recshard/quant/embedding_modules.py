@@ -7,10 +7,10 @@ Each table's `data_type` (INT8, INT4, INT2, FP16, FP32) says how its rows are st
 `recshard.quant.rowwise` for the layout and its error). Inputs are checked as the float
 modules check them: per call the O(keys) checks and those that keep fbgemm's kernel inside
 its memory (bag offsets, ids within their tables: one fbgemm bounds check), every check
-(non-finite per-id weights too) in `validate_input`; outputs are float32 (or `output_dtype`). State dict per table:
-`<attr>.<table>.weight` (packed codes, `uint8 [rows, D * bits / 8]`, or fp16/fp32 `[rows, D]`)
-and, for integer types, `.weight_qscale` / `.weight_qbias` (`fp16 [rows]`), all views of the
-kernel's storage, so `load_state_dict` writes straight into it.
+(non-finite per-id weights too) in `validate_input`; outputs are float32 (or `output_dtype`). State
+dict per table: `<attr>.<table>.weight` (packed codes, `uint8 [rows, D * bits / 8]`, or fp16/fp32
+`[rows, D]`) and, for integer types, `.weight_qscale` / `.weight_qbias` (`fp16 [rows]`), all views
+of the kernel's storage, so `load_state_dict` writes straight into it.
 """
 
 from __future__ import annotations

@@ -86,7 +86,8 @@ class DataParallelPooledSharding(EmbeddingSharding):
             if spec.kernel not in (EmbeddingComputeKernel.DENSE, EmbeddingComputeKernel.QUANT):
                 raise ValueError(
                     f"table '{spec.config.name}': data_parallel sharding takes the 'dense' "
-                    f"kernel (replicas are averaged like dense parameters), got '{spec.kernel.value}'"
+                    "kernel (replicas are averaged like dense parameters), "
+                    f"got '{spec.kernel.value}'"
                 )
         tables = lookup_order([s.whole_table() for s in specs], is_weighted)
         self.input_features = [f for t in tables for f in t.embedding_names]

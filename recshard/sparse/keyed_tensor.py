@@ -124,7 +124,10 @@ class KeyedTensor(metaclass=TraceableConstruction):
         return "KeyedTensor({\n" + ",\n".join(entries) + "\n})\n"
 
     def __repr__(self) -> str:
-        return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={self._values})"
+        return (
+            f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, "
+            f"values={self._values})"
+        )
 
 
 @torch.fx.wrap

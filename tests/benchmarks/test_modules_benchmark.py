@@ -1,4 +1,5 @@
-"""`python -m benchmarks.modules --quick` runs end to end: one JSON line per module and table set."""
+"""`python -m benchmarks.modules --quick` runs end to end: one JSON line per module and
+table set."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Checkpoints of key-value tables: save on 2 ranks, load into a fresh key-value model (new
 storage files) and into an in-memory fused one; both resume with the losses and weights the
-saved model goes on to reach. Load into 1 rank (another world size): key-value and fused agree. Key-value shards are saved
-and loaded in pieces of 1 and 4 KiB (`sharded_state.KEY_VALUE_PIECE_BYTES`).
+saved model goes on to reach. Load into 1 rank (another world size): key-value and fused agree.
+Key-value shards are saved and loaded in pieces of 1 and 4 KiB
+(`sharded_state.KEY_VALUE_PIECE_BYTES`).
 """
 
 from __future__ import annotations

@@ -73,7 +73,8 @@ def test_rejected_input_stops_every_rank(world_size: int) -> None:
         else:
             assert verdict == (
                 "RuntimeError",
-                "rank 0 rejected its input: table 't3': id 42 out of range [0, 10) at batch position 5",
+                "rank 0 rejected its input: table 't3': id 42 out of range [0, 10) "
+                "at batch position 5",
             )
         assert good[0] == after[0] == "none", (good, after)
         if rank == last:
@@ -127,10 +128,12 @@ def test_bad_arguments_raise_before_any_collective() -> None:
         "KJTAllToAll: splits [2, -1] must be non-negative",
         "PooledEmbeddingsAllToAll: dim_sum_per_rank [2] needs one entry per rank (world size 2)",
         "alltoall_pooled: rank 0 input has 3 columns but dim_sum_per_rank[0] = 2",
-        "PooledEmbeddingsAllToAll: 3 rows do not split evenly over 2 ranks; pass batch_size_per_rank",
+        "PooledEmbeddingsAllToAll: 3 rows do not split evenly over 2 ranks; "
+        "pass batch_size_per_rank",
         "alltoall_pooled: input has 4 rows but batch_size_per_rank [2, 1] sums to 3",
         "alltoallv: all tensors must share one dtype, got ['torch.float16', 'torch.float32']",
-        "reduce_scatter_pooled: all tensors must share one dtype, got ['torch.float32', 'torch.float64']",
+        "reduce_scatter_pooled: all tensors must share one dtype, "
+        "got ['torch.float32', 'torch.float64']",
         "reduce_scatter_v_pooled: input has 4 rows, input_splits [1, 2] sum to 3",
         "reduce_scatter_v_pooled: input_splits [1, 1, 2] needs one entry per rank (world size 2)",
         "alltoall_sequence: 3 embedding rows but 2 ids were received (output_splits [1, 1])",

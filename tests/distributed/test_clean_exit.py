@@ -1,9 +1,10 @@
 """A training script that ends right after a sharded step exits with its own code, never with
 an abort at interpreter exit ("terminate called without an active exception", -6: gloo's
 worker thread releasing a finished collective's tensors while the interpreter finalizes;
-issue #17). The script also handles a bad batch (every rank rejects it) before it ends. Real interpreters (subprocesses, not the forkserver harness, whose children leave
-with os._exit and never finalize), two ranks, several runs: without DMP's exit hook about a
-third of such processes aborted on this machine.
+issue #17). The script also handles a bad batch (every rank rejects it) before it ends. Real
+interpreters (subprocesses, not the forkserver harness, whose children leave with os._exit and never
+finalize), two ranks, several runs: without DMP's exit hook about a third of such processes aborted
+on this machine.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 `GroupedLookup` built with 2 threads cuts a fbgemm group into `2 * KERNELS_PER_THREAD`
 kernels (at most one per table) and runs them concurrently, forward and backward
-(`recshard.lookup.threads`); built with 1 thread it keeps one kernel. Both must produce the same outputs, the same tables and optimizer states after
-several fused steps, and the same per-sample-weight gradients.
+(`recshard.lookup.threads`); built with 1 thread it keeps one kernel. Both must produce the same
+outputs, the same tables and optimizer states after several fused steps, and the same
+per-sample-weight gradients.
 """
 
 from __future__ import annotations

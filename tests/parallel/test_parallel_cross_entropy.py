@@ -39,7 +39,10 @@ def check_cross_entropy_matches_f_cross_entropy(rank: int, world_size: int) -> N
     ]  # plus logits whose exp overflows float32 unless the max is taken out first
     grid += [((7,), reduction, True, 0.2, -100, 1000.0) for reduction in ("mean", "sum", "none")]
     for shape, reduction, weighted, smoothing, ignore_index, scale in grid:
-        case = f"shape={shape} {reduction} weight={weighted} ls={smoothing} ignore={ignore_index} scale={scale}"
+        case = (
+            f"shape={shape} {reduction} weight={weighted} ls={smoothing} "
+            f"ignore={ignore_index} scale={scale}"
+        )
         full = seeded(32, *shape, C) * scale
         target = _targets(shape, 33, ignore_index)
         weight = class_weight if weighted else None

@@ -121,11 +121,13 @@ def check_embedding_errors(rank: int, world_size: int) -> None:
     if world_size > 1:
         expect_error(
             lambda: ParallelEmbedding(10, n),
-            rf"^ParallelEmbedding: embedding_dim={n} is not divisible by the model-parallel group size {world_size}$",
+            rf"^ParallelEmbedding: embedding_dim={n} is not divisible by the model-parallel "
+            rf"group size {world_size}$",
         )
         expect_error(
             lambda: VocabParallelEmbedding(n, 8),
-            rf"^VocabParallelEmbedding: num_embeddings={n} is not divisible by the model-parallel group size {world_size}$",
+            rf"^VocabParallelEmbedding: num_embeddings={n} is not divisible by the "
+            rf"model-parallel group size {world_size}$",
         )
     for cls in (ParallelEmbedding, VocabParallelEmbedding):
         name = cls.__name__

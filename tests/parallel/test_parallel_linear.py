@@ -242,7 +242,8 @@ def check_linear_errors(rank: int, world_size: int) -> None:
     if world_size > 1:
         expect_error(
             lambda: ColumnParallelLinear(8, n),
-            rf"^ColumnParallelLinear: out_features={n} is not divisible by the model-parallel group size {world_size}$",
+            rf"^ColumnParallelLinear: out_features={n} is not divisible by the model-parallel "
+            rf"group size {world_size}$",
         )
         expect_error(
             lambda: RowParallelLinear(n, 8), rf"RowParallelLinear: in_features={n} is not divisible"
@@ -289,7 +290,8 @@ def check_linear_errors(rank: int, world_size: int) -> None:
     col = ColumnParallelLinear(8, world_size)
     expect_error(
         lambda: col(torch.zeros(2, 6)),
-        r"^ColumnParallelLinear expected input with last dim in_features=8, got 6 \(shape \(2, 6\)\)$",
+        r"^ColumnParallelLinear expected input with last dim in_features=8, "
+        r"got 6 \(shape \(2, 6\)\)$",
     )
     expect_error(lambda: RowParallelLinear(world_size, 2)(torch.zeros(3)), r"in_features=.*, got 3")
     expect_error(

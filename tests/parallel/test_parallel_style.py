@@ -195,7 +195,8 @@ def check_style_errors(rank: int, world_size: int) -> None:
         lambda: parallelize_module(
             model, None, {"w1": ColwiseParallel(), "norm": ColwiseParallel()}
         ),
-        r"^parallelize_module: 'norm': ColwiseParallel applies to nn.Linear or nn.Embedding, not LayerNorm$",
+        r"^parallelize_module: 'norm': ColwiseParallel applies to nn.Linear or nn.Embedding, "
+        r"not LayerNorm$",
     )
     expect_error(
         lambda: parallelize_module(model, None, {"w1": "colwise"}),
@@ -207,7 +208,8 @@ def check_style_errors(rank: int, world_size: int) -> None:
     )
     expect_error(
         lambda: parallelize_module(model, None, {"w1": ColwiseParallel(output_layouts=Shard(1))}),
-        r"'w1': ColwiseParallel: output_layouts must be Shard\(-1\) or Replicate\(\), got Shard\(dim=1\)",
+        r"'w1': ColwiseParallel: output_layouts must be Shard\(-1\) or Replicate\(\), "
+        r"got Shard\(dim=1\)",
     )
     expect_error(
         lambda: parallelize_module(model, None, {"emb": ColwiseParallel(input_layouts=Shard(1))}),

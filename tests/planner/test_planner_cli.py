@@ -167,7 +167,8 @@ _BAD_PLANS = [
     (
         "garbage placement",
         lambda d, e: e["shards"][0].update(placement="garbage"),
-        "table 'ebc.t': $.modules[\"ebc\"][\"t\"].shards[0].placement: expected 'rank:<r>/<device>'",
+        'table \'ebc.t\': $.modules["ebc"]["t"].shards[0].placement: '
+        "expected 'rank:<r>/<device>'",
     ),
     ("modules as a list", lambda d, e: d.update(modules=[]), "$.modules: expected dict"),
     (

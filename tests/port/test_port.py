@@ -142,7 +142,10 @@ def test_unmapped_names_are_reported_and_left() -> None:
         (
             6,
             "trec_dist.planner.Topology",
-        ): "recshard.planner.Topology is not under recshard.distributed; import it from recshard.planner",
+        ): (
+            "recshard.planner.Topology is not under recshard.distributed; "
+            "import it from recshard.planner"
+        ),
     }
 
 
@@ -280,8 +283,10 @@ def test_feature_processor_imports_port_and_run() -> None:
         " feature_names=['f'])],\n"
         "    is_weighted=True,\n"
         ")\n"
-        "fp = FeatureProcessedEmbeddingBagCollection(ebc, PositionWeightedModuleCollection({'f': 3}))\n"
-        "kjt = KeyedJaggedTensor.from_lengths_sync(['f'], torch.tensor([1, 2, 3]), torch.tensor([3]))\n"
+        "fp = FeatureProcessedEmbeddingBagCollection("
+        "ebc, PositionWeightedModuleCollection({'f': 3}))\n"
+        "kjt = KeyedJaggedTensor.from_lengths_sync("
+        "['f'], torch.tensor([1, 2, 3]), torch.tensor([3]))\n"
         "out = fp(kjt)['f']\n"
         "sharder = FeatureProcessedEmbeddingBagCollectionSharder()\n"
         "grouped = GroupedPositionWeightedModule({'f': 3})\n"

@@ -3,8 +3,8 @@
 `TrainPipelineSparseDist` (and its eval twin `EvalPipelineSparseDist`) start batch i+1's input
 dist and batch i+2's copy while batch i runs; `TrainPipelineBase` overlaps only the copy;
 `PrefetchTrainPipelineSparseDist` also brings batch i+1's key-value rows into DRAM during batch i's
-backward; `TrainPipelineSemiSync` also runs batch i+1's lookup and output dist during batch i's backward
-(one-step-stale embeddings).
+backward; `TrainPipelineSemiSync` also runs batch i+1's lookup and output dist during batch i's
+backward (one-step-stale embeddings).
 """
 
 from recshard.distributed.train_pipeline.pipelines import (

@@ -1,4 +1,5 @@
-"""Find the sharded modules a train pipeline can feed ahead of time, and where their inputs come from.
+"""Find the sharded modules a train pipeline can feed ahead of time, and where their inputs come
+from.
 
 The model is traced symbolically with `torch.fx`. Sharded modules are leaves, and so is every
 module that holds no sharded module (the dense arch, a DDP-wrapped part, the loss): the trace

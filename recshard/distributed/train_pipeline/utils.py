@@ -54,7 +54,8 @@ def record_stream(obj: Any, stream: torch.cuda.Stream) -> None:
 
 
 def wait_for_batch(batch: Any, stream: torch.cuda.Stream | None) -> None:
-    """Make the current stream wait for `stream` (which produced `batch`) and record `batch` on it."""
+    """Make the current stream wait for `stream` (which produced `batch`) and record
+    `batch` on it."""
     if stream is None:
         return
     current = torch.cuda.current_stream(stream.device)

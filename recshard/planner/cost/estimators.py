@@ -217,8 +217,8 @@ class EmbeddingPerfEstimator:
     scaled by `(row + state_row) / row` for optimizer state beyond exact SGD); the per-call
     terms and collective latencies are per step, not per shard (`StepTimePerfModel`), and a
     profile that measured a real sharded module scales each phase by its `work_scale` (the
-    kernels' per-element part, the update, by its `element_scale`) and adds its `ms_per_shard + ms_per_id ids_in` to
-    each phase's compute.
+    kernels' per-element part, the update, by its `element_scale`) and adds its
+    `ms_per_shard + ms_per_id ids_in` to each phase's compute.
     """
 
     def __init__(self, topology: Topology, batch_size: int = 512) -> None:

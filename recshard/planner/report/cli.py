@@ -9,7 +9,8 @@ tables, or {"tables": [...], "optimizer": ..., "batch_size": ...}. A table::
      "weighted": false, "pooled": true, "module": "sparse_arch.ebc",
      "optimizer": "exact_row_wise_adagrad",
      "constraints": {"sharding_types": ["table_wise", "row_wise"], "compute_kernels": ["fused"],
-                     "min_partition": 32, "enforce_hbm": true, "cache_params": {"load_factor": 0.2}}}
+                     "min_partition": 32, "enforce_hbm": true,
+                     "cache_params": {"load_factor": 0.2}}}
 
 `recshard-plan calibrate -o profile.json` measures this machine and job (`recshard.calibration`);
 `--profile profile.json` plans with those costs. `--explain TABLE` prints every option priced

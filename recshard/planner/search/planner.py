@@ -60,8 +60,9 @@ class EmbeddingShardingPlanner:
     topology, plus each sharding group's fixed per-step cost: `StepTimePerfModel`).
     `last_stats` holds the `PlannerStats` of the latest plan; with `debug` they are also logged.
     With `refine`, the best-rated placements (up to `_REFINED`) are polished by moving or
-    swapping shards off the slowest rank (`refine_placement`), and the best polished one wins. `timeout_seconds` bounds the search. An explicit `enumerator`
-    brings its own topology, batch size and constraints.
+    swapping shards off the slowest rank (`refine_placement`), and the best polished one wins.
+    `timeout_seconds` bounds the search. An explicit `enumerator` brings its own topology, batch
+    size and constraints.
 
     Constraints are read as TorchRec reads them: `compute_kernels=["dense"]` leaves only
     data-parallel (dense kernels are data-parallel). Where recshard's choice differs:
