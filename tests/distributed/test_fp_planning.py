@@ -8,7 +8,7 @@ from fp_cases import Model, make_fp_ebc
 
 from recshard.distributed import default_sharders
 from recshard.planner import EmbeddingShardingPlanner, Topology
-from recshard.planner.enumerator import tables_from_module
+from recshard.planner.search.enumerator import tables_from_module
 
 
 def test_planner_sees_weighted_tables_of_a_fp_ebc() -> None:
