@@ -48,6 +48,7 @@ from recshard.modules.fp_embedding_modules import (
     other_processors_of,
     position_weights_of,
 )
+from recshard.modules.materialize import materialize
 from recshard.sparse import KeyedJaggedTensor, KeyedTensor
 from recshard.types import (
     Awaitable,
@@ -99,7 +100,8 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedModule):
         self._device = torch.device(device or "cpu")
         self._embedding_bag_collection = embedding_bag_collection
         self._feature_processors = module._feature_processors
-        _materialize(self._feature_processors, self._device)
+        materialize(self._feature_processors, self._device)
+        self._feature_processors.to(self._device)
         configs = embedding_bag_collection.embedding_bag_configs()
         self._feature_of = dict(
             zip(embedding_names(configs), [f for c in configs for f in c.feature_names])
@@ -227,18 +229,6 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedModule):
 
     def is_weighted(self) -> bool:
         return True
-
-
-def _materialize(processors: nn.Module, device: torch.device) -> None:
-    """Processors built on `meta` get real tensors (reset to their initial values); others
-    move to `device`."""
-    for child in processors.modules():
-        own = list(child.parameters(recurse=False)) + list(child.buffers(recurse=False))
-        if any(t.is_meta for t in own):
-            child.to_empty(device=device, recurse=False)
-            if hasattr(child, "reset_parameters"):
-                child.reset_parameters()
-    processors.to(device)
 
 
 class FeatureProcessedEmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):

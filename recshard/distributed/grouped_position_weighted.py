@@ -39,10 +39,17 @@ class GroupedPositionWeightedModule(BaseGroupedFeatureProcessor):
         self.max_feature_lengths = dict(max_feature_lengths)
         self.position_weights = nn.ParameterDict(
             {
-                key: nn.Parameter(torch.ones([length], device=device))
+                key: nn.Parameter(torch.empty([length], device=device))
                 for key, length in max_feature_lengths.items()
             }
         )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Every position weight 1.0 (also after materializing from `meta`)."""
+        with torch.no_grad():
+            for param in self.position_weights.values():
+                param.fill_(1.0)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The same ids and layout, weights set to the position weights."""

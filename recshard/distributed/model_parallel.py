@@ -38,6 +38,7 @@ from recshard.distributed.sharded_state import (
     model_state_dict,
     quiet_sharded_tensor,
 )
+from recshard.modules.materialize import materialize
 from recshard.optim.keyed import CombinedOptimizer
 from recshard.planner import EmbeddingShardingPlanner, Topology
 from recshard.planner.search.planner import register_default_sharders
@@ -233,16 +234,7 @@ class DistributedModelParallel(nn.Module):
 
     def _init_parameters(self, module: nn.Module) -> None:
         """Materialize `meta` tensors of the unsharded parts (DDP then broadcasts rank 0's)."""
-        for child in module.modules():
-            if isinstance(child, ShardedModule):
-                continue
-            own = list(child.named_parameters(recurse=False)) + list(
-                child.named_buffers(recurse=False)
-            )
-            if any(t.is_meta for _, t in own):
-                child.to_empty(device=self.device, recurse=False)
-                if hasattr(child, "reset_parameters"):
-                    child.reset_parameters()
+        materialize(module, self.device, skip=lambda m: isinstance(m, ShardedModule))
 
     def init_data_parallel(self) -> None:
         """Wrap the dense part in DDP (call later for lazily initialized modules)."""
