@@ -11,13 +11,14 @@ from __future__ import annotations
 from typing import Dict
 
 import torch
-from torch import nn
 
 from recshard.modules.feature_processor import BaseGroupedFeatureProcessor
 from recshard.modules.feature_processor_ import (
     bag_positions,
     gather_position_weights,
+    ones_,
     position_length_error,
+    position_weight_dict,
     with_weights,
 )
 from recshard.sparse import KeyedJaggedTensor
@@ -37,19 +38,11 @@ class GroupedPositionWeightedModule(BaseGroupedFeatureProcessor):
                     f"{length}, must be > 0"
                 )
         self.max_feature_lengths = dict(max_feature_lengths)
-        self.position_weights = nn.ParameterDict(
-            {
-                key: nn.Parameter(torch.empty([length], device=device))
-                for key, length in max_feature_lengths.items()
-            }
-        )
-        self.reset_parameters()
+        self.position_weights = position_weight_dict(max_feature_lengths, device)
 
     def reset_parameters(self) -> None:
         """Every position weight 1.0 (also after materializing from `meta`)."""
-        with torch.no_grad():
-            for param in self.position_weights.values():
-                param.fill_(1.0)
+        ones_(self.position_weights)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The same ids and layout, weights set to the position weights."""

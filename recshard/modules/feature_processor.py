@@ -14,7 +14,7 @@ from typing import Dict
 import torch
 from torch import nn
 
-from recshard.modules.feature_processor_ import bag_positions
+from recshard.modules.feature_processor_ import bag_positions, ones_, position_weight_dict
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor
 
 
@@ -41,18 +41,10 @@ class PositionWeightedModule(BaseFeatureProcessor):
     ) -> None:
         super().__init__()
         self.max_feature_lengths = dict(max_feature_lengths)
-        self.position_weights = nn.ParameterDict(
-            {
-                key: nn.Parameter(torch.empty([length], device=device))
-                for key, length in max_feature_lengths.items()
-            }
-        )
-        self.reset_parameters()
+        self.position_weights = position_weight_dict(max_feature_lengths, device)
 
     def reset_parameters(self) -> None:
-        with torch.no_grad():
-            for param in self.position_weights.values():
-                param.fill_(1.0)
+        ones_(self.position_weights)
 
     def forward(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
         """`features` (updated in place, as TorchRec) with weights on the listed features."""

@@ -89,6 +89,27 @@ def position_length_error(
     return None
 
 
+def position_weight_dict(
+    max_feature_lengths: Mapping[str, int], device: torch.device | None
+) -> nn.ParameterDict:
+    """Per feature, one weight per position of its bags (`[max_feature_length]`), all 1.0."""
+    weights = nn.ParameterDict(
+        {
+            key: nn.Parameter(torch.empty([length], device=device))
+            for key, length in max_feature_lengths.items()
+        }
+    )
+    ones_(weights)
+    return weights
+
+
+def ones_(weights: nn.ParameterDict) -> None:
+    """Every position weight back to 1.0 (also after materializing from `meta`)."""
+    with torch.no_grad():
+        for param in weights.values():
+            param.fill_(1.0)
+
+
 def _check_lengths(max_feature_lengths: Mapping[str, int], owner: str) -> None:
     for feature, length in max_feature_lengths.items():
         if length <= 0:
@@ -151,18 +172,10 @@ class PositionWeightedModuleCollection(FeatureProcessorsCollection):
         super().__init__()
         _check_lengths(max_feature_lengths, type(self).__name__)
         self.max_feature_lengths = dict(max_feature_lengths)
-        self.position_weights = nn.ParameterDict(
-            {
-                key: nn.Parameter(torch.empty([length], device=device))
-                for key, length in max_feature_lengths.items()
-            }
-        )
-        self.reset_parameters()
+        self.position_weights = position_weight_dict(max_feature_lengths, device)
 
     def reset_parameters(self) -> None:
-        with torch.no_grad():
-            for param in self.position_weights.values():
-                param.fill_(1.0)
+        ones_(self.position_weights)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The same ids and layout, weights replaced by the position weights."""
