@@ -6,7 +6,8 @@ Each rank describes what it is about to shard as flat `{item: value}` text: the 
 paths; per module its tables (plan and model), whether it is weighted, and per table the
 plan's sharding (type, kernel, ranks, shards, bounds-check mode, cache params), the config
 (rows, dim, pooling, features, data type) and the fused params (the sharder's, overridden by
-an optimizer attached to the table). The ranks all-gather a SHA-256 of it (32 bytes each);
+an optimizer attached to the table; settings that are each rank's own, such as
+`ssd_storage_directory`, are left out). The ranks all-gather a SHA-256 of it (32 bytes each);
 only when the digests differ do they gather the descriptions themselves, and every rank
 raises the same ValueError naming each item that differs and every rank's value.
 """
@@ -25,6 +26,8 @@ from torch import nn
 from recshard.optim.apply_optimizer_in_backward import fused_params_for
 from recshard.types import ModuleSharder, ShardingPlan
 
+# fused params that name something of the rank's own machine: they may differ between ranks
+RANK_LOCAL_FUSED_PARAMS = frozenset({"ssd_storage_directory"})
 CONFIG_FIELDS = ("num_embeddings", "embedding_dim", "pooling", "feature_names", "data_type")
 SHARDING_FIELDS = (
     "sharding_type",
@@ -79,7 +82,8 @@ def describe(
                     fused = fused_params_for(weights[name], sharder.fused_params, name)
                 except ValueError as e:  # raised again, on every rank, when it is sharded
                     fused = {"error": str(e)}
-                items[f"{table} fused params"] = _text(fused)
+                shared = {k: v for k, v in fused.items() if k not in RANK_LOCAL_FUSED_PARAMS}
+                items[f"{table} fused params"] = _text(shared)
             if name in configs:
                 for field in CONFIG_FIELDS:
                     items[f"{table} {field}"] = _text(getattr(configs[name], field, None))
