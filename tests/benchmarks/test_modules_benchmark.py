@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -27,6 +29,7 @@ def test_modules_benchmark_quick_covers_both_modules_and_table_sets() -> None:
     assert all(r["api"] == "recshard" and r["median_step_ms"] > 0 for r in records)
 
 
+@pytest.mark.slow  # ~35-80 s: make test stays under 15 min
 def test_modules_benchmark_compare_alternates_sides_and_reports_ratios() -> None:
     """`--compare` with this interpreter as the other side (no other library needed)."""
     proc = subprocess.run(

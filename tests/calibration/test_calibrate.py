@@ -103,6 +103,7 @@ def test_an_id_is_priced_by_its_table_size():
     assert CalibrationProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
 
 
+@pytest.mark.slow  # ~35-80 s: make test stays under 15 min
 def test_calibrate_kernels_short_budget(tmp_path):
     profile = calibrate(budget_s=2.0, grid=CalibrationGrid.quick())
     assert profile.links == [] and profile.world_size == 1
@@ -141,6 +142,7 @@ def test_calibrate_links_on_two_ranks():
     assert topo.intra_host_bw == pytest.approx(profile.gbps("intra") * 1e6)
 
 
+@pytest.mark.slow  # ~35-80 s: make test stays under 15 min
 def test_calibrate_links_across_two_hosts():
     profiles = run_ranks(4, _calibrate_links, timeout=300, env={"LOCAL_WORLD_SIZE": "2"})
     profile = CalibrationProfile.from_dict(profiles[0])

@@ -53,6 +53,7 @@ def test_step_costs_measured_on_two_ranks():
     )
 
 
+@pytest.mark.slow  # ~35-80 s: make test stays under 15 min
 def test_calibrate_job_on_one_process_measures_no_steps():
     profile = calibrate_job(budget_s=1.0, grid=CalibrationGrid.quick(), probe=StepProbe.quick())
     assert profile.world_size == 1 and profile.steps == []
