@@ -16,6 +16,7 @@ import atexit
 import ctypes
 import multiprocessing.util
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -180,7 +181,7 @@ def test_a_rank_that_cannot_reserve_memory_makes_the_group_use_the_backend() -> 
         assert got == [3 * rank + i + 100 * s for s in range(3) for i in range(3)]
 
 
-def _death(rank: int, ws: int, how: str, dying: List[int]) -> Tuple[str, float]:
+def _death(rank: int, ws: int, how: str, dying: List[int]) -> str:
     """Every rank: a call, then a bigger one (a new segment generation); the ranks in `dying`
     stop right after issuing it (`how`); the others take it and issue a third call."""
     sizes = [MI] * ws
@@ -194,13 +195,12 @@ def _death(rank: int, ws: int, how: str, dying: List[int]) -> Tuple[str, float]:
         elif how == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         os._exit(3)
-    start = time.monotonic()
     try:
         second.wait()
         issue_all_to_all(x, sizes, sizes, dist.group.WORLD, name="alltoall_pooled_bwd").wait()
     except CollectiveError as e:
-        return str(e), time.monotonic() - start
-    return "no error", time.monotonic() - start
+        return str(e)
+    return "no error"
 
 
 def _recshard_names() -> set:
@@ -210,12 +210,15 @@ def _recshard_names() -> set:
 @pytest.mark.parametrize("how", ["sigterm", "exit", "sigkill"])
 def test_a_dead_rank_is_named_at_once_and_leaves_nothing(how: str) -> None:
     before = _recshard_names()
-    env = {"RECSHARD_PG_TIMEOUT_S": "60"}
+    # the collective timeout is far past the harness's: only seeing the death ends the wait
+    env = {"RECSHARD_PG_TIMEOUT_S": "600"}
     results = run_ranks(3, _death, how, [2], timeout=90, may_die=[2], env=env)
     assert results[2][0] == "exited"
-    for message, seconds in results[:2]:
+    for message in results[:2]:
         assert "rank 2" in message and "pooled all-to-all" in message, message
-        assert seconds < 10, f"took {seconds:.1f} s to notice"
+        assert re.search(r"rank 2 \(pid \d+\) (exited or closed|its connection broke)", message), (
+            message
+        )
     assert _recshard_names() - before == set()
 
 
