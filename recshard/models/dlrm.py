@@ -21,7 +21,7 @@ from torch import nn
 from recshard.datasets.utils import Batch
 from recshard.modules import EmbeddingBagCollection
 from recshard.modules.crossnet import LowRankCrossNet
-from recshard.modules.embedding_modules import DeviceLike
+from recshard.modules.embedding_configs import DeviceLike
 from recshard.modules.mlp import MLP
 from recshard.sparse import KeyedJaggedTensor
 

@@ -14,7 +14,7 @@ from typing import Callable, Tuple
 import torch
 from torch import nn
 
-from recshard.modules.embedding_modules import DeviceLike
+from recshard.modules.embedding_configs import DeviceLike
 
 
 class _InitializedList(nn.ParameterList):

@@ -9,6 +9,8 @@ from typing import Any, Callable, Dict, List, NamedTuple
 
 import torch
 
+DeviceLike = str | torch.device | None  # where a module's tables live (None: the default)
+
 
 class PoolingType(enum.Enum):
     SUM = "SUM"

@@ -17,6 +17,7 @@ from torch import nn
 from recshard.modules.embedding_configs import (
     DATA_TYPE_TO_DTYPE,
     BaseEmbeddingConfig,
+    DeviceLike,
     EmbeddingBagConfig,
     EmbeddingConfig,
     PoolingType,
@@ -41,7 +42,6 @@ from recshard.modules.table_groups import (
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor, jagged_ops
 from recshard.sparse.keyed_tensor import offsets_from_sizes
 
-DeviceLike = str | torch.device | None
 # EC groups stop growing at this many bytes of weights: a group's per-step buffers (rows
 # `[N, D]`, the flat gradient) past glibc's mmap threshold are page-faulted anew every step,
 # which cost more than the per-table calls saved (criteo_like EC: 2x slower uncapped)

@@ -12,7 +12,7 @@ from typing import Callable, List
 import torch
 from torch import nn
 
-from recshard.modules.embedding_modules import DeviceLike
+from recshard.modules.embedding_configs import DeviceLike
 
 Activation = str | nn.Module | Callable[[torch.Tensor], torch.Tensor]
 

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
+from recshard.modules.embedding_configs import DeviceLike
 from recshard.sparse import jagged_ops
 
-DeviceLike = str | torch.device | None
 FBGEMM_SUM = 0  # fbgemm's PoolingMode.SUM (MEAN tables are pooled as SUM, then divided)
 
 # a table module's Parameter read from its parameter dict: `module.weight` would run

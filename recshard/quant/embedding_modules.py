@@ -23,7 +23,7 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 import torch
 from torch import nn
 
-from recshard.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
+from recshard.modules.embedding_configs import BaseEmbeddingConfig, DeviceLike, PoolingType
 from recshard.modules.embedding_modules import (
     EmbeddingBagCollection,
     EmbeddingCollection,
@@ -41,7 +41,6 @@ from recshard.quant.kernel import QuantLookup, QuantTable, check_output_dtype
 from recshard.quant.rowwise import DtypeLike, check_table_layout, data_type_of, quantize_rows
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-DeviceLike = str | torch.device | None
 QuantizedWeights = Dict[str, Tuple[torch.Tensor, torch.Tensor | None]]
 
 
