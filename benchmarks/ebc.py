@@ -62,6 +62,7 @@ from benchmarks.link import CollectiveWaitClock, add_link_argument, link_label, 
 from benchmarks.ranks import launched_ranks, minor_faults, run_ranks, timed_steps, warm_up
 from benchmarks.step_profile import profile_steps
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard.calibration.kernels import build_lookup
 from recshard.calibration.procfs import rss_bytes
 from recshard.comm import transport
 from recshard.comm.codecs import get_qcomm_codecs_registry
@@ -76,8 +77,7 @@ from recshard.distributed.sharding_plan import (
     table_row_wise,
     table_wise,
 )
-from recshard.lookup import GroupedLookup, LocalTable
-from recshard.modules.embedding_configs import PoolingType
+from recshard.lookup import GroupedLookup
 from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from recshard.types import EmbeddingComputeKernel, ShardingEnv
 
@@ -381,22 +381,7 @@ def bench_kernels(sizes: Sizes, args: argparse.Namespace) -> None:
     )
 
     def lookup(kernel: EmbeddingComputeKernel) -> GroupedLookup:
-        tables = [
-            LocalTable(
-                EmbeddingBagConfig(
-                    num_embeddings=rows, embedding_dim=dim, name=f"t{t}", feature_names=[f"f{t}"]
-                ),
-                rows,
-                dim,
-                0,
-                0,
-                kernel,
-                PoolingType.SUM,
-                {"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE},
-            )
-            for t in range(num)
-        ]
-        return GroupedLookup(tables, pooled=True, device=torch.device("cpu"))
+        return build_lookup(kernel, num, rows, dim, learning_rate=LEARNING_RATE)
 
     fused, dense = lookup(EmbeddingComputeKernel.FUSED), lookup(EmbeddingComputeKernel.DENSE)
     dense_sgd = torch.optim.SGD(dense.parameters(), lr=LEARNING_RATE)

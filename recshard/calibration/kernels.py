@@ -22,7 +22,9 @@ from recshard.types import EmbeddingComputeKernel
 LR = 0.01  # the probes' exact SGD learning rate
 
 
-def build_lookup(kernel: EmbeddingComputeKernel, tables: int, rows: int, dim: int) -> GroupedLookup:
+def build_lookup(
+    kernel: EmbeddingComputeKernel, tables: int, rows: int, dim: int, learning_rate: float = LR
+) -> GroupedLookup:
     local = [
         LocalTable(
             EmbeddingBagConfig(
@@ -34,7 +36,7 @@ def build_lookup(kernel: EmbeddingComputeKernel, tables: int, rows: int, dim: in
             0,
             kernel,
             PoolingType.SUM,
-            {"optimizer": "exact_sgd", "learning_rate": LR},
+            {"optimizer": "exact_sgd", "learning_rate": learning_rate},
         )
         for t in range(tables)
     ]
