@@ -72,6 +72,7 @@ def test_wait_clock_attributes_input_dist_forward_and_backward_waits() -> None:
         assert step.shares(step.total)["total"] == 1.0
 
 
+@pytest.mark.slow  # ~40 s; the unshaped run below covers the report in make test
 @needs_slowlink
 def test_ebc_benchmark_under_a_shaped_link_reports_codecs_and_wait_shares() -> None:
     records = _records(

@@ -31,7 +31,7 @@ def _calibrate_job(rank, world_size):
     ).to_dict()
 
 
-def test_step_costs_measured_on_two_ranks():
+def test_job_calibration_on_two_ranks_measures_links_memory_and_step_costs():
     profiles = run_ranks(2, _calibrate_job, timeout=300)
     # one profile for the job: the ranks plan the same probe modules and the same plans
     assert {k: v for k, v in profiles[0].items() if k != "seconds"} == {
@@ -51,6 +51,19 @@ def test_step_costs_measured_on_two_ranks():
     assert model.group_ms("row_wise", "fused", 16, 4) == pytest.approx(
         profile.step_ms("row_wise", 4)
     )
+    # the job's profile carries calibrate's links on both ranks and its fresh-process memory probe
+    kinds = {(c.collective, c.level) for c in profile.links}
+    assert kinds == {
+        ("all_to_all", "intra"),
+        ("reduce_scatter", "intra"),
+        ("all_gather", "intra"),
+        ("all_reduce", "intra"),
+    }
+    assert all(c.gbps > 0 and c.latency_ms >= 0 and c.ranks == 2 for c in profile.links)
+    assert Topology(2, profile=profile).intra_host_bw == pytest.approx(profile.gbps("intra") * 1e6)
+    memory = profile.memory
+    assert memory is not None and memory.weight_factor >= 1.0
+    assert memory.bytes_per_id >= 0 and memory.bytes_per_output_byte >= 0
 
 
 @pytest.mark.slow  # ~35-80 s: make test stays under 15 min
