@@ -46,6 +46,10 @@ DEFAULT_CACHE_LOAD_FACTOR = 0.2  # TorchRec's default for key_value tables
 _INIT_CHUNK_BYTES = 1 << 20  # the init's transient buffer
 
 
+class CacheOverflowError(ValueError):
+    """A batch reads more distinct rows of a shard than its cache has free slots."""
+
+
 def state_widths(spec: FusedOptimSpec, cols: int) -> Dict[str, int]:
     """Stored values per row of each file: the weight, then each optimizer state."""
     widths = {"weight": cols}
@@ -112,15 +116,13 @@ class _RowCache:
         self.last_used = torch.full((capacity,), -1, dtype=torch.int64)
         self.pinned: List[torch.Tensor] = []
         self.lock = threading.Lock()  # a prefetch thread and the step's update share it
-        self.hits = 0
-        self.misses = 0
+        self.lookups = 0  # distinct rows each forward read, summed
+        self.misses = 0  # rows read from storage
 
     def ensure(self, ids: torch.Tensor, tick: int) -> None:
         """Bring rows `ids` (unique, sorted) into the cache, evicting least recently used."""
         slots = self.row_slot[ids].long()
         missing = ids[slots < 0]
-        self.hits += ids.numel() - missing.numel()
-        self.misses += missing.numel()
         if missing.numel():
             keep = self.last_used.clone()
             keep[slots[slots >= 0]] = torch.iinfo(torch.int64).max
@@ -128,12 +130,13 @@ class _RowCache:
                 keep[pinned] = torch.iinfo(torch.int64).max
             free = int((keep < torch.iinfo(torch.int64).max).sum())
             if missing.numel() > free:
-                raise ValueError(
+                raise CacheOverflowError(
                     f"table '{self.store.identity.table}': a batch needs {missing.numel()} rows "
                     f"not cached but only {free} of the cache's {self.capacity} slots are "
                     "free (the rest hold this batch's or a batch in flight's rows); raise "
                     "cache_load_factor"
                 )
+            self.misses += missing.numel()
             victims = torch.topk(keep, missing.numel(), largest=False).indices
             old = self.slot_row[victims]
             self.row_slot[old[old >= 0]] = -1
@@ -227,26 +230,32 @@ class KeyValueKernel(LookupKernel):
         self.lr = lr
 
     def hit_rate(self) -> float:
-        """Share of looked-up distinct rows per batch found in DRAM so far (1.0 before any)."""
-        hits = sum(c.hits for c in self.caches)
-        total = hits + sum(c.misses for c in self.caches)
-        return hits / total if total else 1.0
+        """Share of the distinct rows each forward read that did not come from storage (in
+        that forward or in its batch's prefetch) so far; 1.0 before any."""
+        lookups = sum(c.lookups for c in self.caches)
+        misses = sum(c.misses for c in self.caches)
+        return max(0.0, 1.0 - misses / lookups) if lookups else 1.0
 
     # ------------------------------------------------------------------ the step
 
-    def prefetch(self, features: KeyedJaggedTensor) -> None:
-        """Bring every row `features` reads into the cache (the next batch's, ahead of time)."""
+    def prefetch(self, features: KeyedJaggedTensor) -> Dict[int, torch.Tensor]:
+        """Bring every row `features` reads into the cache (the next batch's, ahead of time);
+        returns the distinct rows per table index. Raises `CacheOverflowError` (having
+        changed nothing in that table's cache) when they do not fit."""
         self._tick += 1
         per_table: Dict[int, List[torch.Tensor]] = {}
         for jt, t_index in zip(jagged_by_index(features), self.feature_table):
             per_table.setdefault(t_index, []).append(jt.values().long())
-        for t_index, ids in per_table.items():
+        unique = {t_index: torch.unique(torch.cat(ids)) for t_index, ids in per_table.items()}
+        for t_index, rows in unique.items():
             cache = self.caches[t_index]
             with cache.lock:
-                cache.ensure(torch.unique(torch.cat(ids)), self._tick)
+                cache.ensure(rows, self._tick)
+        return unique
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        self.prefetch(features)
+        for t_index, rows in self.prefetch(features).items():
+            self.caches[t_index].lookups += rows.numel()
         slot_values = [
             self.caches[t_index].row_slot[jt.values().long()].long()
             for jt, t_index in zip(jagged_by_index(features), self.feature_table)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import asdict, dataclass
 from typing import Dict, List
 
@@ -68,10 +69,14 @@ def check_directory(directory: str, identities: List[StoreIdentity]) -> None:
         raise ValueError(
             f"key_value tables {names}: ssd_storage_directory '{directory}' is not a directory"
         )
-    if not os.access(directory, os.W_OK | os.X_OK):
+    try:  # a real file: permission bits alone do not say (root, read-only mounts, ACLs)
+        fd, probe = tempfile.mkstemp(prefix=".recshard-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
         raise ValueError(
-            f"key_value tables {names}: ssd_storage_directory '{directory}' is not writable"
-        )
+            f"key_value tables {names}: ssd_storage_directory '{directory}' is not writable: {e}"
+        ) from e
     for identity in identities:
         for suffix in [*identity.widths, "json"]:
             path = os.path.join(directory, f"{identity.stem}.{suffix}")
@@ -82,6 +87,7 @@ def check_directory(directory: str, identities: List[StoreIdentity]) -> None:
                     "key_value files are never reused: give an empty directory (restore a "
                     "table with recshard.checkpoint.load)"
                 )
+    _check_other_shapes(directory, identities)
     needed = sum(i.bytes_needed() for i in identities)
     stat = os.statvfs(directory)
     free = stat.f_bavail * stat.f_frsize
@@ -89,6 +95,25 @@ def check_directory(directory: str, identities: List[StoreIdentity]) -> None:
         raise ValueError(
             f"key_value tables {names}: need {needed} bytes in '{directory}', only {free} are free"
         )
+
+
+def _check_other_shapes(directory: str, identities: List[StoreIdentity]) -> None:
+    """Raise if `directory` holds files of one of these tables with another shard shape (a
+    previous run's, or another plan's): they would sit beside the new ones unused."""
+    stems = {i.stem for i in identities}
+    tables = {i.table for i in identities}
+    for name in sorted(os.listdir(directory)):
+        stem, _, suffix = name.rpartition(".")
+        if suffix != "json" or stem in stems:
+            continue
+        held = _describe(os.path.join(directory, name))
+        table = stem.rsplit(".", 3)[0] if stem.count(".") >= 3 else None
+        if table in tables:
+            raise ValueError(
+                f"table '{table}': '{directory}' already holds its key_value files of another "
+                f"shape ({held}, '{name}'); give an empty directory (restore a table with "
+                "recshard.checkpoint.load)"
+            )
 
 
 class RowStore:
