@@ -7,16 +7,17 @@ use, evicting the least recently used. Files go to `ssd_storage_directory` (Torc
 param, `@local_rank` filled in), or without one to a fresh private temporary directory, as in
 TorchRec; `check_storage` vets a given directory before any file is made. A step:
 
-    prefetch(batch)  ids not cached -> LRU slots, rows read from storage (pread)
+    prefetch(batch)  ids not cached -> LRU slots, rows read from storage (`RowStore`)
     forward          ids -> cache slots; the pure-torch fused lookup on the cache
     backward         the same row gradients and optimizer math as `TorchFusedKernel`
-                     on the cache slots, then the updated rows written through (pwrite)
+                     on the cache slots, then the updated rows written through
 
 Writes go through at once, so storage always holds the current table: state dicts and
 checkpoints read it from a mapping of the files (`table_weights`, `optimizer_states`), and a
 write there (a load) drops the cached copies. Slots looked up by a forward stay pinned until
 its backward, so a prefetch of the next batch never evicts them. DRAM held per table:
-the cache (`capacity x (cols + state width) x 4` bytes) and a row -> slot map (4 bytes a row).
+the cache (`capacity x (cols + state width) x 4` bytes), a row -> slot map (4 bytes a row),
+and up to the cache's size again in pages of the files' mappings (`RowStore.mapped_bytes`).
 """
 
 from __future__ import annotations
@@ -96,10 +97,15 @@ def check_storage(tables: List[LocalTable], specs: List[FusedOptimSpec]) -> None
         check_directory(directory, identities)
 
 
+def cache_bytes(table: LocalTable, spec: FusedOptimSpec) -> int:
+    """Bytes of the cached rows with their optimizer state."""
+    return cache_rows(table) * sum(state_widths(spec, table.cols).values()) * 4
+
+
 def dram_bytes(table: LocalTable, spec: FusedOptimSpec) -> int:
-    """DRAM the kernel holds for `table`'s shard: cache rows with their state, the row map."""
-    per_row = sum(state_widths(spec, table.cols).values()) * 4
-    return cache_rows(table) * (per_row + 8 + 8) + table.rows * 4
+    """DRAM the kernel holds for `table`'s shard: the cache (rows with their state, slot maps),
+    the row map, and as much again in mapped file pages between releases (`RowStore`)."""
+    return 2 * cache_bytes(table, spec) + cache_rows(table) * (8 + 8) + table.rows * 4
 
 
 class _RowCache:
@@ -142,15 +148,17 @@ class _RowCache:
             self.row_slot[old[old >= 0]] = -1
             for suffix, values in self.values.items():
                 values[victims] = self.store.read(suffix, missing)
+            self.store.settle()
             self.slot_row[victims] = missing
             self.row_slot[missing] = victims.to(torch.int32)
         self.last_used[self.row_slot[ids].long()] = tick
 
     def write_through(self, slots: torch.Tensor) -> None:
-        """Write the rows in `slots` back to storage (all files)."""
-        rows, order = torch.sort(self.slot_row[slots])
+        """Write the rows in `slots` (unique) back to storage (all files)."""
+        rows = self.slot_row[slots]
         for suffix, values in self.values.items():
-            self.store.write(suffix, rows, values[slots[order]])
+            self.store.write(suffix, rows, values[slots])
+        self.store.settle()
 
     def drop_unpinned(self) -> None:
         """Forget every cached row not pinned (storage was written behind the cache)."""
@@ -189,6 +197,7 @@ class KeyValueKernel(LookupKernel):
                 RowStore(
                     table_directory(t) or tempfile.mkdtemp(prefix="recshard-kv-"),
                     store_identity(t, spec),
+                    cache_bytes(t, spec),
                 ),
                 cache_rows(t) if t.rows else 0,
             )

@@ -68,7 +68,7 @@ def test_too_little_storage_is_an_error_naming_it() -> None:
     topology = Topology(2, ddr_cap=1 * GIB, storage_cap=0.5 * GIB)
     with pytest.raises(PlannerError, match="'big'.*storage_cap"):
         EmbeddingShardingPlanner(topology, batch_size=512).plan_tables([big()])
-    one_rank = Topology(1, ddr_cap=1 * GIB, storage_cap=2 * GIB)  # no shard of 2.42 GiB fits
+    one_rank = Topology(1, ddr_cap=2 * GIB, storage_cap=2 * GIB)  # no shard of 2.42 GiB fits
     with pytest.raises(PlannerError, match="storage_cap"):
         EmbeddingShardingPlanner(one_rank, batch_size=512).plan_tables([big()])
 

@@ -2,9 +2,10 @@
 storage, a DRAM cache of `load_factor` of its rows (TorchRec's `CacheParams.load_factor`,
 default 0.2), each step's misses read from storage and its updated rows written back.
 
-- DRAM: `ceil(lf rows) (row_bytes + state_row + 16)` for the cached rows, their state and the
-  slot maps (`recshard.lookup.key_value.dram_bytes`, which the tests compare this to), plus 4
-  bytes per row for the row -> slot map, plus the step's io; storage: weights + state.
+- DRAM: `ceil(lf rows) (2 (row_bytes + state_row) + 16)` for the cached rows with their state,
+  as much again in mapped file pages, and the slot maps (`recshard.lookup.key_value.
+  dram_bytes`, which the tests compare this to), plus 4 bytes per row for the row -> slot map,
+  plus the step's io; storage: weights + state.
 - time on top of the fused kernel's on the cache: `(1 - hit) touched (row + state_row)` bytes
   read and `touched (row + state_row)` bytes written at `topology.storage_bw`, `touched` the
   shard's distinct rows per step (`touched_rows`, from `CacheStatistics.expected_lookups` when
@@ -71,7 +72,7 @@ def key_value_storage(
     """DRAM and storage bytes of a `rows`-row shard (module docstring)."""
     per_row = (weights + state) / rows if rows else 0.0
     cached = min(rows, math.ceil(cache_load_factor(cache_params) * rows))
-    dram = cached * (per_row + _SLOT_MAP_BYTES) + rows * _ROW_MAP_BYTES + io
+    dram = cached * (2 * per_row + _SLOT_MAP_BYTES) + rows * _ROW_MAP_BYTES + io
     return Storage(0.0, dram, weights + state)
 
 
