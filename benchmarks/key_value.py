@@ -12,8 +12,11 @@ three ways to hold one table, on Zipf(1.05) ids. Prints one JSON line per tier.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import shlex
+import sys
 import tempfile
 import time
 from typing import Dict, List
@@ -96,11 +99,15 @@ def run(args: argparse.Namespace, tier: str) -> Dict:
     times.sort()
     step = times[len(times) // 2]
     result = {
+        "command": shlex.join(
+            [sys.executable.rsplit("/", 1)[-1], "-m", __spec__.name, *sys.argv[1:]]
+        ),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "tier": tier,
         "rows": args.rows,
         "dim": args.dim,
         "table_mb": round(args.rows * args.dim * 4 / 2**20, 1),
-        "step_ms": round(step * 1e3, 2),
+        "step_ms": round(step * 1e3, 2),  # median of --steps
         "samples_per_s": round(args.batch / step),
         "rss_growth_mb": round((rss() - before) / 2**20, 1),
     }

@@ -6,7 +6,7 @@ import argparse
 from typing import List, Sequence
 
 from examples.dlrm.data.binary import is_preprocessed
-from examples.dlrm.data.criteo_spec import NUM_SPARSE, capped_num_embeddings
+from examples.dlrm.data.criteo_spec import NUM_SPARSE, SPARSE_NAMES, capped_num_embeddings
 from examples.dlrm.data.preprocess import Manifest, check_same_vocabulary, check_table_sizes
 from examples.dlrm.sharding import OPTIMIZER_CHOICES, SHARDING_CHOICES
 
@@ -51,6 +51,11 @@ def table_sizes(text: str) -> List[int]:
             f"--num-embeddings-per-feature needs 1 or {NUM_SPARSE} values, got {len(values)}"
         )
     return values
+
+
+def name_list(text: str) -> List[str]:
+    """ "t_cat_0, t_cat_2" -> ["t_cat_0", "t_cat_2"]."""
+    return [v for v in text.replace(" ", "").split(",") if v]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +148,32 @@ def build_parser() -> argparse.ArgumentParser:
         default="fused",
         help="fused: fbgemm TBE with the optimizer in backward; dense: autograd "
         "weights updated by the dense optimizer (data_parallel is always dense)",
+    )
+    g.add_argument(
+        "--key-value-tables",
+        type=name_list,
+        default=[],
+        help="tables kept in files on local storage behind a DRAM row cache "
+        "(compute_kernel key_value, cpu), e.g. t_cat_0,t_cat_2, or 'all'",
+    )
+    g.add_argument(
+        "--dram-budget",
+        type=float,
+        default=None,
+        help="GiB of DRAM per rank for the tables, their optimizer state and step buffers: "
+        "the planner (--sharding auto) plans tables that do not fit it key_value",
+    )
+    g.add_argument(
+        "--kv-dir",
+        default=None,
+        help="directory for key_value tables' files (ssd_storage_directory; @local_rank is "
+        "each rank's local rank); default: a fresh temporary directory",
+    )
+    g.add_argument(
+        "--cache-load-factor",
+        type=float,
+        default=0.2,
+        help="share of a key_value table's rows its DRAM cache holds",
     )
     g.add_argument(
         "--optimizer",
@@ -288,7 +319,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     if args.over_arch_layers[-1] != 1:
         parser.error(f"--over-arch-layers must end with 1, got {args.over_arch_layers}")
+    _check_key_value(parser, args)
     for name in ("batch_size", "embedding_dim"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
+
+
+def _check_key_value(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--key-value-tables` names real tables (`all`: every one) of a model-parallel fused
+    plan; `--dram-budget` goes to the planner; the cache share is in (0, 1]."""
+    names = [f"t_{f}" for f in SPARSE_NAMES]
+    if args.key_value_tables == ["all"]:
+        args.key_value_tables = names
+    unknown = sorted(set(args.key_value_tables) - set(names))
+    if unknown:
+        parser.error(f"--key-value-tables: no table {unknown}; tables are t_cat_0 .. t_cat_25")
+    if args.key_value_tables and (args.sharding == "data_parallel" or args.kernel == "dense"):
+        parser.error("--key-value-tables needs a model-parallel sharding and --kernel fused")
+    if args.dram_budget is not None and (args.sharding != "auto" or args.plan):
+        parser.error("--dram-budget is the planner's: use it with --sharding auto, no --plan")
+    if args.dram_budget is not None and not args.dram_budget > 0:
+        parser.error(f"--dram-budget must be > 0 GiB, got {args.dram_budget}")
+    if not 0.0 < args.cache_load_factor <= 1.0:
+        parser.error(f"--cache-load-factor must be in (0, 1], got {args.cache_load_factor}")

@@ -1,9 +1,11 @@
 """The sharding plan and optimizers the DLRM CLI uses (`--sharding`, `--plan`, `--kernel`,
-`--optimizer`)."""
+`--optimizer`, `--key-value-tables`, `--dram-budget`, `--kv-dir`, `--cache-load-factor`)."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+import os
+import tempfile
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -71,12 +73,17 @@ def make_plan(
     pooling_factor: float = 1.0,
     device_type: str = "cpu",
     plan_path: str | None = None,
+    key_value_tables: Sequence[str] = (),
+    dram_budget_gib: float | None = None,
+    kv_dir: str | None = None,
 ) -> Tuple[ShardingPlan, str]:
     """The plan for the DLRM's EBC and a line about it (collective for "auto").
 
     `plan_path`: a JSON plan file. "auto": recshard's planner (rank 0 plans for this batch
     size and ids per bag, every rank gets the plan; `--kernel dense` restricts it to dense
-    kernels). Otherwise every table is sharded the same way.
+    kernels; `key_value_tables` are planned key_value; `dram_budget_gib`, each rank's DRAM,
+    makes it plan tables that do not fit key_value, in the free space of `kv_dir`).
+    Otherwise every table is sharded the same way, `key_value_tables` on key_value.
     """
     if plan_path:
         from recshard.planner import load_plan
@@ -87,14 +94,21 @@ def make_plan(
 
         constraints = {
             t.name: ParameterConstraints(
-                compute_kernels=["dense"] if kernel == "dense" else None,
+                compute_kernels=["dense"]
+                if kernel == "dense"
+                else (["key_value"] if t.name in key_value_tables else None),
                 pooling_factors=[pooling_factor] * len(t.feature_names),
             )
             for t in tables
         }
+        on_storage = key_value_tables or dram_budget_gib is not None
         planner = EmbeddingShardingPlanner(
             topology=Topology(
-                world_size=world_size, compute_device=device_type, local_world_size=local_size
+                world_size=world_size,
+                compute_device=device_type,
+                local_world_size=local_size,
+                ddr_cap=None if dram_budget_gib is None else dram_budget_gib * 2**30,
+                storage_cap=free_storage_bytes(kv_dir, local_size) if on_storage else None,
             ),
             batch_size=batch_size,
             constraints=constraints,
@@ -112,7 +126,10 @@ def make_plan(
         return plan, note
     ebc = EmbeddingBagCollection(tables, device="meta")
     per_table = {
-        t.name: _generator(kind, i, world_size, local_size, kernel) for i, t in enumerate(tables)
+        t.name: _generator(
+            kind, i, world_size, local_size, "key_value" if t.name in key_value_tables else kernel
+        )
+        for i, t in enumerate(tables)
     }
     module_plan = construct_module_sharding_plan(
         ebc, per_table, local_size=local_size, world_size=world_size, device_type=device_type
@@ -120,13 +137,29 @@ def make_plan(
     return ShardingPlan(plan={EBC_PATH: module_plan}), f"every table {kind}"
 
 
+def free_storage_bytes(kv_dir: str | None, local_size: int) -> float:
+    """Each rank's share of the free space where key_value files go (`kv_dir`, whose
+    `@local_rank` parts are left out, else the temporary directory), shared by a host's ranks."""
+    directory = (kv_dir or tempfile.gettempdir()).split("@local_rank")[0] or "."
+    directory = directory if os.path.isdir(directory) else os.path.dirname(directory) or "."
+    stat = os.statvfs(directory)
+    return float(stat.f_bavail * stat.f_frsize) / max(1, local_size)
+
+
 def make_sharders(
-    optimizer: str, lr: float, eps: float = 1e-8, comm_precision: str = "fp32"
+    optimizer: str,
+    lr: float,
+    eps: float = 1e-8,
+    comm_precision: str = "fp32",
+    key_value: Dict[str, Any] | None = None,
 ) -> List[ModuleSharder]:
     """The EBC sharder with the fused (in-backward) embedding optimizer, and fp16/bf16 codecs
     on the pooled all-to-alls and reduce-scatters (forward and backward) if asked; the same
-    for the EBC inside a FeatureProcessedEmbeddingBagCollection (`--position-weighted`)."""
+    for the EBC inside a FeatureProcessedEmbeddingBagCollection (`--position-weighted`).
+    `key_value`: the key_value tables' fused params (`ssd_storage_directory`,
+    `cache_load_factor`)."""
     fused = {"optimizer": _FUSED_NAME[optimizer], "learning_rate": lr, "eps": eps}
+    fused.update(key_value or {})
     registry = get_qcomm_codecs_registry(comm_precision)  # None for fp32
     ebc = EmbeddingBagCollectionSharder(fused_params=fused, qcomm_codecs_registry=registry)
     return [ebc, FeatureProcessedEmbeddingBagCollectionSharder(ebc)]

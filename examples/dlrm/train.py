@@ -103,7 +103,12 @@ def build_training(
         dcn_low_rank_dim=args.dcn_low_rank_dim,
         position_weighted=position_weighted_features(args),
     )
-    sharders = make_sharders(args.optimizer, args.lr, args.eps, args.comm_precision)
+    key_value: Dict[str, Any] = {}
+    if args.key_value_tables or args.dram_budget is not None:
+        key_value["cache_load_factor"] = args.cache_load_factor
+        if args.kv_dir:
+            key_value["ssd_storage_directory"] = args.kv_dir
+    sharders = make_sharders(args.optimizer, args.lr, args.eps, args.comm_precision, key_value)
     plan, plan_note = make_plan(
         args.sharding,
         model,
@@ -116,6 +121,9 @@ def build_training(
         pooling_factor=(1 + args.multi_hot) / 2,
         device_type=device.type,
         plan_path=args.plan,
+        key_value_tables=args.key_value_tables,
+        dram_budget_gib=args.dram_budget,
+        kv_dir=args.kv_dir,
     )
     # DDP re-lays its gradient buckets after the first step, which changes the order gloo sums
     # them in; a resumed run would sum its first step differently from the uninterrupted one.
@@ -141,21 +149,26 @@ def build_training(
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), tables, plan_note
 
 
-def _pipeline_classes() -> Tuple[Any, Any] | None:
+def _pipeline_classes(key_value: bool) -> Tuple[Any, Any] | None:
+    """(train, eval) pipelines; with key_value tables the train one prefetches their rows."""
     try:  # TorchRec's module path
         from recshard.distributed.train_pipeline import (
             EvalPipelineSparseDist,
+            PrefetchTrainPipelineSparseDist,
             TrainPipelineSparseDist,
         )
     except ImportError:
         return None
-    return TrainPipelineSparseDist, EvalPipelineSparseDist
+    train = PrefetchTrainPipelineSparseDist if key_value else TrainPipelineSparseDist
+    return train, EvalPipelineSparseDist
 
 
 class Runner:
     """One training step and one eval pass, pipelined (`TrainPipelineSparseDist`: batch i+1's
-    copy and input all-to-all overlap batch i) or plain. `step` returns `(loss, logits,
-    labels)` of one batch and raises StopIteration at the end of the data."""
+    copy and input all-to-all overlap batch i; with key_value tables
+    `PrefetchTrainPipelineSparseDist`, which also reads its rows from storage) or plain.
+    `step` returns `(loss, logits, labels)` of one batch and raises StopIteration at the end of
+    the data."""
 
     def __init__(
         self,
@@ -166,7 +179,10 @@ class Runner:
         say: Callable[[str], None],
     ) -> None:
         self.dmp, self.optimizer, self.device = dmp, optimizer, device
-        classes = _pipeline_classes() if pipeline else None
+        key_value = any(
+            ps.compute_kernel == "key_value" for m in dmp.plan.plan.values() for ps in m.values()
+        )
+        classes = _pipeline_classes(key_value) if pipeline else None
         if pipeline and classes is None:
             say("notice: recshard has no TrainPipelineSparseDist; --pipeline runs the plain loop")
         self.pipelined = classes is not None

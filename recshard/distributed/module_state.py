@@ -22,10 +22,11 @@ from torch import nn
 
 from recshard.comm.pg import destroy_groups_at_exit
 from recshard.distributed.input_dist import CollectionInputDist, EmbeddingModuleContext
+from recshard.distributed.key_value_step import fill_caches_agreed, prefetch_rows
 from recshard.distributed.sharded_state import fused_state
 from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fused_params
 from recshard.lookup.grouped import GroupedLookup, uses_fbgemm
-from recshard.lookup.key_value import check_storage
+from recshard.lookup.key_value import CacheOverflowError, check_storage
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
 from recshard.modules.embedding_modules import embedding_names
@@ -125,6 +126,7 @@ class ShardedEmbeddingModule(ShardedModule):
 
     # How the local tables are stored: `FloatTables`, or the quantized twins' `QuantTables`.
     storage_type: ClassVar[Type[TableStorage]] = FloatTables
+    _has_key_value = False  # set by the float tables' specs: any key_value table in the plan
 
     def __init__(
         self,
@@ -203,6 +205,7 @@ class ShardedEmbeddingModule(ShardedModule):
         """Every rank raises if any rank's storage cannot hold its key_value shards (one
         gather of the verdicts, only when the plan has key_value tables)."""
         key_value = [s for s in specs if s.kernel == EmbeddingComputeKernel.KEY_VALUE]
+        self._has_key_value = bool(key_value)  # the plan's: the same on every rank
         if not key_value:
             return
         mine = [
@@ -253,15 +256,20 @@ class ShardedEmbeddingModule(ShardedModule):
         self, ctx: EmbeddingModuleContext, dist_input: List[KeyedJaggedTensor]
     ) -> List[torch.Tensor]:
         """Each sharding's local lookup on the ids routed to this rank: pooled `[B_global,
-        local cols]`, or one row per id `[N_recv, D]`."""
+        local cols]`, or one row per id `[N_recv, D]`. Key-value caches are filled first,
+        every rank learning whether any rank's rows did not fit (`key_value_step`)."""
+        if self._has_key_value:
+            fill_caches_agreed(self.env, self._device, self.shardings.values(), dist_input)
         return [s.compute(kjt) for s, kjt in zip(self.shardings.values(), dist_input)]
 
     def prefetch(self, dist_input: List[KeyedJaggedTensor]) -> None:
         """Bring the rows the routed ids read into the key-value tables' DRAM caches (batch
-        i+1's, while batch i trains: `PrefetchTrainPipelineSparseDist`)."""
-        for sharding, features in zip(self.shardings.values(), dist_input):
-            if isinstance(sharding.lookup, GroupedLookup):
-                sharding.lookup.prefetch(features)
+        i+1's, while batch i trains: `PrefetchTrainPipelineSparseDist`). Rows that do not fit
+        beside batch i's are left for the step's `compute`, which decides on every rank."""
+        try:
+            prefetch_rows(self.shardings.values(), dist_input)
+        except CacheOverflowError:
+            pass
 
     def create_context(self) -> EmbeddingModuleContext:
         return EmbeddingModuleContext(

@@ -7,16 +7,17 @@ use, evicting the least recently used. Files go to `ssd_storage_directory` (Torc
 param, `@local_rank` filled in), or without one to a fresh private temporary directory, as in
 TorchRec; `check_storage` vets a given directory before any file is made. A step:
 
-    prefetch(batch)  ids not cached -> LRU slots, rows read from storage (pread)
+    prefetch(batch)  ids not cached -> LRU slots, rows read from storage (`RowStore`)
     forward          ids -> cache slots; the pure-torch fused lookup on the cache
     backward         the same row gradients and optimizer math as `TorchFusedKernel`
-                     on the cache slots, then the updated rows written through (pwrite)
+                     on the cache slots, then the updated rows written through
 
 Writes go through at once, so storage always holds the current table: state dicts and
 checkpoints read it from a mapping of the files (`table_weights`, `optimizer_states`), and a
 write there (a load) drops the cached copies. Slots looked up by a forward stay pinned until
 its backward, so a prefetch of the next batch never evicts them. DRAM held per table:
-the cache (`capacity x (cols + state width) x 4` bytes) and a row -> slot map (4 bytes a row).
+the cache (`capacity x (cols + state width) x 4` bytes), a row -> slot map (4 bytes a row),
+and up to the cache's size again in pages of the files' mappings (`RowStore.mapped_bytes`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ from recshard.sparse.conversion import jagged_by_index
 
 DEFAULT_CACHE_LOAD_FACTOR = 0.2  # TorchRec's default for key_value tables
 _INIT_CHUNK_BYTES = 1 << 20  # the init's transient buffer
+
+
+class CacheOverflowError(ValueError):
+    """A batch reads more distinct rows of a shard than its cache has free slots."""
 
 
 def state_widths(spec: FusedOptimSpec, cols: int) -> Dict[str, int]:
@@ -92,10 +97,15 @@ def check_storage(tables: List[LocalTable], specs: List[FusedOptimSpec]) -> None
         check_directory(directory, identities)
 
 
+def cache_bytes(table: LocalTable, spec: FusedOptimSpec) -> int:
+    """Bytes of the cached rows with their optimizer state."""
+    return cache_rows(table) * sum(state_widths(spec, table.cols).values()) * 4
+
+
 def dram_bytes(table: LocalTable, spec: FusedOptimSpec) -> int:
-    """DRAM the kernel holds for `table`'s shard: cache rows with their state, the row map."""
-    per_row = sum(state_widths(spec, table.cols).values()) * 4
-    return cache_rows(table) * (per_row + 8 + 8) + table.rows * 4
+    """DRAM the kernel holds for `table`'s shard: the cache (rows with their state, slot maps),
+    the row map, and as much again in mapped file pages between releases (`RowStore`)."""
+    return 2 * cache_bytes(table, spec) + cache_rows(table) * (8 + 8) + table.rows * 4
 
 
 class _RowCache:
@@ -112,15 +122,13 @@ class _RowCache:
         self.last_used = torch.full((capacity,), -1, dtype=torch.int64)
         self.pinned: List[torch.Tensor] = []
         self.lock = threading.Lock()  # a prefetch thread and the step's update share it
-        self.hits = 0
-        self.misses = 0
+        self.lookups = 0  # distinct rows each forward read, summed
+        self.misses = 0  # rows read from storage
 
     def ensure(self, ids: torch.Tensor, tick: int) -> None:
         """Bring rows `ids` (unique, sorted) into the cache, evicting least recently used."""
         slots = self.row_slot[ids].long()
         missing = ids[slots < 0]
-        self.hits += ids.numel() - missing.numel()
-        self.misses += missing.numel()
         if missing.numel():
             keep = self.last_used.clone()
             keep[slots[slots >= 0]] = torch.iinfo(torch.int64).max
@@ -128,26 +136,29 @@ class _RowCache:
                 keep[pinned] = torch.iinfo(torch.int64).max
             free = int((keep < torch.iinfo(torch.int64).max).sum())
             if missing.numel() > free:
-                raise ValueError(
+                raise CacheOverflowError(
                     f"table '{self.store.identity.table}': a batch needs {missing.numel()} rows "
                     f"not cached but only {free} of the cache's {self.capacity} slots are "
                     "free (the rest hold this batch's or a batch in flight's rows); raise "
                     "cache_load_factor"
                 )
+            self.misses += missing.numel()
             victims = torch.topk(keep, missing.numel(), largest=False).indices
             old = self.slot_row[victims]
             self.row_slot[old[old >= 0]] = -1
             for suffix, values in self.values.items():
                 values[victims] = self.store.read(suffix, missing)
+            self.store.settle()
             self.slot_row[victims] = missing
             self.row_slot[missing] = victims.to(torch.int32)
         self.last_used[self.row_slot[ids].long()] = tick
 
     def write_through(self, slots: torch.Tensor) -> None:
-        """Write the rows in `slots` back to storage (all files)."""
-        rows, order = torch.sort(self.slot_row[slots])
+        """Write the rows in `slots` (unique) back to storage (all files)."""
+        rows = self.slot_row[slots]
         for suffix, values in self.values.items():
-            self.store.write(suffix, rows, values[slots[order]])
+            self.store.write(suffix, rows, values[slots])
+        self.store.settle()
 
     def drop_unpinned(self) -> None:
         """Forget every cached row not pinned (storage was written behind the cache)."""
@@ -186,6 +197,7 @@ class KeyValueKernel(LookupKernel):
                 RowStore(
                     table_directory(t) or tempfile.mkdtemp(prefix="recshard-kv-"),
                     store_identity(t, spec),
+                    cache_bytes(t, spec),
                 ),
                 cache_rows(t) if t.rows else 0,
             )
@@ -227,26 +239,32 @@ class KeyValueKernel(LookupKernel):
         self.lr = lr
 
     def hit_rate(self) -> float:
-        """Share of looked-up distinct rows per batch found in DRAM so far (1.0 before any)."""
-        hits = sum(c.hits for c in self.caches)
-        total = hits + sum(c.misses for c in self.caches)
-        return hits / total if total else 1.0
+        """Share of the distinct rows each forward read that did not come from storage (in
+        that forward or in its batch's prefetch) so far; 1.0 before any."""
+        lookups = sum(c.lookups for c in self.caches)
+        misses = sum(c.misses for c in self.caches)
+        return max(0.0, 1.0 - misses / lookups) if lookups else 1.0
 
     # ------------------------------------------------------------------ the step
 
-    def prefetch(self, features: KeyedJaggedTensor) -> None:
-        """Bring every row `features` reads into the cache (the next batch's, ahead of time)."""
+    def prefetch(self, features: KeyedJaggedTensor) -> Dict[int, torch.Tensor]:
+        """Bring every row `features` reads into the cache (the next batch's, ahead of time);
+        returns the distinct rows per table index. Raises `CacheOverflowError` (having
+        changed nothing in that table's cache) when they do not fit."""
         self._tick += 1
         per_table: Dict[int, List[torch.Tensor]] = {}
         for jt, t_index in zip(jagged_by_index(features), self.feature_table):
             per_table.setdefault(t_index, []).append(jt.values().long())
-        for t_index, ids in per_table.items():
+        unique = {t_index: torch.unique(torch.cat(ids)) for t_index, ids in per_table.items()}
+        for t_index, rows in unique.items():
             cache = self.caches[t_index]
             with cache.lock:
-                cache.ensure(torch.unique(torch.cat(ids)), self._tick)
+                cache.ensure(rows, self._tick)
+        return unique
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        self.prefetch(features)
+        for t_index, rows in self.prefetch(features).items():
+            self.caches[t_index].lookups += rows.numel()
         slot_values = [
             self.caches[t_index].row_slot[jt.values().long()].long()
             for jt, t_index in zip(jagged_by_index(features), self.feature_table)

@@ -52,6 +52,9 @@ _DEFAULTS: Dict[str, Tuple[float, float, float, float, float, float, float]] = {
 }
 
 
+_STORAGE_GBPS = 1.0  # scattered row reads and write-backs on a local NVMe disk
+
+
 class Topology:
     """The ranks a plan is for: how many, grouped in hosts, with memory and bandwidths per rank.
 
@@ -64,6 +67,11 @@ class Topology:
     `uvm_efficiency` scales host<->device bandwidth for random row reads from UVM memory.
     `profile` (from `recshard-plan calibrate`): measured kernel costs, and link bandwidths
     used for `intra_host_bw` / `inter_host_bw` where those are not given.
+    `storage_cap`: bytes of local storage (SSD) per rank for `key_value` tables' files (default
+    0: none, and the planner offers `key_value` only where constraints name it);
+    `storage_bw`: GB/s at which a rank reads and writes scattered rows there (default 1.0).
+    `ddr_cap` is each rank's DRAM budget: a table whose shards do not fit it is planned
+    `key_value` on cpu when there is storage, never into memory it does not have.
     `intra_host_transport_bytes`: what the shared-memory transport among a host's ranks
     (cpu) keeps resident per rank at most, its byte cap (default 64 MiB); 0 when the job runs
     without it. Held on every rank of a host with two or more ranks.
@@ -84,6 +92,8 @@ class Topology:
         uvm_efficiency: float = 0.1,
         profile: CalibrationProfile | None = None,
         intra_host_transport_bytes: int = INTRA_HOST_TRANSPORT_BYTES,
+        storage_cap: float | None = None,
+        storage_bw: float | None = None,
     ) -> None:
         if compute_device not in _DEFAULTS:
             raise ValueError(f"compute_device must be 'cpu' or 'cuda', got {compute_device!r}")
@@ -102,6 +112,8 @@ class Topology:
             ("hbm_to_ddr_mem_bw", hbm_to_ddr_mem_bw, True),
             ("intra_host_bw", intra_host_bw, True),
             ("inter_host_bw", inter_host_bw, True),
+            ("storage_cap", storage_cap, False),
+            ("storage_bw", storage_bw, True),
         ):
             if value is not None and not _in_range(value, positive):
                 bound = "> 0" if positive else ">= 0"
@@ -127,6 +139,8 @@ class Topology:
         self.intra_host_bw = (d_intra if intra_host_bw is None else intra_host_bw) * gb
         self.inter_host_bw = (d_inter if inter_host_bw is None else inter_host_bw) * gb
         self.uvm_efficiency = uvm_efficiency
+        self.storage_cap = float(storage_cap or 0.0)
+        self.storage_bw = (_STORAGE_GBPS if storage_bw is None else storage_bw) * gb
         if not _is_int(intra_host_transport_bytes) or intra_host_transport_bytes < 0:
             raise ValueError(
                 "intra_host_transport_bytes must be an integer >= 0, got "
@@ -150,7 +164,7 @@ class Topology:
         return (
             f"Topology(world_size={self.world_size}, local_world_size={self.local_world_size}, "
             f"compute_device={self.compute_device!r}, hbm_cap={self.hbm_cap / GIB:.1f}GiB, "
-            f"ddr_cap={self.ddr_cap / GIB:.1f}GiB)"
+            f"ddr_cap={self.ddr_cap / GIB:.1f}GiB, storage_cap={self.storage_cap / GIB:.1f}GiB)"
         )
 
 
@@ -329,10 +343,12 @@ class Perf:
 
 @dataclass(slots=True)
 class Storage:
-    """Bytes one shard needs in device memory (HBM) and host memory (DDR)."""
+    """Bytes one shard needs in device memory (HBM), host memory (DDR) and local storage
+    (`storage`: the files of `key_value` tables)."""
 
     hbm: float = 0.0
     ddr: float = 0.0
+    storage: float = 0.0
 
 
 @dataclass(slots=True)
@@ -438,6 +454,11 @@ class ShardingOption:
     @property
     def module_fqn(self) -> str:
         return self.table.module_fqn
+
+    @property
+    def max_storage(self) -> float:
+        """Bytes the largest shard keeps on local storage (`key_value` files; else 0)."""
+        return max((seg.storage.storage for seg in self.segments), default=0.0)
 
     def shard_costs(self) -> List[Tuple[float, float, float]]:
         """(perf total, hbm, ddr) of every shard, in shard order."""

@@ -62,6 +62,6 @@ def train(rank: int, ws: int, directory: str) -> Dict[str, float]:
 
 def test_resident_memory_stays_under_the_dram_budget(tmp_path) -> None:  # noqa: ANN001
     (result,) = run_ranks(1, train, str(tmp_path), timeout=300)
-    assert result["table"] > 8 * result["budget"]
+    assert result["table"] > 6 * result["budget"]
     assert result["peak"] < result["budget"] + STEP_SLACK, result
     assert 0.0 < result["hit"] < 1.0, result

@@ -29,6 +29,7 @@ from recshard.planner.cost.cache_stats import (
     expected_lookups,
     touched_rows,
 )
+from recshard.planner.cost.key_value import KEY_VALUE, key_value_io_ms, key_value_storage
 from recshard.planner.planner_types import (
     ROW_BLOCK_TYPES,
     Perf,
@@ -188,7 +189,9 @@ class EmbeddingPerfEstimator:
 
     Kernel bandwidth `bw`: fused = HBM (cuda) or DDR (cpu) bandwidth; dense = half of it;
     fused_uvm = host<->device bandwidth x uvm_efficiency; fused_uvm_caching = harmonic mix,
-    `1 / (hit / hbm + (1 - hit) / uvm)` with `hit = cache_hit_rate(cache_params, rows)`.
+    `1 / (hit / hbm + (1 - hit) / uvm)` with `hit = cache_hit_rate(cache_params, rows)`;
+    key_value (cpu) = fused on its DRAM cache, plus its storage reads and write-backs
+    (`recshard.planner.cost.key_value`).
     With `row = ceil(cols s_w / 32) 32` bytes per row access and `out = cols s_out`:
     - fwd_compute = (ids_in (id_bytes + row) + bags_out out) / bw   (+4 bytes/id if weighted)
     - bwd_compute, fused = (bags_out out + ids_in (2 row + 2 state_row)) / bw, where the fused
@@ -257,7 +260,8 @@ class EmbeddingPerfEstimator:
         topo = self.topology
         fast = topo.hbm_mem_bw if topo.compute_device == "cuda" else topo.ddr_mem_bw
         uvm = topo.hbm_to_ddr_mem_bw * topo.uvm_efficiency
-        if kernel in ("fused", "quant"):  # quant: inference lookups of packed rows
+        if kernel in ("fused", "quant", KEY_VALUE):  # quant: inference lookups of packed rows;
+            # key_value: its DRAM cache (storage is priced on top, `key_value_io_ms`)
             return fast
         if kernel == "dense":
             return 0.5 * fast
@@ -314,6 +318,18 @@ class EmbeddingPerfEstimator:
                 fwd_compute, bwd_compute, update = measured
         if table.is_weighted:
             bwd_compute += ids_in * row / bw
+        if compute_kernel == KEY_VALUE:
+            read_ms, write_ms = key_value_io_ms(
+                table,
+                cache_params,
+                rows,
+                ids_in,
+                facts.workload[0] * topo.world_size,
+                row + state_row,
+                topo,
+            )
+            fwd_compute += read_ms
+            bwd_compute += write_ms
         if sharding_type == "data_parallel":
             exchanged, collectives = data_parallel_exchange(
                 table, topo.world_size, self.batch_size, facts.workload, cache_params
@@ -411,7 +427,8 @@ class EmbeddingStorageEstimator:
       `plan_stats` adds the per-rank fixed growth (`MemoryCost.fixed_bytes_per_rank`).
     - cpu: everything in DDR. cuda, fused/dense: everything in HBM. fused_uvm: weights and
       state in DDR, io in HBM. fused_uvm_caching: weights and state in DDR; HBM holds the cache
-      `lf weights`, its index `rows (4 + 16 lf)` and io.
+      `lf weights`, its index `rows (4 + 16 lf)` and io. key_value (cpu): its cache, index and
+      io in DDR, weights and state on local storage (`recshard.planner.cost.key_value`).
     """
 
     def __init__(
@@ -461,6 +478,8 @@ class EmbeddingStorageEstimator:
             io += self._module_buffers(table, sharding_type, cols, bags_out, facts)
             if sharding_type == "data_parallel" and 4.0 * rows * cols >= ROW_EXCHANGE_MIN_BYTES:
                 state -= 4.0 * rows * cols  # averaged in place, no flattened copy
+        if compute_kernel == KEY_VALUE:
+            return key_value_storage(rows, weights, state, io, cache_params)
         if topo.compute_device == "cpu":
             return Storage(0.0, weights + state + io)
         if compute_kernel == "fused_uvm":

@@ -63,6 +63,7 @@ class RankLoad:
     rank: int
     bytes_stored: float = 0.0  # weights and optimizer state
     memory: float = 0.0  # the storage estimate: + gradients, buffers in flight, fixed overhead
+    storage: float = 0.0  # key_value tables' files on local storage (not in `memory`)
     transport_memory: float = 0.0  # the part of `memory` the shared-memory transport holds
     lookups: float = 0.0
     bytes_read: float = 0.0
@@ -108,6 +109,7 @@ class PlanStats:
             "rank",
             "stored MiB",
             "memory MiB",
+            "storage MiB",
             "lookups M",
             "read MiB",
             "sent MiB",
@@ -116,7 +118,7 @@ class PlanStats:
             "comms ms",
             "total ms",
         ]
-        units = [2**20, 2**20, 1e6, 2**20, 2**20, 2**20, 1.0, 1.0, 1.0]
+        units = [2**20, 2**20, 2**20, 1e6, 2**20, 2**20, 2**20, 1.0, 1.0, 1.0]
 
         def row(label: str, values: Sequence[float]) -> List[str]:
             return [label] + [f"{v / u:.3f}" for v, u in zip(values, units)]
@@ -260,6 +262,7 @@ def plan_stats(
                 table.optimizer, rows, cols
             )
             load.memory += storage.hbm + storage.ddr
+            load.storage += storage.storage
             load.lookups += ids_in
             load.bytes_read += ids_in * cols * s_w
             load.compute_ms += perf.fwd_compute + perf.bwd_compute

@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--hbm-gb", type=NON_NEGATIVE, default=None, help="HBM per rank, GiB (cuda)")
     p.add_argument("--ddr-gb", type=NON_NEGATIVE, default=None, help="DDR per rank, GiB")
+    p.add_argument(
+        "--storage-gb",
+        type=NON_NEGATIVE,
+        default=None,
+        help="local storage per rank for key_value tables, GiB (cpu; default none)",
+    )
     p.add_argument("--batch-size", type=POSITIVE_INT, default=None, help="samples per rank (512)")
     p.add_argument(
         "--optimizer",
@@ -238,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             compute_device=args.compute_device,
             hbm_cap=gib(args.hbm_gb),
             ddr_cap=gib(args.ddr_gb),
+            storage_cap=gib(args.storage_gb),
             local_world_size=args.local_world_size,
             intra_host_bw=args.intra_host_gbps,
             inter_host_bw=args.inter_host_gbps,

@@ -35,6 +35,7 @@ class OptionCost:
     plan_ms: float  # the plan's estimated step time with this option (inf: does not fit)
     ranks: List[int] | None = None
     chosen: bool = False
+    storage: float = 0.0  # key_value files on local storage (`memory`: HBM + DRAM)
 
     @property
     def label(self) -> str:
@@ -62,6 +63,7 @@ class Explanation:
             "comm ms",
             "max shard ms",
             "memory MiB",
+            "storage MiB",
             "plan ms",
             "ranks",
         ]
@@ -76,6 +78,7 @@ class Explanation:
                     f"{o.comm_ms:.3f}",
                     f"{o.max_shard_ms:.3f}",
                     f"{o.memory / 2**20:.3f}",
+                    f"{o.storage / 2**20:.3f}",
                     plan,
                     compress_ranks(o.ranks) if o.ranks else "-",
                 ]
@@ -170,6 +173,7 @@ def _cost(
         plan_ms,
         list(ranks) if ranks else None,
         chosen,
+        sum(seg.count * seg.storage.storage for seg in option.segments),
     )
 
 

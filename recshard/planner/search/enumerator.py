@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 from torch import nn
 
 from recshard.planner.cost.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+from recshard.planner.cost.key_value import KEY_VALUE, offers_key_value
 from recshard.planner.planner_types import (
     ALL_SHARDING_TYPES,
     UVM_KERNELS,
@@ -202,6 +203,9 @@ class EmbeddingEnumerator:
             kernels = list(table.compute_kernels.get(st, []))
         else:
             kernels = default_compute_kernels(st, device)
+        named = c.compute_kernels is not None and KEY_VALUE in c.compute_kernels
+        if KEY_VALUE not in kernels and offers_key_value(self.topology, st, kernels, named):
+            kernels.append(KEY_VALUE)
         if c.compute_kernels is not None:
             kernels = [k for k in kernels if k in c.compute_kernels]
         if device != "cuda" or c.enforce_hbm:

@@ -13,6 +13,7 @@ from torch import nn
 
 from recshard.plan.geometry import make_shards
 from recshard.plan.validate import validate_plan
+from recshard.planner.cost.key_value import check_storage_fits, drop_over_storage, storage_fits
 from recshard.planner.cost.reservation import Capacity, StorageReservation
 from recshard.planner.cost.step_model import StepTimePerfModel
 from recshard.planner.placement import PartitionResult
@@ -149,10 +150,11 @@ class EmbeddingShardingPlanner:
         capacity = self.storage_reservation.reserve(
             topo, [opts[0].table for opts in space], self.batch_size, dense_param_bytes
         )
-        space = self._drop_oversized(space, capacity)
+        space = drop_over_storage(self._drop_oversized(space, capacity), topo)
         ranked, evaluated, feasible, failure = self._search(space, capacity, start)
         if not ranked:
             raise PlannerError(self._no_plan_message(space, capacity, evaluated, failure))
+        ranked = [r for r in ranked if storage_fits(r, topo)] or ranked[:1]
         best = ranked[0]
         if self.refine:
             deadline = (
@@ -163,7 +165,9 @@ class EmbeddingShardingPlanner:
                     + max(0.0, self.timeout_seconds - (time.perf_counter() - start))
                 )
             )
-            best = self._refine_best(ranked, capacity, deadline)
+            refined = self._refine_best(ranked, capacity, deadline)
+            best = refined if storage_fits(refined, topo) else best
+        check_storage_fits(best, topo)
         self.last_result = best
         self.last_stats = build_stats(
             best, capacity, topo, self.batch_size, evaluated, feasible, time.perf_counter() - start

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Dict, List, Sequence
 
+from recshard.planner.cost.key_value import storage_per_rank
 from recshard.planner.cost.plan_stats import PlanStats, RankLoad, plan_stats
 from recshard.planner.cost.reservation import Capacity
 from recshard.planner.placement import PartitionResult
@@ -55,6 +56,8 @@ class RankStats:
     total: float
     num_shards: int
     sharding_types: Dict[str, int]
+    storage: float = 0.0  # key_value tables' files on local storage
+    storage_cap: float = 0.0
 
 
 @dataclass
@@ -70,6 +73,7 @@ class TableStats:
     max_shard_perf: float
     hbm: float
     ddr: float
+    storage: float = 0.0  # key_value: its files on local storage (DRAM: `ddr`)
 
 
 @dataclass
@@ -181,10 +185,12 @@ def build_stats(
                 option.max_perf,
                 option.total_hbm,
                 option.total_ddr,
+                sum(seg.count * seg.storage.storage for seg in option.segments),
             )
         )
     sums = {name: list(accumulate(values)) for name, values in parts.items()}
     counts = list(accumulate(num_shards))
+    stored = storage_per_rank(result, world)
     stats = PlannerStats(
         world,
         topology.local_world_size,
@@ -211,6 +217,8 @@ def build_stats(
                 result.perf[r],
                 counts[r],
                 types[r],
+                stored[r],
+                topology.storage_cap,
             )
         )
     return stats
@@ -262,11 +270,13 @@ def format_stats(stats: PlannerStats, max_rows: int = 0) -> str:
         )
         + f"fraction {stats.reserved_fraction:.0%}",
     ]
+    on_storage = any(r.storage or r.storage_cap for r in stats.ranks)
     rank_rows = [
         [
             str(r.rank),
             f"{_gib(r.hbm)} ({_pct(r.hbm, r.hbm_cap)})",
             f"{_gib(r.ddr)} ({_pct(r.ddr, r.ddr_cap)})",
+            *([f"{_gib(r.storage)} ({_pct(r.storage, r.storage_cap)})"] if on_storage else []),
             f"{r.total:.3f}",
             f"{r.fwd_compute:.3f}",
             f"{r.fwd_comms:.3f}",
@@ -284,6 +294,7 @@ def format_stats(stats: PlannerStats, max_rows: int = 0) -> str:
                 "rank",
                 "HBM GiB (%)",
                 "DDR GiB (%)",
+                *(["storage GiB (%)"] if on_storage else []),
                 "time ms",
                 "fwd comp",
                 "fwd comm",
@@ -306,16 +317,13 @@ def format_stats(stats: PlannerStats, max_rows: int = 0) -> str:
             f"{t.max_shard_perf:.3f}",
             _gib(t.hbm),
             _gib(t.ddr),
+            *([_gib(t.storage)] if on_storage else []),
             compress_ranks(t.ranks),
         ]
         for t in shown
     ]
-    lines.append(
-        _table(
-            ["table", "type", "kernel", "shards", "max shard ms", "HBM GiB", "DDR GiB", "ranks"],
-            table_rows,
-        )
-    )
+    header = ["table", "type", "kernel", "shards", "max shard ms", "HBM GiB", "DDR GiB"]
+    lines.append(_table(header + (["storage GiB"] if on_storage else []) + ["ranks"], table_rows))
     if len(shown) < len(stats.tables):
         lines.append(f"... {len(stats.tables) - len(shown)} more tables")
     return "\n".join(lines)
