@@ -420,7 +420,8 @@ class ShardedEmbeddingModule(ShardedModule):
                 if kernel.is_fused:
                     kernels.append(kernel)
                     names.append([self.shard_fqn(t, counts[t.name]) for t in kernel.tables])
-        return FusedOptimizer(kernels, names, self._sharded_optimizer_state)
+        dims = {f"{self._tables_attr}.{c.name}.weight": c.embedding_dim for c in self._configs}
+        return FusedOptimizer(kernels, names, self._sharded_optimizer_state, dims)
 
     def _sharded_optimizer_state(self) -> Dict[str, Dict[str, Any]]:
         """`{table fqn: {state name: ShardedTensor}}`: the fused state laid out like its table

@@ -10,8 +10,8 @@ their files, so checkpoints stream them piece by piece.
 
 Fused optimizer state follows the same layout: `<table fqn>.momentum1` is sharded like the
 weight (Adagrad) or by rows only (row-wise Adagrad, one value per row). A row-wise state of a
-column-sharded table has one accumulator per column shard (`...momentum1@col<offset>`); those
-do not convert to other layouts.
+column-sharded table has one accumulator per column shard (`...momentum1@col<offset>`);
+`recshard.optim.column_state` converts between column layouts on load.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from torch.distributed._shard.sharded_tensor import (
 from recshard.lookup.fused_params import FusedOptimSpec
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig, DataType
+from recshard.optim.column_state import column_key
 from recshard.plan.sharding_types import COLUMN_SPLIT_TYPES
 from recshard.quant.rowwise import BITS
 from recshard.types import (
@@ -268,7 +269,7 @@ def fused_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
                         for t, s in local
                         if t.col_offset == shard.shard_offsets[1]
                     ]
-                    out[f"{base}.{name}@col{shard.shard_offsets[1]}"] = _sharded(
+                    out[f"{base}.{column_key(name, shard.shard_offsets[1])}"] = _sharded(
                         [config.num_embeddings],
                         [_torch_meta([0], [config.num_embeddings], shard.rank)],
                         mine,
