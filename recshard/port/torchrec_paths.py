@@ -228,10 +228,6 @@ NOT_PROVIDED: Dict[str, str] = {
     # torchrec_distributed_names.txt) that recshard deliberately lacks
     "torchrec.distributed.embedding.set_ec_index_dedup": _LATER,
     "torchrec.distributed.embedding.get_ec_index_dedup": _LATER,
-    "torchrec.distributed.embeddingbag.EmbeddingBagSharder": _LATER
-    + " (wrap the nn.EmbeddingBag as a one-table EmbeddingBagCollection)",
-    "torchrec.distributed.embeddingbag.ShardedEmbeddingBag": _LATER
-    + " (wrap the nn.EmbeddingBag as a one-table EmbeddingBagCollection)",
     "torchrec.distributed.embedding_sharding.bucketize_kjt_before_all2all": (
         "TorchRec's row-wise input-dist step: recshard's row-wise sharding bucketizes ids "
         "itself (plan the table row_wise())"
