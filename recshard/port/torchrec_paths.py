@@ -226,8 +226,6 @@ NOT_PROVIDED: Dict[str, str] = {
     # documented torchrec.distributed reference)
     # names of the documented torchrec.distributed reference (tests/port/
     # torchrec_distributed_names.txt) that recshard deliberately lacks
-    "torchrec.distributed.embedding.set_ec_index_dedup": _LATER,
-    "torchrec.distributed.embedding.get_ec_index_dedup": _LATER,
     "torchrec.distributed.embedding_sharding.bucketize_kjt_before_all2all": (
         "TorchRec's row-wise input-dist step: recshard's row-wise sharding bucketizes ids "
         "itself (plan the table row_wise())"
