@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recshard.comm.pg import destroy_groups_at_exit
+from recshard.distributed.embedding_types import BaseEmbeddingSharder
 from recshard.distributed.input_dist import CollectionInputDist, EmbeddingModuleContext
 from recshard.distributed.sharded_state import fused_state
 from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fused_params
@@ -44,7 +45,6 @@ from recshard.types import (
     Awaitable,
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
-    ModuleSharder,
     ParameterSharding,
     ShardedModule,
     ShardingEnv,
@@ -436,7 +436,7 @@ class ShardedEmbeddingModule(ShardedModule):
         return nested
 
 
-class EmbeddingModuleSharder(ModuleSharder[nn.Module]):
+class EmbeddingModuleSharder(BaseEmbeddingSharder[nn.Module]):
     """What the collections' sharders share: `shard` builds `sharded_type(module, plan, env,
     device, fused_params, qcomm_codecs_registry)`, and the compute kernels offered are those its
     table storage runs."""

@@ -238,13 +238,6 @@ NOT_PROVIDED: Dict[str, str] = {
     "torchrec.distributed.quant_embeddingbag.create_infer_embedding_bag_sharding": _FACTORY,
     "torchrec.distributed.embeddingbag.replace_placement_with_meta_device": _INTERNAL
     + " (recshard shards meta-device modules without rewriting plan placements)",
-    "torchrec.distributed.embedding_types.BaseEmbeddingSharder": (
-        "subclass EmbeddingBagCollectionSharder or EmbeddingCollectionSharder (override "
-        "sharding_types / compute_kernels to restrict them)"
-    ),
-    "torchrec.distributed.embedding_types.BaseQuantEmbeddingSharder": (
-        "subclass QuantEmbeddingBagCollectionSharder or QuantEmbeddingCollectionSharder"
-    ),
     "torchrec.distributed.types.ModuleShardingPlan": (
         "a module's plan is a plain dict {table: ParameterSharding}: "
         "recshard.types.EmbeddingModuleShardingPlan"
