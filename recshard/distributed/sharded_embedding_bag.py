@@ -114,7 +114,9 @@ class ShardedEmbeddingBag(ShardedEmbeddingBagCollection):
         if self._padding_idx is not None:
             keep = ids != self._padding_idx
             if not bool(keep.all()):
-                bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+                bag = torch.repeat_interleave(
+                    torch.arange(lengths.numel(), device=ids.device), lengths
+                )
                 lengths = torch.zeros_like(lengths).index_add_(0, bag, keep.to(lengths.dtype))
                 ids = ids[keep]
                 weights = None if weights is None else weights[keep]
@@ -143,7 +145,8 @@ class ShardedEmbeddingBag(ShardedEmbeddingBagCollection):
             if offsets is not None:
                 raise ValueError(f"{what}: a 2-D input [B, L] takes no offsets")
             batch, length = ids.shape
-            return ids.reshape(-1), torch.full((batch,), length, dtype=torch.int64), weights
+            lengths = torch.full((batch,), length, dtype=torch.int64, device=ids.device)
+            return ids.reshape(-1), lengths, weights
         if ids.dim() != 1 or offsets is None or offsets.dim() != 1:
             raise ValueError(
                 f"{what}: input must be 2-D [B, L], or 1-D with 1-D offsets; got input of "
@@ -153,7 +156,9 @@ class ShardedEmbeddingBag(ShardedEmbeddingBagCollection):
         if offsets.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{what}: offsets must be int32 or int64, got {offsets.dtype}")
         ends = [] if self._include_last_offset else [ids.numel()]
-        bounds = torch.cat([offsets.long(), torch.tensor(ends, dtype=torch.int64)])
+        bounds = torch.cat(
+            [offsets.long(), torch.tensor(ends, dtype=torch.int64, device=offsets.device)]
+        )
         if bounds.numel() == 0 or int(bounds[0]) != 0:
             raise ValueError(f"{what}: offsets must start at 0, got {offsets[:4].tolist()}")
         lengths = bounds.diff()
