@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from recshard.checkpoint.authenticity import checkpoint_key
+from recshard.checkpoint.column_state import Relayout, plan_relayouts
 from recshard.checkpoint.files import MIB, open_directory, read_small
 from recshard.checkpoint.manifest import (
     EXTRA,
@@ -392,14 +393,24 @@ def load(
     `key` (else `$RECSHARD_CHECKPOINT_KEY`) the manifest's HMAC must be valid. Nothing changes
     unless every rank read and checked everything; it needs memory for a second copy of this
     rank's model and optimizer state while it runs.
+
+    Row-wise optimizer state saved under another column layout is converted
+    (`checkpoint/column_state.py`): a row- or table-wise table gets the width-weighted mean of
+    its saved column shards' accumulators (exact); a column shard gets the value of the saved
+    block that covers it.
     """
     error: Exception | None = None
     identity: Identity | None = None
     opened: _Opened | None = None
+    relayouts: List[Relayout] = []
     try:
         opened = _open_checkpoint(path, checkpoint_key(key))
         identity = (str(opened.directory), *opened.identity)
         template = _training_state(model, optimizer)
+        if "fused_optim" in template:
+            relayouts = plan_relayouts(
+                template, opened.manifest.metadata, "fused_optim", opened.directory
+            )
         _check_entries(template, opened.directory, opened.manifest.metadata)
         if strict:
             _check_no_extra_keys(template, opened.directory, opened.manifest.metadata)
@@ -419,6 +430,8 @@ def load(
             ) from e
         _agree(None if reader.error is None else ValueError(reader.error))
         reader.copy_in()
+        for relayout in relayouts:
+            relayout.finish()
     finally:
         if opened is not None:
             os.close(opened.dir_fd)

@@ -35,6 +35,7 @@ from recshard.distributed.quant_embeddingbag import (
     QuantEmbeddingBagCollectionSharder,
     ShardedQuantEmbeddingBagCollection,
 )
+from recshard.distributed.sharded_embedding_bag import EmbeddingBagSharder, ShardedEmbeddingBag
 from recshard.distributed.train_pipeline import (
     EvalPipelineSparseDist,
     TrainPipeline,
@@ -54,6 +55,7 @@ __all__ = [
     "DefaultDataParallelWrapper",
     "DistributedModelParallel",
     "EmbeddingBagCollectionSharder",
+    "EmbeddingBagSharder",
     "EmbeddingCollectionSharder",
     "ManagedCollisionCollectionSharder",
     "ManagedCollisionEmbeddingBagCollectionSharder",
@@ -63,6 +65,7 @@ __all__ = [
     "ShardedQuantEmbeddingBagCollection",
     "ShardedQuantEmbeddingCollection",
     "ShardedEmbeddingCollection",
+    "ShardedEmbeddingBag",
     "ShardedEmbeddingBagCollection",
     "ShardedManagedCollisionCollection",
     "ShardedManagedCollisionEmbeddingBagCollection",

@@ -14,11 +14,15 @@ Gradient convention as the sharded EBC: updates use the mean over ranks of the g
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import nn
 
+from recshard.distributed.index_dedup import Deduplicated, deduplicate, restore
 from recshard.distributed.input_dist import EmbeddingModuleContext
 from recshard.distributed.module_state import EmbeddingModuleSharder, ShardedEmbeddingModule
 from recshard.modules.embedding_configs import EmbeddingConfig
@@ -38,8 +42,38 @@ from recshard.types import (
 _Pieces = List[Tuple[str, int]]
 
 
-# TorchRec's name for the sharded EC's per-batch context (input_dist -> output_dist)
-EmbeddingCollectionContext = EmbeddingModuleContext
+EC_INDEX_DEDUP = False  # TorchRec's process-wide default for `use_index_dedup`
+
+
+def set_ec_index_dedup(val: bool) -> None:
+    """Deduplicate the ids of sharded EmbeddingCollections built from now on (TorchRec's
+    deprecated global switch: pass `use_index_dedup` to the sharder instead)."""
+    warnings.warn(
+        "Please set use_index_dedup in EmbeddingCollectionSharder during __init__ instead",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    global EC_INDEX_DEDUP
+    EC_INDEX_DEDUP = bool(val)
+
+
+def get_ec_index_dedup() -> bool:
+    return EC_INDEX_DEDUP
+
+
+@dataclass
+class EmbeddingCollectionContext(EmbeddingModuleContext):
+    """The sharded EC's per-batch context (TorchRec's name); with index dedup, the caller's
+    batch and the inverse indices that spread the looked-up rows back over it."""
+
+    deduplicated: Deduplicated | None = None
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        super().record_stream(stream)
+        if self.deduplicated is not None:
+            self.deduplicated.features.record_stream(stream)
+            for inverse in self.deduplicated.inverse.values():
+                inverse.record_stream(stream)
 
 
 class SequenceOutputLayout:
@@ -112,7 +146,8 @@ def sequence_output_dist(
 
 class ShardedEmbeddingCollection(ShardedEmbeddingModule):
     """Sharded twin of `EmbeddingCollection` (DP, TW, CW, RW), built by
-    `EmbeddingCollectionSharder`."""
+    `EmbeddingCollectionSharder`. `use_index_dedup` (or `set_ec_index_dedup(True)` before it
+    is built): each feature's distinct ids only cross the all-to-alls (`index_dedup.py`)."""
 
     def __init__(
         self,
@@ -122,6 +157,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
         device: torch.device | None = None,
         fused_params: Dict[str, Any] | None = None,
         qcomm_codecs_registry: Dict[str, Any] | None = None,
+        use_index_dedup: bool = False,
     ) -> None:
         super().__init__(
             module,
@@ -146,15 +182,45 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
         self._layout = SequenceOutputLayout(
             self.shardings, self._embedding_names, module.need_indices()
         )
+        self._use_index_dedup = use_index_dedup or get_ec_index_dedup()
+        features = [f for c in self._configs for f in c.feature_names]
+        self._feature_of = dict(zip(self._embedding_names, features))
         self.storage.load(self, module)
 
-    # input_dist, compute: `ShardedEmbeddingModule`'s
+    def create_context(self) -> EmbeddingCollectionContext:
+        return EmbeddingCollectionContext(
+            sharding_contexts=super().create_context().sharding_contexts
+        )
+
+    def input_dist(
+        self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor, rejected: str | None = None
+    ) -> Awaitable[Awaitable[List[KeyedJaggedTensor]]]:
+        """`ShardedEmbeddingModule`'s, on each feature's distinct ids with index dedup."""
+        if self._use_index_dedup and isinstance(ctx, EmbeddingCollectionContext):
+            found = deduplicate(features)
+            if found is not None:
+                features, ctx.deduplicated = found
+        return super().input_dist(ctx, features, rejected)
+
+    # compute: `ShardedEmbeddingModule`'s
 
     def output_dist(
         self, ctx: EmbeddingModuleContext, output: List[torch.Tensor]
     ) -> LazyAwaitable[Dict[str, JaggedTensor]]:
-        """Rows back to the ranks that own the batch, cut per feature, column shards joined."""
-        return sequence_output_dist(self.shardings, self._layout, ctx, output)
+        """Rows back to the ranks that own the batch, cut per feature, column shards joined
+        (and spread back over repeated ids with index dedup)."""
+        result = sequence_output_dist(self.shardings, self._layout, ctx, output)
+        dedup = ctx.deduplicated if isinstance(ctx, EmbeddingCollectionContext) else None
+        if dedup is not None:
+            result.callbacks.append(
+                partial(
+                    restore,
+                    dedup=dedup,
+                    feature_of=self._feature_of,
+                    need_indices=self._layout.need_indices,
+                )
+            )
+        return result
 
     def embedding_configs(self) -> List[EmbeddingConfig]:
         return self._configs
@@ -164,9 +230,36 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
 
 
 class EmbeddingCollectionSharder(EmbeddingModuleSharder):
-    """Data-parallel, table-wise, column-wise and row-wise, on CPU and CUDA."""
+    """Data-parallel, table-wise, column-wise and row-wise, on CPU and CUDA.
+    `use_index_dedup`: the sharded collections send each feature's distinct ids only."""
 
     sharded_type = ShardedEmbeddingCollection
+
+    def __init__(
+        self,
+        fused_params: Dict[str, Any] | None = None,
+        qcomm_codecs_registry: Dict[str, Any] | None = None,
+        use_index_dedup: bool = False,
+    ) -> None:
+        super().__init__(fused_params, qcomm_codecs_registry)
+        self._use_index_dedup = use_index_dedup
+
+    def shard(
+        self,
+        module: nn.Module,
+        params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None = None,
+    ) -> ShardedEmbeddingCollection:
+        return self.sharded_type(
+            module,
+            params,
+            env,
+            device,
+            self.fused_params,
+            self.qcomm_codecs_registry,
+            self._use_index_dedup,
+        )
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         return sorted(sharding_type_values(SEQUENCE_SHARDING_TYPES))

@@ -161,9 +161,8 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
     def env(self) -> ShardingEnv:
         return self._embedding_module.env
 
-    @property
-    def tables_attr(self) -> str:
-        return f"_embedding_module.{self._embedding_module.tables_attr}"
+    def table_key(self, table: str) -> str:
+        return f"_embedding_module.{self._embedding_module.table_key(table)}"
 
     def table_configs(self) -> List[Any]:
         return self._embedding_module.table_configs()

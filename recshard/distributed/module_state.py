@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recshard.comm.pg import destroy_groups_at_exit
+from recshard.distributed.embedding_types import BaseEmbeddingSharder
 from recshard.distributed.input_dist import CollectionInputDist, EmbeddingModuleContext
 from recshard.distributed.key_value_step import fill_caches_agreed, prefetch_rows
 from recshard.distributed.sharded_state import fused_state
@@ -45,7 +46,6 @@ from recshard.types import (
     Awaitable,
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
-    ModuleSharder,
     ParameterSharding,
     ShardedModule,
     ShardingEnv,
@@ -280,10 +280,9 @@ class ShardedEmbeddingModule(ShardedModule):
     # What `recshard.distributed.sharded_state` (state_dict, checkpoints) reads: the
     # `ShardedTableState` protocol there.
 
-    @property
-    def tables_attr(self) -> str:
-        """The attribute that holds the tables in the unsharded module (its state_dict keys)."""
-        return self._tables_attr
+    def table_key(self, table: str) -> str:
+        """`table`'s weight as the unsharded module names it: `embedding_bags.<table>.weight`."""
+        return f"{self._tables_attr}.{table}.weight"
 
     def table_configs(self) -> List[Any]:
         return list(self._configs)
@@ -366,7 +365,7 @@ class ShardedEmbeddingModule(ShardedModule):
     def shard_fqn(self, table: LocalTable, shards_on_rank: int) -> str:
         """`embedding_bags.<table>.weight`, plus `@col<offset>` when this rank holds several
         column shards of the table."""
-        name = f"{self._tables_attr}.{table.name}.weight"
+        name = self.table_key(table.name)
         return f"{name}@col{table.col_offset}" if shards_on_rank > 1 else name
 
     # ---------------------------------------------------------------- unsharded names
@@ -407,7 +406,7 @@ class ShardedEmbeddingModule(ShardedModule):
                 local_param._in_backward_optimizers = fused
                 if cut:
                     mark_sharded(local_param, self.env.pg)
-                cached[f"{self._tables_attr}.{config.name}.weight"] = local_param
+                cached[self.table_key(config.name)] = local_param
             for table, weight in local:
                 if not isinstance(weight, nn.Parameter):  # fused storage: an alias, no grad
                     weight = nn.Parameter(weight.detach(), requires_grad=False)
@@ -428,23 +427,24 @@ class ShardedEmbeddingModule(ShardedModule):
                 if kernel.is_fused:
                     kernels.append(kernel)
                     names.append([self.shard_fqn(t, counts[t.name]) for t in kernel.tables])
-        return FusedOptimizer(kernels, names, self._sharded_optimizer_state)
+        dims = {self.table_key(c.name): c.embedding_dim for c in self._configs}
+        return FusedOptimizer(kernels, names, self._sharded_optimizer_state, dims)
 
     def _sharded_optimizer_state(self) -> Dict[str, Dict[str, Any]]:
         """`{table fqn: {state name: ShardedTensor}}`: the fused state laid out like its table
         (views of the live state), for the fused optimizer's `state_dict()`."""
         nested: Dict[str, Dict[str, Any]] = {  # every fused table, on every rank (SGD: {})
-            f"{self._tables_attr}.{c.name}.weight": {}
+            self.table_key(c.name): {}
             for c in self._configs
             if self._table_plans[c.name].compute_kernel != EmbeddingComputeKernel.DENSE.value
         }
         for key, value in fused_state(self, "").items():
-            fqn, name = key.split(".weight.", 1)
-            nested.setdefault(f"{fqn}.weight", {})[name] = value
+            fqn, _, name = key.rpartition(".")  # state names have no dots
+            nested[fqn][name] = value
         return nested
 
 
-class EmbeddingModuleSharder(ModuleSharder[nn.Module]):
+class EmbeddingModuleSharder(BaseEmbeddingSharder[nn.Module]):
     """What the collections' sharders share: `shard` builds `sharded_type(module, plan, env,
     device, fused_params, qcomm_codecs_registry)`, and the compute kernels offered are those its
     table storage runs."""

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recshard.optim.apply_optimizer_in_backward import fused_params_for
+from recshard.plan.module_tables import embedding_tables
 from recshard.types import ModuleSharder, ShardingPlan
 
 # fused params that name something of the rank's own machine: they may differ between ranks
@@ -51,10 +52,8 @@ def _text(value: Any) -> str:
 
 
 def _configs(module: nn.Module) -> List[Any]:
-    for accessor in ("embedding_bag_configs", "embedding_configs"):
-        if hasattr(module, accessor):
-            return list(getattr(module, accessor)())
-    return []
+    found = embedding_tables(module)
+    return [] if found is None else list(found[0])
 
 
 def describe(

@@ -10,8 +10,8 @@ their files, so checkpoints stream them piece by piece.
 
 Fused optimizer state follows the same layout: `<table fqn>.momentum1` is sharded like the
 weight (Adagrad) or by rows only (row-wise Adagrad, one value per row). A row-wise state of a
-column-sharded table has one accumulator per column shard (`...momentum1@col<offset>`); those
-do not convert to other layouts.
+column-sharded table has one accumulator per column shard (`...momentum1@col<offset>`);
+`recshard.optim.column_state` converts between column layouts on load.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from torch.distributed._shard.sharded_tensor import (
 from recshard.lookup.fused_params import FusedOptimSpec
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig, DataType
+from recshard.optim.column_state import column_key
 from recshard.plan.sharding_types import COLUMN_SPLIT_TYPES
 from recshard.quant.rowwise import BITS
 from recshard.types import (
@@ -117,8 +118,7 @@ class ShardedTableState(Protocol):
 
     env: ShardingEnv
 
-    @property
-    def tables_attr(self) -> str: ...
+    def table_key(self, table: str) -> str: ...
     def table_configs(self) -> List[BaseEmbeddingConfig]: ...
     def table_plan(self, table: str) -> ParameterSharding: ...
     def local_table_shards(self) -> Dict[str, List[Tuple[LocalTable, torch.Tensor]]]: ...
@@ -181,17 +181,17 @@ def _is_key_value(module: ShardedTableState, table: str) -> bool:
 
 
 def table_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
-    """`{prefix}<tables_attr>.<t>.weight` for every table of a sharded collection, and for a
-    quantized integer table its `.weight_qscale` / `.weight_qbias` (`[rows]`), as the
-    unsharded quantized module names them. A quantized table's packed rows are not contiguous
-    in the kernel, so its model-parallel state is a copy: load into it with
-    `load_state_dict`."""
+    """`{prefix}<table_key>` (`embedding_bags.<t>.weight`) for every table of a sharded
+    collection, and for a quantized integer table its `.weight_qscale` / `.weight_qbias`
+    (`[rows]`), as the unsharded quantized module names them. A quantized table's packed
+    rows are not contiguous in the kernel, so its model-parallel state is a copy: load into
+    it with `load_state_dict`."""
     out: Dict[str, Any] = {}
     shards = module.local_table_shards()
     scale_bias = module.local_scale_bias()
     rank = module.env.rank
     for config in module.table_configs():
-        key = f"{prefix}{module.tables_attr}.{config.name}.weight"
+        key = f"{prefix}{module.table_key(config.name)}"
         local = shards.get(config.name, [])
         plan = module.table_plan(config.name)
         rows = scale_bias.get(config.name, [])
@@ -246,7 +246,7 @@ def fused_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
         plan = module.table_plan(config.name)
         if plan.sharding_type == ShardingType.DATA_PARALLEL.value or plan.compute_kernel == "dense":
             continue
-        base = f"{prefix}{module.tables_attr}.{config.name}.weight"
+        base = f"{prefix}{module.table_key(config.name)}"
         local = per_table.get(config.name, [])
         spec = module.fused_optim_spec(config.name)
         key_value = _is_key_value(module, config.name)
@@ -268,7 +268,7 @@ def fused_state(module: ShardedTableState, prefix: str) -> Dict[str, Any]:
                         for t, s in local
                         if t.col_offset == shard.shard_offsets[1]
                     ]
-                    out[f"{base}.{name}@col{shard.shard_offsets[1]}"] = _sharded(
+                    out[f"{base}.{column_key(name, shard.shard_offsets[1])}"] = _sharded(
                         [config.num_embeddings],
                         [_torch_meta([0], [config.num_embeddings], shard.rank)],
                         mine,
@@ -371,10 +371,10 @@ def load_model_state_dict(
 
 def _load_full(sharded: List[Tuple[str, ShardedTableState]], key: str, value: torch.Tensor) -> None:
     for path, module in sharded:
-        head = f"{path}{module.tables_attr}."
-        if key.startswith(head) and key.endswith(".weight"):
-            module.load_full_tables({key[len(head) : -len(".weight")]: value})
-            return
+        for config in module.table_configs():
+            if key == path + module.table_key(config.name):
+                module.load_full_tables({config.name: value})
+                return
 
 
 def _load_quantized(
@@ -389,7 +389,7 @@ def _load_quantized(
             plan = module.table_plan(config.name)
             if plan.compute_kernel != "quant" or plan.sharding_type == "data_parallel":
                 continue
-            base = f"{path}{module.tables_attr}.{config.name}.weight"
+            base = f"{path}{module.table_key(config.name)}"
             keys = [base + suffix[len(".weight") :] for suffix in QUANT_SUFFIXES]
             if config.data_type not in BITS:
                 keys = keys[:1]

@@ -165,7 +165,27 @@ def _load_into(current: Dict[str, Any], saved: Mapping[str, Any], path: str) -> 
 
 def copy_into(target: torch.Tensor, value: Any, what: str) -> None:
     """Copy a saved value into live state: shard by shard when both are sharded (the saved
-    one already in the target's layout, as `torch.distributed.checkpoint.load` leaves it)."""
+    one already in the target's layout, as `torch.distributed.checkpoint.load` leaves it);
+    a whole tensor into a sharded target: each local shard its region of it."""
+    if (
+        hasattr(target, "local_shards")
+        and isinstance(value, torch.Tensor)
+        and not hasattr(value, "local_shards")
+        and not hasattr(value, "local_tensor")
+    ):
+        if tuple(target.size()) != tuple(value.shape):
+            raise ValueError(
+                f"optimizer state '{what}': checkpoint shape {tuple(value.shape)} "
+                f"!= model shape {tuple(target.size())}"
+            )
+        for shard in target.local_shards():
+            region = value
+            for dim, (start, size) in enumerate(
+                zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes)
+            ):
+                region = region.narrow(dim, start, size)
+            shard.tensor.copy_(region)
+        return
     if hasattr(value, "local_shards") and hasattr(target, "local_shards"):
         for dst, src in zip(target.local_shards(), value.local_shards(), strict=True):
             if tuple(dst.metadata.shard_offsets) != tuple(src.metadata.shard_offsets):

@@ -31,6 +31,7 @@ from torch import nn
 
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
 from recshard.plan.geometry import make_shards
+from recshard.plan.module_tables import embedding_tables
 from recshard.plan.sharding_types import ALL_SHARDING_TYPES, opt_in_compute_kernels
 from recshard.plan.validate import check_table_plan
 from recshard.types import (
@@ -224,10 +225,10 @@ def table_column_wise(
 
 
 def module_table_configs(module: nn.Module) -> List[BaseEmbeddingConfig]:
-    for getter in ("embedding_bag_configs", "embedding_configs"):
-        if hasattr(module, getter):
-            return list(getattr(module, getter)())
-    raise ValueError(f"{type(module).__name__} is not a shardable embedding collection")
+    found = embedding_tables(module)
+    if found is None:
+        raise ValueError(f"{type(module).__name__} is not a shardable embedding collection")
+    return found[0]
 
 
 def _check_sharder(module: nn.Module, sharder: ModuleSharder) -> None:

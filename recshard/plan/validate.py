@@ -17,11 +17,12 @@ included), by the planner on its own output, by `construct_module_sharding_plan`
 
 from __future__ import annotations
 
-from typing import Collection, Dict, List, Protocol, Sequence, Tuple
+from typing import Collection, List, Protocol, Sequence, Tuple
 
 from torch import nn
 
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
+from recshard.plan.module_tables import embedding_tables, holds_tables
 from recshard.plan.sharding_types import (
     ALL_SHARDING_TYPES,
     ROW_SPLIT_TYPES,
@@ -209,17 +210,6 @@ def check_module_plan(
         )
 
 
-def _module_configs(module: nn.Module) -> Dict[str, Tuple[List[BaseEmbeddingConfig], bool]]:
-    """Per embedding-module FQN, its table configs and whether its outputs are pooled."""
-    found: Dict[str, Tuple[List[BaseEmbeddingConfig], bool]] = {}
-    for fqn, mod in module.named_modules():
-        if hasattr(mod, "embedding_bag_configs"):
-            found[fqn] = (list(mod.embedding_bag_configs()), True)
-        elif hasattr(mod, "embedding_configs"):
-            found[fqn] = (list(mod.embedding_configs()), False)
-    return found
-
-
 def validate_plan(
     plan: ShardingPlan,
     module: nn.Module,
@@ -229,14 +219,15 @@ def validate_plan(
     """Check that `plan` fits `module` (every planned module exists and each of its plans
     passes `check_module_plan`; sequence collections support their types only). Raises
     PlanValidationError naming the table."""
-    modules = _module_configs(module)
+    modules = dict(module.named_modules())
     for fqn, planned in plan.plan.items():
-        if fqn not in modules:
+        found = embedding_tables(modules[fqn]) if fqn in modules else None
+        if found is None:
             raise PlanValidationError(
                 f"plan names module '{fqn}', which the model does not have; embedding modules: "
-                f"{sorted(modules)}"
+                f"{sorted(f for f, m in modules.items() if holds_tables(m))}"
             )
-        configs, pooled = modules[fqn]
+        configs, pooled = found
         check_module_plan(
             configs,
             planned,

@@ -226,12 +226,6 @@ NOT_PROVIDED: Dict[str, str] = {
     # documented torchrec.distributed reference)
     # names of the documented torchrec.distributed reference (tests/port/
     # torchrec_distributed_names.txt) that recshard deliberately lacks
-    "torchrec.distributed.embedding.set_ec_index_dedup": _LATER,
-    "torchrec.distributed.embedding.get_ec_index_dedup": _LATER,
-    "torchrec.distributed.embeddingbag.EmbeddingBagSharder": _LATER
-    + " (wrap the nn.EmbeddingBag as a one-table EmbeddingBagCollection)",
-    "torchrec.distributed.embeddingbag.ShardedEmbeddingBag": _LATER
-    + " (wrap the nn.EmbeddingBag as a one-table EmbeddingBagCollection)",
     "torchrec.distributed.embedding_sharding.bucketize_kjt_before_all2all": (
         "TorchRec's row-wise input-dist step: recshard's row-wise sharding bucketizes ids "
         "itself (plan the table row_wise())"
@@ -244,13 +238,6 @@ NOT_PROVIDED: Dict[str, str] = {
     "torchrec.distributed.quant_embeddingbag.create_infer_embedding_bag_sharding": _FACTORY,
     "torchrec.distributed.embeddingbag.replace_placement_with_meta_device": _INTERNAL
     + " (recshard shards meta-device modules without rewriting plan placements)",
-    "torchrec.distributed.embedding_types.BaseEmbeddingSharder": (
-        "subclass EmbeddingBagCollectionSharder or EmbeddingCollectionSharder (override "
-        "sharding_types / compute_kernels to restrict them)"
-    ),
-    "torchrec.distributed.embedding_types.BaseQuantEmbeddingSharder": (
-        "subclass QuantEmbeddingBagCollectionSharder or QuantEmbeddingCollectionSharder"
-    ),
     "torchrec.distributed.types.ModuleShardingPlan": (
         "a module's plan is a plain dict {table: ParameterSharding}: "
         "recshard.types.EmbeddingModuleShardingPlan"

@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from torch import nn
 
+from recshard.plan.module_tables import embedding_tables
 from recshard.planner.cost.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
 from recshard.planner.cost.key_value import KEY_VALUE, offers_key_value
 from recshard.planner.planner_types import (
@@ -275,8 +276,10 @@ def tables_from_module(
 def _module_tables(
     fqn: str, mod: nn.Module, sharder: ModuleSharder, compute_device: str
 ) -> List[TableMeta]:
-    pooled = hasattr(mod, "embedding_bag_configs")
-    configs = mod.embedding_bag_configs() if pooled else mod.embedding_configs()
+    found = embedding_tables(mod)
+    if found is None:
+        raise PlannerError(f"module '{fqn}' ({type(mod).__name__}) holds no embedding tables")
+    configs, pooled = found
     by_name = {cfg.name: cfg for cfg in configs}
     weighted = bool(mod.is_weighted()) if hasattr(mod, "is_weighted") else False
     types = [getattr(t, "value", t) for t in sharder.sharding_types(compute_device)]
