@@ -125,6 +125,8 @@ class ShardedEmbeddingModule(ShardedModule):
 
     # How the local tables are stored: `FloatTables`, or the quantized twins' `QuantTables`.
     storage_type: ClassVar[Type[TableStorage]] = FloatTables
+    # A pooled module that takes a variable batch per feature (TorchRec's VBE); others refuse it.
+    takes_variable_batch: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -238,7 +240,8 @@ class ShardedEmbeddingModule(ShardedModule):
             self._fused_params,
             self._is_weighted,
             list(shardings.values()),
-            one_batch=self._pooled,
+            one_batch=self._pooled and not self.takes_variable_batch,
+            variable_batch=self._pooled and self.takes_variable_batch,
         )
 
     def input_dist(

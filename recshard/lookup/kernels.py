@@ -1,7 +1,9 @@
 """Lookup kernels: one module looks up every feature of a group of local tables at once.
 
 Input: a KJT whose keys are the group's features in table order (stride B).
-Output: pooled `[B, sum of the features' dims]`, or sequence `[N, D]` (one row per id).
+Output: pooled `[B, sum of the features' dims]`, or sequence `[N, D]` (one row per id). A
+variable batch per feature (`stride_per_key_per_rank`) pools into fbgemm's flat rank-major
+layout instead (`recshard.lookup.variable_batch`).
 
 - `FbgemmFusedKernel`: fbgemm's SplitTableBatchedEmbeddingBagsCodegen, optimizer in backward.
 - `TorchFusedKernel`: the same contract in pure torch (dims not divisible by 4, weighted mean
@@ -22,6 +24,7 @@ from torch import nn
 from recshard.lookup.fused_params import FusedOptimSpec, apply_row_update, fbgemm_optim_kwargs
 from recshard.lookup.huge_pages import huge_page_zeros
 from recshard.lookup.tables import LocalTable
+from recshard.lookup.variable_batch import from_rank_major, to_rank_major
 from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE, PoolingType
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse.conversion import jagged_by_index
@@ -154,6 +157,9 @@ class FbgemmFusedKernel(LookupKernel):
             features.values().long(),
             features.offsets().long(),
             per_sample_weights=features.weights_or_none(),
+            batch_size_per_feature_per_rank=features.stride_per_key_per_rank()
+            if self.pooled and features.variable_stride_per_key()
+            else None,
         )
 
 
@@ -253,12 +259,18 @@ def row_gradients(
     sample_grads: List[torch.Tensor] = []
     columns = 0
     offsets = features.offset_per_key()
+    variable = kernel.pooled and features.variable_stride_per_key()
+    grad_blocks = (
+        from_rank_major(grad_output, features.stride_per_key_per_rank(), kernel.feature_dims)
+        if variable
+        else []
+    )
     for index, (jt, t_index, dim) in enumerate(
         zip(jagged_by_index(features), kernel.feature_table, kernel.feature_dims)
     ):
         ids = jt.values().long()
         if kernel.pooled:
-            grad = grad_output[:, columns : columns + dim]
+            grad = grad_blocks[index] if variable else grad_output[:, columns : columns + dim]
             columns += dim
             lengths = jt.lengths()
             if kernel.pooling == PoolingType.MEAN:
@@ -356,6 +368,8 @@ def plain_lookup(
         if kernel.pooling == PoolingType.MEAN:
             pooled = pooled / _mean_divisor(jt.lengths())
         outputs.append(pooled)
+    if kernel.pooled and features.variable_stride_per_key():
+        return to_rank_major(outputs, features.stride_per_key_per_rank())
     if not outputs:
         return torch.empty(features.stride(), 0)
     return torch.cat(outputs, dim=1 if kernel.pooled else 0)
