@@ -84,21 +84,21 @@ def _offsets_leave_values(offsets: torch.Tensor, num_values: int) -> bool:
 
 
 def check_one_batch(kjt: KeyedJaggedTensor, owner: str) -> None:
-    """A sharded pooled module pools one batch per rank: features with different batch sizes
-    (TorchRec's variable batch) or `inverse_indices` (its expansion) are refused, naming them.
-    The unsharded EmbeddingBagCollection takes both."""
+    """A module that pools one batch per rank: features with different batch sizes (TorchRec's
+    variable batch) or `inverse_indices` (its expansion) are refused, naming them. The
+    unsharded and the sharded EmbeddingBagCollection take both."""
     strides = kjt.stride_per_key()
     if len(set(strides)) > 1:
         raise ValueError(
             f"{owner}: features have different batch sizes {dict(zip(kjt.keys(), strides))}; "
-            "the sharded collection pools one batch per rank (variable batch is supported "
-            "unsharded only)"
+            "this module pools one batch per rank (a variable batch per feature is taken by "
+            "EmbeddingBagCollection, unsharded or sharded)"
         )
     inverse = kjt.inverse_indices_or_none()
     if inverse is not None and inverse[1].numel():
         raise ValueError(
-            f"{owner}: the input has inverse_indices (features {inverse[0]}); the sharded "
-            "collection does not expand them (supported unsharded only)"
+            f"{owner}: the input has inverse_indices (features {inverse[0]}); this module "
+            "does not expand them (EmbeddingBagCollection does, unsharded or sharded)"
         )
 
 
