@@ -380,7 +380,7 @@ def block_bucketize_sparse_features(
             block_sizes.to(indices.dtype),
             my_size,
             weights,
-            batch_size_per_feature,
+            None if batch_size_per_feature is None else batch_size_per_feature.to(lengths.dtype),
             max_B,
         )
     device, num_ids = indices.device, indices.numel()
