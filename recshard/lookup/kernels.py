@@ -24,10 +24,16 @@ from torch import nn
 from recshard.lookup.fused_params import FusedOptimSpec, apply_row_update, fbgemm_optim_kwargs
 from recshard.lookup.huge_pages import huge_page_zeros
 from recshard.lookup.tables import LocalTable
-from recshard.lookup.variable_batch import from_rank_major, to_rank_major
+from recshard.lookup.variable_batch import (
+    from_rank_major,
+    pad_lengths,
+    padded_to_rank_major,
+    to_rank_major,
+)
 from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE, PoolingType
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse.conversion import jagged_by_index
+from recshard.sparse.jagged_ops import asynchronous_complete_cumsum
 from recshard.types import EmbeddingComputeKernel
 
 
@@ -153,12 +159,23 @@ class FbgemmFusedKernel(LookupKernel):
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         if torch.is_inference_mode_enabled():  # fbgemm's training op has no inference kernel
             return plain_lookup(self.table_weights(), self, features)
+        variable = self.pooled and features.variable_stride_per_key()
+        if variable and not features.values().is_cuda:  # see `recshard.lookup.variable_batch`
+            lengths = pad_lengths(features.lengths(), features.stride_per_key())
+            pooled = self.tbe(
+                features.values().long(),
+                asynchronous_complete_cumsum(lengths.long()),
+                per_sample_weights=features.weights_or_none(),
+            )
+            return padded_to_rank_major(
+                pooled, features.stride_per_key_per_rank(), self.feature_dims
+            )
         return self.tbe(
             features.values().long(),
             features.offsets().long(),
             per_sample_weights=features.weights_or_none(),
             batch_size_per_feature_per_rank=features.stride_per_key_per_rank()
-            if self.pooled and features.variable_stride_per_key()
+            if variable
             else None,
         )
 
