@@ -159,8 +159,7 @@ class FbgemmFusedKernel(LookupKernel):
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         if torch.is_inference_mode_enabled():  # fbgemm's training op has no inference kernel
             return plain_lookup(self.table_weights(), self, features)
-        variable = self.pooled and features.variable_stride_per_key()
-        if variable and not features.values().is_cuda:  # see `recshard.lookup.variable_batch`
+        if self.pooled and features.variable_stride_per_key():  # `lookup.variable_batch`
             lengths = pad_lengths(features.lengths(), features.stride_per_key())
             pooled = self.tbe(
                 features.values().long(),
@@ -174,9 +173,6 @@ class FbgemmFusedKernel(LookupKernel):
             features.values().long(),
             features.offsets().long(),
             per_sample_weights=features.weights_or_none(),
-            batch_size_per_feature_per_rank=features.stride_per_key_per_rank()
-            if variable
-            else None,
         )
 
 

@@ -7,10 +7,11 @@ block is then one contiguous chunk of the output all-to-all / reduce-scatter
 (`recshard.comm.variable_batch_alltoall_pooled`). These helpers convert between that layout
 and per-feature `[B_f, D_f]` blocks (what a torch lookup pools), with autograd.
 
-fbgemm's CPU TBE pools a variable batch about 25x slower than the same bags padded to one
-batch (fbgemm-gpu-cpu 1.8, 12 tables, batches 1 and 2048: 647 vs 27 ms forward + backward), so
-on CPU the lookup pads each feature's bags to the largest batch (`pad_lengths`: empty bags,
-pooled as zero rows no one reads) and cuts the rows out (`padded_to_rank_major`).
+fbgemm's TBE is not asked for its own variable-batch layout: its CPU kernel pools a variable
+batch about 25x slower than the same bags padded to one batch (fbgemm-gpu-cpu 1.8, 12 tables,
+batches 1 and 2048: 647 vs 27 ms forward + backward), and its CUDA one is not tested here. The
+lookup pads each feature's bags to the largest batch (`pad_lengths`: empty bags, pooled as zero
+rows no one reads) and cuts the rows out (`padded_to_rank_major`).
 """
 
 from __future__ import annotations
