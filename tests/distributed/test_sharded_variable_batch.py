@@ -169,3 +169,47 @@ def check(results: List[Dict[str, List[str]]]) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_sharded_ebc_equals_unsharded_on_variable_batch(world_size: int) -> None:
     check(run_ranks(world_size, run_all, cases_for(world_size), timeout=600))
+
+
+def feature_processed(rank: int, ws: int) -> List[str]:
+    """The sharded FeatureProcessedEmbeddingBagCollection (position weights) on VBE input:
+    forward equals the unsharded module's, and the position weights' gradients averaged over
+    ranks (DMP's DDP does it) equal the gradient of the mean loss."""
+    from fp_cases import make_fp_ebc
+
+    from recshard.distributed.fp_embeddingbag import (
+        FeatureProcessedEmbeddingBagCollectionSharder,
+    )
+
+    problems = []
+    batches = [vbe_batch(r, 0, "per_rank", False, ebc_tables()) for r in range(ws)]
+    for kind in ["table_wise", "row_wise", "column_wise", "data_parallel", "mixed"]:
+        reference = make_fp_ebc("collection")
+        sharder = FeatureProcessedEmbeddingBagCollectionSharder(
+            EmbeddingBagCollectionSharder({"optimizer": "exact_sgd", "learning_rate": LR})
+        )
+        plan = construct_module_sharding_plan(
+            reference, plan_for(kind, ws, ws, "fused"), sharder=sharder, world_size=ws
+        )
+        env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
+        sharded = sharder.shard(copy.deepcopy(reference), plan, env)
+        out = sharded(batches[rank]).values()
+        refs = [reference(b).values() for b in batches]
+        if not torch.allclose(out, refs[rank], atol=1e-5):
+            problems.append(f"{kind}: forward differs")
+        out.sum().backward()
+        (sum(r.sum() for r in refs) / ws).backward()
+        want = {n: p.grad for n, p in reference.named_parameters() if "position" in n}
+        got = {n: p.grad for n, p in sharded.named_parameters() if "position" in n}
+        if sorted(got) != sorted(want) or not want:
+            problems.append(f"{kind}: position weights {sorted(got)} != {sorted(want)}")
+            continue
+        for name, grad in got.items():
+            torch.distributed.all_reduce(grad)
+            if not torch.allclose(grad / ws, want[name], atol=1e-5):
+                problems.append(f"{kind}: gradient of {name} differs")
+    return problems
+
+
+def test_sharded_feature_processed_ebc_on_variable_batch() -> None:
+    assert run_ranks(2, feature_processed, timeout=300) == [[], []]
