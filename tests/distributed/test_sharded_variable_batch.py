@@ -12,14 +12,14 @@ from __future__ import annotations
 import copy
 import traceback
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
 from ebc_cases import LR, gather_tables, make_ebc, plan_for, reference_update, state_mismatches
 from ebc_cases import tables as ebc_tables
 from multiprocess import run_ranks
-from vbe_cases import vbe_batch
+from vbe_cases import Drawn, vbe_batch
 
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import construct_module_sharding_plan
@@ -47,13 +47,14 @@ class VbeCase:
     shape: str  # a `vbe_cases.feature_batches` shape
     steps: int = 2
     shared: bool = False
+    drawn: Tuple[Tuple[Drawn, ...], ...] = ()  # per step, per rank: sizes instead of `shape`
 
     @property
     def name(self) -> str:
         return (
             f"{self.kind}/{self.kernel}/{self.optimizer}/lws{self.local_world_size}/"
             f"{'weighted' if self.weighted else 'unweighted'}/{self.shape}"
-            f"{'/shared' if self.shared else ''}"
+            f"{'/shared' if self.shared else ''}{f'/{self.drawn}' if self.drawn else ''}"
         )
 
 
@@ -77,7 +78,17 @@ def compare(rank: int, ws: int, case: VbeCase) -> List[str]:
     dense_opt = torch.optim.SGD(dense_params, lr=LR) if dense_params else None
     state: Dict[str, Dict[str, torch.Tensor]] = {}
     for step in range(case.steps):
-        batches = [vbe_batch(r, step, case.shape, case.weighted, tables) for r in range(ws)]
+        batches = [
+            vbe_batch(
+                r,
+                step,
+                case.shape,
+                case.weighted,
+                tables,
+                case.drawn[step][r] if case.drawn else None,
+            )
+            for r in range(ws)
+        ]
         out = sharded(batches[rank])
         reference.zero_grad()
         ref_outs = [reference(b) for b in batches]

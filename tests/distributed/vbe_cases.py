@@ -3,7 +3,7 @@ their own batch sizes, brought to one batch of `B_out` rows by `inverse_indices`
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -25,14 +25,20 @@ def feature_batches(rank: int, step: int, shape: str, batch_out: int) -> Dict[st
     return {k: 1 + (rank + step + i) % 3 for i, k in enumerate(KEYS)}
 
 
+# drawn sizes of one rank's batch: (rows out, the batch size of each feature in KEYS order)
+Drawn = Tuple[int, Tuple[int, ...]]
+
+
 def vbe_batch(
     rank: int,
     step: int,
     shape: str,
     weighted: bool,
     tables: List[EmbeddingBagConfig],
+    drawn: Drawn | None = None,
 ) -> KeyedJaggedTensor:
-    """Rank `rank`'s variable-batch KJT at `step` (any rank can rebuild any other's)."""
+    """Rank `rank`'s variable-batch KJT at `step` (any rank can rebuild any other's); `drawn`
+    gives its sizes instead of `shape`."""
     g = torch.Generator().manual_seed(10_000 + 1000 * step + rank)
     rows: Dict[str, int] = {}
     for t in tables:
@@ -40,6 +46,8 @@ def vbe_batch(
             rows[f] = min(rows.get(f, t.num_embeddings), t.num_embeddings)
     batch_out = 2 + (rank + step) % 3
     batches = feature_batches(rank, step, shape, batch_out)
+    if drawn is not None:
+        batch_out, batches = drawn[0], dict(zip(KEYS, drawn[1]))
     lengths = [torch.randint(0, 4, (batches[k],), generator=g) for k in KEYS]
     if shape == "empty":
         lengths[KEYS.index("f3")].zero_()
