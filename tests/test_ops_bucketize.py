@@ -77,6 +77,39 @@ def test_bucketize_design_example(fbgemm, dtype):
 
 @pytest.mark.parametrize("fbgemm", BACKENDS)
 @pytest.mark.parametrize("dtype", INDEX_DTYPES)
+def test_bucketize_variable_batch_per_feature(fbgemm, dtype):
+    """A batch size per feature (f0: 2 bags, f1: 3), blocks 5 and 3, 2 buckets: each bucket
+    holds every bag of every feature, f0's then f1's (fbgemm's layout); f1's id 7 is past
+    2 blocks: bucket 7 % 2 as row 7 // 2."""
+    with ops.use_fbgemm(fbgemm):
+        lengths, ids, weights, _, _ = ops.block_bucketize_sparse_features(
+            torch.tensor([2, 1, 1, 0, 3], dtype=dtype),
+            torch.tensor([0, 5, 3, 7, 1, 5, 4], dtype=dtype),
+            False,
+            False,
+            torch.tensor([5, 3]),
+            2,
+            torch.arange(7, dtype=torch.float32),
+            batch_size_per_feature=torch.tensor([2, 3]),
+            max_B=3,
+        )
+    same(lengths, [1, 1, 0, 0, 1, 1, 0, 1, 0, 2], dtype)
+    same(ids, [0, 3, 1, 0, 3, 2, 1], dtype)
+    same(weights, [0.0, 2.0, 4.0, 1.0, 3.0, 5.0, 6.0], torch.float32)
+    with pytest.raises(ValueError, match=r"batch_size_per_feature \[2, 2\] sums to 4"):
+        ops.block_bucketize_sparse_features(
+            torch.tensor([2, 1, 1, 0, 3], dtype=dtype),
+            torch.tensor([0, 5, 3, 7, 1, 5, 4], dtype=dtype),
+            False,
+            False,
+            torch.tensor([5, 3]),
+            2,
+            batch_size_per_feature=torch.tensor([2, 2]),
+        )
+
+
+@pytest.mark.parametrize("fbgemm", BACKENDS)
+@pytest.mark.parametrize("dtype", INDEX_DTYPES)
 def test_bucketize_out_of_range_ids(fbgemm, dtype):
     """Ids >= my_size * block go to bucket id % my_size as id // my_size (fbgemm's rule);
     negative ids are read as unsigned, so they are out of range too."""

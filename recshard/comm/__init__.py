@@ -21,6 +21,7 @@ from recshard.comm.dist_data import (  # noqa: F401
     PooledEmbeddingsReduceScatter,
     SequenceEmbeddingsAllToAll,
     VariableBatchPooledEmbeddingsAllToAll,
+    VariableBatchPooledEmbeddingsReduceScatter,
 )
 from recshard.comm.kjt_all_to_all import (  # noqa: F401
     KJTAllToAll,
@@ -35,6 +36,7 @@ from recshard.comm.ops import (  # noqa: F401
     alltoallv,
     reduce_scatter_base_pooled,
     reduce_scatter_pooled,
+    reduce_scatter_v_per_feature_pooled,
     reduce_scatter_v_pooled,
     variable_batch_alltoall_pooled,
 )

@@ -20,6 +20,7 @@ from recshard.comm.ops import (
     alltoall_pooled,
     alltoall_sequence,
     reduce_scatter_base_pooled,
+    reduce_scatter_v_per_feature_pooled,
     reduce_scatter_v_pooled,
     variable_batch_alltoall_pooled,
 )
@@ -164,6 +165,25 @@ class PooledEmbeddingsReduceScatter(HoldsGroup, nn.Module):
         if input_splits is not None:
             _per_rank(input_splits, self.pg, "PooledEmbeddingsReduceScatter: input_splits")
         return reduce_scatter_base_pooled(local_embs, self.pg, self._codecs)
+
+
+class VariableBatchPooledEmbeddingsReduceScatter(HoldsGroup, nn.Module):
+    """Variable batch per feature (VBE) partial pools, flat and rank-major, on every rank ->
+    this rank's chunk summed (row-wise sharding); see `reduce_scatter_v_per_feature_pooled`."""
+
+    def __init__(self, pg: dist.ProcessGroup, codecs: QuantizedCommCodecs | None = None) -> None:
+        super().__init__()
+        self.pg, self._codecs = pg, codecs
+
+    def forward(
+        self,
+        local_embs: torch.Tensor,
+        batch_size_per_rank_per_feature: List[List[int]],
+        embedding_dims: List[int],
+    ) -> Awaitable[torch.Tensor]:
+        return reduce_scatter_v_per_feature_pooled(
+            local_embs, batch_size_per_rank_per_feature, embedding_dims, self.pg, self._codecs
+        )
 
 
 class PooledEmbeddingsAllGather(HoldsGroup, nn.Module):

@@ -403,6 +403,30 @@ def reduce_scatter_v_pooled(
     return CommRequest(rs, input.reshape(-1), lambda out: out.view(shape))
 
 
+def reduce_scatter_v_per_feature_pooled(
+    input: torch.Tensor,
+    batch_size_per_rank_per_feature: List[List[int]],
+    embedding_dims: List[int],
+    group: dist.ProcessGroup | None = None,
+    codecs: QuantizedCommCodecs | None = None,
+) -> Awaitable[torch.Tensor]:
+    """Variable batch per feature (VBE) partial pools, flat and rank-major (for each rank r,
+    for each feature f, `batch_size_per_rank_per_feature[r][f]` rows of `embedding_dims[f]`)
+    -> rank r's chunk summed over ranks, on rank r (flat). Backward: all-gather."""
+    pg = _group(group)
+    world_size = dist.get_world_size(pg)
+    _check(
+        len(batch_size_per_rank_per_feature) == world_size,
+        f"reduce_scatter_v_per_feature_pooled: batch_size_per_rank_per_feature has "
+        f"{len(batch_size_per_rank_per_feature)} entries, world size is {world_size}",
+    )
+    splits = [
+        sum(b * d for b, d in zip(batches, embedding_dims))
+        for batches in batch_size_per_rank_per_feature
+    ]
+    return reduce_scatter_v_pooled(input.reshape(-1), splits, pg, codecs)
+
+
 def all_gather_base_pooled(
     input: torch.Tensor,
     group: dist.ProcessGroup | None = None,

@@ -8,12 +8,18 @@ cycled; a negative `num_generated_batches` draws every batch fresh.
 
 Position-weighted features (`max_feature_lengths`, the argument `PositionWeightedModuleCollection`
 takes): their bags hold up to that many ids, so every position has a weight.
+
+Variable batch per feature (`batch_size_per_feature`, recshard's; TorchRec's VBE): those
+features draw `B_f` bags instead of `batch_size` (e.g. one user row beside the candidate items);
+the KJT carries `stride_per_key_per_rank` and `inverse_indices` that map sample b to row
+`b * B_f // batch_size` of each feature (a user's samples are consecutive), so an
+`EmbeddingBagCollection` returns `[batch_size, ...]` as usual.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 from torch.utils.data import IterableDataset
@@ -41,6 +47,8 @@ class RandomRecDataset(IterableDataset[Batch]):
     is given, else 0). The `...s` list forms take precedence over the scalar forms.
     `max_feature_lengths` ({feature: max bag length}, recshard's): those features draw their
     bag lengths in `[min ids, max length]` instead, to feed position-weighted features.
+    `batch_size_per_feature` ({feature: batch size in [1, batch_size]}, recshard's): those
+    features draw that many bags, a variable batch per feature (see the module docstring).
     """
 
     def __init__(
@@ -58,6 +66,7 @@ class RandomRecDataset(IterableDataset[Batch]):
         min_ids_per_feature: int | None = None,
         min_ids_per_features: List[int] | None = None,
         max_feature_lengths: Dict[str, int] | None = None,
+        batch_size_per_feature: Dict[str, int] | None = None,
     ) -> None:
         super().__init__()
         self.keys = list(keys)
@@ -85,6 +94,15 @@ class RandomRecDataset(IterableDataset[Batch]):
                     f"RandomRecDataset: feature '{key}' needs hash_size >= 1 and "
                     f"0 <= min ids <= ids, got {size}, {low}, {high}"
                 )
+        self.batch_sizes = [self.batch_size] * len(self.keys)
+        for key, size in (batch_size_per_feature or {}).items():
+            if key not in self.keys or not 1 <= size <= batch_size:
+                raise ValueError(
+                    f"RandomRecDataset: batch_size_per_feature names '{key}' with {size}; it "
+                    f"needs one of the keys {self.keys} and a size in [1, {batch_size}]"
+                )
+            self.batch_sizes[self.keys.index(key)] = size
+        self.variable_batch = batch_size_per_feature is not None
         self.num_dense = num_dense
         self.num_batches = num_batches
         self.generator: torch.Generator | None = None
@@ -97,20 +115,32 @@ class RandomRecDataset(IterableDataset[Batch]):
     def _generate_batch(self) -> Batch:
         values: List[torch.Tensor] = []
         lengths: List[torch.Tensor] = []
-        for size, low, high in zip(
-            self.hash_sizes, self.min_ids_per_features, self.ids_per_features
+        for size, low, high, batch in zip(
+            self.hash_sizes, self.min_ids_per_features, self.ids_per_features, self.batch_sizes
         ):
             length = torch.randint(
-                low, high + 1, (self.batch_size,), dtype=torch.int32, generator=self.generator
+                low, high + 1, (batch,), dtype=torch.int32, generator=self.generator
             )
             lengths.append(length)
             values.append(torch.randint(0, size, (int(length.sum()),), generator=self.generator))
         sparse = KeyedJaggedTensor.from_lengths_sync(
-            keys=self.keys, values=torch.cat(values), lengths=torch.cat(lengths)
+            keys=self.keys,
+            values=torch.cat(values),
+            lengths=torch.cat(lengths),
+            stride_per_key_per_rank=[[b] for b in self.batch_sizes]
+            if self.variable_batch
+            else None,
+            inverse_indices=self._inverse_indices() if self.variable_batch else None,
         )
         dense = torch.randn(self.batch_size, self.num_dense, generator=self.generator)
         labels = torch.randint(0, 2, (self.batch_size,), generator=self.generator)
         return Batch(dense_features=dense, sparse_features=sparse, labels=labels)
+
+    def _inverse_indices(self) -> Tuple[List[str], torch.Tensor]:
+        """`[keys, batch_size]`: sample b reads row `b * B_f // batch_size` of feature f."""
+        samples = torch.arange(self.batch_size)
+        rows = torch.stack([samples * b // self.batch_size for b in self.batch_sizes])
+        return list(self.keys), rows
 
     def _batches(self) -> Iterator[Batch]:
         if self.num_generated_batches >= 0:

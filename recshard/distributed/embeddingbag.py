@@ -21,6 +21,7 @@ from torch import nn
 from recshard.distributed.input_dist import EmbeddingModuleContext
 from recshard.distributed.module_state import EmbeddingModuleSharder, ShardedEmbeddingModule
 from recshard.distributed.pooled_output import PooledOutputLayout, pooled_output_dist
+from recshard.distributed.variable_batch_output import VariableBatchOutput
 from recshard.modules.embedding_configs import EmbeddingBagConfig
 from recshard.modules.embedding_modules import EmbeddingBagCollection
 from recshard.sharding.build import build_pooled_shardings
@@ -37,7 +38,12 @@ EmbeddingBagCollectionContext = EmbeddingModuleContext
 
 
 class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
-    """Sharded twin of `EmbeddingBagCollection`, built by `EmbeddingBagCollectionSharder`."""
+    """Sharded twin of `EmbeddingBagCollection`, built by `EmbeddingBagCollectionSharder`.
+
+    Takes a variable batch per feature (`stride_per_key_per_rank`, `inverse_indices`) under
+    every sharding type, as the unsharded module does (`variable_batch_output.py`)."""
+
+    takes_variable_batch = True
 
     def __init__(
         self,
@@ -72,6 +78,15 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
         self._layout = PooledOutputLayout(
             list(self.shardings.values()), self._embedding_names, self._embedding_dims
         )
+        self._variable_batch = (
+            VariableBatchOutput(
+                list(self.shardings.values()),
+                self._embedding_names,
+                [f for c in self._configs for f in c.feature_names],
+            )
+            if self.takes_variable_batch
+            else None
+        )
         self.storage.load(self, module)
 
     # input_dist, compute: `ShardedEmbeddingModule`'s
@@ -80,7 +95,9 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
         self, ctx: EmbeddingModuleContext, output: List[torch.Tensor]
     ) -> LazyAwaitable[KeyedTensor]:
         """Pooled rows back to the ranks that own the batch, in the module's key order."""
-        return pooled_output_dist(list(self.shardings.values()), self._layout, ctx, output)
+        return pooled_output_dist(
+            list(self.shardings.values()), self._layout, ctx, output, self._variable_batch
+        )
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
         return self._configs

@@ -7,6 +7,10 @@ rank raises at the first wait instead of hanging. A module with no splits exchan
 data-parallel) exchanges the verdict on its own (`comm/verdict.py`). The accepted batch is
 permuted once into the shardings' concatenated wire order and split among them.
 
+A variable batch per feature (TorchRec's VBE: `stride_per_key_per_rank`, `inverse_indices`)
+is checked here (`check_variable_batch`) in modules that take it; the context keeps the inverse
+indices and each sharding's batch sizes for the output side (`variable_batch_output.py`).
+
 A feature several tables read (TorchRec allows it) is copied once per table first, under the
 embedding names `feature@table` (`sharding/common.py`): from there on each copy is its own key,
 checked against its own table's rows and bounds-check mode, routed by its table's sharding,
@@ -28,6 +32,7 @@ from recshard.modules.input_checks import (
     check_dtypes_and_weights,
     check_features,
     check_one_batch,
+    check_variable_batch,
 )
 from recshard.sharding.common import EmbeddingSharding, EmbeddingShardingContext
 from recshard.sparse import KeyedJaggedTensor
@@ -49,10 +54,15 @@ class EmbeddingModuleContext:
     # config order) when a feature is read by several tables
     features: KeyedJaggedTensor | None = None
     sharding_contexts: List[EmbeddingShardingContext] = field(default_factory=list)  # by sharding
+    # the caller's KJT had a variable batch per feature / inverse_indices (TorchRec's names)
+    variable_batch_per_feature: bool = False
+    inverse_indices: Tuple[List[str], torch.Tensor] | None = None
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         if self.features is not None:
             self.features.record_stream(stream)
+        if self.inverse_indices is not None and self.inverse_indices[1].is_cuda:
+            self.inverse_indices[1].record_stream(stream)
         for context in self.sharding_contexts:
             context.record_stream(stream)
 
@@ -89,11 +99,14 @@ class CollectionInputDist:
         is_weighted: bool,
         shardings: List[EmbeddingSharding],
         one_batch: bool = False,
+        variable_batch: bool = False,
     ) -> None:
         """`one_batch`: the module pools one batch per rank; a variable batch per feature
-        (or inverse_indices) is refused before any collective."""
+        (or inverse_indices) is refused before any collective. `variable_batch`: a pooled
+        module that takes them (checked, then kept in the context)."""
         self._owner, self._env, self._device = owner, env, device
         self._one_batch = one_batch
+        self._variable_batch = variable_batch
         self._is_weighted = is_weighted
         self._shardings = shardings
         self._feature_names = list(dict.fromkeys(f for c in configs for f in c.feature_names))
@@ -122,6 +135,9 @@ class CollectionInputDist:
     def _checked(self, features: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, str | None]:
         """(the batch to route, None) or (the batch, why it is rejected)."""
         try:
+            if self._variable_batch:
+                check_variable_batch(features, self._owner)
+                features = _one_column(features)
             validate_kjt(features)
             check_features(features, self._feature_names, self._owner)
             if self._one_batch:
@@ -167,9 +183,19 @@ class CollectionInputDist:
         """Check the batch, permute it into wire order once, start every sharding's dist.
         `rejected`: why a module wrapping this one refuses the batch (its own check), sent as
         this module's verdict when the batch passes its checks."""
+        if self._variable_batch:
+            ctx.variable_batch_per_feature = features.variable_stride_per_key()
+            inverse = features.inverse_indices_or_none()
+            ctx.inverse_indices = inverse if inverse is not None and inverse[1].numel() else None
         features, error = self._checked(features)
         error = error or rejected
         ctx.features = features
+        if error is None:
+            stride_of = dict(zip(features.keys(), features.stride_per_key()))
+            for s, sharding_ctx in zip(self._shardings, ctx.sharding_contexts):
+                sharding_ctx.batch_size_per_feature_pre_a2a = [
+                    stride_of[f] for f in s.input_features
+                ]
         in_order = None  # one sharding routing the keys in wire order without a permute
         if error is None and features.keys() != self._wire_features:  # else: no copy
             permutation = self._wire_permutation(features.keys())
@@ -208,9 +234,52 @@ class CollectionInputDist:
             if sizes is not None and len(set(sizes)) > 1:
                 for sharding_ctx in ctx.sharding_contexts:
                     sharding_ctx.batch_size_per_rank = list(sizes)
-            return _ListAwaitable(tensors)
+            return _RoutedAwaitable(tensors, ctx.sharding_contexts, self._env.world_size)
 
         return FnAwaitable(start_tensors)
+
+
+class _RoutedAwaitable(Awaitable[List[KeyedJaggedTensor]]):
+    """Waits each sharding's routed ids; notes in its context whether they came with a
+    variable batch per feature, and then each source rank's batch sizes (`[W][F_local]`)."""
+
+    def __init__(
+        self,
+        awaitables: List[Awaitable[KeyedJaggedTensor]],
+        contexts: List[EmbeddingShardingContext],
+        world_size: int,
+    ) -> None:
+        super().__init__()
+        self._awaitables, self._contexts, self._world_size = awaitables, contexts, world_size
+
+    def _wait_impl(self) -> List[KeyedJaggedTensor]:
+        routed = [a.wait() for a in self._awaitables]
+        for kjt, sharding_ctx in zip(routed, self._contexts):
+            if kjt.variable_stride_per_key():
+                per_key = kjt.stride_per_key_per_rank()
+                ranks = len(per_key[0]) if per_key else self._world_size
+                sharding_ctx.variable_batch_per_feature = True
+                sharding_ctx.batch_size_per_rank_per_feature = [
+                    [row[r] for row in per_key] for r in range(ranks)
+                ]
+        return routed
+
+
+def _one_column(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """A variable-batch KJT with one batch size per feature (`[[B_f]]`): the layout this
+    rank's own batch has, whatever columns the caller's `stride_per_key_per_rank` had."""
+    rows = features.stride_per_key_per_rank()
+    if not features.variable_stride_per_key() or all(len(row) == 1 for row in rows):
+        return features
+    return KeyedJaggedTensor(
+        features.keys(),
+        features.values(),
+        features.weights_or_none(),
+        lengths=features.lengths(),
+        stride_per_key_per_rank=[[sum(row)] for row in rows],
+        inverse_indices=features.inverse_indices_or_none(),
+        validate=False,
+    )
 
 
 def _placeholder(keys: List[str]) -> KeyedJaggedTensor:

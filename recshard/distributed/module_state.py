@@ -127,6 +127,8 @@ class ShardedEmbeddingModule(ShardedModule):
     # How the local tables are stored: `FloatTables`, or the quantized twins' `QuantTables`.
     storage_type: ClassVar[Type[TableStorage]] = FloatTables
     _has_key_value = False  # set by the float tables' specs: any key_value table in the plan
+    # A pooled module that takes a variable batch per feature (TorchRec's VBE); others refuse it.
+    takes_variable_batch: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -241,7 +243,8 @@ class ShardedEmbeddingModule(ShardedModule):
             self._fused_params,
             self._is_weighted,
             list(shardings.values()),
-            one_batch=self._pooled,
+            one_batch=self._pooled and not self.takes_variable_batch,
+            variable_batch=self._pooled and self.takes_variable_batch,
         )
 
     def input_dist(

@@ -17,6 +17,11 @@ import torch
 
 from recshard.comm.column_blocks import Block, check_blocks, chunks_to_columns, cut_at_chunks
 from recshard.distributed.input_dist import EmbeddingModuleContext
+from recshard.distributed.variable_batch_output import (
+    VariableBatchOutput,
+    expand_rows,
+    needs_variable_batch_output,
+)
 from recshard.sharding.common import EmbeddingSharding
 from recshard.sparse import KeyedTensor
 from recshard.types import Awaitable, LazyAwaitable
@@ -63,6 +68,36 @@ def _output_order(
     return check_blocks(cut_at_chunks(spans, [len(order)]), [len(order)])
 
 
+class _VariableBatchAwaitable(LazyAwaitable[KeyedTensor]):
+    """Waits every sharding's output dist; a variable batch per feature or inverse indices
+    brought to the module's `KeyedTensor` (`variable_batch_output.py`)."""
+
+    def __init__(
+        self,
+        pending: List[Awaitable[torch.Tensor]],
+        layout: PooledOutputLayout,
+        ctx: EmbeddingModuleContext,
+        variable_batch: VariableBatchOutput,
+    ) -> None:
+        super().__init__()
+        self._pending, self._layout, self._ctx = pending, layout, ctx
+        self._variable_batch = variable_batch
+
+    def _wait_impl(self) -> KeyedTensor:
+        layout, ctx = self._layout, self._ctx
+        parts = [p.wait() for p in self._pending]
+        if any(c.variable_batch_per_feature for c in ctx.sharding_contexts):
+            values = self._variable_batch(parts, ctx.sharding_contexts, ctx.inverse_indices)
+        else:  # a fixed batch with inverse indices: the usual layout, then its rows expanded
+            values = expand_rows(
+                _in_module_order(parts, layout),
+                layout.embedding_dims,
+                self._variable_batch.embedding_features,
+                ctx.inverse_indices,
+            )
+        return KeyedTensor(layout.embedding_names, layout.embedding_dims, values)
+
+
 class _KeyedTensorAwaitable(LazyAwaitable[KeyedTensor]):
     """Waits every sharding's output dist and lays the columns out in module key order."""
 
@@ -73,13 +108,18 @@ class _KeyedTensorAwaitable(LazyAwaitable[KeyedTensor]):
 
     def _wait_impl(self) -> KeyedTensor:
         layout = self._layout
-        parts = [p.wait() for p in self._pending]
-        values = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        if layout.column_blocks is not None:
-            values = chunks_to_columns(
-                values.reshape(-1), values.size(0), [values.size(1)], layout.column_blocks
-            )
+        values = _in_module_order([p.wait() for p in self._pending], layout)
         return KeyedTensor(layout.embedding_names, layout.embedding_dims, values)
+
+
+def _in_module_order(parts: List[torch.Tensor], layout: PooledOutputLayout) -> torch.Tensor:
+    """`[B, sum of dims]`: the shardings' `[B, cols]` outputs, columns in module key order."""
+    values = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    if layout.column_blocks is not None:
+        values = chunks_to_columns(
+            values.reshape(-1), values.size(0), [values.size(1)], layout.column_blocks
+        )
+    return values
 
 
 def pooled_output_dist(
@@ -87,10 +127,14 @@ def pooled_output_dist(
     layout: PooledOutputLayout,
     ctx: EmbeddingModuleContext,
     output: List[torch.Tensor],
+    variable_batch: VariableBatchOutput | None = None,
 ) -> LazyAwaitable[KeyedTensor]:
-    """Start every sharding's output dist; the wait gives the module's `KeyedTensor`."""
+    """Start every sharding's output dist; the wait gives the module's `KeyedTensor`
+    (expanded by the batch's inverse indices, in modules that take `variable_batch`)."""
     pending = [
         s.output_dist(local, sharding_ctx)
         for s, sharding_ctx, local in zip(shardings, ctx.sharding_contexts, output)
     ]
+    if variable_batch is not None and needs_variable_batch_output(ctx):
+        return _VariableBatchAwaitable(pending, layout, ctx, variable_batch)
     return _KeyedTensorAwaitable(pending, layout)

@@ -33,6 +33,7 @@ class ShardedQuantEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """Sharded twin of `QuantEmbeddingBagCollection`, built by its sharder. Inference only."""
 
     storage_type = QuantTables
+    takes_variable_batch = False  # the quantized lookups pool one batch per rank
 
     def output_dtype(self) -> torch.dtype:
         return self.storage.output_dtype

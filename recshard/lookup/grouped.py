@@ -24,6 +24,7 @@ from recshard.lookup.kernels import DenseKernel, FbgemmFusedKernel, LookupKernel
 from recshard.lookup.key_value import KeyValueKernel
 from recshard.lookup.tables import LocalTable, group_key
 from recshard.lookup.threads import run_side_by_side
+from recshard.lookup.variable_batch import join_rank_major
 from recshard.modules.embedding_configs import DataType, PoolingType
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse import jagged_ops as ops
@@ -164,16 +165,25 @@ class GroupedLookup(nn.Module):
                 kernel.prefetch(part)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """Pooled `[B, sum of dims]` (a variable batch per feature: flat, rank-major, see
+        `recshard.lookup.variable_batch`) or sequence `[N, D]`."""
+        variable = self.pooled and features.variable_stride_per_key()
         if len(self.kernels) == 1:
             return self.kernels[0](features)
         if not self.kernels:
-            return torch.empty(features.stride(), 0)
+            return torch.empty(0) if variable else torch.empty(features.stride(), 0)
         parts = features.split(self._features_per_kernel)
         weights = features.weights_or_none()
         if self.side_by_side and (weights is None or not weights.requires_grad):
             outputs = self._fused_side_by_side(parts)
         else:
             outputs = [kernel(part) for kernel, part in zip(self.kernels, parts)]
+        if variable:
+            return join_rank_major(
+                outputs,
+                [part.stride_per_key_per_rank() for part in parts],
+                [kernel.feature_dims for kernel in self.kernels],
+            )
         if self.pooled and len({out.dtype for out in outputs}) == 1:
             return _JoinColumns.apply(*outputs)
         return torch.cat(outputs, dim=1 if self.pooled else 0)

@@ -1,7 +1,9 @@
 """Lookup kernels: one module looks up every feature of a group of local tables at once.
 
 Input: a KJT whose keys are the group's features in table order (stride B).
-Output: pooled `[B, sum of the features' dims]`, or sequence `[N, D]` (one row per id).
+Output: pooled `[B, sum of the features' dims]`, or sequence `[N, D]` (one row per id). A
+variable batch per feature (`stride_per_key_per_rank`) pools into fbgemm's flat rank-major
+layout instead (`recshard.lookup.variable_batch`).
 
 - `FbgemmFusedKernel`: fbgemm's SplitTableBatchedEmbeddingBagsCodegen, optimizer in backward.
 - `TorchFusedKernel`: the same contract in pure torch (dims not divisible by 4, weighted mean
@@ -22,9 +24,16 @@ from torch import nn
 from recshard.lookup.fused_params import FusedOptimSpec, apply_row_update, fbgemm_optim_kwargs
 from recshard.lookup.huge_pages import huge_page_zeros
 from recshard.lookup.tables import LocalTable
+from recshard.lookup.variable_batch import (
+    from_rank_major,
+    pad_lengths,
+    padded_to_rank_major,
+    to_rank_major,
+)
 from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE, PoolingType
 from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse.conversion import jagged_by_index
+from recshard.sparse.jagged_ops import asynchronous_complete_cumsum
 from recshard.types import EmbeddingComputeKernel
 
 
@@ -150,6 +159,16 @@ class FbgemmFusedKernel(LookupKernel):
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         if torch.is_inference_mode_enabled():  # fbgemm's training op has no inference kernel
             return plain_lookup(self.table_weights(), self, features)
+        if self.pooled and features.variable_stride_per_key():  # `lookup.variable_batch`
+            lengths = pad_lengths(features.lengths(), features.stride_per_key())
+            pooled = self.tbe(
+                features.values().long(),
+                asynchronous_complete_cumsum(lengths.long()),
+                per_sample_weights=features.weights_or_none(),
+            )
+            return padded_to_rank_major(
+                pooled, features.stride_per_key_per_rank(), self.feature_dims
+            )
         return self.tbe(
             features.values().long(),
             features.offsets().long(),
@@ -253,12 +272,18 @@ def row_gradients(
     sample_grads: List[torch.Tensor] = []
     columns = 0
     offsets = features.offset_per_key()
+    variable = kernel.pooled and features.variable_stride_per_key()
+    grad_blocks = (
+        from_rank_major(grad_output, features.stride_per_key_per_rank(), kernel.feature_dims)
+        if variable
+        else []
+    )
     for index, (jt, t_index, dim) in enumerate(
         zip(jagged_by_index(features), kernel.feature_table, kernel.feature_dims)
     ):
         ids = jt.values().long()
         if kernel.pooled:
-            grad = grad_output[:, columns : columns + dim]
+            grad = grad_blocks[index] if variable else grad_output[:, columns : columns + dim]
             columns += dim
             lengths = jt.lengths()
             if kernel.pooling == PoolingType.MEAN:
@@ -356,6 +381,8 @@ def plain_lookup(
         if kernel.pooling == PoolingType.MEAN:
             pooled = pooled / _mean_divisor(jt.lengths())
         outputs.append(pooled)
+    if kernel.pooled and features.variable_stride_per_key():
+        return to_rank_major(outputs, features.stride_per_key_per_rank())
     if not outputs:
         return torch.empty(features.stride(), 0)
     return torch.cat(outputs, dim=1 if kernel.pooled else 0)

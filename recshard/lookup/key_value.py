@@ -275,6 +275,9 @@ class KeyValueKernel(LookupKernel):
             weights=features.weights_or_none(),
             lengths=features.lengths(),
             stride=features.stride(),
+            stride_per_key_per_rank=features.stride_per_key_per_rank()
+            if features.variable_stride_per_key()
+            else None,
             validate=False,
         )
         if not torch.is_grad_enabled():

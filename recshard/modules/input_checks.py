@@ -84,21 +84,79 @@ def _offsets_leave_values(offsets: torch.Tensor, num_values: int) -> bool:
 
 
 def check_one_batch(kjt: KeyedJaggedTensor, owner: str) -> None:
-    """A sharded pooled module pools one batch per rank: features with different batch sizes
-    (TorchRec's variable batch) or `inverse_indices` (its expansion) are refused, naming them.
-    The unsharded EmbeddingBagCollection takes both."""
+    """A module that pools one batch per rank: features with different batch sizes (TorchRec's
+    variable batch) or `inverse_indices` (its expansion) are refused, naming them. The
+    unsharded and the sharded EmbeddingBagCollection take both."""
     strides = kjt.stride_per_key()
     if len(set(strides)) > 1:
         raise ValueError(
             f"{owner}: features have different batch sizes {dict(zip(kjt.keys(), strides))}; "
-            "the sharded collection pools one batch per rank (variable batch is supported "
-            "unsharded only)"
+            "this module pools one batch per rank (a variable batch per feature is taken by "
+            "EmbeddingBagCollection, unsharded or sharded)"
         )
     inverse = kjt.inverse_indices_or_none()
     if inverse is not None and inverse[1].numel():
         raise ValueError(
-            f"{owner}: the input has inverse_indices (features {inverse[0]}); the sharded "
-            "collection does not expand them (supported unsharded only)"
+            f"{owner}: the input has inverse_indices (features {inverse[0]}); this module "
+            "does not expand them (EmbeddingBagCollection does, unsharded or sharded)"
+        )
+
+
+def check_variable_batch(kjt: KeyedJaggedTensor, owner: str) -> None:
+    """A variable batch per feature (TorchRec's VBE) as a sharded pooled module takes it: one
+    row of `stride_per_key_per_rank` per feature, as many lengths as the batch sizes add up
+    to, and features of different batch sizes brought to one batch by `inverse_indices`
+    (`[features, B_out]`, row f in `[0, batch of f)`), naming the feature and the numbers."""
+    keys, strides = kjt.keys(), kjt.stride_per_key()
+    if kjt.variable_stride_per_key():
+        rows = kjt.stride_per_key_per_rank()
+        if len(rows) != len(keys):
+            raise ValueError(
+                f"{owner}: stride_per_key_per_rank has {len(rows)} rows for the "
+                f"{len(keys)} features {keys}"
+            )
+        negative = {k: row for k, row in zip(keys, rows) if any(b < 0 for b in row)}
+        if negative:
+            raise ValueError(f"{owner}: negative batch sizes in stride_per_key_per_rank {negative}")
+    num_lengths = kjt.lengths().numel()
+    if kjt.variable_stride_per_key() and num_lengths != sum(strides):
+        raise ValueError(
+            f"{owner}: the batch sizes per feature {dict(zip(keys, strides))} add up to "
+            f"{sum(strides)} bags but lengths has {num_lengths} entries"
+        )
+    inverse = kjt.inverse_indices_or_none()
+    if inverse is None or not inverse[1].numel():
+        if len(set(strides)) > 1:
+            raise ValueError(
+                f"{owner}: features have different batch sizes {dict(zip(keys, strides))} and "
+                "the input has no inverse_indices to bring them to one batch (TorchRec's "
+                "variable batch)"
+            )
+        return
+    names, indices = inverse
+    missing = [k for k in keys if k not in names]
+    if missing:
+        raise ValueError(
+            f"{owner}: inverse_indices have no rows for features {missing} (their keys: {names})"
+        )
+    if indices.dim() != 2 or indices.size(0) != len(names) or indices.is_floating_point():
+        raise ValueError(
+            f"{owner}: inverse_indices must be an integer [{len(names)} keys, batch] tensor, "
+            f"got {indices.dtype} of shape {tuple(indices.shape)}"
+        )
+    if data_unreadable(kjt):
+        return
+    at = {name: i for i, name in enumerate(names)}
+    rows_of_keys = indices.index_select(
+        0, torch.tensor([at[k] for k in keys], device=indices.device)
+    )
+    bounds = torch.tensor(strides, device=indices.device).unsqueeze(1)
+    bad = (rows_of_keys < 0) | (rows_of_keys >= bounds)
+    if bool(bad.any()):
+        key, position = (int(i) for i in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"{owner}: feature '{keys[key]}': inverse index {int(rows_of_keys[key, position])} "
+            f"at position {position} is outside its batch of {strides[key]}"
         )
 
 

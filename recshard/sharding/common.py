@@ -68,6 +68,13 @@ class EmbeddingShardingContext:
     `create_context`."""
 
     batch_size_per_rank: List[int] | None = None  # every rank's batch size, when they differ
+    # A variable batch per feature (VBE, set once the ids arrived): the routed KJT had
+    # `stride_per_key_per_rank`; the lookup and output dist use fbgemm's flat layout.
+    variable_batch_per_feature: bool = False
+    batch_size_per_feature_pre_a2a: List[int] = field(
+        default_factory=list
+    )  # this rank's, wire order
+    batch_size_per_rank_per_feature: List[List[int]] = field(default_factory=list)  # [W][F_local]
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """Mark the device tensors kept here as used on `stream` (none in the base)."""
@@ -235,3 +242,23 @@ def mean_divisor_columns(
         else:
             blocks.append(torch.ones(batch, width))
     return torch.cat(blocks, dim=1)
+
+
+def mean_divisor_blocks(
+    output_columns: OutputColumns,
+    batch_sizes: List[int],
+    mean_features: List[str],
+    lengths_per_feature: Dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """The flat divisors of a variable batch per feature's pooled blocks (for each entry of
+    `output_columns`, `batch_sizes[i]` rows of its width): bag sizes of MEAN features
+    (`lengths_per_feature[f]`, `[B_f]`), 1 elsewhere."""
+    mean = set(mean_features)
+    blocks = []
+    for (feature, _, width), batch in zip(output_columns, batch_sizes):
+        if feature in mean:
+            lengths = lengths_per_feature[feature]
+            blocks.append(lengths.clamp(min=1).to(torch.float32).repeat_interleave(width))
+        else:
+            blocks.append(torch.ones(batch * width))
+    return torch.cat(blocks)

@@ -6,6 +6,10 @@ table of its own. Both route a feature's ids whole to every rank that holds one 
 (a feature with k column shards is sent k times), look up `[B_global, local cols]`, and send
 the pooled columns back with one all-to-all. Table-column-wise differs only in placement
 (shards inside one node), which the plan decides.
+
+A variable batch per feature (VBE) travels the same way; its pooled rows come back with the
+variable-batch all-to-all (`VariableBatchPooledEmbeddingsAllToAll`): flat, for each feature in
+`output_columns` order, this rank's batch of that feature.
 """
 
 from __future__ import annotations
@@ -14,7 +18,11 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from recshard.comm import KJTAllToAll, PooledEmbeddingsAllToAll
+from recshard.comm import (
+    KJTAllToAll,
+    PooledEmbeddingsAllToAll,
+    VariableBatchPooledEmbeddingsAllToAll,
+)
 from recshard.comm.column_blocks import cut_at_chunks
 from recshard.lookup.grouped import GroupedLookup, lookup_order
 from recshard.lookup.tables import LocalTable
@@ -59,6 +67,12 @@ class PlacedPooledSharding(EmbeddingSharding):
         self._kjt_a2a = KJTAllToAll(env.pg, features_per_rank)
         self._dim_sum_per_rank = dim_sum_per_rank
         self._pooled_a2a = PooledEmbeddingsAllToAll(env.pg, dim_sum_per_rank, device, codecs=codecs)
+        self._variable_batch_a2a = VariableBatchPooledEmbeddingsAllToAll(
+            env.pg,
+            [[t.cols for t in tables for _ in t.embedding_names] for tables in ordered],
+            device,
+            codecs=codecs,
+        )
 
     def take_column_order(self, spans: Sequence[Sequence[int]]) -> bool:
         """Deliver the output columns as these (start, width) spans of `output_columns`, in
@@ -84,4 +98,8 @@ class PlacedPooledSharding(EmbeddingSharding):
     def output_dist(
         self, local: torch.Tensor, ctx: EmbeddingShardingContext
     ) -> Awaitable[torch.Tensor]:
+        if ctx.variable_batch_per_feature:
+            return self._variable_batch_a2a(
+                local, ctx.batch_size_per_rank_per_feature, ctx.batch_size_per_feature_pre_a2a
+            )
         return self._pooled_a2a(local, batch_size_per_rank=ctx.batch_size_per_rank)

@@ -12,6 +12,12 @@ receives the samples of every node's rank l.
 
 MEAN tables are pooled as SUM (a bag is split over ranks) and divided by the bag length after
 the output dist.
+
+A variable batch per feature (VBE) is bucketized the same way; the partial pools are flat and
+rank-major (`recshard.lookup.variable_batch`), reduce-scattered by rank chunk
+(`VariableBatchPooledEmbeddingsReduceScatter`) and, for TWRW across nodes, exchanged with the
+variable-batch all-to-all. The result is flat: for each feature in `output_columns` order, this
+rank's batch of it.
 """
 
 from __future__ import annotations
@@ -21,7 +27,13 @@ from typing import Any, Dict, List
 
 import torch
 
-from recshard.comm import KJTAllToAll, PooledEmbeddingsAllToAll, PooledEmbeddingsReduceScatter
+from recshard.comm import (
+    KJTAllToAll,
+    PooledEmbeddingsAllToAll,
+    PooledEmbeddingsReduceScatter,
+    VariableBatchPooledEmbeddingsReduceScatter,
+    variable_batch_alltoall_pooled,
+)
 from recshard.comm.pg import intra_and_cross_node_pg
 from recshard.lookup.grouped import GroupedLookup, lookup_order
 from recshard.modules.embedding_configs import PoolingType
@@ -31,6 +43,7 @@ from recshard.sharding.common import (
     EmbeddingShardingContext,
     LookupFactory,
     TableSpec,
+    mean_divisor_blocks,
     mean_divisor_columns,
 )
 from recshard.sparse import KeyedJaggedTensor
@@ -41,7 +54,10 @@ from recshard.types import Awaitable, FnAwaitable, ShardingEnv
 def bucketize(
     features: KeyedJaggedTensor, block_sizes: torch.Tensor, num_buckets: int
 ) -> KeyedJaggedTensor:
-    """Split every bag into `num_buckets` bags by `id // block` (ids rebased); bucket-major keys."""
+    """Split every bag into `num_buckets` bags by `id // block` (ids rebased); bucket-major keys.
+    A variable batch per feature stays one: each bucket holds every bag of every feature."""
+    variable = features.variable_stride_per_key()
+    strides = features.stride_per_key()
     lengths, values, weights, _, _ = ops.block_bucketize_sparse_features(
         features.lengths(),
         features.values(),
@@ -50,6 +66,8 @@ def bucketize(
         block_sizes.to(features.values().dtype),
         num_buckets,
         features.weights_or_none(),
+        torch.tensor(strides, device=features.lengths().device) if variable else None,
+        max(strides, default=0) if variable else -1,
     )
     return KeyedJaggedTensor(
         features.keys() * num_buckets,
@@ -57,6 +75,9 @@ def bucketize(
         weights,
         lengths=lengths,
         stride=features.stride(),
+        stride_per_key_per_rank=features.stride_per_key_per_rank() * num_buckets
+        if variable
+        else None,
         validate=False,
     )
 
@@ -144,6 +165,13 @@ class RowWisePooledSharding(EmbeddingSharding):
         else:
             intra, cross = env.pg, None
         self._reduce_scatter = PooledEmbeddingsReduceScatter(intra, codecs=codecs)
+        self._variable_batch_reduce_scatter = VariableBatchPooledEmbeddingsReduceScatter(
+            intra, codecs=codecs
+        )
+        self._intra, self._cross, self._cross_codecs = intra, cross, cross_codecs
+        self._dims_per_feature = [
+            [s.config.embedding_dim for s in g for _ in s.embedding_names] for g in ordered
+        ]
         self._cross_a2a = (
             PooledEmbeddingsAllToAll(cross, self._dims_per_group, device, codecs=cross_codecs)
             if cross is not None
@@ -183,7 +211,9 @@ class RowWisePooledSharding(EmbeddingSharding):
         self, local: torch.Tensor, ctx: RowWiseShardingContext
     ) -> Awaitable[torch.Tensor]:
         batch_sizes = ctx.batch_size_per_rank
-        if self._cross_a2a is None:
+        if ctx.variable_batch_per_feature:
+            pending = self._variable_batch_output_dist(local, ctx)
+        elif self._cross_a2a is None:
             pending = self._reduce_scatter(local, input_splits=batch_sizes)
         elif batch_sizes is not None:
             raise ValueError(
@@ -197,6 +227,13 @@ class RowWisePooledSharding(EmbeddingSharding):
 
         def divide() -> torch.Tensor:
             pooled = pending.wait()
+            if ctx.variable_batch_per_feature:
+                return pooled / mean_divisor_blocks(
+                    self.output_columns,
+                    ctx.batch_size_per_feature_pre_a2a,
+                    self._mean_features,
+                    ctx.mean_lengths,
+                )
             divisor = mean_divisor_columns(
                 self.output_columns, self._mean_features, ctx.mean_lengths
             )
@@ -214,3 +251,38 @@ class RowWisePooledSharding(EmbeddingSharding):
         regrouped = local.index_select(0, order.reshape(-1).to(local.device))
         reduced = self._reduce_scatter(regrouped)
         return FnAwaitable(lambda: self._cross_a2a(reduced.wait()).wait())
+
+    def _variable_batch_output_dist(
+        self, local: torch.Tensor, ctx: RowWiseShardingContext
+    ) -> Awaitable[torch.Tensor]:
+        """VBE: flat rank-major partial pools -> this rank's batch of every feature, flat.
+
+        RW (one group of ranks): one reduce-scatter by rank chunk. TWRW across nodes: the
+        chunks regrouped so that local rank l's reduce-scatter chunk holds the bags of every
+        node's rank l (node order), reduce-scattered inside the node, then each node's part
+        sent to its rank l by the variable-batch all-to-all among ranks of equal local rank."""
+        batches = ctx.batch_size_per_rank_per_feature  # [W][F of my group]
+        my_group = self.env.rank // self.group_size
+        dims = self._dims_per_feature[my_group]
+        if self._cross is None:
+            return self._variable_batch_reduce_scatter(local, batches, dims)
+        lws, nodes = self.group_size, self._num_groups
+        order = [n * lws + lr for lr in range(lws) for n in range(nodes)]  # (l, n) -> rank
+        sizes = [sum(b * d for b, d in zip(batches[r], dims)) for r in range(len(batches))]
+        chunks = local.reshape(-1).split(sizes)
+        regrouped = torch.cat([chunks[r] for r in order])
+        per_local_rank = [
+            [b for n in range(nodes) for b in batches[n * lws + lr]] for lr in range(lws)
+        ]
+        reduced = self._variable_batch_reduce_scatter(regrouped, per_local_rank, dims * nodes)
+        me = self.env.rank % lws
+        return FnAwaitable(
+            lambda: variable_batch_alltoall_pooled(
+                reduced.wait(),
+                [batches[n * lws + me] for n in range(nodes)],
+                ctx.batch_size_per_feature_pre_a2a,
+                self._dims_per_feature,
+                group=self._cross,
+                codecs=self._cross_codecs,
+            ).wait()
+        )

@@ -325,6 +325,8 @@ def block_bucketize_sparse_features(
     block_sizes: Tensor,
     my_size: int,
     weights: Tensor | None = None,
+    batch_size_per_feature: Tensor | None = None,
+    max_B: int = -1,
 ) -> Tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Split every bag of ids into `my_size` buckets by row block (row-wise sharding).
 
@@ -333,6 +335,8 @@ def block_bucketize_sparse_features(
     new_indices `[N]`, new_weights `[N]` (if weights), new_pos `[N]` (if `bucketize_pos`:
     each id's position in its original bag, dtype of indices), unbucketize_permute `[N]`
     (if `sequence`: for each original id, its index in new_indices; dtype of indices).
+    A variable batch per feature (fbgemm's arguments): `batch_size_per_feature` `[F]` bags
+    per feature (lengths `[sum of them]`), `max_B` the largest.
     Id `i` of feature f goes to bucket `i // block_sizes[f]` as local row
     `i % block_sizes[f]`; ids at or past `my_size * block` (and negative ids, read as
     unsigned like fbgemm) go to bucket `i % my_size` as `i // my_size`. Bag order is kept.
@@ -347,7 +351,14 @@ def block_bucketize_sparse_features(
     num_features, num_bags = block_sizes.numel(), lengths.numel()
     if my_size < 1:
         raise ValueError(f"block_bucketize_sparse_features: my_size must be >= 1, got {my_size}")
-    if (num_bags % num_features if num_features else num_bags) != 0:
+    if batch_size_per_feature is not None:
+        if int(batch_size_per_feature.sum()) != num_bags:
+            raise ValueError(
+                f"block_bucketize_sparse_features: batch_size_per_feature "
+                f"{batch_size_per_feature.tolist()} sums to {int(batch_size_per_feature.sum())}, "
+                f"not the {num_bags} lengths"
+            )
+    elif (num_bags % num_features if num_features else num_bags) != 0:
         raise ValueError(
             f"block_bucketize_sparse_features: {num_bags} lengths do not split "
             f"into {num_features} features (block_sizes)"
@@ -369,13 +380,19 @@ def block_bucketize_sparse_features(
             block_sizes.to(indices.dtype),
             my_size,
             weights,
+            None if batch_size_per_feature is None else batch_size_per_feature.to(lengths.dtype),
+            max_B,
         )
     device, num_ids = indices.device, indices.numel()
-    batch_size = num_bags // num_features if num_features else 0
+    bags_per_feature = (
+        batch_size_per_feature.to(device).long()
+        if batch_size_per_feature is not None
+        else (num_bags // num_features if num_features else 0)
+    )
     bag = torch.repeat_interleave(
         torch.arange(num_bags, device=device), lengths.long(), output_size=num_ids
     )
-    block = block_sizes.long().repeat_interleave(batch_size)[bag]
+    block = block_sizes.long().repeat_interleave(bags_per_feature, output_size=num_bags)[bag]
     bucket, local = _block_bucket(indices, block, my_size)
     new_bag = bucket * num_bags + bag  # bucket-major, then the original bag
     order = torch.sort(new_bag, stable=True).indices

@@ -22,12 +22,14 @@ from recshard.comm import (
     PooledEmbeddingsAllToAll,
     PooledEmbeddingsReduceScatter,
     VariableBatchPooledEmbeddingsAllToAll,
+    VariableBatchPooledEmbeddingsReduceScatter,
     all_gather_base_pooled,
     alltoall_pooled,
     alltoallv,
     get_gradient_division,
     reduce_scatter_base_pooled,
     reduce_scatter_pooled,
+    reduce_scatter_v_per_feature_pooled,
     reduce_scatter_v_pooled,
     set_gradient_division,
     variable_batch_alltoall_pooled,
@@ -174,6 +176,28 @@ def _variable_batch_case(ws: int, seed: int) -> Case:
     return Case("variable_batch", lambda r: seeded(seed + r, size(r)), run, reference)
 
 
+def _variable_batch_reduce_scatter_case(ws: int, seed: int, module: bool) -> Case:
+    """Row-wise VBE: every rank holds partial pools of 3 features for every rank's bags,
+    rank-major; rank r gets its chunk summed (batch sizes differ per feature and rank)."""
+    dims = [2, 3, 1]
+    batch = [[(r + f) % 3 for f in range(3)] for r in range(ws)]  # [rank][feature]
+    sizes = [sum(b * d for b, d in zip(batch[r], dims)) for r in range(ws)]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if module:
+            return VariableBatchPooledEmbeddingsReduceScatter(dist.group.WORLD)(
+                x, batch, dims
+            ).wait()
+        return reduce_scatter_v_per_feature_pooled(x, batch, dims).wait()
+
+    return Case(
+        "module_variable_batch_rs" if module else "variable_batch_rs",
+        lambda r: seeded(seed + r, sum(sizes)),
+        run,
+        lambda xs: list(torch.stack(xs).sum(0).split(sizes)),
+    )
+
+
 def _module_cases(ws: int, seed: int) -> List[Case]:
     """The dist modules: callbacks, unequal batches, and that they pick the right collective."""
     pg = dist.group.WORLD
@@ -234,6 +258,8 @@ def _cases(ws: int) -> List[Case]:
         _all_gather_case(ws, 600),
         _alltoallv_case(ws, 700),
         _variable_batch_case(ws, 800),
+        _variable_batch_reduce_scatter_case(ws, 850, module=False),
+        _variable_batch_reduce_scatter_case(ws, 870, module=True),
         *_module_cases(ws, 900),
     ]
 

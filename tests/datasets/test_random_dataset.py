@@ -134,3 +134,37 @@ def test_position_weighted_features_stay_within_their_max_length() -> None:
         fp_ebc(batch.sparse_features)  # every position has a weight
     with pytest.raises(ValueError, match="max_feature_lengths names 'nope'"):
         RandomRecDataset(["f0"], batch_size=2, max_feature_lengths={"nope": 3})
+
+
+def test_variable_batch_per_feature() -> None:
+    """`batch_size_per_feature`: a one-row user feature beside full item features; the KJT's
+    inverse indices bring the EBC's output to the batch, each sample reading its own rows."""
+    dataset = RandomRecDataset(
+        ["user", "item"],
+        batch_size=6,
+        hash_size=10,
+        ids_per_feature=2,
+        num_dense=1,
+        manual_seed=3,
+        num_batches=2,
+        batch_size_per_feature={"user": 1},
+    )
+    batch = next(iter(dataset))
+    kjt = batch.sparse_features
+    assert kjt.stride_per_key_per_rank() == [[1], [6]]
+    assert kjt.lengths().numel() == 7
+    keys, rows = kjt.inverse_indices()
+    assert keys == ["user", "item"]
+    assert rows.tolist() == [[0] * 6, list(range(6))]
+    ebc = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(num_embeddings=10, embedding_dim=2, name=f"t_{k}", feature_names=[k])
+            for k in keys
+        ]
+    )
+    out = ebc(kjt).values()
+    assert out.shape == (6, 4)
+    user = ebc.embedding_bags["t_user"].weight[kjt["user"].values()].sum(0)
+    assert torch.allclose(out[:, :2], user.expand(6, 2))
+    with pytest.raises(ValueError, match="batch_size_per_feature names 'user' with 7"):
+        RandomRecDataset(["user"], batch_size=6, batch_size_per_feature={"user": 7})
