@@ -25,6 +25,7 @@ from torch import nn
 
 from recshard.comm import KJTAllToAll
 from recshard.modules.input_checks import check_dtypes_and_weights, check_features, check_one_batch
+from recshard.modules.mc_fused import FusedRemap
 from recshard.modules.mc_modules import (
     ManagedCollisionCollection,
     MCHManagedCollisionModule,
@@ -162,17 +163,38 @@ class ShardedManagedCollisionCollection(nn.Module):
             f: c.name for c in mcc.embedding_configs() for f in c.feature_names
         }
         self._wire_features = wire_features
-        self._owner_of_bucket = {
-            t: torch.tensor(
-                [r for r in range(world) for _ in range(*owned_buckets(m.buckets(), world, r))],
-                dtype=torch.int64,
-            )
-            for t, m in modules.items()
+        modules_list = list(self._managed_collision_modules.values())
+        tables = list(self._managed_collision_modules)
+        self._table_index = {t: k for k, t in enumerate(tables)}
+        wire_tables = [self._table_index[self._feature_to_table[f]] for f in wire_features]
+        self._wire_tables = torch.tensor(wire_tables, dtype=torch.int64, device=device)
+        self._hash_sizes = torch.tensor(
+            [m.input_size() for m in modules_list], dtype=torch.int64, device=device
+        )
+        self._buckets = torch.tensor([m.buckets() for m in modules_list], device=device)
+        self._hashed_features = {
+            f for f in wire_features if self._table_of(f)._input_hash_func is not None
         }
+        self._remapper = FusedRemap(modules_list, device)
         self._kjt_a2a = KJTAllToAll(env.pg, [len(wire_features)] * world)
 
     def local_modules(self) -> Dict[str, MCHManagedCollisionModule]:
         return dict(self._managed_collision_modules.items())  # type: ignore[arg-type]
+
+    def _table_of(self, feature: str) -> MCHManagedCollisionModule:
+        return self._managed_collision_modules[self._feature_to_table[feature]]  # type: ignore
+
+    def _tables_of_ids(self, keys: List[str], lengths_per_key: List[int]) -> torch.Tensor:
+        """Module index of each id `[N]` of a KJT with these keys."""
+        index = self._wire_tables
+        if keys != self._wire_features:
+            index = torch.tensor(
+                [self._table_index[self._feature_to_table[k]] for k in keys],
+                dtype=torch.int64,
+                device=self._wire_tables.device,
+            )
+        counts = torch.tensor(lengths_per_key, device=index.device)
+        return torch.repeat_interleave(index, counts, output_size=sum(lengths_per_key))
 
     def _hashed_and_owners(
         self, features: KeyedJaggedTensor
@@ -186,28 +208,34 @@ class ShardedManagedCollisionCollection(nn.Module):
         keys = features.keys()
         if keys != self._wire_features:
             features = features.permute([keys.index(f) for f in self._wire_features])
-        values, owners = [], []
-        for feature, ids in zip(
-            self._wire_features, features.values().split(features.length_per_key())
-        ):
-            table = self._feature_to_table[feature]
-            module = self._managed_collision_modules[table]
-            hashed = module.preprocess(
-                {feature: JaggedTensor(ids, lengths=torch.tensor([ids.numel()]))}
-            )
-            ids = hashed[feature].values()
-            module.check_ids(ids, f"table '{table}', feature '{feature}'")
-            values.append(ids)
-            owners.append(self._owner_of_bucket[table].to(ids.device)[ids % module.buckets()])
+        per_key = features.length_per_key()
+        ids = features.values().to(torch.int64)
+        if self._hashed_features:
+            parts = list(ids.split(per_key))
+            for k, feature in enumerate(self._wire_features):
+                if feature in self._hashed_features:
+                    hashed = self._table_of(feature).preprocess(
+                        {feature: JaggedTensor(parts[k], lengths=torch.tensor([per_key[k]]))}
+                    )
+                    parts[k] = hashed[feature].values()
+            ids = torch.cat(parts) if parts else ids
+        tables = self._tables_of_ids(self._wire_features, per_key)
+        if ids.numel() and bool(((ids < 0) | (ids >= self._hash_sizes[tables])).any()):
+            for feature, part in zip(self._wire_features, ids.split(per_key)):
+                table = self._feature_to_table[feature]
+                self._table_of(feature).check_ids(part, f"table '{table}', feature '{feature}'")
+        # bucket b of B belongs to the rank r with r*B//W <= b < (r+1)*B//W (`owned_buckets`)
+        buckets = self._buckets[tables]
+        owners = ((ids % buckets + 1) * self.env.world_size - 1) // buckets
         hashed_kjt = KeyedJaggedTensor(
             self._wire_features,
-            torch.cat(values) if values else features.values(),
+            ids,
             features.weights_or_none(),
             lengths=features.lengths(),
             stride=features.stride(),
             validate=False,
         )
-        return hashed_kjt, torch.cat(owners) if owners else features.values()
+        return hashed_kjt, owners
 
     def input_dist(
         self, features: KeyedJaggedTensor
@@ -235,23 +263,25 @@ class ShardedManagedCollisionCollection(nn.Module):
     ) -> Tuple[KeyedJaggedTensor, Dict[str, torch.Tensor | None]]:
         """Count (training) and remap the ids routed here: (local rows in the received layout,
         per table the local rows given to new ids, or None)."""
-        keys = received.keys()
-        per_key = list(received.values().split(received.length_per_key()))
+        keys, per_key = received.keys(), received.length_per_key()
+        ids = received.values()
+        if self.training:
+            chunks = ids.split(per_key)
+            per_table: Dict[str, List[torch.Tensor]] = {}
+            for key, chunk in zip(keys, chunks):
+                per_table.setdefault(self._feature_to_table[key], []).append(chunk)
+            for table, parts in per_table.items():
+                module = self._managed_collision_modules[table]
+                module.count(torch.cat(parts) if len(parts) > 1 else parts[0])  # type: ignore
+        rows = self._remapper.remap(ids, self._tables_of_ids(keys, per_key))
         evictions: Dict[str, torch.Tensor | None] = {}
         for table, module in self._managed_collision_modules.items():
-            positions = [k for k, f in enumerate(keys) if self._feature_to_table[f] == table]
-            if not positions:
-                continue
-            ids = torch.cat([per_key[k] for k in positions])
-            module.profile({table: JaggedTensor(ids, lengths=torch.tensor([ids.numel()]))})
-            rows = module.remap_ids(ids) - module.row_range()[0]
-            for k, part in zip(positions, rows.split([per_key[k].numel() for k in positions])):
-                per_key[k] = part
-            evicted = module.evict()
-            evictions[table] = None if evicted is None else evicted - module.row_range()[0]
+            evicted = module.evict()  # type: ignore[operator]
+            offset = module.row_range()[0]  # type: ignore[operator]
+            evictions[table] = None if evicted is None else evicted - offset
         local = KeyedJaggedTensor(
             keys,
-            torch.cat(per_key) if per_key else received.values(),
+            rows,
             received.weights_or_none(),
             lengths=received.lengths(),
             stride=received.stride(),
