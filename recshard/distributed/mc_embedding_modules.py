@@ -13,11 +13,12 @@ Equals the unsharded `ManagedCollision*Collection` with the same buckets, step f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 from torch import nn
 
+from recshard.comm import SequenceEmbeddingsAllToAll
 from recshard.distributed.input_dist import EmbeddingModuleContext
 from recshard.distributed.mc_modules import (
     ManagedCollisionCollectionSharder,
@@ -50,20 +51,31 @@ class ManagedCollisionEmbeddingContext:
 
     embedding: EmbeddingModuleContext  # its `features`: the checked, hashed batch (wire order)
     evictions_per_table: Dict[str, torch.Tensor | None] = field(default_factory=dict)
+    # return_remapped_features: where this rank's ids went, the ids' all-to-all (its splits),
+    # what arrived here and their global rows
+    sent_to: torch.Tensor | None = None
+    a2a: Any = None
+    received_lengths: torch.Tensor | None = None
+    global_rows: torch.Tensor | None = None
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         self.embedding.record_stream(stream)
 
 
-class _WithoutRemapped(LazyAwaitable[Tuple[Any, None]]):
-    """`(embeddings, None)`, as the unsharded module returns without remapped features."""
+class _WithRemapped(LazyAwaitable[Tuple[Any, KeyedJaggedTensor | None]]):
+    """`(embeddings, remapped features or None)`, as the unsharded module returns."""
 
-    def __init__(self, embeddings: LazyAwaitable[Any]) -> None:
+    def __init__(
+        self,
+        embeddings: LazyAwaitable[Any],
+        remapped: Callable[[], KeyedJaggedTensor] | None,
+    ) -> None:
         super().__init__()
-        self._embeddings = embeddings
+        self._embeddings, self._remapped = embeddings, remapped
 
-    def _wait_impl(self) -> Tuple[Any, None]:
-        return self._embeddings.wait(), None
+    def _wait_impl(self) -> Tuple[Any, KeyedJaggedTensor | None]:
+        remapped = self._remapped() if self._remapped is not None else None
+        return self._embeddings.wait(), remapped
 
 
 class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
@@ -79,12 +91,6 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
         mc_sharder: ManagedCollisionCollectionSharder,
     ) -> None:
         super().__init__()
-        owner = type(module).__name__
-        if module._return_remapped_features:
-            raise ValueError(
-                f"{owner}: return_remapped_features=True is not supported sharded yet "
-                "(build the module with return_remapped_features=False)"
-            )
         device = torch.device(device or "cpu")
         mcc = module._managed_collision_collection
         configs = mcc.embedding_configs()
@@ -106,6 +112,10 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
         )
         self._configs = {c.name: c for c in configs}
         self._in_place_data = module._allow_in_place_embed_weight_update
+        self._return_remapped_features = module._return_remapped_features
+        wire = list(sharding.input_features)
+        self._rows_back = SequenceEmbeddingsAllToAll(env.pg, [len(wire)] * env.world_size, device)
+        self._remapped_order = [wire.index(f) for f in mcc.feature_names()]
 
     def create_context(self) -> ManagedCollisionEmbeddingContext:
         return ManagedCollisionEmbeddingContext(self._embedding_module.create_context())
@@ -115,11 +125,13 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         hashed, sent_to, pending = self._managed_collision_collection.input_dist(features)
         ctx.embedding.features = hashed
+        ctx.sent_to = sent_to
         (sharding_ctx,) = ctx.embedding.sharding_contexts
         self._before_send(sharding_ctx, hashed, sent_to)
 
         def start_tensors() -> Awaitable[KeyedJaggedTensor]:
             tensors = pending.wait()
+            ctx.a2a = tensors
             self._after_splits(sharding_ctx, tensors)
             return tensors
 
@@ -143,14 +155,51 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
         (sharding_ctx,) = ctx.embedding.sharding_contexts
         self._on_arrival(sharding_ctx, dist_input)
         local, evictions = self._managed_collision_collection.remap(dist_input)
+        if self._return_remapped_features:
+            ctx.received_lengths = dist_input.lengths()
+            ctx.global_rows = self._managed_collision_collection.global_rows(local)
         self._reset(evictions)
         ctx.evictions_per_table = evictions
         return self._embedding_module.compute(ctx.embedding, [local])
 
     def output_dist(
         self, ctx: ManagedCollisionEmbeddingContext, output: List[torch.Tensor]
-    ) -> LazyAwaitable[Tuple[Any, None]]:
-        return _WithoutRemapped(self._embedding_module.output_dist(ctx.embedding, output))
+    ) -> LazyAwaitable[Tuple[Any, KeyedJaggedTensor | None]]:
+        embeddings = self._embedding_module.output_dist(ctx.embedding, output)
+        if not self._return_remapped_features:
+            return _WithRemapped(embeddings, None)
+        return _WithRemapped(embeddings, self._send_rows_back(ctx))
+
+    def _send_rows_back(self, ctx: ManagedCollisionEmbeddingContext) -> Callable[[], Any]:
+        """Start sending each received id's global row back to the rank it came from (the
+        ids' all-to-all reversed, as the sequence output); returns the wait giving this rank's
+        remapped KJT (the unsharded module's keys, lengths and weights)."""
+        assert ctx.global_rows is not None and ctx.embedding.features is not None
+        a2a, features = ctx.a2a, ctx.embedding.features
+        with torch.no_grad():
+            pending = self._rows_back(
+                ctx.global_rows.unsqueeze(1),
+                ctx.received_lengths,
+                a2a.input_splits["values"],
+                a2a.output_splits["values"],
+                unbucketize_permute_tensor=ctx.sent_to,
+                batch_size_per_rank=a2a.stride_per_rank,
+                sparse_features_recat=a2a.recat,
+            )
+
+        def remapped() -> KeyedJaggedTensor:
+            rows = pending.wait().squeeze(1)
+            wire = KeyedJaggedTensor(
+                features.keys(),
+                rows,
+                features.weights_or_none(),
+                lengths=features.lengths(),
+                stride=features.stride(),
+                validate=False,
+            )
+            return wire.permute(self._remapped_order)
+
+        return remapped
 
     # ---------------------------------------------------------------- state
     # The tables' state is the sharded collection's, under `_embedding_module.`; the managed

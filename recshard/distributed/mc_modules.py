@@ -176,6 +176,9 @@ class ShardedManagedCollisionCollection(nn.Module):
             f for f in wire_features if self._table_of(f)._input_hash_func is not None
         }
         self._remapper = FusedRemap(modules_list, device)
+        self._row_offsets = torch.tensor(
+            [m.row_range()[0] for m in modules_list], dtype=torch.int64, device=device
+        )
         self._kjt_a2a = KJTAllToAll(env.pg, [len(wire_features)] * world)
 
     def local_modules(self) -> Dict[str, MCHManagedCollisionModule]:
@@ -288,6 +291,11 @@ class ShardedManagedCollisionCollection(nn.Module):
             validate=False,
         )
         return local, evictions
+
+    def global_rows(self, local: KeyedJaggedTensor) -> torch.Tensor:
+        """The table rows `[N]` of `remap`'s local rows (its output KJT)."""
+        tables = self._tables_of_ids(local.keys(), local.length_per_key())
+        return local.values() + self._row_offsets[tables]
 
 
 class ManagedCollisionCollectionSharder:

@@ -10,7 +10,7 @@ from typing import List
 
 import pytest
 import torch
-from mc_cases import LR, SequenceModel, SparseModel, kjt_of, local_ids
+from mc_cases import KEYS, LR, SequenceModel, SparseModel, kjt_of, local_ids
 from multiprocess import run_ranks
 
 from recshard.distributed import DistributedModelParallel
@@ -40,7 +40,8 @@ def _sharded(dmp: DistributedModelParallel) -> BaseShardedManagedCollisionEmbedd
 def _compare(
     rank: int, ws: int, model_buckets: int, ref_buckets: int, use_planner: bool, lru: bool
 ) -> List[str]:
-    reference, model = SparseModel(ref_buckets, lru), SparseModel(model_buckets, lru)
+    reference = SparseModel(ref_buckets, lru, return_remapped=True)
+    model = SparseModel(model_buckets, lru, return_remapped=True)
     sharder = _sharder()
     plan = None
     if not use_planner:
@@ -65,6 +66,14 @@ def _compare(
         want = ref_out.detach()[rank * 4 : (rank + 1) * 4]
         if not torch.allclose(out.detach(), want, atol=1e-5):
             problems.append(f"step {step}: outputs differ by {(out - want).abs().max():.3g}")
+        assert model.remapped is not None and reference.remapped is not None
+        for f in KEYS:
+            before = sum(len(bag) for r in range(rank) for bag in parts[r][f])
+            mine = model.remapped[f].values()
+            if not torch.equal(
+                mine, reference.remapped[f].values()[before : before + mine.numel()]
+            ):
+                problems.append(f"step {step}, feature {f}: remapped rows differ")
         ref_mcc = reference.sparse._managed_collision_collection.modules_by_table()
         for table, local in sharded._managed_collision_collection.local_modules().items():
             lo, hi = local.row_range()
@@ -104,7 +113,8 @@ def _cases(rank: int, ws: int) -> dict:
 
 
 def _compare_sequence(rank: int, ws: int) -> List[str]:
-    reference, model = SequenceModel(6), SequenceModel(6)
+    """Rows per id and the remapped features (this rank's ids' table rows) as unsharded."""
+    reference, model = SequenceModel(6, True), SequenceModel(6, True)
     sharder = ManagedCollisionEmbeddingCollectionSharder(
         fused_params={"optimizer": "exact_sgd", "learning_rate": LR}
     )
@@ -124,6 +134,16 @@ def _compare_sequence(rank: int, ws: int) -> List[str]:
             want = ref_out[f].detach()[before : before + values.size(0)]
             if values.shape != want.shape or not torch.allclose(values.detach(), want, atol=1e-5):
                 problems.append(f"step {step}, feature {f}: rows differ")
+            remapped, ref_remapped = model.remapped, reference.remapped
+            assert remapped is not None and ref_remapped is not None
+            want_rows = ref_remapped[f].values()[before : before + values.size(0)]
+            if not torch.equal(remapped[f].values(), want_rows):
+                problems.append(f"step {step}, feature {f}: remapped rows differ")
+            want_lengths = ref_remapped[f].lengths()[rank * 4 : (rank + 1) * 4]
+            if not torch.equal(remapped[f].lengths(), want_lengths):
+                problems.append(f"step {step}, feature {f}: remapped lengths differ")
+        if model.remapped is not None and model.remapped.keys() != ref_remapped.keys():
+            problems.append(f"remapped keys {model.remapped.keys()} != {ref_remapped.keys()}")
     mcc = reference.sparse._managed_collision_collection.modules_by_table()
     if not all(m.rows_in_use() > 0 for m in mcc.values()):
         problems.append("a table never gave an id a row: the test exercised nothing")
