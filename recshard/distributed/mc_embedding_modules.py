@@ -42,6 +42,7 @@ from recshard.types import (
     ParameterSharding,
     ShardedModule,
     ShardingEnv,
+    ShardingType,
 )
 
 
@@ -94,7 +95,7 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
         device = torch.device(device or "cpu")
         mcc = module._managed_collision_collection
         configs = mcc.embedding_configs()
-        modules = modules_for_world(mcc, env.world_size)
+        modules = modules_for_world(mcc, table_plans, env.world_size)
         plans = mc_sharder.bucket_aligned_plans(
             modules, table_plans, {c.name: c.embedding_dim for c in configs}, env, device.type
         )
@@ -109,6 +110,7 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
             device,
             list(sharding.input_features),
             bool(getattr(module, "is_weighted", lambda: False)()),
+            table_plans,
         )
         self._configs = {c.name: c for c in configs}
         self._in_place_data = module._allow_in_place_embed_weight_update
@@ -248,6 +250,7 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
             shards = [
                 (s.shard_offsets[0], s.shard_sizes[0], s.rank)
                 for s in self.table_plan(table).shards or []
+                if s.shard_sizes[0] > 0  # ranks without rows of the table hold no shard
             ]
             for name, buffer in module.named_buffers(recurse=False):
                 key = f"{head}.{table}.{name}"
@@ -310,11 +313,14 @@ class BaseManagedCollisionEmbeddingCollectionSharder(ModuleSharder[Any]):
         self._mc_sharder = mc_sharder or ManagedCollisionCollectionSharder()
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        offered = set(self._e_sharder.sharding_types(compute_device_type))
-        return sorted(offered & set(self._mc_sharder.sharding_types(compute_device_type)))
+        """The managed collision sharder's types if the tables can be sharded row-wise: every
+        one runs as a row-wise plan cut at bucket boundaries (`bucket_aligned_plan`)."""
+        if ShardingType.ROW_WISE.value not in self._e_sharder.sharding_types(compute_device_type):
+            return []
+        return self._mc_sharder.sharding_types(compute_device_type)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return self._e_sharder.compute_kernels(sharding_type, compute_device_type)
+        return self._e_sharder.compute_kernels(ShardingType.ROW_WISE.value, compute_device_type)
 
     def shardable_parameters(
         self, module: BaseManagedCollisionEmbeddingCollection

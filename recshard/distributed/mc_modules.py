@@ -45,7 +45,7 @@ from recshard.types import (
 
 logger = logging.getLogger(__name__)
 
-MC_SHARDING_TYPES = [ShardingType.ROW_WISE]
+MC_SHARDING_TYPES = [ShardingType.ROW_WISE, ShardingType.TABLE_WISE, ShardingType.TABLE_ROW_WISE]
 
 
 def owned_buckets(buckets: int, world_size: int, rank: int) -> Tuple[int, int]:
@@ -53,10 +53,46 @@ def owned_buckets(buckets: int, world_size: int, rank: int) -> Tuple[int, int]:
     return rank * buckets // world_size, (rank + 1) * buckets // world_size
 
 
+def holding_ranks(table: str, plan: ParameterSharding | None, world_size: int) -> List[int]:
+    """The ranks a managed collision table's rows live on, in order: every rank (row-wise),
+    the plan's rank (table-wise) or the ranks of its node (table-row-wise)."""
+    if plan is None:
+        raise ValueError(f"table '{table}': the plan has no entry for this managed collision table")
+    if plan.sharding_type not in sharding_type_values(MC_SHARDING_TYPES):
+        raise ValueError(
+            f"table '{table}': managed collision tables are sharded "
+            f"{sorted(sharding_type_values(MC_SHARDING_TYPES))}, the plan says "
+            f"'{plan.sharding_type}'"
+        )
+    ranks = list(plan.ranks or [])
+    if not ranks and plan.shards:
+        ranks = [s.rank for s in plan.shards]
+    if not ranks and plan.sharding_type == ShardingType.ROW_WISE.value:
+        ranks = list(range(world_size))
+    if not ranks or any(not 0 <= r < world_size for r in ranks):
+        raise ValueError(f"table '{table}': the plan places it on ranks {ranks} of {world_size}")
+    return ranks
+
+
+def bucket_ranges(buckets: int, ranks: List[int], world_size: int) -> List[Tuple[int, int]]:
+    """Buckets `[first, last)` of every rank: split evenly over `ranks` in rank order, none
+    elsewhere (an empty range where the previous rank's ends, so the ranges tile in order)."""
+    holders = sorted(ranks)
+    out, end = [], 0
+    for rank in range(world_size):
+        if rank in holders:
+            first, end = owned_buckets(buckets, len(holders), holders.index(rank))
+            out.append((first, end))
+        else:
+            out.append((end, end))
+    return out
+
+
 def modules_for_world(
-    mcc: ManagedCollisionCollection, world_size: int
+    mcc: ManagedCollisionCollection, table_plans: EmbeddingModuleShardingPlan, world_size: int
 ) -> Dict[str, MCHManagedCollisionModule]:
-    """Each table's module with at least `world_size` buckets (see the module doc)."""
+    """Each table's module with at least as many buckets as ranks holding it (see the module
+    doc)."""
     out: Dict[str, MCHManagedCollisionModule] = {}
     for table, module in mcc.modules_by_table().items():
         if not isinstance(module, MCHManagedCollisionModule):
@@ -64,17 +100,18 @@ def modules_for_world(
                 f"table '{table}': sharded managed collision takes MCHManagedCollisionModule, "
                 f"got {type(module).__name__}"
             )
-        if module.buckets() < world_size:
+        holders = len(holding_ranks(table, table_plans.get(table), world_size))
+        if module.buckets() < holders:
             logger.warning(
                 "table '%s': managed collision module has %d bucket(s) for %d ranks; rebuilt "
                 "with %d buckets (it maps ids as the unsharded module with buckets=%d would)",
                 table,
                 module.buckets(),
-                world_size,
-                world_size,
-                world_size,
+                holders,
+                holders,
+                holders,
             )
-            module = module.rebucketed(world_size)
+            module = module.rebucketed(holders)
         out[table] = module
     return out
 
@@ -87,27 +124,26 @@ def bucket_aligned_plan(
     world_size: int,
     device_type: str,
 ) -> ParameterSharding:
-    """The table's row-wise plan with its shards cut at bucket boundaries."""
-    if plan is None:
-        raise ValueError(f"table '{table}': the plan has no entry for this managed collision table")
-    if plan.sharding_type not in sharding_type_values(MC_SHARDING_TYPES):
-        raise ValueError(
-            f"table '{table}': managed collision tables are sharded "
-            f"{sorted(sharding_type_values(MC_SHARDING_TYPES))}, the plan says "
-            f"'{plan.sharding_type}'"
-        )
+    """The table's plan as the row-wise plan the sharded collection runs: one shard per rank,
+    cut at bucket boundaries, empty on ranks that do not hold the table (table-wise: every row
+    on its rank; table-row-wise: the rows cut over its node's ranks)."""
+    ranges = bucket_ranges(module.buckets(), holding_ranks(table, plan, world_size), world_size)
+    assert plan is not None
     starts = bucket_row_starts(module.output_size(), module.buckets())
-    shards = []
-    for rank in range(world_size):
-        first, last = owned_buckets(module.buckets(), world_size, rank)
-        shards.append(
-            ShardMetadata(
-                [starts[first], 0],
-                [starts[last] - starts[first], embedding_dim],
-                f"rank:{rank}/{device_type}",
-            )
+    shards = [
+        ShardMetadata(
+            [starts[first], 0],
+            [starts[last] - starts[first], embedding_dim],
+            f"rank:{rank}/{device_type}",
         )
-    return dataclasses.replace(plan, ranks=list(range(world_size)), shards=shards)
+        for rank, (first, last) in enumerate(ranges)
+    ]
+    return dataclasses.replace(
+        plan,
+        sharding_type=ShardingType.ROW_WISE.value,
+        ranks=list(range(world_size)),
+        shards=shards,
+    )
 
 
 def route_to_owners(
@@ -146,17 +182,16 @@ class ShardedManagedCollisionCollection(nn.Module):
         device: torch.device,
         wire_features: List[str],
         is_weighted: bool,
+        ranges: Dict[str, List[Tuple[int, int]]],
     ) -> None:
+        """`ranges`: per table, the buckets `[first, last)` of every rank."""
         super().__init__()
         self.env, self._device = env, device
         self._owner = "ShardedManagedCollisionCollection"
         self._is_weighted = is_weighted
         world, rank = env.world_size, env.rank
         self._managed_collision_modules = nn.ModuleDict(
-            {
-                t: m.rebuild_with_bucket_range(*owned_buckets(m.buckets(), world, rank), device)
-                for t, m in modules.items()
-            }
+            {t: m.rebuild_with_bucket_range(*ranges[t][rank], device) for t, m in modules.items()}
         )
         self._feature_names = mcc.feature_names()
         self._feature_to_table = {
@@ -172,6 +207,19 @@ class ShardedManagedCollisionCollection(nn.Module):
             [m.input_size() for m in modules_list], dtype=torch.int64, device=device
         )
         self._buckets = torch.tensor([m.buckets() for m in modules_list], device=device)
+        # owner rank of every bucket of every table, tables one after another
+        owner_of_bucket = [
+            [r for r, (first, last) in enumerate(ranges[t]) for _ in range(first, last)]
+            for t in tables
+        ]
+        self._owner_of_bucket = torch.tensor(
+            [r for owners in owner_of_bucket for r in owners], dtype=torch.int64, device=device
+        )
+        self._first_owner = (
+            torch.tensor([0] + [len(owners) for owners in owner_of_bucket[:-1]], dtype=torch.int64)
+            .cumsum(0)
+            .to(device)
+        )
         self._hashed_features = {
             f for f in wire_features if self._table_of(f)._input_hash_func is not None
         }
@@ -227,9 +275,7 @@ class ShardedManagedCollisionCollection(nn.Module):
             for feature, part in zip(self._wire_features, ids.split(per_key)):
                 table = self._feature_to_table[feature]
                 self._table_of(feature).check_ids(part, f"table '{table}', feature '{feature}'")
-        # bucket b of B belongs to the rank r with r*B//W <= b < (r+1)*B//W (`owned_buckets`)
-        buckets = self._buckets[tables]
-        owners = ((ids % buckets + 1) * self.env.world_size - 1) // buckets
+        owners = self._owner_of_bucket[self._first_owner[tables] + ids % self._buckets[tables]]
         hashed_kjt = KeyedJaggedTensor(
             self._wire_features,
             ids,
@@ -312,9 +358,16 @@ class ManagedCollisionCollectionSharder:
         device: torch.device,
         wire_features: List[str],
         is_weighted: bool,
+        table_plans: EmbeddingModuleShardingPlan,
     ) -> ShardedManagedCollisionCollection:
+        ranges = {
+            t: bucket_ranges(
+                m.buckets(), holding_ranks(t, table_plans.get(t), env.world_size), env.world_size
+            )
+            for t, m in modules.items()
+        }
         return ShardedManagedCollisionCollection(
-            modules, module, env, device, wire_features, is_weighted
+            modules, module, env, device, wire_features, is_weighted, ranges
         )
 
     def bucket_aligned_plans(

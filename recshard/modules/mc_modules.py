@@ -113,7 +113,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
                 f"{label}: input_hash_size must be in [1, 2**63 - 1], got {input_hash_size}"
             )
         first, last = bucket_range if bucket_range is not None else (0, buckets)
-        if not 0 <= first < last <= buckets:
+        if not 0 <= first <= last <= buckets or (first == last and bucket_range is None):
             raise ValueError(f"{label}: bucket_range {bucket_range} is not inside [0, {buckets})")
         self._name = name
         self._label = label
@@ -428,14 +428,16 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self._input_hash_size):
             raise ValueError(f"{self._label}: the loaded state holds ids outside input_hash_size")
         bucket_of_row = torch.bucketize(
-            held, torch.tensor(self._bucket_starts[1:], device=held.device), right=True
+            held,
+            torch.tensor(self._bucket_starts[1:], dtype=torch.int64, device=held.device),
+            right=True,
         )
         if not torch.equal(self._local_bucket(ids), bucket_of_row):
             raise ValueError(
                 f"{self._label}: the loaded state places ids outside the rows of their bucket "
                 f"(saved with another `buckets` than {self._buckets}?)"
             )
-        reserved = torch.tensor(self._bucket_starts[1:], device=raw.device) - 1
+        reserved = torch.tensor(self._bucket_starts[1:], dtype=torch.int64, device=raw.device) - 1
         if bool((raw[reserved] != FREE).any()):
             raise ValueError(
                 f"{self._label}: the loaded state gives a bucket's reserved row to an id"
