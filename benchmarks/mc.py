@@ -27,7 +27,6 @@ from recshard.distributed.mc_embedding_modules import (
 )
 from recshard.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import (
-    column_wise,
     construct_module_sharding_plan,
     row_wise,
     table_row_wise,
@@ -75,7 +74,6 @@ def _plan(module: Any, sharder: Any, sharding: str) -> ShardingPlan:
     per_table = {
         "row_wise": lambda t: row_wise(),
         "table_wise": lambda t: table_wise(t % ws),
-        "column_wise": lambda t: column_wise(list(range(ws))),
         "table_row_wise": lambda t: table_row_wise(0),
     }[sharding]
     tables = {f"t{t}": per_table(t) for t in range(TABLES)}
@@ -186,8 +184,8 @@ def _measure(args: argparse.Namespace, zipf: bool) -> None:
 
 
 def _profile(model: DistributedModelParallel, batches: List[KeyedJaggedTensor], path: str) -> None:
-    """Rank 0 alone, a few more forward+backward steps under torch.profiler (the other rank is
-    not stepping: only for single-process plans... used with --world-size 1)."""
+    """The batches again, forward and backward under torch.profiler, on rank 0 alone: use it
+    with `--world-size 1` (other ranks would wait for rank 0's collectives)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], with_stack=False) as prof:
@@ -212,8 +210,10 @@ if __name__ == "__main__":
     parser.add_argument(
         "--sharding",
         default="row_wise",
-        choices=["row_wise", "table_wise", "column_wise", "table_row_wise"],
+        choices=["row_wise", "table_wise", "table_row_wise"],
     )
     parser.add_argument("--profile", default="", help="(with --world-size 1) profiler table file")
     parsed = parser.parse_args()
+    if parsed.profile and parsed.world_size != 1:
+        parser.error("--profile runs on rank 0 alone: use it with --world-size 1")
     run_on_ranks(main, parsed, parsed.world_size)
