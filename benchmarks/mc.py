@@ -1,9 +1,11 @@
-"""Managed collision step cost: the sharded MC-EBC against the plain sharded EBC (row-wise, the
-same tables), on 26 one-feature tables fed raw 64-bit ids (uniform or Zipf). Prints one JSON
-line per distribution (rank 0): median step ms of each, the overhead, the remap's share of
-the MC step, and the hit rate and evictions of the last steps.
+"""Managed collision step cost: the sharded MC-EBC against the plain sharded EBC with the same
+plan (row-wise unless `--sharding` says otherwise), on 26 one-feature tables fed raw 64-bit ids
+(uniform or Zipf). Prints one JSON line per distribution (rank 0): median step ms of the plain
+EBC, of MC steps without an eviction (tables filled by a warm-up eviction) and of MC steps with
+one, the overhead, the remap's share of an MC step, and the hit rate and evictions.
 
-    python -m benchmarks.mc --world-size 2 [--rows 10000 --batch 512 --steps 20]
+    python -m benchmarks.mc --world-size 2 [--rows 10000 --batch 256 --steps 20 --interval 5]
+    python -m benchmarks.mc --profile mc_profile.txt   # torch.profiler table of rank 0's steps
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Callable, List
+from typing import Any, Callable, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,12 @@ from recshard.distributed.mc_embedding_modules import (
     BaseShardedManagedCollisionEmbeddingCollection,
 )
 from recshard.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+from recshard.distributed.sharding_plan import (
+    construct_module_sharding_plan,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
 from recshard.modules import EmbeddingBagCollection, EmbeddingBagConfig
 from recshard.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 from recshard.modules.mc_modules import (
@@ -32,8 +40,9 @@ from recshard.modules.mc_modules import (
     MCHManagedCollisionModule,
 )
 from recshard.sparse import KeyedJaggedTensor
+from recshard.types import ShardingPlan
 
-TABLES, DIM, POOLING = 26, 64, 4
+TABLES, DIM, POOLING, WARMUP = 26, 64, 4, 3
 FUSED = {"optimizer": "exact_sgd", "learning_rate": 0.01}
 
 
@@ -50,7 +59,7 @@ def _batches(args: argparse.Namespace, zipf: bool) -> List[KeyedJaggedTensor]:
     lengths = torch.full((TABLES * args.batch,), POOLING)
     return [
         KeyedJaggedTensor.from_lengths_sync(keys, _raw_ids(gen, int(lengths.sum()), zipf), lengths)
-        for _ in range(args.steps + 3)
+        for _ in range(args.steps + WARMUP)
     ]
 
 
@@ -60,53 +69,58 @@ def _tables(rows: int) -> List[EmbeddingBagConfig]:
     ]
 
 
-def _time(step: Callable[[KeyedJaggedTensor], None], batches: List[KeyedJaggedTensor]) -> float:
-    for kjt in batches[:3]:
+def _plan(module: Any, sharder: Any, sharding: str) -> ShardingPlan:
+    ws = dist.get_world_size()
+    per_table = {
+        "row_wise": lambda t: row_wise(),
+        "table_wise": lambda t: table_wise(t % ws),
+        "table_row_wise": lambda t: table_row_wise(0),
+    }[sharding]
+    tables = {f"t{t}": per_table(t) for t in range(TABLES)}
+    return ShardingPlan(
+        {"": construct_module_sharding_plan(module, tables, sharder=sharder, world_size=ws)}
+    )
+
+
+def _time(
+    step: Callable[[KeyedJaggedTensor], None], batches: List[KeyedJaggedTensor]
+) -> List[float]:
+    for kjt in batches[:WARMUP]:
         step(kjt)
     times = []
-    for kjt in batches[3:]:
+    for kjt in batches[WARMUP:]:
         dist.barrier()
         start = time.perf_counter()
         step(kjt)
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return times
 
 
-def _measure(args: argparse.Namespace, zipf: bool) -> None:
-    """One JSON line (rank 0) for one id distribution."""
-    batches = _batches(args, zipf)
-    plain = DistributedModelParallel(
-        EmbeddingBagCollection(_tables(args.rows)),
-        sharders=[EmbeddingBagCollectionSharder(FUSED)],
-    )
-    folded = [
-        KeyedJaggedTensor.from_lengths_sync(b.keys(), b.values() % args.rows, b.lengths())
-        for b in batches
-    ]
-    plain_ms = _time(lambda kjt: plain(kjt).values().sum().backward(), folded)
+def _mc_model(args: argparse.Namespace) -> DistributedModelParallel:
     tables = _tables(args.rows)
+    ws = dist.get_world_size()
     mcc = ManagedCollisionCollection(
         {
             t.name: MCHManagedCollisionModule(
-                args.rows,
-                "cpu",
-                LFU_EvictionPolicy(),
-                args.interval,
-                buckets=dist.get_world_size(),
+                args.rows, "cpu", LFU_EvictionPolicy(), args.interval, buckets=ws
             )
             for t in tables
         },
         tables,
     )
-    model = DistributedModelParallel(
-        ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables), mcc),
-        sharders=[ManagedCollisionEmbeddingBagCollectionSharder(fused_params=FUSED)],
+    module = ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables), mcc)
+    sharder = ManagedCollisionEmbeddingBagCollectionSharder(fused_params=FUSED)
+    return DistributedModelParallel(
+        module, plan=_plan(module, sharder, args.sharding), sharders=[sharder]
     )
+
+
+def _timed_remap(model: DistributedModelParallel) -> Tuple[Any, List[float]]:
     sharded = next(
         m for m in model.modules() if isinstance(m, BaseShardedManagedCollisionEmbeddingCollection)
     )
-    remap = sharded._managed_collision_collection.remap
-    remap_ms: List[float] = []
+    mcc = sharded._managed_collision_collection
+    remap, remap_ms = mcc.remap, []
 
     def timed_remap(*a, **k):  # noqa: ANN002, ANN003, ANN202
         start = time.perf_counter()
@@ -114,31 +128,71 @@ def _measure(args: argparse.Namespace, zipf: bool) -> None:
         remap_ms.append((time.perf_counter() - start) * 1e3)
         return out
 
-    sharded._managed_collision_collection.remap = timed_remap
+    mcc.remap = timed_remap
+    return mcc, remap_ms
+
+
+def _measure(args: argparse.Namespace, zipf: bool) -> None:
+    """One JSON line (rank 0) for one id distribution."""
+    batches = _batches(args, zipf)
+    ebc = EmbeddingBagCollection(_tables(args.rows))
+    ebc_sharder = EmbeddingBagCollectionSharder(FUSED)
+    plain = DistributedModelParallel(
+        ebc, plan=_plan(ebc, ebc_sharder, args.sharding), sharders=[ebc_sharder]
+    )
+    folded = [
+        KeyedJaggedTensor.from_lengths_sync(b.keys(), b.values() % args.rows, b.lengths())
+        for b in batches
+    ]
+    plain_ms = statistics.median(_time(lambda kjt: plain(kjt).values().sum().backward(), folded))
+    model = _mc_model(args)
+    mcc, remap_ms = _timed_remap(model)
     mc_ms = _time(lambda kjt: model(kjt)[0].values().sum().backward(), batches)
-    metrics = [m.metrics() for m in sharded._managed_collision_collection.local_modules().values()]
+    remap_ms = remap_ms[WARMUP:]
+    # iteration k (1-based) evicts when k % interval == 0; timed steps are WARMUP+1 ...
+    evicts = [(WARMUP + 1 + s) % args.interval == 0 for s in range(len(mc_ms))]
+    quiet = [t for t, e in zip(mc_ms, evicts) if not e]
+    busy = [t for t, e in zip(mc_ms, evicts) if e]
+    quiet_remap = [t for t, e in zip(remap_ms, evicts) if not e]
+    metrics = [m.metrics() for m in mcc.local_modules().values()]
+    if args.profile and dist.get_rank() == 0:
+        _profile(model, batches, args.profile)
     if dist.get_rank() == 0:
         lookups = sum(m["lookups"] for m in metrics)
-        print(
-            json.dumps(
-                {
-                    "bench": "mc_step",
-                    "ids": "zipf" if zipf else "uniform",
-                    "world_size": dist.get_world_size(),
-                    "tables": TABLES,
-                    "rows": args.rows,
-                    "batch_per_rank": args.batch,
-                    "eviction_interval": args.interval,
-                    "plain_ebc_step_ms": round(plain_ms, 3),
-                    "mc_ebc_step_ms": round(mc_ms, 3),
-                    "overhead": round(mc_ms / plain_ms - 1, 3),
-                    "remap_share_of_mc_step": round(statistics.median(remap_ms[3:]) / mc_ms, 3),
-                    "hit_rate_rank0": round(sum(m["hits"] for m in metrics) / lookups, 3),
-                    "evicted_rank0": sum(int(m["evicted"]) for m in metrics),
-                }
-            ),
-            flush=True,
-        )
+        median = statistics.median
+        line = {
+            "bench": "mc_step",
+            "ids": "zipf" if zipf else "uniform",
+            "sharding": args.sharding,
+            "world_size": dist.get_world_size(),
+            "tables": TABLES,
+            "rows": args.rows,
+            "batch_per_rank": args.batch,
+            "eviction_interval": args.interval,
+            "plain_ebc_step_ms": round(plain_ms, 3),
+            "mc_step_ms": round(median(quiet), 3) if quiet else None,
+            "mc_evicting_step_ms": round(median(busy), 3) if busy else None,
+            "overhead": round(median(quiet) / plain_ms - 1, 3) if quiet else None,
+            "remap_share_of_mc_step": round(median(quiet_remap) / median(quiet), 3)
+            if quiet
+            else None,
+            "hit_rate_rank0": round(sum(m["hits"] for m in metrics) / lookups, 3),
+            "rows_in_use_rank0": sum(int(m["rows_in_use"]) for m in metrics),
+            "evicted_rank0": sum(int(m["evicted"]) for m in metrics),
+        }
+        print(json.dumps(line), flush=True)
+
+
+def _profile(model: DistributedModelParallel, batches: List[KeyedJaggedTensor], path: str) -> None:
+    """The batches again, forward and backward under torch.profiler, on rank 0 alone: use it
+    with `--world-size 1` (other ranks would wait for rank 0's collectives)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=False) as prof:
+        for kjt in batches[WARMUP:]:
+            model(kjt)[0].values().sum().backward()
+    with open(path, "w") as out:
+        out.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
 
 
 def main(args: argparse.Namespace) -> None:
@@ -150,8 +204,16 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--rows", type=int, default=10_000)
-    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--interval", type=int, default=1)
+    parser.add_argument("--interval", type=int, default=5)
+    parser.add_argument(
+        "--sharding",
+        default="row_wise",
+        choices=["row_wise", "table_wise", "table_row_wise"],
+    )
+    parser.add_argument("--profile", default="", help="(with --world-size 1) profiler table file")
     parsed = parser.parse_args()
+    if parsed.profile and parsed.world_size != 1:
+        parser.error("--profile runs on rank 0 alone: use it with --world-size 1")
     run_on_ranks(main, parsed, parsed.world_size)

@@ -13,11 +13,12 @@ Equals the unsharded `ManagedCollision*Collection` with the same buckets, step f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 from torch import nn
 
+from recshard.comm import SequenceEmbeddingsAllToAll
 from recshard.distributed.input_dist import EmbeddingModuleContext
 from recshard.distributed.mc_modules import (
     ManagedCollisionCollectionSharder,
@@ -41,6 +42,7 @@ from recshard.types import (
     ParameterSharding,
     ShardedModule,
     ShardingEnv,
+    ShardingType,
 )
 
 
@@ -50,20 +52,31 @@ class ManagedCollisionEmbeddingContext:
 
     embedding: EmbeddingModuleContext  # its `features`: the checked, hashed batch (wire order)
     evictions_per_table: Dict[str, torch.Tensor | None] = field(default_factory=dict)
+    # return_remapped_features: where this rank's ids went, the ids' all-to-all (its splits),
+    # what arrived here and their global rows
+    sent_to: torch.Tensor | None = None
+    a2a: Any = None
+    received_lengths: torch.Tensor | None = None
+    global_rows: torch.Tensor | None = None
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         self.embedding.record_stream(stream)
 
 
-class _WithoutRemapped(LazyAwaitable[Tuple[Any, None]]):
-    """`(embeddings, None)`, as the unsharded module returns without remapped features."""
+class _WithRemapped(LazyAwaitable[Tuple[Any, KeyedJaggedTensor | None]]):
+    """`(embeddings, remapped features or None)`, as the unsharded module returns."""
 
-    def __init__(self, embeddings: LazyAwaitable[Any]) -> None:
+    def __init__(
+        self,
+        embeddings: LazyAwaitable[Any],
+        remapped: Callable[[], KeyedJaggedTensor] | None,
+    ) -> None:
         super().__init__()
-        self._embeddings = embeddings
+        self._embeddings, self._remapped = embeddings, remapped
 
-    def _wait_impl(self) -> Tuple[Any, None]:
-        return self._embeddings.wait(), None
+    def _wait_impl(self) -> Tuple[Any, KeyedJaggedTensor | None]:
+        remapped = self._remapped() if self._remapped is not None else None
+        return self._embeddings.wait(), remapped
 
 
 class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
@@ -79,16 +92,10 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
         mc_sharder: ManagedCollisionCollectionSharder,
     ) -> None:
         super().__init__()
-        owner = type(module).__name__
-        if module._return_remapped_features:
-            raise ValueError(
-                f"{owner}: return_remapped_features=True is not supported sharded yet "
-                "(build the module with return_remapped_features=False)"
-            )
         device = torch.device(device or "cpu")
         mcc = module._managed_collision_collection
         configs = mcc.embedding_configs()
-        modules = modules_for_world(mcc, env.world_size)
+        modules = modules_for_world(mcc, table_plans, env.world_size)
         plans = mc_sharder.bucket_aligned_plans(
             modules, table_plans, {c.name: c.embedding_dim for c in configs}, env, device.type
         )
@@ -103,9 +110,14 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
             device,
             list(sharding.input_features),
             bool(getattr(module, "is_weighted", lambda: False)()),
+            table_plans,
         )
         self._configs = {c.name: c for c in configs}
         self._in_place_data = module._allow_in_place_embed_weight_update
+        self._return_remapped_features = module._return_remapped_features
+        wire = list(sharding.input_features)
+        self._rows_back = SequenceEmbeddingsAllToAll(env.pg, [len(wire)] * env.world_size, device)
+        self._remapped_order = [wire.index(f) for f in mcc.feature_names()]
 
     def create_context(self) -> ManagedCollisionEmbeddingContext:
         return ManagedCollisionEmbeddingContext(self._embedding_module.create_context())
@@ -115,11 +127,13 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         hashed, sent_to, pending = self._managed_collision_collection.input_dist(features)
         ctx.embedding.features = hashed
+        ctx.sent_to = sent_to
         (sharding_ctx,) = ctx.embedding.sharding_contexts
         self._before_send(sharding_ctx, hashed, sent_to)
 
         def start_tensors() -> Awaitable[KeyedJaggedTensor]:
             tensors = pending.wait()
+            ctx.a2a = tensors
             self._after_splits(sharding_ctx, tensors)
             return tensors
 
@@ -143,14 +157,51 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
         (sharding_ctx,) = ctx.embedding.sharding_contexts
         self._on_arrival(sharding_ctx, dist_input)
         local, evictions = self._managed_collision_collection.remap(dist_input)
+        if self._return_remapped_features:
+            ctx.received_lengths = dist_input.lengths()
+            ctx.global_rows = self._managed_collision_collection.global_rows(local)
         self._reset(evictions)
         ctx.evictions_per_table = evictions
         return self._embedding_module.compute(ctx.embedding, [local])
 
     def output_dist(
         self, ctx: ManagedCollisionEmbeddingContext, output: List[torch.Tensor]
-    ) -> LazyAwaitable[Tuple[Any, None]]:
-        return _WithoutRemapped(self._embedding_module.output_dist(ctx.embedding, output))
+    ) -> LazyAwaitable[Tuple[Any, KeyedJaggedTensor | None]]:
+        embeddings = self._embedding_module.output_dist(ctx.embedding, output)
+        if not self._return_remapped_features:
+            return _WithRemapped(embeddings, None)
+        return _WithRemapped(embeddings, self._send_rows_back(ctx))
+
+    def _send_rows_back(self, ctx: ManagedCollisionEmbeddingContext) -> Callable[[], Any]:
+        """Start sending each received id's global row back to the rank it came from (the
+        ids' all-to-all reversed, as the sequence output); returns the wait giving this rank's
+        remapped KJT (the unsharded module's keys, lengths and weights)."""
+        assert ctx.global_rows is not None and ctx.embedding.features is not None
+        a2a, features = ctx.a2a, ctx.embedding.features
+        with torch.no_grad():
+            pending = self._rows_back(
+                ctx.global_rows.unsqueeze(1),
+                ctx.received_lengths,
+                a2a.input_splits["values"],
+                a2a.output_splits["values"],
+                unbucketize_permute_tensor=ctx.sent_to,
+                batch_size_per_rank=a2a.stride_per_rank,
+                sparse_features_recat=a2a.recat,
+            )
+
+        def remapped() -> KeyedJaggedTensor:
+            rows = pending.wait().squeeze(1)
+            wire = KeyedJaggedTensor(
+                features.keys(),
+                rows,
+                features.weights_or_none(),
+                lengths=features.lengths(),
+                stride=features.stride(),
+                validate=False,
+            )
+            return wire.permute(self._remapped_order)
+
+        return remapped
 
     # ---------------------------------------------------------------- state
     # The tables' state is the sharded collection's, under `_embedding_module.`; the managed
@@ -198,6 +249,7 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
             shards = [
                 (s.shard_offsets[0], s.shard_sizes[0], s.rank)
                 for s in self.table_plan(table).shards or []
+                if s.shard_sizes[0] > 0  # ranks without rows of the table hold no shard
             ]
             for name, buffer in module.named_buffers(recurse=False):
                 key = f"{head}.{table}.{name}"
@@ -260,11 +312,14 @@ class BaseManagedCollisionEmbeddingCollectionSharder(ModuleSharder[Any]):
         self._mc_sharder = mc_sharder or ManagedCollisionCollectionSharder()
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        offered = set(self._e_sharder.sharding_types(compute_device_type))
-        return sorted(offered & set(self._mc_sharder.sharding_types(compute_device_type)))
+        """The managed collision sharder's types if the tables can be sharded row-wise: every
+        one runs as a row-wise plan cut at bucket boundaries (`bucket_aligned_plan`)."""
+        if ShardingType.ROW_WISE.value not in self._e_sharder.sharding_types(compute_device_type):
+            return []
+        return self._mc_sharder.sharding_types(compute_device_type)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return self._e_sharder.compute_kernels(sharding_type, compute_device_type)
+        return self._e_sharder.compute_kernels(ShardingType.ROW_WISE.value, compute_device_type)
 
     def shardable_parameters(
         self, module: BaseManagedCollisionEmbeddingCollection

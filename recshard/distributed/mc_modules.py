@@ -25,6 +25,7 @@ from torch import nn
 
 from recshard.comm import KJTAllToAll
 from recshard.modules.input_checks import check_dtypes_and_weights, check_features, check_one_batch
+from recshard.modules.mc_fused import FusedRemap
 from recshard.modules.mc_modules import (
     ManagedCollisionCollection,
     MCHManagedCollisionModule,
@@ -44,7 +45,7 @@ from recshard.types import (
 
 logger = logging.getLogger(__name__)
 
-MC_SHARDING_TYPES = [ShardingType.ROW_WISE]
+MC_SHARDING_TYPES = [ShardingType.ROW_WISE, ShardingType.TABLE_WISE, ShardingType.TABLE_ROW_WISE]
 
 
 def owned_buckets(buckets: int, world_size: int, rank: int) -> Tuple[int, int]:
@@ -52,10 +53,46 @@ def owned_buckets(buckets: int, world_size: int, rank: int) -> Tuple[int, int]:
     return rank * buckets // world_size, (rank + 1) * buckets // world_size
 
 
+def holding_ranks(table: str, plan: ParameterSharding | None, world_size: int) -> List[int]:
+    """The ranks a managed collision table's rows live on, in order: every rank (row-wise),
+    the plan's rank (table-wise) or the ranks of its node (table-row-wise)."""
+    if plan is None:
+        raise ValueError(f"table '{table}': the plan has no entry for this managed collision table")
+    if plan.sharding_type not in sharding_type_values(MC_SHARDING_TYPES):
+        raise ValueError(
+            f"table '{table}': managed collision tables are sharded "
+            f"{sorted(sharding_type_values(MC_SHARDING_TYPES))}, the plan says "
+            f"'{plan.sharding_type}'"
+        )
+    ranks = list(plan.ranks or [])
+    if not ranks and plan.shards:
+        ranks = [s.rank for s in plan.shards]
+    if not ranks and plan.sharding_type == ShardingType.ROW_WISE.value:
+        ranks = list(range(world_size))
+    if not ranks or any(not 0 <= r < world_size for r in ranks):
+        raise ValueError(f"table '{table}': the plan places it on ranks {ranks} of {world_size}")
+    return ranks
+
+
+def bucket_ranges(buckets: int, ranks: List[int], world_size: int) -> List[Tuple[int, int]]:
+    """Buckets `[first, last)` of every rank: split evenly over `ranks` in rank order, none
+    elsewhere (an empty range where the previous rank's ends, so the ranges tile in order)."""
+    holders = sorted(ranks)
+    out, end = [], 0
+    for rank in range(world_size):
+        if rank in holders:
+            first, end = owned_buckets(buckets, len(holders), holders.index(rank))
+            out.append((first, end))
+        else:
+            out.append((end, end))
+    return out
+
+
 def modules_for_world(
-    mcc: ManagedCollisionCollection, world_size: int
+    mcc: ManagedCollisionCollection, table_plans: EmbeddingModuleShardingPlan, world_size: int
 ) -> Dict[str, MCHManagedCollisionModule]:
-    """Each table's module with at least `world_size` buckets (see the module doc)."""
+    """Each table's module with at least as many buckets as ranks holding it (see the module
+    doc)."""
     out: Dict[str, MCHManagedCollisionModule] = {}
     for table, module in mcc.modules_by_table().items():
         if not isinstance(module, MCHManagedCollisionModule):
@@ -63,17 +100,18 @@ def modules_for_world(
                 f"table '{table}': sharded managed collision takes MCHManagedCollisionModule, "
                 f"got {type(module).__name__}"
             )
-        if module.buckets() < world_size:
+        holders = len(holding_ranks(table, table_plans.get(table), world_size))
+        if module.buckets() < holders:
             logger.warning(
                 "table '%s': managed collision module has %d bucket(s) for %d ranks; rebuilt "
                 "with %d buckets (it maps ids as the unsharded module with buckets=%d would)",
                 table,
                 module.buckets(),
-                world_size,
-                world_size,
-                world_size,
+                holders,
+                holders,
+                holders,
             )
-            module = module.rebucketed(world_size)
+            module = module.rebucketed(holders)
         out[table] = module
     return out
 
@@ -86,27 +124,26 @@ def bucket_aligned_plan(
     world_size: int,
     device_type: str,
 ) -> ParameterSharding:
-    """The table's row-wise plan with its shards cut at bucket boundaries."""
-    if plan is None:
-        raise ValueError(f"table '{table}': the plan has no entry for this managed collision table")
-    if plan.sharding_type not in sharding_type_values(MC_SHARDING_TYPES):
-        raise ValueError(
-            f"table '{table}': managed collision tables are sharded "
-            f"{sorted(sharding_type_values(MC_SHARDING_TYPES))}, the plan says "
-            f"'{plan.sharding_type}'"
-        )
+    """The table's plan as the row-wise plan the sharded collection runs: one shard per rank,
+    cut at bucket boundaries, empty on ranks that do not hold the table (table-wise: every row
+    on its rank; table-row-wise: the rows cut over its node's ranks)."""
+    ranges = bucket_ranges(module.buckets(), holding_ranks(table, plan, world_size), world_size)
+    assert plan is not None
     starts = bucket_row_starts(module.output_size(), module.buckets())
-    shards = []
-    for rank in range(world_size):
-        first, last = owned_buckets(module.buckets(), world_size, rank)
-        shards.append(
-            ShardMetadata(
-                [starts[first], 0],
-                [starts[last] - starts[first], embedding_dim],
-                f"rank:{rank}/{device_type}",
-            )
+    shards = [
+        ShardMetadata(
+            [starts[first], 0],
+            [starts[last] - starts[first], embedding_dim],
+            f"rank:{rank}/{device_type}",
         )
-    return dataclasses.replace(plan, ranks=list(range(world_size)), shards=shards)
+        for rank, (first, last) in enumerate(ranges)
+    ]
+    return dataclasses.replace(
+        plan,
+        sharding_type=ShardingType.ROW_WISE.value,
+        ranks=list(range(world_size)),
+        shards=shards,
+    )
 
 
 def route_to_owners(
@@ -145,34 +182,70 @@ class ShardedManagedCollisionCollection(nn.Module):
         device: torch.device,
         wire_features: List[str],
         is_weighted: bool,
+        ranges: Dict[str, List[Tuple[int, int]]],
     ) -> None:
+        """`ranges`: per table, the buckets `[first, last)` of every rank."""
         super().__init__()
         self.env, self._device = env, device
         self._owner = "ShardedManagedCollisionCollection"
         self._is_weighted = is_weighted
         world, rank = env.world_size, env.rank
         self._managed_collision_modules = nn.ModuleDict(
-            {
-                t: m.rebuild_with_bucket_range(*owned_buckets(m.buckets(), world, rank), device)
-                for t, m in modules.items()
-            }
+            {t: m.rebuild_with_bucket_range(*ranges[t][rank], device) for t, m in modules.items()}
         )
         self._feature_names = mcc.feature_names()
         self._feature_to_table = {
             f: c.name for c in mcc.embedding_configs() for f in c.feature_names
         }
         self._wire_features = wire_features
-        self._owner_of_bucket = {
-            t: torch.tensor(
-                [r for r in range(world) for _ in range(*owned_buckets(m.buckets(), world, r))],
-                dtype=torch.int64,
-            )
-            for t, m in modules.items()
+        modules_list = list(self._managed_collision_modules.values())
+        tables = list(self._managed_collision_modules)
+        self._table_index = {t: k for k, t in enumerate(tables)}
+        wire_tables = [self._table_index[self._feature_to_table[f]] for f in wire_features]
+        self._wire_tables = torch.tensor(wire_tables, dtype=torch.int64, device=device)
+        self._hash_sizes = torch.tensor(
+            [m.input_size() for m in modules_list], dtype=torch.int64, device=device
+        )
+        self._buckets = torch.tensor([m.buckets() for m in modules_list], device=device)
+        # owner rank of every bucket of every table, tables one after another
+        owner_of_bucket = [
+            [r for r, (first, last) in enumerate(ranges[t]) for _ in range(first, last)]
+            for t in tables
+        ]
+        self._owner_of_bucket = torch.tensor(
+            [r for owners in owner_of_bucket for r in owners], dtype=torch.int64, device=device
+        )
+        self._first_owner = (
+            torch.tensor([0] + [len(owners) for owners in owner_of_bucket[:-1]], dtype=torch.int64)
+            .cumsum(0)
+            .to(device)
+        )
+        self._hashed_features = {
+            f for f in wire_features if self._table_of(f)._input_hash_func is not None
         }
+        self._remapper = FusedRemap(modules_list, device)
+        self._row_offsets = torch.tensor(
+            [m.row_range()[0] for m in modules_list], dtype=torch.int64, device=device
+        )
         self._kjt_a2a = KJTAllToAll(env.pg, [len(wire_features)] * world)
 
     def local_modules(self) -> Dict[str, MCHManagedCollisionModule]:
         return dict(self._managed_collision_modules.items())  # type: ignore[arg-type]
+
+    def _table_of(self, feature: str) -> MCHManagedCollisionModule:
+        return self._managed_collision_modules[self._feature_to_table[feature]]  # type: ignore
+
+    def _tables_of_ids(self, keys: List[str], lengths_per_key: List[int]) -> torch.Tensor:
+        """Module index of each id `[N]` of a KJT with these keys."""
+        index = self._wire_tables
+        if keys != self._wire_features:
+            index = torch.tensor(
+                [self._table_index[self._feature_to_table[k]] for k in keys],
+                dtype=torch.int64,
+                device=self._wire_tables.device,
+            )
+        counts = torch.tensor(lengths_per_key, device=index.device)
+        return torch.repeat_interleave(index, counts, output_size=sum(lengths_per_key))
 
     def _hashed_and_owners(
         self, features: KeyedJaggedTensor
@@ -186,28 +259,32 @@ class ShardedManagedCollisionCollection(nn.Module):
         keys = features.keys()
         if keys != self._wire_features:
             features = features.permute([keys.index(f) for f in self._wire_features])
-        values, owners = [], []
-        for feature, ids in zip(
-            self._wire_features, features.values().split(features.length_per_key())
-        ):
-            table = self._feature_to_table[feature]
-            module = self._managed_collision_modules[table]
-            hashed = module.preprocess(
-                {feature: JaggedTensor(ids, lengths=torch.tensor([ids.numel()]))}
-            )
-            ids = hashed[feature].values()
-            module.check_ids(ids, f"table '{table}', feature '{feature}'")
-            values.append(ids)
-            owners.append(self._owner_of_bucket[table].to(ids.device)[ids % module.buckets()])
+        per_key = features.length_per_key()
+        ids = features.values().to(torch.int64)
+        if self._hashed_features:
+            parts = list(ids.split(per_key))
+            for k, feature in enumerate(self._wire_features):
+                if feature in self._hashed_features:
+                    hashed = self._table_of(feature).preprocess(
+                        {feature: JaggedTensor(parts[k], lengths=torch.tensor([per_key[k]]))}
+                    )
+                    parts[k] = hashed[feature].values()
+            ids = torch.cat(parts) if parts else ids
+        tables = self._tables_of_ids(self._wire_features, per_key)
+        if ids.numel() and bool(((ids < 0) | (ids >= self._hash_sizes[tables])).any()):
+            for feature, part in zip(self._wire_features, ids.split(per_key)):
+                table = self._feature_to_table[feature]
+                self._table_of(feature).check_ids(part, f"table '{table}', feature '{feature}'")
+        owners = self._owner_of_bucket[self._first_owner[tables] + ids % self._buckets[tables]]
         hashed_kjt = KeyedJaggedTensor(
             self._wire_features,
-            torch.cat(values) if values else features.values(),
+            ids,
             features.weights_or_none(),
             lengths=features.lengths(),
             stride=features.stride(),
             validate=False,
         )
-        return hashed_kjt, torch.cat(owners) if owners else features.values()
+        return hashed_kjt, owners
 
     def input_dist(
         self, features: KeyedJaggedTensor
@@ -235,29 +312,36 @@ class ShardedManagedCollisionCollection(nn.Module):
     ) -> Tuple[KeyedJaggedTensor, Dict[str, torch.Tensor | None]]:
         """Count (training) and remap the ids routed here: (local rows in the received layout,
         per table the local rows given to new ids, or None)."""
-        keys = received.keys()
-        per_key = list(received.values().split(received.length_per_key()))
+        keys, per_key = received.keys(), received.length_per_key()
+        ids = received.values()
+        if self.training:
+            chunks = ids.split(per_key)
+            per_table: Dict[str, List[torch.Tensor]] = {}
+            for key, chunk in zip(keys, chunks):
+                per_table.setdefault(self._feature_to_table[key], []).append(chunk)
+            for table, parts in per_table.items():
+                module = self._managed_collision_modules[table]
+                module.count(torch.cat(parts) if len(parts) > 1 else parts[0])  # type: ignore
+        rows = self._remapper.remap(ids, self._tables_of_ids(keys, per_key))
         evictions: Dict[str, torch.Tensor | None] = {}
         for table, module in self._managed_collision_modules.items():
-            positions = [k for k, f in enumerate(keys) if self._feature_to_table[f] == table]
-            if not positions:
-                continue
-            ids = torch.cat([per_key[k] for k in positions])
-            module.profile({table: JaggedTensor(ids, lengths=torch.tensor([ids.numel()]))})
-            rows = module.remap_ids(ids) - module.row_range()[0]
-            for k, part in zip(positions, rows.split([per_key[k].numel() for k in positions])):
-                per_key[k] = part
-            evicted = module.evict()
-            evictions[table] = None if evicted is None else evicted - module.row_range()[0]
+            evicted = module.evict()  # type: ignore[operator]
+            offset = module.row_range()[0]  # type: ignore[operator]
+            evictions[table] = None if evicted is None else evicted - offset
         local = KeyedJaggedTensor(
             keys,
-            torch.cat(per_key) if per_key else received.values(),
+            rows,
             received.weights_or_none(),
             lengths=received.lengths(),
             stride=received.stride(),
             validate=False,
         )
         return local, evictions
+
+    def global_rows(self, local: KeyedJaggedTensor) -> torch.Tensor:
+        """The table rows `[N]` of `remap`'s local rows (its output KJT)."""
+        tables = self._tables_of_ids(local.keys(), local.length_per_key())
+        return local.values() + self._row_offsets[tables]
 
 
 class ManagedCollisionCollectionSharder:
@@ -274,9 +358,16 @@ class ManagedCollisionCollectionSharder:
         device: torch.device,
         wire_features: List[str],
         is_weighted: bool,
+        table_plans: EmbeddingModuleShardingPlan,
     ) -> ShardedManagedCollisionCollection:
+        ranges = {
+            t: bucket_ranges(
+                m.buckets(), holding_ranks(t, table_plans.get(t), env.world_size), env.world_size
+            )
+            for t, m in modules.items()
+        }
         return ShardedManagedCollisionCollection(
-            modules, module, env, device, wire_features, is_weighted
+            modules, module, env, device, wire_features, is_weighted, ranges
         )
 
     def bucket_aligned_plans(

@@ -36,8 +36,10 @@ from recshard.modules.mc_base import (
     with_values,
 )
 from recshard.modules.mc_collection import ManagedCollisionCollection
+from recshard.modules.mc_compete import contest, lowest_ranked, merge_sorted
 from recshard.modules.mc_eviction import (
     COUNTS,
+    LAST_ACCESS,
     DistanceLFU_EvictionPolicy,
     LFU_EvictionPolicy,
     LRU_EvictionPolicy,
@@ -51,7 +53,7 @@ from recshard.sparse import JaggedTensor
 
 logger = logging.getLogger(__name__)
 
-_COUNTERS = ("lookups", "hits", "admitted", "evicted")
+_COUNTERS = ("admitted", "evicted")
 
 __all__ = [
     "FREE",
@@ -111,7 +113,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
                 f"{label}: input_hash_size must be in [1, 2**63 - 1], got {input_hash_size}"
             )
         first, last = bucket_range if bucket_range is not None else (0, buckets)
-        if not 0 <= first < last <= buckets:
+        if not 0 <= first <= last <= buckets or (first == last and bucket_range is None):
             raise ValueError(f"{label}: bucket_range {bucket_range} is not inside [0, {buckets})")
         self._name = name
         self._label = label
@@ -146,6 +148,9 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         self._history: List[Tuple[torch.Tensor, int]] = []
         self._evicted_rows: List[torch.Tensor] = []
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        # ids remapped and, of them, ids holding a row, since the last metrics(reset=True)
+        self._lookup_counts = torch.zeros(2, dtype=torch.int64, device=dev)
+        self._index_epoch = 0
         self._rebuild_index()
         self.register_load_state_dict_post_hook(lambda module, _keys: module.validate_state())
 
@@ -182,12 +187,14 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         """Since the last reset: `lookups` (ids remapped), `hits` (of them, ids holding a row),
         `hit_rate`, `admitted` (ids given a row), `evicted` (ids that lost theirs); and now:
         `rows_in_use`, `open_slots`. Counts this module's buckets only (a rank's, sharded)."""
-        out: Dict[str, float] = dict(self._counters)
+        lookups, hits = self._lookup_counts.tolist()
+        out: Dict[str, float] = {"lookups": lookups, "hits": hits, **self._counters}
         out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
         out["rows_in_use"] = self.rows_in_use()
         out["open_slots"] = int(self.open_slots())
         if reset:
             self._counters = dict.fromkeys(_COUNTERS, 0)
+            self._lookup_counts.zero_()
         return out
 
     def rows_in_use(self) -> int:
@@ -217,16 +224,20 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
             )
 
     def profile(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
-        if not self.training:
-            return features
+        if self.training:
+            values = [jt.values() for jt in features.values()]
+            self.count(torch.cat(values) if len(values) != 1 else values[0])
+        return features
+
+    def count(self, ids: torch.Tensor) -> None:
+        """One training iteration's ids `[N]` (of this module's buckets): counted, and the
+        eviction run when the iteration is a multiple of `eviction_interval`."""
         self._ensure_index()
-        self._current_iter_tensor += 1
+        self._current_iter_tensor.add_(1)
         current = int(self._current_iter_tensor)
-        for jt in features.values():
-            self._history.append((jt.values().detach().to(torch.int64), current))
+        self._history.append((ids.detach().to(torch.int64), current))
         if current % self._eviction_interval == 0:
             self._coalesce_and_evict(current)
-        return features
 
     def remap(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
         return {name: with_values(jt, self.remap_ids(jt.values())) for name, jt in features.items()}
@@ -235,17 +246,26 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         """Global row of each id `[N]` (ids of this module's buckets only)."""
         self._ensure_index()
         ids = ids.to(torch.int64)
-        self._counters["lookups"] += ids.numel()
+        default = self._default_rows[self._local_bucket(ids)]
         if self._sorted_ids.numel() == 0:
-            return self._default_rows[self._local_bucket(ids)]
+            self._lookup_counts[0] += ids.numel()
+            return default
         position = torch.searchsorted(self._sorted_ids, ids).clamp_(
             max=self._sorted_ids.numel() - 1
         )
         hit = self._sorted_ids[position] == ids
-        self._counters["hits"] += int(hit.sum())
-        return torch.where(
-            hit, self._sorted_rows[position], self._default_rows[self._local_bucket(ids)]
-        )
+        self._lookup_counts[0] += ids.numel()
+        self._lookup_counts[1] += hit.sum()
+        return torch.where(hit, self._sorted_rows[position], default)
+
+    def sorted_index(self) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        """(ids holding rows, sorted; their local rows; a number that changes when they do)."""
+        self._ensure_index()
+        return self._sorted_ids, self._sorted_rows - self._row_offset, self._index_epoch
+
+    def default_rows(self) -> torch.Tensor:
+        """Local reserved row of each of this module's buckets `[buckets held]`."""
+        return self._default_rows - self._row_offset
 
     def forward(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
         """`{name: JaggedTensor of raw ids}` -> the same with rows as values."""
@@ -272,77 +292,113 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
 
     @torch.no_grad()
     def _coalesce_and_evict(self, current_iter: int) -> None:
+        """The ids seen since the last eviction update the metadata of the rows they hold, or
+        compete for their bucket's rows; the sorted index is updated in place (merged)."""
         if not self._history:
             return
-        ids = torch.cat([h for h, _ in self._history])
-        seen_at = torch.cat([torch.full_like(h, it) for h, it in self._history])
-        self._history = []
+        ids = torch.cat([h for h, _ in self._history]) if len(self._history) > 1 else None
+        if ids is None:
+            ids = self._history[0][0]
         unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        last_seen = torch.zeros_like(unique).scatter_reduce_(
-            0, inverse, seen_at, "amax", include_self=False
-        )
+        seen = {COUNTS: counts}
+        if LAST_ACCESS in self._eviction_policy.metadata_names:
+            seen_at = torch.cat([torch.full_like(h, it) for h, it in self._history])
+            seen[LAST_ACCESS] = torch.zeros_like(unique).scatter_reduce_(
+                0, inverse, seen_at, "amax", include_self=False
+            )
+        self._history = []
         bucket = self._local_bucket(unique)
+        passed = self._threshold_passed(bucket, counts)
+        if passed is not None:
+            unique, bucket = unique[passed], bucket[passed]
+            seen = {name: v[passed] for name, v in seen.items()}
+        held = self._sorted_ids.numel()
+        if held:
+            position = torch.searchsorted(self._sorted_ids, unique).clamp_(max=held - 1)
+            hit = self._sorted_ids[position] == unique
+            hit_rows = self._sorted_rows[position[hit]] - self._row_offset
+            for name, buffer in self.metadata().items():
+                if name == COUNTS:
+                    buffer[hit_rows] += seen[COUNTS][hit]
+                else:
+                    buffer[hit_rows] = seen[name][hit]
+            new = ~hit
+            unique, bucket = unique[new], bucket[new]
+            seen = {name: v[new] for name, v in seen.items()}
+        if unique.numel() == 0:
+            return
+        changes = [
+            self._compete(b, current_iter, unique[mine], {n: v[mine] for n, v in seen.items()})
+            for b in torch.unique(bucket).tolist()
+            for mine in [bucket == b]
+        ]
+        rows = torch.cat([rows for rows, _ in changes])
+        if rows.numel():
+            self._replace_ids(rows, torch.cat([new_ids for _, new_ids in changes]))
+
+    def _threshold_passed(self, bucket: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """Mask of the ids the policy's threshold filter lets through, bucket by bucket."""
+        threshold = self._eviction_policy.threshold_filtering_func
+        if threshold is None:
+            return None
+        passed = torch.zeros_like(counts, dtype=torch.bool)
         for b in torch.unique(bucket).tolist():
             mine = bucket == b
-            self._compete(b, current_iter, unique[mine], counts[mine], last_seen[mine])
-        self._rebuild_index()
+            passed[mine] = threshold(counts[mine])[0]
+        return passed
 
     def _compete(
-        self,
-        bucket: int,
-        current_iter: int,
-        ids: torch.Tensor,
-        counts: torch.Tensor,
-        last_seen: torch.Tensor,
-    ) -> None:
-        """Ids seen in one bucket (`[U]`, sorted) update their rows' metadata or compete for
-        the bucket's rows (all but its reserved last row)."""
+        self, bucket: int, current_iter: int, ids: torch.Tensor, seen: Dict[str, torch.Tensor]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """New ids of one bucket (`[M]`, sorted, holding no row) compete with the ids holding
+        the bucket's rows (all but its reserved last row). Returns (local rows given to new
+        ids, those ids); metadata written here, ids by `_replace_ids`."""
         policy = self._eviction_policy
-        if policy.threshold_filtering_func is not None:
-            passed, _ = policy.threshold_filtering_func(counts)
-            ids, counts, last_seen = ids[passed], counts[passed], last_seen[passed]
         start = self._bucket_starts[bucket]
         slots = self._bucket_starts[bucket + 1] - 1 - start
-        if slots == 0 or ids.numel() == 0:
-            return
-        # rows holding ids, ordered by raw id (free rows last, in row order)
-        order = start + torch.argsort(self._mch_raw_ids[start : start + slots], stable=True)
-        held = self._mch_raw_ids[order]
-        position = torch.searchsorted(held, ids).clamp_(max=slots - 1)
-        hit = held[position] == ids
-        seen = {COUNTS: counts, "last_access_iter": last_seen}
-        meta = self.metadata()
-        hit_rows = order[position[hit]]
-        for name, buffer in meta.items():
-            if name == COUNTS:
-                buffer[hit_rows] += counts[hit]
-            else:
-                buffer[hit_rows] = seen[name][hit]
-        by_count = torch.argsort(counts[~hit], descending=True, stable=True)
-        new_ids = ids[~hit][by_count]
-        new_meta = {name: seen[name][~hit][by_count] for name in meta}
-        scores = torch.cat(
-            [
-                policy.eviction_scores(current_iter, {n: b[order] for n, b in meta.items()}),
-                policy.eviction_scores(current_iter, new_meta),
-            ]
+        empty = ids[:0]
+        if slots == 0:
+            return empty, empty
+        by_count = torch.argsort(seen[COUNTS], descending=True, stable=True)
+        new_ids = ids[by_count]
+        new_meta = {name: seen[name][by_count] for name in self.metadata()}
+        meta = {n: b[start : start + slots] for n, b in self.metadata().items()}
+        row_scores = policy.eviction_scores(current_iter, meta)
+        candidates = lowest_ranked(
+            row_scores, self._mch_raw_ids[start : start + slots], min(new_ids.numel(), slots)
         )
-        ranked = torch.argsort(scores, descending=True, stable=True)
-        kept, dropped = ranked[:slots], ranked[slots:]
-        evicted = order[dropped[dropped < slots]]
-        admitted = kept[kept >= slots] - slots
-        if evicted.numel() != admitted.numel():
+        lose, win = contest(
+            row_scores[candidates], policy.eviction_scores(current_iter, new_meta), slots
+        )
+        evicted = start + candidates[lose]
+        if evicted.numel() != win.numel():
             raise RuntimeError(
-                f"{self._label}: eviction paired {evicted.numel()} rows with {admitted.numel()} ids"
+                f"{self._label}: eviction paired {evicted.numel()} rows with {win.numel()} ids"
             )
         if evicted.numel() == 0:
-            return
+            return empty, empty
         self._counters["admitted"] += evicted.numel()
         self._counters["evicted"] += int((self._mch_raw_ids[evicted] != FREE).sum())
-        self._mch_raw_ids[evicted] = new_ids[admitted]
-        for name, buffer in meta.items():
-            buffer[evicted] = new_meta[name][admitted]
-        self._evicted_rows.append(evicted + self._row_offset)
+        for name, buffer in self.metadata().items():
+            buffer[evicted] = new_meta[name][win]
+        return evicted, new_ids[win]
+
+    @torch.no_grad()
+    def _replace_ids(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """Local `rows` now hold `ids`: the state, the sorted index (merged, not rebuilt) and
+        the rows to reset."""
+        global_rows = rows + self._row_offset
+        old_ids = self._mch_raw_ids[rows]
+        old_ids = old_ids[old_ids != FREE]
+        keep = torch.ones_like(self._sorted_ids, dtype=torch.bool)
+        keep[torch.searchsorted(self._sorted_ids, old_ids)] = False  # each old id is there
+        self._sorted_ids, self._sorted_rows = merge_sorted(
+            self._sorted_ids[keep], self._sorted_rows[keep], ids, global_rows
+        )
+        self._mch_raw_ids[rows] = ids
+        self._index_version = self._mch_raw_ids._version
+        self._index_epoch += 1
+        self._evicted_rows.append(global_rows)
 
     @torch.no_grad()
     def _rebuild_index(self) -> None:
@@ -352,6 +408,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         self._sorted_ids = ids[order]
         self._sorted_rows = held[order] + self._row_offset
         self._index_version = self._mch_raw_ids._version
+        self._index_epoch += 1
 
     def _ensure_index(self) -> None:
         """Rows written from outside (a checkpoint loaded into the buffer in place, e.g. by
@@ -371,14 +428,16 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self._input_hash_size):
             raise ValueError(f"{self._label}: the loaded state holds ids outside input_hash_size")
         bucket_of_row = torch.bucketize(
-            held, torch.tensor(self._bucket_starts[1:], device=held.device), right=True
+            held,
+            torch.tensor(self._bucket_starts[1:], dtype=torch.int64, device=held.device),
+            right=True,
         )
         if not torch.equal(self._local_bucket(ids), bucket_of_row):
             raise ValueError(
                 f"{self._label}: the loaded state places ids outside the rows of their bucket "
                 f"(saved with another `buckets` than {self._buckets}?)"
             )
-        reserved = torch.tensor(self._bucket_starts[1:], device=raw.device) - 1
+        reserved = torch.tensor(self._bucket_starts[1:], dtype=torch.int64, device=raw.device) - 1
         if bool((raw[reserved] != FREE).any()):
             raise ValueError(
                 f"{self._label}: the loaded state gives a bucket's reserved row to an id"

@@ -13,7 +13,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_mc_benchmark_runs_small() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.mc", "--rows", "500", "--batch", "16", "--steps", "3"],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.mc",
+            "--rows",
+            "64",
+            "--batch",
+            "16",
+            "--steps",
+            "4",
+            "--interval",
+            "2",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -23,6 +35,10 @@ def test_mc_benchmark_runs_small() -> None:
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert [line["ids"] for line in lines] == ["uniform", "zipf"]
     for line in lines:
-        assert line["plain_ebc_step_ms"] > 0 and line["mc_ebc_step_ms"] > 0
+        assert (
+            line["plain_ebc_step_ms"] > 0
+            and line["mc_step_ms"] > 0
+            and line["mc_evicting_step_ms"] > 0
+        )
         assert 0 < line["remap_share_of_mc_step"] < 1
     assert lines[1]["evicted_rank0"] > 0

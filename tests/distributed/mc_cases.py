@@ -40,7 +40,13 @@ def _reset_init(w: torch.Tensor) -> None:
 class SparseModel(nn.Module):
     """An MC-EBC and a loss that weights every output column differently."""
 
-    def __init__(self, buckets: int, lru: bool = False, zch: Tuple[int, int] = (23, 17)) -> None:
+    def __init__(
+        self,
+        buckets: int,
+        lru: bool = False,
+        zch: Tuple[int, int] = (23, 17),
+        return_remapped: bool = False,
+    ) -> None:
         super().__init__()
         tables = [
             EmbeddingBagConfig(zch[0], 4, name="t0", feature_names=["a", "b"], init_fn=_reset_init),
@@ -77,11 +83,12 @@ class SparseModel(nn.Module):
             },
             tables,
         )
-        self.sparse = ManagedCollisionEmbeddingBagCollection(ebc, mcc)
+        self.sparse = ManagedCollisionEmbeddingBagCollection(ebc, mcc, return_remapped)
         self.register_buffer("mix", torch.linspace(-1.0, 1.0, 11))
+        self.remapped: KeyedJaggedTensor | None = None  # the last forward's, if returned
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
-        pooled, _ = self.sparse(kjt)
+        pooled, self.remapped = self.sparse(kjt)
         return pooled.values() * self.mix
 
 
@@ -116,7 +123,7 @@ def kjt_of(parts: List[Dict[str, List[List[int]]]]) -> KeyedJaggedTensor:
 class SequenceModel(nn.Module):
     """An MC-EC (one row per id) over the same ids; LRU and LFU tables."""
 
-    def __init__(self, buckets: int) -> None:
+    def __init__(self, buckets: int, return_remapped: bool = False) -> None:
         super().__init__()
         tables = [
             EmbeddingConfig(19, 4, name="t0", feature_names=["a", "b"], init_fn=_reset_init),
@@ -137,9 +144,10 @@ class SequenceModel(nn.Module):
             },
             tables,
         )
-        self.sparse = ManagedCollisionEmbeddingCollection(ec, mcc)
+        self.sparse = ManagedCollisionEmbeddingCollection(ec, mcc, return_remapped)
         self.register_buffer("mix", torch.linspace(-1.0, 1.0, 4))
+        self.remapped: KeyedJaggedTensor | None = None  # the last forward's, if returned
 
     def forward(self, kjt: KeyedJaggedTensor) -> Dict[str, torch.Tensor]:
-        rows, _ = self.sparse(kjt)
+        rows, self.remapped = self.sparse(kjt)
         return {f: rows[f].values() * self.mix * (k + 1) for k, f in enumerate(KEYS)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import tempfile
 from typing import List
 
+import pytest
 import torch
 from mc_cases import LR, SparseModel, kjt_of, local_ids
 from multiprocess import run_ranks
@@ -16,29 +17,47 @@ from recshard.distributed.mc_embedding_modules import (
     BaseShardedManagedCollisionEmbeddingCollection,
 )
 from recshard.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+from recshard.distributed.sharding_plan import (
+    construct_module_sharding_plan,
+    table_row_wise,
+    table_wise,
+)
+from recshard.types import ShardingPlan
 
 SAVED_AT, BEFORE, AFTER = 2, 8, 4
 
 
-def _dmp() -> DistributedModelParallel:
+def _dmp(ws: int = 0, placed: bool = False) -> DistributedModelParallel:
+    """The planner's plan, or (`placed`) t0 table-wise on the last rank, t1 table-row-wise."""
     sharder = ManagedCollisionEmbeddingBagCollectionSharder(
         fused_params={"optimizer": "exact_sgd", "learning_rate": LR}
     )
-    return DistributedModelParallel(SparseModel(6), sharders=[sharder])
+    model = SparseModel(6)
+    plan = None
+    if placed:
+        per_table = {"t0": table_wise(ws - 1), "t1": table_row_wise(0)}
+        plan = ShardingPlan(
+            {
+                "sparse": construct_module_sharding_plan(
+                    model.sparse, per_table, sharder=sharder, world_size=ws
+                )
+            }
+        )
+    return DistributedModelParallel(model, plan=plan, sharders=[sharder])
 
 
 def _global_batch(step: int, ws: int):
     return kjt_of([local_ids(step, r) for r in range(ws)])
 
 
-def _train_and_save(rank: int, ws: int, path: str) -> None:
-    dmp = _dmp()
+def _train_and_save(rank: int, ws: int, path: str, placed: bool) -> None:
+    dmp = _dmp(ws, placed)
     for step in range(BEFORE):
         dmp(kjt_of([local_ids(step, rank)])).sum().backward()
     checkpoint.save(path, dmp)
 
 
-def _load_and_go_on(rank: int, ws: int, path: str) -> List[str]:
+def _load_and_go_on(rank: int, ws: int, path: str, placed: bool) -> List[str]:
     """The reference trains unsharded on the saving run's global batches, then on this run's."""
     reference = SparseModel(6)
     opt = torch.optim.SGD(reference.parameters(), lr=LR)
@@ -46,7 +65,7 @@ def _load_and_go_on(rank: int, ws: int, path: str) -> List[str]:
         opt.zero_grad()
         (reference(_global_batch(step, SAVED_AT)).sum() / SAVED_AT).backward()
         opt.step()
-    dmp = _dmp()
+    dmp = _dmp(ws, placed)
     checkpoint.load(path, dmp)
     sharded = next(
         m for m in dmp.modules() if isinstance(m, BaseShardedManagedCollisionEmbeddingCollection)
@@ -77,11 +96,15 @@ def _load_and_go_on(rank: int, ws: int, path: str) -> List[str]:
     return problems
 
 
-def test_saved_at_two_ranks_loads_at_one_and_three() -> None:
+@pytest.mark.parametrize("placed", [False, True])
+def test_saved_at_two_ranks_loads_at_one_and_three(placed: bool) -> None:
+    """Planner plans; or table-wise / table-row-wise tables (saved with rank 0 holding no row
+    of t0, loaded with all of t0 on the last rank)."""
     with tempfile.TemporaryDirectory() as path:
-        run_ranks(SAVED_AT, _train_and_save, path, timeout=180)
+        run_ranks(SAVED_AT, _train_and_save, path, placed, timeout=180)
         for ws in (1, 3):
-            for rank, problems in enumerate(run_ranks(ws, _load_and_go_on, path, timeout=180)):
+            results = run_ranks(ws, _load_and_go_on, path, placed, timeout=180)
+            for rank, problems in enumerate(results):
                 assert not problems, f"world size {ws}, rank {rank}: {problems}"
 
 

@@ -6,11 +6,11 @@ Reference: the unsharded model trained in one process on the concatenated global
 
 from __future__ import annotations
 
-from typing import List
+from typing import Any, Dict, List
 
 import pytest
 import torch
-from mc_cases import LR, SequenceModel, SparseModel, kjt_of, local_ids
+from mc_cases import KEYS, LR, SequenceModel, SparseModel, kjt_of, local_ids
 from multiprocess import run_ranks
 
 from recshard.distributed import DistributedModelParallel
@@ -19,7 +19,13 @@ from recshard.distributed.mc_embedding_modules import (
     BaseShardedManagedCollisionEmbeddingCollection,
 )
 from recshard.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
-from recshard.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+from recshard.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
 from recshard.types import ShardingPlan
 
 STEPS = 12
@@ -38,13 +44,20 @@ def _sharded(dmp: DistributedModelParallel) -> BaseShardedManagedCollisionEmbedd
 
 
 def _compare(
-    rank: int, ws: int, model_buckets: int, ref_buckets: int, use_planner: bool, lru: bool
+    rank: int,
+    ws: int,
+    model_buckets: int,
+    ref_buckets: int,
+    use_planner: bool,
+    lru: bool,
+    per_table: Dict[str, Any] | None = None,
 ) -> List[str]:
-    reference, model = SparseModel(ref_buckets, lru), SparseModel(model_buckets, lru)
+    reference = SparseModel(ref_buckets, lru, return_remapped=True)
+    model = SparseModel(model_buckets, lru, return_remapped=True)
     sharder = _sharder()
     plan = None
     if not use_planner:
-        per_table = {"t0": row_wise(), "t1": row_wise()}
+        per_table = per_table or {"t0": row_wise(), "t1": row_wise()}
         module_plan = construct_module_sharding_plan(
             model.sparse, per_table, sharder=sharder, world_size=ws
         )
@@ -65,6 +78,14 @@ def _compare(
         want = ref_out.detach()[rank * 4 : (rank + 1) * 4]
         if not torch.allclose(out.detach(), want, atol=1e-5):
             problems.append(f"step {step}: outputs differ by {(out - want).abs().max():.3g}")
+        assert model.remapped is not None and reference.remapped is not None
+        for f in KEYS:
+            before = sum(len(bag) for r in range(rank) for bag in parts[r][f])
+            mine = model.remapped[f].values()
+            if not torch.equal(
+                mine, reference.remapped[f].values()[before : before + mine.numel()]
+            ):
+                problems.append(f"step {step}, feature {f}: remapped rows differ")
         ref_mcc = reference.sparse._managed_collision_collection.modules_by_table()
         for table, local in sharded._managed_collision_collection.local_modules().items():
             lo, hi = local.row_range()
@@ -87,7 +108,8 @@ def _compare(
 def test_sharded_equals_unsharded_with_evictions(ws: int) -> None:
     """6 buckets serve 1, 2 and 3 ranks; zch sizes 23 and 17 are multiples of none; one
     table LFU every 2 steps, one DistanceLFU every step (MEAN pooled); then LRU, the plan from
-    the planner, and TorchRec's default buckets=1 (rebuilt with one bucket per rank)."""
+    the planner, TorchRec's default buckets=1 (rebuilt with one bucket per rank), and
+    table-wise / table-row-wise tables beside row-wise ones."""
 
     results = run_ranks(ws, _cases, timeout=240)
     for rank, found in enumerate(results):
@@ -100,15 +122,30 @@ def _cases(rank: int, ws: int) -> dict:
         "manual plan": _compare(rank, ws, 6, 6, False, False),
         "planner, LRU": _compare(rank, ws, 6, 6, True, True),
         "buckets=1": _compare(rank, ws, 1, ws, False, False),
+        "table-wise and row-wise": _compare(
+            rank, ws, 6, 6, False, False, {"t0": table_wise(ws - 1), "t1": row_wise()}
+        ),
+        "table-wise, table-row-wise": _compare(
+            rank, ws, 6, 6, False, True, {"t0": table_row_wise(0), "t1": table_wise(0)}
+        ),
     }
 
 
-def _compare_sequence(rank: int, ws: int) -> List[str]:
-    reference, model = SequenceModel(6), SequenceModel(6)
+def _compare_sequence(rank: int, ws: int, placed: bool) -> List[str]:
+    """Rows per id and the remapped features (this rank's ids' table rows) as unsharded; the
+    planner's plan, or t0 table-wise on the last rank and t1 table-row-wise."""
+    reference, model = SequenceModel(6, True), SequenceModel(6, True)
     sharder = ManagedCollisionEmbeddingCollectionSharder(
         fused_params={"optimizer": "exact_sgd", "learning_rate": LR}
     )
-    dmp = DistributedModelParallel(model, sharders=[sharder])
+    plan = None
+    if placed:
+        per_table = {"t0": table_wise(ws - 1), "t1": table_row_wise(0)}
+        module_plan = construct_module_sharding_plan(
+            model.sparse, per_table, sharder=sharder, world_size=ws
+        )
+        plan = ShardingPlan({"sparse": module_plan})
+    dmp = DistributedModelParallel(model, plan=plan, sharders=[sharder])
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     problems: List[str] = []
     for step in range(STEPS):
@@ -124,20 +161,41 @@ def _compare_sequence(rank: int, ws: int) -> List[str]:
             want = ref_out[f].detach()[before : before + values.size(0)]
             if values.shape != want.shape or not torch.allclose(values.detach(), want, atol=1e-5):
                 problems.append(f"step {step}, feature {f}: rows differ")
+            remapped, ref_remapped = model.remapped, reference.remapped
+            assert remapped is not None and ref_remapped is not None
+            want_rows = ref_remapped[f].values()[before : before + values.size(0)]
+            if not torch.equal(remapped[f].values(), want_rows):
+                problems.append(f"step {step}, feature {f}: remapped rows differ")
+            want_lengths = ref_remapped[f].lengths()[rank * 4 : (rank + 1) * 4]
+            if not torch.equal(remapped[f].lengths(), want_lengths):
+                problems.append(f"step {step}, feature {f}: remapped lengths differ")
+        if model.remapped is not None and model.remapped.keys() != ref_remapped.keys():
+            problems.append(f"remapped keys {model.remapped.keys()} != {ref_remapped.keys()}")
     mcc = reference.sparse._managed_collision_collection.modules_by_table()
     if not all(m.rows_in_use() > 0 for m in mcc.values()):
         problems.append("a table never gave an id a row: the test exercised nothing")
     return problems
 
 
+@pytest.mark.parametrize("placed", [False, True])
 @pytest.mark.parametrize("ws", [1, 2, 3])
-def test_sharded_mc_ec_equals_unsharded(ws: int) -> None:
-    for rank, problems in enumerate(run_ranks(ws, _compare_sequence, timeout=180)):
+def test_sharded_mc_ec_equals_unsharded(ws: int, placed: bool) -> None:
+    for rank, problems in enumerate(run_ranks(ws, _compare_sequence, placed, timeout=180)):
         assert not problems, f"rank {rank}: {problems}"
 
 
-def _bad_batch(rank: int, ws: int) -> str:
-    dmp = DistributedModelParallel(SparseModel(6), sharders=[_sharder()])
+def _bad_batch(rank: int, ws: int, placed: bool) -> str:
+    model, sharder, plan = SparseModel(6), _sharder(), None
+    if placed:  # t1, where the bad id is, lives on rank 0 only
+        per_table = {"t0": table_row_wise(0), "t1": table_wise(0)}
+        plan = ShardingPlan(
+            {
+                "sparse": construct_module_sharding_plan(
+                    model.sparse, per_table, sharder=sharder, world_size=ws
+                )
+            }
+        )
+    dmp = DistributedModelParallel(model, plan=plan, sharders=[sharder])
     parts = local_ids(0, rank)
     if rank == ws - 1:
         parts["c"][1] = [-5]
@@ -148,16 +206,24 @@ def _bad_batch(rank: int, ws: int) -> str:
     return "no error"
 
 
-def test_a_bad_id_on_one_rank_stops_every_rank() -> None:
-    messages = run_ranks(2, _bad_batch, timeout=120)
+@pytest.mark.parametrize("placed", [False, True])
+def test_a_bad_id_on_one_rank_stops_every_rank(placed: bool) -> None:
+    messages = run_ranks(2, _bad_batch, placed, timeout=120)
     assert messages[1].startswith("ValueError: table 't1', feature 'c': id -5 is outside [0, ")
     assert messages[0].startswith("RuntimeError: rank 1 rejected its input: table 't1'")
 
 
 def _fused_state_reset(rank: int, ws: int) -> List[str]:
     """Rows whose id changed in a step hold zero row-wise Adagrad state after it (before the
-    backward), and some of them held state before."""
-    dmp = DistributedModelParallel(SparseModel(6), sharders=[_sharder("exact_row_wise_adagrad")])
+    backward), and some of them held state before (row-wise: every rank holds rows of t1)."""
+    model, sharder = SparseModel(6), _sharder("exact_row_wise_adagrad")
+    per_table = {"t0": row_wise(), "t1": row_wise()}
+    module_plan = construct_module_sharding_plan(
+        model.sparse, per_table, sharder=sharder, world_size=ws
+    )
+    dmp = DistributedModelParallel(
+        model, plan=ShardingPlan({"sparse": module_plan}), sharders=[sharder]
+    )
     sharded = _sharded(dmp)
     local = sharded._managed_collision_collection.local_modules()["t1"]
     for step in range(6):
@@ -185,9 +251,9 @@ def test_eviction_zeroes_fused_optimizer_state() -> None:
         assert not problems, f"rank {rank}: {problems}"
 
 
-def test_only_row_wise_plans_are_accepted() -> None:
+def test_column_wise_plans_are_refused() -> None:
     model = SparseModel(6)
-    with pytest.raises(ValueError, match="row_wise"):
+    with pytest.raises(ValueError, match="table_row_wise"):
         construct_module_sharding_plan(
-            model.sparse, {"t0": table_wise(0)}, sharder=_sharder(), world_size=1
+            model.sparse, {"t0": column_wise([0])}, sharder=_sharder(), world_size=1
         )

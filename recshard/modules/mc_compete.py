@@ -1,0 +1,72 @@
+"""One bucket's eviction contest, in linear passes over its rows (no sort of the whole bucket).
+
+The contest ranks every entry by score, highest first, ties by entry order: the bucket's rows
+ordered by the raw id they hold (free rows last, by row), then the new ids by count (highest
+first, ties by id), as `tests/modules/mc_reference.py` spells out in plain Python. The first
+`slots` entries keep or get a row; the rest lose it. Only the `K = min(new, slots)`
+lowest-ranked rows can lose theirs, so those are found with a selection (`kthvalue`, `topk`)
+and only they and the new ids are sorted.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from recshard.modules.mc_base import FREE
+
+
+def lowest_ranked(scores: torch.Tensor, raw_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the `k` lowest-ranked of a bucket's rows (`scores [S]`, `raw_ids [S]`: the
+    id each holds, `FREE` if none), in rank order (highest first)."""
+    free = raw_ids == FREE
+    if k >= scores.numel():
+        chosen = torch.arange(scores.numel(), device=scores.device)
+    else:
+        threshold = torch.kthvalue(scores, k).values
+        below = (scores < threshold).nonzero().squeeze(1)
+        tied = scores == threshold
+        need = k - below.numel()
+        # of the tied, the latest entries rank lowest: free rows (the last by row), then held
+        # rows by raw id, highest first
+        tied_free = (tied & free).nonzero().squeeze(1)
+        parts = [below, tied_free[max(tied_free.numel() - need, 0) :]]
+        if need > tied_free.numel():
+            tied_held = (tied & ~free).nonzero().squeeze(1)
+            top = torch.topk(raw_ids[tied_held], need - tied_free.numel()).indices
+            parts.append(tied_held[top])
+        chosen = torch.cat(parts)
+    held = chosen[~free[chosen]]
+    by_entry = torch.cat([held[torch.argsort(raw_ids[held])], chosen[free[chosen]].sort().values])
+    return by_entry[torch.argsort(scores[by_entry], descending=True, stable=True)]
+
+
+def contest(
+    row_scores: torch.Tensor, new_scores: torch.Tensor, slots: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`row_scores [K]` (candidate rows, in rank order) against `new_scores [M]` (new ids, in
+    entry order) for all but `slots - K` of a bucket's rows. Returns (positions in the candidates
+    of the rows that lose theirs, positions in the new ids of the ids that get them), paired in
+    rank order."""
+    k = row_scores.numel()
+    ranked = torch.argsort(torch.cat([row_scores, new_scores]), descending=True, stable=True)
+    kept, dropped = ranked[:k], ranked[k:]
+    return dropped[dropped < k], kept[kept >= k] - k
+
+
+def merge_sorted(
+    keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Two key-sorted arrays (with a value per key) merged into one, in O(len) passes."""
+    order = torch.argsort(new_keys)
+    new_keys, new_values = new_keys[order], new_values[order]
+    total = keys.numel() + new_keys.numel()
+    at = torch.searchsorted(keys, new_keys) + torch.arange(new_keys.numel(), device=keys.device)
+    old = torch.ones(total, dtype=torch.bool, device=keys.device)
+    old[at] = False
+    merged_keys = torch.empty(total, dtype=keys.dtype, device=keys.device)
+    merged_values = torch.empty(total, dtype=values.dtype, device=keys.device)
+    merged_keys[at], merged_values[at] = new_keys, new_values
+    merged_keys[old], merged_values[old] = keys, values
+    return merged_keys, merged_values
