@@ -209,14 +209,15 @@ def compare(args: argparse.Namespace) -> None:
                                 **ranks[0]["profile"],
                             )
                         )
-                    runs[(plan, loop)][side].append(
-                        dict(
-                            step=None if args.profile else _slowest_median(ranks),
-                            faults=max(r.get("faults_per_step", 0) for r in ranks),
-                            rss=max(r.get("peak_rss_mb", 0) for r in ranks),
-                            kinds=ranks[0].get("sharding_types", []),
-                        )
+                        continue
+                    run = dict(
+                        step=_slowest_median(ranks),
+                        faults=max(r["faults_per_step"] for r in ranks),
+                        rss=max(r["peak_rss_mb"] for r in ranks),
+                        kinds=ranks[0]["sharding_types"],
                     )
+                    runs[(plan, loop)][side].append(run)
+                    emit(dict(bench="dlrm_run", library=side, plan=plan, loop=loop, **run))
     finally:
         if server is not None:
             server.close()
