@@ -5,12 +5,11 @@ A sharded CPU step allocates tens of MB of temporaries (kernel outputs, autograd
 and gradients, the ids' sort in the fused backward) and frees them at its end. Under glibc's
 defaults the freed top of the heap is trimmed (`brk` down) once it passes the trim threshold
 and allocations over the (dynamic) mmap threshold are mmapped and unmapped each time: every
-step then page-faults ~30 MB in again (the DLRM step of `benchmarks/dlrm_compare.py`: ~7,800
-faults per step on rank 0, ~130 with the setting below). `keep_step_buffers_in_heap` sets,
-once per process, what `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` would: buffers
-under 32 MiB (glibc's largest mmap threshold) come from the heap, and the heap is never
-trimmed, so a step reuses the pages the step before it freed. Bigger buffers (tables) are
-still mmapped and go back to the system when freed.
+step then page-faults its temporaries in again (measured in `benchmarks/README.md`).
+`keep_step_buffers_in_heap` sets, once per process, what `MALLOC_MMAP_THRESHOLD_` /
+`MALLOC_TRIM_THRESHOLD_` would: buffers under 32 MiB (glibc's largest mmap threshold) come
+from the heap, and the heap is never trimmed, so a step reuses the pages the step before it
+freed. Bigger buffers (tables) are still mmapped and go back to the system when freed.
 
 Best effort and glibc only. A process whose environment sets any glibc malloc variable
 (`MALLOC_*_` or `GLIBC_TUNABLES` with `glibc.malloc.`) keeps its own choice: nothing is
