@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from recshard.lookup import heap
+
 ROOT = Path(__file__).resolve().parents[2]
 # Allocates and frees four 12 MiB buffers per "step" (touching every page), as a training
 # step's temporaries; prints the page faults of steps 2-5 (step 1 may fault them in once).
@@ -73,10 +75,22 @@ def test_a_cpu_lookup_sets_it() -> None:
     assert result["set"] and result["faults_per_step"] < PAGES_PER_STEP / 8, result
 
 
+def test_the_environment_s_choice_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert not heap.user_chose_malloc_settings()
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.rtld.optional_static_tls=1")
+    assert not heap.user_chose_malloc_settings()
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
+    assert heap.user_chose_malloc_settings()
+    monkeypatch.delenv("MALLOC_MMAP_MAX_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=131072")
+    assert heap.user_chose_malloc_settings()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_the_environment_s_choice_wins() -> None:
-    chosen = _probe("heap", MALLOC_TRIM_THRESHOLD_="131072")
-    assert not chosen["set"], chosen
     tunables = _probe("heap", GLIBC_TUNABLES="glibc.malloc.trim_threshold=131072")
     assert not tunables["set"], tunables
     assert tunables["faults_per_step"] > PAGES_PER_STEP / 4, tunables
