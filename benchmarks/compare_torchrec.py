@@ -64,18 +64,18 @@ CASES = {
 
 
 class TorchRecServer:
-    """TorchRec's side: one long-lived VENV python serving one run per request."""
+    """TorchRec's side: one long-lived VENV python running `side`, one run per request."""
 
-    def __init__(self, venv: Path) -> None:
+    def __init__(self, venv: Path, side: Path = TORCHREC_SIDE) -> None:
         python = venv / "bin" / "python"
         if not python.exists():
             raise SystemExit(f"--venv {venv}: no {python} (recipe in ../shared/TARGETS.md)")
         self._proc = subprocess.Popen(
-            [str(python), str(TORCHREC_SIDE)],
+            [str(python), str(side)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            cwd=TORCHREC_SIDE.parent,
+            cwd=side.parent,
         )
 
     def run(self, request: Dict[str, Any]) -> List[Dict[str, Any]]:

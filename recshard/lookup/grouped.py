@@ -20,6 +20,7 @@ from torch import nn
 
 from recshard.comm import buffers
 from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fused_params
+from recshard.lookup.heap import keep_step_buffers_in_heap
 from recshard.lookup.kernels import DenseKernel, FbgemmFusedKernel, LookupKernel, TorchFusedKernel
 from recshard.lookup.key_value import KeyValueKernel
 from recshard.lookup.tables import LocalTable, group_key
@@ -144,6 +145,8 @@ class GroupedLookup(nn.Module):
         self.side_by_side = threads > 1 and sum(k.is_fused for k in self.kernels) > 1
         self.tables: List[LocalTable] = [t for k in self.kernels for t in k.tables]
         self._features_per_kernel = [len(k.feature_table) for k in self.kernels]
+        if device.type == "cpu":  # after the weights: tables keep their own mappings
+            keep_step_buffers_in_heap()
 
     @property
     def feature_names(self) -> List[str]:
