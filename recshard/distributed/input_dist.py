@@ -22,7 +22,7 @@ import torch
 
 from recshard.comm.verdict import exchange_verdict
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
-from recshard.modules.embedding_modules import embedding_names
+from recshard.modules.embedding_tables import embedding_names
 from recshard.modules.input_checks import (
     bounds_check,
     check_dtypes_and_weights,

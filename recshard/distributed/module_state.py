@@ -28,7 +28,7 @@ from recshard.lookup.grouped import GroupedLookup, uses_fbgemm
 from recshard.lookup.key_value import check_storage
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
-from recshard.modules.embedding_modules import embedding_names
+from recshard.modules.embedding_tables import embedding_names
 from recshard.optim.apply_optimizer_in_backward import fused_params_for
 from recshard.optim.clipping import mark_sharded
 from recshard.optim.fused import FusedOptimizer

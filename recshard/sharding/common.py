@@ -28,7 +28,7 @@ from torch import nn
 
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE, BaseEmbeddingConfig, PoolingType
-from recshard.modules.embedding_modules import embedding_names
+from recshard.modules.embedding_tables import embedding_names
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import (
     Awaitable,
