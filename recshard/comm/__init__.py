@@ -22,7 +22,7 @@ from recshard.comm.dist_data import (  # noqa: F401
     SequenceEmbeddingsAllToAll,
     VariableBatchPooledEmbeddingsAllToAll,
 )
-from recshard.comm.kjt_all_to_all import (  # noqa: F401
+from recshard.comm.kjt import (  # noqa: F401
     KJTAllToAll,
     KJTAllToAllSplitsAwaitable,
     KJTAllToAllTensorsAwaitable,

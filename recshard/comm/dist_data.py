@@ -14,7 +14,6 @@ from torch import nn
 
 from recshard.comm.codecs import QuantizedCommCodecs
 from recshard.comm.column_blocks import Block, check_blocks
-from recshard.comm.kjt_all_to_all import get_recat
 from recshard.comm.ops import (
     all_gather_base_pooled,
     alltoall_pooled,
@@ -24,6 +23,7 @@ from recshard.comm.ops import (
     variable_batch_alltoall_pooled,
 )
 from recshard.comm.pg import HoldsGroup
+from recshard.comm.recat import get_recat
 from recshard.types import Awaitable
 
 Callback = Callable[[torch.Tensor], torch.Tensor]
