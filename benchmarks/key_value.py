@@ -24,7 +24,7 @@ from typing import Dict, List
 import torch
 
 from recshard import EmbeddingBagConfig, KeyedJaggedTensor
-from recshard.lookup.fused_params import parse_fused_params
+from recshard.lookup.fused_params import FusedParams
 from recshard.lookup.kernels import LookupKernel, TorchFusedKernel
 from recshard.lookup.key_value import KeyValueKernel, dram_bytes
 from recshard.lookup.tables import LocalTable
@@ -49,7 +49,9 @@ def _table(args: argparse.Namespace, kernel: EmbeddingComputeKernel, fused: Dict
     config = EmbeddingBagConfig(
         num_embeddings=args.rows, embedding_dim=args.dim, name="t", feature_names=["f"]
     )
-    return LocalTable(config, args.rows, args.dim, 0, 0, kernel, config.pooling, fused)
+    return LocalTable(
+        config, args.rows, args.dim, 0, 0, kernel, config.pooling, FusedParams.parse(fused, "t")
+    )
 
 
 def _map_buffers(kernel: TorchFusedKernel, directory: str) -> None:
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace, tier: str) -> Dict:
         "ssd_storage_directory": directory,
         "cache_load_factor": args.load_factor,
     }
-    spec = parse_fused_params(fused, "t")
+    spec = FusedParams.parse(fused, "t").optim
     kind = EmbeddingComputeKernel.KEY_VALUE if tier == "row_cache" else EmbeddingComputeKernel.FUSED
     table = _table(args, kind, fused)
     g = torch.Generator().manual_seed(0)

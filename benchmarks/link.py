@@ -19,6 +19,7 @@ DDP's gradient all-reduce does not go through `wait_work` and is not counted.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -30,8 +31,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 import torch
+import torch.distributed as dist
 
-import recshard.comm.kjt_all_to_all as kjt_all_to_all
+import recshard.comm.kjt as kjt_a2a
 import recshard.comm.request as request
 
 LINK_ENV = "RECSHARD_LINK"
@@ -77,6 +79,12 @@ def loopback_bytes() -> int:
 def link_label() -> str:
     """The rate this process's loopback is shaped to, or "unshaped"."""
     return os.environ.get(LINK_ENV, UNSHAPED)
+
+
+def emit(record: Dict[str, object]) -> None:
+    """One JSON line on stdout (rank 0's only, under torchrun), with the link it ran on."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(json.dumps({**record, "link": link_label()}), flush=True)
 
 
 def _check_shaped(rate: str) -> None:
@@ -147,7 +155,7 @@ class WaitTimes:
 class CollectiveWaitClock:
     """Times every `wait_work` call (see the module docstring) while installed."""
 
-    _MODULES = (request, kjt_all_to_all)
+    _MODULES = (request, kjt_a2a)
 
     def __init__(self) -> None:
         self.times = WaitTimes()

@@ -44,14 +44,12 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.ebc_workload import CRITEO_KAGGLE_ROWS
 from benchmarks.launch import run_on_ranks
 from benchmarks.link import (
     CollectiveWaitClock,
@@ -61,126 +59,13 @@ from benchmarks.link import (
     loopback_bytes,
     relaunch_under_link,
 )
-from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
-from recshard.comm.codecs import get_qcomm_codecs_registry
+from benchmarks.pipeline_model import Batch, build, make_batches
+from recshard import KeyedJaggedTensor, KeyedTensor
 from recshard.comm.request import comm_payload_bytes, reset_comm_payload_bytes
-from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
-from recshard.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from recshard.distributed import DistributedModelParallel
 from recshard.distributed.train_pipeline import TrainPipelineSemiSync, TrainPipelineSparseDist
-from recshard.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
-from recshard.types import ShardingPlan
 
 LOOPS = ["plain", "pipelined", "semi_sync", "semi_sync_reference"]
-
-
-@dataclass
-class Batch:
-    dense_features: torch.Tensor
-    sparse_features: KeyedJaggedTensor
-    labels: torch.Tensor
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
-        return Batch(
-            self.dense_features.to(device, non_blocking=non_blocking),
-            self.sparse_features.to(device, non_blocking=non_blocking),
-            self.labels.to(device, non_blocking=non_blocking),
-        )
-
-    def pin_memory(self) -> Batch:
-        return Batch(
-            self.dense_features.pin_memory(),
-            self.sparse_features.pin_memory(),
-            self.labels.pin_memory(),
-        )
-
-    def record_stream(self, stream: torch.Stream) -> None:
-        for t in (self.dense_features, self.labels):
-            if t.is_cuda:
-                t.record_stream(stream)
-        self.sparse_features.record_stream(stream)
-
-
-def _mlp(sizes: List[int]) -> nn.Sequential:
-    layers: List[nn.Module] = []
-    for a, b in zip(sizes[:-1], sizes[1:]):
-        layers += [nn.Linear(a, b), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
-
-
-class Model(nn.Module):
-    """dense MLP + one EBC (many ids per feature, narrow tables) + over MLP -> (loss, output)."""
-
-    def __init__(self, tables: List[EmbeddingBagConfig], dense_in: int, hidden: int) -> None:
-        super().__init__()
-        dim = tables[0].embedding_dim
-        self.ebc = EmbeddingBagCollection(tables)
-        self.dense = _mlp([dense_in, hidden, dim])
-        self.over = _mlp([dim * (len(tables) + 1), hidden, hidden, 1])
-
-    def forward(self, batch: Batch) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-        x = torch.cat(
-            [self.dense(batch.dense_features), self.ebc(batch.sparse_features).values()], 1
-        )
-        logits = self.over(x).squeeze(1)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
-        return loss, (loss.detach(), logits.detach())
-
-
-def _tables(args: argparse.Namespace) -> List[EmbeddingBagConfig]:
-    return [
-        EmbeddingBagConfig(
-            num_embeddings=min(args.rows, CRITEO_KAGGLE_ROWS[i % 26]),
-            embedding_dim=args.dim,
-            name=f"t{i}",
-            feature_names=[f"f{i}"],
-        )
-        for i in range(args.features)
-    ]
-
-
-def _build(args: argparse.Namespace, world_size: int) -> Tuple[DistributedModelParallel, Any]:
-    torch.manual_seed(0)
-    model = Model(_tables(args), args.dense_in, args.hidden)
-    per_table = {f"t{i}": table_wise(i % world_size) for i in range(args.features)}
-    plan = ShardingPlan(
-        {"ebc": construct_module_sharding_plan(model.ebc, per_table, world_size=world_size)}
-    )
-    sharders = [
-        EmbeddingBagCollectionSharder(
-            fused_params={"optimizer": "exact_sgd", "learning_rate": 0.01},
-            qcomm_codecs_registry=get_qcomm_codecs_registry(args.pooled_precision),
-        )
-    ]
-    dmp = DistributedModelParallel(model, plan=plan, sharders=sharders)
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())),
-        lambda p: torch.optim.SGD(p, lr=0.01),
-    )
-    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
-
-
-def _batches(args: argparse.Namespace, rank: int) -> List[Batch]:
-    g = torch.Generator().manual_seed(1000 + rank)
-    out = []
-    rows = [t.num_embeddings for t in _tables(args)]
-    for _ in range(args.pool):
-        b = args.batch_size
-        lengths = torch.randint(0, 2 * args.pooling + 1, (args.features, b), generator=g)
-        values = torch.cat(
-            [torch.randint(0, n, (int(ids),), generator=g) for n, ids in zip(rows, lengths.sum(1))]
-        )
-        lengths = lengths.reshape(-1)
-        kjt = KeyedJaggedTensor.from_lengths_sync(
-            [f"f{i}" for i in range(args.features)], values, lengths.int()
-        )
-        out.append(
-            Batch(
-                torch.randn(b, args.dense_in, generator=g),
-                kjt,
-                torch.randint(0, 2, (b,), generator=g).float(),
-            )
-        )
-    return out
 
 
 class _CommClock:
@@ -271,13 +156,13 @@ class StaleReference:
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    pool = _batches(args, rank)
-    plain_model, plain_opt = _build(args, world_size)
-    piped_model, piped_opt = _build(args, world_size)
+    pool = make_batches(args, rank)
+    plain_model, plain_opt = build(args, world_size)
+    piped_model, piped_opt = build(args, world_size)
     pipeline = TrainPipelineSparseDist(piped_model, piped_opt, torch.device("cpu"))
-    semi_model, semi_opt = _build(args, world_size)
+    semi_model, semi_opt = build(args, world_size)
     semi_sync = TrainPipelineSemiSync(semi_model, semi_opt, torch.device("cpu"), start_batch=0)
-    stale_model, stale_opt = _build(args, world_size)
+    stale_model, stale_opt = build(args, world_size)
     stale = StaleReference(stale_model, stale_opt, itertools.cycle(pool))
     plain_iter: Iterator[Batch] = itertools.cycle(pool)
     piped_iter: Iterator[Batch] = itertools.cycle(pool)
@@ -421,8 +306,8 @@ def background_progress(args: argparse.Namespace, repeats: int = 5) -> Dict[str,
     progress in the background, the waits after compute take ~0 ms.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model, _ = _build(args, world_size)
-    ebc, kjt = model.module.ebc, _batches(args, rank)[0].sparse_features
+    model, _ = build(args, world_size)
+    ebc, kjt = model.module.ebc, make_batches(args, rank)[0].sparse_features
     serial, overlapped = [], []
     for _ in range(repeats):
         for busy_ms, out in ((0.0, serial), (args.busy_ms, overlapped)):

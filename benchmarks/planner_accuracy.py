@@ -32,9 +32,9 @@ sets of rank processes, taking turns with the workload's other plans (a spell of
 then lands on all of them, not on one plan's every run), and `measured_ms` is the median of
 their N medians (`measured_repeats_ms`). Time is measured under the allocator settings `make
 demo` launches with, memory in one more set of rank processes under a fixed mmap threshold
-(`Allocator`: the benchmark sets both itself). A plan identical to one already run in the
-workload (the planner's plan is often all table-wise) is not run again: it carries that
-run's figures and `"same_as": LABEL` (running it twice would only sample the noise).
+(`benchmarks/allocator.py`: the benchmark sets both itself). A plan identical to one already
+run in the workload (the planner's plan is often all table-wise) is not run again: it carries
+that run's figures and `"same_as": LABEL` (running it twice would only sample the noise).
 `predicted_terms_ms` splits the slowest rank's estimate into forward / backward compute and
 communication; `predicted_fixed_ms` is the per-step cost of the plan's sharding groups.
 `predicted_ms` is `plan_stats(...).predicted_step_ms`; memory: the estimate's largest rank vs
@@ -48,37 +48,41 @@ Every line on stdout is one JSON object; the last one checks the targets of issu
 from __future__ import annotations
 
 import argparse
-import ctypes
-import enum
 import json
 import os
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.allocator import Allocator, set_allocator
 from benchmarks.ebc import Trainee, emit, rss_mb, train_step
-from benchmarks.ebc_workload import CRITEO_KAGGLE_ROWS, LEARNING_RATE, pooling_factors
+from benchmarks.ebc_workload import LEARNING_RATE
 from benchmarks.link import add_link_argument, relaunch_under_link
+from benchmarks.planner_workloads import (
+    Workload,
+    configs,
+    make_batches,
+    metas,
+    sampled_cache_params,
+)
 from benchmarks.ranks import launched_fresh_ranks, run_ranks
-from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard import EmbeddingBagCollection
 from recshard.calibration import CalibrationGrid, StepProbe, calibrate_job
 from recshard.distributed import EmbeddingBagCollectionSharder
-from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, TableMeta, Topology
+from recshard.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from recshard.planner.cost.plan_stats import plan_stats
 from recshard.planner.plan_io import plan_to_dict
 from recshard.planner.profile import CalibrationProfile
-from recshard.types import CacheParams, CacheStatistics, ShardingEnv, ShardingPlan
+from recshard.types import ShardingEnv, ShardingPlan
 
 FORCED = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
-ZIPF_S = 1.05
 MIN_PARTITION = 8  # column-wise shards as narrow as 8 (dim 16 splits in two)
-STATS_SEED = 1000  # sampled cache statistics: seeds apart from the ranks' (1 + rank)
 TARGETS = {
     "median_rel_error": 0.20,
     "worst_rel_error": 0.35,
@@ -87,159 +91,7 @@ TARGETS = {
 }
 
 
-@dataclass(frozen=True)
-class Workload:
-    dim: int
-    ids: str  # "uniform" | "zipf"
-    batch: int  # per rank
-
-    @property
-    def name(self) -> str:
-        return f"d{self.dim}_{self.ids}_b{self.batch}"
-
-
-def configs(w: Workload, row_cap: int) -> List[EmbeddingBagConfig]:
-    return [
-        EmbeddingBagConfig(
-            num_embeddings=min(rows, row_cap),
-            embedding_dim=w.dim,
-            name=f"t{i}",
-            feature_names=[f"cat_{i}"],
-        )
-        for i, rows in enumerate(CRITEO_KAGGLE_ROWS)
-    ]
-
-
-def metas(w: Workload, row_cap: int, max_pooling: int) -> List[TableMeta]:
-    pooling = pooling_factors(len(CRITEO_KAGGLE_ROWS), max_pooling)
-    return [
-        TableMeta(
-            c.name,
-            c.num_embeddings,
-            c.embedding_dim,
-            list(c.feature_names),
-            pooling_factors=[float(p)],
-            optimizer="exact_sgd",
-        )
-        for c, p in zip(configs(w, row_cap), pooling)
-    ]
-
-
-def _ids(rows: int, count: int, kind: str, g: torch.Generator, table: int) -> torch.Tensor:
-    if kind == "uniform":
-        return torch.randint(0, rows, (count,), generator=g)
-    weights = torch.arange(1, rows + 1, dtype=torch.float64).pow(-ZIPF_S)
-    ranks = torch.multinomial(weights, count, replacement=True, generator=g)
-    hot = torch.randperm(rows, generator=torch.Generator().manual_seed(table))
-    return hot[ranks]  # the hot rows scattered over the table
-
-
-def make_batches(
-    w: Workload, row_cap: int, max_pooling: int, seed: int, count: int
-) -> List[KeyedJaggedTensor]:
-    tables = configs(w, row_cap)
-    pooling = pooling_factors(len(tables), max_pooling)
-    g = torch.Generator().manual_seed(seed)
-    keys = [t.feature_names[0] for t in tables]
-    lengths = torch.tensor(pooling, dtype=torch.int32).repeat_interleave(w.batch)
-    return [
-        KeyedJaggedTensor.from_lengths_sync(
-            keys,
-            torch.cat(
-                [
-                    _ids(t.num_embeddings, p * w.batch, w.ids, g, i)
-                    for i, (t, p) in enumerate(zip(tables, pooling))
-                ]
-            ),
-            lengths,
-            stride=w.batch,
-        )
-        for _ in range(count)
-    ]
-
-
-class SampledCacheStatistics(CacheStatistics):
-    """One table's statistics measured on sample global batches of its ids, as a user would
-    measure them on their data: distinct rows per batch (averaged), and the miss rate of a
-    cache holding the sample's hottest rows."""
-
-    def __init__(self, batches: Sequence[torch.Tensor], rows: int) -> None:
-        self._lookups = statistics.mean(float(b.unique().numel()) for b in batches)
-        counts = torch.bincount(torch.cat(batches), minlength=rows).sort(descending=True).values
-        self._hit = counts.cumsum(0).double() / counts.sum()  # hottest k + 1 rows' share
-        self._rows = rows
-
-    @property
-    def expected_lookups(self) -> float:
-        return self._lookups
-
-    def expected_miss_rate(self, clf: float) -> float:
-        cached = min(int(clf * self._rows), self._rows)
-        return 1.0 if cached <= 0 else 1.0 - float(self._hit[cached - 1])
-
-    @property
-    def cacheability(self) -> float:
-        return statistics.mean(self.expected_miss_rate(i / 20) for i in range(21))
-
-
-def sampled_cache_params(w: Workload, args: argparse.Namespace) -> Dict[str, CacheParams]:
-    """Per table, a `CacheParams` whose stats come from `args.stats_samples` global batches
-    (every rank's batch) drawn by the workload's id generator with seeds the timed runs do
-    not use."""
-    per_table: Dict[str, List[torch.Tensor]] = {}
-    for sample in range(args.stats_samples):
-        ranks = [
-            make_batches(
-                w, args.row_cap, args.max_pooling, STATS_SEED + sample * args.world_size + r, 1
-            )[0]
-            for r in range(args.world_size)
-        ]
-        for c in configs(w, args.row_cap):
-            key = c.feature_names[0]
-            per_table.setdefault(c.name, []).append(torch.cat([b[key].values() for b in ranks]))
-    return {
-        c.name: CacheParams(stats=SampledCacheStatistics(per_table[c.name], c.num_embeddings))
-        for c in configs(w, args.row_cap)
-    }
-
-
 # ----------------------------------------------------------------------------- on the ranks
-
-
-class Allocator(enum.Enum):
-    """glibc's settings a measuring rank runs under (set with `mallopt`, whatever the launch
-    environment says), so one command measures both time and memory."""
-
-    TIMING = "timing"  # as `make demo` launches: no mmap, no trim (buffers stay paged in)
-    MEMORY = "memory"  # a fixed 128 KiB mmap threshold: freed buffers go back to the OS
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # glibc's malloc.h
-_SETTINGS = {
-    Allocator.TIMING: ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31)),
-    Allocator.MEMORY: (
-        (_M_MMAP_MAX, 65536),
-        (_M_MMAP_THRESHOLD, 128 * 1024),
-        (_M_TRIM_THRESHOLD, 128 * 1024),
-    ),
-}  # glibc's defaults, held
-
-
-def set_allocator(kind: Allocator) -> None:
-    """Apply `kind` to this process's glibc malloc. Under the timing settings data-parallel's
-    freed gradients fragment the heap and peak RSS grows with the step count; under glibc's
-    default (dynamic) mmap threshold, whether a buffer is mmapped depends on what was freed
-    before: the memory runs hold it at its starting value, 128 KiB. (At 1 MiB, table-row-wise's
-    sub-MiB output-dist buffers left 10 MB of free heap pinned under live blocks at 2 x 2
-    ranks, d16 b512, that `malloc_trim` gave back: the allocator's layout, not the plan's.)
-    Not glibc: an error, not an unknown allocator's figures."""
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError) as e:
-        raise RuntimeError("planner_accuracy measures under glibc's malloc (mallopt)") from e
-    for param, value in _SETTINGS[kind]:
-        if mallopt(param, value) != 1:
-            raise RuntimeError(f"mallopt({param}, {value}) failed")
 
 
 def rank_calibrate(args: argparse.Namespace) -> Dict[str, Any]:

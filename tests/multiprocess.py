@@ -37,6 +37,15 @@ PG_TIMEOUT_S = 60.0
 class RankError(RuntimeError):
     """A rank raised; the message holds its traceback."""
 
+    def rank_text(self, rank: int) -> str:
+        """Rank `rank`'s report inside the message."""
+        text = str(self)
+        if text.startswith(f"rank {rank} failed:"):
+            return text.split("\n--- rank ", 1)[0]
+        marker = f"--- rank {rank} ---\n"
+        assert marker in text, f"the harness did not report rank {rank}:\n{text}"
+        return text.split(marker, 1)[1].split("\n--- rank ", 1)[0]
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -14,6 +14,7 @@ import torch
 from recshard.calibration.fitting import fit_kernel
 from recshard.calibration.grid import CalibrationGrid
 from recshard.lookup import GroupedLookup, LocalTable
+from recshard.lookup.fused_params import FusedParams
 from recshard.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from recshard.planner.profile import KernelCost, distinct_rows
 from recshard.sparse import KeyedJaggedTensor
@@ -36,7 +37,7 @@ def build_lookup(
             0,
             kernel,
             PoolingType.SUM,
-            {"optimizer": "exact_sgd", "learning_rate": learning_rate},
+            FusedParams.parse({"optimizer": "exact_sgd", "learning_rate": learning_rate}, f"t{t}"),
         )
         for t in range(tables)
     ]

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from recshard.calibration.fitting import fit_link, fit_rate
 from recshard.calibration.grid import CalibrationGrid
-from recshard.comm.ops import all_gather_base_pooled, reduce_scatter_base_pooled
 from recshard.comm.pg import intra_and_cross_node_pg
+from recshard.comm.pooled_reduce import all_gather_base_pooled, reduce_scatter_base_pooled
 from recshard.comm.request import issue_all_to_all
 from recshard.planner.profile import LinkCost
 

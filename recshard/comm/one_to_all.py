@@ -1,7 +1,7 @@
-"""Single-process, several-device data movement for inference (TorchRec's `KJTOneToAll` and
-`SeqEmbeddingsAllToOne`): split one batch of features across devices, and bring each
-device's sequence embeddings back to one device. No collective: one process drives every
-device (on CPU every "device" is the CPU)."""
+"""Single-process, several-device data movement for inference (TorchRec's `KJTOneToAll`,
+`SeqEmbeddingsAllToOne`, `EmbeddingsAllToOne`, `EmbeddingsAllToOneReduce`): split one batch of
+features across devices, and bring each device's embeddings back to one device (joined or
+summed). No collective: one process drives every device (on CPU every "device" is the CPU)."""
 
 from __future__ import annotations
 
@@ -90,3 +90,40 @@ class SeqEmbeddingsAllToOne(nn.Module):
                 f"SeqEmbeddingsAllToOne: expected {self._world_size} tensors, got {len(tensors)}"
             )
         return [t.to(self._device) for t in tensors]
+
+
+class EmbeddingsAllToOne(nn.Module):
+    """Single process, several devices: every device's `[B, D_i]` joined on `device`
+    (concatenated along `cat_dim`). On CPU it is a concatenation."""
+
+    def __init__(self, device: torch.device, world_size: int, cat_dim: int) -> None:
+        super().__init__()
+        self._device, self._world_size, self._cat_dim = torch.device(device), world_size, cat_dim
+
+    def set_device(self, device_str: str) -> None:
+        self._device = torch.device(device_str)
+
+    def forward(self, tensors: List[torch.Tensor]) -> torch.Tensor:
+        if len(tensors) != self._world_size:
+            raise ValueError(
+                f"EmbeddingsAllToOne: expected {self._world_size} tensors, got {len(tensors)}"
+            )
+        return torch.cat([t.to(self._device) for t in tensors], dim=self._cat_dim)
+
+
+class EmbeddingsAllToOneReduce(nn.Module):
+    """Single process, several devices: every device's `[B, D]` summed on `device`."""
+
+    def __init__(self, device: torch.device, world_size: int) -> None:
+        super().__init__()
+        self._device, self._world_size = torch.device(device), world_size
+
+    def set_device(self, device_str: str) -> None:
+        self._device = torch.device(device_str)
+
+    def forward(self, tensors: List[torch.Tensor]) -> torch.Tensor:
+        if len(tensors) != self._world_size:
+            raise ValueError(
+                f"EmbeddingsAllToOneReduce: expected {self._world_size} tensors, got {len(tensors)}"
+            )
+        return torch.stack([t.to(self._device) for t in tensors]).sum(0)

@@ -1,7 +1,7 @@
 """The input verdict exchange: every rank learns whether any rank rejected its batch.
 
 A sharded module whose step has a KJT all-to-all sends its verdict in that exchange's splits
-(`kjt_all_to_all.py`). A step without one (every table data-parallel) would otherwise let a
+(`kjt.py`). A step without one (every table data-parallel) would otherwise let a
 rank that rejected its batch raise alone while the others run on into the gradient all-reduce
 and pair it with the wrong step; such a step makes this one small exchange instead, before any
 other collective: an all-gather of `[1 + 16]` int64 per rank (a flag and the first line of the

@@ -34,7 +34,7 @@ from recshard.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection,
 )
 from recshard.distributed.input_dist import EmbeddingModuleContext
-from recshard.modules.embedding_modules import embedding_names
+from recshard.modules.embedding_tables import embedding_names
 from recshard.modules.feature_processor_ import (
     FeatureProcessorsCollection,
     bag_positions,

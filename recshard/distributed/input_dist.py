@@ -25,8 +25,9 @@ from typing import Any, Dict, List, Set, Tuple
 import torch
 
 from recshard.comm.verdict import exchange_verdict
+from recshard.lookup.fused_params import bounds_check_mode
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
-from recshard.modules.embedding_modules import embedding_names
+from recshard.modules.embedding_tables import embedding_names
 from recshard.modules.input_checks import (
     bounds_check,
     check_dtypes_and_weights,
@@ -78,12 +79,6 @@ class _ListAwaitable(Awaitable[List[Any]]):
         return [a.wait() for a in self._awaitables]
 
 
-def _mode(value: Any) -> BoundsCheckMode | None:
-    if value is None or isinstance(value, BoundsCheckMode):
-        return value
-    return BoundsCheckMode(str(getattr(value, "name", value)).lower())
-
-
 class CollectionInputDist:
     """Checks and routes a collection's batches to its shardings; `owner` names the sharded
     module in errors."""
@@ -95,7 +90,7 @@ class CollectionInputDist:
         device: torch.device,
         configs: List[BaseEmbeddingConfig],
         table_plans: EmbeddingModuleShardingPlan,
-        fused_params: Dict[str, Any],
+        default_bounds_mode: BoundsCheckMode,
         is_weighted: bool,
         shardings: List[EmbeddingSharding],
         one_batch: bool = False,
@@ -116,9 +111,9 @@ class CollectionInputDist:
         self._embedding_names = names
         tables = [(c.name, c.num_embeddings) for c in configs for _ in c.feature_names]
         self._feature_to_table = dict(zip(names, tables))  # by embedding name
-        default = _mode(fused_params.get("bounds_check_mode")) or BoundsCheckMode.FATAL
         self._bounds_modes = {
-            c.name: _mode(table_plans[c.name].bounds_check_mode) or default for c in configs
+            c.name: bounds_check_mode(table_plans[c.name].bounds_check_mode) or default_bounds_mode
+            for c in configs
         }
         self._warned: Set[Tuple[str, str]] = set()
         self._wire_features = [f for s in shardings for f in s.input_features]

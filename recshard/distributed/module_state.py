@@ -1,5 +1,11 @@
 """The base class of sharded collections (EBC, EC and their quantized twins): the plan, the
-input side and the table state they share, and how their local tables are stored.
+forward path they share (`input_dist -> compute`; each subclass's `output_dist` takes the
+looked-up rows to its output type), and how their local tables are stored.
+
+Beside it, each in its own module: the tables as the shardings are built from them, with their
+fused params parsed once (`table_specs.py`); the tables as state for state dicts and
+checkpoints (`table_state.py`); the unsharded parameter names and the fused optimizer
+(`unsharded_names.py`). The methods here that answer for those are one-line delegations.
 
 Table storage is a value the class picks (`ShardedEmbeddingModule.storage_type`): float
 tables (`FloatTables`: fused or dense kernels, trained) or quantized ones
@@ -17,22 +23,22 @@ import abc
 from typing import Any, ClassVar, Dict, Iterator, List, Tuple, Type
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from recshard.comm.pg import destroy_groups_at_exit
+from recshard.distributed import table_state
 from recshard.distributed.embedding_types import BaseEmbeddingSharder
 from recshard.distributed.input_dist import CollectionInputDist, EmbeddingModuleContext
 from recshard.distributed.key_value_step import fill_caches_agreed, prefetch_rows
-from recshard.distributed.sharded_state import fused_state
-from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fused_params
-from recshard.lookup.grouped import GroupedLookup, uses_fbgemm
-from recshard.lookup.key_value import CacheOverflowError, check_storage
+from recshard.distributed.table_specs import table_specs as build_table_specs
+from recshard.distributed.table_state import Shards
+from recshard.distributed.unsharded_names import fused_optimizer, unsharded_parameters
+from recshard.lookup.fused_params import FusedOptimSpec, FusedParams, bounds_check_mode
+from recshard.lookup.grouped import GroupedLookup
+from recshard.lookup.key_value import CacheOverflowError
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
-from recshard.modules.embedding_modules import embedding_names
-from recshard.optim.apply_optimizer_in_backward import fused_params_for
-from recshard.optim.clipping import mark_sharded
+from recshard.modules.embedding_tables import embedding_names
 from recshard.optim.fused import FusedOptimizer
 from recshard.plan.sharding_types import (
     ALL_SHARDING_TYPES,
@@ -44,12 +50,12 @@ from recshard.sharding.common import EmbeddingSharding, Lookup, TableSpec
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import (
     Awaitable,
+    BoundsCheckMode,
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     ParameterSharding,
     ShardedModule,
     ShardingEnv,
-    ShardingType,
 )
 
 
@@ -121,7 +127,8 @@ class ShardedEmbeddingModule(ShardedModule):
     `compute` are defined here (the same for every collection); the subclass defines
     `output_dist` over `self.shardings`, which takes the looked-up rows to its output type.
     The `ShardedTableState` protocol (`sharded_state.py`, for state dicts and checkpoints)
-    and the unsharded parameter names are implemented here.
+    and the unsharded parameter names are answered here, from `table_state.py` and
+    `unsharded_names.py`.
     """
 
     # How the local tables are stored: `FloatTables`, or the quantized twins' `QuantTables`.
@@ -165,69 +172,30 @@ class ShardedEmbeddingModule(ShardedModule):
         self._device = torch.device(device or "cpu")
         self._configs = configs
         self._table_plans = dict(table_plans)
-        self._fused_params = dict(fused_params or {})
+        self._fused_params = dict(fused_params or {})  # TorchRec's dict: parsed by table_specs
+        default_mode = bounds_check_mode(self._fused_params.get("bounds_check_mode"))
+        self._bounds_check_default = default_mode or BoundsCheckMode.FATAL
         self._is_weighted = is_weighted
         self._pooled = pooled
-        self._table_fused_params: Dict[str, Dict[str, Any]] = {}
-        self._embedding_names = embedding_names(
-            configs
-        )  # the output keys, one per (table, feature)
+        self._table_fused_params: Dict[str, FusedParams] = {}
+        self._embedding_names = embedding_names(configs)  # output keys: (table, feature)s
         self._embedding_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
 
     def table_specs(self, module: nn.Module) -> List[TableSpec]:
-        """Each table with its fused params: the sharder's, overridden by the optimizer attached
-        to the table's unsharded weight (`apply_optimizer_in_backward`). Checked here, on every
-        rank, that the table's kernel runs that optimizer. A dense-kernel table ignores the
-        attached optimizer, as in TorchRec: its weight is a plain parameter that
-        `in_backward_optimizer_filter` yields to the dense optimizer."""
-        tables = getattr(module, self._tables_attr)
-        specs = []
-        for c in self._configs:
-            plan = self._table_plans[c.name]
-            weight = (
-                None
-                if plan.compute_kernel == EmbeddingComputeKernel.DENSE.value
-                else tables[c.name].weight
-            )
-            fused = fused_params_for(weight, self._fused_params, c.name)
-            if plan.cache_params is not None and plan.cache_params.load_factor is not None:
-                fused["cache_load_factor"] = plan.cache_params.load_factor  # the plan's wins
-            spec = TableSpec(c, plan, fused)
-            if spec.kernel != EmbeddingComputeKernel.DENSE:
-                fbgemm_on_cuda = self._device.type == "cuda" and uses_fbgemm(
-                    spec.local_table(0), self._is_weighted
-                )
-                check_backend(parse_fused_params(fused, c.name), c.name, fbgemm_on_cuda)
-            specs.append(spec)
+        """Each table with its fused params, parsed once and checked (`table_specs.py`)."""
+        specs = build_table_specs(
+            getattr(module, self._tables_attr),
+            self._configs,
+            self._table_plans,
+            self._fused_params,
+            self.env,
+            self._device,
+            self._is_weighted,
+        )
         self._table_fused_params = {s.config.name: s.fused_params for s in specs}
-        self._check_key_value_storage(specs)
+        # the plan's, the same on every rank: steps then agree on the key-value caches' verdict
+        self._has_key_value = any(s.kernel == EmbeddingComputeKernel.KEY_VALUE for s in specs)
         return specs
-
-    def _check_key_value_storage(self, specs: List[TableSpec]) -> None:
-        """Every rank raises if any rank's storage cannot hold its key_value shards (one
-        gather of the verdicts, only when the plan has key_value tables)."""
-        key_value = [s for s in specs if s.kernel == EmbeddingComputeKernel.KEY_VALUE]
-        self._has_key_value = bool(key_value)  # the plan's: the same on every rank
-        if not key_value:
-            return
-        mine = [
-            (spec.local_table(i), parse_fused_params(spec.fused_params, spec.config.name))
-            for spec in key_value
-            for i, shard in enumerate(spec.shards())
-            if shard.rank == self.env.rank
-        ]
-        verdict = ""
-        try:
-            check_storage([t for t, _ in mine], [s for _, s in mine])
-        except ValueError as e:
-            verdict = str(e)
-        verdicts = [verdict]
-        if self.env.pg is not None and self.env.world_size > 1:
-            verdicts = [""] * self.env.world_size
-            dist.all_gather_object(verdicts, verdict, group=self.env.pg)
-        for rank, text in enumerate(verdicts):
-            if text:
-                raise ValueError(f"rank {rank}: {text}")
 
     def set_shardings(self, shardings: Dict[str, EmbeddingSharding]) -> None:
         """Register the shardings as submodules and set up the input side over them."""
@@ -240,7 +208,7 @@ class ShardedEmbeddingModule(ShardedModule):
             self._device,
             self._configs,
             self._table_plans,
-            self._fused_params,
+            self._bounds_check_default,
             self._is_weighted,
             list(shardings.values()),
             one_batch=self._pooled and not self.takes_variable_batch,
@@ -296,38 +264,20 @@ class ShardedEmbeddingModule(ShardedModule):
     def fused_optim_spec(self, table: str) -> FusedOptimSpec:
         """The optimizer the fused kernel applies to `table` in backward (the sharder's fused
         params, or the optimizer attached to the table by `apply_optimizer_in_backward`)."""
-        return parse_fused_params(self._table_fused_params[table], table)
+        return self._table_fused_params[table].optim
 
     def fused_optimizer_states(self) -> Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]]:
         """Per table name, this rank's shards and their fused optimizer state (views)."""
-        out: Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]] = {}
-        for sharding in self.shardings.values():
-            for kernel in sharding.lookup.kernels:
-                if kernel.is_fused:
-                    for table, states in zip(kernel.tables, kernel.optimizer_states()):
-                        out.setdefault(table.name, []).append((table, states))
-        return out
+        return table_state.fused_optimizer_states(self.shardings.values())
 
-    def local_table_shards(self) -> Dict[str, List[Tuple[LocalTable, torch.Tensor]]]:
+    def local_table_shards(self) -> Shards:
         """Per table name, this rank's shards and their live weights (views)."""
-        out: Dict[str, List[Tuple[LocalTable, torch.Tensor]]] = {}
-        for sharding in self.shardings.values():
-            for table, weight in sharding.local_shards():
-                out.setdefault(table.name, []).append((table, weight))
-        return out
+        return table_state.local_table_shards(self.shardings.values())
 
-    def local_scale_bias(self) -> Dict[str, List[Tuple[LocalTable, torch.Tensor]]]:
+    def local_scale_bias(self) -> Shards:
         """Per quantized integer table, this rank's shards and their row scale/bias
         (`fp16 [rows, 2]`, views); empty for float tables."""
-        out: Dict[str, List[Tuple[LocalTable, torch.Tensor]]] = {}
-        for sharding in self.shardings.values():
-            scale_bias = getattr(sharding.lookup, "table_scale_bias", None)
-            if scale_bias is None:
-                continue
-            for table, rows in zip(sharding.lookup.tables, scale_bias()):
-                if rows is not None:
-                    out.setdefault(table.name, []).append((table, rows))
-        return out
+        return table_state.local_scale_bias(self.shardings.values())
 
     def load_full_quantized(
         self, full: Dict[str, Tuple[torch.Tensor, torch.Tensor | None]]
@@ -340,23 +290,7 @@ class ShardedEmbeddingModule(ShardedModule):
 
     def load_full_tables(self, full: Dict[str, torch.Tensor]) -> None:
         """Copy each rank's slice out of full (unsharded) table tensors."""
-        with torch.no_grad():
-            for name, shards in self.local_table_shards().items():
-                if name not in full:
-                    continue
-                tensor = full[name]
-                for table, weight in shards:
-                    block = tensor[
-                        table.row_offset : table.row_offset + table.rows,
-                        table.col_offset : table.col_offset + table.cols,
-                    ]
-                    if tuple(block.shape) != tuple(weight.shape):
-                        raise ValueError(
-                            f"table '{name}': shard needs a {tuple(weight.shape)} block, "
-                            f"the source tensor of shape {tuple(tensor.shape)} "
-                            f"gives {tuple(block.shape)}"
-                        )
-                    weight.copy_(block)
+        table_state.load_full_tables(self.local_table_shards(), full)
 
     def init_from(self, module: nn.Module) -> None:
         tables = getattr(module, self._tables_attr)
@@ -368,8 +302,7 @@ class ShardedEmbeddingModule(ShardedModule):
     def shard_fqn(self, table: LocalTable, shards_on_rank: int) -> str:
         """`embedding_bags.<table>.weight`, plus `@col<offset>` when this rank holds several
         column shards of the table."""
-        name = self.table_key(table.name)
-        return f"{name}@col{table.col_offset}" if shards_on_rank > 1 else name
+        return table_state.shard_fqn(self.table_key(table.name), table, shards_on_rank)
 
     # ---------------------------------------------------------------- unsharded names
 
@@ -393,58 +326,24 @@ class ShardedEmbeddingModule(ShardedModule):
 
     def _unsharded_parameters(self) -> Dict[str, nn.Parameter]:
         cached = self.__dict__.get("_unsharded_params_cache")
-        if cached is not None:
-            return cached
-        cached = {}
-        shards = self.local_table_shards()
-        for config in self._configs:
-            local = shards.get(config.name, [])
-            plan = self._table_plans[config.name]
-            fused = plan.compute_kernel != EmbeddingComputeKernel.DENSE.value
-            # a dense model-parallel table's pieces (and the empty stand-in of a rank without
-            # one: every rank then joins the same all-reduce) add up in a clipping norm
-            cut = not fused and plan.sharding_type != ShardingType.DATA_PARALLEL.value
-            if not local:
-                local_param = nn.Parameter(torch.empty(0, device=self._device), requires_grad=False)
-                local_param._in_backward_optimizers = fused
-                if cut:
-                    mark_sharded(local_param, self.env.pg)
-                cached[self.table_key(config.name)] = local_param
-            for table, weight in local:
-                if not isinstance(weight, nn.Parameter):  # fused storage: an alias, no grad
-                    weight = nn.Parameter(weight.detach(), requires_grad=False)
-                    weight._in_backward_optimizers = True
-                elif cut:
-                    mark_sharded(weight, self.env.pg)
-                cached[self.shard_fqn(table, len(local))] = weight
-        self.__dict__["_unsharded_params_cache"] = cached  # a plain attribute, not registered
+        if cached is None:
+            cached = unsharded_parameters(
+                self.table_key,
+                self._configs,
+                self._table_plans,
+                self.local_table_shards(),
+                self._device,
+                self.env.pg,
+            )
+            self.__dict__["_unsharded_params_cache"] = cached  # a plain attribute, not registered
         return cached
 
     @property
     def fused_optimizer(self) -> FusedOptimizer:
         """The in-backward optimizer of this module's fused tables (keyed by table FQN)."""
-        counts = {name: len(shards) for name, shards in self.local_table_shards().items()}
-        kernels, names = [], []
-        for sharding in self.shardings.values():
-            for kernel in sharding.lookup.kernels:
-                if kernel.is_fused:
-                    kernels.append(kernel)
-                    names.append([self.shard_fqn(t, counts[t.name]) for t in kernel.tables])
-        dims = {self.table_key(c.name): c.embedding_dim for c in self._configs}
-        return FusedOptimizer(kernels, names, self._sharded_optimizer_state, dims)
-
-    def _sharded_optimizer_state(self) -> Dict[str, Dict[str, Any]]:
-        """`{table fqn: {state name: ShardedTensor}}`: the fused state laid out like its table
-        (views of the live state), for the fused optimizer's `state_dict()`."""
-        nested: Dict[str, Dict[str, Any]] = {  # every fused table, on every rank (SGD: {})
-            self.table_key(c.name): {}
-            for c in self._configs
-            if self._table_plans[c.name].compute_kernel != EmbeddingComputeKernel.DENSE.value
-        }
-        for key, value in fused_state(self, "").items():
-            fqn, _, name = key.rpartition(".")  # state names have no dots
-            nested[fqn][name] = value
-        return nested
+        return fused_optimizer(
+            self, list(self.shardings.values()), self._configs, self._table_plans
+        )
 
 
 class EmbeddingModuleSharder(BaseEmbeddingSharder[nn.Module]):

@@ -19,6 +19,8 @@ from typing import Any, Dict, List
 
 import torch
 
+from recshard.types import BoundsCheckMode
+
 
 class OptimType(enum.Enum):
     """Names match fbgemm's `EmbOptimType` values so either can be passed."""
@@ -75,6 +77,38 @@ class FusedOptimSpec:
         return None
 
 
+DEFAULT_LEARNING_RATE = 0.01
+
+
+@dataclass(frozen=True)
+class FusedParams:
+    """One table's fused params, parsed once from TorchRec's `fused_params` dict (see
+    `recshard.distributed.table_specs`): the optimizer its fused kernel applies and where a
+    key-value table keeps its rows. Keys recshard does not read are not kept."""
+
+    optim: FusedOptimSpec = FusedOptimSpec(OptimType.EXACT_SGD, DEFAULT_LEARNING_RATE)
+    cache_load_factor: float | None = None  # key_value: the share of rows cached in DRAM
+    ssd_storage_directory: str | None = None  # key_value: where the rows' files go
+
+    @staticmethod
+    def parse(fused_params: Dict[str, Any] | None, table: str) -> FusedParams:
+        """`fused_params` as `table`'s; errors name the table and the value."""
+        params = fused_params or {}
+        directory = params.get("ssd_storage_directory")
+        return FusedParams(
+            optim=parse_fused_params(params, table),
+            cache_load_factor=_number(params, "cache_load_factor", 0.0, table) or None,
+            ssd_storage_directory=str(directory) if directory else None,
+        )
+
+
+def bounds_check_mode(value: Any) -> BoundsCheckMode | None:
+    """A bounds check mode given as the enum, its name or its value (fbgemm's or recshard's)."""
+    if value is None or isinstance(value, BoundsCheckMode):
+        return value
+    return BoundsCheckMode(str(getattr(value, "name", value)).lower())
+
+
 def parse_fused_params(fused_params: Dict[str, Any] | None, table: str) -> FusedOptimSpec:
     """Read `optimizer`, `learning_rate`, `eps`, `weight_decay` from fused params."""
     params = dict(fused_params or {})
@@ -95,11 +129,22 @@ def parse_fused_params(fused_params: Dict[str, Any] | None, table: str) -> Fused
         raise ValueError(f"table '{table}': fused weight_decay is not supported yet")
     return FusedOptimSpec(
         optim=optim,
-        learning_rate=float(params.get("learning_rate", 0.01)),
-        eps=float(params.get("eps", 1e-8)),
-        beta1=float(params.get("beta1", 0.9)),
-        beta2=float(params.get("beta2", 0.999)),
+        learning_rate=_number(params, "learning_rate", DEFAULT_LEARNING_RATE, table),
+        eps=_number(params, "eps", 1e-8, table),
+        beta1=_number(params, "beta1", 0.9, table),
+        beta2=_number(params, "beta2", 0.999, table),
     )
+
+
+def _number(params: Dict[str, Any], key: str, default: float, table: str) -> float:
+    """`params[key]` as a float; `default` when absent or None."""
+    value = params.get(key)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"table '{table}': fused param {key}={value!r} is not a number") from None
 
 
 def check_backend(spec: FusedOptimSpec, table: str, fbgemm_on_cuda: bool) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from recshard.comm import buffers
-from recshard.lookup.fused_params import FusedOptimSpec, check_backend, parse_fused_params
+from recshard.lookup.fused_params import check_backend
 from recshard.lookup.heap import keep_step_buffers_in_heap
 from recshard.lookup.kernels import DenseKernel, FbgemmFusedKernel, LookupKernel, TorchFusedKernel
 from recshard.lookup.key_value import KeyValueKernel
@@ -62,7 +62,7 @@ def _build_kernel(
 ) -> LookupKernel:
     if tables[0].compute_kernel == EmbeddingComputeKernel.DENSE:
         return DenseKernel(tables, pooled, device)
-    spec: FusedOptimSpec = parse_fused_params(tables[0].fused_params, tables[0].name)
+    spec = tables[0].fused_params.optim
     check_backend(spec, tables[0].name, fbgemm and device.type == "cuda")
     if tables[0].compute_kernel == EmbeddingComputeKernel.KEY_VALUE:
         return KeyValueKernel(tables, pooled, spec, device)

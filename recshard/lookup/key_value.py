@@ -72,7 +72,7 @@ def store_identity(table: LocalTable, spec: FusedOptimSpec) -> StoreIdentity:
 
 def cache_rows(table: LocalTable) -> int:
     """Rows the DRAM cache of `table`'s shard holds."""
-    factor = float(table.fused_params.get("cache_load_factor") or DEFAULT_CACHE_LOAD_FACTOR)
+    factor = table.fused_params.cache_load_factor or DEFAULT_CACHE_LOAD_FACTOR
     if not 0.0 < factor <= 1.0:
         raise ValueError(f"table '{table.name}': cache_load_factor must be in (0, 1], got {factor}")
     return min(table.rows, max(1, math.ceil(factor * table.rows)))
@@ -81,8 +81,8 @@ def cache_rows(table: LocalTable) -> int:
 def table_directory(table: LocalTable) -> str | None:
     """Where `table`'s files go: `ssd_storage_directory` (TorchRec's fused param; its
     `@local_rank` is `LOCAL_RANK`), None when not given."""
-    raw = table.fused_params.get("ssd_storage_directory")
-    return storage_directory(str(raw), int(os.environ.get("LOCAL_RANK", "0"))) if raw else None
+    raw = table.fused_params.ssd_storage_directory
+    return storage_directory(raw, int(os.environ.get("LOCAL_RANK", "0"))) if raw else None
 
 
 def check_storage(tables: List[LocalTable], specs: List[FusedOptimSpec]) -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, List, Tuple
 
+from recshard.lookup.fused_params import FusedParams
 from recshard.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
 from recshard.types import EmbeddingComputeKernel
 
@@ -26,7 +27,7 @@ class LocalTable:
     col_offset: int
     compute_kernel: EmbeddingComputeKernel
     pooling: PoolingType
-    fused_params: Dict[str, Any] = field(default_factory=dict)
+    fused_params: FusedParams = field(default_factory=FusedParams)
     shard_index: int = 0
     embedding_names: List[str] = field(default_factory=list)  # empty: the feature names
 
@@ -50,11 +51,10 @@ class LocalTable:
 def group_key(table: LocalTable, uses_fbgemm: bool) -> Tuple[Any, ...]:
     """Tables with equal keys share one kernel: same dtype, pooling, kernel, implementation
     and fused optimizer settings (a kernel applies one optimizer to all its tables)."""
-    params = tuple(sorted((k, repr(v)) for k, v in table.fused_params.items()))
     return (
         table.config.data_type.value,
         table.pooling.value,
         table.compute_kernel.value,
         uses_fbgemm,
-        params,
+        table.fused_params,
     )

@@ -24,11 +24,8 @@ import torch
 from torch import nn
 
 from recshard.modules.embedding_configs import BaseEmbeddingConfig, DeviceLike, PoolingType
-from recshard.modules.embedding_modules import (
-    EmbeddingBagCollection,
-    EmbeddingCollection,
-    check_unique_tables,
-)
+from recshard.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recshard.modules.embedding_tables import check_unique_tables
 from recshard.modules.input_checks import (
     InputKeyOrder,
     check_dtypes_and_weights,

@@ -21,14 +21,15 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Protocol, Tuple
+from typing import Callable, Dict, List, Protocol, Tuple
 
 import torch
 from torch import nn
 
+from recshard.lookup.fused_params import FusedParams
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE, BaseEmbeddingConfig, PoolingType
-from recshard.modules.embedding_modules import embedding_names
+from recshard.modules.embedding_tables import embedding_names
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import (
     Awaitable,
@@ -89,7 +90,7 @@ class TableSpec:
 
     config: BaseEmbeddingConfig
     sharding: ParameterSharding
-    fused_params: Dict[str, Any] = field(default_factory=dict)
+    fused_params: FusedParams = field(default_factory=FusedParams)
     embedding_names: List[str] = field(default_factory=list)
     output_dtype: torch.dtype | None = None
 

@@ -7,6 +7,7 @@ from typing import List
 import torch
 
 from recshard.sparse import jagged_ops as ops
+from recshard.sparse.printing import jt_string
 from recshard.sparse.traceable import TraceableConstruction
 
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -20,14 +21,6 @@ def check_index_dtype(tensor: torch.Tensor | None, name: str, owner: str) -> Non
     """lengths / offsets count values: a non-empty one must hold integers (O(1) check)."""
     if tensor is not None and tensor.numel() and tensor.dtype not in INDEX_DTYPES:
         raise ValueError(f"{owner}: {name} must be of integer type, got {tensor.dtype}")
-
-
-def values_string(values: torch.Tensor, offsets: List[int]) -> str:
-    """`[[v, ...], [...]]`, one inner list per row (TorchRec's printed form)."""
-    if values.dim() > 2:
-        raise ValueError("values with more than 2 dimensions cannot be printed")
-    rows = [values[start:end].tolist() for start, end in zip(offsets[:-1], offsets[1:])]
-    return str(rows)
 
 
 @torch.fx.wrap
@@ -216,17 +209,7 @@ class JaggedTensor(JaggedStorage):
                 t.record_stream(stream)
 
     def __str__(self) -> str:
-        """TorchRec's form: rows of values (and of weights when present)."""
-        offsets = self.offsets().tolist()
-        if self._weights is None:
-            return "JaggedTensor({\n    " + values_string(self._values, offsets) + "\n})\n"
-        return (
-            'JaggedTensor({\n    "values": '
-            + values_string(self._values, offsets)
-            + ',\n    "weights": '
-            + values_string(self._weights, offsets)
-            + "\n})\n"
-        )
+        return jt_string(self)
 
     def __repr__(self) -> str:
         rows = [r.tolist() for r in self.to_dense()]

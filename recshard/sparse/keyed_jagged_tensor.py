@@ -16,8 +16,9 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from recshard.sparse import jagged_ops as ops
-from recshard.sparse.jagged_tensor import JaggedStorage, JaggedTensor, values_string
+from recshard.sparse.jagged_tensor import JaggedStorage, JaggedTensor
 from recshard.sparse.keyed_tensor import offsets_from_sizes
+from recshard.sparse.printing import kjt_repr, kjt_string
 from recshard.sparse.validation import check_structure, validate_kjt
 
 
@@ -455,39 +456,10 @@ class KeyedJaggedTensor(JaggedStorage):
         return self._values.device
 
     def __str__(self) -> str:
-        """TorchRec's form: one entry per key, rows of values (and weights when present)."""
-        if not self._keys:
-            return "KeyedJaggedTensor()\n"
-        if self._values.is_meta:
-            return repr(self) + "\n"
-        offsets = self.offsets().tolist()
-        bounds = self.lengths_offset_per_key()
-        entries = []
-        for index, key in enumerate(self._keys):
-            rows = offsets[bounds[index] : bounds[index + 1] + 1]
-            if self._weights is None:
-                entries.append(f'    "{key}": ' + values_string(self._values, rows))
-            else:
-                entries.append(
-                    f'    "{key}": {{\n        "values": '
-                    + values_string(self._values, rows)
-                    + ',\n        "weights": '
-                    + values_string(self._weights, rows)
-                    + "\n    }"
-                )
-        return "KeyedJaggedTensor({\n" + ",\n".join(entries) + "\n})\n"
+        return kjt_string(self)
 
     def __repr__(self) -> str:
-        if not self._keys:
-            return "KeyedJaggedTensor()"
-        if self._values.is_meta:  # no data to show: shape inference
-            return f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, device='meta')"
-        parts = []
-        for key, jt in self.to_dict().items():
-            rows = [r.tolist() for r in jt.to_dense()]
-            parts.append(f"'{key}': {rows}")
-        weighted = ", weighted" if self._weights is not None else ""
-        return "KeyedJaggedTensor({" + ", ".join(parts) + "}" + weighted + ")"
+        return kjt_repr(self)
 
 
 @torch.fx.wrap

@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 from multiprocess import run_ranks
 
-import recshard.comm.kjt_all_to_all as kjt_all_to_all
+import recshard.comm.kjt as kjt_a2a
 import recshard.comm.request as request
 from benchmarks.ebc import QUICK, build, criteo_tables, make_batches, pooling_factors, train_step
 from benchmarks.link import CollectiveWaitClock, WaitTimes, relaunch_under_link, slowlink_missing
@@ -60,7 +60,7 @@ def _clocked_step(rank: int, world_size: int) -> Tuple[List[WaitTimes], bool]:
     forward = clock.take()
     clock.close()
     dist.barrier()
-    restored = request.wait_work is original and kjt_all_to_all.wait_work is original
+    restored = request.wait_work is original and kjt_a2a.wait_work is original
     return [step, forward], restored
 
 

@@ -16,7 +16,7 @@ from comm_helpers import assert_close, seeded
 from multiprocess import run_ranks
 
 from recshard.comm import KJTAllToAll, SequenceEmbeddingsAllToAll
-from recshard.comm.kjt_all_to_all import rank_order
+from recshard.comm.recat import rank_order
 from recshard.sparse import KeyedJaggedTensor
 
 Bag = List[int]

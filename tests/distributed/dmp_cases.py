@@ -9,7 +9,10 @@ import torch.distributed as dist
 from torch import nn
 
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
+from recshard.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from recshard.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
+from recshard.types import ShardingPlan
 
 FEATURES = ["a", "b", "c"]
 GLOBAL_BATCH = 12
@@ -108,3 +111,18 @@ def train(model: nn.Module, optimizer, steps: range, rank: int, world_size: int)
         optimizer.step()
         losses.append(global_loss(loss, world_size))
     return losses
+
+
+def table_wise_dmp(ws: int) -> DistributedModelParallel:
+    """TinyDLRM under DMP, its tables table-wise over `ws` ranks, exact SGD fused."""
+    torch.manual_seed(0)
+    per_table = {t: table_wise(i % ws) for i, t in enumerate(["ta", "tb", "tc"])}
+    plan = ShardingPlan(
+        {"ebc": construct_module_sharding_plan(TinyDLRM("meta").ebc, per_table, world_size=ws)}
+    )
+    sharders = [
+        EmbeddingBagCollectionSharder(
+            fused_params={"optimizer": "exact_sgd", "learning_rate": 0.05}
+        )
+    ]
+    return DistributedModelParallel(TinyDLRM(), plan=plan, sharders=sharders)

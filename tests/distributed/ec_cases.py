@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from recshard import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from recshard.distributed.sharding_plan import column_wise, data_parallel, row_wise, table_wise
-from recshard.modules.embedding_modules import embedding_names
+from recshard.modules.embedding_tables import embedding_names
 
 KEYS = ["f5", "f3", "f0", "f2", "f4", "f1"]  # input key order differs from the module's
 

@@ -13,6 +13,7 @@ from typing import List
 import pytest
 import torch
 
+from recshard.lookup.fused_params import FusedParams
 from recshard.lookup.grouped import GroupedLookup
 from recshard.lookup.huge_pages import HUGE_PAGE_BYTES, MIN_BYTES, huge_page_zeros
 from recshard.lookup.tables import LocalTable
@@ -74,7 +75,7 @@ def test_fbgemm_kernel_trains_on_huge_page_weights() -> None:
         0,
         EmbeddingComputeKernel.FUSED,
         PoolingType.SUM,
-        {"optimizer": "exact_sgd", "learning_rate": 0.5},
+        FusedParams.parse({"optimizer": "exact_sgd", "learning_rate": 0.5}, "t"),
     )
     lookup = GroupedLookup([table], pooled=True, device=torch.device("cpu"))
     weight = lookup.table_weights()[0]

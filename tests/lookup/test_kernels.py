@@ -11,7 +11,13 @@ from typing import List
 import pytest
 import torch
 
-from recshard.lookup.fused_params import ANY_KERNEL, OptimType, check_backend, parse_fused_params
+from recshard.lookup.fused_params import (
+    ANY_KERNEL,
+    FusedParams,
+    OptimType,
+    check_backend,
+    parse_fused_params,
+)
 from recshard.lookup.grouped import GroupedLookup
 from recshard.lookup.kernels import DenseKernel, FbgemmFusedKernel, TorchFusedKernel
 from recshard.lookup.tables import LocalTable
@@ -43,7 +49,14 @@ def local_tables(
         )
         tables.append(
             LocalTable(
-                config, 7, dim, 0, 0, kernel, pooling, {"optimizer": optim, "learning_rate": 0.1}
+                config,
+                7,
+                dim,
+                0,
+                0,
+                kernel,
+                pooling,
+                FusedParams.parse({"optimizer": optim, "learning_rate": 0.1}, config.name),
             )
         )
     return tables
@@ -71,7 +84,7 @@ def test_torch_fused_matches_fbgemm(optim: OptimType, pooling: PoolingType, weig
     if weighted and pooling == PoolingType.MEAN:
         pytest.skip("fbgemm's weighted-MEAN backward omits 1/length; recshard routes it to torch")
     tables = local_tables([4, 8], pooling, optim=optim)
-    spec = parse_fused_params(tables[0].fused_params, "t0")
+    spec = tables[0].fused_params.optim
     fb = FbgemmFusedKernel(tables, True, spec, torch.device("cpu"))
     th = TorchFusedKernel(tables, True, spec, torch.device("cpu"))
     copy_weights(fb, th)
@@ -96,9 +109,7 @@ def test_torch_fused_matches_fbgemm(optim: OptimType, pooling: PoolingType, weig
 def test_torch_fused_sgd_equals_autograd_step(pooling: PoolingType, weighted: bool) -> None:
     """Fused SGD update == dense kernel's autograd gradient applied by hand."""
     tables = local_tables([3, 4], pooling)
-    fused = TorchFusedKernel(
-        tables, True, parse_fused_params(tables[0].fused_params, "t0"), torch.device("cpu")
-    )
+    fused = TorchFusedKernel(tables, True, tables[0].fused_params.optim, torch.device("cpu"))
     dense = DenseKernel(tables, True, torch.device("cpu"))
     copy_weights(fused, dense)
     kjt = features(tables, weighted, seed=7)
@@ -114,7 +125,7 @@ def test_torch_fused_sgd_equals_autograd_step(pooling: PoolingType, weighted: bo
 @needs_fbgemm
 def test_sequence_kernels_match() -> None:
     tables = local_tables([4, 4], PoolingType.NONE, pooled=False)
-    spec = parse_fused_params(tables[0].fused_params, "t0")
+    spec = tables[0].fused_params.optim
     fb = FbgemmFusedKernel(tables, False, spec, torch.device("cpu"))
     th = TorchFusedKernel(tables, False, spec, torch.device("cpu"))
     copy_weights(fb, th)
@@ -132,9 +143,7 @@ def test_sequence_kernels_match() -> None:
 def test_duplicates_sum_before_rowwise_update() -> None:
     """Id 2 twice in one bag: the row moves once, by the summed gradient's Adagrad step."""
     tables = local_tables([3], PoolingType.SUM, optim=OptimType.EXACT_ROWWISE_ADAGRAD)[:1]
-    kernel = TorchFusedKernel(
-        tables, True, parse_fused_params(tables[0].fused_params, "t0"), torch.device("cpu")
-    )
+    kernel = TorchFusedKernel(tables, True, tables[0].fused_params.optim, torch.device("cpu"))
     before = kernel.table_weights()[0].clone()
     kjt = KeyedJaggedTensor.from_lengths_sync(
         ["t0_a", "t0_b"], torch.tensor([2, 2]), torch.tensor([2, 0, 0, 0, 0, 0])
@@ -198,7 +207,7 @@ def test_a_shard_with_no_rows_shares_the_fbgemm_kernel(optim: OptimType) -> None
     tables[0].rows = 0
     lookup = GroupedLookup(tables, pooled=True, device=torch.device("cpu"))
     assert {type(k).__name__ for k in lookup.kernels} == {"FbgemmFusedKernel"}
-    spec = parse_fused_params(tables[0].fused_params, "t0")
+    spec = tables[0].fused_params.optim
     fb = FbgemmFusedKernel(tables, True, spec, torch.device("cpu"))
     assert [tuple(w.shape) for w in fb.table_weights()] == [(0, 4), (7, 8)]
     assert all(

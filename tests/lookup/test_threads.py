@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from recshard.lookup.fused_params import ANY_KERNEL, OptimType
+from recshard.lookup.fused_params import ANY_KERNEL, FusedParams, OptimType
 from recshard.lookup.grouped import KERNELS_PER_THREAD, GroupedLookup, split_evenly
 from recshard.lookup.tables import LocalTable
 from recshard.lookup.threads import run_side_by_side
@@ -68,7 +68,7 @@ def fbgemm_tables(optim: OptimType, pooled: bool, pooling: PoolingType) -> List[
                 0,
                 EmbeddingComputeKernel.FUSED,
                 pooling,
-                {"optimizer": optim, "learning_rate": 0.1},
+                FusedParams.parse({"optimizer": optim, "learning_rate": 0.1}, config.name),
             )
         )
     return tables

@@ -1,52 +1,36 @@
-"""Embedding collectives with autograd, TorchRec's names and arguments.
+"""Pooled embeddings `[B, D]` from model-parallel to data-parallel layout by all-to-all
+(table-, column-wise sharding): the functions with autograd (TorchRec's `comm_ops` names and
+arguments) and the `nn.Module`s over them (TorchRec's `dist_data` names).
 
-Each issues its collective asynchronously and returns an `Awaitable`; `wait()` gives the
-result joined to autograd, and backward runs the transposed collective (see `request.py`).
+Each function issues its collective asynchronously (`request.py`) and returns an `Awaitable`;
+`wait()` gives the result joined to autograd, and backward runs the transposed all-to-all.
 Notation: W world size, B batch size (B_global = sum over ranks), D embedding dims.
 World size 1 returns the input untouched.
 """
 
 from __future__ import annotations
 
-import math
-from typing import List, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from recshard.comm.args import check, default_group, per_rank, same_dtype
 from recshard.comm.codecs import QuantizedCommCodecs, cast_dtype
 from recshard.comm.column_blocks import (
     Block,
+    check_blocks,
     chunks_from_columns,
     chunks_to_columns,
     columns_from_chunks,
     whole_chunks,
 )
-from recshard.comm.request import (
-    AllGatherV,
-    AllToAllV,
-    CommRequest,
-    Pending,
-    ReduceScatterV,
-    decode,
-    issue_all_to_all,
-)
-from recshard.sparse.jagged_ops import asynchronous_complete_cumsum, expand_into_jagged_permute
+from recshard.comm.pg import HoldsGroup
+from recshard.comm.request import AllToAllV, CommRequest, Pending, decode, issue_all_to_all
 from recshard.types import Awaitable, NoWait
 
-
-def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return group if group is not None else dist.distributed_c10d._get_default_group()
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-def _same_dtype(tensors: List[torch.Tensor], what: str) -> None:
-    dtypes = sorted({str(t.dtype) for t in tensors})
-    _check(len(dtypes) <= 1, f"{what}: all tensors must share one dtype, got {dtypes}")
+Callback = Callable[[torch.Tensor], torch.Tensor]
 
 
 def alltoall_pooled(
@@ -67,24 +51,24 @@ def alltoall_pooled(
     the ranks' columns in the order given). `batch_size_per_rank[r]` is rank r's batch size.
     The two tensor arguments exist for TorchRec compatibility and are unused.
     """
-    pg = _group(group)
+    pg = default_group(group)
     world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
     x = a2a_pooled_embs_tensor
-    _check(
+    check(
         x.dim() == 2,
         f"alltoall_pooled: expected a 2-D [B_global, D_local] tensor, got {tuple(x.shape)}",
     )
-    _check(
+    check(
         len(batch_size_per_rank) == world_size and len(dim_sum_per_rank) == world_size,
         f"alltoall_pooled: batch_size_per_rank ({len(batch_size_per_rank)}) and dim_sum_per_rank "
         f"({len(dim_sum_per_rank)}) need one entry per rank (world size {world_size})",
     )
-    _check(
+    check(
         x.size(0) == sum(batch_size_per_rank),
         f"alltoall_pooled: input has {x.size(0)} rows but batch_size_per_rank "
         f"{batch_size_per_rank} sums to {sum(batch_size_per_rank)}",
     )
-    _check(
+    check(
         x.size(1) == dim_sum_per_rank[rank],
         f"alltoall_pooled: rank {rank} input has {x.size(1)} columns but "
         f"dim_sum_per_rank[{rank}] = {dim_sum_per_rank[rank]}",
@@ -191,18 +175,18 @@ def variable_batch_alltoall_pooled(
     Output (flat): for each source rank s, for each of s's features (in order),
     `batch_size_per_feature_pre_a2a[k]` rows of its dim, k counting features over ranks.
     """
-    pg = _group(group)
+    pg = default_group(group)
     world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
     x = a2a_pooled_embs_tensor
     dims = emb_dim_per_rank_per_feature
-    _check(
+    check(
         len(dims) == world_size and len(batch_size_per_rank_per_feature) == world_size,
         f"variable_batch_alltoall_pooled: emb_dim_per_rank_per_feature ({len(dims)}) and "
         f"batch_size_per_rank_per_feature ({len(batch_size_per_rank_per_feature)}) need one "
         f"entry per rank (world size {world_size})",
     )
     num_features = sum(len(d) for d in dims)
-    _check(
+    check(
         len(batch_size_per_feature_pre_a2a) == num_features,
         f"variable_batch_alltoall_pooled: batch_size_per_feature_pre_a2a has "
         f"{len(batch_size_per_feature_pre_a2a)} entries, expected one per feature ({num_features})",
@@ -211,7 +195,7 @@ def variable_batch_alltoall_pooled(
         sum(b * d for b, d in zip(batch_size_per_rank_per_feature[r], dims[rank]))
         for r in range(world_size)
     ]
-    _check(
+    check(
         x.numel() == sum(input_splits),
         f"variable_batch_alltoall_pooled: input has {x.numel()} elements, the batch sizes "
         f"and dims give {sum(input_splits)}",
@@ -222,64 +206,6 @@ def variable_batch_alltoall_pooled(
     output_splits = [sum(next(pre_a2a) * d for d in dims[s]) for s in range(world_size)]
     a2a = AllToAllV(pg, input_splits, output_splits, codecs, name="variable_batch_alltoall_pooled")
     return CommRequest(a2a, x.reshape(-1))
-
-
-def alltoall_sequence(
-    a2a_sequence_embs_tensor: torch.Tensor,
-    forward_recat_tensor: torch.Tensor,
-    backward_recat_tensor: torch.Tensor | None,
-    lengths_after_sparse_data_all2all: torch.Tensor,
-    input_splits: List[int],
-    output_splits: List[int],
-    variable_batch_size: bool = False,
-    group: dist.ProcessGroup | None = None,
-    codecs: QuantizedCommCodecs | None = None,
-) -> Awaitable[torch.Tensor]:
-    """Per-id embeddings back to the ranks that sent the ids: the sparse all-to-all reversed.
-
-    Input `[N_recv, D]`: one row per id of the KJT this rank received, feature-major.
-    `lengths_after_sparse_data_all2all`: that KJT's lengths. `input_splits` /
-    `output_splits`: ids the sparse all-to-all sent to / received from each rank.
-    `forward_recat_tensor` reorders feature-major into rank-major units: with
-    `variable_batch_size=False` a unit is one (feature, source rank) block of equal batch
-    size (`[F_local * W]`); with True a unit is one bag (`[F_local * sum(B)]`).
-    Output `[N_sent, D]`: rows in the order the ids were sent. The backward reorder comes from
-    autograd; `backward_recat_tensor` is accepted for TorchRec compatibility.
-    """
-    pg = _group(group)
-    world_size = dist.get_world_size(pg)
-    x = a2a_sequence_embs_tensor
-    _check(x.dim() == 2, f"alltoall_sequence: expected [N, D] embeddings, got {tuple(x.shape)}")
-    _check(
-        len(input_splits) == world_size and len(output_splits) == world_size,
-        f"alltoall_sequence: input_splits ({len(input_splits)}) and output_splits "
-        f"({len(output_splits)}) need one entry per rank (world size {world_size})",
-    )
-    _check(
-        x.size(0) == sum(output_splits),
-        f"alltoall_sequence: {x.size(0)} embedding rows but {sum(output_splits)} ids were "
-        f"received (output_splits {output_splits})",
-    )
-    if world_size == 1:
-        return NoWait(x)
-    units = forward_recat_tensor.numel()
-    if units > 0 and x.size(0) > 0:
-        lengths = lengths_after_sparse_data_all2all.reshape(units, -1).sum(1)
-        in_offsets = asynchronous_complete_cumsum(lengths)
-        out_offsets = asynchronous_complete_cumsum(lengths[forward_recat_tensor.long()])
-        rows = expand_into_jagged_permute(
-            forward_recat_tensor.to(in_offsets.dtype), in_offsets, out_offsets, x.size(0)
-        )
-        x = x.index_select(0, rows.long())
-    dim = x.size(1)
-    a2a = AllToAllV(
-        pg,
-        [n * dim for n in output_splits],
-        [n * dim for n in input_splits],
-        codecs,
-        name="alltoall_sequence",
-    )
-    return CommRequest(a2a, x.reshape(-1), lambda flat: flat.view(-1, dim))
 
 
 def alltoallv(
@@ -296,12 +222,12 @@ def alltoallv(
     (or `per_rank_split_lengths[r]` tables of this rank's dim). Output: `[B_local, out_split[r]]`
     per rank r. Unlike the embedding collectives its gradient is never divided.
     """
-    pg = _group(group)
+    pg = default_group(group)
     world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    _check(len(inputs) > 0, "alltoallv: needs at least one input tensor")
-    _same_dtype(inputs, "alltoallv")
+    check(len(inputs) > 0, "alltoallv: needs at least one input tensor")
+    same_dtype(inputs, "alltoallv")
     b_global = inputs[0].size(0)
-    _check(
+    check(
         all(t.dim() == 2 and t.size(0) == b_global for t in inputs),
         f"alltoallv: inputs must be 2-D with {b_global} rows, "
         f"got {[tuple(t.shape) for t in inputs]}",
@@ -312,12 +238,12 @@ def alltoallv(
         dims_per_rank = [n * inputs[0].size(1) for n in per_rank_split_lengths]
     else:
         raise ValueError("alltoallv: pass out_split or per_rank_split_lengths")
-    _check(
+    check(
         len(dims_per_rank) == world_size,
         f"alltoallv: out_split {dims_per_rank} needs one entry per rank (world size {world_size})",
     )
     local = torch.cat(inputs, dim=1)
-    _check(
+    check(
         local.size(1) == dims_per_rank[rank],
         f"alltoallv: rank {rank} inputs have {local.size(1)} columns, out_split says "
         f"{dims_per_rank[rank]}",
@@ -337,107 +263,107 @@ def alltoallv(
     return CommRequest(a2a, local.reshape(-1), per_rank)  # type: ignore[arg-type]
 
 
-def reduce_scatter_pooled(
-    inputs: List[torch.Tensor],
-    group: dist.ProcessGroup | None = None,
-    codecs: QuantizedCommCodecs | None = None,
-) -> Awaitable[torch.Tensor]:
-    """`inputs[r]` summed over ranks lands on rank r (shape of `inputs[r]`, same on every rank)."""
-    pg = _group(group)
-    world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    _check(
-        len(inputs) == world_size,
-        f"reduce_scatter_pooled: needs one input per rank ({world_size}), got {len(inputs)}",
-    )
-    _same_dtype(inputs, "reduce_scatter_pooled")
-    if world_size == 1:
-        return NoWait(inputs[0])
-    shape = inputs[rank].shape
-    flat = torch.cat([t.reshape(-1) for t in inputs])
-    rs = ReduceScatterV(pg, [t.numel() for t in inputs], codecs, name="reduce_scatter_pooled")
-    return CommRequest(rs, flat, lambda out: out.view(shape))
+class PooledEmbeddingsAllToAll(HoldsGroup, nn.Module):
+    """`[B_global, dim_sum_per_rank[me]]` -> `[B_local, sum(dim_sum_per_rank)]` (table-wise).
+
+    Example: `dim_sum_per_rank=[2, 1]`, two ranks, `[6, 2]` on rank 0 and `[6, 1]` on rank 1
+    give `[3, 3]` on each: columns 0-1 from rank 0, column 2 from rank 1.
+    `batch_size_per_rank` (call) supports unequal batches; default `B_global / W` each.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        dim_sum_per_rank: List[int],
+        device: torch.device | None = None,
+        callbacks: List[Callback] | None = None,
+        codecs: QuantizedCommCodecs | None = None,
+    ) -> None:
+        super().__init__()
+        self.pg = pg
+        self._dim_sum_per_rank = per_rank(
+            dim_sum_per_rank, pg, "PooledEmbeddingsAllToAll: dim_sum_per_rank"
+        )
+        self._callbacks: List[Callback] = list(callbacks or [])
+        self._codecs = codecs
+        self._column_blocks: List[Block] | None = None
+
+    @property
+    def callbacks(self) -> List[Callback]:
+        return self._callbacks
+
+    def set_column_order(self, blocks: Sequence[Block]) -> None:
+        """Deliver columns as these (rank, first column, width) blocks, in this order, instead
+        of rank order: the caller's permute rides on the all-to-all's own copy."""
+        self._column_blocks = check_blocks(blocks, self._dim_sum_per_rank)
+
+    def forward(
+        self, local_embs: torch.Tensor, batch_size_per_rank: List[int] | None = None
+    ) -> Awaitable[torch.Tensor]:
+        world_size = dist.get_world_size(self.pg)
+        if batch_size_per_rank is None:
+            if local_embs.size(0) % world_size:
+                raise ValueError(
+                    f"PooledEmbeddingsAllToAll: {local_embs.size(0)} rows do not split evenly "
+                    f"over {world_size} ranks; pass batch_size_per_rank"
+                )
+            batch_size_per_rank = [local_embs.size(0) // world_size] * world_size
+        awaitable = alltoall_pooled(
+            local_embs,
+            batch_size_per_rank,
+            self._dim_sum_per_rank,
+            group=self.pg,
+            codecs=self._codecs,
+            column_blocks=self._column_blocks,
+        )
+        awaitable.callbacks.extend(self._callbacks)
+        return awaitable
 
 
-def reduce_scatter_base_pooled(
-    input: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
-    codecs: QuantizedCommCodecs | None = None,
-) -> Awaitable[torch.Tensor]:
-    """`[W * B, D]` partial sums on every rank -> `[B, D]`: rows `r*B..(r+1)*B`
-    summed, on rank r."""
-    pg = _group(group)
-    world_size = dist.get_world_size(pg)
-    _check(
-        input.size(0) % world_size == 0,
-        f"reduce_scatter_base_pooled: {input.size(0)} rows do not split evenly "
-        f"over {world_size} ranks",
-    )
-    return reduce_scatter_v_pooled(input, [input.size(0) // world_size] * world_size, pg, codecs)
+class VariableBatchPooledEmbeddingsAllToAll(HoldsGroup, nn.Module):
+    """Pooled all-to-all with a batch size per rank per feature (VBE); flat in and out.
 
+    `emb_dim_per_rank_per_feature[r]`: dims of rank r's features. See
+    `variable_batch_alltoall_pooled` for the layouts.
+    """
 
-def reduce_scatter_v_pooled(
-    input: torch.Tensor,
-    input_splits: List[int],
-    group: dist.ProcessGroup | None = None,
-    codecs: QuantizedCommCodecs | None = None,
-) -> Awaitable[torch.Tensor]:
-    """`[sum(input_splits), D...]` partial sums -> `[input_splits[r], D...]` on rank r: the sum
-    over ranks of row block r (uneven batch sizes per rank). Backward: all-gather."""
-    pg = _group(group)
-    world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    _check(
-        len(input_splits) == world_size,
-        f"reduce_scatter_v_pooled: input_splits {input_splits} needs one entry per rank "
-        f"(world size {world_size})",
-    )
-    _check(
-        input.size(0) == sum(input_splits),
-        f"reduce_scatter_v_pooled: input has {input.size(0)} rows, input_splits "
-        f"{input_splits} sum to {sum(input_splits)}",
-    )
-    if world_size == 1:
-        return NoWait(input)
-    row = math.prod(input.shape[1:])
-    shape = (input_splits[rank], *input.shape[1:])
-    rs = ReduceScatterV(pg, [n * row for n in input_splits], codecs, name="reduce_scatter_v_pooled")
-    return CommRequest(rs, input.reshape(-1), lambda out: out.view(shape))
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        emb_dim_per_rank_per_feature: List[List[int]],
+        device: torch.device | None = None,
+        callbacks: List[Callback] | None = None,
+        codecs: QuantizedCommCodecs | None = None,
+    ) -> None:
+        super().__init__()
+        world_size = dist.get_world_size(pg)
+        if len(emb_dim_per_rank_per_feature) != world_size:
+            raise ValueError(
+                f"VariableBatchPooledEmbeddingsAllToAll: emb_dim_per_rank_per_feature has "
+                f"{len(emb_dim_per_rank_per_feature)} entries, world size is {world_size}"
+            )
+        self.pg = pg
+        self._emb_dims = [list(d) for d in emb_dim_per_rank_per_feature]
+        self._callbacks: List[Callback] = list(callbacks or [])
+        self._codecs = codecs
 
+    @property
+    def callbacks(self) -> List[Callback]:
+        return self._callbacks
 
-def reduce_scatter_v_per_feature_pooled(
-    input: torch.Tensor,
-    batch_size_per_rank_per_feature: List[List[int]],
-    embedding_dims: List[int],
-    group: dist.ProcessGroup | None = None,
-    codecs: QuantizedCommCodecs | None = None,
-) -> Awaitable[torch.Tensor]:
-    """Variable batch per feature (VBE) partial pools, flat and rank-major (for each rank r,
-    for each feature f, `batch_size_per_rank_per_feature[r][f]` rows of `embedding_dims[f]`)
-    -> rank r's chunk summed over ranks, on rank r (flat). Backward: all-gather."""
-    pg = _group(group)
-    world_size = dist.get_world_size(pg)
-    _check(
-        len(batch_size_per_rank_per_feature) == world_size,
-        f"reduce_scatter_v_per_feature_pooled: batch_size_per_rank_per_feature has "
-        f"{len(batch_size_per_rank_per_feature)} entries, world size is {world_size}",
-    )
-    splits = [
-        sum(b * d for b, d in zip(batches, embedding_dims))
-        for batches in batch_size_per_rank_per_feature
-    ]
-    return reduce_scatter_v_pooled(input.reshape(-1), splits, pg, codecs)
-
-
-def all_gather_base_pooled(
-    input: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
-    codecs: QuantizedCommCodecs | None = None,
-) -> Awaitable[torch.Tensor]:
-    """`[B, D...]` on every rank -> `[W * B, D...]`, rank blocks in rank order.
-    Backward: reduce-scatter (divided by W when gradient division is on, as TorchRec)."""
-    pg = _group(group)
-    world_size = dist.get_world_size(pg)
-    if world_size == 1:
-        return NoWait(input)
-    shape = (world_size * input.size(0), *input.shape[1:])
-    ag = AllGatherV(pg, [input.numel()] * world_size, codecs, name="all_gather_base_pooled")
-    return CommRequest(ag, input.reshape(-1), lambda out: out.view(shape))
+    def forward(
+        self,
+        local_embs: torch.Tensor,
+        batch_size_per_rank_per_feature: List[List[int]],
+        batch_size_per_feature_pre_a2a: List[int],
+    ) -> Awaitable[torch.Tensor]:
+        awaitable = variable_batch_alltoall_pooled(
+            local_embs,
+            batch_size_per_rank_per_feature,
+            batch_size_per_feature_pre_a2a,
+            self._emb_dims,
+            group=self.pg,
+            codecs=self._codecs,
+        )
+        awaitable.callbacks.extend(self._callbacks)
+        return awaitable

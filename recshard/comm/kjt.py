@@ -1,12 +1,10 @@
 """KJTAllToAll: route each feature's ids to the rank that owns it, in two asynchronous stages.
 
-Stage 1 (call): one small all-to-all of int64 metadata; row r of what this rank sends says,
-for the keys going to rank r, their batch sizes (per key) and id counts (per key), this
-rank's batch size, the dtypes of lengths / values / weights, the range of its lengths, and
-the validity verdict (a flag plus the first line of the error message). Stage 2 (first
-`wait()`): checks every rank's verdict and dtypes (so a bad batch on one rank stops every rank
-at once, before any tensor is sent), then issues the ids all-to-all (lengths and ids, one
-buffer) and, with weights, the weights all-to-all.
+Stage 1 (call): one small all-to-all of int64 metadata, a row per destination
+(`kjt_metadata.py`: batch sizes and id counts per key, dtypes, the lengths' range, the
+validity verdict). Stage 2 (first `wait()`): checks every rank's verdict and dtypes (so a bad
+batch on one rank stops every rank at once, before any tensor is sent), then issues the ids
+all-to-all (lengths and ids, one buffer) and, with weights, the weights all-to-all.
 Second `wait()`: reorders what arrived from rank-major to feature-major (`recat`) and returns
 the KJT.
 
@@ -29,7 +27,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from recshard.comm.kjt_metadata import (
+    FIXED,
+    LENGTHS_MAX,
+    LENGTHS_MIN,
+    REJECTED,
+    STRIDE,
+    VBE,
+    Selected,
+    check_dtypes_agree,
+    check_input,
+    fill_metadata,
+    select_keys,
+)
 from recshard.comm.pg import HoldsGroup
+from recshard.comm.recat import expand_recat, get_recat, rank_order
 from recshard.comm.request import Pending, issue_all_to_all, wait_work
 from recshard.comm.verdict import MSG_WORDS, encode_message, raise_rejected
 from recshard.comm.wire import (
@@ -45,113 +57,9 @@ from recshard.sparse import KeyedJaggedTensor
 from recshard.sparse import jagged_ops as ops
 from recshard.types import Awaitable
 
-_DTYPES = [
-    torch.int32,
-    torch.int64,
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-]
-# Fixed columns of a metadata row: rejected flag, variable-batch flag, stride, 3 dtype codes,
-# the smallest and largest of the sender's lengths.
-(
-    _REJECTED,
-    _VBE,
-    _STRIDE,
-    _LENGTHS_DTYPE,
-    _VALUES_DTYPE,
-    _WEIGHTS_DTYPE,
-    _LENGTHS_MIN,
-    _LENGTHS_MAX,
-) = range(8)
-_FIXED = 8
-_LABELS = ("lengths", "values", "weights")
-
-
-def _dtype_code(t: torch.Tensor | None) -> int:
-    return 0 if t is None else _DTYPES.index(t.dtype) + 1 if t.dtype in _DTYPES else -1
-
-
-def _dtype_name(code: int) -> str:
-    return "none" if code == 0 else str(_DTYPES[code - 1]).replace("torch.", "")
-
-
-def rank_order(num_splits: int, stagger: int) -> List[int]:
-    """Source ranks in output batch order (stagger > 1 interleaves nodes, as TorchRec's TWRW)."""
-    per_group = num_splits // stagger
-    return [x + per_group * y for x in range(per_group) for y in range(stagger)]
-
-
-def get_recat(
-    local_split: int,
-    num_splits: int,
-    stagger: int = 1,
-    device: torch.device | None = None,
-    batch_size_per_rank: List[int] | None = None,
-) -> torch.Tensor:
-    """Permute from rank-major (what arrives) to feature-major (the output KJT), int32.
-
-    Segment level `[F_local * W]` (output segment (f, j) = arrived segment
-    `order[j] * F_local + f`) when every rank has the same batch size; bag level
-    `[F_local * sum(B)]` when `batch_size_per_rank` differ (TorchRec's convention).
-    """
-    order = rank_order(num_splits, stagger)
-    recat = [r * local_split + f for f in range(local_split) for r in order]
-    recat_t = torch.tensor(recat, dtype=torch.int32, device=device)
-    if batch_size_per_rank is None or len(set(batch_size_per_rank)) <= 1:
-        return recat_t
-    bags = [batch_size_per_rank[r] for r in range(num_splits) for _ in range(local_split)]
-    return _expand(recat_t, torch.tensor(bags, dtype=torch.int32, device=device))
-
-
-def _expand(segment_recat: torch.Tensor, segment_sizes: torch.Tensor) -> torch.Tensor:
-    """A segment permute expanded to the elements of the segments
-    (`segment_sizes`, source order)."""
-    in_offsets = ops.asynchronous_complete_cumsum(segment_sizes)
-    permuted = segment_sizes[segment_recat.long()]
-    out_offsets = ops.asynchronous_complete_cumsum(permuted)
-    return ops.expand_into_jagged_permute(
-        segment_recat, in_offsets, out_offsets, int(permuted.sum())
-    )
-
 
 @dataclass
-class _Selected:
-    """The keys this rank sends, in wire order: `kjt.permute(key_order)` without moving the
-    ids (the pack reads each key's ids where they are; only the lengths are permuted)."""
-
-    keys: List[str]
-    strides: List[int]
-    counts: List[int]
-    starts: List[int]  # where each key's ids begin in `kjt.values()`
-    lengths: torch.Tensor
-
-
-def _select(kjt: KeyedJaggedTensor, key_order: List[int] | None) -> _Selected:
-    """`kjt`'s keys as sent; `key_order` (indices, repeats allowed) needs one batch size."""
-    starts = kjt.offset_per_key()[:-1]
-    if key_order is None:
-        return _Selected(
-            kjt.keys(), kjt.stride_per_key(), kjt.length_per_key(), starts, kjt.lengths()
-        )
-    keys, counts = kjt.keys(), kjt.length_per_key()
-    order = torch.tensor(key_order, dtype=torch.int64)
-    lengths = kjt.lengths().view(len(keys), -1).index_select(0, order).view(-1)
-    return _Selected(
-        [keys[i] for i in key_order],
-        [kjt.stride()] * len(key_order),
-        [counts[i] for i in key_order],
-        [starts[i] for i in key_order],
-        lengths,
-    )
-
-
-@dataclass
-class _Outgoing:
+class Outgoing:
     """What this rank sends in stage 2 and how what it receives is laid out.
 
     `input_splits[label]`: elements per destination. With other ranks, `values` is the packed
@@ -187,7 +95,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         self,
         pg: dist.ProcessGroup,
         received: torch.Tensor,
-        sent: _Outgoing,
+        sent: Outgoing,
         stagger: int,
     ) -> None:
         super().__init__()
@@ -196,12 +104,12 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         self._keys, self._stagger, self._world_size = sent.keys, stagger, world_size
         self._dtypes = sent.dtypes
         self._input_splits = sent.input_splits
-        self.stride_per_rank: List[int] = received[:, _STRIDE].tolist()
-        strides = received[:, _FIXED : _FIXED + num_local]
-        counts = received[:, _FIXED + num_local : _FIXED + 2 * num_local]
+        self.stride_per_rank: List[int] = received[:, STRIDE].tolist()
+        strides = received[:, FIXED : FIXED + num_local]
+        counts = received[:, FIXED + num_local : FIXED + 2 * num_local]
         self.stride_per_key_per_rank: List[List[int]] = strides.t().tolist()
         self.values_per_key_per_rank: List[List[int]] = counts.t().tolist()
-        self._vbe = bool(received[:, _VBE].any())  # some rank has a batch size per key
+        self._vbe = bool(received[:, VBE].any())  # some rank has a batch size per key
         self.variable_stride = self._vbe or len(set(self.stride_per_rank)) > 1
         self._output_splits = {"lengths": strides.sum(1).tolist(), "values": counts.sum(1).tolist()}
         if sent.weights is not None:
@@ -212,7 +120,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         # range picks), then each key's ids in their wire dtype; weights per key
         lengths_dtypes = [
             lengths_wire_dtype(low, high, sent.dtypes["lengths"])
-            for low, high in received[:, [_LENGTHS_MIN, _LENGTHS_MAX]].tolist()
+            for low, high in received[:, [LENGTHS_MIN, LENGTHS_MAX]].tolist()
         ]
         self._arrived_counts = {"values": [], "weights": counts.reshape(-1).tolist()}
         self._arrived_dtypes = {"values": []}
@@ -275,7 +183,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         if self._recat_cache is None:
             segment = self._segment_recat()
             self._recat_cache = (
-                _expand(segment, self._segment_strides) if self.variable_stride else segment
+                expand_recat(segment, self._segment_strides) if self.variable_stride else segment
             )
         return self._recat_cache
 
@@ -353,17 +261,17 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         self._pg, self._splits, self._stagger = pg, splits, stagger
         self._rank, world_size = dist.get_rank(pg), dist.get_world_size(pg)
         if input_error is None:
-            input_error = _check_input(kjt, splits, key_order)
+            input_error = check_input(kjt, splits, key_order)
         self._input_error = input_error
         self._bounds = [sum(splits[:r]) for r in range(len(splits) + 1)]  # key ranges by rank
-        width = _FIXED + 2 * max(splits, default=0) + MSG_WORDS
+        width = FIXED + 2 * max(splits, default=0) + MSG_WORDS
         sent = torch.zeros(world_size, width, dtype=torch.int64)  # built on the host
         if self._input_error is not None:
-            sent[:, _REJECTED] = 1
+            sent[:, REJECTED] = 1
             sent[:, width - MSG_WORDS :] = encode_message(self._input_error)
         else:
-            selected = _select(kjt, key_order)
-            self._fill(sent, kjt, selected)
+            selected = select_keys(kjt, key_order)
+            fill_metadata(sent, kjt, selected, splits)
         if world_size == 1:
             self._received, self._work = sent, None
         else:  # NCCL needs device tensors; gloo takes host ones
@@ -374,37 +282,18 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         self._outgoing = None
         if self._input_error is None:
             lengths_dtype = lengths_wire_dtype(
-                int(sent[0, _LENGTHS_MIN]), int(sent[0, _LENGTHS_MAX]), kjt.lengths().dtype
+                int(sent[0, LENGTHS_MIN]), int(sent[0, LENGTHS_MAX]), kjt.lengths().dtype
             )
             self._outgoing = self._pack(kjt, selected, id_rows, lengths_dtype, world_size)
-
-    def _fill(self, sent: torch.Tensor, kjt: KeyedJaggedTensor, selected: _Selected) -> None:
-        """Metadata rows, one per destination."""
-        strides, counts, bounds = selected.strides, selected.counts, self._bounds
-        lengths, weights = selected.lengths, kjt.weights_or_none()
-        sent[:, _VBE] = int(kjt.variable_stride_per_key())
-        sent[:, _STRIDE] = kjt.stride()
-        sent[:, _LENGTHS_DTYPE] = _dtype_code(lengths)
-        sent[:, _VALUES_DTYPE] = _dtype_code(kjt.values())
-        sent[:, _WEIGHTS_DTYPE] = _dtype_code(weights)
-        if lengths.numel():
-            low, high = torch.aminmax(lengths)
-            sent[:, _LENGTHS_MIN], sent[:, _LENGTHS_MAX] = int(low), int(high)
-        for r, num in enumerate(self._splits):
-            lo, hi = bounds[r], bounds[r + 1]
-            sent[r, _FIXED : _FIXED + num] = torch.tensor(strides[lo:hi], dtype=torch.int64)
-            sent[r, _FIXED + num : _FIXED + 2 * num] = torch.tensor(
-                counts[lo:hi], dtype=torch.int64
-            )
 
     def _pack(
         self,
         kjt: KeyedJaggedTensor,
-        selected: _Selected,
+        selected: Selected,
         id_rows: Sequence[int | None],
         lengths_dtype: torch.dtype,
         world_size: int,
-    ) -> _Outgoing:
+    ) -> Outgoing:
         """The tensors to send: with other ranks, per destination its lengths (as
         `lengths_dtype`) and its keys' ids in one buffer, weights per key in another."""
         strides, counts, bounds = selected.strides, selected.counts, self._bounds
@@ -412,7 +301,7 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         id_dtypes = [id_wire_dtype(rows, values.dtype) for rows in id_rows]
         me = self._rank
         per_rank = [range(bounds[r], bounds[r + 1]) for r in range(len(self._splits))]
-        sent = _Outgoing(
+        sent = Outgoing(
             keys=selected.keys[bounds[me] : bounds[me + 1]],
             input_splits={
                 "lengths": [sum(strides[k] for k in keys) for keys in per_rank],
@@ -455,39 +344,11 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
     def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
         wait_work(self._work, "kjt_all_to_all_splits", pg=self._pg)
         received = self._received.cpu()
-        raise_rejected(self._input_error, received[:, _REJECTED].tolist(), received[:, -MSG_WORDS:])
-        for column, label in zip((_LENGTHS_DTYPE, _VALUES_DTYPE, _WEIGHTS_DTYPE), _LABELS):
-            codes = received[:, column].tolist()
-            if len(set(codes)) > 1:
-                per_rank = ", ".join(f"rank {r} {_dtype_name(c)}" for r, c in enumerate(codes))
-                raise ValueError(f"KJTAllToAll: ranks disagree on the {label} dtype: {per_rank}")
+        raise_rejected(self._input_error, received[:, REJECTED].tolist(), received[:, -MSG_WORDS:])
+        check_dtypes_agree(received)
         sent = self._outgoing
         assert sent is not None  # a rejected input raised above
         return KJTAllToAllTensorsAwaitable(self._pg, received, sent, self._stagger)
-
-
-def _check_input(
-    kjt: KeyedJaggedTensor, splits: List[int], key_order: List[int] | None
-) -> str | None:
-    """What is wrong with this rank's input, or None."""
-    keys = kjt.keys() if key_order is None else [kjt.keys()[i] for i in key_order]
-    if sum(splits) != len(keys):
-        return (
-            f"KJTAllToAll: splits {splits} sum to {sum(splits)} keys but the "
-            f"KeyedJaggedTensor has {len(keys)}: {keys}"
-        )
-    if kjt.values().is_floating_point() or kjt.lengths().is_floating_point():
-        return (
-            f"KJTAllToAll: ids and lengths must be integers, got values "
-            f"{kjt.values().dtype} and lengths {kjt.lengths().dtype}"
-        )
-    weights = kjt.weights_or_none()
-    if weights is not None and not weights.is_floating_point():
-        return f"KJTAllToAll: weights must be floating point, got {weights.dtype}"
-    for name, t in (("lengths", kjt.lengths()), ("values", kjt.values()), ("weights", weights)):
-        if t is not None and _dtype_code(t) < 0:
-            return f"KJTAllToAll: unsupported {name} dtype {t.dtype}"
-    return None
 
 
 class KJTAllToAll(HoldsGroup, nn.Module):
