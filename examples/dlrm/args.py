@@ -8,6 +8,7 @@ from typing import List, Sequence
 from examples.dlrm.data.binary import is_preprocessed
 from examples.dlrm.data.criteo_spec import NUM_SPARSE, SPARSE_NAMES, capped_num_embeddings
 from examples.dlrm.data.preprocess import Manifest, check_same_vocabulary, check_table_sizes
+from examples.dlrm.mc import RAW_ID_SPACE
 from examples.dlrm.sharding import OPTIMIZER_CHOICES, SHARDING_CHOICES
 
 # What `--demo` changes (flags given explicitly still win): about a minute on 2 CPU ranks.
@@ -123,6 +124,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma list of sparse features (e.g. cat_0,cat_5) whose ids are weighted by "
         "their position in the bag (FeatureProcessedEmbeddingBagCollection with "
         "PositionWeightedModuleCollection; max_feature_length = --multi-hot)",
+    )
+    g.add_argument(
+        "--managed-collision",
+        type=int,
+        default=None,
+        metavar="ZCH_SIZE",
+        help="train on raw ids: every table has ZCH_SIZE rows behind an MCH managed-collision "
+        "module (DistanceLFU eviction) that gives frequent ids rows of their own; Criteo "
+        "values are read as raw 32-bit ids (preprocess with --vocab raw), synthetic ids "
+        "are drawn from --num-embeddings-per-feature",
+    )
+    g.add_argument(
+        "--mc-eviction-interval",
+        type=int,
+        default=100,
+        help="managed collision: steps between evictions",
+    )
+    g.add_argument(
+        "--mc-log-every",
+        type=int,
+        default=0,
+        help="managed collision: log per-table evictions, rows in use and hit rate every N "
+        "steps (0: at every eval)",
     )
     g = p.add_argument_group("sharding and optimizer")
     g.add_argument(
@@ -291,6 +315,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--data criteo needs --data-path")
     if args.data == "synthetic" and args.steps is None:
         args.steps = 1000
+    _check_managed_collision(parser, args)
     if args.data == "criteo":
         try:
             manifests = {
@@ -324,6 +349,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
+
+
+def _check_managed_collision(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A positive zch size and interval, a sharding MC tables take; Criteo ids read raw."""
+    if args.managed_collision is None:
+        return
+    if args.managed_collision < 1:
+        parser.error(f"--managed-collision must be >= 1 rows, got {args.managed_collision}")
+    if args.mc_eviction_interval < 1 or args.mc_log_every < 0:
+        parser.error("--mc-eviction-interval must be >= 1 and --mc-log-every >= 0")
+    if args.sharding in ("column_wise", "data_parallel") or args.kernel == "dense":
+        parser.error(
+            "--managed-collision tables shard auto, row_wise, table_wise or table_row_wise "
+            f"with --kernel fused, not {args.sharding} / {args.kernel}"
+        )
+    if args.position_weighted or args.key_value_tables or args.dram_budget is not None:
+        parser.error("--managed-collision does not combine with --position-weighted or key_value")
+    if args.data == "criteo":  # the readers keep each 32-bit value as its own id
+        args.num_embeddings_per_feature = [RAW_ID_SPACE] * NUM_SPARSE
 
 
 def _check_key_value(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

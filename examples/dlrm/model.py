@@ -15,6 +15,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
+from examples.dlrm.mc import build_managed_collision
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig
 from recshard.datasets.utils import Batch
 from recshard.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
@@ -53,13 +54,22 @@ def build_dlrm(
     dcn_num_layers: int = 3,
     dcn_low_rank_dim: int = 64,
     position_weighted: Dict[str, int] | None = None,
+    managed_collision: Tuple[int, int] | None = None,
 ) -> ExampleDLRMTrain:
     """The training module with an EBC over `tables`, everything on `device` (use "meta" to
     let DistributedModelParallel materialize it). `position_weighted` ({feature: max bag
     length}): those features' ids are weighted by their position in the bag (a
-    `FeatureProcessedEmbeddingBagCollection` in the EBC's place)."""
-    ebc: nn.Module = EmbeddingBagCollection(
-        tables=tables, is_weighted=bool(position_weighted), device=device
+    `FeatureProcessedEmbeddingBagCollection` in the EBC's place). `managed_collision`
+    (eviction interval, buckets): raw ids remapped by MCH modules in front of the tables
+    (`examples.dlrm.mc`)."""
+    if managed_collision is not None and position_weighted:
+        raise ValueError("managed collision and position-weighted features do not combine")
+    ebc: nn.Module = (
+        build_managed_collision(tables, *managed_collision, device=device)
+        if managed_collision is not None
+        else EmbeddingBagCollection(
+            tables=tables, is_weighted=bool(position_weighted), device=device
+        )
     )
     if position_weighted:
         features = {f for t in tables for f in t.feature_names}

@@ -10,9 +10,13 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 from torch import nn
 
+from examples.dlrm.mc import MC_NAME, ManagedCollisionSparse
 from recshard import EmbeddingBagConfig, ShardingPlan
 from recshard.comm import get_qcomm_codecs_registry
-from recshard.distributed import EmbeddingBagCollectionSharder
+from recshard.distributed import (
+    EmbeddingBagCollectionSharder,
+    ManagedCollisionEmbeddingBagCollectionSharder,
+)
 from recshard.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import (
     ShardingGenerator,
@@ -23,7 +27,6 @@ from recshard.distributed.sharding_plan import (
     table_row_wise,
     table_wise,
 )
-from recshard.modules import EmbeddingBagCollection
 from recshard.types import ModuleSharder
 
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
@@ -124,7 +127,7 @@ def make_plan(
                 f"{stats.memory_imbalance:.2f}"
             )
         return plan, note
-    ebc = EmbeddingBagCollection(tables, device="meta")
+    path, module = collection_path(model)
     per_table = {
         t.name: _generator(
             kind, i, world_size, local_size, "key_value" if t.name in key_value_tables else kernel
@@ -132,9 +135,18 @@ def make_plan(
         for i, t in enumerate(tables)
     }
     module_plan = construct_module_sharding_plan(
-        ebc, per_table, local_size=local_size, world_size=world_size, device_type=device_type
+        module, per_table, local_size=local_size, world_size=world_size, device_type=device_type
     )
-    return ShardingPlan(plan={EBC_PATH: module_plan}), f"every table {kind}"
+    return ShardingPlan(plan={path: module_plan}), f"every table {kind}"
+
+
+def collection_path(model: nn.Module) -> Tuple[str, nn.Module]:
+    """The sharded collection's path in the training module, and the collection: the EBC,
+    or the ManagedCollisionEmbeddingBagCollection inside `examples.dlrm.mc`'s wrapper."""
+    module = model.get_submodule(EBC_PATH)
+    if isinstance(module, ManagedCollisionSparse):
+        return f"{EBC_PATH}.{MC_NAME}", getattr(module, MC_NAME)
+    return EBC_PATH, module
 
 
 def free_storage_bytes(kv_dir: str | None, local_size: int) -> float:
@@ -155,14 +167,19 @@ def make_sharders(
 ) -> List[ModuleSharder]:
     """The EBC sharder with the fused (in-backward) embedding optimizer, and fp16/bf16 codecs
     on the pooled all-to-alls and reduce-scatters (forward and backward) if asked; the same
-    for the EBC inside a FeatureProcessedEmbeddingBagCollection (`--position-weighted`).
+    for the EBC inside a FeatureProcessedEmbeddingBagCollection (`--position-weighted`) and a
+    ManagedCollisionEmbeddingBagCollection (`--managed-collision`).
     `key_value`: the key_value tables' fused params (`ssd_storage_directory`,
     `cache_load_factor`)."""
     fused = {"optimizer": _FUSED_NAME[optimizer], "learning_rate": lr, "eps": eps}
     fused.update(key_value or {})
     registry = get_qcomm_codecs_registry(comm_precision)  # None for fp32
     ebc = EmbeddingBagCollectionSharder(fused_params=fused, qcomm_codecs_registry=registry)
-    return [ebc, FeatureProcessedEmbeddingBagCollectionSharder(ebc)]
+    return [
+        ebc,
+        FeatureProcessedEmbeddingBagCollectionSharder(ebc),
+        ManagedCollisionEmbeddingBagCollectionSharder(ebc, qcomm_codecs_registry=registry),
+    ]
 
 
 def dense_optimizer_factory(

@@ -26,6 +26,7 @@ from examples.dlrm.args import parse_args
 from examples.dlrm.checkpointing import Progress, resume, save_progress
 from examples.dlrm.data.criteo_spec import NUM_DENSE, SPARSE_NAMES
 from examples.dlrm.data.loaders import eval_batches, train_batches
+from examples.dlrm.mc import ManagedCollisionLog
 from examples.dlrm.metrics import EvalMetrics
 from examples.dlrm.model import build_dlrm
 from examples.dlrm.peers import naming_unreachable_peers
@@ -66,6 +67,11 @@ def init_distributed(timeout_s: float) -> Tuple[int, int, int, torch.device]:
 
 
 def make_tables(args: argparse.Namespace) -> List[EmbeddingBagConfig]:
+    """One table per sparse feature: `--num-embeddings-per-feature` rows, or the zch size
+    under `--managed-collision`."""
+    sizes = args.num_embeddings_per_feature
+    if args.managed_collision is not None:
+        sizes = [args.managed_collision] * len(SPARSE_NAMES)
     return [
         EmbeddingBagConfig(
             num_embeddings=rows,
@@ -73,7 +79,7 @@ def make_tables(args: argparse.Namespace) -> List[EmbeddingBagConfig]:
             name=f"t_{feature}",
             feature_names=[feature],
         )
-        for feature, rows in zip(SPARSE_NAMES, args.num_embeddings_per_feature)
+        for feature, rows in zip(SPARSE_NAMES, sizes)
     ]
 
 
@@ -102,6 +108,9 @@ def build_training(
         dcn_num_layers=args.dcn_num_layers,
         dcn_low_rank_dim=args.dcn_low_rank_dim,
         position_weighted=position_weighted_features(args),
+        managed_collision=None
+        if args.managed_collision is None
+        else (args.mc_eviction_interval, world_size),
     )
     key_value: Dict[str, Any] = {}
     if args.key_value_tables or args.dram_budget is not None:
@@ -312,8 +321,20 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 args.checkpoint_dir, dmp, optimizer, Progress(step, history, losses), device
             )
 
+    mc_log = ManagedCollisionLog() if args.managed_collision is not None else None
+
+    def log_mc() -> None:  # collective: every rank collects the MC metrics
+        if mc_log is not None:
+            text = mc_log.report(dmp, step)
+            if bar is not None:
+                bar.write(text)
+            else:
+                say(text)
+
     def eval_now(final: bool) -> None:
         nonlocal t0, eval_s
+        if not args.mc_log_every or final:
+            log_mc()  # before eval: its lookups are not training's
         t_eval = time.perf_counter()
         result = runner.evaluate(eval_batches(args, rank, world_size, sync_group), metrics)
         if result["samples"] == 0:
@@ -351,6 +372,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                     loss=f"{float(loss_ema):.4f}", samples_per_s=f"{rate:,.0f}", refresh=False
                 )
             bar.update(1)
+        if args.mc_log_every and step % args.mc_log_every == 0 and step != args.steps:
+            log_mc()
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
             train_s += time.perf_counter() - t0  # eval time is not training time
             eval_now(final=False)
@@ -383,6 +406,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "wall_seconds": time.perf_counter() - t_start,
         "losses": losses,
     }
+    if mc_log is not None:
+        summary["managed_collision"] = mc_log.summary()
     say(_summary_text(summary))
     if args.metrics_json and is_main:
         _write_metrics(Path(args.metrics_json), args, summary, dmp.plan)
@@ -406,7 +431,18 @@ def _summary_text(summary: Dict[str, Any]) -> str:
             f"  final eval   {_fmt(final)}",
             f"  AUC by step  {history}",
         ]
+        + _mc_summary_lines(summary.get("managed_collision"))
     )
+
+
+def _mc_summary_lines(tables: Dict[str, Dict[str, float]] | None) -> List[str]:
+    if not tables:
+        return []
+    lookups = sum(t["lookups"] for t in tables.values())
+    hits = sum(t["hits"] for t in tables.values())
+    evicted = int(sum(t["evicted"] for t in tables.values()))
+    rate = hits / lookups if lookups else 0.0
+    return [f"  managed collision  {evicted:,} ids evicted, training hit rate {rate:.4f}"]
 
 
 def _write_metrics(
