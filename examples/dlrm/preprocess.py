@@ -17,7 +17,9 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from examples.dlrm.args import table_sizes
+from examples.dlrm.data.criteo_spec import NUM_SPARSE
 from examples.dlrm.data.preprocess import VocabSettings, list_input_files, preprocess
+from examples.dlrm.mc import RAW_ID_SPACE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,11 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="directory for the arrays and manifest")
     p.add_argument(
         "--vocab",
-        choices=["hash", "frequency"],
+        choices=["hash", "frequency", "raw"],
         default="hash",
         help="hash: values hashed into --num-embeddings-per-feature rows (as the "
         "TSV reader does); frequency: a row per value seen at least "
-        "--min-count times in the train split, the rest share one OOV row",
+        "--min-count times in the train split, the rest share one OOV row; raw: each "
+        "32-bit value kept as its own id (value + 1, 0 missing) for train --managed-collision",
     )
     p.add_argument(
         "--num-embeddings-per-feature",
@@ -77,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    sizes = {"hash": args.num_embeddings_per_feature, "raw": [RAW_ID_SPACE] * NUM_SPARSE}
     settings = VocabSettings(
-        args.vocab,
-        args.num_embeddings_per_feature if args.vocab == "hash" else [],
+        "frequency" if args.vocab == "frequency" else "hash",  # raw: hashing that keeps ids
+        sizes.get(args.vocab, []),
         args.min_count if args.vocab == "frequency" else 0,
         args.eval_every_n,
         os.path.abspath(args.vocab_from) if args.vocab_from else "",
