@@ -36,16 +36,16 @@ class ManagedCollisionSparse(nn.Module):
 
     def __init__(self, mc_ebc: ManagedCollisionEmbeddingBagCollection) -> None:
         super().__init__()
-        setattr(self, MC_NAME, mc_ebc)
+        self.managed_collision = mc_ebc  # attribute named MC_NAME
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
-        return getattr(self, MC_NAME).embedding_bag_configs()
+        return self.managed_collision.embedding_bag_configs()
 
     def is_weighted(self) -> bool:
         return False
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        pooled, _ = getattr(self, MC_NAME)(features)
+        pooled, _ = self.managed_collision(features)
         return pooled
 
 

@@ -145,7 +145,7 @@ def collection_path(model: nn.Module) -> Tuple[str, nn.Module]:
     or the ManagedCollisionEmbeddingBagCollection inside `examples.dlrm.mc`'s wrapper."""
     module = model.get_submodule(EBC_PATH)
     if isinstance(module, ManagedCollisionSparse):
-        return f"{EBC_PATH}.{MC_NAME}", getattr(module, MC_NAME)
+        return f"{EBC_PATH}.{MC_NAME}", module.managed_collision
     return EBC_PATH, module
 
 
