@@ -25,7 +25,6 @@ from recshard.comm import buffers
 from recshard.wire_dtypes import id_wire_dtype, narrowest  # noqa: F401 - id_wire_dtype re-exported
 
 _ALIGN = 8  # bytes; the widest wire element
-_SIGNED_TWIN = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 
 
 def lengths_wire_dtype(low: int, high: int, dtype: torch.dtype) -> torch.dtype:
@@ -50,74 +49,19 @@ class Segment:
     dtype: torch.dtype
 
 
-def _gather_index(starts: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
-    """`cat(arange(start, start + count) for each)` in four small ops, not one per range."""
-    firsts, total = [], 0
-    for start, count in zip(starts, counts):
-        firsts.append(start - total)
-        total += count
-    shift = torch.repeat_interleave(torch.tensor(firsts), torch.tensor(counts), output_size=total)
-    return shift.add_(torch.arange(total))
-
-
-class _Moves:
-    """Element ranges to move between two tensors, grouped by (source, dtype) so that each
-    group moves in one gather and one scatter (one pass per op whatever the number of keys)
-    instead of one slice copy per range, which on CPU costs far more in dispatch than in bytes
-    for the ids of a key."""
-
-    def __init__(self) -> None:
-        self.groups: dict = {}
-
-    def add(self, key: object, dtype: torch.dtype, src: int, dst: int, count: int) -> None:
-        if count:
-            group = self.groups.setdefault((key, dtype), ([], [], []))
-            group[0].append(src)
-            group[1].append(dst)
-            group[2].append(count)
-
-
-def _move(source: torch.Tensor, target: torch.Tensor, moves: List[List[int]]) -> None:
-    """`target[dst + i] = source[src + i]` (cast to target's dtype) for every `src, dst, count`
-    in `moves` (source starts, target starts, counts)."""
-    srcs, dsts, counts = moves
-    if len(counts) == 1:  # a plain slice copy is one op already
-        src, dst, count = srcs[0], dsts[0], counts[0]
-        target[dst : dst + count].copy_(source[src : src + count])
-        return
-    signed = _SIGNED_TWIN.get(source.dtype)  # index_select has no uint16/32/64 kernel
-    index = _gather_index(srcs, counts)
-    if signed is None:
-        gathered = source.index_select(0, index)
-    else:
-        gathered = source.view(signed).index_select(0, index).view(source.dtype)
-    total = gathered.numel()
-    if dsts[0] + total == dsts[-1] + counts[-1] and all(
-        dsts[i] + counts[i] == dsts[i + 1] for i in range(len(counts) - 1)
-    ):  # the ranges are back to back in the target
-        target[dsts[0] : dsts[0] + total].copy_(gathered)
-    else:
-        gathered = gathered.to(target.dtype)
-        signed = _SIGNED_TWIN.get(target.dtype)  # nor index_copy_
-        if signed is not None:
-            target, gathered = target.view(signed), gathered.view(signed)
-        target.index_copy_(0, _gather_index(dsts, counts), gathered)
-
-
 def pack_segments(segments: Sequence[Segment], site: str) -> torch.Tensor:
     """The segments, each cast to its dtype and padded (`segment_bytes`), back to back: a uint8
     buffer reused per `site` (see `comm/buffers.py`)."""
     sizes = [segment_bytes(s.count, s.dtype) for s in segments]
     device = segments[0].source.device if segments else torch.device("cpu")
     out = buffers.take(site, sum(sizes), torch.uint8, device)
-    moves, sources = _Moves(), {}
     offset = 0
     for s, size in zip(segments, sizes):
-        sources[id(s.source)] = s.source
-        moves.add(id(s.source), s.dtype, s.start, offset // s.dtype.itemsize, s.count)
+        if s.count:
+            out[offset : offset + s.count * s.dtype.itemsize].view(s.dtype).copy_(
+                s.source[s.start : s.start + s.count]
+            )
         offset += size
-    for (key, dtype), group in moves.groups.items():
-        _move(sources[key], out.view(dtype), group)  # every segment is 8-byte aligned
     return out
 
 
@@ -157,12 +101,11 @@ def unpack(
     if order is None:
         order = list(range(len(counts)))
     out = buffers.take(site, sum(counts[i] for i in order), dtype, wire.device)
-    moves = _Moves()
     start = 0
     for i in order:
-        segment_dtype = dtypes[i]
-        moves.add(None, segment_dtype, offsets[i] // segment_dtype.itemsize, start, counts[i])
-        start += counts[i]
-    for (_, segment_dtype), group in moves.groups.items():
-        _move(wire.view(segment_dtype), out, group)  # the buffer is 8-byte aligned
+        count, segment_dtype = counts[i], dtypes[i]
+        if count:
+            raw = wire[offsets[i] : offsets[i] + count * segment_dtype.itemsize]
+            out[start : start + count].copy_(raw.view(segment_dtype))
+        start += count
     return out
