@@ -20,7 +20,7 @@ from torch import nn
 
 from recshard.comm import buffers
 from recshard.lookup.fused_params import check_backend
-from recshard.lookup.heap import keep_step_buffers_in_heap
+from recshard.lookup.heap import keep_step_buffers_in_heap, leave_heap_to_glibc
 from recshard.lookup.kernels import DenseKernel, FbgemmFusedKernel, LookupKernel, TorchFusedKernel
 from recshard.lookup.key_value import KeyValueKernel
 from recshard.lookup.tables import LocalTable, group_key
@@ -145,7 +145,9 @@ class GroupedLookup(nn.Module):
         self.side_by_side = threads > 1 and sum(k.is_fused for k in self.kernels) > 1
         self.tables: List[LocalTable] = [t for k in self.kernels for t in k.tables]
         self._features_per_kernel = [len(k.feature_table) for k in self.kernels]
-        if device.type == "cpu":  # after the weights: tables keep their own mappings
+        if any(isinstance(k, KeyValueKernel) for k in self.kernels):
+            leave_heap_to_glibc()  # held to a DRAM budget: freed temporaries go back
+        elif device.type == "cpu":  # after the weights: tables keep their own mappings
             keep_step_buffers_in_heap()
 
     @property

@@ -22,6 +22,7 @@ import ctypes
 import logging
 import os
 import sys
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ _USER_VARIABLES = (
     "MALLOC_TOP_PAD_",
 )
 _done = False
+_declined = False
+GLIBC_THRESHOLD = 128 * 1024  # glibc's default trim and (initial) mmap thresholds
 
 
 def user_chose_malloc_settings() -> bool:
@@ -45,21 +48,30 @@ def user_chose_malloc_settings() -> bool:
     )
 
 
-def keep_step_buffers_in_heap() -> bool:
-    """Set glibc's mmap threshold to 32 MiB and turn heap trimming off, once per process
-    (see the module docstring). True if this call or an earlier one set them."""
-    global _done
-    if _done:
-        return True
+def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's `mallopt` (None off Linux, on another libc, or where the environment chose)."""
     if not sys.platform.startswith("linux") or user_chose_malloc_settings():
-        return False
+        return None
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # glibc only: musl's mallopt does nothing  # noqa: B018
         mallopt = libc.mallopt
     except (OSError, AttributeError):
-        return False
+        return None
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return mallopt
+
+
+def keep_step_buffers_in_heap() -> bool:
+    """Set glibc's mmap threshold to 32 MiB and turn heap trimming off, once per process
+    (see the module docstring), unless `leave_heap_to_glibc` ran. True if this call or an
+    earlier one set them."""
+    global _done
+    if _done or _declined:
+        return _done
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
     # the mmap threshold first: setting either fixes both (glibc's dynamic threshold stops)
     if (
         mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1
@@ -69,3 +81,17 @@ def keep_step_buffers_in_heap() -> bool:
         return False
     _done = True
     return True
+
+
+def leave_heap_to_glibc() -> None:
+    """Keep glibc's own heap settings in this process from now on, undoing
+    `keep_step_buffers_in_heap` if it ran: a process with key-value tables is held to a DRAM
+    budget, and a heap that is never trimmed would keep a step's freed temporaries resident
+    beyond it."""
+    global _done, _declined
+    _declined = True
+    mallopt = _mallopt() if _done else None
+    if mallopt is not None:
+        mallopt(_M_TRIM_THRESHOLD, GLIBC_THRESHOLD)
+        mallopt(_M_MMAP_THRESHOLD, GLIBC_THRESHOLD)
+    _done = False

@@ -31,8 +31,8 @@ from recshard.comm import (
     KJTAllToAll,
     PooledEmbeddingsAllToAll,
     PooledEmbeddingsReduceScatter,
+    VariableBatchPooledEmbeddingsAllToAll,
     VariableBatchPooledEmbeddingsReduceScatter,
-    variable_batch_alltoall_pooled,
 )
 from recshard.comm.pg import intra_and_cross_node_pg
 from recshard.lookup.grouped import GroupedLookup, lookup_order
@@ -168,10 +168,17 @@ class RowWisePooledSharding(EmbeddingSharding):
         self._variable_batch_reduce_scatter = VariableBatchPooledEmbeddingsReduceScatter(
             intra, codecs=codecs
         )
-        self._intra, self._cross, self._cross_codecs = intra, cross, cross_codecs
         self._dims_per_feature = [
             [s.config.embedding_dim for s in g for _ in s.embedding_names] for g in ordered
         ]
+        # TWRW across nodes, VBE: each node's reduced part to its rank of equal local rank
+        self._cross_variable_batch_a2a = (
+            VariableBatchPooledEmbeddingsAllToAll(
+                cross, self._dims_per_feature, device, codecs=cross_codecs
+            )
+            if cross is not None
+            else None
+        )
         self._cross_a2a = (
             PooledEmbeddingsAllToAll(cross, self._dims_per_group, device, codecs=cross_codecs)
             if cross is not None
@@ -264,7 +271,8 @@ class RowWisePooledSharding(EmbeddingSharding):
         batches = ctx.batch_size_per_rank_per_feature  # [W][F of my group]
         my_group = self.env.rank // self.group_size
         dims = self._dims_per_feature[my_group]
-        if self._cross is None:
+        cross_a2a = self._cross_variable_batch_a2a
+        if cross_a2a is None:
             return self._variable_batch_reduce_scatter(local, batches, dims)
         lws, nodes = self.group_size, self._num_groups
         order = [n * lws + lr for lr in range(lws) for n in range(nodes)]  # (l, n) -> rank
@@ -277,12 +285,9 @@ class RowWisePooledSharding(EmbeddingSharding):
         reduced = self._variable_batch_reduce_scatter(regrouped, per_local_rank, dims * nodes)
         me = self.env.rank % lws
         return FnAwaitable(
-            lambda: variable_batch_alltoall_pooled(
+            lambda: cross_a2a(
                 reduced.wait(),
                 [batches[n * lws + me] for n in range(nodes)],
                 ctx.batch_size_per_feature_pre_a2a,
-                self._dims_per_feature,
-                group=self._cross,
-                codecs=self._cross_codecs,
             ).wait()
         )

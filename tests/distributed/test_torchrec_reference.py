@@ -172,6 +172,8 @@ def test_sharded_module_contexts_have_torchrec_names() -> None:
     from recshard.distributed.embedding import EmbeddingCollectionContext
     from recshard.distributed.embeddingbag import EmbeddingBagCollectionContext
 
-    assert EmbeddingBagCollectionContext is EmbeddingCollectionContext
+    # one per-batch context for both collections; the EC's also carries index dedup's state
+    assert issubclass(EmbeddingCollectionContext, EmbeddingBagCollectionContext)
+    assert EmbeddingCollectionContext().deduplicated is None
     context = EmbeddingBagCollectionContext()
     assert context.sharding_contexts == []

@@ -31,6 +31,10 @@ elif mode == "lookup":
     table = LocalTable(config, 10, 4, 0, 0, EmbeddingComputeKernel.DENSE, PoolingType.SUM)
     GroupedLookup([table], pooled=True, device=torch.device("cpu"))
     set_here = heap.keep_step_buffers_in_heap()
+elif mode == "declined":  # a key-value process: set, then handed back to glibc's defaults
+    heap.keep_step_buffers_in_heap()
+    heap.leave_heap_to_glibc()
+    set_here = heap.keep_step_buffers_in_heap()
 else:
     set_here = False
 def step():
@@ -94,3 +98,12 @@ def test_the_environment_s_choice_wins() -> None:
     tunables = _probe("heap", GLIBC_TUNABLES="glibc.malloc.trim_threshold=131072")
     assert not tunables["set"], tunables
     assert tunables["faults_per_step"] > PAGES_PER_STEP / 4, tunables
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_a_key_value_process_gives_freed_buffers_back() -> None:
+    """After `leave_heap_to_glibc` (a lookup with key-value tables calls it) the settings are
+    undone and stay undone: freed temporaries leave the heap, as under glibc's defaults."""
+    declined = _probe("declined")
+    assert not declined["set"], declined
+    assert declined["faults_per_step"] > PAGES_PER_STEP / 4, declined

@@ -14,7 +14,7 @@ import pytest
 import torch
 from multiprocess import run_ranks
 
-from recshard.lookup.fused_params import parse_fused_params
+from recshard.lookup.fused_params import FusedParams
 from recshard.lookup.key_value import dram_bytes
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -129,11 +129,11 @@ def test_dram_estimate_equals_the_kernels() -> None:
     stored = 123_457 * (24 + 1) * 4
     io = fused.ddr - stored
     config = EmbeddingBagConfig(num_embeddings=123_457, embedding_dim=24, name="t")
-    fused_params = {"optimizer": OPTIMIZER, "cache_load_factor": 0.07}
+    parsed = FusedParams.parse({"optimizer": OPTIMIZER, "cache_load_factor": 0.07}, "t")
     local = LocalTable(
-        config, 123_457, 24, 0, 0, EmbeddingComputeKernel.KEY_VALUE, PoolingType.SUM, fused_params
+        config, 123_457, 24, 0, 0, EmbeddingComputeKernel.KEY_VALUE, PoolingType.SUM, parsed
     )
-    assert kv.ddr - io == pytest.approx(dram_bytes(local, parse_fused_params(fused_params, "t")))
+    assert kv.ddr - io == pytest.approx(dram_bytes(local, parsed.optim))
     assert kv.storage == stored
 
 
