@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGURATIONS = {
     "table_wise",
@@ -66,6 +68,7 @@ def test_ebc_benchmark_quick_covers_every_configuration() -> None:
     assert {"input_dist", "compute", "output_dist", "backward"} <= set(profile["phases_ms"])
 
 
+@pytest.mark.slow  # 25-215 s on 2 busy cores: make test stays under 15 min
 def test_shm_exchange_quick_trains_the_same_weights_both_ways() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.shm_exchange", "--quick"],

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 25-215 s on 2 busy cores: make test stays under 15 min
 def test_mc_benchmark_runs_small() -> None:
     proc = subprocess.run(
         [

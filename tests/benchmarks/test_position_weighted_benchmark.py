@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 25-215 s on 2 busy cores: make test stays under 15 min
 def test_position_weighted_benchmark_quick() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.position_weighted", "--quick", "--sharding", "row_wise"],

@@ -32,6 +32,7 @@ def test_fit_build_recovers_factor_and_fixed_part():
         fit_build([(50 * MB, 57 * MB), (50 * MB, 58 * MB)])
 
 
+@pytest.mark.slow  # 25-215 s on 2 busy cores: make test stays under 15 min
 def test_measured_build_is_the_weights_plus_a_fixed_part():
     """Real fresh-process probes (2 and 4 tables of 25 MB): no per-byte factor
     beyond the weights, and no table-sized transient; fbgemm's ~55 MB import is not counted

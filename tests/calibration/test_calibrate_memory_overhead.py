@@ -13,6 +13,7 @@ from recshard.planner.profile import CalibrationProfile, MemoryCost
 from recshard.sharding.data_parallel import ROW_EXCHANGE_MIN_BYTES
 
 
+@pytest.mark.slow  # 25-215 s on 2 busy cores: make test stays under 15 min
 def test_rank_overhead_is_measured_in_fresh_ranks():
     overhead = measure_rank_overhead()
     # real fresh two-rank gloo processes: a sharded step grows each by megabytes, not GBs

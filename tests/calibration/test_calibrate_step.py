@@ -31,6 +31,7 @@ def _calibrate_job(rank, world_size):
     ).to_dict()
 
 
+@pytest.mark.slow  # 25-215 s on 2 busy cores: make test stays under 15 min
 def test_job_calibration_on_two_ranks_measures_links_memory_and_step_costs():
     profiles = run_ranks(2, _calibrate_job, timeout=300)
     # one profile for the job: the ranks plan the same probe modules and the same plans
