@@ -8,10 +8,11 @@ a `ShardingPlan`; `save_plan` / `load_plan` store it as JSON; `recshard-plan` (o
 option.
 """
 
-from recshard.planner.cost.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+from recshard.planner.cost.estimators import EmbeddingPerfEstimator
 from recshard.planner.cost.plan_stats import PlanStats, RankLoad, plan_stats
 from recshard.planner.cost.reservation import StorageReservation
 from recshard.planner.cost.step_model import StepTimePerfModel
+from recshard.planner.cost.storage import EmbeddingStorageEstimator
 from recshard.planner.placement import PartitionResult
 from recshard.planner.plan_io import (
     load_plan,

@@ -7,8 +7,8 @@ import pytest
 
 from recshard.calibration.memory import measure_rank_overhead
 from recshard.planner import EmbeddingShardingPlanner, TableMeta, Topology
-from recshard.planner.cost.estimators import EmbeddingStorageEstimator
 from recshard.planner.cost.plan_stats import plan_stats
+from recshard.planner.cost.storage import EmbeddingStorageEstimator
 from recshard.planner.profile import CalibrationProfile, MemoryCost
 from recshard.sharding.data_parallel import ROW_EXCHANGE_MIN_BYTES
 

@@ -25,8 +25,8 @@ from recshard.planner import (
     TableMeta,
     Topology,
 )
-from recshard.planner.cost.estimators import EmbeddingStorageEstimator
 from recshard.planner.cost.plan_stats import plan_stats
+from recshard.planner.cost.storage import EmbeddingStorageEstimator
 from recshard.planner.planner_types import GIB, PlannerError
 from recshard.planner.report.cli import main
 from recshard.types import CacheParams, CacheStatistics, EmbeddingComputeKernel

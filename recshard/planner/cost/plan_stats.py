@@ -28,7 +28,6 @@ from recshard.plan.sharding_types import ALL_SHARDING_TYPES, PLACED_TYPES, SEQUE
 from recshard.plan.validate import PlanValidationError, check_table_plan
 from recshard.planner.cost.estimators import (
     EmbeddingPerfEstimator,
-    EmbeddingStorageEstimator,
     data_parallel_exchange,
     optimizer_state_bytes,
     shard_traffic,
@@ -36,6 +35,7 @@ from recshard.planner.cost.estimators import (
     wire_id_bytes,
 )
 from recshard.planner.cost.step_model import StepTimePerfModel
+from recshard.planner.cost.storage import EmbeddingStorageEstimator
 from recshard.planner.planner_types import ROW_BLOCK_TYPES, TableMeta, Topology
 from recshard.types import ParameterSharding, PipelineType, ShardingPlan, ShardingType
 

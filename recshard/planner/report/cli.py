@@ -32,9 +32,9 @@ import math
 import sys
 from typing import Any, Callable, Dict, List, NoReturn, Sequence, Tuple
 
-from recshard.planner.cost.estimators import EmbeddingStorageEstimator
 from recshard.planner.cost.plan_stats import PlanStats, plan_stats
 from recshard.planner.cost.reservation import StorageReservation
+from recshard.planner.cost.storage import EmbeddingStorageEstimator
 from recshard.planner.json_input import InputLimitError
 from recshard.planner.plan_io import PlanValidationError, load_plan, save_plan
 from recshard.planner.planner_types import (

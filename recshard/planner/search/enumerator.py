@@ -9,8 +9,9 @@ from typing import Any, Dict, List, Sequence, Tuple
 from torch import nn
 
 from recshard.plan.module_tables import embedding_tables
-from recshard.planner.cost.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+from recshard.planner.cost.estimators import EmbeddingPerfEstimator
 from recshard.planner.cost.key_value import KEY_VALUE, offers_key_value
+from recshard.planner.cost.storage import EmbeddingStorageEstimator
 from recshard.planner.planner_types import (
     ALL_SHARDING_TYPES,
     UVM_KERNELS,
