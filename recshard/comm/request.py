@@ -11,9 +11,8 @@ Each is a `Collective` whose `forward` issues the op with `async_op=True` and wh
 `backward` issues its transpose. `CommRequest` wires one into autograd with two tiny
 Functions: `_Issue` (input -> token, at call time) and `_Finish` (token -> output, at
 `wait()`). Gradients flow output -> `_Finish.backward` (issues the transposed collective)
--> all other ready backward work -> `_Issue.backward` (waits for it; autograd runs it last
-among the nodes ready, see `_LAST_IN_BACKWARD`), so the backward collective overlaps autograd
-work too. Reshapes around the flat collectives (split by rank, cat by
+-> other backward work -> `_Issue.backward` (waits for it), so the backward collective
+overlaps autograd work too. Reshapes around the flat collectives (split by rank, cat by
 columns) are ordinary differentiable torch ops.
 """
 
@@ -384,14 +383,6 @@ class _Finish(Function):
         return None, grad.new_empty(0)
 
 
-# The autograd engine runs the ready node created last first; the wait for a backward
-# collective is given the lowest rank of all, so that every backward node independent of it
-# (e.g. the dense layers computed before the sharded module, whose DDP all-reduce then starts)
-# runs while the collective is on the wire, and the kernels below the wait (the fused
-# embedding backward) run beside that all-reduce. The order changes no value.
-_LAST_IN_BACKWARD = 0
-
-
 class CommRequest(Awaitable[torch.Tensor]):
     """An in-flight collective on `x`; `wait()` returns `post(result)`, joined to autograd.
 
@@ -410,8 +401,6 @@ class CommRequest(Awaitable[torch.Tensor]):
         self._post = post
         self._exchange = _Exchange(collective)
         self._token = _Issue.apply(self._exchange, x.contiguous())
-        if self._token.grad_fn is not None:
-            self._token.grad_fn._set_sequence_nr(_LAST_IN_BACKWARD)
 
     def _wait_impl(self) -> torch.Tensor:
         out = _Finish.apply(self._exchange, self._token)

@@ -34,7 +34,7 @@ from recshard.comm import (
     set_gradient_division,
     variable_batch_alltoall_pooled,
 )
-from recshard.comm.request import backward_wait_nodes, set_use_native_reduce_scatter
+from recshard.comm.request import set_use_native_reduce_scatter
 
 Tensors = List[torch.Tensor]
 
@@ -328,26 +328,3 @@ def test_embeddings_all_to_one() -> None:
     assert_close(summed, same[0] + same[1] + same[2], "all to one reduce")
     with pytest.raises(ValueError, match="expected 3 tensors, got 2"):
         EmbeddingsAllToOne(torch.device("cpu"), 3, 1)(parts[:2])
-
-
-def _backward_order(rank: int, ws: int) -> List[str]:
-    """The order in which backward reaches the dense weight computed before the all-to-all
-    and the node that waits for the all-to-all's transpose."""
-    order: List[str] = []
-    _ = torch.ones(1, requires_grad=True) * 1  # takes sequence number 0, which the wait gets
-    dense = seeded(10 + rank, 4, 3 * ws).requires_grad_()
-    dense.register_post_accumulate_grad_hook(lambda _: order.append("dense"))
-    hidden = (dense * 2).relu() * 3  # computed before the collective is issued
-    x = seeded(rank, 4 * ws, 3).requires_grad_()
-    x.register_post_accumulate_grad_hook(lambda _: order.append("embeddings"))
-    out = alltoall_pooled(x, [4] * ws, [3] * ws).wait()
-    for node in backward_wait_nodes([out]):
-        node.register_prehook(lambda _: order.append("wait"))
-    (hidden * out).sum().backward()
-    return order
-
-
-def test_backward_waits_for_the_collective_after_independent_work() -> None:
-    """The transpose is issued first and waited for last: the dense gradient (and with DDP its
-    all-reduce) is done while the all-to-all is on the wire."""
-    assert run_ranks(2, _backward_order, timeout=60) == [["dense", "wait", "embeddings"]] * 2
