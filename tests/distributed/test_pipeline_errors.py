@@ -85,7 +85,7 @@ def _raise_on_huge_dense(_module: Any, args: Tuple[torch.Tensor, ...]) -> None:
 
 def forward_raises(rank: int, ws: int, bad: Tuple[int, ...]) -> Dict[str, Any]:
     """Every rank's forward raises on the bad batches in the dense layer that runs before the
-    sharded modules, after the pipeline started their lookups and output dists."""
+    sharded modules, with the batch's input dist already done and the next one's in flight."""
     batches = [batch_for(s, rank, ws) for s in range(STEPS)]
     for batch in batches:
         if batch.index in bad:
@@ -107,7 +107,7 @@ def forward_raises(rank: int, ws: int, bad: Tuple[int, ...]) -> Dict[str, Any]:
     return {"events": events, "diff": state_diff(model_state(model), model_state(reference))}
 
 
-def test_forward_raising_after_the_output_dists_started() -> None:
+def test_forward_raising_on_every_rank_goes_on_with_the_next_batch() -> None:
     results = run_ranks(WS, forward_raises, (1, 4), timeout=120, pg_timeout_s=60)
     want = ["0", "dense features past 1e8", "2", "3", "dense features past 1e8", "5", "6"]
     assert results == [{"events": want, "diff": []}] * WS, results
