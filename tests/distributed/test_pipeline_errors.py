@@ -23,6 +23,7 @@ from pipeline_cases import (
     state_diff,
 )
 
+from recshard.distributed.model_parallel import get_unwrapped_module
 from recshard.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
 WS = 2
@@ -75,3 +76,38 @@ def test_progress_goes_on_after_a_bad_batch(kind: str, bad: Tuple[int, ...]) -> 
             want = "ValueError" if rank == 1 else "RuntimeError: rank 1 rejected its input"
             assert events[i].startswith(want) and "99" in events[i], (rank, events[i])
         assert result["diff"] == [], (rank, result["diff"])
+
+
+def _raise_on_huge_dense(_module: Any, args: Tuple[torch.Tensor, ...]) -> None:
+    if args[0].abs().max() > 1e8:
+        raise ValueError("dense features past 1e8")
+
+
+def forward_raises(rank: int, ws: int, bad: Tuple[int, ...]) -> Dict[str, Any]:
+    """Every rank's forward raises on the bad batches in the dense layer that runs before the
+    sharded modules, with the batch's input dist already done and the next one's in flight."""
+    batches = [batch_for(s, rank, ws) for s in range(STEPS)]
+    for batch in batches:
+        if batch.index in bad:
+            batch.dense_features[0, 0] = 1e9
+    model = build(ws)
+    pipeline = TrainPipelineSparseDist(model, optimizer_for(model), torch.device("cpu"))
+    get_unwrapped_module(model).dense.register_forward_pre_hook(_raise_on_huge_dense)
+    events: List[str] = []
+    iterator = iter(batches)
+    for _ in range(3 * STEPS):
+        try:
+            events.append(str(pipeline.progress(iterator)[2]))
+        except StopIteration:
+            break
+        except ValueError as e:
+            events.append(str(e))
+    reference = build(ws)
+    plain_loop(reference, optimizer_for(reference), [b for b in batches if b.index not in bad])
+    return {"events": events, "diff": state_diff(model_state(model), model_state(reference))}
+
+
+def test_forward_raising_on_every_rank_goes_on_with_the_next_batch() -> None:
+    results = run_ranks(WS, forward_raises, (1, 4), timeout=120, pg_timeout_s=60)
+    want = ["0", "dense features past 1e8", "2", "3", "dense features past 1e8", "5", "6"]
+    assert results == [{"events": want, "diff": []}] * WS, results
