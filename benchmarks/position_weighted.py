@@ -19,21 +19,18 @@ on the machine (`flock /tmp/recshard-timing.lock`).
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.compare_torchrec import TorchRecServer
 from benchmarks.sparse_workloads import (
     BATCHES,
     Step,
     add_run_arguments,
-    drive,
     position_weighted_batch,
+    run,
 )
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
@@ -45,7 +42,6 @@ from recshard.plan.manual import construct_module_sharding_plan, row_wise, table
 from recshard.types import ShardingPlan
 
 CASES = ["position_weighted", "weighted_ebc", "unweighted_ebc"]
-TORCHREC_SIDE = Path(__file__).with_name("torchrec_sparse.py.txt")
 
 
 class _Holder(nn.Module):
@@ -117,17 +113,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.batch_size, args.rows, args.steps, args.warmup, args.repeats = 64, 1000, 3, 1, 1
-    cfg = {
-        k: getattr(args, k)
-        for k in "sharding batch_size features max_length rows dim steps warmup threads".split()
-    }
-    server = None if args.venv is None else TorchRecServer(Path(args.venv), TORCHREC_SIDE)
-    try:
-        command = " ".join(["python -m benchmarks.position_weighted", *sys.argv[1:]])
-        drive("position_weighted", CASES, args, cfg, build, server, command)
-    finally:
-        if server is not None:
-            server.close()
+    run("position_weighted", CASES, args, "batch_size features max_length rows dim", build)
 
 
 if __name__ == "__main__":

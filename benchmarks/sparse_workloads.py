@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
+import sys
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 
 from benchmarks.ranks import run_ranks, timed_steps, warm_up
+from benchmarks.torchrec_server import TorchRecServer, emit
 
 Step = Callable[[int], None]
 Build = Callable[[Dict[str, Any], str], Step]
 BATCHES = 4  # distinct batches each side cycles through
+TORCHREC_SIDE = Path(__file__).with_name("torchrec_sparse.py.txt")
 
 
 def vbe_keys(cfg: Dict[str, Any]) -> tuple[List[str], List[str]]:
@@ -104,10 +107,6 @@ def slowest_median_ms(per_rank: List[List[float]]) -> float:
     return 1e3 * statistics.median(max(step) for step in zip(*per_rank))
 
 
-def emit(record: Dict[str, Any]) -> None:
-    print(json.dumps(record), flush=True)
-
-
 def drive(
     bench: str,
     cases: Sequence[str],
@@ -118,7 +117,7 @@ def drive(
     command: str,
 ) -> None:
     """Every case `args.repeats` times, recshard's ranks then TorchRec's (`torchrec`: a
-    `benchmarks.compare_torchrec.TorchRecServer`, or None for recshard alone)."""
+    `TorchRecServer`, or None for recshard alone)."""
     emit(
         dict(
             bench=f"{bench}_setup",
@@ -197,3 +196,19 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--venv", default=None, help="a venv with TorchRec: time its side too")
     p.add_argument("--quick", action="store_true", help="a small batch and few steps")
+
+
+def run(
+    bench: str, cases: Sequence[str], args: argparse.Namespace, keys: str, build: Build
+) -> None:
+    """The benchmark's command line: `keys` (space-separated argument names) make the cfg the
+    builds read; with `--venv`, TorchRec's side runs beside recshard's."""
+    names = ["sharding", *keys.split(), "steps", "warmup", "threads"]
+    cfg = {k: getattr(args, k) for k in names}
+    server = None if args.venv is None else TorchRecServer(Path(args.venv), TORCHREC_SIDE)
+    try:
+        command = " ".join([f"python -m benchmarks.{bench}", *sys.argv[1:]])
+        drive(bench, cases, args, cfg, build, server, command)
+    finally:
+        if server is not None:
+            server.close()

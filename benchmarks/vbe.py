@@ -21,22 +21,18 @@ on the machine: `flock /tmp/recshard-timing.lock python -m benchmarks.vbe`.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.compare_torchrec import TorchRecServer
-from benchmarks.sparse_workloads import BATCHES, Step, add_run_arguments, drive, vbe_batch, vbe_keys
+from benchmarks.sparse_workloads import BATCHES, Step, add_run_arguments, run, vbe_batch, vbe_keys
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.plan.manual import construct_module_sharding_plan, row_wise, table_wise
 from recshard.types import ShardingEnv
 
 CASES = ["vbe", "expanded"]
-TORCHREC_SIDE = Path(__file__).with_name("torchrec_sparse.py.txt")
 
 
 def _kjt(parts: Dict[str, Any]) -> KeyedJaggedTensor:
@@ -93,20 +89,13 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.items, args.rows, args.steps, args.warmup, args.repeats = 64, 1000, 3, 1, 1
-    cfg = {
-        k: getattr(args, k)
-        for k in (
-            "sharding items user_features item_features user_length item_length rows dim "
-            "steps warmup threads"
-        ).split()
-    }
-    server = None if args.venv is None else TorchRecServer(Path(args.venv), TORCHREC_SIDE)
-    try:
-        command = " ".join(["python -m benchmarks.vbe", *sys.argv[1:]])
-        drive("vbe", CASES, args, cfg, build, server, command)
-    finally:
-        if server is not None:
-            server.close()
+    run(
+        "vbe",
+        CASES,
+        args,
+        "items user_features item_features user_length item_length rows dim",
+        build,
+    )
 
 
 if __name__ == "__main__":
