@@ -24,10 +24,8 @@ collectives' self time, top ops). Every line on stdout is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +34,7 @@ from typing import Any, Dict, List
 from benchmarks.ebc import measure
 from benchmarks.ebc_workload import QUICK, Sizes, copy_bandwidth_gbs, floor_ms, pooling_factors
 from benchmarks.ranks import rank_cpus, run_ranks
+from benchmarks.torchrec_server import TorchRecServer, emit
 
 TORCHREC_SIDE = Path(__file__).with_name("torchrec_ebc.py.txt")
 
@@ -61,40 +60,6 @@ CASES = {
         Case("table_wise_1rank_2threads", "table_wise", 1, 2),
     ]
 }
-
-
-class TorchRecServer:
-    """TorchRec's side: one long-lived VENV python running `side`, one run per request."""
-
-    def __init__(self, venv: Path, side: Path = TORCHREC_SIDE) -> None:
-        python = venv / "bin" / "python"
-        if not python.exists():
-            raise SystemExit(f"--venv {venv}: no {python} (recipe in ../shared/TARGETS.md)")
-        self._proc = subprocess.Popen(
-            [str(python), str(side)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=side.parent,
-        )
-
-    def run(self, request: Dict[str, Any]) -> List[Dict[str, Any]]:
-        """Every rank's result of one run."""
-        assert self._proc.stdin is not None and self._proc.stdout is not None
-        self._proc.stdin.write(json.dumps(request) + "\n")
-        self._proc.stdin.flush()
-        for line in self._proc.stdout:
-            if line.startswith("RESULT "):
-                reply = json.loads(line[len("RESULT ") :])
-                if not reply["ok"]:
-                    raise RuntimeError(f"TorchRec side failed on {request}:\n{reply['error']}")
-                return reply["ranks"]
-        raise RuntimeError(f"TorchRec side exited ({self._proc.wait()}) on {request}")
-
-    def close(self) -> None:
-        if self._proc.stdin is not None:
-            self._proc.stdin.close()
-        self._proc.wait(timeout=60)
 
 
 def _run_args(case: Case, args: argparse.Namespace) -> argparse.Namespace:
@@ -132,10 +97,6 @@ def _slowest_median(per_rank: List[Dict[str, Any]]) -> float:
     return statistics.median(max(step) for step in zip(*(r["times"] for r in per_rank)))
 
 
-def emit(record: Dict[str, object]) -> None:
-    print(json.dumps(record), flush=True)
-
-
 def compare(args: argparse.Namespace) -> None:
     sizes = QUICK if args.quick else Sizes()
     pooling = pooling_factors(26, sizes.max_pooling)
@@ -157,7 +118,7 @@ def compare(args: argparse.Namespace) -> None:
             torchrec_venv=str(args.venv),
         )
     )
-    server = TorchRecServer(args.venv)
+    server = TorchRecServer(args.venv, TORCHREC_SIDE)
     try:
         if args.profile:
             for case in args.cases:

@@ -7,23 +7,31 @@ update of the weights and their DDP all-reduce.
     python -m benchmarks.position_weighted --world-size 2 --sharding row_wise
     python -m benchmarks.position_weighted --quick
 
+    python -m benchmarks.position_weighted --venv /tmp/torchrec-venv   # TorchRec beside it
+
 Each case runs on fresh gloo ranks (pinned, `--threads` torch threads each): `--warmup`
-steps, then `--steps` timed ones; a case's figure is the median step of the slowest rank.
-Prints one JSON line per case. Time it alone on the machine (`flock /tmp/recshard-timing.lock`).
+steps, then `--steps` timed ones; a run's figure is the median step of the slowest rank, a
+case's the median over `--repeats` interleaved runs (`benchmarks/sparse_workloads.py`; with
+`--venv`, TorchRec's side runs the same batches in the same loop). JSON lines. Time it alone
+on the machine (`flock /tmp/recshard-timing.lock`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
-from typing import Dict, List
+from typing import Any, Dict
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from benchmarks import ranks
+from benchmarks.sparse_workloads import (
+    BATCHES,
+    Step,
+    add_run_arguments,
+    position_weighted_batch,
+    run,
+)
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
 from recshard.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
@@ -45,41 +53,30 @@ class _Holder(nn.Module):
         return self.ebc(features).values()
 
 
-def _tables(args: argparse.Namespace) -> List[EmbeddingBagConfig]:
-    return [
+def build(cfg: Dict[str, Any], case: str) -> Step:
+    """recshard's model for `case` under DMP (fused SGD tables, dense SGD on the position
+    weights) and its training step."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    tables = [
         EmbeddingBagConfig(
-            num_embeddings=args.rows, embedding_dim=args.dim, name=f"t{i}", feature_names=[f"f{i}"]
+            num_embeddings=cfg["rows"],
+            embedding_dim=cfg["dim"],
+            name=f"t{i}",
+            feature_names=[f"f{i}"],
         )
-        for i in range(args.features)
+        for i in range(cfg["features"])
     ]
-
-
-def _batch(args: argparse.Namespace, rank: int, step: int, weighted: bool) -> KeyedJaggedTensor:
-    """Bags of 1..max_length ids per feature and sample (a user's history)."""
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    lengths = torch.randint(1, args.max_length + 1, (args.features * args.batch_size,), generator=g)
-    values = torch.randint(0, args.rows, (int(lengths.sum()),), generator=g)
-    weights = torch.rand(values.numel(), generator=g) if weighted else None
-    keys = [f"f{i}" for i in range(args.features)]
-    return KeyedJaggedTensor.from_lengths_sync(keys, values, lengths, weights)
-
-
-def _rank_step_times(args: argparse.Namespace, case: str) -> List[float]:
-    world_size = torch.distributed.get_world_size()
-    rank = torch.distributed.get_rank()
-    torch.manual_seed(0)
-    tables = _tables(args)
     ebc = EmbeddingBagCollection(tables, is_weighted=case != "unweighted_ebc")
     ebc_sharder = EmbeddingBagCollectionSharder({"optimizer": "exact_sgd", "learning_rate": 0.01})
     module: nn.Module = ebc
     sharder = ebc_sharder
     if case == "position_weighted":
-        lengths = {f: args.max_length for t in tables for f in t.feature_names}
+        lengths = {f: cfg["max_length"] for t in tables for f in t.feature_names}
         module = FeatureProcessedEmbeddingBagCollection(
             ebc, PositionWeightedModuleCollection(lengths)
         )
         sharder = FeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder)
-    generate = row_wise() if args.sharding == "row_wise" else None
+    generate = row_wise() if cfg["sharding"] == "row_wise" else None
     per_table = {t.name: generate or table_wise(rank=i % world_size) for i, t in enumerate(tables)}
     plan = construct_module_sharding_plan(module, per_table, world_size=world_size)
     model = DistributedModelParallel(
@@ -87,54 +84,36 @@ def _rank_step_times(args: argparse.Namespace, case: str) -> List[float]:
     )
     dense = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
     optimizer = torch.optim.SGD(dense, lr=0.01) if dense else None
-    batches = [_batch(args, rank, s, case == "weighted_ebc") for s in range(4)]
-    times = []
-    for step in range(args.warmup + args.steps):
-        start = time.perf_counter()
-        model(batches[step % len(batches)]).sum().backward()
+    batches = []
+    for s in range(BATCHES):
+        parts = position_weighted_batch(cfg, rank, s, case == "weighted_ebc")
+        batches.append(
+            KeyedJaggedTensor.from_lengths_sync(
+                parts["keys"], parts["values"], parts["lengths"], parts["weights"]
+            )
+        )
+
+    def step(i: int) -> None:
+        model(batches[i % len(batches)]).sum().backward()
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad()
-        times.append(time.perf_counter() - start)
-    return times[args.warmup :]
+
+    return step
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", type=int, default=2)
+    add_run_arguments(p)
     p.add_argument("--batch-size", type=int, default=1024, help="per rank")
     p.add_argument("--features", type=int, default=8, help="one table per feature")
     p.add_argument("--max-length", type=int, default=20, help="ids per bag: 1..max_length")
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--sharding", choices=["table_wise", "row_wise"], default="table_wise")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin ranks")
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--quick", action="store_true", help="a small batch and few steps")
     args = p.parse_args()
     if args.quick:
-        args.batch_size, args.rows, args.steps, args.warmup = 64, 1000, 3, 1
-    for case in CASES:
-        per_rank = ranks.run_ranks(args.world_size, args, _rank_step_times, args, case)
-        slowest: Dict[str, float] = {
-            "median_ms": max(statistics.median(t) for t in per_rank) * 1e3,
-            "min_ms": max(min(t) for t in per_rank) * 1e3,
-        }
-        line = {
-            "bench": "position_weighted",
-            "case": case,
-            "world_size": args.world_size,
-            "sharding": args.sharding,
-            "batch_size": args.batch_size,
-            "features": args.features,
-            "max_length": args.max_length,
-            "dim": args.dim,
-            **{k: round(v, 3) for k, v in slowest.items()},
-        }
-        print(json.dumps(line), flush=True)
+        args.batch_size, args.rows, args.steps, args.warmup, args.repeats = 64, 1000, 3, 1, 1
+    run("position_weighted", CASES, args, "batch_size features max_length rows dim", build)
 
 
 if __name__ == "__main__":

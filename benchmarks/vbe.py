@@ -9,26 +9,24 @@ pooled once instead of `--items` times, and their pooled rows sent back once.
     python -m benchmarks.vbe --world-size 2 --sharding table_wise
     python -m benchmarks.vbe --quick
 
+    python -m benchmarks.vbe --venv /tmp/torchrec-venv      # TorchRec's sharded EBC beside it
+
 Each case runs on fresh gloo ranks (pinned, `--threads` torch threads each): `--warmup`
-steps, then `--steps` timed ones; a case's figure is the median step of the slowest rank.
-Prints one JSON line per case (with the command and the date). Time it alone on the machine:
-`flock /tmp/recshard-timing.lock python -m benchmarks.vbe`.
+steps, then `--steps` timed ones; a run's figure is the median step of the slowest rank, a
+case's the median over `--repeats` interleaved runs (`benchmarks/sparse_workloads.py`; with
+`--venv`, TorchRec's side runs the same batches in the same loop). JSON lines. Time it alone
+on the machine: `flock /tmp/recshard-timing.lock python -m benchmarks.vbe`.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import statistics
-import sys
-import time
-from typing import List, Tuple
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
 
-from benchmarks import ranks
+from benchmarks.sparse_workloads import BATCHES, Step, add_run_arguments, run, vbe_batch, vbe_keys
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.plan.manual import construct_module_sharding_plan, row_wise, table_wise
@@ -37,85 +35,50 @@ from recshard.types import ShardingEnv
 CASES = ["vbe", "expanded"]
 
 
-def _keys(args: argparse.Namespace) -> Tuple[List[str], List[str]]:
-    return (
-        [f"user_{i}" for i in range(args.user_features)],
-        [f"item_{i}" for i in range(args.item_features)],
+def _kjt(parts: Dict[str, Any]) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(
+        parts["keys"],
+        parts["values"],
+        lengths=parts["lengths"],
+        stride_per_key_per_rank=parts["stride_per_key_per_rank"],
+        inverse_indices=parts["inverse_indices"],
     )
 
 
-def _tables(args: argparse.Namespace) -> List[EmbeddingBagConfig]:
-    users, items = _keys(args)
-    return [
+def build(cfg: Dict[str, Any], case: str) -> Step:
+    """recshard's sharded EBC (fused SGD) and its training step on `case`'s batches; checks
+    first that both forms of a batch give the same output."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    users, items = vbe_keys(cfg)
+    tables = [
         EmbeddingBagConfig(
-            num_embeddings=args.rows, embedding_dim=args.dim, name=f"t_{k}", feature_names=[k]
+            num_embeddings=cfg["rows"], embedding_dim=cfg["dim"], name=f"t_{k}", feature_names=[k]
         )
         for k in users + items
     ]
-
-
-def _batch(args: argparse.Namespace, rank: int, step: int, case: str) -> KeyedJaggedTensor:
-    """The user's history bags (`--user-length` ids) once, each item's bags (`--item-length`
-    ids) per candidate; "expanded": the user bags repeated for every candidate."""
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    users, items = _keys(args)
-    user_ids = [torch.randint(0, args.rows, (args.user_length,), generator=g) for _ in users]
-    item_ids = [
-        torch.randint(0, args.rows, (args.items * args.item_length,), generator=g) for _ in items
-    ]
-    item_lengths = torch.full((args.items,), args.item_length)
-    if case == "expanded":
-        values = torch.cat([ids.repeat(args.items) for ids in user_ids] + item_ids)
-        lengths = torch.full((len(users) * args.items,), args.user_length)
-        lengths = torch.cat([lengths] + [item_lengths] * len(items))
-        return KeyedJaggedTensor(users + items, values, lengths=lengths)
-    lengths = torch.cat(
-        [torch.tensor([args.user_length])] * len(users) + [item_lengths] * len(items)
-    )
-    inverse = torch.cat(
-        [
-            torch.zeros(len(users), args.items, dtype=torch.long),
-            torch.arange(args.items).expand(len(items), args.items),
-        ]
-    )
-    return KeyedJaggedTensor(
-        users + items,
-        torch.cat(user_ids + item_ids),
-        lengths=lengths,
-        stride_per_key_per_rank=[[1]] * len(users) + [[args.items]] * len(items),
-        inverse_indices=(users + items, inverse),
-    )
-
-
-def _rank_step_times(args: argparse.Namespace, case: str) -> List[float]:
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    tables = _tables(args)
     ebc = EmbeddingBagCollection(tables)
     sharder = EmbeddingBagCollectionSharder({"optimizer": "exact_sgd", "learning_rate": 0.01})
     per_table = {
-        t.name: row_wise() if args.sharding == "row_wise" else table_wise(rank=i % world_size)
+        t.name: row_wise() if cfg["sharding"] == "row_wise" else table_wise(rank=i % world_size)
         for i, t in enumerate(tables)
     }
     plan = construct_module_sharding_plan(ebc, per_table, world_size=world_size)
     sharded = sharder.shard(ebc, plan, ShardingEnv.from_process_group(dist.group.WORLD))
-    batches = [_batch(args, rank, s, case) for s in range(4)]
-    with torch.no_grad():  # both forms give the same output
-        got = sharded(batches[0]).values()
-        want = sharded(_batch(args, rank, 0, "expanded" if case == "vbe" else "vbe")).values()
-        if not torch.allclose(got, want, atol=1e-5):
+    batches = [_kjt(vbe_batch(cfg, rank, s, case)) for s in range(BATCHES)]
+    other = _kjt(vbe_batch(cfg, rank, 0, "expanded" if case == "vbe" else "vbe"))
+    with torch.no_grad():
+        if not torch.allclose(sharded(batches[0]).values(), sharded(other).values(), atol=1e-5):
             raise AssertionError(f"{case}: output differs from the other form's")
-    times = []
-    for step in range(args.warmup + args.steps):
-        start = time.perf_counter()
-        sharded(batches[step % len(batches)]).values().sum().backward()
-        times.append(time.perf_counter() - start)
-    return times[args.warmup :]
+
+    def step(i: int) -> None:
+        sharded(batches[i % len(batches)]).values().sum().backward()
+
+    return step
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", type=int, default=2)
+    add_run_arguments(p)
     p.add_argument("--items", type=int, default=2048, help="candidate rows per rank")
     p.add_argument("--user-features", type=int, default=8)
     p.add_argument("--item-features", type=int, default=4)
@@ -123,37 +86,16 @@ def main() -> None:
     p.add_argument("--item-length", type=int, default=1, help="ids per item bag")
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--sharding", choices=["table_wise", "row_wise"], default="table_wise")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin ranks")
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--quick", action="store_true", help="a small batch and few steps")
     args = p.parse_args()
     if args.quick:
-        args.items, args.rows, args.steps, args.warmup = 64, 1000, 3, 1
-    command = " ".join(["python -m benchmarks.vbe", *sys.argv[1:]])
-    for case in CASES:
-        per_rank = ranks.run_ranks(args.world_size, args, _rank_step_times, args, case)
-        line = {
-            "bench": "vbe",
-            "case": case,
-            "world_size": args.world_size,
-            "sharding": args.sharding,
-            "items": args.items,
-            "user_features": args.user_features,
-            "item_features": args.item_features,
-            "user_length": args.user_length,
-            "item_length": args.item_length,
-            "dim": args.dim,
-            "threads": args.threads,
-            "median_ms": round(max(statistics.median(t) for t in per_rank) * 1e3, 3),
-            "min_ms": round(max(min(t) for t in per_rank) * 1e3, 3),
-            "command": command,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        }
-        print(json.dumps(line), flush=True)
+        args.items, args.rows, args.steps, args.warmup, args.repeats = 64, 1000, 3, 1, 1
+    run(
+        "vbe",
+        CASES,
+        args,
+        "items user_features item_features user_length item_length rows dim",
+        build,
+    )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, Phase, given, settings
+from drawn_cases import draw_distinct
 from hypothesis import strategies as st
 from multiprocess import run_ranks
 
@@ -128,22 +128,7 @@ def cases(draw: st.DrawFn) -> Case:
 @functools.cache
 def draw_cases(count: int) -> List[Case]:
     """`count` distinct cases, the same every run (hypothesis derandomized, nothing stored)."""
-    drawn: Dict[str, Case] = {}
-
-    @settings(
-        max_examples=count + count // 4,
-        derandomize=True,
-        database=None,
-        phases=[Phase.generate],
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(case=cases())
-    def collect(case: Case) -> None:
-        drawn.setdefault(repr(case), case)
-
-    collect()
-    return list(drawn.values())[:count]
+    return draw_distinct(cases(), count)
 
 
 # --------------------------------------------------------------------------- one case

@@ -1,9 +1,9 @@
 """Argument checks shared by the collectives: the group they run on, a condition that raises a
-ValueError with its message, one dtype for a list of tensors, one non-negative entry per rank."""
+ValueError with its message, one dtype for a list of tensors, one (non-negative) entry per rank."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,3 +36,11 @@ def per_rank(values: List[int], pg: dist.ProcessGroup, what: str) -> List[int]:
     if any(v < 0 for v in values):
         raise ValueError(f"{what} {list(values)} must be non-negative")
     return list(values)
+
+
+def one_entry_per_rank(what: str, world_size: int, **splits: Sequence[int]) -> None:
+    """Each of `splits` (named by keyword) holds one entry per rank; `what` names the collective."""
+    if any(len(values) != world_size for values in splits.values()):
+        listed = " and ".join(f"{name} {list(values)}" for name, values in splits.items())
+        verb = "needs" if len(splits) == 1 else "need"
+        raise ValueError(f"{what}: {listed} {verb} one entry per rank (world size {world_size})")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recshard.comm.args import check, default_group, per_rank, same_dtype
+from recshard.comm.args import check, default_group, one_entry_per_rank, per_rank, same_dtype
 from recshard.comm.codecs import QuantizedCommCodecs, cast_dtype
 from recshard.comm.column_blocks import (
     Block,
@@ -58,10 +58,11 @@ def alltoall_pooled(
         x.dim() == 2,
         f"alltoall_pooled: expected a 2-D [B_global, D_local] tensor, got {tuple(x.shape)}",
     )
-    check(
-        len(batch_size_per_rank) == world_size and len(dim_sum_per_rank) == world_size,
-        f"alltoall_pooled: batch_size_per_rank ({len(batch_size_per_rank)}) and dim_sum_per_rank "
-        f"({len(dim_sum_per_rank)}) need one entry per rank (world size {world_size})",
+    one_entry_per_rank(
+        "alltoall_pooled",
+        world_size,
+        batch_size_per_rank=batch_size_per_rank,
+        dim_sum_per_rank=dim_sum_per_rank,
     )
     check(
         x.size(0) == sum(batch_size_per_rank),
@@ -238,10 +239,7 @@ def alltoallv(
         dims_per_rank = [n * inputs[0].size(1) for n in per_rank_split_lengths]
     else:
         raise ValueError("alltoallv: pass out_split or per_rank_split_lengths")
-    check(
-        len(dims_per_rank) == world_size,
-        f"alltoallv: out_split {dims_per_rank} needs one entry per rank (world size {world_size})",
-    )
+    one_entry_per_rank("alltoallv", world_size, out_split=dims_per_rank)
     local = torch.cat(inputs, dim=1)
     check(
         local.size(1) == dims_per_rank[rank],

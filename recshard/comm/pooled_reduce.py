@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recshard.comm.args import check, default_group, per_rank, same_dtype
+from recshard.comm.args import check, default_group, one_entry_per_rank, per_rank, same_dtype
 from recshard.comm.codecs import QuantizedCommCodecs
 from recshard.comm.pg import HoldsGroup
 from recshard.comm.request import AllGatherV, CommRequest, ReduceScatterV
@@ -70,11 +70,7 @@ def reduce_scatter_v_pooled(
     over ranks of row block r (uneven batch sizes per rank). Backward: all-gather."""
     pg = default_group(group)
     world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    check(
-        len(input_splits) == world_size,
-        f"reduce_scatter_v_pooled: input_splits {input_splits} needs one entry per rank "
-        f"(world size {world_size})",
-    )
+    one_entry_per_rank("reduce_scatter_v_pooled", world_size, input_splits=input_splits)
     check(
         input.size(0) == sum(input_splits),
         f"reduce_scatter_v_pooled: input has {input.size(0)} rows, input_splits "

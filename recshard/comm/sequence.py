@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recshard.comm.args import check, default_group, per_rank
+from recshard.comm.args import check, default_group, one_entry_per_rank, per_rank
 from recshard.comm.codecs import QuantizedCommCodecs
 from recshard.comm.pg import HoldsGroup
 from recshard.comm.recat import get_recat
@@ -47,10 +47,8 @@ def alltoall_sequence(
     world_size = dist.get_world_size(pg)
     x = a2a_sequence_embs_tensor
     check(x.dim() == 2, f"alltoall_sequence: expected [N, D] embeddings, got {tuple(x.shape)}")
-    check(
-        len(input_splits) == world_size and len(output_splits) == world_size,
-        f"alltoall_sequence: input_splits ({len(input_splits)}) and output_splits "
-        f"({len(output_splits)}) need one entry per rank (world size {world_size})",
+    one_entry_per_rank(
+        "alltoall_sequence", world_size, input_splits=input_splits, output_splits=output_splits
     )
     check(
         x.size(0) == sum(output_splits),

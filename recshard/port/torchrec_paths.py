@@ -238,6 +238,10 @@ NOT_PROVIDED: Dict[str, str] = {
     "torchrec.distributed.quant_embeddingbag.create_infer_embedding_bag_sharding": _FACTORY,
     "torchrec.distributed.embeddingbag.replace_placement_with_meta_device": _INTERNAL
     + " (recshard shards meta-device modules without rewriting plan placements)",
+    "torchrec.distributed.shard._shard_modules": (
+        "TorchRec's private helper (its tutorial calls it): use "
+        "recshard.distributed.shard.shard_modules, the same call without planner="
+    ),
     "torchrec.distributed.types.ModuleShardingPlan": (
         "a module's plan is a plain dict {table: ParameterSharding}: "
         "recshard.types.EmbeddingModuleShardingPlan"

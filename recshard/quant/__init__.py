@@ -16,6 +16,8 @@
 Sharded inference: `recshard.distributed.QuantEmbeddingBagCollectionSharder` (every sharding
 type) and `QuantEmbeddingCollectionSharder` (data-parallel, table-wise, column-wise, row-wise),
 with plans whose compute_kernel is "quant"; DistributedModelParallel picks them by default.
+`EmbeddingBagCollection` / `EmbeddingCollection` here are the quantized classes, TorchRec's names
+at `torchrec.quant(.embedding_modules)`.
 """
 
 from recshard.quant.config import QuantConfig
@@ -24,10 +26,14 @@ from recshard.quant.embedding_modules import (
     QuantEmbeddingCollection,
     quantize_embeddings,
 )
+from recshard.quant.embedding_modules import QuantEmbeddingBagCollection as EmbeddingBagCollection
+from recshard.quant.embedding_modules import QuantEmbeddingCollection as EmbeddingCollection
 from recshard.quant.kernel import QuantLookup, QuantTable
 from recshard.quant.rowwise import dequantize_rows, max_row_error, quantize_rows
 
 __all__ = [
+    "EmbeddingBagCollection",
+    "EmbeddingCollection",
     "QuantEmbeddingBagCollection",
     "QuantEmbeddingCollection",
     "QuantConfig",

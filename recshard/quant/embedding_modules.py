@@ -32,6 +32,7 @@ from recshard.modules.input_checks import (
     check_ids_per_key,
     check_input,
     check_layout,
+    check_one_batch,
 )
 from recshard.quant.config import dtypes_from_qconfig
 from recshard.quant.kernel import QuantLookup, QuantTable, check_output_dtype
@@ -211,6 +212,10 @@ class QuantEmbeddingBagCollection(_QuantTables):
         return self._is_weighted
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pooled `[B, sum of dims]`. A variable batch per feature is refused, naming the
+        batch sizes: the inference kernel pools one batch (TorchRec's hands it the variable
+        batch's offsets as one batch and returns too few rows)."""
+        check_one_batch(features, type(self).__name__)
         pooled = self.lookups[0](self._prepare(features))
         return KeyedTensor(self._feature_names, self._dims, pooled)
 

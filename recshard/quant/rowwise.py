@@ -25,8 +25,10 @@ import torch
 from recshard.modules.embedding_configs import DataType
 
 # What `quantize_embeddings` and the quantized modules accept, TorchRec's names first.
-TORCH_DTYPE_TO_DATA_TYPE: Dict[torch.dtype, DataType] = {
+TORCH_DTYPE_TO_DATA_TYPE: Dict[torch.dtype, DataType] = {  # TorchRec's dtype_to_data_type
     torch.qint8: DataType.INT8,
+    torch.quint8: DataType.INT8,
+    torch.int8: DataType.INT8,  # TorchRec's quantization tutorial asks for torch.int8
     torch.quint4x2: DataType.INT4,
     torch.quint2x4: DataType.INT2,
     torch.float16: DataType.FP16,

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import (
     column_wise,
+    construct_module_sharding_plan,
     data_parallel,
     row_wise,
     table_column_wise,
     table_row_wise,
     table_wise,
 )
+from recshard.optim import in_backward_optimizer_filter
+from recshard.types import ShardedModule, ShardingEnv
 
 LR = 0.1
 EPS = 1e-8
@@ -61,6 +66,17 @@ def tables(shared: bool = False) -> List[EmbeddingBagConfig]:
         EmbeddingBagConfig(num_embeddings=8, embedding_dim=1, name="t3", feature_names=["f4"]),
         EmbeddingBagConfig(num_embeddings=13, embedding_dim=8, name="t4", feature_names=["f5"]),
     ]
+
+
+KINDS = [  # the plan kinds of `plan_for`
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "table_row_wise",
+    "table_column_wise",
+    "data_parallel",
+    "mixed",
+]
 
 
 def make_ebc(weighted: bool, seed: int = 0, shared: bool = False) -> EmbeddingBagCollection:
@@ -238,3 +254,61 @@ def state_mismatches(
                     f"from {offset} differs"
                 )
     return problems
+
+
+def step_reference_and_compare(
+    sharded,
+    reference: EmbeddingBagCollection,
+    plan: Dict,
+    kind: str,
+    kernel: str,
+    optimizer: str,
+    state: Dict[str, Dict[str, torch.Tensor]],
+    ws: int,
+    step: int,
+    compare: bool = True,
+) -> List[str]:
+    """Step the reference's tables as the sharded kernels do (dense kernels, data-parallel
+    tables and the mixed plan's t3 by SGD, the rest by `optimizer`, row-wise Adagrad per column
+    block), then (if `compare`) where the sharded tables and accumulators differ from them."""
+    offsets: Dict[str, List[int]] = {}  # column offset of each block with its own state
+    for name, bag in reference.embedding_bags.items():
+        dense = kernel == "dense" or kind == "data_parallel" or (kind == "mixed" and name == "t3")
+        opt = "sgd" if dense else optimizer
+        shards = plan[name].shards or []
+        column_split = plan[name].sharding_type in ("column_wise", "table_column_wise")
+        blocks = [sh.shard_sizes[1] for sh in shards] if column_split else [bag.weight.size(1)]
+        reference_update(bag.weight, bag.weight.grad, state.setdefault(name, {}), opt, blocks)
+        if opt == "rowwise_adagrad":
+            offsets[name] = [sum(blocks[:i]) for i in range(len(blocks))]
+    if not compare:
+        return []
+    problems = []
+    full = gather_tables(sharded, ws)
+    for name, bag in reference.embedding_bags.items():
+        if not torch.allclose(full[name], bag.weight, atol=1e-5):
+            diff = (full[name] - bag.weight).abs().nan_to_num(float("inf")).max()
+            problems.append(f"step {step}: table {name} differs by {diff:.3g}")
+    return problems + state_mismatches(sharded, ws, state, offsets, step)
+
+
+def shard_reference(
+    reference: EmbeddingBagCollection,
+    kind: str,
+    ws: int,
+    lws: int,
+    kernel: str,
+    optimizer: str,
+    shared: bool = False,
+) -> Tuple[Dict, ShardedModule, torch.optim.Optimizer | None]:
+    """A copy of `reference` sharded by the plan kind (fused `optimizer`: "sgd" or
+    "rowwise_adagrad"), with that plan and an SGD over its dense parameters (None if none)."""
+    env = ShardingEnv.from_process_group(dist.group.WORLD, local_world_size=lws)
+    plan = construct_module_sharding_plan(
+        reference, plan_for(kind, ws, lws, kernel, shared), local_size=lws, world_size=ws
+    )
+    fused = "exact_sgd" if optimizer == "sgd" else "exact_row_wise_adagrad"
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": fused, "learning_rate": LR})
+    sharded = sharder.shard(copy.deepcopy(reference), plan, env)
+    dense = [p for _, p in in_backward_optimizer_filter(sharded.named_parameters())]
+    return plan, sharded, torch.optim.SGD(dense, lr=LR) if dense else None

@@ -12,10 +12,10 @@ run in one group of two ranks, so both see the same cases in the same order.
 from __future__ import annotations
 
 import functools
-from typing import Dict, List
+from typing import List
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from drawn_cases import draw_distinct
 from hypothesis import strategies as st
 from multiprocess import run_ranks
 from test_sharded_variable_batch import KINDS, VbeCase, check, run_all
@@ -42,22 +42,7 @@ def cases(draw: st.DrawFn) -> VbeCase:
 
 @functools.cache
 def draw_cases(count: int) -> List[VbeCase]:
-    drawn: Dict[str, VbeCase] = {}
-
-    @settings(
-        max_examples=count + count // 4,
-        derandomize=True,
-        database=None,
-        phases=[Phase.generate],
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(case=cases())
-    def collect(case: VbeCase) -> None:
-        drawn.setdefault(repr(case), case)
-
-    collect()
-    return list(drawn.values())[:count]
+    return draw_distinct(cases(), count)
 
 
 @pytest.mark.slow

@@ -25,8 +25,8 @@ from typing import Any, Dict, List
 import pytest
 import torch
 import torch.distributed as dist
+from drawn_cases import draw_distinct
 from ebc_cases import LR, gather_tables
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from multiprocess import run_ranks
 
@@ -127,23 +127,7 @@ def cases(draw: st.DrawFn, ws: int) -> Case:
 @functools.cache
 def draw_cases(ws: int, count: int) -> List[Case]:
     """`count` distinct cases for world size `ws`, the same every run."""
-    drawn: Dict[str, Case] = {}
-
-    @settings(
-        max_examples=count + count // 4,
-        derandomize=True,
-        database=None,
-        phases=[Phase.generate],
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(case=cases(ws))
-    def collect(case: Case) -> None:
-        drawn.setdefault(repr(case), case)
-
-    collect()
-    assert len(drawn) >= count, f"hypothesis drew {len(drawn)} distinct cases, wanted {count}"
-    return list(drawn.values())[:count]
+    return draw_distinct(cases(ws), count)
 
 
 # --------------------------------------------------------------------------- one case

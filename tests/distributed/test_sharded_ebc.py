@@ -9,7 +9,6 @@ and in a mixed plan where each shared feature's tables have different sharding t
 
 from __future__ import annotations
 
-import copy
 import traceback
 from dataclasses import dataclass
 from typing import Dict, List
@@ -17,32 +16,15 @@ from typing import Dict, List
 import pytest
 import torch
 from ebc_cases import (
-    LR,
+    KINDS,
     batch,
-    gather_tables,
     global_batch,
     make_ebc,
     output_grad,
-    plan_for,
-    reference_update,
-    state_mismatches,
+    shard_reference,
+    step_reference_and_compare,
 )
 from multiprocess import run_ranks
-
-from recshard.distributed import EmbeddingBagCollectionSharder
-from recshard.distributed.sharding_plan import construct_module_sharding_plan
-from recshard.optim import in_backward_optimizer_filter
-from recshard.types import ShardingEnv
-
-KINDS = [
-    "table_wise",
-    "row_wise",
-    "column_wise",
-    "table_row_wise",
-    "table_column_wise",
-    "data_parallel",
-    "mixed",
-]
 
 
 @dataclass(frozen=True)
@@ -85,18 +67,8 @@ def _compare(rank: int, ws: int, case: EbcCase) -> List[str]:
     problems: List[str] = []
     lws, kind, kernel, optimizer = case.local_world_size, case.kind, case.kernel, case.optimizer
     weighted, batch_size, steps, shared = case.weighted, case.batch_size, case.steps, case.shared
-    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD, local_world_size=lws)
     reference = make_ebc(weighted, shared=shared)
-    plan = construct_module_sharding_plan(
-        reference, plan_for(kind, ws, lws, kernel, shared), local_size=lws, world_size=ws
-    )
-    fused_optim = "exact_sgd" if optimizer == "sgd" else "exact_row_wise_adagrad"
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": fused_optim, "learning_rate": LR}
-    )
-    sharded = sharder.shard(copy.deepcopy(reference), plan, env)
-    dense_params = [p for _, p in in_backward_optimizer_filter(sharded.named_parameters())]
-    dense_opt = torch.optim.SGD(dense_params, lr=LR) if dense_params else None
+    plan, sharded, dense_opt = shard_reference(reference, kind, ws, lws, kernel, optimizer, shared)
     state: Dict[str, Dict[str, torch.Tensor]] = {}
     for step in range(steps):
         zero = step == 1
@@ -120,28 +92,18 @@ def _compare(rank: int, ws: int, case: EbcCase) -> List[str]:
         reference.zero_grad()
         # mean over ranks of per-rank gradients == gradient of the global loss / ws
         ((ref_out.values() * grad).sum() / ws).backward()
-        offsets: Dict[str, List[int]] = {}  # column offset of each block with its own state
-        for name, bag in reference.embedding_bags.items():
-            opt = (
-                "sgd"
-                if kernel == "dense"
-                or kind == "data_parallel"
-                or (kind == "mixed" and name == "t3")
-                else optimizer
-            )
-            shards = plan[name].shards or []
-            column_split = plan[name].sharding_type in ("column_wise", "table_column_wise")
-            blocks = [sh.shard_sizes[1] for sh in shards] if column_split else [bag.weight.size(1)]
-            reference_update(bag.weight, bag.weight.grad, state.setdefault(name, {}), opt, blocks)
-            if opt == "rowwise_adagrad":
-                offsets[name] = [sum(blocks[:i]) for i in range(len(blocks))]
-        if step in (0, steps - 1):
-            full = gather_tables(sharded, ws)
-            for name, bag in reference.embedding_bags.items():
-                if not torch.allclose(full[name], bag.weight, atol=1e-5):
-                    diff = (full[name] - bag.weight).abs().nan_to_num(float("inf")).max()
-                    problems.append(f"step {step}: table {name} differs by {diff:.3g}")
-            problems += state_mismatches(sharded, ws, state, offsets, step)
+        problems += step_reference_and_compare(
+            sharded,
+            reference,
+            plan,
+            kind,
+            kernel,
+            optimizer,
+            state,
+            ws,
+            step,
+            compare=step in (0, steps - 1),
+        )
     return problems
 
 

@@ -13,22 +13,19 @@ from typing import Dict, List
 
 import pytest
 import torch
-from ebc_cases import LR, batch, gather_tables, global_batch, output_grad
+from ebc_cases import (
+    KINDS,
+    LR,
+    batch,
+    gather_tables,
+    global_batch,
+    output_grad,
+)
 from fp_cases import make_fp_ebc, sharded_model
 from multiprocess import run_ranks
 
 from recshard.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection
 from recshard.optim import in_backward_optimizer_filter
-
-KINDS = [
-    "table_wise",
-    "row_wise",
-    "column_wise",
-    "table_row_wise",
-    "table_column_wise",
-    "data_parallel",
-    "mixed",
-]
 
 
 @dataclass(frozen=True)

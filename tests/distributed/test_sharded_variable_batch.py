@@ -16,25 +16,21 @@ from typing import Dict, List, Tuple
 
 import pytest
 import torch
-from ebc_cases import LR, gather_tables, make_ebc, plan_for, reference_update, state_mismatches
+from ebc_cases import (
+    KINDS,
+    LR,
+    make_ebc,
+    plan_for,
+    shard_reference,
+    step_reference_and_compare,
+)
 from ebc_cases import tables as ebc_tables
 from multiprocess import run_ranks
 from vbe_cases import Drawn, vbe_batch
 
 from recshard.distributed import EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import construct_module_sharding_plan
-from recshard.optim import in_backward_optimizer_filter
 from recshard.types import ShardingEnv
-
-KINDS = [
-    "table_wise",
-    "row_wise",
-    "column_wise",
-    "table_row_wise",
-    "table_column_wise",
-    "data_parallel",
-    "mixed",
-]
 
 
 @dataclass(frozen=True)
@@ -65,17 +61,11 @@ def output_grad(rank: int, step: int, rows: int, width: int) -> torch.Tensor:
 def compare(rank: int, ws: int, case: VbeCase) -> List[str]:
     problems: List[str] = []
     lws, kind, kernel = case.local_world_size, case.kind, case.kernel
-    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD, local_world_size=lws)
     reference = make_ebc(case.weighted, shared=case.shared)
     tables = ebc_tables(case.shared)
-    plan = construct_module_sharding_plan(
-        reference, plan_for(kind, ws, lws, kernel, case.shared), local_size=lws, world_size=ws
+    plan, sharded, dense_opt = shard_reference(
+        reference, kind, ws, lws, kernel, case.optimizer, case.shared
     )
-    optim = "exact_sgd" if case.optimizer == "sgd" else "exact_row_wise_adagrad"
-    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": optim, "learning_rate": LR})
-    sharded = sharder.shard(copy.deepcopy(reference), plan, env)
-    dense_params = [p for _, p in in_backward_optimizer_filter(sharded.named_parameters())]
-    dense_opt = torch.optim.SGD(dense_params, lr=LR) if dense_params else None
     state: Dict[str, Dict[str, torch.Tensor]] = {}
     for step in range(case.steps):
         batches = [
@@ -115,27 +105,9 @@ def compare(rank: int, ws: int, case: VbeCase) -> List[str]:
             dense_opt.zero_grad()
         # the mean over ranks of each rank's gradient
         (sum((r.values() * g).sum() for r, g in zip(ref_outs, grads)) / ws).backward()
-        offsets: Dict[str, List[int]] = {}
-        for name, bag in reference.embedding_bags.items():
-            opt = (
-                "sgd"
-                if kernel == "dense"
-                or kind == "data_parallel"
-                or (kind == "mixed" and name == "t3")
-                else case.optimizer
-            )
-            shards = plan[name].shards or []
-            column_split = plan[name].sharding_type in ("column_wise", "table_column_wise")
-            blocks = [sh.shard_sizes[1] for sh in shards] if column_split else [bag.weight.size(1)]
-            reference_update(bag.weight, bag.weight.grad, state.setdefault(name, {}), opt, blocks)
-            if opt == "rowwise_adagrad":
-                offsets[name] = [sum(blocks[:i]) for i in range(len(blocks))]
-        full = gather_tables(sharded, ws)
-        for name, bag in reference.embedding_bags.items():
-            if not torch.allclose(full[name], bag.weight, atol=1e-5):
-                diff = (full[name] - bag.weight).abs().nan_to_num(float("inf")).max()
-                problems.append(f"step {step}: table {name} differs by {diff:.3g}")
-        problems += state_mismatches(sharded, ws, state, offsets, step)
+        problems += step_reference_and_compare(
+            sharded, reference, plan, kind, kernel, case.optimizer, state, ws, step
+        )
     return problems
 
 

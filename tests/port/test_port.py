@@ -174,6 +174,23 @@ def test_names_from_torchrecs_defining_modules_map() -> None:
     assert result.code == expected and result.issues == []
 
 
+def test_torchrecs_quantized_collections_map_to_the_quantized_classes() -> None:
+    """`torchrec.quant(.embedding_modules).EmbeddingBagCollection` is the quantized EBC (the
+    tutorial's `quantize_dynamic` mapping); it must not fall through to the float one."""
+    source = (
+        "from torchrec.quant.embedding_modules import EmbeddingBagCollection as QEBC\n"
+        "from torchrec.quant import EmbeddingCollection\n"
+    )
+    result = port_source(source)
+    assert result.issues == []
+    namespace: Dict[str, object] = {}
+    exec(result.code, namespace)
+    from recshard.quant import QuantEmbeddingBagCollection, QuantEmbeddingCollection
+
+    assert namespace["QEBC"] is QuantEmbeddingBagCollection
+    assert namespace["EmbeddingCollection"] is QuantEmbeddingCollection
+
+
 def test_split_parenthesized_import_keeps_its_shape() -> None:
     source = (
         "from torchrec.models.dlrm import (\n    DLRM,\n    DLRM_Projection,\n    DLRMTrain,\n)\n"

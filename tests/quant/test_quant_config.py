@@ -94,9 +94,11 @@ def test_quantize_dynamic_maps_ebc_and_ec_to_quantized_twins() -> None:
     assert quantized.ec(seqs)["g0"].values().dtype == torch.float16
 
 
-def test_plain_qconfig_and_explicit_dtype() -> None:
+@pytest.mark.parametrize("weight_dtype", [torch.qint8, torch.quint8, torch.int8])
+def test_plain_qconfig_and_explicit_dtype(weight_dtype: torch.dtype) -> None:
+    """Every dtype TorchRec reads as INT8 rows (its tutorial asks for torch.int8)."""
     model = Model()
-    qconfig = QConfig(activation=PlaceholderObserver, weight=observer(torch.qint8))
+    qconfig = QConfig(activation=PlaceholderObserver, weight=observer(weight_dtype))
     quantize_dynamic(
         model,
         qconfig_spec={EmbeddingBagCollection: qconfig},

@@ -402,3 +402,22 @@ def test_bag_offsets_outside_the_values_are_refused(lengths, offsets, message) -
     for module in (float_ebc, QuantEmbeddingBagCollection.from_float(float_ebc, torch.qint8)):
         with pytest.raises(ValueError, match=message):
             module(kjt)
+
+
+def test_quant_ebc_refuses_a_variable_batch_per_feature() -> None:
+    """The inference kernel pools one batch: a 1-user / 3-item batch would come back as 2 rows
+    (TorchRec's quantized EBC returns them silently); refused, naming the batch sizes."""
+    tables = [
+        EmbeddingBagConfig(num_embeddings=10, embedding_dim=8, name=f"t_{f}", feature_names=[f])
+        for f in ("user", "item")
+    ]
+    qebc = QuantEmbeddingBagCollection.from_float(EmbeddingBagCollection(tables))
+    kjt = KeyedJaggedTensor(
+        ["user", "item"],
+        torch.tensor([1, 2, 3, 4]),
+        lengths=torch.tensor([1, 1, 1, 1]),
+        stride_per_key_per_rank=[[1], [3]],
+        inverse_indices=(["user", "item"], torch.tensor([[0, 0, 0], [0, 1, 2]])),
+    )
+    with pytest.raises(ValueError, match=r"different batch sizes \{'user': 1, 'item': 3\}"):
+        qebc(kjt)
