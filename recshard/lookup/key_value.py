@@ -319,7 +319,8 @@ class KeyValueKernel(LookupKernel):
     def update(
         self, features: KeyedJaggedTensor, grad_output: torch.Tensor, weights_grad: bool = False
     ) -> torch.Tensor | None:
-        """`TorchFusedKernel.update` on the cache slots, which are marked updated (written back on eviction)."""
+        """`TorchFusedKernel.update` on the cache slots, which are marked updated (written back
+        on eviction)."""
         cached = [c.values["weight"] for c in self.caches]
         grads, sample_grad = row_gradients(
             self, features, grad_output, cached if weights_grad else None

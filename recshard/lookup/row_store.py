@@ -188,6 +188,13 @@ class RowStore:
         except OSError as e:
             raise self._failed("writing", suffix, e) from e
 
+    def drop_cached(self) -> None:
+        """Write the files out (`fsync`) and drop their pages from the page cache: the next
+        reads come from the device (the storage calibration's cold reads)."""
+        for fd in self._fds.values():
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
     def _failed(self, doing: str, suffix: str, error: OSError) -> RuntimeError:
         return RuntimeError(
             f"table '{self.identity.table}': {doing} rows of '{self.paths[suffix]}' failed: {error}"
