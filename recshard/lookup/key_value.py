@@ -126,6 +126,7 @@ class _RowCache:
         self.slot_row = torch.full((capacity,), -1, dtype=torch.int64)
         self.last_used = torch.full((capacity,), -1, dtype=torch.int64)
         self.dirty = torch.zeros(capacity, dtype=torch.bool)  # updated since read from storage
+        self.filled = 0  # slots [filled, capacity) were never used
         self.pinned: List[torch.Tensor] = []
         self.lock = threading.Lock()  # a prefetch thread and the step's update share it
         self.lookups = 0  # distinct rows each forward read, summed
@@ -137,28 +138,39 @@ class _RowCache:
         slots = self.row_slot[ids].long()
         missing = ids[slots < 0]
         if missing.numel():
-            keep = self.last_used.clone()
-            keep[slots[slots >= 0]] = torch.iinfo(torch.int64).max
-            for pinned in self.pinned:
-                keep[pinned] = torch.iinfo(torch.int64).max
-            free = int((keep < torch.iinfo(torch.int64).max).sum())
-            if missing.numel() > free:
-                raise CacheOverflowError(
-                    f"table '{self.store.identity.table}': a batch needs {missing.numel()} rows "
-                    f"not cached but only {free} of the cache's {self.capacity} slots are "
-                    "free (the rest hold this batch's or a batch in flight's rows); raise "
-                    "cache_load_factor"
-                )
+            if missing.numel() <= self.capacity - self.filled:
+                # slots never used yet (the cache filling up): nothing to choose or write back
+                victims = torch.arange(self.filled, self.filled + missing.numel())
+                self.filled += missing.numel()
+            else:
+                victims = self._victims(slots, missing.numel())  # never-used slots first
+                self.filled = self.capacity
+                self._write_back(victims[self.dirty[victims]])
+                old = self.slot_row[victims]
+                self.row_slot[old[old >= 0]] = -1
             self.misses += missing.numel()
-            victims = torch.topk(keep, missing.numel(), largest=False).indices
-            self._write_back(victims[self.dirty[victims]])
-            old = self.slot_row[victims]
-            self.row_slot[old[old >= 0]] = -1
             for suffix, values in self.values.items():
                 values[victims] = self.store.read(suffix, missing)
             self.slot_row[victims] = missing
             self.row_slot[missing] = victims.to(torch.int32)
         self.last_used[self.row_slot[ids].long()] = tick
+
+    def _victims(self, slots: torch.Tensor, count: int) -> torch.Tensor:
+        """The `count` least recently used slots, neither holding rows of this batch (`slots`)
+        nor pinned by a batch in flight."""
+        keep = self.last_used.clone()
+        keep[slots[slots >= 0]] = torch.iinfo(torch.int64).max
+        for pinned in self.pinned:
+            keep[pinned] = torch.iinfo(torch.int64).max
+        free = int((keep < torch.iinfo(torch.int64).max).sum())
+        if count > free:
+            raise CacheOverflowError(
+                f"table '{self.store.identity.table}': a batch needs {count} rows "
+                f"not cached but only {free} of the cache's {self.capacity} slots are "
+                "free (the rest hold this batch's or a batch in flight's rows); raise "
+                "cache_load_factor"
+            )
+        return torch.topk(keep, count, largest=False).indices
 
     def _write_back(self, slots: torch.Tensor) -> None:
         """Write the rows in `slots` (unique, dirty) to storage (all files); they are clean."""
