@@ -1,5 +1,6 @@
-"""`recshard-plan`: `recshard-plan calibrate -o profile.json [--budget S] [--quick]` measures
-this machine and job; anything else plans (`recshard.planner.report.cli`).
+"""`recshard-plan`: `recshard-plan calibrate -o profile.json [--budget S] [--quick]
+[--storage DIR]` measures this machine and job (and with `--storage` the key-value tables'
+storage); anything else plans (`recshard.planner.report.cli`).
 
 Alone, `calibrate` measures the lookup kernels and memory; under torchrun
 (`torchrun --nproc_per_node N -m recshard.calibration -o profile.json`, or
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from recshard.calibration.grid import CalibrationGrid
 from recshard.calibration.machine import calibrate_job
 from recshard.calibration.step import StepProbe
+from recshard.calibration.storage import measure_storage
 from recshard.planner.report.cli import main as plan_main
 
 
@@ -41,6 +43,15 @@ def calibrate_main(argv: List[str], prog: str = "recshard-plan calibrate") -> in
         "step probes take more)",
     )
     p.add_argument("--quick", action="store_true", help="tiny grid and probes (a smoke test)")
+    p.add_argument(
+        "--storage",
+        metavar="DIR",
+        help="also measure key_value storage here (random row reads and write-backs on a "
+        "probe file of --storage-mb, removed afterwards; rank 0)",
+    )
+    p.add_argument(
+        "--storage-mb", type=int, default=64, help="the storage probe's file (default 64 MiB)"
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(
@@ -49,6 +60,10 @@ def calibrate_main(argv: List[str], prog: str = "recshard-plan calibrate") -> in
     )
     if not (math.isfinite(args.budget) and args.budget > 0):
         p.error(f"--budget must be a finite number of seconds > 0, got {args.budget}")
+    if args.storage is not None and not os.path.isdir(args.storage):
+        p.error(f"--storage '{args.storage}' is not a directory")
+    if not 1 <= args.storage_mb <= 1 << 20:
+        p.error(f"--storage-mb must be between 1 and {1 << 20}, got {args.storage_mb}")
     grid, probe = (
         (CalibrationGrid.quick(), StepProbe.quick())
         if args.quick
@@ -60,12 +75,20 @@ def calibrate_main(argv: List[str], prog: str = "recshard-plan calibrate") -> in
     try:
         profile = calibrate_job(args.budget, grid, probe=probe)
         if not launched or dist.get_rank() == 0:
+            if args.storage is not None:
+                profile.storage = measure_storage(args.storage, args.storage_mb << 20)
             profile.save(args.output)
             summary = {
                 "profile": args.output,
                 "seconds": round(profile.seconds, 1),
                 "kernel_fits": len(profile.kernels),
                 "step_fits": len(profile.steps),
+                "storage_gbps": {
+                    "read": round(profile.storage.read_gbps, 4),
+                    "write": round(profile.storage.write_gbps, 4),
+                }
+                if profile.storage is not None
+                else None,
                 "links": {
                     f"{c.collective}/{c.level}": {
                         "gbps": round(c.gbps, 3),

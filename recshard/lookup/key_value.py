@@ -7,17 +7,21 @@ use, evicting the least recently used. Files go to `ssd_storage_directory` (Torc
 param, `@local_rank` filled in), or without one to a fresh private temporary directory, as in
 TorchRec; `check_storage` vets a given directory before any file is made. A step:
 
-    prefetch(batch)  ids not cached -> LRU slots, rows read from storage (`RowStore`)
+    prefetch(batch)  ids not cached -> LRU slots (updated victims written back first, in
+                     row order), rows read from storage (`RowStore`)
     forward          ids -> cache slots; the pure-torch fused lookup on the cache
     backward         the same row gradients and optimizer math as `TorchFusedKernel`
-                     on the cache slots, then the updated rows written through
+                     on the cache slots, which are marked updated
 
-Writes go through at once, so storage always holds the current table: state dicts and
-checkpoints read it from a mapping of the files (`table_weights`, `optimizer_states`), and a
-write there (a load) drops the cached copies. Slots looked up by a forward stay pinned until
-its backward, so a prefetch of the next batch never evicts them. DRAM held per table:
-the cache (`capacity x (cols + state width) x 4` bytes), a row -> slot map (4 bytes a row),
-and up to the cache's size again in pages of the files' mappings (`RowStore.mapped_bytes`).
+Updated rows are written back when evicted, not every step (a hot row stays in DRAM and costs
+no I/O; writing every updated row through cost a write per distinct row a step). State dicts
+and checkpoints read the table from a mapping of the files (`table_weights`,
+`optimizer_states`), which first write every updated row back and drop the cached copies (the
+caller may write there: a load). Slots looked up by a forward stay pinned until its backward,
+so a prefetch of the next batch never evicts them. DRAM held per table: the cache
+(`capacity x (cols + state width) x 4` bytes), its slot maps, a row -> slot map (4 bytes a
+row); rows move through `pread`/`pwrite`, so the files' pages stay in the page cache, outside
+the process.
 """
 
 from __future__ import annotations
@@ -104,7 +108,8 @@ def cache_bytes(table: LocalTable, spec: FusedOptimSpec) -> int:
 
 def dram_bytes(table: LocalTable, spec: FusedOptimSpec) -> int:
     """DRAM the kernel holds for `table`'s shard: the cache (rows with their state, slot maps),
-    the row map, and as much again in mapped file pages between releases (`RowStore`)."""
+    the row map, and as much again for a step's transient rows (the rows read and written
+    back, the gradients) that the heap may keep."""
     return 2 * cache_bytes(table, spec) + cache_rows(table) * (8 + 8) + table.rows * 4
 
 
@@ -120,48 +125,70 @@ class _RowCache:
         self.row_slot = torch.full((store.identity.rows,), -1, dtype=torch.int32)
         self.slot_row = torch.full((capacity,), -1, dtype=torch.int64)
         self.last_used = torch.full((capacity,), -1, dtype=torch.int64)
+        self.dirty = torch.zeros(capacity, dtype=torch.bool)  # updated since read from storage
+        self.filled = 0  # slots [filled, capacity) were never used
         self.pinned: List[torch.Tensor] = []
         self.lock = threading.Lock()  # a prefetch thread and the step's update share it
         self.lookups = 0  # distinct rows each forward read, summed
         self.misses = 0  # rows read from storage
 
     def ensure(self, ids: torch.Tensor, tick: int) -> None:
-        """Bring rows `ids` (unique, sorted) into the cache, evicting least recently used."""
+        """Bring rows `ids` (unique, sorted) into the cache, evicting least recently used (their
+        rows written back first when updated since they came in)."""
         slots = self.row_slot[ids].long()
         missing = ids[slots < 0]
         if missing.numel():
-            keep = self.last_used.clone()
-            keep[slots[slots >= 0]] = torch.iinfo(torch.int64).max
-            for pinned in self.pinned:
-                keep[pinned] = torch.iinfo(torch.int64).max
-            free = int((keep < torch.iinfo(torch.int64).max).sum())
-            if missing.numel() > free:
-                raise CacheOverflowError(
-                    f"table '{self.store.identity.table}': a batch needs {missing.numel()} rows "
-                    f"not cached but only {free} of the cache's {self.capacity} slots are "
-                    "free (the rest hold this batch's or a batch in flight's rows); raise "
-                    "cache_load_factor"
-                )
+            if missing.numel() <= self.capacity - self.filled:
+                # slots never used yet (the cache filling up): nothing to choose or write back
+                victims = torch.arange(self.filled, self.filled + missing.numel())
+                self.filled += missing.numel()
+            else:
+                victims = self._victims(slots, missing.numel())  # never-used slots first
+                self.filled = self.capacity
+                self._write_back(victims[self.dirty[victims]])
+                old = self.slot_row[victims]
+                self.row_slot[old[old >= 0]] = -1
             self.misses += missing.numel()
-            victims = torch.topk(keep, missing.numel(), largest=False).indices
-            old = self.slot_row[victims]
-            self.row_slot[old[old >= 0]] = -1
             for suffix, values in self.values.items():
                 values[victims] = self.store.read(suffix, missing)
-            self.store.settle()
             self.slot_row[victims] = missing
             self.row_slot[missing] = victims.to(torch.int32)
         self.last_used[self.row_slot[ids].long()] = tick
 
-    def write_through(self, slots: torch.Tensor) -> None:
-        """Write the rows in `slots` (unique) back to storage (all files)."""
-        rows = self.slot_row[slots]
-        for suffix, values in self.values.items():
-            self.store.write(suffix, rows, values[slots])
-        self.store.settle()
+    def _victims(self, slots: torch.Tensor, count: int) -> torch.Tensor:
+        """The `count` least recently used slots, neither holding rows of this batch (`slots`)
+        nor pinned by a batch in flight."""
+        keep = self.last_used.clone()
+        keep[slots[slots >= 0]] = torch.iinfo(torch.int64).max
+        for pinned in self.pinned:
+            keep[pinned] = torch.iinfo(torch.int64).max
+        free = int((keep < torch.iinfo(torch.int64).max).sum())
+        if count > free:
+            raise CacheOverflowError(
+                f"table '{self.store.identity.table}': a batch needs {count} rows "
+                f"not cached but only {free} of the cache's {self.capacity} slots are "
+                "free (the rest hold this batch's or a batch in flight's rows); raise "
+                "cache_load_factor"
+            )
+        return torch.topk(keep, count, largest=False).indices
+
+    def _write_back(self, slots: torch.Tensor) -> None:
+        """Write the rows in `slots` (unique, dirty) to storage (all files); they are clean."""
+        if slots.numel():
+            rows, order = self.slot_row[slots].sort()
+            slots = slots[order]
+            for suffix, values in self.values.items():
+                self.store.write(suffix, rows, values[slots])
+            self.dirty[slots] = False
+
+    def flush(self) -> None:
+        """Write every updated row back: storage then holds the current table."""
+        self._write_back(self.dirty.nonzero().view(-1))
 
     def drop_unpinned(self) -> None:
-        """Forget every cached row not pinned (storage was written behind the cache)."""
+        """Write every updated row back, then forget every cached row not pinned (the caller
+        may write storage behind the cache)."""
+        self.flush()
         keep = torch.zeros(self.capacity, dtype=torch.bool)
         for pinned in self.pinned:
             keep[pinned] = True
@@ -197,7 +224,6 @@ class KeyValueKernel(LookupKernel):
                 RowStore(
                     table_directory(t) or tempfile.mkdtemp(prefix="recshard-kv-"),
                     store_identity(t, spec),
-                    cache_bytes(t, spec),
                 ),
                 cache_rows(t) if t.rows else 0,
             )
@@ -244,6 +270,11 @@ class KeyValueKernel(LookupKernel):
         lookups = sum(c.lookups for c in self.caches)
         misses = sum(c.misses for c in self.caches)
         return max(0.0, 1.0 - misses / lookups) if lookups else 1.0
+
+    def reset_hit_rate(self) -> None:
+        """Count `hit_rate` from here on."""
+        for cache in self.caches:
+            cache.lookups = cache.misses = 0
 
     # ------------------------------------------------------------------ the step
 
@@ -300,7 +331,8 @@ class KeyValueKernel(LookupKernel):
     def update(
         self, features: KeyedJaggedTensor, grad_output: torch.Tensor, weights_grad: bool = False
     ) -> torch.Tensor | None:
-        """`TorchFusedKernel.update` on the cache slots, then the rows written through."""
+        """`TorchFusedKernel.update` on the cache slots, which are marked updated (written back
+        on eviction)."""
         cached = [c.values["weight"] for c in self.caches]
         grads, sample_grad = row_gradients(
             self, features, grad_output, cached if weights_grad else None
@@ -314,7 +346,7 @@ class KeyValueKernel(LookupKernel):
                         states = {n: s.view(-1) for n, s in states.items()}
                     weight = cache.values["weight"]
                     apply_row_update(self.spec, self.lr, weight, states, slots, grad)
-                    cache.write_through(slots)
+                    cache.dirty[slots] = True
                 if cache.pinned:
                     cache.pinned.pop(0)
         return sample_grad

@@ -10,22 +10,21 @@ Files are created with O_CREAT|O_EXCL and mode 0600 and their space is reserved 
 creation, and a step never meets a full disk halfway through a write. A file already there is
 never reused or overwritten: the error says which table and shape it holds.
 
-Reads and writes gather and scatter rows through a shared mapping of each file (one vectorized
-`index_select` / `index_copy_`, no call per row: per-row `pread`/`pwrite` from Python cost 5-8x
-the step), read with `MADV_RANDOM` (a miss reads its page, no read-ahead). Once the pages read
-and written since the last release exceed `mapped_bytes`, `settle` drops them from this
-process (`MADV_DONTNEED`; written rows stay in the page cache, which the kernel writes back),
-so resident memory stays what the caller keeps plus about `mapped_bytes` (releasing after
-every step instead re-faults the hot rows' pages each step: 2x the step time). An I/O error under a
-mapping is a SIGBUS, not an exception; space is reserved, so a full disk cannot cause one.
-`view` maps a file for state dicts and checkpoints (pages come in on access and leave with
-the mapping).
+Reads and writes move each row with one `pread` / `pwrite` (rows of a batch are scattered, so
+there are no runs to merge): the page cache serves them and the process keeps nothing but
+what the caller holds. Measured against gathering and scattering through a shared mapping of
+the files (`index_select` / `index_copy_`, then `MADV_DONTNEED` to stay in budget): a read
+fault maps 16 cached pages around each row (Linux's fault-around; `MADV_RANDOM` does not stop
+it) and the drop unmaps them again, 2-8x the time of a call per row from a Python list
+(benchmarks/README.md, "Key-value tables: write-back cache"). Space is reserved at creation,
+so a write cannot meet a full disk; any other failed or short read or write raises naming the
+table and file. `view` maps a file for state dicts and checkpoints (pages come in on access
+and leave with the mapping).
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import tempfile
 from dataclasses import asdict, dataclass
@@ -34,10 +33,6 @@ from typing import Dict, List
 import torch
 
 _FLOAT = 4  # bytes per stored value (fp32)
-_PAGE = mmap.PAGESIZE
-# a read fault maps up to this many cached pages around the one asked for (Linux's default
-# fault_around_bytes, 64 KiB), and MADV_RANDOM does not stop it
-_FAULT_AROUND = 16
 
 
 @dataclass(frozen=True)
@@ -131,19 +126,14 @@ def _check_other_shapes(directory: str, identities: List[StoreIdentity]) -> None
 class RowStore:
     """One shard's rows on storage: `read(ids)` / `write(ids, values)` per file suffix."""
 
-    def __init__(self, directory: str, identity: StoreIdentity, mapped_bytes: int = 0) -> None:
+    def __init__(self, directory: str, identity: StoreIdentity) -> None:
         self.identity = identity
-        self.mapped_bytes = mapped_bytes
         self.directory = directory
         self.paths = {s: os.path.join(directory, f"{identity.stem}.{s}") for s in identity.widths}
         self._fds: Dict[str, int] = {}
-        self._maps: Dict[str, mmap.mmap] = {}
-        self._rows: Dict[str, torch.Tensor] = {}  # [rows, width] views of the mappings
-        self._touched = 0  # bytes of pages touched since the last release (an upper bound)
         try:
             for suffix, path in self.paths.items():
                 self._fds[suffix] = self._create(path, identity.rows * identity.widths[suffix])
-                self._map(suffix)
             meta = os.path.join(directory, f"{identity.stem}.json")
             fd = os.open(meta, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
@@ -160,53 +150,55 @@ class RowStore:
             os.posix_fallocate(fd, 0, values * _FLOAT)
         return fd
 
-    def _map(self, suffix: str) -> None:
-        rows, width = self.identity.rows, self.width(suffix)
-        if rows * width == 0:
-            self._rows[suffix] = torch.empty(rows, width)
-            return
-        mapping = mmap.mmap(self._fds[suffix], rows * width * _FLOAT, mmap.MAP_SHARED)
-        mapping.madvise(mmap.MADV_RANDOM)
-        self._maps[suffix] = mapping
-        self._rows[suffix] = torch.frombuffer(mapping, dtype=torch.float32).view(rows, width)
-
     def width(self, suffix: str) -> int:
         return self.identity.widths[suffix]
 
     def read(self, suffix: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (int64) of one file as `[len(ids), width]` fp32."""
-        self._count(suffix, ids, _FAULT_AROUND)
-        return self._rows[suffix].index_select(0, ids)
+        row_bytes = self.width(suffix) * _FLOAT
+        fd, pread = self._fds[suffix], os.pread
+        try:
+            data = b"".join([pread(fd, row_bytes, at) for at in (ids * row_bytes).tolist()])
+        except OSError as e:
+            raise self._failed("reading", suffix, e) from e
+        if len(data) != ids.numel() * row_bytes:
+            raise self._failed("reading", suffix, OSError("short read"))
+        return torch.frombuffer(bytearray(data), dtype=torch.float32).view(-1, self.width(suffix))
 
     def write(self, suffix: str, ids: torch.Tensor, values: torch.Tensor) -> None:
         """Write `values` `[len(ids), width]` to rows `ids` (unique) of one file."""
-        self._count(suffix, ids, 1)
-        self._rows[suffix].index_copy_(0, ids, values.detach().to(torch.float32))
+        row_bytes = self.width(suffix) * _FLOAT
+        block = memoryview(values.detach().to(torch.float32).contiguous().numpy()).cast("B")
+        fd, pwrite = self._fds[suffix], os.pwrite
+        try:
+            for k, at in enumerate((ids * row_bytes).tolist()):
+                if pwrite(fd, block[k * row_bytes : (k + 1) * row_bytes], at) != row_bytes:
+                    raise OSError("short write")
+        except OSError as e:
+            raise self._failed("writing", suffix, e) from e
 
     def fill(self, suffix: str, first: int, values: torch.Tensor) -> None:
         """Write consecutive rows `first ..` (init and checkpoint loads, in chunks)."""
-        self._rows[suffix][first : first + values.size(0)] = values
-        self.release()
+        block = memoryview(values.detach().to(torch.float32).contiguous().numpy()).cast("B")
+        at = first * self.width(suffix) * _FLOAT
+        try:
+            while block:
+                written = os.pwrite(self._fds[suffix], block, at)
+                block, at = block[written:], at + written
+        except OSError as e:
+            raise self._failed("writing", suffix, e) from e
 
-    def _count(self, suffix: str, ids: torch.Tensor, around: int) -> None:
-        """Add the pages rows `ids` start on (a row wider than a page: all its pages), each
-        with `around` pages mapped with it."""
-        row_bytes = self.width(suffix) * _FLOAT
-        if row_bytes >= _PAGE:
-            self._touched += ids.numel() * (row_bytes + around * _PAGE)
-        else:
-            self._touched += torch.unique(ids * row_bytes // _PAGE).numel() * around * _PAGE
+    def drop_cached(self) -> None:
+        """Write the files out (`fsync`) and drop their pages from the page cache: the next
+        reads come from the device (the storage calibration's cold reads)."""
+        for fd in self._fds.values():
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def settle(self) -> None:
-        """`release` once the pages touched since the last one exceed `mapped_bytes`."""
-        if self._touched > self.mapped_bytes:
-            self.release()
-
-    def release(self) -> None:
-        """Drop the mapped pages from this process's memory (the page cache keeps them)."""
-        for mapping in self._maps.values():
-            mapping.madvise(mmap.MADV_DONTNEED)
-        self._touched = 0
+    def _failed(self, doing: str, suffix: str, error: OSError) -> RuntimeError:
+        return RuntimeError(
+            f"table '{self.identity.table}': {doing} rows of '{self.paths[suffix]}' failed: {error}"
+        )
 
     def view(self, suffix: str) -> torch.Tensor:
         """The whole file as a flat fp32 tensor mapped from storage (shared: writes go to the
@@ -217,13 +209,6 @@ class RowStore:
         return torch.from_file(self.paths[suffix], shared=True, size=values)
 
     def close(self) -> None:
-        self._rows = {}
-        for mapping in self._maps.values():
-            try:
-                mapping.close()
-            except BufferError:  # a caller still holds rows read as views: closed with them
-                pass
-        self._maps = {}
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}

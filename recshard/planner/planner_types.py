@@ -69,7 +69,8 @@ class Topology:
     used for `intra_host_bw` / `inter_host_bw` where those are not given.
     `storage_cap`: bytes of local storage (SSD) per rank for `key_value` tables' files (default
     0: none, and the planner offers `key_value` only where constraints name it);
-    `storage_bw`: GB/s at which a rank reads and writes scattered rows there (default 1.0).
+    `storage_bw`: GB/s at which a rank reads and writes scattered rows there (default: the
+    profile's measured rate, `calibrate --storage DIR`, else 1.0).
     `ddr_cap` is each rank's DRAM budget: a table whose shards do not fit it is planned
     `key_value` on cpu when there is storage, never into memory it does not have.
     `intra_host_transport_bytes`: what the shared-memory transport among a host's ranks
@@ -121,6 +122,9 @@ class Topology:
         if not (_in_range(uvm_efficiency, True) and uvm_efficiency <= 1):
             raise ValueError(f"uvm_efficiency must be in (0, 1], got {uvm_efficiency!r}")
         d_hbm, d_ddr, d_hbm_bw, d_ddr_bw, d_h2d, d_intra, d_inter = _DEFAULTS[compute_device]
+        d_storage = _STORAGE_GBPS
+        if profile is not None and profile.storage is not None:
+            d_storage = profile.storage.gbps
         if profile is not None:
             d_intra = profile.gbps("intra") or d_intra
             d_inter = profile.gbps("inter") or d_inter
@@ -140,7 +144,7 @@ class Topology:
         self.inter_host_bw = (d_inter if inter_host_bw is None else inter_host_bw) * gb
         self.uvm_efficiency = uvm_efficiency
         self.storage_cap = float(storage_cap or 0.0)
-        self.storage_bw = (_STORAGE_GBPS if storage_bw is None else storage_bw) * gb
+        self.storage_bw = (d_storage if storage_bw is None else storage_bw) * gb
         if not _is_int(intra_host_transport_bytes) or intra_host_transport_bytes < 0:
             raise ValueError(
                 "intra_host_transport_bytes must be an integer >= 0, got "

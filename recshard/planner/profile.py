@@ -143,6 +143,24 @@ class StepCost:
 
 
 @dataclass
+class StorageCost:
+    """Measured rates of the key-value tables' storage (`recshard.calibration.storage`):
+    random `row_bytes` rows read from a cold file of `file_bytes` in `directory`, and written
+    back durably, GB/s."""
+
+    read_gbps: float
+    write_gbps: float
+    row_bytes: int
+    file_bytes: int
+    directory: str
+
+    @property
+    def gbps(self) -> float:
+        """One rate for a step that reads and writes back as many rows (harmonic mean)."""
+        return 2.0 / (1.0 / self.read_gbps + 1.0 / self.write_gbps)
+
+
+@dataclass
 class CalibrationProfile:
     """What `calibrate` measured on one machine: kernel fits, link fits and how it ran."""
 
@@ -156,6 +174,7 @@ class CalibrationProfile:
     steps: List[StepCost] = field(default_factory=list)
     seconds: float = 0.0
     host: str = ""
+    storage: StorageCost | None = None  # measured with `calibrate --storage DIR`
 
     def kernel_cost(self, kernel: str, phase: str, dim: int) -> KernelCost | None:
         """The fit for `kernel` / `phase` at `dim`, interpolated between measured dims; None
@@ -285,11 +304,13 @@ class CalibrationProfile:
             links = [LinkCost(**c) for c in data.pop("links", [])]
             steps = [StepCost(**c) for c in data.pop("steps", [])]
             memory = data.pop("memory", None)
+            storage = data.pop("storage", None)
             profile = cls(
                 kernels=kernels,
                 links=links,
                 steps=steps,
                 memory=MemoryCost(**memory) if memory else None,
+                storage=StorageCost(**storage) if storage else None,
                 **data,
             )
         except TypeError as e:

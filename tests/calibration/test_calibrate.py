@@ -208,6 +208,8 @@ def test_cli_calibrate_under_torchrun(tmp_path):
 
 def test_cli_calibrate_then_plan_with_profile(tmp_path):
     out = tmp_path / "profile.json"
+    kv_dir = tmp_path / "kv"
+    kv_dir.mkdir()
     env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [
@@ -219,6 +221,10 @@ def test_cli_calibrate_then_plan_with_profile(tmp_path):
             "--quick",
             "--budget",
             "2",
+            "--storage",
+            str(kv_dir),
+            "--storage-mb",
+            "1",
         ],
         cwd=tmp_path,
         env=env,
@@ -227,7 +233,11 @@ def test_cli_calibrate_then_plan_with_profile(tmp_path):
         timeout=180,
     )
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["profile"] == str(out)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["profile"] == str(out) and summary["storage_gbps"]["read"] > 0
+    storage = CalibrationProfile.load(str(out)).storage
+    assert storage is not None and storage.directory == str(kv_dir) and storage.write_gbps > 0
+    assert os.listdir(kv_dir) == []  # the probe file is gone
     tables = tmp_path / "tables.json"
     tables.write_text(
         json.dumps(
