@@ -6,8 +6,11 @@ the timeout is killed, so a broken collective fails the test instead of hanging 
 rank that reported (returned or raised) but then exits non-zero (an abort at interpreter exit)
 fails the call too, naming that exit code.
 
-Processes come from a forkserver that has already imported torch and fbgemm, so a group
-starts in about a second instead of the 10-20 s a fresh interpreter needs.
+Processes come from a forkserver that has already imported torch, fbgemm and every recshard
+module the test process had imported when the first group started (the test modules' imports,
+after collection), so a rank imports neither again: a group starts in well under a second
+instead of the 10-20 s a fresh interpreter needs, or the 2-5 s that `recshard.distributed`
+alone (torch.distributed.optim, FSDP, DTensor) costs each rank of each call.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -30,6 +34,8 @@ except Exception:  # pragma: no cover - depends on the machine
 
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(_PRELOAD)
+# third-party modules the test modules import (pytest, hypothesis): side-effect free to preload
+_TEST_DEPENDENCIES = ("pytest", "hypothesis")
 
 PG_TIMEOUT_S = 60.0
 
@@ -45,6 +51,19 @@ class RankError(RuntimeError):
         marker = f"--- rank {rank} ---\n"
         assert marker in text, f"the harness did not report rank {rank}:\n{text}"
         return text.split(marker, 1)[1].split("\n--- rank ", 1)[0]
+
+
+def _preload_what_is_imported() -> None:
+    """Before the forkserver starts (a no-op after): preload the recshard modules and test
+    dependencies this process has imported. Test modules themselves are left out: some call
+    `fbgemm_available()` at import, which must see the rank's environment, not the server's."""
+    loaded = [
+        name
+        for name in sys.modules
+        if name.startswith("recshard.") and not name.endswith("__main__")
+    ]
+    extra = [name for name in _TEST_DEPENDENCIES if name in sys.modules]
+    _CTX.set_forkserver_preload(_PRELOAD + sorted(loaded) + extra)
 
 
 def free_port() -> int:
@@ -102,6 +121,7 @@ def run_ranks(
     process group's ("nccl" for the CUDA tests). A rank in `may_die` that exits without
     reporting gives `("exited", exit code)` as its result, not an error.
     """
+    _preload_what_is_imported()
     queue = _CTX.Queue()
     port = free_port()
     procs = [
