@@ -179,16 +179,34 @@ def apply_row_update(
     rows: torch.Tensor,
     grad: torch.Tensor,
 ) -> None:
-    """Update `weight[rows]` in place from the summed gradient `grad` `[len(rows), D]`."""
+    """Update `weight[rows]` in place from the summed fp32 gradient `grad` `[len(rows), D]`;
+    the state stays fp32 whatever the weights' dtype (as fbgemm keeps it)."""
     if spec.optim == OptimType.EXACT_SGD:
-        weight.index_add_(0, rows, grad, alpha=-lr)
+        _add_to_rows(weight, rows, grad * -lr, round_update=True)
         return
     momentum = state["momentum1"]
     if spec.optim == OptimType.EXACT_ADAGRAD:
         m = momentum.index_select(0, rows) + grad * grad
         momentum.index_copy_(0, rows, m)
-        weight.index_add_(0, rows, -lr * grad / (m.sqrt() + spec.eps))
+        _add_to_rows(weight, rows, -lr * grad / (m.sqrt() + spec.eps), round_update=True)
         return
     m = momentum.index_select(0, rows) + (grad * grad).mean(dim=1)
     momentum.index_copy_(0, rows, m)
-    weight.index_add_(0, rows, -(lr / (m.sqrt() + spec.eps)).unsqueeze(1) * grad)
+    update = -(lr / (m.sqrt() + spec.eps)).unsqueeze(1) * grad
+    _add_to_rows(weight, rows, update, round_update=False)
+
+
+def _add_to_rows(
+    weight: torch.Tensor, rows: torch.Tensor, update: torch.Tensor, round_update: bool
+) -> None:
+    """`weight[rows] += update` (fp32 `update`, unique `rows`). Narrower weights (fp16) round
+    as fbgemm's CPU kernel does, so both kernels agree bit for bit: SGD and Adagrad round the
+    update to the weight's dtype and add in it (`round_update`); row-wise Adagrad adds in fp32
+    and rounds the sum once."""
+    if weight.dtype == update.dtype:
+        weight.index_add_(0, rows, update)
+    elif round_update:
+        weight.index_add_(0, rows, update.to(weight.dtype))
+    else:
+        widened = weight.index_select(0, rows).to(update.dtype) + update
+        weight.index_copy_(0, rows, widened.to(weight.dtype))
