@@ -94,11 +94,25 @@ class FusedParams:
     def parse(fused_params: Dict[str, Any] | None, table: str) -> FusedParams:
         """`fused_params` as `table`'s; errors name the table and the value."""
         params = fused_params or {}
+        _check_output_dtype(params.get("output_dtype"), table)
         directory = params.get("ssd_storage_directory")
         return FusedParams(
             optim=parse_fused_params(params, table),
             cache_load_factor=_number(params, "cache_load_factor", 0.0, table) or None,
             ssd_storage_directory=str(directory) if directory else None,
+        )
+
+
+_FP32_NAMES = ("FP32", "FLOAT32", "TORCH.FLOAT32")  # SparseType, DataType, torch, str
+
+
+def _check_output_dtype(output_dtype: Any, table: str) -> None:
+    """TorchRec's `output_dtype` fused param: only fp32, what every float lookup returns."""
+    name = str(getattr(output_dtype, "name", output_dtype)).upper()
+    if output_dtype is not None and name not in _FP32_NAMES:
+        raise ValueError(
+            f"table '{table}': fused param output_dtype={output_dtype!r} is not supported: "
+            "lookups return fp32 rows (FP16 tables included)"
         )
 
 
