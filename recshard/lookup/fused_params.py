@@ -214,9 +214,9 @@ def _add_to_rows(
     weight: torch.Tensor, rows: torch.Tensor, update: torch.Tensor, round_update: bool
 ) -> None:
     """`weight[rows] += update` (fp32 `update`, unique `rows`). Narrower weights (fp16) round
-    as fbgemm's CPU kernel does, so both kernels agree bit for bit: SGD and Adagrad round the
-    update to the weight's dtype and add in it (`round_update`); row-wise Adagrad adds in fp32
-    and rounds the sum once."""
+    as fbgemm's CPU kernel does (bit for bit where the fp32 gradients agree): SGD and Adagrad
+    round the update to the weight's dtype and add in it (`round_update`); row-wise Adagrad
+    adds in fp32 and rounds the sum once."""
     if weight.dtype == update.dtype:
         weight.index_add_(0, rows, update)
     elif round_update:

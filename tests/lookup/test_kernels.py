@@ -114,9 +114,12 @@ def test_fp16_weights_train_alike_in_both_kernels(
     optim: OptimType, pooling: PoolingType, weighted: bool
 ) -> None:
     """FP16 tables: fp16 weights, fp32 state and fp32 outputs in both kernels; the torch
-    kernel rounds its updates as fbgemm's CPU kernel does, so the weights agree bit for bit."""
+    kernel rounds its updates as fbgemm's CPU kernel does, so the weights agree to one fp16
+    rounding: bit for bit wherever both kernels' fp32 gradients do (MEAN pooling's 1/length
+    can differ in the last fp32 bit, which may flip a rounding)."""
     if weighted and pooling == PoolingType.MEAN:
         pytest.skip("fbgemm's weighted-MEAN backward omits 1/length; recshard routes it to torch")
+    torch.manual_seed(0)
     tables = local_tables([4, 8], pooling, optim=optim, data_type=DataType.FP16)
     spec = tables[0].fused_params.optim
     fb = FbgemmFusedKernel(tables, True, spec, torch.device("cpu"))
@@ -132,7 +135,10 @@ def test_fp16_weights_train_alike_in_both_kernels(
         out_fb.backward(grad)
         out_th.backward(grad)
         for a, b in zip(fb.table_weights(), th.table_weights()):
-            assert torch.equal(a, b), (a.float() - b.float()).abs().max()
+            one_rounding = a.float().abs() * 2.0**-10 + 2.0**-24  # fp16's spacing at |a|
+            assert ((a.float() - b.float()).abs() <= one_rounding).all()
+            if pooling == PoolingType.SUM:
+                assert torch.equal(a, b), (a.float() - b.float()).abs().max()
         for sa, sb in zip(fb.optimizer_states(), th.optimizer_states()):
             for name in sa:
                 assert sa[name].dtype == sb[name].dtype == torch.float32
