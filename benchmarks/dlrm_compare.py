@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from benchmarks.compare_torchrec import TorchRecServer, emit
 from benchmarks.dlrm_workload import (
+    DATA_TYPES,
     EPS,
     LEARNING_RATE,
     LOOPS,
@@ -46,7 +47,7 @@ from benchmarks.dlrm_workload import (
 )
 from benchmarks.ebc_workload import balanced_ranks, copy_bandwidth_gbs
 from benchmarks.ranks import rank_cpus, run_ranks
-from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard import DataType, EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.datasets.utils import Batch
 from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
@@ -77,7 +78,11 @@ def build(plan_name: str, a: Arch) -> Tuple[Any, Any, Any, List[str]]:
     torch.manual_seed(0)
     tables = [
         EmbeddingBagConfig(
-            num_embeddings=n, embedding_dim=a.sizes.dim, name=f"t{i}", feature_names=[f"cat_{i}"]
+            num_embeddings=n,
+            embedding_dim=a.sizes.dim,
+            name=f"t{i}",
+            feature_names=[f"cat_{i}"],
+            data_type=DataType[a.data_type],
         )
         for i, n in enumerate(a.rows)
     ]
@@ -137,10 +142,13 @@ def environment() -> Dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
 
 
-def _request(plan: str, loop: str, args: argparse.Namespace, profile: bool) -> Dict[str, Any]:
+def _request(
+    plan: str, loop: str, data_type: str, args: argparse.Namespace, profile: bool
+) -> Dict[str, Any]:
     return dict(
         plan=plan,
         loop=loop,
+        data_type=data_type,
         world_size=args.world_size,
         threads=1,
         pin=True,
@@ -169,7 +177,7 @@ def compare(args: argparse.Namespace) -> None:
     os.sched_setaffinity(0, set(rank_cpus(0, 1)))
     bandwidth = copy_bandwidth_gbs()
     os.sched_setaffinity(0, allowed)
-    cases = [(p, lp) for p in args.plans for lp in args.loops]
+    cases = [(p, lp, d) for p in args.plans for lp in args.loops for d in args.data_types]
     emit(
         dict(
             bench="dlrm_compare_setup",
@@ -188,13 +196,13 @@ def compare(args: argparse.Namespace) -> None:
     )
     server = None if args.venv is None else TorchRecServer(args.venv, TORCHREC_SIDE)
     sides = ["recshard"] + ([] if server is None else ["torchrec"])
-    runs: Dict[Tuple[str, str], Dict[str, List[Dict[str, Any]]]] = {
+    runs: Dict[Tuple[str, str, str], Dict[str, List[Dict[str, Any]]]] = {
         c: {s: [] for s in sides} for c in cases
     }
     try:
         for _ in range(1 if args.profile else args.repeats):
-            for plan, loop in cases:
-                request = _request(plan, loop, args, args.profile)
+            for plan, loop, data_type in cases:
+                request = _request(plan, loop, data_type, args, args.profile)
                 results = {"recshard": _run_mine(request)}
                 if server is not None:
                     results["torchrec"] = server.run(request)
@@ -206,6 +214,7 @@ def compare(args: argparse.Namespace) -> None:
                                 library=side,
                                 plan=plan,
                                 loop=loop,
+                                data_type=data_type,
                                 **ranks[0]["profile"],
                             )
                         )
@@ -216,16 +225,27 @@ def compare(args: argparse.Namespace) -> None:
                         rss=max(r["peak_rss_mb"] for r in ranks),
                         kinds=ranks[0]["sharding_types"],
                     )
-                    runs[(plan, loop)][side].append(run)
-                    emit(dict(bench="dlrm_run", library=side, plan=plan, loop=loop, **run))
+                    runs[(plan, loop, data_type)][side].append(run)
+                    emit(
+                        dict(
+                            bench="dlrm_run",
+                            library=side,
+                            plan=plan,
+                            loop=loop,
+                            data_type=data_type,
+                            **run,
+                        )
+                    )
     finally:
         if server is not None:
             server.close()
     if args.profile:
         return
     batch = args.batch_per_rank * args.world_size
-    for (plan, loop), by_side in runs.items():
-        record: Dict[str, Any] = dict(bench="dlrm_compare", plan=plan, loop=loop)
+    for (plan, loop, data_type), by_side in runs.items():
+        record: Dict[str, Any] = dict(
+            bench="dlrm_compare", plan=plan, loop=loop, data_type=data_type
+        )
         medians = {}
         for side, rs in by_side.items():
             medians[side] = statistics.median(r["step"] for r in rs)
@@ -260,6 +280,12 @@ def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
     side.add_argument("--no-torchrec", action="store_true", help="recshard's side alone")
     parser.add_argument("--plans", type=_names(PLANS), default=list(PLANS))
     parser.add_argument("--loops", type=_names(LOOPS), default=list(LOOPS))
+    parser.add_argument(
+        "--data-types",
+        type=_names(DATA_TYPES),
+        default=["FP32"],
+        help="the tables' DataType: FP32, FP16 or both (interleaved)",
+    )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (20)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run (3)")

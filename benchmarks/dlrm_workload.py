@@ -33,6 +33,7 @@ LEARNING_RATE = 0.01
 EPS = 1e-8
 PLANS = ("planner", "table_wise", "row_wise")
 LOOPS = ("plain", "pipeline")
+DATA_TYPES = ("FP32", "FP16")  # the tables' weights
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,10 @@ class Arch:
     pooling: List[int]
     dense_arch: List[int]
     over_arch: List[int]
+    data_type: str = "FP32"  # the tables' `DataType` name (FP32 or FP16 weights)
 
 
-def arch(quick: bool) -> Arch:
+def arch(quick: bool, data_type: str = "FP32") -> Arch:
     sizes = QUICK if quick else Sizes()
     rows = table_rows(sizes)
     return Arch(
@@ -55,6 +57,7 @@ def arch(quick: bool) -> Arch:
         pooling=pooling_factors(len(rows), sizes.max_pooling),
         dense_arch=QUICK_DENSE_ARCH if quick else DENSE_ARCH,
         over_arch=QUICK_OVER_ARCH if quick else OVER_ARCH,
+        data_type=data_type,
     )
 
 
@@ -125,7 +128,7 @@ def measure(
     library's `TrainPipelineSparseDist` class, the plan's sharding types). Returns this rank's
     step seconds, page faults per step, peak RSS and the sharding types (or the profile).
     """
-    a = arch(request["quick"])
+    a = arch(request["quick"], request.get("data_type", "FP32"))
     keys = feature_names(len(a.rows))
     batches = [
         make_batch(dense, keys, values, lengths, labels)

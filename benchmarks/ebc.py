@@ -24,7 +24,8 @@ dense kernel + `torch.optim.SGD`, and the fbgemm TBE / `nn.EmbeddingBag` they bu
 torch.profiler view of one table-wise step on rank 0. Every line on stdout is one JSON object.
 `--link RATE` re-runs everything on a loopback shaped to RATE (`benchmarks/link.py`; every line
 gets `link`); `wait_share` is rank 0's time blocked in collective waits over its step time, by
-kind. `table_wise_fp16` / `table_wise_bf16` send the pooled all-to-all (both ways) in that dtype.
+kind. `table_wise_fp16` / `table_wise_bf16` send the pooled all-to-all (both ways) in that dtype;
+`table_wise_fp16_weights` / `row_wise_fp16_weights` train FP16 tables (`DataType.FP16`).
 `--compare-torchrec VENV` runs `benchmarks/compare_torchrec.py` instead (`--steps`, `--warmup`,
 `--repeats`, `--quick` passed on): recshard and TorchRec side by side, the ratio, the floor.
 """
@@ -32,6 +33,7 @@ kind. `table_wise_fp16` / `table_wise_bf16` send the pooled all-to-all (both way
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import statistics
@@ -65,7 +67,7 @@ from benchmarks.link import (
 )
 from benchmarks.ranks import launched_ranks, minor_faults, run_ranks, timed_steps, warm_up
 from benchmarks.step_profile import profile_steps
-from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recshard import DataType, EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.calibration.procfs import rss_bytes
 from recshard.comm import transport
 from recshard.comm.codecs import get_qcomm_codecs_registry
@@ -97,9 +99,13 @@ CONFIGS: Dict[str, Tuple[str, str]] = {
     "planner": ("planner", "fused"),
     "table_wise_fp16": ("table_wise", "fused"),
     "table_wise_bf16": ("table_wise", "fused"),
+    "table_wise_fp16_weights": ("table_wise", "fused"),
+    "row_wise_fp16_weights": ("row_wise", "fused"),
 }
 # configurations whose pooled collectives send in a narrower dtype (comm codecs, both ways)
 WIRE_PRECISION: Dict[str, str] = {"table_wise_fp16": "fp16", "table_wise_bf16": "bf16"}
+# configurations whose tables hold FP16 weights (`data_type=DataType.FP16`; fp32 state, output)
+FP16_WEIGHTS = {"table_wise_fp16_weights", "row_wise_fp16_weights"}
 DEFAULT_TYPES = SHARDING_TYPES + ["data_parallel", "table_wise_dense"]
 BASELINE = "table_wise"
 
@@ -191,6 +197,8 @@ def build(
     batch: int,
     inter_host_gbps: float | None,
 ) -> Trainee:
+    if name in FP16_WEIGHTS:
+        tables = [dataclasses.replace(t, data_type=DataType.FP16) for t in tables]
     ebc = EmbeddingBagCollection(tables, device="meta")  # shards initialize from the configs
     world_size = dist.get_world_size()
     local_size = get_local_size(world_size)

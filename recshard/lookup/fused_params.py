@@ -94,11 +94,25 @@ class FusedParams:
     def parse(fused_params: Dict[str, Any] | None, table: str) -> FusedParams:
         """`fused_params` as `table`'s; errors name the table and the value."""
         params = fused_params or {}
+        _check_output_dtype(params.get("output_dtype"), table)
         directory = params.get("ssd_storage_directory")
         return FusedParams(
             optim=parse_fused_params(params, table),
             cache_load_factor=_number(params, "cache_load_factor", 0.0, table) or None,
             ssd_storage_directory=str(directory) if directory else None,
+        )
+
+
+_FP32_NAMES = ("FP32", "FLOAT32", "TORCH.FLOAT32")  # SparseType, DataType, torch, str
+
+
+def _check_output_dtype(output_dtype: Any, table: str) -> None:
+    """TorchRec's `output_dtype` fused param: only fp32, what every float lookup returns."""
+    name = str(getattr(output_dtype, "name", output_dtype)).upper()
+    if output_dtype is not None and name not in _FP32_NAMES:
+        raise ValueError(
+            f"table '{table}': fused param output_dtype={output_dtype!r} is not supported: "
+            "lookups return fp32 rows (FP16 tables included)"
         )
 
 
@@ -179,16 +193,34 @@ def apply_row_update(
     rows: torch.Tensor,
     grad: torch.Tensor,
 ) -> None:
-    """Update `weight[rows]` in place from the summed gradient `grad` `[len(rows), D]`."""
+    """Update `weight[rows]` in place from the summed fp32 gradient `grad` `[len(rows), D]`;
+    the state stays fp32 whatever the weights' dtype (as fbgemm keeps it)."""
     if spec.optim == OptimType.EXACT_SGD:
-        weight.index_add_(0, rows, grad, alpha=-lr)
+        _add_to_rows(weight, rows, grad * -lr, round_update=True)
         return
     momentum = state["momentum1"]
     if spec.optim == OptimType.EXACT_ADAGRAD:
         m = momentum.index_select(0, rows) + grad * grad
         momentum.index_copy_(0, rows, m)
-        weight.index_add_(0, rows, -lr * grad / (m.sqrt() + spec.eps))
+        _add_to_rows(weight, rows, -lr * grad / (m.sqrt() + spec.eps), round_update=True)
         return
     m = momentum.index_select(0, rows) + (grad * grad).mean(dim=1)
     momentum.index_copy_(0, rows, m)
-    weight.index_add_(0, rows, -(lr / (m.sqrt() + spec.eps)).unsqueeze(1) * grad)
+    update = -(lr / (m.sqrt() + spec.eps)).unsqueeze(1) * grad
+    _add_to_rows(weight, rows, update, round_update=False)
+
+
+def _add_to_rows(
+    weight: torch.Tensor, rows: torch.Tensor, update: torch.Tensor, round_update: bool
+) -> None:
+    """`weight[rows] += update` (fp32 `update`, unique `rows`). Narrower weights (fp16) round
+    as fbgemm's CPU kernel does (bit for bit where the fp32 gradients agree): SGD and Adagrad
+    round the update to the weight's dtype and add in it (`round_update`); row-wise Adagrad
+    adds in fp32 and rounds the sum once."""
+    if weight.dtype == update.dtype:
+        weight.index_add_(0, rows, update)
+    elif round_update:
+        weight.index_add_(0, rows, update.to(weight.dtype))
+    else:
+        widened = weight.index_select(0, rows).to(update.dtype) + update
+        weight.index_copy_(0, rows, widened.to(weight.dtype))

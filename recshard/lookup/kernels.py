@@ -72,16 +72,22 @@ def _tbe_rows(table: LocalTable) -> int:
     return max(table.rows, 1)
 
 
-def _host_weights(tables: List[LocalTable], on_cuda: bool) -> Dict[str, torch.Tensor] | None:
-    """On CPU, the TBE's weight storage (fp32, its default precision: every table's rows x
-    cols back to back) on huge pages (`recshard.lookup.huge_pages`); fbgemm checks the size."""
+def _host_weights(
+    tables: List[LocalTable], on_cuda: bool, dtype: torch.dtype
+) -> Dict[str, torch.Tensor] | None:
+    """On CPU, the TBE's weight storage (every table's rows x cols back to back, in the
+    tables' dtype) on huge pages (`recshard.lookup.huge_pages`); fbgemm checks the size."""
     if on_cuda:
         return None
-    return {"weights": huge_page_zeros(sum(_tbe_rows(t) * t.cols for t in tables), torch.float32)}
+    return {"weights": huge_page_zeros(sum(_tbe_rows(t) * t.cols for t in tables), dtype)}
 
 
 class FbgemmFusedKernel(LookupKernel):
-    """One fbgemm TBE for the group; the optimizer update happens inside its backward."""
+    """One fbgemm TBE for the group; the optimizer update happens inside its backward.
+
+    Weights in the tables' data type (FP32 or FP16: fbgemm's `weights_precision`), optimizer
+    state in fp32 and pooled outputs in fp32 (fbgemm's and TorchRec's default `output_dtype`).
+    """
 
     is_fused = True
 
@@ -89,6 +95,7 @@ class FbgemmFusedKernel(LookupKernel):
         self, tables: List[LocalTable], pooled: bool, spec: FusedOptimSpec, device: torch.device
     ) -> None:
         super().__init__(tables, pooled)
+        from fbgemm_gpu.split_embedding_configs import SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
             BoundsCheckMode as FbgemmBoundsCheckMode,
         )
@@ -103,6 +110,7 @@ class FbgemmFusedKernel(LookupKernel):
 
         self.spec = spec
         on_cuda = device.type == "cuda"
+        weights_dtype = DATA_TYPE_TO_DTYPE[tables[0].config.data_type]  # one per group
         kernel_location = {
             EmbeddingComputeKernel.FUSED: EmbeddingLocation.DEVICE,
             EmbeddingComputeKernel.FUSED_UVM: EmbeddingLocation.MANAGED,
@@ -133,7 +141,9 @@ class FbgemmFusedKernel(LookupKernel):
             # ids were checked (per the table's BoundsCheckMode) before the input dist, and
             # row-wise ids are rebased into range: no second pass over every id here
             bounds_check_mode=FbgemmBoundsCheckMode.NONE,
-            preallocated_host_buffers=_host_weights(tables, on_cuda),
+            preallocated_host_buffers=_host_weights(tables, on_cuda, weights_dtype),
+            weights_precision=SparseType.from_dtype(weights_dtype),
+            output_dtype=SparseType.FP32,
             **fbgemm_optim_kwargs(spec),
         )
         for param in self.tbe.parameters():  # updated in backward: no dense optimizer, no DDP
@@ -357,11 +367,16 @@ class DenseKernel(LookupKernel):
 def plain_lookup(
     weights: List[torch.Tensor], kernel: LookupKernel, features: KeyedJaggedTensor
 ) -> torch.Tensor:
-    """Look up every feature with torch ops; pooled `[B, sum dims]` or sequence `[N, D]`."""
+    """Look up every feature with torch ops; pooled `[B, sum dims]` or sequence `[N, D]`, in
+    fp32 whatever the tables' dtype (as fbgemm's kernel returns them): fp16/bf16 rows are
+    gathered and widened before pooling, so sums accumulate in fp32."""
     outputs: List[torch.Tensor] = []
     for jt, t_index in zip(jagged_by_index(features), kernel.feature_table):
         weight = weights[t_index]
         ids = jt.values().long()
+        if weight.dtype != torch.float32:  # the rows read, widened; ids index them in order
+            weight = weight.index_select(0, ids).float()
+            ids = torch.arange(ids.numel(), device=ids.device)
         if not kernel.pooled:
             outputs.append(F.embedding(ids, weight))
             continue

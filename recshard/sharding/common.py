@@ -28,7 +28,7 @@ from torch import nn
 
 from recshard.lookup.fused_params import FusedParams
 from recshard.lookup.tables import LocalTable
-from recshard.modules.embedding_configs import DATA_TYPE_TO_DTYPE, BaseEmbeddingConfig, PoolingType
+from recshard.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
 from recshard.modules.embedding_tables import embedding_names
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import (
@@ -85,8 +85,9 @@ class EmbeddingShardingContext:
 class TableSpec:
     """A table as a sharded module sees it: config, plan entry, fused optimizer params and,
     per feature, its embedding name (`with_embedding_names`; empty: the feature names).
-    `output_dtype`: the dtype of the rows its lookup returns when that differs from the table's
-    own (quantized tables are dequantized to it); None: the table's data type."""
+    `output_dtype`: the dtype of the rows its lookup returns (quantized tables are dequantized
+    to it); None: fp32, as the float lookups return rows of any float table (fbgemm's and
+    TorchRec's default output dtype, also for FP16 weights)."""
 
     config: BaseEmbeddingConfig
     sharding: ParameterSharding
@@ -101,7 +102,7 @@ class TableSpec:
     @property
     def row_dtype(self) -> torch.dtype:
         """The dtype of the rows its lookup returns."""
-        return self.output_dtype or DATA_TYPE_TO_DTYPE[self.config.data_type]
+        return self.output_dtype or torch.float32
 
     @property
     def kernel(self) -> EmbeddingComputeKernel:

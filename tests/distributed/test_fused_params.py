@@ -32,6 +32,7 @@ def test_parse_reads_every_field() -> None:
         FusedOptimSpec(OptimType.EXACT_ADAGRAD, 0.5, eps=1e-6), 0.25, "/tmp/kv"
     )
     assert FusedParams.parse(None, "t0") == FusedParams()  # exact SGD, learning rate 0.01
+    assert FusedParams.parse({"output_dtype": torch.float32}, "t0") == FusedParams()
     assert FusedParams().optim == FusedOptimSpec(OptimType.EXACT_SGD, 0.01)
 
 
@@ -41,6 +42,7 @@ def test_parse_reads_every_field() -> None:
         ({"optimizer": "lamb"}, "table 't0': fused optimizer 'lamb' is not supported"),
         ({"weight_decay": 0.1}, "table 't0': fused weight_decay is not supported"),
         ({"learning_rate": "fast"}, "table 't0': fused param learning_rate='fast' is not a number"),
+        ({"output_dtype": "FP16"}, "table 't0': fused param output_dtype='FP16' is not supported"),
     ],
 )
 def test_bad_fused_params_name_the_table(fused: Dict[str, Any], message: str) -> None:

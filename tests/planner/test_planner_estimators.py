@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from recshard.modules import DataType
 from recshard.plan.geometry import column_wise_sizes, row_wise_sizes
 from recshard.planner import (
     EmbeddingEnumerator,
@@ -42,6 +43,17 @@ def test_storage_by_hand_cpu_table_wise():
     assert prefetched.estimate(table, "table_wise", "fused", 1000, 64).ddr == (
         expected + 2 * ids_in * 8
     )
+
+
+def test_storage_of_fp16_tables():
+    """FP16 weights count 2 bytes each; the optimizer state stays fp32 and the pooled output
+    fp32 (the kernels' output dtype)."""
+    half = TableMeta("t", 1000, 64, optimizer="exact_adagrad", data_type=DataType.FP16)
+    full = TableMeta("t", 1000, 64, optimizer="exact_adagrad")
+    estimator = EmbeddingStorageEstimator(Topology(2), batch_size=512)
+    fp16 = estimator.estimate(half, "table_wise", "fused", 1000, 64).ddr
+    fp32 = estimator.estimate(full, "table_wise", "fused", 1000, 64).ddr
+    assert fp32 - fp16 == 1000 * 64 * 2
 
 
 def test_storage_placement_by_kernel_on_cuda():

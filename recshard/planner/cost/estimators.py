@@ -160,7 +160,8 @@ class TableFacts:
         self.table = table
         self.workload = table_workload(table, batch_size)
         self.s_w = table.data_type.element_size
-        self.s_out = 4.0 if self.s_w >= 4 else 2.0
+        # float tables (FP16 too) return fp32 rows, as fbgemm's and TorchRec's output_dtype
+        self.s_out = 4.0 if self.s_w >= 2 else 2.0
         self.id_bytes = ID_BYTES + (PER_ID_WEIGHT_BYTES if table.is_weighted else 0)
 
 
