@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from recshard.comm import SequenceEmbeddingsAllToAll
@@ -25,7 +26,7 @@ from recshard.distributed.mc_modules import (
     modules_for_world,
 )
 from recshard.distributed.module_state import EmbeddingModuleSharder, ShardedEmbeddingModule
-from recshard.distributed.sharded_state import row_sharded_tensor
+from recshard.distributed.sharded_state import entry_sharded_tensor, row_sharded_tensor
 from recshard.lookup.fused_params import FusedOptimSpec
 from recshard.lookup.tables import LocalTable
 from recshard.modules.mc_embedding_modules import (
@@ -242,18 +243,34 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
         return self._embedding_module.fused_optimizer_states()
 
     def sharded_buffer_state(self, prefix: str) -> Dict[str, Any]:
+        """Row-indexed buffers cut like their tables; the histories (entries) concatenated
+        over the ranks, their lengths exchanged here (collective: every rank calls it)."""
         out: Dict[str, Any] = {}
         env = self.env
         head = f"{prefix}_managed_collision_collection._managed_collision_modules"
-        for table, module in self._managed_collision_collection.local_modules().items():
+        modules = self._managed_collision_collection.local_modules()
+        lengths = torch.tensor(
+            [m.history_length() for m in modules.values()],
+            dtype=torch.int64,
+            device=self._managed_collision_collection._device,
+        )
+        every = [lengths]
+        if env.world_size > 1:
+            every = [torch.empty_like(lengths) for _ in range(env.world_size)]
+            dist.all_gather(every, lengths, group=env.pg)
+        for index, (table, module) in enumerate(modules.items()):
             shards = [
                 (s.shard_offsets[0], s.shard_sizes[0], s.rank)
                 for s in self.table_plan(table).shards or []
                 if s.shard_sizes[0] > 0  # ranks without rows of the table hold no shard
             ]
+            entries = module.entry_state_names()
             for name, buffer in module.named_buffers(recurse=False):
                 key = f"{head}.{table}.{name}"
-                if name != "_current_iter_tensor":  # indexed by row: cut like the table
+                if name in entries:
+                    sizes = [int(e[index]) for e in every]
+                    out[key] = entry_sharded_tensor(buffer, sizes, env.rank, env.pg)
+                elif name != "_current_iter_tensor":  # indexed by row: cut like the table
                     out[key] = row_sharded_tensor(
                         buffer, module.output_size(), shards, env.rank, env.pg
                     )
