@@ -8,13 +8,10 @@ until evicted; any other id maps to the reserved last row of its bucket (TorchRe
 row). `evict()` hands the rows given to new ids since the last call to the embedding module,
 which resets them.
 
-Buckets (recshard's layout, world-size independent): ids go to bucket `id % buckets` and the
-rows are cut into `buckets` contiguous ranges (sizes differ by at most one, any `zch_size >=
-buckets`); an id only ever holds a row of its bucket and each bucket evicts on its own. Sharded
-row-wise, each rank holds whole buckets, so the rank that owns an id's rows remaps it and the
-sharded model equals the unsharded one with the same `buckets`. `buckets=1` (TorchRec's default)
-is one table. The module may hold a slice of the buckets (`rebuild_with_bucket_range`): its
-buffers cover only their rows, and it returns global rows.
+Buckets (`recshard.modules.mc_base`): an id only ever holds a row of bucket `id % buckets`,
+and each bucket evicts on its own, so a row-wise shard of whole buckets remaps like the whole
+(`buckets=1`, TorchRec's default, is one table). A module may hold a slice of the buckets
+(`rebuild_with_bucket_range`): its buffers cover their rows only; it returns global rows.
 
 State (`state_dict`), indexed by local row: `_mch_raw_ids` (the id holding the row, int64 max
 if free), `_mch_<metadata>` per policy; `_current_iter_tensor`; and the history, the ids seen
@@ -50,7 +47,7 @@ from recshard.modules.mc_eviction import (
     probabilistic_threshold_filter,
 )
 from recshard.modules.mc_history import IDS, SEEN_AT, History, check_history, coalesce
-from recshard.modules.mc_index import SortedIdIndex
+from recshard.modules.mc_index import SortedIdIndex, check_rows
 from recshard.sparse import JaggedTensor
 
 logger = logging.getLogger(__name__)
@@ -155,6 +152,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         # ids remapped and, of them, ids holding a row, since the last metrics(reset=True)
         self._lookup_counts = torch.zeros(2, dtype=torch.int64, device=dev)
         self._rebuild_index()
+        self.replicated = False  # see entry_state_names
         self.register_load_state_dict_post_hook(lambda module, _keys: module.validate_state())
 
     # -- what the module is -------------------------------------------------------------
@@ -380,19 +378,44 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         """Ids counted since the last eviction."""
         return len(self._history)
 
-    def entry_state_names(self) -> List[str]:
-        """Buffers whose length counts entries (the history), not rows."""
+    def history_names(self) -> List[str]:
         return self._history.names()
 
+    def entry_state_names(self) -> List[str]:
+        """Buffers every rank reads whole on load, keeping its part: the history (entries,
+        not rows); for a replica (`replicated`: a column-split table's module, held whole on
+        each rank of its column shards) also the row-indexed ones."""
+        rows = ["_mch_raw_ids", *(f"_mch_{m}" for m in self.metadata())] if self.replicated else []
+        return rows + self._history.names()
+
     def check_entry_state(self, values: Dict[str, torch.Tensor]) -> None:
-        """ValueError unless `values` is a history this module can load (any length)."""
-        check_history(values, self.entry_state_names(), self._input_hash_size, self._label)
+        """ValueError unless `values` is state this module can load (any history length)."""
+        names = self._history.names()
+        mine = {n: v for n, v in values.items() if n in names}
+        check_history(mine, names, self._input_hash_size, self._label)
+        for name in set(self.entry_state_names()) - set(names):
+            got = tuple(values[name].shape) if name in values else "nothing"
+            if got != (self._zch_size,):
+                raise ValueError(
+                    f"{self._label}: a replica (column-split table) loads the table's whole "
+                    f"'{name}' [{self._zch_size}], got {got} (load a checkpoint or a full one)"
+                )
 
     @torch.no_grad()
     def load_entry_state(self, values: Dict[str, torch.Tensor]) -> None:
-        """Take the entries of this module's buckets from a history (e.g. a whole table's,
-        saved at another world size)."""
+        """Load what `entry_state_names` names: a replica's whole rows, and the history's
+        entries of this module's buckets (e.g. from a whole table's, saved at another world
+        size)."""
         self.check_entry_state(values)
+        history = self._history.names()
+        rows = [n for n in self.entry_state_names() if n not in history]
+        for name in rows:
+            getattr(self, name).copy_(values[name])
+        if rows:
+            self.validate_state()
+        self._load_history({n: values[n] for n in history})
+
+    def _load_history(self, values: Dict[str, torch.Tensor]) -> None:
         ids = values[IDS].to(self.device)
         first, last = self._bucket_range
         bucket = ids % self._buckets
@@ -402,7 +425,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
         """The history is loaded at the length it was saved with (its buffers resized first)."""
-        for name in self.entry_state_names():
+        for name in self._history.names():
             value = state_dict.get(prefix + name)
             if isinstance(value, torch.Tensor):
                 setattr(self, name, torch.empty_like(value, device=self.device))
@@ -410,30 +433,16 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
 
     @torch.no_grad()
     def validate_state(self) -> None:
-        raw = self._mch_raw_ids
-        held = (raw != FREE).nonzero().squeeze(1)
-        ids = raw[held]
-        if ids.numel() != ids.unique().numel():
-            raise ValueError(f"{self._label}: the loaded state gives an id more than one row")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self._input_hash_size):
-            raise ValueError(f"{self._label}: the loaded state holds ids outside input_hash_size")
-        bucket_of_row = torch.bucketize(
-            held,
-            torch.tensor(self._bucket_starts[1:], dtype=torch.int64, device=held.device),
-            right=True,
+        check_rows(
+            self._mch_raw_ids,
+            self._bucket_starts,
+            self._buckets,
+            self._bucket_range[0],
+            self._input_hash_size,
+            self._label,
         )
-        if not torch.equal(self._local_bucket(ids), bucket_of_row):
-            raise ValueError(
-                f"{self._label}: the loaded state places ids outside the rows of their bucket "
-                f"(saved with another `buckets` than {self._buckets}?)"
-            )
-        reserved = torch.tensor(self._bucket_starts[1:], dtype=torch.int64, device=raw.device) - 1
-        if bool((raw[reserved] != FREE).any()):
-            raise ValueError(
-                f"{self._label}: the loaded state gives a bucket's reserved row to an id"
-            )
         self._rebuild_index()
-        self.load_entry_state({n: getattr(self, n) for n in self.entry_state_names()})
+        self._load_history({n: getattr(self, n) for n in self._history.names()})
 
     def _like(
         self, buckets: int, bucket_range: Tuple[int, int] | None, device: torch.device | None
@@ -465,7 +474,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
                 buffer.copy_(getattr(self, f"_mch_{name}")[begin - own : end - own])
             rebuilt._current_iter_tensor.copy_(self._current_iter_tensor)
         rebuilt.validate_state()
-        rebuilt.load_entry_state(self._history.views())
+        rebuilt._load_history(self._history.views())
         return rebuilt
 
     def is_fresh(self) -> bool:

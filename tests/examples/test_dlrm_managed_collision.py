@@ -116,7 +116,6 @@ def test_resumed_run_keeps_ids_in_their_rows(tmp_path: Path) -> None:
     "extra",
     [
         ["--managed-collision", "0"],
-        ["--managed-collision", "10", "--sharding", "column_wise"],
         ["--managed-collision", "10", "--sharding", "data_parallel"],
         ["--managed-collision", "10", "--position-weighted", "cat_0"],
         ["--managed-collision", "10", "--mc-eviction-interval", "0"],
