@@ -401,7 +401,7 @@ class ShardedManagedCollisionCollection(nn.Module):
         """Count (training) and remap the ids routed here (the KJTs of `input_dist`'s
         all-to-alls): (local rows in each received layout, per table the local rows given to
         new ids, or None). A column-split table counts each of its features once, however
-        many of its column shards this rank holds."""
+        many of its column shards this rank holds; one with none here counts the iteration."""
         if self.training:
             per_table: Dict[str, List[torch.Tensor]] = {}
             seen = set()
@@ -410,8 +410,10 @@ class ShardedManagedCollisionCollection(nn.Module):
                     if key not in seen:
                         seen.add(key)
                         per_table.setdefault(self._feature_to_table[key], []).append(chunk)
-            for table, parts in per_table.items():
-                module = self._managed_collision_modules[table]
+            none = torch.empty(0, dtype=torch.int64, device=self._device)
+            for table, module in self._managed_collision_modules.items():
+                # every module counts the iteration, those of tables with no ids here too
+                parts = per_table.get(table, [none])
                 module.count(torch.cat(parts) if len(parts) > 1 else parts[0])  # type: ignore
         local = [
             KeyedJaggedTensor(
