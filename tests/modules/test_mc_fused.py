@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from recshard.modules.mc_fused import _GOLDEN, _LOW63, FusedRemap, build_slots
+from recshard.modules.mc_fused import FusedRemap, build_slots, table_salts
 from recshard.modules.mc_modules import LFU_EvictionPolicy, MCHManagedCollisionModule
 from recshard.sparse import JaggedTensor
 
@@ -19,7 +19,7 @@ def _filled(zch: int, buckets: int, ids: torch.Tensor) -> MCHManagedCollisionMod
 
 def test_fused_remap_matches_each_module() -> None:
     gen = torch.Generator().manual_seed(3)
-    salt = [(k * _GOLDEN) & _LOW63 for k in (1, 2, 3)]
+    salt = table_salts(3).tolist()
     first = torch.randint(0, 2**40, (3000,), generator=gen)
     # table 1 holds ids whose salted ids equal table 0's: only the table tag tells them apart
     clash = first[:500] ^ salt[0] ^ salt[1]
