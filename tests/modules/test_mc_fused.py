@@ -1,11 +1,11 @@
-"""FusedRemap (recshard.modules.mc_fused): the hash table over several modules maps every id as
-each module's own sorted index does, salted-id collisions between tables included."""
+"""FusedRemap (recshard.modules.mc_fused): the one index over several modules maps every id as
+each module's own index does, salted-id collisions between tables included."""
 
 from __future__ import annotations
 
 import torch
 
-from recshard.modules.mc_fused import FusedRemap, build_slots, table_salts
+from recshard.modules.mc_fused import FusedRemap, table_salts
 from recshard.modules.mc_modules import LFU_EvictionPolicy, MCHManagedCollisionModule
 from recshard.sparse import JaggedTensor
 
@@ -45,11 +45,3 @@ def test_fused_remap_matches_each_module() -> None:
     assert [(f["lookups"], f["hits"]) for f in found] == [
         (a["lookups"], a["hits"]) for a in again
     ], before
-
-
-def test_every_entry_gets_its_own_slot() -> None:
-    keys = torch.randint(0, 2**62, (5000,), generator=torch.Generator().manual_seed(1))
-    slots, bits = build_slots(keys)
-    taken = slots[slots >= 0]
-    assert slots.numel() == 1 << bits and slots.numel() >= 2 * keys.numel()
-    assert torch.equal(taken.sort().values, torch.arange(5000, dtype=taken.dtype))
