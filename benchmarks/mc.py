@@ -27,6 +27,7 @@ from recshard.distributed.mc_embedding_modules import (
 )
 from recshard.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import (
+    column_wise,
     construct_module_sharding_plan,
     row_wise,
     table_row_wise,
@@ -75,6 +76,7 @@ def _plan(module: Any, sharder: Any, sharding: str) -> ShardingPlan:
         "row_wise": lambda t: row_wise(),
         "table_wise": lambda t: table_wise(t % ws),
         "table_row_wise": lambda t: table_row_wise(0),
+        "column_wise": lambda t: column_wise(list(range(ws))),
     }[sharding]
     tables = {f"t{t}": per_table(t) for t in range(TABLES)}
     return ShardingPlan(
@@ -210,7 +212,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--sharding",
         default="row_wise",
-        choices=["row_wise", "table_wise", "table_row_wise"],
+        choices=["row_wise", "table_wise", "table_row_wise", "column_wise"],
     )
     parser.add_argument("--profile", default="", help="(with --world-size 1) profiler table file")
     parsed = parser.parse_args()

@@ -359,10 +359,10 @@ def _check_managed_collision(parser: argparse.ArgumentParser, args: argparse.Nam
         parser.error(f"--managed-collision must be >= 1 rows, got {args.managed_collision}")
     if args.mc_eviction_interval < 1 or args.mc_log_every < 0:
         parser.error("--mc-eviction-interval must be >= 1 and --mc-log-every >= 0")
-    if args.sharding in ("column_wise", "data_parallel") or args.kernel == "dense":
+    if args.sharding == "data_parallel" or args.kernel == "dense":
         parser.error(
-            "--managed-collision tables shard auto, row_wise, table_wise or table_row_wise "
-            f"with --kernel fused, not {args.sharding} / {args.kernel}"
+            "--managed-collision tables are model-parallel with --kernel fused, not "
+            f"{args.sharding} / {args.kernel}"
         )
     if args.position_weighted or args.key_value_tables or args.dram_budget is not None:
         parser.error("--managed-collision does not combine with --position-weighted or key_value")

@@ -52,7 +52,9 @@ from recshard.checkpoint.manifest import (
 from recshard.checkpoint.staging import StagingReader, describe_key
 from recshard.distributed.model_parallel import get_unwrapped_module
 from recshard.distributed.sharded_state import (
+    entry_state_keys,
     fused_optimizer_state,
+    load_entries,
     model_state_dict,
     quiet_sharded_tensor,
 )
@@ -368,6 +370,21 @@ def _agree(error: Exception | None, identity: Identity | None = None) -> None:
         )
 
 
+def _entry_targets(
+    template: Dict[str, Any], keys: Dict[str, Any], metadata: Metadata
+) -> Dict[str, torch.Tensor]:
+    """Entry state (`EntryState`: its length is a count of entries, e.g. a managed collision
+    history) is read whole at its saved length: each such template entry is replaced by an
+    empty tensor of the saved shape, which the modules load from after the copy-in (each keeps
+    its own entries). Keys the checkpoint lacks stay, for `_check_entries` to report."""
+    out: Dict[str, torch.Tensor] = {}
+    for key in keys:
+        meta = metadata.state_dict_metadata.get(f"model.{key}")
+        if key in template and isinstance(meta, TensorStorageMetadata):
+            out[key] = template[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    return out
+
+
 def _first_cause(error: BaseException) -> str:
     """The innermost error's last line (DCP nests rank tracebacks in its exception text)."""
     text = str(error).strip()
@@ -403,10 +420,13 @@ def load(
     identity: Identity | None = None
     opened: _Opened | None = None
     relayouts: List[Relayout] = []
+    entries: Dict[str, torch.Tensor] = {}
     try:
         opened = _open_checkpoint(path, checkpoint_key(key))
         identity = (str(opened.directory), *opened.identity)
         template = _training_state(model, optimizer)
+        entry_keys = entry_state_keys(get_unwrapped_module(model))
+        entries = _entry_targets(template["model"], entry_keys, opened.manifest.metadata)
         if "fused_optim" in template:
             relayouts = plan_relayouts(
                 template, opened.manifest.metadata, "fused_optim", opened.directory
@@ -428,10 +448,18 @@ def load(
                 f"loading checkpoint {opened.directory} failed; model and optimizer are "
                 f"unchanged: {_first_cause(e)}"
             ) from e
-        _agree(None if reader.error is None else ValueError(reader.error))
+        problem = reader.error
+        if problem is None and entries:
+            reader.copy_in(only=list(entries.values()))
+            try:
+                load_entries(entry_keys, entries, check_only=True)
+            except ValueError as e:
+                problem = f"checkpoint {opened.directory}: {e}"
+        _agree(None if problem is None else ValueError(problem))
         reader.copy_in()
         for relayout in relayouts:
             relayout.finish()
+        load_entries(entry_keys, entries)
     finally:
         if opened is not None:
             os.close(opened.dir_fd)

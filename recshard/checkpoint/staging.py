@@ -74,12 +74,17 @@ class StagingReader(FileSystemReader):
         self._manifest = manifest
         self._allow_non_finite = allow_non_finite
 
-    def copy_in(self) -> None:
-        """Copy every checked piece into its place in the model (after all ranks agreed)."""
+    def copy_in(self, only: List[torch.Tensor] | None = None) -> None:
+        """Copy every checked piece into its place in the model (after all ranks agreed), or
+        only the pieces of the tensors `only` (kept staged: a later full copy-in repeats
+        them)."""
+        storages = None if only is None else {t.untyped_storage().data_ptr() for t in only}
         with torch.no_grad():
             for target, piece in self.staged:
-                target.copy_(piece)
-        self.staged = []
+                if storages is None or target.untyped_storage().data_ptr() in storages:
+                    target.copy_(piece)
+        if only is None:
+            self.staged = []
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self._manifest.metadata.storage_meta = StorageMeta(load_id=self.load_id)

@@ -1,11 +1,13 @@
 """Sharded managed collision collections: a ShardedManagedCollisionCollection in front of a
-sharded EBC/EC whose tables are cut at bucket boundaries.
+sharded EBC/EC whose row-split tables are cut at bucket boundaries (one row-wise sharding) and
+whose column-split tables keep their plan (the placed shardings).
 
 forward = input_dist (check, hash, route raw ids to the ranks owning their buckets: one KJT
-all-to-all) -> compute (remap on the owner to local rows, reset the rows given to new ids —
-weights re-drawn by the table's init, fused optimizer state zeroed — then the sharded
-collection's local lookup) -> output_dist (the sharded collection's). The sharded collection's
-own input dist is never used: ids arrive already on the rank holding their rows.
+all-to-all; a column-split table's ids to each of its column shards through the placed
+sharding's own all-to-all) -> compute (remap there to local rows, reset the rows given to new
+ids — weights re-drawn by the table's init, fused optimizer state zeroed, on every column
+shard — then the sharded collection's local lookups) -> output_dist (the sharded
+collection's). The sharded collection's own input dist is never used.
 
 Equals the unsharded `ManagedCollision*Collection` with the same buckets, step for step.
 """
@@ -16,16 +18,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from recshard.comm import SequenceEmbeddingsAllToAll
 from recshard.distributed.input_dist import EmbeddingModuleContext
 from recshard.distributed.mc_modules import (
+    ColumnDist,
     ManagedCollisionCollectionSharder,
+    mcc_module_of,
     modules_for_world,
+    placeholder_kjt,
 )
 from recshard.distributed.module_state import EmbeddingModuleSharder, ShardedEmbeddingModule
-from recshard.distributed.sharded_state import row_sharded_tensor
+from recshard.distributed.sharded_state import entry_sharded_tensor, row_sharded_tensor
 from recshard.lookup.fused_params import FusedOptimSpec
 from recshard.lookup.tables import LocalTable
 from recshard.modules.mc_embedding_modules import (
@@ -79,6 +85,17 @@ class _WithRemapped(LazyAwaitable[Tuple[Any, KeyedJaggedTensor | None]]):
         return self._embeddings.wait(), remapped
 
 
+class _AllAwaitable(Awaitable[List[KeyedJaggedTensor]]):
+    """Each sharding's routed ids, in order."""
+
+    def __init__(self, awaitables: List[Awaitable[KeyedJaggedTensor]]) -> None:
+        super().__init__()
+        self._awaitables = awaitables
+
+    def _wait_impl(self) -> List[KeyedJaggedTensor]:
+        return [a.wait() for a in self._awaitables]
+
+
 class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
     """The sharded twin of `ManagedCollisionEmbedding(Bag)Collection` (row-wise tables)."""
 
@@ -102,40 +119,99 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
         self._embedding_module: ShardedEmbeddingModule = e_sharder.shard(
             module._embedding_module, plans, env, device
         )
-        (sharding,) = self._embedding_module.shardings.values()  # one: every table row-wise
+        # one row-wise sharding (every bucket-aligned table) and placed ones (column-split)
+        self._sharding_names = list(self._embedding_module.shardings)
+        shardings = self._embedding_module.shardings
+        rows = [n for n in shardings if n.startswith("row_wise")]
+        if len(rows) > 1:
+            raise ValueError(
+                f"{type(module).__name__}: its row-wise, table-wise and table-row-wise tables "
+                f"must share one embedding dim and dtype here (shardings {rows})"
+            )
+        self._row_name = rows[0] if rows else None
+        self._placed_names = [n for n in shardings if n.startswith("placed")]
+        wire = list(shardings[rows[0]].input_features) if rows else []
+        column = list(
+            dict.fromkeys(f for n in self._placed_names for f in shardings[n].input_features)
+        )
+        if column and module._return_remapped_features:
+            raise ValueError(
+                f"{type(module).__name__}: return_remapped_features is not supported with "
+                f"column-wise / table-column-wise tables (features {column})"
+            )
+        if column:  # raw ids cross: below input_hash_size, not the table's rows
+            for name in self._placed_names:
+                shardings[name].set_checked_rows(
+                    {f: mcc_module_of(mcc, f).input_size() for f in column}
+                )
         self._managed_collision_collection = mc_sharder.shard(
             mcc,
             modules,
             env,
             device,
-            list(sharding.input_features),
+            wire,
             bool(getattr(module, "is_weighted", lambda: False)()),
             table_plans,
+            column,
         )
+        self._column_first = {  # a column-split table's first rank
+            t: min(s.rank for s in p.shards or [])
+            for t, p in plans.items()
+            if p.sharding_type in ("column_wise", "table_column_wise")
+        }
+        self._arrival_order = ([self._row_name] if rows else []) + self._placed_names
         self._configs = {c.name: c for c in configs}
         self._in_place_data = module._allow_in_place_embed_weight_update
         self._return_remapped_features = module._return_remapped_features
-        wire = list(sharding.input_features)
-        self._rows_back = SequenceEmbeddingsAllToAll(env.pg, [len(wire)] * env.world_size, device)
-        self._remapped_order = [wire.index(f) for f in mcc.feature_names()]
+        if self._return_remapped_features:  # every feature on the wire (no column tables)
+            self._rows_back = SequenceEmbeddingsAllToAll(
+                env.pg, [len(wire)] * env.world_size, device
+            )
+            self._remapped_order = [wire.index(f) for f in mcc.feature_names()]
 
     def create_context(self) -> ManagedCollisionEmbeddingContext:
         return ManagedCollisionEmbeddingContext(self._embedding_module.create_context())
 
+    def _sharding_ctx(self, ctx: ManagedCollisionEmbeddingContext, name: str) -> Any:
+        return ctx.embedding.sharding_contexts[self._sharding_names.index(name)]
+
+    def _column_dist(self, ctx: ManagedCollisionEmbeddingContext, name: str) -> ColumnDist:
+        """A placed sharding's own routing of the column features' hashed ids (each to every
+        column shard), or of a rejected batch's verdict."""
+        placed = self._embedding_module.shardings[name]
+        placed_ctx = self._sharding_ctx(ctx, name)
+        wanted = list(placed.input_features)
+
+        def dist(column: KeyedJaggedTensor | None, error: str | None) -> Any:
+            if column is None:
+                column = placeholder_kjt(wanted)
+            else:
+                keys = column.keys()
+                column = column.permute([keys.index(f) for f in wanted])
+            return placed.input_dist(column, placed_ctx, error)
+
+        return dist
+
     def input_dist(
         self, ctx: ManagedCollisionEmbeddingContext, features: KeyedJaggedTensor
-    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        hashed, sent_to, pending = self._managed_collision_collection.input_dist(features)
+    ) -> Awaitable[Awaitable[List[KeyedJaggedTensor]]]:
+        column_dists = [self._column_dist(ctx, name) for name in self._placed_names]
+        hashed, sent_to, pending = self._managed_collision_collection.input_dist(
+            features, column_dists
+        )
         ctx.embedding.features = hashed
         ctx.sent_to = sent_to
-        (sharding_ctx,) = ctx.embedding.sharding_contexts
-        self._before_send(sharding_ctx, hashed, sent_to)
+        row_ctx = None
+        if self._row_name is not None:
+            row_ctx = self._sharding_ctx(ctx, self._row_name)
+            self._before_send(row_ctx, hashed, sent_to)
 
-        def start_tensors() -> Awaitable[KeyedJaggedTensor]:
-            tensors = pending.wait()
-            ctx.a2a = tensors
-            self._after_splits(sharding_ctx, tensors)
-            return tensors
+        def start_tensors() -> Awaitable[List[KeyedJaggedTensor]]:
+            tensors = [p.wait() for p in pending]
+            if row_ctx is not None:
+                ctx.a2a = tensors[0]
+                self._after_splits(row_ctx, tensors[0])
+            return _AllAwaitable(tensors)
 
         return FnAwaitable(start_tensors)
 
@@ -152,17 +228,21 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
         """Keep what the sharding's output dist needs from the received ids."""
 
     def compute(
-        self, ctx: ManagedCollisionEmbeddingContext, dist_input: KeyedJaggedTensor
+        self, ctx: ManagedCollisionEmbeddingContext, dist_input: List[KeyedJaggedTensor]
     ) -> List[torch.Tensor]:
-        (sharding_ctx,) = ctx.embedding.sharding_contexts
-        self._on_arrival(sharding_ctx, dist_input)
+        """`dist_input`: the ids routed here, one KJT per sharding (row-wise first)."""
+        if self._row_name is not None:
+            self._on_arrival(self._sharding_ctx(ctx, self._row_name), dist_input[0])
         local, evictions = self._managed_collision_collection.remap(dist_input)
         if self._return_remapped_features:
-            ctx.received_lengths = dist_input.lengths()
-            ctx.global_rows = self._managed_collision_collection.global_rows(local)
+            ctx.received_lengths = dist_input[0].lengths()
+            ctx.global_rows = self._managed_collision_collection.global_rows(local[0])
         self._reset(evictions)
         ctx.evictions_per_table = evictions
-        return self._embedding_module.compute(ctx.embedding, [local])
+        by_name = dict(zip(self._arrival_order, local))
+        return self._embedding_module.compute(
+            ctx.embedding, [by_name[n] for n in self._sharding_names]
+        )
 
     def output_dist(
         self, ctx: ManagedCollisionEmbeddingContext, output: List[torch.Tensor]
@@ -242,18 +322,39 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
         return self._embedding_module.fused_optimizer_states()
 
     def sharded_buffer_state(self, prefix: str) -> Dict[str, Any]:
+        """Row-indexed buffers cut like their tables; the histories (entries) concatenated
+        over the ranks, their lengths exchanged here (collective: every rank calls it)."""
         out: Dict[str, Any] = {}
         env = self.env
         head = f"{prefix}_managed_collision_collection._managed_collision_modules"
-        for table, module in self._managed_collision_collection.local_modules().items():
+        modules = self._managed_collision_collection.local_modules()
+        lengths = torch.tensor(
+            [  # a column-split table's history: its first replica's
+                m.history_length() if self._column_first.get(t, env.rank) == env.rank else 0
+                for t, m in modules.items()
+            ],
+            dtype=torch.int64,
+            device=self._managed_collision_collection._device,
+        )
+        every = [lengths]
+        if env.world_size > 1:
+            every = [torch.empty_like(lengths) for _ in range(env.world_size)]
+            dist.all_gather(every, lengths, group=env.pg)
+        for index, (table, module) in enumerate(modules.items()):
             shards = [
                 (s.shard_offsets[0], s.shard_sizes[0], s.rank)
                 for s in self.table_plan(table).shards or []
                 if s.shard_sizes[0] > 0  # ranks without rows of the table hold no shard
             ]
+            if self._column_first.get(table) is not None:  # replicas: the first one saves
+                shards = [(0, module.output_size(), self._column_first[table])]
+            history = module.history_names()
             for name, buffer in module.named_buffers(recurse=False):
                 key = f"{head}.{table}.{name}"
-                if name != "_current_iter_tensor":  # indexed by row: cut like the table
+                if name in history:
+                    sizes = [int(e[index]) for e in every]
+                    out[key] = entry_sharded_tensor(buffer, sizes, env.rank, env.pg)
+                elif name != "_current_iter_tensor":  # indexed by row: cut like the table
                     out[key] = row_sharded_tensor(
                         buffer, module.output_size(), shards, env.rank, env.pg
                     )
@@ -288,8 +389,9 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
         for table, rows in evictions.items():
             if rows is None or rows.numel() == 0:
                 continue
-            for _, weight in weights.get(table, []):
-                reset_rows(weight, rows.to(weight.device), self._configs[table], True)
+            for local, weight in weights.get(table, []):
+                config = self._configs[table]
+                reset_rows(weight, rows.to(weight.device), config, True, local.col_offset)
             for local, state in states.get(table, []):
                 for tensor in state.values():
                     if tensor.dim() >= 1 and tensor.size(0) == local.rows:

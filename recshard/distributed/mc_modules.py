@@ -7,6 +7,11 @@ bucket boundaries, so any zch size works). A module built with fewer buckets tha
 (TorchRec's default `buckets=1`) and no ids yet is rebuilt with W buckets, as TorchRec splits
 its module per rank; with ids it is an error (they would change rows).
 
+Column-wise and table-column-wise tables keep their plan: every rank holding one of a table's
+column shards holds a replica of its whole module (all buckets) and remaps the ids the column
+sharding's own all-to-all brings it (the global batch's, the same on each replica, so the
+replicas evolve alike).
+
 input_dist: check the batch (features, dtypes, ids inside `input_hash_size` after the hash)
 on every rank, hash, route each id to `owner[id % B]` (one KJT all-to-all; a rejected batch
 sends its verdict instead, so every rank raises). compute: count and remap the received ids
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -28,6 +33,7 @@ from recshard.modules.input_checks import check_dtypes_and_weights, check_featur
 from recshard.modules.mc_fused import FusedRemap
 from recshard.modules.mc_modules import (
     ManagedCollisionCollection,
+    ManagedCollisionModule,
     MCHManagedCollisionModule,
     bucket_row_starts,
 )
@@ -45,7 +51,19 @@ from recshard.types import (
 
 logger = logging.getLogger(__name__)
 
-MC_SHARDING_TYPES = [ShardingType.ROW_WISE, ShardingType.TABLE_WISE, ShardingType.TABLE_ROW_WISE]
+COLUMN_TYPES = [ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE]
+MC_SHARDING_TYPES = [
+    ShardingType.ROW_WISE,
+    ShardingType.TABLE_WISE,
+    ShardingType.TABLE_ROW_WISE,
+    *COLUMN_TYPES,
+]
+
+
+def is_column_split(plan: ParameterSharding | None) -> bool:
+    """A column-wise or table-column-wise plan: the table's module is replicated on the ranks
+    of its column shards."""
+    return plan is not None and plan.sharding_type in sharding_type_values(COLUMN_TYPES)
 
 
 def owned_buckets(buckets: int, world_size: int, rank: int) -> Tuple[int, int]:
@@ -55,7 +73,8 @@ def owned_buckets(buckets: int, world_size: int, rank: int) -> Tuple[int, int]:
 
 def holding_ranks(table: str, plan: ParameterSharding | None, world_size: int) -> List[int]:
     """The ranks a managed collision table's rows live on, in order: every rank (row-wise),
-    the plan's rank (table-wise) or the ranks of its node (table-row-wise)."""
+    the plan's rank (table-wise), the ranks of its node (table-row-wise) or of its column
+    shards (column-wise, table-column-wise)."""
     if plan is None:
         raise ValueError(f"table '{table}': the plan has no entry for this managed collision table")
     if plan.sharding_type not in sharding_type_values(MC_SHARDING_TYPES):
@@ -71,13 +90,18 @@ def holding_ranks(table: str, plan: ParameterSharding | None, world_size: int) -
         ranks = list(range(world_size))
     if not ranks or any(not 0 <= r < world_size for r in ranks):
         raise ValueError(f"table '{table}': the plan places it on ranks {ranks} of {world_size}")
-    return ranks
+    return sorted(set(ranks)) if is_column_split(plan) else ranks
 
 
-def bucket_ranges(buckets: int, ranks: List[int], world_size: int) -> List[Tuple[int, int]]:
+def bucket_ranges(
+    buckets: int, ranks: List[int], world_size: int, replicated: bool = False
+) -> List[Tuple[int, int]]:
     """Buckets `[first, last)` of every rank: split evenly over `ranks` in rank order, none
-    elsewhere (an empty range where the previous rank's ends, so the ranges tile in order)."""
+    elsewhere (an empty range where the previous rank's ends, so the ranges tile in order);
+    `replicated` (column shards): every bucket on each of `ranks`."""
     holders = sorted(ranks)
+    if replicated:
+        return [(0, buckets) if r in holders else (buckets, buckets) for r in range(world_size)]
     out, end = [], 0
     for rank in range(world_size):
         if rank in holders:
@@ -101,7 +125,7 @@ def modules_for_world(
                 f"got {type(module).__name__}"
             )
         holders = len(holding_ranks(table, table_plans.get(table), world_size))
-        if module.buckets() < holders:
+        if module.buckets() < holders and not is_column_split(table_plans.get(table)):
             logger.warning(
                 "table '%s': managed collision module has %d bucket(s) for %d ranks; rebuilt "
                 "with %d buckets (it maps ids as the unsharded module with buckets=%d would)",
@@ -146,6 +170,34 @@ def bucket_aligned_plan(
     )
 
 
+# (hashed ids of the column features, or None with a rejected batch's reason) -> the started
+# all-to-all of the column-split tables' sharding
+ColumnDist = Callable[
+    [KeyedJaggedTensor | None, str | None], Awaitable[Awaitable[KeyedJaggedTensor]]
+]
+
+
+def mcc_table(mcc: ManagedCollisionCollection, feature: str) -> str:
+    """The table `feature` reads."""
+    return next(c.name for c in mcc.embedding_configs() if feature in c.feature_names)
+
+
+def mcc_module_of(mcc: ManagedCollisionCollection, feature: str) -> ManagedCollisionModule:
+    """The managed collision module of the table `feature` reads."""
+    return mcc.modules_by_table()[mcc_table(mcc, feature)]
+
+
+def placeholder_kjt(keys: List[str]) -> KeyedJaggedTensor:
+    """An empty batch with these keys: lets a rejecting rank join an all-to-all."""
+    return KeyedJaggedTensor(
+        keys,
+        torch.empty(0, dtype=torch.int64),
+        lengths=torch.zeros(0, dtype=torch.int32),
+        stride=0,
+        validate=False,
+    )
+
+
 def route_to_owners(
     features: KeyedJaggedTensor, owner: torch.Tensor, world: int
 ) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
@@ -183,9 +235,15 @@ class ShardedManagedCollisionCollection(nn.Module):
         wire_features: List[str],
         is_weighted: bool,
         ranges: Dict[str, List[Tuple[int, int]]],
+        column_features: List[str] | None = None,
     ) -> None:
-        """`ranges`: per table, the buckets `[first, last)` of every rank."""
+        """`wire_features`: the features this collection routes (row-wise, bucket-aligned
+        tables); `column_features`: those of column-split tables, whose ids the embedding
+        module's own sharding sends to each column shard, remapped there by a replica of the
+        table's module. `ranges`: per table, the buckets `[first, last)` of every rank."""
         super().__init__()
+        self._column_features = list(column_features or [])
+        column_tables = {mcc_table(mcc, f) for f in self._column_features}
         self.env, self._device = env, device
         self._owner = "ShardedManagedCollisionCollection"
         self._is_weighted = is_weighted
@@ -193,6 +251,10 @@ class ShardedManagedCollisionCollection(nn.Module):
         self._managed_collision_modules = nn.ModuleDict(
             {t: m.rebuild_with_bucket_range(*ranges[t][rank], device) for t, m in modules.items()}
         )
+        for table in column_tables:  # a replica: every rank of it holds the whole state
+            self._managed_collision_modules[table].replicated = bool(  # type: ignore[union-attr]
+                ranges[table][rank][1] > ranges[table][rank][0]
+            )
         self._feature_names = mcc.feature_names()
         self._feature_to_table = {
             f: c.name for c in mcc.embedding_configs() for f in c.feature_names
@@ -210,6 +272,8 @@ class ShardedManagedCollisionCollection(nn.Module):
         # owner rank of every bucket of every table, tables one after another
         owner_of_bucket = [
             [r for r, (first, last) in enumerate(ranges[t]) for _ in range(first, last)]
+            if t not in column_tables
+            else [0] * modules[t].buckets()  # never routed by this collection
             for t in tables
         ]
         self._owner_of_bucket = torch.tensor(
@@ -220,14 +284,25 @@ class ShardedManagedCollisionCollection(nn.Module):
             .cumsum(0)
             .to(device)
         )
+        self._checked_features = wire_features + self._column_features
+        self._checked_tables = torch.tensor(
+            [self._table_index[self._feature_to_table[f]] for f in self._checked_features],
+            dtype=torch.int64,
+            device=device,
+        )
         self._hashed_features = {
-            f for f in wire_features if self._table_of(f)._input_hash_func is not None
+            f for f in self._checked_features if self._table_of(f)._input_hash_func is not None
         }
         self._remapper = FusedRemap(modules_list, device)
         self._row_offsets = torch.tensor(
             [m.row_range()[0] for m in modules_list], dtype=torch.int64, device=device
         )
-        self._kjt_a2a = KJTAllToAll(env.pg, [len(wire_features)] * world)
+        self._kjt_a2a = None
+        if wire_features:  # ids travel in the narrowest type below their input_hash_size
+            self._kjt_a2a = KJTAllToAll(env.pg, [len(wire_features)] * world)
+            self._kjt_a2a.set_id_rows(
+                [self._table_of(f).input_size() for f in wire_features] * world
+            )
 
     def local_modules(self) -> Dict[str, MCHManagedCollisionModule]:
         return dict(self._managed_collision_modules.items())  # type: ignore[arg-type]
@@ -238,46 +313,50 @@ class ShardedManagedCollisionCollection(nn.Module):
     def _tables_of_ids(self, keys: List[str], lengths_per_key: List[int]) -> torch.Tensor:
         """Module index of each id `[N]` of a KJT with these keys."""
         index = self._wire_tables
-        if keys != self._wire_features:
+        if keys == self._checked_features:
+            index = self._checked_tables
+        elif keys != self._wire_features:
             index = torch.tensor(
                 [self._table_index[self._feature_to_table[k]] for k in keys],
                 dtype=torch.int64,
                 device=self._wire_tables.device,
             )
-        counts = torch.tensor(lengths_per_key, device=index.device)
+        counts = torch.tensor(lengths_per_key, dtype=torch.int64, device=index.device)
         return torch.repeat_interleave(index, counts, output_size=sum(lengths_per_key))
 
     def _hashed_and_owners(
         self, features: KeyedJaggedTensor
     ) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
-        """The batch in wire order with hashed ids, and each id's owner rank; ValueError on a
-        bad batch."""
+        """The batch with hashed ids, keys the wire features then the column features, and the
+        owner rank of each wire feature's id; ValueError on a bad batch."""
         validate_kjt(features)
         check_features(features, self._feature_names, self._owner)
         check_one_batch(features, self._owner)
         check_dtypes_and_weights(features, self._is_weighted, self._owner)
         keys = features.keys()
-        if keys != self._wire_features:
-            features = features.permute([keys.index(f) for f in self._wire_features])
+        if keys != self._checked_features:
+            features = features.permute([keys.index(f) for f in self._checked_features])
         per_key = features.length_per_key()
         ids = features.values().to(torch.int64)
         if self._hashed_features:
             parts = list(ids.split(per_key))
-            for k, feature in enumerate(self._wire_features):
+            for k, feature in enumerate(self._checked_features):
                 if feature in self._hashed_features:
                     hashed = self._table_of(feature).preprocess(
                         {feature: JaggedTensor(parts[k], lengths=torch.tensor([per_key[k]]))}
                     )
                     parts[k] = hashed[feature].values()
             ids = torch.cat(parts) if parts else ids
-        tables = self._tables_of_ids(self._wire_features, per_key)
+        tables = self._tables_of_ids(self._checked_features, per_key)
         if ids.numel() and bool(((ids < 0) | (ids >= self._hash_sizes[tables])).any()):
-            for feature, part in zip(self._wire_features, ids.split(per_key)):
+            for feature, part in zip(self._checked_features, ids.split(per_key)):
                 table = self._feature_to_table[feature]
                 self._table_of(feature).check_ids(part, f"table '{table}', feature '{feature}'")
-        owners = self._owner_of_bucket[self._first_owner[tables] + ids % self._buckets[tables]]
+        wire = sum(per_key[: len(self._wire_features)])
+        tables, wire_ids = tables[:wire], ids[:wire]
+        owners = self._owner_of_bucket[self._first_owner[tables] + wire_ids % self._buckets[tables]]
         hashed_kjt = KeyedJaggedTensor(
-            self._wire_features,
+            self._checked_features,
             ids,
             features.weights_or_none(),
             lengths=features.lengths(),
@@ -287,55 +366,73 @@ class ShardedManagedCollisionCollection(nn.Module):
         return hashed_kjt, owners
 
     def input_dist(
-        self, features: KeyedJaggedTensor
-    ) -> Tuple[KeyedJaggedTensor, torch.Tensor, Awaitable[Awaitable[KeyedJaggedTensor]]]:
-        """(the checked batch in wire order, where each of its ids went in the routed values,
-        the started all-to-all of its ids to their owners). A bad batch raises here on its rank
-        after sending its verdict, which makes every other rank raise at its first wait."""
+        self,
+        features: KeyedJaggedTensor,
+        column_dists: List[ColumnDist] | None = None,
+    ) -> Tuple[KeyedJaggedTensor, torch.Tensor, List[Awaitable[Awaitable[KeyedJaggedTensor]]]]:
+        """(the checked batch with hashed ids, wire then column features; where each wire id
+        went in the routed values; the started all-to-alls: the wire ids' to their owners,
+        then each of `column_dists` with the column features' hashed ids). A bad batch raises
+        here on its rank after sending its verdict through each, which makes every other rank
+        raise at its first wait."""
+        world = self.env.world_size
         try:
             hashed, owners = self._hashed_and_owners(features)
         except ValueError as e:
-            empty = KeyedJaggedTensor(
-                self._wire_features * self.env.world_size,
-                torch.empty(0, dtype=torch.int64),
-                lengths=torch.zeros(0, dtype=torch.int32),
-                stride=0,
-                validate=False,
-            )
-            self._kjt_a2a(empty, input_error=str(e)).wait()
+            pending = []
+            if self._kjt_a2a is not None:
+                pending.append(
+                    self._kjt_a2a(placeholder_kjt(self._wire_features * world), input_error=str(e))
+                )
+            pending += [dist(None, str(e)) for dist in column_dists or []]
+            pending[0].wait()
             raise  # unreachable: the wait raises this rank's own error
-        routed, sent_to = route_to_owners(hashed, owners, self.env.world_size)
-        return hashed, sent_to, self._kjt_a2a(routed)
+        wire, column = hashed, None
+        if self._column_features:
+            wire, column = hashed.split([len(self._wire_features), len(self._column_features)])
+        routed, sent_to = route_to_owners(wire, owners, world)
+        pending = [] if self._kjt_a2a is None else [self._kjt_a2a(routed)]
+        pending += [dist(column, None) for dist in column_dists or []]
+        return hashed, sent_to, pending
 
     def remap(
-        self, received: KeyedJaggedTensor
-    ) -> Tuple[KeyedJaggedTensor, Dict[str, torch.Tensor | None]]:
-        """Count (training) and remap the ids routed here: (local rows in the received layout,
-        per table the local rows given to new ids, or None)."""
-        keys, per_key = received.keys(), received.length_per_key()
-        ids = received.values()
+        self, received: List[KeyedJaggedTensor]
+    ) -> Tuple[List[KeyedJaggedTensor], Dict[str, torch.Tensor | None]]:
+        """Count (training) and remap the ids routed here (the KJTs of `input_dist`'s
+        all-to-alls): (local rows in each received layout, per table the local rows given to
+        new ids, or None). A column-split table counts each of its features once, however
+        many of its column shards this rank holds; one with none here counts the iteration."""
         if self.training:
-            chunks = ids.split(per_key)
             per_table: Dict[str, List[torch.Tensor]] = {}
-            for key, chunk in zip(keys, chunks):
-                per_table.setdefault(self._feature_to_table[key], []).append(chunk)
-            for table, parts in per_table.items():
-                module = self._managed_collision_modules[table]
+            seen = set()
+            for kjt in received:
+                for key, chunk in zip(kjt.keys(), kjt.values().split(kjt.length_per_key())):
+                    if key not in seen:
+                        seen.add(key)
+                        per_table.setdefault(self._feature_to_table[key], []).append(chunk)
+            none = torch.empty(0, dtype=torch.int64, device=self._device)
+            for table, module in self._managed_collision_modules.items():
+                # every module counts the iteration, those of tables with no ids here too
+                parts = per_table.get(table, [none])
                 module.count(torch.cat(parts) if len(parts) > 1 else parts[0])  # type: ignore
-        rows = self._remapper.remap(ids, self._tables_of_ids(keys, per_key))
+        local = [
+            KeyedJaggedTensor(
+                kjt.keys(),
+                self._remapper.remap(
+                    kjt.values(), self._tables_of_ids(kjt.keys(), kjt.length_per_key())
+                ),
+                kjt.weights_or_none(),
+                lengths=kjt.lengths(),
+                stride=kjt.stride(),
+                validate=False,
+            )
+            for kjt in received
+        ]
         evictions: Dict[str, torch.Tensor | None] = {}
         for table, module in self._managed_collision_modules.items():
             evicted = module.evict()  # type: ignore[operator]
             offset = module.row_range()[0]  # type: ignore[operator]
             evictions[table] = None if evicted is None else evicted - offset
-        local = KeyedJaggedTensor(
-            keys,
-            rows,
-            received.weights_or_none(),
-            lengths=received.lengths(),
-            stride=received.stride(),
-            validate=False,
-        )
         return local, evictions
 
     def global_rows(self, local: KeyedJaggedTensor) -> torch.Tensor:
@@ -359,15 +456,19 @@ class ManagedCollisionCollectionSharder:
         wire_features: List[str],
         is_weighted: bool,
         table_plans: EmbeddingModuleShardingPlan,
+        column_features: List[str] | None = None,
     ) -> ShardedManagedCollisionCollection:
         ranges = {
             t: bucket_ranges(
-                m.buckets(), holding_ranks(t, table_plans.get(t), env.world_size), env.world_size
+                m.buckets(),
+                holding_ranks(t, table_plans.get(t), env.world_size),
+                env.world_size,
+                is_column_split(table_plans.get(t)),
             )
             for t, m in modules.items()
         }
         return ShardedManagedCollisionCollection(
-            modules, module, env, device, wire_features, is_weighted, ranges
+            modules, module, env, device, wire_features, is_weighted, ranges, column_features
         )
 
     def bucket_aligned_plans(
@@ -379,6 +480,8 @@ class ManagedCollisionCollectionSharder:
         device_type: str,
     ) -> Dict[str, ParameterSharding]:
         return {
-            t: bucket_aligned_plan(t, table_plans.get(t), m, dims[t], env.world_size, device_type)
+            t: table_plans[t]
+            if is_column_split(table_plans.get(t))
+            else bucket_aligned_plan(t, table_plans.get(t), m, dims[t], env.world_size, device_type)
             for t, m in modules.items()
         }

@@ -141,6 +141,61 @@ class ShardedBufferState(Protocol):
     def sharded_buffer_state(self, prefix: str) -> Dict[str, Any]: ...
 
 
+@runtime_checkable
+class EntryState(Protocol):
+    """A module with buffers whose length counts entries, not rows (a managed collision
+    module's history). A sharded state dict holds the ranks' entries concatenated in rank
+    order; a load hands each module the whole saved tensor and it keeps its own entries."""
+
+    def entry_state_names(self) -> List[str]: ...
+    def check_entry_state(self, values: Dict[str, torch.Tensor]) -> None: ...
+    def load_entry_state(self, values: Dict[str, torch.Tensor]) -> None: ...
+
+
+def entry_state_keys(model: nn.Module) -> Dict[str, Tuple[EntryState, str]]:
+    """Every entry-state key of `model`'s state dict: (its module, the buffer's name)."""
+    out: Dict[str, Tuple[EntryState, str]] = {}
+    for path, module in model.named_modules():
+        if isinstance(module, EntryState):
+            for name in module.entry_state_names():
+                out[f"{path}.{name}" if path else name] = (module, name)
+    return out
+
+
+def load_entries(
+    keys: Dict[str, Tuple[EntryState, str]], values: Dict[str, Any], check_only: bool = False
+) -> None:
+    """Hand each module its entry state found in `values` (full tensors, or ShardedTensors
+    whose local shards are this rank's entries); ValueError if a module refuses it."""
+    per_module: Dict[int, Tuple[EntryState, Dict[str, torch.Tensor]]] = {}
+    for key, (module, name) in keys.items():
+        if key not in values:
+            continue
+        value = values[key]
+        if isinstance(value, ShardedTensor):
+            parts = [shard.tensor for shard in value.local_shards()]
+            value = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        per_module.setdefault(id(module), (module, {}))[1][name] = value
+    for module, found in per_module.values():
+        if check_only:
+            module.check_entry_state(found)
+        else:
+            module.load_entry_state(found)
+
+
+def entry_sharded_tensor(
+    local: torch.Tensor, sizes: List[int], rank: int, pg: Any
+) -> ShardedTensor | torch.Tensor:
+    """A 1-d buffer of entries: every rank's (`sizes`: each rank's length) concatenated in rank
+    order; a plain empty tensor when every rank's is empty."""
+    if sum(sizes) == 0:
+        return local.detach()
+    starts = [sum(sizes[:r]) for r in range(len(sizes))]
+    return row_sharded_tensor(
+        local, sum(sizes), [(starts[r], n, r) for r, n in enumerate(sizes) if n], rank, pg
+    )
+
+
 def row_sharded_tensor(
     local: torch.Tensor, global_rows: int, shards: List[Tuple[int, int, int]], rank: int, pg: Any
 ) -> ShardedTensor:
@@ -344,9 +399,11 @@ def load_model_state_dict(
         raise ValueError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
     sharded, _ = _walk(model)
     quantized = _load_quantized(sharded, state_dict)
+    entries = entry_state_keys(model)
+    load_entries(entries, state_dict, check_only=True)
     with torch.no_grad():
         for key, target in own.items():
-            if key not in state_dict or key in quantized:
+            if key not in state_dict or key in quantized or key in entries:
                 continue
             value = state_dict[key]
             if isinstance(target, ShardedTensor):
@@ -366,6 +423,7 @@ def load_model_state_dict(
                         f"shape {tuple(target.shape)}"
                     )
                 target.copy_(value)
+    load_entries(entries, state_dict)
     return missing
 
 

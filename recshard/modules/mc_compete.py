@@ -10,11 +10,12 @@ and only they and the new ids are sorted.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Dict, Tuple
 
 import torch
 
 from recshard.modules.mc_base import FREE
+from recshard.modules.mc_eviction import COUNTS, MCHEvictionPolicy, ThresholdFilter
 
 
 def lowest_ranked(scores: torch.Tensor, raw_ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -70,3 +71,46 @@ def merge_sorted(
     merged_keys[at], merged_values[at] = new_keys, new_values
     merged_keys[old], merged_values[old] = keys, values
     return merged_keys, merged_values
+
+
+def bucket_contest(
+    policy: MCHEvictionPolicy,
+    current_iter: int,
+    held: torch.Tensor,
+    meta: Dict[str, torch.Tensor],
+    ids: torch.Tensor,
+    seen: Dict[str, torch.Tensor],
+    label: str,
+) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+    """New ids of one bucket (`ids [M]`, sorted, holding no row; `seen`: their metadata, each
+    `[M]`) against the ids holding its `S` rows (`held [S]`, `FREE` if none; `meta`: the rows'
+    metadata). Returns (positions `[K]` of the rows that change hands, the ids `[K]` that get
+    them, those ids' metadata), paired."""
+    slots = held.numel()
+    if slots == 0:
+        return ids[:0], ids[:0], {n: v[:0] for n, v in seen.items()}
+    by_count = torch.argsort(seen[COUNTS], descending=True, stable=True)
+    new_ids = ids[by_count]
+    new_meta = {name: seen[name][by_count] for name in meta}
+    row_scores = policy.eviction_scores(current_iter, meta)
+    candidates = lowest_ranked(row_scores, held, min(new_ids.numel(), slots))
+    lose, win = contest(
+        row_scores[candidates], policy.eviction_scores(current_iter, new_meta), slots
+    )
+    if lose.numel() != win.numel():
+        raise RuntimeError(f"{label}: eviction paired {lose.numel()} rows with {win.numel()} ids")
+    return candidates[lose], new_ids[win], {n: v[win] for n, v in new_meta.items()}
+
+
+def threshold_passed(
+    threshold: ThresholdFilter | None, bucket: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor | None:
+    """Mask of the ids (`counts [U]`, in buckets `bucket [U]`) a policy's threshold filter lets
+    through, bucket by bucket; None without a filter."""
+    if threshold is None:
+        return None
+    passed = torch.zeros_like(counts, dtype=torch.bool)
+    for b in torch.unique(bucket).tolist():
+        mine = bucket == b
+        passed[mine] = threshold(counts[mine])[0]
+    return passed

@@ -28,13 +28,18 @@ from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 @torch.no_grad()
 def reset_rows(
-    weight: torch.Tensor, rows: torch.Tensor, config: BaseEmbeddingConfig, in_place_data: bool
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    config: BaseEmbeddingConfig,
+    in_place_data: bool,
+    col_offset: int = 0,
 ) -> None:
-    """Re-draw `weight[rows]` (`rows` local to `weight`) with the table's init."""
-    fresh = weight[rows].detach().clone()
+    """Re-draw `weight[rows]` (`rows` local to `weight`, its columns from `col_offset`) with
+    the table's init, drawn for whole rows (a column shard gets its columns of them)."""
+    fresh = weight.new_empty(rows.numel(), config.embedding_dim)
     config.init_weight(fresh)
     target = weight.data if in_place_data else weight
-    target[rows] = fresh
+    target[rows] = fresh[:, col_offset : col_offset + weight.size(1)]
 
 
 class BaseManagedCollisionEmbeddingCollection(nn.Module):

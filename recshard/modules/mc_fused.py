@@ -20,14 +20,19 @@ _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _LOW63 = (1 << 63) - 1
 
 
+def table_salts(tables: int) -> torch.Tensor:
+    """The 63-bit salt of each of `tables` tables `[tables]` (multiples of the golden ratio:
+    distinct, and a bijection of ids per table under XOR)."""
+    return (torch.arange(1, tables + 1, dtype=torch.int64) * _GOLDEN) & _LOW63
+
+
 class FusedRemap:
     """Local rows of ids of several MCH modules (`recshard.modules.mc_modules`), by table."""
 
     def __init__(self, modules: Sequence[ManagedCollisionModule], device: torch.device) -> None:
         self._modules = list(modules)
         tables = len(self._modules)
-        self._salts = (torch.arange(1, tables + 1, dtype=torch.int64) * _GOLDEN) & _LOW63
-        self._salts = self._salts.to(device)
+        self._salts = table_salts(tables).to(device)
         defaults = [m.default_rows() for m in self._modules]  # type: ignore[attr-defined]
         self._defaults = torch.cat(defaults).to(device)
         starts = torch.tensor([0] + [d.numel() for d in defaults[:-1]], dtype=torch.int64)

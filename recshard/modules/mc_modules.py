@@ -8,23 +8,20 @@ until evicted; any other id maps to the reserved last row of its bucket (TorchRe
 row). `evict()` hands the rows given to new ids since the last call to the embedding module,
 which resets them.
 
-Buckets (recshard's layout, world-size independent): ids go to bucket `id % buckets` and the
-rows are cut into `buckets` contiguous ranges (sizes differ by at most one, any `zch_size >=
-buckets`); an id only ever holds a row of its bucket and each bucket evicts on its own. Sharded
-row-wise, each rank holds whole buckets, so the rank that owns an id's rows remaps it and the
-sharded model equals the unsharded one with the same `buckets`. `buckets=1` (TorchRec's default)
-is one table. The module may hold a slice of the buckets (`rebuild_with_bucket_range`): its
-buffers cover only their rows, and it returns global rows.
+Buckets (`recshard.modules.mc_base`): an id only ever holds a row of bucket `id % buckets`,
+and each bucket evicts on its own, so a row-wise shard of whole buckets remaps like the whole
+(`buckets=1`, TorchRec's default, is one table). A module may hold a slice of the buckets
+(`rebuild_with_bucket_range`): its buffers cover their rows only; it returns global rows.
 
 State (`state_dict`), indexed by local row: `_mch_raw_ids` (the id holding the row, int64 max
-if free), `_mch_<metadata>` per policy, `_current_iter_tensor`. Ids seen since the last eviction
-are not state (as TorchRec).
+if free), `_mch_<metadata>` per policy; `_current_iter_tensor`; and the history, the ids seen
+since the last eviction (`recshard.modules.mc_history`: entries, not rows).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -36,7 +33,7 @@ from recshard.modules.mc_base import (
     with_values,
 )
 from recshard.modules.mc_collection import ManagedCollisionCollection
-from recshard.modules.mc_compete import contest, lowest_ranked, merge_sorted
+from recshard.modules.mc_compete import bucket_contest, threshold_passed
 from recshard.modules.mc_eviction import (
     COUNTS,
     LAST_ACCESS,
@@ -49,6 +46,8 @@ from recshard.modules.mc_eviction import (
     dynamic_threshold_filter,
     probabilistic_threshold_filter,
 )
+from recshard.modules.mc_history import IDS, SEEN_AT, History, check_history, coalesce
+from recshard.modules.mc_index import SortedIdIndex, check_rows
 from recshard.sparse import JaggedTensor
 
 logger = logging.getLogger(__name__)
@@ -137,21 +136,23 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
                 f"_mch_{metadata}", torch.zeros(rows, dtype=torch.int64, device=dev)
             )
         self.register_buffer("_current_iter_tensor", torch.zeros(1, dtype=torch.int64, device=dev))
-        # derived from the state: ids holding rows, sorted, and their global rows
-        self._sorted_ids = torch.empty(0, dtype=torch.int64, device=dev)
-        self._sorted_rows = torch.empty(0, dtype=torch.int64, device=dev)
+        self._history = History(
+            [IDS] + ([SEEN_AT] if LAST_ACCESS in eviction_policy.metadata_names else []), dev
+        )
+        for name, view in self._history.views().items():
+            self.register_buffer(name, view)
+        self._index = SortedIdIndex(dev)  # derived from the state
         self._default_rows = torch.tensor(
             [self._row_offset + s - 1 for s in self._bucket_starts[1:]],
             dtype=torch.int64,
             device=dev,
         )
-        self._history: List[Tuple[torch.Tensor, int]] = []
         self._evicted_rows: List[torch.Tensor] = []
         self._counters = dict.fromkeys(_COUNTERS, 0)
         # ids remapped and, of them, ids holding a row, since the last metrics(reset=True)
         self._lookup_counts = torch.zeros(2, dtype=torch.int64, device=dev)
-        self._index_epoch = 0
         self._rebuild_index()
+        self.replicated = False  # see entry_state_names
         self.register_load_state_dict_post_hook(lambda module, _keys: module.validate_state())
 
     # -- what the module is -------------------------------------------------------------
@@ -235,7 +236,8 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         self._ensure_index()
         self._current_iter_tensor.add_(1)
         current = int(self._current_iter_tensor)
-        self._history.append((ids.detach().to(torch.int64), current))
+        self._history.append(ids.detach(), current)
+        self._sync_history()
         if current % self._eviction_interval == 0:
             self._coalesce_and_evict(current)
 
@@ -247,21 +249,17 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         self._ensure_index()
         ids = ids.to(torch.int64)
         default = self._default_rows[self._local_bucket(ids)]
-        if self._sorted_ids.numel() == 0:
-            self._lookup_counts[0] += ids.numel()
-            return default
-        position = torch.searchsorted(self._sorted_ids, ids).clamp_(
-            max=self._sorted_ids.numel() - 1
-        )
-        hit = self._sorted_ids[position] == ids
         self._lookup_counts[0] += ids.numel()
+        if self._index.ids.numel() == 0:
+            return default
+        hit, rows = self._index.find(ids)
         self._lookup_counts[1] += hit.sum()
-        return torch.where(hit, self._sorted_rows[position], default)
+        return torch.where(hit, rows, default)
 
     def sorted_index(self) -> Tuple[torch.Tensor, torch.Tensor, int]:
         """(ids holding rows, sorted; their local rows; a number that changes when they do)."""
         self._ensure_index()
-        return self._sorted_ids, self._sorted_rows - self._row_offset, self._index_epoch
+        return self._index.ids, self._index.rows - self._row_offset, self._index.epoch
 
     def default_rows(self) -> torch.Tensor:
         """Local reserved row of each of this module's buckets `[buckets held]`."""
@@ -294,29 +292,23 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
     def _coalesce_and_evict(self, current_iter: int) -> None:
         """The ids seen since the last eviction update the metadata of the rows they hold, or
         compete for their bucket's rows; the sorted index is updated in place (merged)."""
-        if not self._history:
+        if not len(self._history):
             return
-        ids = torch.cat([h for h, _ in self._history]) if len(self._history) > 1 else None
-        if ids is None:
-            ids = self._history[0][0]
-        unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        views = self._history.views()
+        unique, counts, last = coalesce(views[IDS], views.get(SEEN_AT))
         seen = {COUNTS: counts}
-        if LAST_ACCESS in self._eviction_policy.metadata_names:
-            seen_at = torch.cat([torch.full_like(h, it) for h, it in self._history])
-            seen[LAST_ACCESS] = torch.zeros_like(unique).scatter_reduce_(
-                0, inverse, seen_at, "amax", include_self=False
-            )
-        self._history = []
+        if last is not None:
+            seen[LAST_ACCESS] = last
+        self._history.clear()
+        self._sync_history()
         bucket = self._local_bucket(unique)
-        passed = self._threshold_passed(bucket, counts)
+        passed = threshold_passed(self._eviction_policy.threshold_filtering_func, bucket, counts)
         if passed is not None:
             unique, bucket = unique[passed], bucket[passed]
             seen = {name: v[passed] for name, v in seen.items()}
-        held = self._sorted_ids.numel()
-        if held:
-            position = torch.searchsorted(self._sorted_ids, unique).clamp_(max=held - 1)
-            hit = self._sorted_ids[position] == unique
-            hit_rows = self._sorted_rows[position[hit]] - self._row_offset
+        if self._index.ids.numel():
+            hit, rows = self._index.find(unique)
+            hit_rows = rows[hit] - self._row_offset
             for name, buffer in self.metadata().items():
                 if name == COUNTS:
                     buffer[hit_rows] += seen[COUNTS][hit]
@@ -336,52 +328,24 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         if rows.numel():
             self._replace_ids(rows, torch.cat([new_ids for _, new_ids in changes]))
 
-    def _threshold_passed(self, bucket: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
-        """Mask of the ids the policy's threshold filter lets through, bucket by bucket."""
-        threshold = self._eviction_policy.threshold_filtering_func
-        if threshold is None:
-            return None
-        passed = torch.zeros_like(counts, dtype=torch.bool)
-        for b in torch.unique(bucket).tolist():
-            mine = bucket == b
-            passed[mine] = threshold(counts[mine])[0]
-        return passed
-
     def _compete(
         self, bucket: int, current_iter: int, ids: torch.Tensor, seen: Dict[str, torch.Tensor]
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """New ids of one bucket (`[M]`, sorted, holding no row) compete with the ids holding
-        the bucket's rows (all but its reserved last row). Returns (local rows given to new
-        ids, those ids); metadata written here, ids by `_replace_ids`."""
-        policy = self._eviction_policy
+        """New ids of one bucket (`[M]`, sorted, holding no row) compete for its rows (all but
+        its reserved last row). Returns (local rows given to new ids, those ids); metadata
+        written here, ids by `_replace_ids`."""
         start = self._bucket_starts[bucket]
         slots = self._bucket_starts[bucket + 1] - 1 - start
-        empty = ids[:0]
-        if slots == 0:
-            return empty, empty
-        by_count = torch.argsort(seen[COUNTS], descending=True, stable=True)
-        new_ids = ids[by_count]
-        new_meta = {name: seen[name][by_count] for name in self.metadata()}
         meta = {n: b[start : start + slots] for n, b in self.metadata().items()}
-        row_scores = policy.eviction_scores(current_iter, meta)
-        candidates = lowest_ranked(
-            row_scores, self._mch_raw_ids[start : start + slots], min(new_ids.numel(), slots)
+        held = self._mch_raw_ids[start : start + slots]
+        lost, won, won_meta = bucket_contest(
+            self._eviction_policy, current_iter, held, meta, ids, seen, self._label
         )
-        lose, win = contest(
-            row_scores[candidates], policy.eviction_scores(current_iter, new_meta), slots
-        )
-        evicted = start + candidates[lose]
-        if evicted.numel() != win.numel():
-            raise RuntimeError(
-                f"{self._label}: eviction paired {evicted.numel()} rows with {win.numel()} ids"
-            )
-        if evicted.numel() == 0:
-            return empty, empty
-        self._counters["admitted"] += evicted.numel()
-        self._counters["evicted"] += int((self._mch_raw_ids[evicted] != FREE).sum())
-        for name, buffer in self.metadata().items():
-            buffer[evicted] = new_meta[name][win]
-        return evicted, new_ids[win]
+        self._counters["admitted"] += lost.numel()
+        self._counters["evicted"] += int((held[lost] != FREE).sum())
+        for name, buffer in meta.items():
+            buffer[lost] = won_meta[name]
+        return start + lost, won
 
     @torch.no_grad()
     def _replace_ids(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
@@ -389,26 +353,14 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         the rows to reset."""
         global_rows = rows + self._row_offset
         old_ids = self._mch_raw_ids[rows]
-        old_ids = old_ids[old_ids != FREE]
-        keep = torch.ones_like(self._sorted_ids, dtype=torch.bool)
-        keep[torch.searchsorted(self._sorted_ids, old_ids)] = False  # each old id is there
-        self._sorted_ids, self._sorted_rows = merge_sorted(
-            self._sorted_ids[keep], self._sorted_rows[keep], ids, global_rows
-        )
+        self._index.replace(old_ids[old_ids != FREE], ids, global_rows)
         self._mch_raw_ids[rows] = ids
         self._index_version = self._mch_raw_ids._version
-        self._index_epoch += 1
         self._evicted_rows.append(global_rows)
 
-    @torch.no_grad()
     def _rebuild_index(self) -> None:
-        held = (self._mch_raw_ids != FREE).nonzero().squeeze(1)
-        ids = self._mch_raw_ids[held]
-        order = torch.argsort(ids)
-        self._sorted_ids = ids[order]
-        self._sorted_rows = held[order] + self._row_offset
+        self._index.rebuild(self._mch_raw_ids, self._row_offset)
         self._index_version = self._mch_raw_ids._version
-        self._index_epoch += 1
 
     def _ensure_index(self) -> None:
         """Rows written from outside (a checkpoint loaded into the buffer in place, e.g. by
@@ -418,37 +370,85 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
 
     # -- state --------------------------------------------------------------------------
 
+    def _sync_history(self) -> None:
+        for name, view in self._history.views().items():
+            setattr(self, name, view)
+
+    def history_length(self) -> int:
+        """Ids counted since the last eviction."""
+        return len(self._history)
+
+    def history_names(self) -> List[str]:
+        return self._history.names()
+
+    def entry_state_names(self) -> List[str]:
+        """Buffers every rank reads whole on load, keeping its part: the history (entries,
+        not rows); for a replica (`replicated`: a column-split table's module, held whole on
+        each rank of its column shards) also the row-indexed ones."""
+        rows = ["_mch_raw_ids", *(f"_mch_{m}" for m in self.metadata())] if self.replicated else []
+        return rows + self._history.names()
+
+    def check_entry_state(self, values: Dict[str, torch.Tensor]) -> None:
+        """ValueError unless `values` is state this module can load (any history length)."""
+        names = self._history.names()
+        mine = {n: v for n, v in values.items() if n in names}
+        check_history(mine, names, self._input_hash_size, self._label)
+        for name in set(self.entry_state_names()) - set(names):
+            got = tuple(values[name].shape) if name in values else "nothing"
+            if got != (self._zch_size,):
+                raise ValueError(
+                    f"{self._label}: a replica (column-split table) loads the table's whole "
+                    f"'{name}' [{self._zch_size}], got {got} (load a checkpoint or a full one)"
+                )
+
+    @torch.no_grad()
+    def load_entry_state(self, values: Dict[str, torch.Tensor]) -> None:
+        """Load what `entry_state_names` names: a replica's whole rows, and the history's
+        entries of this module's buckets (e.g. from a whole table's, saved at another world
+        size)."""
+        self.check_entry_state(values)
+        history = self._history.names()
+        rows = [n for n in self.entry_state_names() if n not in history]
+        for name in rows:
+            getattr(self, name).copy_(values[name])
+        if rows:
+            self.validate_state()
+        self._load_history({n: values[n] for n in history})
+
+    def _load_history(self, values: Dict[str, torch.Tensor]) -> None:
+        ids = values[IDS].to(self.device)
+        first, last = self._bucket_range
+        bucket = ids % self._buckets
+        mine = (bucket >= first) & (bucket < last)
+        self._history.reset({n: v.to(self.device)[mine] for n, v in values.items()})
+        self._sync_history()
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+        """The history is loaded at the length it was saved with (its buffers resized first)."""
+        for name in self._history.names():
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, torch.empty_like(value, device=self.device))
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
     @torch.no_grad()
     def validate_state(self) -> None:
-        raw = self._mch_raw_ids
-        held = (raw != FREE).nonzero().squeeze(1)
-        ids = raw[held]
-        if ids.numel() != ids.unique().numel():
-            raise ValueError(f"{self._label}: the loaded state gives an id more than one row")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self._input_hash_size):
-            raise ValueError(f"{self._label}: the loaded state holds ids outside input_hash_size")
-        bucket_of_row = torch.bucketize(
-            held,
-            torch.tensor(self._bucket_starts[1:], dtype=torch.int64, device=held.device),
-            right=True,
+        check_rows(
+            self._mch_raw_ids,
+            self._bucket_starts,
+            self._buckets,
+            self._bucket_range[0],
+            self._input_hash_size,
+            self._label,
         )
-        if not torch.equal(self._local_bucket(ids), bucket_of_row):
-            raise ValueError(
-                f"{self._label}: the loaded state places ids outside the rows of their bucket "
-                f"(saved with another `buckets` than {self._buckets}?)"
-            )
-        reserved = torch.tensor(self._bucket_starts[1:], dtype=torch.int64, device=raw.device) - 1
-        if bool((raw[reserved] != FREE).any()):
-            raise ValueError(
-                f"{self._label}: the loaded state gives a bucket's reserved row to an id"
-            )
-        self._history = []
         self._rebuild_index()
+        self._load_history({n: getattr(self, n) for n in self._history.names()})
 
-    def rebuild_with_bucket_range(
-        self, first: int, last: int, device: torch.device | None = None
+    def _like(
+        self, buckets: int, bucket_range: Tuple[int, int] | None, device: torch.device | None
     ) -> MCHManagedCollisionModule:
-        rebuilt = MCHManagedCollisionModule(
+        """A fresh module with this one's configuration and the given buckets."""
+        return MCHManagedCollisionModule(
             zch_size=self._zch_size,
             device=device or self.device,
             eviction_policy=self._eviction_policy,
@@ -456,9 +456,14 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
             input_hash_size=self._input_hash_size,
             input_hash_func=self._input_hash_func,
             name=self._name,
-            buckets=self._buckets,
-            bucket_range=(first, last),
-        )
+            buckets=buckets,
+            bucket_range=bucket_range,
+        ).train(self.training)
+
+    def rebuild_with_bucket_range(
+        self, first: int, last: int, device: torch.device | None = None
+    ) -> MCHManagedCollisionModule:
+        rebuilt = self._like(self._buckets, (first, last), device)
         begin, end = rebuilt.row_range()
         own = self._row_offset
         if begin < own or end > own + self._mch_raw_ids.numel():
@@ -468,8 +473,8 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
             for name, buffer in rebuilt.metadata().items():
                 buffer.copy_(getattr(self, f"_mch_{name}")[begin - own : end - own])
             rebuilt._current_iter_tensor.copy_(self._current_iter_tensor)
-        rebuilt.train(self.training)
         rebuilt.validate_state()
+        rebuilt._load_history(self._history.views())
         return rebuilt
 
     def is_fresh(self) -> bool:
@@ -484,16 +489,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
                 "hold rows (their rows would change); build the module with buckets >= the "
                 "world size"
             )
-        return MCHManagedCollisionModule(
-            zch_size=self._zch_size,
-            device=self.device,
-            eviction_policy=self._eviction_policy,
-            eviction_interval=self._eviction_interval,
-            input_hash_size=self._input_hash_size,
-            input_hash_func=self._input_hash_func,
-            name=self._name,
-            buckets=buckets,
-        ).train(self.training)
+        return self._like(buckets, None, None)
 
     def extra_repr(self) -> str:
         return (

@@ -1,5 +1,6 @@
-"""Managed collision state in checkpoints: saved at world size 2, loaded at 1 and 3, every id
-keeps its row, and training goes on as the unsharded model's does."""
+"""Managed collision state in checkpoints: saved at world size 2 between evictions (t0 evicts
+every 2 steps, saved after 7), loaded at 1 and 3: every id keeps its row, the ids counted since
+the last eviction are kept, and training goes on as the unsharded model's does."""
 
 from __future__ import annotations
 
@@ -18,17 +19,21 @@ from recshard.distributed.mc_embedding_modules import (
 )
 from recshard.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from recshard.distributed.sharding_plan import (
+    column_wise,
     construct_module_sharding_plan,
+    table_column_wise,
     table_row_wise,
     table_wise,
 )
 from recshard.types import ShardingPlan
 
-SAVED_AT, BEFORE, AFTER = 2, 8, 4
+SAVED_AT, BEFORE, AFTER = 2, 7, 4
 
 
-def _dmp(ws: int = 0, placed: bool = False) -> DistributedModelParallel:
-    """The planner's plan, or (`placed`) t0 table-wise on the last rank, t1 table-row-wise."""
+def _dmp(ws: int = 0, placed: str = "") -> DistributedModelParallel:
+    """The planner's plan; or `placed`: "tw" t0 table-wise on the last rank, t1
+    table-row-wise; "cw" t0 column-wise over the first and last ranks, t1 table-column-wise
+    (their modules replicated on the column shards' ranks)."""
     sharder = ManagedCollisionEmbeddingBagCollectionSharder(
         fused_params={"optimizer": "exact_sgd", "learning_rate": LR}
     )
@@ -36,6 +41,8 @@ def _dmp(ws: int = 0, placed: bool = False) -> DistributedModelParallel:
     plan = None
     if placed:
         per_table = {"t0": table_wise(ws - 1), "t1": table_row_wise(0)}
+        if placed == "cw":
+            per_table = {"t0": column_wise([0, ws - 1]), "t1": table_column_wise(0)}
         plan = ShardingPlan(
             {
                 "sparse": construct_module_sharding_plan(
@@ -50,14 +57,14 @@ def _global_batch(step: int, ws: int):
     return kjt_of([local_ids(step, r) for r in range(ws)])
 
 
-def _train_and_save(rank: int, ws: int, path: str, placed: bool) -> None:
+def _train_and_save(rank: int, ws: int, path: str, placed: str) -> None:
     dmp = _dmp(ws, placed)
     for step in range(BEFORE):
         dmp(kjt_of([local_ids(step, rank)])).sum().backward()
     checkpoint.save(path, dmp)
 
 
-def _load_and_go_on(rank: int, ws: int, path: str, placed: bool) -> List[str]:
+def _load_and_go_on(rank: int, ws: int, path: str, placed: str) -> List[str]:
     """The reference trains unsharded on the saving run's global batches, then on this run's."""
     reference = SparseModel(6)
     opt = torch.optim.SGD(reference.parameters(), lr=LR)
@@ -79,6 +86,13 @@ def _load_and_go_on(rank: int, ws: int, path: str, placed: bool) -> List[str]:
                 problems.append(f"step {step}: table {table} rows {lo}:{hi} hold other ids")
             if int(local._current_iter_tensor) != int(ref_modules[table]._current_iter_tensor):
                 problems.append(f"step {step}: table {table} iteration differs")
+            first, last = local.bucket_range()
+            ref_history = ref_modules[table]._history_accumulator
+            ref_history = ref_history[(ref_history % 6 >= first) & (ref_history % 6 < last)]
+            if not torch.equal(local._history_accumulator.sort().values, ref_history.sort().values):
+                problems.append(f"step {step}: table {table} history differs")
+            elif table == "t0" and step == BEFORE and ref_history.numel() == 0 and last > first:
+                problems.append("t0 counted no ids since its last eviction: nothing was checked")
         out = dmp(kjt_of([local_ids(step, rank)]))
         out.sum().backward()
         ref_out = reference(_global_batch(step, ws))
@@ -96,10 +110,11 @@ def _load_and_go_on(rank: int, ws: int, path: str, placed: bool) -> List[str]:
     return problems
 
 
-@pytest.mark.parametrize("placed", [False, True])
-def test_saved_at_two_ranks_loads_at_one_and_three(placed: bool) -> None:
-    """Planner plans; or table-wise / table-row-wise tables (saved with rank 0 holding no row
-    of t0, loaded with all of t0 on the last rank)."""
+@pytest.mark.parametrize("placed", ["", "tw", "cw"])
+def test_saved_at_two_ranks_loads_at_one_and_three(placed: str) -> None:
+    """Planner plans; table-wise / table-row-wise tables (saved with rank 0 holding no row
+    of t0, loaded with all of t0 on the last rank); column-split tables (one replica saves,
+    every replica loads the whole state)."""
     with tempfile.TemporaryDirectory() as path:
         run_ranks(SAVED_AT, _train_and_save, path, placed, timeout=180)
         for ws in (1, 3):

@@ -23,6 +23,7 @@ from recshard.distributed.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
     row_wise,
+    table_column_wise,
     table_row_wise,
     table_wise,
 )
@@ -51,9 +52,12 @@ def _compare(
     use_planner: bool,
     lru: bool,
     per_table: Dict[str, Any] | None = None,
+    remapped: bool = True,
 ) -> List[str]:
-    reference = SparseModel(ref_buckets, lru, return_remapped=True)
-    model = SparseModel(model_buckets, lru, return_remapped=True)
+    """`remapped`: check the returned remapped features (not offered with column-split
+    tables)."""
+    reference = SparseModel(ref_buckets, lru, return_remapped=remapped)
+    model = SparseModel(model_buckets, lru, return_remapped=remapped)
     sharder = _sharder()
     plan = None
     if not use_planner:
@@ -78,8 +82,8 @@ def _compare(
         want = ref_out.detach()[rank * 4 : (rank + 1) * 4]
         if not torch.allclose(out.detach(), want, atol=1e-5):
             problems.append(f"step {step}: outputs differ by {(out - want).abs().max():.3g}")
-        assert model.remapped is not None and reference.remapped is not None
-        for f in KEYS:
+        for f in KEYS if remapped else []:
+            assert model.remapped is not None and reference.remapped is not None
             before = sum(len(bag) for r in range(rank) for bag in parts[r][f])
             mine = model.remapped[f].values()
             if not torch.equal(
@@ -96,7 +100,8 @@ def _compare(
     for table, shards in weights.items():
         for local_table, weight in shards:
             ref = reference.sparse._embedding_module.embedding_bags[table].weight.detach()
-            block = ref[local_table.row_offset : local_table.row_offset + local_table.rows]
+            rows = slice(local_table.row_offset, local_table.row_offset + local_table.rows)
+            block = ref[rows, local_table.col_offset : local_table.col_offset + local_table.cols]
             if not torch.allclose(weight, block, atol=1e-5):
                 problems.append(f"table {table}: weights differ by {(weight - block).abs().max()}")
     if evictions == 0:
@@ -128,19 +133,45 @@ def _cases(rank: int, ws: int) -> dict:
         "table-wise, table-row-wise": _compare(
             rank, ws, 6, 6, False, True, {"t0": table_row_wise(0), "t1": table_wise(0)}
         ),
+        **_column_cases(rank, ws),
     }
 
 
-def _compare_sequence(rank: int, ws: int, placed: bool) -> List[str]:
+def _column_cases(rank: int, ws: int) -> dict:
+    """t0 column-wise (two shards on the last rank at ws 1-2: one replica counts once);
+    t1 table-column-wise beside a row-wise or column-wise t0; buckets=1 kept (a replica
+    holds every bucket)."""
+    return {
+        "column-wise and row-wise": _compare(
+            rank, ws, 6, 6, False, False, {"t0": column_wise([0, ws - 1]), "t1": row_wise()}, False
+        ),
+        "column-wise, table-column-wise, buckets=1": _compare(
+            rank,
+            ws,
+            1,
+            1,
+            False,
+            True,
+            {"t0": column_wise([ws - 1, 0, ws - 1]), "t1": table_column_wise(0)},
+            False,
+        ),
+    }
+
+
+def _compare_sequence(rank: int, ws: int, placed: str) -> List[str]:
     """Rows per id and the remapped features (this rank's ids' table rows) as unsharded; the
-    planner's plan, or t0 table-wise on the last rank and t1 table-row-wise."""
-    reference, model = SequenceModel(6, True), SequenceModel(6, True)
+    planner's plan, or ("tw") t0 table-wise on the last rank and t1 table-row-wise, or ("cw")
+    both column-wise (remapped features not offered there)."""
+    remapped = placed != "cw"
+    reference, model = SequenceModel(6, remapped), SequenceModel(6, remapped)
     sharder = ManagedCollisionEmbeddingCollectionSharder(
         fused_params={"optimizer": "exact_sgd", "learning_rate": LR}
     )
     plan = None
     if placed:
         per_table = {"t0": table_wise(ws - 1), "t1": table_row_wise(0)}
+        if placed == "cw":  # (an EmbeddingCollection has no table-column-wise)
+            per_table = {"t0": column_wise([0, ws - 1]), "t1": column_wise([ws - 1])}
         module_plan = construct_module_sharding_plan(
             model.sparse, per_table, sharder=sharder, world_size=ws
         )
@@ -161,33 +192,37 @@ def _compare_sequence(rank: int, ws: int, placed: bool) -> List[str]:
             want = ref_out[f].detach()[before : before + values.size(0)]
             if values.shape != want.shape or not torch.allclose(values.detach(), want, atol=1e-5):
                 problems.append(f"step {step}, feature {f}: rows differ")
-            remapped, ref_remapped = model.remapped, reference.remapped
-            assert remapped is not None and ref_remapped is not None
+            if not remapped:
+                continue
+            remapped_kjt, ref_remapped = model.remapped, reference.remapped
+            assert remapped_kjt is not None and ref_remapped is not None
             want_rows = ref_remapped[f].values()[before : before + values.size(0)]
-            if not torch.equal(remapped[f].values(), want_rows):
+            if not torch.equal(remapped_kjt[f].values(), want_rows):
                 problems.append(f"step {step}, feature {f}: remapped rows differ")
             want_lengths = ref_remapped[f].lengths()[rank * 4 : (rank + 1) * 4]
-            if not torch.equal(remapped[f].lengths(), want_lengths):
+            if not torch.equal(remapped_kjt[f].lengths(), want_lengths):
                 problems.append(f"step {step}, feature {f}: remapped lengths differ")
-        if model.remapped is not None and model.remapped.keys() != ref_remapped.keys():
-            problems.append(f"remapped keys {model.remapped.keys()} != {ref_remapped.keys()}")
+        if remapped and model.remapped.keys() != reference.remapped.keys():  # type: ignore
+            problems.append("remapped keys differ")
     mcc = reference.sparse._managed_collision_collection.modules_by_table()
     if not all(m.rows_in_use() > 0 for m in mcc.values()):
         problems.append("a table never gave an id a row: the test exercised nothing")
     return problems
 
 
-@pytest.mark.parametrize("placed", [False, True])
+@pytest.mark.parametrize("placed", ["", "tw", "cw"])
 @pytest.mark.parametrize("ws", [1, 2, 3])
-def test_sharded_mc_ec_equals_unsharded(ws: int, placed: bool) -> None:
+def test_sharded_mc_ec_equals_unsharded(ws: int, placed: str) -> None:
     for rank, problems in enumerate(run_ranks(ws, _compare_sequence, placed, timeout=180)):
         assert not problems, f"rank {rank}: {problems}"
 
 
-def _bad_batch(rank: int, ws: int, placed: bool) -> str:
+def _bad_batch(rank: int, ws: int, placed: str) -> str:
     model, sharder, plan = SparseModel(6), _sharder(), None
-    if placed:  # t1, where the bad id is, lives on rank 0 only
+    if placed:  # t1, where the bad id is, lives on rank 0 only, or column-wise on both
         per_table = {"t0": table_row_wise(0), "t1": table_wise(0)}
+        if placed == "cw":
+            per_table["t1"] = column_wise([0, 1])
         plan = ShardingPlan(
             {
                 "sparse": construct_module_sharding_plan(
@@ -206,8 +241,8 @@ def _bad_batch(rank: int, ws: int, placed: bool) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("placed", [False, True])
-def test_a_bad_id_on_one_rank_stops_every_rank(placed: bool) -> None:
+@pytest.mark.parametrize("placed", ["", "tw", "cw"])
+def test_a_bad_id_on_one_rank_stops_every_rank(placed: str) -> None:
     messages = run_ranks(2, _bad_batch, placed, timeout=120)
     assert messages[1].startswith("ValueError: table 't1', feature 'c': id -5 is outside [0, ")
     assert messages[0].startswith("RuntimeError: rank 1 rejected its input: table 't1'")
@@ -251,9 +286,20 @@ def test_eviction_zeroes_fused_optimizer_state() -> None:
         assert not problems, f"rank {rank}: {problems}"
 
 
-def test_column_wise_plans_are_refused() -> None:
-    model = SparseModel(6)
-    with pytest.raises(ValueError, match="table_row_wise"):
-        construct_module_sharding_plan(
-            model.sparse, {"t0": column_wise([0])}, sharder=_sharder(), world_size=1
-        )
+def _column_only(rank: int, ws: int) -> List[str]:
+    return _compare(
+        rank,
+        ws,
+        6,
+        6,
+        False,
+        True,
+        {"t0": column_wise([0, ws - 1]), "t1": table_column_wise(0)},
+        False,
+    )
+
+
+def test_column_wise_alone_equals_unsharded() -> None:
+    """Only column-split tables: no bucket routing, the placed sharding's own all-to-all."""
+    for rank, problems in enumerate(run_ranks(2, _column_only, timeout=180)):
+        assert not problems, f"rank {rank}: {problems}"

@@ -237,10 +237,42 @@ def test_state_dict_round_trip_keeps_rows_and_rejects_foreign_state() -> None:
         "_mch_counts",
         "_mch_last_access_iter",
         "_current_iter_tensor",
+        "_history_accumulator",
+        "_history_last_access_iter",
     }
     other = MCHManagedCollisionModule(12, "cpu", DistanceLFU_EvictionPolicy(), 1, 1000, buckets=4)
     with pytest.raises(ValueError, match="outside the rows of their bucket"):
         other.load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_state_dict_taken_between_evictions_resumes_exactly(policy: str) -> None:
+    """The ids counted since the last eviction are state: a copy made between evictions (and
+    a bucket slice of it) evicts as the original does."""
+
+    def make() -> MCHManagedCollisionModule:
+        return MCHManagedCollisionModule(9, "cpu", POLICIES[policy](), 4, 10**6, buckets=3)
+
+    def batch(step: int) -> dict:
+        ids = torch.tensor(_zipf_ids(torch.Generator().manual_seed(step), 20, 40))
+        return {"f": JaggedTensor(ids, lengths=torch.tensor([20]))}
+
+    straight, copy = make(), make()
+    for step in range(6):  # evicts at 4; 5 and 6 pending
+        straight(batch(step))
+    assert straight._history_accumulator.numel() == 40
+    copy.load_state_dict(straight.state_dict())
+    part = copy.rebuild_with_bucket_range(1, 2)
+    assert bool((part._history_accumulator % 3 == 1).all())
+    for step in range(6, 12):
+        want = straight(batch(step))["f"].values()
+        assert torch.equal(copy(batch(step))["f"].values(), want), step
+        mine = batch(step)["f"].values()
+        mine = mine[mine % 3 == 1]
+        part_rows = part({"f": JaggedTensor(mine, lengths=torch.tensor([mine.numel()]))})
+        assert torch.equal(part_rows["f"].values(), want[batch(step)["f"].values() % 3 == 1])
+    assert torch.equal(copy._mch_raw_ids, straight._mch_raw_ids)
+    assert not torch.equal(make()._mch_raw_ids, straight._mch_raw_ids)
 
 
 def test_a_bucket_slice_maps_like_the_whole() -> None:
