@@ -1,11 +1,12 @@
 """`Tracer` and `symbolic_trace`: torch.fx over a model whose embedding modules stay leaves.
 
-The embedding collections (float and quantized) and sharded modules become single
-`call_module` nodes: their forwards check and route data (per-key splits, id bounds), which
+The embedding collections (float and quantized, and the feature-processed EBC), the feature
+processors and sharded modules become single `call_module` nodes: their forwards check and
+route data (per-key splits, id bounds, bag lengths against `max_feature_length`), which
 symbolic proxies cannot carry, and a leaf runs the real module when the `GraphModule` runs. So
 the graph holds the dense code around them (`kt.values()`, reshapes, the MLPs) and the
 traced model computes what the original does. `leaf_modules` adds class names as leaves, as
-TorchRec's tracer does. Tracing an embedding collection itself gives a graph of one call to it
+TorchRec's tracer does. Tracing one of these modules itself gives a graph of one call to it
 (held as the `GraphModule`'s submodule `module`).
 """
 
@@ -17,16 +18,25 @@ import torch
 from torch import nn
 
 from recshard.modules import EmbeddingBagCollection, EmbeddingCollection
+from recshard.modules.feature_processor import BaseFeatureProcessor, BaseGroupedFeatureProcessor
+from recshard.modules.feature_processor_ import FeatureProcessor, FeatureProcessorsCollection
+from recshard.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from recshard.quant import QuantEmbeddingBagCollection, QuantEmbeddingCollection
 from recshard.types import ShardedModule
 
-LEAF_TYPES: Tuple[type, ...] = (
+# unsharded modules whose forward checks data: leaves, and wrapped when traced themselves
+_DATA_CHECKING_TYPES: Tuple[type, ...] = (
     EmbeddingBagCollection,
     EmbeddingCollection,
     QuantEmbeddingBagCollection,
     QuantEmbeddingCollection,
-    ShardedModule,
+    FeatureProcessedEmbeddingBagCollection,
+    FeatureProcessor,
+    FeatureProcessorsCollection,
+    BaseFeatureProcessor,
+    BaseGroupedFeatureProcessor,
 )
+LEAF_TYPES: Tuple[type, ...] = (*_DATA_CHECKING_TYPES, ShardedModule)
 
 _tracing = False
 
@@ -77,7 +87,7 @@ def symbolic_trace(
     leaf_modules: List[str] | None = None,
 ) -> torch.fx.GraphModule:
     """`root` traced with `Tracer(leaf_modules)` into a `GraphModule`."""
-    if isinstance(root, LEAF_TYPES[:-1]):  # an embedding collection itself
+    if isinstance(root, _DATA_CHECKING_TYPES):
         root = _LeafRoot(root)
     graph = Tracer(leaf_modules).trace(root, concrete_args)
     name = type(root).__name__ if isinstance(root, nn.Module) else root.__name__

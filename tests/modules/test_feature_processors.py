@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from recshard import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.distributed.grouped_position_weighted import GroupedPositionWeightedModule
+from recshard.fx import symbolic_trace
 from recshard.modules import feature_processor
 from recshard.modules.feature_processor_ import (
     PositionWeightedModule,
@@ -84,16 +86,21 @@ def _tables() -> list:
     ]
 
 
-@pytest.mark.parametrize("form", ["collection", "dict"])
-def test_fp_ebc_equals_ebc_with_the_weights_by_hand(form: str) -> None:
-    torch.manual_seed(0)
+def _fp_ebc(form: str) -> FeatureProcessedEmbeddingBagCollection:
     ebc = EmbeddingBagCollection(_tables(), is_weighted=True)
     lengths = {"Feature0": 2, "Feature1": 3, "Feature2": 3}
     if form == "collection":
         processors = PositionWeightedModuleCollection(lengths)
     else:
         processors = {k: PositionWeightedModule(n) for k, n in lengths.items()}
-    fp = FeatureProcessedEmbeddingBagCollection(ebc, processors)
+    return FeatureProcessedEmbeddingBagCollection(ebc, processors)
+
+
+@pytest.mark.parametrize("form", ["collection", "dict"])
+def test_fp_ebc_equals_ebc_with_the_weights_by_hand(form: str) -> None:
+    torch.manual_seed(0)
+    fp = _fp_ebc(form)
+    ebc = fp.split()[1]
     params = fp.position_weights()
     with torch.no_grad():
         for p in params.values():
@@ -125,3 +132,61 @@ def test_construction_errors() -> None:
         FeatureProcessedEmbeddingBagCollection(weighted, {"Feature0": PositionWeightedModule(2)})
     with pytest.raises(ValueError, match="must be > 0"):
         PositionWeightedModuleCollection({"Feature0": 0})
+
+
+class _Scorer(nn.Module):
+    """Dense code around an FP-EBC (or its split halves): what the graph must hold."""
+
+    def __init__(self, fp: FeatureProcessedEmbeddingBagCollection, split: bool) -> None:
+        super().__init__()
+        self.split = split
+        if split:
+            self.processors, self.ebc = fp.split()
+        else:
+            self.fp = fp
+        self.over = nn.Linear(8, 1)  # pooled: 3 + 3 + 2
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        pooled = self.ebc(self.processors(features)) if self.split else self.fp(features)
+        return self.over(pooled.values().relu())
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("form", ["collection", "dict"])
+def test_fp_ebc_traces_and_gives_the_eager_numbers(form: str, split: bool) -> None:
+    torch.manual_seed(0)
+    fp = _fp_ebc(form)
+    with torch.no_grad():
+        for p in fp.position_weights().values():
+            p.copy_(torch.rand(p.shape) + 0.5)
+    model = _Scorer(fp, split)
+    traced = symbolic_trace(model)
+    leaves = [n.target for n in traced.graph.nodes if n.op == "call_module"]
+    assert leaves == (["processors", "ebc", "over"] if split else ["fp", "over"])
+    out, expected = traced(_kjt()), model(_kjt())
+    assert torch.equal(out, expected)
+    grads = []
+    for result in (out, expected):
+        fp.zero_grad()
+        result.sum().backward()
+        grads.append({k: p.grad.clone() for k, p in fp.position_weights().items()})
+    assert grads[0].keys() == grads[1].keys() == {"Feature0", "Feature1", "Feature2"}
+    for key, grad in grads[0].items():
+        assert torch.equal(grad, grads[1][key]) and grad.abs().sum() > 0
+    too_long = KeyedJaggedTensor.from_lengths_sync(
+        KEYS, torch.arange(6), torch.tensor([3, 0, 0, 1, 1, 0, 1, 0, 0])
+    )
+    with pytest.raises(ValueError, match="max_feature_length 2"):
+        traced(too_long)
+
+
+def test_processors_and_fp_ebc_traced_themselves() -> None:
+    torch.manual_seed(0)
+    fp = _fp_ebc("dict")
+    traced = symbolic_trace(fp)
+    torch.testing.assert_close(traced(_kjt()).values(), fp(_kjt()).values(), rtol=0, atol=0)
+    collection = PositionWeightedModuleCollection({"Feature1": 3})
+    assert torch.equal(symbolic_trace(collection)(_kjt()).weights(), collection(_kjt()).weights())
+    old = feature_processor.PositionWeightedModule({"Feature1": 3})
+    traced_old = symbolic_trace(old)(_kjt().to_dict())
+    assert torch.equal(traced_old["Feature1"].weights(), torch.ones(5))
