@@ -335,13 +335,13 @@ class _Group:
                 if until():
                     return
                 needed = sorted(ex.waiting) + [w.peer for w in self.writes if w.exchange is ex]
-                for peer in needed:
-                    if peer in self.dead:
-                        raise _PeerError(
-                            peer,
-                            f"rank {peer} (pid {self.pids[peer]}) {self.dead[peer]} while this "
-                            "rank waited for it",
-                        )
+                gone = [p for p in dict.fromkeys(needed) if p in self.dead]
+                if gone:  # every one named: the first found may only have failed after another
+                    raise _PeerError(
+                        gone[0],
+                        " and ".join(f"rank {p} (pid {self.pids[p]}) {self.dead[p]}" for p in gone)
+                        + f" while this rank waited for {'it' if len(gone) == 1 else 'them'}",
+                    )
                 readable = [self.socks[p] for p in self.socks if p not in self.dead]
                 writable = [
                     self.socks[p] for p, box in self.outbox.items() if box and p not in self.dead

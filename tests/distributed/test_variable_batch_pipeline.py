@@ -161,6 +161,9 @@ def key_value(rank: int, ws: int, directory: str) -> List[str]:
         for _ in [0]
         if not all(abs(a - b) < 1e-6 for (a, _), (b, _) in zip(got, want))
     ]
+    # a key-value table's parameter views its storage, current as of the last write-back;
+    # state_dict() writes every updated row back first (as TorchRec flushes before a state dict)
+    stored.state_dict()
     return problems + state_diff(state(stored), state(fused))
 
 
