@@ -30,6 +30,7 @@ STEP_FIELDS = {
 }
 
 
+@pytest.mark.slow
 def test_ebc_benchmark_quick_covers_every_configuration() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.ebc", "--quick"],

@@ -37,6 +37,7 @@ def test_sharded_ebc_equals_unsharded_on_two_hosts(cluster: Cluster, tmp_path: P
     assert not failures, "\n".join(f"{c}: {p}" for c, p in failures.items())
 
 
+@pytest.mark.slow
 def test_ebc_benchmark_runs_on_two_hosts(cluster: Cluster, tmp_path: Path) -> None:
     job = torchrun(
         cluster,
