@@ -28,13 +28,13 @@ from recshard.plan.validate import (  # noqa: F401 - PlanValidationError, valida
     check_ranks_agree,
     validate_plan,
 )
+from recshard.planner.cache_params_json import cache_params_from_dict, cache_params_to_dict
 from recshard.planner.json_input import (
     InputLimitError,
     check_table_count,
     parse_json,
     read_bounded,
 )
-from recshard.planner.planner_types import cache_params_from_dict, cache_params_to_dict
 from recshard.types import (
     BoundsCheckMode,
     CacheParams,

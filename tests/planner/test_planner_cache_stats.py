@@ -14,10 +14,10 @@ from recshard.planner import (
     TableMeta,
     Topology,
 )
+from recshard.planner.cache_params_json import cache_params_from_dict
 from recshard.planner.cost.cache_stats import cache_hit_rate, touched_rows
 from recshard.planner.cost.estimators import data_parallel_exchange
 from recshard.planner.plan_io import plan_from_dict, plan_to_dict
-from recshard.planner.planner_types import cache_params_from_dict
 from recshard.planner.profile import (
     CalibrationProfile,
     KernelCost,
