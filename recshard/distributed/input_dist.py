@@ -203,7 +203,7 @@ class CollectionInputDist:
         if error is None:
             parts = features.split(self._wire_splits) if len(self._wire_splits) > 1 else [features]
         else:
-            parts = [_placeholder(s.input_features) for s in self._shardings]
+            parts = [placeholder_kjt(s.input_features) for s in self._shardings]
         verdict = None  # no splits exchange carries the verdict: exchange it on its own
         if not any(s.carries_input_error for s in self._shardings):
             verdict = exchange_verdict(self._env.pg, error, self._device)
@@ -277,8 +277,9 @@ def _one_column(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
     )
 
 
-def _placeholder(keys: List[str]) -> KeyedJaggedTensor:
-    """An empty batch with the wire keys: lets a rejecting rank join the splits exchange."""
+def placeholder_kjt(keys: List[str]) -> KeyedJaggedTensor:
+    """An empty batch with these keys: lets a rejecting rank join an all-to-all (the splits
+    exchange, a managed-collision remap's)."""
     return KeyedJaggedTensor(
         keys,
         torch.empty(0, dtype=torch.int64),

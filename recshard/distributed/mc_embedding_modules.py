@@ -22,13 +22,12 @@ import torch.distributed as dist
 from torch import nn
 
 from recshard.comm import SequenceEmbeddingsAllToAll
-from recshard.distributed.input_dist import EmbeddingModuleContext
+from recshard.distributed.input_dist import EmbeddingModuleContext, placeholder_kjt
 from recshard.distributed.mc_modules import (
     ColumnDist,
     ManagedCollisionCollectionSharder,
     mcc_module_of,
     modules_for_world,
-    placeholder_kjt,
 )
 from recshard.distributed.module_state import EmbeddingModuleSharder, ShardedEmbeddingModule
 from recshard.distributed.sharded_state import entry_sharded_tensor, row_sharded_tensor

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from recshard.comm import KJTAllToAll
+from recshard.distributed.input_dist import placeholder_kjt
 from recshard.modules.input_checks import check_dtypes_and_weights, check_features, check_one_batch
 from recshard.modules.mc_fused import FusedRemap
 from recshard.modules.mc_modules import (
@@ -185,17 +186,6 @@ def mcc_table(mcc: ManagedCollisionCollection, feature: str) -> str:
 def mcc_module_of(mcc: ManagedCollisionCollection, feature: str) -> ManagedCollisionModule:
     """The managed collision module of the table `feature` reads."""
     return mcc.modules_by_table()[mcc_table(mcc, feature)]
-
-
-def placeholder_kjt(keys: List[str]) -> KeyedJaggedTensor:
-    """An empty batch with these keys: lets a rejecting rank join an all-to-all."""
-    return KeyedJaggedTensor(
-        keys,
-        torch.empty(0, dtype=torch.int64),
-        lengths=torch.zeros(0, dtype=torch.int32),
-        stride=0,
-        validate=False,
-    )
 
 
 def route_to_owners(

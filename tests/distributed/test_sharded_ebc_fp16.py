@@ -20,7 +20,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 import torch.distributed as dist
-from ebc_cases import LR, batch, gather_tables, global_batch, output_grad, plan_for, tables
+from ebc_cases import KINDS, LR, batch, gather_tables, global_batch, output_grad, plan_for, tables
 from multiprocess import run_ranks
 
 from recshard import DataType, EmbeddingBagCollection
@@ -31,15 +31,6 @@ from recshard.types import ShardingEnv
 
 EPS = 1e-8
 FP16_ULP = 2.0**-10  # fp16's spacing relative to a value's power of two
-KINDS = [
-    "table_wise",
-    "row_wise",
-    "column_wise",
-    "table_row_wise",
-    "table_column_wise",
-    "data_parallel",
-    "mixed",
-]
 FUSED = {
     "sgd": "exact_sgd",
     "rowwise_adagrad": "exact_row_wise_adagrad",
