@@ -12,6 +12,7 @@ from torch import Tensor
 from recshard.sparse.fbgemm_seam import (
     INDEX_DTYPES,
     check_1d,
+    check_values,
     complete_cumsum,
     fbgemm_op,
     needs_grad,
@@ -95,6 +96,7 @@ def block_bucketize_sparse_features(
             f"block_bucketize_sparse_features: {num_bags} lengths do not split "
             f"into {num_features} features (block_sizes)"
         )
+    check_values("block_bucketize_sparse_features", lengths, indices, weights)
     supported = (
         num_features > 0
         and lengths.dtype in INDEX_DTYPES

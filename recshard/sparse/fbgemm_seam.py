@@ -161,3 +161,41 @@ def check_1d(what: str, **tensors: Tensor | None) -> None:
     for name, t in tensors.items():
         if t is not None and t.dim() != 1:
             raise ValueError(f"{what}: {name} must be 1-D, got shape {tuple(t.shape)}")
+
+
+def check_jagged(what: str, name: str, bounds: Tensor, num_values: int, offsets: bool) -> None:
+    """Refuse lengths or offsets that reach outside `num_values` values, on CPU.
+
+    fbgemm's ops read (and write) past the end on them: garbage results or a corrupted heap.
+    `offsets`: `bounds` are offsets (non-decreasing from >= 0), else lengths (>= 0). The
+    checks cost one pass over `bounds`; CUDA inputs are trusted as fbgemm does (no sync).
+    """
+    if bounds.device.type != "cpu" or bounds.numel() == 0:
+        return
+    flat = bounds.reshape(-1).long()
+    if offsets:
+        if int(flat[0]) < 0 or bool((flat.diff() < 0).any()):
+            raise ValueError(f"{what}: {name} must be non-decreasing from >= 0, got {_show(flat)}")
+        end = int(flat[-1])
+    else:
+        low = int(flat.min())
+        if low < 0:
+            raise ValueError(f"{what}: {name} holds a negative length {low}")
+        end = int(flat.sum())
+    if end > num_values:
+        raise ValueError(f"{what}: {name} reach {end} values, past the {num_values} given")
+
+
+def check_values(what: str, lengths: Tensor, values: Tensor, weights: Tensor | None) -> None:
+    """Refuse lengths past `values` and weights of another size (fbgemm reads past the end)."""
+    check_jagged(what, "lengths", lengths, values.numel(), False)
+    if weights is not None and weights.numel() != values.numel():
+        raise ValueError(
+            f"{what}: weights has {weights.numel()} entries, not one per value ({values.numel()})"
+        )
+
+
+def _show(values: Tensor, limit: int = 12) -> str:
+    """A short printable form of a 1-D tensor for an error message."""
+    items = values[:limit].tolist()
+    return str(items)[:-1] + (", ...]" if values.numel() > limit else "]")

@@ -20,7 +20,9 @@ from recshard.sparse.fbgemm_seam import (
     DISABLE_ENV_VAR,
     INDEX_DTYPES,
     check_1d,
+    check_jagged,
     check_permute,
+    check_values,
     complete_cumsum,
     fbgemm_available,
     fbgemm_op,
@@ -89,6 +91,7 @@ def permute_2D_sparse_data(
         )
     check_1d("permute_2D_sparse_data", values=values, weights=weights)
     check_permute(permute, lengths.size(0), "permute_2D_sparse_data")
+    check_values("permute_2D_sparse_data", lengths, values, weights)
     supported = (
         lengths.dtype in INDEX_DTYPES
         and values.dtype in INDEX_DTYPES + (torch.float16, torch.bfloat16, torch.float32)
@@ -122,6 +125,7 @@ def permute_1D_sparse_data(
     """
     check_1d("permute_1D_sparse_data", lengths=lengths, values=values, weights=weights)
     check_permute(permute, lengths.numel(), "permute_1D_sparse_data")
+    check_values("permute_1D_sparse_data", lengths, values, weights)
     supported = (
         lengths.dtype in INDEX_DTYPES
         and values.dtype in INDEX_DTYPES + (torch.float16, torch.bfloat16, torch.float32)
@@ -166,6 +170,7 @@ def expand_into_jagged_permute(
             f"expand_into_jagged_permute: output_size {output_size} != "
             f"output_offsets[-1] {int(output_offsets[-1])}"
         )
+    check_jagged("expand_into_jagged_permute", "output_offsets", output_offsets, output_size, True)
     dtype = input_offsets.dtype
     op = fbgemm_op(
         "expand_into_jagged_permute",
@@ -204,6 +209,11 @@ def permute_pooled_embs(
             f"got shape {tuple(pooled_embs.shape)}"
         )
     check_permute(permute_list, offset_dim_list.numel() - 1, "permute_pooled_embs")
+    for name, dims in (
+        ("offset_dim_list", offset_dim_list),
+        ("inv_offset_dim_list", inv_offset_dim_list),
+    ):
+        check_jagged("permute_pooled_embs", name, dims, pooled_embs.size(1), True)
     op = fbgemm_op(
         "permute_pooled_embs_auto_grad", pooled_embs.device, pooled_embs.is_floating_point()
     )
@@ -228,6 +238,11 @@ def segment_sum_csr(batch_size: int, csr_seg: Tensor, values: Tensor) -> Tensor:
     Differentiable (through the torch path).
     """
     check_1d("segment_sum_csr", csr_seg=csr_seg)
+    if batch_size < 0:
+        raise ValueError(f"segment_sum_csr: batch_size must be >= 0, got {batch_size}")
+    check_jagged(
+        "segment_sum_csr", "csr_seg * batch_size", csr_seg.long() * batch_size, values.numel(), True
+    )
     supported = (
         values.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64)
         and csr_seg.dtype in INDEX_DTYPES
@@ -261,6 +276,7 @@ def jagged_to_padded_dense(
     check_1d("jagged_to_padded_dense", offsets=offsets)
     if offsets.numel() == 0:
         raise ValueError("jagged_to_padded_dense: offsets must have B+1 >= 1 entries, got none")
+    check_jagged("jagged_to_padded_dense", "offsets", offsets, values.size(0), True)
     supported = offsets.dtype in INDEX_DTYPES and values.dtype in (
         torch.float32,
         torch.float16,
