@@ -21,6 +21,7 @@ class CalibrationGrid:
     # on gradient-sized calls (`fit_rate`)
     all_reduce_bytes: Tuple[int, ...] = (1 << 23, 1 << 25)
     link_repeats: int = 7
+    memory_repeats: int = 3  # fresh processes per step probe of `measure_memory` (median)
 
     @classmethod
     def quick(cls) -> CalibrationGrid:
@@ -32,4 +33,5 @@ class CalibrationGrid:
             link_bytes=(1 << 10, 1 << 14, 1 << 16),
             all_reduce_bytes=(1 << 14, 1 << 16),
             link_repeats=3,
+            memory_repeats=1,
         )

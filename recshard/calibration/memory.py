@@ -31,7 +31,6 @@ from recshard.planner.profile import MemoryCost
 from recshard.sparse import KeyedJaggedTensor, jagged_ops
 from recshard.types import EmbeddingComputeKernel, ShardingEnv
 
-MEMORY_REPEATS = 3  # fresh processes per step probe of `measure_memory`
 PROBE_RUNS = 1  # rank-overhead process groups (seconds each: imports); median over them, ranks
 PROBE_STEPS = 3
 PROBE_RANKS = 2
@@ -61,7 +60,7 @@ def memory_probe(tables: int, rows: int, dim: int, batch: int, pooling: int) -> 
 def measure_memory(grid: CalibrationGrid) -> MemoryCost | None:
     """Peak resident growth of the fused kernel, one fresh process each: `grid.tables`
     tables of the largest size, built and stepped at the largest batch and the smallest and
-    largest pooling factors, each `MEMORY_REPEATS` times (the median step growth: the two
+    largest pooling factors, each `grid.memory_repeats` times (the median step growth: the two
     step probes alone fix both per-id and per-output costs; the per-id cost still came out
     16.8 or 21.5 bytes in different calibrations), and half as many tables built only
     (builds of two sizes for `fit_build`); None where that cannot be measured (not Linux,
@@ -73,7 +72,7 @@ def measure_memory(grid: CalibrationGrid) -> MemoryCost | None:
     builds: List[Tuple[float, float]] = []
     for tables, pooling in probes:
         steps = []
-        for _ in range(MEMORY_REPEATS if pooling else 1):
+        for _ in range(grid.memory_repeats if pooling else 1):
             measured = fresh.run("memory", (tables, rows, dim, batch, pooling), "memory")
             if measured is None:
                 return None
