@@ -20,7 +20,7 @@ _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _LOW63 = (1 << 63) - 1
 
 
-def table_salts(tables: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def table_salts(tables: int, device: torch.device) -> torch.Tensor:
     """The 63-bit salt of each of `tables` tables `[tables]` on `device` (multiples of the
     golden ratio: distinct, and a bijection of ids per table under XOR)."""
     return (torch.arange(1, tables + 1, dtype=torch.int64, device=device) * _GOLDEN) & _LOW63
