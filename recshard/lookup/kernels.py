@@ -300,8 +300,10 @@ def row_gradients(
             lengths = jt.lengths()
             if kernel.pooling == PoolingType.MEAN:
                 grad = grad / _mean_divisor(lengths)
-            bag = torch.repeat_interleave(
-                torch.arange(lengths.numel(), device=lengths.device), lengths.long()
+            bag = torch.repeat_interleave(  # output_size: no device sync for the count
+                torch.arange(lengths.numel(), device=lengths.device),
+                lengths.long(),
+                output_size=ids.numel(),
             )
             rows_grad = grad.index_select(0, bag)
             if table_weights is not None:
