@@ -92,7 +92,10 @@ def collect_metrics(model: nn.Module) -> Dict[str, Dict[str, float]]:
     modules = _local_modules(model)
     names = list(modules)  # table order, the same on every rank
     per_table = [modules[t].metrics() for t in names]  # each call resets its counters
-    counts = torch.tensor([[m[k] for k in _COUNTED] for m in per_table], dtype=torch.float64)
+    # on the modules' device: NCCL reduces device tensors only
+    device = modules[names[0]].device if names else torch.device("cpu")
+    rows = [[m[k] for k in _COUNTED] for m in per_table]
+    counts = torch.tensor(rows, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(counts)
     out = {}

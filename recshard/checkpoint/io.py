@@ -381,7 +381,9 @@ def _entry_targets(
     for key in keys:
         meta = metadata.state_dict_metadata.get(f"model.{key}")
         if key in template and isinstance(meta, TensorStorageMetadata):
-            out[key] = template[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+            out[key] = template[key] = torch.empty(
+                meta.size, dtype=meta.properties.dtype, device="cpu"
+            )
     return out
 
 
@@ -475,7 +477,7 @@ def read_checkpoint(
     opened = _open_checkpoint(path, checkpoint_key(key))
     try:
         state = {
-            fqn: torch.empty(meta.size, dtype=meta.properties.dtype)
+            fqn: torch.empty(meta.size, dtype=meta.properties.dtype, device="cpu")
             for fqn, meta in opened.manifest.metadata.state_dict_metadata.items()
         }
         reader = StagingReader(opened.directory, opened.dir_fd, opened.manifest, allow_non_finite)

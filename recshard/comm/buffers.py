@@ -45,7 +45,7 @@ def take(site: str, numel: int, dtype: torch.dtype, device: torch.device) -> tor
     """A 1-D buffer of `numel` elements for call site `site` (e.g. a collective's name): a
     new tensor on the memory of an idle kept buffer, or on new memory."""
     device = torch.device(device)
-    size = torch.empty(0, dtype=dtype).element_size() * numel
+    size = dtype.itemsize * numel
     if _storage_use_count is None or device.type != "cpu" or size < _MIN_BYTES:
         return torch.empty(numel, dtype=dtype, device=device)
     key = (site, dtype, device)

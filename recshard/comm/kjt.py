@@ -265,7 +265,7 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         self._input_error = input_error
         self._bounds = [sum(splits[:r]) for r in range(len(splits) + 1)]  # key ranges by rank
         width = FIXED + 2 * max(splits, default=0) + MSG_WORDS
-        sent = torch.zeros(world_size, width, dtype=torch.int64)  # built on the host
+        sent = torch.zeros(world_size, width, dtype=torch.int64, device="cpu")  # built on the host
         if self._input_error is not None:
             sent[:, REJECTED] = 1
             sent[:, width - MSG_WORDS :] = encode_message(self._input_error)

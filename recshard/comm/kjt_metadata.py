@@ -71,7 +71,7 @@ def select_keys(kjt: KeyedJaggedTensor, key_order: List[int] | None) -> Selected
             kjt.keys(), kjt.stride_per_key(), kjt.length_per_key(), starts, kjt.lengths()
         )
     keys, counts = kjt.keys(), kjt.length_per_key()
-    order = torch.tensor(key_order, dtype=torch.int64)
+    order = torch.tensor(key_order, dtype=torch.int64, device=kjt.lengths().device)
     lengths = kjt.lengths().view(len(keys), -1).index_select(0, order).view(-1)
     return Selected(
         [keys[i] for i in key_order],
@@ -124,8 +124,12 @@ def fill_metadata(
         sent[:, LENGTHS_MIN], sent[:, LENGTHS_MAX] = int(low), int(high)
     for r, num in enumerate(splits):
         lo, hi = bounds[r], bounds[r + 1]
-        sent[r, FIXED : FIXED + num] = torch.tensor(strides[lo:hi], dtype=torch.int64)
-        sent[r, FIXED + num : FIXED + 2 * num] = torch.tensor(counts[lo:hi], dtype=torch.int64)
+        sent[r, FIXED : FIXED + num] = torch.tensor(
+            strides[lo:hi], dtype=torch.int64, device=sent.device
+        )
+        sent[r, FIXED + num : FIXED + 2 * num] = torch.tensor(
+            counts[lo:hi], dtype=torch.int64, device=sent.device
+        )
 
 
 def check_dtypes_agree(received: torch.Tensor) -> None:

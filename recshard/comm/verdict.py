@@ -53,7 +53,7 @@ class VerdictAwaitable(Awaitable[None]):
     def __init__(self, pg: dist.ProcessGroup, error: str | None, device: torch.device) -> None:
         super().__init__()
         self._pg, self._error = pg, error
-        mine = torch.zeros(1 + MSG_WORDS, dtype=torch.int64)
+        mine = torch.zeros(1 + MSG_WORDS, dtype=torch.int64, device="cpu")  # built on the host
         if error is not None:
             mine[0] = 1
             mine[1:] = encode_message(error)

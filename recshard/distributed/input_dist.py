@@ -118,7 +118,7 @@ class CollectionInputDist:
         self._warned: Set[Tuple[str, str]] = set()
         self._wire_features = [f for s in shardings for f in s.input_features]
         self._wire_splits = [len(s.input_features) for s in shardings]
-        self._permute_cache: Dict[Tuple[str, ...], torch.Tensor] = {}
+        self._permute_cache: Dict[Tuple[str, ...], Tuple[List[int], torch.Tensor]] = {}
         checked = {
             name: rows
             for name, (table, rows) in self._feature_to_table.items()
@@ -164,11 +164,16 @@ class CollectionInputDist:
             validate=False,
         )
 
-    def _wire_permutation(self, keys: List[str]) -> torch.Tensor:
+    def _wire_permutation(
+        self, keys: List[str], device: torch.device
+    ) -> Tuple[List[int], torch.Tensor]:
+        """The wire order's key indices in `keys`: as a list, and as a tensor on `device` (the
+        features'), built once per key order."""
         cached = self._permute_cache.get(tuple(keys))
-        if cached is None:
+        if cached is None or cached[1].device != device:
             index = {k: i for i, k in enumerate(keys)}
-            cached = torch.tensor([index[f] for f in self._wire_features], dtype=torch.int32)
+            order = [index[f] for f in self._wire_features]
+            cached = (order, torch.tensor(order, dtype=torch.int32, device=device))
             self._permute_cache[tuple(keys)] = cached
         return cached
 
@@ -193,17 +198,17 @@ class CollectionInputDist:
                 ]
         in_order = None  # one sharding routing the keys in wire order without a permute
         if error is None and features.keys() != self._wire_features:  # else: no copy
-            permutation = self._wire_permutation(features.keys())
+            order, permutation = self._wire_permutation(features.keys(), features.device())
             if len(self._shardings) == 1:
                 in_order = self._shardings[0].input_dist_in_order(
-                    features, permutation.tolist(), ctx.sharding_contexts[0]
+                    features, order, ctx.sharding_contexts[0]
                 )
             if in_order is None:
-                features = features.permute(permutation.tolist(), permutation.to(features.device()))
+                features = features.permute(order, permutation)
         if error is None:
             parts = features.split(self._wire_splits) if len(self._wire_splits) > 1 else [features]
         else:
-            parts = [placeholder_kjt(s.input_features) for s in self._shardings]
+            parts = [placeholder_kjt(s.input_features, self._device) for s in self._shardings]
         verdict = None  # no splits exchange carries the verdict: exchange it on its own
         if not any(s.carries_input_error for s in self._shardings):
             verdict = exchange_verdict(self._env.pg, error, self._device)
@@ -277,13 +282,13 @@ def _one_column(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
     )
 
 
-def placeholder_kjt(keys: List[str]) -> KeyedJaggedTensor:
-    """An empty batch with these keys: lets a rejecting rank join an all-to-all (the splits
-    exchange, a managed-collision remap's)."""
+def placeholder_kjt(keys: List[str], device: torch.device) -> KeyedJaggedTensor:
+    """An empty batch with these keys on `device` (the module's): lets a rejecting rank join
+    an all-to-all (the splits exchange, a managed-collision remap's)."""
     return KeyedJaggedTensor(
         keys,
-        torch.empty(0, dtype=torch.int64),
-        lengths=torch.zeros(0, dtype=torch.int32),
+        torch.empty(0, dtype=torch.int64, device=device),
+        lengths=torch.zeros(0, dtype=torch.int32, device=device),
         stride=0,
         validate=False,
     )

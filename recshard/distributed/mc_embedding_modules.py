@@ -183,7 +183,7 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
 
         def dist(column: KeyedJaggedTensor | None, error: str | None) -> Any:
             if column is None:
-                column = placeholder_kjt(wanted)
+                column = placeholder_kjt(wanted, self._managed_collision_collection._device)
             else:
                 keys = column.keys()
                 column = column.permute([keys.index(f) for f in wanted])

@@ -269,11 +269,11 @@ class ShardedManagedCollisionCollection(nn.Module):
         self._owner_of_bucket = torch.tensor(
             [r for owners in owner_of_bucket for r in owners], dtype=torch.int64, device=device
         )
-        self._first_owner = (
-            torch.tensor([0] + [len(owners) for owners in owner_of_bucket[:-1]], dtype=torch.int64)
-            .cumsum(0)
-            .to(device)
-        )
+        self._first_owner = torch.tensor(
+            [0] + [len(owners) for owners in owner_of_bucket[:-1]],
+            dtype=torch.int64,
+            device=device,
+        ).cumsum(0)
         self._checked_features = wire_features + self._column_features
         self._checked_tables = torch.tensor(
             [self._table_index[self._feature_to_table[f]] for f in self._checked_features],
@@ -333,7 +333,11 @@ class ShardedManagedCollisionCollection(nn.Module):
             for k, feature in enumerate(self._checked_features):
                 if feature in self._hashed_features:
                     hashed = self._table_of(feature).preprocess(
-                        {feature: JaggedTensor(parts[k], lengths=torch.tensor([per_key[k]]))}
+                        {
+                            feature: JaggedTensor(
+                                parts[k], lengths=torch.tensor([per_key[k]], device=ids.device)
+                            )
+                        }
                     )
                     parts[k] = hashed[feature].values()
             ids = torch.cat(parts) if parts else ids
@@ -372,7 +376,10 @@ class ShardedManagedCollisionCollection(nn.Module):
             pending = []
             if self._kjt_a2a is not None:
                 pending.append(
-                    self._kjt_a2a(placeholder_kjt(self._wire_features * world), input_error=str(e))
+                    self._kjt_a2a(
+                        placeholder_kjt(self._wire_features * world, self._device),
+                        input_error=str(e),
+                    )
                 )
             pending += [dist(None, str(e)) for dist in column_dists or []]
             pending[0].wait()

@@ -86,9 +86,11 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
         )
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
-        """Parameters of sharded modules and tensor-parallel shards (`recshard.parallel`,
+        """The unsharded parts move to `device` (as TorchRec's wrapper moves them, also on one
+        rank); parameters of sharded modules and tensor-parallel shards (`recshard.parallel`,
         marked `shard_spec`: each rank's gradient is already complete) stay out of DDP."""
         module = dmp._dmp_wrapped_module
+        move_unsharded(module, device)
         ignore = list(_sharded_parameter_names(module))
         ignore += [
             name
@@ -109,6 +111,20 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
             process_group=env.pg,
             **self._kwargs,
         )
+
+
+def move_unsharded(module: nn.Module, device: torch.device) -> None:
+    """Move the parameters and buffers of `module`'s unsharded parts to `device`; sharded
+    modules (and everything under them) keep theirs."""
+
+    def visit(child: nn.Module) -> None:
+        if isinstance(child, ShardedModule):
+            return
+        child._apply(lambda t: t.to(device), recurse=False)
+        for grandchild in child.children():
+            visit(grandchild)
+
+    visit(module)
 
 
 def _sharded_parameter_names(module: nn.Module) -> Iterator[str]:
@@ -314,9 +330,7 @@ class DistributedModelParallel(nn.Module):
     def copy(self, device: torch.device) -> DistributedModelParallel:
         """A deep copy whose unsharded parts live on `device` (shards stay where they are)."""
         other = copy.deepcopy(self)
-        for child in other.module.modules():
-            if not isinstance(child, ShardedModule):
-                child.to(device)
+        move_unsharded(other.module, device)
         other.device = torch.device(device)
         return other
 

@@ -174,7 +174,7 @@ def load_entries(
         value = values[key]
         if isinstance(value, ShardedTensor):
             parts = [shard.tensor for shard in value.local_shards()]
-            value = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+            value = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device="cpu")
         per_module.setdefault(id(module), (module, {}))[1][name] = value
     for module, found in per_module.values():
         if check_only:

@@ -176,7 +176,12 @@ class GroupedLookup(nn.Module):
         if len(self.kernels) == 1:
             return self.kernels[0](features)
         if not self.kernels:
-            return torch.empty(0) if variable else torch.empty(features.stride(), 0)
+            device = features.device()
+            return (
+                torch.empty(0, device=device)
+                if variable
+                else torch.empty(features.stride(), 0, device=device)
+            )
         parts = features.split(self._features_per_kernel)
         weights = features.weights_or_none()
         if self.side_by_side and (weights is None or not weights.requires_grad):

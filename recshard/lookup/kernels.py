@@ -241,7 +241,9 @@ class TorchFusedKernel(LookupKernel):
         self.lr = lr
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        placeholder = torch.empty(0, requires_grad=torch.is_grad_enabled())
+        placeholder = torch.empty(
+            0, requires_grad=torch.is_grad_enabled(), device=features.device()
+        )
         return TorchFusedLookup.apply(placeholder, features.weights_or_none(), self, features)
 
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
@@ -298,7 +300,11 @@ def row_gradients(
             lengths = jt.lengths()
             if kernel.pooling == PoolingType.MEAN:
                 grad = grad / _mean_divisor(lengths)
-            bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.long())
+            bag = torch.repeat_interleave(  # output_size: no device sync for the count
+                torch.arange(lengths.numel(), device=lengths.device),
+                lengths.long(),
+                output_size=ids.numel(),
+            )
             rows_grad = grad.index_select(0, bag)
             if table_weights is not None:
                 sample_grads.append((rows_grad * table_weights[t_index][ids]).sum(dim=1))
@@ -391,13 +397,15 @@ def plain_lookup(
                 include_last_offset=True,
             )
             if weight.numel()
-            else torch.zeros(jt.lengths().numel(), weight.size(1), dtype=weight.dtype)
+            else torch.zeros(
+                jt.lengths().numel(), weight.size(1), dtype=weight.dtype, device=weight.device
+            )
         )
         if kernel.pooling == PoolingType.MEAN:
             pooled = pooled / _mean_divisor(jt.lengths())
         outputs.append(pooled)
     if kernel.pooled and features.variable_stride_per_key():
-        return to_rank_major(outputs, features.stride_per_key_per_rank())
+        return to_rank_major(outputs, features.stride_per_key_per_rank(), features.device())
     if not outputs:
-        return torch.empty(features.stride(), 0)
+        return torch.empty(features.stride(), 0, device=features.device())
     return torch.cat(outputs, dim=1 if kernel.pooled else 0)

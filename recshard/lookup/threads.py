@@ -129,5 +129,7 @@ def run_side_by_side(
     )
     if not any(out.requires_grad for out in outputs):
         return outputs
-    anchor = torch.empty(0, requires_grad=True)  # gives the join a node in the outer graph
+    anchor = torch.empty(
+        0, requires_grad=True, device=outputs[0].device
+    )  # gives the join a node in the outer graph
     return list(_JoinOutputs.apply(anchor, outputs, costs, *(out.detach() for out in outputs)))

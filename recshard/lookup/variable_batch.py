@@ -30,11 +30,14 @@ def rank_chunk_sizes(
 
 
 def to_rank_major(
-    per_feature: Sequence[torch.Tensor], batch_per_feature_per_rank: Sequence[Sequence[int]]
+    per_feature: Sequence[torch.Tensor],
+    batch_per_feature_per_rank: Sequence[Sequence[int]],
+    device: torch.device,
 ) -> torch.Tensor:
-    """Per-feature `[B_f, D_f]` (rows grouped by source rank) -> the flat rank-major layout."""
+    """Per-feature `[B_f, D_f]` (rows grouped by source rank) -> the flat rank-major layout
+    (on `device`: the lookup's, also when there are no features)."""
     if not per_feature:
-        return torch.empty(0)
+        return torch.empty(0, device=device)
     pieces = [p.split(list(b), dim=0) for p, b in zip(per_feature, batch_per_feature_per_rank)]
     world = len(batch_per_feature_per_rank[0])
     return torch.cat([pieces[f][r].reshape(-1) for r in range(world) for f in range(len(pieces))])
@@ -77,7 +80,7 @@ def padded_to_rank_major(
         piece[: sum(b)]
         for piece, b in zip(pooled.split(list(dims), dim=1), batch_per_feature_per_rank)
     ]
-    return to_rank_major(per_feature, batch_per_feature_per_rank)
+    return to_rank_major(per_feature, batch_per_feature_per_rank, pooled.device)
 
 
 def join_rank_major(

@@ -77,7 +77,9 @@ class InteractionArch(nn.Module):
     def __init__(self, num_sparse_features: int) -> None:
         super().__init__()
         self.F: int = num_sparse_features
-        self.register_buffer("triu_indices", torch.empty(2, 0, dtype=torch.long), persistent=False)
+        self.register_buffer(
+            "triu_indices", torch.empty(2, 0, dtype=torch.long, device="cpu"), persistent=False
+        )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

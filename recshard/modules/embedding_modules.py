@@ -85,9 +85,18 @@ class EmbeddingBagCollection(EmbeddingTables):
             for at, dim in zip(self._lookup_position, self._dims)
             for d in range(dim)
         ]
-        self._columns = None if columns == list(range(len(columns))) else torch.tensor(columns)
+        # host metadata, moved to the data's device per call (the module may move after build)
+        self._columns = (
+            None if columns == list(range(len(columns))) else torch.tensor(columns, device="cpu")
+        )
         self._lookup_dims = torch.tensor(
-            [s.config.embedding_dim for g in self._groups for s in g.tables for _ in range(s.count)]
+            [
+                s.config.embedding_dim
+                for g in self._groups
+                for s in g.tables
+                for _ in range(s.count)
+            ],
+            device="cpu",
         )
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:

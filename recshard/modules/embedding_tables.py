@@ -91,6 +91,7 @@ class TableGroupSpan:
     layout: KernelLayout
     dim: int | None  # the tables' dim when they share one (the group's torch path needs it)
     mean: bool
+    # host metadata (moved to the ids' device where used: the module may move after build)
     feature_dims: torch.Tensor  # [count] each key's dim
     first_row_per_key: torch.Tensor  # [count] each key's table's first row in the flat storage
     rows_per_key: torch.Tensor  # [count] each key's table's rows
@@ -254,9 +255,9 @@ def _group_spans(
                 layout=layout,
                 dim=dims[0] if len(set(dims)) == 1 else None,
                 mean=configs[0].pooling == PoolingType.MEAN,
-                feature_dims=torch.tensor([dims[i] for i in per_key]),
-                first_row_per_key=torch.tensor([first_rows[i] for i in per_key]),
-                rows_per_key=torch.tensor([rows[i] for i in per_key]),
+                feature_dims=torch.tensor([dims[i] for i in per_key], device="cpu"),
+                first_row_per_key=torch.tensor([first_rows[i] for i in per_key], device="cpu"),
+                rows_per_key=torch.tensor([rows[i] for i in per_key], device="cpu"),
             )
         )
         first += sum(counts)
@@ -288,8 +289,9 @@ def flat_rows(features: KeyedJaggedTensor, group: TableGroupSpan, check: bool) -
     if check:
         check_rows_per_key(
             ids,
-            torch.tensor(value_at[group.first : group.first + group.count + 1]) - v0,
-            group.rows_per_key,
+            torch.tensor(value_at[group.first : group.first + group.count + 1], device=ids.device)
+            - v0,
+            group.rows_per_key.to(ids.device),
         )
     key_lengths = torch.tensor(
         length_per_key[group.first : group.first + group.count], device=ids.device

@@ -383,10 +383,13 @@ def bounds_check(
     bad_weight = nonfinite_weight_mask(kjt)
     if not keys_with_bad_ids(kjt, rows) and bad_weight is None:
         return kjt
-    per_key_lengths = torch.tensor(kjt.length_per_key())
+    device = kjt.values().device
+    per_key_lengths = torch.tensor(kjt.length_per_key(), device=device)
 
     def per_value(flags: List[bool]) -> torch.Tensor:
-        return torch.repeat_interleave(torch.tensor(flags), per_key_lengths).to(kjt.values().device)
+        return torch.repeat_interleave(
+            torch.tensor(flags, device=device), per_key_lengths, output_size=kjt.values().numel()
+        )
 
     bad_id = out_of_range_mask(kjt, rows)
     if bad_weight is not None:

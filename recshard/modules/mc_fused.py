@@ -20,10 +20,10 @@ _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _LOW63 = (1 << 63) - 1
 
 
-def table_salts(tables: int) -> torch.Tensor:
-    """The 63-bit salt of each of `tables` tables `[tables]` (multiples of the golden ratio:
-    distinct, and a bijection of ids per table under XOR)."""
-    return (torch.arange(1, tables + 1, dtype=torch.int64) * _GOLDEN) & _LOW63
+def table_salts(tables: int, device: torch.device) -> torch.Tensor:
+    """The 63-bit salt of each of `tables` tables `[tables]` on `device` (multiples of the
+    golden ratio: distinct, and a bijection of ids per table under XOR)."""
+    return (torch.arange(1, tables + 1, dtype=torch.int64, device=device) * _GOLDEN) & _LOW63
 
 
 class FusedRemap:
@@ -32,11 +32,11 @@ class FusedRemap:
     def __init__(self, modules: Sequence[ManagedCollisionModule], device: torch.device) -> None:
         self._modules = list(modules)
         tables = len(self._modules)
-        self._salts = table_salts(tables).to(device)
+        self._salts = table_salts(tables, device)
         defaults = [m.default_rows() for m in self._modules]  # type: ignore[attr-defined]
         self._defaults = torch.cat(defaults).to(device)
-        starts = torch.tensor([0] + [d.numel() for d in defaults[:-1]], dtype=torch.int64)
-        self._default_start = starts.cumsum(0).to(device)
+        starts = [0] + [d.numel() for d in defaults[:-1]]
+        self._default_start = torch.tensor(starts, dtype=torch.int64, device=device).cumsum(0)
         self._buckets = torch.tensor([m.buckets() for m in self._modules], device=device)
         self._first_bucket = torch.tensor(
             [m.bucket_range()[0] for m in self._modules],  # type: ignore[attr-defined]

@@ -142,11 +142,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         for name, view in self._history.views().items():
             self.register_buffer(name, view)
         self._index = SortedIdIndex(dev)  # derived from the state
-        self._default_rows = torch.tensor(
-            [self._row_offset + s - 1 for s in self._bucket_starts[1:]],
-            dtype=torch.int64,
-            device=dev,
-        )
+        self._default_rows = self._default_rows_on(dev)
         self._evicted_rows: List[torch.Tensor] = []
         self._counters = dict.fromkeys(_COUNTERS, 0)
         # ids remapped and, of them, ids holding a row, since the last metrics(reset=True)
@@ -154,6 +150,31 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         self._rebuild_index()
         self.replicated = False  # see entry_state_names
         self.register_load_state_dict_post_hook(lambda module, _keys: module.validate_state())
+
+    def _default_rows_on(self, device: torch.device) -> torch.Tensor:
+        """`[buckets]` each bucket's last row, its default (global rows)."""
+        rows = [self._row_offset + s - 1 for s in self._bucket_starts[1:]]
+        return torch.tensor(rows, dtype=torch.int64, device=device)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module's hook
+        """`.to()`, `.cuda()`, `to_empty()`: the buffers move, and the state kept beside them
+        follows to their device (history, default rows, lookup counts; the id index is rebuilt
+        from the moved rows at its next use), as all of TorchRec's MCH state is buffers."""
+        super()._apply(fn, recurse)
+        device = self._mch_raw_ids.device
+        if device != self._device:
+            self._device = device
+            self._history.reset({n: getattr(self, n) for n in self._history.names()})
+            self._sync_history()
+            self._default_rows = self._default_rows_on(device)
+            counts = self._lookup_counts
+            self._lookup_counts = (
+                torch.zeros_like(counts, device=device) if counts.is_meta else counts.to(device)
+            )
+            self._evicted_rows = [r.to(device) for r in self._evicted_rows]
+            self._index = SortedIdIndex(device)
+            self._index_version = -1  # `_ensure_index` rebuilds it
+        return self
 
     # -- what the module is -------------------------------------------------------------
 
@@ -182,7 +203,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
 
     def open_slots(self) -> torch.Tensor:
         free = int((self._mch_raw_ids == FREE).sum()) - len(self._default_rows)
-        return torch.tensor([free], dtype=torch.int64)
+        return torch.tensor([free], dtype=torch.int64, device=self._mch_raw_ids.device)
 
     def metrics(self, reset: bool = True) -> Dict[str, float]:
         """Since the last reset: `lookups` (ids remapped), `hits` (of them, ids holding a row),

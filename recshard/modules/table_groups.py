@@ -74,11 +74,13 @@ class KernelLayout:
             dim_offsets.append(dim_offsets[-1] + d)
         return KernelLayout(
             weights_offsets=torch.tensor(
-                [first_element[t] for t in per_feature], dtype=torch.int64
+                [first_element[t] for t in per_feature], dtype=torch.int64, device="cpu"
             ),
-            dim_offsets=torch.tensor(dim_offsets, dtype=torch.int32),
+            dim_offsets=torch.tensor(dim_offsets, dtype=torch.int32, device="cpu"),
             hash_size_cumsum=torch.tensor(
-                [first_row[t] for t in per_feature] + [first_row[-1]], dtype=torch.int64
+                [first_row[t] for t in per_feature] + [first_row[-1]],
+                dtype=torch.int64,
+                device="cpu",
             ),
             total_dim=dim_offsets[-1],
             max_dim=max(dims),
@@ -122,7 +124,7 @@ class GroupStorage:
     ) -> List[torch.Tensor]:
         """Fresh uninitialized tables `[rows, D]` (collection order), each a view of its
         group's flat tensor: one allocation per group."""
-        tables: List[torch.Tensor] = [torch.empty(0)] * len(shapes)
+        tables: List[torch.Tensor] = [torch.empty(0, device=device)] * len(shapes)
         for group in self._groups:
             sizes = [shapes[t][0] * shapes[t][1] for t in group]
             flat = torch.empty(sum(sizes), dtype=dtypes[group[0]], device=device)
@@ -239,7 +241,11 @@ class GroupedPooledLookup(torch.autograd.Function):
                 layout.dim_offsets,
                 ids,
                 offsets,
-                torch.ones(layout.weights_offsets.numel(), dtype=torch.int32),
+                torch.ones(
+                    layout.weights_offsets.numel(),
+                    dtype=torch.int32,
+                    device=layout.weights_offsets.device,
+                ),
             )
         table_grads: Sequence[torch.Tensor | None] = (None,) * len(ctx.shapes)
         if any(ctx.needs_input_grad[5:]):

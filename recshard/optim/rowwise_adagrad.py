@@ -63,7 +63,7 @@ class RowWiseAdagrad(Optimizer):
                     grad = grad.to_dense()
                 state = self.state[param]
                 if not state:
-                    state["step"] = torch.zeros(())
+                    state["step"] = torch.zeros((), device="cpu")  # a host count, as torch.optim
                     rows = param.shape[0] if param.dim() > 1 else 1
                     state["sum"] = torch.full(
                         (rows,),

@@ -164,10 +164,10 @@ class WarmupOptimizer(OptimizerWrapper):
         self._lr = lr
         self._lr_param = lr_param
         self._param_name = param_name
-        self._warmup_param = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        self._warmup_param = torch.nn.Parameter(torch.empty(0, device="cpu"), requires_grad=False)
         # [iteration, stage], live: `state_dict()` hands out this tensor, so a loader that
         # copies into the state in place (recshard.checkpoint.load) moves the schedule too
-        self._position = torch.zeros(2, dtype=torch.long)
+        self._position = torch.zeros(2, dtype=torch.long, device="cpu")  # host schedule
         self._set_lr()  # fused tables update in the first backward, before any step()
 
     @property
@@ -212,7 +212,7 @@ class WarmupOptimizer(OptimizerWrapper):
         if iteration > self._stages[stage].max_iters and stage + 1 < len(self._stages):
             stage += 1
             logger.info("warm-up: %s done, %s starts", self._stages[stage - 1], self._stages[stage])
-        self._position.copy_(torch.tensor([iteration, stage]))
+        self._position.copy_(torch.tensor([iteration, stage], device="cpu"))
         self._set_lr()
 
     def state_dict(self) -> Dict[str, Any]:
@@ -227,8 +227,8 @@ class WarmupOptimizer(OptimizerWrapper):
             raise ValueError(
                 f"warm-up state '{self._param_name}.warmup' is missing from the checkpoint"
             )
-        iteration, stage = self._iteration_and_stage(torch.as_tensor(entry["warmup"]))
+        iteration, stage = self._iteration_and_stage(torch.as_tensor(entry["warmup"], device="cpu"))
         self._optimizer.load_state_dict({**state_dict, "state": saved})
-        self._position.copy_(torch.tensor([iteration, stage]))
+        self._position.copy_(torch.tensor([iteration, stage], device="cpu"))
         logger.info("warm-up resumed at iteration %d (stage %d)", iteration, stage)
         self._set_lr()

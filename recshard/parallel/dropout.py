@@ -21,7 +21,7 @@ _RANK_SEED_OFFSET = 2718  # sharded streams: seed + 2718 * (rank + 1), never the
 
 def _shared_seed(pg: ProcessGroup | None) -> int:
     """A seed drawn from the default generator on the group's first rank, sent to all."""
-    seed = [int(torch.randint(0, 2**31 - 1, (1,)).item())]
+    seed = [int(torch.randint(0, 2**31 - 1, (1,), device="cpu").item())]
     if group_size(pg) > 1:
         src = dist.get_global_rank(pg, 0) if pg is not None else 0
         dist.broadcast_object_list(seed, src=src, group=pg)

@@ -97,7 +97,9 @@ class _QuantTables(nn.Module):
         # the kernels' key order: group after group, features in config order
         self._key_order = [f for lookup in self.lookups for f in lookup.feature_names]
         self._input_order = InputKeyOrder(self._feature_names, self._key_order, type(self).__name__)
-        self._rows_per_key = torch.tensor([self._feature_to_table[f][1] for f in self._key_order])
+        self._rows_per_key = torch.tensor(  # host metadata, moved to the ids' device per call
+            [self._feature_to_table[f][1] for f in self._key_order], device="cpu"
+        )
         quantized = table_name_to_quantized_weights
         for config in self._configs:
             k, j = self._where[config.name]

@@ -230,7 +230,8 @@ def mean_divisor_columns(
     if not mean_features:
         return None
     mean = set(mean_features)
-    batch = next(iter(lengths_per_feature.values())).numel()
+    first = next(iter(lengths_per_feature.values()))
+    batch, device = first.numel(), first.device
     blocks = []
     for feature, _, width in output_columns:
         if feature in mean:
@@ -242,7 +243,7 @@ def mean_divisor_columns(
                 .expand(batch, width)
             )
         else:
-            blocks.append(torch.ones(batch, width))
+            blocks.append(torch.ones(batch, width, device=device))
     return torch.cat(blocks, dim=1)
 
 
@@ -256,11 +257,12 @@ def mean_divisor_blocks(
     `output_columns`, `batch_sizes[i]` rows of its width): bag sizes of MEAN features
     (`lengths_per_feature[f]`, `[B_f]`), 1 elsewhere."""
     mean = set(mean_features)
+    device = next(iter(lengths_per_feature.values())).device
     blocks = []
     for (feature, _, width), batch in zip(output_columns, batch_sizes):
         if feature in mean:
             lengths = lengths_per_feature[feature]
             blocks.append(lengths.clamp(min=1).to(torch.float32).repeat_interleave(width))
         else:
-            blocks.append(torch.ones(batch * width))
+            blocks.append(torch.ones(batch * width, device=device))
     return torch.cat(blocks)

@@ -138,16 +138,16 @@ class RowWisePooledSharding(EmbeddingSharding):
             for f in s.embedding_names
         ]
         self._features_per_group = [sum(s.config.num_features for s in g) for g in ordered]
-        self._block_sizes = [
-            torch.tensor(
-                [
-                    row_block_size(s.config.num_embeddings, self.group_size)
-                    for s in g
-                    for _ in s.config.feature_names
-                ],
-                dtype=torch.int64,
-            )
+        self._block_rows = [
+            [
+                row_block_size(s.config.num_embeddings, self.group_size)
+                for s in g
+                for _ in s.config.feature_names
+            ]
             for g in ordered
+        ]  # per group, the rows of each feature's row block; on the ids' device below
+        self._block_sizes = [
+            torch.tensor(rows, dtype=torch.int64, device=device) for rows in self._block_rows
         ]
         self.lookup = make_lookup(
             [s.local_table(my_index, PoolingType.SUM) for s in ordered[my_group]],
@@ -192,9 +192,9 @@ class RowWisePooledSharding(EmbeddingSharding):
     def set_checked_rows(self, rows: Dict[str, int]) -> None:
         """A checked id, bucketized, lies in its row block."""
         per_key: List[int | None] = []
-        for group, blocks in zip(self._groups, self._block_sizes):
+        for group, blocks in zip(self._groups, self._block_rows):
             names = [f for s in group for f in s.embedding_names]
-            bucket = [b if f in rows else None for f, b in zip(names, blocks.tolist())]
+            bucket = [b if f in rows else None for f, b in zip(names, blocks)]
             per_key += bucket * self.group_size
         self._kjt_a2a.set_id_rows(per_key)
 
@@ -254,8 +254,9 @@ class RowWisePooledSharding(EmbeddingSharding):
         batch = local.size(0) // world
         # rows of global rank (n, l) first grouped by l, then n: local rank l's RS chunk holds
         # the samples of every node's rank l, in node order.
-        order = torch.arange(local.size(0)).view(self._num_groups, lws, batch).transpose(0, 1)
-        regrouped = local.index_select(0, order.reshape(-1).to(local.device))
+        order = torch.arange(local.size(0), device=local.device)
+        order = order.view(self._num_groups, lws, batch).transpose(0, 1)
+        regrouped = local.index_select(0, order.reshape(-1))
         reduced = self._reduce_scatter(regrouped)
         return FnAwaitable(lambda: self._cross_a2a(reduced.wait()).wait())
 

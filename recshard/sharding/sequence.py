@@ -189,21 +189,18 @@ class RowWiseSequenceSharding(_SequenceSharding):
         ordered = [next(s for s in specs if s.config.name == t.name) for t in tables]
         self.input_features = [f for s in ordered for f in s.embedding_names]
         self.output_columns = [(f, 0, width) for f in self.input_features]
-        self._block_sizes = torch.tensor(
-            [
-                row_block_size(s.config.num_embeddings, world)
-                for s in ordered
-                for _ in s.config.feature_names
-            ],
-            dtype=torch.int64,
-        )
+        self._block_rows = [
+            row_block_size(s.config.num_embeddings, world)
+            for s in ordered
+            for _ in s.config.feature_names
+        ]
+        self._block_sizes = torch.tensor(self._block_rows, dtype=torch.int64, device=device)
         self.lookup = make_lookup([s.local_table(env.rank) for s in ordered], False, device, False)
         self._make_dists([len(self.input_features)] * world)
 
     def _routed_rows(self, rows: Dict[str, int]) -> List[int | None]:
         """A checked id, bucketized, lies in its row block (keys bucket-major)."""
-        blocks = self._block_sizes.tolist()
-        bucket = [b if f in rows else None for f, b in zip(self.input_features, blocks)]
+        bucket = [b if f in rows else None for f, b in zip(self.input_features, self._block_rows)]
         return bucket * self.env.world_size
 
     def _route(

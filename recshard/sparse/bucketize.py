@@ -126,7 +126,9 @@ def block_bucketize_sparse_features(
     bag = torch.repeat_interleave(
         torch.arange(num_bags, device=device), lengths.long(), output_size=num_ids
     )
-    block = block_sizes.long().repeat_interleave(bags_per_feature, output_size=num_bags)[bag]
+    block = block_sizes.to(device, torch.int64).repeat_interleave(
+        bags_per_feature, output_size=num_bags
+    )[bag]
     bucket, local = _block_bucket(indices, block, my_size)
     new_bag = bucket * num_bags + bag  # bucket-major, then the original bag
     order = torch.sort(new_bag, stable=True).indices

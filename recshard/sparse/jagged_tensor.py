@@ -99,8 +99,9 @@ class JaggedTensor(JaggedStorage):
         values: List[torch.Tensor], weights: List[torch.Tensor] | None = None
     ) -> JaggedTensor:
         """Build from one tensor per row (no rows: torch's default dtype, as `empty()`)."""
-        lengths = torch.tensor([v.size(0) for v in values], dtype=torch.int32)
-        flat = torch.cat(values) if values else torch.empty(0)
+        device = values[0].device if values else torch.device("cpu")
+        lengths = torch.tensor([v.size(0) for v in values], dtype=torch.int32, device=device)
+        flat = torch.cat(values) if values else torch.empty(0, device=device)
         flat_weights = torch.cat(weights) if weights else None
         return JaggedTensor(flat, flat_weights, lengths=lengths)
 

@@ -240,8 +240,11 @@ class KeyedJaggedTensor(JaggedStorage):
                     else [0] * len(self._keys)
                 )
             else:
-                boundaries = torch.tensor(self.lengths_offset_per_key(), dtype=torch.long)
-                at = self.offsets().index_select(0, boundaries.to(self.offsets().device))
+                offsets = self.offsets()
+                boundaries = torch.tensor(
+                    self.lengths_offset_per_key(), dtype=torch.long, device=offsets.device
+                )
+                at = offsets.index_select(0, boundaries)
                 self._length_per_key = (at[1:] - at[:-1]).tolist()
         return self._length_per_key
 

@@ -145,16 +145,18 @@ def regroup_kts(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> Li
         for key, offset, length in zip(kt.keys(), kt.offset_per_key(), kt.length_per_key()):
             if key in columns:
                 raise ValueError(f"key '{key}' appears in more than one KeyedTensor")
-            columns[key] = torch.arange(base + offset, base + offset + length)
+            columns[key] = torch.arange(base + offset, base + offset + length, device="cpu")
         base += kt.offset_per_key()[-1]
     missing = [k for g in groups for k in g if k not in columns]
     if missing:
         raise KeyError(f"regroup: keys {missing} are in no KeyedTensor")
     values = torch.cat([kt.values() for kt in keyed_tensors], dim=key_dim)
     out = []
-    for group in groups:
+    for group in groups:  # each index built on the host, then moved once
         index = (
-            torch.cat([columns[k] for k in group]) if group else torch.empty(0, dtype=torch.long)
+            torch.cat([columns[k] for k in group])
+            if group
+            else torch.empty(0, dtype=torch.long, device="cpu")
         )
         out.append(values.index_select(key_dim, index.to(values.device)))
     return out

@@ -1,4 +1,5 @@
-"""The production features on a GPU (`make test-cuda`; skipped where no GPU is present).
+"""The production features on a GPU (`make test-cuda`; skipped where no GPU is present, or run
+on the CPU's fake device with RECSHARD_FAKE_CUDA=1: `tests/fake_device.py`).
 
 One rank on NCCL, everything on `cuda:0`, each checked against the unsharded module on the same
 device: variable batch per feature (VBE) through table-, row- and column-wise tables, the
@@ -13,12 +14,15 @@ import copy
 import traceback
 from typing import Callable, Dict, List
 
+import fake_device
 import pytest
 import torch
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() or fake_device.requested()), reason="needs a CUDA GPU"
+    ),
 ]
 
 from ebc_cases import LR, batch, make_ebc, plan_for  # noqa: E402
@@ -46,8 +50,7 @@ SGD = {"optimizer": "exact_sgd", "learning_rate": LR}
 
 
 def _device() -> torch.device:
-    torch.cuda.set_device(0)
-    return torch.device("cuda", 0)
+    return fake_device.cuda_or_fake()
 
 
 def _full(model: torch.nn.Module, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -192,6 +195,6 @@ def _all_cases(rank: int, ws: int) -> Dict[str, List[str]]:
 
 
 def test_vbe_position_weighted_and_managed_collision_on_cuda_match_unsharded() -> None:
-    (results,) = run_ranks(1, _all_cases, backend="nccl", timeout=300)
+    (results,) = run_ranks(1, _all_cases, backend=fake_device.backend(), timeout=300)
     failures = {k: v for k, v in results.items() if v}
     assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())

@@ -1,4 +1,5 @@
-"""The CUDA paths in one run (`make test-cuda`; skipped where no GPU is present).
+"""The CUDA paths in one run (`make test-cuda`; skipped where no GPU is present, or run on the
+CPU's fake device with RECSHARD_FAKE_CUDA=1: `tests/fake_device.py`, `tests/test_fake_device.py`).
 
 Each test spawns one rank on NCCL and checks a CUDA path against the unsharded modules:
 sharded EBC and EC (table-, row-, column-wise) forward, gradients and weights after a step with
@@ -12,13 +13,16 @@ import copy
 import traceback
 from typing import Dict, List
 
+import fake_device
 import pytest
 import torch
 from torch import nn
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() or fake_device.requested()), reason="needs a CUDA GPU"
+    ),
 ]
 
 from ebc_cases import batch, make_ebc, plan_for  # noqa: E402
@@ -53,8 +57,7 @@ KINDS = ["table_wise", "row_wise", "column_wise"]
 
 
 def _device() -> torch.device:
-    torch.cuda.set_device(0)
-    return torch.device("cuda", 0)
+    return fake_device.cuda_or_fake()
 
 
 def _reference_step(
@@ -176,7 +179,7 @@ def _all_ebc_cases(rank: int, ws: int) -> Dict[str, List[str]]:
 
 
 def test_sharded_ebc_on_nccl_matches_unsharded_with_each_fused_optimizer() -> None:
-    (results,) = run_ranks(1, _all_ebc_cases, backend="nccl", timeout=300)
+    (results,) = run_ranks(1, _all_ebc_cases, backend=fake_device.backend(), timeout=300)
     assert not {k: v for k, v in results.items() if v}
 
 
@@ -208,7 +211,7 @@ def _ec_case(rank: int, ws: int) -> List[str]:
 
 
 def test_sharded_ec_on_nccl_matches_unsharded() -> None:
-    assert run_ranks(1, _ec_case, backend="nccl", timeout=120) == [[]]
+    assert run_ranks(1, _ec_case, backend=fake_device.backend(), timeout=120) == [[]]
 
 
 class _Model(nn.Module):
@@ -279,7 +282,7 @@ def _pipeline_case(rank: int, ws: int) -> List[str]:
 
 
 def test_pipeline_on_cuda_streams_matches_plain_loop() -> None:
-    assert run_ranks(1, _pipeline_case, backend="nccl", timeout=120) == [[]]
+    assert run_ranks(1, _pipeline_case, backend=fake_device.backend(), timeout=120) == [[]]
 
 
 @pytest.mark.skipif(not fbgemm_available(), reason="the quantized kernel is fbgemm's (not loaded)")
@@ -290,5 +293,5 @@ def test_quantized_ebc_on_cuda_matches_float_tables() -> None:
     kjt = batch(0, 0, 8, False, False).to(device)
     got, want = qebc(kjt).values().float(), ebc(kjt).values()
     # 8-bit rows: each pooled value within a few steps of its rows' ranges
-    assert got.device.type == "cuda"
+    assert got.device == device
     assert torch.allclose(got, want, atol=0.1), (got - want).abs().max()

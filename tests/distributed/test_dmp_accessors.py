@@ -112,3 +112,27 @@ def test_copy_of_a_model_with_data_parallel_tables_trains_on_its_own() -> None:
                 torch.tensor(result[f"{kernel}/original"]),
                 msg=kernel,
             )
+
+
+def copy_devices(rank: int, ws: int) -> Dict[str, List[str]]:
+    plan = ShardingPlan(
+        {
+            "ebc": construct_module_sharding_plan(
+                TinyDLRM("meta").ebc,
+                {"ta": table_wise(0), "tb": row_wise(), "tc": data_parallel()},
+                world_size=ws,
+            )
+        }
+    )
+    model = DistributedModelParallel(TinyDLRM(), plan=plan)
+    twin = model.copy(torch.device("meta"))
+    placed: Dict[str, List[str]] = {}
+    for name, p in twin.named_parameters():
+        placed.setdefault(p.device.type, []).append(name)
+    return placed
+
+
+def test_copy_moves_the_unsharded_parts_and_leaves_the_shards() -> None:
+    (placed,) = run_ranks(1, copy_devices)
+    assert sorted(placed["meta"]) == ["dense.bias", "dense.weight", "over.bias", "over.weight"]
+    assert sorted(placed["cpu"]) == [f"ebc.embedding_bags.{t}.weight" for t in ("ta", "tb", "tc")]

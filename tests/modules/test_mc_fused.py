@@ -19,7 +19,7 @@ def _filled(zch: int, buckets: int, ids: torch.Tensor) -> MCHManagedCollisionMod
 
 def test_fused_remap_matches_each_module() -> None:
     gen = torch.Generator().manual_seed(3)
-    salt = table_salts(3).tolist()
+    salt = table_salts(3, torch.device("cpu")).tolist()
     first = torch.randint(0, 2**40, (3000,), generator=gen)
     # table 1 holds ids whose salted ids equal table 0's: only the table tag tells them apart
     clash = first[:500] ^ salt[0] ^ salt[1]

@@ -213,7 +213,7 @@ class BatchVote:
     def ask(self, has_batch: bool) -> Awaitable[bool]:
         if self._pg is None:
             return NoWait(has_batch)
-        flag = torch.tensor([int(has_batch)], dtype=torch.int32)
+        flag = torch.tensor([int(has_batch)], dtype=torch.int32, device="cpu")  # a gloo group
         work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._pg, async_op=True)
 
         def verdict() -> bool:
