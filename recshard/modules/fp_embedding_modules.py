@@ -38,14 +38,23 @@ def apply_feature_processors_to_kjt(
     feature_of: Mapping[str, str] | None = None,
 ) -> KeyedJaggedTensor:
     """`features` with each key's weights set by its processor (1.0 for keys without one).
-    `feature_of` maps a key to the feature whose processor it uses (default: itself)."""
+    `feature_of` maps a key to the feature whose processor it uses (default: itself). A
+    processor's error is raised again naming the feature (a processor sees one `JaggedTensor`
+    and cannot name it)."""
     weights: List[torch.Tensor] = []
     for key, jt in zip(features.keys(), jagged_by_index(features)):
-        processor = feature_processors.get(feature_of[key] if feature_of else key)
+        feature = feature_of[key] if feature_of else key
+        processor = feature_processors.get(feature)
         if processor is None:
             weights.append(torch.ones(jt.values().numel(), device=jt.values().device))
-        else:
+            continue
+        try:
             weights.append(processor(jt).weights())
+        except (ValueError, IndexError, RuntimeError) as e:
+            if type(e) not in (ValueError, IndexError, RuntimeError):
+                raise
+            named = f"feature '{feature}'" + (f" (as '{key}')" if key != feature else "")
+            raise type(e)(f"{named}: {e}") from e
     if not weights:
         return features
     return with_weights(features, torch.cat(weights))
