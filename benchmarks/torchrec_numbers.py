@@ -32,7 +32,7 @@ from benchmarks.torchrec_server import emit
 
 SCRIPT = Path(__file__).with_name("torchrec_numbers.py.txt")
 ROOT = Path(__file__).resolve().parent.parent
-CASES = ["ebc", "fp", "vbe", "quant", "mc", "dmp", "dmp_mean"]
+CASES = ["ebc", "fp", "vbe", "quant", "mc", "dmp", "dmp_mean", "dmp_fp"]
 Values = Dict[str, torch.Tensor]
 
 
