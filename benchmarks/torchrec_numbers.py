@@ -4,12 +4,14 @@ ported by `python -m recshard.port` alone under recshard.
 `benchmarks/torchrec_numbers.py.txt` is TorchRec usage as its examples and tests write it (EBC
 and KJT forward/backward, weighted; FP-EBC with PositionWeightedModule and
 PositionWeightedModuleCollection and its split(); a VBE KJT through the unsharded EBC; the
-tutorial's quantize_dynamic flow; the MC-EBC's MCH remap; a DMP loop on 2 gloo ranks with
-RowWiseAdagrad in backward over a table-, row-, column-wise and data-parallel plan). This driver
+tutorial's quantize_dynamic flow, its state dict loaded and the module sharded; the MC-EBC's
+MCH remap; DMP loops on 2 gloo ranks with RowWiseAdagrad in backward over a table-, row-,
+column-wise and data-parallel plan, SUM or MEAN, and over an FP-EBC). This driver
 runs it with VENV's python (TorchRec 1.9.2), ports a copy, runs that with this python starting
 from TorchRec's run's initial weights (state_dict) and the same seeded inputs, and prints one
-JSON line per compared value and one per case: exact, within `--rtol/--atol`, or different
-(max abs difference), and the values only one side produced.
+JSON line per value not exactly equal (within `--rtol/--atol`, or different: max abs
+difference; or produced by one side only) and one per case with the counts. Results and what
+they mean: docs/porting.md ("TorchRec's numbers, side by side").
 
     python -m benchmarks.torchrec_numbers --venv /tmp/torchrec-venv
 """
