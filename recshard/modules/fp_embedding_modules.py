@@ -40,7 +40,8 @@ def apply_feature_processors_to_kjt(
     """`features` with each key's weights set by its processor (1.0 for keys without one).
     `feature_of` maps a key to the feature whose processor it uses (default: itself). A
     processor's error is raised again naming the feature (a processor sees one `JaggedTensor`
-    and cannot name it)."""
+    and cannot name it): the plain built-in types with the feature in the message, others
+    keep their type and get a note naming it."""
     weights: List[torch.Tensor] = []
     for key, jt in zip(features.keys(), jagged_by_index(features)):
         feature = feature_of[key] if feature_of else key
@@ -50,11 +51,12 @@ def apply_feature_processors_to_kjt(
             continue
         try:
             weights.append(processor(jt).weights())
-        except (ValueError, IndexError, RuntimeError) as e:
-            if type(e) not in (ValueError, IndexError, RuntimeError):
-                raise
+        except Exception as e:
             named = f"feature '{feature}'" + (f" (as '{key}')" if key != feature else "")
-            raise type(e)(f"{named}: {e}") from e
+            if type(e) in (ValueError, IndexError, RuntimeError, KeyError, TypeError):
+                raise type(e)(f"{named}: {e}") from e
+            e.add_note(f"raised by the processor of {named}")  # its own type: keep it
+            raise
     if not weights:
         return features
     return with_weights(features, torch.cat(weights))

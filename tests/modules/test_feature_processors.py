@@ -199,6 +199,15 @@ class _Failing(nn.Module):
         raise ValueError(f"bags of {features.lengths().tolist()} refused")
 
 
+class _Refused(ValueError):
+    """A processor's own error type."""
+
+
+class _FailingOwnType(nn.Module):
+    def forward(self, features):
+        raise _Refused("no")
+
+
 def _too_long() -> KeyedJaggedTensor:
     """Feature1 has a bag of 4 ids (its max_feature_length is 3 in `_fp_ebc`)."""
     lengths = torch.tensor([2, 0, 1, 4, 1, 0, 2, 3, 0])
@@ -225,6 +234,13 @@ def test_other_processor_errors_name_the_feature_and_the_value() -> None:
         fp(_kjt())
     with pytest.raises(ValueError, match=r"feature 'Feature1': bags of \[1, 1, 3\] refused"):
         fp.split()[0](_kjt())
+    own = FeatureProcessedEmbeddingBagCollection(
+        EmbeddingBagCollection(_tables(), is_weighted=True),
+        {"Feature0": _FailingOwnType(), "Feature1": _Failing(), "Feature2": _Failing()},
+    )
+    with pytest.raises(_Refused) as raised:  # its own type kept, the feature in a note
+        own.split()[0](_kjt())
+    assert raised.value.__notes__ == ["raised by the processor of feature 'Feature0'"]
     old = feature_processor.PositionWeightedModule({"Feature2": 2})
     with pytest.raises(ValueError, match="feature 'Feature2' has a bag of 3 ids.* 2"):
         old(_kjt().to_dict())
