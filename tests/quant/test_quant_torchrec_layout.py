@@ -29,11 +29,14 @@ def _torchrec_rows(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor)
     return torch.cat([row, torch.zeros(row.size(0), pad, dtype=torch.uint8)], dim=1)
 
 
-def _as_torchrec(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def as_torchrec_layout(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A quantized module's state as TorchRec keeps it: integer tables as whole rows."""
     out = {}
     for key, value in state.items():
-        if key.endswith(".weight"):
+        if f"{key}_qscale" in state:
             out[key] = _torchrec_rows(value, state[f"{key}_qscale"], state[f"{key}_qbias"])
+        elif not key.endswith(("_qscale", "_qbias")):
+            out[key] = value
     return out
 
 
@@ -65,7 +68,7 @@ def test_torchrec_rows_load_into_the_quantized_module(dtype: torch.dtype, bags: 
         return quantize_embeddings(torch.nn.Sequential(EmbeddingCollection(configs)), dtype)
 
     reference, fresh = make(0), make(1)
-    saved = _as_torchrec(reference.state_dict())
+    saved = as_torchrec_layout(reference.state_dict())
     assert all(v.size(1) % 16 == 0 for v in saved.values())
     fresh.load_state_dict(saved)
     for key, value in reference.state_dict().items():
