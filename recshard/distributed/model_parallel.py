@@ -216,6 +216,8 @@ class DistributedModelParallel(nn.Module):
             local_world_size=self._env.local_world_size,
         )
         planner = EmbeddingShardingPlanner(topology=topology)
+        if self._env.pg is None:  # a local env (`ShardingEnv.from_local`): no one to agree with
+            return planner.plan(module, self._sharders)
         return planner.collective_plan(module, self._sharders, self._env.pg)
 
     def _agree_on_plan(self, module: nn.Module, plan: ShardingPlan) -> None:

@@ -36,7 +36,7 @@ from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig, DataType
 from recshard.optim.column_state import column_key
 from recshard.plan.sharding_types import COLUMN_SPLIT_TYPES
-from recshard.quant.rowwise import BITS
+from recshard.quant.rowwise import BITS, split_fused_rows
 from recshard.types import (
     EmbeddingComputeKernel,
     ParameterSharding,
@@ -392,12 +392,13 @@ def load_model_state_dict(
 ) -> List[str]:
     """Copy values into the live model: full tensors are sliced per shard, ShardedTensors
     must already be in this model's layout (use `recshard.checkpoint.load` to reshard)."""
+    sharded, _ = _walk(model)
+    state_dict = _split_torchrec_quant_rows(sharded, state_dict)
     own = model_state_dict(model)
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
     if strict and (missing or unexpected):
         raise ValueError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
-    sharded, _ = _walk(model)
     quantized = _load_quantized(sharded, state_dict)
     entries = entry_state_keys(model)
     load_entries(entries, state_dict, check_only=True)
@@ -433,6 +434,32 @@ def _load_full(sharded: List[Tuple[str, ShardedTableState]], key: str, value: to
             if key == path + module.table_key(config.name):
                 module.load_full_tables({config.name: value})
                 return
+
+
+def _split_torchrec_quant_rows(
+    sharded: List[Tuple[str, ShardedTableState]], state_dict: Dict[str, Any]
+) -> Dict[str, Any]:
+    """`state_dict` with each quantized table given in TorchRec's layout (`.weight` = fbgemm's
+    whole rows, no `.weight_qscale`) split into recshard's three keys (`split_fused_rows`)."""
+    out = state_dict
+    for path, module in sharded:
+        for config in module.table_configs():
+            if module.table_plan(config.name).compute_kernel != "quant":
+                continue
+            key = f"{path}{module.table_key(config.name)}"
+            rows = state_dict.get(key)
+            if not isinstance(rows, torch.Tensor) or isinstance(rows, ShardedTensor):
+                continue
+            fused = split_fused_rows(rows, config.embedding_dim, config.data_type)
+            if fused is None or f"{key}_qscale" in state_dict:
+                continue
+            out = dict(out) if out is state_dict else out
+            out[key], out[f"{key}_qscale"], out[f"{key}_qbias"] = (
+                fused[0],
+                fused[1][:, 0],
+                fused[1][:, 1],
+            )
+    return out
 
 
 def _load_quantized(

@@ -62,8 +62,14 @@ def gather_position_weights(
         param = position_weights.get(feature_of[key] if feature_of else key)
         if param is None:
             pieces.append(torch.ones(seq.numel(), device=seq.device))
-        else:
+            continue
+        try:
             pieces.append(torch.gather(param, 0, seq))
+        except RuntimeError as e:  # positions carried in from outside (weights of a KJT)
+            raise ValueError(
+                f"feature '{key}': positions {int(seq.min())}..{int(seq.max())} fall outside "
+                f"its {param.numel()} position weights (max_feature_length)"
+            ) from e
     if not pieces:
         return torch.empty(0, device=features.values().device)
     return torch.cat(pieces)
@@ -129,7 +135,10 @@ class PositionWeightedModule(FeatureProcessor):
 
     def __init__(self, max_feature_length: int, device: torch.device | None = None) -> None:
         super().__init__()
-        _check_lengths({"": max_feature_length}, type(self).__name__)
+        if max_feature_length <= 0:
+            raise ValueError(
+                f"PositionWeightedModule: max_feature_length is {max_feature_length}, must be > 0"
+            )
         self.max_feature_length = max_feature_length
         self.position_weight = nn.Parameter(torch.empty([max_feature_length], device=device))
         self.reset_parameters()

@@ -38,14 +38,25 @@ def apply_feature_processors_to_kjt(
     feature_of: Mapping[str, str] | None = None,
 ) -> KeyedJaggedTensor:
     """`features` with each key's weights set by its processor (1.0 for keys without one).
-    `feature_of` maps a key to the feature whose processor it uses (default: itself)."""
+    `feature_of` maps a key to the feature whose processor it uses (default: itself). A
+    processor's error is raised again naming the feature (a processor sees one `JaggedTensor`
+    and cannot name it): the plain built-in types with the feature in the message, others
+    keep their type and get a note naming it."""
     weights: List[torch.Tensor] = []
     for key, jt in zip(features.keys(), jagged_by_index(features)):
-        processor = feature_processors.get(feature_of[key] if feature_of else key)
+        feature = feature_of[key] if feature_of else key
+        processor = feature_processors.get(feature)
         if processor is None:
             weights.append(torch.ones(jt.values().numel(), device=jt.values().device))
-        else:
+            continue
+        try:
             weights.append(processor(jt).weights())
+        except Exception as e:
+            named = f"feature '{feature}'" + (f" (as '{key}')" if key != feature else "")
+            if type(e) in (ValueError, IndexError, RuntimeError, KeyError, TypeError):
+                raise type(e)(f"{named}: {e}") from e
+            e.add_note(f"raised by the processor of {named}")  # its own type: keep it
+            raise
     if not weights:
         return features
     return with_weights(features, torch.cat(weights))

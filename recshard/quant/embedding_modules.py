@@ -10,7 +10,8 @@ its memory (bag offsets, ids within their tables: one fbgemm bounds check), ever
 (non-finite per-id weights too) in `validate_input`; outputs are float32 (or `output_dtype`). State
 dict per table: `<attr>.<table>.weight` (packed codes, `uint8 [rows, D * bits / 8]`, or fp16/fp32
 `[rows, D]`) and, for integer types, `.weight_qscale` / `.weight_qbias` (`fp16 [rows]`), all views
-of the kernel's storage, so `load_state_dict` writes straight into it.
+of the kernel's storage, so `load_state_dict` writes straight into it; it also takes TorchRec's
+layout (`weight` = fbgemm's whole rows, scale and bias inside, padded to 16 bytes).
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ from recshard.modules.input_checks import (
 )
 from recshard.quant.config import dtypes_from_qconfig
 from recshard.quant.kernel import QuantLookup, QuantTable, check_output_dtype
-from recshard.quant.rowwise import DtypeLike, check_table_layout, data_type_of, quantize_rows
+from recshard.quant.rowwise import (
+    DtypeLike,
+    check_table_layout,
+    data_type_of,
+    quantize_rows,
+    split_fused_rows,
+)
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 QuantizedWeights = Dict[str, Tuple[torch.Tensor, torch.Tensor | None]]
@@ -93,6 +100,7 @@ class _QuantTables(nn.Module):
             for j, i in enumerate(group)
         }
         self._register_weight_views()
+        self._register_load_state_dict_pre_hook(self._accept_fused_rows)
         self._is_weighted = is_weighted
         # the kernels' key order: group after group, features in config order
         self._key_order = [f for lookup in self.lookups for f in lookup.feature_names]
@@ -109,6 +117,22 @@ class _QuantTables(nn.Module):
                 weight = torch.empty(config.num_embeddings, config.embedding_dim, device=device)
                 config.init_weight(weight)
                 self.lookups[k].load_float(j, weight)
+
+    def _accept_fused_rows(self, state_dict: Dict[str, torch.Tensor], prefix: str, *_) -> None:
+        """Load-state-dict pre-hook: a table's `weight` in TorchRec's layout (fbgemm's whole
+        rows, scale and bias inside, no `weight_qscale` / `weight_qbias` keys) is split into
+        this module's three views."""
+        for config in self._configs:
+            key = f"{prefix}{self._tables_attr}.{config.name}.weight"
+            rows = state_dict.get(key)
+            if rows is None or f"{key}_qscale" in state_dict:
+                continue
+            fused = split_fused_rows(rows, config.embedding_dim, config.data_type)
+            if fused is not None:
+                codes, scale_bias = fused
+                state_dict[key] = codes
+                state_dict[f"{key}_qscale"] = scale_bias[:, 0]
+                state_dict[f"{key}_qbias"] = scale_bias[:, 1]
 
     def _register_weight_views(self) -> None:
         tables = nn.ModuleDict()

@@ -37,6 +37,7 @@ TORCH_DTYPE_TO_DATA_TYPE: Dict[torch.dtype, DataType] = {  # TorchRec's dtype_to
 QUANT_DATA_TYPES = (DataType.INT8, DataType.INT4, DataType.INT2, DataType.FP16, DataType.FP32)
 BITS = {DataType.INT8: 8, DataType.INT4: 4, DataType.INT2: 2}
 SCALE_BIAS_BYTES = 4  # fp16 scale, fp16 bias, at the start of each row
+ROW_ALIGNMENT = 16  # bytes per row in TorchRec's quantized state dict (fbgemm's default)
 FP16_MAX = 65504.0
 
 DtypeLike = torch.dtype | DataType | str
@@ -89,6 +90,23 @@ def data_bytes(dim: int, data_type: DataType) -> int:
 def row_bytes(dim: int, data_type: DataType) -> int:
     """Bytes of a whole unpadded row: values plus, for integer types, scale/bias."""
     return data_bytes(dim, data_type) + (SCALE_BIAS_BYTES if data_type in BITS else 0)
+
+
+def split_fused_rows(
+    rows: torch.Tensor, dim: int, data_type: DataType
+) -> Tuple[torch.Tensor, torch.Tensor] | None:
+    """fbgemm's whole integer rows, as TorchRec's quantized modules keep them in their state
+    dict (`uint8 [R, W]`: fp16 scale, fp16 bias, the codes, padding to `ROW_ALIGNMENT`
+    bytes) -> (codes `uint8 [R, D * bits / 8]`, scale_bias `fp16 [R, 2]`); None for any
+    other tensor."""
+    width = row_bytes(dim, data_type)
+    padded = -(-width // ROW_ALIGNMENT) * ROW_ALIGNMENT
+    if data_type not in BITS or rows.dtype != torch.uint8 or rows.dim() != 2:
+        return None
+    if rows.size(1) != padded:
+        return None
+    scale_bias = rows[:, :SCALE_BIAS_BYTES].contiguous().view(torch.float16)
+    return rows[:, SCALE_BIAS_BYTES:width], scale_bias
 
 
 def quantize_rows(

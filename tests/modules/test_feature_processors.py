@@ -190,3 +190,69 @@ def test_processors_and_fp_ebc_traced_themselves() -> None:
     old = feature_processor.PositionWeightedModule({"Feature1": 3})
     traced_old = symbolic_trace(old)(_kjt().to_dict())
     assert torch.equal(traced_old["Feature1"].weights(), torch.ones(5))
+
+
+class _Failing(nn.Module):
+    """A custom per-feature processor that refuses every bag."""
+
+    def forward(self, features):
+        raise ValueError(f"bags of {features.lengths().tolist()} refused")
+
+
+class _Refused(ValueError):
+    """A processor's own error type."""
+
+
+class _FailingOwnType(nn.Module):
+    def forward(self, features):
+        raise _Refused("no")
+
+
+def _too_long() -> KeyedJaggedTensor:
+    """Feature1 has a bag of 4 ids (its max_feature_length is 3 in `_fp_ebc`)."""
+    lengths = torch.tensor([2, 0, 1, 4, 1, 0, 2, 3, 0])
+    return KeyedJaggedTensor.from_lengths_sync(KEYS, VALUES, lengths)
+
+
+@pytest.mark.parametrize("form", ["collection", "dict"])
+def test_processor_errors_name_the_feature_and_the_value(form: str) -> None:
+    fp = _fp_ebc(form)
+    with pytest.raises(ValueError, match="feature 'Feature1' has a bag of 4 ids.* 3"):
+        fp(_too_long())
+    processors, _ = fp.split()  # the dict form: each PositionWeightedModule sees one bag
+    with pytest.raises(ValueError, match="feature 'Feature1'.*bag of 4 ids.*max_feature_length 3"):
+        processors(_too_long())
+
+
+def test_other_processor_errors_name_the_feature_and_the_value() -> None:
+    ebc = EmbeddingBagCollection(_tables(), is_weighted=True)
+    fp = FeatureProcessedEmbeddingBagCollection(
+        ebc,
+        {"Feature0": PositionWeightedModule(2), "Feature1": _Failing(), "Feature2": _Failing()},
+    )
+    with pytest.raises(ValueError, match=r"feature 'Feature1': bags of \[1, 1, 3\] refused"):
+        fp(_kjt())
+    with pytest.raises(ValueError, match=r"feature 'Feature1': bags of \[1, 1, 3\] refused"):
+        fp.split()[0](_kjt())
+    own = FeatureProcessedEmbeddingBagCollection(
+        EmbeddingBagCollection(_tables(), is_weighted=True),
+        {"Feature0": _FailingOwnType(), "Feature1": _Failing(), "Feature2": _Failing()},
+    )
+    with pytest.raises(_Refused) as raised:  # its own type kept, the feature in a note
+        own.split()[0](_kjt())
+    assert raised.value.__notes__ == ["raised by the processor of feature 'Feature0'"]
+    old = feature_processor.PositionWeightedModule({"Feature2": 2})
+    with pytest.raises(ValueError, match="feature 'Feature2' has a bag of 3 ids.* 2"):
+        old(_kjt().to_dict())
+    grouped = GroupedPositionWeightedModule({"Feature1": 3, "Feature2": 3})
+    with pytest.raises(ValueError, match="feature 'Feature1' has a bag of 4 ids.* 3"):
+        grouped(_too_long())
+    carried = KeyedJaggedTensor.from_lengths_sync(KEYS, VALUES, LENGTHS, POSITIONS.float() * 2)
+    with pytest.raises(ValueError, match=r"feature 'Feature1': positions 0\.\.4 .* its 3"):
+        grouped(carried)
+    with pytest.raises(ValueError, match="max_feature_length is 0"):
+        PositionWeightedModule(0)
+    with pytest.raises(ValueError, match="'Feature0' is -1"):
+        PositionWeightedModuleCollection({"Feature0": -1})
+    with pytest.raises(ValueError, match="'Feature0' is 0"):
+        GroupedPositionWeightedModule({"Feature0": 0})

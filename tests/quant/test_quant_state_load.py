@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+import pytest
 import torch
 from multiprocess import run_ranks
+from test_quant_torchrec_layout import as_torchrec_layout
 from torch import nn
 from torch.quantization import MinMaxObserver, PlaceholderObserver, quantize_dynamic
 
@@ -89,8 +91,11 @@ PLANS = {
 }
 
 
-def load_then_compare(rank: int, ws: int) -> Dict[str, float]:
+def load_then_compare(rank: int, ws: int, torchrec_layout: bool = False) -> Dict[str, float]:
+    """`torchrec_layout`: the state given as TorchRec keeps it (each table's fbgemm rows in
+    one `weight`, tests/quant/test_quant_torchrec_layout.py)."""
     source = quantized(seed=1)  # the state to load
+    state = as_torchrec_layout(source.state_dict()) if torchrec_layout else source.state_dict()
     worst = {}
     for kind, per_table in PLANS.items():
         target = quantized(seed=2)  # other weights: the load must replace every shard
@@ -106,15 +111,16 @@ def load_then_compare(rank: int, ws: int) -> Dict[str, float]:
         kjt = batch(rank)
         with torch.no_grad():
             before = (dmp(kjt) - source(kjt)).abs().max().item()
-            dmp.load_state_dict(source.state_dict())
+            dmp.load_state_dict(state)
             after = (dmp(kjt) - source(kjt)).abs().max().item()
         assert before > 1e-3, (kind, before)  # the weights did differ
         worst[kind] = after
     return worst
 
 
-def test_unsharded_quant_state_dict_loads_into_sharded_modules() -> None:
-    for rank, worst in enumerate(run_ranks(2, load_then_compare, timeout=300)):
+@pytest.mark.parametrize("torchrec_layout", [False, True])
+def test_unsharded_quant_state_dict_loads_into_sharded_modules(torchrec_layout: bool) -> None:
+    for rank, worst in enumerate(run_ranks(2, load_then_compare, torchrec_layout, timeout=300)):
         for kind, err in worst.items():
             assert err < 1e-5, (rank, kind, err)
 
