@@ -30,6 +30,11 @@ from recshard.distributed import table_state
 from recshard.distributed.embedding_types import BaseEmbeddingSharder
 from recshard.distributed.input_dist import CollectionInputDist, EmbeddingModuleContext
 from recshard.distributed.key_value_step import fill_caches_agreed, prefetch_rows
+from recshard.distributed.sharded_state import (
+    load_model_state_dict,
+    model_state_dict,
+    quiet_sharded_tensor,
+)
 from recshard.distributed.table_specs import table_specs as build_table_specs
 from recshard.distributed.table_state import Shards
 from recshard.distributed.unsharded_names import fused_optimizer, unsharded_parameters
@@ -323,6 +328,30 @@ class ShardedEmbeddingModule(ShardedModule):
         """None: kernel buffers (offsets, caches, optimizer state) are internal; weights are
         parameters and optimizer state is `fused_optimizer`'s."""
         return iter(())
+
+    def state_dict(
+        self,
+        *args: Any,
+        destination: Dict[str, Any] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+    ) -> Dict[str, Any]:
+        """The tables as ShardedTensors under their unsharded names (`embedding_bags.<t>.weight`,
+        global shape, this rank's shards), as TorchRec's sharded modules give them, also inside
+        a parent's `state_dict()`; never the kernels' buffers."""
+        with quiet_sharded_tensor():
+            state = model_state_dict(self, prefix)
+        if destination is None:
+            return state
+        destination.update(state)
+        return destination
+
+    def load_state_dict(
+        self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load `state_dict()`'s keys: full tables are sliced per shard, ShardedTensors must be
+        in this module's layout (`recshard.checkpoint.load` reshards)."""
+        return load_model_state_dict(self, state_dict, strict)
 
     def _unsharded_parameters(self) -> Dict[str, nn.Parameter]:
         cached = self.__dict__.get("_unsharded_params_cache")

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recshard import ShardingPlan
 from recshard.distributed import DistributedModelParallel
@@ -56,6 +57,7 @@ def _names(rank: int, ws: int, kind: str, root: bool) -> Tuple[List[str], ...]:
             [n[len("sparse.") :] for n in names if n.startswith("sparse.")] for names in expected
         )
     target = model.sparse if root else model
+    shapes = {k: v.shape for k, v in model.sparse.state_dict().items()}  # before DMP shards it
     plan = ShardingPlan(
         {
             "" if root else "sparse": construct_module_sharding_plan(
@@ -76,6 +78,20 @@ def _names(rank: int, ws: int, kind: str, root: bool) -> Tuple[List[str], ...]:
         assert params[key].numel() == 0
     dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     KeyedOptimizerWrapper(dense, lambda ps: torch.optim.Adam(ps, lr=0.1))  # no empty list
+    # the sharded module's own state, and a plain parent's, use the unsharded names too
+    sharded = dmp.module if root else dmp.module.sparse
+    own = (sorted(sharded.state_dict()), sorted(dmp.module.state_dict()))
+    assert own == (sorted(shapes), expected[2])
+    torch.manual_seed(1)  # the same full tables on every rank
+    full = {k: torch.randn(shape) for k, shape in shapes.items()}
+    sharded.load_state_dict(full)
+    for key, value in sharded.state_dict().items():
+        for shard in value.local_shards() if isinstance(value, ShardedTensor) else []:
+            rows, cols = shard.metadata.shard_offsets
+            height, width = shard.metadata.shard_sizes
+            assert torch.equal(shard.tensor, full[key][rows : rows + height, cols : cols + width])
+        if not isinstance(value, ShardedTensor):
+            assert torch.equal(value, full[key]), key
     return expected, got, sorted(dense)
 
 
