@@ -35,8 +35,8 @@ class History:
     def views(self) -> Dict[str, torch.Tensor]:
         return {n: s[: self._used] for n, s in self._storage.items()}
 
-    @torch.no_grad()
     def append(self, ids: torch.Tensor, iteration: int) -> None:
+        """Ids `[N]` (int64: no autograd to switch off) seen at `iteration`."""
         count = ids.numel()
         end = self._used + count
         for name, storage in self._storage.items():
