@@ -1,8 +1,9 @@
 """Managed collision step cost: the sharded MC-EBC against the plain sharded EBC with the same
 plan (row-wise unless `--sharding` says otherwise), on 26 one-feature tables fed raw 64-bit ids
 (uniform or Zipf). Prints one JSON line per distribution (rank 0): median step ms of the plain
-EBC, of MC steps without an eviction (tables filled by a warm-up eviction) and of MC steps with
-one, the overhead, the remap's share of an MC step, and the hit rate and evictions.
+EBC, of MC steps without an eviction and of MC steps with one, the overhead, the same for
+rank 0's CPU time (`*_cpu_ms`, `cpu_overhead`), the remap's share of an MC step, and the hit
+rate and evictions.
 
     python -m benchmarks.mc --world-size 2 [--rows 10000 --batch 256 --steps 20 --interval 5]
     python -m benchmarks.mc --profile mc_profile.txt   # torch.profiler table of rank 0's steps
@@ -86,16 +87,20 @@ def _plan(module: Any, sharder: Any, sharding: str) -> ShardingPlan:
 
 def _time(
     step: Callable[[KeyedJaggedTensor], None], batches: List[KeyedJaggedTensor]
-) -> List[float]:
+) -> Tuple[List[float], List[float]]:
+    """Per timed step: wall ms and this process's CPU ms (`time.process_time`: steadier than
+    wall time on a machine shared with other jobs; blocking waits for the other rank are not
+    in it)."""
     for kjt in batches[:WARMUP]:
         step(kjt)
-    times = []
+    wall, cpu = [], []
     for kjt in batches[WARMUP:]:
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step(kjt)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+        cpu.append((time.process_time() - start_cpu) * 1e3)
+        wall.append((time.perf_counter() - start) * 1e3)
+    return wall, cpu
 
 
 def _mc_model(args: argparse.Namespace) -> DistributedModelParallel:
@@ -146,15 +151,17 @@ def _measure(args: argparse.Namespace, zipf: bool) -> None:
         KeyedJaggedTensor.from_lengths_sync(b.keys(), b.values() % args.rows, b.lengths())
         for b in batches
     ]
-    plain_ms = statistics.median(_time(lambda kjt: plain(kjt).values().sum().backward(), folded))
+    plain_wall, plain_cpu = _time(lambda kjt: plain(kjt).values().sum().backward(), folded)
+    plain_ms, plain_cpu_ms = statistics.median(plain_wall), statistics.median(plain_cpu)
     model = _mc_model(args)
     mcc, remap_ms = _timed_remap(model)
-    mc_ms = _time(lambda kjt: model(kjt)[0].values().sum().backward(), batches)
+    mc_ms, mc_cpu = _time(lambda kjt: model(kjt)[0].values().sum().backward(), batches)
     remap_ms = remap_ms[WARMUP:]
     # iteration k (1-based) evicts when k % interval == 0; timed steps are WARMUP+1 ...
     evicts = [(WARMUP + 1 + s) % args.interval == 0 for s in range(len(mc_ms))]
     quiet = [t for t, e in zip(mc_ms, evicts) if not e]
     busy = [t for t, e in zip(mc_ms, evicts) if e]
+    quiet_cpu = [t for t, e in zip(mc_cpu, evicts) if not e]
     quiet_remap = [t for t, e in zip(remap_ms, evicts) if not e]
     metrics = [m.metrics() for m in mcc.local_modules().values()]
     if args.profile and dist.get_rank() == 0:
@@ -175,6 +182,9 @@ def _measure(args: argparse.Namespace, zipf: bool) -> None:
             "mc_step_ms": round(median(quiet), 3) if quiet else None,
             "mc_evicting_step_ms": round(median(busy), 3) if busy else None,
             "overhead": round(median(quiet) / plain_ms - 1, 3) if quiet else None,
+            "plain_ebc_step_cpu_ms": round(plain_cpu_ms, 3),
+            "mc_step_cpu_ms": round(median(quiet_cpu), 3) if quiet_cpu else None,
+            "cpu_overhead": round(median(quiet_cpu) / plain_cpu_ms - 1, 3) if quiet_cpu else None,
             "remap_share_of_mc_step": round(median(quiet_remap) / median(quiet), 3)
             if quiet
             else None,

@@ -202,8 +202,8 @@ def route_to_owners(
     weights = features.weights_or_none()
     routed = KeyedJaggedTensor(
         features.keys() * world,
-        features.values()[order],
-        weights[order] if weights is not None else None,
+        features.values().index_select(0, order),
+        weights.index_select(0, order) if weights is not None else None,
         lengths=routed_lengths.to(lengths.dtype),
         stride=features.stride(),
         validate=False,
@@ -342,13 +342,18 @@ class ShardedManagedCollisionCollection(nn.Module):
                     parts[k] = hashed[feature].values()
             ids = torch.cat(parts) if parts else ids
         tables = self._tables_of_ids(self._checked_features, per_key)
-        if ids.numel() and bool(((ids < 0) | (ids >= self._hash_sizes[tables])).any()):
+        if ids.numel() and bool(
+            ((ids < 0) | (ids >= self._hash_sizes.index_select(0, tables))).any()
+        ):
             for feature, part in zip(self._checked_features, ids.split(per_key)):
                 table = self._feature_to_table[feature]
                 self._table_of(feature).check_ids(part, f"table '{table}', feature '{feature}'")
         wire = sum(per_key[: len(self._wire_features)])
         tables, wire_ids = tables[:wire], ids[:wire]
-        owners = self._owner_of_bucket[self._first_owner[tables] + wire_ids % self._buckets[tables]]
+        bucket = wire_ids % self._buckets.index_select(0, tables)
+        owners = self._owner_of_bucket.index_select(
+            0, self._first_owner.index_select(0, tables) + bucket
+        )
         hashed_kjt = KeyedJaggedTensor(
             self._checked_features,
             ids,
@@ -435,7 +440,7 @@ class ShardedManagedCollisionCollection(nn.Module):
     def global_rows(self, local: KeyedJaggedTensor) -> torch.Tensor:
         """The table rows `[N]` of `remap`'s local rows (its output KJT)."""
         tables = self._tables_of_ids(local.keys(), local.length_per_key())
-        return local.values() + self._row_offsets[tables]
+        return local.values() + self._row_offsets.index_select(0, tables)
 
 
 class ManagedCollisionCollectionSharder:

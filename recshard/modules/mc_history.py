@@ -35,18 +35,20 @@ class History:
     def views(self) -> Dict[str, torch.Tensor]:
         return {n: s[: self._used] for n, s in self._storage.items()}
 
-    @torch.no_grad()
     def append(self, ids: torch.Tensor, iteration: int) -> None:
-        end = self._used + ids.numel()
+        """Ids `[N]` (int64: no autograd to switch off) seen at `iteration`."""
+        count = ids.numel()
+        end = self._used + count
         for name, storage in self._storage.items():
             if end > storage.numel():
                 grown = torch.empty(max(2 * end, 1024), dtype=torch.int64, device=storage.device)
                 grown[: self._used] = storage[: self._used]
                 self._storage[name] = storage = grown
+            part = storage.narrow(0, self._used, count)
             if name == IDS:
-                storage[self._used : end] = ids
+                part.copy_(ids)
             else:
-                storage[self._used : end] = iteration
+                part.fill_(iteration)
         self._used = end
 
     def clear(self) -> None:

@@ -277,6 +277,11 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         self._lookup_counts[1] += hit.sum()
         return torch.where(hit, rows, default)
 
+    def index_epoch(self) -> int:
+        """A number that changes whenever the ids holding rows do (cheap: no tensor op)."""
+        self._ensure_index()
+        return self._index.epoch
+
     def sorted_index(self) -> Tuple[torch.Tensor, torch.Tensor, int]:
         """(ids holding rows, sorted; their local rows; a number that changes when they do)."""
         self._ensure_index()
@@ -392,8 +397,10 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
     # -- state --------------------------------------------------------------------------
 
     def _sync_history(self) -> None:
+        """The registered history buffers are the history's current views (set in `_buffers`
+        directly: `nn.Module.__setattr__` costs more than the append, once per step)."""
         for name, view in self._history.views().items():
-            setattr(self, name, view)
+            self._buffers[name] = view
 
     def history_length(self) -> int:
         """Ids counted since the last eviction."""
