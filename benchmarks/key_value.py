@@ -129,7 +129,8 @@ def run(args: argparse.Namespace, tier: str) -> Dict:
     }
     if key_value:
         result["hit_rate"] = round(kernel.hit_rate(), 3)
-        result["dram_budget_mb"] = round(dram_bytes(table, spec) / 2**20, 1)
+        step_rows = args.batch * args.pooling  # at most
+        result["dram_budget_mb"] = round(dram_bytes(table, spec, step_rows) / 2**20, 1)
     return result
 
 

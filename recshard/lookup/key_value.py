@@ -101,16 +101,25 @@ def check_storage(tables: List[LocalTable], specs: List[FusedOptimSpec]) -> None
         check_directory(directory, identities)
 
 
-def cache_bytes(table: LocalTable, spec: FusedOptimSpec) -> int:
-    """Bytes of the cached rows with their optimizer state."""
-    return cache_rows(table) * sum(state_widths(spec, table.cols).values()) * 4
+def record_bytes(table: LocalTable, spec: FusedOptimSpec) -> int:
+    """Bytes of one row with its optimizer state (one record on storage)."""
+    return sum(state_widths(spec, table.cols).values()) * 4
 
 
-def dram_bytes(table: LocalTable, spec: FusedOptimSpec) -> int:
-    """DRAM the kernel holds for `table`'s shard: the cache (rows with their state, slot maps),
-    the row map, and as much again for a step's transient rows (the rows read and written
-    back, the gradients) that the heap may keep."""
-    return 2 * cache_bytes(table, spec) + cache_rows(table) * (8 + 8) + table.rows * 4
+SLOT_BYTES = 11  # per cache slot: its row (int64), referenced, dirty and protected flags
+ROW_MAP_BYTES = 4  # per row of the shard: its cache slot (int32)
+STEP_ROW_COPIES = 4  # a step's transient copies of its distinct rows with their state: the
+# misses read, the victims written back, the rows' gradients and the optimizer's temporaries
+
+
+def dram_bytes(table: LocalTable, spec: FusedOptimSpec, step_rows: int) -> int:
+    """DRAM the kernel holds for `table`'s shard: the cache once (rows with their state, slot
+    maps), the row map, and a step's transient copies of its `step_rows` distinct rows (at most
+    the cache's)."""
+    cached = cache_rows(table)
+    record = record_bytes(table, spec)
+    transient = STEP_ROW_COPIES * min(step_rows, cached) * record
+    return cached * (record + SLOT_BYTES) + table.rows * ROW_MAP_BYTES + transient
 
 
 class _RowCache:

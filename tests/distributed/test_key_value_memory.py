@@ -18,6 +18,7 @@ from recshard.types import ShardingEnv
 
 ROWS, DIM = 500_000, 64  # 128 MB of weights
 MB = 1 << 20
+STEP_IDS = 256 * 4  # a step's ids: at most this many distinct rows
 # what a step itself holds besides the cache: ids, pooled outputs, gradients, allocator slack
 STEP_SLACK = 24 * MB
 
@@ -48,11 +49,11 @@ def train(rank: int, ws: int, directory: str) -> Dict[str, float]:
     baseline = rss()
     sharded = EmbeddingBagCollectionSharder(fused_params=fused).shard(module, plan, env)
     (kernel,) = [k for s in sharded.shardings.values() for k in s.lookup.kernels]
-    budget = dram_bytes(kernel.tables[0], parse_fused_params(fused, "big"))
+    budget = dram_bytes(kernel.tables[0], parse_fused_params(fused, "big"), STEP_IDS)
     peak = rss() - baseline
     g = torch.Generator().manual_seed(rank)
     for _ in range(20):
-        ids = (ROWS ** torch.rand(256 * 4, generator=g) - 1).long()
+        ids = (ROWS ** torch.rand(STEP_IDS, generator=g) - 1).long()
         features = KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.full((256,), 4))
         out = sharded(features).values()
         out.pow(2).sum().backward()
