@@ -3,12 +3,13 @@
 Each local shard's rows and fused optimizer state live in files (`RowStore`); a per-table
 cache of `ceil(cache_load_factor * rows)` rows (TorchRec's `cache_load_factor`, default 0.2,
 from the sharder's fused params or the plan's `CacheParams.load_factor`) holds the rows in
-use, evicting the least recently used. Files go to `ssd_storage_directory` (TorchRec's fused
-param, `@local_rank` filled in), or without one to a fresh private temporary directory, as in
-TorchRec; `check_storage` vets a given directory before any file is made. A step:
+use, evicting by CLOCK (second chance, close to least recently used). Files go to
+`ssd_storage_directory` (TorchRec's fused param, `@local_rank` filled in), or without one to a
+fresh private temporary directory, as in TorchRec; `check_storage` vets a given directory
+before any file is made. A step:
 
-    prefetch(batch)  ids not cached -> LRU slots (updated victims written back first, in
-                     row order), rows read from storage (`RowStore`)
+    prefetch(batch)  ids not cached -> slots the CLOCK hand frees (updated victims written
+                     back first, in row order), rows read from storage (`RowStore`)
     forward          ids -> cache slots; the pure-torch fused lookup on the cache
     backward         the same row gradients and optimizer math as `TorchFusedKernel`
                      on the cache slots, which are marked updated
@@ -18,10 +19,10 @@ no I/O; writing every updated row through cost a write per distinct row a step).
 and checkpoints read the table from a mapping of the files (`table_weights`,
 `optimizer_states`), which first write every updated row back and drop the cached copies (the
 caller may write there: a load). Slots looked up by a forward stay pinned until its backward,
-so a prefetch of the next batch never evicts them. DRAM held per table: the cache
-(`capacity x (cols + state width) x 4` bytes), its slot maps, a row -> slot map (4 bytes a
-row); rows move through `pread`/`pwrite`, so the files' pages stay in the page cache, outside
-the process.
+so a prefetch of the next batch never evicts them. DRAM held per table (`dram_bytes`): the
+cache (`capacity x (cols + state width) x 4` bytes), its slot maps, a row -> slot map (4 bytes
+a row) and a step's transient rows; rows move through `pread`/`pwrite`, so the files' pages
+stay in the page cache, outside the process.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def record_bytes(table: LocalTable, spec: FusedOptimSpec) -> int:
     return sum(state_widths(spec, table.cols).values()) * 4
 
 
-SLOT_BYTES = 11  # per cache slot: its row (int64), referenced, dirty and protected flags
+SLOT_BYTES = 12  # per cache slot: its row (int64), referenced, fresh, dirty, protected flags
 ROW_MAP_BYTES = 4  # per row of the shard: its cache slot (int32)
 STEP_ROW_COPIES = 4  # a step's transient copies of its distinct rows with their state: the
 # misses read, the victims written back, the rows' gradients and the optimizer's temporaries
@@ -123,28 +124,41 @@ def dram_bytes(table: LocalTable, spec: FusedOptimSpec, step_rows: int) -> int:
 
 
 class _RowCache:
-    """One shard's cached rows: slot tensors, the row <-> slot maps, LRU ticks, pins."""
+    """One shard's cached rows: a tensor per field, the row <-> slot maps, CLOCK reference
+    bits, pins.
+
+    Eviction is CLOCK (second chance): a row comes in with its reference bit clear, and each
+    later batch that reads it sets it; a hand sweeps the slots in order, clearing set bits and
+    taking clear ones, so a victim search costs the slots it passes (O(1) amortized per miss),
+    not a scan of the whole cache, and a row read once leaves before rows read again. A row a
+    prefetch brought in stays `fresh` until its forward: that forward is its first read, not a
+    second, so prefetching changes nothing in what is evicted."""
 
     def __init__(self, store: RowStore, capacity: int) -> None:
         self.store = store
         self.capacity = capacity
         self.values = {
-            suffix: torch.zeros(capacity, width) for suffix, width in store.identity.widths.items()
+            name: torch.zeros(capacity, width) for name, width in store.identity.widths.items()
         }
         self.row_slot = torch.full((store.identity.rows,), -1, dtype=torch.int32)
         self.slot_row = torch.full((capacity,), -1, dtype=torch.int64)
-        self.last_used = torch.full((capacity,), -1, dtype=torch.int64)
+        self.referenced = torch.zeros(capacity, dtype=torch.bool)
+        self.fresh = torch.zeros(capacity, dtype=torch.bool)  # brought in, no forward read it yet
         self.dirty = torch.zeros(capacity, dtype=torch.bool)  # updated since read from storage
+        self.protected = torch.zeros(capacity, dtype=torch.bool)  # a victim search's scratch
+        self.hand = 0  # the next slot the sweep looks at
         self.filled = 0  # slots [filled, capacity) were never used
         self.pinned: List[torch.Tensor] = []
         self.lock = threading.Lock()  # a prefetch thread and the step's update share it
         self.lookups = 0  # distinct rows each forward read, summed
         self.misses = 0  # rows read from storage
 
-    def ensure(self, ids: torch.Tensor, tick: int) -> None:
-        """Bring rows `ids` (unique, sorted) into the cache, evicting least recently used (their
-        rows written back first when updated since they came in)."""
+    def ensure(self, ids: torch.Tensor) -> None:
+        """Bring rows `ids` (unique, sorted) into the cache, evicting by CLOCK (victims' rows
+        written back first when updated since they came in)."""
         slots = self.row_slot[ids].long()
+        cached = slots[slots >= 0]
+        self.referenced[cached[~self.fresh[cached]]] = True
         missing = ids[slots < 0]
         if missing.numel():
             if missing.numel() <= self.capacity - self.filled:
@@ -152,7 +166,7 @@ class _RowCache:
                 victims = torch.arange(self.filled, self.filled + missing.numel())
                 self.filled += missing.numel()
             else:
-                victims = self._victims(slots, missing.numel())  # never-used slots first
+                victims = self._victims(cached, missing.numel())
                 self.filled = self.capacity
                 self._write_back(victims[self.dirty[victims]])
                 old = self.slot_row[victims]
@@ -162,16 +176,20 @@ class _RowCache:
                 values[victims] = self.store.read(suffix, missing)
             self.slot_row[victims] = missing
             self.row_slot[missing] = victims.to(torch.int32)
-        self.last_used[self.row_slot[ids].long()] = tick
+            self.referenced[victims] = False
+            self.fresh[victims] = True
 
-    def _victims(self, slots: torch.Tensor, count: int) -> torch.Tensor:
-        """The `count` least recently used slots, neither holding rows of this batch (`slots`)
-        nor pinned by a batch in flight."""
-        keep = self.last_used.clone()
-        keep[slots[slots >= 0]] = torch.iinfo(torch.int64).max
-        for pinned in self.pinned:
-            keep[pinned] = torch.iinfo(torch.int64).max
-        free = int((keep < torch.iinfo(torch.int64).max).sum())
+    def read_by_forward(self, ids: torch.Tensor) -> None:
+        """A forward reads rows `ids` (unique, cached): counted, and no longer fresh."""
+        self.lookups += ids.numel()
+        self.fresh[self.row_slot[ids].long()] = False
+
+    def _victims(self, batch_slots: torch.Tensor, count: int) -> torch.Tensor:
+        """`count` slots the CLOCK hand takes, neither holding rows of this batch
+        (`batch_slots`) nor pinned by a batch in flight; the bits of the slots it passes are
+        cleared. Raises `CacheOverflowError`, changing nothing, when too few are free."""
+        keep = torch.unique(torch.cat([batch_slots, *self.pinned]))
+        free = self.capacity - keep.numel()
         if count > free:
             raise CacheOverflowError(
                 f"table '{self.store.identity.table}': a batch needs {count} rows "
@@ -179,7 +197,28 @@ class _RowCache:
                 "free (the rest hold this batch's or a batch in flight's rows); raise "
                 "cache_load_factor"
             )
-        return torch.topk(keep, count, largest=False).indices
+        protected, referenced = self.protected, self.referenced
+        protected[keep] = True
+        chosen: List[torch.Tensor] = []
+        need = count
+        while need:  # at most two turns: the first clears every bit it passes
+            window = torch.arange(self.hand, self.hand + min(self.capacity, 2 * need + 1024))
+            window %= self.capacity
+            open_ = ~protected[window]
+            takeable = open_ & ~referenced[window]
+            positions = takeable.nonzero().view(-1)[:need]
+            span = int(positions[-1]) + 1 if positions.numel() == need else window.numel()
+            passed = window[:span]
+            referenced[passed[open_[:span]]] = False
+            taken = window[positions]
+            protected[taken] = True  # a later window of this search may pass it again
+            chosen.append(taken)
+            need -= taken.numel()
+            self.hand = (self.hand + span) % self.capacity
+        victims = torch.cat(chosen)
+        protected[keep] = False
+        protected[victims] = False
+        return victims
 
     def _write_back(self, slots: torch.Tensor) -> None:
         """Write the rows in `slots` (unique, dirty) to storage (all files); they are clean."""
@@ -204,7 +243,7 @@ class _RowCache:
         dropped = self.slot_row[~keep]
         self.row_slot[dropped[dropped >= 0]] = -1
         self.slot_row[~keep] = -1
-        self.last_used[~keep] = -1
+        self.referenced[~keep] = False
 
 
 class KeyValueKernel(LookupKernel):
@@ -238,7 +277,6 @@ class KeyValueKernel(LookupKernel):
             )
             for t in tables
         ]
-        self._tick = 0
         self._init_weights()
 
     # ------------------------------------------------------------------ storage views
@@ -291,7 +329,6 @@ class KeyValueKernel(LookupKernel):
         """Bring every row `features` reads into the cache (the next batch's, ahead of time);
         returns the distinct rows per table index. Raises `CacheOverflowError` (having
         changed nothing in that table's cache) when they do not fit."""
-        self._tick += 1
         per_table: Dict[int, List[torch.Tensor]] = {}
         for jt, t_index in zip(jagged_by_index(features), self.feature_table):
             per_table.setdefault(t_index, []).append(jt.values().long())
@@ -299,12 +336,12 @@ class KeyValueKernel(LookupKernel):
         for t_index, rows in unique.items():
             cache = self.caches[t_index]
             with cache.lock:
-                cache.ensure(rows, self._tick)
+                cache.ensure(rows)
         return unique
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         for t_index, rows in self.prefetch(features).items():
-            self.caches[t_index].lookups += rows.numel()
+            self.caches[t_index].read_by_forward(rows)
         slot_values = [
             self.caches[t_index].row_slot[jt.values().long()].long()
             for jt, t_index in zip(jagged_by_index(features), self.feature_table)
