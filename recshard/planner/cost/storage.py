@@ -94,7 +94,8 @@ class EmbeddingStorageEstimator:
         if compute_kernel == KEY_VALUE:
             global_ids = facts.workload[0] * topo.world_size
             touched = touched_rows(table, cache_params, rows, ids_in, global_ids)
-            return key_value_storage(rows, weights, state, io, cache_params, touched)
+            row_state = optimizer_state_bytes(table.optimizer, rows, 0)  # per-row part
+            return key_value_storage(rows, weights, state, io, cache_params, touched, row_state)
         if topo.compute_device == "cpu":
             return Storage(0.0, weights + state + io)
         if compute_kernel == "fused_uvm":
