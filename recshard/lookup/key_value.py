@@ -164,15 +164,22 @@ class _RowCache:
         self.lock = threading.Lock()  # a prefetch thread and the step's update share it
         self.lookups = 0  # distinct rows each forward read, summed
         self.misses = 0  # rows read from storage
+        self._writer: threading.Thread | None = None  # the last write-back, behind the step
+        self._write_error: BaseException | None = None
 
     def ensure(self, ids: torch.Tensor) -> None:
         """Bring rows `ids` (unique, sorted) into the cache, evicting by CLOCK (victims' rows
-        written back first when updated since they came in)."""
-        slots = self.row_slot[ids].long()
-        cached = slots[slots >= 0]
-        self.referenced[cached[~self.fresh[cached]]] = True
-        missing = ids[slots < 0]
-        if missing.numel():
+        written back, behind the step, when updated since they came in). The slots are chosen
+        under the lock; the rows are read outside it, so a prefetch's reads overlap the update
+        of the batch in flight (whose pinned slots it never takes)."""
+        self._wait_for_write_back()  # rows it wrote may be read again now
+        with self.lock:
+            slots = self.row_slot[ids].long()
+            cached = slots[slots >= 0]
+            self.referenced[cached[~self.fresh[cached]]] = True
+            missing = ids[slots < 0]
+            if missing.numel() == 0:
+                return
             if missing.numel() <= self.capacity - self.filled:
                 # slots never used yet (the cache filling up): nothing to choose or write back
                 victims = torch.arange(self.filled, self.filled + missing.numel())
@@ -180,16 +187,22 @@ class _RowCache:
             else:
                 victims = self._victims(cached, missing.numel())
                 self.filled = self.capacity
-                self._write_back(victims[self.dirty[victims]])
+                self._write_back(victims[self.dirty[victims]], behind=True)
                 old = self.slot_row[victims]
                 self.row_slot[old[old >= 0]] = -1
             self.misses += missing.numel()
-            for suffix, values in self.values.items():
-                values[victims] = self.store.read(suffix, missing)
             self.slot_row[victims] = missing
             self.row_slot[missing] = victims.to(torch.int32)
             self.referenced[victims] = False
             self.fresh[victims] = True
+        try:
+            for suffix, values in self.values.items():
+                values[victims] = self.store.read(suffix, missing)
+        except BaseException:
+            with self.lock:  # the rows never came in: their slots hold nothing
+                self.row_slot[missing] = -1
+                self.slot_row[victims] = -1
+            raise
 
     def read_by_forward(self, ids: torch.Tensor) -> None:
         """A forward reads rows `ids` (unique, cached): counted, and no longer fresh."""
@@ -232,17 +245,46 @@ class _RowCache:
         protected[victims] = False
         return victims
 
-    def _write_back(self, slots: torch.Tensor) -> None:
-        """Write the rows in `slots` (unique, dirty) to storage (all files); they are clean."""
-        if slots.numel():
-            rows, order = self.slot_row[slots].sort()
-            slots = slots[order]
-            for suffix, values in self.values.items():
-                self.store.write(suffix, rows, values[slots])
-            self.dirty[slots] = False
+    def _write_back(self, slots: torch.Tensor, behind: bool = False) -> None:
+        """Write the rows in `slots` (unique, dirty) to storage (all files); they are clean.
+        `behind`: copies of the rows are written on a thread while the step goes on (the
+        next `ensure` or flush waits for it and raises its error)."""
+        if slots.numel() == 0:
+            return
+        rows, order = self.slot_row[slots].sort()
+        slots = slots[order]
+        blocks = {suffix: values[slots] for suffix, values in self.values.items()}
+        self.dirty[slots] = False
+        if not behind:
+            self._write(rows, blocks)
+            return
+        self._writer = threading.Thread(
+            target=self._write_behind, args=(rows, blocks), name="recshard-write-back", daemon=True
+        )
+        self._writer.start()
+
+    def _write(self, rows: torch.Tensor, blocks: Dict[str, torch.Tensor]) -> None:
+        for suffix, block in blocks.items():
+            self.store.write(suffix, rows, block)
+
+    def _write_behind(self, rows: torch.Tensor, blocks: Dict[str, torch.Tensor]) -> None:
+        try:
+            self._write(rows, blocks)
+        except BaseException as e:  # noqa: BLE001 - raised by the next wait
+            self._write_error = e
+
+    def _wait_for_write_back(self) -> None:
+        """Wait for the write-back running behind the step; raise its error."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._write_error is not None:
+            error, self._write_error = self._write_error, None
+            raise error
 
     def flush(self) -> None:
         """Write every updated row back: storage then holds the current table."""
+        self._wait_for_write_back()
         self._write_back(self.dirty.nonzero().view(-1))
 
     def drop_unpinned(self) -> None:
@@ -348,8 +390,7 @@ class KeyValueKernel(LookupKernel):
         unique = {t_index: torch.unique(torch.cat(ids)) for t_index, ids in per_table.items()}
         for t_index, rows in unique.items():
             cache = self.caches[t_index]
-            with cache.lock:
-                cache.ensure(rows)
+            cache.ensure(rows)
         return unique
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
