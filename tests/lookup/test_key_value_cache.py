@@ -4,6 +4,7 @@ back later, so each row makes several round trips through storage."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import pytest
@@ -88,3 +89,20 @@ def test_clock_keeps_a_row_in_use_and_overflow_changes_nothing() -> None:
             kv.prefetch(features)
         assert torch.equal(cache.row_slot, before[0]) and torch.equal(cache.slot_row, before[1])
         assert cache.hand == before[2]
+
+
+def test_a_failed_write_back_raises_naming_the_table() -> None:
+    """A write-back that fails behind the step is not dropped: the next step raises it, naming
+    the table and its file (here the file's descriptor is replaced by a read-only one of the
+    same file, so `pwrite` fails as on a broken device)."""
+    with tempfile.TemporaryDirectory() as directory:
+        _, kv = _kernels("exact_adagrad", directory)
+        store = kv.caches[0].store
+        read_only = os.open(store.paths["weight"], os.O_RDONLY)
+        os.close(store._fds["weight"])
+        store._fds["weight"] = read_only
+        with pytest.raises(RuntimeError, match=r"table 't': writing rows of .*weight' failed"):
+            for step in range(8):  # updated rows are evicted from the 4-row cache
+                ids = torch.tensor([4 * step, 4 * step + 1])
+                features = KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([2]))
+                kv(features).sum().backward()
