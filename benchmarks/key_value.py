@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 import threading
@@ -68,7 +69,15 @@ def _map_buffers(kernel: TorchFusedKernel, directory: str) -> None:
 
 
 def run(args: argparse.Namespace, tier: str) -> Dict:
+    """One tier's result; its table's files are deleted afterwards, whatever happens."""
     directory = tempfile.mkdtemp(prefix="kv-bench-", dir=args.directory)
+    try:
+        return _run(args, tier, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, tier: str, directory: str) -> Dict:
     fused = {
         "optimizer": "exact_row_wise_adagrad",
         "learning_rate": 0.01,
@@ -129,7 +138,8 @@ def run(args: argparse.Namespace, tier: str) -> Dict:
     }
     if key_value:
         result["hit_rate"] = round(kernel.hit_rate(), 3)
-        result["dram_budget_mb"] = round(dram_bytes(table, spec) / 2**20, 1)
+        step_rows = args.batch * args.pooling  # at most
+        result["dram_budget_mb"] = round(dram_bytes(table, spec, step_rows) / 2**20, 1)
     return result
 
 

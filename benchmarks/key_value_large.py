@@ -100,7 +100,9 @@ def train(args: argparse.Namespace, kind: str, gib: float, directory: str) -> Di
     for kernel in kernels:
         if isinstance(kernel, KeyValueKernel):
             out["hit_rate"] = round(kernel.hit_rate(), 3)
-            out["dram_budget_mb"] = round(dram_bytes(kernel.tables[0], kernel.spec) / 2**20)
+            step_rows = args.world_size * args.batch * args.pooling  # at most, all ranks' ids
+            budget = dram_bytes(kernel.tables[0], kernel.spec, step_rows)
+            out["dram_budget_mb"] = round(budget / 2**20)
     return out
 
 

@@ -192,20 +192,24 @@ def apply_row_update(
     state: Dict[str, torch.Tensor],
     rows: torch.Tensor,
     grad: torch.Tensor,
+    state_rows: torch.Tensor | None = None,
 ) -> None:
     """Update `weight[rows]` in place from the summed fp32 gradient `grad` `[len(rows), D]`;
-    the state stays fp32 whatever the weights' dtype (as fbgemm keeps it)."""
+    the state stays fp32 whatever the weights' dtype (as fbgemm keeps it). `state_rows`: where
+    the rows' state is when not at `rows` (a key-value table's cache holds the weights by slot
+    and its row-wise state by table row)."""
     if spec.optim == OptimType.EXACT_SGD:
         _add_to_rows(weight, rows, grad * -lr, round_update=True)
         return
+    at = rows if state_rows is None else state_rows
     momentum = state["momentum1"]
     if spec.optim == OptimType.EXACT_ADAGRAD:
-        m = momentum.index_select(0, rows) + grad * grad
-        momentum.index_copy_(0, rows, m)
+        m = momentum.index_select(0, at) + grad * grad
+        momentum.index_copy_(0, at, m)
         _add_to_rows(weight, rows, -lr * grad / (m.sqrt() + spec.eps), round_update=True)
         return
-    m = momentum.index_select(0, rows) + (grad * grad).mean(dim=1)
-    momentum.index_copy_(0, rows, m)
+    m = momentum.index_select(0, at) + (grad * grad).mean(dim=1)
+    momentum.index_copy_(0, at, m)
     update = -(lr / (m.sqrt() + spec.eps)).unsqueeze(1) * grad
     _add_to_rows(weight, rows, update, round_update=False)
 

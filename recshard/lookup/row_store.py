@@ -10,16 +10,16 @@ Files are created with O_CREAT|O_EXCL and mode 0600 and their space is reserved 
 creation, and a step never meets a full disk halfway through a write. A file already there is
 never reused or overwritten: the error says which table and shape it holds.
 
-Reads and writes move each row with one `pread` / `pwrite` (rows of a batch are scattered, so
-there are no runs to merge): the page cache serves them and the process keeps nothing but
-what the caller holds. Measured against gathering and scattering through a shared mapping of
-the files (`index_select` / `index_copy_`, then `MADV_DONTNEED` to stay in budget): a read
-fault maps 16 cached pages around each row (Linux's fault-around; `MADV_RANDOM` does not stop
-it) and the drop unmaps them again, 2-8x the time of a call per row from a Python list
-(benchmarks/README.md, "Key-value tables: write-back cache"). Space is reserved at creation,
-so a write cannot meet a full disk; any other failed or short read or write raises naming the
-table and file. `view` maps a file for state dicts and checkpoints (pages come in on access
-and leave with the mapping).
+Reads and writes move each run of consecutive rows with one `pread` / `pwrite` (rows of a batch
+are mostly scattered: a run is usually one row): the page cache serves them and the process
+keeps nothing but what the caller holds. Measured against gathering and scattering through a
+shared mapping of the files (`index_select` / `index_copy_`, then `MADV_DONTNEED` to stay in
+budget): a read fault maps 16 cached pages around each row (Linux's fault-around; `MADV_RANDOM`
+does not stop it) and the drop unmaps them again, 2-8x the time of a call per row from a Python
+list (benchmarks/README.md, "Key-value tables: write-back cache"). Space is reserved at
+creation, so a write cannot meet a full disk; any other failed or short read or write raises
+naming the table and file. `view` maps a file for state dicts and checkpoints (pages come in on
+access and leave with the mapping).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import json
 import os
 import tempfile
 from dataclasses import asdict, dataclass
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -123,6 +123,16 @@ def _check_other_shapes(directory: str, identities: List[StoreIdentity]) -> None
             )
 
 
+def _runs(ids: torch.Tensor) -> Tuple[List[int], List[int]]:
+    """(first row, length) of each run of consecutive rows in `ids` (unique, sorted)."""
+    if ids.numel() == 0:
+        return [], []
+    breaks = torch.nonzero(ids[1:] != ids[:-1] + 1).view(-1) + 1
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
+    ends = torch.cat([breaks, torch.tensor([ids.numel()])])
+    return ids[starts].tolist(), (ends - starts).tolist()
+
+
 class RowStore:
     """One shard's rows on storage: `read(ids)` / `write(ids, values)` per file suffix."""
 
@@ -154,11 +164,14 @@ class RowStore:
         return self.identity.widths[suffix]
 
     def read(self, suffix: str, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` (int64) of one file as `[len(ids), width]` fp32."""
+        """Rows `ids` (int64, unique, sorted) of one file as `[len(ids), width]` fp32."""
         row_bytes = self.width(suffix) * _FLOAT
         fd, pread = self._fds[suffix], os.pread
+        starts, lengths = _runs(ids)
         try:
-            data = b"".join([pread(fd, row_bytes, at) for at in (ids * row_bytes).tolist()])
+            data = b"".join(
+                [pread(fd, n * row_bytes, at * row_bytes) for at, n in zip(starts, lengths)]
+            )
         except OSError as e:
             raise self._failed("reading", suffix, e) from e
         if len(data) != ids.numel() * row_bytes:
@@ -166,14 +179,16 @@ class RowStore:
         return torch.frombuffer(bytearray(data), dtype=torch.float32).view(-1, self.width(suffix))
 
     def write(self, suffix: str, ids: torch.Tensor, values: torch.Tensor) -> None:
-        """Write `values` `[len(ids), width]` to rows `ids` (unique) of one file."""
+        """Write `values` `[len(ids), width]` to rows `ids` (unique, sorted) of one file."""
         row_bytes = self.width(suffix) * _FLOAT
         block = memoryview(values.detach().to(torch.float32).contiguous().numpy()).cast("B")
-        fd, pwrite = self._fds[suffix], os.pwrite
+        fd, pwrite, done = self._fds[suffix], os.pwrite, 0
         try:
-            for k, at in enumerate((ids * row_bytes).tolist()):
-                if pwrite(fd, block[k * row_bytes : (k + 1) * row_bytes], at) != row_bytes:
+            for at, n in zip(*_runs(ids)):
+                size = n * row_bytes
+                if pwrite(fd, block[done : done + size], at * row_bytes) != size:
                     raise OSError("short write")
+                done += size
         except OSError as e:
             raise self._failed("writing", suffix, e) from e
 

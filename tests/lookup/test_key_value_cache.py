@@ -4,6 +4,7 @@ back later, so each row makes several round trips through storage."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import pytest
@@ -12,19 +13,19 @@ import torch
 from recshard import EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.lookup.fused_params import FusedParams
 from recshard.lookup.kernels import TorchFusedKernel
-from recshard.lookup.key_value import KeyValueKernel
+from recshard.lookup.key_value import CacheOverflowError, KeyValueKernel
 from recshard.lookup.tables import LocalTable
 from recshard.types import EmbeddingComputeKernel
 
 ROWS, DIM = 64, 5
 
 
-def _kernels(optimizer: str, directory: str) -> tuple:
+def _kernels(optimizer: str, directory: str, cached_rows: int = 4) -> tuple:
     fused = {
         "optimizer": optimizer,
         "learning_rate": 0.1,
         "ssd_storage_directory": directory,
-        "cache_load_factor": 4 / ROWS,
+        "cache_load_factor": cached_rows / ROWS,
     }
     params = FusedParams.parse(fused, "t")
     config = EmbeddingBagConfig(
@@ -62,3 +63,46 @@ def test_write_back_cache_equals_in_memory(optimizer: str) -> None:
         torch.testing.assert_close(kv.table_weights()[0], memory.table_weights()[0])
         for name, value in memory.optimizer_states()[0].items():
             torch.testing.assert_close(kv.optimizer_states()[0][name], value)
+
+
+def test_clock_keeps_a_row_in_use_and_overflow_changes_nothing() -> None:
+    """A row read every other step stays cached while cold rows stream through (second chance:
+    first in, first out would evict it after 12 newer rows); a batch needing more slots than
+    are free raises and leaves the cache as it was."""
+    with tempfile.TemporaryDirectory() as directory:
+        _, kv = _kernels("exact_row_wise_adagrad", directory, cached_rows=12)
+        cache = kv.caches[0]
+        cold = iter(range(1, ROWS))
+        for step in range(20):
+            ids = [next(cold), next(cold)] + ([0] if step % 2 == 0 else [])
+            features = KeyedJaggedTensor.from_lengths_sync(
+                ["f"], torch.tensor(ids), torch.tensor([len(ids)])
+            )
+            kv(features).sum().backward()
+        assert cache.misses == 1 + 2 * 20  # row 0 came from storage once
+        before = (cache.row_slot.clone(), cache.slot_row.clone(), cache.hand)
+        too_many = torch.arange(40, 40 + cache.capacity + 1)
+        features = KeyedJaggedTensor.from_lengths_sync(
+            ["f"], too_many, torch.tensor([too_many.numel()])
+        )
+        with pytest.raises(CacheOverflowError, match="raise cache_load_factor"):
+            kv.prefetch(features)
+        assert torch.equal(cache.row_slot, before[0]) and torch.equal(cache.slot_row, before[1])
+        assert cache.hand == before[2]
+
+
+def test_a_failed_write_back_raises_naming_the_table() -> None:
+    """A write-back that fails behind the step is not dropped: the next step raises it, naming
+    the table and its file (here the file's descriptor is replaced by a read-only one of the
+    same file, so `pwrite` fails as on a broken device)."""
+    with tempfile.TemporaryDirectory() as directory:
+        _, kv = _kernels("exact_adagrad", directory)
+        store = kv.caches[0].store
+        read_only = os.open(store.paths["weight"], os.O_RDONLY)
+        os.close(store._fds["weight"])
+        store._fds["weight"] = read_only
+        with pytest.raises(RuntimeError, match=r"table 't': writing rows of .*weight' failed"):
+            for step in range(8):  # updated rows are evicted from the 4-row cache
+                ids = torch.tensor([4 * step, 4 * step + 1])
+                features = KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([2]))
+                kv(features).sum().backward()

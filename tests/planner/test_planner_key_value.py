@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from typing import List, Tuple
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from multiprocess import run_ranks
 
 from recshard.lookup.fused_params import FusedParams
-from recshard.lookup.key_value import dram_bytes
+from recshard.lookup.key_value import SLOT_BYTES, dram_bytes
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from recshard.planner import (
@@ -117,24 +118,43 @@ def test_perf_prices_misses_and_write_back_at_storage_bandwidth() -> None:
         assert kv.fwd_comms == fused.fwd_comms and kv.input_dist == fused.input_dist
 
 
-def test_dram_estimate_equals_the_kernels() -> None:
-    """The planner's DRAM for a key_value shard (beyond the step's io) is what the kernel
-    holds (`recshard.lookup.key_value.dram_bytes`)."""
+def _kv_dram(load_factor: float, lookups: float) -> Tuple[float, float, LocalTable, FusedParams]:
+    """(DRAM beyond the step's io, storage) the planner gives a 123,457 x 24 table-wise
+    key_value shard whose steps read `lookups` distinct rows; its LocalTable and params."""
     topology = Topology(1, storage_cap=64 * GIB)
     estimator = EmbeddingStorageEstimator(topology, batch_size=512)
     table = TableMeta("t", 123_457, 24, ["f"], optimizer=OPTIMIZER)
-    params = CacheParams(load_factor=0.07)
+    params = CacheParams(load_factor=load_factor, stats=_Stats(lookups, 0.5))
     kv = estimator.estimate(table, "table_wise", "key_value", 123_457, 24, params)
     fused = estimator.estimate(table, "table_wise", "fused", 123_457, 24, params)
-    stored = 123_457 * (24 + 1) * 4
-    io = fused.ddr - stored
+    io = fused.ddr - 123_457 * (24 + 1) * 4
     config = EmbeddingBagConfig(num_embeddings=123_457, embedding_dim=24, name="t")
-    parsed = FusedParams.parse({"optimizer": OPTIMIZER, "cache_load_factor": 0.07}, "t")
+    parsed = FusedParams.parse({"optimizer": OPTIMIZER, "cache_load_factor": load_factor}, "t")
     local = LocalTable(
         config, 123_457, 24, 0, 0, EmbeddingComputeKernel.KEY_VALUE, PoolingType.SUM, parsed
     )
-    assert kv.ddr - io == pytest.approx(dram_bytes(local, parsed.optim))
-    assert kv.storage == stored
+    return kv.ddr - io, kv.storage, local, parsed
+
+
+@pytest.mark.parametrize("lookups", [4000.0, 50_000.0])
+def test_dram_estimate_equals_the_kernels(lookups: float) -> None:
+    """The planner's DRAM for a key_value shard (beyond the step's io) is what the kernel
+    holds (`recshard.lookup.key_value.dram_bytes`) for a step of that many distinct rows
+    (more than the cache: the transient stops at the cache's size)."""
+    dram, storage, local, parsed = _kv_dram(0.07, lookups)
+    assert dram == pytest.approx(dram_bytes(local, parsed.optim, int(lookups)))
+    assert storage == 123_457 * (24 + 1) * 4
+
+
+def test_dram_counts_the_cache_once() -> None:
+    """A cached row costs its row once plus its slot bytes: the weights' file is not mapped
+    (rows move by pread/pwrite), so nothing doubles the cache; the row-wise state is mapped
+    whole (4 bytes a row whatever the load factor), not cached."""
+    record = 24 * 4
+    small, _, _, _ = _kv_dram(0.05, 100.0)
+    large, _, _, _ = _kv_dram(0.25, 100.0)
+    extra_slots = math.ceil(0.25 * 123_457) - math.ceil(0.05 * 123_457)
+    assert large - small == pytest.approx(extra_slots * (record + SLOT_BYTES))
 
 
 def test_plan_stats_and_explain_show_storage(tmp_path, capsys) -> None:  # noqa: ANN001

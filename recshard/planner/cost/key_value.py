@@ -2,10 +2,13 @@
 storage, a DRAM cache of `load_factor` of its rows (TorchRec's `CacheParams.load_factor`,
 default 0.2), each step's misses read from storage and its updated rows written back.
 
-- DRAM: `ceil(lf rows) (2 (row_bytes + state_row) + 16)` for the cached rows with their state,
-  as much again in mapped file pages, and the slot maps (`recshard.lookup.key_value.
-  dram_bytes`, which the tests compare this to), plus 4 bytes per row for the row -> slot map,
-  plus the step's io; storage: weights + state.
+- DRAM: `ceil(lf rows) (row_bytes + state_row + 12)` for the cached rows with their state and
+  the slot maps, 4 bytes per row for the row -> slot map, `4 min(touched, ceil(lf rows))
+  (row_bytes + state_row)` for a step's transient copies of its distinct rows (misses read,
+  victims written back, gradients, optimizer temporaries), plus the step's io
+  (`recshard.lookup.key_value.dram_bytes`, which the tests compare this to); a row-wise state
+  (per row only) is not cached but mapped whole: its bytes count in DRAM instead of
+  `state_row`; storage: weights + state.
 - time on top of the fused kernel's on the cache: `(1 - hit) touched (row + state_row)` bytes
   read and `touched (row + state_row)` bytes written at `topology.storage_bw`, `touched` the
   shard's distinct rows per step (`touched_rows`, from `CacheStatistics.expected_lookups` when
@@ -31,8 +34,9 @@ from recshard.planner.planner_types import (
 from recshard.types import CacheParams
 
 KEY_VALUE = "key_value"
-_SLOT_MAP_BYTES = 16  # per cached row: its row id and its last use (int64 each)
+_SLOT_BYTES = 12  # per cached row: its row id (int64) and four flags
 _ROW_MAP_BYTES = 4  # per row of the shard: its cache slot (int32)
+_STEP_ROW_COPIES = 4  # a step's transient copies of its distinct rows with their state
 
 
 def offers_key_value(
@@ -67,12 +71,20 @@ def drop_over_storage(
 
 
 def key_value_storage(
-    rows: int, weights: float, state: float, io: float, cache_params: CacheParams | None
+    rows: int,
+    weights: float,
+    state: float,
+    io: float,
+    cache_params: CacheParams | None,
+    touched: float,
+    row_state: float,
 ) -> Storage:
-    """DRAM and storage bytes of a `rows`-row shard (module docstring)."""
-    per_row = (weights + state) / rows if rows else 0.0
+    """DRAM and storage bytes of a `rows`-row shard whose steps read `touched` distinct rows,
+    `row_state` of its `state` bytes a row-wise state (mapped, not cached; module docstring)."""
+    per_row = (weights + state - row_state) / rows if rows else 0.0
     cached = min(rows, math.ceil(cache_load_factor(cache_params) * rows))
-    dram = cached * (2 * per_row + _SLOT_MAP_BYTES) + rows * _ROW_MAP_BYTES + io
+    transient = _STEP_ROW_COPIES * min(touched, cached) * per_row
+    dram = cached * (per_row + _SLOT_BYTES) + rows * _ROW_MAP_BYTES + row_state + transient + io
     return Storage(0.0, dram, weights + state)
 
 

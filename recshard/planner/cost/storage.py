@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from recshard.planner.cost.cache_stats import cache_load_factor
+from recshard.planner.cost.cache_stats import cache_load_factor, touched_rows
 from recshard.planner.cost.estimators import (
     INPUT_COPIES,
     MODULE_OUTPUT_COPIES,
@@ -92,7 +92,10 @@ class EmbeddingStorageEstimator:
             if sharding_type == "data_parallel" and 4.0 * rows * cols >= ROW_EXCHANGE_MIN_BYTES:
                 state -= 4.0 * rows * cols  # averaged in place, no flattened copy
         if compute_kernel == KEY_VALUE:
-            return key_value_storage(rows, weights, state, io, cache_params)
+            global_ids = facts.workload[0] * topo.world_size
+            touched = touched_rows(table, cache_params, rows, ids_in, global_ids)
+            row_state = optimizer_state_bytes(table.optimizer, rows, 0)  # per-row part
+            return key_value_storage(rows, weights, state, io, cache_params, touched, row_state)
         if topo.compute_device == "cpu":
             return Storage(0.0, weights + state + io)
         if compute_kernel == "fused_uvm":
