@@ -7,11 +7,11 @@ One process, one torch thread, the tables and one rank-batch of ids of `benchmar
 (the 26 tables of `ebc_workload`, dim 64, per-rank batch x world size, uniform ids), fp32
 weights, fused exact row-wise Adagrad, SUM pooling. `--tables` keeps the first N tables
 (13: about one rank's share under the DLRM's table-wise plan). Both kernels start from the
-same weights; timed (medians of `--steps`, alternating the two kernels step by step): the
-forward, and the backward with its fused update (fbgemm: through autograd, as recshard calls
-it; native: the C call). After the timed steps, the largest differences of the outputs,
-weights and momenta between the two (each took the same steps on the same gradients) are
-reported. Every line on stdout is one JSON object.
+same weights; timed (medians of `--steps`, alternating the two kernels step by step), both
+through autograd as the lookup calls them: the forward, and the backward with its fused
+update (`FbgemmFusedKernel` vs `NativeFusedKernel`). After the timed steps, the largest
+differences of the outputs, weights and momenta between the two (each took the same steps on
+the same gradients) are reported. Every line on stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import torch
 
 from benchmarks.ebc_workload import QUICK, Sizes, batch_tensors, pooling_factors, table_rows
 from benchmarks.link import emit
-from benchmarks.tbe_floor import EPS, LEARNING_RATE, _tables
+from benchmarks.tbe_floor import _tables
 from recshard.lookup import native_tbe
-from recshard.lookup.huge_pages import huge_page_zeros
 from recshard.lookup.kernels import FbgemmFusedKernel
+from recshard.lookup.native_kernel import NativeFusedKernel
 from recshard.modules import DataType
 from recshard.sparse import KeyedJaggedTensor
 
@@ -54,43 +54,33 @@ def main(argv: List[str] | None = None) -> None:
         [f"cat_{i}" for i in range(len(rows))], values, lengths, stride=batch
     )
     tables = _tables(rows, sizes.dim, DataType.FP32)
-    fbgemm = FbgemmFusedKernel(tables, True, tables[0].fused_params.optim, torch.device("cpu"))
-    weights = huge_page_zeros(sum(rows) * sizes.dim, torch.float32).view(-1, sizes.dim)
-    weights.copy_(torch.cat([w.detach() for w in fbgemm.table_weights()]))
-    momentum = huge_page_zeros(weights.size(0), torch.float32)
-    row_start = torch.tensor([0] + rows[:-1]).cumsum(0)
-    offsets = kjt.offsets().long()
+    spec = tables[0].fused_params.optim
+    fbgemm = FbgemmFusedKernel(tables, True, spec, torch.device("cpu"))
+    native = NativeFusedKernel(tables, True, spec, torch.device("cpu"))
+    for src, dst in zip(fbgemm.table_weights(), native.table_weights()):
+        dst.copy_(src.detach())
     grads = [torch.randn(batch, sizes.dim * len(rows)) for _ in range(args.steps + 1)]
-
-    def native_forward() -> torch.Tensor:
-        return native_tbe.forward(weights, row_start, values, offsets, None, False, batch)
-
-    def native_backward(grad: torch.Tensor) -> None:
-        native_tbe.backward_rowwise_adagrad(
-            weights, momentum, row_start, values, offsets, None, False, grad, LEARNING_RATE,
-            EPS, False,
-        )  # fmt: skip
-
     times: dict = {k: [] for k in ("fbgemm_fwd", "fbgemm_bwd", "native_fwd", "native_bwd")}
     for grad in grads:  # the first step is a warm-up
-        start = time.perf_counter()
-        out = fbgemm(kjt)
-        forward_done = time.perf_counter()
-        out.backward(grad)
-        fbgemm_done = time.perf_counter()
-        native_forward()
-        native_forward_done = time.perf_counter()
-        native_backward(grad)
-        native_done = time.perf_counter()
-        times["fbgemm_fwd"].append(forward_done - start)
-        times["fbgemm_bwd"].append(fbgemm_done - forward_done)
-        times["native_fwd"].append(native_forward_done - fbgemm_done)
-        times["native_bwd"].append(native_done - native_forward_done)
+        for name, kernel in (("fbgemm", fbgemm), ("native", native)):
+            start = time.perf_counter()
+            out = kernel(kjt)
+            forward_done = time.perf_counter()
+            out.backward(grad)
+            times[f"{name}_fwd"].append(forward_done - start)
+            times[f"{name}_bwd"].append(time.perf_counter() - forward_done)
     medians = {k: 1e3 * statistics.median(v[1:]) for k, v in times.items()}
     with torch.no_grad():
-        fb_weights = torch.cat(fbgemm.table_weights())
-        fb_momentum = torch.cat([s["momentum1"] for s in fbgemm.optimizer_states()])
-        out_diff = (fbgemm(kjt) - native_forward()).abs().max().item()
+        out_diff = (fbgemm(kjt) - native(kjt)).abs().max().item()
+    weight_diff = max(
+        (a - b).abs().max().item() for a, b in zip(fbgemm.table_weights(), native.table_weights())
+    )
+    momentum_diff = max(
+        ((a["momentum1"] - b["momentum1"]).abs() / a["momentum1"].abs().clamp(min=1e-12))
+        .max()
+        .item()
+        for a, b in zip(fbgemm.optimizer_states(), native.optimizer_states())
+    )
     emit(
         dict(
             bench="tbe_native",
@@ -105,12 +95,8 @@ def main(argv: List[str] | None = None) -> None:
             forward_speedup=round(medians["fbgemm_fwd"] / medians["native_fwd"], 2),
             backward_speedup=round(medians["fbgemm_bwd"] / medians["native_bwd"], 2),
             max_output_diff=out_diff,
-            max_weight_diff=(fb_weights - weights).abs().max().item(),
-            max_momentum_rel_diff=(
-                (fb_momentum - momentum).abs() / fb_momentum.abs().clamp(min=1e-12)
-            )
-            .max()
-            .item(),
+            max_weight_diff=weight_diff,
+            max_momentum_rel_diff=momentum_diff,
         )
     )
 

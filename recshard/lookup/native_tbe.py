@@ -1,14 +1,15 @@
 """recshard's own CPU embedding-bag kernel (`csrc/cpu_tbe.cpp`), called through ctypes.
 
 The C++ file is built by `pip install` (setup.py's extension `recshard.lookup._cpu_tbe`) and
-opened here by path; it covers pooled SUM/MEAN lookups of fp32 tables of one dim held back to
-back, forward and backward with the fused exact row-wise Adagrad update. `available()` says
-whether the library loaded (a failed build or load logs one warning and callers fall back).
+opened here by path; it covers pooled SUM/MEAN lookups of fp32 tables held back to back in
+one buffer, forward and backward with the fused exact row-wise Adagrad update. `available()`
+says whether the library loaded (a missing build or a failed load logs one warning; callers
+then use fbgemm's kernel or the pure-torch one).
 
-Tensors: `weights` `[total rows, D]` and `momentum` `[total rows]` fp32 contiguous; `row_start`
-`[F]` int64 (feature f's first row); `indices` int32/int64 and `offsets` int32/int64
-`[F * B + 1]` starting at 0, feature-major bags; `per_sample_weights` fp32 `[ids]` or None;
-pooled output and its gradient `[B, F * D]` fp32.
+Tensors: `weights` fp32, every table's `[rows, dim]` back to back (`TableLayout`),
+`momentum` fp32 `[all rows]`; `indices` int32/int64 and `offsets` int32/int64 `[F * B + 1]`
+from 0, bags feature-major; `per_sample_weights` fp32 `[ids]` or None; the pooled output and
+its gradient `[B, sum of the features' dims]` fp32.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
+from dataclasses import dataclass
+from typing import List
 
 import torch
 
@@ -31,23 +34,24 @@ def _load() -> ctypes.CDLL | None:
     if _load_tried:
         return _library
     _load_tried = True
-    spec = importlib.util.find_spec("recshard.lookup._cpu_tbe")
-    if spec is None or spec.origin is None:
+    try:
+        spec = importlib.util.find_spec("recshard.lookup._cpu_tbe")
+        if spec is None or spec.origin is None:
+            raise ImportError("not built")
+        library = ctypes.CDLL(spec.origin)
+    except (ImportError, OSError) as error:
         logger.warning(
-            "recshard's CPU embedding kernel (recshard.lookup._cpu_tbe) is not built "
-            "(reinstall with `pip install -e .`); using fbgemm's kernel instead"
+            "recshard's CPU embedding kernel (recshard.lookup._cpu_tbe) is unavailable (%s): "
+            "fp32 row-wise Adagrad tables run fbgemm's kernel (or the torch one) instead; "
+            "`pip install -e .` builds it",
+            error,
         )
         return None
-    try:
-        library = ctypes.CDLL(spec.origin)
-    except OSError as error:
-        logger.warning("recshard's CPU embedding kernel failed to load (%s); using fbgemm", error)
-        return None
-    library.rs_tbe_forward.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _int, _ptr, _int]
-    library.rs_tbe_forward.argtypes += [_ptr, _int, _ptr]
+    layout = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]  # TableLayout, B, width
+    ids = [_ptr, _int, _ptr, _int, _ptr, _int]  # indices, offsets, per-sample weights, mean
+    library.rs_tbe_forward.argtypes = [_ptr, *layout, *ids, _ptr]
     library.rs_tbe_backward_rowwise_adagrad.argtypes = [
-        *(_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _int, _ptr, _int, _ptr, _int, _ptr),
-        *(_f32, _f32, _ptr, ctypes.c_uint32),
+        *(_ptr, _ptr, *layout, *ids, _ptr, _f32, _f32, _ptr)
     ]
     _library = library
     return library
@@ -56,6 +60,55 @@ def _load() -> ctypes.CDLL | None:
 def available() -> bool:
     """True when the compiled kernel loaded (warns once when it did not)."""
     return _load() is not None
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """Where each table's rows sit in the weights buffer and each feature's columns in the
+    output: int64 tensors the C++ side reads (`cpu_tbe.cpp`'s `Layout`)."""
+
+    row_start: torch.Tensor  # [T + 1]: table t's first global row; all rows last
+    weight_start: torch.Tensor  # [T]: table t's first float in the weights buffer
+    table_dim: torch.Tensor  # [T]
+    feature_table: torch.Tensor  # [F]
+    feature_column: torch.Tensor  # [F]: feature f's first output column
+    width: int  # output columns
+
+    @staticmethod
+    def of(rows: List[int], dims: List[int], feature_table: List[int]) -> TableLayout:
+        row_start = [0]
+        weight_start = [0]
+        for n, dim in zip(rows, dims):
+            row_start.append(row_start[-1] + n)
+            weight_start.append(weight_start[-1] + n * dim)
+        columns = [0]
+        for t in feature_table:
+            columns.append(columns[-1] + dims[t])
+        return TableLayout(
+            row_start=torch.tensor(row_start, dtype=torch.int64),
+            weight_start=torch.tensor(weight_start[:-1], dtype=torch.int64),
+            table_dim=torch.tensor(dims, dtype=torch.int64),
+            feature_table=torch.tensor(feature_table, dtype=torch.int64),
+            feature_column=torch.tensor(columns[:-1], dtype=torch.int64),
+            width=columns[-1],
+        )
+
+    @property
+    def total_rows(self) -> int:
+        return int(self.row_start[-1])
+
+    def args(self, batch: int) -> list:
+        return [
+            self.row_start.data_ptr(),
+            self.weight_start.data_ptr(),
+            self.table_dim.data_ptr(),
+            self.table_dim.numel(),
+            self.feature_table.data_ptr(),
+            self.feature_column.data_ptr(),
+            self.feature_table.numel(),
+            batch,
+            self.width,
+        ]
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:
@@ -68,32 +121,39 @@ def _width(tensor: torch.Tensor) -> int:
     return tensor.element_size()
 
 
-def forward(
-    weights: torch.Tensor,
-    row_start: torch.Tensor,
+def _ids_args(
     indices: torch.Tensor,
     offsets: torch.Tensor,
     per_sample_weights: torch.Tensor | None,
     mean: bool,
-    batch: int,
-) -> torch.Tensor:
-    """Pooled lookup of every feature: `[batch, F * D]`."""
-    library = _load()
-    assert library is not None, "native_tbe.available() first"
-    features, dim = row_start.numel(), weights.size(1)
-    out = torch.empty(batch, features * dim)
-    code = library.rs_tbe_forward(
-        weights.data_ptr(),
-        dim,
-        row_start.data_ptr(),
-        features,
-        batch,
+) -> list:
+    return [
         indices.data_ptr(),
         _width(indices),
         offsets.data_ptr(),
         _width(offsets),
         _address(per_sample_weights),
         int(mean),
+    ]
+
+
+def forward(
+    weights: torch.Tensor,
+    layout: TableLayout,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mean: bool,
+    batch: int,
+) -> torch.Tensor:
+    """Pooled lookup of every feature: `[batch, layout.width]`."""
+    library = _load()
+    assert library is not None, "native_tbe.available() first"
+    out = torch.empty(batch, layout.width)
+    code = library.rs_tbe_forward(
+        weights.data_ptr(),
+        *layout.args(batch),
+        *_ids_args(indices, offsets, per_sample_weights, mean),
         out.data_ptr(),
     )
     assert code == 0
@@ -103,7 +163,7 @@ def forward(
 def backward_rowwise_adagrad(
     weights: torch.Tensor,
     momentum: torch.Tensor,
-    row_start: torch.Tensor,
+    layout: TableLayout,
     indices: torch.Tensor,
     offsets: torch.Tensor,
     per_sample_weights: torch.Tensor | None,
@@ -118,27 +178,16 @@ def backward_rowwise_adagrad(
     library = _load()
     assert library is not None, "native_tbe.available() first"
     grad_output = grad_output.contiguous()
-    features, dim = row_start.numel(), weights.size(1)
-    batch = grad_output.size(0)
     sample_grad = torch.empty(indices.numel()) if per_sample_grad else None
     code = library.rs_tbe_backward_rowwise_adagrad(
         weights.data_ptr(),
         momentum.data_ptr(),
-        dim,
-        row_start.data_ptr(),
-        features,
-        batch,
-        indices.data_ptr(),
-        _width(indices),
-        offsets.data_ptr(),
-        _width(offsets),
-        _address(per_sample_weights),
-        int(mean),
+        *layout.args(grad_output.size(0)),
+        *_ids_args(indices, offsets, per_sample_weights, mean),
         grad_output.data_ptr(),
         lr,
         eps,
         _address(sample_grad),
-        weights.size(0) - 1,
     )
     assert code == 0
     return sample_grad

@@ -1,21 +1,24 @@
 // recshard's CPU embedding-bag kernel: pooled forward, and backward with the fused exact
-// row-wise Adagrad update, over a batch of fp32 tables of one dim held back to back.
+// row-wise Adagrad update, over a batch of fp32 tables held back to back.
 //
-// Plain C++ with a C ABI (no torch headers: it compiles in about a second); Python calls it
-// through ctypes on tensors' data pointers (recshard/lookup/native_tbe.py). One thread per
+// Plain C++ with a C ABI (no torch headers: it compiles in about two seconds); Python calls
+// it through ctypes on tensors' data pointers (recshard/lookup/native_tbe.py). One thread per
 // call. The hot loops are compiled twice (baseline x86-64 and x86-64-v3: AVX2 + FMA) and
-// picked at load time by GCC's function multi-versioning (`target_clones`, an ifunc).
+// picked at load time by GCC's function multi-versioning (`target_clones`, an ifunc); the
+// common dims (32, 64, 128) get loops of a fixed length.
 //
-// Layout: rows of every table back to back (`weights` [total rows, D], `momentum`
-// [total rows]); feature f reads table rows starting at `row_start[f]`; bags feature-major
-// (bag = f * B + b), `offsets` [F * B + 1]; the pooled output / its gradient is [B, F * D].
+// Layout: table t's rows [rows_t, dim_t] start at float `weight_start[t]` of `weights`, its
+// global rows at `row_start[t]` (`row_start[T]`: all rows; `momentum` [all rows]); feature f
+// reads table `feature_table[f]` and pools into columns from `feature_column[f]` of the
+// output [B, width]; bags feature-major (bag = f * B + b), `offsets` [F * B + 1] from 0.
 //
-// Backward: every (row, id position) pair is radix-sorted by row (one sort over all tables),
-// then each distinct row's gradient is summed in a D-float accumulator from its ids' bags'
+// Backward: every id's global row is radix-sorted (one sort over all tables), then each
+// distinct row's gradient is summed in a dim-float accumulator from its ids' bags'
 // output-gradient rows and the row is updated once (fbgemm's "exact" optimizers):
 //   m += mean(g * g);  w -= lr / (sqrt(m) + eps) * g.
 #include <Python.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -29,7 +32,7 @@
 
 namespace {
 
-constexpr int kPrefetch = 16; // ids ahead whose rows are prefetched
+constexpr int kPrefetch = 16;        // ids ahead whose rows are prefetched
 constexpr int kPrefetchUpdate = 32;  // ids ahead whose weight row (read, then written) is
 
 inline void prefetch_row(const float* row, int64_t dim) {
@@ -40,41 +43,63 @@ inline void prefetch_row_for_write(const float* row, int64_t dim) {
   for (int64_t i = 0; i < dim; i += 16) __builtin_prefetch(row + i, 1, 3);
 }
 
-// kDim: the rows' dim when known at compile time (the common ones), else 0 (read `dim`).
+struct Layout {
+  const int64_t* row_start;       // [T + 1]
+  const int64_t* weight_start;    // [T]
+  const int64_t* table_dim;       // [T]
+  const int64_t* feature_table;   // [F]
+  const int64_t* feature_column;  // [F]
+  int64_t tables, features, batch, width;
+};
+
+// One feature's bags. kDim: the dim when known at compile time, else 0 (read `dim_arg`).
 template <int kDim, typename Index, typename Offset>
-RS_CLONES void forward_impl(const float* weights, int64_t dim_arg, const int64_t* row_start,
-                            int64_t features, int64_t batch, const Index* indices,
-                            const Offset* offsets, const float* per_sample_weights, int mean,
-                            float* out) {
+RS_CLONES void forward_feature(const float* table, int64_t dim_arg, int64_t batch,
+                               const Index* indices, const Offset* offsets,
+                               const float* per_sample_weights, int mean, float* out,
+                               int64_t width) {
   const int64_t dim = kDim ? kDim : dim_arg;
-  const int64_t out_stride = features * dim;
   std::vector<float> acc(dim);
   float* __restrict a = acc.data();
-  for (int64_t f = 0; f < features; ++f) {
-    const float* table = weights + row_start[f] * dim;
-    const int64_t feature_end = offsets[(f + 1) * batch];
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t bag = f * batch + b;
-      const int64_t begin = offsets[bag], end = offsets[bag + 1];
-      for (int64_t d = 0; d < dim; ++d) a[d] = 0.f;
-      for (int64_t p = begin; p < end; ++p) {
-        if (p + kPrefetch < feature_end) {
-          prefetch_row(table + int64_t(indices[p + kPrefetch]) * dim, dim);
-        }
-        const float* __restrict row = table + int64_t(indices[p]) * dim;
-        const float scale = per_sample_weights ? per_sample_weights[p] : 1.f;
-        for (int64_t d = 0; d < dim; ++d) a[d] += scale * row[d];
+  const int64_t feature_end = offsets[batch];
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t begin = offsets[b], end = offsets[b + 1];
+    for (int64_t d = 0; d < dim; ++d) a[d] = 0.f;
+    for (int64_t p = begin; p < end; ++p) {
+      if (p + kPrefetch < feature_end) {
+        prefetch_row(table + int64_t(indices[p + kPrefetch]) * dim, dim);
       }
-      const float divisor = (mean && end > begin) ? 1.f / float(end - begin) : 1.f;
-      float* __restrict o = out + b * out_stride + f * dim;
-      for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * divisor;
+      const float* __restrict row = table + int64_t(indices[p]) * dim;
+      const float scale = per_sample_weights ? per_sample_weights[p] : 1.f;
+      for (int64_t d = 0; d < dim; ++d) a[d] += scale * row[d];
     }
+    const float divisor = (mean && end > begin) ? 1.f / float(end - begin) : 1.f;
+    float* __restrict o = out + b * width;
+    for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * divisor;
+  }
+}
+
+template <typename Index, typename Offset>
+void forward_impl(const float* weights, const Layout& l, const Index* indices,
+                  const Offset* offsets, const float* per_sample_weights, int mean, float* out) {
+  for (int64_t f = 0; f < l.features; ++f) {
+    const int64_t t = l.feature_table[f], dim = l.table_dim[t];
+    const float* table = weights + l.weight_start[t];
+    const Offset* bags = offsets + f * l.batch;
+    float* o = out + l.feature_column[f];
+#define RS_FEATURE(D)                                                                        \
+  forward_feature<D>(table, dim, l.batch, indices, bags, per_sample_weights, mean, o, l.width)
+    if (dim == 64) RS_FEATURE(64);
+    else if (dim == 128) RS_FEATURE(128);
+    else if (dim == 32) RS_FEATURE(32);
+    else RS_FEATURE(0);
+#undef RS_FEATURE
   }
 }
 
 // Scratch reused across calls (per thread): no per-step allocation of id-sized buffers.
 struct Scratch {
-  std::vector<uint32_t> keys, keys_tmp, values, values_tmp, bag_of;
+  std::vector<uint32_t> keys, keys_tmp, values, values_tmp, grad_at, bag_of;
 };
 thread_local Scratch scratch;
 
@@ -108,68 +133,71 @@ void radix_sort(uint32_t max_key, int64_t n) {
   }
 }
 
-// Keys: each id's row; values: its position (kByPosition: per-sample weights or MEAN need
-// it; `bag_of` then maps it to its bag) or else straight its output-gradient slot b * F + f.
+// Keys: each id's global row. Values: where its bag's output-gradient row starts (a float
+// index, b * width + column), or with kByPosition (per-sample weights or MEAN need it) the
+// id's position, whose gradient row and bag `grad_at` and `bag_of` then hold.
 template <bool kByPosition, typename Index, typename Offset>
-void sort_ids(const int64_t* row_start, int64_t features, int64_t batch, const Index* indices,
-              const Offset* offsets, int64_t n, uint32_t max_key) {
+void sort_ids(const Layout& l, const Index* indices, const Offset* offsets, int64_t n) {
   auto& s = scratch;
   if (int64_t(s.keys.size()) < n) {
-    for (auto* v : {&s.keys, &s.keys_tmp, &s.values, &s.values_tmp, &s.bag_of}) v->resize(n);
+    for (auto* v : {&s.keys, &s.keys_tmp, &s.values, &s.values_tmp, &s.grad_at, &s.bag_of}) {
+      v->resize(n);
+    }
   }
   uint32_t* __restrict keys = s.keys.data();
   uint32_t* __restrict values = s.values.data();
+  uint32_t* __restrict grad_at = s.grad_at.data();
   uint32_t* __restrict bag_of = s.bag_of.data();
-  for (int64_t f = 0; f < features; ++f) {
-    const uint32_t start = uint32_t(row_start[f]);
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t bag = f * batch + b;
-      const uint32_t slot = uint32_t(b * features + f);
+  for (int64_t f = 0; f < l.features; ++f) {
+    const uint32_t start = uint32_t(l.row_start[l.feature_table[f]]);
+    for (int64_t b = 0; b < l.batch; ++b) {
+      const int64_t bag = f * l.batch + b;
+      const uint32_t at = uint32_t(b * l.width + l.feature_column[f]);
       for (int64_t p = offsets[bag]; p < offsets[bag + 1]; ++p) {
         keys[p] = start + uint32_t(indices[p]);
         if (kByPosition) {
           values[p] = uint32_t(p);
+          grad_at[p] = at;
           bag_of[p] = uint32_t(bag);
         } else {
-          values[p] = slot;
+          values[p] = at;
         }
       }
     }
   }
-  radix_sort(max_key, n);
+  radix_sort(uint32_t(l.row_start[l.tables] - 1), n);
 }
 
+// The sorted ids [begin, end) of one table: its rows start at `table` (global row `first`).
 template <int kDim, bool kByPosition, typename Offset>
-RS_CLONES void update_rowwise_adagrad(float* weights, float* momentum, int64_t dim_arg,
-                                      int64_t features, int64_t batch, const Offset* offsets,
-                                      const float* per_sample_weights, int mean,
-                                      const float* grad, float lr, float eps,
-                                      float* per_sample_grad, int64_t n) {
+RS_CLONES void update_table(float* table, float* momentum, int64_t first, int64_t dim_arg,
+                            int64_t begin, int64_t end, const Offset* offsets,
+                            const float* per_sample_weights, int mean, const float* grad,
+                            float lr, float eps, float* per_sample_grad) {
   const int64_t dim = kDim ? kDim : dim_arg;
   const auto& s = scratch;
   const uint32_t* keys = s.keys.data();
   const uint32_t* values = s.values.data();
+  const uint32_t* grad_at = s.grad_at.data();
   const uint32_t* bag_of = s.bag_of.data();
   std::vector<float> acc(dim);
   float* __restrict a = acc.data();
-  auto slot_of = [&](uint32_t value) -> int64_t {
-    if (!kByPosition) return value;
-    const uint32_t bag = bag_of[value];
-    return int64_t(bag % batch) * features + bag / batch;
+  auto grad_row = [&](int64_t j) {
+    return grad + (kByPosition ? grad_at[values[j]] : values[j]);
   };
-  int64_t i = 0;
-  while (i < n) {
+  int64_t i = begin;
+  while (i < end) {
     const uint32_t key = keys[i];
-    float* __restrict w = weights + int64_t(key) * dim;
+    float* __restrict w = table + (int64_t(key) - first) * dim;
     for (int64_t d = 0; d < dim; ++d) a[d] = 0.f;
     int64_t j = i;
-    for (; j < n && keys[j] == key; ++j) {
-      if (j + kPrefetch < n) prefetch_row(grad + slot_of(values[j + kPrefetch]) * dim, dim);
-      if (j + kPrefetchUpdate < n && keys[j + kPrefetchUpdate] != keys[j + kPrefetchUpdate - 1]) {
-        prefetch_row_for_write(weights + int64_t(keys[j + kPrefetchUpdate]) * dim, dim);
-        __builtin_prefetch(momentum + keys[j + kPrefetchUpdate], 1, 0);
+    for (; j < end && keys[j] == key; ++j) {
+      if (j + kPrefetch < end) prefetch_row(grad_row(j + kPrefetch), dim);
+      if (j + kPrefetchUpdate < end && keys[j + kPrefetchUpdate] != keys[j + kPrefetchUpdate - 1]) {
+        prefetch_row_for_write(table + (int64_t(keys[j + kPrefetchUpdate]) - first) * dim, dim);
+        __builtin_prefetch(momentum + keys[j + kPrefetchUpdate], 1, 3);
       }
-      const float* __restrict go = grad + slot_of(values[j]) * dim;
+      const float* __restrict go = grad_row(j);
       float scale = 1.f;
       if (kByPosition) {
         const uint32_t p = values[j];
@@ -197,50 +225,43 @@ RS_CLONES void update_rowwise_adagrad(float* weights, float* momentum, int64_t d
 }
 
 template <bool kByPosition, typename Index, typename Offset>
-void backward_sorted(float* weights, float* momentum, int64_t dim, const int64_t* row_start,
-                     int64_t features, int64_t batch, const Index* indices, const Offset* offsets,
-                     const float* per_sample_weights, int mean, const float* grad, float lr,
-                     float eps, float* per_sample_grad, uint32_t max_key, int64_t n) {
-  sort_ids<kByPosition>(row_start, features, batch, indices, offsets, n, max_key);
-#define RS_UPDATE(D)                                                                        \
-  update_rowwise_adagrad<D, kByPosition>(weights, momentum, dim, features, batch, offsets, \
-                                         per_sample_weights, mean, grad, lr, eps,          \
-                                         per_sample_grad, n)
-  if (dim == 64) RS_UPDATE(64);
-  else if (dim == 128) RS_UPDATE(128);
-  else if (dim == 32) RS_UPDATE(32);
-  else RS_UPDATE(0);
-#undef RS_UPDATE
+void backward_sorted(float* weights, float* momentum, const Layout& l, const Index* indices,
+                     const Offset* offsets, const float* per_sample_weights, int mean,
+                     const float* grad, float lr, float eps, float* per_sample_grad, int64_t n) {
+  sort_ids<kByPosition>(l, indices, offsets, n);
+  const uint32_t* keys = scratch.keys.data();
+  int64_t begin = 0;
+  for (int64_t t = 0; t < l.tables && begin < n; ++t) {  // tables' rows ascend with t
+    const int64_t end =
+        std::lower_bound(keys + begin, keys + n, uint64_t(l.row_start[t + 1])) - keys;
+    if (end == begin) continue;
+    float* table = weights + l.weight_start[t];
+    const int64_t first = l.row_start[t], dim = l.table_dim[t];
+#define RS_TABLE(D)                                                                      \
+  update_table<D, kByPosition>(table, momentum, first, dim, begin, end, offsets,        \
+                               per_sample_weights, mean, grad, lr, eps, per_sample_grad)
+    if (dim == 64) RS_TABLE(64);
+    else if (dim == 128) RS_TABLE(128);
+    else if (dim == 32) RS_TABLE(32);
+    else RS_TABLE(0);
+#undef RS_TABLE
+    begin = end;
+  }
 }
 
+// The pooled output's gradient must be contiguous [B, width].
 template <typename Index, typename Offset>
-void forward_any_dim(const float* weights, int64_t dim, const int64_t* row_start,
-                     int64_t features, int64_t batch, const Index* indices, const Offset* offsets,
-                     const float* per_sample_weights, int mean, float* out) {
-#define RS_FORWARD(D)                                                                         \
-  forward_impl<D>(weights, dim, row_start, features, batch, indices, offsets, per_sample_weights, \
-                  mean, out)
-  if (dim == 64) RS_FORWARD(64);
-  else if (dim == 128) RS_FORWARD(128);
-  else if (dim == 32) RS_FORWARD(32);
-  else RS_FORWARD(0);
-#undef RS_FORWARD
-}
-
-// The pooled output's gradient must be contiguous [B, F * D] (slot b * F + f of D floats).
-template <typename Index, typename Offset>
-void backward_impl(float* weights, float* momentum, int64_t dim, const int64_t* row_start,
-                   int64_t features, int64_t batch, const Index* indices, const Offset* offsets,
-                   const float* per_sample_weights, int mean, const float* grad, float lr,
-                   float eps, float* per_sample_grad, uint32_t max_key) {
-  const int64_t n = int64_t(offsets[features * batch]);
+void backward_impl(float* weights, float* momentum, const Layout& l, const Index* indices,
+                   const Offset* offsets, const float* per_sample_weights, int mean,
+                   const float* grad, float lr, float eps, float* per_sample_grad) {
+  const int64_t n = int64_t(offsets[l.features * l.batch]);
   if (n <= 0) return;
   if (per_sample_weights || per_sample_grad || mean) {
-    backward_sorted<true>(weights, momentum, dim, row_start, features, batch, indices, offsets,
-                          per_sample_weights, mean, grad, lr, eps, per_sample_grad, max_key, n);
+    backward_sorted<true>(weights, momentum, l, indices, offsets, per_sample_weights, mean, grad,
+                          lr, eps, per_sample_grad, n);
   } else {
-    backward_sorted<false>(weights, momentum, dim, row_start, features, batch, indices, offsets,
-                           nullptr, 0, grad, lr, eps, nullptr, max_key, n);
+    backward_sorted<false>(weights, momentum, l, indices, offsets, nullptr, 0, grad, lr, eps,
+                           nullptr, n);
   }
 }
 
@@ -249,13 +270,15 @@ void backward_impl(float* weights, float* momentum, int64_t dim, const int64_t* 
 extern "C" {
 
 // index_bytes / offset_bytes: 4 (int32) or 8 (int64). Returns 0, or -1 for a bad width.
-int rs_tbe_forward(const float* weights, int64_t dim, const int64_t* row_start,
-                   int64_t features, int64_t batch, const void* indices, int index_bytes,
-                   const void* offsets, int offset_bytes, const float* per_sample_weights,
-                   int mean, float* out) {
-#define RS_FORWARD(I, O)                                                              \
-  forward_any_dim<I, O>(weights, dim, row_start, features, batch, (const I*)indices, \
-                        (const O*)offsets, per_sample_weights, mean, out)
+int rs_tbe_forward(const float* weights, const int64_t* row_start, const int64_t* weight_start,
+                   const int64_t* table_dim, int64_t tables, const int64_t* feature_table,
+                   const int64_t* feature_column, int64_t features, int64_t batch,
+                   int64_t width, const void* indices, int index_bytes, const void* offsets,
+                   int offset_bytes, const float* per_sample_weights, int mean, float* out) {
+  const Layout l{row_start, weight_start, table_dim, feature_table, feature_column,
+                 tables,    features,     batch,     width};
+#define RS_FORWARD(I, O) \
+  forward_impl<I, O>(weights, l, (const I*)indices, (const O*)offsets, per_sample_weights, mean, out)
   if (index_bytes == 8 && offset_bytes == 8) RS_FORWARD(int64_t, int64_t);
   else if (index_bytes == 8 && offset_bytes == 4) RS_FORWARD(int64_t, int32_t);
   else if (index_bytes == 4 && offset_bytes == 8) RS_FORWARD(int32_t, int64_t);
@@ -265,18 +288,20 @@ int rs_tbe_forward(const float* weights, int64_t dim, const int64_t* row_start,
   return 0;
 }
 
-// `max_key`: the largest row any id reaches (the sort's key range); per_sample_grad may be
-// null (no gradient wanted for the per-sample weights).
-int rs_tbe_backward_rowwise_adagrad(float* weights, float* momentum, int64_t dim,
-                                    const int64_t* row_start, int64_t features, int64_t batch,
-                                    const void* indices, int index_bytes, const void* offsets,
-                                    int offset_bytes, const float* per_sample_weights, int mean,
-                                    const float* grad, float lr, float eps,
-                                    float* per_sample_grad, uint32_t max_key) {
-#define RS_BACKWARD(I, O)                                                                    \
-  backward_impl<I, O>(weights, momentum, dim, row_start, features, batch, (const I*)indices, \
-                      (const O*)offsets, per_sample_weights, mean, grad, lr, eps,            \
-                      per_sample_grad, max_key)
+// per_sample_grad may be null (no gradient wanted for the per-sample weights).
+int rs_tbe_backward_rowwise_adagrad(float* weights, float* momentum, const int64_t* row_start,
+                                    const int64_t* weight_start, const int64_t* table_dim,
+                                    int64_t tables, const int64_t* feature_table,
+                                    const int64_t* feature_column, int64_t features,
+                                    int64_t batch, int64_t width, const void* indices,
+                                    int index_bytes, const void* offsets, int offset_bytes,
+                                    const float* per_sample_weights, int mean, const float* grad,
+                                    float lr, float eps, float* per_sample_grad) {
+  const Layout l{row_start, weight_start, table_dim, feature_table, feature_column,
+                 tables,    features,     batch,     width};
+#define RS_BACKWARD(I, O)                                                                 \
+  backward_impl<I, O>(weights, momentum, l, (const I*)indices, (const O*)offsets,        \
+                      per_sample_weights, mean, grad, lr, eps, per_sample_grad)
   if (index_bytes == 8 && offset_bytes == 8) RS_BACKWARD(int64_t, int64_t);
   else if (index_bytes == 8 && offset_bytes == 4) RS_BACKWARD(int64_t, int32_t);
   else if (index_bytes == 4 && offset_bytes == 8) RS_BACKWARD(int32_t, int64_t);
