@@ -7,10 +7,14 @@ feature and one updates every table. It covers CPU, pooled SUM/MEAN, fp32 weight
 row-wise Adagrad (`covers`); lookups it does not take at run time (a variable batch per
 feature, per-sample weights other than fp32) run the torch kernel's code on the same
 buffers, so results never depend on the path.
+
+`RECSHARD_NATIVE_KERNEL=0` (read when a lookup is built; for comparisons only) leaves every group
+to fbgemm's kernel or the torch one, as when the library is missing.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Dict, List
 
 import torch
@@ -24,6 +28,7 @@ from recshard.modules.embedding_configs import DataType, PoolingType
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import EmbeddingComputeKernel
 
+ENV = "RECSHARD_NATIVE_KERNEL"
 _MAX_ROWS = 2**31  # the C++ side keys rows and positions as uint32
 _NATIVE_POOLINGS = (PoolingType.SUM, PoolingType.MEAN)
 
@@ -32,9 +37,10 @@ def covers(
     tables: List[LocalTable], pooled: bool, spec: FusedOptimSpec, device: torch.device
 ) -> bool:
     """True when `NativeFusedKernel` can run this group and the C++ library loaded (the
-    first call without it warns once)."""
+    first call without it warns once), unless `RECSHARD_NATIVE_KERNEL=0`."""
     return (
-        device.type == "cpu"
+        os.environ.get(ENV, "1") != "0"
+        and device.type == "cpu"
         and pooled
         and spec.optim == OptimType.EXACT_ROWWISE_ADAGRAD
         and all(

@@ -117,11 +117,18 @@ def test_native_matches_fbgemm(dims: List[int], pooling: PoolingType) -> None:
 
 
 @needs_native
-def test_grouped_lookup_picks_the_native_kernel_where_it_covers() -> None:
-    """fp32 row-wise Adagrad groups run it; SGD, FP16 and sequence groups do not."""
+def test_grouped_lookup_picks_the_native_kernel_where_it_covers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fp32 row-wise Adagrad groups run it (unless RECSHARD_NATIVE_KERNEL=0); SGD, FP16 and
+    sequence groups do not."""
     rowwise = local_tables([4, 3], PoolingType.SUM, optim=ROWWISE)
     lookup = GroupedLookup(rowwise, pooled=True, device=CPU)
     assert [type(k) for k in lookup.kernels] == [NativeFusedKernel] * len(lookup.kernels)
+    with monkeypatch.context() as env:
+        env.setenv(native_kernel.ENV, "0")
+        lookup = GroupedLookup(rowwise, pooled=True, device=CPU)
+        assert not any(isinstance(k, NativeFusedKernel) for k in lookup.kernels)
     for tables, pooled in (
         (local_tables([4], PoolingType.SUM), True),
         (local_tables([4], PoolingType.SUM, optim=ROWWISE, data_type=DataType.FP16), True),
