@@ -101,7 +101,10 @@ class NativeFusedKernel(TorchFusedKernel):
         if ids is None:
             return super().lookup(features)
         mean = self.pooling == PoolingType.MEAN
-        return native_tbe.forward(self.weights, self.layout, *ids, mean, features.stride())
+        try:
+            return native_tbe.forward(self.weights, self.layout, *ids, mean, features.stride())
+        except native_tbe.IdOutOfRange as error:
+            raise self._out_of_range(features, ids, error.position) from None
 
     def update(
         self, features: KeyedJaggedTensor, grad_output: torch.Tensor, weights_grad: bool = False
@@ -109,14 +112,30 @@ class NativeFusedKernel(TorchFusedKernel):
         ids = self._native_ids(features)
         if ids is None:
             return super().update(features, grad_output, weights_grad)
-        return native_tbe.backward_rowwise_adagrad(
-            self.weights,
-            self.momentum1,
-            self.layout,
-            *ids,
-            self.pooling == PoolingType.MEAN,
-            grad_output,
-            self.lr,
-            self.spec.eps,
-            weights_grad,
+        try:
+            return native_tbe.backward_rowwise_adagrad(
+                self.weights,
+                self.momentum1,
+                self.layout,
+                *ids,
+                self.pooling == PoolingType.MEAN,
+                grad_output,
+                self.lr,
+                self.spec.eps,
+                weights_grad,
+            )
+        except native_tbe.IdOutOfRange as error:
+            raise self._out_of_range(features, ids, error.position) from None
+
+    def _out_of_range(self, features: KeyedJaggedTensor, ids: tuple, position: int) -> ValueError:
+        """The error for an id outside its table (possible only with bounds_check_mode NONE,
+        which skips recshard's check before the input dist), naming table, feature and id."""
+        indices, offsets, _ = ids
+        feature = int(torch.searchsorted(offsets, position, right=True)) - 1
+        feature //= max(features.stride(), 1)
+        table = self.tables[self.feature_table[feature]]
+        return ValueError(
+            f"table '{table.name}', feature '{features.keys()[feature]}': id "
+            f"{int(indices[position])} is outside the shard's rows [0, {table.rows}) "
+            "(bounds_check_mode=NONE skips the check that would have named it earlier)"
         )

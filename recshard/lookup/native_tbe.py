@@ -50,9 +50,11 @@ def _load() -> ctypes.CDLL | None:
     layout = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]  # TableLayout, B, width
     ids = [_ptr, _int, _ptr, _int, _ptr, _int]  # indices, offsets, per-sample weights, mean
     library.rs_tbe_forward.argtypes = [_ptr, *layout, *ids, _ptr]
+    library.rs_tbe_forward.restype = _i64
     library.rs_tbe_backward_rowwise_adagrad.argtypes = [
         *(_ptr, _ptr, *layout, *ids, _ptr, _f32, _f32, _ptr)
     ]
+    library.rs_tbe_backward_rowwise_adagrad.restype = _i64
     _library = library
     return library
 
@@ -121,6 +123,21 @@ def _width(tensor: torch.Tensor) -> int:
     return tensor.element_size()
 
 
+class IdOutOfRange(ValueError):
+    """An id outside its table's rows reached the kernel (bounds check mode NONE): nothing
+    was read or written out of bounds. `position` is the id's index in `indices`."""
+
+    def __init__(self, position: int) -> None:
+        super().__init__(f"id at position {position} is outside its table's rows")
+        self.position = position
+
+
+def _check(code: int) -> None:
+    if code >= 0:
+        raise IdOutOfRange(code)
+    assert code == -1, f"cpu_tbe: bad call ({code})"
+
+
 def _ids_args(
     indices: torch.Tensor,
     offsets: torch.Tensor,
@@ -146,7 +163,8 @@ def forward(
     mean: bool,
     batch: int,
 ) -> torch.Tensor:
-    """Pooled lookup of every feature: `[batch, layout.width]`."""
+    """Pooled lookup of every feature: `[batch, layout.width]`. Raises `IdOutOfRange` for an id
+    outside its table."""
     library = _load()
     assert library is not None, "native_tbe.available() first"
     out = torch.empty(batch, layout.width)
@@ -156,7 +174,7 @@ def forward(
         *_ids_args(indices, offsets, per_sample_weights, mean),
         out.data_ptr(),
     )
-    assert code == 0
+    _check(code)
     return out
 
 
@@ -174,7 +192,8 @@ def backward_rowwise_adagrad(
     per_sample_grad: bool,
 ) -> torch.Tensor | None:
     """Update `weights` and `momentum` in place from the pooled output's gradient; returns the
-    per-sample weights' gradient `[ids]` when `per_sample_grad`, else None."""
+    per-sample weights' gradient `[ids]` when `per_sample_grad`, else None. Raises
+    `IdOutOfRange` (before any update) for an id outside its table."""
     library = _load()
     assert library is not None, "native_tbe.available() first"
     grad_output = grad_output.contiguous()
@@ -189,5 +208,5 @@ def backward_rowwise_adagrad(
         eps,
         _address(sample_grad),
     )
-    assert code == 0
+    _check(code)
     return sample_grad

@@ -169,3 +169,22 @@ for _ in range(2):
     assert result.stderr.count("CPU embedding kernel (recshard.lookup._cpu_tbe)") == 1, (
         result.stderr
     )
+
+
+@needs_native
+def test_an_id_outside_its_table_is_an_error_naming_it() -> None:
+    """Ids reach the kernel unchecked only under bounds_check_mode NONE: the forward and the
+    update refuse an id outside its shard (naming table, feature and id) and write nothing."""
+    tables = local_tables([4, 8], PoolingType.SUM, optim=ROWWISE)
+    kernel = NativeFusedKernel(tables, True, tables[0].fused_params.optim, CPU)
+    before = [w.clone() for w in kernel.table_weights()]
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        ["t0_a", "t0_b", "t1_a"], torch.tensor([1, 2, 3, 7, 0]), torch.tensor([2, 1, 0, 1, 1, 0])
+    )
+    match = r"table 't0', feature 't0_b': id 7 is outside the shard's rows \[0, 7\)"
+    with pytest.raises(ValueError, match=match):
+        kernel(kjt)
+    with pytest.raises(ValueError, match=match):
+        kernel.update(kjt, torch.ones(2, 16))
+    for a, b in zip(before, kernel.table_weights()):
+        assert torch.equal(a, b)

@@ -54,10 +54,10 @@ struct Layout {
 
 // One feature's bags. kDim: the dim when known at compile time, else 0 (read `dim_arg`).
 template <int kDim, typename Index, typename Offset>
-RS_CLONES void forward_feature(const float* table, int64_t dim_arg, int64_t batch,
-                               const Index* indices, const Offset* offsets,
-                               const float* per_sample_weights, int mean, float* out,
-                               int64_t width) {
+RS_CLONES int64_t forward_feature(const float* table, int64_t rows, int64_t dim_arg,
+                                  int64_t batch, const Index* indices, const Offset* offsets,
+                                  const float* per_sample_weights, int mean, float* out,
+                                  int64_t width) {
   const int64_t dim = kDim ? kDim : dim_arg;
   std::vector<float> acc(dim);
   float* __restrict a = acc.data();
@@ -69,6 +69,7 @@ RS_CLONES void forward_feature(const float* table, int64_t dim_arg, int64_t batc
       if (p + kPrefetch < feature_end) {
         prefetch_row(table + int64_t(indices[p + kPrefetch]) * dim, dim);
       }
+      if (uint64_t(indices[p]) >= uint64_t(rows)) return p;
       const float* __restrict row = table + int64_t(indices[p]) * dim;
       const float scale = per_sample_weights ? per_sample_weights[p] : 1.f;
       for (int64_t d = 0; d < dim; ++d) a[d] += scale * row[d];
@@ -77,24 +78,30 @@ RS_CLONES void forward_feature(const float* table, int64_t dim_arg, int64_t batc
     float* __restrict o = out + b * width;
     for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * divisor;
   }
+  return -1;
 }
 
+// -1, or the position of the first id outside its table (the output is then incomplete).
 template <typename Index, typename Offset>
-void forward_impl(const float* weights, const Layout& l, const Index* indices,
+int64_t forward_impl(const float* weights, const Layout& l, const Index* indices,
                   const Offset* offsets, const float* per_sample_weights, int mean, float* out) {
   for (int64_t f = 0; f < l.features; ++f) {
     const int64_t t = l.feature_table[f], dim = l.table_dim[t];
     const float* table = weights + l.weight_start[t];
     const Offset* bags = offsets + f * l.batch;
     float* o = out + l.feature_column[f];
-#define RS_FEATURE(D)                                                                        \
-  forward_feature<D>(table, dim, l.batch, indices, bags, per_sample_weights, mean, o, l.width)
-    if (dim == 64) RS_FEATURE(64);
-    else if (dim == 128) RS_FEATURE(128);
-    else if (dim == 32) RS_FEATURE(32);
-    else RS_FEATURE(0);
+    const int64_t rows = l.row_start[t + 1] - l.row_start[t];
+#define RS_FEATURE(D)                                                                  \
+  forward_feature<D>(table, rows, dim, l.batch, indices, bags, per_sample_weights, mean, o, \
+                     l.width)
+    const int64_t bad = dim == 64    ? RS_FEATURE(64)
+                        : dim == 128 ? RS_FEATURE(128)
+                        : dim == 32  ? RS_FEATURE(32)
+                                     : RS_FEATURE(0);
 #undef RS_FEATURE
+    if (bad >= 0) return bad;
   }
+  return -1;
 }
 
 // Scratch reused across calls (per thread): no per-step allocation of id-sized buffers.
@@ -136,8 +143,9 @@ void radix_sort(uint32_t max_key, int64_t n) {
 // Keys: each id's global row. Values: where its bag's output-gradient row starts (a float
 // index, b * width + column), or with kByPosition (per-sample weights or MEAN need it) the
 // id's position, whose gradient row and bag `grad_at` and `bag_of` then hold.
+// -1, or the position of the first id outside its table (nothing sorted then).
 template <bool kByPosition, typename Index, typename Offset>
-void sort_ids(const Layout& l, const Index* indices, const Offset* offsets, int64_t n) {
+int64_t sort_ids(const Layout& l, const Index* indices, const Offset* offsets, int64_t n) {
   auto& s = scratch;
   if (int64_t(s.keys.size()) < n) {
     for (auto* v : {&s.keys, &s.keys_tmp, &s.values, &s.values_tmp, &s.grad_at, &s.bag_of}) {
@@ -149,11 +157,14 @@ void sort_ids(const Layout& l, const Index* indices, const Offset* offsets, int6
   uint32_t* __restrict grad_at = s.grad_at.data();
   uint32_t* __restrict bag_of = s.bag_of.data();
   for (int64_t f = 0; f < l.features; ++f) {
-    const uint32_t start = uint32_t(l.row_start[l.feature_table[f]]);
+    const int64_t t = l.feature_table[f];
+    const uint32_t start = uint32_t(l.row_start[t]);
+    const uint64_t rows = uint64_t(l.row_start[t + 1] - l.row_start[t]);
     for (int64_t b = 0; b < l.batch; ++b) {
       const int64_t bag = f * l.batch + b;
       const uint32_t at = uint32_t(b * l.width + l.feature_column[f]);
       for (int64_t p = offsets[bag]; p < offsets[bag + 1]; ++p) {
+        if (uint64_t(indices[p]) >= rows) return p;
         keys[p] = start + uint32_t(indices[p]);
         if (kByPosition) {
           values[p] = uint32_t(p);
@@ -166,6 +177,7 @@ void sort_ids(const Layout& l, const Index* indices, const Offset* offsets, int6
     }
   }
   radix_sort(uint32_t(l.row_start[l.tables] - 1), n);
+  return -1;
 }
 
 // The sorted ids [begin, end) of one table: its rows start at `table` (global row `first`).
@@ -225,10 +237,11 @@ RS_CLONES void update_table(float* table, float* momentum, int64_t first, int64_
 }
 
 template <bool kByPosition, typename Index, typename Offset>
-void backward_sorted(float* weights, float* momentum, const Layout& l, const Index* indices,
+int64_t backward_sorted(float* weights, float* momentum, const Layout& l, const Index* indices,
                      const Offset* offsets, const float* per_sample_weights, int mean,
                      const float* grad, float lr, float eps, float* per_sample_grad, int64_t n) {
-  sort_ids<kByPosition>(l, indices, offsets, n);
+  const int64_t bad = sort_ids<kByPosition>(l, indices, offsets, n);
+  if (bad >= 0) return bad;  // before any update
   const uint32_t* keys = scratch.keys.data();
   int64_t begin = 0;
   for (int64_t t = 0; t < l.tables && begin < n; ++t) {  // tables' rows ascend with t
@@ -247,30 +260,32 @@ void backward_sorted(float* weights, float* momentum, const Layout& l, const Ind
 #undef RS_TABLE
     begin = end;
   }
+  return -1;
 }
 
-// The pooled output's gradient must be contiguous [B, width].
+// The pooled output's gradient must be contiguous [B, width]. -1, or the position of the first
+// id outside its table (nothing updated then).
 template <typename Index, typename Offset>
-void backward_impl(float* weights, float* momentum, const Layout& l, const Index* indices,
+int64_t backward_impl(float* weights, float* momentum, const Layout& l, const Index* indices,
                    const Offset* offsets, const float* per_sample_weights, int mean,
                    const float* grad, float lr, float eps, float* per_sample_grad) {
   const int64_t n = int64_t(offsets[l.features * l.batch]);
-  if (n <= 0) return;
+  if (n <= 0) return -1;
   if (per_sample_weights || per_sample_grad || mean) {
-    backward_sorted<true>(weights, momentum, l, indices, offsets, per_sample_weights, mean, grad,
+    return backward_sorted<true>(weights, momentum, l, indices, offsets, per_sample_weights, mean, grad,
                           lr, eps, per_sample_grad, n);
-  } else {
-    backward_sorted<false>(weights, momentum, l, indices, offsets, nullptr, 0, grad, lr, eps,
-                           nullptr, n);
   }
+  return backward_sorted<false>(weights, momentum, l, indices, offsets, nullptr, 0, grad, lr, eps,
+                                nullptr, n);
 }
 
 }  // namespace
 
 extern "C" {
 
-// index_bytes / offset_bytes: 4 (int32) or 8 (int64). Returns 0, or -1 for a bad width.
-int rs_tbe_forward(const float* weights, const int64_t* row_start, const int64_t* weight_start,
+// index_bytes / offset_bytes: 4 (int32) or 8 (int64). Both calls return -1 when done, the
+// position of the first id outside its table's rows (>= 0), or -2 for a bad width.
+int64_t rs_tbe_forward(const float* weights, const int64_t* row_start, const int64_t* weight_start,
                    const int64_t* table_dim, int64_t tables, const int64_t* feature_table,
                    const int64_t* feature_column, int64_t features, int64_t batch,
                    int64_t width, const void* indices, int index_bytes, const void* offsets,
@@ -279,17 +294,16 @@ int rs_tbe_forward(const float* weights, const int64_t* row_start, const int64_t
                  tables,    features,     batch,     width};
 #define RS_FORWARD(I, O) \
   forward_impl<I, O>(weights, l, (const I*)indices, (const O*)offsets, per_sample_weights, mean, out)
-  if (index_bytes == 8 && offset_bytes == 8) RS_FORWARD(int64_t, int64_t);
-  else if (index_bytes == 8 && offset_bytes == 4) RS_FORWARD(int64_t, int32_t);
-  else if (index_bytes == 4 && offset_bytes == 8) RS_FORWARD(int32_t, int64_t);
-  else if (index_bytes == 4 && offset_bytes == 4) RS_FORWARD(int32_t, int32_t);
-  else return -1;
+  if (index_bytes == 8 && offset_bytes == 8) return RS_FORWARD(int64_t, int64_t);
+  if (index_bytes == 8 && offset_bytes == 4) return RS_FORWARD(int64_t, int32_t);
+  if (index_bytes == 4 && offset_bytes == 8) return RS_FORWARD(int32_t, int64_t);
+  if (index_bytes == 4 && offset_bytes == 4) return RS_FORWARD(int32_t, int32_t);
 #undef RS_FORWARD
-  return 0;
+  return -2;
 }
 
 // per_sample_grad may be null (no gradient wanted for the per-sample weights).
-int rs_tbe_backward_rowwise_adagrad(float* weights, float* momentum, const int64_t* row_start,
+int64_t rs_tbe_backward_rowwise_adagrad(float* weights, float* momentum, const int64_t* row_start,
                                     const int64_t* weight_start, const int64_t* table_dim,
                                     int64_t tables, const int64_t* feature_table,
                                     const int64_t* feature_column, int64_t features,
@@ -302,13 +316,12 @@ int rs_tbe_backward_rowwise_adagrad(float* weights, float* momentum, const int64
 #define RS_BACKWARD(I, O)                                                                 \
   backward_impl<I, O>(weights, momentum, l, (const I*)indices, (const O*)offsets,        \
                       per_sample_weights, mean, grad, lr, eps, per_sample_grad)
-  if (index_bytes == 8 && offset_bytes == 8) RS_BACKWARD(int64_t, int64_t);
-  else if (index_bytes == 8 && offset_bytes == 4) RS_BACKWARD(int64_t, int32_t);
-  else if (index_bytes == 4 && offset_bytes == 8) RS_BACKWARD(int32_t, int64_t);
-  else if (index_bytes == 4 && offset_bytes == 4) RS_BACKWARD(int32_t, int32_t);
-  else return -1;
+  if (index_bytes == 8 && offset_bytes == 8) return RS_BACKWARD(int64_t, int64_t);
+  if (index_bytes == 8 && offset_bytes == 4) return RS_BACKWARD(int64_t, int32_t);
+  if (index_bytes == 4 && offset_bytes == 8) return RS_BACKWARD(int32_t, int64_t);
+  if (index_bytes == 4 && offset_bytes == 4) return RS_BACKWARD(int32_t, int32_t);
 #undef RS_BACKWARD
-  return 0;
+  return -2;
 }
 
 }  // extern "C"
