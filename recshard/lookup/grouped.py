@@ -9,6 +9,10 @@ fbgemm group is cut into `KERNELS_PER_THREAD` kernels per thread and the fused k
 side by side (`recshard.lookup.threads`): fbgemm's CPU backward and fused update use one
 thread per kernel, and the extra kernels let the threads share uneven tables evenly. The cut
 never reorders features; dense kernels always run on the caller's thread.
+
+A fused group that recshard's own C++ kernel covers (CPU, pooled, fp32, exact row-wise
+Adagrad: `native_kernel.covers`) runs it instead of fbgemm's or the torch kernel; the grouping
+is the same either way.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import torch
 from torch import nn
 
 from recshard.comm import buffers
+from recshard.lookup import native_kernel
 from recshard.lookup.fused_params import check_backend
 from recshard.lookup.heap import keep_step_buffers_in_heap, leave_heap_to_glibc
 from recshard.lookup.kernels import DenseKernel, FbgemmFusedKernel, LookupKernel, TorchFusedKernel
 from recshard.lookup.key_value import KeyValueKernel
+from recshard.lookup.native_kernel import NativeFusedKernel
 from recshard.lookup.tables import LocalTable, group_key
 from recshard.lookup.threads import run_side_by_side
 from recshard.lookup.variable_batch import join_rank_major
@@ -66,6 +72,8 @@ def _build_kernel(
     check_backend(spec, tables[0].name, fbgemm and device.type == "cuda")
     if tables[0].compute_kernel == EmbeddingComputeKernel.KEY_VALUE:
         return KeyValueKernel(tables, pooled, spec, device)
+    if native_kernel.covers(tables, pooled, spec, device):
+        return NativeFusedKernel(tables, pooled, spec, device)
     if fbgemm:
         return FbgemmFusedKernel(tables, pooled, spec, device)
     return TorchFusedKernel(tables, pooled, spec, device)

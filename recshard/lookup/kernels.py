@@ -8,6 +8,8 @@ layout instead (`recshard.lookup.variable_batch`).
 - `FbgemmFusedKernel`: fbgemm's SplitTableBatchedEmbeddingBagsCodegen, optimizer in backward.
 - `TorchFusedKernel`: the same contract in pure torch (dims not divisible by 4, weighted mean
   pooling, or no fbgemm on the machine).
+- `recshard.lookup.native_kernel.NativeFusedKernel`: recshard's own C++ kernel for the cases it
+  covers (CPU, pooled, fp32, row-wise Adagrad), the torch kernel's contract.
 - `DenseKernel`: ordinary parameters with autograd `.grad`, for any torch optimizer.
 - `recshard.lookup.key_value.KeyValueKernel`: the torch fused kernel's lookup (`plain_lookup`)
   and update (`row_gradients`, `apply_row_update`) on a DRAM row cache of a table in files.
@@ -218,15 +220,19 @@ class TorchFusedKernel(LookupKernel):
         super().__init__(tables, pooled)
         self.spec = spec
         self.lr = spec.learning_rate
-        for i, t in enumerate(tables):
+        self._allocate(device)
+        self._init_weights()
+
+    def _allocate(self, device: torch.device) -> None:
+        """Weights and optimizer state, one buffer each per table."""
+        for i, t in enumerate(self.tables):
             dtype = DATA_TYPE_TO_DTYPE[t.config.data_type]
             self.register_buffer(
                 f"weight_{i}", torch.empty(t.rows, t.cols, dtype=dtype, device=device)
             )
-            for name in spec.state_names:
-                shape = spec.state_shape(t.rows, t.cols)
+            for name in self.spec.state_names:
+                shape = self.spec.state_shape(t.rows, t.cols)
                 self.register_buffer(f"{name}_{i}", torch.zeros(shape, device=device))
-        self._init_weights()
 
     def table_weights(self) -> List[torch.Tensor]:
         return [getattr(self, f"weight_{i}") for i in range(len(self.tables))]

@@ -11,6 +11,7 @@ from typing import List
 import pytest
 import torch
 
+from recshard.lookup import native_kernel
 from recshard.lookup.fused_params import (
     ANY_KERNEL,
     FusedParams,
@@ -243,14 +244,17 @@ def test_unsupported_optimizer_names_the_table() -> None:
 @pytest.mark.parametrize("optim", ANY_KERNEL)
 def test_a_shard_with_no_rows_shares_the_fbgemm_kernel(optim: OptimType) -> None:
     """A row-wise shard with no rows on this rank (a table smaller than the world) stays in
-    its neighbours' fbgemm kernel: one kernel, no join, its weights and state `[0, ...]`, and
+    its neighbours' fbgemm kernel (or recshard's own, which takes 0-row tables as they are):
+    one kernel, no join, its weights and state `[0, ...]`, and
     the neighbour trains as the torch kernel does (fbgemm 1.8's CPU backward fails on a 0-row
     table: the kernel holds a phantom row nobody sees)."""
     tables = local_tables([4, 8], PoolingType.SUM, optim=optim)
     tables[0].rows = 0
     lookup = GroupedLookup(tables, pooled=True, device=torch.device("cpu"))
-    assert {type(k).__name__ for k in lookup.kernels} == {"FbgemmFusedKernel"}
     spec = tables[0].fused_params.optim
+    native = native_kernel.covers(tables, True, spec, torch.device("cpu"))  # row-wise Adagrad
+    expected = "NativeFusedKernel" if native else "FbgemmFusedKernel"
+    assert {type(k).__name__ for k in lookup.kernels} == {expected}
     fb = FbgemmFusedKernel(tables, True, spec, torch.device("cpu"))
     assert [tuple(w.shape) for w in fb.table_weights()] == [(0, 4), (7, 8)]
     assert all(

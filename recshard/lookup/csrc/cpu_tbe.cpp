@@ -1,0 +1,332 @@
+// recshard's CPU embedding-bag kernel: pooled forward, and backward with the fused exact
+// row-wise Adagrad update, over a batch of fp32 tables held back to back.
+//
+// Plain C++ with a C ABI (no torch headers: it compiles in about two seconds); Python calls
+// it through ctypes on tensors' data pointers (recshard/lookup/native_tbe.py). One thread per
+// call. The hot loops are compiled twice (baseline x86-64 and x86-64-v3: AVX2 + FMA) and
+// picked at load time by GCC's function multi-versioning (`target_clones`, an ifunc); the
+// common dims (32, 64, 128) get loops of a fixed length.
+//
+// Layout: table t's rows [rows_t, dim_t] start at float `weight_start[t]` of `weights`, its
+// global rows at `row_start[t]` (`row_start[T]`: all rows; `momentum` [all rows]); feature f
+// reads table `feature_table[f]` and pools into columns from `feature_column[f]` of the
+// output [B, width]; bags feature-major (bag = f * B + b), `offsets` [F * B + 1] from 0.
+//
+// Backward: every id's global row is radix-sorted (one sort over all tables), then each
+// distinct row's gradient is summed in a dim-float accumulator from its ids' bags'
+// output-gradient rows and the row is updated once (fbgemm's "exact" optimizers):
+//   m += mean(g * g);  w -= lr / (sqrt(m) + eps) * g.
+#include <Python.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define RS_CLONES __attribute__((target_clones("default", "arch=x86-64-v3")))
+#else
+#define RS_CLONES
+#endif
+
+namespace {
+
+constexpr int kPrefetch = 16;        // ids ahead whose rows are prefetched
+constexpr int kPrefetchUpdate = 32;  // ids ahead whose weight row (read, then written) is
+
+inline void prefetch_row(const float* row, int64_t dim) {
+  for (int64_t i = 0; i < dim; i += 16) __builtin_prefetch(row + i, 0, 3);
+}
+
+inline void prefetch_row_for_write(const float* row, int64_t dim) {
+  for (int64_t i = 0; i < dim; i += 16) __builtin_prefetch(row + i, 1, 3);
+}
+
+struct Layout {
+  const int64_t* row_start;       // [T + 1]
+  const int64_t* weight_start;    // [T]
+  const int64_t* table_dim;       // [T]
+  const int64_t* feature_table;   // [F]
+  const int64_t* feature_column;  // [F]
+  int64_t tables, features, batch, width;
+};
+
+// One feature's bags. kDim: the dim when known at compile time, else 0 (read `dim_arg`).
+template <int kDim, typename Index, typename Offset>
+RS_CLONES int64_t forward_feature(const float* table, int64_t rows, int64_t dim_arg,
+                                  int64_t batch, const Index* indices, const Offset* offsets,
+                                  const float* per_sample_weights, int mean, float* out,
+                                  int64_t width) {
+  const int64_t dim = kDim ? kDim : dim_arg;
+  std::vector<float> acc(dim);
+  float* __restrict a = acc.data();
+  const int64_t feature_end = offsets[batch];
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t begin = offsets[b], end = offsets[b + 1];
+    for (int64_t d = 0; d < dim; ++d) a[d] = 0.f;
+    for (int64_t p = begin; p < end; ++p) {
+      if (p + kPrefetch < feature_end) {
+        prefetch_row(table + int64_t(indices[p + kPrefetch]) * dim, dim);
+      }
+      if (uint64_t(indices[p]) >= uint64_t(rows)) return p;
+      const float* __restrict row = table + int64_t(indices[p]) * dim;
+      const float scale = per_sample_weights ? per_sample_weights[p] : 1.f;
+      for (int64_t d = 0; d < dim; ++d) a[d] += scale * row[d];
+    }
+    const float divisor = (mean && end > begin) ? 1.f / float(end - begin) : 1.f;
+    float* __restrict o = out + b * width;
+    for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * divisor;
+  }
+  return -1;
+}
+
+// -1, or the position of the first id outside its table (the output is then incomplete).
+template <typename Index, typename Offset>
+int64_t forward_impl(const float* weights, const Layout& l, const Index* indices,
+                  const Offset* offsets, const float* per_sample_weights, int mean, float* out) {
+  for (int64_t f = 0; f < l.features; ++f) {
+    const int64_t t = l.feature_table[f], dim = l.table_dim[t];
+    const float* table = weights + l.weight_start[t];
+    const Offset* bags = offsets + f * l.batch;
+    float* o = out + l.feature_column[f];
+    const int64_t rows = l.row_start[t + 1] - l.row_start[t];
+#define RS_FEATURE(D)                                                                  \
+  forward_feature<D>(table, rows, dim, l.batch, indices, bags, per_sample_weights, mean, o, \
+                     l.width)
+    const int64_t bad = dim == 64    ? RS_FEATURE(64)
+                        : dim == 128 ? RS_FEATURE(128)
+                        : dim == 32  ? RS_FEATURE(32)
+                                     : RS_FEATURE(0);
+#undef RS_FEATURE
+    if (bad >= 0) return bad;
+  }
+  return -1;
+}
+
+// Scratch reused across calls (per thread): no per-step allocation of id-sized buffers.
+struct Scratch {
+  std::vector<uint32_t> keys, keys_tmp, values, values_tmp, grad_at, bag_of;
+};
+thread_local Scratch scratch;
+
+// LSD radix sort of (keys, values) by key, 11-bit digits over the bits `max_key` needs; stable.
+void radix_sort(uint32_t max_key, int64_t n) {
+  auto& s = scratch;
+  int bits = 0;
+  while (bits < 32 && (uint64_t(max_key) >> bits)) bits += 11;
+  uint32_t *k = s.keys.data(), *kt = s.keys_tmp.data(), *v = s.values.data(),
+           *vt = s.values_tmp.data();
+  for (int shift = 0; shift < bits; shift += 11) {
+    int64_t count[2048] = {0};
+    for (int64_t i = 0; i < n; ++i) ++count[(k[i] >> shift) & 2047];
+    int64_t sum = 0;
+    for (int i = 0; i < 2048; ++i) {
+      const int64_t c = count[i];
+      count[i] = sum;
+      sum += c;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t at = count[(k[i] >> shift) & 2047]++;
+      kt[at] = k[i];
+      vt[at] = v[i];
+    }
+    std::swap(k, kt);
+    std::swap(v, vt);
+  }
+  if (k != s.keys.data()) {
+    std::memcpy(s.keys.data(), k, n * sizeof(uint32_t));
+    std::memcpy(s.values.data(), v, n * sizeof(uint32_t));
+  }
+}
+
+// Keys: each id's global row. Values: where its bag's output-gradient row starts (a float
+// index, b * width + column), or with kByPosition (per-sample weights or MEAN need it) the
+// id's position, whose gradient row and bag `grad_at` and `bag_of` then hold.
+// -1, or the position of the first id outside its table (nothing sorted then).
+template <bool kByPosition, typename Index, typename Offset>
+int64_t sort_ids(const Layout& l, const Index* indices, const Offset* offsets, int64_t n) {
+  auto& s = scratch;
+  if (int64_t(s.keys.size()) < n) {
+    for (auto* v : {&s.keys, &s.keys_tmp, &s.values, &s.values_tmp, &s.grad_at, &s.bag_of}) {
+      v->resize(n);
+    }
+  }
+  uint32_t* __restrict keys = s.keys.data();
+  uint32_t* __restrict values = s.values.data();
+  uint32_t* __restrict grad_at = s.grad_at.data();
+  uint32_t* __restrict bag_of = s.bag_of.data();
+  for (int64_t f = 0; f < l.features; ++f) {
+    const int64_t t = l.feature_table[f];
+    const uint32_t start = uint32_t(l.row_start[t]);
+    const uint64_t rows = uint64_t(l.row_start[t + 1] - l.row_start[t]);
+    for (int64_t b = 0; b < l.batch; ++b) {
+      const int64_t bag = f * l.batch + b;
+      const uint32_t at = uint32_t(b * l.width + l.feature_column[f]);
+      for (int64_t p = offsets[bag]; p < offsets[bag + 1]; ++p) {
+        if (uint64_t(indices[p]) >= rows) return p;
+        keys[p] = start + uint32_t(indices[p]);
+        if (kByPosition) {
+          values[p] = uint32_t(p);
+          grad_at[p] = at;
+          bag_of[p] = uint32_t(bag);
+        } else {
+          values[p] = at;
+        }
+      }
+    }
+  }
+  radix_sort(uint32_t(l.row_start[l.tables] - 1), n);
+  return -1;
+}
+
+// The sorted ids [begin, end) of one table: its rows start at `table` (global row `first`).
+template <int kDim, bool kByPosition, typename Offset>
+RS_CLONES void update_table(float* table, float* momentum, int64_t first, int64_t dim_arg,
+                            int64_t begin, int64_t end, const Offset* offsets,
+                            const float* per_sample_weights, int mean, const float* grad,
+                            float lr, float eps, float* per_sample_grad) {
+  const int64_t dim = kDim ? kDim : dim_arg;
+  const auto& s = scratch;
+  const uint32_t* keys = s.keys.data();
+  const uint32_t* values = s.values.data();
+  const uint32_t* grad_at = s.grad_at.data();
+  const uint32_t* bag_of = s.bag_of.data();
+  std::vector<float> acc(dim);
+  float* __restrict a = acc.data();
+  auto grad_row = [&](int64_t j) {
+    return grad + (kByPosition ? grad_at[values[j]] : values[j]);
+  };
+  int64_t i = begin;
+  while (i < end) {
+    const uint32_t key = keys[i];
+    float* __restrict w = table + (int64_t(key) - first) * dim;
+    for (int64_t d = 0; d < dim; ++d) a[d] = 0.f;
+    int64_t j = i;
+    for (; j < end && keys[j] == key; ++j) {
+      if (j + kPrefetch < end) prefetch_row(grad_row(j + kPrefetch), dim);
+      if (j + kPrefetchUpdate < end && keys[j + kPrefetchUpdate] != keys[j + kPrefetchUpdate - 1]) {
+        prefetch_row_for_write(table + (int64_t(keys[j + kPrefetchUpdate]) - first) * dim, dim);
+        __builtin_prefetch(momentum + keys[j + kPrefetchUpdate], 1, 3);
+      }
+      const float* __restrict go = grad_row(j);
+      float scale = 1.f;
+      if (kByPosition) {
+        const uint32_t p = values[j];
+        if (mean) {
+          const uint32_t bag = bag_of[p];
+          scale = 1.f / float(int64_t(offsets[bag + 1]) - int64_t(offsets[bag]));
+        }
+        if (per_sample_grad) {  // d out / d weight of this id: its row (before the update) . grad
+          float dot = 0.f;
+          for (int64_t d = 0; d < dim; ++d) dot += w[d] * go[d];
+          per_sample_grad[p] = dot * scale;
+        }
+        if (per_sample_weights) scale *= per_sample_weights[p];
+      }
+      for (int64_t d = 0; d < dim; ++d) a[d] += scale * go[d];
+    }
+    float square_sum = 0.f;
+    for (int64_t d = 0; d < dim; ++d) square_sum += a[d] * a[d];
+    const float m = momentum[key] + square_sum / float(dim);
+    momentum[key] = m;
+    const float multiplier = lr / (std::sqrt(m) + eps);
+    for (int64_t d = 0; d < dim; ++d) w[d] -= multiplier * a[d];
+    i = j;
+  }
+}
+
+template <bool kByPosition, typename Index, typename Offset>
+int64_t backward_sorted(float* weights, float* momentum, const Layout& l, const Index* indices,
+                     const Offset* offsets, const float* per_sample_weights, int mean,
+                     const float* grad, float lr, float eps, float* per_sample_grad, int64_t n) {
+  const int64_t bad = sort_ids<kByPosition>(l, indices, offsets, n);
+  if (bad >= 0) return bad;  // before any update
+  const uint32_t* keys = scratch.keys.data();
+  int64_t begin = 0;
+  for (int64_t t = 0; t < l.tables && begin < n; ++t) {  // tables' rows ascend with t
+    const int64_t end =
+        std::lower_bound(keys + begin, keys + n, uint64_t(l.row_start[t + 1])) - keys;
+    if (end == begin) continue;
+    float* table = weights + l.weight_start[t];
+    const int64_t first = l.row_start[t], dim = l.table_dim[t];
+#define RS_TABLE(D)                                                                      \
+  update_table<D, kByPosition>(table, momentum, first, dim, begin, end, offsets,        \
+                               per_sample_weights, mean, grad, lr, eps, per_sample_grad)
+    if (dim == 64) RS_TABLE(64);
+    else if (dim == 128) RS_TABLE(128);
+    else if (dim == 32) RS_TABLE(32);
+    else RS_TABLE(0);
+#undef RS_TABLE
+    begin = end;
+  }
+  return -1;
+}
+
+// The pooled output's gradient must be contiguous [B, width]. -1, or the position of the first
+// id outside its table (nothing updated then).
+template <typename Index, typename Offset>
+int64_t backward_impl(float* weights, float* momentum, const Layout& l, const Index* indices,
+                   const Offset* offsets, const float* per_sample_weights, int mean,
+                   const float* grad, float lr, float eps, float* per_sample_grad) {
+  const int64_t n = int64_t(offsets[l.features * l.batch]);
+  if (n <= 0) return -1;
+  if (per_sample_weights || per_sample_grad || mean) {
+    return backward_sorted<true>(weights, momentum, l, indices, offsets, per_sample_weights, mean, grad,
+                          lr, eps, per_sample_grad, n);
+  }
+  return backward_sorted<false>(weights, momentum, l, indices, offsets, nullptr, 0, grad, lr, eps,
+                                nullptr, n);
+}
+
+}  // namespace
+
+extern "C" {
+
+// index_bytes / offset_bytes: 4 (int32) or 8 (int64). Both calls return -1 when done, the
+// position of the first id outside its table's rows (>= 0), or -2 for a bad width.
+int64_t rs_tbe_forward(const float* weights, const int64_t* row_start, const int64_t* weight_start,
+                   const int64_t* table_dim, int64_t tables, const int64_t* feature_table,
+                   const int64_t* feature_column, int64_t features, int64_t batch,
+                   int64_t width, const void* indices, int index_bytes, const void* offsets,
+                   int offset_bytes, const float* per_sample_weights, int mean, float* out) {
+  const Layout l{row_start, weight_start, table_dim, feature_table, feature_column,
+                 tables,    features,     batch,     width};
+#define RS_FORWARD(I, O) \
+  forward_impl<I, O>(weights, l, (const I*)indices, (const O*)offsets, per_sample_weights, mean, out)
+  if (index_bytes == 8 && offset_bytes == 8) return RS_FORWARD(int64_t, int64_t);
+  if (index_bytes == 8 && offset_bytes == 4) return RS_FORWARD(int64_t, int32_t);
+  if (index_bytes == 4 && offset_bytes == 8) return RS_FORWARD(int32_t, int64_t);
+  if (index_bytes == 4 && offset_bytes == 4) return RS_FORWARD(int32_t, int32_t);
+#undef RS_FORWARD
+  return -2;
+}
+
+// per_sample_grad may be null (no gradient wanted for the per-sample weights).
+int64_t rs_tbe_backward_rowwise_adagrad(float* weights, float* momentum, const int64_t* row_start,
+                                    const int64_t* weight_start, const int64_t* table_dim,
+                                    int64_t tables, const int64_t* feature_table,
+                                    const int64_t* feature_column, int64_t features,
+                                    int64_t batch, int64_t width, const void* indices,
+                                    int index_bytes, const void* offsets, int offset_bytes,
+                                    const float* per_sample_weights, int mean, const float* grad,
+                                    float lr, float eps, float* per_sample_grad) {
+  const Layout l{row_start, weight_start, table_dim, feature_table, feature_column,
+                 tables,    features,     batch,     width};
+#define RS_BACKWARD(I, O)                                                                 \
+  backward_impl<I, O>(weights, momentum, l, (const I*)indices, (const O*)offsets,        \
+                      per_sample_weights, mean, grad, lr, eps, per_sample_grad)
+  if (index_bytes == 8 && offset_bytes == 8) return RS_BACKWARD(int64_t, int64_t);
+  if (index_bytes == 8 && offset_bytes == 4) return RS_BACKWARD(int64_t, int32_t);
+  if (index_bytes == 4 && offset_bytes == 8) return RS_BACKWARD(int32_t, int64_t);
+  if (index_bytes == 4 && offset_bytes == 4) return RS_BACKWARD(int32_t, int32_t);
+#undef RS_BACKWARD
+  return -2;
+}
+
+}  // extern "C"
+
+// An importable module with no Python functions: setuptools builds it as an extension, and
+// native_tbe.py opens the same file with ctypes.
+static struct PyModuleDef rs_module = {PyModuleDef_HEAD_INIT, "_cpu_tbe", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__cpu_tbe(void) { return PyModule_Create(&rs_module); }

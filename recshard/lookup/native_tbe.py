@@ -1,0 +1,212 @@
+"""recshard's own CPU embedding-bag kernel (`csrc/cpu_tbe.cpp`), called through ctypes.
+
+The C++ file is built by `pip install` (setup.py's extension `recshard.lookup._cpu_tbe`) and
+opened here by path; it covers pooled SUM/MEAN lookups of fp32 tables held back to back in
+one buffer, forward and backward with the fused exact row-wise Adagrad update. `available()`
+says whether the library loaded (a missing build or a failed load logs one warning; callers
+then use fbgemm's kernel or the pure-torch one).
+
+Tensors: `weights` fp32, every table's `[rows, dim]` back to back (`TableLayout`),
+`momentum` fp32 `[all rows]`; `indices` int32/int64 and `offsets` int32/int64 `[F * B + 1]`
+from 0, bags feature-major; `per_sample_weights` fp32 `[ids]` or None; the pooled output and
+its gradient `[B, sum of the features' dims]` fp32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+_library: ctypes.CDLL | None = None
+_load_tried = False
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _load_tried
+    if _load_tried:
+        return _library
+    _load_tried = True
+    try:
+        spec = importlib.util.find_spec("recshard.lookup._cpu_tbe")
+        if spec is None or spec.origin is None:
+            raise ImportError("not built")
+        library = ctypes.CDLL(spec.origin)
+    except (ImportError, OSError) as error:
+        logger.warning(
+            "recshard's CPU embedding kernel (recshard.lookup._cpu_tbe) is unavailable (%s): "
+            "fp32 row-wise Adagrad tables run fbgemm's kernel (or the torch one) instead; "
+            "`pip install -e .` builds it",
+            error,
+        )
+        return None
+    layout = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]  # TableLayout, B, width
+    ids = [_ptr, _int, _ptr, _int, _ptr, _int]  # indices, offsets, per-sample weights, mean
+    library.rs_tbe_forward.argtypes = [_ptr, *layout, *ids, _ptr]
+    library.rs_tbe_forward.restype = _i64
+    library.rs_tbe_backward_rowwise_adagrad.argtypes = [
+        *(_ptr, _ptr, *layout, *ids, _ptr, _f32, _f32, _ptr)
+    ]
+    library.rs_tbe_backward_rowwise_adagrad.restype = _i64
+    _library = library
+    return library
+
+
+def available() -> bool:
+    """True when the compiled kernel loaded (warns once when it did not)."""
+    return _load() is not None
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """Where each table's rows sit in the weights buffer and each feature's columns in the
+    output: int64 tensors the C++ side reads (`cpu_tbe.cpp`'s `Layout`)."""
+
+    row_start: torch.Tensor  # [T + 1]: table t's first global row; all rows last
+    weight_start: torch.Tensor  # [T]: table t's first float in the weights buffer
+    table_dim: torch.Tensor  # [T]
+    feature_table: torch.Tensor  # [F]
+    feature_column: torch.Tensor  # [F]: feature f's first output column
+    width: int  # output columns
+
+    @staticmethod
+    def of(rows: List[int], dims: List[int], feature_table: List[int]) -> TableLayout:
+        row_start = [0]
+        weight_start = [0]
+        for n, dim in zip(rows, dims):
+            row_start.append(row_start[-1] + n)
+            weight_start.append(weight_start[-1] + n * dim)
+        columns = [0]
+        for t in feature_table:
+            columns.append(columns[-1] + dims[t])
+        return TableLayout(
+            row_start=torch.tensor(row_start, dtype=torch.int64),
+            weight_start=torch.tensor(weight_start[:-1], dtype=torch.int64),
+            table_dim=torch.tensor(dims, dtype=torch.int64),
+            feature_table=torch.tensor(feature_table, dtype=torch.int64),
+            feature_column=torch.tensor(columns[:-1], dtype=torch.int64),
+            width=columns[-1],
+        )
+
+    @property
+    def total_rows(self) -> int:
+        return int(self.row_start[-1])
+
+    def args(self, batch: int) -> list:
+        return [
+            self.row_start.data_ptr(),
+            self.weight_start.data_ptr(),
+            self.table_dim.data_ptr(),
+            self.table_dim.numel(),
+            self.feature_table.data_ptr(),
+            self.feature_column.data_ptr(),
+            self.feature_table.numel(),
+            batch,
+            self.width,
+        ]
+
+
+def _address(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _width(tensor: torch.Tensor) -> int:
+    if tensor.dtype not in (torch.int32, torch.int64) or not tensor.is_contiguous():
+        raise ValueError(f"ids and offsets must be contiguous int32/int64, got {tensor.dtype}")
+    return tensor.element_size()
+
+
+class IdOutOfRange(ValueError):
+    """An id outside its table's rows reached the kernel (bounds check mode NONE): nothing
+    was read or written out of bounds. `position` is the id's index in `indices`."""
+
+    def __init__(self, position: int) -> None:
+        super().__init__(f"id at position {position} is outside its table's rows")
+        self.position = position
+
+
+def _check(code: int) -> None:
+    if code >= 0:
+        raise IdOutOfRange(code)
+    assert code == -1, f"cpu_tbe: bad call ({code})"
+
+
+def _ids_args(
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mean: bool,
+) -> list:
+    return [
+        indices.data_ptr(),
+        _width(indices),
+        offsets.data_ptr(),
+        _width(offsets),
+        _address(per_sample_weights),
+        int(mean),
+    ]
+
+
+def forward(
+    weights: torch.Tensor,
+    layout: TableLayout,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mean: bool,
+    batch: int,
+) -> torch.Tensor:
+    """Pooled lookup of every feature: `[batch, layout.width]`. Raises `IdOutOfRange` for an id
+    outside its table."""
+    library = _load()
+    assert library is not None, "native_tbe.available() first"
+    out = torch.empty(batch, layout.width)
+    code = library.rs_tbe_forward(
+        weights.data_ptr(),
+        *layout.args(batch),
+        *_ids_args(indices, offsets, per_sample_weights, mean),
+        out.data_ptr(),
+    )
+    _check(code)
+    return out
+
+
+def backward_rowwise_adagrad(
+    weights: torch.Tensor,
+    momentum: torch.Tensor,
+    layout: TableLayout,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mean: bool,
+    grad_output: torch.Tensor,
+    lr: float,
+    eps: float,
+    per_sample_grad: bool,
+) -> torch.Tensor | None:
+    """Update `weights` and `momentum` in place from the pooled output's gradient; returns the
+    per-sample weights' gradient `[ids]` when `per_sample_grad`, else None. Raises
+    `IdOutOfRange` (before any update) for an id outside its table."""
+    library = _load()
+    assert library is not None, "native_tbe.available() first"
+    grad_output = grad_output.contiguous()
+    sample_grad = torch.empty(indices.numel()) if per_sample_grad else None
+    code = library.rs_tbe_backward_rowwise_adagrad(
+        weights.data_ptr(),
+        momentum.data_ptr(),
+        *layout.args(grad_output.size(0)),
+        *_ids_args(indices, offsets, per_sample_weights, mean),
+        grad_output.data_ptr(),
+        lr,
+        eps,
+        _address(sample_grad),
+    )
+    _check(code)
+    return sample_grad
