@@ -75,6 +75,7 @@ class TableLayout:
     feature_table: torch.Tensor  # [F]
     feature_column: torch.Tensor  # [F]: feature f's first output column
     width: int  # output columns
+    floats: int  # the weights buffer's length
 
     @staticmethod
     def of(rows: List[int], dims: List[int], feature_table: List[int]) -> TableLayout:
@@ -93,6 +94,7 @@ class TableLayout:
             feature_table=torch.tensor(feature_table, dtype=torch.int64),
             feature_column=torch.tensor(columns[:-1], dtype=torch.int64),
             width=columns[-1],
+            floats=weight_start[-1],
         )
 
     @property
@@ -138,6 +140,40 @@ def _check(code: int) -> None:
     assert code == -1, f"cpu_tbe: bad call ({code})"
 
 
+def _check_buffers(
+    weights: torch.Tensor,
+    layout: TableLayout,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    batch: int,
+) -> None:
+    """Refuse buffers the C++ side would read or write past: it trusts every pointer and length
+    it is given (a pass over `offsets`, O(1) for the rest)."""
+    _float_buffer("weights", weights, layout.floats)
+    if per_sample_weights is not None:
+        _float_buffer("per_sample_weights", per_sample_weights, indices.numel())
+    bags = layout.feature_table.numel() * batch
+    if offsets.dim() != 1 or offsets.numel() != bags + 1:
+        raise ValueError(f"offsets: {bags + 1} entries needed, got shape {tuple(offsets.shape)}")
+    if indices.dim() != 1:
+        raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
+    low, high = (int(v) for v in torch.aminmax(offsets))
+    if low < 0 or high > indices.numel() or int(offsets[0]) != 0:
+        raise ValueError(
+            f"offsets must start at 0 and stay within the {indices.numel()} ids, "
+            f"got values in [{low}, {high}]"
+        )
+
+
+def _float_buffer(name: str, tensor: torch.Tensor, numel: int) -> None:
+    if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.numel() != numel:
+        raise ValueError(
+            f"{name}: a contiguous float32 buffer of {numel} values needed, got "
+            f"{tensor.dtype} of shape {tuple(tensor.shape)}"
+        )
+
+
 def _ids_args(
     indices: torch.Tensor,
     offsets: torch.Tensor,
@@ -167,6 +203,7 @@ def forward(
     outside its table."""
     library = _load()
     assert library is not None, "native_tbe.available() first"
+    _check_buffers(weights, layout, indices, offsets, per_sample_weights, batch)
     out = torch.empty(batch, layout.width)
     code = library.rs_tbe_forward(
         weights.data_ptr(),
@@ -197,6 +234,10 @@ def backward_rowwise_adagrad(
     library = _load()
     assert library is not None, "native_tbe.available() first"
     grad_output = grad_output.contiguous()
+    batch = grad_output.size(0)
+    _check_buffers(weights, layout, indices, offsets, per_sample_weights, batch)
+    _float_buffer("grad_output", grad_output, batch * layout.width)
+    _float_buffer("momentum", momentum, layout.total_rows)
     sample_grad = torch.empty(indices.numel()) if per_sample_grad else None
     code = library.rs_tbe_backward_rowwise_adagrad(
         weights.data_ptr(),

@@ -188,3 +188,49 @@ def test_an_id_outside_its_table_is_an_error_naming_it() -> None:
         kernel.update(kjt, torch.ones(2, 16))
     for a, b in zip(before, kernel.table_weights()):
         assert torch.equal(a, b)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("short weights", "weights: a contiguous float32 buffer of 40 values"),
+        ("fp64 weights", "weights: a contiguous float32 buffer"),
+        ("offsets past ids", r"within the 3 ids, got values in \[0, 9\]"),
+        ("decreasing offsets past ids", "within the 3 ids"),
+        ("offsets count", "offsets: 5 entries needed"),
+        ("short per-sample weights", "per_sample_weights: a contiguous float32 buffer of 3"),
+        ("short grad", "grad_output: a contiguous float32 buffer of 16"),
+        ("short momentum", "momentum: a contiguous float32 buffer of 10"),
+    ],
+)
+def test_native_calls_refuse_buffers_it_would_overrun(case: str, match: str) -> None:
+    """The C++ side trusts every pointer and length: the wrapper checks them first."""
+    layout = native_tbe.TableLayout.of([4, 6], [4, 4], [0, 1])
+    weights, momentum = torch.zeros(40), torch.zeros(10)
+    ids, offsets, psw = torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2, 3, 3]), None
+    grad = torch.ones(2, 8)
+    if case == "short weights":
+        weights = torch.zeros(39)
+    elif case == "fp64 weights":
+        weights = torch.zeros(40, dtype=torch.float64)
+    elif case == "offsets past ids":
+        offsets = torch.tensor([0, 1, 2, 3, 9])
+    elif case == "decreasing offsets past ids":
+        offsets = torch.tensor([0, 8, 2, 3, 3])
+    elif case == "offsets count":
+        offsets = torch.tensor([0, 1, 3])
+    elif case == "short per-sample weights":
+        psw = torch.ones(2)
+    elif case == "short grad":
+        grad = torch.ones(2, 7)
+    elif case == "short momentum":
+        momentum = torch.zeros(9)
+    with pytest.raises(ValueError, match=match):
+        if case in ("short grad", "short momentum"):
+            native_tbe.backward_rowwise_adagrad(
+                weights, momentum, layout, ids, offsets, psw, False, grad, 0.1, 1e-8, False
+            )
+        else:
+            native_tbe.forward(weights, layout, ids, offsets, psw, False, 2)
+    assert torch.equal(weights, torch.zeros_like(weights))
