@@ -21,10 +21,15 @@ from recshard.types import ShardingEnv
 ROWS, DIM = 500_000, 64  # 128 MB of weights
 MB = 1 << 20
 STEP_IDS = 256 * 4  # a step's ids: at most this many distinct rows
-WARM_UP_ROWS = 50_000  # a small table first (its cache holds any step)
-# what a step itself holds besides the kernel's DRAM: ids, pooled outputs, allocator slack
-# (measured growth 12.05 MB against a 11.2 MB budget, the step's code warmed up first)
-STEP_SLACK = 4 * MB
+# a small table first, whose cache (5%: 1,100 rows) holds one step but not six: its steps
+# evict and write back, so the write-behind thread and its allocator arena exist before the
+# big table's growth is measured
+WARM_UP_ROWS, WARM_UP_STEPS = 22_000, 6
+# what the process holds besides the kernel's DRAM: a step's ids and pooled outputs, the
+# build's 1 MB init chunks, and what the allocator keeps of them (the library keeps freed
+# heap, docs/performance.md "The allocator"): measured 2-7 MB over the budget between runs
+# (12.4, 14.0, 14.9, 18.6 MB against 11.2), far from the 122 MB table
+SLACK = 8 * MB
 
 
 def rss() -> int:
@@ -66,22 +71,30 @@ def train(rank: int, ws: int, directory: str) -> Dict[str, float]:
     warm_up = os.path.join(directory, "warm-up")
     os.mkdir(warm_up)
     small = _sharded(WARM_UP_ROWS, warm_up, ws)
-    for _ in range(3):
+    for _ in range(WARM_UP_STEPS):
         _step(small, WARM_UP_ROWS, g)
     del small
     baseline = rss()
     sharded = _sharded(ROWS, directory, ws)
     (kernel,) = [k for s in sharded.shardings.values() for k in s.lookup.kernels]
     budget = dram_bytes(kernel.tables[0], kernel.spec, STEP_IDS)
-    peak = rss() - baseline
+    built = rss() - baseline
+    peak = 0
     for _ in range(20):
         _step(sharded, ROWS, g)
         peak = max(peak, rss() - baseline)
-    return {"peak": peak, "budget": budget, "table": ROWS * DIM * 4, "hit": kernel.hit_rate()}
+    return {
+        "built": built,
+        "peak": peak,
+        "budget": budget,
+        "table": ROWS * DIM * 4,
+        "hit": kernel.hit_rate(),
+    }
 
 
 def test_resident_memory_stays_under_the_dram_budget(tmp_path) -> None:  # noqa: ANN001
     (result,) = run_ranks(1, train, str(tmp_path), timeout=300)
     assert result["table"] > 6 * result["budget"]
-    assert result["peak"] < result["budget"] + STEP_SLACK, result
+    assert result["built"] < result["budget"] + SLACK, result
+    assert result["peak"] < result["budget"] + SLACK, result
     assert 0.0 < result["hit"] < 1.0, result
