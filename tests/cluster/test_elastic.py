@@ -94,6 +94,7 @@ def _kill_one_rank_after(job: Job, checkpoint_dir: Path, step: int, timeout: flo
 
 
 def test_killed_rank_restarts_and_loses_nothing(cluster: Cluster, tmp_path: Path) -> None:
+    # the straight run and the killed one run side by side (independent jobs, own ports)
     straight_dir = tmp_path / "straight" / "ckpt"
     straight = torchrun(
         cluster,
@@ -101,11 +102,6 @@ def test_killed_rank_restarts_and_loses_nothing(cluster: Cluster, tmp_path: Path
         tmp_path / "straight",
         flags=["--max-restarts", "0"],
     )
-    assert straight.wait(timeout=150) == [0, 0], straight.output()
-    log = straight.output(0)
-    assert "DLRM on 4 rank(s)" in log and f"eval (final) @ step {STEPS}" in log, log
-    assert "250x8@0, 250x8@1" in log and "250x8@2, 250x8@3" in log, log  # TWRW within hosts
-
     killed_dir = tmp_path / "killed" / "ckpt"
     killed = torchrun(
         cluster,
@@ -114,7 +110,16 @@ def test_killed_rank_restarts_and_loses_nothing(cluster: Cluster, tmp_path: Path
         port=29501,
         flags=["--max-restarts", "2"],
     )
-    saved = _kill_one_rank_after(killed, killed_dir, 8, timeout=120)
+    try:
+        saved = _kill_one_rank_after(killed, killed_dir, 8, timeout=120)
+    except AssertionError:
+        straight.kill()
+        raise
+    assert straight.wait(timeout=150) == [0, 0], straight.output()
+    log = straight.output(0)
+    assert "DLRM on 4 rank(s)" in log and f"eval (final) @ step {STEPS}" in log, log
+    assert "250x8@0, 250x8@1" in log and "250x8@2, 250x8@3" in log, log  # TWRW within hosts
+
     assert killed.wait(timeout=150) == [0, 0], killed.output()
     log = killed.output(0)
     resumed = re.search(r"resumed from \S+ at step (\d+)", log)
