@@ -21,7 +21,7 @@ since the last eviction (`recshard.modules.mc_history`: entries, not rows).
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -34,6 +34,7 @@ from recshard.modules.mc_base import (
 )
 from recshard.modules.mc_collection import ManagedCollisionCollection
 from recshard.modules.mc_compete import bucket_contest, threshold_passed
+from recshard.modules.mc_entry_state import MCHEntryState
 from recshard.modules.mc_eviction import (
     COUNTS,
     LAST_ACCESS,
@@ -46,7 +47,7 @@ from recshard.modules.mc_eviction import (
     dynamic_threshold_filter,
     probabilistic_threshold_filter,
 )
-from recshard.modules.mc_history import IDS, SEEN_AT, History, check_history, coalesce
+from recshard.modules.mc_history import IDS, SEEN_AT, History, coalesce
 from recshard.modules.mc_index import SortedIdIndex, check_rows
 from recshard.sparse import JaggedTensor
 
@@ -71,7 +72,7 @@ __all__ = [
 ]
 
 
-class MCHManagedCollisionModule(ManagedCollisionModule):
+class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
     """ZCH with eviction (TorchRec's arguments; `buckets` as described in the module doc).
 
     `mch_size` / `mch_hash_func` are deprecated in TorchRec and ignored there; here too, with
@@ -405,59 +406,6 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
     def history_length(self) -> int:
         """Ids counted since the last eviction."""
         return len(self._history)
-
-    def history_names(self) -> List[str]:
-        return self._history.names()
-
-    def entry_state_names(self) -> List[str]:
-        """Buffers every rank reads whole on load, keeping its part: the history (entries,
-        not rows); for a replica (`replicated`: a column-split table's module, held whole on
-        each rank of its column shards) also the row-indexed ones."""
-        rows = ["_mch_raw_ids", *(f"_mch_{m}" for m in self.metadata())] if self.replicated else []
-        return rows + self._history.names()
-
-    def check_entry_state(self, values: Dict[str, torch.Tensor]) -> None:
-        """ValueError unless `values` is state this module can load (any history length)."""
-        names = self._history.names()
-        mine = {n: v for n, v in values.items() if n in names}
-        check_history(mine, names, self._input_hash_size, self._label)
-        for name in set(self.entry_state_names()) - set(names):
-            got = tuple(values[name].shape) if name in values else "nothing"
-            if got != (self._zch_size,):
-                raise ValueError(
-                    f"{self._label}: a replica (column-split table) loads the table's whole "
-                    f"'{name}' [{self._zch_size}], got {got} (load a checkpoint or a full one)"
-                )
-
-    @torch.no_grad()
-    def load_entry_state(self, values: Dict[str, torch.Tensor]) -> None:
-        """Load what `entry_state_names` names: a replica's whole rows, and the history's
-        entries of this module's buckets (e.g. from a whole table's, saved at another world
-        size)."""
-        self.check_entry_state(values)
-        history = self._history.names()
-        rows = [n for n in self.entry_state_names() if n not in history]
-        for name in rows:
-            getattr(self, name).copy_(values[name])
-        if rows:
-            self.validate_state()
-        self._load_history({n: values[n] for n in history})
-
-    def _load_history(self, values: Dict[str, torch.Tensor]) -> None:
-        ids = values[IDS].to(self.device)
-        first, last = self._bucket_range
-        bucket = ids % self._buckets
-        mine = (bucket >= first) & (bucket < last)
-        self._history.reset({n: v.to(self.device)[mine] for n, v in values.items()})
-        self._sync_history()
-
-    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
-        """The history is loaded at the length it was saved with (its buffers resized first)."""
-        for name in self._history.names():
-            value = state_dict.get(prefix + name)
-            if isinstance(value, torch.Tensor):
-                setattr(self, name, torch.empty_like(value, device=self.device))
-        super()._load_from_state_dict(state_dict, prefix, *args)
 
     @torch.no_grad()
     def validate_state(self) -> None:
