@@ -125,3 +125,26 @@ def test_native_refuses_buffers_it_would_overrun(
     assert "table 't'" in str(raised.value)
     assert torch.equal(buffer, before)
     store.close()
+
+
+def test_missing_library_warns_once_and_python_moves_the_rows(
+    tmp_path,  # noqa: ANN001
+    monkeypatch,  # noqa: ANN001
+    caplog,  # noqa: ANN001
+) -> None:
+    find_spec = native_row_io.importlib.util.find_spec
+    monkeypatch.setattr(
+        native_row_io.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "recshard.lookup._row_io" else find_spec(name, *a),
+    )
+    monkeypatch.setattr(native_row_io, "_library", None)
+    monkeypatch.setattr(native_row_io, "_load_tried", False)
+    with caplog.at_level("WARNING", logger=native_row_io.__name__):
+        store = _store(str(tmp_path))
+        store.write("weight", torch.tensor([2, 9]), torch.ones(2, WIDTH))
+        assert torch.equal(store.read("weight", torch.tensor([2, 9])), torch.ones(2, WIDTH))
+    warnings = [r for r in caplog.records if "row I/O library" in r.getMessage()]
+    assert len(warnings) == 1 and "from Python" in warnings[0].getMessage()
+    assert not native_row_io.available()
+    store.close()
