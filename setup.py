@@ -1,7 +1,9 @@
-"""Builds recshard's CPU embedding kernel (recshard/lookup/csrc/cpu_tbe.cpp) at install.
+"""Builds recshard's C++ libraries at install: the CPU embedding kernel (csrc/cpu_tbe.cpp) and
+the key_value tables' row I/O (csrc/row_io.cpp).
 
-Plain C++ with no torch headers (about two seconds to compile); the metadata is in
-pyproject.toml. `recshard.lookup.native_tbe` falls back to fbgemm if the build is missing.
+Plain C++ with no torch headers (seconds to compile); the metadata is in pyproject.toml.
+Both are optional: `recshard.lookup.native_tbe` falls back to fbgemm and
+`recshard.lookup.native_row_io` to Python's os.pread/os.pwrite if a build is missing.
 """
 
 from setuptools import Extension, setup
@@ -14,6 +16,13 @@ setup(
             extra_compile_args=["-O3", "-std=c++17"],
             language="c++",
             optional=True,  # a machine without a C++ compiler still installs (fbgemm runs)
-        )
+        ),
+        Extension(
+            "recshard.lookup._row_io",
+            sources=["recshard/lookup/csrc/row_io.cpp"],
+            extra_compile_args=["-O2", "-std=c++17"],
+            language="c++",
+            optional=True,  # without it, row I/O runs from Python
+        ),
     ]
 )

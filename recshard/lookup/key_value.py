@@ -197,7 +197,7 @@ class _RowCache:
             self.fresh[victims] = True
         try:
             for suffix, values in self.values.items():
-                values[victims] = self.store.read(suffix, missing)
+                self.store.read_into(suffix, missing, values, victims)
         except BaseException:
             with self.lock:  # the rows never came in: their slots hold nothing
                 self.row_slot[missing] = -1

@@ -10,9 +10,11 @@ Files are created with O_CREAT|O_EXCL and mode 0600 and their space is reserved 
 creation, and a step never meets a full disk halfway through a write. A file already there is
 never reused or overwritten: the error says which table and shape it holds.
 
-Reads and writes move each run of consecutive rows with one `pread` / `pwrite` (rows of a batch
-are mostly scattered: a run is usually one row): the page cache serves them and the process
-keeps nothing but what the caller holds. Measured against gathering and scattering through a
+Reads and writes move each run of consecutive rows with one `preadv` / `pwritev` (rows of a
+batch are mostly scattered: a run is usually one row), a whole batch in one call into the C++
+row I/O (`native_row_io`, GIL released; os.pread/os.pwrite from Python when it is not built):
+the page cache serves them and the process keeps nothing but what the caller holds. Reads go
+straight into the cache's slots. Measured against gathering and scattering through a
 shared mapping of the files (`index_select` / `index_copy_`, then `MADV_DONTNEED` to stay in
 budget): a read fault maps 16 cached pages around each row (Linux's fault-around; `MADV_RANDOM`
 does not stop it) and the drop unmaps them again, 2-8x the time of a call per row from a Python
@@ -25,6 +27,7 @@ access and leave with the mapping).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import tempfile
 from dataclasses import asdict, dataclass
@@ -32,7 +35,10 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from recshard.lookup import native_row_io
+
 _FLOAT = 4  # bytes per stored value (fp32)
+_PAGE = mmap.PAGESIZE
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,8 @@ class RowStore:
 
     def _create(self, path: str, values: int) -> int:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # no readahead: a row read brings in its own page alone (a small folio, as `fill` makes)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         if values:
             os.posix_fallocate(fd, 0, values * _FLOAT)
         return fd
@@ -165,6 +173,25 @@ class RowStore:
 
     def read(self, suffix: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (int64, unique, sorted) of one file as `[len(ids), width]` fp32."""
+        out = torch.empty(ids.numel(), self.width(suffix))
+        self.read_into(suffix, ids, out, None)
+        return out
+
+    def read_into(
+        self, suffix: str, ids: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor | None
+    ) -> None:
+        """Read rows `ids` (int64, unique, sorted) of one file into `buffer`'s rows `slots`
+        (`[slots, width]` fp32; row i into slot i when None)."""
+        if native_row_io.available():
+            self._native(False, suffix, ids, buffer, slots)
+            return
+        rows = self._pread(suffix, ids)
+        if slots is None:
+            buffer[: ids.numel()] = rows
+        else:
+            buffer[slots] = rows
+
+    def _pread(self, suffix: str, ids: torch.Tensor) -> torch.Tensor:
         row_bytes = self.width(suffix) * _FLOAT
         fd, pread = self._fds[suffix], os.pread
         starts, lengths = _runs(ids)
@@ -180,8 +207,17 @@ class RowStore:
 
     def write(self, suffix: str, ids: torch.Tensor, values: torch.Tensor) -> None:
         """Write `values` `[len(ids), width]` to rows `ids` (unique, sorted) of one file."""
+        values = values.detach().to(torch.float32).contiguous()
+        if native_row_io.available():
+            if values.shape != (ids.numel(), self.width(suffix)):
+                raise ValueError(
+                    f"table '{self.identity.table}': {tuple(values.shape)} values for "
+                    f"{ids.numel()} rows of width {self.width(suffix)}"
+                )
+            self._native(True, suffix, ids, values, None)
+            return
         row_bytes = self.width(suffix) * _FLOAT
-        block = memoryview(values.detach().to(torch.float32).contiguous().numpy()).cast("B")
+        block = memoryview(values.numpy()).cast("B")
         fd, pwrite, done = self._fds[suffix], os.pwrite, 0
         try:
             for at, n in zip(*_runs(ids)):
@@ -192,13 +228,40 @@ class RowStore:
         except OSError as e:
             raise self._failed("writing", suffix, e) from e
 
+    def _native(
+        self,
+        write: bool,
+        suffix: str,
+        ids: torch.Tensor,
+        buffer: torch.Tensor,
+        slots: torch.Tensor | None,
+    ) -> None:
+        if buffer.dim() != 2 or buffer.shape[1] != self.width(suffix):
+            raise ValueError(
+                f"table '{self.identity.table}': a row buffer of shape {tuple(buffer.shape)} "
+                f"for '{self.paths[suffix]}' (rows of width {self.width(suffix)})"
+            )
+        try:
+            native_row_io.move_rows(
+                write, self._fds[suffix], self.identity.rows, ids, buffer, slots
+            )
+        except OSError as e:
+            raise self._failed("writing" if write else "reading", suffix, e) from e
+        except ValueError as e:
+            raise ValueError(f"table '{self.identity.table}', '{self.paths[suffix]}': {e}") from e
+
     def fill(self, suffix: str, first: int, values: torch.Tensor) -> None:
-        """Write consecutive rows `first ..` (init and checkpoint loads, in chunks)."""
+        """Write consecutive rows `first ..` (init and checkpoint loads, in chunks), a page
+        per call: a larger write puts its pages in one large page-cache folio, and ext4 walks
+        every block of a folio on each later write into it, so a 256-byte row written back
+        there costs ~9 us of kernel time against ~2.5 us in a page of its own
+        (benchmarks/README.md, "row I/O in C++")."""
         block = memoryview(values.detach().to(torch.float32).contiguous().numpy()).cast("B")
         at = first * self.width(suffix) * _FLOAT
         try:
             while block:
-                written = os.pwrite(self._fds[suffix], block, at)
+                size = min(len(block), _PAGE - at % _PAGE)
+                written = os.pwrite(self._fds[suffix], block[:size], at)
                 block, at = block[written:], at + written
         except OSError as e:
             raise self._failed("writing", suffix, e) from e

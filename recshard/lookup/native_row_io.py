@@ -1,0 +1,123 @@
+"""key_value tables' row I/O in C++ (`csrc/row_io.cpp`), called through ctypes.
+
+`move_rows` reads or writes a batch of rows between a file and a buffer's slots in one call:
+one preadv/pwritev per run of consecutive rows, with the GIL released (ctypes drops it), so a
+prefetch thread's reads do not queue behind the step for the GIL once per row as a Python loop
+of os.pread calls does. The library is built by `pip install` (setup.py's extension
+`recshard.lookup._row_io`); `available()` says whether it loaded (a missing build logs one
+warning and `RowStore` uses os.pread/os.pwrite). Every tensor the C++ side touches is checked
+here first (dtype, shape, contiguity, rows within the file, slots within the buffer), and the
+C++ side checks rows and slots again before moving anything.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno as errno_codes
+import importlib.util
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_SYSCALL, _SHORT = 3, 4  # row_io.cpp's codes (1, 2: a row or slot out of range)
+_library: ctypes.CDLL | None = None
+_load_tried = False
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _load_tried
+    if _load_tried:
+        return _library
+    _load_tried = True
+    try:
+        spec = importlib.util.find_spec("recshard.lookup._row_io")
+        if spec is None or spec.origin is None:
+            raise ImportError("not built")
+        library = ctypes.CDLL(spec.origin)
+    except (ImportError, OSError) as error:
+        logger.warning(
+            "recshard's row I/O library (recshard.lookup._row_io) is unavailable (%s): "
+            "key_value tables read and write rows from Python instead (slower); "
+            "`pip install -e .` builds it",
+            error,
+        )
+        return None
+    library.rs_rows_io.argtypes = [_int, _int, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr]
+    library.rs_rows_io.restype = _int
+    _library = library
+    return library
+
+
+def available() -> bool:
+    """True when the compiled row I/O loaded (warns once when it did not)."""
+    return _load() is not None
+
+
+def _check_index(name: str, index: torch.Tensor, limit: int, what: str) -> None:
+    if index.dtype != torch.int64 or index.dim() != 1 or not index.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous 1-D int64 tensor, got {index.dtype} {tuple(index.shape)}"
+        )
+    if index.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {index.device}")
+    if index.numel():
+        low, high = (int(v) for v in torch.aminmax(index))
+        if low < 0 or high >= limit:
+            bad = low if low < 0 else high
+            raise ValueError(f"{name}: {bad} is outside the {limit} {what}")
+
+
+def move_rows(
+    write: bool,
+    fd: int,
+    file_rows: int,
+    rows: torch.Tensor,
+    buffer: torch.Tensor,
+    slots: torch.Tensor | None,
+) -> None:
+    """Read (or `write`) file rows `rows` into (from) `buffer`'s slots `slots` (slot i for
+    rows[i] when None). `buffer` is `[slots, width]` fp32 contiguous; a row of the file is
+    `width` fp32 values. Raises ValueError for a buffer or index the call would overrun and
+    OSError (with its errno) when a read or write fails or the file ends first."""
+    library = _load()
+    if library is None:
+        raise RuntimeError("recshard.lookup._row_io is not built")
+    if buffer.dtype != torch.float32 or buffer.dim() != 2 or not buffer.is_contiguous():
+        raise ValueError(
+            "the row buffer must be a contiguous 2-D fp32 tensor, got "
+            f"{buffer.dtype} {tuple(buffer.shape)}"
+        )
+    if buffer.device.type != "cpu":
+        raise ValueError(f"the row buffer must be on the CPU, got {buffer.device}")
+    _check_index("row ids", rows, file_rows, "rows of the file")
+    if slots is None:
+        if rows.numel() > buffer.shape[0]:
+            raise ValueError(f"{rows.numel()} rows do not fit a buffer of {buffer.shape[0]}")
+    else:
+        if slots.numel() != rows.numel():
+            raise ValueError(f"{slots.numel()} slots for {rows.numel()} rows")
+        _check_index("slots", slots, buffer.shape[0], "slots of the buffer")
+    if rows.numel() == 0 or buffer.shape[1] == 0:
+        return
+    detail = _i64(0)
+    code = library.rs_rows_io(
+        int(write),
+        fd,
+        buffer.shape[1] * buffer.element_size(),
+        file_rows,
+        rows.data_ptr(),
+        rows.numel(),
+        buffer.data_ptr(),
+        buffer.shape[0],
+        None if slots is None else slots.data_ptr(),
+        ctypes.byref(detail),
+    )
+    if code == _SYSCALL:
+        raise OSError(detail.value, os.strerror(detail.value))
+    if code == _SHORT:
+        raise OSError(errno_codes.EIO, "short write" if write else "short read (file too short)")
+    assert code == 0, f"row_io: rejected position {detail.value} ({code}) after the checks"
