@@ -52,54 +52,103 @@ struct Layout {
   int64_t tables, features, batch, width;
 };
 
-// One feature's bags. kDim: the dim when known at compile time, else 0 (read `dim_arg`).
-template <int kDim, typename Index, typename Offset>
-RS_CLONES int64_t forward_feature(const float* table, int64_t rows, int64_t dim_arg,
-                                  int64_t batch, const Index* indices, const Offset* offsets,
-                                  const float* per_sample_weights, int mean, float* out,
-                                  int64_t width) {
-  const int64_t dim = kDim ? kDim : dim_arg;
-  std::vector<float> acc(dim);
-  float* __restrict a = acc.data();
-  const int64_t feature_end = offsets[batch];
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t begin = offsets[b], end = offsets[b + 1];
-    for (int64_t d = 0; d < dim; ++d) a[d] = 0.f;
-    for (int64_t p = begin; p < end; ++p) {
-      if (p + kPrefetch < feature_end) {
-        prefetch_row(table + int64_t(indices[p + kPrefetch]) * dim, dim);
-      }
-      if (uint64_t(indices[p]) >= uint64_t(rows)) return p;
-      const float* __restrict row = table + int64_t(indices[p]) * dim;
-      const float scale = per_sample_weights ? per_sample_weights[p] : 1.f;
-      for (int64_t d = 0; d < dim; ++d) a[d] += scale * row[d];
+// Whether every id in [begin, end) is below `rows` (one branch-free pass).
+template <typename Index>
+bool ids_below(const Index* indices, int64_t begin, int64_t end, uint64_t rows) {
+  uint64_t bad = 0;
+  for (int64_t p = begin; p < end; ++p) bad |= uint64_t(uint64_t(indices[p]) >= rows);
+  return bad == 0;
+}
+
+// The position of the first id outside its table's rows, or -1 (ids in feature-major order).
+template <typename Index, typename Offset>
+int64_t first_id_outside(const Layout& l, const Index* indices, const Offset* offsets) {
+  for (int64_t f = 0; f < l.features; ++f) {
+    const int64_t t = l.feature_table[f];
+    const uint64_t rows = uint64_t(l.row_start[t + 1] - l.row_start[t]);
+    for (int64_t p = offsets[f * l.batch]; p < int64_t(offsets[(f + 1) * l.batch]); ++p) {
+      if (uint64_t(indices[p]) >= rows) return p;
     }
-    const float divisor = (mean && end > begin) ? 1.f / float(end - begin) : 1.f;
-    float* __restrict o = out + b * width;
-    for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * divisor;
   }
   return -1;
 }
 
+typedef float Vec8 __attribute__((vector_size(32)));  // 8 floats; 2 SSE halves without AVX
+
+// One feature's bags (ids already checked against its table). kDim: the dim when known at
+// compile time (a multiple of 8: the bag's sum stays in registers), else 0 (read `dim_arg`).
+// Every float's sum adds the ids in order, as `a[d] += scale * row[d]` would.
+template <int kDim, typename Index, typename Offset>
+RS_CLONES void pool_feature(const float* table, int64_t dim_arg, int64_t batch,
+                            const Index* indices, const Offset* offsets,
+                            const float* per_sample_weights, int mean, float* out,
+                            int64_t width) {
+  constexpr int kVecs = kDim / 8;
+  const int64_t dim = kDim ? kDim : dim_arg;
+  std::vector<float> dynamic(kDim ? 0 : dim);
+  float* __restrict a = dynamic.data();
+  const int64_t feature_end = offsets[batch];
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t begin = offsets[b], end = offsets[b + 1];
+    Vec8 acc[kVecs ? kVecs : 1] = {};
+    if (!kDim) {
+      for (int64_t d = 0; d < dim; ++d) a[d] = 0.f;
+    }
+    for (int64_t p = begin; p < end; ++p) {
+      if (p + kPrefetch < feature_end) {
+        prefetch_row(table + int64_t(indices[p + kPrefetch]) * dim, dim);
+      }
+      const float* __restrict row = table + int64_t(indices[p]) * dim;
+      const float scale = per_sample_weights ? per_sample_weights[p] : 1.f;
+      if (kDim) {
+#pragma GCC unroll 16
+        for (int v = 0; v < kVecs; ++v) {
+          Vec8 r;
+          std::memcpy(&r, row + 8 * v, sizeof r);
+          acc[v] += scale * r;
+        }
+      } else {
+        for (int64_t d = 0; d < dim; ++d) a[d] += scale * row[d];
+      }
+    }
+    const float divisor = (mean && end > begin) ? 1.f / float(end - begin) : 1.f;
+    float* __restrict o = out + b * width;
+    if (kDim) {
+#pragma GCC unroll 16
+      for (int v = 0; v < kVecs; ++v) {
+        const Vec8 r = acc[v] * divisor;
+        std::memcpy(o + 8 * v, &r, sizeof r);
+      }
+    } else {
+      for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * divisor;
+    }
+  }
+}
+
 // -1, or the position of the first id outside its table (the output is then incomplete).
+// Feature by feature (a table's rows stay cached while its ids are pooled); a feature's ids
+// are checked against its table in one pass before its bags are pooled, and each bag's sum
+// keeps its ids' order.
 template <typename Index, typename Offset>
 int64_t forward_impl(const float* weights, const Layout& l, const Index* indices,
-                  const Offset* offsets, const float* per_sample_weights, int mean, float* out) {
+                     const Offset* offsets, const float* per_sample_weights, int mean,
+                     float* out) {
   for (int64_t f = 0; f < l.features; ++f) {
     const int64_t t = l.feature_table[f], dim = l.table_dim[t];
-    const float* table = weights + l.weight_start[t];
     const Offset* bags = offsets + f * l.batch;
+    const uint64_t rows = uint64_t(l.row_start[t + 1] - l.row_start[t]);
+    if (!ids_below(indices, bags[0], bags[l.batch], rows)) {
+      return first_id_outside(l, indices, offsets);
+    }
+    const float* table = weights + l.weight_start[t];
     float* o = out + l.feature_column[f];
-    const int64_t rows = l.row_start[t + 1] - l.row_start[t];
-#define RS_FEATURE(D)                                                                  \
-  forward_feature<D>(table, rows, dim, l.batch, indices, bags, per_sample_weights, mean, o, \
-                     l.width)
-    const int64_t bad = dim == 64    ? RS_FEATURE(64)
-                        : dim == 128 ? RS_FEATURE(128)
-                        : dim == 32  ? RS_FEATURE(32)
-                                     : RS_FEATURE(0);
+#define RS_FEATURE(D)                                                                     \
+  pool_feature<D>(table, dim, l.batch, indices, bags, per_sample_weights, mean, o, l.width)
+    if (dim == 64) RS_FEATURE(64);
+    else if (dim == 128) RS_FEATURE(128);
+    else if (dim == 32) RS_FEATURE(32);
+    else RS_FEATURE(0);
 #undef RS_FEATURE
-    if (bad >= 0) return bad;
   }
   return -1;
 }
