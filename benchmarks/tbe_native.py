@@ -5,8 +5,9 @@
 
 One process, one torch thread, the tables and one rank-batch of ids of `benchmarks.tbe_floor`
 (the 26 tables of `ebc_workload`, dim 64, per-rank batch x world size, uniform ids), fp32
-weights, fused exact row-wise Adagrad, SUM pooling. `--tables` keeps the first N tables
-(13: about one rank's share under the DLRM's table-wise plan). Both kernels start from the
+weights, fused exact row-wise Adagrad (`--optim sgd`: exact SGD), SUM pooling. `--tables`
+keeps the first N tables (13: about one rank's share under the DLRM's table-wise plan). Both
+kernels start from the
 same weights; timed (medians of `--steps`, alternating the two kernels step by step), both
 through autograd as the lookup calls them: the forward, and the backward with its fused
 update (`FbgemmFusedKernel` vs `NativeFusedKernel`). After the timed steps, the largest
@@ -41,6 +42,7 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="ranks the batch comes from")
     parser.add_argument("--tables", type=int, default=26, help="the first N tables")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    parser.add_argument("--optim", choices=["rowwise_adagrad", "sgd"], default="rowwise_adagrad")
     args = parser.parse_args(argv)
     if not native_tbe.available():
         raise SystemExit("recshard.lookup._cpu_tbe is not built: pip install -e . first")
@@ -53,7 +55,8 @@ def main(argv: List[str] | None = None) -> None:
     kjt = KeyedJaggedTensor.from_lengths_sync(
         [f"cat_{i}" for i in range(len(rows))], values, lengths, stride=batch
     )
-    tables = _tables(rows, sizes.dim, DataType.FP32)
+    optimizer = {"rowwise_adagrad": "exact_row_wise_adagrad", "sgd": "exact_sgd"}[args.optim]
+    tables = _tables(rows, sizes.dim, DataType.FP32, optimizer)
     spec = tables[0].fused_params.optim
     fbgemm = FbgemmFusedKernel(tables, True, spec, torch.device("cpu"))
     native = NativeFusedKernel(tables, True, spec, torch.device("cpu"))
@@ -76,10 +79,14 @@ def main(argv: List[str] | None = None) -> None:
         (a - b).abs().max().item() for a, b in zip(fbgemm.table_weights(), native.table_weights())
     )
     momentum_diff = max(
-        ((a["momentum1"] - b["momentum1"]).abs() / a["momentum1"].abs().clamp(min=1e-12))
-        .max()
-        .item()
-        for a, b in zip(fbgemm.optimizer_states(), native.optimizer_states())
+        (
+            ((a["momentum1"] - b["momentum1"]).abs() / a["momentum1"].abs().clamp(min=1e-12))
+            .max()
+            .item()
+            for a, b in zip(fbgemm.optimizer_states(), native.optimizer_states())
+            if a
+        ),
+        default=None,
     )
     emit(
         dict(
@@ -87,6 +94,7 @@ def main(argv: List[str] | None = None) -> None:
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             load_average=[round(x, 2) for x in os.getloadavg()],
             tables=len(rows),
+            optim=args.optim,
             ids=int(values.numel()),
             batch=batch,
             dim=sizes.dim,
