@@ -67,9 +67,11 @@ def _median_ms(fn: Callable[[], object], steps: int) -> float:
     return 1e3 * statistics.median(times[1:])
 
 
-def _tables(rows: List[int], dim: int, data_type: DataType) -> List[LocalTable]:
+def _tables(
+    rows: List[int], dim: int, data_type: DataType, optimizer: str = "exact_row_wise_adagrad"
+) -> List[LocalTable]:
     fused = FusedParams.parse(
-        {"optimizer": "exact_row_wise_adagrad", "learning_rate": LEARNING_RATE, "eps": EPS}, "t"
+        {"optimizer": optimizer, "learning_rate": LEARNING_RATE, "eps": EPS}, "t"
     )
     return [
         LocalTable(

@@ -2,11 +2,11 @@
 
 Same contract as `TorchFusedKernel` (weights are buffers updated during backward; it reuses
 that kernel's autograd function), with every table's rows back to back in one fp32 buffer on
-huge pages and the row-wise Adagrad accumulators in another, so one C++ call looks up every
-feature and one updates every table. It covers CPU, pooled SUM/MEAN, fp32 weights and exact
-row-wise Adagrad (`covers`); lookups it does not take at run time (a variable batch per
-feature, per-sample weights other than fp32) run the torch kernel's code on the same
-buffers, so results never depend on the path.
+huge pages and the row-wise Adagrad accumulators (if any) in another, so one C++ call looks up
+every feature and one updates every table. It covers CPU, pooled SUM/MEAN, fp32 weights and
+exact row-wise Adagrad or exact SGD (`covers`); lookups it does not take at run time (a
+variable batch per feature, per-sample weights other than fp32) run the torch kernel's code on
+the same buffers, so results never depend on the path.
 
 `RECSHARD_NATIVE_KERNEL=0` (read when a lookup is built; for comparisons only) leaves every group
 to fbgemm's kernel or the torch one, as when the library is missing.
@@ -31,6 +31,7 @@ from recshard.types import EmbeddingComputeKernel
 ENV = "RECSHARD_NATIVE_KERNEL"
 _MAX_ROWS = 2**31  # the C++ side keys rows and positions as uint32
 _NATIVE_POOLINGS = (PoolingType.SUM, PoolingType.MEAN)
+_NATIVE_OPTIMS = (OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.EXACT_SGD)
 
 
 def covers(
@@ -42,7 +43,7 @@ def covers(
         os.environ.get(ENV, "1") != "0"
         and device.type == "cpu"
         and pooled
-        and spec.optim == OptimType.EXACT_ROWWISE_ADAGRAD
+        and spec.optim in _NATIVE_OPTIMS
         and all(
             t.config.data_type == DataType.FP32
             and t.pooling in _NATIVE_POOLINGS
@@ -64,7 +65,9 @@ class NativeFusedKernel(TorchFusedKernel):
         self.layout = native_tbe.TableLayout.of(rows, dims, self.feature_table)
         weights = huge_page_zeros(sum(n * d for n, d in zip(rows, dims)), torch.float32)
         self.register_buffer("weights", weights)
-        self.register_buffer("momentum1", huge_page_zeros(sum(rows), torch.float32))
+        rowwise = self.spec.optim == OptimType.EXACT_ROWWISE_ADAGRAD  # SGD has no state
+        momentum = huge_page_zeros(sum(rows), torch.float32) if rowwise else None
+        self.register_buffer("momentum1", momentum)
 
     def table_weights(self) -> List[torch.Tensor]:
         starts = self.layout.weight_start.tolist()
@@ -75,6 +78,8 @@ class NativeFusedKernel(TorchFusedKernel):
 
     def optimizer_states(self) -> List[Dict[str, torch.Tensor]]:
         starts = self.layout.row_start.tolist()
+        if self.momentum1 is None:  # SGD: no state, as fbgemm's and the torch kernel's
+            return [{} for _ in self.tables]
         return [{"momentum1": self.momentum1[a:b]} for a, b in zip(starts, starts[1:])]
 
     def _native_ids(self, features: KeyedJaggedTensor) -> tuple | None:
@@ -113,7 +118,7 @@ class NativeFusedKernel(TorchFusedKernel):
         if ids is None:
             return super().update(features, grad_output, weights_grad)
         try:
-            return native_tbe.backward_rowwise_adagrad(
+            return native_tbe.backward(
                 self.weights,
                 self.momentum1,
                 self.layout,

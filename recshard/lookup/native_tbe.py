@@ -2,14 +2,14 @@
 
 The C++ file is built by `pip install` (setup.py's extension `recshard.lookup._cpu_tbe`) and
 opened here by path; it covers pooled SUM/MEAN lookups of fp32 tables held back to back in
-one buffer, forward and backward with the fused exact row-wise Adagrad update. `available()`
+one buffer, forward and backward with a fused exact update: row-wise Adagrad or SGD. `available()`
 says whether the library loaded (a missing build or a failed load logs one warning; callers
 then use fbgemm's kernel or the pure-torch one).
 
 Tensors: `weights` fp32, every table's `[rows, dim]` back to back (`TableLayout`),
-`momentum` fp32 `[all rows]`; `indices` int32/int64 and `offsets` int32/int64 `[F * B + 1]`
-from 0, bags feature-major; `per_sample_weights` fp32 `[ids]` or None; the pooled output and
-its gradient `[B, sum of the features' dims]` fp32.
+`momentum` fp32 `[all rows]` (row-wise Adagrad only); `indices` int32/int64 and `offsets`
+int32/int64 `[F * B + 1]` from 0, bags feature-major; `per_sample_weights` fp32 `[ids]` or
+None; the pooled output and its gradient `[B, sum of the features' dims]` fp32.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _load() -> ctypes.CDLL | None:
     except (ImportError, OSError) as error:
         logger.warning(
             "recshard's CPU embedding kernel (recshard.lookup._cpu_tbe) is unavailable (%s): "
-            "fp32 row-wise Adagrad tables run fbgemm's kernel (or the torch one) instead; "
+            "fp32 row-wise Adagrad and SGD tables run fbgemm's kernel (or the torch one) instead; "
             "`pip install -e .` builds it",
             error,
         )
@@ -55,6 +55,8 @@ def _load() -> ctypes.CDLL | None:
         *(_ptr, _ptr, *layout, *ids, _ptr, _f32, _f32, _ptr)
     ]
     library.rs_tbe_backward_rowwise_adagrad.restype = _i64
+    library.rs_tbe_backward_sgd.argtypes = [_ptr, *layout, *ids, _ptr, _f32, _ptr]
+    library.rs_tbe_backward_sgd.restype = _i64
     _library = library
     return library
 
@@ -215,9 +217,9 @@ def forward(
     return out
 
 
-def backward_rowwise_adagrad(
+def backward(
     weights: torch.Tensor,
-    momentum: torch.Tensor,
+    momentum: torch.Tensor | None,
     layout: TableLayout,
     indices: torch.Tensor,
     offsets: torch.Tensor,
@@ -228,7 +230,8 @@ def backward_rowwise_adagrad(
     eps: float,
     per_sample_grad: bool,
 ) -> torch.Tensor | None:
-    """Update `weights` and `momentum` in place from the pooled output's gradient; returns the
+    """Update `weights` (and `momentum`) in place from the pooled output's gradient: exact
+    row-wise Adagrad with `momentum`, exact SGD without it (`eps` unused). Returns the
     per-sample weights' gradient `[ids]` when `per_sample_grad`, else None. Raises
     `IdOutOfRange` (before any update) for an id outside its table."""
     library = _load()
@@ -237,17 +240,20 @@ def backward_rowwise_adagrad(
     batch = grad_output.size(0)
     _check_buffers(weights, layout, indices, offsets, per_sample_weights, batch)
     _float_buffer("grad_output", grad_output, batch * layout.width)
-    _float_buffer("momentum", momentum, layout.total_rows)
+    if momentum is not None:
+        _float_buffer("momentum", momentum, layout.total_rows)
     sample_grad = torch.empty(indices.numel()) if per_sample_grad else None
-    code = library.rs_tbe_backward_rowwise_adagrad(
-        weights.data_ptr(),
-        momentum.data_ptr(),
-        *layout.args(grad_output.size(0)),
+    common = [
+        *layout.args(batch),
         *_ids_args(indices, offsets, per_sample_weights, mean),
         grad_output.data_ptr(),
         lr,
-        eps,
-        _address(sample_grad),
-    )
+    ]
+    if momentum is None:
+        code = library.rs_tbe_backward_sgd(weights.data_ptr(), *common, _address(sample_grad))
+    else:
+        code = library.rs_tbe_backward_rowwise_adagrad(
+            weights.data_ptr(), momentum.data_ptr(), *common, eps, _address(sample_grad)
+        )
     _check(code)
     return sample_grad

@@ -200,8 +200,9 @@ def test_duplicates_sum_before_rowwise_update() -> None:
 
 
 def test_grouped_lookup_mixes_dims_and_kernels() -> None:
-    """Dims 1 and 3 go to the torch kernel, 4 to fbgemm (when present); dense stays dense."""
-    fused = local_tables([1, 4, 3], PoolingType.SUM)
+    """Dims 1 and 3 go to the torch kernel, 4 to fbgemm (when present); dense stays dense.
+    (Adagrad: recshard's own kernel, which takes any dim, runs SGD and row-wise Adagrad.)"""
+    fused = local_tables([1, 4, 3], PoolingType.SUM, optim=OptimType.EXACT_ADAGRAD)
     dense = local_tables([2], PoolingType.SUM, kernel=EmbeddingComputeKernel.DENSE)
     dense[0].config.name = "d0"
     dense[0].config.feature_names = ["d0_a"]

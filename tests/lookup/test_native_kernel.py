@@ -1,6 +1,6 @@
 """recshard's own C++ kernel (`recshard.lookup.native_kernel`) trains as the torch and fbgemm
-fused kernels do: outputs, weights, row-wise Adagrad state and per-sample-weight gradients
-after several steps, within fp32 summation-order tolerance."""
+fused kernels do: outputs, weights, row-wise Adagrad state (or SGD's none) and
+per-sample-weight gradients after several steps, within fp32 summation-order tolerance."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from tests.lookup.test_kernels import copy_weights, local_tables
 needs_native = pytest.mark.skipif(not native_tbe.available(), reason="_cpu_tbe not built")
 CPU = torch.device("cpu")
 ROWWISE = OptimType.EXACT_ROWWISE_ADAGRAD
+SGD = OptimType.EXACT_SGD
 
 
 def test_native_kernel_is_built_where_a_compiler_is() -> None:
@@ -85,10 +86,15 @@ def _train_alike(reference: LookupKernel, native: NativeFusedKernel, **kjt_args)
 @pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("optim", [ROWWISE, SGD])
 def test_native_matches_torch_kernel(
-    dims: List[int], pooling: PoolingType, weighted: bool, index_dtype: torch.dtype
+    dims: List[int],
+    pooling: PoolingType,
+    weighted: bool,
+    index_dtype: torch.dtype,
+    optim: OptimType,
 ) -> None:
-    tables = local_tables(dims, pooling, optim=ROWWISE)
+    tables = local_tables(dims, pooling, optim=optim)
     spec = tables[0].fused_params.optim
     assert native_kernel.covers(tables, True, spec, CPU)
     _train_alike(
@@ -104,8 +110,9 @@ def test_native_matches_torch_kernel(
 @pytest.mark.skipif(not ops.fbgemm_available(), reason="fbgemm not importable")
 @pytest.mark.parametrize("dims", [[64, 64], [4, 8]])
 @pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
-def test_native_matches_fbgemm(dims: List[int], pooling: PoolingType) -> None:
-    tables = local_tables(dims, pooling, optim=ROWWISE)
+@pytest.mark.parametrize("optim", [ROWWISE, SGD])
+def test_native_matches_fbgemm(dims: List[int], pooling: PoolingType, optim: OptimType) -> None:
+    tables = local_tables(dims, pooling, optim=optim)
     spec = tables[0].fused_params.optim
     _train_alike(
         FbgemmFusedKernel(tables, True, spec, CPU),
@@ -120,17 +127,18 @@ def test_native_matches_fbgemm(dims: List[int], pooling: PoolingType) -> None:
 def test_grouped_lookup_picks_the_native_kernel_where_it_covers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """fp32 row-wise Adagrad groups run it (unless RECSHARD_NATIVE_KERNEL=0); SGD, FP16 and
-    sequence groups do not."""
-    rowwise = local_tables([4, 3], PoolingType.SUM, optim=ROWWISE)
-    lookup = GroupedLookup(rowwise, pooled=True, device=CPU)
-    assert [type(k) for k in lookup.kernels] == [NativeFusedKernel] * len(lookup.kernels)
-    with monkeypatch.context() as env:
-        env.setenv(native_kernel.ENV, "0")
-        lookup = GroupedLookup(rowwise, pooled=True, device=CPU)
-        assert not any(isinstance(k, NativeFusedKernel) for k in lookup.kernels)
+    """fp32 row-wise Adagrad and SGD groups run it (unless RECSHARD_NATIVE_KERNEL=0); Adagrad,
+    FP16 and sequence groups do not."""
+    for optim in (ROWWISE, SGD):
+        covered = local_tables([4, 3], PoolingType.SUM, optim=optim)
+        lookup = GroupedLookup(covered, pooled=True, device=CPU)
+        assert [type(k) for k in lookup.kernels] == [NativeFusedKernel] * len(lookup.kernels)
+        with monkeypatch.context() as env:
+            env.setenv(native_kernel.ENV, "0")
+            lookup = GroupedLookup(covered, pooled=True, device=CPU)
+            assert not any(isinstance(k, NativeFusedKernel) for k in lookup.kernels)
     for tables, pooled in (
-        (local_tables([4], PoolingType.SUM), True),
+        (local_tables([4], PoolingType.SUM, optim=OptimType.EXACT_ADAGRAD), True),
         (local_tables([4], PoolingType.SUM, optim=ROWWISE, data_type=DataType.FP16), True),
         (local_tables([4], PoolingType.NONE, optim=ROWWISE, pooled=False), False),
     ):
@@ -228,7 +236,7 @@ def test_native_calls_refuse_buffers_it_would_overrun(case: str, match: str) -> 
         momentum = torch.zeros(9)
     with pytest.raises(ValueError, match=match):
         if case in ("short grad", "short momentum"):
-            native_tbe.backward_rowwise_adagrad(
+            native_tbe.backward(
                 weights, momentum, layout, ids, offsets, psw, False, grad, 0.1, 1e-8, False
             )
         else:

@@ -1,5 +1,5 @@
-// recshard's CPU embedding-bag kernel: pooled forward, and backward with the fused exact
-// row-wise Adagrad update, over a batch of fp32 tables held back to back.
+// recshard's CPU embedding-bag kernel: pooled forward, and backward with a fused exact
+// update (row-wise Adagrad or SGD), over a batch of fp32 tables held back to back.
 //
 // Plain C++ with a C ABI (no torch headers: it compiles in about two seconds); Python calls
 // it through ctypes on tensors' data pointers (recshard/lookup/native_tbe.py). One thread per
@@ -15,7 +15,8 @@
 // Backward: every id's global row is radix-sorted (one sort over all tables), then each
 // distinct row's gradient is summed in a dim-float accumulator from its ids' bags'
 // output-gradient rows and the row is updated once (fbgemm's "exact" optimizers):
-//   m += mean(g * g);  w -= lr / (sqrt(m) + eps) * g.
+//   row-wise Adagrad: m += mean(g * g);  w -= lr / (sqrt(m) + eps) * g
+//   SGD:              w -= lr * g
 #include <Python.h>
 
 #include <algorithm>
@@ -52,54 +53,103 @@ struct Layout {
   int64_t tables, features, batch, width;
 };
 
-// One feature's bags. kDim: the dim when known at compile time, else 0 (read `dim_arg`).
-template <int kDim, typename Index, typename Offset>
-RS_CLONES int64_t forward_feature(const float* table, int64_t rows, int64_t dim_arg,
-                                  int64_t batch, const Index* indices, const Offset* offsets,
-                                  const float* per_sample_weights, int mean, float* out,
-                                  int64_t width) {
-  const int64_t dim = kDim ? kDim : dim_arg;
-  std::vector<float> acc(dim);
-  float* __restrict a = acc.data();
-  const int64_t feature_end = offsets[batch];
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t begin = offsets[b], end = offsets[b + 1];
-    for (int64_t d = 0; d < dim; ++d) a[d] = 0.f;
-    for (int64_t p = begin; p < end; ++p) {
-      if (p + kPrefetch < feature_end) {
-        prefetch_row(table + int64_t(indices[p + kPrefetch]) * dim, dim);
-      }
-      if (uint64_t(indices[p]) >= uint64_t(rows)) return p;
-      const float* __restrict row = table + int64_t(indices[p]) * dim;
-      const float scale = per_sample_weights ? per_sample_weights[p] : 1.f;
-      for (int64_t d = 0; d < dim; ++d) a[d] += scale * row[d];
+// Whether every id in [begin, end) is below `rows` (one branch-free pass).
+template <typename Index>
+bool ids_below(const Index* indices, int64_t begin, int64_t end, uint64_t rows) {
+  uint64_t bad = 0;
+  for (int64_t p = begin; p < end; ++p) bad |= uint64_t(uint64_t(indices[p]) >= rows);
+  return bad == 0;
+}
+
+// The position of the first id outside its table's rows, or -1 (ids in feature-major order).
+template <typename Index, typename Offset>
+int64_t first_id_outside(const Layout& l, const Index* indices, const Offset* offsets) {
+  for (int64_t f = 0; f < l.features; ++f) {
+    const int64_t t = l.feature_table[f];
+    const uint64_t rows = uint64_t(l.row_start[t + 1] - l.row_start[t]);
+    for (int64_t p = offsets[f * l.batch]; p < int64_t(offsets[(f + 1) * l.batch]); ++p) {
+      if (uint64_t(indices[p]) >= rows) return p;
     }
-    const float divisor = (mean && end > begin) ? 1.f / float(end - begin) : 1.f;
-    float* __restrict o = out + b * width;
-    for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * divisor;
   }
   return -1;
 }
 
+typedef float Vec8 __attribute__((vector_size(32)));  // 8 floats; 2 SSE halves without AVX
+
+// One feature's bags (ids already checked against its table). kDim: the dim when known at
+// compile time (a multiple of 8: the bag's sum stays in registers), else 0 (read `dim_arg`).
+// Every float's sum adds the ids in order, as `a[d] += scale * row[d]` would.
+template <int kDim, typename Index, typename Offset>
+RS_CLONES void pool_feature(const float* table, int64_t dim_arg, int64_t batch,
+                            const Index* indices, const Offset* offsets,
+                            const float* per_sample_weights, int mean, float* out,
+                            int64_t width) {
+  constexpr int kVecs = kDim / 8;
+  const int64_t dim = kDim ? kDim : dim_arg;
+  std::vector<float> dynamic(kDim ? 0 : dim);
+  float* __restrict a = dynamic.data();
+  const int64_t feature_end = offsets[batch];
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t begin = offsets[b], end = offsets[b + 1];
+    Vec8 acc[kVecs ? kVecs : 1] = {};
+    if (!kDim) {
+      for (int64_t d = 0; d < dim; ++d) a[d] = 0.f;
+    }
+    for (int64_t p = begin; p < end; ++p) {
+      if (p + kPrefetch < feature_end) {
+        prefetch_row(table + int64_t(indices[p + kPrefetch]) * dim, dim);
+      }
+      const float* __restrict row = table + int64_t(indices[p]) * dim;
+      const float scale = per_sample_weights ? per_sample_weights[p] : 1.f;
+      if (kDim) {
+#pragma GCC unroll 16
+        for (int v = 0; v < kVecs; ++v) {
+          Vec8 r;
+          std::memcpy(&r, row + 8 * v, sizeof r);
+          acc[v] += scale * r;
+        }
+      } else {
+        for (int64_t d = 0; d < dim; ++d) a[d] += scale * row[d];
+      }
+    }
+    const float divisor = (mean && end > begin) ? 1.f / float(end - begin) : 1.f;
+    float* __restrict o = out + b * width;
+    if (kDim) {
+#pragma GCC unroll 16
+      for (int v = 0; v < kVecs; ++v) {
+        const Vec8 r = acc[v] * divisor;
+        std::memcpy(o + 8 * v, &r, sizeof r);
+      }
+    } else {
+      for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * divisor;
+    }
+  }
+}
+
 // -1, or the position of the first id outside its table (the output is then incomplete).
+// Feature by feature (a table's rows stay cached while its ids are pooled); a feature's ids
+// are checked against its table in one pass before its bags are pooled, and each bag's sum
+// keeps its ids' order.
 template <typename Index, typename Offset>
 int64_t forward_impl(const float* weights, const Layout& l, const Index* indices,
-                  const Offset* offsets, const float* per_sample_weights, int mean, float* out) {
+                     const Offset* offsets, const float* per_sample_weights, int mean,
+                     float* out) {
   for (int64_t f = 0; f < l.features; ++f) {
     const int64_t t = l.feature_table[f], dim = l.table_dim[t];
-    const float* table = weights + l.weight_start[t];
     const Offset* bags = offsets + f * l.batch;
+    const uint64_t rows = uint64_t(l.row_start[t + 1] - l.row_start[t]);
+    if (!ids_below(indices, bags[0], bags[l.batch], rows)) {
+      return first_id_outside(l, indices, offsets);
+    }
+    const float* table = weights + l.weight_start[t];
     float* o = out + l.feature_column[f];
-    const int64_t rows = l.row_start[t + 1] - l.row_start[t];
-#define RS_FEATURE(D)                                                                  \
-  forward_feature<D>(table, rows, dim, l.batch, indices, bags, per_sample_weights, mean, o, \
-                     l.width)
-    const int64_t bad = dim == 64    ? RS_FEATURE(64)
-                        : dim == 128 ? RS_FEATURE(128)
-                        : dim == 32  ? RS_FEATURE(32)
-                                     : RS_FEATURE(0);
+#define RS_FEATURE(D)                                                                     \
+  pool_feature<D>(table, dim, l.batch, indices, bags, per_sample_weights, mean, o, l.width)
+    if (dim == 64) RS_FEATURE(64);
+    else if (dim == 128) RS_FEATURE(128);
+    else if (dim == 32) RS_FEATURE(32);
+    else RS_FEATURE(0);
 #undef RS_FEATURE
-    if (bad >= 0) return bad;
   }
   return -1;
 }
@@ -181,7 +231,8 @@ int64_t sort_ids(const Layout& l, const Index* indices, const Offset* offsets, i
 }
 
 // The sorted ids [begin, end) of one table: its rows start at `table` (global row `first`).
-template <int kDim, bool kByPosition, typename Offset>
+// kRowwise: row-wise Adagrad (`momentum` [all rows]), else SGD (`momentum` unused).
+template <int kDim, bool kByPosition, bool kRowwise, typename Offset>
 RS_CLONES void update_table(float* table, float* momentum, int64_t first, int64_t dim_arg,
                             int64_t begin, int64_t end, const Offset* offsets,
                             const float* per_sample_weights, int mean, const float* grad,
@@ -207,7 +258,7 @@ RS_CLONES void update_table(float* table, float* momentum, int64_t first, int64_
       if (j + kPrefetch < end) prefetch_row(grad_row(j + kPrefetch), dim);
       if (j + kPrefetchUpdate < end && keys[j + kPrefetchUpdate] != keys[j + kPrefetchUpdate - 1]) {
         prefetch_row_for_write(table + (int64_t(keys[j + kPrefetchUpdate]) - first) * dim, dim);
-        __builtin_prefetch(momentum + keys[j + kPrefetchUpdate], 1, 3);
+        if (kRowwise) __builtin_prefetch(momentum + keys[j + kPrefetchUpdate], 1, 3);
       }
       const float* __restrict go = grad_row(j);
       float scale = 1.f;
@@ -226,17 +277,20 @@ RS_CLONES void update_table(float* table, float* momentum, int64_t first, int64_
       }
       for (int64_t d = 0; d < dim; ++d) a[d] += scale * go[d];
     }
-    float square_sum = 0.f;
-    for (int64_t d = 0; d < dim; ++d) square_sum += a[d] * a[d];
-    const float m = momentum[key] + square_sum / float(dim);
-    momentum[key] = m;
-    const float multiplier = lr / (std::sqrt(m) + eps);
+    float multiplier = lr;
+    if (kRowwise) {
+      float square_sum = 0.f;
+      for (int64_t d = 0; d < dim; ++d) square_sum += a[d] * a[d];
+      const float m = momentum[key] + square_sum / float(dim);
+      momentum[key] = m;
+      multiplier = lr / (std::sqrt(m) + eps);
+    }
     for (int64_t d = 0; d < dim; ++d) w[d] -= multiplier * a[d];
     i = j;
   }
 }
 
-template <bool kByPosition, typename Index, typename Offset>
+template <bool kByPosition, bool kRowwise, typename Index, typename Offset>
 int64_t backward_sorted(float* weights, float* momentum, const Layout& l, const Index* indices,
                      const Offset* offsets, const float* per_sample_weights, int mean,
                      const float* grad, float lr, float eps, float* per_sample_grad, int64_t n) {
@@ -251,7 +305,7 @@ int64_t backward_sorted(float* weights, float* momentum, const Layout& l, const 
     float* table = weights + l.weight_start[t];
     const int64_t first = l.row_start[t], dim = l.table_dim[t];
 #define RS_TABLE(D)                                                                      \
-  update_table<D, kByPosition>(table, momentum, first, dim, begin, end, offsets,        \
+  update_table<D, kByPosition, kRowwise>(table, momentum, first, dim, begin, end, offsets,        \
                                per_sample_weights, mean, grad, lr, eps, per_sample_grad)
     if (dim == 64) RS_TABLE(64);
     else if (dim == 128) RS_TABLE(128);
@@ -265,18 +319,39 @@ int64_t backward_sorted(float* weights, float* momentum, const Layout& l, const 
 
 // The pooled output's gradient must be contiguous [B, width]. -1, or the position of the first
 // id outside its table (nothing updated then).
-template <typename Index, typename Offset>
+template <bool kRowwise, typename Index, typename Offset>
 int64_t backward_impl(float* weights, float* momentum, const Layout& l, const Index* indices,
                    const Offset* offsets, const float* per_sample_weights, int mean,
                    const float* grad, float lr, float eps, float* per_sample_grad) {
   const int64_t n = int64_t(offsets[l.features * l.batch]);
   if (n <= 0) return -1;
   if (per_sample_weights || per_sample_grad || mean) {
-    return backward_sorted<true>(weights, momentum, l, indices, offsets, per_sample_weights, mean, grad,
+    return backward_sorted<true, kRowwise>(weights, momentum, l, indices, offsets, per_sample_weights, mean, grad,
                           lr, eps, per_sample_grad, n);
   }
-  return backward_sorted<false>(weights, momentum, l, indices, offsets, nullptr, 0, grad, lr, eps,
+  return backward_sorted<false, kRowwise>(weights, momentum, l, indices, offsets, nullptr, 0, grad, lr, eps,
                                 nullptr, n);
+}
+
+// The backward of either optimizer; momentum is null for SGD.
+template <bool kRowwise>
+int64_t backward(float* weights, float* momentum, const int64_t* row_start,
+                 const int64_t* weight_start, const int64_t* table_dim, int64_t tables,
+                 const int64_t* feature_table, const int64_t* feature_column, int64_t features,
+                 int64_t batch, int64_t width, const void* indices, int index_bytes,
+                 const void* offsets, int offset_bytes, const float* per_sample_weights, int mean,
+                 const float* grad, float lr, float eps, float* per_sample_grad) {
+  const Layout l{row_start, weight_start, table_dim, feature_table, feature_column,
+                 tables,    features,     batch,     width};
+#define RS_BACKWARD(I, O)                                                                  \
+  backward_impl<kRowwise, I, O>(weights, momentum, l, (const I*)indices, (const O*)offsets, \
+                                per_sample_weights, mean, grad, lr, eps, per_sample_grad)
+  if (index_bytes == 8 && offset_bytes == 8) return RS_BACKWARD(int64_t, int64_t);
+  if (index_bytes == 8 && offset_bytes == 4) return RS_BACKWARD(int64_t, int32_t);
+  if (index_bytes == 4 && offset_bytes == 8) return RS_BACKWARD(int32_t, int64_t);
+  if (index_bytes == 4 && offset_bytes == 4) return RS_BACKWARD(int32_t, int32_t);
+#undef RS_BACKWARD
+  return -2;
 }
 
 }  // namespace
@@ -311,17 +386,24 @@ int64_t rs_tbe_backward_rowwise_adagrad(float* weights, float* momentum, const i
                                     int index_bytes, const void* offsets, int offset_bytes,
                                     const float* per_sample_weights, int mean, const float* grad,
                                     float lr, float eps, float* per_sample_grad) {
-  const Layout l{row_start, weight_start, table_dim, feature_table, feature_column,
-                 tables,    features,     batch,     width};
-#define RS_BACKWARD(I, O)                                                                 \
-  backward_impl<I, O>(weights, momentum, l, (const I*)indices, (const O*)offsets,        \
-                      per_sample_weights, mean, grad, lr, eps, per_sample_grad)
-  if (index_bytes == 8 && offset_bytes == 8) return RS_BACKWARD(int64_t, int64_t);
-  if (index_bytes == 8 && offset_bytes == 4) return RS_BACKWARD(int64_t, int32_t);
-  if (index_bytes == 4 && offset_bytes == 8) return RS_BACKWARD(int32_t, int64_t);
-  if (index_bytes == 4 && offset_bytes == 4) return RS_BACKWARD(int32_t, int32_t);
-#undef RS_BACKWARD
-  return -2;
+  return backward<true>(weights, momentum, row_start, weight_start, table_dim, tables,
+                        feature_table, feature_column, features, batch, width, indices,
+                        index_bytes, offsets, offset_bytes, per_sample_weights, mean, grad, lr,
+                        eps, per_sample_grad);
+}
+
+// As above, with the exact SGD update (no optimizer state; eps unused).
+int64_t rs_tbe_backward_sgd(float* weights, const int64_t* row_start, const int64_t* weight_start,
+                            const int64_t* table_dim, int64_t tables, const int64_t* feature_table,
+                            const int64_t* feature_column, int64_t features, int64_t batch,
+                            int64_t width, const void* indices, int index_bytes,
+                            const void* offsets, int offset_bytes,
+                            const float* per_sample_weights, int mean, const float* grad, float lr,
+                            float* per_sample_grad) {
+  return backward<false>(weights, nullptr, row_start, weight_start, table_dim, tables,
+                         feature_table, feature_column, features, batch, width, indices,
+                         index_bytes, offsets, offset_bytes, per_sample_weights, mean, grad, lr,
+                         0.f, per_sample_grad);
 }
 
 }  // extern "C"
