@@ -90,11 +90,11 @@ class TableLayout:
         for t in feature_table:
             columns.append(columns[-1] + dims[t])
         return TableLayout(
-            row_start=torch.tensor(row_start, dtype=torch.int64),
-            weight_start=torch.tensor(weight_start[:-1], dtype=torch.int64),
-            table_dim=torch.tensor(dims, dtype=torch.int64),
-            feature_table=torch.tensor(feature_table, dtype=torch.int64),
-            feature_column=torch.tensor(columns[:-1], dtype=torch.int64),
+            row_start=torch.tensor(row_start, dtype=torch.int64, device="cpu"),
+            weight_start=torch.tensor(weight_start[:-1], dtype=torch.int64, device="cpu"),
+            table_dim=torch.tensor(dims, dtype=torch.int64, device="cpu"),
+            feature_table=torch.tensor(feature_table, dtype=torch.int64, device="cpu"),
+            feature_column=torch.tensor(columns[:-1], dtype=torch.int64, device="cpu"),
             width=columns[-1],
             floats=weight_start[-1],
         )
@@ -206,7 +206,7 @@ def forward(
     library = _load()
     assert library is not None, "native_tbe.available() first"
     _check_buffers(weights, layout, indices, offsets, per_sample_weights, batch)
-    out = torch.empty(batch, layout.width)
+    out = torch.empty(batch, layout.width, device="cpu")
     code = library.rs_tbe_forward(
         weights.data_ptr(),
         *layout.args(batch),
@@ -242,7 +242,7 @@ def backward(
     _float_buffer("grad_output", grad_output, batch * layout.width)
     if momentum is not None:
         _float_buffer("momentum", momentum, layout.total_rows)
-    sample_grad = torch.empty(indices.numel()) if per_sample_grad else None
+    sample_grad = torch.empty(indices.numel(), device="cpu") if per_sample_grad else None
     common = [
         *layout.args(batch),
         *_ids_args(indices, offsets, per_sample_weights, mean),
