@@ -360,8 +360,8 @@ def _fbgemm_table_rows(rank: int, ws: int) -> List[List[int]]:
     plan = construct_module_sharding_plan(
         ebc, {"big": row_wise(), "tiny": row_wise()}, world_size=ws
     )
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "exact_sgd", "learning_rate": LR}
+    sharder = EmbeddingBagCollectionSharder(  # Adagrad: fbgemm's kernel (not recshard's own)
+        fused_params={"optimizer": "exact_adagrad", "learning_rate": LR}
     )
     sharded = sharder.shard(ebc, plan, ShardingEnv.from_process_group(dist.group.WORLD))
     return [
