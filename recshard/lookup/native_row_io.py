@@ -14,47 +14,32 @@ from __future__ import annotations
 
 import ctypes
 import errno as errno_codes
-import importlib.util
-import logging
 import os
 
 import torch
 
-logger = logging.getLogger(__name__)
+from recshard.lookup.native_library import NativeLibrary
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SYSCALL, _SHORT = 3, 4  # row_io.cpp's codes (1, 2: a row or slot out of range)
-_library: ctypes.CDLL | None = None
-_load_tried = False
 
 
-def _load() -> ctypes.CDLL | None:
-    global _library, _load_tried
-    if _load_tried:
-        return _library
-    _load_tried = True
-    try:
-        spec = importlib.util.find_spec("recshard.lookup._row_io")
-        if spec is None or spec.origin is None:
-            raise ImportError("not built")
-        library = ctypes.CDLL(spec.origin)
-    except (ImportError, OSError) as error:
-        logger.warning(
-            "recshard's row I/O library (recshard.lookup._row_io) is unavailable (%s): "
-            "key_value tables read and write rows from Python instead (slower); "
-            "`pip install -e .` builds it",
-            error,
-        )
-        return None
+def _declare(library: ctypes.CDLL) -> None:
     library.rs_rows_io.argtypes = [_int, _int, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr]
     library.rs_rows_io.restype = _int
-    _library = library
-    return library
+
+
+_LIBRARY = NativeLibrary(
+    "recshard.lookup._row_io",
+    "row I/O library",
+    "key_value tables read and write rows from Python instead (slower)",
+    _declare,
+)
 
 
 def available() -> bool:
     """True when the compiled row I/O loaded (warns once when it did not)."""
-    return _load() is not None
+    return _LIBRARY.load() is not None
 
 
 def _check_index(name: str, index: torch.Tensor, limit: int, what: str) -> None:
@@ -83,7 +68,7 @@ def move_rows(
     rows[i] when None). `buffer` is `[slots, width]` fp32 contiguous; a row of the file is
     `width` fp32 values. Raises ValueError for a buffer or index the call would overrun and
     OSError (with its errno) when a read or write fails or the file ends first."""
-    library = _load()
+    library = _LIBRARY.load()
     if library is None:
         raise RuntimeError("recshard.lookup._row_io is not built")
     if buffer.dtype != torch.float32 or buffer.dim() != 2 or not buffer.is_contiguous():

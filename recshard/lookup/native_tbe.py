@@ -15,38 +15,17 @@ None; the pooled output and its gradient `[B, sum of the features' dims]` fp32.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
-import logging
 from dataclasses import dataclass
 from typing import List
 
 import torch
 
-logger = logging.getLogger(__name__)
+from recshard.lookup.native_library import NativeLibrary
 
 _i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-_library: ctypes.CDLL | None = None
-_load_tried = False
 
 
-def _load() -> ctypes.CDLL | None:
-    global _library, _load_tried
-    if _load_tried:
-        return _library
-    _load_tried = True
-    try:
-        spec = importlib.util.find_spec("recshard.lookup._cpu_tbe")
-        if spec is None or spec.origin is None:
-            raise ImportError("not built")
-        library = ctypes.CDLL(spec.origin)
-    except (ImportError, OSError) as error:
-        logger.warning(
-            "recshard's CPU embedding kernel (recshard.lookup._cpu_tbe) is unavailable (%s): "
-            "fp32 row-wise Adagrad and SGD tables run fbgemm's kernel (or the torch one) instead; "
-            "`pip install -e .` builds it",
-            error,
-        )
-        return None
+def _declare(library: ctypes.CDLL) -> None:
     layout = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]  # TableLayout, B, width
     ids = [_ptr, _int, _ptr, _int, _ptr, _int]  # indices, offsets, per-sample weights, mean
     library.rs_tbe_forward.argtypes = [_ptr, *layout, *ids, _ptr]
@@ -57,13 +36,19 @@ def _load() -> ctypes.CDLL | None:
     library.rs_tbe_backward_rowwise_adagrad.restype = _i64
     library.rs_tbe_backward_sgd.argtypes = [_ptr, *layout, *ids, _ptr, _f32, _ptr]
     library.rs_tbe_backward_sgd.restype = _i64
-    _library = library
-    return library
+
+
+_LIBRARY = NativeLibrary(
+    "recshard.lookup._cpu_tbe",
+    "CPU embedding kernel",
+    "fp32 row-wise Adagrad and SGD tables run fbgemm's kernel (or the torch one) instead",
+    _declare,
+)
 
 
 def available() -> bool:
     """True when the compiled kernel loaded (warns once when it did not)."""
-    return _load() is not None
+    return _LIBRARY.load() is not None
 
 
 @dataclass(frozen=True)
@@ -203,7 +188,7 @@ def forward(
 ) -> torch.Tensor:
     """Pooled lookup of every feature: `[batch, layout.width]`. Raises `IdOutOfRange` for an id
     outside its table."""
-    library = _load()
+    library = _LIBRARY.load()
     assert library is not None, "native_tbe.available() first"
     _check_buffers(weights, layout, indices, offsets, per_sample_weights, batch)
     out = torch.empty(batch, layout.width, device="cpu")
@@ -234,7 +219,7 @@ def backward(
     row-wise Adagrad with `momentum`, exact SGD without it (`eps` unused). Returns the
     per-sample weights' gradient `[ids]` when `per_sample_grad`, else None. Raises
     `IdOutOfRange` (before any update) for an id outside its table."""
-    library = _load()
+    library = _LIBRARY.load()
     assert library is not None, "native_tbe.available() first"
     grad_output = grad_output.contiguous()
     batch = grad_output.size(0)

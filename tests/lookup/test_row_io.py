@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from recshard.lookup import native_row_io
+from recshard.lookup import native_library, native_row_io
 from recshard.lookup.row_store import RowStore, StoreIdentity
 
 ROWS, WIDTH = 3000, 5
@@ -132,15 +132,18 @@ def test_missing_library_warns_once_and_python_moves_the_rows(
     monkeypatch,  # noqa: ANN001
     caplog,  # noqa: ANN001
 ) -> None:
-    find_spec = native_row_io.importlib.util.find_spec
+    find_spec = native_library.importlib.util.find_spec
     monkeypatch.setattr(
-        native_row_io.importlib.util,
+        native_library.importlib.util,
         "find_spec",
         lambda name, *a: None if name == "recshard.lookup._row_io" else find_spec(name, *a),
     )
-    monkeypatch.setattr(native_row_io, "_library", None)
-    monkeypatch.setattr(native_row_io, "_load_tried", False)
-    with caplog.at_level("WARNING", logger=native_row_io.__name__):
+    shipped = native_row_io._LIBRARY
+    fresh = native_library.NativeLibrary(  # not loaded yet in this process: it warns once
+        shipped.module, shipped.what, shipped.fallback, shipped.declare
+    )
+    monkeypatch.setattr(native_row_io, "_LIBRARY", fresh)
+    with caplog.at_level("WARNING", logger=native_library.__name__):
         store = _store(str(tmp_path))
         store.write("weight", torch.tensor([2, 9]), torch.ones(2, WIDTH))
         assert torch.equal(store.read("weight", torch.tensor([2, 9])), torch.ones(2, WIDTH))
