@@ -333,6 +333,17 @@ int64_t backward_impl(float* weights, float* momentum, const Layout& l, const In
                                 nullptr, n);
 }
 
+// `f(I{}, O{})` with the index and offset types of the given byte widths (4: int32, 8: int64);
+// -2 for another width.
+template <typename F>
+int64_t with_widths(int index_bytes, int offset_bytes, F&& f) {
+  if (index_bytes == 8 && offset_bytes == 8) return f(int64_t{}, int64_t{});
+  if (index_bytes == 8 && offset_bytes == 4) return f(int64_t{}, int32_t{});
+  if (index_bytes == 4 && offset_bytes == 8) return f(int32_t{}, int64_t{});
+  if (index_bytes == 4 && offset_bytes == 4) return f(int32_t{}, int32_t{});
+  return -2;
+}
+
 // The backward of either optimizer; momentum is null for SGD.
 template <bool kRowwise>
 int64_t backward(float* weights, float* momentum, const int64_t* row_start,
@@ -343,15 +354,13 @@ int64_t backward(float* weights, float* momentum, const int64_t* row_start,
                  const float* grad, float lr, float eps, float* per_sample_grad) {
   const Layout l{row_start, weight_start, table_dim, feature_table, feature_column,
                  tables,    features,     batch,     width};
-#define RS_BACKWARD(I, O)                                                                  \
-  backward_impl<kRowwise, I, O>(weights, momentum, l, (const I*)indices, (const O*)offsets, \
-                                per_sample_weights, mean, grad, lr, eps, per_sample_grad)
-  if (index_bytes == 8 && offset_bytes == 8) return RS_BACKWARD(int64_t, int64_t);
-  if (index_bytes == 8 && offset_bytes == 4) return RS_BACKWARD(int64_t, int32_t);
-  if (index_bytes == 4 && offset_bytes == 8) return RS_BACKWARD(int32_t, int64_t);
-  if (index_bytes == 4 && offset_bytes == 4) return RS_BACKWARD(int32_t, int32_t);
-#undef RS_BACKWARD
-  return -2;
+  return with_widths(index_bytes, offset_bytes, [&](auto index, auto offset) {
+    using I = decltype(index);
+    using O = decltype(offset);
+    return backward_impl<kRowwise, I, O>(weights, momentum, l, (const I*)indices,
+                                         (const O*)offsets, per_sample_weights, mean, grad, lr,
+                                         eps, per_sample_grad);
+  });
 }
 
 }  // namespace
@@ -367,14 +376,12 @@ int64_t rs_tbe_forward(const float* weights, const int64_t* row_start, const int
                    int offset_bytes, const float* per_sample_weights, int mean, float* out) {
   const Layout l{row_start, weight_start, table_dim, feature_table, feature_column,
                  tables,    features,     batch,     width};
-#define RS_FORWARD(I, O) \
-  forward_impl<I, O>(weights, l, (const I*)indices, (const O*)offsets, per_sample_weights, mean, out)
-  if (index_bytes == 8 && offset_bytes == 8) return RS_FORWARD(int64_t, int64_t);
-  if (index_bytes == 8 && offset_bytes == 4) return RS_FORWARD(int64_t, int32_t);
-  if (index_bytes == 4 && offset_bytes == 8) return RS_FORWARD(int32_t, int64_t);
-  if (index_bytes == 4 && offset_bytes == 4) return RS_FORWARD(int32_t, int32_t);
-#undef RS_FORWARD
-  return -2;
+  return with_widths(index_bytes, offset_bytes, [&](auto index, auto offset) {
+    using I = decltype(index);
+    using O = decltype(offset);
+    return forward_impl<I, O>(weights, l, (const I*)indices, (const O*)offsets,
+                              per_sample_weights, mean, out);
+  });
 }
 
 // per_sample_grad may be null (no gradient wanted for the per-sample weights).
