@@ -30,13 +30,15 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-import threading
 from typing import Dict, List
 
 import torch
 
 from recshard.lookup.fused_params import FusedOptimSpec, apply_row_update
 from recshard.lookup.kernels import LookupKernel, TorchFusedLookup, plain_lookup, row_gradients
+from recshard.lookup.key_value_cache import CacheOverflowError as CacheOverflowError
+from recshard.lookup.key_value_cache import RowCache
+from recshard.lookup.native_row_cache import CacheArrays
 from recshard.lookup.row_store import (
     RowStore,
     StoreIdentity,
@@ -50,10 +52,6 @@ from recshard.sparse.conversion import jagged_by_index
 
 DEFAULT_CACHE_LOAD_FACTOR = 0.2  # TorchRec's default for key_value tables
 _INIT_CHUNK_BYTES = 1 << 20  # the init's transient buffer
-
-
-class CacheOverflowError(ValueError):
-    """A batch reads more distinct rows of a shard than its cache has free slots."""
 
 
 def state_widths(spec: FusedOptimSpec, cols: int) -> Dict[str, int]:
@@ -115,7 +113,7 @@ def cached_bytes(table: LocalTable, spec: FusedOptimSpec) -> int:
     return sum(w for name, w in widths.items() if name not in mapped_states(spec)) * 4
 
 
-SLOT_BYTES = 12  # per cache slot: its row (int64), referenced, fresh, dirty, protected flags
+SLOT_BYTES = CacheArrays.BYTES_PER_SLOT  # per cache slot: its row, pins, flags
 ROW_MAP_BYTES = 4  # per row of the shard: its cache slot (int32)
 STEP_ROW_COPIES = 4  # a step's transient copies of its distinct rows with their state: the
 # misses read, the victims written back, the rows' gradients and the optimizer's temporaries
@@ -130,174 +128,6 @@ def dram_bytes(table: LocalTable, spec: FusedOptimSpec, step_rows: int) -> int:
     transient = STEP_ROW_COPIES * min(step_rows, cached) * record
     mapped = table.rows * 4 * len(mapped_states(spec))
     return cached * (record + SLOT_BYTES) + table.rows * ROW_MAP_BYTES + mapped + transient
-
-
-class _RowCache:
-    """One shard's cached rows: a tensor per field, the row <-> slot maps, CLOCK reference
-    bits, pins.
-
-    Eviction is CLOCK (second chance): a row comes in with its reference bit clear, and each
-    later batch that reads it sets it; a hand sweeps the slots in order, clearing set bits and
-    taking clear ones, so a victim search costs the slots it passes (O(1) amortized per miss),
-    not a scan of the whole cache, and a row read once leaves before rows read again. A row a
-    prefetch brought in stays `fresh` until its forward: that forward is its first read, not a
-    second, so prefetching changes nothing in what is evicted."""
-
-    def __init__(self, store: RowStore, capacity: int, mapped: List[str]) -> None:
-        self.store = store
-        self.capacity = capacity
-        self.values = {  # cached fields, by slot
-            name: torch.zeros(capacity, width)
-            for name, width in store.identity.widths.items()
-            if name not in mapped
-        }
-        self.mapped = {name: store.view(name) for name in mapped}  # by table row, shared
-        self.row_slot = torch.full((store.identity.rows,), -1, dtype=torch.int32)
-        self.slot_row = torch.full((capacity,), -1, dtype=torch.int64)
-        self.referenced = torch.zeros(capacity, dtype=torch.bool)
-        self.fresh = torch.zeros(capacity, dtype=torch.bool)  # brought in, no forward read it yet
-        self.dirty = torch.zeros(capacity, dtype=torch.bool)  # updated since read from storage
-        self.protected = torch.zeros(capacity, dtype=torch.bool)  # a victim search's scratch
-        self.hand = 0  # the next slot the sweep looks at
-        self.filled = 0  # slots [filled, capacity) were never used
-        self.pinned: List[torch.Tensor] = []
-        self.lock = threading.Lock()  # a prefetch thread and the step's update share it
-        self.lookups = 0  # distinct rows each forward read, summed
-        self.misses = 0  # rows read from storage
-        self._writer: threading.Thread | None = None  # the last write-back, behind the step
-        self._write_error: BaseException | None = None
-
-    def ensure(self, ids: torch.Tensor) -> None:
-        """Bring rows `ids` (unique, sorted) into the cache, evicting by CLOCK (victims' rows
-        written back, behind the step, when updated since they came in). The slots are chosen
-        under the lock; the rows are read outside it, so a prefetch's reads overlap the update
-        of the batch in flight (whose pinned slots it never takes)."""
-        self._wait_for_write_back()  # rows it wrote may be read again now
-        with self.lock:
-            slots = self.row_slot[ids].long()
-            cached = slots[slots >= 0]
-            self.referenced[cached[~self.fresh[cached]]] = True
-            missing = ids[slots < 0]
-            if missing.numel() == 0:
-                return
-            if missing.numel() <= self.capacity - self.filled:
-                # slots never used yet (the cache filling up): nothing to choose or write back
-                victims = torch.arange(self.filled, self.filled + missing.numel())
-                self.filled += missing.numel()
-            else:
-                victims = self._victims(cached, missing.numel())
-                self.filled = self.capacity
-                self._write_back(victims[self.dirty[victims]], behind=True)
-                old = self.slot_row[victims]
-                self.row_slot[old[old >= 0]] = -1
-            self.misses += missing.numel()
-            self.slot_row[victims] = missing
-            self.row_slot[missing] = victims.to(torch.int32)
-            self.referenced[victims] = False
-            self.fresh[victims] = True
-        try:
-            for suffix, values in self.values.items():
-                self.store.read_into(suffix, missing, values, victims)
-        except BaseException:
-            with self.lock:  # the rows never came in: their slots hold nothing
-                self.row_slot[missing] = -1
-                self.slot_row[victims] = -1
-            raise
-
-    def read_by_forward(self, ids: torch.Tensor) -> None:
-        """A forward reads rows `ids` (unique, cached): counted, and no longer fresh."""
-        self.lookups += ids.numel()
-        self.fresh[self.row_slot[ids].long()] = False
-
-    def _victims(self, batch_slots: torch.Tensor, count: int) -> torch.Tensor:
-        """`count` slots the CLOCK hand takes, neither holding rows of this batch
-        (`batch_slots`) nor pinned by a batch in flight; the bits of the slots it passes are
-        cleared. Raises `CacheOverflowError`, changing nothing, when too few are free."""
-        keep = torch.unique(torch.cat([batch_slots, *self.pinned]))
-        free = self.capacity - keep.numel()
-        if count > free:
-            raise CacheOverflowError(
-                f"table '{self.store.identity.table}': a batch needs {count} rows "
-                f"not cached but only {free} of the cache's {self.capacity} slots are "
-                "free (the rest hold this batch's or a batch in flight's rows); raise "
-                "cache_load_factor"
-            )
-        protected, referenced = self.protected, self.referenced
-        protected[keep] = True
-        chosen: List[torch.Tensor] = []
-        need = count
-        while need:  # at most two turns: the first clears every bit it passes
-            window = torch.arange(self.hand, self.hand + min(self.capacity, 2 * need + 1024))
-            window %= self.capacity
-            open_ = ~protected[window]
-            takeable = open_ & ~referenced[window]
-            positions = takeable.nonzero().view(-1)[:need]
-            span = int(positions[-1]) + 1 if positions.numel() == need else window.numel()
-            passed = window[:span]
-            referenced[passed[open_[:span]]] = False
-            taken = window[positions]
-            protected[taken] = True  # a later window of this search may pass it again
-            chosen.append(taken)
-            need -= taken.numel()
-            self.hand = (self.hand + span) % self.capacity
-        victims = torch.cat(chosen)
-        protected[keep] = False
-        protected[victims] = False
-        return victims
-
-    def _write_back(self, slots: torch.Tensor, behind: bool = False) -> None:
-        """Write the rows in `slots` (unique, dirty) to storage (all files); they are clean.
-        `behind`: copies of the rows are written on a thread while the step goes on (the
-        next `ensure` or flush waits for it and raises its error)."""
-        if slots.numel() == 0:
-            return
-        rows, order = self.slot_row[slots].sort()
-        slots = slots[order]
-        blocks = {suffix: values[slots] for suffix, values in self.values.items()}
-        self.dirty[slots] = False
-        if not behind:
-            self._write(rows, blocks)
-            return
-        self._writer = threading.Thread(
-            target=self._write_behind, args=(rows, blocks), name="recshard-write-back", daemon=True
-        )
-        self._writer.start()
-
-    def _write(self, rows: torch.Tensor, blocks: Dict[str, torch.Tensor]) -> None:
-        for suffix, block in blocks.items():
-            self.store.write(suffix, rows, block)
-
-    def _write_behind(self, rows: torch.Tensor, blocks: Dict[str, torch.Tensor]) -> None:
-        try:
-            self._write(rows, blocks)
-        except BaseException as e:  # noqa: BLE001 - raised by the next wait
-            self._write_error = e
-
-    def _wait_for_write_back(self) -> None:
-        """Wait for the write-back running behind the step; raise its error."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
-        if self._write_error is not None:
-            error, self._write_error = self._write_error, None
-            raise error
-
-    def flush(self) -> None:
-        """Write every updated row back: storage then holds the current table."""
-        self._wait_for_write_back()
-        self._write_back(self.dirty.nonzero().view(-1))
-
-    def drop_unpinned(self) -> None:
-        """Write every updated row back, then forget every cached row not pinned (the caller
-        may write storage behind the cache)."""
-        self.flush()
-        keep = torch.zeros(self.capacity, dtype=torch.bool)
-        for pinned in self.pinned:
-            keep[pinned] = True
-        dropped = self.slot_row[~keep]
-        self.row_slot[dropped[dropped >= 0]] = -1
-        self.slot_row[~keep] = -1
-        self.referenced[~keep] = False
 
 
 class KeyValueKernel(LookupKernel):
@@ -322,7 +152,7 @@ class KeyValueKernel(LookupKernel):
         self.spec = spec
         self.lr = spec.learning_rate
         self.caches = [
-            _RowCache(
+            RowCache(
                 RowStore(
                     table_directory(t) or tempfile.mkdtemp(prefix="recshard-kv-"),
                     store_identity(t, spec),
@@ -380,26 +210,33 @@ class KeyValueKernel(LookupKernel):
 
     # ------------------------------------------------------------------ the step
 
-    def prefetch(self, features: KeyedJaggedTensor) -> Dict[int, torch.Tensor]:
-        """Bring every row `features` reads into the cache (the next batch's, ahead of time);
-        returns the distinct rows per table index. Raises `CacheOverflowError` (having
-        changed nothing in that table's cache) when they do not fit."""
+    def _ids_by_table(self, features: KeyedJaggedTensor) -> Dict[int, List[torch.Tensor]]:
+        """Each table's features' ids (int64), in feature order."""
         per_table: Dict[int, List[torch.Tensor]] = {}
         for jt, t_index in zip(jagged_by_index(features), self.feature_table):
             per_table.setdefault(t_index, []).append(jt.values().long())
-        unique = {t_index: torch.unique(torch.cat(ids)) for t_index, ids in per_table.items()}
-        for t_index, rows in unique.items():
-            cache = self.caches[t_index]
-            cache.ensure(rows)
-        return unique
+        return per_table
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Bring every row `features` reads into the cache (the next batch's, ahead of time).
+        Raises `CacheOverflowError` (having changed nothing in that table's cache) when they
+        do not fit."""
+        for t_index, ids in self._ids_by_table(features).items():
+            self.caches[t_index].fill(torch.cat(ids) if len(ids) > 1 else ids[0])
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        for t_index, rows in self.prefetch(features).items():
-            self.caches[t_index].read_by_forward(rows)
-        slot_values = [
-            self.caches[t_index].row_slot[jt.values().long()].long()
-            for jt, t_index in zip(jagged_by_index(features), self.feature_table)
-        ]
+        training = torch.is_grad_enabled()
+        per_table = self._ids_by_table(features)
+        slot_parts: Dict[int, List[torch.Tensor]] = {}
+        for t_index, cache in enumerate(self.caches):
+            ids = per_table.get(t_index)
+            if ids is None:
+                if training:  # released by the update like every table's
+                    cache.pinned.append(torch.empty(0, dtype=torch.int64))
+                continue
+            slots = cache.read(torch.cat(ids) if len(ids) > 1 else ids[0], pin=training)
+            slot_parts[t_index] = list(slots.split([i.numel() for i in ids]))
+        slot_values = [slot_parts[t_index].pop(0) for t_index in self.feature_table]
         in_slots = KeyedJaggedTensor(
             features.keys(),
             torch.cat(slot_values) if slot_values else features.values().long(),
@@ -411,18 +248,10 @@ class KeyValueKernel(LookupKernel):
             else None,
             validate=False,
         )
-        if not torch.is_grad_enabled():
+        if not training:
             return self.lookup(in_slots)
-        for cache, slots in zip(self.caches, self._slots_by_table(slot_values)):
-            cache.pinned.append(slots)
         placeholder = torch.empty(0, requires_grad=True)
         return TorchFusedLookup.apply(placeholder, in_slots.weights_or_none(), self, in_slots)
-
-    def _slots_by_table(self, slot_values: List[torch.Tensor]) -> List[torch.Tensor]:
-        per_table: List[List[torch.Tensor]] = [[] for _ in self.tables]
-        for slots, t_index in zip(slot_values, self.feature_table):
-            per_table[t_index].append(slots)
-        return [torch.cat(s) if s else torch.empty(0, dtype=torch.int64) for s in per_table]
 
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """Features hold cache slots, not rows."""
@@ -438,14 +267,13 @@ class KeyValueKernel(LookupKernel):
             self, features, grad_output, cached if weights_grad else None
         )
         for t_index, cache in enumerate(self.caches):
-            with cache.lock, torch.no_grad():
-                if t_index in grads:
+            if t_index in grads:
+                with cache.lock, torch.no_grad():
                     slots, grad = grads[t_index]
                     states = {**cache.values, **cache.mapped}
                     weight = cache.values["weight"]
                     state_rows = cache.slot_row[slots] if cache.mapped else None
                     apply_row_update(self.spec, self.lr, weight, states, slots, grad, state_rows)
-                    cache.dirty[slots] = True
-                if cache.pinned:
-                    cache.pinned.pop(0)
+            if cache.pinned:
+                cache.release(updated=t_index in grads)
         return sample_grad

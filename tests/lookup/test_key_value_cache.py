@@ -1,6 +1,7 @@
 """The key-value kernel's write-back cache against the in-memory torch fused kernel, one
 process: a cache of 4 rows on a 64-row table, batches that evict every updated row and read it
-back later, so each row makes several round trips through storage."""
+back later, so each row makes several round trips through storage. Every test runs with the
+cache's books kept by the C++ library (`native_row_cache`) and by its torch fallback."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from recshard import EmbeddingBagConfig, KeyedJaggedTensor
+from recshard.lookup import native_row_cache
 from recshard.lookup.fused_params import FusedParams
 from recshard.lookup.kernels import TorchFusedKernel
 from recshard.lookup.key_value import CacheOverflowError, KeyValueKernel
@@ -18,6 +20,16 @@ from recshard.lookup.tables import LocalTable
 from recshard.types import EmbeddingComputeKernel
 
 ROWS, DIM = 64, 5
+
+
+@pytest.fixture(params=["native", "torch"], autouse=True)
+def books(request, monkeypatch) -> str:  # noqa: ANN001
+    """Which path keeps the caches' books (kernels built inside the test take it)."""
+    if request.param == "native" and not native_row_cache.available():
+        pytest.skip("recshard.lookup._row_cache is not built")
+    if request.param == "torch":
+        monkeypatch.setattr(native_row_cache, "available", lambda: False)
+    return request.param
 
 
 def _kernels(optimizer: str, directory: str, cached_rows: int = 4) -> tuple:
@@ -48,21 +60,22 @@ def _kernels(optimizer: str, directory: str, cached_rows: int = 4) -> tuple:
 
 
 @pytest.mark.parametrize("optimizer", ["exact_sgd", "exact_adagrad", "exact_row_wise_adagrad"])
-def test_write_back_cache_equals_in_memory(optimizer: str) -> None:
+def test_write_back_cache_equals_in_memory(optimizer: str, books: str) -> None:
     with tempfile.TemporaryDirectory() as directory:
         memory, kv = _kernels(optimizer, directory)
+        assert kv.caches[0].native == (books == "native")
         for step in range(12):
             ids = torch.tensor([(step * 3 + k) % 16 for k in range(3)] + [step % 2])
             features = KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([2, 2]))
             out, kv_out = memory(features), kv(features)
-            torch.testing.assert_close(kv_out, out, atol=1e-6, rtol=0)
+            assert torch.equal(kv_out, out)  # the same rows summed in the same order
             grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
             (out * grad).sum().backward()
             (kv_out * grad).sum().backward()
         assert kv.hit_rate() < 0.5  # rows left the 4-row cache and came back from storage
-        torch.testing.assert_close(kv.table_weights()[0], memory.table_weights()[0])
+        assert torch.equal(kv.table_weights()[0], memory.table_weights()[0])
         for name, value in memory.optimizer_states()[0].items():
-            torch.testing.assert_close(kv.optimizer_states()[0][name], value)
+            assert torch.equal(kv.optimizer_states()[0][name], value)
 
 
 def test_clock_keeps_a_row_in_use_and_overflow_changes_nothing() -> None:
