@@ -16,9 +16,11 @@ second, so prefetching changes nothing in what is evicted.
 
 Threads: `lock` guards the books (a prefetch thread's choice of slots and the step's update);
 `fill_lock` serializes whole fills, reads included, so two fills never take each other's slots
-mid-read. Updated victims are copied under `lock` and written by a thread behind the step;
-every fill and flush first waits for that write (under `fill_lock`, so no other fill can start
-a write in between): a row written back is never read from storage before its write landed.
+mid-read. Updated victims are copied under `lock` and written by a thread behind the step (each
+such thread after the one before it). A fill whose ids include a row still being written waits
+for the writes first, and a flush always does (both under `fill_lock`, so no other fill starts
+a write in between): a row written back is never read from storage before its write landed,
+and a fill that reads none of them (a forward after its prefetch) does not wait.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ class RowCache:
         self.fill_lock = threading.Lock()
         self.lookups = 0  # distinct rows each forward read, summed
         self.misses = 0  # rows read from storage
-        self._writer: threading.Thread | None = None  # the last write-back, behind the step
+        # write-backs behind the step, oldest first: each thread writes after the one before
+        # it, and the rows it writes (sorted) are not cached until it is done
+        self._writers: List[Tuple[threading.Thread, torch.Tensor]] = []
         self._write_error: BaseException | None = None
 
     @property
@@ -97,7 +101,7 @@ class RowCache:
 
     def _ensure(self, ids: torch.Tensor, id_slots: torch.Tensor | None, pin: bool) -> None:
         with self.fill_lock:
-            self._wait_for_write_back()  # rows it writes may be read again now
+            self._wait_for_write_back(ids)  # before a row being written is read back
             with self.lock:
                 if self.native:
                     missing, victims, pinned = self._assign_native(ids, id_slots, pin)
@@ -225,26 +229,44 @@ class RowCache:
         if not behind:
             self._write(rows, blocks)
             return
-        self._writer = threading.Thread(
-            target=self._write_behind, args=(rows, blocks), name="recshard-write-back", daemon=True
+        before = self._writers[-1][0] if self._writers else None
+        writer = threading.Thread(
+            target=self._write_behind,
+            args=(before, rows, blocks),
+            name="recshard-write-back",
+            daemon=True,
         )
-        self._writer.start()
+        self._writers.append((writer, rows))
+        writer.start()
 
     def _write(self, rows: torch.Tensor, blocks: Dict[str, torch.Tensor]) -> None:
         for suffix, block in blocks.items():
             self.store.write(suffix, rows, block)
 
-    def _write_behind(self, rows: torch.Tensor, blocks: Dict[str, torch.Tensor]) -> None:
+    def _write_behind(
+        self,
+        before: threading.Thread | None,
+        rows: torch.Tensor,
+        blocks: Dict[str, torch.Tensor],
+    ) -> None:
         try:
+            if before is not None:
+                before.join()  # files see the write-backs in the order the victims left
             self._write(rows, blocks)
-        except BaseException as e:  # noqa: BLE001 - raised by the next wait
+        except BaseException as e:  # noqa: BLE001 - raised by the next fill or flush
             self._write_error = e
 
-    def _wait_for_write_back(self) -> None:
-        """Wait for the write-back running behind the step; raise its error."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
+    def _wait_for_write_back(self, ids: torch.Tensor | None = None) -> None:
+        """Wait for the write-backs behind the step (with `ids`, only when one of those rows
+        is being written: it may miss and be read from the file); raise a failed one's
+        error."""
+        self._writers = [(w, rows) for w, rows in self._writers if w.is_alive()]
+        if self._writers and (
+            ids is None or any(bool(torch.isin(ids, rows).any()) for _, rows in self._writers)
+        ):
+            for writer, _ in self._writers:
+                writer.join()
+            self._writers = []
         if self._write_error is not None:
             error, self._write_error = self._write_error, None
             raise error
