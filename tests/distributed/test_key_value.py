@@ -4,7 +4,9 @@ The same EBC sharded twice with one plan kind, once `fused` and once `key_value`
 cache of a tenth of each shard, trained for several steps on the same batches: outputs, every
 rank's shard weights and fused optimizer state, and the state_dict agree, at world sizes 1
 and 2, for table-, row-, column- and table-row-wise plans, SGD and (row-wise) Adagrad, dims not
-divisible by 4. Bad storage directories fail on every rank before training.
+divisible by 4, with the caches' books kept by the C++ library (`native_row_cache`) and, at
+world size 2, by its torch fallback. Bad storage directories fail on every rank before
+training.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from recshard.distributed.sharding_plan import (
     table_row_wise,
     table_wise,
 )
+from recshard.lookup import native_row_cache
 from recshard.types import CacheParams, ShardingEnv
 
 LR = 0.1
@@ -93,11 +96,16 @@ def _shard(kind: str, kernel: str, ws: int, optimizer: str, directory: str | Non
     return EmbeddingBagCollectionSharder(fused_params=fused).shard(reference, plan, env)
 
 
-def run_case(rank: int, ws: int, kind: str, optimizer: str, steps: int, base: str) -> List[str]:
+def run_case(
+    rank: int, ws: int, kind: str, optimizer: str, steps: int, base: str, books: str = "native"
+) -> List[str]:
     problems: List[str] = []
     directory = tempfile.mkdtemp(prefix=f"{kind}-{optimizer}-{rank}-", dir=base)
     fused = _shard(kind, "fused", ws, optimizer, None)
     kv = _shard(kind, "key_value", ws, optimizer, directory)
+    caches = [c for s in kv.shardings.values() for k in s.lookup.kernels for c in k.caches]
+    if {c.native for c in caches} != {books == "native"}:
+        problems.append(f"caches' books not kept by {books}")
     for step in range(steps):
         features = batch(rank, step)
         out, kv_out = fused(features).values(), kv(features).values()
@@ -153,9 +161,11 @@ def _local(value) -> torch.Tensor:  # noqa: ANN001
     return full
 
 
-def run_all(rank: int, ws: int, cases: List, base: str) -> List[str]:
+def run_all(rank: int, ws: int, cases: List, base: str, books: str = "native") -> List[str]:
     sharded_state.KEY_VALUE_PIECE_BYTES = 1024  # state dicts cut shards into many pieces
-    return [f"{case}: {p}" for case in cases for p in run_case(rank, ws, *case, 5, base)]
+    if books == "torch":  # this rank process keeps the caches' books in torch
+        native_row_cache.available = lambda: False
+    return [f"{case}: {p}" for case in cases for p in run_case(rank, ws, *case, 5, base, books)]
 
 
 KINDS = ["table_wise", "row_wise", "column_wise", "table_row_wise"]
@@ -167,6 +177,13 @@ def test_key_value_equals_fused(world_size: int, tmp_path) -> None:  # noqa: ANN
     """Each sharding type once, each optimizer at least once."""
     cases = [(kind, OPTIMIZERS[i % len(OPTIMIZERS)]) for i, kind in enumerate(KINDS)]
     for problems in run_ranks(world_size, run_all, cases, str(tmp_path), timeout=600):
+        assert problems == []
+
+
+def test_key_value_equals_fused_with_books_in_torch(tmp_path) -> None:  # noqa: ANN001
+    """The same cases with the C++ row cache library taken away (its fallback)."""
+    cases = [(kind, OPTIMIZERS[i % len(OPTIMIZERS)]) for i, kind in enumerate(KINDS)]
+    for problems in run_ranks(2, run_all, cases, str(tmp_path), "torch", timeout=600):
         assert problems == []
 
 
