@@ -9,10 +9,12 @@ fresh private temporary directory, as in TorchRec; `check_storage` vets a given 
 before any file is made. A step:
 
     prefetch(batch)  ids not cached -> slots the CLOCK hand frees (updated victims written
-                     back first, in row order), rows read from storage (`RowStore`)
-    forward          ids -> cache slots; the pure-torch fused lookup on the cache
+                     back behind the step, in row order), rows read from storage
+                     (`key_value_cache.RowCache`: one C++ call per table keeps its books)
+    forward          the same for rows not prefetched, then ids -> cache slots (pinned);
+                     the pure-torch fused lookup on the cache
     backward         the same row gradients and optimizer math as `TorchFusedKernel`
-                     on the cache slots, which are marked updated
+                     on the cache slots, which are unpinned and marked updated
 
 Updated rows are written back when evicted, not every step (a hot row stays in DRAM and costs
 no I/O; writing every updated row through cost a write per distinct row a step). State dicts

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from recshard.lookup import native_row_cache
+from recshard.lookup import native_library, native_row_cache
 from recshard.lookup.key_value_cache import CacheOverflowError, RowCache
 from recshard.lookup.native_row_cache import CacheArrays
 from recshard.lookup.row_store import RowStore, StoreIdentity
@@ -22,14 +22,19 @@ needs_native = pytest.mark.skipif(
 
 
 def _cache(directory: str, native: bool, monkeypatch, capacity: int = CAPACITY) -> RowCache:  # noqa: ANN001
+    """A cache over a table whose row r holds `r * WIDTH ...`; `native`: its books in C++."""
     store = RowStore(directory, StoreIdentity("t", ROWS, WIDTH, 0, 0, {"weight": WIDTH}))
-    store.fill("weight", 0, torch.arange(ROWS * WIDTH, dtype=torch.float32).view(ROWS, WIDTH))
+    store.fill("weight", 0, _rows(torch.arange(ROWS)))
     with monkeypatch.context() as patch:
         if not native:
             patch.setattr(native_row_cache, "available", lambda: False)
         cache = RowCache(store, capacity, [])
     assert cache.native == native
     return cache
+
+
+def _rows(ids: torch.Tensor) -> torch.Tensor:
+    return (ids.unsqueeze(1) * WIDTH + torch.arange(WIDTH)).float()
 
 
 def _books(cache: RowCache) -> dict:
@@ -163,3 +168,31 @@ def test_a_row_written_behind_is_not_read_back_before_its_write_lands(
             reader = threading.Thread(target=cache.fill, args=(torch.tensor([5, 7]),))
             reader.start()
             reader.join()
+
+
+def test_missing_library_warns_once_and_torch_keeps_the_books(
+    tmp_path,  # noqa: ANN001
+    monkeypatch,  # noqa: ANN001
+    caplog,  # noqa: ANN001
+) -> None:
+    find_spec = native_library.importlib.util.find_spec
+    monkeypatch.setattr(
+        native_library.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "recshard.lookup._row_cache" else find_spec(name, *a),
+    )
+    shipped = native_row_cache._LIBRARY
+    fresh = native_library.NativeLibrary(  # not loaded yet in this process: it warns once
+        shipped.module, shipped.what, shipped.fallback, shipped.declare
+    )
+    monkeypatch.setattr(native_row_cache, "_LIBRARY", fresh)
+    with caplog.at_level("WARNING", logger=native_library.__name__):
+        for i in range(2):
+            store = RowStore(str(tmp_path), StoreIdentity(f"t{i}", ROWS, WIDTH, 0, 0, {"w": WIDTH}))
+            store.fill("w", 0, _rows(torch.arange(ROWS)))
+            cache = RowCache(store, CAPACITY, [])
+            assert not cache.native
+            ids = torch.tensor([3, 9, 3])
+            assert torch.equal(cache.values["w"][cache.read(ids, pin=False)], _rows(ids))
+    warnings = [r for r in caplog.records if "row cache library" in r.getMessage()]
+    assert len(warnings) == 1 and "in torch instead" in warnings[0].getMessage()

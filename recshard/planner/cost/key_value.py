@@ -2,7 +2,7 @@
 storage, a DRAM cache of `load_factor` of its rows (TorchRec's `CacheParams.load_factor`,
 default 0.2), each step's misses read from storage and its updated rows written back.
 
-- DRAM: `ceil(lf rows) (row_bytes + state_row + 12)` for the cached rows with their state and
+- DRAM: `ceil(lf rows) (row_bytes + state_row + 16)` for the cached rows with their state and
   the slot maps, 4 bytes per row for the row -> slot map, `4 min(touched, ceil(lf rows))
   (row_bytes + state_row)` for a step's transient copies of its distinct rows (misses read,
   victims written back, gradients, optimizer temporaries), plus the step's io
@@ -34,7 +34,7 @@ from recshard.planner.planner_types import (
 from recshard.types import CacheParams
 
 KEY_VALUE = "key_value"
-_SLOT_BYTES = 12  # per cached row: its row id (int64) and four flags
+_SLOT_BYTES = 16  # per cached row: its row id (int64), pin count (int32) and four flags
 _ROW_MAP_BYTES = 4  # per row of the shard: its cache slot (int32)
 _STEP_ROW_COPIES = 4  # a step's transient copies of its distinct rows with their state
 
