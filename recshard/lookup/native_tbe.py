@@ -23,6 +23,8 @@ import torch
 from recshard.lookup.native_library import NativeLibrary
 
 _i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+MAX_POSITIONS = 2**31  # the C++ side keys ids' positions and rows as uint32
+MAX_GRAD_FLOATS = 2**32  # ... and where each bag's output-gradient row starts
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -121,10 +123,23 @@ class IdOutOfRange(ValueError):
         self.position = position
 
 
+class OffsetsDecrease(ValueError):
+    """Bag offsets that go down (bag `bag` ends before it starts): nothing was read or
+    written. `bag` counts feature-major (feature `bag // B`)."""
+
+    def __init__(self, bag: int, offsets: torch.Tensor) -> None:
+        super().__init__(
+            f"offsets must not decrease: bag {bag} runs from {int(offsets[bag])} "
+            f"to {int(offsets[bag + 1])}"
+        )
+        self.bag = bag
+
+
 def _check(code: int) -> None:
     if code >= 0:
         raise IdOutOfRange(code)
-    assert code == -1, f"cpu_tbe: bad call ({code})"
+    if code != -1:  # not an assert: `python -O` would hand back an uninitialized output
+        raise RuntimeError(f"cpu_tbe: bad call ({code})")
 
 
 def _check_buffers(
@@ -145,12 +160,22 @@ def _check_buffers(
         raise ValueError(f"offsets: {bags + 1} entries needed, got shape {tuple(offsets.shape)}")
     if indices.dim() != 1:
         raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
+    if indices.numel() >= MAX_POSITIONS or batch * layout.width > MAX_GRAD_FLOATS:
+        raise ValueError(
+            f"{indices.numel()} ids or a [{batch}, {layout.width}] output gradient exceed the "
+            "C++ kernel's 32-bit positions"
+        )
     low, high = (int(v) for v in torch.aminmax(offsets))
     if low < 0 or high > indices.numel() or int(offsets[0]) != 0:
         raise ValueError(
             f"offsets must start at 0 and stay within the {indices.numel()} ids, "
             f"got values in [{low}, {high}]"
         )
+    # a bag reaching back before its predecessor would read ids outside its feature's range,
+    # which the C++ side checks against that feature's table only (and sizes its scratch by
+    # the last offset): out-of-bounds reads and writes
+    if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+        raise OffsetsDecrease(int(torch.nonzero(offsets[1:] < offsets[:-1])[0]), offsets)
 
 
 def _float_buffer(name: str, tensor: torch.Tensor, numel: int) -> None:
