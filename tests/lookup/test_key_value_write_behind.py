@@ -143,7 +143,7 @@ def test_two_threads_missing_at_once_read_no_stale_row(slow_writes: None) -> Non
     reason="finding (audit, for kv6): a write-back that failed behind the step is raised once, "
     "but its rows were already marked clean and their slots reused: when storage works again "
     "the steps go on with those rows' updates lost (neither retried nor every later step "
-    "refused)",
+    "refused; docs/key_value.md says the rows are lost, not that training may go on)",
 )
 def test_rows_of_a_failed_write_back_are_not_silently_lost() -> None:
     """Storage refuses writes for a while (a read-only descriptor, as a failing device): the
