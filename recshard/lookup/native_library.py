@@ -34,7 +34,8 @@ class NativeLibrary:
             if spec is None or spec.origin is None:
                 raise ImportError("not built")
             library = ctypes.CDLL(spec.origin)
-        except (ImportError, OSError) as error:
+            self.declare(library)  # a build older than this code lacks a function
+        except (ImportError, OSError, AttributeError) as error:
             logger.warning(
                 "recshard's %s (%s) is unavailable (%s): %s; `pip install -e .` builds it",
                 self.what,
@@ -43,6 +44,5 @@ class NativeLibrary:
                 self.fallback,
             )
             return None
-        self.declare(library)
         self._library = library
         return library

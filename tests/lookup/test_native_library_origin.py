@@ -90,3 +90,31 @@ def test_libraries_open_only_from_the_package(tmp_path: Path) -> None:
             [f"_cpu_tbe{suffix}", f"_row_io{suffix}"]
         ), opened
         assert all(Path(p).parent.resolve() == PACKAGE for p in opened), opened
+
+
+@pytest.mark.skipif(not shutil.which("gcc"), reason="no C compiler to build the stale library")
+def test_a_build_older_than_the_code_warns_and_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An extension built before a function was added (a source tree updated without
+    `pip install -e .`): one warning naming the missing function and the fallback, instead of
+    an AttributeError from the first lookup's construction."""
+    from recshard.lookup import native_tbe
+    from recshard.lookup.native_library import NativeLibrary
+
+    source = tmp_path / "stale.c"
+    source.write_text("long rs_tbe_forward(void) { return -1; }\n")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-o", tmp_path / f"stale_cpu_tbe{suffix}", source], check=True
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    library = NativeLibrary(
+        "stale_cpu_tbe", "CPU embedding kernel", "torch runs", native_tbe._declare
+    )
+    with caplog.at_level("WARNING", logger="recshard.lookup.native_library"):
+        assert library.load() is None
+        assert library.load() is None
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "rs_tbe_backward" in warnings[0] and "torch runs" in warnings[0], warnings
