@@ -188,6 +188,18 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 @FUZZ
 @given(case=cases(), index_dtype=st.sampled_from([torch.int32, torch.int64]))
 def test_native_kernel_equals_torch_kernel_bytes(case: Case, index_dtype: torch.dtype) -> None:
+    _equals_torch_kernel(case, index_dtype)
+
+
+@pytest.mark.slow
+@settings(FUZZ, max_examples=500, derandomize=False)
+@given(case=cases(), index_dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_native_kernel_equals_torch_kernel_bytes_many(case: Case, index_dtype: torch.dtype) -> None:
+    """The same, 500 fresh random draws a run (`-m slow`; about a minute)."""
+    _equals_torch_kernel(case, index_dtype)
+
+
+def _equals_torch_kernel(case: Case, index_dtype: torch.dtype) -> None:
     """Two steps on the same batch: outputs, per-sample-weight gradients, weights and
     optimizer state as the torch kernel's: the same bytes where the math is exact (see the
     module docstring), within a few ulps where MEAN's 1/length or Adagrad's multiplier
