@@ -45,6 +45,7 @@ _LIBRARY = NativeLibrary(
     "CPU embedding kernel",
     "fp32 row-wise Adagrad and SGD tables run fbgemm's kernel (or the torch one) instead",
     _declare,
+    "csrc/cpu_tbe.cpp",
 )
 
 

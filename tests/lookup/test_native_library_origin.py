@@ -110,7 +110,7 @@ def test_a_build_older_than_the_code_warns_and_falls_back(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     library = NativeLibrary(
-        "stale_cpu_tbe", "CPU embedding kernel", "torch runs", native_tbe._declare
+        "stale_cpu_tbe", "CPU embedding kernel", "torch runs", native_tbe._declare, "stale.c"
     )
     with caplog.at_level("WARNING", logger="recshard.lookup.native_library"):
         assert library.load() is None
@@ -118,3 +118,40 @@ def test_a_build_older_than_the_code_warns_and_falls_back(
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1, warnings
     assert "rs_tbe_backward" in warnings[0] and "torch runs" in warnings[0], warnings
+
+
+@pytest.mark.skipif(not shutil.which("gcc"), reason="no C compiler to build the library")
+def test_a_build_older_than_its_source_is_not_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The C++ source beside the extension changed after the build (a `git pull` without
+    `pip install -e .`): a function's signature may have changed, which ctypes cannot see,
+    and calling it with the new arguments would read and write past buffers. The library is
+    not opened (not even its constructors run): one warning, and the fallback runs."""
+    from recshard.lookup.native_library import NativeLibrary
+
+    marker = tmp_path / "marker"
+    source = tmp_path / "newer.c"
+    source.write_text(PLANT)
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    built = tmp_path / f"newer_cpu_tbe{suffix}"
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", built, source], check=True
+    )
+    os.utime(built, (1_000_000, 1_000_000))
+    os.utime(source, (2_000_000, 2_000_000))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    library = NativeLibrary(
+        "newer_cpu_tbe", "CPU embedding kernel", "torch runs", _declare_none, "newer.c"
+    )
+    with caplog.at_level("WARNING", logger="recshard.lookup.native_library"):
+        assert library.load() is None
+    assert not marker.exists()
+    assert f"built before {source} last changed" in caplog.records[0].getMessage()
+    os.utime(built, (3_000_000, 3_000_000))  # rebuilt: opened
+    assert NativeLibrary("newer_cpu_tbe", "", "", _declare_none, "newer.c").load() is not None
+    assert marker.exists()
+
+
+def _declare_none(library: object) -> None:
+    """A library whose functions this test never calls: nothing to declare."""
