@@ -182,3 +182,42 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path: Path) -> None
     assert lines[2] == "left: []"
     assert lines[3:5] == ["disk full: True", "rows: 32.0"]
     assert os.listdir(mount) == []  # the host never saw the tmpfs
+
+
+SHORT_WRITE = """
+import os, resource, sys, torch
+from recshard.lookup.row_store import RowStore, StoreIdentity
+directory = sys.argv[1]
+store = RowStore(directory, StoreIdentity("t", 1000, 4, 0, 0, {"weight": 4}))
+resource.setrlimit(resource.RLIMIT_FSIZE, (8192, resource.RLIM_INFINITY))
+try:  # rows 500..519: bytes 8000..8320, the file-size limit at 8192 cuts the run short
+    store.write("weight", torch.arange(500, 520), torch.ones(20, 4))
+except RuntimeError as e:
+    print("write:", e)
+try:
+    RowStore(directory, StoreIdentity("big", 1000, 4, 0, 0, {"weight": 4, "m": 1}))
+except RuntimeError as e:
+    print("create:", e)
+print("left:", sorted(os.listdir(directory)))
+"""
+
+
+def test_a_short_write_is_an_error_naming_table_and_file(tmp_path: Path) -> None:
+    """A write that moves only part of its run (here a file-size limit, RLIMIT_FSIZE, in a
+    child process: pwritev returns short, then EFBIG) raises naming the table and the file;
+    a creation past the limit fails naming the table and leaves none of its files."""
+    result = subprocess.run(
+        [sys.executable, "-c", SHORT_WRITE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.split("\n")
+    path = tmp_path / "t.r0.c0.1000x4.weight"
+    assert (
+        lines[0] == f"write: table 't': writing rows of '{path}' failed: [Errno 27] File too large"
+    )
+    assert lines[1].startswith("create: table 'big': cannot create its key_value files")
+    assert lines[2] == "left: ['t.r0.c0.1000x4.json', 't.r0.c0.1000x4.weight']"
