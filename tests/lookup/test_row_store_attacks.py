@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -221,3 +222,42 @@ def test_a_short_write_is_an_error_naming_table_and_file(tmp_path: Path) -> None
     )
     assert lines[1].startswith("create: table 'big': cannot create its key_value files")
     assert lines[2] == "left: ['t.r0.c0.1000x4.json', 't.r0.c0.1000x4.weight']"
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"
+)
+def test_another_user_swapping_the_files_changes_nothing() -> None:
+    """User `nobody` (a real process under setpriv) replaces the table files with symlinks to
+    its own file, in a directory opened up to it after creation: the table's state dict
+    still reads and writes the table's own rows, and nobody's file is untouched."""
+    with tempfile.TemporaryDirectory(prefix="recshard-audit-") as top:  # pytest's is 0700
+        _swapped_by_nobody(Path(top))
+
+
+def _swapped_by_nobody(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    memory, kv = _kernels("exact_row_wise_adagrad", str(store))
+    os.chmod(tmp_path, 0o755)
+    os.chmod(store, 0o777)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    os.chmod(theirs, 0o777)
+    bait = theirs / "bait"
+    swap = " && ".join(
+        f"mv {path} {theirs}/taken.{suffix} && ln -s {bait} {path}"
+        for suffix in ("weight", "momentum1")
+        for path in [store / f"{IDENTITY.stem}.{suffix}"]
+    )
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c"]
+    subprocess.run(
+        [*as_nobody, f"head -c 1280 /dev/zero > {bait} && {swap}"], check=True, timeout=30
+    )
+    assert os.stat(bait).st_uid == NOBODY and (store / f"{IDENTITY.stem}.weight").is_symlink()
+    weight = kv.table_weights()[0]
+    assert torch.equal(weight, memory.table_weights()[0])
+    weight[1] = 3.0
+    kv.optimizer_states()[0]["momentum1"][1] = 4.0
+    assert bait.read_bytes() == b"\0" * 1280
+    assert float(kv.table_weights()[0][1, 0]) == 3.0
