@@ -153,6 +153,10 @@ def _check_buffers(
 ) -> None:
     """Refuse buffers the C++ side would read or write past: it trusts every pointer and length
     it is given (a pass over `offsets`, O(1) for the rest)."""
+    for name, tensor in (("weights", weights), ("indices", indices), ("offsets", offsets)):
+        _on_cpu(name, tensor)  # a CUDA pointer read on the host faults
+    if per_sample_weights is not None:
+        _on_cpu("per_sample_weights", per_sample_weights)
     _float_buffer("weights", weights, layout.floats)
     if per_sample_weights is not None:
         _float_buffer("per_sample_weights", per_sample_weights, indices.numel())
@@ -177,6 +181,13 @@ def _check_buffers(
     # the last offset): out-of-bounds reads and writes
     if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
         raise OffsetsDecrease(int(torch.nonzero(offsets[1:] < offsets[:-1])[0]), offsets)
+
+
+def _on_cpu(name: str, tensor: torch.Tensor) -> None:
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"{name} must be on the CPU for recshard's C++ kernel, got {tensor.device}"
+        )
 
 
 def _float_buffer(name: str, tensor: torch.Tensor, numel: int) -> None:
@@ -250,8 +261,10 @@ def backward(
     grad_output = grad_output.contiguous()
     batch = grad_output.size(0)
     _check_buffers(weights, layout, indices, offsets, per_sample_weights, batch)
+    _on_cpu("grad_output", grad_output)
     _float_buffer("grad_output", grad_output, batch * layout.width)
     if momentum is not None:
+        _on_cpu("momentum", momentum)
         _float_buffer("momentum", momentum, layout.total_rows)
     sample_grad = torch.empty(indices.numel(), device="cpu") if per_sample_grad else None
     common = [

@@ -355,3 +355,34 @@ def test_positions_past_32_bits_are_refused() -> None:
         native_tbe.forward(
             weights, layout, torch.zeros(0, dtype=torch.int64), offsets, None, False, batch
         )
+
+
+@pytest.mark.parametrize("where", ["indices", "offsets", "grad_output"])
+def test_tensors_off_the_cpu_are_refused(where: str) -> None:
+    """A tensor on another device (a CUDA batch given to a CPU-sharded table) would reach the
+    C++ side as a device pointer read on the host; refused naming it (`meta` stands in for a
+    device this machine may not have)."""
+    layout, weights, momentum = _one_table()
+    tensors = {
+        "indices": torch.tensor([0, 3]),
+        "offsets": torch.tensor([0, 1, 2]),
+        "grad_output": torch.ones(2, 8),
+    }
+    tensors[where] = tensors[where].to("meta")
+    call = {"indices": tensors["indices"], "offsets": tensors["offsets"]}
+    with pytest.raises(ValueError, match=rf"{where} must be on the CPU .* got meta"):
+        if where == "grad_output":
+            native_tbe.backward(
+                weights,
+                momentum,
+                layout,
+                *call.values(),
+                None,
+                False,
+                tensors[where],
+                0.5,
+                1e-8,
+                False,
+            )
+        else:
+            native_tbe.forward(weights, layout, *call.values(), None, False, 2)
