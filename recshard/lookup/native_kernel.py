@@ -29,7 +29,7 @@ from recshard.sparse import KeyedJaggedTensor
 from recshard.types import EmbeddingComputeKernel
 
 ENV = "RECSHARD_NATIVE_KERNEL"
-_MAX_ROWS = 2**31  # the C++ side keys rows and positions as uint32
+_MAX_ROWS = native_tbe.MAX_POSITIONS
 _NATIVE_POOLINGS = (PoolingType.SUM, PoolingType.MEAN)
 _NATIVE_OPTIMS = (OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.EXACT_SGD)
 
@@ -91,7 +91,10 @@ class NativeFusedKernel(TorchFusedKernel):
         ):
             return None
         indices, offsets = features.values(), features.offsets()
-        if indices.numel() >= _MAX_ROWS:
+        if (
+            indices.numel() >= _MAX_ROWS
+            or features.stride() * self.layout.width > native_tbe.MAX_GRAD_FLOATS
+        ):
             return None
         first = int(offsets[0]) if offsets.numel() else 0
         if first:  # ids of a slice: the C++ side counts positions from 0
@@ -110,6 +113,8 @@ class NativeFusedKernel(TorchFusedKernel):
             return native_tbe.forward(self.weights, self.layout, *ids, mean, features.stride())
         except native_tbe.IdOutOfRange as error:
             raise self._out_of_range(features, ids, error.position) from None
+        except native_tbe.OffsetsDecrease as error:
+            raise self._offsets_decrease(features, error) from None
 
     def update(
         self, features: KeyedJaggedTensor, grad_output: torch.Tensor, weights_grad: bool = False
@@ -131,6 +136,17 @@ class NativeFusedKernel(TorchFusedKernel):
             )
         except native_tbe.IdOutOfRange as error:
             raise self._out_of_range(features, ids, error.position) from None
+        except native_tbe.OffsetsDecrease as error:
+            raise self._offsets_decrease(features, error) from None
+
+    def _offsets_decrease(
+        self, features: KeyedJaggedTensor, error: native_tbe.OffsetsDecrease
+    ) -> ValueError:
+        """The error for bag offsets that go down (given by the caller beside lengths, which
+        the input checks compare only in `validate()`), naming table and feature."""
+        feature = error.bag // max(features.stride(), 1)
+        table = self.tables[self.feature_table[feature]]
+        return ValueError(f"table '{table.name}', feature '{features.keys()[feature]}': {error}")
 
     def _out_of_range(self, features: KeyedJaggedTensor, ids: tuple, position: int) -> ValueError:
         """The error for an id outside its table (possible only with bounds_check_mode NONE,

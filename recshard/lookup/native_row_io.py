@@ -34,6 +34,7 @@ _LIBRARY = NativeLibrary(
     "row I/O library",
     "key_value tables read and write rows from Python instead (slower)",
     _declare,
+    "csrc/row_io.cpp",
 )
 
 

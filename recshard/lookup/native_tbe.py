@@ -23,6 +23,8 @@ import torch
 from recshard.lookup.native_library import NativeLibrary
 
 _i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+MAX_POSITIONS = 2**31  # the C++ side keys ids' positions and rows as uint32
+MAX_GRAD_FLOATS = 2**32  # ... and where each bag's output-gradient row starts
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -43,6 +45,7 @@ _LIBRARY = NativeLibrary(
     "CPU embedding kernel",
     "fp32 row-wise Adagrad and SGD tables run fbgemm's kernel (or the torch one) instead",
     _declare,
+    "csrc/cpu_tbe.cpp",
 )
 
 
@@ -121,10 +124,23 @@ class IdOutOfRange(ValueError):
         self.position = position
 
 
+class OffsetsDecrease(ValueError):
+    """Bag offsets that go down (bag `bag` ends before it starts): nothing was read or
+    written. `bag` counts feature-major (feature `bag // B`)."""
+
+    def __init__(self, bag: int, offsets: torch.Tensor) -> None:
+        super().__init__(
+            f"offsets must not decrease: bag {bag} runs from {int(offsets[bag])} "
+            f"to {int(offsets[bag + 1])}"
+        )
+        self.bag = bag
+
+
 def _check(code: int) -> None:
     if code >= 0:
         raise IdOutOfRange(code)
-    assert code == -1, f"cpu_tbe: bad call ({code})"
+    if code != -1:  # not an assert: `python -O` would hand back an uninitialized output
+        raise RuntimeError(f"cpu_tbe: bad call ({code})")
 
 
 def _check_buffers(
@@ -137,6 +153,10 @@ def _check_buffers(
 ) -> None:
     """Refuse buffers the C++ side would read or write past: it trusts every pointer and length
     it is given (a pass over `offsets`, O(1) for the rest)."""
+    for name, tensor in (("weights", weights), ("indices", indices), ("offsets", offsets)):
+        _on_cpu(name, tensor)  # a CUDA pointer read on the host faults
+    if per_sample_weights is not None:
+        _on_cpu("per_sample_weights", per_sample_weights)
     _float_buffer("weights", weights, layout.floats)
     if per_sample_weights is not None:
         _float_buffer("per_sample_weights", per_sample_weights, indices.numel())
@@ -145,11 +165,28 @@ def _check_buffers(
         raise ValueError(f"offsets: {bags + 1} entries needed, got shape {tuple(offsets.shape)}")
     if indices.dim() != 1:
         raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
+    if indices.numel() >= MAX_POSITIONS or batch * layout.width > MAX_GRAD_FLOATS:
+        raise ValueError(
+            f"{indices.numel()} ids or a [{batch}, {layout.width}] output gradient exceed the "
+            "C++ kernel's 32-bit positions"
+        )
     low, high = (int(v) for v in torch.aminmax(offsets))
     if low < 0 or high > indices.numel() or int(offsets[0]) != 0:
         raise ValueError(
             f"offsets must start at 0 and stay within the {indices.numel()} ids, "
             f"got values in [{low}, {high}]"
+        )
+    # a bag reaching back before its predecessor would read ids outside its feature's range,
+    # which the C++ side checks against that feature's table only (and sizes its scratch by
+    # the last offset): out-of-bounds reads and writes
+    if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+        raise OffsetsDecrease(int(torch.nonzero(offsets[1:] < offsets[:-1])[0]), offsets)
+
+
+def _on_cpu(name: str, tensor: torch.Tensor) -> None:
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"{name} must be on the CPU for recshard's C++ kernel, got {tensor.device}"
         )
 
 
@@ -224,8 +261,10 @@ def backward(
     grad_output = grad_output.contiguous()
     batch = grad_output.size(0)
     _check_buffers(weights, layout, indices, offsets, per_sample_weights, batch)
+    _on_cpu("grad_output", grad_output)
     _float_buffer("grad_output", grad_output, batch * layout.width)
     if momentum is not None:
+        _on_cpu("momentum", momentum)
         _float_buffer("momentum", momentum, layout.total_rows)
     sample_grad = torch.empty(indices.numel(), device="cpu") if per_sample_grad else None
     common = [

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 import tempfile
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Tuple
@@ -82,6 +83,13 @@ def check_directory(directory: str, identities: List[StoreIdentity]) -> None:
         raise ValueError(
             f"key_value tables {names}: ssd_storage_directory '{directory}' is not a directory"
         )
+    mode = os.stat(directory).st_mode
+    if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+        raise ValueError(
+            f"key_value tables {names}: ssd_storage_directory '{directory}' is writable by "
+            f"every user (mode {stat.S_IMODE(mode):o}, no sticky bit): anyone could delete or "
+            "replace the tables' files; give a directory only you (or your group) can write"
+        )
     try:  # a real file: permission bits alone do not say (root, read-only mounts, ACLs)
         fd, probe = tempfile.mkstemp(prefix=".recshard-probe-", dir=directory)
         os.close(fd)
@@ -102,8 +110,8 @@ def check_directory(directory: str, identities: List[StoreIdentity]) -> None:
                 )
     _check_other_shapes(directory, identities)
     needed = sum(i.bytes_needed() for i in identities)
-    stat = os.statvfs(directory)
-    free = stat.f_bavail * stat.f_frsize
+    space = os.statvfs(directory)
+    free = space.f_bavail * space.f_frsize
     if needed > free:
         raise ValueError(
             f"key_value tables {names}: need {needed} bytes in '{directory}', only {free} are free"
@@ -147,25 +155,36 @@ class RowStore:
         self.directory = directory
         self.paths = {s: os.path.join(directory, f"{identity.stem}.{s}") for s in identity.widths}
         self._fds: Dict[str, int] = {}
+        made: List[str] = []  # removed again when creation fails (no half-made shard left)
         try:
             for suffix, path in self.paths.items():
                 self._fds[suffix] = self._create(path, identity.rows * identity.widths[suffix])
+                made.append(path)
             meta = os.path.join(directory, f"{identity.stem}.json")
             fd = os.open(meta, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            made.append(meta)
             with os.fdopen(fd, "w") as f:
                 json.dump(asdict(identity), f)
         except OSError as e:
             self.close()
+            for path in made:
+                os.unlink(path)
             raise RuntimeError(
                 f"table '{identity.table}': cannot create its key_value files in '{directory}': {e}"
             ) from e
 
     def _create(self, path: str, values: int) -> int:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        # no readahead: a row read brings in its own page alone (a small folio, as `fill` makes)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        if values:
-            os.posix_fallocate(fd, 0, values * _FLOAT)
+        try:
+            # no readahead: a row read brings in its own page alone (a small folio, as `fill`
+            # makes)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            if values:
+                os.posix_fallocate(fd, 0, values * _FLOAT)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
         return fd
 
     def width(self, suffix: str) -> int:
@@ -280,11 +299,20 @@ class RowStore:
 
     def view(self, suffix: str) -> torch.Tensor:
         """The whole file as a flat fp32 tensor mapped from storage (shared: writes go to the
-        file; pages come in on access and leave with the last reference)."""
+        file; pages come in on access and leave with the last reference). Mapped through the
+        descriptor opened at creation (`/proc/self/fd`), never the path: a file put in its
+        place (a symlink to another file, a copy of another size) is not read or written."""
         values = self.identity.rows * self.width(suffix)
         if values == 0:
             return torch.empty(0)
-        return torch.from_file(self.paths[suffix], shared=True, size=values)
+        fd = self._fds[suffix]
+        size = os.fstat(fd).st_size
+        if size != values * _FLOAT:  # mapped pages past the end would fault (SIGBUS)
+            raise RuntimeError(
+                f"table '{self.identity.table}': '{self.paths[suffix]}' holds {size} bytes, "
+                f"not the {values * _FLOAT} recshard made it with (changed outside recshard)"
+            )
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=values)
 
     def close(self) -> None:
         for fd in self._fds.values():

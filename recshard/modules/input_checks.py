@@ -51,8 +51,9 @@ def check_layout(kjt: KeyedJaggedTensor, owner: str) -> None:
     """lengths, values and weights agree, so bag offsets stay inside `values` (the lookup
     kernels do not check them): a few scalar comparisons on the per-key sums the lookup
     needs anyway, one min over lengths and, for offsets the KJT already holds (given by the
-    caller, perhaps besides lengths), one `aminmax` over them. The full check (for its message
-    naming key and numbers) only when these fail. The KJT constructor accepts these, as
+    caller, perhaps besides lengths), one `aminmax` over them and one comparison of their steps
+    with the lengths. The full check (for its message naming key and numbers) only when these
+    fail. The KJT constructor accepts these, as
     TorchRec's. Skipped where the data cannot be read (`data_unreadable`)."""
     if data_unreadable(kjt):
         return
@@ -66,7 +67,10 @@ def check_layout(kjt: KeyedJaggedTensor, owner: str) -> None:
         or (
             offsets is not None
             and offsets.numel() > 0
-            and _offsets_leave_values(offsets, values.numel())
+            and (
+                _offsets_leave_values(offsets, values.numel())
+                or _offsets_disagree(offsets, kjt.lengths_or_none())
+            )
         )
     ):
         try:
@@ -78,9 +82,19 @@ def check_layout(kjt: KeyedJaggedTensor, owner: str) -> None:
 def _offsets_leave_values(offsets: torch.Tensor, num_values: int) -> bool:
     """Bag offsets not within `[0, num_values]` with both ends reached: one `aminmax`. Inside
     that range the kernels' reads stay in `values`; offsets that also decrease come with
-    negative lengths when the lengths were derived from them (checked beside this), and
-    only `validate()` compares them with lengths given separately."""
+    negative lengths when the lengths were derived from them (checked beside this), or
+    disagree with lengths given beside them (`_offsets_disagree`)."""
     return [int(end) for end in torch.aminmax(offsets)] != [0, num_values]
+
+
+def _offsets_disagree(offsets: torch.Tensor, lengths: torch.Tensor | None) -> bool:
+    """Offsets given beside lengths that they do not match (one pass over the bags): the
+    kernels read bags by offsets, MEAN divides by lengths, and other paths read bags by
+    lengths, so they would silently disagree; decreasing offsets would read outside the
+    feature's ids."""
+    if lengths is None or lengths.numel() != offsets.numel() - 1:
+        return lengths is not None
+    return bool((offsets[1:] - offsets[:-1] != lengths).any())
 
 
 def check_one_batch(kjt: KeyedJaggedTensor, owner: str) -> None:
