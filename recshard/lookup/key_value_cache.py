@@ -20,7 +20,9 @@ mid-read. Updated victims are copied under `lock` and written by a thread behind
 such thread after the one before it). A fill whose ids include a row still being written waits
 for the writes first, and a flush always does (both under `fill_lock`, so no other fill starts
 a write in between): a row written back is never read from storage before its write landed,
-and a fill that reads none of them (a forward after its prefetch) does not wait.
+and a fill that reads none of them (a forward after its prefetch) does not wait. A write that
+failed is kept and tried again before the next fill or flush, which raise its error while it
+still fails: its rows are neither lost nor read stale.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class RowCache:
         # write-backs behind the step, oldest first: each thread writes after the one before
         # it, and the rows it writes (sorted) are not cached until it is done
         self._writers: List[Tuple[threading.Thread, torch.Tensor]] = []
-        self._write_error: BaseException | None = None
+        # write-backs that failed (rows, copies), written again before any later fill or flush
+        self._failed: List[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = []
 
     @property
     def row_slot(self) -> torch.Tensor:
@@ -249,17 +252,18 @@ class RowCache:
         rows: torch.Tensor,
         blocks: Dict[str, torch.Tensor],
     ) -> None:
+        if before is not None:
+            before.join()  # files see the write-backs in the order the victims left
         try:
-            if before is not None:
-                before.join()  # files see the write-backs in the order the victims left
             self._write(rows, blocks)
-        except BaseException as e:  # noqa: BLE001 - raised by the next fill or flush
-            self._write_error = e
+        except BaseException:  # noqa: BLE001 - kept: written again (or raised) by the next wait
+            self._failed.append((rows, blocks))
 
     def _wait_for_write_back(self, ids: torch.Tensor | None = None) -> None:
         """Wait for the write-backs behind the step (with `ids`, only when one of those rows
-        is being written: it may miss and be read from the file); raise a failed one's
-        error."""
+        is being written: it may miss and be read from the file), then write again those that
+        failed; raise, keeping them, while they still fail (their rows are neither cached nor
+        current in the files: no step may read them, and none is lost)."""
         self._writers = [(w, rows) for w, rows in self._writers if w.is_alive()]
         if self._writers and (
             ids is None or any(bool(torch.isin(ids, rows).any()) for _, rows in self._writers)
@@ -267,9 +271,10 @@ class RowCache:
             for writer, _ in self._writers:
                 writer.join()
             self._writers = []
-        if self._write_error is not None:
-            error, self._write_error = self._write_error, None
-            raise error
+        while self._failed:
+            rows, blocks = self._failed[0]
+            self._write(rows, blocks)
+            self._failed.pop(0)
 
     def flush(self) -> None:
         """Write every updated row back: storage then holds the current table."""

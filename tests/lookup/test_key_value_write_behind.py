@@ -5,8 +5,8 @@ written value, never the stale one still in the file.
 Storage is made slow (each row write waits 50 ms before it lands, the rest of RowStore
 unchanged) so that a read racing the write would see the old bytes. Single caller (a step,
 and the pipeline's prefetch of the next batch on its own thread during backward): results
-equal the in-memory torch kernel's bytes. Two threads missing in one cache at once (no
-caller does this today): documented by a strict xfail (see its docstring)."""
+equal the in-memory torch kernel's bytes; so do two threads missing in one cache at once (no
+caller does this today), and steps after a failed write-back once storage works again."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_a_row_read_back_while_its_write_back_is_in_flight_is_fresh(
 
 
 class _FirstComesFirst:
-    """`cache.lock` for the race below: the thread named `late` takes it only after the
+    """`cache.fill_lock` for the race below: the thread named `late` takes it only after the
     thread named `early` has taken and released it once."""
 
     def __init__(self) -> None:
@@ -98,23 +98,18 @@ class _FirstComesFirst:
             self.early_done.set()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding (audit, for kv6): _RowCache.ensure waits for the write-back before it "
-    "takes the lock; a second thread that passed that wait reads a row the first evicted "
-    "while its write-back is still in flight, and caches the stale bytes",
-)
 def test_two_threads_missing_at_once_read_no_stale_row(slow_writes: None) -> None:
-    """Thread `late` checks for a write-back in flight (none yet), then waits for the lock;
-    thread `early` evicts updated row 0 (its write-back starts, slow) and returns; `late` then
-    misses on row 0 and reads it from the file: it must get the updated row."""
+    """Thread `late` starts its fill first but takes the cache's fill lock only after thread
+    `early` evicted updated row 0 (its write-back starts, slow) and returned; `late` then
+    misses on row 0 while that write is in flight: it must get the updated row. (A fill that
+    looked for writes in flight before taking the lock cached the stale bytes here.)"""
     with tempfile.TemporaryDirectory() as directory:
         _, kv = _kernels("exact_sgd", directory)
         cache = kv.caches[0]
         start = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([0]), torch.tensor([1]))
         kv(start).sum().backward()  # row 0 updated, cached, not yet written
         updated = cache.values["weight"][int(cache.row_slot[0])].clone()
-        cache.lock = _FirstComesFirst()
+        cache.fill_lock = _FirstComesFirst()
         fill = KeyedJaggedTensor.from_lengths_sync(
             ["f"], torch.tensor([1, 2, 3, 4]), torch.tensor([4])
         )
@@ -130,7 +125,7 @@ def test_two_threads_missing_at_once_read_no_stale_row(slow_writes: None) -> Non
         early = threading.Thread(target=run, args=(fill,), name="early")
         late = threading.Thread(target=run, args=(again,), name="late")
         late.start()
-        time.sleep(0.1)  # `late` is past the write-back wait, before the lock
+        time.sleep(0.1)  # `late` waits for the fill lock
         early.start()
         early.join()
         late.join()
@@ -138,13 +133,6 @@ def test_two_threads_missing_at_once_read_no_stale_row(slow_writes: None) -> Non
         _same_bytes(updated, cache.values["weight"][int(cache.row_slot[0])], "row 0 read back")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding (audit, for kv6): a write-back that failed behind the step is raised once, "
-    "but its rows were already marked clean and their slots reused: when storage works again "
-    "the steps go on with those rows' updates lost (neither retried nor every later step "
-    "refused; docs/key_value.md says the rows are lost, not that training may go on)",
-)
 def test_rows_of_a_failed_write_back_are_not_silently_lost() -> None:
     """Storage refuses writes for a while (a read-only descriptor, as a failing device): the
     step after the failed write-back raises. Storage then works again and training goes on:
