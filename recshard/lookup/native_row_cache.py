@@ -37,6 +37,7 @@ _LIBRARY = NativeLibrary(
     "row cache library",
     "key_value tables keep their caches' books in torch instead (slower)",
     _declare,
+    "csrc/row_cache.cpp",
 )
 
 
