@@ -3,11 +3,15 @@ checks before each foreign call, and the write-behind against a read of the row 
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from recshard.lookup import native_library, native_row_cache
 from recshard.lookup.key_value_cache import CacheOverflowError, RowCache
@@ -196,3 +200,47 @@ def test_missing_library_warns_once_and_torch_keeps_the_books(
             assert torch.equal(cache.values["w"][cache.read(ids, pin=False)], _rows(ids))
     warnings = [r for r in caplog.records if "row cache library" in r.getMessage()]
     assert len(warnings) == 1 and "in torch instead" in warnings[0].getMessage()
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(
+    capacity=st.integers(1, 12),
+    steps=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 30), max_size=10),  # a batch's ids
+            st.sampled_from(["train", "eval", "prefetch"]),
+        ),
+        max_size=25,
+    ),
+)
+def test_native_and_torch_books_agree_on_drawn_streams(capacity: int, steps: list) -> None:
+    """Drawn batches of repeated ids over 31 rows, trained (pinned until the update), read
+    without gradients or only prefetched, into caches of 1-12 slots (overflows included): the
+    same slots, errors and books from both paths after every step."""
+    with tempfile.TemporaryDirectory() as directory, pytest.MonkeyPatch.context() as patch:
+        caches = []
+        for native in (True, False):
+            os.mkdir(os.path.join(directory, str(native)))
+            caches.append(_cache(os.path.join(directory, str(native)), native, patch, capacity))
+        for ids, kind in steps:
+            ids_t = torch.tensor(ids, dtype=torch.int64)
+            results = []
+            for cache in caches:
+                try:
+                    if kind == "prefetch":
+                        cache.fill(ids_t)
+                        results.append(None)
+                    else:
+                        results.append(cache.read(ids_t, pin=kind == "train"))
+                        if kind == "train":
+                            cache.release(updated=True)
+                except CacheOverflowError as e:
+                    results.append(str(e))
+            if isinstance(results[0], torch.Tensor):
+                assert torch.equal(results[0], results[1])
+                assert torch.equal(caches[0].values["weight"][results[0]], _rows(ids_t))
+            else:
+                assert results[0] == results[1]
+            for name, value in _books(caches[0]).items():
+                assert torch.equal(value, _books(caches[1])[name]), name
