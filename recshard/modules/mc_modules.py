@@ -48,7 +48,7 @@ from recshard.modules.mc_eviction import (
     probabilistic_threshold_filter,
 )
 from recshard.modules.mc_history import IDS, SEEN_AT, History, coalesce
-from recshard.modules.mc_index import SortedIdIndex, check_rows
+from recshard.modules.mc_index import IdIndex, SortedIdIndex, check_rows
 from recshard.sparse import JaggedTensor
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
         )
         for name, view in self._history.views().items():
             self.register_buffer(name, view)
-        self._index = SortedIdIndex(dev)  # derived from the state
+        self._index: IdIndex = SortedIdIndex(dev)  # derived from the state
         self._default_rows = self._default_rows_on(dev)
         self._evicted_rows: List[torch.Tensor] = []
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -272,7 +272,7 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
         ids = ids.to(torch.int64)
         default = self._default_rows[self._local_bucket(ids)]
         self._lookup_counts[0] += ids.numel()
-        if self._index.ids.numel() == 0:
+        if len(self._index) == 0:
             return default
         hit, rows = self._index.find(ids)
         self._lookup_counts[1] += hit.sum()
@@ -284,9 +284,24 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
         return self._index.epoch
 
     def sorted_index(self) -> Tuple[torch.Tensor, torch.Tensor, int]:
-        """(ids holding rows, sorted; their local rows; a number that changes when they do)."""
+        """(ids holding rows, sorted; their local rows; a number that changes when they do):
+        from the module's own `SortedIdIndex` (not after `use_index`)."""
         self._ensure_index()
+        if not isinstance(self._index, SortedIdIndex):
+            raise TypeError(f"{self._label}: its id index is a {type(self._index).__name__}")
         return self._index.ids, self._index.rows - self._row_offset, self._index.epoch
+
+    def id_index(self) -> IdIndex:
+        """The index of the ids holding rows (derived from the state)."""
+        self._ensure_index()
+        return self._index
+
+    def use_index(self, index: IdIndex) -> None:
+        """Search the ids holding rows with `index` (empty, rebuilt here from the state): e.g.
+        `recshard.distributed.mc_native.NativeIdIndex`, a C++ hash that an eviction updates in
+        place."""
+        self._index = index
+        self._rebuild_index()
 
     def default_rows(self) -> torch.Tensor:
         """Local reserved row of each of this module's buckets `[buckets held]`."""
@@ -333,7 +348,7 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
         if passed is not None:
             unique, bucket = unique[passed], bucket[passed]
             seen = {name: v[passed] for name, v in seen.items()}
-        if self._index.ids.numel():
+        if len(self._index):
             hit, rows = self._index.find(unique)
             hit_rows = rows[hit] - self._row_offset
             for name, buffer in self.metadata().items():
