@@ -2,8 +2,9 @@
 plan (row-wise unless `--sharding` says otherwise), on 26 one-feature tables fed raw 64-bit ids
 (uniform or Zipf). Prints one JSON line per distribution (rank 0): median step ms of the plain
 EBC, of MC steps without an eviction and of MC steps with one, the overhead, the same for
-rank 0's CPU time (`*_cpu_ms`, `cpu_overhead`), the remap's share of an MC step, and the hit
-rate and evictions.
+rank 0's CPU time (`*_cpu_ms`, `cpu_overhead`), the mean step over the whole run with its
+evicting steps against the plain EBC's (`run_overhead`, `run_cpu_overhead`), the remap's share
+of an MC step, and the hit rate and evictions.
 
     python -m benchmarks.mc --world-size 2 [--rows 10000 --batch 256 --steps 20 --interval 5]
     python -m benchmarks.mc --profile mc_profile.txt   # torch.profiler table of rank 0's steps
@@ -162,6 +163,7 @@ def _measure(args: argparse.Namespace, zipf: bool) -> None:
     quiet = [t for t, e in zip(mc_ms, evicts) if not e]
     busy = [t for t, e in zip(mc_ms, evicts) if e]
     quiet_cpu = [t for t, e in zip(mc_cpu, evicts) if not e]
+    busy_cpu = [t for t, e in zip(mc_cpu, evicts) if e]
     quiet_remap = [t for t, e in zip(remap_ms, evicts) if not e]
     metrics = [m.metrics() for m in mcc.local_modules().values()]
     if args.profile and dist.get_rank() == 0:
@@ -185,6 +187,13 @@ def _measure(args: argparse.Namespace, zipf: bool) -> None:
             "plain_ebc_step_cpu_ms": round(plain_cpu_ms, 3),
             "mc_step_cpu_ms": round(median(quiet_cpu), 3) if quiet_cpu else None,
             "cpu_overhead": round(median(quiet_cpu) / plain_cpu_ms - 1, 3) if quiet_cpu else None,
+            "mc_evicting_step_cpu_ms": round(median(busy_cpu), 3) if busy_cpu else None,
+            # over the whole run (one step in `interval` evicts): mean MC step against the
+            # mean plain step, wall and CPU
+            "mc_mean_step_ms": round(statistics.mean(mc_ms), 3),
+            "run_overhead": round(statistics.mean(mc_ms) / statistics.mean(plain_wall) - 1, 3),
+            "mc_mean_step_cpu_ms": round(statistics.mean(mc_cpu), 3),
+            "run_cpu_overhead": round(statistics.mean(mc_cpu) / statistics.mean(plain_cpu) - 1, 3),
             "remap_share_of_mc_step": round(median(quiet_remap) / median(quiet), 3)
             if quiet
             else None,

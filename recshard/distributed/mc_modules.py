@@ -171,7 +171,7 @@ class ShardedManagedCollisionCollection(nn.Module):
         self._remapper: FusedRemap | mc_native.NativeFusedRemap
         if self._native:  # each module's ids in a C++ hash, read by one C++ remap call
             for module in modules_list:
-                module.use_index(mc_native.NativeIdIndex())
+                module.use_kernels(mc_native.NativeIdIndex(), mc_native.native_contest)
             self._remapper = mc_native.NativeFusedRemap(modules_list)
         else:
             self._remapper = FusedRemap(modules_list, device)

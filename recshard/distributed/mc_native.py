@@ -1,14 +1,15 @@
 """Managed collision's per-batch work in C++ (`csrc/mc_index.cpp`, through ctypes): each
-table's id index, a whole batch's remap over every table in one call, the id range check and
-the routing of raw ids to their owners (a counting sort, not a stable argsort).
+table's id index, a whole batch's remap over every table in one call, the id range check, the
+routing of raw ids to their owners (a counting sort, not a stable argsort), and an eviction's
+bucket contest.
 
 `NativeIdIndex` is an open-addressing hash of the ids holding a module's rows (at most half
-full; an eviction erases and inserts the ids that changed instead of rebuilding), given to
-each module of a `ShardedManagedCollisionCollection` on CPU (`MCHManagedCollisionModule.
-use_index`); `NativeFusedRemap` reads those indexes directly, so nothing is rebuilt after an
-eviction. Without the library (one warning), off the CPU, or with `RECSHARD_NATIVE_MC=0`
-(`enabled`), the collection keeps the modules' sorted indexes and
-`recshard.modules.mc_fused.FusedRemap`.
+full; an eviction erases and inserts the ids that changed instead of rebuilding); it and
+`native_contest` are given to each module of a `ShardedManagedCollisionCollection` on CPU
+(`MCHManagedCollisionModule.use_kernels`); `NativeFusedRemap` reads the modules' indexes
+directly, so nothing is rebuilt after an eviction. Without the library (one warning), off the
+CPU, or with `RECSHARD_NATIVE_MC=0` (`enabled`), the collection keeps the modules' sorted
+indexes, the torch contest and `recshard.modules.mc_fused.FusedRemap`.
 
 Every tensor the C++ side reads or writes is checked here (int64, 1-D, contiguous, on the CPU,
 its length), and the C++ side checks every index it derives before using it.
@@ -47,6 +48,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "rs_mc_replace": [_i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr],
         "rs_mc_find": [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr],
         "rs_mc_remap": [_i64, _ptr, _ptr, _i64, _ptr, _i64] + [_ptr] * 8 + [_i64, _ptr, _ptr, _ptr],
+        "rs_mc_contest": [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr],
         "rs_mc_check_ids": [_i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr],
         "rs_mc_route": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64]
         + [_ptr] * 3,
@@ -176,6 +178,31 @@ class NativeIdIndex:
         )
         _check(code, "index find")
         return found, rows
+
+
+def native_contest(
+    row_scores: torch.Tensor, held: torch.Tensor, new_scores: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`recshard.modules.mc_compete.rank_contest` in C++ (the same pairs): a selection of the
+    rows that can lose and a merge, no sort of the bucket."""
+    slots, news = held.numel(), new_scores.numel()
+    row_scores, held = row_scores.contiguous(), held.contiguous()
+    new_scores = new_scores.contiguous()
+    lose = torch.empty(min(slots, news), dtype=torch.int64)
+    win = torch.empty(min(slots, news), dtype=torch.int64)
+    pairs = _i64(0)
+    code = _library().rs_mc_contest(
+        slots,
+        _vector("row scores", row_scores, slots, torch.float64),
+        _vector("held ids", held),
+        news,
+        _vector("new ids' scores", new_scores, news, torch.float64),
+        lose.data_ptr(),
+        win.data_ptr(),
+        ctypes.byref(pairs),
+    )
+    _check(code, "contest")
+    return lose[: pairs.value], win[: pairs.value]
 
 
 def _int64(values: Sequence[int]) -> torch.Tensor:

@@ -33,7 +33,7 @@ from recshard.modules.mc_base import (
     with_values,
 )
 from recshard.modules.mc_collection import ManagedCollisionCollection
-from recshard.modules.mc_compete import bucket_contest, threshold_passed
+from recshard.modules.mc_compete import Contest, bucket_contest, rank_contest, threshold_passed
 from recshard.modules.mc_entry_state import MCHEntryState
 from recshard.modules.mc_eviction import (
     COUNTS,
@@ -143,6 +143,7 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
         for name, view in self._history.views().items():
             self.register_buffer(name, view)
         self._index: IdIndex = SortedIdIndex(dev)  # derived from the state
+        self._ranking: Contest = rank_contest
         self._default_rows = self._default_rows_on(dev)
         self._evicted_rows: List[torch.Tensor] = []
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -173,7 +174,7 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
                 torch.zeros_like(counts, device=device) if counts.is_meta else counts.to(device)
             )
             self._evicted_rows = [r.to(device) for r in self._evicted_rows]
-            self._index = SortedIdIndex(device)
+            self._index, self._ranking = SortedIdIndex(device), rank_contest
             self._index_version = -1  # `_ensure_index` rebuilds it
         return self
 
@@ -285,7 +286,7 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
 
     def sorted_index(self) -> Tuple[torch.Tensor, torch.Tensor, int]:
         """(ids holding rows, sorted; their local rows; a number that changes when they do):
-        from the module's own `SortedIdIndex` (not after `use_index`)."""
+        from the module's own `SortedIdIndex` (not after `use_kernels`)."""
         self._ensure_index()
         if not isinstance(self._index, SortedIdIndex):
             raise TypeError(f"{self._label}: its id index is a {type(self._index).__name__}")
@@ -296,11 +297,12 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
         self._ensure_index()
         return self._index
 
-    def use_index(self, index: IdIndex) -> None:
-        """Search the ids holding rows with `index` (empty, rebuilt here from the state): e.g.
-        `recshard.distributed.mc_native.NativeIdIndex`, a C++ hash that an eviction updates in
-        place."""
-        self._index = index
+    def use_kernels(self, index: IdIndex, ranking: Contest) -> None:
+        """Search the ids holding rows with `index` (empty, rebuilt here from the state) and
+        rank bucket contests with `ranking` (same results as `rank_contest`): the C++ ones of
+        `recshard.distributed.mc_native` on CPU. A move to another device restores the torch
+        ones."""
+        self._index, self._ranking = index, ranking
         self._rebuild_index()
 
     def default_rows(self) -> torch.Tensor:
@@ -381,7 +383,7 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
         meta = {n: b[start : start + slots] for n, b in self.metadata().items()}
         held = self._mch_raw_ids[start : start + slots]
         lost, won, won_meta = bucket_contest(
-            self._eviction_policy, current_iter, held, meta, ids, seen, self._label
+            self._eviction_policy, current_iter, held, meta, ids, seen, self._label, self._ranking
         )
         self._counters["admitted"] += lost.numel()
         self._counters["evicted"] += int((held[lost] != FREE).sum())

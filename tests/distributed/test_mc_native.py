@@ -14,6 +14,7 @@ from multiprocess import run_ranks
 from recshard.distributed import mc_native
 from recshard.distributed.mc_modules import route_to_owners
 from recshard.modules.mc_base import FREE
+from recshard.modules.mc_compete import rank_contest
 from recshard.modules.mc_fused import FusedRemap
 from recshard.modules.mc_modules import LFU_EvictionPolicy, MCHManagedCollisionModule
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor
@@ -70,7 +71,7 @@ def test_native_index_refuses_what_would_break_it() -> None:
 def _filled(zch: int, buckets: int, ids: torch.Tensor, native: bool) -> MCHManagedCollisionModule:
     module = MCHManagedCollisionModule(zch, "cpu", LFU_EvictionPolicy(), 1, 2**62, buckets=buckets)
     if native:
-        module.use_index(mc_native.NativeIdIndex())
+        module.use_kernels(mc_native.NativeIdIndex(), mc_native.native_contest)
     module({"f": JaggedTensor(ids, lengths=torch.tensor([ids.numel()]))})
     module.evict()
     return module
@@ -111,7 +112,7 @@ def test_native_remap_matches_fused_remap() -> None:
 def test_native_remap_refuses_ids_outside_its_buckets() -> None:
     module = _filled(20, 4, torch.arange(40), True)
     part = module.rebuild_with_bucket_range(1, 3)
-    part.use_index(mc_native.NativeIdIndex())
+    part.use_kernels(mc_native.NativeIdIndex(), mc_native.native_contest)
     remap = mc_native.NativeFusedRemap([part])
     remap.remap(torch.tensor([1, 2, 5]), torch.tensor([0]), torch.tensor([3]))
     with pytest.raises(RuntimeError, match="not holding its bucket"):
@@ -179,3 +180,19 @@ def _paths(rank: int, ws: int) -> bool:
 def test_the_sharded_collection_remaps_in_cpp_unless_told(setting: str) -> None:
     env = {mc_native.ENV: setting} if setting else {}
     assert run_ranks(1, _paths, env=env) == [setting != "0"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_native_contest_matches_rank_contest(seed: int) -> None:
+    """Buckets with free rows, tied scores among rows and new ids, more or fewer new ids than
+    rows: the same rows change hands to the same ids, in the same pairs."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = int(torch.randint(1, 30, (1,), generator=gen))
+    news = int(torch.randint(0, 40, (1,), generator=gen))
+    held = torch.randperm(100, generator=gen)[:slots]
+    held[torch.rand(slots, generator=gen) < 0.3] = FREE
+    row_scores = torch.randint(0, 4, (slots,), generator=gen).double()
+    new_scores = torch.randint(0, 5, (news,), generator=gen).double()
+    lose, win = mc_native.native_contest(row_scores, held, new_scores)
+    want_lose, want_win = rank_contest(row_scores, held, new_scores)
+    assert lose.tolist() == want_lose.tolist() and win.tolist() == want_win.tolist()

@@ -9,7 +9,9 @@
 // and every index into one is checked here; Python checks dtypes, devices and lengths first.
 // Return codes: 0 ok, then the ERR_* below (mc_native.py turns them into errors).
 
+#include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -166,6 +168,52 @@ extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
     counts[2 * t] += segment_lengths[s];
     counts[2 * t + 1] += hits;
   }
+  return 0;
+}
+
+// One bucket's eviction contest (recshard/modules/mc_compete.py's rank_contest, same result):
+// its `slots` rows (`held[r]`: the id holding row r, INT64_MAX if free; `row_scores[r]`) and
+// `news` new ids (`new_scores`, in entry order) are ranked by score, highest first, ties by
+// entry order: rows by (held id, row), then the new ids. Of the k = min(news, slots) lowest
+// ranked rows (selected, not a sort of the bucket) and the new ids, the first k keep or get a
+// row. Writes the rows that lose theirs (`lose`) and the new ids that get them (`win`, positions
+// in the new ids), paired in rank order, and their count (`pairs`).
+extern "C" int rs_mc_contest(int64_t slots, const double* row_scores, const int64_t* held,
+                             int64_t news, const double* new_scores, int64_t* lose, int64_t* win,
+                             int64_t* pairs) {
+  if (slots < 0 || news < 0) return ERR_ARGUMENT;
+  *pairs = 0;
+  const int64_t k = std::min(news, slots);
+  if (k == 0) return 0;
+  // rows: a ranks before b (a total order: held ids are distinct, rows break ties among free)
+  auto row_before = [&](int64_t a, int64_t b) {
+    if (row_scores[a] != row_scores[b]) return row_scores[a] > row_scores[b];
+    if (held[a] != held[b]) return held[a] < held[b];
+    return a < b;
+  };
+  std::vector<int64_t> rows(slots);
+  std::iota(rows.begin(), rows.end(), 0);
+  if (k < slots) std::nth_element(rows.begin(), rows.begin() + (slots - k), rows.end(), row_before);
+  std::vector<int64_t> candidates(rows.end() - k, rows.end());
+  std::sort(candidates.begin(), candidates.end(), row_before);
+  std::vector<int64_t> order(news);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return new_scores[a] > new_scores[b]; });
+  // merge, a candidate first on equal scores; count the new ids among the first k
+  int64_t taken_rows = 0, taken_new = 0;
+  while (taken_rows + taken_new < k) {
+    if (taken_new < news &&
+        (taken_rows == k || new_scores[order[taken_new]] > row_scores[candidates[taken_rows]]))
+      ++taken_new;
+    else
+      ++taken_rows;
+  }
+  for (int64_t i = 0; i < taken_new; ++i) {
+    lose[i] = candidates[taken_rows + i];
+    win[i] = order[i];
+  }
+  *pairs = taken_new;
   return 0;
 }
 
