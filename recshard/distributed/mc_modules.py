@@ -214,7 +214,7 @@ class ShardedManagedCollisionCollection(nn.Module):
     def _ids_in_range(self, ids: torch.Tensor, per_key: List[int]) -> bool:
         """Whether every id `[N]` of the checked features lies in its table's input range."""
         if self._native:
-            lengths = torch.tensor(per_key, dtype=torch.int64)
+            lengths = torch.tensor(per_key, dtype=torch.int64, device="cpu")
             return mc_native.ids_in_range(ids, self._checked_tables, lengths, self._hash_sizes)
         tables = self._tables_of_ids(self._checked_features, per_key)
         sizes = self._hash_sizes.index_select(0, tables)
@@ -244,7 +244,7 @@ class ShardedManagedCollisionCollection(nn.Module):
         """Local row `[N]` of each id routed here (the values of one received KJT)."""
         keys, per_key = kjt.keys(), kjt.length_per_key()
         if isinstance(self._remapper, mc_native.NativeFusedRemap):
-            lengths = torch.tensor(per_key, dtype=torch.int64)
+            lengths = torch.tensor(per_key, dtype=torch.int64, device="cpu")
             return self._remapper.remap(kjt.values(), self._tables_of_keys(keys), lengths)
         return self._remapper.remap(kjt.values(), self._tables_of_ids(keys, per_key))
 
