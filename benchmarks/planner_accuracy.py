@@ -4,6 +4,7 @@
     python -m benchmarks.planner_accuracy --quick       # tiny sizes (smoke test)
     python -m benchmarks.planner_accuracy --dims 128 --profile p.json   # a part, a saved profile
     python -m benchmarks.planner_accuracy --workloads d64_zipf_b2048,d16_uniform_b512
+    python -m benchmarks.planner_accuracy --no-calibration   # built-in costs (out of the box)
     python -m benchmarks.planner_accuracy --link 1gbit \\
         --local-world-size 1 --link-check fast_profile.json   # item 4 on 1-rank hosts
                                                               # (2 x 2 ranks: planner_link)
@@ -15,7 +16,10 @@ and every run's ranks are still fresh processes, each started by its launched ra
 rank's host (`benchmarks.ranks.launched_fresh_ranks`); rank 0 prints.
 
 First a calibration profile is measured on the same ranks (as `calibrate_job`: kernels, links
-among the ranks, a sharded module's step overhead per sharding type), or read with `--profile`.
+among the ranks, a sharded module's step overhead per sharding type), or read with `--profile`;
+`--no-calibration` plans and estimates with the planner's built-in costs instead, as a user who
+never ran `recshard-plan calibrate` gets (the planner-vs-fastest check is what matters there:
+the built-in costs are bytes at nominal bandwidths, not this machine's times).
 Workloads: the 26 Criteo-like tables of `benchmarks.ebc` (Kaggle sizes capped at `--row-cap` rows),
 one feature each with a fixed pooling factor 1-20 (seed 0), at dims 16, 64 and 128, uniform or
 Zipf(1.05) ids, per-rank batch 512 and 2048. Each table's `CacheParams.stats`
@@ -168,7 +172,7 @@ def rank_measure(
 
 def plans_for(
     w: Workload,
-    profile: CalibrationProfile,
+    profile: CalibrationProfile | None,
     args: argparse.Namespace,
     link_check: CalibrationProfile | None,
 ) -> List[Tuple[str, ShardingPlan]]:
@@ -215,7 +219,7 @@ def plans_for(
     return out
 
 
-def _topology(profile: CalibrationProfile, args: argparse.Namespace) -> Topology:
+def _topology(profile: CalibrationProfile | None, args: argparse.Namespace) -> Topology:
     return Topology(args.world_size, local_world_size=args.local_world_size, profile=profile)
 
 
@@ -233,7 +237,7 @@ def _median_slowest(per_rank: List[Dict[str, Any]], key: str) -> float:
 
 def run_workload(
     w: Workload,
-    profile: CalibrationProfile,
+    profile: CalibrationProfile | None,
     args: argparse.Namespace,
     link_check: CalibrationProfile | None,
     ranks: Callable[..., List[Any]] = run_ranks,
@@ -382,6 +386,11 @@ def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", default=None, help="use this profile, do not calibrate")
     parser.add_argument("--save-profile", default=None, help="write the calibration here")
     parser.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="plan and estimate with the planner's built-in costs (no profile)",
+    )
+    parser.add_argument(
         "--link-check",
         default=None,
         metavar="PROFILE",
@@ -391,6 +400,8 @@ def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     add_link_argument(parser)
     args = parser.parse_args(argv)
+    if args.no_calibration and (args.profile or args.save_profile):
+        parser.error("--no-calibration plans without a profile: drop --profile / --save-profile")
     args.local_world_size = args.local_world_size or args.world_size
     args.dims = args.dims or ("16" if args.quick else "16,64,128")
     args.batches_per_rank = args.batches_per_rank or ("64" if args.quick else "512,2048")
@@ -417,18 +428,24 @@ def cli(argv: List[str] | None = None) -> None:
 
 
 def run(args: argparse.Namespace, ranks: Callable[..., List[Any]]) -> None:
-    """Calibrate (or load the profile), then every workload's plans, each in fresh rank
-    processes started by `ranks` (`run_ranks` here, `launched_fresh_ranks` under torchrun)."""
+    """Calibrate (or load the profile, or neither: `--no-calibration`), then every workload's
+    plans, each in fresh rank processes started by `ranks` (`run_ranks` here,
+    `launched_fresh_ranks` under torchrun)."""
     start = time.perf_counter()
+    profile: CalibrationProfile | None = None
     if args.profile:
         profile = CalibrationProfile.load(args.profile)
-    else:
+    elif not args.no_calibration:
         profile = CalibrationProfile.from_dict(
             ranks(
                 args.world_size, args, rank_calibrate, args, local_world_size=args.local_world_size
             )[0]
         )
-    if args.save_profile and (not dist.is_initialized() or dist.get_rank() == 0):
+    if (
+        profile is not None
+        and args.save_profile
+        and (not dist.is_initialized() or dist.get_rank() == 0)
+    ):
         profile.save(args.save_profile)
     link_check = CalibrationProfile.load(args.link_check) if args.link_check else None
     emit(
@@ -439,10 +456,10 @@ def run(args: argparse.Namespace, ranks: Callable[..., List[Any]]) -> None:
             threads=args.threads,
             row_cap=args.row_cap,
             steps=args.steps,
-            calibration_s=round(profile.seconds, 1),
+            calibration_s=None if profile is None else round(profile.seconds, 1),
             links={
                 f"{c.collective}/{c.level}": [round(c.gbps, 3), round(c.latency_ms, 4)]
-                for c in profile.links
+                for c in (profile.links if profile is not None else [])
             },
         )
     )
