@@ -5,6 +5,7 @@
     python -m benchmarks.planner_accuracy --dims 128 --profile p.json   # a part, a saved profile
     python -m benchmarks.planner_accuracy --workloads d64_zipf_b2048,d16_uniform_b512
     python -m benchmarks.planner_accuracy --no-calibration   # built-in costs (out of the box)
+    python -m benchmarks.planner_accuracy --forced table_wise,column_wise --repeats 6  # a subset
     python -m benchmarks.planner_accuracy --link 1gbit \\
         --local-world-size 1 --link-check fast_profile.json   # item 4 on 1-rank hosts
                                                               # (2 x 2 ranks: planner_link)
@@ -27,7 +28,8 @@ Zipf(1.05) ids, per-rank batch 512 and 2048. Each table's `CacheParams.stats`
 global batches of the workload's own id generator) goes to the planner and to every forced plan's
 estimate, as TorchRec users pass what they measured on their data (`--stats-samples 0`: no stats,
 ids priced as uniform). Plans: each sharding type forced on every table (fused kernel;
-data-parallel: dense), placed by the planner, and the planner's own plan (`"plan":
+data-parallel: dense; `--forced`: only these types, the fastest forced plan then among them),
+placed by the planner, and the planner's own plan (`"plan":
 "planner"`); with `--link-check P`, also the planner's plan under profile P's costs.
 Each plan runs in fresh rank processes: `--warmup` steps, then `--steps` timed steps of
 forward + backward + update (exact SGD); `measured_ms` is the median over steps of the slowest
@@ -180,7 +182,7 @@ def plans_for(
     topology = _topology(profile, args)
     cache = sampled_cache_params(w, args) if args.stats_samples else {}
     out = []
-    for st in FORCED:
+    for st in args.forced:
         kernel = ["dense"] if st == "data_parallel" else ["fused"]
         forced = {
             t.name: ParameterConstraints(
@@ -343,6 +345,16 @@ def summarize(records: List[Dict[str, Any]], workloads: List[Workload]) -> Dict[
     )
 
 
+def _forced_types(text: str) -> List[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FORCED]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown sharding type(s) {unknown or text!r}; choose from {', '.join(FORCED)}"
+        )
+    return names
+
+
 def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dims", default=None, help="16,64,128 (quick: 16)")
@@ -385,6 +397,12 @@ def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calibration-budget", type=float, default=35.0)
     parser.add_argument("--profile", default=None, help="use this profile, do not calibrate")
     parser.add_argument("--save-profile", default=None, help="write the calibration here")
+    parser.add_argument(
+        "--forced",
+        type=_forced_types,
+        default=list(FORCED),
+        help=f"the forced plans to run beside the planner's, default all: {','.join(FORCED)}",
+    )
     parser.add_argument(
         "--no-calibration",
         action="store_true",
