@@ -1,11 +1,13 @@
-"""Builds recshard's C++ libraries at install: the CPU embedding kernel (csrc/cpu_tbe.cpp) and
+"""Builds recshard's C++ libraries at install: the CPU embedding kernel (csrc/cpu_tbe.cpp),
 the key_value tables' row I/O (csrc/row_io.cpp) and their row cache's bookkeeping
-(csrc/row_cache.cpp).
+(csrc/row_cache.cpp), managed collision's id index, remap and routing
+(recshard/distributed/csrc/mc_index.cpp).
 
 Plain C++ with no torch headers (seconds to compile); the metadata is in pyproject.toml.
-Both are optional: `recshard.lookup.native_tbe` falls back to fbgemm and
-`recshard.lookup.native_row_io` to Python's os.pread/os.pwrite and
-`recshard.lookup.native_row_cache` to torch if a build is missing.
+All are optional: `recshard.lookup.native_tbe` falls back to fbgemm,
+`recshard.lookup.native_row_io` to Python's os.pread/os.pwrite,
+`recshard.lookup.native_row_cache` and `recshard.distributed.mc_native` to torch ops if a
+build is missing.
 """
 
 from setuptools import Extension, setup
@@ -32,6 +34,13 @@ setup(
             extra_compile_args=["-O2", "-std=c++17"],
             language="c++",
             optional=True,  # without it, the cache's bookkeeping runs in torch
+        ),
+        Extension(
+            "recshard.distributed._mc_index",
+            sources=["recshard/distributed/csrc/mc_index.cpp"],
+            extra_compile_args=["-O3", "-std=c++17"],
+            language="c++",
+            optional=True,  # without it, managed collision remaps with torch ops
         ),
     ]
 )

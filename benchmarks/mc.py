@@ -2,11 +2,13 @@
 plan (row-wise unless `--sharding` says otherwise), on 26 one-feature tables fed raw 64-bit ids
 (uniform or Zipf). Prints one JSON line per distribution (rank 0): median step ms of the plain
 EBC, of MC steps without an eviction and of MC steps with one, the overhead, the same for
-rank 0's CPU time (`*_cpu_ms`, `cpu_overhead`), the remap's share of an MC step, and the hit
-rate and evictions.
+rank 0's CPU time (`*_cpu_ms`, `cpu_overhead`), the mean step over the whole run with its
+evicting steps against the plain EBC's (`run_overhead`, `run_cpu_overhead`), the remap's share
+of an MC step, and the hit rate and evictions.
 
     python -m benchmarks.mc --world-size 2 [--rows 10000 --batch 256 --steps 20 --interval 5]
     python -m benchmarks.mc --profile mc_profile.txt   # torch.profiler table of rank 0's steps
+    python -m benchmarks.mc --venv /tmp/torchrec-venv  # then TorchRec's MC-EBC, same workload
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import time
+from pathlib import Path
 from typing import Any, Callable, List, Tuple
 
-import torch
 import torch.distributed as dist
 
 from benchmarks.launch import run_on_ranks
+from benchmarks.mc_workload import DIM, LEARNING_RATE, TABLES, WARMUP, batches, step_kinds
 from recshard.distributed import DistributedModelParallel
 from recshard.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from recshard.distributed.mc_embedding_modules import (
@@ -44,24 +48,15 @@ from recshard.modules.mc_modules import (
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import ShardingPlan
 
-TABLES, DIM, POOLING, WARMUP = 26, 64, 4, 3
-FUSED = {"optimizer": "exact_sgd", "learning_rate": 0.01}
-
-
-def _raw_ids(gen: torch.Generator, n: int, zipf: bool) -> torch.Tensor:
-    if not zipf:
-        return torch.randint(0, 2**62, (n,), generator=gen)
-    rank = torch.rand(n, generator=gen).mul(-torch.log(torch.tensor(1e6))).exp()  # ~1/x
-    return (1.0 / rank).long() * 2_654_435_761 % (2**62)
+FUSED = {"optimizer": "exact_sgd", "learning_rate": LEARNING_RATE}
+TORCHREC_SIDE = Path(__file__).with_name("torchrec_mc.py.txt")
 
 
 def _batches(args: argparse.Namespace, zipf: bool) -> List[KeyedJaggedTensor]:
-    gen = torch.Generator().manual_seed(dist.get_rank())
     keys = [f"f{t}" for t in range(TABLES)]
-    lengths = torch.full((TABLES * args.batch,), POOLING)
     return [
-        KeyedJaggedTensor.from_lengths_sync(keys, _raw_ids(gen, int(lengths.sum()), zipf), lengths)
-        for _ in range(args.steps + WARMUP)
+        KeyedJaggedTensor.from_lengths_sync(keys, ids, lengths)
+        for ids, lengths in batches(dist.get_rank(), args.batch, args.steps, zipf)
     ]
 
 
@@ -157,11 +152,11 @@ def _measure(args: argparse.Namespace, zipf: bool) -> None:
     mcc, remap_ms = _timed_remap(model)
     mc_ms, mc_cpu = _time(lambda kjt: model(kjt)[0].values().sum().backward(), batches)
     remap_ms = remap_ms[WARMUP:]
-    # iteration k (1-based) evicts when k % interval == 0; timed steps are WARMUP+1 ...
-    evicts = [(WARMUP + 1 + s) % args.interval == 0 for s in range(len(mc_ms))]
+    evicts = step_kinds(len(mc_ms), args.interval)
     quiet = [t for t, e in zip(mc_ms, evicts) if not e]
     busy = [t for t, e in zip(mc_ms, evicts) if e]
     quiet_cpu = [t for t, e in zip(mc_cpu, evicts) if not e]
+    busy_cpu = [t for t, e in zip(mc_cpu, evicts) if e]
     quiet_remap = [t for t, e in zip(remap_ms, evicts) if not e]
     metrics = [m.metrics() for m in mcc.local_modules().values()]
     if args.profile and dist.get_rank() == 0:
@@ -185,6 +180,13 @@ def _measure(args: argparse.Namespace, zipf: bool) -> None:
             "plain_ebc_step_cpu_ms": round(plain_cpu_ms, 3),
             "mc_step_cpu_ms": round(median(quiet_cpu), 3) if quiet_cpu else None,
             "cpu_overhead": round(median(quiet_cpu) / plain_cpu_ms - 1, 3) if quiet_cpu else None,
+            "mc_evicting_step_cpu_ms": round(median(busy_cpu), 3) if busy_cpu else None,
+            # over the whole run (one step in `interval` evicts): mean MC step against the
+            # mean plain step, wall and CPU
+            "mc_mean_step_ms": round(statistics.mean(mc_ms), 3),
+            "run_overhead": round(statistics.mean(mc_ms) / statistics.mean(plain_wall) - 1, 3),
+            "mc_mean_step_cpu_ms": round(statistics.mean(mc_cpu), 3),
+            "run_cpu_overhead": round(statistics.mean(mc_cpu) / statistics.mean(plain_cpu) - 1, 3),
             "remap_share_of_mc_step": round(median(quiet_remap) / median(quiet), 3)
             if quiet
             else None,
@@ -212,6 +214,20 @@ def main(args: argparse.Namespace) -> None:
         _measure(args, zipf)
 
 
+def torchrec_side(args: argparse.Namespace) -> None:
+    """TorchRec's MC-EBC on the same workload (`torchrec_mc.py.txt` with the venv's python,
+    after recshard's ranks have exited): its JSON lines, as printed."""
+    command = [f"{args.venv}/bin/python", str(TORCHREC_SIDE), "--world-size"]
+    command += [str(args.world_size), "--rows", str(args.rows), "--batch", str(args.batch)]
+    command += ["--steps", str(args.steps), "--interval", str(args.interval)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    lines = [ln[len("RESULT ") :] for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"TorchRec's side failed ({done.returncode}): {done.stderr[-2000:]}")
+    for line in lines:
+        print(line, flush=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--world-size", type=int, default=2)
@@ -225,7 +241,14 @@ if __name__ == "__main__":
         choices=["row_wise", "table_wise", "table_row_wise", "column_wise"],
     )
     parser.add_argument("--profile", default="", help="(with --world-size 1) profiler table file")
+    parser.add_argument(
+        "--venv", default="", help="a TorchRec venv: also time TorchRec's MC-EBC (row-wise)"
+    )
     parsed = parser.parse_args()
     if parsed.profile and parsed.world_size != 1:
         parser.error("--profile runs on rank 0 alone: use it with --world-size 1")
+    if parsed.venv and parsed.sharding != "row_wise":
+        parser.error("--venv compares row-wise plans only (TorchRec shards MC row-wise)")
     run_on_ranks(main, parsed, parsed.world_size)
+    if parsed.venv:
+        torchrec_side(parsed)

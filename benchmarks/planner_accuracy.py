@@ -4,6 +4,8 @@
     python -m benchmarks.planner_accuracy --quick       # tiny sizes (smoke test)
     python -m benchmarks.planner_accuracy --dims 128 --profile p.json   # a part, a saved profile
     python -m benchmarks.planner_accuracy --workloads d64_zipf_b2048,d16_uniform_b512
+    python -m benchmarks.planner_accuracy --no-calibration   # built-in costs (out of the box)
+    python -m benchmarks.planner_accuracy --forced table_wise,column_wise --repeats 6  # a subset
     python -m benchmarks.planner_accuracy --link 1gbit \\
         --local-world-size 1 --link-check fast_profile.json   # item 4 on 1-rank hosts
                                                               # (2 x 2 ranks: planner_link)
@@ -15,7 +17,10 @@ and every run's ranks are still fresh processes, each started by its launched ra
 rank's host (`benchmarks.ranks.launched_fresh_ranks`); rank 0 prints.
 
 First a calibration profile is measured on the same ranks (as `calibrate_job`: kernels, links
-among the ranks, a sharded module's step overhead per sharding type), or read with `--profile`.
+among the ranks, a sharded module's step overhead per sharding type), or read with `--profile`;
+`--no-calibration` plans and estimates with the planner's built-in costs instead, as a user who
+never ran `recshard-plan calibrate` gets (the planner-vs-fastest check is what matters there:
+the built-in costs are bytes at nominal bandwidths, not this machine's times).
 Workloads: the 26 Criteo-like tables of `benchmarks.ebc` (Kaggle sizes capped at `--row-cap` rows),
 one feature each with a fixed pooling factor 1-20 (seed 0), at dims 16, 64 and 128, uniform or
 Zipf(1.05) ids, per-rank batch 512 and 2048. Each table's `CacheParams.stats`
@@ -23,7 +28,8 @@ Zipf(1.05) ids, per-rank batch 512 and 2048. Each table's `CacheParams.stats`
 global batches of the workload's own id generator) goes to the planner and to every forced plan's
 estimate, as TorchRec users pass what they measured on their data (`--stats-samples 0`: no stats,
 ids priced as uniform). Plans: each sharding type forced on every table (fused kernel;
-data-parallel: dense), placed by the planner, and the planner's own plan (`"plan":
+data-parallel: dense; `--forced`: only these types, the fastest forced plan then among them),
+placed by the planner, and the planner's own plan (`"plan":
 "planner"`); with `--link-check P`, also the planner's plan under profile P's costs.
 Each plan runs in fresh rank processes: `--warmup` steps, then `--steps` timed steps of
 forward + backward + update (exact SGD); `measured_ms` is the median over steps of the slowest
@@ -168,7 +174,7 @@ def rank_measure(
 
 def plans_for(
     w: Workload,
-    profile: CalibrationProfile,
+    profile: CalibrationProfile | None,
     args: argparse.Namespace,
     link_check: CalibrationProfile | None,
 ) -> List[Tuple[str, ShardingPlan]]:
@@ -176,7 +182,7 @@ def plans_for(
     topology = _topology(profile, args)
     cache = sampled_cache_params(w, args) if args.stats_samples else {}
     out = []
-    for st in FORCED:
+    for st in args.forced:
         kernel = ["dense"] if st == "data_parallel" else ["fused"]
         forced = {
             t.name: ParameterConstraints(
@@ -215,7 +221,7 @@ def plans_for(
     return out
 
 
-def _topology(profile: CalibrationProfile, args: argparse.Namespace) -> Topology:
+def _topology(profile: CalibrationProfile | None, args: argparse.Namespace) -> Topology:
     return Topology(args.world_size, local_world_size=args.local_world_size, profile=profile)
 
 
@@ -233,7 +239,7 @@ def _median_slowest(per_rank: List[Dict[str, Any]], key: str) -> float:
 
 def run_workload(
     w: Workload,
-    profile: CalibrationProfile,
+    profile: CalibrationProfile | None,
     args: argparse.Namespace,
     link_check: CalibrationProfile | None,
     ranks: Callable[..., List[Any]] = run_ranks,
@@ -339,6 +345,16 @@ def summarize(records: List[Dict[str, Any]], workloads: List[Workload]) -> Dict[
     )
 
 
+def _forced_types(text: str) -> List[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FORCED]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown sharding type(s) {unknown or text!r}; choose from {', '.join(FORCED)}"
+        )
+    return names
+
+
 def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dims", default=None, help="16,64,128 (quick: 16)")
@@ -382,6 +398,17 @@ def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", default=None, help="use this profile, do not calibrate")
     parser.add_argument("--save-profile", default=None, help="write the calibration here")
     parser.add_argument(
+        "--forced",
+        type=_forced_types,
+        default=list(FORCED),
+        help=f"the forced plans to run beside the planner's, default all: {','.join(FORCED)}",
+    )
+    parser.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="plan and estimate with the planner's built-in costs (no profile)",
+    )
+    parser.add_argument(
         "--link-check",
         default=None,
         metavar="PROFILE",
@@ -391,6 +418,8 @@ def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     add_link_argument(parser)
     args = parser.parse_args(argv)
+    if args.no_calibration and (args.profile or args.save_profile):
+        parser.error("--no-calibration plans without a profile: drop --profile / --save-profile")
     args.local_world_size = args.local_world_size or args.world_size
     args.dims = args.dims or ("16" if args.quick else "16,64,128")
     args.batches_per_rank = args.batches_per_rank or ("64" if args.quick else "512,2048")
@@ -417,18 +446,24 @@ def cli(argv: List[str] | None = None) -> None:
 
 
 def run(args: argparse.Namespace, ranks: Callable[..., List[Any]]) -> None:
-    """Calibrate (or load the profile), then every workload's plans, each in fresh rank
-    processes started by `ranks` (`run_ranks` here, `launched_fresh_ranks` under torchrun)."""
+    """Calibrate (or load the profile, or neither: `--no-calibration`), then every workload's
+    plans, each in fresh rank processes started by `ranks` (`run_ranks` here,
+    `launched_fresh_ranks` under torchrun)."""
     start = time.perf_counter()
+    profile: CalibrationProfile | None = None
     if args.profile:
         profile = CalibrationProfile.load(args.profile)
-    else:
+    elif not args.no_calibration:
         profile = CalibrationProfile.from_dict(
             ranks(
                 args.world_size, args, rank_calibrate, args, local_world_size=args.local_world_size
             )[0]
         )
-    if args.save_profile and (not dist.is_initialized() or dist.get_rank() == 0):
+    if (
+        profile is not None
+        and args.save_profile
+        and (not dist.is_initialized() or dist.get_rank() == 0)
+    ):
         profile.save(args.save_profile)
     link_check = CalibrationProfile.load(args.link_check) if args.link_check else None
     emit(
@@ -439,10 +474,10 @@ def run(args: argparse.Namespace, ranks: Callable[..., List[Any]]) -> None:
             threads=args.threads,
             row_cap=args.row_cap,
             steps=args.steps,
-            calibration_s=round(profile.seconds, 1),
+            calibration_s=None if profile is None else round(profile.seconds, 1),
             links={
                 f"{c.collective}/{c.level}": [round(c.gbps, 3), round(c.latency_ms, 4)]
-                for c in profile.links
+                for c in (profile.links if profile is not None else [])
             },
         )
     )

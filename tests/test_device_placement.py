@@ -48,6 +48,7 @@ LEGACY = {"Tensor", "LongTensor", "IntTensor", "FloatTensor", "DoubleTensor", "B
 HOST_ONLY = {
     "calibration/": "measures this host's CPU kernels, memory and storage",
     "datasets/": "datasets yield host batches; the training loop or pipeline moves them",
+    "distributed/mc_native.py": "managed collision's C++ path runs on the CPU only",
     "lookup/huge_pages.py": "CPU buffers on transparent huge pages",
     "lookup/key_value.py": "key-value tables run on the CPU only (the kernel refuses others)",
     "lookup/row_store.py": "rows in files mapped from storage",

@@ -23,11 +23,11 @@ from torch import nn
 
 from recshard.comm import SequenceEmbeddingsAllToAll
 from recshard.distributed.input_dist import EmbeddingModuleContext, placeholder_kjt
+from recshard.distributed.mc_layout import modules_for_world
 from recshard.distributed.mc_modules import (
     ColumnDist,
     ManagedCollisionCollectionSharder,
     mcc_module_of,
-    modules_for_world,
 )
 from recshard.distributed.module_state import EmbeddingModuleSharder, ShardedEmbeddingModule
 from recshard.distributed.sharded_state import entry_sharded_tensor, row_sharded_tensor

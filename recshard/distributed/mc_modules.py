@@ -1,11 +1,9 @@
 """ShardedManagedCollisionCollection: raw ids routed to the rank that owns their rows and
 remapped there, so a raw id crosses the network once.
 
-Layout at world size W: a table's module has B >= W buckets (`recshard.modules.mc_modules`);
-rank r owns buckets `[r*B//W, (r+1)*B//W)` and exactly their rows (a row-wise shard cut at
-bucket boundaries, so any zch size works). A module built with fewer buckets than ranks
-(TorchRec's default `buckets=1`) and no ids yet is rebuilt with W buckets, as TorchRec splits
-its module per rank; with ids it is an error (they would change rows).
+Layout at world size W (`recshard.distributed.mc_layout`): a table's module has B >= W buckets
+(`recshard.modules.mc_modules`); rank r owns buckets `[r*B//W, (r+1)*B//W)` and exactly their
+rows (a row-wise shard cut at bucket boundaries, so any zch size works).
 
 Column-wise and table-column-wise tables keep their plan: every rank holding one of a table's
 column shards holds a replica of its whole module (all buckets) and remaps the ids the column
@@ -17,26 +15,35 @@ on every rank, hash, route each id to `owner[id % B]` (one KJT all-to-all; a rej
 sends its verdict instead, so every rank raises). compute: count and remap the received ids
 with this rank's slice of each module (the global batch's ids of its buckets, as the unsharded
 module sees them), return local rows and the rows given to new ids.
+
+On CPU the id check, the routing and the remap run in C++ (`recshard.distributed.mc_native`:
+each module's ids in a hash that an eviction updates in place); elsewhere, or without the
+library, in torch ops (`recshard.modules.mc_fused`). Both give the same rows.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from typing import Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
 
 from recshard.comm import KJTAllToAll
+from recshard.distributed import mc_native
 from recshard.distributed.input_dist import placeholder_kjt
+from recshard.distributed.mc_layout import (
+    MC_SHARDING_TYPES,
+    bucket_aligned_plan,
+    bucket_ranges,
+    holding_ranks,
+    is_column_split,
+)
 from recshard.modules.input_checks import check_dtypes_and_weights, check_features, check_one_batch
 from recshard.modules.mc_fused import FusedRemap
 from recshard.modules.mc_modules import (
     ManagedCollisionCollection,
     ManagedCollisionModule,
     MCHManagedCollisionModule,
-    bucket_row_starts,
 )
 from recshard.plan.sharding_types import sharding_type_values
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor
@@ -46,130 +53,7 @@ from recshard.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
     ShardingEnv,
-    ShardingType,
-    ShardMetadata,
 )
-
-logger = logging.getLogger(__name__)
-
-COLUMN_TYPES = [ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE]
-MC_SHARDING_TYPES = [
-    ShardingType.ROW_WISE,
-    ShardingType.TABLE_WISE,
-    ShardingType.TABLE_ROW_WISE,
-    *COLUMN_TYPES,
-]
-
-
-def is_column_split(plan: ParameterSharding | None) -> bool:
-    """A column-wise or table-column-wise plan: the table's module is replicated on the ranks
-    of its column shards."""
-    return plan is not None and plan.sharding_type in sharding_type_values(COLUMN_TYPES)
-
-
-def owned_buckets(buckets: int, world_size: int, rank: int) -> Tuple[int, int]:
-    """Buckets `[first, last)` of `rank`: contiguous, as even as whole buckets allow."""
-    return rank * buckets // world_size, (rank + 1) * buckets // world_size
-
-
-def holding_ranks(table: str, plan: ParameterSharding | None, world_size: int) -> List[int]:
-    """The ranks a managed collision table's rows live on, in order: every rank (row-wise),
-    the plan's rank (table-wise), the ranks of its node (table-row-wise) or of its column
-    shards (column-wise, table-column-wise)."""
-    if plan is None:
-        raise ValueError(f"table '{table}': the plan has no entry for this managed collision table")
-    if plan.sharding_type not in sharding_type_values(MC_SHARDING_TYPES):
-        raise ValueError(
-            f"table '{table}': managed collision tables are sharded "
-            f"{sorted(sharding_type_values(MC_SHARDING_TYPES))}, the plan says "
-            f"'{plan.sharding_type}'"
-        )
-    ranks = list(plan.ranks or [])
-    if not ranks and plan.shards:
-        ranks = [s.rank for s in plan.shards]
-    if not ranks and plan.sharding_type == ShardingType.ROW_WISE.value:
-        ranks = list(range(world_size))
-    if not ranks or any(not 0 <= r < world_size for r in ranks):
-        raise ValueError(f"table '{table}': the plan places it on ranks {ranks} of {world_size}")
-    return sorted(set(ranks)) if is_column_split(plan) else ranks
-
-
-def bucket_ranges(
-    buckets: int, ranks: List[int], world_size: int, replicated: bool = False
-) -> List[Tuple[int, int]]:
-    """Buckets `[first, last)` of every rank: split evenly over `ranks` in rank order, none
-    elsewhere (an empty range where the previous rank's ends, so the ranges tile in order);
-    `replicated` (column shards): every bucket on each of `ranks`."""
-    holders = sorted(ranks)
-    if replicated:
-        return [(0, buckets) if r in holders else (buckets, buckets) for r in range(world_size)]
-    out, end = [], 0
-    for rank in range(world_size):
-        if rank in holders:
-            first, end = owned_buckets(buckets, len(holders), holders.index(rank))
-            out.append((first, end))
-        else:
-            out.append((end, end))
-    return out
-
-
-def modules_for_world(
-    mcc: ManagedCollisionCollection, table_plans: EmbeddingModuleShardingPlan, world_size: int
-) -> Dict[str, MCHManagedCollisionModule]:
-    """Each table's module with at least as many buckets as ranks holding it (see the module
-    doc)."""
-    out: Dict[str, MCHManagedCollisionModule] = {}
-    for table, module in mcc.modules_by_table().items():
-        if not isinstance(module, MCHManagedCollisionModule):
-            raise TypeError(
-                f"table '{table}': sharded managed collision takes MCHManagedCollisionModule, "
-                f"got {type(module).__name__}"
-            )
-        holders = len(holding_ranks(table, table_plans.get(table), world_size))
-        if module.buckets() < holders and not is_column_split(table_plans.get(table)):
-            logger.warning(
-                "table '%s': managed collision module has %d bucket(s) for %d ranks; rebuilt "
-                "with %d buckets (it maps ids as the unsharded module with buckets=%d would)",
-                table,
-                module.buckets(),
-                holders,
-                holders,
-                holders,
-            )
-            module = module.rebucketed(holders)
-        out[table] = module
-    return out
-
-
-def bucket_aligned_plan(
-    table: str,
-    plan: ParameterSharding | None,
-    module: MCHManagedCollisionModule,
-    embedding_dim: int,
-    world_size: int,
-    device_type: str,
-) -> ParameterSharding:
-    """The table's plan as the row-wise plan the sharded collection runs: one shard per rank,
-    cut at bucket boundaries, empty on ranks that do not hold the table (table-wise: every row
-    on its rank; table-row-wise: the rows cut over its node's ranks)."""
-    ranges = bucket_ranges(module.buckets(), holding_ranks(table, plan, world_size), world_size)
-    assert plan is not None
-    starts = bucket_row_starts(module.output_size(), module.buckets())
-    shards = [
-        ShardMetadata(
-            [starts[first], 0],
-            [starts[last] - starts[first], embedding_dim],
-            f"rank:{rank}/{device_type}",
-        )
-        for rank, (first, last) in enumerate(ranges)
-    ]
-    return dataclasses.replace(
-        plan,
-        sharding_type=ShardingType.ROW_WISE.value,
-        ranks=list(range(world_size)),
-        shards=shards,
-    )
-
 
 # (hashed ids of the column features, or None with a rejected batch's reason) -> the started
 # all-to-all of the column-split tables' sharding
@@ -283,7 +167,15 @@ class ShardedManagedCollisionCollection(nn.Module):
         self._hashed_features = {
             f for f in self._checked_features if self._table_of(f)._input_hash_func is not None
         }
-        self._remapper = FusedRemap(modules_list, device)
+        self._native = mc_native.enabled(device)
+        self._remapper: FusedRemap | mc_native.NativeFusedRemap
+        if self._native:  # each module's ids in a C++ hash, read by one C++ remap call
+            for module in modules_list:
+                module.use_kernels(mc_native.NativeIdIndex(), mc_native.native_contest)
+            self._remapper = mc_native.NativeFusedRemap(modules_list)
+        else:
+            self._remapper = FusedRemap(modules_list, device)
+        self._key_tables: Dict[Tuple[str, ...], torch.Tensor] = {}
         self._row_offsets = torch.tensor(
             [m.row_range()[0] for m in modules_list], dtype=torch.int64, device=device
         )
@@ -300,25 +192,65 @@ class ShardedManagedCollisionCollection(nn.Module):
     def _table_of(self, feature: str) -> MCHManagedCollisionModule:
         return self._managed_collision_modules[self._feature_to_table[feature]]  # type: ignore
 
-    def _tables_of_ids(self, keys: List[str], lengths_per_key: List[int]) -> torch.Tensor:
-        """Module index of each id `[N]` of a KJT with these keys."""
-        index = self._wire_tables
-        if keys == self._checked_features:
-            index = self._checked_tables
-        elif keys != self._wire_features:
+    def _tables_of_keys(self, keys: List[str]) -> torch.Tensor:
+        """Module index of each key `[K]` (cached per key list: the same every step)."""
+        index = self._key_tables.get(tuple(keys))
+        if index is None:
             index = torch.tensor(
                 [self._table_index[self._feature_to_table[k]] for k in keys],
                 dtype=torch.int64,
                 device=self._wire_tables.device,
             )
-        counts = torch.tensor(lengths_per_key, dtype=torch.int64, device=index.device)
-        return torch.repeat_interleave(index, counts, output_size=sum(lengths_per_key))
+            self._key_tables[tuple(keys)] = index
+        return index
 
-    def _hashed_and_owners(
-        self, features: KeyedJaggedTensor
-    ) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
-        """The batch with hashed ids, keys the wire features then the column features, and the
-        owner rank of each wire feature's id; ValueError on a bad batch."""
+    def _tables_of_ids(self, keys: List[str], lengths_per_key: List[int]) -> torch.Tensor:
+        """Module index of each id `[N]` of a KJT with these keys."""
+        counts = torch.tensor(lengths_per_key, dtype=torch.int64, device=self._device)
+        return torch.repeat_interleave(
+            self._tables_of_keys(keys), counts, output_size=sum(lengths_per_key)
+        )
+
+    def _ids_in_range(self, ids: torch.Tensor, per_key: List[int]) -> bool:
+        """Whether every id `[N]` of the checked features lies in its table's input range."""
+        if self._native:
+            lengths = torch.tensor(per_key, dtype=torch.int64, device="cpu")
+            return mc_native.ids_in_range(ids, self._checked_tables, lengths, self._hash_sizes)
+        tables = self._tables_of_ids(self._checked_features, per_key)
+        sizes = self._hash_sizes.index_select(0, tables)
+        return not (ids.numel() and bool(((ids < 0) | (ids >= sizes)).any()))
+
+    def _route(self, wire: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
+        """`wire` (the wire features' hashed ids) routed to their owners, and where each id
+        went (see `route_to_owners`)."""
+        world = self.env.world_size
+        if self._native:
+            return mc_native.route(
+                wire,
+                self._wire_tables,
+                self._buckets,
+                self._first_owner,
+                self._owner_of_bucket,
+                world,
+            )
+        tables = self._tables_of_ids(self._wire_features, wire.length_per_key())
+        bucket = wire.values() % self._buckets.index_select(0, tables)
+        owners = self._owner_of_bucket.index_select(
+            0, self._first_owner.index_select(0, tables) + bucket
+        )
+        return route_to_owners(wire, owners, world)
+
+    def _local_rows(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        """Local row `[N]` of each id routed here (the values of one received KJT)."""
+        keys, per_key = kjt.keys(), kjt.length_per_key()
+        if isinstance(self._remapper, mc_native.NativeFusedRemap):
+            lengths = torch.tensor(per_key, dtype=torch.int64, device="cpu")
+            return self._remapper.remap(kjt.values(), self._tables_of_keys(keys), lengths)
+        return self._remapper.remap(kjt.values(), self._tables_of_ids(keys, per_key))
+
+    def _hashed(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The batch with hashed ids, keys the wire features then the column features;
+        ValueError on a bad batch."""
         validate_kjt(features)
         check_features(features, self._feature_names, self._owner)
         check_one_batch(features, self._owner)
@@ -341,20 +273,11 @@ class ShardedManagedCollisionCollection(nn.Module):
                     )
                     parts[k] = hashed[feature].values()
             ids = torch.cat(parts) if parts else ids
-        tables = self._tables_of_ids(self._checked_features, per_key)
-        if ids.numel() and bool(
-            ((ids < 0) | (ids >= self._hash_sizes.index_select(0, tables))).any()
-        ):
+        if not self._ids_in_range(ids, per_key):
             for feature, part in zip(self._checked_features, ids.split(per_key)):
                 table = self._feature_to_table[feature]
                 self._table_of(feature).check_ids(part, f"table '{table}', feature '{feature}'")
-        wire = sum(per_key[: len(self._wire_features)])
-        tables, wire_ids = tables[:wire], ids[:wire]
-        bucket = wire_ids % self._buckets.index_select(0, tables)
-        owners = self._owner_of_bucket.index_select(
-            0, self._first_owner.index_select(0, tables) + bucket
-        )
-        hashed_kjt = KeyedJaggedTensor(
+        return KeyedJaggedTensor(
             self._checked_features,
             ids,
             features.weights_or_none(),
@@ -362,7 +285,6 @@ class ShardedManagedCollisionCollection(nn.Module):
             stride=features.stride(),
             validate=False,
         )
-        return hashed_kjt, owners
 
     def input_dist(
         self,
@@ -376,7 +298,7 @@ class ShardedManagedCollisionCollection(nn.Module):
         raise at its first wait."""
         world = self.env.world_size
         try:
-            hashed, owners = self._hashed_and_owners(features)
+            hashed = self._hashed(features)
         except ValueError as e:
             pending = []
             if self._kjt_a2a is not None:
@@ -392,7 +314,7 @@ class ShardedManagedCollisionCollection(nn.Module):
         wire, column = hashed, None
         if self._column_features:
             wire, column = hashed.split([len(self._wire_features), len(self._column_features)])
-        routed, sent_to = route_to_owners(wire, owners, world)
+        routed, sent_to = self._route(wire)
         pending = [] if self._kjt_a2a is None else [self._kjt_a2a(routed)]
         pending += [dist(column, None) for dist in column_dists or []]
         return hashed, sent_to, pending
@@ -420,9 +342,7 @@ class ShardedManagedCollisionCollection(nn.Module):
         local = [
             KeyedJaggedTensor(
                 kjt.keys(),
-                self._remapper.remap(
-                    kjt.values(), self._tables_of_ids(kjt.keys(), kjt.length_per_key())
-                ),
+                self._local_rows(kjt),
                 kjt.weights_or_none(),
                 lengths=kjt.lengths(),
                 stride=kjt.stride(),

@@ -152,7 +152,7 @@ def _check_buffers(
     batch: int,
 ) -> None:
     """Refuse buffers the C++ side would read or write past: it trusts every pointer and length
-    it is given (a pass over `offsets`, O(1) for the rest)."""
+    it is given (two passes over `offsets`, O(1) for the rest)."""
     for name, tensor in (("weights", weights), ("indices", indices), ("offsets", offsets)):
         _on_cpu(name, tensor)  # a CUDA pointer read on the host faults
     if per_sample_weights is not None:
@@ -179,8 +179,10 @@ def _check_buffers(
     # a bag reaching back before its predecessor would read ids outside its feature's range,
     # which the C++ side checks against that feature's table only (and sizes its scratch by
     # the last offset): out-of-bounds reads and writes
-    if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
-        raise OffsetsDecrease(int(torch.nonzero(offsets[1:] < offsets[:-1])[0]), offsets)
+    if offsets.numel() > 1:
+        steps = offsets.diff()
+        if int(steps.min()) < 0:
+            raise OffsetsDecrease(int(torch.nonzero(steps < 0)[0]), offsets)
 
 
 def _on_cpu(name: str, tensor: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ and only they and the new ids are sorted.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 
@@ -56,6 +56,22 @@ def contest(
     return dropped[dropped < k], kept[kept >= k] - k
 
 
+# (row scores [S], the ids holding the rows [S], new ids' scores [M] in entry order) ->
+# (rows that lose theirs, new ids that get them: positions, paired in rank order)
+Contest = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+
+
+def rank_contest(
+    row_scores: torch.Tensor, held: torch.Tensor, new_scores: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A bucket's `S` rows against `M` new ids (see the module doc): positions of the rows
+    that lose theirs and of the new ids that get them, paired in rank order. (The C++ twin:
+    `recshard.distributed.mc_native.native_contest`.)"""
+    candidates = lowest_ranked(row_scores, held, min(new_scores.numel(), held.numel()))
+    lose, win = contest(row_scores[candidates], new_scores, held.numel())
+    return candidates[lose], win
+
+
 def merge_sorted(
     keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -81,11 +97,12 @@ def bucket_contest(
     ids: torch.Tensor,
     seen: Dict[str, torch.Tensor],
     label: str,
+    ranking: Contest = rank_contest,
 ) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
     """New ids of one bucket (`ids [M]`, sorted, holding no row; `seen`: their metadata, each
     `[M]`) against the ids holding its `S` rows (`held [S]`, `FREE` if none; `meta`: the rows'
-    metadata). Returns (positions `[K]` of the rows that change hands, the ids `[K]` that get
-    them, those ids' metadata), paired."""
+    metadata), ranked by `ranking`. Returns (positions `[K]` of the rows that change hands, the
+    ids `[K]` that get them, those ids' metadata), paired."""
     slots = held.numel()
     if slots == 0:
         return ids[:0], ids[:0], {n: v[:0] for n, v in seen.items()}
@@ -93,13 +110,10 @@ def bucket_contest(
     new_ids = ids[by_count]
     new_meta = {name: seen[name][by_count] for name in meta}
     row_scores = policy.eviction_scores(current_iter, meta)
-    candidates = lowest_ranked(row_scores, held, min(new_ids.numel(), slots))
-    lose, win = contest(
-        row_scores[candidates], policy.eviction_scores(current_iter, new_meta), slots
-    )
+    lose, win = ranking(row_scores, held, policy.eviction_scores(current_iter, new_meta))
     if lose.numel() != win.numel():
         raise RuntimeError(f"{label}: eviction paired {lose.numel()} rows with {win.numel()} ids")
-    return candidates[lose], new_ids[win], {n: v[win] for n, v in new_meta.items()}
+    return lose, new_ids[win], {n: v[win] for n, v in new_meta.items()}
 
 
 def threshold_passed(

@@ -5,12 +5,27 @@ after a load, updated by a merge (not a sort) when an eviction hands rows to new
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Protocol, Tuple
 
 import torch
 
 from recshard.modules.mc_base import FREE
 from recshard.modules.mc_compete import merge_sorted
+
+
+class IdIndex(Protocol):
+    """What a module asks of its id index (`SortedIdIndex` here; a C++ hash in
+    `recshard.distributed.mc_native`): `epoch` changes whenever the ids held do."""
+
+    epoch: int
+
+    def __len__(self) -> int: ...
+
+    def rebuild(self, raw_ids: torch.Tensor, row_offset: int) -> None: ...
+
+    def replace(self, old_ids: torch.Tensor, new_ids: torch.Tensor, rows: torch.Tensor) -> None: ...
+
+    def find(self, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class SortedIdIndex:
@@ -20,6 +35,9 @@ class SortedIdIndex:
         self.ids = torch.empty(0, dtype=torch.int64, device=device)
         self.rows = torch.empty(0, dtype=torch.int64, device=device)
         self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.ids.numel()
 
     @torch.no_grad()
     def rebuild(self, raw_ids: torch.Tensor, row_offset: int) -> None:

@@ -33,7 +33,7 @@ from recshard.modules.mc_base import (
     with_values,
 )
 from recshard.modules.mc_collection import ManagedCollisionCollection
-from recshard.modules.mc_compete import bucket_contest, threshold_passed
+from recshard.modules.mc_compete import Contest, bucket_contest, rank_contest, threshold_passed
 from recshard.modules.mc_entry_state import MCHEntryState
 from recshard.modules.mc_eviction import (
     COUNTS,
@@ -48,7 +48,7 @@ from recshard.modules.mc_eviction import (
     probabilistic_threshold_filter,
 )
 from recshard.modules.mc_history import IDS, SEEN_AT, History, coalesce
-from recshard.modules.mc_index import SortedIdIndex, check_rows
+from recshard.modules.mc_index import IdIndex, SortedIdIndex, check_rows
 from recshard.sparse import JaggedTensor
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,8 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
         )
         for name, view in self._history.views().items():
             self.register_buffer(name, view)
-        self._index = SortedIdIndex(dev)  # derived from the state
+        self._index: IdIndex = SortedIdIndex(dev)  # derived from the state
+        self._ranking: Contest = rank_contest
         self._default_rows = self._default_rows_on(dev)
         self._evicted_rows: List[torch.Tensor] = []
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -173,7 +174,7 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
                 torch.zeros_like(counts, device=device) if counts.is_meta else counts.to(device)
             )
             self._evicted_rows = [r.to(device) for r in self._evicted_rows]
-            self._index = SortedIdIndex(device)
+            self._index, self._ranking = SortedIdIndex(device), rank_contest
             self._index_version = -1  # `_ensure_index` rebuilds it
         return self
 
@@ -272,7 +273,7 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
         ids = ids.to(torch.int64)
         default = self._default_rows[self._local_bucket(ids)]
         self._lookup_counts[0] += ids.numel()
-        if self._index.ids.numel() == 0:
+        if len(self._index) == 0:
             return default
         hit, rows = self._index.find(ids)
         self._lookup_counts[1] += hit.sum()
@@ -284,9 +285,25 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
         return self._index.epoch
 
     def sorted_index(self) -> Tuple[torch.Tensor, torch.Tensor, int]:
-        """(ids holding rows, sorted; their local rows; a number that changes when they do)."""
+        """(ids holding rows, sorted; their local rows; a number that changes when they do):
+        from the module's own `SortedIdIndex` (not after `use_kernels`)."""
         self._ensure_index()
+        if not isinstance(self._index, SortedIdIndex):
+            raise TypeError(f"{self._label}: its id index is a {type(self._index).__name__}")
         return self._index.ids, self._index.rows - self._row_offset, self._index.epoch
+
+    def id_index(self) -> IdIndex:
+        """The index of the ids holding rows (derived from the state)."""
+        self._ensure_index()
+        return self._index
+
+    def use_kernels(self, index: IdIndex, ranking: Contest) -> None:
+        """Search the ids holding rows with `index` (empty, rebuilt here from the state) and
+        rank bucket contests with `ranking` (same results as `rank_contest`): the C++ ones of
+        `recshard.distributed.mc_native` on CPU. A move to another device restores the torch
+        ones."""
+        self._index, self._ranking = index, ranking
+        self._rebuild_index()
 
     def default_rows(self) -> torch.Tensor:
         """Local reserved row of each of this module's buckets `[buckets held]`."""
@@ -333,7 +350,7 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
         if passed is not None:
             unique, bucket = unique[passed], bucket[passed]
             seen = {name: v[passed] for name, v in seen.items()}
-        if self._index.ids.numel():
+        if len(self._index):
             hit, rows = self._index.find(unique)
             hit_rows = rows[hit] - self._row_offset
             for name, buffer in self.metadata().items():
@@ -366,7 +383,7 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
         meta = {n: b[start : start + slots] for n, b in self.metadata().items()}
         held = self._mch_raw_ids[start : start + slots]
         lost, won, won_meta = bucket_contest(
-            self._eviction_policy, current_iter, held, meta, ids, seen, self._label
+            self._eviction_policy, current_iter, held, meta, ids, seen, self._label, self._ranking
         )
         self._counters["admitted"] += lost.numel()
         self._counters["evicted"] += int((held[lost] != FREE).sum())

@@ -44,6 +44,9 @@ def test_mc_benchmark_runs_small() -> None:
             and line["mc_evicting_step_ms"] > 0
             and line["plain_ebc_step_cpu_ms"] > 0
             and line["mc_step_cpu_ms"] > 0
+            and line["mc_evicting_step_cpu_ms"] > 0
+            and line["mc_mean_step_ms"] > 0
+            and line["mc_mean_step_cpu_ms"] > 0
         )
         assert 0 < line["remap_share_of_mc_step"] < 1
     assert lines[1]["evicted_rank0"] > 0

@@ -92,3 +92,38 @@ def _run(*argv: str) -> list:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_planner_accuracy_without_calibration() -> None:
+    """`--no-calibration`: no calibration run, the plans planned and estimated with the
+    built-in costs, and the planner-vs-fastest check made over the `--forced` plans run."""
+    forced = ["table_wise", "column_wise"]
+    records = _run("--quick", "--ids", "uniform", "--no-calibration", "--forced", ",".join(forced))
+    setup = records[0]
+    assert setup["bench"] == "planner_accuracy_setup" and setup["calibration_s"] is None
+    assert setup["links"] == {}
+    runs = [r for r in records if r["bench"] == "planner_accuracy"]
+    assert {r["plan"] for r in runs} == {*forced, "planner"}
+    assert all(r["predicted_ms"] > 0 and r["measured_ms"] > 0 for r in runs)
+    summary = records[-1]
+    assert summary["bench"] == "planner_accuracy_summary" and summary["planner_vs_fastest"] > 0
+
+
+def test_no_calibration_refuses_a_profile() -> None:
+    from benchmarks.planner_accuracy import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--no-calibration", "--profile", "p.json"])
+
+
+def test_forced_plans_subset() -> None:
+    from benchmarks.planner_accuracy import FORCED, parse_args
+
+    assert parse_args([]).forced == FORCED
+    assert parse_args(["--forced", "column_wise,table_wise"]).forced == [
+        "column_wise",
+        "table_wise",
+    ]
+    with pytest.raises(SystemExit):
+        parse_args(["--forced", "table_wise,diagonal"])

@@ -109,14 +109,15 @@ def _compare(
     return problems
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
-def test_sharded_equals_unsharded_with_evictions(ws: int) -> None:
+@pytest.mark.parametrize("ws, remap", [(1, "native"), (2, "native"), (3, "native"), (2, "torch")])
+def test_sharded_equals_unsharded_with_evictions(ws: int, remap: str) -> None:
     """6 buckets serve 1, 2 and 3 ranks; zch sizes 23 and 17 are multiples of none; one
     table LFU every 2 steps, one DistanceLFU every step (MEAN pooled); then LRU, the plan from
     the planner, TorchRec's default buckets=1 (rebuilt with one bucket per rank), and
-    table-wise / table-row-wise tables beside row-wise ones."""
-
-    results = run_ranks(ws, _cases, timeout=240)
+    table-wise / table-row-wise tables beside row-wise ones. `remap`: the C++ id index,
+    remap and routing (where built) or the torch ops (`RECSHARD_NATIVE_MC=0`)."""
+    env = {"RECSHARD_NATIVE_MC": "0"} if remap == "torch" else None
+    results = run_ranks(ws, _cases, timeout=240, env=env)
     for rank, found in enumerate(results):
         for case, problems in found.items():
             assert not problems, f"rank {rank}, {case}: {problems}"
@@ -241,9 +242,12 @@ def _bad_batch(rank: int, ws: int, placed: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("placed", ["", "tw", "cw"])
-def test_a_bad_id_on_one_rank_stops_every_rank(placed: str) -> None:
-    messages = run_ranks(2, _bad_batch, placed, timeout=120)
+@pytest.mark.parametrize(
+    "placed, remap", [("", "native"), ("tw", "native"), ("cw", "native"), ("", "torch")]
+)
+def test_a_bad_id_on_one_rank_stops_every_rank(placed: str, remap: str) -> None:
+    env = {"RECSHARD_NATIVE_MC": "0"} if remap == "torch" else None
+    messages = run_ranks(2, _bad_batch, placed, timeout=120, env=env)
     assert messages[1].startswith("ValueError: table 't1', feature 'c': id -5 is outside [0, ")
     assert messages[0].startswith("RuntimeError: rank 1 rejected its input: table 't1'")
 

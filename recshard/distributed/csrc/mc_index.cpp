@@ -1,0 +1,282 @@
+// Managed collision's per-batch work in C++ (called through ctypes from
+// recshard/distributed/mc_native.py): each table's open-addressing id index (build, erase +
+// insert at an eviction, find), the remap of a whole batch over every table's index in one
+// call, and the routing of raw ids to the ranks owning their buckets (a counting sort).
+//
+// An index is two int64 arrays of 2**log2 slots: keys (EMPTY = -1: ids are >= 0) and their
+// global rows; linear probing from `key * odd constant`'s top bits, deletion by backward
+// shift (no tombstones), at most half full (Python sizes it). Every array's length is passed
+// and every index into one is checked here; Python checks dtypes, devices and lengths first.
+// Return codes: 0 ok, then the ERR_* below (mc_native.py turns them into errors).
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+constexpr int64_t EMPTY = -1;
+constexpr uint64_t MIX = 0x9E3779B97F4A7C15ULL;
+constexpr int ERR_ARGUMENT = 1, ERR_PRESENT = 2, ERR_ABSENT = 3, ERR_FULL = 4, ERR_ID = 5,
+              ERR_BUCKET = 6;
+
+struct Index {
+  int64_t* keys;
+  int64_t* rows;
+  uint64_t mask;
+  int shift;
+
+  Index(int64_t* k, int64_t* r, int64_t log2)
+      : keys(k), rows(r), mask((uint64_t(1) << log2) - 1), shift(64 - int(log2)) {}
+
+  uint64_t home(int64_t key) const { return (uint64_t(key) * MIX) >> shift; }
+
+  // slot holding `key`, or -1
+  int64_t slot(int64_t key) const {
+    for (uint64_t at = home(key), probes = 0; probes <= mask; at = (at + 1) & mask, ++probes) {
+      if (keys[at] == key) return int64_t(at);
+      if (keys[at] == EMPTY) return -1;
+    }
+    return -1;
+  }
+
+  int insert(int64_t key, int64_t row) {
+    for (uint64_t at = home(key), probes = 0; probes <= mask; at = (at + 1) & mask, ++probes) {
+      if (keys[at] == key) return ERR_PRESENT;
+      if (keys[at] == EMPTY) {
+        keys[at] = key;
+        rows[at] = row;
+        return 0;
+      }
+    }
+    return ERR_FULL;
+  }
+
+  int erase(int64_t key) {
+    int64_t found = slot(key);
+    if (found < 0) return ERR_ABSENT;
+    uint64_t hole = uint64_t(found);
+    for (uint64_t next = (hole + 1) & mask; keys[next] != EMPTY; next = (next + 1) & mask) {
+      uint64_t want = home(keys[next]);
+      // move `next` into the hole unless its home lies cyclically in (hole, next]
+      bool stays = hole <= next ? (hole < want && want <= next) : (hole < want || want <= next);
+      if (!stays) {
+        keys[hole] = keys[next];
+        rows[hole] = rows[next];
+        hole = next;
+      }
+    }
+    keys[hole] = EMPTY;
+    return 0;
+  }
+};
+
+bool valid_log2(int64_t log2) { return log2 >= 1 && log2 <= 40; }
+
+}  // namespace
+
+// An empty index of 2**log2 slots holding `ids[i]` at `rows[i]` (ids distinct, >= 0).
+extern "C" int rs_mc_build(int64_t log2, int64_t* keys, int64_t* rows, int64_t count,
+                           const int64_t* ids, const int64_t* id_rows) {
+  if (!valid_log2(log2) || count < 0 || 2 * count > (int64_t(1) << log2)) return ERR_ARGUMENT;
+  Index index(keys, rows, log2);
+  for (int64_t at = 0; at <= int64_t(index.mask); ++at) keys[at] = EMPTY;
+  for (int64_t i = 0; i < count; ++i) {
+    if (ids[i] < 0) return ERR_ID;
+    if (int code = index.insert(ids[i], id_rows[i])) return code;
+  }
+  return 0;
+}
+
+// `old_ids` (each held) leave the index, then `new_ids` (none held) come in at `new_rows`;
+// `held` is the count before, for the fill check.
+extern "C" int rs_mc_replace(int64_t log2, int64_t* keys, int64_t* rows, int64_t held,
+                             int64_t old_count, const int64_t* old_ids, int64_t new_count,
+                             const int64_t* new_ids, const int64_t* new_rows) {
+  if (!valid_log2(log2) || old_count < 0 || new_count < 0 || old_count > held ||
+      2 * (held - old_count + new_count) > (int64_t(1) << log2))
+    return ERR_ARGUMENT;
+  Index index(keys, rows, log2);
+  for (int64_t i = 0; i < old_count; ++i)
+    if (int code = index.erase(old_ids[i])) return code;
+  for (int64_t i = 0; i < new_count; ++i) {
+    if (new_ids[i] < 0) return ERR_ID;
+    if (int code = index.insert(new_ids[i], new_rows[i])) return code;
+  }
+  return 0;
+}
+
+// found[i] = whether ids[i] is held; rows[i] its row (0 where not).
+extern "C" int rs_mc_find(int64_t log2, const int64_t* keys, const int64_t* rows, int64_t count,
+                          const int64_t* ids, uint8_t* found, int64_t* out_rows) {
+  if (!valid_log2(log2) || count < 0) return ERR_ARGUMENT;
+  Index index(const_cast<int64_t*>(keys), const_cast<int64_t*>(rows), log2);
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t at = index.slot(ids[i]);
+    found[i] = at >= 0;
+    out_rows[i] = at >= 0 ? rows[at] : 0;
+  }
+  return 0;
+}
+
+// The local row of every id of a batch laid out in segments (segment s: `segment_lengths[s]`
+// ids of table `segment_tables[s]`): the row its table's index holds it at (global, less the
+// table's `row_offsets`), or its bucket's reserved row `defaults[default_starts[t] + bucket]`
+// (bucket = id % buckets[t] - first_buckets[t], which must be one of the table's
+// `held_buckets[t]`). counts[2 t] += ids of table t, counts[2 t + 1] += those held.
+// Per table t: `key_ptrs[t]` / `row_ptrs[t]` are its index arrays of 2**log2s[t] slots.
+extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
+                           const int64_t* segment_lengths, int64_t count, const int64_t* ids,
+                           int64_t tables, const int64_t* key_ptrs, const int64_t* row_ptrs,
+                           const int64_t* log2s, const int64_t* row_offsets,
+                           const int64_t* buckets, const int64_t* first_buckets,
+                           const int64_t* held_buckets, const int64_t* default_starts,
+                           int64_t default_count, const int64_t* defaults, int64_t* out_rows,
+                           int64_t* counts) {
+  int64_t total = 0;
+  for (int64_t s = 0; s < segments; ++s) {
+    if (segment_tables[s] < 0 || segment_tables[s] >= tables || segment_lengths[s] < 0)
+      return ERR_ARGUMENT;
+    total += segment_lengths[s];
+  }
+  if (total != count) return ERR_ARGUMENT;
+  for (int64_t t = 0; t < tables; ++t) {
+    if (!valid_log2(log2s[t]) || buckets[t] < 1 || held_buckets[t] < 0 ||
+        default_starts[t] < 0 || default_starts[t] + held_buckets[t] > default_count)
+      return ERR_ARGUMENT;
+  }
+  int64_t at = 0;
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t t = segment_tables[s];
+    const Index index(reinterpret_cast<int64_t*>(key_ptrs[t]),
+                      reinterpret_cast<int64_t*>(row_ptrs[t]), log2s[t]);
+    int64_t hits = 0;
+    for (int64_t end = at + segment_lengths[s]; at < end; ++at) {
+      const int64_t id = ids[at];
+      if (id < 0) return ERR_ID;
+      const int64_t bucket = id % buckets[t] - first_buckets[t];
+      if (bucket < 0 || bucket >= held_buckets[t]) return ERR_BUCKET;
+      const int64_t slot = index.slot(id);
+      if (slot >= 0) {
+        out_rows[at] = index.rows[slot] - row_offsets[t];
+        ++hits;
+      } else {
+        out_rows[at] = defaults[default_starts[t] + bucket];
+      }
+    }
+    counts[2 * t] += segment_lengths[s];
+    counts[2 * t + 1] += hits;
+  }
+  return 0;
+}
+
+// One bucket's eviction contest (recshard/modules/mc_compete.py's rank_contest, same result):
+// its `slots` rows (`held[r]`: the id holding row r, INT64_MAX if free; `row_scores[r]`) and
+// `news` new ids (`new_scores`, in entry order) are ranked by score, highest first, ties by
+// entry order: rows by (held id, row), then the new ids. Of the k = min(news, slots) lowest
+// ranked rows (selected, not a sort of the bucket) and the new ids, the first k keep or get a
+// row. Writes the rows that lose theirs (`lose`) and the new ids that get them (`win`, positions
+// in the new ids), paired in rank order, and their count (`pairs`).
+extern "C" int rs_mc_contest(int64_t slots, const double* row_scores, const int64_t* held,
+                             int64_t news, const double* new_scores, int64_t* lose, int64_t* win,
+                             int64_t* pairs) {
+  if (slots < 0 || news < 0) return ERR_ARGUMENT;
+  *pairs = 0;
+  const int64_t k = std::min(news, slots);
+  if (k == 0) return 0;
+  // rows: a ranks before b (a total order: held ids are distinct, rows break ties among free)
+  auto row_before = [&](int64_t a, int64_t b) {
+    if (row_scores[a] != row_scores[b]) return row_scores[a] > row_scores[b];
+    if (held[a] != held[b]) return held[a] < held[b];
+    return a < b;
+  };
+  std::vector<int64_t> rows(slots);
+  std::iota(rows.begin(), rows.end(), 0);
+  if (k < slots) std::nth_element(rows.begin(), rows.begin() + (slots - k), rows.end(), row_before);
+  std::vector<int64_t> candidates(rows.end() - k, rows.end());
+  std::sort(candidates.begin(), candidates.end(), row_before);
+  std::vector<int64_t> order(news);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return new_scores[a] > new_scores[b]; });
+  // merge, a candidate first on equal scores; count the new ids among the first k
+  int64_t taken_rows = 0, taken_new = 0;
+  while (taken_rows + taken_new < k) {
+    if (taken_new < news &&
+        (taken_rows == k || new_scores[order[taken_new]] > row_scores[candidates[taken_rows]]))
+      ++taken_new;
+    else
+      ++taken_rows;
+  }
+  for (int64_t i = 0; i < taken_new; ++i) {
+    lose[i] = candidates[taken_rows + i];
+    win[i] = order[i];
+  }
+  *pairs = taken_new;
+  return 0;
+}
+
+// ERR_ID when an id of segment s (laid out as for rs_mc_remap) is outside
+// [0, hash_sizes[segment_tables[s]]).
+extern "C" int rs_mc_check_ids(int64_t segments, const int64_t* segment_tables,
+                               const int64_t* segment_lengths, int64_t count, const int64_t* ids,
+                               int64_t tables, const int64_t* hash_sizes) {
+  int64_t at = 0;
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t t = segment_tables[s];
+    if (t < 0 || t >= tables || segment_lengths[s] < 0 || at + segment_lengths[s] > count)
+      return ERR_ARGUMENT;
+    for (int64_t end = at + segment_lengths[s]; at < end; ++at)
+      if (ids[at] < 0 || ids[at] >= hash_sizes[t]) return ERR_ID;
+  }
+  return at == count ? 0 : ERR_ARGUMENT;
+}
+
+// Routing of a key-major batch (`keys` keys of `stride` bags each, `lengths[keys * stride]`,
+// ids[count]; key k reads table key_tables[k]) to the owners of the ids' buckets
+// (owner_of_bucket[first_owners[t] + id % buckets[t]], in [0, world)): `order[count]` (the
+// ids in destination-major, then bag, then arrival order: a stable counting sort),
+// `sent_to[count]` (its inverse) and `routed_lengths[world * keys * stride]`.
+extern "C" int rs_mc_route(int64_t keys, int64_t stride, const int64_t* lengths, int64_t count,
+                           const int64_t* ids, const int64_t* key_tables, int64_t tables,
+                           const int64_t* buckets, const int64_t* first_owners,
+                           int64_t owner_count, const int64_t* owner_of_bucket, int64_t world,
+                           int64_t* order, int64_t* sent_to, int64_t* routed_lengths) {
+  if (keys < 0 || stride < 0 || count < 0 || world < 1) return ERR_ARGUMENT;
+  const int64_t bags = keys * stride;
+  int64_t total = 0;
+  for (int64_t b = 0; b < bags; ++b) {
+    if (lengths[b] < 0) return ERR_ARGUMENT;
+    total += lengths[b];
+  }
+  if (total != count) return ERR_ARGUMENT;
+  for (int64_t k = 0; k < keys; ++k) {
+    const int64_t t = key_tables[k];
+    if (t < 0 || t >= tables || buckets[t] < 1 || first_owners[t] < 0 ||
+        first_owners[t] + buckets[t] > owner_count)
+      return ERR_ARGUMENT;
+  }
+  for (int64_t b = 0; b < world * bags; ++b) routed_lengths[b] = 0;
+  // pass 1: each id's owner (kept in sent_to for now) and the per-destination counts
+  std::vector<int64_t> start(world + 1, 0);
+  for (int64_t b = 0, at = 0; b < bags; ++b) {
+    const int64_t t = key_tables[b / (stride ? stride : 1)];
+    for (int64_t end = at + lengths[b]; at < end; ++at) {
+      if (ids[at] < 0) return ERR_ID;
+      const int64_t owner = owner_of_bucket[first_owners[t] + ids[at] % buckets[t]];
+      if (owner < 0 || owner >= world) return ERR_ARGUMENT;
+      sent_to[at] = owner;
+      ++start[owner + 1];
+      ++routed_lengths[owner * bags + b];
+    }
+  }
+  for (int64_t r = 0; r < world; ++r) start[r + 1] += start[r];
+  // pass 2: stable placement (ids arrive bag by bag, so each destination's are bag-major)
+  for (int64_t at = 0; at < count; ++at) {
+    const int64_t position = start[sent_to[at]]++;
+    order[position] = at;
+    sent_to[at] = position;
+  }
+  return 0;
+}

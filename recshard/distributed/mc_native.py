@@ -1,0 +1,362 @@
+"""Managed collision's per-batch work in C++ (`csrc/mc_index.cpp`, through ctypes): each
+table's id index, a whole batch's remap over every table in one call, the id range check, the
+routing of raw ids to their owners (a counting sort, not a stable argsort), and an eviction's
+bucket contest.
+
+`NativeIdIndex` is an open-addressing hash of the ids holding a module's rows (at most half
+full; an eviction erases and inserts the ids that changed instead of rebuilding); it and
+`native_contest` are given to each module of a `ShardedManagedCollisionCollection` on CPU
+(`MCHManagedCollisionModule.use_kernels`); `NativeFusedRemap` reads the modules' indexes
+directly, so nothing is rebuilt after an eviction. Without the library (one warning), off the
+CPU, or with `RECSHARD_NATIVE_MC=0` (`enabled`), the collection keeps the modules' sorted
+indexes, the torch contest and `recshard.modules.mc_fused.FusedRemap`.
+
+Every tensor the C++ side reads or writes is checked here (int64, 1-D, contiguous, on the CPU,
+its length), and the C++ side checks every index it derives before using it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+from typing import List, Sequence, Tuple
+
+import torch
+
+from recshard.lookup.native_library import NativeLibrary
+from recshard.modules.mc_base import FREE
+from recshard.modules.mc_modules import MCHManagedCollisionModule
+from recshard.sparse import KeyedJaggedTensor
+
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_ERRORS = {
+    1: "arguments the library refused",
+    2: "an id inserted twice",
+    3: "an id to erase that is not held",
+    4: "a full index",
+    5: "an id outside its range",
+    6: "an id routed to a rank not holding its bucket",
+}
+ENV = "RECSHARD_NATIVE_MC"
+_EPOCHS = itertools.count(1)  # process-wide: no two index states share an epoch
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    signatures = {
+        "rs_mc_build": [_i64, _ptr, _ptr, _i64, _ptr, _ptr],
+        "rs_mc_replace": [_i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr],
+        "rs_mc_find": [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr],
+        "rs_mc_remap": [_i64, _ptr, _ptr, _i64, _ptr, _i64] + [_ptr] * 8 + [_i64, _ptr, _ptr, _ptr],
+        "rs_mc_contest": [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr],
+        "rs_mc_check_ids": [_i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr],
+        "rs_mc_route": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64]
+        + [_ptr] * 3,
+    }
+    for name, argtypes in signatures.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, _int
+
+
+_LIBRARY = NativeLibrary(
+    "recshard.distributed._mc_index",
+    "managed collision index library",
+    "managed collision remaps and routes ids with torch ops instead (slower)",
+    _declare,
+)
+
+
+def available() -> bool:
+    """True when the compiled library loaded (warns once when it did not)."""
+    return _LIBRARY.load() is not None
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether a collection on `device` remaps in C++: on the CPU, with the library built,
+    unless `RECSHARD_NATIVE_MC=0`."""
+    return os.environ.get(ENV, "1") != "0" and device.type == "cpu" and available()
+
+
+def _library() -> ctypes.CDLL:
+    library = _LIBRARY.load()
+    if library is None:
+        raise RuntimeError("recshard.distributed._mc_index is not built")
+    return library
+
+
+def _vector(
+    name: str, tensor: torch.Tensor, numel: int | None = None, dtype: torch.dtype = torch.int64
+) -> int:
+    """`tensor`'s data pointer after checking it is what the C++ side reads: 1-D, contiguous,
+    on the CPU, of `dtype` and (when given) `numel` elements."""
+    if tensor.dtype != dtype or tensor.dim() != 1 or not tensor.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous 1-D {dtype} tensor, got {tensor.dtype} "
+            f"{tuple(tensor.shape)}"
+        )
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {tensor.device}")
+    if numel is not None and tensor.numel() != numel:
+        raise ValueError(f"{name} must have {numel} elements, got {tensor.numel()}")
+    return tensor.data_ptr()
+
+
+def _check(code: int, what: str) -> None:
+    if code:
+        raise RuntimeError(f"managed collision {what}: {_ERRORS.get(code, f'code {code}')}")
+
+
+class NativeIdIndex:
+    """The ids holding a module's rows and their global rows, as `recshard.modules.mc_index.
+    SortedIdIndex` offers them (`rebuild`, `replace`, `find`, `epoch`, `len`), in a C++ hash
+    of `2**log2 >= 2 * rows` slots (`keys`, `rows`: int64, key -1 where free)."""
+
+    def __init__(self) -> None:
+        self.log2 = 1
+        self.keys = torch.full((2,), -1, dtype=torch.int64)
+        self.rows = torch.zeros(2, dtype=torch.int64)
+        self._held = 0
+        self.epoch = next(_EPOCHS)
+
+    def __len__(self) -> int:
+        return self._held
+
+    @torch.no_grad()
+    def rebuild(self, raw_ids: torch.Tensor, row_offset: int) -> None:
+        """From the id held by each local row (`raw_ids [R]`, `FREE` if none)."""
+        held = (raw_ids != FREE).nonzero().squeeze(1)
+        ids = raw_ids.index_select(0, held).contiguous()
+        rows = (held + row_offset).contiguous()
+        log2 = max(1, (2 * raw_ids.numel() - 1).bit_length())
+        keys = torch.empty(1 << log2, dtype=torch.int64)
+        slot_rows = torch.zeros(1 << log2, dtype=torch.int64)
+        code = _library().rs_mc_build(
+            log2,
+            keys.data_ptr(),
+            slot_rows.data_ptr(),
+            ids.numel(),
+            _vector("held ids", ids),
+            _vector("held rows", rows, ids.numel()),
+        )
+        _check(code, "index build")
+        self.log2, self.keys, self.rows, self._held = log2, keys, slot_rows, ids.numel()
+        self.epoch = next(_EPOCHS)
+
+    @torch.no_grad()
+    def replace(self, old_ids: torch.Tensor, new_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """`old_ids` (each held) leave the index; `new_ids` (none held) come in at global
+        `rows`."""
+        old_ids, new_ids, rows = old_ids.contiguous(), new_ids.contiguous(), rows.contiguous()
+        code = _library().rs_mc_replace(
+            self.log2,
+            self.keys.data_ptr(),
+            self.rows.data_ptr(),
+            self._held,
+            old_ids.numel(),
+            _vector("ids leaving the index", old_ids),
+            new_ids.numel(),
+            _vector("ids entering the index", new_ids),
+            _vector("their rows", rows, new_ids.numel()),
+        )
+        self.epoch = next(_EPOCHS)
+        _check(code, "index update")
+        self._held += new_ids.numel() - old_ids.numel()
+
+    def find(self, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(whether each id `[N]` holds a row, its global row where it does, 0 elsewhere)."""
+        ids = ids.contiguous()
+        found = torch.empty(ids.numel(), dtype=torch.bool)
+        rows = torch.empty(ids.numel(), dtype=torch.int64)
+        code = _library().rs_mc_find(
+            self.log2,
+            self.keys.data_ptr(),
+            self.rows.data_ptr(),
+            ids.numel(),
+            _vector("ids", ids),
+            found.data_ptr(),
+            rows.data_ptr(),
+        )
+        _check(code, "index find")
+        return found, rows
+
+
+def native_contest(
+    row_scores: torch.Tensor, held: torch.Tensor, new_scores: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`recshard.modules.mc_compete.rank_contest` in C++ (the same pairs): a selection of the
+    rows that can lose and a merge, no sort of the bucket."""
+    slots, news = held.numel(), new_scores.numel()
+    row_scores, held = row_scores.contiguous(), held.contiguous()
+    new_scores = new_scores.contiguous()
+    lose = torch.empty(min(slots, news), dtype=torch.int64)
+    win = torch.empty(min(slots, news), dtype=torch.int64)
+    pairs = _i64(0)
+    code = _library().rs_mc_contest(
+        slots,
+        _vector("row scores", row_scores, slots, torch.float64),
+        _vector("held ids", held),
+        news,
+        _vector("new ids' scores", new_scores, news, torch.float64),
+        lose.data_ptr(),
+        win.data_ptr(),
+        ctypes.byref(pairs),
+    )
+    _check(code, "contest")
+    return lose[: pairs.value], win[: pairs.value]
+
+
+def _int64(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64)
+
+
+class NativeFusedRemap:
+    """Local rows of ids of several CPU MCH modules, each holding a `NativeIdIndex`, by
+    segments of one table each (`remap`); `recshard.modules.mc_fused.FusedRemap`'s job in
+    one C++ call, with no index of its own to rebuild."""
+
+    def __init__(self, modules: Sequence[MCHManagedCollisionModule]) -> None:
+        self._modules = list(modules)
+        defaults = [m.default_rows() for m in self._modules]
+        self._defaults = torch.cat(defaults).to(torch.int64).contiguous()
+        self._default_starts = _int64(
+            itertools.accumulate([0] + [d.numel() for d in defaults[:-1]])
+        )
+        self._held_buckets = _int64(d.numel() for d in defaults)
+        self._buckets = _int64(m.buckets() for m in self._modules)
+        self._first_buckets = _int64(m.bucket_range()[0] for m in self._modules)
+        self._row_offsets = _int64(m.row_range()[0] for m in self._modules)
+        tables = len(self._modules)
+        # each module's lookup counters become a row of one tensor, counted by the C++ call
+        self._counts = torch.zeros(tables, 2, dtype=torch.int64)
+        for t, m in enumerate(self._modules):
+            self._counts[t] = m._lookup_counts
+            m._lookup_counts = self._counts[t]
+        self._indexes: List[NativeIdIndex] = []
+        self._epochs: List[int] = []
+        self._key_ptrs = self._row_ptrs = self._log2s = _int64([])
+
+    def _refresh(self) -> None:
+        """The modules' index arrays, re-read when one changed (the indexes are held here, so
+        the arrays stay alive while their addresses are in use)."""
+        indexes = [m.id_index() for m in self._modules]
+        epochs = [getattr(index, "epoch", -1) for index in indexes]
+        if epochs == self._epochs:
+            return
+        for module, index in zip(self._modules, indexes):
+            if not isinstance(index, NativeIdIndex):
+                raise RuntimeError(
+                    f"{module._label}: the native remap needs its NativeIdIndex, found "
+                    f"{type(index).__name__} (was the module moved off the CPU?)"
+                )
+            _vector("index keys", index.keys, 1 << index.log2)
+            _vector("index rows", index.rows, 1 << index.log2)
+        self._key_ptrs = _int64(index.keys.data_ptr() for index in indexes)
+        self._row_ptrs = _int64(index.rows.data_ptr() for index in indexes)
+        self._log2s = _int64(index.log2 for index in indexes)
+        self._indexes, self._epochs = indexes, epochs
+
+    def remap(
+        self, ids: torch.Tensor, segment_tables: torch.Tensor, segment_lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """Local row `[N]` of each id `[N]` (laid out in segments: `segment_lengths[s]` ids of
+        module `segment_tables[s]`): its row, or its bucket's reserved row; counts lookups and
+        hits per module."""
+        self._refresh()
+        ids = ids.contiguous()
+        tables = len(self._modules)
+        rows = torch.empty(ids.numel(), dtype=torch.int64)
+        segments = segment_tables.numel()
+        code = _library().rs_mc_remap(
+            segments,
+            _vector("segment tables", segment_tables),
+            _vector("segment lengths", segment_lengths, segments),
+            ids.numel(),
+            _vector("ids", ids),
+            tables,
+            _vector("key addresses", self._key_ptrs, tables),
+            _vector("row addresses", self._row_ptrs, tables),
+            _vector("index sizes", self._log2s, tables),
+            _vector("row offsets", self._row_offsets, tables),
+            _vector("buckets", self._buckets, tables),
+            _vector("first buckets", self._first_buckets, tables),
+            _vector("held buckets", self._held_buckets, tables),
+            _vector("default starts", self._default_starts, tables),
+            self._defaults.numel(),
+            _vector("default rows", self._defaults),
+            rows.data_ptr(),
+            self._counts.data_ptr(),
+        )
+        _check(code, "remap")
+        return rows
+
+
+def ids_in_range(
+    ids: torch.Tensor,
+    segment_tables: torch.Tensor,
+    segment_lengths: torch.Tensor,
+    hash_sizes: torch.Tensor,
+) -> bool:
+    """Whether every id `[N]` (in segments as `NativeFusedRemap.remap` takes them) lies in
+    `[0, hash_sizes[table])`."""
+    segments = segment_tables.numel()
+    code = _library().rs_mc_check_ids(
+        segments,
+        _vector("segment tables", segment_tables),
+        _vector("segment lengths", segment_lengths, segments),
+        ids.numel(),
+        _vector("ids", ids),
+        hash_sizes.numel(),
+        _vector("input hash sizes", hash_sizes),
+    )
+    if code == 5:
+        return False
+    _check(code, "id check")
+    return True
+
+
+def route(
+    features: KeyedJaggedTensor,
+    key_tables: torch.Tensor,
+    buckets: torch.Tensor,
+    first_owners: torch.Tensor,
+    owner_of_bucket: torch.Tensor,
+    world: int,
+) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
+    """`mc_modules.route_to_owners` with the owners found and the ids sorted by a counting
+    sort in C++ (key k reads module `key_tables[k]`; an id's owner is
+    `owner_of_bucket[first_owners[table] + id % buckets[table]]`)."""
+    ids = features.values().contiguous()
+    lengths = features.lengths().to(torch.int64).contiguous()
+    keys, stride = len(features.keys()), features.stride()
+    order = torch.empty(ids.numel(), dtype=torch.int64)
+    sent_to = torch.empty(ids.numel(), dtype=torch.int64)
+    routed_lengths = torch.empty(world * keys * stride, dtype=torch.int64)
+    tables = buckets.numel()
+    code = _library().rs_mc_route(
+        keys,
+        stride,
+        _vector("lengths", lengths, keys * stride),
+        ids.numel(),
+        _vector("ids", ids),
+        _vector("key tables", key_tables, keys),
+        tables,
+        _vector("buckets", buckets, tables),
+        _vector("first owners", first_owners, tables),
+        owner_of_bucket.numel(),
+        _vector("owner of bucket", owner_of_bucket),
+        world,
+        order.data_ptr(),
+        sent_to.data_ptr(),
+        routed_lengths.data_ptr(),
+    )
+    _check(code, "routing")
+    weights = features.weights_or_none()
+    routed = KeyedJaggedTensor(
+        features.keys() * world,
+        ids.index_select(0, order),
+        weights.index_select(0, order) if weights is not None else None,
+        lengths=routed_lengths.to(features.lengths().dtype),
+        stride=stride,
+        validate=False,
+    )
+    return routed, sent_to
