@@ -1,7 +1,7 @@
 """Managed collision's per-batch work in C++ (`csrc/mc_index.cpp`, through ctypes): each
 table's id index, a whole batch's remap over every table in one call, the id range check, the
-routing of raw ids to their owners (a counting sort, not a stable argsort), and an eviction's
-bucket contest.
+routing of raw ids to their owners (a counting sort, not a stable argsort), an eviction's
+bucket contest, and a whole LFU eviction without a threshold filter (`NativeIdIndex.evict_lfu`).
 
 `NativeIdIndex` is an open-addressing hash of the ids holding a module's rows (at most half
 full; an eviction erases and inserts the ids that changed instead of rebuilding); it and

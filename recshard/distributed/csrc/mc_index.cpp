@@ -1,7 +1,8 @@
 // Managed collision's per-batch work in C++ (called through ctypes from
 // recshard/distributed/mc_native.py): each table's open-addressing id index (build, erase +
 // insert at an eviction, find), the remap of a whole batch over every table's index in one
-// call, and the routing of raw ids to the ranks owning their buckets (a counting sort).
+// call, the routing of raw ids to the ranks owning their buckets (a counting sort), a bucket's
+// eviction contest, and a module's whole LFU eviction.
 //
 // An index is two int64 arrays of 2**log2 slots: keys (EMPTY = -1: ids are >= 0) and their
 // global rows; linear probing from `key * odd constant`'s top bits, deletion by backward
