@@ -144,9 +144,7 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
             self.register_buffer(name, view)
         self._index: IdIndex = SortedIdIndex(dev)  # derived from the state
         self._ranking: Contest = rank_contest
-        # a whole LFU eviction in one call (`use_kernels`), with the bucket starts it reads
-        self._lfu_index: LfuEvictingIndex | None = None
-        self._lfu_bucket_starts = torch.empty(0, dtype=torch.int64, device="cpu")
+        self._lfu_index: LfuEvictingIndex | None = None  # a whole LFU eviction in one call
         self._default_rows = self._default_rows_on(dev)
         self._evicted_rows: List[torch.Tensor] = []
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -311,7 +309,6 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
         policy = self._eviction_policy
         lfu = type(policy) is LFU_EvictionPolicy and policy.threshold_filtering_func is None
         self._lfu_index = index if lfu and isinstance(index, LfuEvictingIndex) else None
-        self._lfu_bucket_starts = torch.tensor(self._bucket_starts, dtype=torch.int64, device="cpu")
         self._rebuild_index()
 
     def default_rows(self) -> torch.Tensor:
@@ -396,7 +393,7 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
             ids,
             self._mch_raw_ids,
             getattr(self, f"_mch_{COUNTS}"),
-            self._lfu_bucket_starts,
+            torch.tensor(self._bucket_starts, dtype=torch.int64, device="cpu"),  # host-only
             self._buckets,
             self._bucket_range[0],
             self._row_offset,
