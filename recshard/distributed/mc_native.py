@@ -1,7 +1,7 @@
 """Managed collision's per-batch work in C++ (`csrc/mc_index.cpp`, through ctypes): each
 table's id index, a whole batch's remap over every table in one call, the id range check, the
-routing of raw ids to their owners (a counting sort, not a stable argsort), and an eviction's
-bucket contest.
+routing of raw ids to their owners (a counting sort, not a stable argsort), an eviction's
+bucket contest, and a whole LFU eviction without a threshold filter (`NativeIdIndex.evict_lfu`).
 
 `NativeIdIndex` is an open-addressing hash of the ids holding a module's rows (at most half
 full; an eviction erases and inserts the ids that changed instead of rebuilding); it and
@@ -49,6 +49,9 @@ def _declare(library: ctypes.CDLL) -> None:
         "rs_mc_find": [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr],
         "rs_mc_remap": [_i64, _ptr, _ptr, _i64, _ptr, _i64] + [_ptr] * 8 + [_i64, _ptr, _ptr, _ptr],
         "rs_mc_contest": [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr],
+        "rs_mc_evict_lfu": [_i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr]
+        + [_i64] * 3
+        + [_ptr] * 2,
         "rs_mc_check_ids": [_i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr],
         "rs_mc_route": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64]
         + [_ptr] * 3,
@@ -178,6 +181,51 @@ class NativeIdIndex:
         )
         _check(code, "index find")
         return found, rows
+
+    @torch.no_grad()
+    def evict_lfu(
+        self,
+        ids: torch.Tensor,
+        raw_ids: torch.Tensor,
+        counts: torch.Tensor,
+        bucket_starts: torch.Tensor,
+        buckets: int,
+        first_bucket: int,
+        row_offset: int,
+    ) -> Tuple[torch.Tensor, int]:
+        """A whole LFU eviction (no threshold filter) of the module this index serves, in one
+        C++ call: the ids seen since the last one (`ids [N]`) coalesced, the held ones' counts
+        added to their rows' (`counts [R]`, in place), the others contesting their buckets'
+        rows (local `bucket_starts [B + 1]`); the winners written into `raw_ids [R]`, `counts`
+        and this index. Returns (global rows that changed hands, how many of them had been held)."""
+        ids = ids.contiguous()
+        rows = raw_ids.numel()
+        held_buckets = bucket_starts.numel() - 1
+        changed = torch.empty(ids.numel(), dtype=torch.int64)
+        stats = torch.zeros(2, dtype=torch.int64)
+        code = _library().rs_mc_evict_lfu(
+            self.log2,
+            _vector("index keys", self.keys, 1 << self.log2),
+            _vector("index rows", self.rows, 1 << self.log2),
+            self._held,
+            ids.numel(),
+            _vector("ids seen", ids),
+            rows,
+            _vector("raw ids", raw_ids),
+            _vector("counts", counts, rows),
+            held_buckets,
+            _vector("bucket starts", bucket_starts),
+            buckets,
+            first_bucket,
+            row_offset,
+            changed.data_ptr(),
+            stats.data_ptr(),
+        )
+        self.epoch = next(_EPOCHS)
+        _check(code, "LFU eviction")
+        changes, evicted = stats.tolist()
+        self._held += changes - evicted
+        return changed[:changes], evicted
 
 
 def native_contest(

@@ -5,7 +5,7 @@ after a load, updated by a merge (not a sort) when an eviction hands rows to new
 
 from __future__ import annotations
 
-from typing import List, Protocol, Tuple
+from typing import List, Protocol, Tuple, runtime_checkable
 
 import torch
 
@@ -26,6 +26,25 @@ class IdIndex(Protocol):
     def replace(self, old_ids: torch.Tensor, new_ids: torch.Tensor, rows: torch.Tensor) -> None: ...
 
     def find(self, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
+class LfuEvictingIndex(IdIndex, Protocol):
+    """An index that also runs a module's whole LFU eviction (no threshold filter) in one call
+    (`recshard.distributed.mc_native.NativeIdIndex.evict_lfu`): same rows, ids and counts as
+    `MCHManagedCollisionModule`'s torch path; returns (global rows that changed hands, how many
+    of them had been held)."""
+
+    def evict_lfu(
+        self,
+        ids: torch.Tensor,
+        raw_ids: torch.Tensor,
+        counts: torch.Tensor,
+        bucket_starts: torch.Tensor,
+        buckets: int,
+        first_bucket: int,
+        row_offset: int,
+    ) -> Tuple[torch.Tensor, int]: ...
 
 
 class SortedIdIndex:

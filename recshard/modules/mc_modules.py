@@ -48,7 +48,7 @@ from recshard.modules.mc_eviction import (
     probabilistic_threshold_filter,
 )
 from recshard.modules.mc_history import IDS, SEEN_AT, History, coalesce
-from recshard.modules.mc_index import IdIndex, SortedIdIndex, check_rows
+from recshard.modules.mc_index import IdIndex, LfuEvictingIndex, SortedIdIndex, check_rows
 from recshard.sparse import JaggedTensor
 
 logger = logging.getLogger(__name__)
@@ -144,6 +144,7 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
             self.register_buffer(name, view)
         self._index: IdIndex = SortedIdIndex(dev)  # derived from the state
         self._ranking: Contest = rank_contest
+        self._lfu_index: LfuEvictingIndex | None = None  # a whole LFU eviction in one call
         self._default_rows = self._default_rows_on(dev)
         self._evicted_rows: List[torch.Tensor] = []
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -175,6 +176,7 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
             )
             self._evicted_rows = [r.to(device) for r in self._evicted_rows]
             self._index, self._ranking = SortedIdIndex(device), rank_contest
+            self._lfu_index = None
             self._index_version = -1  # `_ensure_index` rebuilds it
         return self
 
@@ -300,9 +302,13 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
     def use_kernels(self, index: IdIndex, ranking: Contest) -> None:
         """Search the ids holding rows with `index` (empty, rebuilt here from the state) and
         rank bucket contests with `ranking` (same results as `rank_contest`): the C++ ones of
-        `recshard.distributed.mc_native` on CPU. A move to another device restores the torch
-        ones."""
+        `recshard.distributed.mc_native` on CPU; an index that can (`LfuEvictingIndex`) also
+        runs each eviction of an LFU policy without a threshold filter. A move to another
+        device restores the torch ones."""
         self._index, self._ranking = index, ranking
+        policy = self._eviction_policy
+        lfu = type(policy) is LFU_EvictionPolicy and policy.threshold_filtering_func is None
+        self._lfu_index = index if lfu and isinstance(index, LfuEvictingIndex) else None
         self._rebuild_index()
 
     def default_rows(self) -> torch.Tensor:
@@ -321,7 +327,11 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
     def evict(self) -> torch.Tensor | None:
         if not self._evicted_rows:
             return None
-        rows = torch.cat(self._evicted_rows).unique()
+        # one eviction's rows are distinct: sorted, as `unique` would return them
+        if len(self._evicted_rows) == 1:
+            rows = self._evicted_rows[0].sort().values
+        else:
+            rows = torch.cat(self._evicted_rows).unique()
         self._evicted_rows = []
         return rows
 
@@ -339,6 +349,9 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
         if not len(self._history):
             return
         views = self._history.views()
+        if self._lfu_index is not None:
+            self._evict_lfu_in_one_call(self._lfu_index, views[IDS])
+            return
         unique, counts, last = coalesce(views[IDS], views.get(SEEN_AT))
         seen = {COUNTS: counts}
         if last is not None:
@@ -371,6 +384,26 @@ class MCHManagedCollisionModule(MCHEntryState, ManagedCollisionModule):
         rows = torch.cat([rows for rows, _ in changes])
         if rows.numel():
             self._replace_ids(rows, torch.cat([new_ids for _, new_ids in changes]))
+
+    @torch.no_grad()
+    def _evict_lfu_in_one_call(self, index: LfuEvictingIndex, ids: torch.Tensor) -> None:
+        """`_coalesce_and_evict` of an LFU policy without a threshold filter, by `index`
+        (`use_kernels`): the same counts, rows and ids, written in place."""
+        rows, evicted = index.evict_lfu(
+            ids,
+            self._mch_raw_ids,
+            getattr(self, f"_mch_{COUNTS}"),
+            torch.tensor(self._bucket_starts, dtype=torch.int64, device="cpu"),  # host-only
+            self._buckets,
+            self._bucket_range[0],
+            self._row_offset,
+        )
+        self._history.clear()
+        self._sync_history()
+        self._counters["admitted"] += rows.numel()
+        self._counters["evicted"] += evicted
+        if rows.numel():
+            self._evicted_rows.append(rows)
 
     def _compete(
         self, bucket: int, current_iter: int, ids: torch.Tensor, seen: Dict[str, torch.Tensor]

@@ -1,7 +1,8 @@
 // Managed collision's per-batch work in C++ (called through ctypes from
 // recshard/distributed/mc_native.py): each table's open-addressing id index (build, erase +
 // insert at an eviction, find), the remap of a whole batch over every table's index in one
-// call, and the routing of raw ids to the ranks owning their buckets (a counting sort).
+// call, the routing of raw ids to the ranks owning their buckets (a counting sort), a bucket's
+// eviction contest, and a module's whole LFU eviction.
 //
 // An index is two int64 arrays of 2**log2 slots: keys (EMPTY = -1: ids are >= 0) and their
 // global rows; linear probing from `key * odd constant`'s top bits, deletion by backward
@@ -10,6 +11,7 @@
 // Return codes: 0 ok, then the ERR_* below (mc_native.py turns them into errors).
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <numeric>
 #include <vector>
@@ -17,6 +19,7 @@
 namespace {
 
 constexpr int64_t EMPTY = -1;
+constexpr int64_t FREE_ID = INT64_MAX;  // a free row's raw id (recshard.modules.mc_base.FREE)
 constexpr uint64_t MIX = 0x9E3779B97F4A7C15ULL;
 constexpr int ERR_ARGUMENT = 1, ERR_PRESENT = 2, ERR_ABSENT = 3, ERR_FULL = 4, ERR_ID = 5,
               ERR_BUCKET = 6;
@@ -75,6 +78,7 @@ struct Index {
 bool valid_log2(int64_t log2) { return log2 >= 1 && log2 <= 40; }
 
 }  // namespace
+
 
 // An empty index of 2**log2 slots holding `ids[i]` at `rows[i]` (ids distinct, >= 0).
 extern "C" int rs_mc_build(int64_t log2, int64_t* keys, int64_t* rows, int64_t count,
@@ -171,23 +175,24 @@ extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
   return 0;
 }
 
+namespace {
+
 // One bucket's eviction contest (recshard/modules/mc_compete.py's rank_contest, same result):
-// its `slots` rows (`held[r]`: the id holding row r, INT64_MAX if free; `row_scores[r]`) and
-// `news` new ids (`new_scores`, in entry order) are ranked by score, highest first, ties by
+// its `slots` rows (`held[r]`: the id holding row r, INT64_MAX if free; `row_score(r)`) and
+// `news` new ids (`new_score(i)`, in entry order) are ranked by score, highest first, ties by
 // entry order: rows by (held id, row), then the new ids. Of the k = min(news, slots) lowest
 // ranked rows (selected, not a sort of the bucket) and the new ids, the first k keep or get a
 // row. Writes the rows that lose theirs (`lose`) and the new ids that get them (`win`, positions
-// in the new ids), paired in rank order, and their count (`pairs`).
-extern "C" int rs_mc_contest(int64_t slots, const double* row_scores, const int64_t* held,
-                             int64_t news, const double* new_scores, int64_t* lose, int64_t* win,
-                             int64_t* pairs) {
-  if (slots < 0 || news < 0) return ERR_ARGUMENT;
-  *pairs = 0;
+// in the new ids), paired in rank order; returns their count.
+template <class RowScore, class NewScore>
+int64_t contest(int64_t slots, RowScore row_score, const int64_t* held, int64_t news,
+                NewScore new_score, int64_t* lose, int64_t* win) {
   const int64_t k = std::min(news, slots);
   if (k == 0) return 0;
   // rows: a ranks before b (a total order: held ids are distinct, rows break ties among free)
   auto row_before = [&](int64_t a, int64_t b) {
-    if (row_scores[a] != row_scores[b]) return row_scores[a] > row_scores[b];
+    const double sa = row_score(a), sb = row_score(b);
+    if (sa != sb) return sa > sb;
     if (held[a] != held[b]) return held[a] < held[b];
     return a < b;
   };
@@ -199,12 +204,12 @@ extern "C" int rs_mc_contest(int64_t slots, const double* row_scores, const int6
   std::vector<int64_t> order(news);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return new_scores[a] > new_scores[b]; });
+                   [&](int64_t a, int64_t b) { return new_score(a) > new_score(b); });
   // merge, a candidate first on equal scores; count the new ids among the first k
   int64_t taken_rows = 0, taken_new = 0;
   while (taken_rows + taken_new < k) {
     if (taken_new < news &&
-        (taken_rows == k || new_scores[order[taken_new]] > row_scores[candidates[taken_rows]]))
+        (taken_rows == k || new_score(order[taken_new]) > row_score(candidates[taken_rows])))
       ++taken_new;
     else
       ++taken_rows;
@@ -213,7 +218,111 @@ extern "C" int rs_mc_contest(int64_t slots, const double* row_scores, const int6
     lose[i] = candidates[taken_rows + i];
     win[i] = order[i];
   }
-  *pairs = taken_new;
+  return taken_new;
+}
+
+}  // namespace
+
+// `contest` over score arrays: `row_scores[slots]`, `new_scores[news]`; `pairs` its count.
+extern "C" int rs_mc_contest(int64_t slots, const double* row_scores, const int64_t* held,
+                             int64_t news, const double* new_scores, int64_t* lose, int64_t* win,
+                             int64_t* pairs) {
+  if (slots < 0 || news < 0) return ERR_ARGUMENT;
+  *pairs = contest(
+      slots, [&](int64_t r) { return row_scores[r]; }, held, news,
+      [&](int64_t i) { return new_scores[i]; }, lose, win);
+  return 0;
+}
+
+// A whole LFU eviction of one module without a threshold filter (MCHManagedCollisionModule.
+// _coalesce_and_evict's result): the `count` ids seen since the last one are coalesced (a hash,
+// not a sort); those held add their counts to their rows' (`counts[row_count]`, in place); the
+// others compete, bucket by bucket (local bucket = id % buckets - first_bucket, its rows
+// [bucket_starts[b], bucket_starts[b + 1] - 1): the last is its reserved row), in id order, with
+// their counts as scores (`contest`). Each row changing hands gets its new id in `raw_ids`
+// (INT64_MAX = free) and `counts`, and in the index (log2/keys/rows, `held` ids, rows global:
+// local + row_offset). Writes the global rows that changed hands to `changed[count]` (bucket by
+// bucket, in rank order) and stats = {rows changed, ids that lost their row}.
+extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64_t held,
+                               int64_t count, const int64_t* ids, int64_t row_count,
+                               int64_t* raw_ids, int64_t* counts, int64_t held_buckets,
+                               const int64_t* bucket_starts, int64_t buckets,
+                               int64_t first_bucket, int64_t row_offset, int64_t* changed,
+                               int64_t* stats) {
+  if (!valid_log2(log2) || held < 0 || held > row_count || count < 0 || row_count < 0 ||
+      2 * row_count > (int64_t(1) << log2) || held_buckets < 0 || buckets < 1 ||
+      first_bucket < 0 || first_bucket + held_buckets > buckets || bucket_starts[0] != 0 ||
+      bucket_starts[held_buckets] != row_count)
+    return ERR_ARGUMENT;
+  for (int64_t b = 0; b < held_buckets; ++b)
+    if (bucket_starts[b + 1] - bucket_starts[b] < 1) return ERR_ARGUMENT;
+  stats[0] = stats[1] = 0;
+  Index index(keys, rows, log2);
+  // coalesce: each distinct id and how often it was seen
+  int64_t seen_log2 = 1;
+  while ((int64_t(1) << seen_log2) < 2 * count) ++seen_log2;
+  std::vector<int64_t> seen_keys(size_t(1) << seen_log2, EMPTY), seen_rows(size_t(1) << seen_log2);
+  Index seen(seen_keys.data(), seen_rows.data(), seen_log2);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t id = ids[i];
+    if (id < 0) return ERR_ID;
+    const int64_t bucket = id % buckets - first_bucket;
+    if (bucket < 0 || bucket >= held_buckets) return ERR_BUCKET;
+    uint64_t at = seen.home(id);
+    while (seen_keys[at] != EMPTY && seen_keys[at] != id) at = (at + 1) & seen.mask;
+    if (seen_keys[at] == EMPTY) {
+      seen_keys[at] = id;
+      seen_rows[at] = 0;
+    }
+    ++seen_rows[at];
+  }
+  // held ids count up their rows; the others compete: (bucket, id, count), sorted
+  struct New {
+    int64_t bucket, id, count;
+  };
+  std::vector<New> news;
+  for (size_t at = 0; at < seen_keys.size(); ++at) {
+    const int64_t id = seen_keys[at];
+    if (id == EMPTY) continue;
+    const int64_t slot = index.slot(id);
+    if (slot >= 0) {
+      const int64_t row = rows[slot] - row_offset;
+      if (row < 0 || row >= row_count || raw_ids[row] != id) return ERR_ARGUMENT;
+      counts[row] += seen_rows[at];
+    } else {
+      news.push_back({id % buckets - first_bucket, id, seen_rows[at]});
+    }
+  }
+  std::sort(news.begin(), news.end(), [](const New& a, const New& b) {
+    return a.bucket != b.bucket ? a.bucket < b.bucket : a.id < b.id;
+  });
+  std::vector<int64_t> lose(news.size()), win(news.size());
+  int64_t changes = 0, evicted = 0;
+  for (size_t first = 0, last = 0; first < news.size(); first = last) {
+    const int64_t bucket = news[first].bucket;
+    while (last < news.size() && news[last].bucket == bucket) ++last;
+    const int64_t start = bucket_starts[bucket];
+    const int64_t slots = bucket_starts[bucket + 1] - 1 - start;
+    const New* mine = news.data() + first;
+    const int64_t pairs = contest(
+        slots, [&](int64_t r) { return double(counts[start + r]); }, raw_ids + start,
+        int64_t(last - first), [&](int64_t i) { return double(mine[i].count); }, lose.data(),
+        win.data());
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t row = start + lose[p];
+      if (raw_ids[row] != FREE_ID) {
+        if (int code = index.erase(raw_ids[row])) return code;
+        ++evicted;
+      }
+      const New& winner = mine[win[p]];
+      if (int code = index.insert(winner.id, row + row_offset)) return code;
+      raw_ids[row] = winner.id;
+      counts[row] = winner.count;
+      changed[changes++] = row + row_offset;
+    }
+  }
+  stats[0] = changes;
+  stats[1] = evicted;
   return 0;
 }
 

@@ -1,0 +1,120 @@
+"""A whole LFU eviction in one C++ call (`NativeIdIndex.evict_lfu`, taken by
+`MCHManagedCollisionModule` after `use_kernels` when its policy is LFU without a threshold
+filter) against the module's torch path: after every step of many, with small buckets (ties,
+free rows, more new ids than rows), a slice of the buckets and hits, the same ids hold the same
+rows with the same counts, the same rows are handed to the embedding module, the same counters;
+and the buffers it refuses."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import pytest
+import torch
+
+from recshard.distributed import mc_native
+from recshard.modules.mc_eviction import DistanceLFU_EvictionPolicy, average_threshold_filter
+from recshard.modules.mc_modules import LFU_EvictionPolicy, MCHManagedCollisionModule
+from recshard.sparse import JaggedTensor
+
+pytestmark = pytest.mark.skipif(
+    not mc_native.available(), reason="recshard.distributed._mc_index is not built"
+)
+
+
+def _module(
+    zch: int, buckets: int, bucket_range: Tuple[int, int] | None, interval: int, native: bool
+) -> MCHManagedCollisionModule:
+    module = MCHManagedCollisionModule(
+        zch,
+        "cpu",
+        LFU_EvictionPolicy(),
+        interval,
+        2**40,
+        buckets=buckets,
+        bucket_range=bucket_range,
+    )
+    if native:
+        module.use_kernels(mc_native.NativeIdIndex(), mc_native.native_contest)
+        assert module._lfu_index is not None  # the one-call eviction is the path under test
+    return module
+
+
+@pytest.mark.parametrize(
+    "zch, buckets, bucket_range, interval",
+    [(40, 1, None, 1), (60, 4, None, 3), (90, 6, (2, 5), 2), (8, 8, None, 1), (2000, 3, None, 2)],
+)
+@pytest.mark.parametrize("seed", range(3))
+def test_one_call_lfu_eviction_matches_the_torch_path(
+    zch: int, buckets: int, bucket_range: Tuple[int, int] | None, interval: int, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    native = _module(zch, buckets, bucket_range, interval, True)
+    reference = _module(zch, buckets, bucket_range, interval, False)
+    first, last = bucket_range or (0, buckets)
+    universe = torch.arange(4 * zch + 50)
+    universe = universe[(universe % buckets >= first) & (universe % buckets < last)]
+    for step in range(12):
+        # skewed draws from a small universe: repeats, hits, ties among counts
+        weights = 1.0 / (torch.arange(universe.numel()) + 1.0) ** (0.5 + 0.1 * seed)
+        n = int(torch.randint(0, 3 * zch, (1,), generator=gen))
+        ids = universe[torch.multinomial(weights, max(n, 1), replacement=True, generator=gen)][:n]
+        features = {"f": JaggedTensor(ids, lengths=torch.tensor([n]))}
+        got, want = native(features)["f"].values(), reference(features)["f"].values()
+        assert torch.equal(got, want), f"step {step}: remapped rows differ"
+        assert torch.equal(native._mch_raw_ids, reference._mch_raw_ids), f"step {step}: ids"
+        assert torch.equal(native._mch_counts, reference._mch_counts), f"step {step}: counts"
+        evicted, want_evicted = native.evict(), reference.evict()
+        assert (evicted is None) == (want_evicted is None), f"step {step}: evicted rows"
+        if evicted is not None:
+            assert evicted.tolist() == want_evicted.tolist(), f"step {step}: evicted rows"
+        assert native.metrics(reset=False) == reference.metrics(reset=False), f"step {step}"
+        assert native.history_length() == reference.history_length()
+    # the index still answers every id as the rows say
+    native.validate_state()
+    again = native({"f": JaggedTensor(universe, lengths=torch.tensor([universe.numel()]))})
+    assert torch.equal(
+        again["f"].values(),
+        reference({"f": JaggedTensor(universe, lengths=torch.tensor([universe.numel()]))})[
+            "f"
+        ].values(),
+    )
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        LFU_EvictionPolicy(threshold_filtering_func=average_threshold_filter),
+        DistanceLFU_EvictionPolicy(),
+    ],
+)
+def test_other_policies_keep_the_torch_eviction(policy: object) -> None:
+    module = MCHManagedCollisionModule(10, "cpu", policy, 1, 2**40)  # type: ignore[arg-type]
+    module.use_kernels(mc_native.NativeIdIndex(), mc_native.native_contest)
+    assert module._lfu_index is None
+
+
+def test_one_call_eviction_refuses_what_would_break_it() -> None:
+    index = mc_native.NativeIdIndex()
+    raw_ids = torch.full((6,), 2**63 - 1, dtype=torch.int64)
+    index.rebuild(raw_ids, 0)
+    counts = torch.zeros(6, dtype=torch.int64)
+    starts = torch.tensor([0, 3, 6])
+    ids = torch.tensor([4, 5, 4])
+    with pytest.raises(ValueError, match="counts must have 6 elements"):
+        index.evict_lfu(ids, raw_ids, counts[:5], starts, 2, 0, 0)
+    with pytest.raises(ValueError, match="ids seen must be a contiguous 1-D torch.int64"):
+        index.evict_lfu(ids.int(), raw_ids, counts, starts, 2, 0, 0)
+    with pytest.raises(RuntimeError, match="arguments the library refused"):
+        index.evict_lfu(ids, raw_ids, counts, torch.tensor([0, 3, 5]), 2, 0, 0)
+    with pytest.raises(RuntimeError, match="not holding its bucket"):  # id 4: bucket 0
+        index.evict_lfu(ids, raw_ids[:3], counts[:3], starts[:2].clone(), 2, 1, 0)
+    rows, evicted = index.evict_lfu(ids, raw_ids, counts, starts, 2, 0, 0)
+    # bucket 0 (rows 0, 1; row 2 reserved): id 4, seen twice, gets the lowest ranked free row,
+    # the last; bucket 1: id 5 gets row 4
+    free = 2**63 - 1
+    assert rows.tolist() == [1, 4] and evicted == 0
+    assert raw_ids.tolist() == [free, 4, free, free, 5, free]
+    assert counts.tolist() == [0, 2, 0, 0, 1, 0]
+    assert len(index) == 2
+    assert index.find(torch.tensor([4, 5, 6]))[1].tolist()[:2] == [1, 4]
