@@ -51,6 +51,8 @@ HOST_ONLY = {
     "distributed/mc_native.py": "managed collision's C++ path runs on the CPU only",
     "lookup/huge_pages.py": "CPU buffers on transparent huge pages",
     "lookup/key_value.py": "key-value tables run on the CPU only (the kernel refuses others)",
+    "lookup/key_value_cache.py": "the key-value tables' row cache (CPU only)",
+    "lookup/native_row_cache.py": "the key-value row cache's C++ books (CPU only)",
     "lookup/row_store.py": "rows in files mapped from storage",
 }
 
