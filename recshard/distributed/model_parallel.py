@@ -71,12 +71,14 @@ class DataParallelWrapper(abc.ABC):
 
 
 class DefaultDataParallelWrapper(DataParallelWrapper):
-    """Wraps the sharded model in DDP (gloo on CPU, NCCL on GPU: the process group's backend)."""
+    """Wraps the sharded model in DDP (gloo on CPU, NCCL on GPU: the process group's backend)
+    as TorchRec's wrapper does: a static graph by default, gradients as views of DDP's buckets
+    (no copy into the bucket and back each step) and no broadcast of buffers each forward."""
 
     def __init__(
         self,
         bucket_cap_mb: int = 25,
-        static_graph: bool = False,
+        static_graph: bool = True,
         find_unused_parameters: bool = False,
     ) -> None:
         self._kwargs = dict(
@@ -109,6 +111,8 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
             module,
             device_ids=None if device.type == "cpu" else [device],
             process_group=env.pg,
+            gradient_as_bucket_view=True,
+            broadcast_buffers=False,
             **self._kwargs,
         )
 

@@ -85,7 +85,9 @@ def _raise_on_huge_dense(_module: Any, args: Tuple[torch.Tensor, ...]) -> None:
 
 def forward_raises(rank: int, ws: int, bad: Tuple[int, ...]) -> Dict[str, Any]:
     """Every rank's forward raises on the bad batches in the dense layer that runs before the
-    sharded modules, with the batch's input dist already done and the next one's in flight."""
+    sharded modules, with the batch's input dist done, its lookups and output dists started
+    before the forward (they must be finished, not left in flight) and the next batch's input
+    dist in flight."""
     batches = [batch_for(s, rank, ws) for s in range(STEPS)]
     for batch in batches:
         if batch.index in bad:

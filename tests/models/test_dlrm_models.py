@@ -69,6 +69,27 @@ def test_interaction_is_dense_then_upper_triangle_of_dots() -> None:
     torch.testing.assert_close(InteractionArch(0)(dense, sparse[:, :0]), dense)
 
 
+def test_interaction_gather_gives_the_bits_of_row_column_indexing() -> None:
+    """The triangle read at flat positions equals `gram[:, rows, cols]` (TorchRec's indexing)
+    bit for bit, forward and backward (the backward adds each gradient into zeros either way)."""
+    torch.manual_seed(0)
+    features = 26
+    dense = torch.randn(64, 16, requires_grad=True)
+    sparse = torch.randn(64, features, 16, requires_grad=True)
+    out = InteractionArch(features)(dense, sparse)
+    rows, cols = torch.triu_indices(features + 1, features + 1, 1)
+    dense_ref = dense.detach().clone().requires_grad_()
+    sparse_ref = sparse.detach().clone().requires_grad_()
+    vectors = torch.cat([dense_ref.unsqueeze(1), sparse_ref], dim=1)
+    gram = torch.bmm(vectors, vectors.transpose(1, 2))
+    ref = torch.cat([dense_ref, gram[:, rows, cols]], dim=1)
+    assert torch.equal(out, ref)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    assert torch.equal(dense.grad, dense_ref.grad) and torch.equal(sparse.grad, sparse_ref.grad)
+
+
 def test_dcn_interaction_runs_the_crossnet_on_the_concatenation() -> None:
     torch.manual_seed(0)
     crossnet = LowRankCrossNet(4 * DIM, num_layers=2, low_rank=3)
@@ -164,6 +185,7 @@ def test_dot_interaction_materializes_its_indices_from_meta() -> None:
     arch.to_empty(device="cpu")
     arch.reset_parameters()
     torch.testing.assert_close(arch.triu_indices, torch.triu_indices(4, 4, 1))
+    torch.testing.assert_close(arch.triu_positions, torch.tensor([1, 2, 3, 6, 7, 11]))
 
 
 def test_bad_arguments_are_named() -> None:

@@ -19,7 +19,9 @@ tensors exchange during backward) and batch i+2 is being copied to the device:
     progress(i):  zero_grad
                   start input dist of i+1 (splits exchange)   <- pre-started, async
                   fetch + copy batch i+2                        <- memcpy stream
-                  forward(i)  (sharded modules take batch i's finished input dist)
+                  lookup(i), output dist(i) started             <- before the model's forward
+                  forward(i)  (sharded modules return batch i's output dist, which was on
+                               the wire while the dense layers before them ran)
                   first wait of i+1's input dist (tensors exchange starts)
                   backward(i), optimizer.step()
 
@@ -69,6 +71,7 @@ from recshard.distributed.train_pipeline.utils import (
     TrainPipelineContext,
     new_stream,
     stream_context,
+    take_routed_input,
     to_device,
     wait_for_batch,
 )
@@ -237,6 +240,14 @@ class TrainPipelineBase(TrainPipeline[In, Out]):
         return output
 
 
+def _finish_unused_outputs(context: TrainPipelineContext) -> None:
+    """Output dists started for modules the forward did not call (or raised before calling):
+    finished, so that no collective of the batch is left in flight."""
+    while context.output_requests:
+        _, request = context.output_requests.popitem()
+        request.wait()
+
+
 class TrainPipelineSparseDist(TrainPipeline[In, Out]):
     """Overlaps the input dist (both all-to-all stages) of batch i+1 and the copy of batch i+2
     with forward / backward / optimizer step of batch i. See the module docstring for the order.
@@ -253,6 +264,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
     """
 
     _run_backward = True
+    _output_dist_first = True  # see _start_output_dists
     _pipelined_forward_type: Type[PipelinedForward] = PipelinedForward
     _context_type: Type[TrainPipelineContext] = TrainPipelineContext
 
@@ -394,9 +406,23 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         self._slot.context = context
         try:
             with contextlib.nullcontext() if training else torch.no_grad():
+                if self._output_dist_first:
+                    self._start_output_dists(context)
                 return _split_result(self._model_fwd(batch))
         finally:
             self._slot.context = None
+            _finish_unused_outputs(context)
+
+    def _start_output_dists(self, context: TrainPipelineContext) -> None:
+        """Every pipelined module's lookup and output dist of this batch, before the model's
+        forward: the output all-to-all is on the wire while the dense layers computed before the
+        sharded module run (the same values: the lookup reads the weights the last step left)."""
+        for spec in self._specs:
+            if spec.name in context.tensors_requests or spec.name in context.splits_requests:
+                data, module_ctx = take_routed_input(context, spec.name, self._data_dist_stream)
+                context.output_requests[spec.name] = spec.module.compute_and_output_dist(
+                    module_ctx, data
+                )
 
     def _during_backward(self, following: TrainPipelineContext | None) -> ContextManager[Any]:
         """What runs beside batch i's backward and optimizer step, given batch i+1's context

@@ -113,6 +113,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     """
 
     _pipelined_forward_type = EmbeddingPipelinedForward
+    _output_dist_first = False  # its lookups start a step ahead, on their own schedule
     _context_type = EmbeddingTrainPipelineContext
 
     def __init__(

@@ -85,6 +85,8 @@ class TrainPipelineContext:
     by the module's pipelined forward. `has_batch`: every rank's vote that it has this batch.
     `dist_started`: its input dist was started; `input_error`: what its input dist raised
     (a rejected batch), raised by the step of this batch instead of the step before it.
+    `output_requests[name]`: the module's lookup done and output dist in flight, started before
+    the model's forward; its pipelined forward returns it.
     """
 
     index: int
@@ -92,6 +94,7 @@ class TrainPipelineContext:
     module_contexts: Dict[str, Any] = field(default_factory=dict)
     splits_requests: Dict[str, Awaitable[Awaitable[Any]]] = field(default_factory=dict)
     tensors_requests: Dict[str, Awaitable[Any]] = field(default_factory=dict)
+    output_requests: Dict[str, Any] = field(default_factory=dict)
     dist_started: bool = False
     input_error: Exception | None = None
 
@@ -126,7 +129,8 @@ class PipelinedForward:
     """Replaces a sharded module's `forward` while a pipeline feeds it.
 
     Inside the pipeline's forward of batch i it ignores the arguments (the same batch fields,
-    already routed) and takes batch i's input dist, started a step earlier: it waits for the
+    already routed) and returns batch i's output dist if the pipeline started it before the
+    forward; else it takes batch i's input dist, started a step earlier: it waits for the
     tensors exchange on the data-dist stream, hands the result to the current stream, and runs
     `compute_and_output_dist`. Called anywhere else (a plain `model(batch)` outside the pipeline,
     or a second call in one forward) it runs the module's ordinary forward.
@@ -146,6 +150,8 @@ class PipelinedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ctx = self._slot.context
+        if ctx is not None and self._name in ctx.output_requests:
+            return ctx.output_requests.pop(self._name)
         if ctx is None or (
             self._name not in ctx.tensors_requests and self._name not in ctx.splits_requests
         ):

@@ -155,39 +155,42 @@ int64_t forward_impl(const float* weights, const Layout& l, const Index* indices
 }
 
 // Scratch reused across calls (per thread): no per-step allocation of id-sized buffers.
+// `pairs`: one (key << 32 | value) per id, sorted by key.
 struct Scratch {
-  std::vector<uint32_t> keys, keys_tmp, values, values_tmp, grad_at, bag_of;
+  std::vector<uint64_t> pairs, pairs_tmp;
+  std::vector<uint32_t> grad_at, bag_of;
 };
 thread_local Scratch scratch;
 
-// LSD radix sort of (keys, values) by key, 11-bit digits over the bits `max_key` needs; stable.
+inline uint32_t key_of(uint64_t pair) { return uint32_t(pair >> 32); }
+inline uint32_t value_of(uint64_t pair) { return uint32_t(pair); }
+
+// Stable LSD radix sort of `scratch.pairs` by key, 11-bit digits over the bits `max_key` needs;
+// every digit's histogram is counted in one pass over the keys, then one scatter per digit.
 void radix_sort(uint32_t max_key, int64_t n) {
+  constexpr int kBits = 11, kBuckets = 1 << kBits, kMaxDigits = (32 + kBits - 1) / kBits;
   auto& s = scratch;
-  int bits = 0;
-  while (bits < 32 && (uint64_t(max_key) >> bits)) bits += 11;
-  uint32_t *k = s.keys.data(), *kt = s.keys_tmp.data(), *v = s.values.data(),
-           *vt = s.values_tmp.data();
-  for (int shift = 0; shift < bits; shift += 11) {
-    int64_t count[2048] = {0};
-    for (int64_t i = 0; i < n; ++i) ++count[(k[i] >> shift) & 2047];
+  int digits = 0;
+  while (digits < kMaxDigits && (uint64_t(max_key) >> (kBits * digits))) ++digits;
+  std::vector<int64_t> count(size_t(digits) * kBuckets, 0);
+  uint64_t *p = s.pairs.data(), *pt = s.pairs_tmp.data();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t key = key_of(p[i]);
+    for (int d = 0; d < digits; ++d) ++count[d * kBuckets + ((key >> (kBits * d)) & (kBuckets - 1))];
+  }
+  for (int d = 0; d < digits; ++d) {
+    int64_t* at = count.data() + d * kBuckets;
     int64_t sum = 0;
-    for (int i = 0; i < 2048; ++i) {
-      const int64_t c = count[i];
-      count[i] = sum;
+    for (int i = 0; i < kBuckets; ++i) {
+      const int64_t c = at[i];
+      at[i] = sum;
       sum += c;
     }
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t at = count[(k[i] >> shift) & 2047]++;
-      kt[at] = k[i];
-      vt[at] = v[i];
-    }
-    std::swap(k, kt);
-    std::swap(v, vt);
+    const int shift = 32 + kBits * d;
+    for (int64_t i = 0; i < n; ++i) pt[at[(p[i] >> shift) & (kBuckets - 1)]++] = p[i];
+    std::swap(p, pt);
   }
-  if (k != s.keys.data()) {
-    std::memcpy(s.keys.data(), k, n * sizeof(uint32_t));
-    std::memcpy(s.values.data(), v, n * sizeof(uint32_t));
-  }
+  if (p != s.pairs.data()) std::memcpy(s.pairs.data(), p, n * sizeof(uint64_t));
 }
 
 // Keys: each id's global row. Values: where its bag's output-gradient row starts (a float
@@ -197,13 +200,15 @@ void radix_sort(uint32_t max_key, int64_t n) {
 template <bool kByPosition, typename Index, typename Offset>
 int64_t sort_ids(const Layout& l, const Index* indices, const Offset* offsets, int64_t n) {
   auto& s = scratch;
-  if (int64_t(s.keys.size()) < n) {
-    for (auto* v : {&s.keys, &s.keys_tmp, &s.values, &s.values_tmp, &s.grad_at, &s.bag_of}) {
-      v->resize(n);
-    }
+  if (int64_t(s.pairs.size()) < n) {
+    s.pairs.resize(n);
+    s.pairs_tmp.resize(n);
   }
-  uint32_t* __restrict keys = s.keys.data();
-  uint32_t* __restrict values = s.values.data();
+  if (kByPosition && int64_t(s.grad_at.size()) < n) {
+    s.grad_at.resize(n);
+    s.bag_of.resize(n);
+  }
+  uint64_t* __restrict pairs = s.pairs.data();
   uint32_t* __restrict grad_at = s.grad_at.data();
   uint32_t* __restrict bag_of = s.bag_of.data();
   for (int64_t f = 0; f < l.features; ++f) {
@@ -215,13 +220,13 @@ int64_t sort_ids(const Layout& l, const Index* indices, const Offset* offsets, i
       const uint32_t at = uint32_t(b * l.width + l.feature_column[f]);
       for (int64_t p = offsets[bag]; p < offsets[bag + 1]; ++p) {
         if (uint64_t(indices[p]) >= rows) return p;
-        keys[p] = start + uint32_t(indices[p]);
+        const uint64_t key = uint64_t(start + uint32_t(indices[p])) << 32;
         if (kByPosition) {
-          values[p] = uint32_t(p);
+          pairs[p] = key | uint32_t(p);
           grad_at[p] = at;
           bag_of[p] = uint32_t(bag);
         } else {
-          values[p] = at;
+          pairs[p] = key | at;
         }
       }
     }
@@ -229,6 +234,65 @@ int64_t sort_ids(const Layout& l, const Index* indices, const Offset* offsets, i
   radix_sort(uint32_t(l.row_start[l.tables] - 1), n);
   return -1;
 }
+
+// One distinct row's gradient sum. kDim > 0 (a multiple of 8): in registers, as 8-float
+// vectors; kDim == 0: `dim` floats in memory. Either way float d adds its terms in order
+// (`a[d] += scale * g[d]`), and `square_sum` adds `a[d] * a[d]` for d = 0, 1, ... in order,
+// so both give the same bits.
+template <int kDim>
+struct RowSum {
+  static constexpr int kVecs = kDim / 8;
+  Vec8 acc[kVecs];
+  explicit RowSum(int64_t) {}
+  void zero() {
+#pragma GCC unroll 16
+    for (int v = 0; v < kVecs; ++v) acc[v] = Vec8{};
+  }
+  void add(float scale, const float* __restrict g) {
+#pragma GCC unroll 16
+    for (int v = 0; v < kVecs; ++v) {
+      Vec8 r;
+      std::memcpy(&r, g + 8 * v, sizeof r);
+      acc[v] += scale * r;
+    }
+  }
+  float square_sum() const {
+    float sum = 0.f;
+#pragma GCC unroll 16
+    for (int v = 0; v < kVecs; ++v) {
+      const Vec8 squares = acc[v] * acc[v];
+      for (int lane = 0; lane < 8; ++lane) sum += squares[lane];
+    }
+    return sum;
+  }
+  void apply(float* __restrict w, float multiplier) const {  // w -= multiplier * sum
+#pragma GCC unroll 16
+    for (int v = 0; v < kVecs; ++v) {
+      Vec8 r;
+      std::memcpy(&r, w + 8 * v, sizeof r);
+      r -= multiplier * acc[v];
+      std::memcpy(w + 8 * v, &r, sizeof r);
+    }
+  }
+};
+
+template <>
+struct RowSum<0> {
+  std::vector<float> a;
+  explicit RowSum(int64_t dim) : a(dim) {}
+  void zero() { std::fill(a.begin(), a.end(), 0.f); }
+  void add(float scale, const float* __restrict g) {
+    for (size_t d = 0; d < a.size(); ++d) a[d] += scale * g[d];
+  }
+  float square_sum() const {
+    float sum = 0.f;
+    for (const float x : a) sum += x * x;
+    return sum;
+  }
+  void apply(float* __restrict w, float multiplier) const {
+    for (size_t d = 0; d < a.size(); ++d) w[d] -= multiplier * a[d];
+  }
+};
 
 // The sorted ids [begin, end) of one table: its rows start at `table` (global row `first`).
 // kRowwise: row-wise Adagrad (`momentum` [all rows]), else SGD (`momentum` unused).
@@ -239,31 +303,30 @@ RS_CLONES void update_table(float* table, float* momentum, int64_t first, int64_
                             float lr, float eps, float* per_sample_grad) {
   const int64_t dim = kDim ? kDim : dim_arg;
   const auto& s = scratch;
-  const uint32_t* keys = s.keys.data();
-  const uint32_t* values = s.values.data();
+  const uint64_t* pairs = s.pairs.data();
   const uint32_t* grad_at = s.grad_at.data();
   const uint32_t* bag_of = s.bag_of.data();
-  std::vector<float> acc(dim);
-  float* __restrict a = acc.data();
+  RowSum<kDim> sum(dim);
   auto grad_row = [&](int64_t j) {
-    return grad + (kByPosition ? grad_at[values[j]] : values[j]);
+    return grad + (kByPosition ? grad_at[value_of(pairs[j])] : value_of(pairs[j]));
   };
   int64_t i = begin;
   while (i < end) {
-    const uint32_t key = keys[i];
+    const uint32_t key = key_of(pairs[i]);
     float* __restrict w = table + (int64_t(key) - first) * dim;
-    for (int64_t d = 0; d < dim; ++d) a[d] = 0.f;
+    sum.zero();
     int64_t j = i;
-    for (; j < end && keys[j] == key; ++j) {
+    for (; j < end && key_of(pairs[j]) == key; ++j) {
       if (j + kPrefetch < end) prefetch_row(grad_row(j + kPrefetch), dim);
-      if (j + kPrefetchUpdate < end && keys[j + kPrefetchUpdate] != keys[j + kPrefetchUpdate - 1]) {
-        prefetch_row_for_write(table + (int64_t(keys[j + kPrefetchUpdate]) - first) * dim, dim);
-        if (kRowwise) __builtin_prefetch(momentum + keys[j + kPrefetchUpdate], 1, 3);
+      const int64_t ahead = j + kPrefetchUpdate;
+      if (ahead < end && key_of(pairs[ahead]) != key_of(pairs[ahead - 1])) {
+        prefetch_row_for_write(table + (int64_t(key_of(pairs[ahead])) - first) * dim, dim);
+        if (kRowwise) __builtin_prefetch(momentum + key_of(pairs[ahead]), 1, 3);
       }
       const float* __restrict go = grad_row(j);
       float scale = 1.f;
       if (kByPosition) {
-        const uint32_t p = values[j];
+        const uint32_t p = value_of(pairs[j]);
         if (mean) {
           const uint32_t bag = bag_of[p];
           scale = 1.f / float(int64_t(offsets[bag + 1]) - int64_t(offsets[bag]));
@@ -275,17 +338,15 @@ RS_CLONES void update_table(float* table, float* momentum, int64_t first, int64_
         }
         if (per_sample_weights) scale *= per_sample_weights[p];
       }
-      for (int64_t d = 0; d < dim; ++d) a[d] += scale * go[d];
+      sum.add(scale, go);
     }
     float multiplier = lr;
     if (kRowwise) {
-      float square_sum = 0.f;
-      for (int64_t d = 0; d < dim; ++d) square_sum += a[d] * a[d];
-      const float m = momentum[key] + square_sum / float(dim);
+      const float m = momentum[key] + sum.square_sum() / float(dim);
       momentum[key] = m;
       multiplier = lr / (std::sqrt(m) + eps);
     }
-    for (int64_t d = 0; d < dim; ++d) w[d] -= multiplier * a[d];
+    sum.apply(w, multiplier);
     i = j;
   }
 }
@@ -296,11 +357,11 @@ int64_t backward_sorted(float* weights, float* momentum, const Layout& l, const 
                      const float* grad, float lr, float eps, float* per_sample_grad, int64_t n) {
   const int64_t bad = sort_ids<kByPosition>(l, indices, offsets, n);
   if (bad >= 0) return bad;  // before any update
-  const uint32_t* keys = scratch.keys.data();
+  const uint64_t* pairs = scratch.pairs.data();
   int64_t begin = 0;
   for (int64_t t = 0; t < l.tables && begin < n; ++t) {  // tables' rows ascend with t
-    const int64_t end =
-        std::lower_bound(keys + begin, keys + n, uint64_t(l.row_start[t + 1])) - keys;
+    const uint64_t next_table = uint64_t(l.row_start[t + 1]) << 32;  // its first (key, 0)
+    const int64_t end = std::lower_bound(pairs + begin, pairs + n, next_table) - pairs;
     if (end == begin) continue;
     float* table = weights + l.weight_start[t];
     const int64_t first = l.row_start[t], dim = l.table_dim[t];
