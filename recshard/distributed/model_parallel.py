@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import inspect
 from typing import Any, Dict, Iterator, List, Set, Tuple
 
 import torch
@@ -112,9 +113,19 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
             device_ids=None if device.type == "cpu" else [device],
             process_group=env.pg,
             gradient_as_bucket_view=True,
-            broadcast_buffers=False,
+            **_NO_FORWARD_BUFFER_SYNC,
             **self._kwargs,
         )
+
+
+# No buffer broadcast before every forward (TorchRec's `broadcast_buffers=False`); torch
+# versions that deprecate that name (with a warning on every wrap) take `forward_sync_buffers`,
+# which still syncs the buffers once at construction.
+_NO_FORWARD_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def move_unsharded(module: nn.Module, device: torch.device) -> None:
