@@ -17,6 +17,7 @@ from recshard.lookup import native_library, native_row_cache
 from recshard.lookup.key_value_cache import CacheOverflowError, RowCache
 from recshard.lookup.native_row_cache import CacheArrays
 from recshard.lookup.row_store import RowStore, StoreIdentity
+from tests.lookup.native_missing import take_library_away
 
 ROWS, WIDTH, CAPACITY = 400, 3, 40
 
@@ -179,17 +180,7 @@ def test_missing_library_warns_once_and_torch_keeps_the_books(
     monkeypatch,  # noqa: ANN001
     caplog,  # noqa: ANN001
 ) -> None:
-    find_spec = native_library.importlib.util.find_spec
-    monkeypatch.setattr(
-        native_library.importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "recshard.lookup._row_cache" else find_spec(name, *a),
-    )
-    shipped = native_row_cache._LIBRARY
-    fresh = native_library.NativeLibrary(  # not loaded yet in this process: it warns once
-        shipped.module, shipped.what, shipped.fallback, shipped.declare
-    )
-    monkeypatch.setattr(native_row_cache, "_LIBRARY", fresh)
+    take_library_away(monkeypatch, native_row_cache, "recshard.lookup._row_cache")
     with caplog.at_level("WARNING", logger=native_library.__name__):
         for i in range(2):
             store = RowStore(str(tmp_path), StoreIdentity(f"t{i}", ROWS, WIDTH, 0, 0, {"w": WIDTH}))

@@ -11,6 +11,7 @@ import torch
 
 from recshard.lookup import native_library, native_row_io
 from recshard.lookup.row_store import RowStore, StoreIdentity
+from tests.lookup.native_missing import take_library_away
 
 ROWS, WIDTH = 3000, 5
 
@@ -132,17 +133,7 @@ def test_missing_library_warns_once_and_python_moves_the_rows(
     monkeypatch,  # noqa: ANN001
     caplog,  # noqa: ANN001
 ) -> None:
-    find_spec = native_library.importlib.util.find_spec
-    monkeypatch.setattr(
-        native_library.importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "recshard.lookup._row_io" else find_spec(name, *a),
-    )
-    shipped = native_row_io._LIBRARY
-    fresh = native_library.NativeLibrary(  # not loaded yet in this process: it warns once
-        shipped.module, shipped.what, shipped.fallback, shipped.declare
-    )
-    monkeypatch.setattr(native_row_io, "_LIBRARY", fresh)
+    take_library_away(monkeypatch, native_row_io, "recshard.lookup._row_io")
     with caplog.at_level("WARNING", logger=native_library.__name__):
         store = _store(str(tmp_path))
         store.write("weight", torch.tensor([2, 9]), torch.ones(2, WIDTH))
