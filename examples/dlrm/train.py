@@ -136,12 +136,8 @@ def build_training(
     )
     # DDP re-lays its gradient buckets after the first step, which changes the order gloo sums
     # them in; a resumed run would sum its first step differently from the uninterrupted one.
-    # With checkpoints, keep the first layout (a dynamic graph with find_unused_parameters
-    # skips the re-layout).
-    resumable = args.checkpoint_dir is not None
-    wrapper = DefaultDataParallelWrapper(
-        static_graph=not resumable, find_unused_parameters=resumable
-    )
+    # With checkpoints, keep the first layout (find_unused_parameters skips the re-layout).
+    wrapper = DefaultDataParallelWrapper(find_unused_parameters=args.checkpoint_dir is not None)
     dmp = DistributedModelParallel(
         model,
         device=device,

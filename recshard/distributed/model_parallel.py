@@ -73,13 +73,14 @@ class DataParallelWrapper(abc.ABC):
 
 class DefaultDataParallelWrapper(DataParallelWrapper):
     """Wraps the sharded model in DDP (gloo on CPU, NCCL on GPU: the process group's backend)
-    as TorchRec's wrapper does: a static graph by default, gradients as views of DDP's buckets
-    (no copy into the bucket and back each step) and no broadcast of buffers each forward."""
+    as TorchRec's wrapper does (gradients as views of DDP's buckets, no broadcast of buffers
+    each forward), but with a dynamic graph by default: TorchRec's `static_graph=True` gave
+    wrong position-weight gradients in a sharded FP-EBC (docs/porting.md)."""
 
     def __init__(
         self,
         bucket_cap_mb: int = 25,
-        static_graph: bool = True,
+        static_graph: bool = False,
         find_unused_parameters: bool = False,
     ) -> None:
         self._kwargs = dict(
