@@ -28,7 +28,10 @@ from torch.nn.parallel import DistributedDataParallel
 from recshard.comm.pg import destroy_groups_at_exit, warn_if_default_timeout
 from recshard.distributed.embedding import EmbeddingCollectionSharder
 from recshard.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from recshard.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+from recshard.distributed.fp_embeddingbag import (
+    FeatureProcessedEmbeddingBagCollectionSharder,
+    ShardedFeatureProcessedEmbeddingBagCollection,
+)
 from recshard.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from recshard.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from recshard.distributed.plan_agreement import check_ranks_agree, describe
@@ -94,6 +97,7 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
         rank); parameters of sharded modules and tensor-parallel shards (`recshard.parallel`,
         marked `shard_spec`: each rank's gradient is already complete) stay out of DDP."""
         module = dmp._dmp_wrapped_module
+        self._check_static_graph(module)
         move_unsharded(module, device)
         ignore = list(_sharded_parameter_names(module))
         ignore += [
@@ -117,6 +121,23 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
             **_NO_FORWARD_BUFFER_SYNC,
             **self._kwargs,
         )
+
+    def _check_static_graph(self, module: nn.Module) -> None:
+        """A static graph gives a sharded FP-EBC's processor parameters wrong gradients
+        (measured: world size times the unsharded ones, or zeros): refused on every rank."""
+        if not self._kwargs["static_graph"]:
+            return
+        processed = [
+            name
+            for name, child in module.named_modules()
+            if isinstance(child, ShardedFeatureProcessedEmbeddingBagCollection)
+        ]
+        if processed:
+            raise ValueError(
+                f"DefaultDataParallelWrapper(static_graph=True): DDP's static graph gives the "
+                f"feature processors of {processed} wrong gradients; use static_graph=False "
+                "(the default)"
+            )
 
 
 # No buffer broadcast before every forward (TorchRec's `broadcast_buffers=False`); torch

@@ -13,6 +13,7 @@ from torch import nn
 from recshard import EmbeddingBagCollection, KeyedJaggedTensor
 from recshard.distributed import DistributedModelParallel, EmbeddingBagCollectionSharder
 from recshard.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+from recshard.distributed.model_parallel import DataParallelWrapper
 from recshard.distributed.sharding_plan import construct_module_sharding_plan
 from recshard.modules.feature_processor_ import (
     FeatureProcessor,
@@ -85,6 +86,7 @@ def sharded_model(
     kernel: str,
     ws: int,
     per_table: Dict | None = None,
+    wrapper: DataParallelWrapper | None = None,
 ) -> DistributedModelParallel:
     """DMP over `Model(copy of reference)` with `ebc_cases.plan_for(kind)` (or `per_table`)."""
     fp_sharder = sharder(kernel)
@@ -101,4 +103,5 @@ def sharded_model(
         env=env,
         plan=ShardingPlan({"fp": module_plan}),
         sharders=[fp_sharder],
+        data_parallel_wrapper=wrapper,
     )

@@ -25,6 +25,7 @@ from fp_cases import make_fp_ebc, sharded_model
 from multiprocess import run_ranks
 
 from recshard.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection
+from recshard.distributed.model_parallel import DefaultDataParallelWrapper
 from recshard.optim import in_backward_optimizer_filter
 
 
@@ -115,3 +116,19 @@ def test_sharded_fp_ebc_equals_unsharded(world_size: int) -> None:
             if problems and case not in failures:
                 failures[case] = [f"rank {rank}: {p}" for p in problems]
     assert not failures, "\n".join(f"{c}: {p}" for c, p in failures.items())
+
+
+def _static_graph(rank: int, ws: int) -> str:
+    wrapper = DefaultDataParallelWrapper(static_graph=True)
+    try:
+        sharded_model(make_fp_ebc("collection"), "table_wise", "fused", ws, wrapper=wrapper)
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+def test_static_graph_with_feature_processors_is_refused_on_every_rank() -> None:
+    """DDP's static graph gave the position weights wrong gradients (world size times the
+    unsharded ones, or zeros): refused, naming the module, before DDP's first collective."""
+    for message in run_ranks(2, _static_graph, timeout=120):
+        assert "static_graph=True" in message and "'fp'" in message, message
