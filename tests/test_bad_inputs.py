@@ -71,6 +71,25 @@ def bad_batches() -> Dict[str, Tuple[KeyedJaggedTensor, str]]:
             KeyedJaggedTensor(keys, torch.tensor([1, 2, 0, 3, 1]), lengths=ones, validate=False),
             r"lengths sum to 6 .* but values has 5 entries",
         ),
+        # offsets given beside lengths must be their running sum (tests/test_bad_offsets.py)
+        "offsets step past lengths": (
+            KeyedJaggedTensor(
+                keys,
+                good_batch().values(),
+                lengths=ones,
+                offsets=torch.tensor([0, 2, 2, 3, 4, 5, 6]),
+            ),
+            "offsets are not the running sum",
+        ),
+        "offsets decrease": (
+            KeyedJaggedTensor(
+                keys,
+                good_batch().values(),
+                lengths=ones,
+                offsets=torch.tensor([0, 6, 2, 3, 4, 5, 6]),
+            ),
+            r"offsets decrease at entry 2 \(key 'f1'\)",
+        ),
     }
 
 
