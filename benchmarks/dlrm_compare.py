@@ -13,7 +13,9 @@ nothing else), every table table-wise (the same balanced placement on both sides
 table row-wise, each through the plain loop and `TrainPipelineSparseDist`. Case by case,
 recshard's ranks, then TorchRec's, all cases `--repeats` times (A B A B A B), fresh rank
 processes each run. A run's figure is the median over steps of the slowest rank's step; the
-reported one the median over repeats.
+reported one the median over repeats. Beside it, each rank's CPU time per step (all its
+threads; median over repeats): wall time above the slowest rank's CPU time is time a rank
+waited, for a peer in a collective or for its core (the load), not work.
 
 Run it in the environment a user has: the rank processes inherit this one's, and a line
 `environment` lists every MALLOC_* / RECSHARD_* variable that was set (none, for the figures
@@ -221,6 +223,7 @@ def compare(args: argparse.Namespace) -> None:
                         continue
                     run = dict(
                         step=_slowest_median(ranks),
+                        cpu_ms=[r["cpu_ms_per_step"] for r in ranks],
                         faults=max(r["faults_per_step"] for r in ranks),
                         rss=max(r["peak_rss_mb"] for r in ranks),
                         kinds=ranks[0]["sharding_types"],
@@ -252,6 +255,9 @@ def compare(args: argparse.Namespace) -> None:
             record[f"{side}_step_ms"] = round(1e3 * medians[side], 2)
             record[f"{side}_samples_per_s"] = round(batch / medians[side])
             record[f"{side}_repeats_ms"] = [round(1e3 * r["step"], 2) for r in rs]
+            record[f"{side}_cpu_ms_per_rank"] = [
+                statistics.median(cpu) for cpu in zip(*(r["cpu_ms"] for r in rs))
+            ]
             record[f"{side}_peak_rss_mb"] = max(r["rss"] for r in rs)
             record[f"{side}_page_faults_per_step"] = round(
                 statistics.median(r["faults"] for r in rs)

@@ -126,7 +126,9 @@ def measure(
     `make_batch(dense, keys, values, lengths, labels)` is the library's `Batch`;
     `build(plan, arch)` returns (the sharded `DLRMTrain`, its combined optimizer, the
     library's `TrainPipelineSparseDist` class, the plan's sharding types). Returns this rank's
-    step seconds, page faults per step, peak RSS and the sharding types (or the profile).
+    step seconds, its CPU time per step (every thread of the process: the step's work, without
+    the time it waited for a peer or for its core), page faults per step, peak RSS and the
+    sharding types (or the profile).
     """
     a = arch(request["quick"], request.get("data_type", "FP32"))
     keys = feature_names(len(a.rows))
@@ -155,11 +157,12 @@ def measure(
     warm_up(step, request["warmup"])
     if request["profile"]:
         return {"profile": _profiled(step, request["profile_steps"], request["top"])}
-    faults = minor_faults()
+    faults, cpu = minor_faults(), time.process_time()
     times = timed_steps(step, request["steps"])
-    faults = minor_faults() - faults
+    faults, cpu = minor_faults() - faults, time.process_time() - cpu
     return {
         "times": times,
+        "cpu_ms_per_step": round(1e3 * cpu / request["steps"], 2),
         "faults_per_step": faults / request["steps"],
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "sharding_types": kinds,
