@@ -48,7 +48,7 @@ from recshard.comm.shm_setup import ENV, MIN_SEGMENT, Link, Segment, enabled
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV", "OP", "Exchange", "enabled", "group_for", "held_bytes", "issue"]
+__all__ = ["ENV", "OP", "Exchange", "Place", "enabled", "group_for", "held_bytes", "issue"]
 
 OP = "shm all_to_all"
 _MSG = struct.Struct("<BxxxI7Q")  # kind, generation, site, call, total, at, offset, length, region
@@ -224,8 +224,12 @@ class _Group:
                 peer, f"rank {peer} sends {total} bytes, this rank expects {ex.expect[peer]}"
             )
         if length:
-            start = ex.arrive[peer] + at
-            ex.out_bytes[start : start + length].copy_(segment.data[offset : offset + length])
+            part = segment.data[offset : offset + length]
+            if ex.place is not None and length == total:  # the whole part in one piece
+                ex.place(peer, part)
+            else:
+                start = ex.arrive[peer] + at
+                ex.out_bytes[start : start + length].copy_(part)
             self._send(peer, _MSG.pack(_ACK, 0, 0, 0, 0, 0, 0, 0, region))
         ex.got[peer] += length
         if ex.got[peer] == total:
@@ -245,7 +249,7 @@ class _Group:
     def _maybe_done(self, ex: Exchange) -> None:
         if not ex.waiting and not ex.unwritten and self.open.get(ex.call) is ex:
             del self.open[ex.call]
-            ex.wire = ex.wire_bytes = None
+            ex.wire = ex.wire_bytes = ex.place = None
 
     # ------------------------------------------------------------------ writing
 
@@ -367,8 +371,17 @@ class _Group:
         self.dead = {p: "is unreachable from a forked child" for p in self.socks}
 
 
+Place = Callable[[int, torch.Tensor], None]
+
+
 class Exchange:
-    """One issued all-to-all-v through shared memory; `wait()` completes it."""
+    """One issued all-to-all-v through shared memory; `wait()` completes it.
+
+    `skip_self`: this rank's part is not copied into `out` (the caller lays it out itself).
+    `place(peer, part)`: takes a peer's whole part (its bytes, still in the peer's segment)
+    where it arrives in one piece, instead of the copy into `out` (the caller lays it out
+    straight from shared memory); a part that streams through in pieces lands in `out`.
+    """
 
     def __init__(
         self,
@@ -378,8 +391,11 @@ class Exchange:
         input_sizes: List[int],
         output_sizes: List[int],
         out: torch.Tensor,
+        skip_self: bool = False,
+        place: Place | None = None,
     ) -> None:
         self.group, self.name, self.site = group, name, _hash(name)
+        self.place = place
         me, ws, elem = group.rank, group.world_size, wire.element_size()
         self.wire, self.wire_bytes = wire, wire.view(torch.uint8)
         self.out_bytes = out.view(torch.uint8)
@@ -392,7 +408,8 @@ class Exchange:
         self.expect = [output_sizes[r] * elem for r in range(ws)]
         self.got = [0] * ws
         self.waiting = {r for r in range(ws) if r != me}
-        self.out_bytes[arrive[me] : arrive[me + 1]].copy_(self.wire_bytes[at[me] : at[me + 1]])
+        if not skip_self:
+            self.out_bytes[arrive[me] : arrive[me + 1]].copy_(self.wire_bytes[at[me] : at[me + 1]])
         peers = [(me + step) % ws for step in range(1, ws)]
         with group.lock:
             if group.broken is not None:  # an earlier call failed: so do later ones
@@ -467,10 +484,13 @@ def issue(
     output_sizes: List[int],
     out: torch.Tensor,
     name: str,
+    skip_self: bool = False,
+    place: Place | None = None,
 ) -> Exchange | None:
     """Start an all-to-all-v of `wire` (contiguous, CPU) into `out` through shared memory, or
-    None when `pg` goes through the backend (then the caller issues it there)."""
+    None when `pg` goes through the backend (then the caller issues it there). `skip_self`,
+    `place`: see `Exchange`."""
     group = group_for(pg)
     if group is None:
         return None
-    return Exchange(group, name, wire, input_sizes, output_sizes, out)
+    return Exchange(group, name, wire, input_sizes, output_sizes, out, skip_self, place)

@@ -35,6 +35,7 @@ __all__ = [
     "enabled",
     "held_bytes",
     "reduce_scatter",
+    "skips_copies",
     "uses_shared_memory",
 ]
 
@@ -45,6 +46,13 @@ def uses_shared_memory(pg: dist.ProcessGroup) -> bool:
     """Whether `pg`'s all-to-alls go through shared memory (decides it, collectively, at the
     first call on `pg`: every rank of `pg` must call this, or issue an all-to-all, then)."""
     return shm.group_for(pg) is not None
+
+
+def skips_copies(pg: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether `all_to_all` on `pg` for tensors on `device` honours `skip_self` and `place`
+    (the shared-memory transport); decided at `pg`'s first all-to-all, like
+    `uses_shared_memory`."""
+    return device.type == "cpu" and uses_shared_memory(pg)
 
 
 def held_bytes(pg: dist.ProcessGroup) -> int:
@@ -68,11 +76,17 @@ def all_to_all(
     input_sizes: List[int],
     pg: dist.ProcessGroup,
     name: str,
+    skip_self: bool = False,
+    place: shm.Place | None = None,
 ) -> Tuple[Work, str]:
     """All-to-all-v of `wire[1-D, contiguous]` (`input_sizes[r]` elements to rank r) into
-    `out` (`output_sizes[r]` from rank r, in rank order), issued now: `(work, op)`."""
+    `out` (`output_sizes[r]` from rank r, in rank order), issued now: `(work, op)`.
+
+    Through shared memory only (`skips_copies`): `skip_self` leaves this rank's part of `out`
+    to the caller, and `place(peer, part)` takes a peer's whole part instead of `out` (see
+    `shm.Exchange`); the backend copies every part into `out` and never calls `place`."""
     if wire.device.type == "cpu":
-        local = shm.issue(pg, wire, input_sizes, output_sizes, out, name)
+        local = shm.issue(pg, wire, input_sizes, output_sizes, out, name, skip_self, place)
         if local is not None:
             return local, shm.OP
     op = "all_to_all_single"
