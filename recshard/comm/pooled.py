@@ -33,6 +33,7 @@ from recshard.comm.column_blocks import (
 )
 from recshard.comm.pg import HoldsGroup
 from recshard.comm.request import AllToAllV, CommRequest, Pending, decode, issue_all_to_all
+from recshard.comm.shm import Hooks
 from recshard.types import Awaitable, NoWait
 
 Callback = Callable[[torch.Tensor], torch.Tensor]
@@ -99,10 +100,10 @@ class PooledAllToAll(AllToAllV):
     Without a codec, forward copies this rank's own chunk from the input straight into its
     output columns and, through shared memory, each peer's chunk straight out of the peer's
     segment (one copy per chunk; the backend's receive buffer is laid out after); backward
-    packs each chunk of the gradient's columns once, this rank's own straight into the input's
-    gradient through shared memory. With a codec that only casts (fp16/bf16 without loss scale)
-    the layout copies cast as they copy: one pass instead of decode, then layout. Other codecs
-    encode and decode around plain copies.
+    packs each chunk of the gradient's columns once, through shared memory straight into the
+    input's gradient (its own) or the ring (a peer's). With a codec that only casts (fp16/bf16
+    without loss scale) the layout copies cast as they copy: one pass instead of decode, then
+    layout. Other codecs encode and decode around plain copies.
     """
 
     def __init__(
@@ -168,8 +169,7 @@ class PooledAllToAll(AllToAllV):
             None,
             self.name,
             read,
-            skip_self=True,
-            place=place,
+            hooks=Hooks(skip_self=True, place=place),
         )
 
     def backward(self, grad: torch.Tensor) -> Pending:
@@ -208,27 +208,29 @@ class PooledAllToAll(AllToAllV):
         return self._backward_packing(grad, divisor)
 
     def _backward_packing(self, grad: torch.Tensor, divisor: int) -> Pending:
-        """Without a codec: each chunk of `grad` (any strides) packed once and divided, this
-        rank's own into the receive buffer (the input's gradient) where the transport leaves
-        that part to the caller, else into the send buffer like the peers' chunks."""
+        """Without a codec: each chunk of `grad` (any strides) packed once and divided. Through
+        shared memory this rank's own goes straight into the receive buffer (the input's
+        gradient) and a peer's into the ring as the transport writes it; over the backend every
+        chunk goes into the send buffer."""
         rows, widths, name = self.rows, self.chunk_widths, self.name + "_bwd"
         wire = buffers.take("columns_bwd", rows * sum(widths), grad.dtype, grad.device)
         out = buffers.take(name, sum(self.input_splits), grad.dtype, grad.device)
-        chunks = chunk_views(wire, rows, widths)
-        direct = transport.skips_copies(self.pg, grad.device)
-        if direct:
-            chunks[self.rank] = self._own(out, self.input_splits)
-        for chunk, runs in self.runs.items():
-            pack_chunk(grad, chunks[chunk], runs, divisor)
+        hooks = None
+        if transport.skips_copies(self.pg, grad.device):
+            own = self._own(out, self.input_splits)
+            pack_chunk(grad, own, self.runs.get(self.rank, []), divisor)
+
+            def fill(peer: int, part: torch.Tensor) -> None:
+                values = part.view(grad.dtype).view(rows, widths[peer])
+                pack_chunk(grad, values, self.runs.get(peer, []), divisor)
+
+            hooks = Hooks(skip_self=True, fill=fill)
+        else:
+            chunks = chunk_views(wire, rows, widths)
+            for chunk, runs in self.runs.items():
+                pack_chunk(grad, chunks[chunk], runs, divisor)
         return issue_all_to_all(
-            wire,
-            self.output_splits,
-            self.input_splits,
-            self.pg,
-            None,
-            name,
-            out=out,
-            skip_self=direct,
+            wire, self.output_splits, self.input_splits, self.pg, None, name, out=out, hooks=hooks
         )
 
 

@@ -30,7 +30,7 @@ from torch.autograd import Function
 from recshard.comm import buffers, transport
 from recshard.comm.codecs import QuantizedCommCodec
 from recshard.comm.errors import CollectiveError, collective_error
-from recshard.comm.shm import Place
+from recshard.comm.shm import Hooks
 from recshard.types import Awaitable
 
 logger = logging.getLogger(__name__)
@@ -142,13 +142,12 @@ def issue_all_to_all(
     name: str = "all_to_all",
     read: Callable[[torch.Tensor], torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
-    skip_self: bool = False,
-    place: Place | None = None,
+    hooks: Hooks | None = None,
 ) -> Pending:
     """Flat all-to-all-v: `x[1-D]` sends `input_splits[r]` elements to rank r; the result
     holds `output_splits[r]` elements from each rank r, in rank order: `read(received)` of the
-    wire buffer (`out` if given), by default decoded to `x`'s dtype. `skip_self`, `place`: what
-    the shared-memory transport may leave to the caller (`transport.all_to_all`)."""
+    wire buffer (`out` if given), by default decoded to `x`'s dtype. `hooks`: copies the caller
+    makes itself where the transport is shared memory (`transport.all_to_all`)."""
     wire = _encode(x, codec)
     if out is None:
         out = buffers.take(name, sum(_sizes(output_splits, codec)), wire.dtype, wire.device)
@@ -161,8 +160,7 @@ def issue_all_to_all(
         _sizes(input_splits, codec),
         pg,
         name,
-        skip_self,
-        place,
+        hooks,
     )
     return Pending([work], finish, name, op, pg)
 

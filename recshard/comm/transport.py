@@ -49,9 +49,8 @@ def uses_shared_memory(pg: dist.ProcessGroup) -> bool:
 
 
 def skips_copies(pg: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether `all_to_all` on `pg` for tensors on `device` honours `skip_self` and `place`
-    (the shared-memory transport); decided at `pg`'s first all-to-all, like
-    `uses_shared_memory`."""
+    """Whether `all_to_all` on `pg` for tensors on `device` honours its `hooks` (the
+    shared-memory transport); decided at `pg`'s first all-to-all, like `uses_shared_memory`."""
     return device.type == "cpu" and uses_shared_memory(pg)
 
 
@@ -76,17 +75,15 @@ def all_to_all(
     input_sizes: List[int],
     pg: dist.ProcessGroup,
     name: str,
-    skip_self: bool = False,
-    place: shm.Place | None = None,
+    hooks: shm.Hooks | None = None,
 ) -> Tuple[Work, str]:
     """All-to-all-v of `wire[1-D, contiguous]` (`input_sizes[r]` elements to rank r) into
     `out` (`output_sizes[r]` from rank r, in rank order), issued now: `(work, op)`.
 
-    Through shared memory only (`skips_copies`): `skip_self` leaves this rank's part of `out`
-    to the caller, and `place(peer, part)` takes a peer's whole part instead of `out` (see
-    `shm.Exchange`); the backend copies every part into `out` and never calls `place`."""
+    `hooks` (`shm.Hooks`) apply through shared memory only (`skips_copies`); the backend
+    sends `wire` as it is, copies every part into `out` and calls no hook."""
     if wire.device.type == "cpu":
-        local = shm.issue(pg, wire, input_sizes, output_sizes, out, name, skip_self, place)
+        local = shm.issue(pg, wire, input_sizes, output_sizes, out, name, hooks or shm.Hooks())
         if local is not None:
             return local, shm.OP
     op = "all_to_all_single"
