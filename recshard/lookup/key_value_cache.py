@@ -44,15 +44,32 @@ class CacheOverflowError(ValueError):
 class RowCache:
     """One shard's cached rows (a tensor per field, by slot) and their books."""
 
-    def __init__(self, store: RowStore, capacity: int, mapped: List[str]) -> None:
+    def __init__(
+        self,
+        store: RowStore,
+        capacity: int,
+        mapped: List[str],
+        buffers: Dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """`mapped`: row-wise fields whose file is a shared mapping (one value a row), cached
+        by slot in `states` and copied to and from the mapping, not read or written by calls.
+        `buffers`: the cached fields' storage by slot (`[capacity, width]`, `[capacity]` for a
+        mapped field), zeros; allocated here where not given."""
         self.store = store
         self.capacity = capacity
-        self.values = {  # cached fields, by slot
-            name: torch.zeros(capacity, width)
+        given = buffers or {}
+        shapes = {
+            name: (capacity,) if name in mapped else (capacity, width)
             for name, width in store.identity.widths.items()
-            if name not in mapped
         }
+        cached = {
+            name: given[name] if name in given else torch.zeros(shape)
+            for name, shape in shapes.items()
+        }
+        # fields read from and written to their files, by slot
+        self.values = {name: v for name, v in cached.items() if name not in mapped}
         self.mapped = {name: store.view(name) for name in mapped}  # by table row, shared
+        self.states = {name: cached[name] for name in mapped}  # the mapped fields, by slot
         self.books = CacheArrays.empty(store.identity.rows, capacity)
         self.native = native_row_cache.available()
         self.pinned: List[torch.Tensor] = []  # distinct slots of each forward in flight
@@ -112,6 +129,8 @@ class RowCache:
                     missing, victims, pinned = self._assign_torch(ids, id_slots, pin)
                 if pin:
                     self.pinned.append(pinned)
+                for name, by_row in self.mapped.items():  # after the victims' write-back
+                    self.states[name][victims] = by_row[missing]
             try:
                 for suffix, values in self.values.items():
                     self.store.read_into(suffix, missing, values, victims)
@@ -223,11 +242,13 @@ class RowCache:
     # ------------------------------------------------------------------ write-back
 
     def _write_back(self, rows: torch.Tensor, slots: torch.Tensor, behind: bool) -> None:
-        """Write rows `rows` (sorted, unique) held in `slots` to storage (all files).
-        `behind`: copies of them are written on a thread while the step goes on (the next
-        fill or flush waits for it and raises its error)."""
+        """Write rows `rows` (sorted, unique) held in `slots` to storage (all files; the
+        mapped fields at once). `behind`: copies of the rest are written on a thread while the
+        step goes on (the next fill or flush waits for it and raises its error)."""
         if slots.numel() == 0:
             return
+        for name, by_row in self.mapped.items():  # a memory copy: before the slots are reused
+            by_row[rows] = self.states[name][slots]
         blocks = {suffix: values.index_select(0, slots) for suffix, values in self.values.items()}
         if not behind:
             self._write(rows, blocks)
