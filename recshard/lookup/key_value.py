@@ -12,9 +12,16 @@ before any file is made. A step:
                      back behind the step, in row order), rows read from storage
                      (`key_value_cache.RowCache`: one C++ call per table keeps its books)
     forward          the same for rows not prefetched, then ids -> cache slots (pinned);
-                     the pure-torch fused lookup on the cache
-    backward         the same row gradients and optimizer math as `TorchFusedKernel`
-                     on the cache slots, which are unpinned and marked updated
+                     the in-memory fused kernel's lookup on the cache
+    backward         the in-memory fused kernel's update on the cache slots, which are
+                     unpinned and marked updated
+
+The lookup and update are `NativeFusedKernel`'s C++ calls where that kernel covers the group
+(CPU, pooled, fp32, row-wise Adagrad or SGD: the in-memory kernel the library builds for such
+tables, so the bytes are the same), else `TorchFusedKernel`'s torch code; every cache's slots
+sit back to back in one buffer (`layout`) as that kernel's rows do, and a row-wise state is
+cached by slot beside them (copied from its mapping when the row comes in and back when it
+leaves).
 
 Updated rows are written back when evicted, not every step (a hot row stays in DRAM and costs
 no I/O; writing every updated row through cost a write per distinct row a step). State dicts
@@ -23,7 +30,7 @@ and checkpoints read the table from a mapping of the files (`table_weights`,
 caller may write there: a load). Slots looked up by a forward stay pinned until its backward,
 so a prefetch of the next batch never evicts them. DRAM held per table (`dram_bytes`): the
 cache (`capacity x (cols + state width) x 4` bytes), its slot maps, a row -> slot map (4 bytes
-a row) and a step's transient rows; rows move through `pread`/`pwrite`, so the files' pages
+a row), a mapped row-wise state (4 bytes a row) and a step's transient rows; rows move through `pread`/`pwrite`, so the files' pages
 stay in the page cache, outside the process.
 """
 
