@@ -30,8 +30,8 @@ and checkpoints read the table from a mapping of the files (`table_weights`,
 caller may write there: a load). Slots looked up by a forward stay pinned until its backward,
 so a prefetch of the next batch never evicts them. DRAM held per table (`dram_bytes`): the
 cache (`capacity x (cols + state width) x 4` bytes), its slot maps, a row -> slot map (4 bytes
-a row), a mapped row-wise state (4 bytes a row) and a step's transient rows; rows move through `pread`/`pwrite`, so the files' pages
-stay in the page cache, outside the process.
+a row), a mapped row-wise state (4 bytes a row) and a step's transient rows; rows move through
+`pread`/`pwrite`, so the files' pages stay in the page cache, outside the process.
 """
 
 from __future__ import annotations
