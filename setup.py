@@ -46,7 +46,8 @@ setup(
         Extension(
             "recshard.models._interaction",
             sources=["recshard/models/csrc/interaction.cpp"],
-            extra_compile_args=["-O3", "-std=c++17"],
+            extra_compile_args=["-O3", "-std=c++17", "-pthread"],
+            extra_link_args=["-pthread"],
             language="c++",
             optional=True,  # without it, DLRM's interaction runs torch.bmm
         ),

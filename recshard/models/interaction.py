@@ -6,13 +6,16 @@ dense and sparse vectors, row by row.
 `gather` at its flat positions. `pairwise_interaction` gives the same bytes, forward and
 backward, faster on CPU: the C++ kernels of `csrc/interaction.cpp` (setup.py's extension
 `recshard.models._interaction`) compute only the triangle, keeping the summation order of the
-MKL sgemm behind torch's `bmm` (one fused multiply-add chain per output). That order is
-MKL's choice, per CPU, build and shape, so the kernels are trusted for a shape (`F + 1`, `D`,
-torch's thread count) only after a probe batch gave torch's bytes for the outputs and both
-gradients; otherwise, and for other devices and dtypes, without AVX-512 or the library, and
-for any batch with an inf or nan, the torch path runs. A double backward (`create_graph=True`)
-runs the torch path's backward with its graph: right second derivatives, equal to the torch
-path's to rounding only (their terms add up in another order), the one exception to its bytes.
+MKL sgemm behind torch's `bmm` (one fused multiply-add chain per output), on torch's thread
+count (chunks of the batch: samples are independent, so the bytes do not depend on it).
+
+That order is MKL's choice, per CPU, build and shape, so the kernels are trusted for a shape
+(`F + 1`, `D`, torch's thread count) only after a probe batch gave torch's bytes for the
+outputs and both gradients; otherwise, and for other devices and dtypes, without AVX-512 or
+the library, and for any batch with an inf or nan, the torch path runs. A double backward
+(`create_graph=True`) runs the torch path's backward with its graph: right second
+derivatives, equal to the torch path's to rounding only (their terms add up in another
+order), the one exception to its bytes.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ _OK = 0  # interaction.cpp's codes (1: an inf or nan, 2: no AVX-512)
 
 
 def _declare(library: ctypes.CDLL) -> None:
-    library.ia_forward.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64]
+    library.ia_forward.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
     library.ia_forward.restype = _int
-    library.ia_backward.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]
+    library.ia_backward.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int]
     library.ia_backward.restype = _int
 
 
@@ -99,7 +102,13 @@ def _forward(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor | None:
     if library is None:
         return None
     code = library.ia_forward(
-        dense.data_ptr(), sparse.data_ptr(), out.data_ptr(), batch, features, dim
+        dense.data_ptr(),
+        sparse.data_ptr(),
+        out.data_ptr(),
+        batch,
+        features,
+        dim,
+        torch.get_num_threads(),
     )
     return out if code == _OK else None
 
@@ -125,6 +134,7 @@ def _backward(
         batch,
         features,
         dim,
+        torch.get_num_threads(),
     )
     return (grad_dense, grad_sparse) if code == _OK else None
 

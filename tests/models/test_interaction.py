@@ -195,3 +195,20 @@ def test_dlrm_interaction_traces_under_fx_with_the_kernels_as_a_leaf() -> None:
     assert any(node.target is pairwise_interaction for node in graph.graph.nodes)
     dense, sparse = _inputs(4, 26, 16, 6)
     assert torch.equal(graph(dense, sparse), torch_interaction(dense, sparse, _positions(26)))
+
+
+def test_same_bytes_on_several_threads() -> None:
+    """With torch's thread count above one the kernels split the batch into chunks (and torch's
+    bmm threads too): bytes unchanged, probe run for that thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        dense, sparse = _inputs(301, 26, 64, 7)
+        grad = _grad_with_zeros(7)
+        _assert_same_bytes(
+            _run(pairwise_interaction, dense, sparse, grad),
+            _run(torch_interaction, dense, sparse, grad),
+        )
+        assert (27, 64, 3) in interaction._matches
+    finally:
+        torch.set_num_threads(threads)

@@ -18,6 +18,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -212,41 +214,76 @@ bool has_avx512() {
 #endif
 }
 
+// Runs body(first, last), which returns nonzero for an inf or nan, over [0, batch) in up to
+// `threads` contiguous chunks of at least 64 samples, the caller's thread taking the first and
+// a std::thread each other one (inline if one cannot start). Samples are independent, so the
+// chunking changes no byte. Returns IA_NONFINITE if any chunk did.
+template <typename Body>
+int in_chunks(int64_t batch, int threads, Body body) {
+  int64_t chunks = (batch + 63) / 64;
+  if (chunks > threads) chunks = threads;
+  if (chunks <= 1) return body(0, batch) ? IA_NONFINITE : IA_OK;
+  std::vector<int> bad(chunks, 0);
+  std::vector<std::thread> workers;
+  for (int64_t c = 1; c < chunks; ++c) {
+    auto run = [&bad, &body, batch, chunks, c] {
+      bad[c] = body(batch * c / chunks, batch * (c + 1) / chunks);
+    };
+    try {
+      workers.emplace_back(run);
+    } catch (const std::system_error&) {
+      run();
+    }
+  }
+  bad[0] = body(0, batch / chunks);
+  for (std::thread& worker : workers) worker.join();
+  for (int b : bad)
+    if (b) return IA_NONFINITE;
+  return IA_OK;
+}
+
 }  // namespace
 
-// out [B, D + P] (P = n (n - 1) / 2, n = F + 1) from dense [B, D] and sparse [B, F, D].
+// out [B, D + P] (P = n (n - 1) / 2, n = F + 1) from dense [B, D] and sparse [B, F, D], on up
+// to `threads` threads.
 extern "C" int ia_forward(const float* dense, const float* sparse, float* out, int64_t batch,
-                          int64_t features, int64_t d) {
+                          int64_t features, int64_t d, int threads) {
   if (!has_avx512()) return IA_UNSUPPORTED;
 #if defined(__x86_64__)
   const int64_t n = features + 1, width = d + n * (n - 1) / 2;
   const int64_t stride = (n + 32 + 15) / 16 * 16;  // column loads past n stay inside
-  std::vector<float> columns(d * stride, 0.0f);
-  __mmask16 bad = 0;
-  for (int64_t b = 0; b < batch; ++b)
-    bad |= forward_sample(dense + b * d, sparse + b * features * d, out + b * width, n, d,
-                          columns.data(), stride);
-  if (bad) return IA_NONFINITE;
-#endif
+  return in_chunks(batch, threads, [=](int64_t first, int64_t last) {
+    std::vector<float> columns(d * stride, 0.0f);
+    __mmask16 bad = 0;
+    for (int64_t b = first; b < last; ++b)
+      bad |= forward_sample(dense + b * d, sparse + b * features * d, out + b * width, n, d,
+                            columns.data(), stride);
+    return bad != 0;
+  });
+#else
   return IA_OK;
+#endif
 }
 
 // grad_dense [B, D], grad_sparse [B, F, D] from grad_out [B, D + P] (rows grad_stride apart)
-// and the forward's dense and sparse.
+// and the forward's dense and sparse, on up to `threads` threads.
 extern "C" int ia_backward(const float* dense, const float* sparse, const float* grad_out,
                            int64_t grad_stride, float* grad_dense, float* grad_sparse,
-                           int64_t batch, int64_t features, int64_t d) {
+                           int64_t batch, int64_t features, int64_t d, int threads) {
   if (!has_avx512()) return IA_UNSUPPORTED;
 #if defined(__x86_64__)
   const int64_t n = features + 1;
   std::vector<int64_t> bases(n);
   for (int64_t i = 0; i < n; ++i) bases[i] = pair_base(i, n);
-  __mmask16 bad = 0;
-  for (int64_t b = 0; b < batch; ++b)
-    bad |= backward_sample(dense + b * d, sparse + b * features * d, grad_out + b * grad_stride,
-                           grad_dense + b * d, grad_sparse + b * features * d, n, d,
-                           bases.data());
-  if (bad) return IA_NONFINITE;
-#endif
+  return in_chunks(batch, threads, [=, &bases](int64_t first, int64_t last) {
+    __mmask16 bad = 0;
+    for (int64_t b = first; b < last; ++b)
+      bad |= backward_sample(dense + b * d, sparse + b * features * d,
+                             grad_out + b * grad_stride, grad_dense + b * d,
+                             grad_sparse + b * features * d, n, d, bases.data());
+    return bad != 0;
+  });
+#else
   return IA_OK;
+#endif
 }
