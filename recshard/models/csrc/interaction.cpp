@@ -43,10 +43,11 @@ inline int64_t pair_base(int64_t i, int64_t n) { return i * (n - 1) - i * (i - 1
 #define IA_AVX512 __attribute__((target("avx512f")))
 
 constexpr int kRows = 6;     // forward: gram rows computed together
-constexpr int kWidth = 4;    // backward: 16-wide vectors of D per row computed together
 
+// Lanes [0, count) of 16, count clamped to [0, 16].
 IA_AVX512 inline __mmask16 first_lanes(int64_t count) {
-  return count >= 16 ? (__mmask16)0xffff : count <= 0 ? (__mmask16)0 : (__mmask16)((1u << count) - 1);
+  if (count >= 16) return (__mmask16)0xffff;
+  return count <= 0 ? (__mmask16)0 : (__mmask16)((1u << count) - 1);
 }
 
 // Lanes of x[0, count) that are inf or nan, or-ed into `bad`.
@@ -164,44 +165,74 @@ IA_AVX512 __mmask16 forward_sample(const float* dense, const float* sparse, floa
   return nonfinite(out, d + n * (n - 1) / 2, 0);
 }
 
-// One sample's gradients: row r gets sum_{j > r} G[r, j] row_j + sum_{i < r} G[i, r] row_i
-// (each an FMA chain in increasing index from +0, then + 0) and row 0 then the output's dense
-// gradient. Returns the nonfinite lanes of the gradients.
+// Rows r0.. (`rows` <= R of them) of one sample's gradients, columns k0..k0+16V-1: row r gets
+// sum_{j > r} G[r, j] row_j + sum_{i < r} G[i, r] row_i (each an FMA chain in increasing
+// index from +0, then + 0; the rows of a block share each row_j they read), row 0 then the
+// output's dense gradient.
+template <int R, int V>
+IA_AVX512 void gradient_block(const float* dense, const float* sparse, const float* grad_out,
+                              float* grad_dense, float* grad_sparse, int64_t n, int64_t d,
+                              const int64_t* bases, int64_t r0, int64_t rows, int64_t k0) {
+  const float* grad_pairs = grad_out + d;
+  const __m512 zero = _mm512_setzero_ps();
+  __mmask16 lanes[V];
+  for (int v = 0; v < V; ++v) lanes[v] = first_lanes(d - k0 - 16 * v);
+  __m512 upper[R][V], lower[R][V];
+  for (int q = 0; q < R; ++q)
+    for (int v = 0; v < V; ++v) upper[q][v] = lower[q][v] = zero;
+  for (int64_t j = r0 + 1; j < n; ++j) {
+    __m512 x[V];
+    for (int v = 0; v < V; ++v)
+      x[v] = _mm512_maskz_loadu_ps(lanes[v], row(dense, sparse, j, d) + k0 + 16 * v);
+    for (int q = 0; q < R; ++q) {
+      if (q >= rows || r0 + q >= j) continue;
+      const __m512 g = _mm512_set1_ps(grad_pairs[bases[r0 + q] + j]);
+      for (int v = 0; v < V; ++v) upper[q][v] = _mm512_fmadd_ps(g, x[v], upper[q][v]);
+    }
+  }
+  for (int64_t i = 0; i + 1 < r0 + rows; ++i) {
+    __m512 x[V];
+    for (int v = 0; v < V; ++v)
+      x[v] = _mm512_maskz_loadu_ps(lanes[v], row(dense, sparse, i, d) + k0 + 16 * v);
+    for (int q = 0; q < R; ++q) {
+      if (q >= rows || i >= r0 + q) continue;
+      const __m512 g = _mm512_set1_ps(grad_pairs[bases[i] + r0 + q]);
+      for (int v = 0; v < V; ++v) lower[q][v] = _mm512_fmadd_ps(x[v], g, lower[q][v]);
+    }
+  }
+  for (int q = 0; q < R && q < rows; ++q) {
+    const int64_t r = r0 + q;
+    float* g = r == 0 ? grad_dense : grad_sparse + (r - 1) * d;
+    for (int v = 0; v < V; ++v) {
+      __m512 sum =
+          _mm512_add_ps(_mm512_add_ps(upper[q][v], zero), _mm512_add_ps(lower[q][v], zero));
+      if (r == 0)
+        sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(lanes[v], grad_out + k0 + 16 * v));
+      _mm512_mask_storeu_ps(g + k0 + 16 * v, lanes[v], sum);
+    }
+  }
+}
+
+// One sample's gradients (gradient_block over rows and columns); returns their nonfinite lanes.
+// Blocks of 4 rows where D has 1 or 2 vectors left, else 1 row (measured: more rows with 3 or
+// 4 vectors ran slower).
 IA_AVX512 __mmask16 backward_sample(const float* dense, const float* sparse,
                                     const float* grad_out, float* grad_dense, float* grad_sparse,
                                     int64_t n, int64_t d, const int64_t* bases) {
-  const float* grad_pairs = grad_out + d;
-  const __m512 zero = _mm512_setzero_ps();
-  __mmask16 bad = 0;
-  for (int64_t r = 0; r < n; ++r) {
-    float* g = r == 0 ? grad_dense : grad_sparse + (r - 1) * d;
-    for (int64_t k0 = 0; k0 < d; k0 += 16 * kWidth) {
-      __mmask16 lanes[kWidth];
-      for (int v = 0; v < kWidth; ++v) lanes[v] = first_lanes(d - k0 - 16 * v);
-      __m512 upper[kWidth], lower[kWidth];
-      for (int v = 0; v < kWidth; ++v) upper[v] = lower[v] = zero;
-      for (int64_t j = r + 1; j < n; ++j) {
-        const __m512 gj = _mm512_set1_ps(grad_pairs[bases[r] + j]);
-        const float* x = row(dense, sparse, j, d) + k0;
-        for (int v = 0; v < kWidth; ++v)
-          upper[v] = _mm512_fmadd_ps(gj, _mm512_maskz_loadu_ps(lanes[v], x + 16 * v), upper[v]);
-      }
-      for (int64_t i = 0; i < r; ++i) {
-        const __m512 gi = _mm512_set1_ps(grad_pairs[bases[i] + r]);
-        const float* x = row(dense, sparse, i, d) + k0;
-        for (int v = 0; v < kWidth; ++v)
-          lower[v] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes[v], x + 16 * v), gi, lower[v]);
-      }
-      for (int v = 0; v < kWidth; ++v) {
-        __m512 sum = _mm512_add_ps(_mm512_add_ps(upper[v], zero), _mm512_add_ps(lower[v], zero));
-        if (r == 0)
-          sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(lanes[v], grad_out + k0 + 16 * v));
-        _mm512_mask_storeu_ps(g + k0 + 16 * v, lanes[v], sum);
-      }
+  for (int64_t k0 = 0; k0 < d; k0 += 64) {
+    const int64_t vectors = (d - k0 + 15) / 16;  // 16-wide vectors left
+    const int64_t block = vectors >= 3 ? 1 : 4;
+    auto run = vectors >= 4    ? gradient_block<1, 4>
+               : vectors == 3 ? gradient_block<1, 3>
+               : vectors == 2 ? gradient_block<4, 2>
+                              : gradient_block<4, 1>;
+    for (int64_t r0 = 0; r0 < n; r0 += block) {
+      const int64_t rows = n - r0 < block ? n - r0 : block;
+      run(dense, sparse, grad_out, grad_dense, grad_sparse, n, d, bases, r0, rows, k0);
     }
-    bad = nonfinite(g, d, bad);
   }
-  return bad;
+  __mmask16 bad = nonfinite(grad_dense, d, 0);
+  return nonfinite(grad_sparse, (n - 1) * d, bad);
 }
 
 #endif  // __x86_64__
