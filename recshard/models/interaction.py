@@ -21,6 +21,7 @@ order), the one exception to its bytes.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from typing import Dict, Tuple
 
@@ -69,12 +70,21 @@ def pairwise_interaction(
 ) -> torch.Tensor:
     """`torch_interaction`'s bytes, by the C++ kernels where they hold (a leaf in fx traces).
 
-    `triu_positions` must be the row-major upper triangle of `(F + 1) x (F + 1)`, as
-    `InteractionArch` builds it; the kernels use that order without reading it.
+    The kernels write the pairs in row-major order of the triangle: they run only when
+    `triu_positions` is that order (as `InteractionArch` builds it).
     """
-    if _kernels_apply(dense, sparse):
+    if _kernels_apply(dense, sparse) and torch.equal(
+        triu_positions, _row_major_triangle(sparse.size(1) + 1)
+    ):
         return _KernelInteraction.apply(dense, sparse, triu_positions)
     return torch_interaction(dense, sparse, triu_positions)
+
+
+@functools.cache
+def _row_major_triangle(n: int) -> torch.Tensor:
+    """Flat positions of the upper triangle (no diagonal) of `n x n`, row by row."""
+    rows, cols = torch.triu_indices(n, n, offset=1, device="cpu")
+    return rows * n + cols
 
 
 def _kernels_apply(dense: torch.Tensor, sparse: torch.Tensor) -> bool:
@@ -97,7 +107,7 @@ def _forward(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor | None:
     """The kernel's output `[B, D + P]`, or None (no library or AVX-512, an inf or nan in it)."""
     batch, features, dim = sparse.shape
     n = features + 1
-    out = torch.empty(batch, dim + n * (n - 1) // 2, dtype=torch.float32)
+    out = torch.empty(batch, dim + n * (n - 1) // 2, dtype=torch.float32, device="cpu")
     library = _LIBRARY.load()
     if library is None:
         return None
@@ -190,16 +200,14 @@ def _probe(features: int, dim: int) -> bool:
     with zeros and tiny values); logs one line when they do not."""
     generator = torch.Generator().manual_seed(0)
     batch = 24
-    dense = torch.randn(batch, dim, generator=generator)
-    sparse = torch.randn(batch, features, dim, generator=generator)
+    dense = torch.randn(batch, dim, generator=generator, device="cpu")
+    sparse = torch.randn(batch, features, dim, generator=generator, device="cpu")
     sparse[: batch // 3] *= 1e-22  # products near the smallest subnormal: signed zeros
     dense[: batch // 3] *= 1e-22
     sparse[batch // 3, :] = 0.0  # empty bags
     sparse[:, features // 2] = -sparse[:, features // 2].abs()
-    n = features + 1
-    triu = torch.triu_indices(n, n, offset=1, device="cpu")
-    positions = triu[0] * n + triu[1]
-    grad_out = torch.randn(batch, dim + positions.numel(), generator=generator)
+    positions = _row_major_triangle(features + 1)
+    grad_out = torch.randn(batch, dim + positions.numel(), generator=generator, device="cpu")
     grad_out[:, ::3] = 0.0
     grad_out[-batch // 3 :] *= 1e-25
     dense.requires_grad_()

@@ -212,3 +212,14 @@ def test_same_bytes_on_several_threads() -> None:
         assert (27, 64, 3) in interaction._matches
     finally:
         torch.set_num_threads(threads)
+
+
+def test_other_positions_take_the_torch_path() -> None:
+    """The kernels write the row-major triangle; any other positions read by `gather` (here
+    the triangle column by column) get the torch path's pairs in that order."""
+    dense, sparse = _inputs(6, 26, 64, 8)
+    n = 27
+    rows, cols = torch.triu_indices(n, n, offset=1, device="cpu")
+    by_column = (cols * n + rows)[torch.argsort(cols * n + rows)]
+    got = pairwise_interaction(dense, sparse, by_column)
+    _assert_same_bytes((got,), (torch_interaction(dense, sparse, by_column),))
