@@ -99,7 +99,8 @@ def _kernels_apply(dense: torch.Tensor, sparse: torch.Tensor) -> bool:
         return False
     key = (sparse.size(1) + 1, sparse.size(2), torch.get_num_threads())
     if key not in _matches:
-        _matches[key] = _LIBRARY.load() is not None and _probe(key[0] - 1, key[1])
+        with torch.inference_mode(False), torch.enable_grad():  # the caller's mode may be either
+            _matches[key] = _LIBRARY.load() is not None and _probe(key[0] - 1, key[1])
     return _matches[key]
 
 

@@ -223,3 +223,17 @@ def test_other_positions_take_the_torch_path() -> None:
     by_column = (cols * n + rows)[torch.argsort(cols * n + rows)]
     got = pairwise_interaction(dense, sparse, by_column)
     _assert_same_bytes((got,), (torch_interaction(dense, sparse, by_column),))
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_first_use_without_gradients(mode) -> None:  # type: ignore[no-untyped-def]
+    """The probe needs gradients; a first call in evaluation (no_grad, inference_mode) still
+    runs it and gives the torch path's bytes."""
+    features, dim = 18, 48
+    interaction._matches.pop((features + 1, dim, torch.get_num_threads()), None)
+    dense, sparse = _inputs(5, features, dim, 9)
+    with mode():
+        got = pairwise_interaction(dense, sparse, _positions(features))
+        expected = torch_interaction(dense, sparse, _positions(features))
+    _assert_same_bytes((got,), (expected,))
+    assert (features + 1, dim, torch.get_num_threads()) in interaction._matches
