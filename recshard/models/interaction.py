@@ -88,8 +88,11 @@ def _row_major_triangle(n: int) -> torch.Tensor:
 
 
 def _kernels_apply(dense: torch.Tensor, sparse: torch.Tensor) -> bool:
-    """CPU float32 `[B, D]` and `[B, F, D]`, and the probe for this shape gave torch's bytes."""
+    """CPU float32 `[B, D]` and `[B, F, D]` outside autocast (which runs bmm in bf16), and the
+    probe for this shape gave torch's bytes."""
     if dense.device.type != "cpu" or sparse.device.type != "cpu":
+        return False
+    if torch.is_autocast_enabled("cpu"):
         return False
     if dense.dtype != torch.float32 or sparse.dtype != torch.float32:
         return False

@@ -237,3 +237,15 @@ def test_first_use_without_gradients(mode) -> None:  # type: ignore[no-untyped-d
         expected = torch_interaction(dense, sparse, _positions(features))
     _assert_same_bytes((got,), (expected,))
     assert (features + 1, dim, torch.get_num_threads()) in interaction._matches
+
+
+def test_autocast_takes_the_torch_path() -> None:
+    """Under CPU autocast torch's bmm runs in bfloat16 (pairs rounded to it); the kernels
+    (float32) stand aside."""
+    dense, sparse = _inputs(5, 26, 64, 10)
+    _kernels_on(26, 64)  # probed outside autocast: the kernels would run but for the check
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = pairwise_interaction(dense, sparse, _positions(26))
+        expected = torch_interaction(dense, sparse, _positions(26))
+    assert not torch.equal(expected, torch_interaction(dense, sparse, _positions(26)))
+    _assert_same_bytes((got,), (expected,))
