@@ -85,8 +85,10 @@ typedef float Vec8 __attribute__((vector_size(32)));  // 8 floats; 2 SSE halves 
 
 // One feature's bags (ids already checked against its table). kDim: the dim when known at
 // compile time (a multiple of 8: the bag's sum stays in registers), else 0 (read `dim_arg`).
-// Every float's sum adds the ids in order, as `a[d] += scale * row[d]` would.
-template <int kDim, typename Index, typename Offset>
+// Every float's sum adds the ids in order: `a[d] += row[d]`, or with per-sample weights
+// (kWeighted) `a[d] = fma(weight, row[d], a[d])`, one rounding per id as torch's weighted bags
+// (fbgemm's) take it. MEAN then divides by the length, as torch's `pooled / lengths`.
+template <int kDim, bool kWeighted, typename Index, typename Offset>
 RS_CLONES void pool_feature(const float* table, int64_t dim_arg, int64_t batch,
                             const Index* indices, const Offset* offsets,
                             const float* per_sample_weights, int mean, float* out,
@@ -107,37 +109,32 @@ RS_CLONES void pool_feature(const float* table, int64_t dim_arg, int64_t batch,
         prefetch_row(table + int64_t(indices[p + kPrefetch]) * dim, dim);
       }
       const float* __restrict row = table + int64_t(indices[p]) * dim;
-      if (per_sample_weights) {  // one rounding per id, as torch's (fbgemm's) weighted bags
-        const float scale = per_sample_weights[p];
-        if (kDim) {
-#pragma GCC unroll 16
-          for (int v = 0; v < kVecs; ++v) {
-            Vec8 r;
-            std::memcpy(&r, row + 8 * v, sizeof r);
-            for (int lane = 0; lane < 8; ++lane) {
-              acc[v][lane] = __builtin_fmaf(scale, r[lane], acc[v][lane]);
-            }
-          }
-        } else {
-          for (int64_t d = 0; d < dim; ++d) a[d] = __builtin_fmaf(scale, row[d], a[d]);
-        }
-      } else if (kDim) {
+      const float scale = kWeighted ? per_sample_weights[p] : 1.f;
+      if (kDim) {
 #pragma GCC unroll 16
         for (int v = 0; v < kVecs; ++v) {
           Vec8 r;
           std::memcpy(&r, row + 8 * v, sizeof r);
-          acc[v] += r;
+          if (kWeighted) {
+            for (int lane = 0; lane < 8; ++lane) {
+              acc[v][lane] = __builtin_fmaf(scale, r[lane], acc[v][lane]);
+            }
+          } else {
+            acc[v] += r;
+          }
         }
       } else {
-        for (int64_t d = 0; d < dim; ++d) a[d] += row[d];
+        for (int64_t d = 0; d < dim; ++d) {
+          a[d] = kWeighted ? __builtin_fmaf(scale, row[d], a[d]) : a[d] + row[d];
+        }
       }
     }
-    const float length = float(end - begin);
-    const bool divide = mean && end > begin;  // as torch's `pooled / lengths`
     float* __restrict o = out + b * width;
+    const bool divide = mean && end > begin;
+    const float length = float(end - begin);
     if (kDim) {
 #pragma GCC unroll 16
-      for (int v = 0; v < kVecs; ++v) {
+      for (int v = 0; v < kVecs; ++v) {  // one vector at a time: `acc` stays in registers
         const Vec8 r = divide ? acc[v] / length : acc[v];
         std::memcpy(o + 8 * v, &r, sizeof r);
       }
@@ -164,8 +161,11 @@ int64_t forward_impl(const float* weights, const Layout& l, const Index* indices
     }
     const float* table = weights + l.weight_start[t];
     float* o = out + l.feature_column[f];
-#define RS_FEATURE(D)                                                                     \
-  pool_feature<D>(table, dim, l.batch, indices, bags, per_sample_weights, mean, o, l.width)
+#define RS_FEATURE(D)                                                                       \
+  (per_sample_weights                                                                       \
+       ? pool_feature<D, true>(table, dim, l.batch, indices, bags, per_sample_weights, mean, o, \
+                               l.width)                                                     \
+       : pool_feature<D, false>(table, dim, l.batch, indices, bags, nullptr, mean, o, l.width))
     if (dim == 64) RS_FEATURE(64);
     else if (dim == 128) RS_FEATURE(128);
     else if (dim == 32) RS_FEATURE(32);
