@@ -5,8 +5,9 @@ cache of `ceil(cache_load_factor * rows)` rows (TorchRec's `cache_load_factor`, 
 from the sharder's fused params or the plan's `CacheParams.load_factor`) holds the rows in
 use, evicting by CLOCK (second chance, close to least recently used). Files go to
 `ssd_storage_directory` (TorchRec's fused param, `@local_rank` filled in), or without one to a
-fresh private temporary directory, as in TorchRec; `check_storage` vets a given directory
-before any file is made. A step:
+fresh private temporary directory, as in TorchRec, removed with its store (when collected, or
+at exit; a given directory is never removed); `check_storage` vets a given directory before
+any file is made. A step:
 
     prefetch(batch)  ids not cached -> slots the CLOCK hand frees (updated victims written
                      back behind the step, in row order), rows read from storage
@@ -31,7 +32,9 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import tempfile
+import weakref
 from typing import Dict, List
 
 import torch
@@ -132,6 +135,23 @@ def dram_bytes(table: LocalTable, spec: FusedOptimSpec, step_rows: int) -> int:
     return cached * (record + SLOT_BYTES) + table.rows * ROW_MAP_BYTES + mapped + transient
 
 
+def _store(table: LocalTable, spec: FusedOptimSpec) -> RowStore:
+    """`table`'s files in its `ssd_storage_directory`, or without one in a fresh private
+    temporary directory that goes with the store: removed when the store is collected or at
+    exit (`weakref.finalize`), so runs without a directory leave no files behind."""
+    directory = table_directory(table)
+    if directory is not None:
+        return RowStore(directory, store_identity(table, spec))
+    directory = tempfile.mkdtemp(prefix="recshard-kv-")
+    try:
+        store = RowStore(directory, store_identity(table, spec))
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    weakref.finalize(store, shutil.rmtree, directory, True)
+    return store
+
+
 class KeyValueKernel(LookupKernel):
     """The fused contract with each table on storage and a bounded DRAM cache (CPU, fp32)."""
 
@@ -155,10 +175,7 @@ class KeyValueKernel(LookupKernel):
         self.lr = spec.learning_rate
         self.caches = [
             RowCache(
-                RowStore(
-                    table_directory(t) or tempfile.mkdtemp(prefix="recshard-kv-"),
-                    store_identity(t, spec),
-                ),
+                _store(t, spec),
                 cache_rows(t) if t.rows else 0,
                 mapped_states(spec),
             )
