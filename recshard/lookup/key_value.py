@@ -5,8 +5,9 @@ cache of `ceil(cache_load_factor * rows)` rows (TorchRec's `cache_load_factor`, 
 from the sharder's fused params or the plan's `CacheParams.load_factor`) holds the rows in
 use, evicting by CLOCK (second chance, close to least recently used). Files go to
 `ssd_storage_directory` (TorchRec's fused param, `@local_rank` filled in), or without one to a
-fresh private temporary directory, as in TorchRec; `check_storage` vets a given directory
-before any file is made. A step:
+fresh private temporary directory, as in TorchRec, removed with its store (when collected, or
+at exit; a given directory is never removed); `check_storage` vets a given directory before
+any file is made. A step:
 
     prefetch(batch)  ids not cached -> slots the CLOCK hand frees (updated victims written
                      back behind the step, in row order), rows read from storage
@@ -39,7 +40,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import tempfile
+import weakref
 from typing import Dict, List
 
 import torch
@@ -141,6 +144,23 @@ def dram_bytes(table: LocalTable, spec: FusedOptimSpec, step_rows: int) -> int:
     return cached * (record + SLOT_BYTES) + table.rows * ROW_MAP_BYTES + mapped + transient
 
 
+def _store(table: LocalTable, spec: FusedOptimSpec) -> RowStore:
+    """`table`'s files in its `ssd_storage_directory`, or without one in a fresh private
+    temporary directory that goes with the store: removed when the store is collected or at
+    exit (`weakref.finalize`), so runs without a directory leave no files behind."""
+    directory = table_directory(table)
+    if directory is not None:
+        return RowStore(directory, store_identity(table, spec))
+    directory = tempfile.mkdtemp(prefix="recshard-kv-")
+    try:
+        store = RowStore(directory, store_identity(table, spec))
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    weakref.finalize(store, shutil.rmtree, directory, True)
+    return store
+
+
 class KeyValueKernel(LookupKernel):
     """The fused contract with each table on storage and a bounded DRAM cache (CPU, fp32)."""
 
@@ -182,11 +202,7 @@ class KeyValueKernel(LookupKernel):
             buffers = {"weight": weights}
             if self.momentum is not None:
                 buffers.update({name: self.momentum[row : row + capacity] for name in rowwise})
-            store = RowStore(
-                table_directory(t) or tempfile.mkdtemp(prefix="recshard-kv-"),
-                store_identity(t, spec),
-            )
-            self.caches.append(RowCache(store, capacity, rowwise, buffers))
+            self.caches.append(RowCache(_store(t, spec), capacity, rowwise, buffers))
         self._init_weights()
 
     # ------------------------------------------------------------------ storage views
