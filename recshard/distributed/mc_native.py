@@ -197,7 +197,8 @@ class NativeIdIndex:
         C++ call: the ids seen since the last one (`ids [N]`) coalesced, the held ones' counts
         added to their rows' (`counts [R]`, in place), the others contesting their buckets'
         rows (local `bucket_starts [B + 1]`); the winners written into `raw_ids [R]`, `counts`
-        and this index. Returns (global rows that changed hands, how many of them had been held)."""
+        and this index. Returns (global rows that changed hands, sorted; how many of them had
+        been held)."""
         ids = ids.contiguous()
         rows = raw_ids.numel()
         held_buckets = bucket_starts.numel() - 1
