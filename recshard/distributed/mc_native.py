@@ -1,7 +1,8 @@
 """Managed collision's per-batch work in C++ (`csrc/mc_index.cpp`, through ctypes): each
 table's id index, a whole batch's remap over every table in one call, the id range check, the
 routing of raw ids to their owners (a counting sort, not a stable argsort), an eviction's
-bucket contest, and a whole LFU eviction without a threshold filter (`NativeIdIndex.evict_lfu`).
+bucket contest, a whole LFU eviction without a threshold filter (`NativeIdIndex.evict_lfu`), and
+the default init's numbers for a reset (`draw_uniform`, see `recshard.distributed.mc_reset`).
 
 `NativeIdIndex` is an open-addressing hash of the ids holding a module's rows (at most half
 full; an eviction erases and inserts the ids that changed instead of rebuilding); it and
@@ -53,6 +54,7 @@ def _declare(library: ctypes.CDLL) -> None:
         + [_i64] * 3
         + [_ptr] * 2,
         "rs_mc_check_ids": [_i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr],
+        "rs_mc_draw_uniform": [_i64] * 5 + [ctypes.c_float] * 2 + [_ptr],
         "rs_mc_route": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64]
         + [_ptr] * 3,
     }
@@ -409,3 +411,17 @@ def route(
         validate=False,
     )
     return routed, sent_to
+
+
+def draw_uniform(
+    seed: int, rows: int, dim: int, col_offset: int, cols: int, low: float, scale: float
+) -> torch.Tensor:
+    """`recshard.distributed.mc_reset.draw_uniform`'s numbers `[rows, cols]` (float32) in C++:
+    `low` and `scale` are float32 values."""
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    code = _library().rs_mc_draw_uniform(
+        seed, rows, dim, col_offset, cols, ctypes.c_float(low), ctypes.c_float(scale),
+        out.data_ptr(),
+    )  # fmt: skip
+    _check(code, "reset draw")
+    return out

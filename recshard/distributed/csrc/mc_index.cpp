@@ -400,3 +400,30 @@ extern "C" int rs_mc_route(int64_t keys, int64_t stride, const int64_t* lengths,
   }
   return 0;
 }
+
+// The default init's numbers for a reset of `n` rows of a `dim`-column table, the columns
+// [col_offset, col_offset + cols) of each (recshard/distributed/mc_reset.py gives the same
+// numbers from torch ops): out[j * cols + c] = u * scale + low (float arithmetic), u the top
+// 24 bits of splitmix64's output number j * dim + col_offset + c (its state seed + (that + 1) *
+// GAMMA) over 2**24. A counter-based generator: any row's or column's numbers without the others.
+extern "C" int rs_mc_draw_uniform(int64_t seed, int64_t n, int64_t dim, int64_t col_offset,
+                                  int64_t cols, float low, float scale, float* out) {
+  if (n < 0 || dim < 1 || col_offset < 0 || cols < 0 || col_offset + cols > dim)
+    return ERR_ARGUMENT;
+  constexpr uint64_t GAMMA = 0x9E3779B97F4A7C15ULL, M1 = 0xBF58476D1CE4E5B9ULL,
+                     M2 = 0x94D049BB133111EBULL;
+  for (int64_t j = 0; j < n; ++j) {
+    uint64_t state = uint64_t(seed) + (uint64_t(j * dim + col_offset) + 1) * GAMMA;
+    float* row = out + j * cols;
+    for (int64_t c = 0; c < cols; ++c, state += GAMMA) {
+      uint64_t z = state;
+      z = (z ^ (z >> 30)) * M1;
+      z = (z ^ (z >> 27)) * M2;
+      z ^= z >> 31;
+      const float u = float(z >> 40) * (1.0f / 16777216.0f);
+      const float scaled = u * scale;
+      row[c] = scaled + low;
+    }
+  }
+  return 0;
+}
