@@ -54,7 +54,9 @@ def _declare(library: ctypes.CDLL) -> None:
         + [_i64] * 3
         + [_ptr] * 2,
         "rs_mc_check_ids": [_i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr],
-        "rs_mc_draw_uniform": [_i64] * 5 + [ctypes.c_float] * 2 + [_ptr],
+        "rs_mc_draw_uniform": [_i64, _i64, _ptr, _i64, _i64, _i64]
+        + [ctypes.c_float] * 2
+        + [_i64, _i64, _ptr],
         "rs_mc_route": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64]
         + [_ptr] * 3,
     }
@@ -414,14 +416,24 @@ def route(
 
 
 def draw_uniform(
-    seed: int, rows: int, dim: int, col_offset: int, cols: int, low: float, scale: float
-) -> torch.Tensor:
-    """`recshard.distributed.mc_reset.draw_uniform`'s numbers `[rows, cols]` (float32) in C++:
-    `low` and `scale` are float32 values."""
-    out = torch.empty(rows, cols, dtype=torch.float32)
+    seed: int,
+    dim: int,
+    col_offset: int,
+    low: float,
+    scale: float,
+    out: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    """The default init's numbers of a reset (`recshard.distributed.mc_reset`) in C++, written
+    straight into `out[rows]` (`out [R, cols]` float32, rows contiguous; `rows [N]` in
+    `[0, R)`, the order of the draws); `low` and `scale` are float32 values."""
+    if out.dtype != torch.float32 or out.dim() != 2 or out.device.type != "cpu":
+        raise ValueError(f"reset rows must be a float32 CPU matrix, got {out.dtype} {out.device}")
+    if out.stride(1) != 1 or out.stride(0) < out.size(1):
+        raise ValueError(f"reset rows must be contiguous, got strides {out.stride()}")
+    rows = rows.contiguous()
     code = _library().rs_mc_draw_uniform(
-        seed, rows, dim, col_offset, cols, ctypes.c_float(low), ctypes.c_float(scale),
-        out.data_ptr(),
+        seed, rows.numel(), _vector("reset rows", rows), dim, col_offset, out.size(1),
+        ctypes.c_float(low), ctypes.c_float(scale), out.size(0), out.stride(0), out.data_ptr(),
     )  # fmt: skip
     _check(code, "reset draw")
-    return out

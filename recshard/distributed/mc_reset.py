@@ -7,7 +7,7 @@ A table with its own `init_fn` gets it, called on the block of its rows (TorchRe
 (splitmix64 of each number's position in the block of whole rows), seeded once per table and
 reset from torch's default generator, so `torch.manual_seed` still fixes them: on the CPU in
 C++ (`rs_mc_draw_uniform`, a column shard draws its columns only), elsewhere or without the
-library from torch ops, the same numbers (`draw_uniform`). Why: torch's `uniform_` draws about
+library from torch ops, the same numbers (`_draw_into`). Why: torch's `uniform_` draws about
 3 ns a number on one thread, so a first fill (every row of 26 tables of 5,000 x 64 given out at
 one eviction) spent ~40 ms drawing; the C++ generator draws them in a fraction of that.
 """
@@ -38,31 +38,38 @@ def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def draw_uniform(
+def _draw_into(
     seed: int,
-    rows: int,
     config: BaseEmbeddingConfig,
     col_offset: int,
-    cols: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """The default init's numbers `[rows, cols]` (float32) for the columns `[col_offset,
-    col_offset + cols)` of `rows` whole rows, drawn from `seed` (see the module docstring)."""
-    dim = config.embedding_dim
+    target: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    """The default init's numbers for the columns `[col_offset, col_offset + cols)` of whole
+    rows, drawn from `seed` in the order of `rows` and written into `target[rows]` (`target
+    [R, cols]`): in C++ straight into float32 CPU rows (`rs_mc_draw_uniform` defines the
+    numbers), else the same numbers from torch ops."""
     assert config.weight_init_min is not None and config.weight_init_max is not None
     low = _float32(config.weight_init_min)
     scale = _float32(config.weight_init_max - config.weight_init_min)
-    if mc_native.enabled(device):
-        return mc_native.draw_uniform(seed, rows, dim, col_offset, cols, low, scale)
-    position = torch.arange(rows, dtype=torch.int64, device=device).unsqueeze(1) * dim
+    dim, cols = config.embedding_dim, target.size(1)
+    native = mc_native.enabled(target.device) and target.dtype == torch.float32
+    if native and target.stride(1) == 1 and target.stride(0) >= cols:
+        mc_native.draw_uniform(seed, dim, col_offset, low, scale, target, rows)
+        torch.autograd.graph.increment_version(target)  # as the torch ops' write does
+        return
+    device = target.device
+    position = torch.arange(rows.numel(), dtype=torch.int64, device=device).unsqueeze(1) * dim
     position = position + torch.arange(
-        col_offset + 1, col_offset + cols + 1, dtype=torch.int64, device=device
+        col_offset, col_offset + cols, dtype=torch.int64, device=device
     )
-    z = position * _GAMMA + seed
+    z = ((position >> 1) + 1) * _GAMMA + seed
     z = (z ^ _shift_right(z, 30)) * _M1
     z = (z ^ _shift_right(z, 27)) * _M2
     z = z ^ _shift_right(z, 31)
-    return _shift_right(z, 40).to(torch.float32).mul_(2.0**-24).mul_(scale).add_(low)
+    drawn = torch.where(position & 1 == 1, (z >> 16) & 0xFFFFFF, _shift_right(z, 40))
+    numbers = drawn.to(torch.float32).mul_(2.0**-24).mul_(scale).add_(low)
+    target[rows] = numbers.to(target.dtype)
 
 
 @torch.no_grad()
@@ -87,11 +94,9 @@ def reset_evicted(
                 continue
             if seed is None:  # one per table and reset: its shards draw from one block
                 seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu"))
-            fresh = draw_uniform(
-                seed, rows.numel(), config, local.col_offset, weight.size(1), weight.device
+            _draw_into(
+                seed, config, local.col_offset, weight.data if in_place_data else weight, rows_here
             )
-            target = weight.data if in_place_data else weight
-            target[rows_here] = fresh.to(target.dtype)
         for local, state in states.get(table, []):
             for tensor in state.values():
                 if tensor.dim() >= 1 and tensor.size(0) == local.rows:

@@ -402,28 +402,44 @@ extern "C" int rs_mc_route(int64_t keys, int64_t stride, const int64_t* lengths,
 }
 
 // The default init's numbers for a reset of `n` rows of a `dim`-column table, the columns
-// [col_offset, col_offset + cols) of each (recshard/distributed/mc_reset.py gives the same
-// numbers from torch ops): out[j * cols + c] = u * scale + low (float arithmetic), u the top
-// 24 bits of splitmix64's output number j * dim + col_offset + c (its state seed + (that + 1) *
-// GAMMA) over 2**24. A counter-based generator: any row's or column's numbers without the others.
-extern "C" int rs_mc_draw_uniform(int64_t seed, int64_t n, int64_t dim, int64_t col_offset,
-                                  int64_t cols, float low, float scale, float* out) {
-  if (n < 0 || dim < 1 || col_offset < 0 || cols < 0 || col_offset + cols > dim)
+// [col_offset, col_offset + cols) of each, written to row `rows[j]` (of `row_count`, each
+// `row_stride` floats apart) of `out` (recshard/distributed/mc_reset.py gives the same numbers
+// from torch ops): number p = j * dim + col_offset + c of the block of whole rows is u * scale +
+// low (float arithmetic), u = 24 bits of word p / 2 over 2**24: the top 24 of an even p's, the
+// next 24 of an odd p's; word k = splitmix64's output for the state seed + (k + 1) * GAMMA. A
+// counter-based generator: any row's or column's numbers without the others'.
+extern "C" int rs_mc_draw_uniform(int64_t seed, int64_t n, const int64_t* rows, int64_t dim,
+                                  int64_t col_offset, int64_t cols, float low, float scale,
+                                  int64_t row_count, int64_t row_stride, float* out) {
+  if (n < 0 || dim < 1 || col_offset < 0 || cols < 0 || col_offset + cols > dim ||
+      row_stride < cols || row_count < 0)
     return ERR_ARGUMENT;
+  for (int64_t j = 0; j < n; ++j)
+    if (rows[j] < 0 || rows[j] >= row_count) return ERR_ARGUMENT;
   constexpr uint64_t GAMMA = 0x9E3779B97F4A7C15ULL, M1 = 0xBF58476D1CE4E5B9ULL,
                      M2 = 0x94D049BB133111EBULL;
+  auto word = [&](uint64_t k) {
+    uint64_t z = uint64_t(seed) + (k + 1) * GAMMA;
+    z = (z ^ (z >> 30)) * M1;
+    z = (z ^ (z >> 27)) * M2;
+    return z ^ (z >> 31);
+  };
+  auto number = [&](uint64_t drawn) {  // 24 bits -> u * scale + low
+    const float u = float(int32_t(drawn)) * (1.0f / 16777216.0f);  // < 2**24: exact
+    const float scaled = u * scale;
+    return scaled + low;
+  };
   for (int64_t j = 0; j < n; ++j) {
-    uint64_t state = uint64_t(seed) + (uint64_t(j * dim + col_offset) + 1) * GAMMA;
-    float* row = out + j * cols;
-    for (int64_t c = 0; c < cols; ++c, state += GAMMA) {
-      uint64_t z = state;
-      z = (z ^ (z >> 30)) * M1;
-      z = (z ^ (z >> 27)) * M2;
-      z ^= z >> 31;
-      const float u = float(z >> 40) * (1.0f / 16777216.0f);
-      const float scaled = u * scale;
-      row[c] = scaled + low;
+    float* row = out + rows[j] * row_stride;
+    const uint64_t first = uint64_t(j * dim + col_offset);
+    int64_t c = 0;
+    if (cols > 0 && (first & 1)) row[c++] = number((word(first / 2) >> 16) & 0xFFFFFF);
+    for (; c + 1 < cols; c += 2) {  // p = first + c is even: word p / 2 gives p and p + 1
+      const uint64_t bits = word((first + uint64_t(c)) / 2);
+      row[c] = number(bits >> 40);
+      row[c + 1] = number((bits >> 16) & 0xFFFFFF);
     }
+    if (c < cols) row[c] = number(word((first + uint64_t(c)) / 2) >> 40);
   }
   return 0;
 }
