@@ -21,6 +21,7 @@ namespace {
 constexpr int64_t EMPTY = -1;
 constexpr int64_t FREE_ID = INT64_MAX;  // a free row's raw id (recshard.modules.mc_base.FREE)
 constexpr uint64_t MIX = 0x9E3779B97F4A7C15ULL;
+constexpr int64_t PREFETCH = 16;  // lookups ahead whose slots are prefetched
 constexpr int ERR_ARGUMENT = 1, ERR_PRESENT = 2, ERR_ABSENT = 3, ERR_FULL = 4, ERR_ID = 5,
               ERR_BUCKET = 6;
 
@@ -34,6 +35,14 @@ struct Index {
       : keys(k), rows(r), mask((uint64_t(1) << log2) - 1), shift(64 - int(log2)) {}
 
   uint64_t home(int64_t key) const { return (uint64_t(key) * MIX) >> shift; }
+
+  // start loading `key`'s home slot (a batch's indexes are mostly out of cache: a lookup
+  // waits on memory, so the next ones' loads are started while it does)
+  void prefetch(int64_t key) const {
+    const uint64_t at = home(key);
+    __builtin_prefetch(keys + at);
+    __builtin_prefetch(rows + at);
+  }
 
   // slot holding `key`, or -1
   int64_t slot(int64_t key) const {
@@ -157,6 +166,7 @@ extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
                       reinterpret_cast<int64_t*>(row_ptrs[t]), log2s[t]);
     int64_t hits = 0;
     for (int64_t end = at + segment_lengths[s]; at < end; ++at) {
+      if (at + PREFETCH < end) index.prefetch(ids[at + PREFETCH]);
       const int64_t id = ids[at];
       if (id < 0) return ERR_ID;
       const int64_t bucket = id % buckets[t] - first_buckets[t];
