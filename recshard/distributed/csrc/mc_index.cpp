@@ -206,8 +206,13 @@ int64_t contest(int64_t slots, RowScore row_score, const int64_t* held, int64_t 
   for (int64_t r = 1; r < slots; ++r) worst_row = std::min(worst_row, row_score(r));
   if (!(best_new > worst_row)) return 0;  // nothing changes hands (the common quiet case)
   std::vector<int64_t> rows, order;  // the rows that can lose, the new ids that can win
-  for (int64_t r = 0; r < slots; ++r)
-    if (row_score(r) < best_new) rows.push_back(r);
+  bool free_alike = true;  // all of those rows free with one score (a first fill)
+  for (int64_t r = slots - 1; r >= 0; --r) {
+    if (row_score(r) < best_new) {
+      free_alike &= held[r] == FREE_ID && row_score(r) == row_score(rows.empty() ? r : rows[0]);
+      rows.push_back(r);
+    }
+  }
   for (int64_t i = 0; i < news; ++i)
     if (new_score(i) > worst_row) order.push_back(i);
   const int64_t m = std::min({news, slots, int64_t(rows.size()), int64_t(order.size())});
@@ -222,8 +227,10 @@ int64_t contest(int64_t slots, RowScore row_score, const int64_t* held, int64_t 
     const Score sa = new_score(a), sb = new_score(b);
     return sa != sb ? sa > sb : new_key(a) < new_key(b);
   };
-  std::nth_element(rows.begin(), rows.begin() + (m - 1), rows.end(), row_after);
-  std::sort(rows.begin(), rows.begin() + m, row_after);
+  if (!free_alike) {  // else they are in that order already: the later row first
+    std::nth_element(rows.begin(), rows.begin() + (m - 1), rows.end(), row_after);
+    std::sort(rows.begin(), rows.begin() + m, row_after);
+  }
   std::nth_element(order.begin(), order.begin() + (m - 1), order.end(), new_before);
   std::sort(order.begin(), order.begin() + m, new_before);
   int64_t w = 0;
