@@ -385,7 +385,6 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
             self._embedding_module.local_table_shards(),
             self._embedding_module.fused_optimizer_states(),
             self._configs,
-            self._in_place_data,
         )
 
 

@@ -56,7 +56,6 @@ def _draw_into(
     native = mc_native.enabled(target.device) and target.dtype == torch.float32
     if native and target.stride(1) == 1 and target.stride(0) >= cols:
         mc_native.draw_uniform(seed, dim, col_offset, low, scale, target, rows)
-        torch.autograd.graph.increment_version(target)  # as the torch ops' write does
         return
     device = target.device
     position = torch.arange(rows.numel(), dtype=torch.int64, device=device).unsqueeze(1) * dim
@@ -78,10 +77,10 @@ def reset_evicted(
     weights: Shards,
     states: Dict[str, List[Tuple[LocalTable, Dict[str, torch.Tensor]]]],
     configs: Dict[str, BaseEmbeddingConfig],
-    in_place_data: bool,
 ) -> None:
     """Per table, the local rows given to new ids (`evictions`): weights re-drawn on each of
-    this rank's shards (`weights`), fused optimizer state (`states`) zeroed."""
+    this rank's shards (`weights`, written through `.data`), fused optimizer state (`states`)
+    zeroed."""
     for table, rows in evictions.items():
         if rows is None or rows.numel() == 0:
             continue
@@ -90,13 +89,11 @@ def reset_evicted(
         for local, weight in weights.get(table, []):
             rows_here = rows.to(weight.device)
             if config.init_fn is not None:
-                reset_rows(weight, rows_here, config, in_place_data, local.col_offset)
+                reset_rows(weight, rows_here, config, True, local.col_offset)
                 continue
             if seed is None:  # one per table and reset: its shards draw from one block
                 seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu"))
-            _draw_into(
-                seed, config, local.col_offset, weight.data if in_place_data else weight, rows_here
-            )
+            _draw_into(seed, config, local.col_offset, weight.data, rows_here)
         for local, state in states.get(table, []):
             for tensor in state.values():
                 if tensor.dim() >= 1 and tensor.size(0) == local.rows:

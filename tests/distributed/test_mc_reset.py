@@ -36,7 +36,7 @@ def _reset(
     held as column shards `cuts` (`(col_offset, cols)`), put back side by side."""
     torch.manual_seed(5)
     shards = [(_shard(config, table_rows, o, c), torch.full((table_rows, c), 9.0)) for o, c in cuts]
-    reset_evicted({"t": rows, "u": None}, {"t": shards}, {}, {"t": config}, True)
+    reset_evicted({"t": rows, "u": None}, {"t": shards}, {}, {"t": config})
     return torch.cat([weight for _, weight in shards], 1)
 
 
@@ -69,7 +69,7 @@ def test_column_shards_hold_the_columns_of_one_draw_of_whole_rows(
     assert torch.equal(_reset(config, 20, rows, [(0, 16)]), whole)  # manual_seed fixes them
     torch.manual_seed(6)
     other = [(_shard(config, 20, 0, 16), torch.full((20, 16), 9.0))]
-    reset_evicted({"t": rows}, {"t": other}, {}, {"t": config}, True)
+    reset_evicted({"t": rows}, {"t": other}, {}, {"t": config})
     assert not torch.equal(other[0][1], whole)
 
 
@@ -90,7 +90,7 @@ def test_other_rows_and_their_optimizer_state_stay() -> None:
     weight, state = torch.full((20, 4), 9.0), torch.ones(20)
     shard = _shard(config, 20, 0, 4)
     reset_evicted({"t": rows}, {"t": [(shard, weight)]}, {"t": [(shard, {"sum": state})]},
-                  {"t": config}, True)  # fmt: skip
+                  {"t": config})  # fmt: skip
     kept = torch.ones(20, dtype=torch.bool)
     kept[rows] = False
     assert bool((weight[kept] == 9.0).all()) and bool((weight[rows] != 9.0).all())
@@ -101,6 +101,6 @@ def test_a_table_with_its_own_init_fn_gets_it() -> None:
     config = _config(4, init_fn=lambda w: w.fill_(0.25))
     weight = torch.zeros(20, 4)
     shards = {"t": [(_shard(config, 20, 0, 4), weight)]}
-    reset_evicted({"t": torch.tensor([1, 7])}, shards, {}, {"t": config}, True)
+    reset_evicted({"t": torch.tensor([1, 7])}, shards, {}, {"t": config})
     assert torch.equal(weight[[1, 7]], torch.full((2, 4), 0.25))
     assert int((weight != 0).sum()) == 8
