@@ -158,7 +158,6 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
         }
         self._arrival_order = ([self._row_name] if rows else []) + self._placed_names
         self._configs = {c.name: c for c in configs}
-        self._in_place_data = module._allow_in_place_embed_weight_update
         self._return_remapped_features = module._return_remapped_features
         if self._return_remapped_features:  # every feature on the wire (no column tables)
             self._rows_back = SequenceEmbeddingsAllToAll(
