@@ -1,13 +1,14 @@
 """Builds recshard's C++ libraries at install: the CPU embedding kernel (csrc/cpu_tbe.cpp),
 the key_value tables' row I/O (csrc/row_io.cpp) and their row cache's bookkeeping
 (csrc/row_cache.cpp), managed collision's id index, remap and routing
-(recshard/distributed/csrc/mc_index.cpp).
+(recshard/distributed/csrc/mc_index.cpp), DLRM's pairwise interaction
+(recshard/models/csrc/interaction.cpp).
 
 Plain C++ with no torch headers (seconds to compile); the metadata is in pyproject.toml.
 All are optional: `recshard.lookup.native_tbe` falls back to fbgemm,
 `recshard.lookup.native_row_io` to Python's os.pread/os.pwrite,
-`recshard.lookup.native_row_cache` and `recshard.distributed.mc_native` to torch ops if a
-build is missing.
+`recshard.lookup.native_row_cache`, `recshard.distributed.mc_native` and
+`recshard.models.interaction` to torch ops if a build is missing.
 """
 
 from setuptools import Extension, setup
@@ -17,7 +18,8 @@ setup(
         Extension(
             "recshard.lookup._cpu_tbe",
             sources=["recshard/lookup/csrc/cpu_tbe.cpp"],
-            extra_compile_args=["-O3", "-std=c++17"],
+            # no fused multiply-adds but the code's own: the same bytes as torch's kernel
+            extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off"],
             language="c++",
             optional=True,  # a machine without a C++ compiler still installs (fbgemm runs)
         ),
@@ -38,9 +40,18 @@ setup(
         Extension(
             "recshard.distributed._mc_index",
             sources=["recshard/distributed/csrc/mc_index.cpp"],
-            extra_compile_args=["-O3", "-std=c++17"],
+            # no fused multiply-add: a reset's numbers equal their torch twin's bit for bit
+            extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off"],
             language="c++",
             optional=True,  # without it, managed collision remaps with torch ops
+        ),
+        Extension(
+            "recshard.models._interaction",
+            sources=["recshard/models/csrc/interaction.cpp"],
+            extra_compile_args=["-O3", "-std=c++17", "-pthread"],
+            extra_link_args=["-pthread"],
+            language="c++",
+            optional=True,  # without it, DLRM's interaction runs torch.bmm
         ),
     ]
 )

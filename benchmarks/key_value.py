@@ -6,7 +6,10 @@ three ways to hold one table, on Zipf(1.05) ids. Prints one JSON line per tier.
   backward (what `PrefetchTrainPipelineSparseDist` does).
 - `page_cache`: the pure-torch fused kernel with its weight and state buffers replaced by
   mappings of files (the OS page cache is the DRAM tier; no bound of its own).
-- `in_memory`: the pure-torch fused kernel (the same math, the table in DRAM).
+- `in_memory`: the pure-torch fused kernel (the table in DRAM).
+- `in_memory_native`: recshard's C++ fused kernel (`NativeFusedKernel`), the in-memory kernel
+  the library builds for this table (fp32, pooled, row-wise Adagrad), whose math the key-value
+  kernel runs on its cache where it covers the table.
 
     flock /tmp/recshard-timing.lock python -m benchmarks.key_value --rows 1000000 --dim 64
 """
@@ -31,6 +34,7 @@ from recshard import EmbeddingBagConfig, KeyedJaggedTensor
 from recshard.lookup.fused_params import FusedParams
 from recshard.lookup.kernels import LookupKernel, TorchFusedKernel
 from recshard.lookup.key_value import KeyValueKernel, dram_bytes
+from recshard.lookup.native_kernel import NativeFusedKernel
 from recshard.lookup.tables import LocalTable
 from recshard.types import EmbeddingComputeKernel
 
@@ -101,16 +105,18 @@ def _run(args: argparse.Namespace, tier: str, directory: str) -> Dict:
     kernel: LookupKernel
     if key_value:
         kernel = KeyValueKernel([table], True, spec, torch.device("cpu"))
+    elif tier == "in_memory_native":
+        kernel = NativeFusedKernel([table], True, spec, torch.device("cpu"))
     else:
         kernel = TorchFusedKernel([table], True, spec, torch.device("cpu"))
         if tier == "page_cache":
             _map_buffers(kernel, directory)
     os.sync()  # the table's init written out: time steady-state steps, not its writeback
-    times = []
+    times, cpu_times = [], []
     for i, features in enumerate(batches):
         if i == args.warmup and isinstance(kernel, KeyValueKernel):
             kernel.reset_hit_rate()  # the timed steps' hit rate, the cache warm
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         out = kernel(features)
         side = None
         if tier == "row_cache_prefetch" and i + 1 < len(batches):
@@ -121,7 +127,9 @@ def _run(args: argparse.Namespace, tier: str, directory: str) -> Dict:
             side.join()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
     times.sort()
+    cpu_times.sort()
     step = times[len(times) // 2]
     result = {
         "command": shlex.join(
@@ -133,6 +141,7 @@ def _run(args: argparse.Namespace, tier: str, directory: str) -> Dict:
         "dim": args.dim,
         "table_mb": round(args.rows * args.dim * 4 / 2**20, 1),
         "step_ms": round(step * 1e3, 2),  # median of --steps
+        "cpu_ms": round(cpu_times[len(cpu_times) // 2] * 1e3, 2),  # all threads, median
         "samples_per_s": round(args.batch / step),
         "rss_growth_mb": round((rss() - before) / 2**20, 1),
     }
@@ -155,7 +164,9 @@ def main() -> None:
         "--warmup", type=int, default=50, help="untimed steps first (the cache fills up)"
     )
     parser.add_argument("--directory", default=None, help="where the table files go")
-    parser.add_argument("--tiers", default="in_memory,row_cache,row_cache_prefetch,page_cache")
+    parser.add_argument(
+        "--tiers", default="in_memory,in_memory_native,row_cache,row_cache_prefetch,page_cache"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     for tier in args.tiers.split(","):

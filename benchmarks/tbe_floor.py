@@ -68,7 +68,11 @@ def _median_ms(fn: Callable[[], object], steps: int) -> float:
 
 
 def _tables(
-    rows: List[int], dim: int, data_type: DataType, optimizer: str = "exact_row_wise_adagrad"
+    rows: List[int],
+    dim: int,
+    data_type: DataType,
+    optimizer: str = "exact_row_wise_adagrad",
+    pooling: PoolingType = PoolingType.SUM,
 ) -> List[LocalTable]:
     fused = FusedParams.parse(
         {"optimizer": optimizer, "learning_rate": LEARNING_RATE, "eps": EPS}, "t"
@@ -87,7 +91,7 @@ def _tables(
             0,
             0,
             EmbeddingComputeKernel.FUSED,
-            PoolingType.SUM,
+            pooling,
             fused,
         )
         for i, n in enumerate(rows)

@@ -5,7 +5,8 @@
 
 One process, one torch thread, the tables and one rank-batch of ids of `benchmarks.tbe_floor`
 (the 26 tables of `ebc_workload`, dim 64, per-rank batch x world size, uniform ids), fp32
-weights, fused exact row-wise Adagrad (`--optim sgd`: exact SGD), SUM pooling. `--tables`
+weights, fused exact row-wise Adagrad (`--optim sgd`: exact SGD), SUM pooling (`--pooling
+mean`: MEAN). `--tables`
 keeps the first N tables (13: about one rank's share under the DLRM's table-wise plan). Both
 kernels start from the
 same weights; timed (medians of `--steps`, alternating the two kernels step by step), both
@@ -34,7 +35,7 @@ from benchmarks.tbe_floor import _tables
 from recshard.lookup import native_tbe
 from recshard.lookup.kernels import FbgemmFusedKernel
 from recshard.lookup.native_kernel import NativeFusedKernel
-from recshard.modules import DataType
+from recshard.modules import DataType, PoolingType
 from recshard.sparse import KeyedJaggedTensor
 
 
@@ -45,6 +46,7 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--tables", type=int, default=26, help="the first N tables")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     parser.add_argument("--optim", choices=["rowwise_adagrad", "sgd"], default="rowwise_adagrad")
+    parser.add_argument("--pooling", choices=["sum", "mean"], default="sum")
     parser.add_argument(
         "--forward-cold",
         action="store_true",
@@ -63,7 +65,8 @@ def main(argv: List[str] | None = None) -> None:
         [f"cat_{i}" for i in range(len(rows))], values, lengths, stride=batch
     )
     optimizer = {"rowwise_adagrad": "exact_row_wise_adagrad", "sgd": "exact_sgd"}[args.optim]
-    tables = _tables(rows, sizes.dim, DataType.FP32, optimizer)
+    pooling_type = PoolingType.MEAN if args.pooling == "mean" else PoolingType.SUM
+    tables = _tables(rows, sizes.dim, DataType.FP32, optimizer, pooling_type)
     spec = tables[0].fused_params.optim
     fbgemm = FbgemmFusedKernel(tables, True, spec, torch.device("cpu"))
     native = NativeFusedKernel(tables, True, spec, torch.device("cpu"))
@@ -110,6 +113,7 @@ def main(argv: List[str] | None = None) -> None:
             load_average=[round(x, 2) for x in os.getloadavg()],
             tables=len(rows),
             optim=args.optim,
+            pooling=args.pooling,
             forward_cold=args.forward_cold,
             ids=int(values.numel()),
             batch=batch,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import re
 import shutil
 import subprocess
 import sys
@@ -92,12 +91,11 @@ def load_case(out: Path, case: str) -> Values:
 
 
 def torchrec_optimizer_keys(theirs: Values, ours: Values) -> Values:
-    """TorchRec's fused optimizer state in recshard's names (a documented difference):
-    `<fqn>.<table>.momentum1` -> `<fqn>.momentum1`, and a column-sharded table's one
-    `[rows x shards]` accumulator cut into recshard's `momentum1@col<offset>`, in column order."""
+    """TorchRec's fused optimizer state in recshard's layout (the keys are the same,
+    `<fqn>.<table>.momentum1`): a column-sharded table's one `[rows x shards]` accumulator cut
+    into recshard's `momentum1@col<offset>`, in column order (a documented difference)."""
     out: Values = {}
     for name, value in theirs.items():
-        name = re.sub(r"(fused_optimizer\..*\.weight)\.[^.]+\.(momentum\d)$", r"\1.\2", name)
         columns = sorted(
             (k for k in ours if k.startswith(f"{name}@col")), key=lambda k: int(k.split("@col")[1])
         )

@@ -71,6 +71,16 @@ def bad_batches() -> Dict[str, Tuple[KeyedJaggedTensor, str]]:
             KeyedJaggedTensor(keys, torch.tensor([1, 2, 0, 3, 1]), lengths=ones, validate=False),
             r"lengths sum to 6 .* but values has 5 entries",
         ),
+        # int32 lengths past 2**31 in all: their int32 offsets would wrap ("offsets
+        # decrease", or a values count from a wrapped sum); refused before the values check
+        "int32 lengths sum past 2**31": (
+            KeyedJaggedTensor.from_lengths_sync(
+                keys,
+                good_batch().values(),
+                torch.tensor([2**30, 2**30 - 1, 1, 1, 0, 0], dtype=torch.int32),
+            ),
+            r"int32 lengths sum to 2147483649, past 2\*\*31 - 1 = 2147483647 at key 'f2'",
+        ),
         # offsets given beside lengths must be their running sum (tests/test_bad_offsets.py)
         "offsets step past lengths": (
             KeyedJaggedTensor(
@@ -124,6 +134,19 @@ def test_every_rank_stops_with_a_clear_error() -> None:
         assert re.search(message, text0), (name, text0)
         assert kind1 == "RuntimeError" and "rank 0 rejected its input" in text1, (name, text1)
         assert after0 == after1 == "after: (1, 26)", (name, after0, after1)
+
+
+@pytest.mark.parametrize("offsets_first", [False, True], ids=["lengths", "offsets-computed"])
+def test_int32_lengths_past_2_31_name_the_key_and_sum_unsharded(offsets_first: bool) -> None:
+    """The unsharded collection and `validate()` give the same message, also when the
+    (wrapped) offsets were already computed from the lengths."""
+    features, message = bad_batches()["int32 lengths sum past 2**31"]
+    if offsets_first:
+        assert int(features.offsets()[-1]) < 0  # wrapped
+    with pytest.raises(ValueError, match=message):
+        features.validate()
+    with pytest.raises(ValueError, match=message):
+        make_ebc(False)(features)
 
 
 def test_plan_errors_at_shard_time_name_the_table() -> None:

@@ -6,8 +6,8 @@ forward = input_dist (check, hash, route raw ids to the ranks owning their bucke
 all-to-all; a column-split table's ids to each of its column shards through the placed
 sharding's own all-to-all) -> compute (remap there to local rows, reset the rows given to new
 ids — weights re-drawn by the table's init, fused optimizer state zeroed, on every column
-shard — then the sharded collection's local lookups) -> output_dist (the sharded
-collection's). The sharded collection's own input dist is never used.
+shard: `recshard.distributed.mc_reset` — then the sharded collection's local lookups) ->
+output_dist (the sharded collection's). The sharded collection's own input dist is never used.
 
 Equals the unsharded `ManagedCollision*Collection` with the same buckets, step for step.
 """
@@ -29,14 +29,12 @@ from recshard.distributed.mc_modules import (
     ManagedCollisionCollectionSharder,
     mcc_module_of,
 )
+from recshard.distributed.mc_reset import reset_evicted
 from recshard.distributed.module_state import EmbeddingModuleSharder, ShardedEmbeddingModule
 from recshard.distributed.sharded_state import entry_sharded_tensor, row_sharded_tensor
 from recshard.lookup.fused_params import FusedOptimSpec
 from recshard.lookup.tables import LocalTable
-from recshard.modules.mc_embedding_modules import (
-    BaseManagedCollisionEmbeddingCollection,
-    reset_rows,
-)
+from recshard.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 from recshard.sparse import KeyedJaggedTensor
 from recshard.types import (
     Awaitable,
@@ -160,7 +158,6 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
         }
         self._arrival_order = ([self._row_name] if rows else []) + self._placed_names
         self._configs = {c.name: c for c in configs}
-        self._in_place_data = module._allow_in_place_embed_weight_update
         self._return_remapped_features = module._return_remapped_features
         if self._return_remapped_features:  # every feature on the wire (no column tables)
             self._rows_back = SequenceEmbeddingsAllToAll(
@@ -377,24 +374,17 @@ class BaseShardedManagedCollisionEmbeddingCollection(ShardedModule):
         )
         yield from self._managed_collision_collection.named_buffers(head, recurse, remove_duplicate)
 
-    @torch.no_grad()
     def _reset(self, evictions: Dict[str, torch.Tensor | None]) -> None:
         """Rows given to new ids (local rows): weights re-drawn by the table's init, fused
-        optimizer state zeroed."""
+        optimizer state zeroed (`recshard.distributed.mc_reset`)."""
         if not any(rows is not None and rows.numel() for rows in evictions.values()):
             return
-        weights = self._embedding_module.local_table_shards()
-        states = self._embedding_module.fused_optimizer_states()
-        for table, rows in evictions.items():
-            if rows is None or rows.numel() == 0:
-                continue
-            for local, weight in weights.get(table, []):
-                config = self._configs[table]
-                reset_rows(weight, rows.to(weight.device), config, True, local.col_offset)
-            for local, state in states.get(table, []):
-                for tensor in state.values():
-                    if tensor.dim() >= 1 and tensor.size(0) == local.rows:
-                        tensor[rows.to(tensor.device)] = 0
+        reset_evicted(
+            evictions,
+            self._embedding_module.local_table_shards(),
+            self._embedding_module.fused_optimizer_states(),
+            self._configs,
+        )
 
 
 class BaseManagedCollisionEmbeddingCollectionSharder(ModuleSharder[Any]):

@@ -1,7 +1,8 @@
 """Managed collision's per-batch work in C++ (`csrc/mc_index.cpp`, through ctypes): each
 table's id index, a whole batch's remap over every table in one call, the id range check, the
 routing of raw ids to their owners (a counting sort, not a stable argsort), an eviction's
-bucket contest, and a whole LFU eviction without a threshold filter (`NativeIdIndex.evict_lfu`).
+bucket contest, a whole LFU eviction without a threshold filter (`NativeIdIndex.evict_lfu`), and
+the default init's numbers for a reset (`draw_uniform`, see `recshard.distributed.mc_reset`).
 
 `NativeIdIndex` is an open-addressing hash of the ids holding a module's rows (at most half
 full; an eviction erases and inserts the ids that changed instead of rebuilding); it and
@@ -53,6 +54,9 @@ def _declare(library: ctypes.CDLL) -> None:
         + [_i64] * 3
         + [_ptr] * 2,
         "rs_mc_check_ids": [_i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr],
+        "rs_mc_draw_uniform": [_i64, _i64, _ptr, _i64, _i64, _i64]
+        + [ctypes.c_float] * 2
+        + [_i64, _i64, _ptr],
         "rs_mc_route": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64]
         + [_ptr] * 3,
     }
@@ -197,7 +201,8 @@ class NativeIdIndex:
         C++ call: the ids seen since the last one (`ids [N]`) coalesced, the held ones' counts
         added to their rows' (`counts [R]`, in place), the others contesting their buckets'
         rows (local `bucket_starts [B + 1]`); the winners written into `raw_ids [R]`, `counts`
-        and this index. Returns (global rows that changed hands, how many of them had been held)."""
+        and this index. Returns (global rows that changed hands, sorted; how many of them had
+        been held)."""
         ids = ids.contiguous()
         rows = raw_ids.numel()
         held_buckets = bucket_starts.numel() - 1
@@ -408,3 +413,27 @@ def route(
         validate=False,
     )
     return routed, sent_to
+
+
+def draw_uniform(
+    seed: int,
+    dim: int,
+    col_offset: int,
+    low: float,
+    scale: float,
+    out: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    """The default init's numbers of a reset (`recshard.distributed.mc_reset`) in C++, written
+    straight into `out[rows]` (`out [R, cols]` float32, rows contiguous; `rows [N]` in
+    `[0, R)`, the order of the draws); `low` and `scale` are float32 values."""
+    if out.dtype != torch.float32 or out.dim() != 2 or out.device.type != "cpu":
+        raise ValueError(f"reset rows must be a float32 CPU matrix, got {out.dtype} {out.device}")
+    if out.stride(1) != 1 or out.stride(0) < out.size(1):
+        raise ValueError(f"reset rows must be contiguous, got strides {out.stride()}")
+    rows = rows.contiguous()
+    code = _library().rs_mc_draw_uniform(
+        seed, rows.numel(), _vector("reset rows", rows), dim, col_offset, out.size(1),
+        ctypes.c_float(low), ctypes.c_float(scale), out.size(0), out.stride(0), out.data_ptr(),
+    )  # fmt: skip
+    _check(code, "reset draw")

@@ -18,11 +18,12 @@ from __future__ import annotations
 import abc
 import copy
 import inspect
-from typing import Any, Dict, Iterator, List, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from recshard.comm.pg import destroy_groups_at_exit, warn_if_default_timeout
@@ -78,19 +79,41 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
     """Wraps the sharded model in DDP (gloo on CPU, NCCL on GPU: the process group's backend)
     as TorchRec's wrapper does (gradients as views of DDP's buckets, no broadcast of buffers
     each forward), but with a dynamic graph by default: TorchRec's `static_graph=True` gave
-    wrong position-weight gradients in a sharded FP-EBC (docs/porting.md)."""
+    wrong position-weight gradients in a sharded FP-EBC (docs/porting.md).
+
+    `allreduce_comm_precision` "fp16" / "bf16": the dense gradients are all-reduced in that
+    dtype (torch's `fp16_compress_hook` / `bf16_compress_hook`, on DMP's process group);
+    `params_to_ignore`: more parameter or buffer names (the model's own) that DDP leaves
+    alone; `ddp_kwargs`: further DistributedDataParallel arguments (not the ones set here)."""
 
     def __init__(
         self,
         bucket_cap_mb: int = 25,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
+        allreduce_comm_precision: str | None = None,
+        params_to_ignore: List[str] | None = None,
+        ddp_kwargs: Dict[str, Any] | None = None,
     ) -> None:
+        if allreduce_comm_precision not in _COMPRESS_HOOKS:
+            raise ValueError(
+                f"DefaultDataParallelWrapper: allreduce_comm_precision must be one of "
+                f"{list(_COMPRESS_HOOKS)}, got {allreduce_comm_precision!r}"
+            )
         self._kwargs = dict(
             bucket_cap_mb=bucket_cap_mb,
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
         )
+        taken = sorted(set(ddp_kwargs or {}) & _SET_BY_WRAPPER)
+        if taken:
+            raise ValueError(
+                f"DefaultDataParallelWrapper: ddp_kwargs {taken} are set by the wrapper "
+                "(bucket_cap_mb, static_graph and find_unused_parameters are its own arguments)"
+            )
+        self._ddp_kwargs = dict(ddp_kwargs or {})
+        self._comm_hook = _COMPRESS_HOOKS[allreduce_comm_precision]
+        self._params_to_ignore = list(params_to_ignore or [])
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         """The unsharded parts move to `device` (as TorchRec's wrapper moves them, also on one
@@ -98,8 +121,9 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
         marked `shard_spec`: each rank's gradient is already complete) stay out of DDP."""
         module = dmp._dmp_wrapped_module
         self._check_static_graph(module)
+        self._check_params_to_ignore(module)
         move_unsharded(module, device)
-        ignore = list(_sharded_parameter_names(module))
+        ignore = list(_sharded_parameter_names(module)) + self._params_to_ignore
         ignore += [
             name
             for name, p in nn.Module.named_parameters(module)
@@ -120,7 +144,22 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
             gradient_as_bucket_view=True,
             **_NO_FORWARD_BUFFER_SYNC,
             **self._kwargs,
+            **self._ddp_kwargs,
         )
+        if self._comm_hook is not None:  # DMP's group (TorchRec's state None: the default one)
+            dmp._dmp_wrapped_module.register_comm_hook(env.pg, self._comm_hook)
+
+    def _check_params_to_ignore(self, module: nn.Module) -> None:
+        """Every name in `params_to_ignore` is a parameter or buffer of the model (DDP would
+        ignore a misspelt one silently, and average the parameter meant)."""
+        known = {n for n, _ in nn.Module.named_parameters(module)}
+        known |= {n for n, _ in nn.Module.named_buffers(module)}
+        unknown = [n for n in self._params_to_ignore if n not in known]
+        if unknown:
+            raise ValueError(
+                f"DefaultDataParallelWrapper: params_to_ignore names {unknown}, which are not "
+                "parameters or buffers of the model"
+            )
 
     def _check_static_graph(self, module: nn.Module) -> None:
         """A static graph gives a sharded FP-EBC's processor parameters wrong gradients
@@ -148,6 +187,31 @@ _NO_FORWARD_BUFFER_SYNC = (
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     else {"broadcast_buffers": False}
 )
+_SET_BY_WRAPPER = {
+    "module",
+    "device_ids",
+    "process_group",
+    "gradient_as_bucket_view",
+    "broadcast_buffers",
+    "forward_sync_buffers",
+    "bucket_cap_mb",
+    "static_graph",
+    "find_unused_parameters",
+}
+
+
+def _bf16_allreduce_hook(process_group, bucket):  # noqa: ANN001, ANN202
+    """torch's `bf16_compress_hook` under another name: DDP refuses that name unless NCCL
+    runs it, though gloo all-reduces bf16 (TorchRec's wrapper fails on CPU here). No
+    annotations: DDP compares them with its classes, and this module's are strings."""
+    return default_hooks.bf16_compress_hook(process_group, bucket)
+
+
+_COMPRESS_HOOKS: Dict[str | None, Callable[..., Any] | None] = {
+    None: None,
+    "fp16": default_hooks.fp16_compress_hook,
+    "bf16": _bf16_allreduce_hook,
+}
 
 
 def move_unsharded(module: nn.Module, device: torch.device) -> None:

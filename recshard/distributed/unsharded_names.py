@@ -88,4 +88,5 @@ def fused_optimizer(
         return nested
 
     dims = {module.table_key(c.name): c.embedding_dim for c in configs}
-    return FusedOptimizer(kernels, names, sharded_state, dims)
+    table_names = {module.table_key(c.name): c.name for c in configs}
+    return FusedOptimizer(kernels, names, sharded_state, dims, table_names)

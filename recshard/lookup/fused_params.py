@@ -206,12 +206,19 @@ def apply_row_update(
     if spec.optim == OptimType.EXACT_ADAGRAD:
         m = momentum.index_select(0, at) + grad * grad
         momentum.index_copy_(0, at, m)
-        _add_to_rows(weight, rows, -lr * grad / (m.sqrt() + spec.eps), round_update=True)
+        _add_to_rows(weight, rows, -lr * grad / (_sqrt(m) + spec.eps), round_update=True)
         return
     m = momentum.index_select(0, at) + (grad * grad).mean(dim=1)
     momentum.index_copy_(0, at, m)
-    update = -(lr / (m.sqrt() + spec.eps)).unsqueeze(1) * grad
+    update = -(lr / (_sqrt(m) + spec.eps)).unsqueeze(1) * grad
     _add_to_rows(weight, rows, update, round_update=False)
+
+
+def _sqrt(m: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of fp32 `m`, as C's `sqrtf` (fbgemm's and recshard's
+    C++ kernels): torch's fp32 `sqrt` on CPU is not (torch 2.13, AVX512: sqrt(2.380859375)
+    comes out 1 ulp high); in fp64, rounded once to fp32, it is."""
+    return m.double().sqrt().to(m.dtype)
 
 
 def _add_to_rows(

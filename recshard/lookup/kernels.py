@@ -304,16 +304,18 @@ def row_gradients(
             grad = grad_blocks[index] if variable else grad_output[:, columns : columns + dim]
             columns += dim
             lengths = jt.lengths()
-            if kernel.pooling == PoolingType.MEAN:
-                grad = grad / _mean_divisor(lengths)
             bag = torch.repeat_interleave(  # output_size: no device sync for the count
                 torch.arange(lengths.numel(), device=lengths.device),
                 lengths.long(),
                 output_size=ids.numel(),
             )
+            mean = kernel.pooling == PoolingType.MEAN
+            if table_weights is not None:  # MEAN divides the dot product (as the C++ kernel)
+                dot = (grad.index_select(0, bag) * table_weights[t_index][ids]).sum(dim=1)
+                sample_grads.append(dot / _mean_divisor(lengths)[bag, 0] if mean else dot)
+            if mean:
+                grad = grad / _mean_divisor(lengths)
             rows_grad = grad.index_select(0, bag)
-            if table_weights is not None:
-                sample_grads.append((rows_grad * table_weights[t_index][ids]).sum(dim=1))
             if jt.weights_or_none() is not None:
                 rows_grad = rows_grad * jt.weights().unsqueeze(1)
         else:

@@ -5,16 +5,24 @@ cache of `ceil(cache_load_factor * rows)` rows (TorchRec's `cache_load_factor`, 
 from the sharder's fused params or the plan's `CacheParams.load_factor`) holds the rows in
 use, evicting by CLOCK (second chance, close to least recently used). Files go to
 `ssd_storage_directory` (TorchRec's fused param, `@local_rank` filled in), or without one to a
-fresh private temporary directory, as in TorchRec; `check_storage` vets a given directory
-before any file is made. A step:
+fresh private temporary directory, as in TorchRec, removed with its store (when collected, or
+at exit; a given directory is never removed); `check_storage` vets a given directory before
+any file is made. A step:
 
     prefetch(batch)  ids not cached -> slots the CLOCK hand frees (updated victims written
                      back behind the step, in row order), rows read from storage
                      (`key_value_cache.RowCache`: one C++ call per table keeps its books)
     forward          the same for rows not prefetched, then ids -> cache slots (pinned);
-                     the pure-torch fused lookup on the cache
-    backward         the same row gradients and optimizer math as `TorchFusedKernel`
-                     on the cache slots, which are unpinned and marked updated
+                     the in-memory fused kernel's lookup on the cache
+    backward         the in-memory fused kernel's update on the cache slots, which are
+                     unpinned and marked updated
+
+The lookup and update are `NativeFusedKernel`'s C++ calls where that kernel covers the group
+(CPU, pooled, fp32, row-wise Adagrad or SGD: the in-memory kernel the library builds for such
+tables, so the bytes are the same), else `TorchFusedKernel`'s torch code; every cache's slots
+sit back to back in one buffer (`layout`) as that kernel's rows do, and a row-wise state is
+cached by slot beside them (copied from its mapping when the row comes in and back when it
+leaves).
 
 Updated rows are written back when evicted, not every step (a hot row stays in DRAM and costs
 no I/O; writing every updated row through cost a write per distinct row a step). State dicts
@@ -23,20 +31,25 @@ and checkpoints read the table from a mapping of the files (`table_weights`,
 caller may write there: a load). Slots looked up by a forward stay pinned until its backward,
 so a prefetch of the next batch never evicts them. DRAM held per table (`dram_bytes`): the
 cache (`capacity x (cols + state width) x 4` bytes), its slot maps, a row -> slot map (4 bytes
-a row) and a step's transient rows; rows move through `pread`/`pwrite`, so the files' pages
-stay in the page cache, outside the process.
+a row), a mapped row-wise state (4 bytes a row) and a step's transient rows; rows move through
+`pread`/`pwrite`, so the files' pages stay in the page cache, outside the process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import shutil
 import tempfile
+import weakref
 from typing import Dict, List
 
 import torch
 
+from recshard.lookup import native_kernel, native_tbe
 from recshard.lookup.fused_params import FusedOptimSpec, apply_row_update
+from recshard.lookup.huge_pages import huge_page_zeros
 from recshard.lookup.kernels import LookupKernel, TorchFusedLookup, plain_lookup, row_gradients
 from recshard.lookup.key_value_cache import CacheOverflowError as CacheOverflowError
 from recshard.lookup.key_value_cache import RowCache
@@ -110,9 +123,8 @@ def mapped_states(spec: FusedOptimSpec) -> List[str]:
 
 
 def cached_bytes(table: LocalTable, spec: FusedOptimSpec) -> int:
-    """Bytes of one cached row with its cached optimizer state."""
-    widths = state_widths(spec, table.cols)
-    return sum(w for name, w in widths.items() if name not in mapped_states(spec)) * 4
+    """Bytes of one cached row with its optimizer state (a mapped state cached by slot too)."""
+    return sum(state_widths(spec, table.cols).values()) * 4
 
 
 SLOT_BYTES = CacheArrays.BYTES_PER_SLOT  # per cache slot: its row, pins, flags
@@ -130,6 +142,23 @@ def dram_bytes(table: LocalTable, spec: FusedOptimSpec, step_rows: int) -> int:
     transient = STEP_ROW_COPIES * min(step_rows, cached) * record
     mapped = table.rows * 4 * len(mapped_states(spec))
     return cached * (record + SLOT_BYTES) + table.rows * ROW_MAP_BYTES + mapped + transient
+
+
+def _store(table: LocalTable, spec: FusedOptimSpec) -> RowStore:
+    """`table`'s files in its `ssd_storage_directory`, or without one in a fresh private
+    temporary directory that goes with the store: removed when the store is collected or at
+    exit (`weakref.finalize`), so runs without a directory leave no files behind."""
+    directory = table_directory(table)
+    if directory is not None:
+        return RowStore(directory, store_identity(table, spec))
+    directory = tempfile.mkdtemp(prefix="recshard-kv-")
+    try:
+        store = RowStore(directory, store_identity(table, spec))
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    weakref.finalize(store, shutil.rmtree, directory, True)
+    return store
 
 
 class KeyValueKernel(LookupKernel):
@@ -153,17 +182,27 @@ class KeyValueKernel(LookupKernel):
                 )
         self.spec = spec
         self.lr = spec.learning_rate
-        self.caches = [
-            RowCache(
-                RowStore(
-                    table_directory(t) or tempfile.mkdtemp(prefix="recshard-kv-"),
-                    store_identity(t, spec),
-                ),
-                cache_rows(t) if t.rows else 0,
-                mapped_states(spec),
-            )
-            for t in tables
-        ]
+        capacities = [cache_rows(t) if t.rows else 0 for t in tables]
+        # every cache's weights back to back (and its row-wise state, if any), so that one C++
+        # call looks up every feature and one updates every table, as `NativeFusedKernel` does
+        self.layout = native_tbe.TableLayout.of(
+            capacities, [t.cols for t in tables], self.feature_table
+        )
+        self.native = native_kernel.computes(tables, pooled, spec, device, sum(capacities))
+        self.weights = huge_page_zeros(self.layout.floats, torch.float32)
+        rowwise = mapped_states(spec)
+        self.momentum = huge_page_zeros(sum(capacities), torch.float32) if rowwise else None
+        self.caches = []
+        row_starts, weight_starts = (
+            self.layout.row_start.tolist(),
+            self.layout.weight_start.tolist(),
+        )
+        for t, capacity, row, first in zip(tables, capacities, row_starts, weight_starts):
+            weights = self.weights[first : first + capacity * t.cols].view(capacity, t.cols)
+            buffers = {"weight": weights}
+            if self.momentum is not None:
+                buffers.update({name: self.momentum[row : row + capacity] for name in rowwise})
+            self.caches.append(RowCache(_store(t, spec), capacity, rowwise, buffers))
         self._init_weights()
 
     # ------------------------------------------------------------------ storage views
@@ -257,13 +296,37 @@ class KeyValueKernel(LookupKernel):
 
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """Features hold cache slots, not rows."""
+        ids = native_kernel.native_ids(features, self.layout) if self.native else None
+        if ids is not None:
+            return native_kernel.native_lookup(self, self.weights, self.layout, features, ids)
         return plain_lookup([c.values["weight"] for c in self.caches], self, features)
 
     def update(
         self, features: KeyedJaggedTensor, grad_output: torch.Tensor, weights_grad: bool = False
     ) -> torch.Tensor | None:
-        """`TorchFusedKernel.update` on the cache slots, which are marked updated (written back
-        on eviction)."""
+        """The in-memory fused kernel's update (`NativeFusedKernel`'s C++ call where it covers
+        the group, else `TorchFusedKernel`'s) on the cache slots, which are marked updated
+        (written back on eviction). The update touches only this batch's pinned slots, which
+        no fill reads into or evicts."""
+        ids = native_kernel.native_ids(features, self.layout) if self.native else None
+        if ids is not None:
+            with contextlib.ExitStack() as locks:  # a flush on another thread reads whole rows
+                for cache in self.caches:
+                    locks.enter_context(cache.lock)
+                sample_grad = native_kernel.native_update(
+                    self,
+                    self.weights,
+                    self.momentum,
+                    self.layout,
+                    features,
+                    ids,
+                    grad_output,
+                    weights_grad,
+                )
+            for cache in self.caches:
+                if cache.pinned:
+                    cache.release(updated=True)
+            return sample_grad
         cached = [c.values["weight"] for c in self.caches]
         grads, sample_grad = row_gradients(
             self, features, grad_output, cached if weights_grad else None
@@ -272,10 +335,10 @@ class KeyValueKernel(LookupKernel):
             if t_index in grads:
                 with cache.lock, torch.no_grad():
                     slots, grad = grads[t_index]
-                    states = {**cache.values, **cache.mapped}
-                    weight = cache.values["weight"]
-                    state_rows = cache.slot_row[slots] if cache.mapped else None
-                    apply_row_update(self.spec, self.lr, weight, states, slots, grad, state_rows)
+                    states = {**cache.values, **cache.states}
+                    apply_row_update(
+                        self.spec, self.lr, cache.values["weight"], states, slots, grad
+                    )
             if cache.pinned:
                 cache.release(updated=t_index in grads)
         return sample_grad

@@ -17,12 +17,14 @@ second, so prefetching changes nothing in what is evicted.
 Threads: `lock` guards the books (a prefetch thread's choice of slots and the step's update);
 `fill_lock` serializes whole fills, reads included, so two fills never take each other's slots
 mid-read. Updated victims are copied under `lock` and written by a thread behind the step (each
-such thread after the one before it). A fill whose ids include a row still being written waits
-for the writes first, and a flush always does (both under `fill_lock`, so no other fill starts
-a write in between): a row written back is never read from storage before its write landed,
-and a fill that reads none of them (a forward after its prefetch) does not wait. A write that
-failed is kept and tried again before the next fill or flush, which raise its error while it
-still fails: its rows are neither lost nor read stale.
+such thread after the one before it). A fill whose missing rows include a row still being
+written waits for the writes before it reads, and a flush always does (both under `fill_lock`,
+so no other fill starts a write in between): a row written back is never read from storage
+before its write landed, and a fill that reads none of them (a forward after its prefetch) does
+not wait. A write that failed is kept and tried again before the next fill's books and reads
+and before a flush, which raise its error while it still fails (a fill then undoes its books):
+its rows are neither lost nor read stale. The row-wise state (mapped) is copied to its mapping
+under `lock` when its row leaves, before the slot is reused.
 """
 
 from __future__ import annotations
@@ -44,15 +46,32 @@ class CacheOverflowError(ValueError):
 class RowCache:
     """One shard's cached rows (a tensor per field, by slot) and their books."""
 
-    def __init__(self, store: RowStore, capacity: int, mapped: List[str]) -> None:
+    def __init__(
+        self,
+        store: RowStore,
+        capacity: int,
+        mapped: List[str],
+        buffers: Dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """`mapped`: row-wise fields whose file is a shared mapping (one value a row), cached
+        by slot in `states` and copied to and from the mapping, not read or written by calls.
+        `buffers`: the cached fields' storage by slot (`[capacity, width]`, `[capacity]` for a
+        mapped field), zeros; allocated here where not given."""
         self.store = store
         self.capacity = capacity
-        self.values = {  # cached fields, by slot
-            name: torch.zeros(capacity, width)
+        given = buffers or {}
+        shapes = {
+            name: (capacity,) if name in mapped else (capacity, width)
             for name, width in store.identity.widths.items()
-            if name not in mapped
         }
+        cached = {
+            name: given[name] if name in given else torch.zeros(shape)
+            for name, shape in shapes.items()
+        }
+        # fields read from and written to their files, by slot
+        self.values = {name: v for name, v in cached.items() if name not in mapped}
         self.mapped = {name: store.view(name) for name in mapped}  # by table row, shared
+        self.states = {name: cached[name] for name in mapped}  # the mapped fields, by slot
         self.books = CacheArrays.empty(store.identity.rows, capacity)
         self.native = native_row_cache.available()
         self.pinned: List[torch.Tensor] = []  # distinct slots of each forward in flight
@@ -104,7 +123,7 @@ class RowCache:
 
     def _ensure(self, ids: torch.Tensor, id_slots: torch.Tensor | None, pin: bool) -> None:
         with self.fill_lock:
-            self._wait_for_write_back(ids)  # before a row being written is read back
+            self._retry_failed()  # rows whose write failed: current in no file yet
             with self.lock:
                 if self.native:
                     missing, victims, pinned = self._assign_native(ids, id_slots, pin)
@@ -112,7 +131,10 @@ class RowCache:
                     missing, victims, pinned = self._assign_torch(ids, id_slots, pin)
                 if pin:
                     self.pinned.append(pinned)
+                for name, by_row in self.mapped.items():  # after the victims' write-back
+                    self.states[name][victims] = by_row[missing]
             try:
+                self._wait_for_write_back(missing)  # before a row being written is read back
                 for suffix, values in self.values.items():
                     self.store.read_into(suffix, missing, values, victims)
             except BaseException:
@@ -223,11 +245,13 @@ class RowCache:
     # ------------------------------------------------------------------ write-back
 
     def _write_back(self, rows: torch.Tensor, slots: torch.Tensor, behind: bool) -> None:
-        """Write rows `rows` (sorted, unique) held in `slots` to storage (all files).
-        `behind`: copies of them are written on a thread while the step goes on (the next
-        fill or flush waits for it and raises its error)."""
+        """Write rows `rows` (sorted, unique) held in `slots` to storage (all files; the
+        mapped fields at once). `behind`: copies of the rest are written on a thread while the
+        step goes on (the next fill or flush waits for it and raises its error)."""
         if slots.numel() == 0:
             return
+        for name, by_row in self.mapped.items():  # a memory copy: before the slots are reused
+            by_row[rows] = self.states[name][slots]
         blocks = {suffix: values.index_select(0, slots) for suffix, values in self.values.items()}
         if not behind:
             self._write(rows, blocks)
@@ -259,18 +283,22 @@ class RowCache:
         except BaseException:  # noqa: BLE001 - kept: written again (or raised) by the next wait
             self._failed.append((rows, blocks))
 
-    def _wait_for_write_back(self, ids: torch.Tensor | None = None) -> None:
-        """Wait for the write-backs behind the step (with `ids`, only when one of those rows
-        is being written: it may miss and be read from the file), then write again those that
-        failed; raise, keeping them, while they still fail (their rows are neither cached nor
-        current in the files: no step may read them, and none is lost)."""
+    def _wait_for_write_back(self, missing: torch.Tensor | None = None) -> None:
+        """Wait for the write-backs behind the step (with `missing`, rows about to be read from
+        the files, only when one of those is being written), then `_retry_failed`."""
         self._writers = [(w, rows) for w, rows in self._writers if w.is_alive()]
         if self._writers and (
-            ids is None or any(bool(torch.isin(ids, rows).any()) for _, rows in self._writers)
+            missing is None or any(_shares_a_row(missing, rows) for _, rows in self._writers)
         ):
             for writer, _ in self._writers:
                 writer.join()
             self._writers = []
+        self._retry_failed()
+
+    def _retry_failed(self) -> None:
+        """Write again the write-backs that failed; raise, keeping them, while they still fail
+        (their rows are neither cached nor current in the files: no step may read them, and
+        none is lost)."""
         while self._failed:
             rows, blocks = self._failed[0]
             self._write(rows, blocks)
@@ -297,3 +325,12 @@ class RowCache:
             books.row_slot[dropped[dropped >= 0]] = -1
             books.slot_row[drop] = -1
             books.referenced[drop] = False
+
+
+def _shares_a_row(rows: torch.Tensor, sorted_rows: torch.Tensor) -> bool:
+    """Whether int64 `rows` and `sorted_rows` (ascending) have a row in common: a binary search
+    per row (`torch.isin` sorts both and cost ~0.5 ms a step for a batch's ids)."""
+    if rows.numel() == 0 or sorted_rows.numel() == 0:
+        return False
+    at = torch.searchsorted(sorted_rows, rows).clamp_(max=sorted_rows.numel() - 1)
+    return bool((sorted_rows[at] == rows).any())

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from recshard.datasets.utils import Batch
+from recshard.models import interaction
 from recshard.modules import EmbeddingBagCollection
 from recshard.modules.crossnet import LowRankCrossNet
 from recshard.modules.embedding_configs import DeviceLike
@@ -71,10 +72,9 @@ class InteractionArch(nn.Module):
     """Pairwise dot products: `[B, D]`, `[B, F, D]` -> `[B, D + F + F choose 2]`.
 
     The dense vector, then the upper triangle (no diagonal) of the `(F + 1) x (F + 1)` Gram
-    matrix of the dense and sparse vectors. The triangle is read by `gather` at its flat
-    positions (`triu_positions`): the same values as indexing by row and column, and on CPU
-    ~10x faster forward and backward (a scatter-add into zeros instead of an accumulating
-    index_put).
+    matrix of the dense and sparse vectors (`recshard.models.interaction`: torch's bmm with the
+    triangle read by `gather` at its flat positions `triu_positions`, or on CPU the same bytes
+    from kernels that compute only the triangle).
     """
 
     def __init__(self, num_sparse_features: int) -> None:
@@ -98,11 +98,10 @@ class InteractionArch(nn.Module):
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         if self.F <= 0:
             return dense_features
-        combined = torch.cat([dense_features.unsqueeze(1), sparse_features], dim=1)  # [B, F+1, D]
-        gram = torch.bmm(combined, combined.transpose(1, 2))  # [B, F + 1, F + 1]
-        positions = self.triu_positions.expand(gram.size(0), -1)
-        pairs = torch.gather(gram.flatten(1), 1, positions)  # [B, F choose 2 + F]
-        return torch.cat([dense_features, pairs], dim=1)
+        # a module attribute, so that fx traces the call as a leaf
+        return interaction.pairwise_interaction(
+            dense_features, sparse_features, self.triu_positions
+        )
 
 
 class InteractionDCNArch(nn.Module):

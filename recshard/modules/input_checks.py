@@ -12,7 +12,7 @@ from typing import Dict, List, Set, Tuple
 import torch
 
 from recshard.sparse import KeyedJaggedTensor
-from recshard.sparse.validation import validate_kjt
+from recshard.sparse.validation import int32_lengths_wrap, validate_kjt
 from recshard.types import BoundsCheckMode
 
 logger = logging.getLogger(__name__)
@@ -50,11 +50,11 @@ def data_unreadable(kjt: KeyedJaggedTensor) -> bool:
 def check_layout(kjt: KeyedJaggedTensor, owner: str) -> None:
     """lengths, values and weights agree, so bag offsets stay inside `values` (the lookup
     kernels do not check them): a few scalar comparisons on the per-key sums the lookup
-    needs anyway, one min over lengths and, for offsets the KJT already holds (given by the
-    caller, perhaps besides lengths), one `aminmax` over them and one comparison of their steps
-    with the lengths. The full check (for its message naming key and numbers) only when these
-    fail. The KJT constructor accepts these, as
-    TorchRec's. Skipped where the data cannot be read (`data_unreadable`)."""
+    needs anyway (int32 lengths must also sum within int32), one min over lengths and, for
+    offsets the KJT already holds (given by the caller, perhaps besides lengths), one
+    `aminmax` over them and one comparison of their steps with the lengths. The full check
+    (for its message naming key and numbers) only when these fail. The KJT constructor
+    accepts these, as TorchRec's. Skipped where the data cannot be read (`data_unreadable`)."""
     if data_unreadable(kjt):
         return
     values, weights, lengths = kjt.values(), kjt.weights_or_none(), kjt.lengths()
@@ -64,6 +64,7 @@ def check_layout(kjt: KeyedJaggedTensor, owner: str) -> None:
         or sum(kjt.length_per_key()) != values.numel()
         or (weights is not None and (weights.dim() != 1 or weights.numel() != values.numel()))
         or (lengths.numel() > 0 and bool(lengths.min() < 0))
+        or int32_lengths_wrap(kjt)
         or (
             offsets is not None
             and offsets.numel() > 0

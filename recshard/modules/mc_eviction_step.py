@@ -117,4 +117,4 @@ class MCHEvictionStep(nn.Module):
         self._index.replace(old_ids[old_ids != FREE], ids, global_rows)
         self._mch_raw_ids[rows] = ids
         self._index_version = self._mch_raw_ids._version
-        self._evicted_rows.append(global_rows)
+        self._evicted_rows.append(global_rows.sort().values)

@@ -32,8 +32,8 @@ class IdIndex(Protocol):
 class LfuEvictingIndex(IdIndex, Protocol):
     """An index that also runs a module's whole LFU eviction (no threshold filter) in one call
     (`recshard.distributed.mc_native.NativeIdIndex.evict_lfu`): same rows, ids and counts as
-    `MCHManagedCollisionModule`'s torch path; returns (global rows that changed hands, how many
-    of them had been held)."""
+    `MCHManagedCollisionModule`'s torch path; returns (global rows that changed hands, sorted;
+    how many of them had been held)."""
 
     def evict_lfu(
         self,

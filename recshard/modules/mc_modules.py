@@ -327,9 +327,9 @@ class MCHManagedCollisionModule(MCHEntryState, MCHEvictionStep, ManagedCollision
     def evict(self) -> torch.Tensor | None:
         if not self._evicted_rows:
             return None
-        # one eviction's rows are distinct: sorted, as `unique` would return them
+        # one eviction's rows are distinct and sorted (as `unique` would return them)
         if len(self._evicted_rows) == 1:
-            rows = self._evicted_rows[0].sort().values
+            rows = self._evicted_rows[0]
         else:
             rows = torch.cat(self._evicted_rows).unique()
         self._evicted_rows = []

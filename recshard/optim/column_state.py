@@ -43,6 +43,30 @@ def split_key(key: str) -> Tuple[str, int | None]:
     return name, int(offset)
 
 
+# TorchRec's fused optimizer names a table's first state `<table>.momentum1` and the next
+# after fbgemm's key for it (Adam's second moment: `exp_avg_sq`); recshard's kernels and its
+# checkpoints say `momentum1`, `momentum2`.
+_TORCHREC_NAMES = {"momentum2": "exp_avg_sq"}
+_RECSHARD_NAMES = {v: k for k, v in _TORCHREC_NAMES.items()}
+
+
+def torchrec_key(table: str, key: str) -> str:
+    """`momentum1` (or `momentum1@col4`) of table `t0` as TorchRec's fused optimizer names it:
+    `t0.momentum1` (`t0.momentum1@col4`)."""
+    name, offset = split_key(key)
+    return f"{table}.{state_key(_TORCHREC_NAMES.get(name, name), offset)}"
+
+
+def recshard_key(table: str, key: str) -> str:
+    """The inverse of `torchrec_key`; a key without the table's prefix (a state dict saved
+    before recshard took TorchRec's names) is already recshard's."""
+    if key.startswith(f"{table}."):
+        key = key[len(table) + 1 :]
+        name, offset = split_key(key)
+        return state_key(_RECSHARD_NAMES.get(name, name), offset)
+    return key
+
+
 def by_state(entries: Mapping[str, V]) -> Dict[str, Dict[int | None, V]]:
     """`{"momentum1@col0": a, "momentum1@col2": b}` -> `{"momentum1": {0: a, 2: b}}`."""
     out: Dict[str, Dict[int | None, V]] = defaultdict(dict)

@@ -3,12 +3,14 @@
 Its update already happened inside the lookup kernels' backward; `step()` and `zero_grad()`
 only push the current learning rate into the kernels, so `torch.optim.lr_scheduler` works.
 Params are the local table shards keyed by table FQN (e.g. `ebc.embedding_bags.t0.weight`),
-state the optimizer's per-shard tensors (`momentum1` for Adagrad variants), shared with the
-kernels (in place). `state_dict()` gives each table's state as ShardedTensors with the global
-layout (`recshard.distributed.sharded_state.fused_state`), so `torch.distributed.checkpoint` saves
-every rank's part and loads it into any world size; `load_state_dict` copies into the live state,
-from ShardedTensors in this layout or from whole tensors in any layout (row-wise state saved
-under other column shards converted: `column_state.py`).
+state the optimizer's per-shard tensors under TorchRec's names (`t0.momentum1` for Adagrad
+variants, Adam's `t0.momentum1` and `t0.exp_avg_sq`), shared with the kernels (in place).
+`state_dict()` gives each table's state as ShardedTensors with the global layout
+(`recshard.distributed.sharded_state.fused_state`), so `torch.distributed.checkpoint` saves
+every rank's part and loads it into any world size; `load_state_dict` copies into the live
+state, from ShardedTensors in this layout or from whole tensors in any layout (row-wise state
+saved under other column shards converted: `column_state.py`), under TorchRec's keys or
+recshard's earlier bare ones (`momentum1`, `momentum2`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from typing import Any, Callable, Dict, List, Mapping, Set
 
 import torch
 
-from recshard.optim.column_state import by_state, column_blocks, fill_rows, state_key
+from recshard.optim.column_state import (
+    by_state,
+    column_blocks,
+    fill_rows,
+    recshard_key,
+    state_key,
+    torchrec_key,
+)
 from recshard.optim.keyed import KeyedOptimizer, copy_into
 
 ShardedState = Callable[[], Dict[str, Dict[str, Any]]]
@@ -28,7 +37,7 @@ class FusedOptimizer(KeyedOptimizer):
     """`kernels`: fused lookup kernels; `param_names[i]` lists FQNs of kernel i's tables;
     `sharded_state()`: `{table fqn: {state name: ShardedTensor}}` over the live state;
     `table_dims`: each table's embedding dim by FQN (to convert row-wise state between
-    column layouts)."""
+    column layouts); `table_names`: each table's name by FQN (its state's key prefix)."""
 
     def __init__(
         self,
@@ -36,17 +45,21 @@ class FusedOptimizer(KeyedOptimizer):
         param_names: List[List[str]],
         sharded_state: ShardedState,
         table_dims: Mapping[str, int] | None = None,
+        table_names: Mapping[str, str] | None = None,
     ) -> None:
         params: Dict[str, torch.Tensor] = {}
         state: Dict[torch.Tensor, Dict[str, Any]] = {}
         groups: List[Dict[str, Any]] = []
         for kernel, names in zip(kernels, param_names):
             tensors = []
-            for name, weight, states in zip(
-                names, kernel.table_weights(), kernel.optimizer_states()
+            for name, table, weight, states in zip(
+                names,
+                [t.name for t in kernel.tables],
+                kernel.table_weights(),
+                kernel.optimizer_states(),
             ):
                 params[name] = weight
-                state[weight] = dict(states)
+                state[weight] = {torchrec_key(table, k): v for k, v in states.items()}
                 tensors.append(weight)
             groups.append(
                 {
@@ -58,12 +71,25 @@ class FusedOptimizer(KeyedOptimizer):
         self._kernels = kernels
         self._sharded_state = sharded_state
         self._table_dims = dict(table_dims or {})
+        self._table_names = dict(table_names or {})
         super().__init__(params, state, groups)
 
     def state_dict(self) -> Dict[str, Any]:
-        """`{"state": {table fqn: {name: ShardedTensor}}}`, plus `"param_groups"` after
-        `save_param_groups(True)`."""
-        return {**super().state_dict(), "state": self._sharded_state()}
+        """`{"state": {table fqn: {"<table>.<state>": ShardedTensor}}}` (TorchRec's keys), plus
+        `"param_groups"` after `save_param_groups(True)`."""
+        state = {
+            fqn: {self._public_key(fqn, key): value for key, value in entry.items()}
+            for fqn, entry in self._sharded_state().items()
+        }
+        return {**super().state_dict(), "state": state}
+
+    def _public_key(self, fqn: str, key: str) -> str:
+        table = self._table_names.get(fqn)
+        return key if table is None else torchrec_key(table, key)
+
+    def _own_key(self, fqn: str, key: str) -> str:
+        table = self._table_names.get(fqn)
+        return key if table is None else recshard_key(table, key)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Copy each saved state into this rank's shards of the live state (in place): from
@@ -74,7 +100,7 @@ class FusedOptimizer(KeyedOptimizer):
         for fqn, entry in self._sharded_state().items():
             if fqn not in saved:
                 raise ValueError(f"optimizer state for '{fqn}' is missing from the checkpoint")
-            given = by_state(saved[fqn])
+            given = by_state({self._own_key(fqn, k): v for k, v in saved[fqn].items()})
             for name, targets in by_state(entry).items():
                 found = given.get(name, {})
                 if found and set(found) != set(targets):

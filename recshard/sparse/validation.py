@@ -21,6 +21,8 @@ from recshard.sparse.jagged_tensor import check_index_dtype
 
 logger = logging.getLogger(__name__)
 
+INT32_MAX = 2**31 - 1
+
 
 class KeyedJaggedLike(Protocol):
     """What the checks read of a KeyedJaggedTensor (a protocol, so this module sits below
@@ -99,10 +101,40 @@ def check_structure(kjt: KeyedJaggedLike) -> None:
         )
 
 
+def int32_lengths_wrap(kjt: KeyedJaggedLike) -> bool:
+    """True when int32 lengths sum past 2**31 - 1 (from the per-key sums: no temporary)."""
+    lengths = kjt.lengths_or_none()
+    return (
+        lengths is not None
+        and lengths.dtype == torch.int32
+        and sum(kjt.length_per_key()) > INT32_MAX
+    )
+
+
+def check_int32_lengths(kjt: KeyedJaggedLike) -> None:
+    """int32 lengths whose sum passes 2**31 - 1: their offsets, a running sum in the lengths'
+    dtype, wrap to negative numbers, which would surface later as "offsets decrease" or a
+    lengths/values mismatch. Refused naming the key where the running sum passes."""
+    if not int32_lengths_wrap(kjt):
+        return
+    per_key = kjt.length_per_key()
+    running = 0
+    for key, count in zip(kjt.keys(), per_key):
+        running += count
+        if running > INT32_MAX:
+            raise ValueError(
+                f"KeyedJaggedTensor: int32 lengths sum to {sum(per_key)}, past 2**31 - 1 = "
+                f"{INT32_MAX} at key '{key}' (running sum {running}): their int32 offsets "
+                "would wrap; pass int64 lengths"
+            )
+
+
 def validate_kjt(kjt: KeyedJaggedLike) -> None:
     """Raise ValueError if keys, lengths, offsets, values and weights disagree (values must
-    be 1-D ids, exactly as many as the lengths sum to; weights 1-D, one per id)."""
+    be 1-D ids, exactly as many as the lengths sum to; weights 1-D, one per id; int32
+    lengths sum within int32)."""
     check_structure(kjt)
+    check_int32_lengths(kjt)
     keys: List[str] = kjt.keys()
     values = kjt.values()
     if values.dim() != 1:

@@ -41,9 +41,9 @@ def test_assemble_puts_shards_together_and_marks_clashes_and_holes() -> None:
 
 def test_torchrec_state_names_map_to_recshards() -> None:
     ours = {
-        "o.ebc.embedding_bags.t0.weight.momentum1": torch.zeros(4),
-        "o.ebc.embedding_bags.t2.weight.momentum1@col0": torch.zeros(4),
-        "o.ebc.embedding_bags.t2.weight.momentum1@col4": torch.zeros(4),
+        "o.ebc.embedding_bags.t0.weight.t0.momentum1": torch.zeros(4),
+        "o.ebc.embedding_bags.t2.weight.t2.momentum1@col0": torch.zeros(4),
+        "o.ebc.embedding_bags.t2.weight.t2.momentum1@col4": torch.zeros(4),
     }
     theirs = {
         "o.ebc.embedding_bags.t0.weight.t0.momentum1": torch.ones(4),
@@ -54,7 +54,7 @@ def test_torchrec_state_names_map_to_recshards() -> None:
     mapped = torchrec_optimizer_keys(theirs, ours)
     assert set(mapped) == set(ours)
     assert torch.equal(
-        mapped["fused_optimizer.ebc.embedding_bags.t2.weight.momentum1@col4"],
+        mapped["fused_optimizer.ebc.embedding_bags.t2.weight.t2.momentum1@col4"],
         torch.arange(4.0, 8.0),
     )
 

@@ -1,7 +1,10 @@
 """The key-value kernel's write-back cache against the in-memory torch fused kernel, one
 process: a cache of 4 rows on a 64-row table, batches that evict every updated row and read it
 back later, so each row makes several round trips through storage. Every test runs with the
-cache's books kept by the C++ library (`native_row_cache`) and by its torch fallback."""
+cache's books kept by the C++ library (`native_row_cache`) and by its torch fallback, and with
+the lookups and updates in recshard's C++ kernel where it covers the optimizer and in torch
+(`RECSHARD_NATIVE_KERNEL=0`); the oracle is the in-memory kernel the library builds for the
+same tables (`NativeFusedKernel` where it covers them, else `TorchFusedKernel`)."""
 
 from __future__ import annotations
 
@@ -12,10 +15,11 @@ import pytest
 import torch
 
 from recshard import EmbeddingBagConfig, KeyedJaggedTensor
-from recshard.lookup import native_row_cache
+from recshard.lookup import native_kernel, native_row_cache
 from recshard.lookup.fused_params import FusedParams
 from recshard.lookup.kernels import TorchFusedKernel
 from recshard.lookup.key_value import CacheOverflowError, KeyValueKernel
+from recshard.lookup.native_kernel import NativeFusedKernel
 from recshard.lookup.tables import LocalTable
 from recshard.types import EmbeddingComputeKernel
 
@@ -29,6 +33,14 @@ def books(request, monkeypatch) -> str:  # noqa: ANN001
         pytest.skip("recshard.lookup._row_cache is not built")
     if request.param == "torch":
         monkeypatch.setattr(native_row_cache, "available", lambda: False)
+    return request.param
+
+
+@pytest.fixture(params=["native", "torch"], autouse=True)
+def math(request, monkeypatch) -> str:  # noqa: ANN001
+    """Which kernel does the lookups and updates, in memory and on the cache."""
+    if request.param == "torch":
+        monkeypatch.setenv(native_kernel.ENV, "0")
     return request.param
 
 
@@ -48,9 +60,13 @@ def _kernels(optimizer: str, directory: str, cached_rows: int = 4) -> tuple:
         return LocalTable(config, ROWS, DIM, 0, 0, kind, config.pooling, params)
 
     torch.manual_seed(0)
-    memory = TorchFusedKernel(
-        [table(EmbeddingComputeKernel.FUSED)], True, params.optim, torch.device("cpu")
+    fused = [table(EmbeddingComputeKernel.FUSED)]
+    in_memory = (
+        NativeFusedKernel
+        if native_kernel.covers(fused, True, params.optim, torch.device("cpu"))
+        else TorchFusedKernel
     )
+    memory = in_memory(fused, True, params.optim, torch.device("cpu"))
     kv = KeyValueKernel(
         [table(EmbeddingComputeKernel.KEY_VALUE)], True, params.optim, torch.device("cpu")
     )
@@ -60,10 +76,11 @@ def _kernels(optimizer: str, directory: str, cached_rows: int = 4) -> tuple:
 
 
 @pytest.mark.parametrize("optimizer", ["exact_sgd", "exact_adagrad", "exact_row_wise_adagrad"])
-def test_write_back_cache_equals_in_memory(optimizer: str, books: str) -> None:
+def test_write_back_cache_equals_in_memory(optimizer: str, books: str, math: str) -> None:
     with tempfile.TemporaryDirectory() as directory:
         memory, kv = _kernels(optimizer, directory)
         assert kv.caches[0].native == (books == "native")
+        assert kv.native == (math == "native" and optimizer != "exact_adagrad")
         for step in range(12):
             ids = torch.tensor([(step * 3 + k) % 16 for k in range(3)] + [step % 2])
             features = KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([2, 2]))

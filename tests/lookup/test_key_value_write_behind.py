@@ -133,11 +133,18 @@ def test_two_threads_missing_at_once_read_no_stale_row(slow_writes: None) -> Non
         _same_bytes(updated, cache.values["weight"][int(cache.row_slot[0])], "row 0 read back")
 
 
-def test_rows_of_a_failed_write_back_are_not_silently_lost() -> None:
+@pytest.mark.parametrize("slow", [False, True], ids=["fails-at-once", "fails-late"])
+def test_rows_of_a_failed_write_back_are_not_silently_lost(
+    slow: bool, request: pytest.FixtureRequest
+) -> None:
     """Storage refuses writes for a while (a read-only descriptor, as a failing device): the
     step after the failed write-back raises. Storage then works again and training goes on:
     either every later step refuses (the table is known to be stale), or the table ends equal
-    to the in-memory kernel's on the steps both ran."""
+    to the in-memory kernel's on the steps both ran. `slow`: each write fails 50 ms late, so a
+    fill that misses a row being written has chosen its slots when it finds the failure (it
+    undoes its books and raises)."""
+    if slow:
+        request.getfixturevalue("slow_writes")
     with tempfile.TemporaryDirectory() as directory:
         memory, kv = _kernels("exact_sgd", directory)
         store = kv.caches[0].store

@@ -22,6 +22,7 @@ from recshard.distributed.sharding_plan import (
     table_wise,
 )
 from recshard.optim import RowWiseAdagrad, apply_optimizer_in_backward
+from recshard.optim.column_state import recshard_key, torchrec_key
 from tests.distributed.ebc_cases import batch, make_ebc
 from tests.multiprocess import run_ranks
 
@@ -124,3 +125,43 @@ def test_rowwise_adagrad_state_round_trips_at_another_world_size(tmp_path: Any) 
 
 def test_adagrad_state_round_trips_at_another_world_size(tmp_path: Any) -> None:
     _round_trip(torch.optim.Adagrad, tmp_path)
+
+
+def _names_and_loads(rank: int, ws: int) -> Dict[str, Any]:
+    """Trained state under TorchRec's keys; loaded into fresh models from those keys and from
+    recshard's earlier bare ones (`momentum1`, `momentum1@col<offset>`)."""
+    trained = _dmp(ws, RowWiseAdagrad)
+    for step in range(2):
+        trained(batch(rank, step, 4, False, False)).sum().backward()
+    state = trained.fused_optimizer.state_dict()["state"]
+    full, _ = _full_state(state)
+    out: Dict[str, Any] = {"keys": {fqn: sorted(entry) for fqn, entry in state.items()}}
+    tables = {fqn: fqn.split(".")[-2] for fqn in state}
+    old = {fqn: {recshard_key(tables[fqn], k): v for k, v in e.items()} for fqn, e in state.items()}
+    for names, given in (("torchrec", state), ("old", old)):
+        fresh = _dmp(ws, RowWiseAdagrad)
+        fresh.fused_optimizer.load_state_dict({"state": given})
+        out[names] = _full_state(fresh.fused_optimizer.state_dict()["state"])[0] == full
+    out["in memory"] = sorted(k for entry in trained.fused_optimizer.state.values() for k in entry)
+    return out
+
+
+def test_state_keys_are_torchrecs_and_old_names_still_load() -> None:
+    """TorchRec's `<table>.momentum1` under each table's FQN (a column-wise table's per-shard
+    accumulators `<table>.momentum1@col<offset>`), in `state_dict()` and in `.state`."""
+    for result in run_ranks(2, _names_and_loads, timeout=180):
+        keys = result["keys"]
+        for i in range(4):
+            assert keys[f"ebc.embedding_bags.t{i}.weight"] == [f"t{i}.momentum1"]
+        assert keys["ebc.embedding_bags.t4.weight"] == ["t4.momentum1@col0", "t4.momentum1@col4"]
+        assert result["torchrec"] and result["old"]
+        assert all(k.split(".")[0] in {f"t{i}" for i in range(5)} for k in result["in memory"])
+
+
+def test_adams_second_moment_takes_torchrecs_name() -> None:
+    """TorchRec names the states past the first after fbgemm's keys: Adam's `exp_avg_sq`."""
+    assert torchrec_key("t0", "momentum2") == "t0.exp_avg_sq"
+    assert torchrec_key("t0", "momentum1@col4") == "t0.momentum1@col4"
+    for key in ("momentum1", "momentum2", "momentum1@col4"):
+        assert recshard_key("t0", torchrec_key("t0", key)) == key
+        assert recshard_key("t0", key) == key  # an old state dict's name

@@ -149,8 +149,8 @@ def test_dram_estimate_equals_the_kernels(lookups: float) -> None:
 def test_dram_counts_the_cache_once() -> None:
     """A cached row costs its row once plus its slot bytes: the weights' file is not mapped
     (rows move by pread/pwrite), so nothing doubles the cache; the row-wise state is mapped
-    whole (4 bytes a row whatever the load factor), not cached."""
-    record = 24 * 4
+    whole (4 bytes a row whatever the load factor) and cached by slot (4 bytes a slot)."""
+    record = 24 * 4 + 4
     small, _, _, _ = _kv_dram(0.05, 100.0)
     large, _, _, _ = _kv_dram(0.25, 100.0)
     extra_slots = math.ceil(0.25 * 123_457) - math.ceil(0.05 * 123_457)

@@ -21,6 +21,7 @@ namespace {
 constexpr int64_t EMPTY = -1;
 constexpr int64_t FREE_ID = INT64_MAX;  // a free row's raw id (recshard.modules.mc_base.FREE)
 constexpr uint64_t MIX = 0x9E3779B97F4A7C15ULL;
+constexpr int64_t PREFETCH = 16;  // lookups ahead whose slots are prefetched
 constexpr int ERR_ARGUMENT = 1, ERR_PRESENT = 2, ERR_ABSENT = 3, ERR_FULL = 4, ERR_ID = 5,
               ERR_BUCKET = 6;
 
@@ -34,6 +35,14 @@ struct Index {
       : keys(k), rows(r), mask((uint64_t(1) << log2) - 1), shift(64 - int(log2)) {}
 
   uint64_t home(int64_t key) const { return (uint64_t(key) * MIX) >> shift; }
+
+  // start loading `key`'s home slot (a batch's indexes are mostly out of cache: a lookup
+  // waits on memory, so the next ones' loads are started while it does)
+  void prefetch(int64_t key) const {
+    const uint64_t at = home(key);
+    __builtin_prefetch(keys + at);
+    __builtin_prefetch(rows + at);
+  }
 
   // slot holding `key`, or -1
   int64_t slot(int64_t key) const {
@@ -157,6 +166,7 @@ extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
                       reinterpret_cast<int64_t*>(row_ptrs[t]), log2s[t]);
     int64_t hits = 0;
     for (int64_t end = at + segment_lengths[s]; at < end; ++at) {
+      if (at + PREFETCH < end) index.prefetch(ids[at + PREFETCH]);
       const int64_t id = ids[at];
       if (id < 0) return ERR_ID;
       const int64_t bucket = id % buckets[t] - first_buckets[t];
@@ -179,46 +189,57 @@ namespace {
 
 // One bucket's eviction contest (recshard/modules/mc_compete.py's rank_contest, same result):
 // its `slots` rows (`held[r]`: the id holding row r, INT64_MAX if free; `row_score(r)`) and
-// `news` new ids (`new_score(i)`, in entry order) are ranked by score, highest first, ties by
-// entry order: rows by (held id, row), then the new ids. Of the k = min(news, slots) lowest
-// ranked rows (selected, not a sort of the bucket) and the new ids, the first k keep or get a
-// row. Writes the rows that lose theirs (`lose`) and the new ids that get them (`win`, positions
-// in the new ids), paired in rank order; returns their count.
-template <class RowScore, class NewScore>
+// `news` new ids (`new_score(i)`; ties by `new_key(i)`, their entry order) are ranked by score,
+// highest first: rows by (held id, row) among equal scores, then the new ids. The first slots
+// entries keep or get a row. The j-th best new id gets one exactly when it outscores the j-th
+// worst row (so the winners are a prefix of the new ids best first, the losers of the rows
+// worst first): only the rows scoring below the best new id and the new ids scoring above the
+// worst row are looked at, and only the few that can change hands are sorted. Writes the rows
+// that lose theirs (`lose`) and the new ids that get them (`win`, positions in the new ids),
+// paired in rank order (the best winner takes the best loser); returns their count.
+template <class Score, class RowScore, class NewScore, class NewKey>
 int64_t contest(int64_t slots, RowScore row_score, const int64_t* held, int64_t news,
-                NewScore new_score, int64_t* lose, int64_t* win) {
-  const int64_t k = std::min(news, slots);
-  if (k == 0) return 0;
-  // rows: a ranks before b (a total order: held ids are distinct, rows break ties among free)
-  auto row_before = [&](int64_t a, int64_t b) {
-    const double sa = row_score(a), sb = row_score(b);
-    if (sa != sb) return sa > sb;
-    if (held[a] != held[b]) return held[a] < held[b];
-    return a < b;
-  };
-  std::vector<int64_t> rows(slots);
-  std::iota(rows.begin(), rows.end(), 0);
-  if (k < slots) std::nth_element(rows.begin(), rows.begin() + (slots - k), rows.end(), row_before);
-  std::vector<int64_t> candidates(rows.end() - k, rows.end());
-  std::sort(candidates.begin(), candidates.end(), row_before);
-  std::vector<int64_t> order(news);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return new_score(a) > new_score(b); });
-  // merge, a candidate first on equal scores; count the new ids among the first k
-  int64_t taken_rows = 0, taken_new = 0;
-  while (taken_rows + taken_new < k) {
-    if (taken_new < news &&
-        (taken_rows == k || new_score(order[taken_new]) > row_score(candidates[taken_rows])))
-      ++taken_new;
-    else
-      ++taken_rows;
+                NewScore new_score, NewKey new_key, int64_t* lose, int64_t* win) {
+  if (std::min(news, slots) == 0) return 0;
+  Score best_new = new_score(0), worst_row = row_score(0);
+  for (int64_t i = 1; i < news; ++i) best_new = std::max(best_new, new_score(i));
+  for (int64_t r = 1; r < slots; ++r) worst_row = std::min(worst_row, row_score(r));
+  if (!(best_new > worst_row)) return 0;  // nothing changes hands (the common quiet case)
+  std::vector<int64_t> rows, order;  // the rows that can lose, the new ids that can win
+  bool free_alike = true;  // all of those rows free with one score (a first fill)
+  for (int64_t r = slots - 1; r >= 0; --r) {
+    if (row_score(r) < best_new) {
+      free_alike &= held[r] == FREE_ID && row_score(r) == row_score(rows.empty() ? r : rows[0]);
+      rows.push_back(r);
+    }
   }
-  for (int64_t i = 0; i < taken_new; ++i) {
-    lose[i] = candidates[taken_rows + i];
+  for (int64_t i = 0; i < news; ++i)
+    if (new_score(i) > worst_row) order.push_back(i);
+  const int64_t m = std::min({news, slots, int64_t(rows.size()), int64_t(order.size())});
+  // rows worst first: lower score, then (among equal scores) the later entry
+  auto row_after = [&](int64_t a, int64_t b) {
+    const Score sa = row_score(a), sb = row_score(b);
+    if (sa != sb) return sa < sb;
+    if (held[a] != held[b]) return held[a] > held[b];
+    return a > b;
+  };
+  auto new_before = [&](int64_t a, int64_t b) {
+    const Score sa = new_score(a), sb = new_score(b);
+    return sa != sb ? sa > sb : new_key(a) < new_key(b);
+  };
+  if (!free_alike) {  // else they are in that order already: the later row first
+    std::nth_element(rows.begin(), rows.begin() + (m - 1), rows.end(), row_after);
+    std::sort(rows.begin(), rows.begin() + m, row_after);
+  }
+  std::nth_element(order.begin(), order.begin() + (m - 1), order.end(), new_before);
+  std::sort(order.begin(), order.begin() + m, new_before);
+  int64_t w = 0;
+  while (w < m && new_score(order[w]) > row_score(rows[w])) ++w;
+  for (int64_t i = 0; i < w; ++i) {
+    lose[i] = rows[w - 1 - i];
     win[i] = order[i];
   }
-  return taken_new;
+  return w;
 }
 
 }  // namespace
@@ -228,9 +249,9 @@ extern "C" int rs_mc_contest(int64_t slots, const double* row_scores, const int6
                              int64_t news, const double* new_scores, int64_t* lose, int64_t* win,
                              int64_t* pairs) {
   if (slots < 0 || news < 0) return ERR_ARGUMENT;
-  *pairs = contest(
+  *pairs = contest<double>(
       slots, [&](int64_t r) { return row_scores[r]; }, held, news,
-      [&](int64_t i) { return new_scores[i]; }, lose, win);
+      [&](int64_t i) { return new_scores[i]; }, [](int64_t i) { return i; }, lose, win);
   return 0;
 }
 
@@ -238,11 +259,11 @@ extern "C" int rs_mc_contest(int64_t slots, const double* row_scores, const int6
 // _coalesce_and_evict's result): the `count` ids seen since the last one are coalesced (a hash,
 // not a sort); those held add their counts to their rows' (`counts[row_count]`, in place); the
 // others compete, bucket by bucket (local bucket = id % buckets - first_bucket, its rows
-// [bucket_starts[b], bucket_starts[b + 1] - 1): the last is its reserved row), in id order, with
-// their counts as scores (`contest`). Each row changing hands gets its new id in `raw_ids`
+// [bucket_starts[b], bucket_starts[b + 1] - 1): the last is its reserved row) with their counts
+// as scores, ties by id (`contest`). Each row changing hands gets its new id in `raw_ids`
 // (INT64_MAX = free) and `counts`, and in the index (log2/keys/rows, `held` ids, rows global:
-// local + row_offset). Writes the global rows that changed hands to `changed[count]` (bucket by
-// bucket, in rank order) and stats = {rows changed, ids that lost their row}.
+// local + row_offset). Writes the global rows that changed hands to `changed[count]` (sorted)
+// and stats = {rows changed, ids that lost their row}.
 extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64_t held,
                                int64_t count, const int64_t* ids, int64_t row_count,
                                int64_t* raw_ids, int64_t* counts, int64_t held_buckets,
@@ -276,11 +297,12 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
     }
     ++seen_rows[at];
   }
-  // held ids count up their rows; the others compete: (bucket, id, count), sorted
+  // held ids count up their rows; the others compete, grouped by bucket (counting sort)
   struct New {
-    int64_t bucket, id, count;
+    int64_t id, count;
   };
   std::vector<New> news;
+  std::vector<int64_t> starts(held_buckets + 1, 0);
   for (size_t at = 0; at < seen_keys.size(); ++at) {
     const int64_t id = seen_keys[at];
     if (id == EMPTY) continue;
@@ -290,24 +312,29 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
       if (row < 0 || row >= row_count || raw_ids[row] != id) return ERR_ARGUMENT;
       counts[row] += seen_rows[at];
     } else {
-      news.push_back({id % buckets - first_bucket, id, seen_rows[at]});
+      ++starts[id % buckets - first_bucket + 1];
+      news.push_back({id, seen_rows[at]});
     }
   }
-  std::sort(news.begin(), news.end(), [](const New& a, const New& b) {
-    return a.bucket != b.bucket ? a.bucket < b.bucket : a.id < b.id;
-  });
+  for (int64_t b = 0; b < held_buckets; ++b) starts[b + 1] += starts[b];
+  std::vector<New> grouped(news.size());
+  {
+    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+    for (const New& n : news) grouped[size_t(next[n.id % buckets - first_bucket]++)] = n;
+  }
   std::vector<int64_t> lose(news.size()), win(news.size());
   int64_t changes = 0, evicted = 0;
-  for (size_t first = 0, last = 0; first < news.size(); first = last) {
-    const int64_t bucket = news[first].bucket;
-    while (last < news.size() && news[last].bucket == bucket) ++last;
+  for (int64_t bucket = 0; bucket < held_buckets; ++bucket) {
+    const New* mine = grouped.data() + starts[bucket];
+    const int64_t mine_count = starts[bucket + 1] - starts[bucket];
+    if (mine_count == 0) continue;
     const int64_t start = bucket_starts[bucket];
     const int64_t slots = bucket_starts[bucket + 1] - 1 - start;
-    const New* mine = news.data() + first;
-    const int64_t pairs = contest(
-        slots, [&](int64_t r) { return double(counts[start + r]); }, raw_ids + start,
-        int64_t(last - first), [&](int64_t i) { return double(mine[i].count); }, lose.data(),
-        win.data());
+    const int64_t pairs = contest<int64_t>(
+        slots, [&](int64_t r) { return counts[start + r]; }, raw_ids + start, mine_count,
+        [&](int64_t i) { return mine[i].count; }, [&](int64_t i) { return mine[i].id; },
+        lose.data(), win.data());
+    const int64_t first_change = changes;
     for (int64_t p = 0; p < pairs; ++p) {
       const int64_t row = start + lose[p];
       if (raw_ids[row] != FREE_ID) {
@@ -320,6 +347,7 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
       counts[row] = winner.count;
       changed[changes++] = row + row_offset;
     }
+    std::sort(changed + first_change, changed + changes);  // buckets ascend: all sorted
   }
   stats[0] = changes;
   stats[1] = evicted;
@@ -386,6 +414,49 @@ extern "C" int rs_mc_route(int64_t keys, int64_t stride, const int64_t* lengths,
     const int64_t position = start[sent_to[at]]++;
     order[position] = at;
     sent_to[at] = position;
+  }
+  return 0;
+}
+
+// The default init's numbers for a reset of `n` rows of a `dim`-column table, the columns
+// [col_offset, col_offset + cols) of each, written to row `rows[j]` (of `row_count`, each
+// `row_stride` floats apart) of `out` (recshard/distributed/mc_reset.py gives the same numbers
+// from torch ops): number p = j * dim + col_offset + c of the block of whole rows is u * scale +
+// low (float arithmetic), u = 24 bits of word p / 2 over 2**24: the top 24 of an even p's, the
+// next 24 of an odd p's; word k = splitmix64's output for the state seed + (k + 1) * GAMMA. A
+// counter-based generator: any row's or column's numbers without the others'.
+extern "C" int rs_mc_draw_uniform(int64_t seed, int64_t n, const int64_t* rows, int64_t dim,
+                                  int64_t col_offset, int64_t cols, float low, float scale,
+                                  int64_t row_count, int64_t row_stride, float* out) {
+  if (n < 0 || dim < 1 || col_offset < 0 || cols < 0 || col_offset + cols > dim ||
+      row_stride < cols || row_count < 0)
+    return ERR_ARGUMENT;
+  for (int64_t j = 0; j < n; ++j)
+    if (rows[j] < 0 || rows[j] >= row_count) return ERR_ARGUMENT;
+  constexpr uint64_t GAMMA = 0x9E3779B97F4A7C15ULL, M1 = 0xBF58476D1CE4E5B9ULL,
+                     M2 = 0x94D049BB133111EBULL;
+  auto word = [&](uint64_t k) {
+    uint64_t z = uint64_t(seed) + (k + 1) * GAMMA;
+    z = (z ^ (z >> 30)) * M1;
+    z = (z ^ (z >> 27)) * M2;
+    return z ^ (z >> 31);
+  };
+  auto number = [&](uint64_t drawn) {  // 24 bits -> u * scale + low
+    const float u = float(int32_t(drawn)) * (1.0f / 16777216.0f);  // < 2**24: exact
+    const float scaled = u * scale;
+    return scaled + low;
+  };
+  for (int64_t j = 0; j < n; ++j) {
+    float* row = out + rows[j] * row_stride;
+    const uint64_t first = uint64_t(j * dim + col_offset);
+    int64_t c = 0;
+    if (cols > 0 && (first & 1)) row[c++] = number((word(first / 2) >> 16) & 0xFFFFFF);
+    for (; c + 1 < cols; c += 2) {  // p = first + c is even: word p / 2 gives p and p + 1
+      const uint64_t bits = word((first + uint64_t(c)) / 2);
+      row[c] = number(bits >> 40);
+      row[c + 1] = number((bits >> 16) & 0xFFFFFF);
+    }
+    if (c < cols) row[c] = number(word((first + uint64_t(c)) / 2) >> 40);
   }
   return 0;
 }

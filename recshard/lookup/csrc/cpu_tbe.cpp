@@ -15,8 +15,15 @@
 // Backward: every id's global row is radix-sorted (one sort over all tables), then each
 // distinct row's gradient is summed in a dim-float accumulator from its ids' bags'
 // output-gradient rows and the row is updated once (fbgemm's "exact" optimizers):
-//   row-wise Adagrad: m += mean(g * g);  w -= lr / (sqrt(m) + eps) * g
+//   row-wise Adagrad: m += mean(g * g);  w -= lr * (1 / (sqrt(m) + eps)) * g
 //   SGD:              w -= lr * g
+//
+// Same bytes as the torch kernel (recshard/lookup/kernels.py): every float is rounded where
+// torch rounds it. Built with -ffp-contract=off (no multiply-add is fused behind our back);
+// the one fused multiply-add is explicit, where torch's weighted bags (fbgemm) use one. MEAN
+// divides by the length (torch's `pooled / lengths`, `grad / lengths`) rather than
+// multiplying by a rounded reciprocal; the Adagrad multiplier is lr times a reciprocal
+// (torch's `lr / tensor`).
 #include <Python.h>
 
 #include <algorithm>
@@ -78,8 +85,10 @@ typedef float Vec8 __attribute__((vector_size(32)));  // 8 floats; 2 SSE halves 
 
 // One feature's bags (ids already checked against its table). kDim: the dim when known at
 // compile time (a multiple of 8: the bag's sum stays in registers), else 0 (read `dim_arg`).
-// Every float's sum adds the ids in order, as `a[d] += scale * row[d]` would.
-template <int kDim, typename Index, typename Offset>
+// Every float's sum adds the ids in order: `a[d] += row[d]`, or with per-sample weights
+// (kWeighted) `a[d] = fma(weight, row[d], a[d])`, one rounding per id as torch's weighted bags
+// (fbgemm's) take it. MEAN then divides by the length, as torch's `pooled / lengths`.
+template <int kDim, bool kWeighted, typename Index, typename Offset>
 RS_CLONES void pool_feature(const float* table, int64_t dim_arg, int64_t batch,
                             const Index* indices, const Offset* offsets,
                             const float* per_sample_weights, int mean, float* out,
@@ -100,28 +109,37 @@ RS_CLONES void pool_feature(const float* table, int64_t dim_arg, int64_t batch,
         prefetch_row(table + int64_t(indices[p + kPrefetch]) * dim, dim);
       }
       const float* __restrict row = table + int64_t(indices[p]) * dim;
-      const float scale = per_sample_weights ? per_sample_weights[p] : 1.f;
+      const float scale = kWeighted ? per_sample_weights[p] : 1.f;
       if (kDim) {
 #pragma GCC unroll 16
         for (int v = 0; v < kVecs; ++v) {
           Vec8 r;
           std::memcpy(&r, row + 8 * v, sizeof r);
-          acc[v] += scale * r;
+          if (kWeighted) {
+            for (int lane = 0; lane < 8; ++lane) {
+              acc[v][lane] = __builtin_fmaf(scale, r[lane], acc[v][lane]);
+            }
+          } else {
+            acc[v] += r;
+          }
         }
       } else {
-        for (int64_t d = 0; d < dim; ++d) a[d] += scale * row[d];
+        for (int64_t d = 0; d < dim; ++d) {
+          a[d] = kWeighted ? __builtin_fmaf(scale, row[d], a[d]) : a[d] + row[d];
+        }
       }
     }
-    const float divisor = (mean && end > begin) ? 1.f / float(end - begin) : 1.f;
     float* __restrict o = out + b * width;
+    const bool divide = mean && end > begin;
+    const float length = float(end - begin);
     if (kDim) {
 #pragma GCC unroll 16
-      for (int v = 0; v < kVecs; ++v) {
-        const Vec8 r = acc[v] * divisor;
+      for (int v = 0; v < kVecs; ++v) {  // one vector at a time: `acc` stays in registers
+        const Vec8 r = divide ? acc[v] / length : acc[v];
         std::memcpy(o + 8 * v, &r, sizeof r);
       }
     } else {
-      for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * divisor;
+      for (int64_t d = 0; d < dim; ++d) o[d] = divide ? a[d] / length : a[d];
     }
   }
 }
@@ -143,8 +161,11 @@ int64_t forward_impl(const float* weights, const Layout& l, const Index* indices
     }
     const float* table = weights + l.weight_start[t];
     float* o = out + l.feature_column[f];
-#define RS_FEATURE(D)                                                                     \
-  pool_feature<D>(table, dim, l.batch, indices, bags, per_sample_weights, mean, o, l.width)
+#define RS_FEATURE(D)                                                                       \
+  (per_sample_weights                                                                       \
+       ? pool_feature<D, true>(table, dim, l.batch, indices, bags, per_sample_weights, mean, o, \
+                               l.width)                                                     \
+       : pool_feature<D, false>(table, dim, l.batch, indices, bags, nullptr, mean, o, l.width))
     if (dim == 64) RS_FEATURE(64);
     else if (dim == 128) RS_FEATURE(128);
     else if (dim == 32) RS_FEATURE(32);
@@ -256,6 +277,14 @@ struct RowSum {
       acc[v] += scale * r;
     }
   }
+  void add_mean(float length, float scale, const float* __restrict g) {
+#pragma GCC unroll 16
+    for (int v = 0; v < kVecs; ++v) {
+      Vec8 r;
+      std::memcpy(&r, g + 8 * v, sizeof r);
+      acc[v] += r / length * scale;
+    }
+  }
   float square_sum() const {
     float sum = 0.f;
 #pragma GCC unroll 16
@@ -283,6 +312,9 @@ struct RowSum<0> {
   void zero() { std::fill(a.begin(), a.end(), 0.f); }
   void add(float scale, const float* __restrict g) {
     for (size_t d = 0; d < a.size(); ++d) a[d] += scale * g[d];
+  }
+  void add_mean(float length, float scale, const float* __restrict g) {
+    for (size_t d = 0; d < a.size(); ++d) a[d] += g[d] / length * scale;
   }
   float square_sum() const {
     float sum = 0.f;
@@ -324,27 +356,30 @@ RS_CLONES void update_table(float* table, float* momentum, int64_t first, int64_
         if (kRowwise) __builtin_prefetch(momentum + key_of(pairs[ahead]), 1, 3);
       }
       const float* __restrict go = grad_row(j);
-      float scale = 1.f;
-      if (kByPosition) {
-        const uint32_t p = value_of(pairs[j]);
-        if (mean) {
-          const uint32_t bag = bag_of[p];
-          scale = 1.f / float(int64_t(offsets[bag + 1]) - int64_t(offsets[bag]));
-        }
-        if (per_sample_grad) {  // d out / d weight of this id: its row (before the update) . grad
-          float dot = 0.f;
-          for (int64_t d = 0; d < dim; ++d) dot += w[d] * go[d];
-          per_sample_grad[p] = dot * scale;
-        }
-        if (per_sample_weights) scale *= per_sample_weights[p];
+      if (!kByPosition) {
+        sum.add(1.f, go);
+        continue;
       }
-      sum.add(scale, go);
+      const uint32_t p = value_of(pairs[j]);
+      const uint32_t bag = bag_of[p];
+      const float length = float(int64_t(offsets[bag + 1]) - int64_t(offsets[bag]));
+      if (per_sample_grad) {  // d out / d weight of this id: its row (before the update) . grad
+        float dot = 0.f;
+        for (int64_t d = 0; d < dim; ++d) dot += w[d] * go[d];
+        per_sample_grad[p] = mean ? dot / length : dot;
+      }
+      const float scale = per_sample_weights ? per_sample_weights[p] : 1.f;
+      if (mean) {
+        sum.add_mean(length, scale, go);
+      } else {
+        sum.add(scale, go);
+      }
     }
     float multiplier = lr;
     if (kRowwise) {
       const float m = momentum[key] + sum.square_sum() / float(dim);
       momentum[key] = m;
-      multiplier = lr / (std::sqrt(m) + eps);
+      multiplier = lr * (1.f / (std::sqrt(m) + eps));  // as torch's `lr / tensor`
     }
     sum.apply(w, multiplier);
     i = j;

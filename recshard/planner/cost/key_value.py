@@ -7,8 +7,8 @@ default 0.2), each step's misses read from storage and its updated rows written 
   (row_bytes + state_row)` for a step's transient copies of its distinct rows (misses read,
   victims written back, gradients, optimizer temporaries), plus the step's io
   (`recshard.lookup.key_value.dram_bytes`, which the tests compare this to); a row-wise state
-  (per row only) is not cached but mapped whole: its bytes count in DRAM instead of
-  `state_row`; storage: weights + state.
+  (per row only) is also mapped whole (the cache copies it to and from the mapping): its
+  bytes count in DRAM once more; storage: weights + state.
 - time on top of the fused kernel's on the cache: `(1 - hit) touched (row + state_row)` bytes
   read and `touched (row + state_row)` bytes written at `topology.storage_bw`, `touched` the
   shard's distinct rows per step (`touched_rows`, from `CacheStatistics.expected_lookups` when
@@ -80,8 +80,9 @@ def key_value_storage(
     row_state: float,
 ) -> Storage:
     """DRAM and storage bytes of a `rows`-row shard whose steps read `touched` distinct rows,
-    `row_state` of its `state` bytes a row-wise state (mapped, not cached; module docstring)."""
-    per_row = (weights + state - row_state) / rows if rows else 0.0
+    `row_state` of its `state` bytes a row-wise state (mapped whole and cached; module
+    docstring)."""
+    per_row = (weights + state) / rows if rows else 0.0
     cached = min(rows, math.ceil(cache_load_factor(cache_params) * rows))
     transient = _STEP_ROW_COPIES * min(touched, cached) * per_row
     dram = cached * (per_row + _SLOT_BYTES) + rows * _ROW_MAP_BYTES + row_state + transient + io
