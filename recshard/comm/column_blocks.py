@@ -94,8 +94,16 @@ def strided_runs(blocks: Sequence[Block]) -> List[_Run]:
     return runs
 
 
+def runs_by_chunk(blocks: Sequence[Block]) -> Dict[int, List[_Run]]:
+    """`strided_runs(blocks)` grouped by the chunk each run reads: what one chunk's copies are."""
+    grouped: Dict[int, List[_Run]] = {}
+    for run in strided_runs(blocks):
+        grouped.setdefault(run.chunk, []).append(run)
+    return grouped
+
+
 def _run_views(
-    columns: torch.Tensor, chunks: List[torch.Tensor], run: _Run
+    columns: torch.Tensor, chunk: torch.Tensor, run: _Run
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(the output's columns, the chunk's columns) of `run`, as `[rows, count, width]` views."""
     rows = columns.size(0)
@@ -104,12 +112,32 @@ def _run_views(
         (columns.stride(0), run.out_stride * columns.stride(1), columns.stride(1)),
         columns.storage_offset() + run.out_start * columns.stride(1),
     )
-    chunk = chunks[run.chunk]
     src = chunk[:, run.chunk_start : run.chunk_start + run.count * run.width]
     return out, src.unflatten(1, (run.count, run.width))
 
 
-def _chunk_views(flat: torch.Tensor, rows: int, chunk_widths: Sequence[int]) -> List[torch.Tensor]:
+def lay_chunk(columns: torch.Tensor, chunk: torch.Tensor, runs: Sequence[_Run]) -> None:
+    """Copy `chunk` (`[rows, w]`, one chunk's values) into its blocks of `columns`; `runs`: that
+    chunk's runs (`runs_by_chunk`). A copy that casts where the dtypes differ."""
+    for run in runs:
+        dst, src = _run_views(columns, chunk, run)
+        dst.copy_(src)
+
+
+def pack_chunk(
+    columns: torch.Tensor, chunk: torch.Tensor, runs: Sequence[_Run], divisor: int = 1
+) -> None:
+    """The transpose of `lay_chunk`: `chunk` (`[rows, w]`, contiguous) gets its blocks of
+    `columns` (any strides), divided by `divisor` after the copies (a contiguous pass)."""
+    for run in runs:
+        src, dst = _run_views(columns, chunk, run)
+        dst.copy_(src)
+    if divisor != 1:
+        chunk.div_(divisor)
+
+
+def chunk_views(flat: torch.Tensor, rows: int, chunk_widths: Sequence[int]) -> List[torch.Tensor]:
+    """`flat` cut into its `[rows, w]` row-major chunks (`w` in `chunk_widths`)."""
     offsets = itertools.accumulate((rows * w for w in chunk_widths), initial=0)
     return [flat[start : start + rows * w].view(rows, w) for start, w in zip(offsets, chunk_widths)]
 
@@ -123,12 +151,11 @@ def columns_from_chunks(
 ) -> torch.Tensor:
     """`[rows, sum(chunk_widths)]` of `dtype` from the chunks in `flat`, one copy per block
     (a copy that also casts when `flat` is of another dtype: a cast codec's decode for free)."""
-    chunks = _chunk_views(flat, rows, chunk_widths)
+    chunks = chunk_views(flat, rows, chunk_widths)
     width = sum(chunk_widths)
     out = buffers.take("columns", rows * width, dtype, flat.device).view(rows, width)
-    for run in strided_runs(blocks):
-        dst, src = _run_views(out, chunks, run)
-        dst.copy_(src)
+    for chunk, runs in runs_by_chunk(blocks).items():
+        lay_chunk(out, chunks[chunk], runs)
     return out
 
 
@@ -143,10 +170,9 @@ def chunks_from_columns(
     cast codec's encode happens in the same copy), divided by `divisor` as it copies;
     `columns` may have any strides."""
     flat = buffers.take("columns_bwd", columns.size(0) * sum(chunk_widths), dtype, columns.device)
-    chunks = _chunk_views(flat, columns.size(0), chunk_widths)
-    for run in strided_runs(blocks):
-        src, dst = _run_views(columns, chunks, run)
-        dst.copy_(src)
+    chunks = chunk_views(flat, columns.size(0), chunk_widths)
+    for chunk, runs in runs_by_chunk(blocks).items():
+        pack_chunk(columns, chunks[chunk], runs)
     if divisor != 1:
         flat.div_(divisor)
     return flat

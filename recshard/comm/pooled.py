@@ -16,18 +16,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from recshard.comm import buffers, transport
 from recshard.comm.args import check, default_group, one_entry_per_rank, per_rank, same_dtype
 from recshard.comm.codecs import QuantizedCommCodecs, cast_dtype
 from recshard.comm.column_blocks import (
     Block,
     check_blocks,
+    chunk_views,
     chunks_from_columns,
     chunks_to_columns,
     columns_from_chunks,
+    lay_chunk,
+    pack_chunk,
+    runs_by_chunk,
     whole_chunks,
 )
 from recshard.comm.pg import HoldsGroup
 from recshard.comm.request import AllToAllV, CommRequest, Pending, decode, issue_all_to_all
+from recshard.comm.shm import Hooks
 from recshard.types import Awaitable, NoWait
 
 Callback = Callable[[torch.Tensor], torch.Tensor]
@@ -91,10 +97,13 @@ def alltoall_pooled(
 class PooledAllToAll(AllToAllV):
     """`alltoall_pooled`'s collective, laying out the `[B_local, D]` columns as it decodes.
 
-    Forward copies each received chunk's blocks into the output columns, casting as it copies
-    when the codec only casts (fp16/bf16 without loss scale): one pass instead of decode, then
-    layout. Backward packs the gradient's columns into the send buffer, casting as it packs: one
-    pass instead of layout, then encode. Other codecs encode and decode around plain copies.
+    Without a codec, forward copies this rank's own chunk from the input straight into its
+    output columns and, through shared memory, each peer's chunk straight out of the peer's
+    segment (one copy per chunk; the backend's receive buffer is laid out after); backward
+    packs each chunk of the gradient's columns once, through shared memory straight into the
+    input's gradient (its own) or the ring (a peer's). With a codec that only casts (fp16/bf16
+    without loss scale) the layout copies cast as they copy: one pass instead of decode, then
+    layout. Other codecs encode and decode around plain copies.
     """
 
     def __init__(
@@ -109,11 +118,20 @@ class PooledAllToAll(AllToAllV):
     ) -> None:
         super().__init__(pg, input_splits, output_splits, codecs, name="alltoall_pooled")
         self.rows, self.chunk_widths, self.blocks = rows, list(chunk_widths), list(blocks)
+        self.runs = runs_by_chunk(self.blocks)
+        self.rank = dist.get_rank(pg)
         self.dtype = torch.float32  # the embeddings' dtype, set by forward
+
+    def _own(self, flat: torch.Tensor, splits: List[int]) -> torch.Tensor:
+        """This rank's own chunk `[B_local, D_me]` in `flat`, cut by `splits`."""
+        start = sum(splits[: self.rank])
+        return flat[start : start + splits[self.rank]].view(self.rows, self.chunk_widths[self.rank])
 
     def forward(self, x: torch.Tensor) -> Pending:
         self.dtype = x.dtype
         codec = self.codecs.forward if self.codecs else None
+        if codec is None:
+            return self._forward_laying(x)
         fused = cast_dtype(codec, x.dtype) is not None
 
         def read(wire: torch.Tensor) -> torch.Tensor:
@@ -124,8 +142,40 @@ class PooledAllToAll(AllToAllV):
             x, self.input_splits, self.output_splits, self.pg, codec, self.name, read
         )
 
+    def _forward_laying(self, x: torch.Tensor) -> Pending:
+        """Without a codec: every chunk copied once into the columns, from wherever it is."""
+        rows, widths = self.rows, self.chunk_widths
+        columns = buffers.take("columns", rows * sum(widths), x.dtype, x.device)
+        columns = columns.view(rows, sum(widths))
+        lay_chunk(columns, self._own(x, self.input_splits), self.runs.get(self.rank, []))
+        laid = {self.rank}
+
+        def place(peer: int, part: torch.Tensor) -> None:
+            values = part.view(x.dtype).view(rows, widths[peer])
+            lay_chunk(columns, values, self.runs.get(peer, []))
+            laid.add(peer)
+
+        def read(received: torch.Tensor) -> torch.Tensor:
+            for chunk, values in enumerate(chunk_views(received, rows, widths)):
+                if chunk not in laid:
+                    lay_chunk(columns, values, self.runs.get(chunk, []))
+            return columns
+
+        return issue_all_to_all(
+            x,
+            self.input_splits,
+            self.output_splits,
+            self.pg,
+            None,
+            self.name,
+            read,
+            hooks=Hooks(skip_self=True, place=place),
+        )
+
     def backward(self, grad: torch.Tensor) -> Pending:
         codec = self.codecs.backward if self.codecs else None
+        if codec is None:
+            return self._backward_packing(grad, 1)
         wire_dtype = cast_dtype(codec, grad.dtype)
         if wire_dtype is None:  # encode and decode of their own, around plain copies
             flat = chunks_from_columns(grad, self.chunk_widths, self.blocks, grad.dtype)
@@ -155,9 +205,32 @@ class PooledAllToAll(AllToAllV):
         and divides."""
         if self.codecs is not None and self.codecs.backward is not None:
             return None
-        wire = chunks_from_columns(grad, self.chunk_widths, self.blocks, grad.dtype, divisor)
+        return self._backward_packing(grad, divisor)
+
+    def _backward_packing(self, grad: torch.Tensor, divisor: int) -> Pending:
+        """Without a codec: each chunk of `grad` (any strides) packed once and divided. Through
+        shared memory this rank's own goes straight into the receive buffer (the input's
+        gradient) and a peer's into the ring as the transport writes it; over the backend every
+        chunk goes into the send buffer."""
+        rows, widths, name = self.rows, self.chunk_widths, self.name + "_bwd"
+        wire = buffers.take("columns_bwd", rows * sum(widths), grad.dtype, grad.device)
+        out = buffers.take(name, sum(self.input_splits), grad.dtype, grad.device)
+        hooks = None
+        if transport.skips_copies(self.pg, grad.device):
+            own = self._own(out, self.input_splits)
+            pack_chunk(grad, own, self.runs.get(self.rank, []), divisor)
+
+            def fill(peer: int, part: torch.Tensor) -> None:
+                values = part.view(grad.dtype).view(rows, widths[peer])
+                pack_chunk(grad, values, self.runs.get(peer, []), divisor)
+
+            hooks = Hooks(skip_self=True, fill=fill)
+        else:
+            chunks = chunk_views(wire, rows, widths)
+            for chunk, runs in self.runs.items():
+                pack_chunk(grad, chunks[chunk], runs, divisor)
         return issue_all_to_all(
-            wire, self.output_splits, self.input_splits, self.pg, None, self.name + "_bwd"
+            wire, self.output_splits, self.input_splits, self.pg, None, name, out=out, hooks=hooks
         )
 
 

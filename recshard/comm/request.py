@@ -30,6 +30,7 @@ from torch.autograd import Function
 from recshard.comm import buffers, transport
 from recshard.comm.codecs import QuantizedCommCodec
 from recshard.comm.errors import CollectiveError, collective_error
+from recshard.comm.shm import Hooks
 from recshard.types import Awaitable
 
 logger = logging.getLogger(__name__)
@@ -140,16 +141,26 @@ def issue_all_to_all(
     codec: QuantizedCommCodec | None = None,
     name: str = "all_to_all",
     read: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+    hooks: Hooks | None = None,
 ) -> Pending:
     """Flat all-to-all-v: `x[1-D]` sends `input_splits[r]` elements to rank r; the result
     holds `output_splits[r]` elements from each rank r, in rank order: `read(received)` of the
-    wire buffer, by default decoded to `x`'s dtype."""
+    wire buffer (`out` if given), by default decoded to `x`'s dtype. `hooks`: copies the caller
+    makes itself where the transport is shared memory (`transport.all_to_all`)."""
     wire = _encode(x, codec)
-    out = buffers.take(name, sum(_sizes(output_splits, codec)), wire.dtype, wire.device)
+    if out is None:
+        out = buffers.take(name, sum(_sizes(output_splits, codec)), wire.dtype, wire.device)
     _PAYLOAD_BYTES[name] += wire.numel() * wire.element_size()
     finish = (lambda: read(out)) if read is not None else (lambda: decode(out, codec, x.dtype))
     work, op = transport.all_to_all(
-        out, wire, _sizes(output_splits, codec), _sizes(input_splits, codec), pg, name
+        out,
+        wire,
+        _sizes(output_splits, codec),
+        _sizes(input_splits, codec),
+        pg,
+        name,
+        hooks,
     )
     return Pending([work], finish, name, op, pg)
 

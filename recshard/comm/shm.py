@@ -36,6 +36,7 @@ import struct
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Deque, Dict, List, Tuple
 
 import torch
@@ -48,7 +49,7 @@ from recshard.comm.shm_setup import ENV, MIN_SEGMENT, Link, Segment, enabled
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV", "OP", "Exchange", "enabled", "group_for", "held_bytes", "issue"]
+__all__ = ["ENV", "OP", "Exchange", "Hooks", "enabled", "group_for", "held_bytes", "issue"]
 
 OP = "shm all_to_all"
 _MSG = struct.Struct("<BxxxI7Q")  # kind, generation, site, call, total, at, offset, length, region
@@ -224,8 +225,12 @@ class _Group:
                 peer, f"rank {peer} sends {total} bytes, this rank expects {ex.expect[peer]}"
             )
         if length:
-            start = ex.arrive[peer] + at
-            ex.out_bytes[start : start + length].copy_(segment.data[offset : offset + length])
+            part = segment.data[offset : offset + length]
+            if ex.hooks.place is not None and length == total:  # the whole part in one piece
+                ex.hooks.place(peer, part)
+            else:
+                start = ex.arrive[peer] + at
+                ex.out_bytes[start : start + length].copy_(part)
             self._send(peer, _MSG.pack(_ACK, 0, 0, 0, 0, 0, 0, 0, region))
         ex.got[peer] += length
         if ex.got[peer] == total:
@@ -246,6 +251,7 @@ class _Group:
         if not ex.waiting and not ex.unwritten and self.open.get(ex.call) is ex:
             del self.open[ex.call]
             ex.wire = ex.wire_bytes = None
+            ex.hooks = _NO_HOOKS
 
     # ------------------------------------------------------------------ writing
 
@@ -266,8 +272,13 @@ class _Group:
                 if got is None:
                     return
                 offset, n, region = got
-                src = w.start + w.done
-                self.ring.segment.data[offset : offset + n].copy_(ex.wire_bytes[src : src + n])
+                into = self.ring.segment.data[offset : offset + n]
+                if ex.hooks.fill is not None and n == w.total:  # whole: straight into the ring
+                    ex.hooks.fill(w.peer, into)
+                else:
+                    if ex.hooks.fill is not None and w.done == 0:
+                        ex.hooks.fill(w.peer, ex.wire_bytes[w.start : w.start + w.total])
+                    into.copy_(ex.wire_bytes[w.start + w.done : w.start + w.done + n])
                 rid = self.next_region
                 self.next_region += 1
                 self.regions[rid] = (self.ring, region, w.peer)
@@ -367,8 +378,29 @@ class _Group:
         self.dead = {p: "is unreachable from a forked child" for p in self.socks}
 
 
+@dataclass(frozen=True)
+class Hooks:
+    """Copies a caller makes itself, so that a part goes straight between its own tensors and
+    shared memory instead of through the flat `wire` and `out` buffers.
+
+    `skip_self`: this rank's part is not copied from `wire` into `out` (the caller has its own
+    part where it needs it). `place(peer, part)`: takes a peer's whole part (its bytes, in the
+    peer's segment) where it arrives in one piece, instead of the copy into `out`; a part that
+    streams through in pieces still lands in `out`. `fill(peer, part)`: writes this rank's
+    part for `peer` into `part` (bytes): into the ring where it fits whole, else into `wire`
+    before the first piece goes (`wire` need not hold the peers' parts then).
+    """
+
+    skip_self: bool = False
+    place: Callable[[int, torch.Tensor], None] | None = None
+    fill: Callable[[int, torch.Tensor], None] | None = None
+
+
+_NO_HOOKS = Hooks()
+
+
 class Exchange:
-    """One issued all-to-all-v through shared memory; `wait()` completes it."""
+    """One issued all-to-all-v through shared memory; `wait()` completes it (`hooks`: `Hooks`)."""
 
     def __init__(
         self,
@@ -378,8 +410,10 @@ class Exchange:
         input_sizes: List[int],
         output_sizes: List[int],
         out: torch.Tensor,
+        hooks: Hooks = _NO_HOOKS,
     ) -> None:
         self.group, self.name, self.site = group, name, _hash(name)
+        self.hooks = hooks
         me, ws, elem = group.rank, group.world_size, wire.element_size()
         self.wire, self.wire_bytes = wire, wire.view(torch.uint8)
         self.out_bytes = out.view(torch.uint8)
@@ -392,7 +426,8 @@ class Exchange:
         self.expect = [output_sizes[r] * elem for r in range(ws)]
         self.got = [0] * ws
         self.waiting = {r for r in range(ws) if r != me}
-        self.out_bytes[arrive[me] : arrive[me + 1]].copy_(self.wire_bytes[at[me] : at[me + 1]])
+        if not hooks.skip_self:
+            self.out_bytes[arrive[me] : arrive[me + 1]].copy_(self.wire_bytes[at[me] : at[me + 1]])
         peers = [(me + step) % ws for step in range(1, ws)]
         with group.lock:
             if group.broken is not None:  # an earlier call failed: so do later ones
@@ -467,10 +502,11 @@ def issue(
     output_sizes: List[int],
     out: torch.Tensor,
     name: str,
+    hooks: Hooks = _NO_HOOKS,
 ) -> Exchange | None:
     """Start an all-to-all-v of `wire` (contiguous, CPU) into `out` through shared memory, or
     None when `pg` goes through the backend (then the caller issues it there)."""
     group = group_for(pg)
     if group is None:
         return None
-    return Exchange(group, name, wire, input_sizes, output_sizes, out)
+    return Exchange(group, name, wire, input_sizes, output_sizes, out, hooks)

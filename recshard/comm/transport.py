@@ -35,6 +35,7 @@ __all__ = [
     "enabled",
     "held_bytes",
     "reduce_scatter",
+    "skips_copies",
     "uses_shared_memory",
 ]
 
@@ -45,6 +46,12 @@ def uses_shared_memory(pg: dist.ProcessGroup) -> bool:
     """Whether `pg`'s all-to-alls go through shared memory (decides it, collectively, at the
     first call on `pg`: every rank of `pg` must call this, or issue an all-to-all, then)."""
     return shm.group_for(pg) is not None
+
+
+def skips_copies(pg: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether `all_to_all` on `pg` for tensors on `device` honours its `hooks` (the
+    shared-memory transport); decided at `pg`'s first all-to-all, like `uses_shared_memory`."""
+    return device.type == "cpu" and uses_shared_memory(pg)
 
 
 def held_bytes(pg: dist.ProcessGroup) -> int:
@@ -68,11 +75,15 @@ def all_to_all(
     input_sizes: List[int],
     pg: dist.ProcessGroup,
     name: str,
+    hooks: shm.Hooks | None = None,
 ) -> Tuple[Work, str]:
     """All-to-all-v of `wire[1-D, contiguous]` (`input_sizes[r]` elements to rank r) into
-    `out` (`output_sizes[r]` from rank r, in rank order), issued now: `(work, op)`."""
+    `out` (`output_sizes[r]` from rank r, in rank order), issued now: `(work, op)`.
+
+    `hooks` (`shm.Hooks`) apply through shared memory only (`skips_copies`); the backend
+    sends `wire` as it is, copies every part into `out` and calls no hook."""
     if wire.device.type == "cpu":
-        local = shm.issue(pg, wire, input_sizes, output_sizes, out, name)
+        local = shm.issue(pg, wire, input_sizes, output_sizes, out, name, hooks or shm.Hooks())
         if local is not None:
             return local, shm.OP
     op = "all_to_all_single"

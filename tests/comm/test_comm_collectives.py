@@ -32,6 +32,7 @@ from recshard.comm import (
     reduce_scatter_v_per_feature_pooled,
     reduce_scatter_v_pooled,
     set_gradient_division,
+    transport,
     variable_batch_alltoall_pooled,
 )
 from recshard.comm.request import set_use_native_reduce_scatter
@@ -304,6 +305,42 @@ def _all_cases(rank: int, ws: int) -> List[str]:
 def test_collectives_forward_and_backward(world_size: int) -> None:
     results = run_ranks(world_size, _all_cases, timeout=90)
     assert results[0] == [c.name for c in _cases(world_size)]
+
+
+def _pooled_in_column_order(rank: int, ws: int) -> bool:
+    """Columns in a mixed order (`column_blocks`), parts of ~100 KB: forward and backward."""
+    batch, dims = [96, 160, 64][:ws], [80, 48, 112][:ws]
+    blocks = [(c, start, 16) for start in range(0, 112, 16) for c in range(ws) if start < dims[c]]
+    starts = [sum(batch[:r]) for r in range(ws)]
+    inputs = [seeded(70 + r, sum(batch), dims[r]) for r in range(ws)]
+
+    def reference(xs: Tensors) -> Tensors:
+        return [
+            torch.cat([xs[c][starts[r] : starts[r] + batch[r], a : a + w] for c, a, w in blocks], 1)
+            for r in range(ws)
+        ]
+
+    expected = reference(inputs)
+    weights = [seeded(7000 + r, *e.shape) for r, e in enumerate(expected)]
+    for _ in range(3):  # reused buffers, a shared-memory ring that grows
+        x = inputs[rank].clone().requires_grad_()
+        out = alltoall_pooled(x, batch, dims, column_blocks=blocks).wait()
+        assert_close(out, expected[rank], "pooled in column order, forward")
+        (out * weights[rank]).sum().backward()
+        grad = reference_grads(inputs, reference, weights)[rank] / ws
+        assert_close(x.grad, grad, "pooled in column order, backward")
+    return transport.uses_shared_memory(dist.group.WORLD)
+
+
+@pytest.mark.parametrize(
+    "env, shm_on",
+    [({}, True), ({transport.CAP_ENV: "0.0625"}, True), ({transport.ENV: "0"}, False)],
+    ids=["shared_memory", "shared_memory_in_pieces", "gloo"],
+)
+def test_pooled_all_to_all_lays_columns_on_every_transport(env: dict, shm_on: bool) -> None:
+    """Each chunk is laid into the columns from where it is: this rank's input, a peer's part
+    in shared memory, or the receive buffer (a part streamed in pieces, or from gloo)."""
+    assert run_ranks(3, _pooled_in_column_order, timeout=90, env=env) == [shm_on] * 3
 
 
 def _world_size_one(rank: int, ws: int) -> None:
