@@ -34,11 +34,12 @@ def test_key_value_benchmark_runs_small(tmp_path) -> None:
     )
     assert [line["tier"] for line in lines] == [
         "in_memory",
+        "in_memory_native",
         "row_cache",
         "row_cache_prefetch",
         "page_cache",
     ]
-    for line in lines[1:3]:
+    for line in lines[2:4]:
         assert 0.0 <= line["hit_rate"] <= 1.0 and line["step_ms"] > 0
 
 

@@ -57,22 +57,33 @@ def test_a_row_read_back_while_its_write_back_is_in_flight_is_fresh(
 ) -> None:
     """12 steps whose misses hit rows written back (late) by the step before; with
     `prefetch_thread`, batch i+1 is prefetched on a thread during batch i's backward, as
-    `PrefetchTrainPipelineSparseDist` does. Outputs, weights and state: the in-memory
-    kernel's bytes."""
+    `PrefetchTrainPipelineSparseDist` does, into a cache of 5 rows (batch i's 3 stay pinned
+    until its update, batch i+1 brings 2 new ones; a prefetch that overflowed would fail the
+    test, not pass it by leaving the rows to the next forward). Outputs, weights and state:
+    the in-memory kernel's bytes."""
     with tempfile.TemporaryDirectory() as directory:
-        memory, kv = _kernels(optimizer, directory)
+        memory, kv = _kernels(optimizer, directory, cached_rows=5 if prefetch_thread else 4)
+        errors: list = []
+
+        def prefetch(features: KeyedJaggedTensor) -> None:
+            try:
+                kv.prefetch(features)
+            except BaseException as e:  # noqa: BLE001 - checked on the test's thread
+                errors.append(e)
+
         for step in range(12):
             features = _batch(step)
             out, kv_out = memory(features), kv(features)
             _same_bytes(out.detach(), kv_out.detach(), f"output of step {step}")
             grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
             (out * grad).sum().backward()
-            side = threading.Thread(target=kv.prefetch, args=(_batch(step + 1),))
+            side = threading.Thread(target=prefetch, args=(_batch(step + 1),))
             if prefetch_thread:
                 side.start()
             (kv_out * grad).sum().backward()
             if prefetch_thread:
                 side.join()
+                assert not errors, f"step {step}'s prefetch of the next batch: {errors[0]}"
         assert kv.hit_rate() < 0.6
         _same_bytes(memory.table_weights()[0], kv.table_weights()[0], "weights")
         for name, value in memory.optimizer_states()[0].items():
