@@ -5,6 +5,8 @@ unsharded reference, on shared memory and gloo alike."""
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import List
 
 import pytest
@@ -14,6 +16,7 @@ from comm_helpers import assert_close, reference_grads, seeded
 from multiprocess import run_ranks
 
 from recshard.comm import alltoall_pooled, transport
+from recshard.comm.errors import CollectiveError
 
 Tensors = List[torch.Tensor]
 
@@ -66,3 +69,33 @@ def test_pooled_edges_match_the_reference(
 ) -> None:
     results = run_ranks(world_size, _edges, shape, timeout=120, env=env)
     assert results == [shm_on or world_size == 1] * world_size
+
+
+def _pooled_death(rank: int, ws: int, phase: str) -> str:
+    """A pooled step, then rank 2 is killed right after issuing the next forward (its peers
+    are taking its part from shared memory) or before the backward (its peers are packing
+    theirs into the ring): the others must raise naming it, not hang or lay a stale ring."""
+    batch, dims = [96, 160, 64], [80, 48, 112]
+    blocks = [(c, a, 16) for a in range(0, 112, 16) for c in range(ws) if a < dims[c]]
+    x = seeded(90 + rank, sum(batch), dims[rank]).requires_grad_()
+    alltoall_pooled(x, batch, dims, column_blocks=blocks).wait().sum().backward()
+    try:
+        pending = alltoall_pooled(x, batch, dims, column_blocks=blocks)
+        if rank == 2 and phase == "forward":
+            os.kill(os.getpid(), signal.SIGKILL)
+        out = pending.wait()
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        out.sum().backward()
+    except CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_peer_killed_mid_exchange_is_named(phase: str) -> None:
+    env = {transport.CAP_ENV: "0.0625", "RECSHARD_PG_TIMEOUT_S": "600"}
+    results = run_ranks(3, _pooled_death, phase, timeout=90, may_die=[2], env=env)
+    assert results[2][0] == "exited"
+    for message in results[:2]:
+        assert "rank 2" in message and "pooled all-to-all" in message, message
