@@ -12,7 +12,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recshard.models import interaction
 from recshard.models.interaction import pairwise_interaction, torch_interaction
 from tests.models.test_interaction import (
     _assert_same_bytes,
@@ -147,18 +146,3 @@ def test_several_python_threads_at_once() -> None:
     for worker in workers:
         worker.join()
     assert not failures
-
-
-def test_huge_sizes_stay_in_64_bits() -> None:
-    """The C++ side takes batch, features and dim as int64: the output width and per-sample
-    offsets of a batch past 2**31 elements are computed, not allocated, in Python's ints as
-    the kernel computes them (n (n - 1) / 2 and b * width never pass 2**63)."""
-    batch, features, dim = 2**26, 64, 1024
-    n = features + 1
-    width = dim + n * (n - 1) // 2
-    assert batch * width > 2**31 and batch * width < 2**63
-    assert batch * features * dim < 2**63
-    assert (
-        interaction._LIBRARY.load() is None
-        or interaction._LIBRARY.load().ia_forward.argtypes[3] is interaction._i64
-    )
