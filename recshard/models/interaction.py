@@ -93,13 +93,15 @@ def _row_major_triangle(n: int) -> torch.Tensor:
 
 
 def _kernels_apply(dense: torch.Tensor, sparse: torch.Tensor) -> bool:
-    """CPU float32 `[B, D]` and `[B, F, D]` outside autocast (which runs bmm in bf16), and the
-    probe for this shape gave torch's bytes."""
+    """CPU float32 `[B, D]` and `[B, F, D]` (no negation bit) outside autocast (which runs bmm
+    in bf16), and the probe for this shape gave torch's bytes."""
     if dense.device.type != "cpu" or sparse.device.type != "cpu":
         return False
     if torch.is_autocast_enabled("cpu"):
         return False
     if dense.dtype != torch.float32 or sparse.dtype != torch.float32:
+        return False
+    if dense.is_neg() or sparse.is_neg():  # lazily negated views: memory holds -x
         return False
     if dense.dim() != 2 or sparse.dim() != 3 or sparse.size(0) != dense.size(0):
         return False
@@ -137,6 +139,7 @@ def _backward(
 ) -> Tuple[torch.Tensor, torch.Tensor] | None:
     """The kernel's gradients of dense and sparse, or None (as `_forward`)."""
     batch, features, dim = sparse.shape
+    grad_out = grad_out.resolve_neg()  # a lazily negated view's memory holds -grad
     if grad_out.stride(1) != 1:  # rows may be strided (a slice) or repeated (stride 0)
         grad_out = grad_out.contiguous()
     grad_dense, grad_sparse = torch.empty_like(dense), torch.empty_like(sparse)

@@ -146,3 +146,16 @@ def test_several_python_threads_at_once() -> None:
     for worker in workers:
         worker.join()
     assert not failures
+
+
+def test_negative_bit_views_are_read_as_their_values() -> None:
+    """A tensor with torch's lazy negation bit (`torch._neg_view`: its memory holds -x) as
+    dense, sparse or the output's gradient: the torch path's bytes, not those of its memory."""
+    dense, sparse = _inputs(64, 26, 64, 11)
+    grad = _grad_with_zeros(11)
+    for d, s, g in (
+        (torch._neg_view(dense), sparse, grad),
+        (dense, torch._neg_view(sparse), grad),
+        (dense, sparse, lambda out: torch._neg_view(grad(out))),
+    ):
+        _assert_same_bytes(_run(pairwise_interaction, d, s, g), _run(torch_interaction, d, s, g))
