@@ -1,9 +1,12 @@
-"""`rs_mc_draw_uniform` (the default init's re-draws of a managed-collision reset) at its
-edges: no rows, column shards at odd offsets and of odd widths, one-column tables, rows in any
-order, strided row matrices. The oracle is mc_reset's torch ops (the same counter-based
-numbers), and bad arguments are refused before any write."""
+"""mc_index.cpp's draws and contest at their edges. `rs_mc_draw_uniform` (the default init's
+re-draws of a managed-collision reset): no rows, column shards at odd offsets and of odd
+widths, one-column tables, rows in any order, strided row matrices, against mc_reset's torch
+ops (the same counter-based numbers); bad arguments refused before any write. `rs_mc_contest`:
+empty buckets, free rows, ties, infinite scores, against `rank_contest`."""
 
 from __future__ import annotations
+
+from typing import List
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from hypothesis import strategies as st
 from recshard.distributed import mc_native
 from recshard.distributed.mc_reset import _draw_into, _float32
 from recshard.modules import EmbeddingBagConfig
+from recshard.modules.mc_compete import rank_contest
 
 pytestmark = pytest.mark.skipif(not mc_native.available(), reason="mc_index not built")
 
@@ -63,3 +67,30 @@ def test_bad_arguments_are_refused_before_any_write() -> None:
         with pytest.raises(RuntimeError, match="reset draw"):
             mc_native.draw_uniform(1, dim, offset, 0.0, 1.0, out, rows)
         assert bool((out == 7.0).all())
+
+
+_FREE = torch.iinfo(torch.int64).max
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    row_scores=st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, float("inf"), -float("inf")])),
+    new_scores=st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, float("inf"), -float("inf")])),
+    data=st.data(),
+)
+def test_native_contest_pairs_are_rank_contests(
+    row_scores: List[float], new_scores: List[float], data: st.DataObject
+) -> None:
+    """The same (losing row, winning id) pairs as the torch ranking; empty sides give none."""
+    slots = len(row_scores)
+    ids = data.draw(st.lists(st.integers(0, 999), min_size=slots, max_size=slots, unique=True))
+    free = data.draw(st.lists(st.booleans(), min_size=slots, max_size=slots))
+    held = torch.tensor([_FREE if f else i for i, f in zip(ids, free)], dtype=torch.int64)
+    rows = torch.tensor(row_scores, dtype=torch.float64)
+    news = torch.tensor(new_scores, dtype=torch.float64)
+    lose, win = mc_native.native_contest(rows, held, news)
+    if slots == 0 or not new_scores:
+        assert lose.numel() == 0 and win.numel() == 0
+        return
+    expected = rank_contest(rows, held, news)
+    assert torch.equal(lose, expected[0]) and torch.equal(win, expected[1])
