@@ -51,6 +51,7 @@ _LIBRARY = NativeLibrary(
 )
 
 _matches: Dict[Tuple[int, int, int], bool] = {}  # (F + 1, D, threads) -> the probe's verdict
+_PROBE_BATCH = 24  # the probe's samples; smaller batches take the torch path (see _probe)
 
 
 def torch_interaction(
@@ -71,10 +72,14 @@ def pairwise_interaction(
     """`torch_interaction`'s bytes, by the C++ kernels where they hold (a leaf in fx traces).
 
     The kernels write the pairs in row-major order of the triangle: they run only when
-    `triu_positions` is that order (as `InteractionArch` builds it).
+    `triu_positions` is that order (as `InteractionArch` builds it), and only for batches of
+    at least the probe's size: MKL sums a smaller batch in another order at some thread
+    counts (a batch of one at 3+ threads on a 2-core host: one gemm split across threads).
     """
-    if _kernels_apply(dense, sparse) and torch.equal(
-        triu_positions, _row_major_triangle(sparse.size(1) + 1)
+    if (
+        _kernels_apply(dense, sparse)
+        and dense.size(0) >= _PROBE_BATCH
+        and torch.equal(triu_positions, _row_major_triangle(sparse.size(1) + 1))
     ):
         return _KernelInteraction.apply(dense, sparse, triu_positions)
     return torch_interaction(dense, sparse, triu_positions)
@@ -88,13 +93,15 @@ def _row_major_triangle(n: int) -> torch.Tensor:
 
 
 def _kernels_apply(dense: torch.Tensor, sparse: torch.Tensor) -> bool:
-    """CPU float32 `[B, D]` and `[B, F, D]` outside autocast (which runs bmm in bf16), and the
-    probe for this shape gave torch's bytes."""
+    """CPU float32 `[B, D]` and `[B, F, D]` (no negation bit) outside autocast (which runs bmm
+    in bf16), and the probe for this shape gave torch's bytes."""
     if dense.device.type != "cpu" or sparse.device.type != "cpu":
         return False
     if torch.is_autocast_enabled("cpu"):
         return False
     if dense.dtype != torch.float32 or sparse.dtype != torch.float32:
+        return False
+    if dense.is_neg() or sparse.is_neg():  # lazily negated views: memory holds -x
         return False
     if dense.dim() != 2 or sparse.dim() != 3 or sparse.size(0) != dense.size(0):
         return False
@@ -132,6 +139,7 @@ def _backward(
 ) -> Tuple[torch.Tensor, torch.Tensor] | None:
     """The kernel's gradients of dense and sparse, or None (as `_forward`)."""
     batch, features, dim = sparse.shape
+    grad_out = grad_out.resolve_neg()  # a lazily negated view's memory holds -grad
     if grad_out.stride(1) != 1:  # rows may be strided (a slice) or repeated (stride 0)
         grad_out = grad_out.contiguous()
     grad_dense, grad_sparse = torch.empty_like(dense), torch.empty_like(sparse)
@@ -203,7 +211,7 @@ def _probe(features: int, dim: int) -> bool:
     (random vectors, tiny ones whose products underflow, zero and negative ones; gradients
     with zeros and tiny values); logs one line when they do not."""
     generator = torch.Generator().manual_seed(0)
-    batch = 24
+    batch = _PROBE_BATCH
     dense = torch.randn(batch, dim, generator=generator, device="cpu")
     sparse = torch.randn(batch, features, dim, generator=generator, device="cpu")
     sparse[: batch // 3] *= 1e-22  # products near the smallest subnormal: signed zeros

@@ -1,0 +1,96 @@
+"""mc_index.cpp's draws and contest at their edges. `rs_mc_draw_uniform` (the default init's
+re-draws of a managed-collision reset): no rows, column shards at odd offsets and of odd
+widths, one-column tables, rows in any order, strided row matrices, against mc_reset's torch
+ops (the same counter-based numbers); bad arguments refused before any write. `rs_mc_contest`:
+empty buckets, free rows, ties, infinite scores, against `rank_contest`."""
+
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from recshard.distributed import mc_native
+from recshard.distributed.mc_reset import _draw_into, _float32
+from recshard.modules import EmbeddingBagConfig
+from recshard.modules.mc_compete import rank_contest
+
+pytestmark = pytest.mark.skipif(not mc_native.available(), reason="mc_index not built")
+
+
+def _config(dim: int) -> EmbeddingBagConfig:
+    return EmbeddingBagConfig(
+        name="t", embedding_dim=dim, num_embeddings=8, feature_names=["f"],
+        weight_init_min=-0.37, weight_init_max=0.91,
+    )  # fmt: skip
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    dim=st.sampled_from([1, 2, 3, 7, 16, 33, 129]),
+    data=st.data(),
+    seed=st.integers(0, 2**62),
+    row_count=st.integers(0, 40),
+)
+def test_native_draws_are_the_torch_ops_numbers(
+    dim: int, data: st.DataObject, seed: int, row_count: int
+) -> None:
+    col_offset = data.draw(st.integers(0, dim - 1))
+    cols = data.draw(st.integers(0, dim - col_offset))
+    n = data.draw(st.integers(0, row_count))
+    rows = torch.randperm(row_count, generator=torch.Generator().manual_seed(seed % 1000))[:n]
+    config = _config(dim)
+    pad = data.draw(st.integers(0, 3))
+    native = torch.full((row_count, cols + pad), 7.0)[:, :cols]  # rows `cols + pad` apart
+    mc_native.draw_uniform(
+        seed, dim, col_offset, _float32(-0.37), _float32(0.91 + 0.37), native, rows
+    )
+    by_torch = torch.full((cols, row_count), 7.0).t()  # stride(1) != 1: mc_reset's torch ops
+    _draw_into(seed, config, col_offset, by_torch, rows)
+    assert torch.equal(native.view(torch.int32), by_torch.contiguous().view(torch.int32))
+    untouched = torch.ones(row_count, dtype=torch.bool)
+    untouched[rows] = False
+    assert bool((native[untouched] == 7.0).all())
+
+
+def test_bad_arguments_are_refused_before_any_write() -> None:
+    out = torch.full((4, 3), 7.0)
+    for rows, dim, offset in (
+        (torch.tensor([4]), 3, 0),  # a row past the matrix
+        (torch.tensor([-1]), 3, 0),
+        (torch.tensor([0]), 3, 1),  # columns past the table's dim
+        (torch.tensor([0]), 0, 0),
+    ):
+        with pytest.raises(RuntimeError, match="reset draw"):
+            mc_native.draw_uniform(1, dim, offset, 0.0, 1.0, out, rows)
+        assert bool((out == 7.0).all())
+
+
+_FREE = torch.iinfo(torch.int64).max
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    row_scores=st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, float("inf"), -float("inf")])),
+    new_scores=st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, float("inf"), -float("inf")])),
+    data=st.data(),
+)
+def test_native_contest_pairs_are_rank_contests(
+    row_scores: List[float], new_scores: List[float], data: st.DataObject
+) -> None:
+    """The same (losing row, winning id) pairs as the torch ranking; empty sides give none."""
+    slots = len(row_scores)
+    ids = data.draw(st.lists(st.integers(0, 999), min_size=slots, max_size=slots, unique=True))
+    free = data.draw(st.lists(st.booleans(), min_size=slots, max_size=slots))
+    held = torch.tensor([_FREE if f else i for i, f in zip(ids, free)], dtype=torch.int64)
+    rows = torch.tensor(row_scores, dtype=torch.float64)
+    news = torch.tensor(new_scores, dtype=torch.float64)
+    lose, win = mc_native.native_contest(rows, held, news)
+    if slots == 0 or not new_scores:
+        assert lose.numel() == 0 and win.numel() == 0
+        return
+    expected = rank_contest(rows, held, news)
+    assert torch.equal(lose, expected[0]) and torch.equal(win, expected[1])
