@@ -7,7 +7,7 @@ A table with its own `init_fn` gets it, called on the block of its rows (TorchRe
 (splitmix64 of each number's position in the block of whole rows), seeded once per table and
 reset from torch's default generator, so `torch.manual_seed` still fixes them: on the CPU in
 C++ (`rs_mc_draw_uniform`, a column shard draws its columns only), elsewhere or without the
-library from torch ops, the same numbers (`_draw_into`). Why: torch's `uniform_` draws about
+library from torch ops, the same numbers (`draw_into`). Why: torch's `uniform_` draws about
 3 ns a number on one thread, so a first fill (every row of 26 tables of 5,000 x 64 given out at
 one eviction) spent ~40 ms drawing; the C++ generator draws them in a fraction of that.
 """
@@ -29,7 +29,7 @@ _M2 = -7723592293110705685  # 0x94D049BB133111EB
 Shards = Dict[str, List[Tuple[LocalTable, torch.Tensor]]]
 
 
-def _float32(value: float) -> float:
+def as_float32(value: float) -> float:
     return float(torch.tensor(value, dtype=torch.float32, device="cpu"))
 
 
@@ -38,7 +38,7 @@ def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def _draw_into(
+def draw_into(
     seed: int,
     config: BaseEmbeddingConfig,
     col_offset: int,
@@ -50,8 +50,8 @@ def _draw_into(
     [R, cols]`): in C++ straight into float32 CPU rows (`rs_mc_draw_uniform` defines the
     numbers), else the same numbers from torch ops."""
     assert config.weight_init_min is not None and config.weight_init_max is not None
-    low = _float32(config.weight_init_min)
-    scale = _float32(config.weight_init_max - config.weight_init_min)
+    low = as_float32(config.weight_init_min)
+    scale = as_float32(config.weight_init_max - config.weight_init_min)
     dim, cols = config.embedding_dim, target.size(1)
     native = mc_native.enabled(target.device) and target.dtype == torch.float32
     if native and target.stride(1) == 1 and target.stride(0) >= cols:
@@ -93,7 +93,7 @@ def reset_evicted(
                 continue
             if seed is None:  # one per table and reset: its shards draw from one block
                 seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu"))
-            _draw_into(seed, config, local.col_offset, weight.data, rows_here)
+            draw_into(seed, config, local.col_offset, weight.data, rows_here)
         for local, state in states.get(table, []):
             for tensor in state.values():
                 if tensor.dim() >= 1 and tensor.size(0) == local.rows:

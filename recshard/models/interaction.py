@@ -51,7 +51,14 @@ _LIBRARY = NativeLibrary(
 )
 
 _matches: Dict[Tuple[int, int, int], bool] = {}  # (F + 1, D, threads) -> the probe's verdict
-_PROBE_BATCH = 24  # the probe's samples; smaller batches take the torch path (see _probe)
+_PROBE_BATCH = 24  # the probe's least samples; smaller batches take the torch path
+
+
+def _min_batch() -> int:
+    """The probe's batch, and the least batch the kernels run for: at least two samples per
+    thread, so that MKL hands whole products to threads as it did in the probe (with fewer
+    samples than threads it splits one product across threads, in another order)."""
+    return max(_PROBE_BATCH, 2 * torch.get_num_threads())
 
 
 def torch_interaction(
@@ -73,12 +80,12 @@ def pairwise_interaction(
 
     The kernels write the pairs in row-major order of the triangle: they run only when
     `triu_positions` is that order (as `InteractionArch` builds it), and only for batches of
-    at least the probe's size: MKL sums a smaller batch in another order at some thread
-    counts (a batch of one at 3+ threads on a 2-core host: one gemm split across threads).
+    at least the probe's size (`_min_batch`): MKL sums a smaller batch in another order at some
+    thread counts (a batch of one at 3+ threads on a 2-core host: one gemm split across threads).
     """
     if (
         _kernels_apply(dense, sparse)
-        and dense.size(0) >= _PROBE_BATCH
+        and dense.size(0) >= _min_batch()
         and torch.equal(triu_positions, _row_major_triangle(sparse.size(1) + 1))
     ):
         return _KernelInteraction.apply(dense, sparse, triu_positions)
@@ -211,7 +218,7 @@ def _probe(features: int, dim: int) -> bool:
     (random vectors, tiny ones whose products underflow, zero and negative ones; gradients
     with zeros and tiny values); logs one line when they do not."""
     generator = torch.Generator().manual_seed(0)
-    batch = _PROBE_BATCH
+    batch = _min_batch()
     dense = torch.randn(batch, dim, generator=generator, device="cpu")
     sparse = torch.randn(batch, features, dim, generator=generator, device="cpu")
     sparse[: batch // 3] *= 1e-22  # products near the smallest subnormal: signed zeros

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recshard.distributed import mc_native
-from recshard.distributed.mc_reset import _draw_into, _float32
+from recshard.distributed.mc_reset import as_float32, draw_into
 from recshard.modules import EmbeddingBagConfig
 from recshard.modules.mc_compete import rank_contest
 
@@ -46,10 +46,10 @@ def test_native_draws_are_the_torch_ops_numbers(
     pad = data.draw(st.integers(0, 3))
     native = torch.full((row_count, cols + pad), 7.0)[:, :cols]  # rows `cols + pad` apart
     mc_native.draw_uniform(
-        seed, dim, col_offset, _float32(-0.37), _float32(0.91 + 0.37), native, rows
+        seed, dim, col_offset, as_float32(-0.37), as_float32(0.91 + 0.37), native, rows
     )
     by_torch = torch.full((cols, row_count), 7.0).t()  # stride(1) != 1: mc_reset's torch ops
-    _draw_into(seed, config, col_offset, by_torch, rows)
+    draw_into(seed, config, col_offset, by_torch, rows)
     assert torch.equal(native.view(torch.int32), by_torch.contiguous().view(torch.int32))
     untouched = torch.ones(row_count, dtype=torch.bool)
     untouched[rows] = False
