@@ -33,7 +33,7 @@ from recshard.comm.column_blocks import (
 )
 from recshard.comm.pg import HoldsGroup
 from recshard.comm.request import AllToAllV, CommRequest, Pending, decode, issue_all_to_all
-from recshard.comm.shm import Hooks
+from recshard.comm.shm_hooks import Hooks
 from recshard.types import Awaitable, NoWait
 
 Callback = Callable[[torch.Tensor], torch.Tensor]

@@ -30,7 +30,7 @@ from torch.autograd import Function
 from recshard.comm import buffers, transport
 from recshard.comm.codecs import QuantizedCommCodec
 from recshard.comm.errors import CollectiveError, collective_error
-from recshard.comm.shm import Hooks
+from recshard.comm.shm_hooks import Hooks
 from recshard.types import Awaitable
 
 logger = logging.getLogger(__name__)

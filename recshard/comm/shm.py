@@ -36,7 +36,6 @@ import struct
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Deque, Dict, List, Tuple
 
 import torch
@@ -45,11 +44,12 @@ import torch.distributed as dist
 from recshard.comm import shm_setup
 from recshard.comm.errors import collective_error
 from recshard.comm.pg import pg_timeout
+from recshard.comm.shm_hooks import NO_HOOKS, Hooks
 from recshard.comm.shm_setup import ENV, MIN_SEGMENT, Link, Segment, enabled
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV", "OP", "Exchange", "Hooks", "enabled", "group_for", "held_bytes", "issue"]
+__all__ = ["ENV", "OP", "Exchange", "enabled", "group_for", "held_bytes", "issue"]
 
 OP = "shm all_to_all"
 _MSG = struct.Struct("<BxxxI7Q")  # kind, generation, site, call, total, at, offset, length, region
@@ -251,7 +251,7 @@ class _Group:
         if not ex.waiting and not ex.unwritten and self.open.get(ex.call) is ex:
             del self.open[ex.call]
             ex.wire = ex.wire_bytes = None
-            ex.hooks = _NO_HOOKS
+            ex.hooks = NO_HOOKS
 
     # ------------------------------------------------------------------ writing
 
@@ -378,27 +378,6 @@ class _Group:
         self.dead = {p: "is unreachable from a forked child" for p in self.socks}
 
 
-@dataclass(frozen=True)
-class Hooks:
-    """Copies a caller makes itself, so that a part goes straight between its own tensors and
-    shared memory instead of through the flat `wire` and `out` buffers.
-
-    `skip_self`: this rank's part is not copied from `wire` into `out` (the caller has its own
-    part where it needs it). `place(peer, part)`: takes a peer's whole part (its bytes, in the
-    peer's segment) where it arrives in one piece, instead of the copy into `out`; a part that
-    streams through in pieces still lands in `out`. `fill(peer, part)`: writes this rank's
-    part for `peer` into `part` (bytes): into the ring where it fits whole, else into `wire`
-    before the first piece goes (`wire` need not hold the peers' parts then).
-    """
-
-    skip_self: bool = False
-    place: Callable[[int, torch.Tensor], None] | None = None
-    fill: Callable[[int, torch.Tensor], None] | None = None
-
-
-_NO_HOOKS = Hooks()
-
-
 class Exchange:
     """One issued all-to-all-v through shared memory; `wait()` completes it (`hooks`: `Hooks`)."""
 
@@ -410,7 +389,7 @@ class Exchange:
         input_sizes: List[int],
         output_sizes: List[int],
         out: torch.Tensor,
-        hooks: Hooks = _NO_HOOKS,
+        hooks: Hooks = NO_HOOKS,
     ) -> None:
         self.group, self.name, self.site = group, name, _hash(name)
         self.hooks = hooks
@@ -502,7 +481,7 @@ def issue(
     output_sizes: List[int],
     out: torch.Tensor,
     name: str,
-    hooks: Hooks = _NO_HOOKS,
+    hooks: Hooks = NO_HOOKS,
 ) -> Exchange | None:
     """Start an all-to-all-v of `wire` (contiguous, CPU) into `out` through shared memory, or
     None when `pg` goes through the backend (then the caller issues it there)."""

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from recshard.comm import shm
 from recshard.comm.errors import collective_error
+from recshard.comm.shm_hooks import NO_HOOKS, Hooks
 from recshard.comm.shm_setup import CAP_ENV, DEFAULT_CAP_BYTES, ENV, cap_bytes, enabled
 
 __all__ = [
@@ -75,15 +76,15 @@ def all_to_all(
     input_sizes: List[int],
     pg: dist.ProcessGroup,
     name: str,
-    hooks: shm.Hooks | None = None,
+    hooks: Hooks | None = None,
 ) -> Tuple[Work, str]:
     """All-to-all-v of `wire[1-D, contiguous]` (`input_sizes[r]` elements to rank r) into
     `out` (`output_sizes[r]` from rank r, in rank order), issued now: `(work, op)`.
 
-    `hooks` (`shm.Hooks`) apply through shared memory only (`skips_copies`); the backend
+    `hooks` (`Hooks`) apply through shared memory only (`skips_copies`); the backend
     sends `wire` as it is, copies every part into `out` and calls no hook."""
     if wire.device.type == "cpu":
-        local = shm.issue(pg, wire, input_sizes, output_sizes, out, name, hooks or shm.Hooks())
+        local = shm.issue(pg, wire, input_sizes, output_sizes, out, name, hooks or NO_HOOKS)
         if local is not None:
             return local, shm.OP
     op = "all_to_all_single"

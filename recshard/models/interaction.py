@@ -125,10 +125,10 @@ def _forward(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor | None:
     """The kernel's output `[B, D + P]`, or None (no library or AVX-512, an inf or nan in it)."""
     batch, features, dim = sparse.shape
     n = features + 1
-    out = torch.empty(batch, dim + n * (n - 1) // 2, dtype=torch.float32, device="cpu")
     library = _LIBRARY.load()
     if library is None:
         return None
+    out = torch.empty(batch, dim + n * (n - 1) // 2, dtype=torch.float32, device="cpu")
     code = library.ia_forward(
         dense.data_ptr(),
         sparse.data_ptr(),
@@ -149,10 +149,10 @@ def _backward(
     grad_out = grad_out.resolve_neg()  # a lazily negated view's memory holds -grad
     if grad_out.stride(1) != 1:  # rows may be strided (a slice) or repeated (stride 0)
         grad_out = grad_out.contiguous()
-    grad_dense, grad_sparse = torch.empty_like(dense), torch.empty_like(sparse)
     library = _LIBRARY.load()
     if library is None:
         return None
+    grad_dense, grad_sparse = torch.empty_like(dense), torch.empty_like(sparse)
     code = library.ia_backward(
         dense.data_ptr(),
         sparse.data_ptr(),
