@@ -128,20 +128,11 @@ def pack_chunk(
     columns: torch.Tensor, chunk: torch.Tensor, runs: Sequence[_Run], divisor: int = 1
 ) -> None:
     """The transpose of `lay_chunk`: `chunk` (`[rows, w]`, contiguous) gets its blocks of
-    `columns` (any strides), divided by `divisor`.
-
-    Columns with unit column stride and `chunk`'s dtype are divided as they are copied (one
-    pass; `torch.div(out=)` computes the same quotient as `div_`); other columns (an expanded
-    gradient, where a strided `div(out=)` is ~2.4x slower, or a cast) are copied, then
-    divided in a contiguous pass."""
-    fused = divisor != 1 and columns.stride(1) == 1 and columns.dtype == chunk.dtype
+    `columns` (any strides), divided by `divisor` after the copies (a contiguous pass)."""
     for run in runs:
         src, dst = _run_views(columns, chunk, run)
-        if fused:
-            torch.div(src, divisor, out=dst)
-        else:
-            dst.copy_(src)
-    if divisor != 1 and not fused:
+        dst.copy_(src)
+    if divisor != 1:
         chunk.div_(divisor)
 
 

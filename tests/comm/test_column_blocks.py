@@ -14,8 +14,6 @@ from recshard.comm.column_blocks import (
     chunks_from_columns,
     chunks_to_columns,
     cut_at_chunks,
-    pack_chunk,
-    runs_by_chunk,
     strided_runs,
     whole_chunks,
 )
@@ -111,29 +109,3 @@ def test_packing_an_expanded_gradient_divides_like_a_division_after() -> None:
     packed = chunks_from_columns(grad, widths, blocks, torch.float32, divisor=3).clone()
     want = chunks_from_columns(grad.contiguous(), widths, blocks, torch.float32).clone()
     assert torch.equal(packed, want.div_(3))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("divisor", [2, 3, 7])
-@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
-def test_packing_divides_to_the_bytes_of_a_copy_then_a_division(
-    dtype: torch.dtype, divisor: int, layout: str
-) -> None:
-    """Dividing as it copies (unit column stride) or after (other strides): the bytes of a plain
-    copy followed by `div_`, over values from subnormal to huge."""
-    blocks = [(r, 3 * t, 3) for t in range(4) for r in range(2)] + [(0, 12, 5)]
-    rows, widths = 33, [17, 12]
-    g = torch.Generator().manual_seed(divisor)
-    values = torch.randn(rows, sum(widths), generator=g) * torch.logspace(-40, 30, sum(widths))
-    grad = values.to(dtype) if layout == "contiguous" else values.to(dtype).t().contiguous().t()
-    for chunk, runs in runs_by_chunk(blocks).items():
-        got = torch.empty(rows, widths[chunk], dtype=dtype)
-        pack_chunk(grad, got, runs, divisor)
-        want = torch.empty(rows, widths[chunk], dtype=dtype)
-        pack_chunk(grad, want, runs)
-        assert torch.equal(_bits(got), _bits(want.div_(divisor)))
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """`x`'s bytes as integers of its width (so -0.0 and 0.0 differ)."""
-    return x.view({4: torch.int32, 2: torch.int16}[x.element_size()])
