@@ -40,6 +40,9 @@ from recshard.lookup import native_row_io
 
 _FLOAT = 4  # bytes per stored value (fp32)
 _PAGE = mmap.PAGESIZE
+# reads in flight for rows the page cache does not hold (native row I/O; benchmarks/README.md,
+# "Key-value tables: cold rows read in parallel")
+READ_DEPTH = 16
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,7 @@ class RowStore:
         """Read rows `ids` (int64, unique, sorted) of one file into `buffer`'s rows `slots`
         (`[slots, width]` fp32; row i into slot i when None)."""
         if native_row_io.available():
-            self._native(False, suffix, ids, buffer, slots)
+            self._native(False, suffix, ids, buffer, slots, READ_DEPTH)
             return
         rows = self._pread(suffix, ids)
         if slots is None:
@@ -254,6 +257,7 @@ class RowStore:
         ids: torch.Tensor,
         buffer: torch.Tensor,
         slots: torch.Tensor | None,
+        depth: int = 1,
     ) -> None:
         if buffer.dim() != 2 or buffer.shape[1] != self.width(suffix):
             raise ValueError(
@@ -262,7 +266,7 @@ class RowStore:
             )
         try:
             native_row_io.move_rows(
-                write, self._fds[suffix], self.identity.rows, ids, buffer, slots
+                write, self._fds[suffix], self.identity.rows, ids, buffer, slots, depth
             )
         except OSError as e:
             raise self._failed("writing" if write else "reading", suffix, e) from e
