@@ -6,14 +6,16 @@ for each read size and queue depth reads random aligned blocks for `--seconds`:
 
 - `direct`: O_DIRECT reads (the page cache never serves them; 512 bytes is the smallest an
   O_DIRECT read can be on this device, a 256-byte row costs that or a 4 KiB page);
-- `buffered`: plain `pread`s of `--row-bytes` after the file's pages were written out and
-  dropped (`fsync` + `POSIX_FADV_DONTNEED`, `POSIX_FADV_RANDOM`: no readahead), what a
-  key-value miss of a cold row does; a row is read at most once, so each read goes to the device.
+- `rows`: batches of `--batch` rows of `--row-bytes` read by the key-value tables' own row I/O
+  (`native_row_io.move_rows`, at its `depth`) after the file's pages were written out and dropped
+  (`fsync` + `POSIX_FADV_DONTNEED`, `POSIX_FADV_RANDOM`: no readahead), one row per page never
+  read before: what a step's misses of cold rows cost. Its latency is the batch's time per row.
 
-A queue depth of N is N threads each with one read in flight (`os.pread` drops the GIL). The file
-is deleted afterwards. `--misses` prints the bound on a step that reads that many cold rows.
+A queue depth of N for `direct` is N Python threads each with one read in flight (`os.preadv`
+drops the GIL). The file is deleted afterwards. `--misses` prints the bound on a step that reads
+that many cold rows (at that depth's IOPS).
 
-    flock /tmp/recshard-timing.lock python -m benchmarks.storage_latency --gib 8 --misses 4600
+    flock /tmp/recshard-timing.lock python -m benchmarks.storage_latency --gib 8 --misses 5000
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ import tempfile
 import threading
 import time
 from typing import Dict, List
+
+import torch
+
+from recshard.lookup import native_row_io
 
 _CHUNK = 1 << 24  # bytes per write while creating the file
 
@@ -46,11 +52,45 @@ def make_file(path: str, size: int) -> None:
         os.close(fd)
 
 
-def probe(path: str, size: int, read_bytes: int, depth: int, seconds: float, direct: bool) -> Dict:
-    """Random reads of `read_bytes` at queue depth `depth` for `seconds`: IOPS and latency
-    percentiles (us). Buffered reads never read a block twice (each one is cold)."""
-    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-    fd = os.open(path, flags)
+def probe_rows(
+    path: str, size: int, row_bytes: int, depth: int, batch: int, seconds: float
+) -> Dict:
+    """Batches of `batch` cold rows (one per page, pages never read before) read by
+    `move_rows` at `depth` for `seconds`: IOPS and per-row time (us) of the batches."""
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    pages, per_page = size // 4096, 4096 // row_bytes
+    order = torch.randperm(pages, generator=torch.Generator().manual_seed(depth))
+    buffer = torch.empty(batch, row_bytes // 4)
+    per_row: List[float] = []
+    began = time.perf_counter()
+    done = 0
+    while time.perf_counter() - began < seconds and done + batch <= pages:
+        rows = (order[done : done + batch] * per_page).sort().values
+        start = time.perf_counter()
+        native_row_io.move_rows(False, fd, pages * per_page, rows, buffer, None, depth)
+        per_row.append((time.perf_counter() - start) / batch)
+        done += batch
+    elapsed = time.perf_counter() - began
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    per_row.sort()
+    return {
+        "mode": "rows",
+        "read_bytes": row_bytes,
+        "depth": depth,
+        "reads": done,
+        "iops": round(done / elapsed),
+        "p50_us": round(per_row[len(per_row) // 2] * 1e6, 1),
+        "p99_us": round(per_row[len(per_row) * 99 // 100] * 1e6, 1),
+        "mean_us": round(elapsed / done * 1e6, 1),
+    }
+
+
+def probe(path: str, size: int, read_bytes: int, depth: int, seconds: float) -> Dict:
+    """O_DIRECT random reads of `read_bytes` at queue depth `depth` for `seconds`: IOPS and
+    latency percentiles (us)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     blocks = size // 4096
     order = random.Random(depth * 1000 + read_bytes).sample(range(blocks), blocks)
@@ -77,12 +117,10 @@ def probe(path: str, size: int, read_bytes: int, depth: int, seconds: float, dir
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - began
-    if not direct:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
     every = sorted(x for per in latencies for x in per)
     return {
-        "mode": "direct" if direct else "buffered",
+        "mode": "direct",
         "read_bytes": read_bytes,
         "depth": depth,
         "reads": len(every),
@@ -100,6 +138,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--depths", default="1,4,16,32")
     parser.add_argument("--row-bytes", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2048, help="rows a `rows` batch reads")
     parser.add_argument("--misses", type=int, default=0, help="cold rows a step reads")
     args = parser.parse_args()
     size = int(args.gib * 2**30) // 4096 * 4096
@@ -122,8 +161,11 @@ def main() -> None:
             flush=True,
         )
         for depth in (int(d) for d in args.depths.split(",")):
-            for direct, read_bytes in ((True, 4096), (True, 512), (False, args.row_bytes)):
-                result = probe(path, size, read_bytes, depth, args.seconds, direct)
+            for read_bytes in (4096, 0, 512):
+                if read_bytes:
+                    result = probe(path, size, read_bytes, depth, args.seconds)
+                else:
+                    result = probe_rows(path, size, args.row_bytes, depth, args.batch, args.seconds)
                 if args.misses:
                     result["step_bound_ms"] = round(args.misses / result["iops"] * 1e3, 1)
                 print(json.dumps(result), flush=True)
