@@ -24,6 +24,7 @@
 #include <climits>
 #include <cstdint>
 #include <sys/uio.h>
+#include <system_error>
 #include <thread>
 #include <unistd.h>
 #include <vector>
@@ -103,7 +104,13 @@ int read_in_parallel(int fd, std::vector<struct iovec>& iov, const std::vector<R
   };
   std::vector<std::thread> helpers;
   const size_t count = std::min(runs.size(), static_cast<size_t>(depth)) - 1;
-  for (size_t t = 0; t < count; ++t) helpers.emplace_back(work);
+  for (size_t t = 0; t < count; ++t) {
+    try {
+      helpers.emplace_back(work);
+    } catch (const std::system_error&) {  // no thread to spare: the others read its runs
+      break;
+    }
+  }
   work();
   for (std::thread& helper : helpers) helper.join();
   for (size_t k = 0; k < runs.size(); ++k) {
