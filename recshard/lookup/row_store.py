@@ -13,7 +13,9 @@ never reused or overwritten: the error says which table and shape it holds.
 Reads and writes move each run of consecutive rows with one `preadv` / `pwritev` (rows of a
 batch are mostly scattered: a run is usually one row), a whole batch in one call into the C++
 row I/O (`native_row_io`, GIL released; os.pread/os.pwrite from Python when it is not built):
-the page cache serves them and the process keeps nothing but what the caller holds. Reads go
+the page cache serves them and the process keeps nothing but what the caller holds. Rows the
+page cache does not hold are read `READ_DEPTH` at a time (a disk serves a few reads in flight
+much faster than one after another). Reads go
 straight into the cache's slots. Measured against gathering and scattering through a
 shared mapping of the files (`index_select` / `index_copy_`, then `MADV_DONTNEED` to stay in
 budget): a read fault maps 16 cached pages around each row (Linux's fault-around; `MADV_RANDOM`
