@@ -2,7 +2,9 @@
 Adagrad trained on Zipf(1.05) ids, `key_value` (files + a `--load-factor` DRAM tier) against the
 in-memory fused kernel on a table of `--fused-gib` that fits. Prints one JSON line per tier:
 samples/s (median step), the DRAM tier's hit rate over the timed steps, peak RSS per rank
-(VmHWM), the time to create and initialize the table, and the machine.
+(VmHWM), the time to create and initialize the table and to write it out (`sync_s`, before any
+step: the steps then time reads, not the init's writeback), the misses a rank reads a step,
+and the machine.
 
 The table's files go to a fresh directory under `--directory` (one per rank), removed
 afterwards. Size 1.5x this machine's RAM (24 GiB) and time it once:
@@ -69,6 +71,10 @@ def train(args: argparse.Namespace, kind: str, gib: float, directory: str) -> Di
         module, plan, ShardingEnv.from_process_group(dist.group.WORLD)
     )
     init_s = time.perf_counter() - start
+    start = time.perf_counter()
+    os.sync()  # the init's writes out first: steps time reads, not the init's writeback
+    sync_s = time.perf_counter() - start
+    dist.barrier()
     kernels = [k for s in sharded.shardings.values() for k in s.lookup.kernels]
     g = torch.Generator().manual_seed(rank)
     batches = [
@@ -93,13 +99,16 @@ def train(args: argparse.Namespace, kind: str, gib: float, directory: str) -> Di
     times.sort()
     out = {
         "init_s": round(init_s, 1),
+        "sync_s": round(sync_s, 1),
         "step_ms": round(times[len(times) // 2] * 1e3, 1),
+        "step_ms_min_max": [round(times[0] * 1e3, 1), round(times[-1] * 1e3, 1)],
         "peak_rss_mb": round(_status("VmHWM") / 2**20),
         "rss_before_table_mb": round(rss_before / 2**20),
     }
     for kernel in kernels:
         if isinstance(kernel, KeyValueKernel):
             out["hit_rate"] = round(kernel.hit_rate(), 3)
+            out["misses_per_step"] = round(sum(c.misses for c in kernel.caches) / args.steps)
             step_rows = args.world_size * args.batch * args.pooling  # at most, all ranks' ids
             budget = dram_bytes(kernel.tables[0], kernel.spec, step_rows)
             out["dram_budget_mb"] = round(budget / 2**20)

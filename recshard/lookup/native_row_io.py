@@ -1,14 +1,14 @@
 """key_value tables' row I/O in C++ (`csrc/row_io.cpp`), called through ctypes.
 
-`move_rows` reads or writes a batch of rows between a file and a buffer's slots in one call:
-one preadv/pwritev per run of consecutive rows, with the GIL released (ctypes drops it), so a
-prefetch thread's reads do not queue behind the step for the GIL once per row as a Python loop
-of os.pread calls does. The library is built by `pip install` (setup.py's extension
-`recshard.lookup._row_io`); `available()` says whether it loaded (a missing build logs one
-warning and `RowStore` uses os.pread/os.pwrite). Every tensor the C++ side touches is checked
-here first (dtype, shape, contiguity, rows within the file, slots within the buffer), and the
-C++ side checks rows and slots again before moving anything.
-"""
+`move_rows` reads or writes a batch of rows between a file and a buffer's slots in one call: one
+preadv/pwritev per run of consecutive rows, with the GIL released (ctypes drops it), so a prefetch
+thread's reads do not queue behind the step for the GIL once per row as a Python loop of os.pread
+calls does. Reads can keep several rows in flight (`depth`): rows the page cache does not hold are
+read by that many threads at once. The library is built by `pip install` (setup.py's extension
+`recshard.lookup._row_io`); `available()` says whether it loaded (a missing build logs one warning
+and `RowStore` uses os.pread/os.pwrite). Every tensor the C++ side touches is checked here first
+(dtype, shape, contiguity, rows within the file, slots within the buffer), and the C++ side checks
+rows and slots again before moving anything."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ _SYSCALL, _SHORT = 3, 4  # row_io.cpp's codes (1, 2: a row or slot out of range)
 
 
 def _declare(library: ctypes.CDLL) -> None:
-    library.rs_rows_io.argtypes = [_int, _int, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr]
+    library.rs_rows_io.argtypes = [_int, _int, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _int, _ptr]
     library.rs_rows_io.restype = _int
 
 
@@ -64,9 +64,12 @@ def move_rows(
     rows: torch.Tensor,
     buffer: torch.Tensor,
     slots: torch.Tensor | None,
+    depth: int = 1,
 ) -> None:
     """Read (or `write`) file rows `rows` into (from) `buffer`'s slots `slots` (slot i for
-    rows[i] when None). `buffer` is `[slots, width]` fp32 contiguous; a row of the file is
+    rows[i] when None). A read with `depth` > 1 takes the rows the page cache holds first and
+    reads the others from the device `depth` at a time (threads; only when no two rows go to
+    one slot, else in order). `buffer` is `[slots, width]` fp32 contiguous; a row of the file is
     `width` fp32 values. Raises ValueError for a buffer or index the call would overrun and
     OSError (with its errno) when a read or write fails or the file ends first."""
     library = _LIBRARY.load()
@@ -87,6 +90,8 @@ def move_rows(
         if slots.numel() != rows.numel():
             raise ValueError(f"{slots.numel()} slots for {rows.numel()} rows")
         _check_index("slots", slots, buffer.shape[0], "slots of the buffer")
+    if depth < 1:
+        raise ValueError(f"the read depth must be at least 1, got {depth}")
     if rows.numel() == 0 or buffer.shape[1] == 0:
         return
     detail = _i64(0)
@@ -100,6 +105,7 @@ def move_rows(
         buffer.data_ptr(),
         buffer.shape[0],
         None if slots is None else slots.data_ptr(),
+        depth,
         ctypes.byref(detail),
     )
     if code == _SYSCALL:

@@ -13,7 +13,9 @@ never reused or overwritten: the error says which table and shape it holds.
 Reads and writes move each run of consecutive rows with one `preadv` / `pwritev` (rows of a
 batch are mostly scattered: a run is usually one row), a whole batch in one call into the C++
 row I/O (`native_row_io`, GIL released; os.pread/os.pwrite from Python when it is not built):
-the page cache serves them and the process keeps nothing but what the caller holds. Reads go
+the page cache serves them and the process keeps nothing but what the caller holds. Rows the
+page cache does not hold are read `READ_DEPTH` at a time (a disk serves a few reads in flight
+much faster than one after another). Reads go
 straight into the cache's slots. Measured against gathering and scattering through a
 shared mapping of the files (`index_select` / `index_copy_`, then `MADV_DONTNEED` to stay in
 budget): a read fault maps 16 cached pages around each row (Linux's fault-around; `MADV_RANDOM`
@@ -40,6 +42,9 @@ from recshard.lookup import native_row_io
 
 _FLOAT = 4  # bytes per stored value (fp32)
 _PAGE = mmap.PAGESIZE
+# reads in flight for rows the page cache does not hold (native row I/O; benchmarks/README.md,
+# "Key-value tables: cold rows read in parallel")
+READ_DEPTH = 16
 
 
 @dataclass(frozen=True)
@@ -202,7 +207,7 @@ class RowStore:
         """Read rows `ids` (int64, unique, sorted) of one file into `buffer`'s rows `slots`
         (`[slots, width]` fp32; row i into slot i when None)."""
         if native_row_io.available():
-            self._native(False, suffix, ids, buffer, slots)
+            self._native(False, suffix, ids, buffer, slots, READ_DEPTH)
             return
         rows = self._pread(suffix, ids)
         if slots is None:
@@ -254,6 +259,7 @@ class RowStore:
         ids: torch.Tensor,
         buffer: torch.Tensor,
         slots: torch.Tensor | None,
+        depth: int = 1,
     ) -> None:
         if buffer.dim() != 2 or buffer.shape[1] != self.width(suffix):
             raise ValueError(
@@ -262,7 +268,7 @@ class RowStore:
             )
         try:
             native_row_io.move_rows(
-                write, self._fds[suffix], self.identity.rows, ids, buffer, slots
+                write, self._fds[suffix], self.identity.rows, ids, buffer, slots, depth
             )
         except OSError as e:
             raise self._failed("writing" if write else "reading", suffix, e) from e

@@ -1,8 +1,10 @@
 """Property tests of the C++ row I/O (`recshard.lookup.native_row_io.move_rows`) against a numpy
 model of the file: drawn row widths (1 float up), rows in any order (runs of consecutive rows,
-repeats for reads), slots in any order (adjacent ones joining one iovec), batches longer than
-IOV_MAX. A row or slot out of range is a ValueError naming it, with no byte of the file or
-the buffer moved; a file shorter than its rows is an OSError, never zeros."""
+repeats for reads), slots in any order (adjacent ones joining one iovec, repeats: the last row read
+into a slot wins), batches longer than IOV_MAX, reads one at a time or several in flight from a file
+whose pages were dropped from the page cache (read by threads from the device). A row or slot out of
+range is a ValueError naming it, with no byte of the file or the buffer moved; a file shorter than
+its rows is an OSError, never zeros."""
 
 from __future__ import annotations
 
@@ -43,24 +45,33 @@ def batches(draw: st.DrawFn) -> tuple:
         st.one_of(
             st.permutations(range(buffer_rows)).map(lambda p: p[:count]),
             st.just(list(range(count))),  # adjacent slots: one iovec per run
+            st.lists(st.integers(0, buffer_rows - 1), min_size=count, max_size=count),
             st.none(),
         )
     )
     return width, file_rows, buffer_rows, rows, slots
 
 
-def _file(tmp_path: Path, rows: int, width: int, seed: int) -> tuple:
+def _file(tmp_path: Path, rows: int, width: int, seed: int, cold: bool = False) -> tuple:
+    """A file of `rows` random rows; `cold`: its pages written out and dropped from the page
+    cache (reads of it go to the device)."""
     data = np.random.default_rng(seed).standard_normal((rows, width)).astype(np.float32)
     path = tmp_path / f"rows-{seed}-{rows}x{width}"
     data.tofile(path)
-    return os.open(path, os.O_RDWR), path, data
+    fd = os.open(path, os.O_RDWR)
+    if cold:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    return fd, path, data
 
 
 @FUZZ
-@given(batch=batches(), write=st.booleans())
-def test_move_rows_matches_the_file_model(tmp_path: Path, batch: tuple, write: bool) -> None:
+@given(batch=batches(), write=st.booleans(), depth=st.sampled_from([1, 4]), cold=st.booleans())
+def test_move_rows_matches_the_file_model(
+    tmp_path: Path, batch: tuple, write: bool, depth: int, cold: bool
+) -> None:
     width, file_rows, buffer_rows, rows, slots = batch
-    fd, path, data = _file(tmp_path, file_rows, width, len(rows) * 7 + file_rows)
+    fd, path, data = _file(tmp_path, file_rows, width, len(rows) * 7 + file_rows, cold)
     try:
         buffer = torch.full((buffer_rows, width), -9.0)
         if write:
@@ -68,7 +79,7 @@ def test_move_rows_matches_the_file_model(tmp_path: Path, batch: tuple, write: b
         before = buffer.clone()
         row_t = torch.tensor(rows, dtype=torch.int64)
         slot_t = None if slots is None else torch.tensor(slots, dtype=torch.int64)
-        native_row_io.move_rows(write, fd, file_rows, row_t, buffer, slot_t)
+        native_row_io.move_rows(write, fd, file_rows, row_t, buffer, slot_t, depth)
         at = list(range(len(rows))) if slots is None else slots
         after_file = np.fromfile(path, dtype=np.float32).reshape(file_rows, width)
         if write:
@@ -134,12 +145,13 @@ def test_a_batch_longer_than_iov_max_in_scattered_slots(tmp_path: Path) -> None:
         os.close(fd)
 
 
-def test_a_file_shorter_than_its_rows_is_an_error_not_zeros(tmp_path: Path) -> None:
-    fd, path, _ = _file(tmp_path, 10, 4, 5)
+@pytest.mark.parametrize("depth", [1, 4])
+def test_a_file_shorter_than_its_rows_is_an_error_not_zeros(tmp_path: Path, depth: int) -> None:
+    fd, path, _ = _file(tmp_path, 10, 4, 5, cold=True)
     try:
         os.ftruncate(fd, 4 * 4 * 6 + 8)  # rows 0..5 whole, row 6 half
         buffer = torch.zeros(3, 4)
         with pytest.raises(OSError, match="short read"):
-            native_row_io.move_rows(False, fd, 10, torch.tensor([5, 6, 7]), buffer, None)
+            native_row_io.move_rows(False, fd, 10, torch.tensor([5, 7, 6]), buffer, None, depth)
     finally:
         os.close(fd)

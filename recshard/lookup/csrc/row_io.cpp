@@ -7,13 +7,25 @@
 // of a Python loop. Every row and slot is checked against the file's and buffer's row counts
 // before anything moves: nothing is read or written past either end.
 //
+// Reads with depth > 1 first try every run without blocking (preadv2 RWF_NOWAIT: served from
+// the page cache or not at all); the runs the device must serve are then read by up to `depth`
+// threads at once (one read in flight each), so a batch of cold rows waits about one device
+// latency per `depth` rows instead of one per row. Only when no two rows of the batch go to one
+// slot (checked; else every run is read in batch order): the buffer then ends the same whatever
+// order the reads finish in. Writes go one after another, in batch order.
+//
 // Returns 0, or RS_BAD_ROW / RS_BAD_SLOT (position in *detail), RS_SYSCALL (errno in *detail)
-// or RS_SHORT (the file ended first, or a write moved nothing).
+// or RS_SHORT (the file ended first, or a write moved nothing); with several threads, the error
+// of the first failing run in batch order.
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstdint>
 #include <sys/uio.h>
+#include <system_error>
+#include <thread>
 #include <unistd.h>
 #include <vector>
 
@@ -55,11 +67,66 @@ int transfer(int fd, struct iovec* iov, int count, off_t offset, bool write, int
   return RS_OK;
 }
 
+// A run of consecutive rows: iovecs [iov_begin, iov_end) of the batch's, `bytes` in all, at
+// `offset` of the file.
+struct Run {
+  size_t iov_begin, iov_end;
+  off_t offset;
+  size_t bytes;
+};
+
+// Whether `run` was read whole from the page cache without waiting for the device.
+bool read_cached(int fd, std::vector<struct iovec>& iov, const Run& run) {
+  ssize_t moved = preadv2(fd, &iov[run.iov_begin], static_cast<int>(run.iov_end - run.iov_begin),
+                          run.offset, RWF_NOWAIT);
+  return moved >= 0 && static_cast<size_t>(moved) == run.bytes;
+}
+
+// Whether no two of slots[0..count) are the same slot.
+bool distinct(const int64_t* slots, int64_t count) {
+  std::vector<int64_t> sorted(slots, slots + count);
+  std::sort(sorted.begin(), sorted.end());
+  return std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
+}
+
+// Reads `runs` with up to `depth` threads (this one among them); the first failing run's error.
+int read_in_parallel(int fd, std::vector<struct iovec>& iov, const std::vector<Run>& runs,
+                     int depth, int64_t* detail) {
+  std::vector<int> codes(runs.size(), RS_OK);
+  std::vector<int64_t> details(runs.size(), 0);
+  std::atomic<size_t> next{0};
+  auto work = [&]() {
+    for (size_t k = next++; k < runs.size(); k = next++) {
+      const Run& run = runs[k];
+      codes[k] = transfer(fd, &iov[run.iov_begin], static_cast<int>(run.iov_end - run.iov_begin),
+                          run.offset, false, &details[k]);
+    }
+  };
+  std::vector<std::thread> helpers;
+  const size_t count = std::min(runs.size(), static_cast<size_t>(depth)) - 1;
+  for (size_t t = 0; t < count; ++t) {
+    try {
+      helpers.emplace_back(work);
+    } catch (const std::system_error&) {  // no thread to spare: the others read its runs
+      break;
+    }
+  }
+  work();
+  for (std::thread& helper : helpers) helper.join();
+  for (size_t k = 0; k < runs.size(); ++k) {
+    if (codes[k] != RS_OK) {
+      *detail = details[k];
+      return codes[k];
+    }
+  }
+  return RS_OK;
+}
+
 }  // namespace
 
 extern "C" int rs_rows_io(int write, int fd, int64_t row_bytes, int64_t file_rows,
                           const int64_t* rows, int64_t count, char* buffer, int64_t buffer_rows,
-                          const int64_t* slots, int64_t* detail) {
+                          const int64_t* slots, int depth, int64_t* detail) {
   *detail = 0;
   if (row_bytes <= 0) return RS_SHORT;
   for (int64_t i = 0; i < count; ++i) {
@@ -74,22 +141,37 @@ extern "C" int rs_rows_io(int write, int fd, int64_t row_bytes, int64_t file_row
     }
   }
   std::vector<struct iovec> iov;
-  iov.reserve(count < kMaxIov ? count : kMaxIov);
+  std::vector<Run> runs;
   int64_t i = 0;
-  while (i < count) {
-    const int64_t first = rows[i];
-    iov.clear();
-    do {  // a run of consecutive rows; adjacent slots join one iovec
+  while (i < count) {  // runs of consecutive rows; adjacent slots join one iovec
+    Run run{iov.size(), iov.size(), static_cast<off_t>(rows[i] * row_bytes), 0};
+    do {
       char* at = buffer + (slots ? slots[i] : i) * row_bytes;
-      if (!iov.empty() && static_cast<char*>(iov.back().iov_base) + iov.back().iov_len == at) {
+      if (iov.size() > run.iov_begin &&
+          static_cast<char*>(iov.back().iov_base) + iov.back().iov_len == at) {
         iov.back().iov_len += static_cast<size_t>(row_bytes);
       } else {
         iov.push_back({at, static_cast<size_t>(row_bytes)});
       }
+      run.bytes += static_cast<size_t>(row_bytes);
       ++i;
-    } while (i < count && rows[i] == rows[i - 1] + 1 && static_cast<int>(iov.size()) < kMaxIov);
-    int code = transfer(fd, iov.data(), static_cast<int>(iov.size()),
-                        static_cast<off_t>(first * row_bytes), write != 0, detail);
+    } while (i < count && rows[i] == rows[i - 1] + 1 &&
+             static_cast<int>(iov.size() - run.iov_begin) < kMaxIov);
+    run.iov_end = iov.size();
+    runs.push_back(run);
+  }
+  // reads in any order land the same only when no two rows go to one slot
+  const bool parallel = !write && depth > 1 && (slots == nullptr || distinct(slots, count));
+  std::vector<Run> from_device;  // runs the page cache did not serve (all of them in order
+                                 // unless parallel)
+  for (const Run& run : runs) {
+    if (!parallel || !read_cached(fd, iov, run)) from_device.push_back(run);
+  }
+  if (parallel && from_device.size() > 1)
+    return read_in_parallel(fd, iov, from_device, depth, detail);
+  for (const Run& run : from_device) {
+    int code = transfer(fd, &iov[run.iov_begin], static_cast<int>(run.iov_end - run.iov_begin),
+                        run.offset, write != 0, detail);
     if (code != RS_OK) return code;
   }
   return RS_OK;
