@@ -7,7 +7,8 @@ One process, one torch thread, the tables and one rank-batch of ids of `benchmar
 (the 26 tables of `ebc_workload`, dim 64, per-rank batch x world size, uniform ids), fp32
 weights, fused exact row-wise Adagrad (`--optim sgd`: exact SGD), SUM pooling (`--pooling
 mean`: MEAN). `--tables`
-keeps the first N tables (13: about one rank's share under the DLRM's table-wise plan). Both
+keeps the first N tables (13: about one rank's share under the DLRM's table-wise plan),
+`--table-list 0,2,3` the tables named (one rank's share under a given plan). Both
 kernels start from the
 same weights; timed (medians of `--steps`, alternating the two kernels step by step), both
 through autograd as the lookup calls them: the forward, and the backward with its fused
@@ -44,6 +45,11 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=2, help="ranks the batch comes from")
     parser.add_argument("--tables", type=int, default=26, help="the first N tables")
+    parser.add_argument(
+        "--table-list",
+        type=lambda text: [int(t) for t in text.split(",")],
+        help="these tables instead (comma-separated indices, e.g. one rank's under a plan)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     parser.add_argument("--optim", choices=["rowwise_adagrad", "sgd"], default="rowwise_adagrad")
     parser.add_argument("--pooling", choices=["sum", "mean"], default="sum")
@@ -57,8 +63,9 @@ def main(argv: List[str] | None = None) -> None:
         raise SystemExit("recshard.lookup._cpu_tbe is not built: pip install -e . first")
     torch.set_num_threads(1)
     sizes = QUICK if args.quick else Sizes()
-    rows = table_rows(sizes)[: args.tables]
-    pooling = pooling_factors(len(table_rows(sizes)), sizes.max_pooling)[: len(rows)]
+    picked = args.table_list or list(range(args.tables))
+    rows = [table_rows(sizes)[t] for t in picked]
+    pooling = [pooling_factors(len(table_rows(sizes)), sizes.max_pooling)[t] for t in picked]
     batch = sizes.batch * args.world_size
     values, lengths = batch_tensors(rows, pooling, batch, seed=1, count=1)[0]
     kjt = KeyedJaggedTensor.from_lengths_sync(
@@ -112,6 +119,7 @@ def main(argv: List[str] | None = None) -> None:
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             load_average=[round(x, 2) for x in os.getloadavg()],
             tables=len(rows),
+            table_list=args.table_list,
             optim=args.optim,
             pooling=args.pooling,
             forward_cold=args.forward_cold,
