@@ -183,7 +183,7 @@ IA_AVX512 void gradient_block(const float* dense, const float* sparse, const flo
   IA_UNROLL for (int v = 0; v < V; ++v) lanes[v] = first_lanes(d - k0 - 16 * v);
   float* out[R];
   IA_UNROLL for (int q = 0; q < R; ++q)
-      out[q] = (r0 + q == 0 ? grad_dense : grad_sparse + (r0 + q - 1) * d) + k0;
+    out[q] = (r0 + q == 0 ? grad_dense : grad_sparse + (r0 + q - 1) * d) + k0;
   __m512 acc[R][V];
   // sum_{j > r}: rows r0.. take j from r0 + 1, all R rows from j = r0 + R on.
   IA_UNROLL for (int q = 0; q < R; ++q)
