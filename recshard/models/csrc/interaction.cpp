@@ -41,6 +41,9 @@ inline int64_t pair_base(int64_t i, int64_t n) { return i * (n - 1) - i * (i - 1
 #if defined(__x86_64__)
 
 #define IA_AVX512 __attribute__((target("avx512f")))
+// Unrolls a loop over a block's rows or vectors fully, so that GCC keeps its arrays of
+// accumulators in registers (not on the stack, a load and store around every FMA).
+#define IA_UNROLL _Pragma("GCC unroll 16")
 
 constexpr int kRows = 6;     // forward: gram rows computed together
 
@@ -165,71 +168,99 @@ IA_AVX512 __mmask16 forward_sample(const float* dense, const float* sparse, floa
   return nonfinite(out, d + n * (n - 1) / 2, 0);
 }
 
-// Rows r0.. (`rows` <= R of them) of one sample's gradients, columns k0..k0+16V-1: row r gets
-// sum_{j > r} G[r, j] row_j + sum_{i < r} G[i, r] row_i (each an FMA chain in increasing
-// index from +0, then + 0; the rows of a block share each row_j they read), row 0 then the
-// output's dense gradient.
+// Rows r0..r0+R-1 of one sample's gradients, columns k0..k0+16V-1: row r gets
+// (sum_{j > r} G[r, j] row_j + 0) + (sum_{i < r} G[i, r] row_i + 0) (each sum an FMA chain in
+// increasing index from +0), row 0 then plus the output's dense gradient. The R rows share
+// each row they read; the first sum is stored before the second starts, so that 2RV
+// accumulators never need to live at once (R = 4, V = 4: 16 of the 32 registers).
 template <int R, int V>
 IA_AVX512 void gradient_block(const float* dense, const float* sparse, const float* grad_out,
                               float* grad_dense, float* grad_sparse, int64_t n, int64_t d,
-                              const int64_t* bases, int64_t r0, int64_t rows, int64_t k0) {
+                              const int64_t* bases, int64_t r0, int64_t k0) {
   const float* grad_pairs = grad_out + d;
   const __m512 zero = _mm512_setzero_ps();
   __mmask16 lanes[V];
-  for (int v = 0; v < V; ++v) lanes[v] = first_lanes(d - k0 - 16 * v);
-  __m512 upper[R][V], lower[R][V];
-  for (int q = 0; q < R; ++q)
-    for (int v = 0; v < V; ++v) upper[q][v] = lower[q][v] = zero;
+  IA_UNROLL for (int v = 0; v < V; ++v) lanes[v] = first_lanes(d - k0 - 16 * v);
+  float* out[R];
+  IA_UNROLL for (int q = 0; q < R; ++q)
+    out[q] = (r0 + q == 0 ? grad_dense : grad_sparse + (r0 + q - 1) * d) + k0;
+  __m512 acc[R][V];
+  // sum_{j > r}: rows r0.. take j from r0 + 1, all R rows from j = r0 + R on.
+  IA_UNROLL for (int q = 0; q < R; ++q)
+    IA_UNROLL for (int v = 0; v < V; ++v) acc[q][v] = zero;
   for (int64_t j = r0 + 1; j < n; ++j) {
     __m512 x[V];
-    for (int v = 0; v < V; ++v)
+    IA_UNROLL for (int v = 0; v < V; ++v)
       x[v] = _mm512_maskz_loadu_ps(lanes[v], row(dense, sparse, j, d) + k0 + 16 * v);
-    for (int q = 0; q < R; ++q) {
-      if (q >= rows || r0 + q >= j) continue;
+    IA_UNROLL for (int q = 0; q < R; ++q) {
+      if (j < r0 + R && r0 + q >= j) continue;
       const __m512 g = _mm512_set1_ps(grad_pairs[bases[r0 + q] + j]);
-      for (int v = 0; v < V; ++v) upper[q][v] = _mm512_fmadd_ps(g, x[v], upper[q][v]);
+      IA_UNROLL for (int v = 0; v < V; ++v) acc[q][v] = _mm512_fmadd_ps(g, x[v], acc[q][v]);
     }
   }
-  for (int64_t i = 0; i + 1 < r0 + rows; ++i) {
+  IA_UNROLL for (int q = 0; q < R; ++q)
+    IA_UNROLL for (int v = 0; v < V; ++v)
+      _mm512_mask_storeu_ps(out[q] + 16 * v, lanes[v], _mm512_add_ps(acc[q][v], zero));
+  // sum_{i < r}: all R rows take i < r0, row r0 + q also i = r0..r0+q-1.
+  IA_UNROLL for (int q = 0; q < R; ++q)
+    IA_UNROLL for (int v = 0; v < V; ++v) acc[q][v] = zero;
+  for (int64_t i = 0; i + 1 < r0 + R; ++i) {
     __m512 x[V];
-    for (int v = 0; v < V; ++v)
+    IA_UNROLL for (int v = 0; v < V; ++v)
       x[v] = _mm512_maskz_loadu_ps(lanes[v], row(dense, sparse, i, d) + k0 + 16 * v);
-    for (int q = 0; q < R; ++q) {
-      if (q >= rows || i >= r0 + q) continue;
+    IA_UNROLL for (int q = 0; q < R; ++q) {
+      if (i >= r0 && i >= r0 + q) continue;
       const __m512 g = _mm512_set1_ps(grad_pairs[bases[i] + r0 + q]);
-      for (int v = 0; v < V; ++v) lower[q][v] = _mm512_fmadd_ps(x[v], g, lower[q][v]);
+      IA_UNROLL for (int v = 0; v < V; ++v) acc[q][v] = _mm512_fmadd_ps(x[v], g, acc[q][v]);
     }
   }
-  for (int q = 0; q < R && q < rows; ++q) {
-    const int64_t r = r0 + q;
-    float* g = r == 0 ? grad_dense : grad_sparse + (r - 1) * d;
-    for (int v = 0; v < V; ++v) {
-      __m512 sum =
-          _mm512_add_ps(_mm512_add_ps(upper[q][v], zero), _mm512_add_ps(lower[q][v], zero));
-      if (r == 0)
+  IA_UNROLL for (int q = 0; q < R; ++q) {
+    IA_UNROLL for (int v = 0; v < V; ++v) {
+      __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(lanes[v], out[q] + 16 * v),
+                                 _mm512_add_ps(acc[q][v], zero));
+      if (r0 + q == 0)
         sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(lanes[v], grad_out + k0 + 16 * v));
-      _mm512_mask_storeu_ps(g + k0 + 16 * v, lanes[v], sum);
+      _mm512_mask_storeu_ps(out[q] + 16 * v, lanes[v], sum);
     }
   }
 }
 
+// gradient_block for the last `rows` < R rows of a sample: R - 1 rows, or fewer.
+template <int R, int V>
+IA_AVX512 void gradient_rows(int64_t rows, const float* dense, const float* sparse,
+                             const float* grad_out, float* grad_dense, float* grad_sparse,
+                             int64_t n, int64_t d, const int64_t* bases, int64_t r0,
+                             int64_t k0) {
+  if constexpr (R > 1) {
+    if (rows < R)
+      return gradient_rows<R - 1, V>(rows, dense, sparse, grad_out, grad_dense, grad_sparse, n,
+                                     d, bases, r0, k0);
+  }
+  gradient_block<R, V>(dense, sparse, grad_out, grad_dense, grad_sparse, n, d, bases, r0, k0);
+}
+
+// Rows of one sample's gradients in blocks of R, columns k0..k0+16V-1.
+template <int R, int V>
+IA_AVX512 void gradient_columns(const float* dense, const float* sparse, const float* grad_out,
+                                float* grad_dense, float* grad_sparse, int64_t n, int64_t d,
+                                const int64_t* bases, int64_t k0) {
+  for (int64_t r0 = 0; r0 < n; r0 += R)
+    gradient_rows<R, V>(n - r0, dense, sparse, grad_out, grad_dense, grad_sparse, n, d, bases,
+                        r0, k0);
+}
+
 // One sample's gradients (gradient_block over rows and columns); returns their nonfinite lanes.
-// Blocks of 4 rows where D has 1 or 2 vectors left, else 1 row (measured: more rows with 3 or
-// 4 vectors ran slower).
+// Blocks of 4 rows by 4 vectors (16 accumulators), 8 by 2 and 16 by 1 where D has fewer left.
 IA_AVX512 __mmask16 backward_sample(const float* dense, const float* sparse,
                                     const float* grad_out, float* grad_dense, float* grad_sparse,
                                     int64_t n, int64_t d, const int64_t* bases) {
   for (int64_t k0 = 0; k0 < d; k0 += 64) {
     const int64_t vectors = (d - k0 + 15) / 16;  // 16-wide vectors left
-    const int64_t block = vectors >= 3 ? 1 : 4;
-    auto run = vectors >= 4    ? gradient_block<1, 4>
-               : vectors == 3 ? gradient_block<1, 3>
-               : vectors == 2 ? gradient_block<4, 2>
-                              : gradient_block<4, 1>;
-    for (int64_t r0 = 0; r0 < n; r0 += block) {
-      const int64_t rows = n - r0 < block ? n - r0 : block;
-      run(dense, sparse, grad_out, grad_dense, grad_sparse, n, d, bases, r0, rows, k0);
-    }
+    auto run = vectors >= 4    ? gradient_columns<4, 4>
+               : vectors == 3 ? gradient_columns<5, 3>
+               : vectors == 2 ? gradient_columns<8, 2>
+                              : gradient_columns<16, 1>;
+    run(dense, sparse, grad_out, grad_dense, grad_sparse, n, d, bases, k0);
   }
   __mmask16 bad = nonfinite(grad_dense, d, 0);
   return nonfinite(grad_sparse, (n - 1) * d, bad);
