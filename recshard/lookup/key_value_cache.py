@@ -262,7 +262,11 @@ class RowCache:
         self._writers.append((done, rows))
         # `threading.Thread.start` waits until the new thread runs (~0.5 ms a step on a busy
         # 2-core machine); the low-level start returns at once, and `done` says it finished
-        _thread.start_new_thread(self._write_behind, (before, done, rows, blocks))
+        try:
+            _thread.start_new_thread(self._write_behind, (before, done, rows, blocks))
+        except RuntimeError:  # no thread to spare: kept, written by the next fill or flush
+            self._failed.append((rows, blocks))
+            done.set()
 
     def _write(self, rows: torch.Tensor, blocks: Dict[str, torch.Tensor]) -> None:
         for suffix, block in blocks.items():

@@ -14,12 +14,14 @@ import os
 import tempfile
 import threading
 import time
+from types import SimpleNamespace
 from typing import Iterator
 
 import pytest
 import torch
 
 from recshard import KeyedJaggedTensor
+from recshard.lookup import key_value_cache
 from recshard.lookup.row_store import RowStore
 from tests.lookup.test_key_value_cache import _kernels
 
@@ -180,3 +182,28 @@ def test_rows_of_a_failed_write_back_are_not_silently_lost(
         if not ran_after_recovery:
             return  # every step refused once storage had failed: nothing silent
         torch.testing.assert_close(kv.table_weights()[0], memory.table_weights()[0])
+
+
+def test_a_write_back_thread_that_cannot_start_is_written_by_the_next_fill(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The system refuses every write-behind thread (`can't start new thread`): no step
+    raises or waits forever on a write that never ran, and the table keeps the in-memory
+    kernel's bytes (each refused write-back is written by the fill that evicted it)."""
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(key_value_cache, "_thread", SimpleNamespace(start_new_thread=refuse))
+    with tempfile.TemporaryDirectory() as directory:
+        memory, kv = _kernels("exact_row_wise_adagrad", directory)
+        for step in range(12):
+            features = _batch(step)
+            out, kv_out = memory(features), kv(features)
+            _same_bytes(out.detach(), kv_out.detach(), f"output of step {step}")
+            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
+            (out * grad).sum().backward()
+            (kv_out * grad).sum().backward()
+        _same_bytes(memory.table_weights()[0], kv.table_weights()[0], "weights")
+        for name, value in memory.optimizer_states()[0].items():
+            _same_bytes(value, kv.optimizer_states()[0][name], name)
