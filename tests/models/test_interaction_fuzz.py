@@ -12,11 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from recshard.models import interaction
 from recshard.models.interaction import pairwise_interaction, torch_interaction
 from tests.models.test_interaction import (
     _assert_same_bytes,
     _grad_with_zeros,
     _inputs,
+    _kernels_on,
     _positions,
     _run,
 )
@@ -159,3 +161,37 @@ def test_negative_bit_views_are_read_as_their_values() -> None:
         (dense, sparse, lambda out: torch._neg_view(grad(out))),
     ):
         _assert_same_bytes(_run(pairwise_interaction, d, s, g), _run(torch_interaction, d, s, g))
+
+
+# F + 1 rows at the backward's block edges (4k + 1..4k + 3, 8k, 16k + 1 rows; blocks of 4, 5, 8
+# and 16 rows) and D not a multiple of 16 (1, 2, 3 and 4 vectors of 16 lanes, a 64-column tail)
+EDGE_FEATURES = [1, 2, 3, 4, 5, 6, 7, 8, 15, 16, 17, 18, 19, 20, 23, 24, 31, 32, 33]
+EDGE_DIMS = [1, 7, 15, 17, 31, 33, 47, 49, 63, 65, 79, 100, 129]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_block_edges_same_bytes(threads: int) -> None:
+    """Every (F, D) above at batch 24 and 150 (two chunks at 2 threads), contiguous and as a
+    4-byte misaligned / strided copy: torch's bytes; the kernels must run for most shapes
+    where the probe passes (else the comparison tests nothing)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    ran = 0
+    try:
+        for features in EDGE_FEATURES:
+            for dim in EDGE_DIMS:
+                ran += _kernels_on(features, dim)
+                for batch in (24, 150):
+                    dense, sparse = _inputs(batch, features, dim, features * 1000 + dim)
+                    grad = _grad_with_zeros(dim)
+                    expected = _run(torch_interaction, dense, sparse, grad)
+                    for d, s in [(dense, sparse), _layouts(dense, sparse)[0]]:
+                        got = _run(pairwise_interaction, d, s, grad)
+                        try:
+                            _assert_same_bytes(got, expected)
+                        except AssertionError:
+                            raise AssertionError(f"F {features} D {dim} batch {batch}") from None
+    finally:
+        torch.set_num_threads(saved)
+    if interaction._LIBRARY.load() is not None:
+        assert ran > 0, "the probe turned the kernels off for every shape"
