@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <vector>
@@ -244,14 +245,17 @@ int64_t contest(int64_t slots, RowScore row_score, const int64_t* held, int64_t 
 
 }  // namespace
 
-// `contest` over score arrays: `row_scores[slots]`, `new_scores[news]`; `pairs` its count.
+// `contest` over score arrays: `row_scores[slots]`, `new_scores[news]`; `pairs` its count. A NaN
+// score ranks as -inf (as `rank_contest` ranks it): the comparisons see no NaN, whose order
+// would be undefined in std::sort and nth_element.
 extern "C" int rs_mc_contest(int64_t slots, const double* row_scores, const int64_t* held,
                              int64_t news, const double* new_scores, int64_t* lose, int64_t* win,
                              int64_t* pairs) {
   if (slots < 0 || news < 0) return ERR_ARGUMENT;
+  auto ranked = [](double score) { return std::isnan(score) ? -INFINITY : score; };
   *pairs = contest<double>(
-      slots, [&](int64_t r) { return row_scores[r]; }, held, news,
-      [&](int64_t i) { return new_scores[i]; }, [](int64_t i) { return i; }, lose, win);
+      slots, [&](int64_t r) { return ranked(row_scores[r]); }, held, news,
+      [&](int64_t i) { return ranked(new_scores[i]); }, [](int64_t i) { return i; }, lose, win);
   return 0;
 }
 
