@@ -283,53 +283,67 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
     if (bucket_starts[b + 1] - bucket_starts[b] < 1) return ERR_ARGUMENT;
   stats[0] = stats[1] = 0;
   Index index(keys, rows, log2);
-  // coalesce: each distinct id and how often it was seen
+  // coalesce: each distinct id and how often it was seen (ids checked for a bucket once each,
+  // below: a 64-bit modulo per history entry was a third of the call)
   int64_t seen_log2 = 1;
   while ((int64_t(1) << seen_log2) < 2 * count) ++seen_log2;
-  std::vector<int64_t> seen_keys(size_t(1) << seen_log2, EMPTY), seen_rows(size_t(1) << seen_log2);
+  // the coalescing hash's arrays are kept from call to call (per thread): fresh ones were
+  // fresh pages from the kernel, zeroed, at every call
+  static thread_local std::vector<int64_t> seen_keys, seen_rows;
+  seen_keys.assign(size_t(1) << seen_log2, EMPTY);
+  seen_rows.resize(size_t(1) << seen_log2);
   Index seen(seen_keys.data(), seen_rows.data(), seen_log2);
+  int64_t distinct = 0;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t id = ids[i];
     if (id < 0) return ERR_ID;
-    const int64_t bucket = id % buckets - first_bucket;
-    if (bucket < 0 || bucket >= held_buckets) return ERR_BUCKET;
     uint64_t at = seen.home(id);
     while (seen_keys[at] != EMPTY && seen_keys[at] != id) at = (at + 1) & seen.mask;
     if (seen_keys[at] == EMPTY) {
       seen_keys[at] = id;
       seen_rows[at] = 0;
+      ++distinct;
     }
     ++seen_rows[at];
   }
-  // held ids count up their rows; the others compete, grouped by bucket (counting sort)
-  struct New {
-    int64_t id, count;
+  struct Seen {
+    int64_t id, count, bucket;
   };
-  std::vector<New> news;
+  std::vector<Seen> unique;
+  unique.reserve(size_t(distinct));
+  for (size_t at = 0; at < seen_keys.size(); ++at)
+    if (seen_keys[at] != EMPTY) unique.push_back({seen_keys[at], seen_rows[at], 0});
+  // held ids count up their rows (written once every id is checked: an error writes nothing);
+  // the others compete, grouped by bucket (counting sort)
+  std::vector<Seen> news;
+  std::vector<std::pair<int64_t, int64_t>> hits;  // (local row, count seen)
   std::vector<int64_t> starts(held_buckets + 1, 0);
-  for (size_t at = 0; at < seen_keys.size(); ++at) {
-    const int64_t id = seen_keys[at];
-    if (id == EMPTY) continue;
-    const int64_t slot = index.slot(id);
+  for (int64_t u = 0; u < distinct; ++u) {
+    if (u + PREFETCH < distinct) index.prefetch(unique[size_t(u + PREFETCH)].id);
+    Seen entry = unique[size_t(u)];
+    const int64_t slot = index.slot(entry.id);
     if (slot >= 0) {
       const int64_t row = rows[slot] - row_offset;
-      if (row < 0 || row >= row_count || raw_ids[row] != id) return ERR_ARGUMENT;
-      counts[row] += seen_rows[at];
+      if (row < 0 || row >= row_count || raw_ids[row] != entry.id) return ERR_ARGUMENT;
+      hits.emplace_back(row, entry.count);
     } else {
-      ++starts[id % buckets - first_bucket + 1];
-      news.push_back({id, seen_rows[at]});
+      entry.bucket = entry.id % buckets - first_bucket;
+      if (entry.bucket < 0 || entry.bucket >= held_buckets) return ERR_BUCKET;
+      ++starts[entry.bucket + 1];
+      news.push_back(entry);
     }
   }
+  for (const auto& [row, seen_count] : hits) counts[row] += seen_count;
   for (int64_t b = 0; b < held_buckets; ++b) starts[b + 1] += starts[b];
-  std::vector<New> grouped(news.size());
+  std::vector<Seen> grouped(news.size());
   {
     std::vector<int64_t> next(starts.begin(), starts.end() - 1);
-    for (const New& n : news) grouped[size_t(next[n.id % buckets - first_bucket]++)] = n;
+    for (const Seen& n : news) grouped[size_t(next[n.bucket]++)] = n;
   }
   std::vector<int64_t> lose(news.size()), win(news.size());
   int64_t changes = 0, evicted = 0;
   for (int64_t bucket = 0; bucket < held_buckets; ++bucket) {
-    const New* mine = grouped.data() + starts[bucket];
+    const Seen* mine = grouped.data() + starts[bucket];
     const int64_t mine_count = starts[bucket + 1] - starts[bucket];
     if (mine_count == 0) continue;
     const int64_t start = bucket_starts[bucket];
@@ -345,7 +359,7 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
         if (int code = index.erase(raw_ids[row])) return code;
         ++evicted;
       }
-      const New& winner = mine[win[p]];
+      const Seen& winner = mine[win[p]];
       if (int code = index.insert(winner.id, row + row_offset)) return code;
       raw_ids[row] = winner.id;
       counts[row] = winner.count;
@@ -429,6 +443,37 @@ extern "C" int rs_mc_route(int64_t keys, int64_t stride, const int64_t* lengths,
 // low (float arithmetic), u = 24 bits of word p / 2 over 2**24: the top 24 of an even p's, the
 // next 24 of an odd p's; word k = splitmix64's output for the state seed + (k + 1) * GAMMA. A
 // counter-based generator: any row's or column's numbers without the others'.
+namespace {
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MC_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
+#else
+#define MC_CLONES
+#endif
+
+// Numbers first .. first + cols - 1 of the block (see rs_mc_draw_uniform) into row[0, cols):
+// one number a lane (a word drawn for each of its two numbers), so the loop vectorizes (64-bit
+// multiplies: AVX-512 lanes where the CPU has them, picked at load time); the same float
+// operations in the same order as one at a time (-ffp-contract=off: no fused multiply-add).
+MC_CLONES void draw_row(uint64_t seed, uint64_t first, int64_t cols, float low, float scale,
+                        float* row) {
+  constexpr uint64_t GAMMA = 0x9E3779B97F4A7C15ULL, M1 = 0xBF58476D1CE4E5B9ULL,
+                     M2 = 0x94D049BB133111EBULL;
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint64_t p = first + uint64_t(c);
+    uint64_t z = seed + ((p >> 1) + 1) * GAMMA;  // splitmix64 of word p / 2
+    z = (z ^ (z >> 30)) * M1;
+    z = (z ^ (z >> 27)) * M2;
+    z ^= z >> 31;
+    const uint64_t drawn = (p & 1) ? (z >> 16) & 0xFFFFFF : z >> 40;  // 24 bits
+    const float u = float(int32_t(drawn)) * (1.0f / 16777216.0f);  // < 2**24: exact
+    const float scaled = u * scale;
+    row[c] = scaled + low;
+  }
+}
+
+}  // namespace
+
 extern "C" int rs_mc_draw_uniform(int64_t seed, int64_t n, const int64_t* rows, int64_t dim,
                                   int64_t col_offset, int64_t cols, float low, float scale,
                                   int64_t row_count, int64_t row_stride, float* out) {
@@ -437,30 +482,8 @@ extern "C" int rs_mc_draw_uniform(int64_t seed, int64_t n, const int64_t* rows, 
     return ERR_ARGUMENT;
   for (int64_t j = 0; j < n; ++j)
     if (rows[j] < 0 || rows[j] >= row_count) return ERR_ARGUMENT;
-  constexpr uint64_t GAMMA = 0x9E3779B97F4A7C15ULL, M1 = 0xBF58476D1CE4E5B9ULL,
-                     M2 = 0x94D049BB133111EBULL;
-  auto word = [&](uint64_t k) {
-    uint64_t z = uint64_t(seed) + (k + 1) * GAMMA;
-    z = (z ^ (z >> 30)) * M1;
-    z = (z ^ (z >> 27)) * M2;
-    return z ^ (z >> 31);
-  };
-  auto number = [&](uint64_t drawn) {  // 24 bits -> u * scale + low
-    const float u = float(int32_t(drawn)) * (1.0f / 16777216.0f);  // < 2**24: exact
-    const float scaled = u * scale;
-    return scaled + low;
-  };
-  for (int64_t j = 0; j < n; ++j) {
-    float* row = out + rows[j] * row_stride;
-    const uint64_t first = uint64_t(j * dim + col_offset);
-    int64_t c = 0;
-    if (cols > 0 && (first & 1)) row[c++] = number((word(first / 2) >> 16) & 0xFFFFFF);
-    for (; c + 1 < cols; c += 2) {  // p = first + c is even: word p / 2 gives p and p + 1
-      const uint64_t bits = word((first + uint64_t(c)) / 2);
-      row[c] = number(bits >> 40);
-      row[c + 1] = number((bits >> 16) & 0xFFFFFF);
-    }
-    if (c < cols) row[c] = number(word((first + uint64_t(c)) / 2) >> 40);
-  }
+  for (int64_t j = 0; j < n; ++j)
+    draw_row(uint64_t(seed), uint64_t(j * dim + col_offset), cols, low, scale,
+             out + rows[j] * row_stride);
   return 0;
 }
