@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -194,6 +195,47 @@ extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
 
 namespace {
 
+// `order` (positions of new ids) sorted best first, score high to low, then key low to high,
+// when all of them are wanted (`m`: a fill gives every candidate a row), the scores are
+// integers and there are many: a stable LSD radix sort, 8 bits a pass, by key and then by
+// score, each pass skipped where every value shares its byte. The keys are distinct, so the
+// order is the comparison sort's; but comparing (score, key) on random ids mispredicted about
+// every other branch: most of a first fill's eviction. Returns whether it sorted.
+template <class Score, class NewScore, class NewKey>
+bool radix_sorted(std::vector<int64_t>& order, int64_t m, NewScore new_score, NewKey new_key) {
+  if constexpr (!std::is_integral_v<Score>) {
+    return false;
+  } else {
+    const size_t n = order.size();
+    if (int64_t(n) != m || n < 256 || n > UINT32_MAX) return false;
+    constexpr uint64_t SIGN = uint64_t(1) << 63;
+    // ascending unsigned digits: keys low to high, then scores high to low
+    std::vector<uint64_t> keys(n), scores(n);
+    for (size_t i = 0; i < n; ++i) {
+      keys[i] = uint64_t(new_key(order[i])) ^ SIGN;
+      scores[i] = ~(uint64_t(new_score(order[i])) ^ SIGN);
+    }
+    std::vector<uint32_t> at(n), spare(n);  // positions into keys/scores, sorted in passes
+    std::iota(at.begin(), at.end(), 0u);
+    for (const std::vector<uint64_t>* digits : {&keys, &scores}) {
+      uint64_t all_or = 0, all_and = ~uint64_t(0);
+      for (const uint64_t d : *digits) all_or |= d, all_and &= d;
+      for (int shift = 0; shift < 64; shift += 8) {
+        if ((((all_or ^ all_and) >> shift) & 0xFF) == 0) continue;  // one byte for all
+        size_t starts[257] = {0};
+        for (const uint32_t i : at) ++starts[(((*digits)[i] >> shift) & 0xFF) + 1];
+        for (int b = 0; b < 256; ++b) starts[b + 1] += starts[b];
+        for (const uint32_t i : at) spare[starts[((*digits)[i] >> shift) & 0xFF]++] = i;
+        at.swap(spare);
+      }
+    }
+    std::vector<int64_t> sorted(n);
+    for (size_t i = 0; i < n; ++i) sorted[i] = order[at[i]];
+    order.swap(sorted);
+    return true;
+  }
+}
+
 // One bucket's eviction contest (recshard/modules/mc_compete.py's rank_contest, same result):
 // its `slots` rows (`held[r]`: the id holding row r, INT64_MAX if free; `row_score(r)`) and
 // `news` new ids (`new_score(i)`; ties by `new_key(i)`, their entry order) are ranked by score,
@@ -238,8 +280,10 @@ int64_t contest(int64_t slots, RowScore row_score, const int64_t* held, int64_t 
     std::nth_element(rows.begin(), rows.begin() + (m - 1), rows.end(), row_after);
     std::sort(rows.begin(), rows.begin() + m, row_after);
   }
-  std::nth_element(order.begin(), order.begin() + (m - 1), order.end(), new_before);
-  std::sort(order.begin(), order.begin() + m, new_before);
+  if (!radix_sorted<Score>(order, m, new_score, new_key)) {
+    std::nth_element(order.begin(), order.begin() + (m - 1), order.end(), new_before);
+    std::sort(order.begin(), order.begin() + m, new_before);
+  }
   int64_t w = 0;
   while (w < m && new_score(order[w]) > row_score(rows[w])) ++w;
   for (int64_t i = 0; i < w; ++i) {
