@@ -2,13 +2,13 @@
 // recshard/distributed/mc_native.py): each table's open-addressing id index (build, erase +
 // insert at an eviction, find), the remap of a whole batch over every table's index in one
 // call, the routing of raw ids to the ranks owning their buckets (a counting sort), a bucket's
-// eviction contest, and a module's whole LFU eviction.
+// eviction contest, and a module's whole LFU eviction (a reset's draws: mc_draw.cpp).
 //
 // An index is two int64 arrays of 2**log2 slots: keys (EMPTY = -1: ids are >= 0) and their
 // global rows; linear probing from `key * odd constant`'s top bits, deletion by backward
 // shift (no tombstones), at most half full (Python sizes it). Every array's length is passed
 // and every index into one is checked here; Python checks dtypes, devices and lengths first.
-// Return codes: 0 ok, then the ERR_* below (mc_native.py turns them into errors).
+// Return codes: 0 ok, then mc_codes.h's ERR_* (mc_native.py turns them into errors).
 
 #include <algorithm>
 #include <climits>
@@ -18,14 +18,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "mc_codes.h"
+
 namespace {
 
 constexpr int64_t EMPTY = -1;
 constexpr int64_t FREE_ID = INT64_MAX;  // a free row's raw id (recshard.modules.mc_base.FREE)
 constexpr uint64_t MIX = 0x9E3779B97F4A7C15ULL;
 constexpr int64_t PREFETCH = 16;  // lookups ahead whose slots are prefetched
-constexpr int ERR_ARGUMENT = 1, ERR_PRESENT = 2, ERR_ABSENT = 3, ERR_FULL = 4, ERR_ID = 5,
-              ERR_BUCKET = 6;
 
 struct Index {
   int64_t* keys;
@@ -498,57 +498,5 @@ extern "C" int rs_mc_route(int64_t keys, int64_t stride, const int64_t* lengths,
     order[position] = at;
     sent_to[at] = position;
   }
-  return 0;
-}
-
-// The default init's numbers for a reset of `n` rows of a `dim`-column table, the columns
-// [col_offset, col_offset + cols) of each, written to row `rows[j]` (of `row_count`, each
-// `row_stride` floats apart) of `out` (recshard/distributed/mc_reset.py gives the same numbers
-// from torch ops): number p = j * dim + col_offset + c of the block of whole rows is u * scale +
-// low (float arithmetic), u = 24 bits of word p / 2 over 2**24: the top 24 of an even p's, the
-// next 24 of an odd p's; word k = splitmix64's output for the state seed + (k + 1) * GAMMA. A
-// counter-based generator: any row's or column's numbers without the others'.
-namespace {
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define MC_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
-#else
-#define MC_CLONES
-#endif
-
-// Numbers first .. first + cols - 1 of the block (see rs_mc_draw_uniform) into row[0, cols):
-// one number a lane (a word drawn for each of its two numbers), so the loop vectorizes (64-bit
-// multiplies: AVX-512 lanes where the CPU has them, picked at load time); the same float
-// operations in the same order as one at a time (-ffp-contract=off: no fused multiply-add).
-MC_CLONES void draw_row(uint64_t seed, uint64_t first, int64_t cols, float low, float scale,
-                        float* row) {
-  constexpr uint64_t GAMMA = 0x9E3779B97F4A7C15ULL, M1 = 0xBF58476D1CE4E5B9ULL,
-                     M2 = 0x94D049BB133111EBULL;
-  for (int64_t c = 0; c < cols; ++c) {
-    const uint64_t p = first + uint64_t(c);
-    uint64_t z = seed + ((p >> 1) + 1) * GAMMA;  // splitmix64 of word p / 2
-    z = (z ^ (z >> 30)) * M1;
-    z = (z ^ (z >> 27)) * M2;
-    z ^= z >> 31;
-    const uint64_t drawn = (p & 1) ? (z >> 16) & 0xFFFFFF : z >> 40;  // 24 bits
-    const float u = float(int32_t(drawn)) * (1.0f / 16777216.0f);  // < 2**24: exact
-    const float scaled = u * scale;
-    row[c] = scaled + low;
-  }
-}
-
-}  // namespace
-
-extern "C" int rs_mc_draw_uniform(int64_t seed, int64_t n, const int64_t* rows, int64_t dim,
-                                  int64_t col_offset, int64_t cols, float low, float scale,
-                                  int64_t row_count, int64_t row_stride, float* out) {
-  if (n < 0 || dim < 1 || col_offset < 0 || cols < 0 || col_offset + cols > dim ||
-      row_stride < cols || row_count < 0)
-    return ERR_ARGUMENT;
-  for (int64_t j = 0; j < n; ++j)
-    if (rows[j] < 0 || rows[j] >= row_count) return ERR_ARGUMENT;
-  for (int64_t j = 0; j < n; ++j)
-    draw_row(uint64_t(seed), uint64_t(j * dim + col_offset), cols, low, scale,
-             out + rows[j] * row_stride);
   return 0;
 }
