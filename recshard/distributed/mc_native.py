@@ -71,6 +71,9 @@ _LIBRARY = NativeLibrary(
     "managed collision index library",
     "managed collision remaps and routes ids with torch ops instead (slower)",
     _declare,
+    "csrc/mc_index.cpp",
+    "csrc/mc_draw.cpp",
+    "csrc/mc_codes.h",
 )
 
 
