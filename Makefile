@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(EXTRA)
 
 .PHONY: demo test test-cuda lint docs docs-check clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard recshard/*/csrc/*.cpp)
+$(STAMP): pyproject.toml setup.py $(wildcard recshard/*/csrc/*.cpp recshard/*/csrc/*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q torch==2.13.0
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[$(EXTRA),dev]'

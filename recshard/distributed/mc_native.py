@@ -2,7 +2,8 @@
 table's id index, a whole batch's remap over every table in one call, the id range check, the
 routing of raw ids to their owners (a counting sort, not a stable argsort), an eviction's
 bucket contest, a whole LFU eviction without a threshold filter (`NativeIdIndex.evict_lfu`), and
-the default init's numbers for a reset (`draw_uniform`, see `recshard.distributed.mc_reset`).
+the default init's numbers for a reset (`csrc/mc_draw.cpp`: `draw_uniform`, see
+`recshard.distributed.mc_reset`).
 
 `NativeIdIndex` is an open-addressing hash of the ids holding a module's rows (at most half
 full; an eviction erases and inserts the ids that changed instead of rebuilding); it and
@@ -70,6 +71,9 @@ _LIBRARY = NativeLibrary(
     "managed collision index library",
     "managed collision remaps and routes ids with torch ops instead (slower)",
     _declare,
+    "csrc/mc_index.cpp",
+    "csrc/mc_draw.cpp",
+    "csrc/mc_codes.h",
 )
 
 

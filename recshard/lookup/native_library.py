@@ -18,8 +18,8 @@ logger = logging.getLogger(__name__)
 class NativeLibrary:
     """The extension module `module` (e.g. `recshard.lookup._cpu_tbe`) as a `ctypes.CDLL`, its
     functions' signatures set by `declare`; `what` names it and `fallback` says what runs
-    without it, in the one warning; `source`: its C++ file, relative to the extension's
-    directory (checked where it exists: editable installs; every extension should name it)."""
+    without it, in the one warning; `sources`: its C++ files, relative to the extension's
+    directory (checked where they exist: editable installs; every extension names them)."""
 
     def __init__(
         self,
@@ -27,10 +27,10 @@ class NativeLibrary:
         what: str,
         fallback: str,
         declare: Callable[[ctypes.CDLL], None],
-        source: str | None = None,
+        *sources: str,
     ) -> None:
         self.module, self.what, self.fallback, self.declare = module, what, fallback, declare
-        self.source = source
+        self.sources = sources
         self._library: ctypes.CDLL | None = None
         self._tried = False
 
@@ -59,9 +59,8 @@ class NativeLibrary:
         return library
 
     def _check_age(self, origin: str) -> None:
-        """ImportError when the C++ source beside the extension changed after it was built."""
-        if self.source is None:
-            return
-        source = os.path.join(os.path.dirname(origin), self.source)
-        if os.path.exists(source) and os.path.getmtime(source) > os.path.getmtime(origin):
-            raise ImportError(f"built before {source} last changed")
+        """ImportError when a C++ source beside the extension changed after it was built."""
+        for name in self.sources:
+            source = os.path.join(os.path.dirname(origin), name)
+            if os.path.exists(source) and os.path.getmtime(source) > os.path.getmtime(origin):
+                raise ImportError(f"built before {source} last changed")

@@ -61,12 +61,21 @@ def contest(
 Contest = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 
+def _nan_lowest(scores: torch.Tensor) -> torch.Tensor:
+    """`scores` with NaN as -inf (the selections and sorts below need a total order)."""
+    if not scores.is_floating_point():
+        return scores
+    return scores.masked_fill(scores.isnan(), -float("inf"))
+
+
 def rank_contest(
     row_scores: torch.Tensor, held: torch.Tensor, new_scores: torch.Tensor
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """A bucket's `S` rows against `M` new ids (see the module doc): positions of the rows
-    that lose theirs and of the new ids that get them, paired in rank order. (The C++ twin:
-    `recshard.distributed.mc_native.native_contest`.)"""
+    that lose theirs and of the new ids that get them, paired in rank order. A NaN score ranks
+    as -inf (a row scored NaN is among the first to lose, a new id scored NaN wins no row), so
+    the order is defined. (The C++ twin: `recshard.distributed.mc_native.native_contest`.)"""
+    row_scores, new_scores = _nan_lowest(row_scores), _nan_lowest(new_scores)
     candidates = lowest_ranked(row_scores, held, min(new_scores.numel(), held.numel()))
     lose, win = contest(row_scores[candidates], new_scores, held.numel())
     return candidates[lose], win

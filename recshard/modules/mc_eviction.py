@@ -17,6 +17,7 @@ last eviction whose counts it rejects, before they update or compete (experiment
 from __future__ import annotations
 
 import abc
+import math
 from typing import Callable, Dict, List, NamedTuple, Tuple
 
 import torch
@@ -63,6 +64,13 @@ class MCHEvictionPolicy(abc.ABC):
         """Score of each row `[N]` from its metadata (each `[N]`); lower scores go first."""
 
 
+def _decay(decay_exponent: float, policy: str) -> float:
+    """`decay_exponent`, refused when NaN (every score would be NaN: no order to evict by)."""
+    if math.isnan(decay_exponent):
+        raise ValueError(f"{policy}: decay_exponent must be a number, got {decay_exponent}")
+    return decay_exponent
+
+
 def _distance(current_iter: int, last_access: torch.Tensor, decay_exponent: float) -> torch.Tensor:
     return torch.pow((current_iter - last_access + 1).double(), decay_exponent)
 
@@ -88,7 +96,7 @@ class LRU_EvictionPolicy(MCHEvictionPolicy):
         super().__init__(
             [MCHEvictionPolicyMetadataInfo(LAST_ACCESS, True, True)], threshold_filtering_func
         )
-        self._decay_exponent = decay_exponent
+        self._decay_exponent = _decay(decay_exponent, "LRU_EvictionPolicy")
 
     def eviction_scores(self, current_iter: int, metadata: Dict[str, torch.Tensor]) -> torch.Tensor:
         return -_distance(current_iter, metadata[LAST_ACCESS], self._decay_exponent)
@@ -107,7 +115,7 @@ class DistanceLFU_EvictionPolicy(MCHEvictionPolicy):
             ],
             threshold_filtering_func,
         )
-        self._decay_exponent = decay_exponent
+        self._decay_exponent = _decay(decay_exponent, "DistanceLFU_EvictionPolicy")
 
     def eviction_scores(self, current_iter: int, metadata: Dict[str, torch.Tensor]) -> torch.Tensor:
         distance = _distance(current_iter, metadata[LAST_ACCESS], self._decay_exponent)

@@ -2,7 +2,8 @@
 re-draws of a managed-collision reset): no rows, column shards at odd offsets and of odd
 widths, one-column tables, rows in any order, strided row matrices, against mc_reset's torch
 ops (the same counter-based numbers); bad arguments refused before any write. `rs_mc_contest`:
-empty buckets, free rows, ties, infinite scores, against `rank_contest`."""
+empty buckets, free rows, ties, infinite and NaN scores (NaN ranks as -inf), against
+`rank_contest`."""
 
 from __future__ import annotations
 
@@ -70,12 +71,13 @@ def test_bad_arguments_are_refused_before_any_write() -> None:
 
 
 _FREE = torch.iinfo(torch.int64).max
+_SCORES = [0.0, 1.0, 2.0, 3.0, float("inf"), -float("inf"), float("nan")]
 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    row_scores=st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, float("inf"), -float("inf")])),
-    new_scores=st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, float("inf"), -float("inf")])),
+    row_scores=st.lists(st.sampled_from(_SCORES)),
+    new_scores=st.lists(st.sampled_from(_SCORES)),
     data=st.data(),
 )
 def test_native_contest_pairs_are_rank_contests(
@@ -94,3 +96,26 @@ def test_native_contest_pairs_are_rank_contests(
         return
     expected = rank_contest(rows, held, news)
     assert torch.equal(lose, expected[0]) and torch.equal(win, expected[1])
+
+
+def _nan_as_lowest(scores: List[float]) -> torch.Tensor:
+    return torch.tensor([-float("inf") if s != s else s for s in scores], dtype=torch.float64)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    row_scores=st.lists(st.sampled_from(_SCORES), min_size=1, max_size=12),
+    new_scores=st.lists(st.sampled_from(_SCORES), min_size=1, max_size=12),
+)
+def test_a_nan_score_ranks_as_minus_infinity(
+    row_scores: List[float], new_scores: List[float]
+) -> None:
+    """Both contests give NaN scores the order of -inf: a NaN row loses first, a NaN new id
+    wins nothing (std::sort on NaN would be undefined behaviour)."""
+    held = torch.arange(len(row_scores), dtype=torch.int64)
+    nan_rows = torch.tensor(row_scores, dtype=torch.float64)
+    nan_news = torch.tensor(new_scores, dtype=torch.float64)
+    expected = rank_contest(_nan_as_lowest(row_scores), held, _nan_as_lowest(new_scores))
+    for ranking in (rank_contest, mc_native.native_contest):
+        lose, win = ranking(nan_rows, held, nan_news)
+        assert torch.equal(lose, expected[0]) and torch.equal(win, expected[1])

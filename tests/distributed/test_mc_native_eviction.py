@@ -45,14 +45,24 @@ def _module(
     [(40, 1, None, 1), (60, 4, None, 3), (90, 6, (2, 5), 2), (8, 8, None, 1), (2000, 3, None, 2)],
 )
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("spread", [False, True])
 def test_one_call_lfu_eviction_matches_the_torch_path(
-    zch: int, buckets: int, bucket_range: Tuple[int, int] | None, interval: int, seed: int
+    zch: int,
+    buckets: int,
+    bucket_range: Tuple[int, int] | None,
+    interval: int,
+    seed: int,
+    spread: bool,
 ) -> None:
+    """`spread`: ids scattered over [0, 2**40) (each of their low five bytes differs: a fill's radix
+    sort of the new ids runs all its passes), else small consecutive ids."""
     gen = torch.Generator().manual_seed(seed)
     native = _module(zch, buckets, bucket_range, interval, True)
     reference = _module(zch, buckets, bucket_range, interval, False)
     first, last = bucket_range or (0, buckets)
     universe = torch.arange(4 * zch + 50)
+    if spread:
+        universe = universe * 2_654_435_761_987 % (2**40)
     universe = universe[(universe % buckets >= first) & (universe % buckets < last)]
     for step in range(12):
         # skewed draws from a small universe: repeats, hits, ties among counts

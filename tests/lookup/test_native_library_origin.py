@@ -151,6 +151,14 @@ def test_a_build_older_than_its_source_is_not_opened(
     os.utime(built, (3_000_000, 3_000_000))  # rebuilt: opened
     assert NativeLibrary("newer_cpu_tbe", "", "", _declare_none, "newer.c").load() is not None
     assert marker.exists()
+    header = tmp_path / "newer.h"  # any of an extension's sources: a header changed since
+    header.write_text("")
+    os.utime(header, (4_000_000, 4_000_000))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="recshard.lookup.native_library"):
+        stale = NativeLibrary("newer_cpu_tbe", "", "", _declare_none, "newer.c", "newer.h")
+        assert stale.load() is None
+    assert f"built before {header} last changed" in caplog.records[0].getMessage()
 
 
 def _declare_none(library: object) -> None:

@@ -196,6 +196,8 @@ def test_mc_ec_returns_rows_per_id() -> None:
             ),
             "table 't' has 10 rows but its managed collision module maps to 12",
         ),
+        (lambda: LRU_EvictionPolicy(float("nan")), "LRU_EvictionPolicy: decay_exponent"),
+        (lambda: DistanceLFU_EvictionPolicy(float("nan")), "DistanceLFU_EvictionPolicy: decay"),
     ],
 )
 def test_bad_configuration_is_rejected(make, match: str) -> None:

@@ -2,19 +2,23 @@
 // recshard/distributed/mc_native.py): each table's open-addressing id index (build, erase +
 // insert at an eviction, find), the remap of a whole batch over every table's index in one
 // call, the routing of raw ids to the ranks owning their buckets (a counting sort), a bucket's
-// eviction contest, and a module's whole LFU eviction.
+// eviction contest, and a module's whole LFU eviction (a reset's draws: mc_draw.cpp).
 //
 // An index is two int64 arrays of 2**log2 slots: keys (EMPTY = -1: ids are >= 0) and their
 // global rows; linear probing from `key * odd constant`'s top bits, deletion by backward
 // shift (no tombstones), at most half full (Python sizes it). Every array's length is passed
 // and every index into one is checked here; Python checks dtypes, devices and lengths first.
-// Return codes: 0 ok, then the ERR_* below (mc_native.py turns them into errors).
+// Return codes: 0 ok, then mc_codes.h's ERR_* (mc_native.py turns them into errors).
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <type_traits>
 #include <vector>
+
+#include "mc_codes.h"
 
 namespace {
 
@@ -22,8 +26,6 @@ constexpr int64_t EMPTY = -1;
 constexpr int64_t FREE_ID = INT64_MAX;  // a free row's raw id (recshard.modules.mc_base.FREE)
 constexpr uint64_t MIX = 0x9E3779B97F4A7C15ULL;
 constexpr int64_t PREFETCH = 16;  // lookups ahead whose slots are prefetched
-constexpr int ERR_ARGUMENT = 1, ERR_PRESENT = 2, ERR_ABSENT = 3, ERR_FULL = 4, ERR_ID = 5,
-              ERR_BUCKET = 6;
 
 struct Index {
   int64_t* keys;
@@ -85,6 +87,12 @@ struct Index {
 };
 
 bool valid_log2(int64_t log2) { return log2 >= 1 && log2 <= 40; }
+
+// id % buckets (id >= 0, buckets >= 1), without a division where buckets is a power of two (a
+// 64-bit division per id was a tenth of an eviction)
+inline int64_t bucket_of(int64_t id, int64_t buckets) {
+  return (buckets & (buckets - 1)) == 0 ? id & (buckets - 1) : id % buckets;
+}
 
 }  // namespace
 
@@ -187,6 +195,47 @@ extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
 
 namespace {
 
+// `order` (positions of new ids) sorted best first, score high to low, then key low to high,
+// when all of them are wanted (`m`: a fill gives every candidate a row), the scores are
+// integers and there are many: a stable LSD radix sort, 8 bits a pass, by key and then by
+// score, each pass skipped where every value shares its byte. The keys are distinct, so the
+// order is the comparison sort's; but comparing (score, key) on random ids mispredicted about
+// every other branch: most of a first fill's eviction. Returns whether it sorted.
+template <class Score, class NewScore, class NewKey>
+bool radix_sorted(std::vector<int64_t>& order, int64_t m, NewScore new_score, NewKey new_key) {
+  if constexpr (!std::is_integral_v<Score>) {
+    return false;
+  } else {
+    const size_t n = order.size();
+    if (int64_t(n) != m || n < 256 || n > UINT32_MAX) return false;
+    constexpr uint64_t SIGN = uint64_t(1) << 63;
+    // ascending unsigned digits: keys low to high, then scores high to low
+    std::vector<uint64_t> keys(n), scores(n);
+    for (size_t i = 0; i < n; ++i) {
+      keys[i] = uint64_t(new_key(order[i])) ^ SIGN;
+      scores[i] = ~(uint64_t(new_score(order[i])) ^ SIGN);
+    }
+    std::vector<uint32_t> at(n), spare(n);  // positions into keys/scores, sorted in passes
+    std::iota(at.begin(), at.end(), 0u);
+    for (const std::vector<uint64_t>* digits : {&keys, &scores}) {
+      uint64_t all_or = 0, all_and = ~uint64_t(0);
+      for (const uint64_t d : *digits) all_or |= d, all_and &= d;
+      for (int shift = 0; shift < 64; shift += 8) {
+        if ((((all_or ^ all_and) >> shift) & 0xFF) == 0) continue;  // one byte for all
+        size_t starts[257] = {0};
+        for (const uint32_t i : at) ++starts[(((*digits)[i] >> shift) & 0xFF) + 1];
+        for (int b = 0; b < 256; ++b) starts[b + 1] += starts[b];
+        for (const uint32_t i : at) spare[starts[((*digits)[i] >> shift) & 0xFF]++] = i;
+        at.swap(spare);
+      }
+    }
+    std::vector<int64_t> sorted(n);
+    for (size_t i = 0; i < n; ++i) sorted[i] = order[at[i]];
+    order.swap(sorted);
+    return true;
+  }
+}
+
 // One bucket's eviction contest (recshard/modules/mc_compete.py's rank_contest, same result):
 // its `slots` rows (`held[r]`: the id holding row r, INT64_MAX if free; `row_score(r)`) and
 // `news` new ids (`new_score(i)`; ties by `new_key(i)`, their entry order) are ranked by score,
@@ -231,8 +280,10 @@ int64_t contest(int64_t slots, RowScore row_score, const int64_t* held, int64_t 
     std::nth_element(rows.begin(), rows.begin() + (m - 1), rows.end(), row_after);
     std::sort(rows.begin(), rows.begin() + m, row_after);
   }
-  std::nth_element(order.begin(), order.begin() + (m - 1), order.end(), new_before);
-  std::sort(order.begin(), order.begin() + m, new_before);
+  if (!radix_sorted<Score>(order, m, new_score, new_key)) {
+    std::nth_element(order.begin(), order.begin() + (m - 1), order.end(), new_before);
+    std::sort(order.begin(), order.begin() + m, new_before);
+  }
   int64_t w = 0;
   while (w < m && new_score(order[w]) > row_score(rows[w])) ++w;
   for (int64_t i = 0; i < w; ++i) {
@@ -244,21 +295,24 @@ int64_t contest(int64_t slots, RowScore row_score, const int64_t* held, int64_t 
 
 }  // namespace
 
-// `contest` over score arrays: `row_scores[slots]`, `new_scores[news]`; `pairs` its count.
+// `contest` over score arrays: `row_scores[slots]`, `new_scores[news]`; `pairs` its count. A NaN
+// score ranks as -inf (as `rank_contest` ranks it): the comparisons see no NaN, whose order
+// would be undefined in std::sort and nth_element.
 extern "C" int rs_mc_contest(int64_t slots, const double* row_scores, const int64_t* held,
                              int64_t news, const double* new_scores, int64_t* lose, int64_t* win,
                              int64_t* pairs) {
   if (slots < 0 || news < 0) return ERR_ARGUMENT;
+  auto ranked = [](double score) { return std::isnan(score) ? -INFINITY : score; };
   *pairs = contest<double>(
-      slots, [&](int64_t r) { return row_scores[r]; }, held, news,
-      [&](int64_t i) { return new_scores[i]; }, [](int64_t i) { return i; }, lose, win);
+      slots, [&](int64_t r) { return ranked(row_scores[r]); }, held, news,
+      [&](int64_t i) { return ranked(new_scores[i]); }, [](int64_t i) { return i; }, lose, win);
   return 0;
 }
 
 // A whole LFU eviction of one module without a threshold filter (MCHManagedCollisionModule.
-// _coalesce_and_evict's result): the `count` ids seen since the last one are coalesced (a hash,
-// not a sort); those held add their counts to their rows' (`counts[row_count]`, in place); the
-// others compete, bucket by bucket (local bucket = id % buckets - first_bucket, its rows
+// _coalesce_and_evict's result): each of the `count` ids seen since the last one that holds a
+// row adds one to its row's count (`counts[row_count]`, in place); the others are coalesced (a
+// hash of those ids alone, not a sort) and compete, bucket by bucket (local bucket = id % buckets - first_bucket, its rows
 // [bucket_starts[b], bucket_starts[b + 1] - 1): the last is its reserved row) with their counts
 // as scores, ties by id (`contest`). Each row changing hands gets its new id in `raw_ids`
 // (INT64_MAX = free) and `counts`, and in the index (log2/keys/rows, `held` ids, rows global:
@@ -279,53 +333,82 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
     if (bucket_starts[b + 1] - bucket_starts[b] < 1) return ERR_ARGUMENT;
   stats[0] = stats[1] = 0;
   Index index(keys, rows, log2);
-  // coalesce: each distinct id and how often it was seen
-  int64_t seen_log2 = 1;
-  while ((int64_t(1) << seen_log2) < 2 * count) ++seen_log2;
-  std::vector<int64_t> seen_keys(size_t(1) << seen_log2, EMPTY), seen_rows(size_t(1) << seen_log2);
-  Index seen(seen_keys.data(), seen_rows.data(), seen_log2);
+  // one pass over the history in arrival order, looked up in the index with prefetches: a
+  // held id's row is noted (its count written once every id is checked: an error writes
+  // nothing), the others are kept to be coalesced. (Coalescing the whole history first cost a
+  // hash as large as the history, a scan of it and a lookup per distinct id besides.)
+  std::vector<int64_t> hit_rows, hit_ids, missed;
+  hit_rows.reserve(size_t(count));
+  hit_ids.reserve(size_t(count));
   for (int64_t i = 0; i < count; ++i) {
+    if (i + PREFETCH < count) index.prefetch(ids[i + PREFETCH]);
     const int64_t id = ids[i];
     if (id < 0) return ERR_ID;
-    const int64_t bucket = id % buckets - first_bucket;
-    if (bucket < 0 || bucket >= held_buckets) return ERR_BUCKET;
+    const int64_t slot = index.slot(id);
+    if (slot < 0) {
+      missed.push_back(id);
+      continue;
+    }
+    const int64_t row = rows[slot] - row_offset;
+    if (row < 0 || row >= row_count) return ERR_ARGUMENT;
+    hit_rows.push_back(row);
+    hit_ids.push_back(id);
+  }
+  // the index agrees with raw_ids (a pass of its own, so its loads are prefetched ahead)
+  const int64_t hits = int64_t(hit_rows.size());
+  for (int64_t h = 0; h < hits; ++h) {
+    if (h + PREFETCH < hits) {
+      __builtin_prefetch(raw_ids + hit_rows[size_t(h + PREFETCH)]);
+      __builtin_prefetch(counts + hit_rows[size_t(h + PREFETCH)]);
+    }
+    if (raw_ids[hit_rows[size_t(h)]] != hit_ids[size_t(h)]) return ERR_ARGUMENT;
+  }
+  // the new ids coalesced: each distinct one and how often it was seen (the hash's arrays are
+  // kept from call to call, per thread: fresh ones were fresh zeroed pages at every call)
+  const int64_t misses = int64_t(missed.size());
+  int64_t seen_log2 = 1;
+  while ((int64_t(1) << seen_log2) < 2 * misses) ++seen_log2;
+  static thread_local std::vector<int64_t> seen_keys, seen_counts;
+  seen_keys.assign(size_t(1) << seen_log2, EMPTY);
+  seen_counts.resize(size_t(1) << seen_log2);
+  const Index seen(seen_keys.data(), seen_counts.data(), seen_log2);
+  int64_t distinct = 0;
+  for (const int64_t id : missed) {
     uint64_t at = seen.home(id);
     while (seen_keys[at] != EMPTY && seen_keys[at] != id) at = (at + 1) & seen.mask;
     if (seen_keys[at] == EMPTY) {
       seen_keys[at] = id;
-      seen_rows[at] = 0;
+      seen_counts[at] = 0;
+      ++distinct;
     }
-    ++seen_rows[at];
+    ++seen_counts[at];
   }
-  // held ids count up their rows; the others compete, grouped by bucket (counting sort)
-  struct New {
-    int64_t id, count;
+  // their buckets, checked once per distinct id; grouped by bucket (counting sort)
+  struct Seen {
+    int64_t id, count, bucket;
   };
-  std::vector<New> news;
+  std::vector<Seen> news;
+  news.reserve(size_t(distinct));
   std::vector<int64_t> starts(held_buckets + 1, 0);
   for (size_t at = 0; at < seen_keys.size(); ++at) {
     const int64_t id = seen_keys[at];
     if (id == EMPTY) continue;
-    const int64_t slot = index.slot(id);
-    if (slot >= 0) {
-      const int64_t row = rows[slot] - row_offset;
-      if (row < 0 || row >= row_count || raw_ids[row] != id) return ERR_ARGUMENT;
-      counts[row] += seen_rows[at];
-    } else {
-      ++starts[id % buckets - first_bucket + 1];
-      news.push_back({id, seen_rows[at]});
-    }
+    const int64_t bucket = bucket_of(id, buckets) - first_bucket;
+    if (bucket < 0 || bucket >= held_buckets) return ERR_BUCKET;
+    ++starts[bucket + 1];
+    news.push_back({id, seen_counts[at], bucket});
   }
+  for (const int64_t row : hit_rows) ++counts[row];
   for (int64_t b = 0; b < held_buckets; ++b) starts[b + 1] += starts[b];
-  std::vector<New> grouped(news.size());
+  std::vector<Seen> grouped(news.size());
   {
     std::vector<int64_t> next(starts.begin(), starts.end() - 1);
-    for (const New& n : news) grouped[size_t(next[n.id % buckets - first_bucket]++)] = n;
+    for (const Seen& n : news) grouped[size_t(next[n.bucket]++)] = n;
   }
   std::vector<int64_t> lose(news.size()), win(news.size());
   int64_t changes = 0, evicted = 0;
   for (int64_t bucket = 0; bucket < held_buckets; ++bucket) {
-    const New* mine = grouped.data() + starts[bucket];
+    const Seen* mine = grouped.data() + starts[bucket];
     const int64_t mine_count = starts[bucket + 1] - starts[bucket];
     if (mine_count == 0) continue;
     const int64_t start = bucket_starts[bucket];
@@ -341,7 +424,7 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
         if (int code = index.erase(raw_ids[row])) return code;
         ++evicted;
       }
-      const New& winner = mine[win[p]];
+      const Seen& winner = mine[win[p]];
       if (int code = index.insert(winner.id, row + row_offset)) return code;
       raw_ids[row] = winner.id;
       counts[row] = winner.count;
@@ -414,49 +497,6 @@ extern "C" int rs_mc_route(int64_t keys, int64_t stride, const int64_t* lengths,
     const int64_t position = start[sent_to[at]]++;
     order[position] = at;
     sent_to[at] = position;
-  }
-  return 0;
-}
-
-// The default init's numbers for a reset of `n` rows of a `dim`-column table, the columns
-// [col_offset, col_offset + cols) of each, written to row `rows[j]` (of `row_count`, each
-// `row_stride` floats apart) of `out` (recshard/distributed/mc_reset.py gives the same numbers
-// from torch ops): number p = j * dim + col_offset + c of the block of whole rows is u * scale +
-// low (float arithmetic), u = 24 bits of word p / 2 over 2**24: the top 24 of an even p's, the
-// next 24 of an odd p's; word k = splitmix64's output for the state seed + (k + 1) * GAMMA. A
-// counter-based generator: any row's or column's numbers without the others'.
-extern "C" int rs_mc_draw_uniform(int64_t seed, int64_t n, const int64_t* rows, int64_t dim,
-                                  int64_t col_offset, int64_t cols, float low, float scale,
-                                  int64_t row_count, int64_t row_stride, float* out) {
-  if (n < 0 || dim < 1 || col_offset < 0 || cols < 0 || col_offset + cols > dim ||
-      row_stride < cols || row_count < 0)
-    return ERR_ARGUMENT;
-  for (int64_t j = 0; j < n; ++j)
-    if (rows[j] < 0 || rows[j] >= row_count) return ERR_ARGUMENT;
-  constexpr uint64_t GAMMA = 0x9E3779B97F4A7C15ULL, M1 = 0xBF58476D1CE4E5B9ULL,
-                     M2 = 0x94D049BB133111EBULL;
-  auto word = [&](uint64_t k) {
-    uint64_t z = uint64_t(seed) + (k + 1) * GAMMA;
-    z = (z ^ (z >> 30)) * M1;
-    z = (z ^ (z >> 27)) * M2;
-    return z ^ (z >> 31);
-  };
-  auto number = [&](uint64_t drawn) {  // 24 bits -> u * scale + low
-    const float u = float(int32_t(drawn)) * (1.0f / 16777216.0f);  // < 2**24: exact
-    const float scaled = u * scale;
-    return scaled + low;
-  };
-  for (int64_t j = 0; j < n; ++j) {
-    float* row = out + rows[j] * row_stride;
-    const uint64_t first = uint64_t(j * dim + col_offset);
-    int64_t c = 0;
-    if (cols > 0 && (first & 1)) row[c++] = number((word(first / 2) >> 16) & 0xFFFFFF);
-    for (; c + 1 < cols; c += 2) {  // p = first + c is even: word p / 2 gives p and p + 1
-      const uint64_t bits = word((first + uint64_t(c)) / 2);
-      row[c] = number(bits >> 40);
-      row[c + 1] = number((bits >> 16) & 0xFFFFFF);
-    }
-    if (c < cols) row[c] = number(word((first + uint64_t(c)) / 2) >> 40);
   }
   return 0;
 }

@@ -1,0 +1,61 @@
+// A managed collision reset's numbers in C++ (called through ctypes from
+// recshard/distributed/mc_native.py's draw_uniform; recshard/distributed/mc_reset.py gives the
+// same numbers from torch ops): the default init's uniform numbers of the rows given to new ids,
+// from a counter-based generator, written straight into the table's rows. Part of the
+// recshard.distributed._mc_index library (with mc_index.cpp).
+
+#include <cstdint>
+
+#include "mc_codes.h"
+
+// The default init's numbers for a reset of `n` rows of a `dim`-column table, the columns
+// [col_offset, col_offset + cols) of each, written to row `rows[j]` (of `row_count`, each
+// `row_stride` floats apart) of `out` (recshard/distributed/mc_reset.py gives the same numbers
+// from torch ops): number p = j * dim + col_offset + c of the block of whole rows is u * scale +
+// low (float arithmetic), u = 24 bits of word p / 2 over 2**24: the top 24 of an even p's, the
+// next 24 of an odd p's; word k = splitmix64's output for the state seed + (k + 1) * GAMMA. A
+// counter-based generator: any row's or column's numbers without the others'.
+namespace {
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MC_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
+#else
+#define MC_CLONES
+#endif
+
+// Numbers first .. first + cols - 1 of the block (see rs_mc_draw_uniform) into row[0, cols):
+// one number a lane (a word drawn for each of its two numbers), so the loop vectorizes (64-bit
+// multiplies: AVX-512 lanes where the CPU has them, picked at load time); the same float
+// operations in the same order as one at a time (-ffp-contract=off: no fused multiply-add).
+MC_CLONES void draw_row(uint64_t seed, uint64_t first, int64_t cols, float low, float scale,
+                        float* row) {
+  constexpr uint64_t GAMMA = 0x9E3779B97F4A7C15ULL, M1 = 0xBF58476D1CE4E5B9ULL,
+                     M2 = 0x94D049BB133111EBULL;
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint64_t p = first + uint64_t(c);
+    uint64_t z = seed + ((p >> 1) + 1) * GAMMA;  // splitmix64 of word p / 2
+    z = (z ^ (z >> 30)) * M1;
+    z = (z ^ (z >> 27)) * M2;
+    z ^= z >> 31;
+    const uint64_t drawn = (p & 1) ? (z >> 16) & 0xFFFFFF : z >> 40;  // 24 bits
+    const float u = float(int32_t(drawn)) * (1.0f / 16777216.0f);  // < 2**24: exact
+    const float scaled = u * scale;
+    row[c] = scaled + low;
+  }
+}
+
+}  // namespace
+
+extern "C" int rs_mc_draw_uniform(int64_t seed, int64_t n, const int64_t* rows, int64_t dim,
+                                  int64_t col_offset, int64_t cols, float low, float scale,
+                                  int64_t row_count, int64_t row_stride, float* out) {
+  if (n < 0 || dim < 1 || col_offset < 0 || cols < 0 || col_offset + cols > dim ||
+      row_stride < cols || row_count < 0)
+    return ERR_ARGUMENT;
+  for (int64_t j = 0; j < n; ++j)
+    if (rows[j] < 0 || rows[j] >= row_count) return ERR_ARGUMENT;
+  for (int64_t j = 0; j < n; ++j)
+    draw_row(uint64_t(seed), uint64_t(j * dim + col_offset), cols, low, scale,
+             out + rows[j] * row_stride);
+  return 0;
+}
