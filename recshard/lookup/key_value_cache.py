@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import _thread
 import atexit
+import os
 import threading
 from typing import Dict, List, Set, Tuple
 
@@ -42,8 +43,9 @@ from recshard.lookup.row_store import RowStore
 
 # write-backs behind the step in flight in any cache (their `done`): waited for at interpreter
 # exit, so that none is cut off inside a torch call, which aborts the process ("terminate called
-# without an active exception"), and their rows land
+# without an active exception"), and their rows land. A forked child has none of the threads.
 _IN_FLIGHT: Set[threading.Event] = set()
+os.register_at_fork(after_in_child=_IN_FLIGHT.clear)
 
 
 @atexit.register

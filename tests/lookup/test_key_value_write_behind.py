@@ -250,3 +250,32 @@ def test_exit_with_write_backs_in_flight_waits_for_them(tmp_path: Path) -> None:
         lines = result.stdout.split()
         assert lines.count("started") > 0
         assert lines.count("landed") == lines.count("started"), result.stdout
+
+
+def test_a_child_forked_with_write_backs_in_flight_exits(slow_writes: None) -> None:
+    """A process forked while write-backs are in flight (their threads are not in the child)
+    runs its exit handlers without waiting for them."""
+    with tempfile.TemporaryDirectory() as directory:
+        _, kv = _kernels("exact_sgd", directory)
+        for step in range(3):
+            kv(_batch(step)).sum().backward()
+        assert key_value_cache._IN_FLIGHT, "no write-back in flight to fork beside"
+        child = os.fork()
+        if child == 0:
+            code = 0 if not key_value_cache._IN_FLIGHT else 1
+            try:
+                key_value_cache._finish_write_backs()
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(child, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+            raise AssertionError("the forked child waited for write-backs it does not run")
+        assert os.waitstatus_to_exitcode(status) == 0
+        key_value_cache._finish_write_backs()  # the parent waits for its own
