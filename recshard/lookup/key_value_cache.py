@@ -23,8 +23,10 @@ so no other fill starts a write in between): a row written back is never read fr
 before its write landed, and a fill that reads none of them (a forward after its prefetch) does
 not wait. A write that failed is kept and tried again before the next fill's books and reads
 and before a flush, which raise its error while it still fails (a fill then undoes its books):
-its rows are neither lost nor read stale. The row-wise state (mapped) is copied to its mapping
-under `lock` when its row leaves, before the slot is reused.
+its rows are neither lost nor read stale. A write-back whose thread cannot start is kept the
+same way (written by the next fill), and interpreter exit waits for the write-backs in flight.
+The row-wise state (mapped) is copied to its mapping under `lock` when its row leaves, before
+the slot is reused.
 """
 
 from __future__ import annotations
