@@ -23,21 +23,38 @@ so no other fill starts a write in between): a row written back is never read fr
 before its write landed, and a fill that reads none of them (a forward after its prefetch) does
 not wait. A write that failed is kept and tried again before the next fill's books and reads
 and before a flush, which raise its error while it still fails (a fill then undoes its books):
-its rows are neither lost nor read stale. The row-wise state (mapped) is copied to its mapping
-under `lock` when its row leaves, before the slot is reused.
+its rows are neither lost nor read stale. A write-back whose thread cannot start is kept the
+same way (written by the next fill), and interpreter exit waits for the write-backs in flight.
+The row-wise state (mapped) is copied to its mapping under `lock` when its row leaves, before
+the slot is reused.
 """
 
 from __future__ import annotations
 
 import _thread
+import atexit
+import os
 import threading
-from typing import Dict, List, Tuple
+from typing import Dict, List, Set, Tuple
 
 import torch
 
 from recshard.lookup import native_row_cache
 from recshard.lookup.native_row_cache import CacheArrays
 from recshard.lookup.row_store import RowStore
+
+# write-backs behind the step in flight in any cache (their `done`): waited for at interpreter
+# exit, so that none is cut off inside a torch call, which aborts the process ("terminate called
+# without an active exception"), and their rows land. A forked child has none of the threads.
+_IN_FLIGHT: Set[threading.Event] = set()
+os.register_at_fork(after_in_child=_IN_FLIGHT.clear)
+
+
+@atexit.register
+def _finish_write_backs() -> None:
+    """Wait for every write-back still in flight (at interpreter exit)."""
+    for done in list(_IN_FLIGHT):
+        done.wait()
 
 
 class CacheOverflowError(ValueError):
@@ -260,21 +277,29 @@ class RowCache:
         before = self._writers[-1][0] if self._writers else None
         done = threading.Event()
         self._writers.append((done, rows))
+        _IN_FLIGHT.add(done)
         # `threading.Thread.start` waits until the new thread runs (~0.5 ms a step on a busy
         # 2-core machine); the low-level start returns at once, and `done` says it finished
-        _thread.start_new_thread(self._write_behind, (before, done, rows, blocks))
+        try:
+            _thread.start_new_thread(self._write_behind, (before, done, [rows, blocks]))
+        except RuntimeError:  # no thread to spare: kept, written by the next fill or flush
+            self._failed.append((rows, blocks))
+            done.set()
+            _IN_FLIGHT.discard(done)
 
     def _write(self, rows: torch.Tensor, blocks: Dict[str, torch.Tensor]) -> None:
         for suffix, block in blocks.items():
             self.store.write(suffix, rows, block)
 
     def _write_behind(
-        self,
-        before: threading.Event | None,
-        done: threading.Event,
-        rows: torch.Tensor,
-        blocks: Dict[str, torch.Tensor],
+        self, before: threading.Event | None, done: threading.Event, job: list
     ) -> None:
+        """Write `job` = [rows, blocks] after `before`, then set `done`. The thread holds the
+        tensors only until then (`job` emptied): freeing a tensor releases the GIL, and a
+        thread that takes it back during interpreter exit is stopped inside torch, which
+        aborts the process; exit waits for `done` (`_finish_write_backs`)."""
+        rows, blocks = job
+        job.clear()
         try:
             if before is not None:
                 before.wait()  # files see the write-backs in the order the victims left
@@ -283,7 +308,9 @@ class RowCache:
             except BaseException:  # noqa: BLE001 - kept: written again (or raised) by the next wait
                 self._failed.append((rows, blocks))
         finally:
+            del rows, blocks
             done.set()
+            _IN_FLIGHT.discard(done)
 
     def _wait_for_write_back(self, missing: torch.Tensor | None = None) -> None:
         """Wait for the write-backs behind the step (with `missing`, rows about to be read from

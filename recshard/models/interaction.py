@@ -32,7 +32,7 @@ from recshard.lookup.native_library import NativeLibrary
 logger = logging.getLogger(__name__)
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-_OK = 0  # interaction.cpp's codes (1: an inf or nan, 2: no AVX-512)
+_OK = 0  # interaction.cpp's codes (1: an inf or nan, 2: no AVX-512, 3: no memory)
 
 
 def _declare(library: ctypes.CDLL) -> None:

@@ -119,3 +119,27 @@ def test_a_nan_score_ranks_as_minus_infinity(
     for ranking in (rank_contest, mc_native.native_contest):
         lose, win = ranking(nan_rows, held, nan_news)
         assert torch.equal(lose, expected[0]) and torch.equal(win, expected[1])
+
+
+_EDGE_SCORES = [*_SCORES, -0.0, -1.0, 1e308, -1e308, 5e-324]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_large_contests_with_signed_zeros_and_extremes_are_rank_contests(seed: int) -> None:
+    """Hundreds of rows and new ids (nth_element and a sort over many, not a handful), scores
+    among +-0, +-inf, NaN, +-1e308 and the least subnormal, every row free with one score (a
+    first fill: no sort of the rows) in every fifth case."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = int(torch.randint(1, 400, (1,), generator=gen))
+    news = int(torch.randint(1, 600, (1,), generator=gen))
+    pick = torch.tensor(_EDGE_SCORES, dtype=torch.float64)
+    rows = pick[torch.randint(0, len(_EDGE_SCORES), (slots,), generator=gen)]
+    new_scores = pick[torch.randint(0, len(_EDGE_SCORES), (news,), generator=gen)]
+    held = torch.randperm(10 * slots, generator=gen)[:slots]
+    held[torch.rand(slots, generator=gen) < 0.3] = _FREE
+    if seed % 5 == 0:
+        held[:] = _FREE
+        rows[:] = rows[0]
+    lose, win = mc_native.native_contest(rows, held, new_scores)
+    expected = rank_contest(rows, held, new_scores)
+    assert torch.equal(lose, expected[0]) and torch.equal(win, expected[1])

@@ -128,3 +128,39 @@ def test_one_call_eviction_refuses_what_would_break_it() -> None:
     assert counts.tolist() == [0, 2, 0, 0, 1, 0]
     assert len(index) == 2
     assert index.find(torch.tensor([4, 5, 6]))[1].tolist()[:2] == [1, 4]
+
+
+@pytest.mark.parametrize("hash_size", [2**63 - 1, 2**40])
+@pytest.mark.parametrize("buckets", [1, 5, 16])
+def test_fills_of_hundreds_of_ids_up_to_int64_max_match_the_torch_path(
+    hash_size: int, buckets: int
+) -> None:
+    """Ids over the whole input range (the top byte set, hash_size - 1, 2**32 +- 1), power-of-two
+    bucket counts (the modulo as a mask) and not; fills of hundreds of new ids per bucket (the
+    radix sort, uniform counts: every score pass skipped) and skewed draws after (held rows
+    contest): the torch path's rows, ids, counts and evictions after every step."""
+    gen = torch.Generator().manual_seed(buckets)
+    native = MCHManagedCollisionModule(
+        2048, "cpu", LFU_EvictionPolicy(), 1, hash_size, buckets=buckets
+    )
+    native.use_kernels(mc_native.NativeIdIndex(), mc_native.native_contest)
+    reference = MCHManagedCollisionModule(
+        2048, "cpu", LFU_EvictionPolicy(), 1, hash_size, buckets=buckets
+    )
+    edges = torch.tensor([hash_size - 1, hash_size - 2, 0, 1, 2**62, 2**32 - 1, 2**32])
+    universe = torch.cat([torch.randint(0, hash_size, (3000,), generator=gen), edges])
+    universe = universe[universe < hash_size]
+    for step, n in enumerate([600, 2500, 3000, 400, 5000]):
+        skew = 1.0 / (torch.arange(universe.numel()) + 1.0) if step % 2 else None
+        weights = torch.ones(universe.numel()) if skew is None else skew
+        ids = universe[torch.multinomial(weights, n, replacement=True, generator=gen)]
+        features = {"f": JaggedTensor(ids, lengths=torch.tensor([n]))}
+        got, want = native(features)["f"].values(), reference(features)["f"].values()
+        assert torch.equal(got, want), f"step {step}: remapped rows differ"
+        assert torch.equal(native._mch_raw_ids, reference._mch_raw_ids), f"step {step}: ids"
+        assert torch.equal(native._mch_counts, reference._mch_counts), f"step {step}: counts"
+        evicted, want_evicted = native.evict(), reference.evict()
+        assert (evicted is None) == (want_evicted is None), f"step {step}: evicted rows"
+        if evicted is not None:
+            assert evicted.tolist() == want_evicted.tolist(), f"step {step}: evicted rows"
+    native.validate_state()

@@ -11,15 +11,20 @@ caller does this today), and steps after a failed write-back once storage works 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import pytest
 import torch
 
 from recshard import KeyedJaggedTensor
+from recshard.lookup import key_value_cache
 from recshard.lookup.row_store import RowStore
 from tests.lookup.test_key_value_cache import _kernels
 
@@ -180,3 +185,97 @@ def test_rows_of_a_failed_write_back_are_not_silently_lost(
         if not ran_after_recovery:
             return  # every step refused once storage had failed: nothing silent
         torch.testing.assert_close(kv.table_weights()[0], memory.table_weights()[0])
+
+
+def test_a_write_back_thread_that_cannot_start_is_written_by_the_next_fill(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The system refuses every write-behind thread (`can't start new thread`): no step
+    raises or waits forever on a write that never ran, and the table keeps the in-memory
+    kernel's bytes (each refused write-back is written by the fill that evicted it)."""
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(key_value_cache, "_thread", SimpleNamespace(start_new_thread=refuse))
+    with tempfile.TemporaryDirectory() as directory:
+        memory, kv = _kernels("exact_row_wise_adagrad", directory)
+        for step in range(12):
+            features = _batch(step)
+            out, kv_out = memory(features), kv(features)
+            _same_bytes(out.detach(), kv_out.detach(), f"output of step {step}")
+            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
+            (out * grad).sum().backward()
+            (kv_out * grad).sum().backward()
+        _same_bytes(memory.table_weights()[0], kv.table_weights()[0], "weights")
+        for name, value in memory.optimizer_states()[0].items():
+            _same_bytes(value, kv.optimizer_states()[0][name], name)
+
+
+EXIT_WITH_WRITES_IN_FLIGHT = """
+import sys, tempfile, time
+from recshard.lookup.row_store import RowStore
+from tests.lookup.test_key_value_cache import _kernels
+from tests.lookup.test_key_value_write_behind import _batch
+
+write = RowStore.write
+
+def late_write(self, suffix, ids, values):
+    print("started", flush=True)
+    time.sleep(0.3)
+    write(self, suffix, ids, values)
+    print("landed", flush=True)
+
+RowStore.write = late_write
+memory, kv = _kernels("exact_sgd", tempfile.mkdtemp(dir=sys.argv[1]))
+for step in range(4):
+    kv(_batch(step)).sum().backward()
+"""
+
+
+def test_exit_with_write_backs_in_flight_waits_for_them(tmp_path: Path) -> None:
+    """The interpreter exits while write-backs are in flight (each lands 0.3 s late): each
+    lands, and the process exits cleanly (a write-behind thread that freed its tensors during
+    exit was stopped inside torch: "terminate called without an active exception", SIGABRT,
+    about one exit in two)."""
+    for _ in range(3):
+        result = subprocess.run(
+            [sys.executable, "-c", EXIT_WITH_WRITES_IN_FLIGHT, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        )
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.split()
+        assert lines.count("started") > 0
+        assert lines.count("landed") == lines.count("started"), result.stdout
+
+
+def test_a_child_forked_with_write_backs_in_flight_exits(slow_writes: None) -> None:
+    """A process forked while write-backs are in flight (their threads are not in the child)
+    runs its exit handlers without waiting for them."""
+    with tempfile.TemporaryDirectory() as directory:
+        _, kv = _kernels("exact_sgd", directory)
+        for step in range(3):
+            kv(_batch(step)).sum().backward()
+        assert key_value_cache._IN_FLIGHT, "no write-back in flight to fork beside"
+        child = os.fork()
+        if child == 0:
+            code = 0 if not key_value_cache._IN_FLIGHT else 1
+            try:
+                key_value_cache._finish_write_backs()
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(child, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+            raise AssertionError("the forked child waited for write-backs it does not run")
+        assert os.waitstatus_to_exitcode(status) == 0
+        key_value_cache._finish_write_backs()  # the parent waits for its own

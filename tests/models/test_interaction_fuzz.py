@@ -4,7 +4,11 @@ must give the torch path's bytes (outputs and both gradients) or raise torch's o
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import List
 
 import pytest
@@ -12,11 +16,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from recshard.models import interaction
 from recshard.models.interaction import pairwise_interaction, torch_interaction
 from tests.models.test_interaction import (
     _assert_same_bytes,
     _grad_with_zeros,
     _inputs,
+    _kernels_on,
     _positions,
     _run,
 )
@@ -159,3 +165,71 @@ def test_negative_bit_views_are_read_as_their_values() -> None:
         (dense, sparse, lambda out: torch._neg_view(grad(out))),
     ):
         _assert_same_bytes(_run(pairwise_interaction, d, s, g), _run(torch_interaction, d, s, g))
+
+
+# F + 1 rows at the backward's block edges (4k + 1..4k + 3, 8k, 16k + 1 rows; blocks of 4, 5, 8
+# and 16 rows) and D not a multiple of 16 (1, 2, 3 and 4 vectors of 16 lanes, a 64-column tail)
+EDGE_FEATURES = [1, 2, 3, 4, 5, 6, 7, 8, 15, 16, 17, 18, 19, 20, 23, 24, 31, 32, 33]
+EDGE_DIMS = [1, 7, 15, 17, 31, 33, 47, 49, 63, 65, 79, 100, 129]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_block_edges_same_bytes(threads: int) -> None:
+    """Every (F, D) above at batch 24 and 150 (two chunks at 2 threads), contiguous and as a
+    4-byte misaligned / strided copy: torch's bytes; the kernels must run for most shapes
+    where the probe passes (else the comparison tests nothing)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    ran = 0
+    try:
+        for features in EDGE_FEATURES:
+            for dim in EDGE_DIMS:
+                ran += _kernels_on(features, dim)
+                for batch in (24, 150):
+                    dense, sparse = _inputs(batch, features, dim, features * 1000 + dim)
+                    grad = _grad_with_zeros(dim)
+                    expected = _run(torch_interaction, dense, sparse, grad)
+                    for d, s in [(dense, sparse), _layouts(dense, sparse)[0]]:
+                        got = _run(pairwise_interaction, d, s, grad)
+                        try:
+                            _assert_same_bytes(got, expected)
+                        except AssertionError:
+                            raise AssertionError(f"F {features} D {dim} batch {batch}") from None
+    finally:
+        torch.set_num_threads(saved)
+    if interaction._LIBRARY.load() is not None:
+        assert ran > 0, "the probe turned the kernels off for every shape"
+
+
+NO_MEMORY = """
+import resource, torch
+from recshard.models import interaction
+
+library = interaction._LIBRARY.load()
+batch, features, dim = 2, 26, 200_000  # the forward's scratch: dim x 64 floats, 51 MB
+dense, sparse = torch.ones(batch, dim), torch.ones(batch, features, dim)
+out = torch.empty(batch, dim + 27 * 26 // 2)
+status = open("/proc/self/status").read()
+used = int(status.split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (used + (8 << 20), resource.RLIM_INFINITY))
+code = library.ia_forward(
+    dense.data_ptr(), sparse.data_ptr(), out.data_ptr(), batch, features, dim, 1
+)
+print("code", code)
+"""
+
+
+def test_no_memory_for_the_scratch_is_a_code_not_an_abort() -> None:
+    """The address space held to 8 MiB past what the process uses: the forward's per-chunk
+    scratch cannot be allocated; the kernel says so (the torch path runs), the process lives."""
+    if interaction._LIBRARY.load() is None:
+        pytest.skip("the interaction library is not built")
+    result = subprocess.run(
+        [sys.executable, "-c", NO_MEMORY],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() in ("code 3", "code 2"), result.stdout  # 2: no AVX-512

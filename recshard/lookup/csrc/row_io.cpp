@@ -14,15 +14,18 @@
 // slot (checked; else every run is read in batch order): the buffer then ends the same whatever
 // order the reads finish in. Writes go one after another, in batch order.
 //
-// Returns 0, or RS_BAD_ROW / RS_BAD_SLOT (position in *detail), RS_SYSCALL (errno in *detail)
-// or RS_SHORT (the file ended first, or a write moved nothing); with several threads, the error
-// of the first failing run in batch order.
+// Returns 0, or RS_BAD_ROW / RS_BAD_SLOT (position in *detail), RS_SYSCALL (errno in *detail;
+// ENOMEM when the batch's bookkeeping cannot be allocated) or RS_SHORT (the file ended first, or
+// a write moved nothing); with several threads, the error of the first failing run in batch
+// order. After an error some slots may hold rows and others not: the caller trusts none of
+// them. No C++ exception crosses the C boundary (it would abort the process).
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstdint>
+#include <new>
 #include <sys/uio.h>
 #include <system_error>
 #include <thread>
@@ -104,6 +107,7 @@ int read_in_parallel(int fd, std::vector<struct iovec>& iov, const std::vector<R
   };
   std::vector<std::thread> helpers;
   const size_t count = std::min(runs.size(), static_cast<size_t>(depth)) - 1;
+  helpers.reserve(count);  // may throw bad_alloc, but before any thread runs
   for (size_t t = 0; t < count; ++t) {
     try {
       helpers.emplace_back(work);
@@ -122,12 +126,9 @@ int read_in_parallel(int fd, std::vector<struct iovec>& iov, const std::vector<R
   return RS_OK;
 }
 
-}  // namespace
-
-extern "C" int rs_rows_io(int write, int fd, int64_t row_bytes, int64_t file_rows,
-                          const int64_t* rows, int64_t count, char* buffer, int64_t buffer_rows,
-                          const int64_t* slots, int depth, int64_t* detail) {
-  *detail = 0;
+int rows_io(int write, int fd, int64_t row_bytes, int64_t file_rows, const int64_t* rows,
+            int64_t count, char* buffer, int64_t buffer_rows, const int64_t* slots, int depth,
+            int64_t* detail) {
   if (row_bytes <= 0) return RS_SHORT;
   for (int64_t i = 0; i < count; ++i) {
     if (rows[i] < 0 || rows[i] >= file_rows) {
@@ -175,4 +176,19 @@ extern "C" int rs_rows_io(int write, int fd, int64_t row_bytes, int64_t file_row
     if (code != RS_OK) return code;
   }
   return RS_OK;
+}
+
+}  // namespace
+
+extern "C" int rs_rows_io(int write, int fd, int64_t row_bytes, int64_t file_rows,
+                          const int64_t* rows, int64_t count, char* buffer, int64_t buffer_rows,
+                          const int64_t* slots, int depth, int64_t* detail) {
+  *detail = 0;
+  try {
+    return rows_io(write, fd, row_bytes, file_rows, rows, count, buffer, buffer_rows, slots,
+                   depth, detail);
+  } catch (const std::bad_alloc&) {  // before any helper thread starts (reserved)
+    *detail = ENOMEM;
+    return RS_SYSCALL;
+  }
 }

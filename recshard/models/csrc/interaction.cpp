@@ -14,10 +14,13 @@
 //
 // Every function returns IA_OK, IA_NONFINITE (an output is inf or nan: an input was, or a sum
 // overflowed; the caller takes the torch path, whose nan propagation the kernels do not
-// replay; every input takes part in some output's chain) or IA_UNSUPPORTED (no AVX-512).
+// replay; every input takes part in some output's chain), IA_UNSUPPORTED (no AVX-512) or
+// IA_NO_MEMORY (a scratch buffer could not be allocated: the torch path runs). No C++ exception
+// crosses the C boundary or leaves a thread (either would abort the process).
 
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -33,6 +36,7 @@ namespace {
 constexpr int IA_OK = 0;
 constexpr int IA_NONFINITE = 1;
 constexpr int IA_UNSUPPORTED = 2;
+constexpr int IA_NO_MEMORY = 3;
 
 // Where pair (i, j), i < j, sits in a sample's pairs: base(i) + j, base(i) = rows 0..i-1's
 // n-1, n-2, ... pairs, less i + 1.
@@ -279,17 +283,26 @@ bool has_avx512() {
 // Runs body(first, last), which returns nonzero for an inf or nan, over [0, batch) in up to
 // `threads` contiguous chunks of at least 64 samples, the caller's thread taking the first and
 // a std::thread each other one (inline if one cannot start). Samples are independent, so the
-// chunking changes no byte. Returns IA_NONFINITE if any chunk did.
+// chunking changes no byte. Returns IA_NONFINITE if any chunk did, IA_NO_MEMORY if a chunk's
+// scratch (or the chunks' books) could not be allocated.
 template <typename Body>
-int in_chunks(int64_t batch, int threads, Body body) {
+int in_chunks(int64_t batch, int threads, Body body) try {
+  auto chunk = [&body](int64_t first, int64_t last) {
+    try {
+      return body(first, last) ? IA_NONFINITE : IA_OK;
+    } catch (const std::bad_alloc&) {
+      return IA_NO_MEMORY;
+    }
+  };
   int64_t chunks = (batch + 63) / 64;
   if (chunks > threads) chunks = threads;
-  if (chunks <= 1) return body(0, batch) ? IA_NONFINITE : IA_OK;
+  if (chunks <= 1) return chunk(0, batch);
   std::vector<int> bad(chunks, 0);
   std::vector<std::thread> workers;
+  workers.reserve(chunks - 1);  // may throw bad_alloc, but before any worker starts
   for (int64_t c = 1; c < chunks; ++c) {
-    auto run = [&bad, &body, batch, chunks, c] {
-      bad[c] = body(batch * c / chunks, batch * (c + 1) / chunks);
+    auto run = [&bad, &chunk, batch, chunks, c] {
+      bad[c] = chunk(batch * c / chunks, batch * (c + 1) / chunks);
     };
     try {
       workers.emplace_back(run);
@@ -297,11 +310,13 @@ int in_chunks(int64_t batch, int threads, Body body) {
       run();
     }
   }
-  bad[0] = body(0, batch / chunks);
+  bad[0] = chunk(0, batch / chunks);
   for (std::thread& worker : workers) worker.join();
   for (int b : bad)
-    if (b) return IA_NONFINITE;
+    if (b != IA_OK) return b;
   return IA_OK;
+} catch (const std::bad_alloc&) {
+  return IA_NO_MEMORY;
 }
 
 }  // namespace
@@ -335,7 +350,12 @@ extern "C" int ia_backward(const float* dense, const float* sparse, const float*
   if (!has_avx512()) return IA_UNSUPPORTED;
 #if defined(__x86_64__)
   const int64_t n = features + 1;
-  std::vector<int64_t> bases(n);
+  std::vector<int64_t> bases;
+  try {
+    bases.resize(n);
+  } catch (const std::bad_alloc&) {
+    return IA_NO_MEMORY;
+  }
   for (int64_t i = 0; i < n; ++i) bases[i] = pair_base(i, n);
   return in_chunks(batch, threads, [=, &bases](int64_t first, int64_t last) {
     __mmask16 bad = 0;
