@@ -40,6 +40,24 @@ def _module(
     return module
 
 
+def _agree_on_a_step(
+    native: MCHManagedCollisionModule,
+    reference: MCHManagedCollisionModule,
+    ids: torch.Tensor,
+    step: int,
+) -> None:
+    """`ids` through both modules, then an eviction: the same rows, ids, counts, evictions."""
+    features = {"f": JaggedTensor(ids, lengths=torch.tensor([ids.numel()]))}
+    got, want = native(features)["f"].values(), reference(features)["f"].values()
+    assert torch.equal(got, want), f"step {step}: remapped rows differ"
+    assert torch.equal(native._mch_raw_ids, reference._mch_raw_ids), f"step {step}: ids"
+    assert torch.equal(native._mch_counts, reference._mch_counts), f"step {step}: counts"
+    evicted, want_evicted = native.evict(), reference.evict()
+    assert (evicted is None) == (want_evicted is None), f"step {step}: evicted rows"
+    if evicted is not None:
+        assert evicted.tolist() == want_evicted.tolist(), f"step {step}: evicted rows"
+
+
 @pytest.mark.parametrize(
     "zch, buckets, bucket_range, interval",
     [(40, 1, None, 1), (60, 4, None, 3), (90, 6, (2, 5), 2), (8, 8, None, 1), (2000, 3, None, 2)],
@@ -69,15 +87,7 @@ def test_one_call_lfu_eviction_matches_the_torch_path(
         weights = 1.0 / (torch.arange(universe.numel()) + 1.0) ** (0.5 + 0.1 * seed)
         n = int(torch.randint(0, 3 * zch, (1,), generator=gen))
         ids = universe[torch.multinomial(weights, max(n, 1), replacement=True, generator=gen)][:n]
-        features = {"f": JaggedTensor(ids, lengths=torch.tensor([n]))}
-        got, want = native(features)["f"].values(), reference(features)["f"].values()
-        assert torch.equal(got, want), f"step {step}: remapped rows differ"
-        assert torch.equal(native._mch_raw_ids, reference._mch_raw_ids), f"step {step}: ids"
-        assert torch.equal(native._mch_counts, reference._mch_counts), f"step {step}: counts"
-        evicted, want_evicted = native.evict(), reference.evict()
-        assert (evicted is None) == (want_evicted is None), f"step {step}: evicted rows"
-        if evicted is not None:
-            assert evicted.tolist() == want_evicted.tolist(), f"step {step}: evicted rows"
+        _agree_on_a_step(native, reference, ids, step)
         assert native.metrics(reset=False) == reference.metrics(reset=False), f"step {step}"
         assert native.history_length() == reference.history_length()
     # the index still answers every id as the rows say
@@ -154,13 +164,5 @@ def test_fills_of_hundreds_of_ids_up_to_int64_max_match_the_torch_path(
         skew = 1.0 / (torch.arange(universe.numel()) + 1.0) if step % 2 else None
         weights = torch.ones(universe.numel()) if skew is None else skew
         ids = universe[torch.multinomial(weights, n, replacement=True, generator=gen)]
-        features = {"f": JaggedTensor(ids, lengths=torch.tensor([n]))}
-        got, want = native(features)["f"].values(), reference(features)["f"].values()
-        assert torch.equal(got, want), f"step {step}: remapped rows differ"
-        assert torch.equal(native._mch_raw_ids, reference._mch_raw_ids), f"step {step}: ids"
-        assert torch.equal(native._mch_counts, reference._mch_counts), f"step {step}: counts"
-        evicted, want_evicted = native.evict(), reference.evict()
-        assert (evicted is None) == (want_evicted is None), f"step {step}: evicted rows"
-        if evicted is not None:
-            assert evicted.tolist() == want_evicted.tolist(), f"step {step}: evicted rows"
+        _agree_on_a_step(native, reference, ids, step)
     native.validate_state()

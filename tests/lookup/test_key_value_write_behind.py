@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Iterator
+from typing import Iterator, Tuple
 
 import pytest
 import torch
@@ -55,6 +55,19 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"{what}: {(a - b).abs().max()}"
 
 
+def _step_in_memory(
+    memory: torch.nn.Module, kv: torch.nn.Module, step: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Batch `step` through both kernels (outputs compared) and the in-memory one's backward:
+    the key-value output and the gradient its backward is to take."""
+    features = _batch(step)
+    out, kv_out = memory(features), kv(features)
+    _same_bytes(out.detach(), kv_out.detach(), f"output of step {step}")
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
+    (out * grad).sum().backward()
+    return kv_out, grad
+
+
 @pytest.mark.parametrize("prefetch_thread", [False, True], ids=["step", "pipeline-prefetch"])
 @pytest.mark.parametrize("optimizer", ["exact_sgd", "exact_row_wise_adagrad"])
 def test_a_row_read_back_while_its_write_back_is_in_flight_is_fresh(
@@ -77,11 +90,7 @@ def test_a_row_read_back_while_its_write_back_is_in_flight_is_fresh(
                 errors.append(e)
 
         for step in range(12):
-            features = _batch(step)
-            out, kv_out = memory(features), kv(features)
-            _same_bytes(out.detach(), kv_out.detach(), f"output of step {step}")
-            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
-            (out * grad).sum().backward()
+            kv_out, grad = _step_in_memory(memory, kv, step)
             side = threading.Thread(target=prefetch, args=(_batch(step + 1),))
             if prefetch_thread:
                 side.start()
@@ -201,11 +210,7 @@ def test_a_write_back_thread_that_cannot_start_is_written_by_the_next_fill(
     with tempfile.TemporaryDirectory() as directory:
         memory, kv = _kernels("exact_row_wise_adagrad", directory)
         for step in range(12):
-            features = _batch(step)
-            out, kv_out = memory(features), kv(features)
-            _same_bytes(out.detach(), kv_out.detach(), f"output of step {step}")
-            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
-            (out * grad).sum().backward()
+            kv_out, grad = _step_in_memory(memory, kv, step)
             (kv_out * grad).sum().backward()
         _same_bytes(memory.table_weights()[0], kv.table_weights()[0], "weights")
         for name, value in memory.optimizer_states()[0].items():
