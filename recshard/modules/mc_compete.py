@@ -22,6 +22,8 @@ def lowest_ranked(scores: torch.Tensor, raw_ids: torch.Tensor, k: int) -> torch.
     """Positions of the `k` lowest-ranked of a bucket's rows (`scores [S]`, `raw_ids [S]`: the
     id each holds, `FREE` if none), in rank order (highest first)."""
     free = raw_ids == FREE
+    if k <= 0:  # no new id: no row to choose (kthvalue has no 0th)
+        return torch.arange(0, device=scores.device)
     if k >= scores.numel():
         chosen = torch.arange(scores.numel(), device=scores.device)
     else:

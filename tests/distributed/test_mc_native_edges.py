@@ -91,11 +91,10 @@ def test_native_contest_pairs_are_rank_contests(
     rows = torch.tensor(row_scores, dtype=torch.float64)
     news = torch.tensor(new_scores, dtype=torch.float64)
     lose, win = mc_native.native_contest(rows, held, news)
-    if slots == 0 or not new_scores:
-        assert lose.numel() == 0 and win.numel() == 0
-        return
     expected = rank_contest(rows, held, news)
     assert torch.equal(lose, expected[0]) and torch.equal(win, expected[1])
+    if slots == 0 or not new_scores:
+        assert lose.numel() == 0 and win.numel() == 0
 
 
 def _nan_as_lowest(scores: List[float]) -> torch.Tensor:
