@@ -236,15 +236,18 @@ bool radix_sorted(ContestScratch& scratch, int64_t m, NewScore new_score, NewKey
     if (int64_t(n) != m || n < 256 || n > UINT32_MAX) return false;
     constexpr uint64_t SIGN = uint64_t(1) << 63;
     // ascending unsigned digits: keys low to high, then scores high to low
-    std::vector<uint64_t>&keys = scratch.keys, &scores = scratch.scores;
+    std::vector<uint64_t>& keys = scratch.keys;
+    std::vector<uint64_t>& scores = scratch.scores;
     keys.resize(n);
     scores.resize(n);
     for (size_t i = 0; i < n; ++i) {
       keys[i] = uint64_t(new_key(order[i])) ^ SIGN;
       scores[i] = ~(uint64_t(new_score(order[i])) ^ SIGN);
     }
-    std::vector<uint32_t>&at = scratch.at, &spare = scratch.spare;  // positions into keys/scores,
-    at.resize(n);                                                     // sorted in passes
+    // positions into keys/scores, sorted in passes
+    std::vector<uint32_t>& at = scratch.at;
+    std::vector<uint32_t>& spare = scratch.spare;
+    at.resize(n);
     spare.resize(n);
     std::iota(at.begin(), at.end(), 0u);
     for (const std::vector<uint64_t>* digits : {&keys, &scores}) {
@@ -288,7 +291,8 @@ int64_t contest(int64_t slots, RowScore row_score, const int64_t* held, int64_t 
   for (int64_t r = 1; r < slots; ++r) worst_row = std::min(worst_row, row_score(r));
   if (!(best_new > worst_row)) return 0;  // nothing changes hands (the common quiet case)
   // the rows that can lose, the new ids that can win
-  std::vector<int64_t>&rows = scratch.rows, &order = scratch.order;
+  std::vector<int64_t>& rows = scratch.rows;
+  std::vector<int64_t>& order = scratch.order;
   rows.clear();
   order.clear();
   bool free_alike = true;  // all of those rows free with one score (a first fill)
