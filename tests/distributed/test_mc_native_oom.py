@@ -27,6 +27,7 @@ OUT_OF_MEMORY = r"""
 import resource, sys
 import torch
 from recshard.distributed import mc_native
+from recshard.modules.mc_compete import rank_contest
 from recshard.modules.mc_modules import LFU_EvictionPolicy, MCHManagedCollisionModule
 from recshard.sparse import JaggedTensor
 
