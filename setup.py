@@ -1,7 +1,7 @@
 """Builds recshard's C++ libraries at install: the CPU embedding kernel (csrc/cpu_tbe.cpp),
 the key_value tables' row I/O (csrc/row_io.cpp) and their row cache's bookkeeping
 (csrc/row_cache.cpp), managed collision's id index, remap and routing
-(recshard/distributed/csrc/mc_index.cpp, mc_draw.cpp), DLRM's pairwise interaction
+(recshard/distributed/csrc/mc_index.cpp, mc_draw.cpp, mc_route.cpp), DLRM's pairwise interaction
 (recshard/models/csrc/interaction.cpp).
 
 Plain C++ with no torch headers (seconds to compile); the metadata is in pyproject.toml.
@@ -42,6 +42,7 @@ setup(
             sources=[
                 "recshard/distributed/csrc/mc_index.cpp",
                 "recshard/distributed/csrc/mc_draw.cpp",
+                "recshard/distributed/csrc/mc_route.cpp",
             ],
             depends=["recshard/distributed/csrc/mc_codes.h"],
             # no fused multiply-add: a reset's numbers equal their torch twin's bit for bit

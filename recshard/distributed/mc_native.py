@@ -1,9 +1,9 @@
 """Managed collision's per-batch work in C++ (`csrc/mc_index.cpp`, through ctypes): each
-table's id index, a whole batch's remap over every table in one call, the id range check, the
-routing of raw ids to their owners (a counting sort, not a stable argsort), an eviction's
-bucket contest, a whole LFU eviction without a threshold filter (`NativeIdIndex.evict_lfu`), and
-the default init's numbers for a reset (`csrc/mc_draw.cpp`: `draw_uniform`, see
-`recshard.distributed.mc_reset`).
+table's id index, a whole batch's remap over every table in one call, the id range check and
+the routing of raw ids to their owners (`csrc/mc_route.cpp`: a counting sort, not a stable
+argsort), an eviction's bucket contest, a whole LFU eviction without a threshold filter
+(`NativeIdIndex.evict_lfu`), and the default init's numbers for a reset (`csrc/mc_draw.cpp`:
+`draw_uniform`, see `recshard.distributed.mc_reset`).
 
 `NativeIdIndex` is an open-addressing hash of the ids holding a module's rows (at most half
 full; an eviction erases and inserts the ids that changed instead of rebuilding); it and
@@ -14,7 +14,8 @@ CPU, or with `RECSHARD_NATIVE_MC=0` (`enabled`), the collection keeps the module
 indexes, the torch contest and `recshard.modules.mc_fused.FusedRemap`.
 
 Every tensor the C++ side reads or writes is checked here (int64, 1-D, contiguous, on the CPU,
-its length), and the C++ side checks every index it derives before using it.
+its length), and the C++ side checks every index it derives before using it. A C++ call that
+cannot get its scratch memory changes nothing and raises MemoryError (`_check`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ _ERRORS = {
     4: "a full index",
     5: "an id outside its range",
     6: "an id routed to a rank not holding its bucket",
+    7: "out of memory for scratch (nothing was changed)",
+    8: "a C++ exception (nothing was changed)",
 }
+_NO_MEMORY = 7
 ENV = "RECSHARD_NATIVE_MC"
 _EPOCHS = itertools.count(1)  # process-wide: no two index states share an epoch
 
@@ -73,6 +77,7 @@ _LIBRARY = NativeLibrary(
     _declare,
     "csrc/mc_index.cpp",
     "csrc/mc_draw.cpp",
+    "csrc/mc_route.cpp",
     "csrc/mc_codes.h",
 )
 
@@ -113,8 +118,11 @@ def _vector(
 
 
 def _check(code: int, what: str) -> None:
+    """Raises for a nonzero return code: MemoryError when the C++ side could not allocate its
+    scratch (it changed nothing: the call may be retried), else RuntimeError."""
     if code:
-        raise RuntimeError(f"managed collision {what}: {_ERRORS.get(code, f'code {code}')}")
+        error = MemoryError if code == _NO_MEMORY else RuntimeError
+        raise error(f"managed collision {what}: {_ERRORS.get(code, f'code {code}')}")
 
 
 class NativeIdIndex:

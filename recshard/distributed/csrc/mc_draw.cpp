@@ -2,7 +2,7 @@
 // recshard/distributed/mc_native.py's draw_uniform; recshard/distributed/mc_reset.py gives the
 // same numbers from torch ops): the default init's uniform numbers of the rows given to new ids,
 // from a counter-based generator, written straight into the table's rows. Part of the
-// recshard.distributed._mc_index library (with mc_index.cpp).
+// recshard.distributed._mc_index library (with mc_index.cpp, mc_route.cpp).
 
 #include <cstdint>
 
@@ -48,7 +48,7 @@ MC_CLONES void draw_row(uint64_t seed, uint64_t first, int64_t cols, float low, 
 
 extern "C" int rs_mc_draw_uniform(int64_t seed, int64_t n, const int64_t* rows, int64_t dim,
                                   int64_t col_offset, int64_t cols, float low, float scale,
-                                  int64_t row_count, int64_t row_stride, float* out) {
+                                  int64_t row_count, int64_t row_stride, float* out) try {
   if (n < 0 || dim < 1 || col_offset < 0 || cols < 0 || col_offset + cols > dim ||
       row_stride < cols || row_count < 0)
     return ERR_ARGUMENT;
@@ -58,4 +58,6 @@ extern "C" int rs_mc_draw_uniform(int64_t seed, int64_t n, const int64_t* rows, 
     draw_row(uint64_t(seed), uint64_t(j * dim + col_offset), cols, low, scale,
              out + rows[j] * row_stride);
   return 0;
+} catch (...) {
+  return exception_code();
 }

@@ -1,14 +1,16 @@
 // Managed collision's per-batch work in C++ (called through ctypes from
 // recshard/distributed/mc_native.py): each table's open-addressing id index (build, erase +
 // insert at an eviction, find), the remap of a whole batch over every table's index in one
-// call, the routing of raw ids to the ranks owning their buckets (a counting sort), a bucket's
-// eviction contest, and a module's whole LFU eviction (a reset's draws: mc_draw.cpp).
+// call, a bucket's eviction contest, and a module's whole LFU eviction (a reset's draws:
+// mc_draw.cpp; id checks and routing: mc_route.cpp).
 //
 // An index is two int64 arrays of 2**log2 slots: keys (EMPTY = -1: ids are >= 0) and their
 // global rows; linear probing from `key * odd constant`'s top bits, deletion by backward
 // shift (no tombstones), at most half full (Python sizes it). Every array's length is passed
 // and every index into one is checked here; Python checks dtypes, devices and lengths first.
-// Return codes: 0 ok, then mc_codes.h's ERR_* (mc_native.py turns them into errors).
+// Return codes: 0 ok, then mc_codes.h's ERR_* (mc_native.py turns them into errors). No C++
+// exception leaves a C function; one that fails (out of memory included) changes nothing but
+// where it says so (a malformed index found midway: ERR_ABSENT, ERR_FULL).
 
 #include <algorithm>
 #include <climits>
@@ -99,7 +101,7 @@ inline int64_t bucket_of(int64_t id, int64_t buckets) {
 
 // An empty index of 2**log2 slots holding `ids[i]` at `rows[i]` (ids distinct, >= 0).
 extern "C" int rs_mc_build(int64_t log2, int64_t* keys, int64_t* rows, int64_t count,
-                           const int64_t* ids, const int64_t* id_rows) {
+                           const int64_t* ids, const int64_t* id_rows) try {
   if (!valid_log2(log2) || count < 0 || 2 * count > (int64_t(1) << log2)) return ERR_ARGUMENT;
   Index index(keys, rows, log2);
   for (int64_t at = 0; at <= int64_t(index.mask); ++at) keys[at] = EMPTY;
@@ -108,13 +110,15 @@ extern "C" int rs_mc_build(int64_t log2, int64_t* keys, int64_t* rows, int64_t c
     if (int code = index.insert(ids[i], id_rows[i])) return code;
   }
   return 0;
+} catch (...) {
+  return exception_code();
 }
 
 // `old_ids` (each held) leave the index, then `new_ids` (none held) come in at `new_rows`;
 // `held` is the count before, for the fill check.
 extern "C" int rs_mc_replace(int64_t log2, int64_t* keys, int64_t* rows, int64_t held,
                              int64_t old_count, const int64_t* old_ids, int64_t new_count,
-                             const int64_t* new_ids, const int64_t* new_rows) {
+                             const int64_t* new_ids, const int64_t* new_rows) try {
   if (!valid_log2(log2) || old_count < 0 || new_count < 0 || old_count > held ||
       2 * (held - old_count + new_count) > (int64_t(1) << log2))
     return ERR_ARGUMENT;
@@ -126,11 +130,13 @@ extern "C" int rs_mc_replace(int64_t log2, int64_t* keys, int64_t* rows, int64_t
     if (int code = index.insert(new_ids[i], new_rows[i])) return code;
   }
   return 0;
+} catch (...) {
+  return exception_code();
 }
 
 // found[i] = whether ids[i] is held; rows[i] its row (0 where not).
 extern "C" int rs_mc_find(int64_t log2, const int64_t* keys, const int64_t* rows, int64_t count,
-                          const int64_t* ids, uint8_t* found, int64_t* out_rows) {
+                          const int64_t* ids, uint8_t* found, int64_t* out_rows) try {
   if (!valid_log2(log2) || count < 0) return ERR_ARGUMENT;
   Index index(const_cast<int64_t*>(keys), const_cast<int64_t*>(rows), log2);
   for (int64_t i = 0; i < count; ++i) {
@@ -139,6 +145,8 @@ extern "C" int rs_mc_find(int64_t log2, const int64_t* keys, const int64_t* rows
     out_rows[i] = at >= 0 ? rows[at] : 0;
   }
   return 0;
+} catch (...) {
+  return exception_code();
 }
 
 // The local row of every id of a batch laid out in segments (segment s: `segment_lengths[s]`
@@ -154,7 +162,7 @@ extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
                            const int64_t* buckets, const int64_t* first_buckets,
                            const int64_t* held_buckets, const int64_t* default_starts,
                            int64_t default_count, const int64_t* defaults, int64_t* out_rows,
-                           int64_t* counts) {
+                           int64_t* counts) try {
   int64_t total = 0;
   for (int64_t s = 0; s < segments; ++s) {
     if (segment_tables[s] < 0 || segment_tables[s] >= tables || segment_lengths[s] < 0)
@@ -191,9 +199,26 @@ extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
     counts[2 * t + 1] += hits;
   }
   return 0;
+} catch (...) {
+  return exception_code();
 }
 
 namespace {
+
+// A contest's working arrays (`contest`, `radix_sorted`), reserved before an eviction writes
+// anything: a contest over at most `slots` rows and `news` new ids then allocates nothing.
+struct ContestScratch {
+  std::vector<int64_t> rows, order, sorted;
+  std::vector<uint64_t> keys, scores;
+  std::vector<uint32_t> at, spare;
+
+  void reserve(size_t slots, size_t news) {
+    rows.reserve(slots);
+    for (std::vector<int64_t>* v : {&order, &sorted}) v->reserve(news);
+    for (std::vector<uint64_t>* v : {&keys, &scores}) v->reserve(news);
+    for (std::vector<uint32_t>* v : {&at, &spare}) v->reserve(news);
+  }
+};
 
 // `order` (positions of new ids) sorted best first, score high to low, then key low to high,
 // when all of them are wanted (`m`: a fill gives every candidate a row), the scores are
@@ -202,20 +227,28 @@ namespace {
 // order is the comparison sort's; but comparing (score, key) on random ids mispredicted about
 // every other branch: most of a first fill's eviction. Returns whether it sorted.
 template <class Score, class NewScore, class NewKey>
-bool radix_sorted(std::vector<int64_t>& order, int64_t m, NewScore new_score, NewKey new_key) {
+bool radix_sorted(ContestScratch& scratch, int64_t m, NewScore new_score, NewKey new_key) {
   if constexpr (!std::is_integral_v<Score>) {
     return false;
   } else {
+    std::vector<int64_t>& order = scratch.order;
     const size_t n = order.size();
     if (int64_t(n) != m || n < 256 || n > UINT32_MAX) return false;
     constexpr uint64_t SIGN = uint64_t(1) << 63;
     // ascending unsigned digits: keys low to high, then scores high to low
-    std::vector<uint64_t> keys(n), scores(n);
+    std::vector<uint64_t>& keys = scratch.keys;
+    std::vector<uint64_t>& scores = scratch.scores;
+    keys.resize(n);
+    scores.resize(n);
     for (size_t i = 0; i < n; ++i) {
       keys[i] = uint64_t(new_key(order[i])) ^ SIGN;
       scores[i] = ~(uint64_t(new_score(order[i])) ^ SIGN);
     }
-    std::vector<uint32_t> at(n), spare(n);  // positions into keys/scores, sorted in passes
+    // positions into keys/scores, sorted in passes
+    std::vector<uint32_t>& at = scratch.at;
+    std::vector<uint32_t>& spare = scratch.spare;
+    at.resize(n);
+    spare.resize(n);
     std::iota(at.begin(), at.end(), 0u);
     for (const std::vector<uint64_t>* digits : {&keys, &scores}) {
       uint64_t all_or = 0, all_and = ~uint64_t(0);
@@ -229,7 +262,8 @@ bool radix_sorted(std::vector<int64_t>& order, int64_t m, NewScore new_score, Ne
         at.swap(spare);
       }
     }
-    std::vector<int64_t> sorted(n);
+    std::vector<int64_t>& sorted = scratch.sorted;
+    sorted.resize(n);
     for (size_t i = 0; i < n; ++i) sorted[i] = order[at[i]];
     order.swap(sorted);
     return true;
@@ -245,16 +279,22 @@ bool radix_sorted(std::vector<int64_t>& order, int64_t m, NewScore new_score, Ne
 // worst first): only the rows scoring below the best new id and the new ids scoring above the
 // worst row are looked at, and only the few that can change hands are sorted. Writes the rows
 // that lose theirs (`lose`) and the new ids that get them (`win`, positions in the new ids),
-// paired in rank order (the best winner takes the best loser); returns their count.
+// paired in rank order (the best winner takes the best loser); returns their count. Its
+// working arrays are `scratch`'s (they grow here unless reserved for slots and news).
 template <class Score, class RowScore, class NewScore, class NewKey>
 int64_t contest(int64_t slots, RowScore row_score, const int64_t* held, int64_t news,
-                NewScore new_score, NewKey new_key, int64_t* lose, int64_t* win) {
+                NewScore new_score, NewKey new_key, int64_t* lose, int64_t* win,
+                ContestScratch& scratch) {
   if (std::min(news, slots) == 0) return 0;
   Score best_new = new_score(0), worst_row = row_score(0);
   for (int64_t i = 1; i < news; ++i) best_new = std::max(best_new, new_score(i));
   for (int64_t r = 1; r < slots; ++r) worst_row = std::min(worst_row, row_score(r));
   if (!(best_new > worst_row)) return 0;  // nothing changes hands (the common quiet case)
-  std::vector<int64_t> rows, order;  // the rows that can lose, the new ids that can win
+  // the rows that can lose, the new ids that can win
+  std::vector<int64_t>& rows = scratch.rows;
+  std::vector<int64_t>& order = scratch.order;
+  rows.clear();
+  order.clear();
   bool free_alike = true;  // all of those rows free with one score (a first fill)
   for (int64_t r = slots - 1; r >= 0; --r) {
     if (row_score(r) < best_new) {
@@ -280,7 +320,7 @@ int64_t contest(int64_t slots, RowScore row_score, const int64_t* held, int64_t 
     std::nth_element(rows.begin(), rows.begin() + (m - 1), rows.end(), row_after);
     std::sort(rows.begin(), rows.begin() + m, row_after);
   }
-  if (!radix_sorted<Score>(order, m, new_score, new_key)) {
+  if (!radix_sorted<Score>(scratch, m, new_score, new_key)) {
     std::nth_element(order.begin(), order.begin() + (m - 1), order.end(), new_before);
     std::sort(order.begin(), order.begin() + m, new_before);
   }
@@ -300,13 +340,17 @@ int64_t contest(int64_t slots, RowScore row_score, const int64_t* held, int64_t 
 // would be undefined in std::sort and nth_element.
 extern "C" int rs_mc_contest(int64_t slots, const double* row_scores, const int64_t* held,
                              int64_t news, const double* new_scores, int64_t* lose, int64_t* win,
-                             int64_t* pairs) {
+                             int64_t* pairs) try {
   if (slots < 0 || news < 0) return ERR_ARGUMENT;
   auto ranked = [](double score) { return std::isnan(score) ? -INFINITY : score; };
+  ContestScratch scratch;  // grows in the contest, before it writes lose and win
   *pairs = contest<double>(
       slots, [&](int64_t r) { return ranked(row_scores[r]); }, held, news,
-      [&](int64_t i) { return ranked(new_scores[i]); }, [](int64_t i) { return i; }, lose, win);
+      [&](int64_t i) { return ranked(new_scores[i]); }, [](int64_t i) { return i; }, lose, win,
+      scratch);
   return 0;
+} catch (...) {
+  return exception_code();
 }
 
 // A whole LFU eviction of one module without a threshold filter (MCHManagedCollisionModule.
@@ -323,7 +367,7 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
                                int64_t* raw_ids, int64_t* counts, int64_t held_buckets,
                                const int64_t* bucket_starts, int64_t buckets,
                                int64_t first_bucket, int64_t row_offset, int64_t* changed,
-                               int64_t* stats) {
+                               int64_t* stats) try {
   if (!valid_log2(log2) || held < 0 || held > row_count || count < 0 || row_count < 0 ||
       2 * row_count > (int64_t(1) << log2) || held_buckets < 0 || buckets < 1 ||
       first_bucket < 0 || first_bucket + held_buckets > buckets || bucket_starts[0] != 0 ||
@@ -398,14 +442,23 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
     ++starts[bucket + 1];
     news.push_back({id, seen_counts[at], bucket});
   }
-  for (const int64_t row : hit_rows) ++counts[row];
-  for (int64_t b = 0; b < held_buckets; ++b) starts[b + 1] += starts[b];
+  // every scratch array allocated before the first write below (to counts): out of memory
+  // changes nothing
+  size_t most_slots = 0, most_news = 0;  // of one contest
+  for (int64_t b = 0; b < held_buckets; ++b) {
+    most_news = std::max(most_news, size_t(starts[b + 1]));
+    starts[b + 1] += starts[b];
+    most_slots = std::max(most_slots, size_t(bucket_starts[b + 1] - 1 - bucket_starts[b]));
+  }
   std::vector<Seen> grouped(news.size());
   {
     std::vector<int64_t> next(starts.begin(), starts.end() - 1);
     for (const Seen& n : news) grouped[size_t(next[n.bucket]++)] = n;
   }
-  std::vector<int64_t> lose(news.size()), win(news.size());
+  std::vector<int64_t> lose(most_news), win(most_news);
+  ContestScratch scratch;
+  scratch.reserve(most_slots, most_news);
+  for (const int64_t row : hit_rows) ++counts[row];
   int64_t changes = 0, evicted = 0;
   for (int64_t bucket = 0; bucket < held_buckets; ++bucket) {
     const Seen* mine = grouped.data() + starts[bucket];
@@ -416,7 +469,7 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
     const int64_t pairs = contest<int64_t>(
         slots, [&](int64_t r) { return counts[start + r]; }, raw_ids + start, mine_count,
         [&](int64_t i) { return mine[i].count; }, [&](int64_t i) { return mine[i].id; },
-        lose.data(), win.data());
+        lose.data(), win.data(), scratch);
     const int64_t first_change = changes;
     for (int64_t p = 0; p < pairs; ++p) {
       const int64_t row = start + lose[p];
@@ -435,68 +488,6 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
   stats[0] = changes;
   stats[1] = evicted;
   return 0;
-}
-
-// ERR_ID when an id of segment s (laid out as for rs_mc_remap) is outside
-// [0, hash_sizes[segment_tables[s]]).
-extern "C" int rs_mc_check_ids(int64_t segments, const int64_t* segment_tables,
-                               const int64_t* segment_lengths, int64_t count, const int64_t* ids,
-                               int64_t tables, const int64_t* hash_sizes) {
-  int64_t at = 0;
-  for (int64_t s = 0; s < segments; ++s) {
-    const int64_t t = segment_tables[s];
-    if (t < 0 || t >= tables || segment_lengths[s] < 0 || at + segment_lengths[s] > count)
-      return ERR_ARGUMENT;
-    for (int64_t end = at + segment_lengths[s]; at < end; ++at)
-      if (ids[at] < 0 || ids[at] >= hash_sizes[t]) return ERR_ID;
-  }
-  return at == count ? 0 : ERR_ARGUMENT;
-}
-
-// Routing of a key-major batch (`keys` keys of `stride` bags each, `lengths[keys * stride]`,
-// ids[count]; key k reads table key_tables[k]) to the owners of the ids' buckets
-// (owner_of_bucket[first_owners[t] + id % buckets[t]], in [0, world)): `order[count]` (the
-// ids in destination-major, then bag, then arrival order: a stable counting sort),
-// `sent_to[count]` (its inverse) and `routed_lengths[world * keys * stride]`.
-extern "C" int rs_mc_route(int64_t keys, int64_t stride, const int64_t* lengths, int64_t count,
-                           const int64_t* ids, const int64_t* key_tables, int64_t tables,
-                           const int64_t* buckets, const int64_t* first_owners,
-                           int64_t owner_count, const int64_t* owner_of_bucket, int64_t world,
-                           int64_t* order, int64_t* sent_to, int64_t* routed_lengths) {
-  if (keys < 0 || stride < 0 || count < 0 || world < 1) return ERR_ARGUMENT;
-  const int64_t bags = keys * stride;
-  int64_t total = 0;
-  for (int64_t b = 0; b < bags; ++b) {
-    if (lengths[b] < 0) return ERR_ARGUMENT;
-    total += lengths[b];
-  }
-  if (total != count) return ERR_ARGUMENT;
-  for (int64_t k = 0; k < keys; ++k) {
-    const int64_t t = key_tables[k];
-    if (t < 0 || t >= tables || buckets[t] < 1 || first_owners[t] < 0 ||
-        first_owners[t] + buckets[t] > owner_count)
-      return ERR_ARGUMENT;
-  }
-  for (int64_t b = 0; b < world * bags; ++b) routed_lengths[b] = 0;
-  // pass 1: each id's owner (kept in sent_to for now) and the per-destination counts
-  std::vector<int64_t> start(world + 1, 0);
-  for (int64_t b = 0, at = 0; b < bags; ++b) {
-    const int64_t t = key_tables[b / (stride ? stride : 1)];
-    for (int64_t end = at + lengths[b]; at < end; ++at) {
-      if (ids[at] < 0) return ERR_ID;
-      const int64_t owner = owner_of_bucket[first_owners[t] + ids[at] % buckets[t]];
-      if (owner < 0 || owner >= world) return ERR_ARGUMENT;
-      sent_to[at] = owner;
-      ++start[owner + 1];
-      ++routed_lengths[owner * bags + b];
-    }
-  }
-  for (int64_t r = 0; r < world; ++r) start[r + 1] += start[r];
-  // pass 2: stable placement (ids arrive bag by bag, so each destination's are bag-major)
-  for (int64_t at = 0; at < count; ++at) {
-    const int64_t position = start[sent_to[at]]++;
-    order[position] = at;
-    sent_to[at] = position;
-  }
-  return 0;
+} catch (...) {
+  return exception_code();
 }
