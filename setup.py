@@ -44,7 +44,10 @@ setup(
                 "recshard/distributed/csrc/mc_draw.cpp",
                 "recshard/distributed/csrc/mc_route.cpp",
             ],
-            depends=["recshard/distributed/csrc/mc_codes.h"],
+            depends=[
+                "recshard/distributed/csrc/mc_codes.h",
+                "recshard/distributed/csrc/mc_bucket.h",
+            ],
             # no fused multiply-add: a reset's numbers equal their torch twin's bit for bit
             extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off"],
             language="c++",

@@ -79,6 +79,7 @@ _LIBRARY = NativeLibrary(
     "csrc/mc_draw.cpp",
     "csrc/mc_route.cpp",
     "csrc/mc_codes.h",
+    "csrc/mc_bucket.h",
 )
 
 

@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "mc_bucket.h"
 #include "mc_codes.h"
 
 namespace {
@@ -89,12 +90,6 @@ struct Index {
 };
 
 bool valid_log2(int64_t log2) { return log2 >= 1 && log2 <= 40; }
-
-// id % buckets (id >= 0, buckets >= 1), without a division where buckets is a power of two (a
-// 64-bit division per id was a tenth of an eviction)
-inline int64_t bucket_of(int64_t id, int64_t buckets) {
-  return (buckets & (buckets - 1)) == 0 ? id & (buckets - 1) : id % buckets;
-}
 
 }  // namespace
 
@@ -185,7 +180,7 @@ extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
       if (at + PREFETCH < end) index.prefetch(ids[at + PREFETCH]);
       const int64_t id = ids[at];
       if (id < 0) return ERR_ID;
-      const int64_t bucket = id % buckets[t] - first_buckets[t];
+      const int64_t bucket = bucket_of(id, buckets[t]) - first_buckets[t];
       if (bucket < 0 || bucket >= held_buckets[t]) return ERR_BUCKET;
       const int64_t slot = index.slot(id);
       if (slot >= 0) {

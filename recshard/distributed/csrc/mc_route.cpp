@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "mc_bucket.h"
 #include "mc_codes.h"
 
 // ERR_ID when an id of segment s (laid out as for rs_mc_remap) is outside
@@ -57,7 +58,7 @@ extern "C" int rs_mc_route(int64_t keys, int64_t stride, const int64_t* lengths,
     const int64_t t = key_tables[b / (stride ? stride : 1)];
     for (int64_t end = at + lengths[b]; at < end; ++at) {
       if (ids[at] < 0) return ERR_ID;
-      const int64_t owner = owner_of_bucket[first_owners[t] + ids[at] % buckets[t]];
+      const int64_t owner = owner_of_bucket[first_owners[t] + bucket_of(ids[at], buckets[t])];
       if (owner < 0 || owner >= world) return ERR_ARGUMENT;
       sent_to[at] = owner;
       ++start[owner + 1];
