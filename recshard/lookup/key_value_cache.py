@@ -57,6 +57,10 @@ def _finish_write_backs() -> None:
         done.wait()
 
 
+# a write-back: the rows (sorted) and their copies per file suffix
+_WriteBack = Tuple[torch.Tensor, Dict[str, torch.Tensor]]
+
+
 class CacheOverflowError(ValueError):
     """A batch reads more distinct rows of a shard than its cache has free slots."""
 
@@ -101,7 +105,7 @@ class RowCache:
         # the one before it, and the rows it writes (sorted) are not cached until it is done
         self._writers: List[Tuple[threading.Event, torch.Tensor]] = []
         # write-backs that failed (rows, copies), written again before any later fill or flush
-        self._failed: List[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = []
+        self._failed: List[_WriteBack] = []
 
     @property
     def row_slot(self) -> torch.Tensor:
@@ -281,7 +285,7 @@ class RowCache:
         # `threading.Thread.start` waits until the new thread runs (~0.5 ms a step on a busy
         # 2-core machine); the low-level start returns at once, and `done` says it finished
         try:
-            _thread.start_new_thread(self._write_behind, (before, done, [rows, blocks]))
+            _thread.start_new_thread(self._write_behind, (before, done, [(rows, blocks)]))
         except RuntimeError:  # no thread to spare: kept, written by the next fill or flush
             self._failed.append((rows, blocks))
             done.set()
@@ -292,14 +296,13 @@ class RowCache:
             self.store.write(suffix, rows, block)
 
     def _write_behind(
-        self, before: threading.Event | None, done: threading.Event, job: list
+        self, before: threading.Event | None, done: threading.Event, job: List[_WriteBack]
     ) -> None:
-        """Write `job` = [rows, blocks] after `before`, then set `done`. The thread holds the
+        """Write `job`'s one (rows, blocks) after `before`, then set `done`. The thread holds the
         tensors only until then (`job` emptied): freeing a tensor releases the GIL, and a
         thread that takes it back during interpreter exit is stopped inside torch, which
         aborts the process; exit waits for `done` (`_finish_write_backs`)."""
-        rows, blocks = job
-        job.clear()
+        rows, blocks = job.pop()
         try:
             if before is not None:
                 before.wait()  # files see the write-backs in the order the victims left
