@@ -6,16 +6,12 @@ past what the process uses, so the cap falls on each of the eviction's allocatio
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from recshard.distributed import mc_native
 from recshard.sparse import KeyedJaggedTensor
+from tests.python_script import run_script
 
 pytestmark = pytest.mark.skipif(
     not mc_native.available(), reason="recshard.distributed._mc_index is not built"
@@ -101,13 +97,7 @@ def test_no_memory_for_scratch_changes_nothing_then_matches_torch(call: str) -> 
     capped at 1, 2, ... MiB past the address space in use: each cap that reaches the C++
     scratch raises MemoryError with the module's ids, counts and index unchanged (before the
     fix: SIGABRT, or counts already added); uncapped, the torch path's rows, ids and counts."""
-    result = subprocess.run(
-        [sys.executable, "-c", OUT_OF_MEMORY, call],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-    )
+    result = run_script(OUT_OF_MEMORY, call)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.split()
     assert lines[-1] == "agree", result.stdout + result.stderr[-3000:]

@@ -11,8 +11,6 @@ caller does this today), and steps after a failed write-back once storage works 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -27,6 +25,7 @@ from recshard import KeyedJaggedTensor
 from recshard.lookup import key_value_cache
 from recshard.lookup.row_store import RowStore
 from tests.lookup.test_key_value_cache import _kernels
+from tests.python_script import run_script
 
 WRITE_DELAY_S = 0.05
 
@@ -244,13 +243,7 @@ def test_exit_with_write_backs_in_flight_waits_for_them(tmp_path: Path) -> None:
     exit was stopped inside torch: "terminate called without an active exception", SIGABRT,
     about one exit in two)."""
     for _ in range(3):
-        result = subprocess.run(
-            [sys.executable, "-c", EXIT_WITH_WRITES_IN_FLIGHT, str(tmp_path)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-        )
+        result = run_script(EXIT_WITH_WRITES_IN_FLIGHT, str(tmp_path))
         assert result.returncode == 0, result.stderr
         lines = result.stdout.split()
         assert lines.count("started") > 0

@@ -8,8 +8,6 @@ the process) and no thread to spare (the calling thread reads every row)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -21,6 +19,7 @@ import torch
 from recshard.lookup import native_row_io
 from tests.lookup.test_key_value_cache import ROWS, _kernels
 from tests.lookup.test_row_io_fuzz import _file
+from tests.python_script import run_script
 
 pytestmark = pytest.mark.skipif(not native_row_io.available(), reason="_row_io not built")
 WIDTH = 5
@@ -169,13 +168,7 @@ def test_no_memory_is_an_error_and_no_thread_reads_in_order(
     """The address space held to 2 MiB past what the process uses: no helper thread's 8 MiB
     stack fits (1000 rows: the calling thread reads them all, same bytes) and a million rows'
     iovecs do not (ENOMEM, the process alive)."""
-    result = subprocess.run(
-        [sys.executable, "-c", OUT_OF_MEMORY, str(tmp_path / "rows"), str(rows), str(depth)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-    )
+    result = run_script(OUT_OF_MEMORY, str(tmp_path / "rows"), str(rows), str(depth))
     assert result.returncode == 0, result.stderr
     expected = "read True" if rows == 1000 else "error 12"
     assert result.stdout.strip() == expected, result.stdout + result.stderr

@@ -20,6 +20,7 @@ import torch
 
 from recshard.lookup.row_store import RowStore, StoreIdentity, check_directory
 from tests.lookup.test_key_value_cache import _kernels
+from tests.python_script import run_script
 
 NOBODY = 65534
 IDENTITY = StoreIdentity("t", 64, 5, 0, 0, {"weight": 5, "momentum1": 1})
@@ -207,13 +208,7 @@ def test_a_short_write_is_an_error_naming_table_and_file(tmp_path: Path) -> None
     """A write that moves only part of its run (here a file-size limit, RLIMIT_FSIZE, in a
     child process: pwritev returns short, then EFBIG) raises naming the table and the file;
     a creation past the limit fails naming the table and leaves none of its files."""
-    result = subprocess.run(
-        [sys.executable, "-c", SHORT_WRITE, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-    )
+    result = run_script(SHORT_WRITE, str(tmp_path))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.split("\n")
     path = tmp_path / "t.r0.c0.1000x4.weight"
