@@ -23,25 +23,49 @@ namespace {
 #define MC_CLONES
 #endif
 
+constexpr uint64_t GAMMA = 0x9E3779B97F4A7C15ULL, M1 = 0xBF58476D1CE4E5B9ULL,
+                   M2 = 0x94D049BB133111EBULL;
+
+// Word k of the block: splitmix64's output for the state seed + (k + 1) * GAMMA.
+inline uint64_t word(uint64_t seed, uint64_t k) {
+  uint64_t z = seed + (k + 1) * GAMMA;
+  z = (z ^ (z >> 30)) * M1;
+  z = (z ^ (z >> 27)) * M2;
+  return z ^ (z >> 31);
+}
+
+// The number a 24-bit draw gives: u * scale + low, u = drawn / 2**24 (exact), the same float
+// operations in the same order wherever it is called (-ffp-contract=off: no fused multiply-add).
+inline float number(uint64_t drawn, float low, float scale) {
+  const float u = float(int32_t(drawn)) * (1.0f / 16777216.0f);
+  const float scaled = u * scale;
+  return scaled + low;
+}
+
+inline uint64_t even_bits(uint64_t z) { return z >> 40; }             // an even p's 24 bits
+inline uint64_t odd_bits(uint64_t z) { return (z >> 16) & 0xFFFFFF; }  // an odd p's
+
 // Numbers first .. first + cols - 1 of the block (see rs_mc_draw_uniform) into row[0, cols):
-// one number a lane (a word drawn for each of its two numbers), so the loop vectorizes (64-bit
-// multiplies: AVX-512 lanes where the CPU has them, picked at load time); the same float
-// operations in the same order as one at a time (-ffp-contract=off: no fused multiply-add).
+// each word drawn once for its two numbers (an even p and the odd p + 1), a word a lane, so the
+// loop vectorizes (64-bit multiplies: emulated on AVX2, native on AVX-512, picked at load time);
+// a row starting or ending inside a word draws that word for its one number.
 MC_CLONES void draw_row(uint64_t seed, uint64_t first, int64_t cols, float low, float scale,
                         float* row) {
-  constexpr uint64_t GAMMA = 0x9E3779B97F4A7C15ULL, M1 = 0xBF58476D1CE4E5B9ULL,
-                     M2 = 0x94D049BB133111EBULL;
-  for (int64_t c = 0; c < cols; ++c) {
-    const uint64_t p = first + uint64_t(c);
-    uint64_t z = seed + ((p >> 1) + 1) * GAMMA;  // splitmix64 of word p / 2
-    z = (z ^ (z >> 30)) * M1;
-    z = (z ^ (z >> 27)) * M2;
-    z ^= z >> 31;
-    const uint64_t drawn = (p & 1) ? (z >> 16) & 0xFFFFFF : z >> 40;  // 24 bits
-    const float u = float(int32_t(drawn)) * (1.0f / 16777216.0f);  // < 2**24: exact
-    const float scaled = u * scale;
-    row[c] = scaled + low;
+  int64_t c = 0;
+  if (cols > 0 && (first & 1)) {
+    row[0] = number(odd_bits(word(seed, first >> 1)), low, scale);
+    c = 1;
   }
+  const uint64_t first_word = (first + uint64_t(c)) >> 1;
+  const int64_t pairs = (cols - c) / 2;
+  float* out = row + c;
+  for (int64_t k = 0; k < pairs; ++k) {
+    const uint64_t z = word(seed, first_word + uint64_t(k));
+    out[2 * k] = number(even_bits(z), low, scale);
+    out[2 * k + 1] = number(odd_bits(z), low, scale);
+  }
+  if (c + 2 * pairs < cols)  // the last number is an even p's: its word's first
+    row[cols - 1] = number(even_bits(word(seed, first_word + uint64_t(pairs))), low, scale);
 }
 
 }  // namespace
