@@ -236,10 +236,9 @@ def evict_lfu_tables(
                 e.row_offset,
             )
         )
-    tables = len(columns)
+    tables, seen = len(columns), sum(column[4] for column in columns)
     # one row per argument array (`[14, tables]`): row f's address is the f-th array's
     arguments = torch.tensor(columns, dtype=torch.int64).reshape(tables, 14).t().contiguous()
-    seen = int(arguments[4].sum())
     changed = torch.empty(seen, dtype=torch.int64)
     stats = torch.zeros(tables, 2, dtype=torch.int64)
     base, stride = arguments.data_ptr(), 8 * tables
@@ -250,12 +249,12 @@ def evict_lfu_tables(
         changed.data_ptr(),
         stats.data_ptr(),
     )
-    results, at = [], 0
-    for (index, e), (changes, evicted) in zip(evictions, stats.tolist()):
+    results, at, none = [], 0, changed[:0]
+    for (index, _), column, (changes, evicted) in zip(evictions, columns, stats.tolist()):
         index.epoch = next(_EPOCHS)
         index._held += changes - evicted  # zeros for a table left unwritten
-        results.append((changed[at : at + changes], evicted))
-        at += e.ids.numel()
+        results.append((changed[at : at + changes] if changes else none, evicted))
+        at += column[4]
     _check(code, "LFU eviction")
     return results
 
