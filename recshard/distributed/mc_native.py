@@ -310,16 +310,23 @@ class NativeFusedRemap:
         for t, m in enumerate(self._modules):
             self._counts[t] = m._lookup_counts
             m._lookup_counts = self._counts[t]
-        self._indexes: List[NativeIdIndex] = []
+        self._arrays: List[Tuple[NativeIdIndex, torch.Tensor, torch.Tensor]] = []
         self._epochs: List[int] = []
         self._key_ptrs = self._row_ptrs = self._log2s = _int64([])
 
     def _refresh(self) -> None:
         """The modules' index arrays, re-read when one changed (the indexes are held here, so
-        the arrays stay alive while their addresses are in use)."""
+        the arrays stay alive while their addresses are in use; an eviction changes epochs,
+        not arrays: the same arrays need no new addresses)."""
         indexes = [m.id_index() for m in self._modules]
         epochs = [getattr(index, "epoch", -1) for index in indexes]
         if epochs == self._epochs:
+            return
+        if len(indexes) == len(self._arrays) and all(
+            index is held and index.keys is keys and index.rows is rows
+            for index, (held, keys, rows) in zip(indexes, self._arrays)
+        ):
+            self._epochs = epochs
             return
         for module, index in zip(self._modules, indexes):
             if not isinstance(index, NativeIdIndex):
@@ -332,7 +339,8 @@ class NativeFusedRemap:
         self._key_ptrs = _int64(index.keys.data_ptr() for index in indexes)
         self._row_ptrs = _int64(index.rows.data_ptr() for index in indexes)
         self._log2s = _int64(index.log2 for index in indexes)
-        self._indexes, self._epochs = indexes, epochs
+        self._arrays = [(index, index.keys, index.rows) for index in indexes]
+        self._epochs = epochs
 
     def remap(
         self, ids: torch.Tensor, segment_tables: torch.Tensor, segment_lengths: torch.Tensor

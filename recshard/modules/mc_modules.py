@@ -266,8 +266,9 @@ class MCHManagedCollisionModule(MCHEntryState, MCHEvictionStep, ManagedCollision
         """`count` without the eviction: whether this iteration evicts (then `run_eviction`,
         or `lfu_eviction` and `lfu_evicted`, before the next)."""
         self._ensure_index()
-        self._current_iter_tensor.add_(1)
-        current = int(self._current_iter_tensor)
+        iteration = self._buffers["_current_iter_tensor"]  # not __getattr__: per module and step
+        iteration.add_(1)  # type: ignore[union-attr]
+        current = int(iteration)  # type: ignore[arg-type]
         self._history.append(ids.detach(), current)
         self._sync_history()
         return current % self._eviction_interval == 0
@@ -353,8 +354,9 @@ class MCHManagedCollisionModule(MCHEntryState, MCHEvictionStep, ManagedCollision
 
     def _ensure_index(self) -> None:
         """Rows written from outside (a checkpoint loaded into the buffer in place, e.g. by
-        torch.distributed.checkpoint): check the new state and rebuild the index."""
-        if self._mch_raw_ids._version != self._index_version:
+        torch.distributed.checkpoint): check the new state and rebuild the index. (The buffer
+        read from `_buffers`: this runs per module at every remap and count.)"""
+        if self._buffers["_mch_raw_ids"]._version != self._index_version:  # type: ignore
             self.validate_state()
 
     # -- state --------------------------------------------------------------------------
