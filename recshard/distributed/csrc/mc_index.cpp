@@ -402,6 +402,7 @@ int plan_lfu(const LfuTable& table, LfuPlan& plan) {
   // nothing), the others are kept to be coalesced. (Coalescing the whole history first cost a
   // hash as large as the history, a scan of it and a lookup per distinct id besides.)
   std::vector<int64_t>& hit_rows = plan.hit_rows;
+  hit_rows.clear();
   std::vector<int64_t> hit_ids, missed;
   hit_rows.reserve(size_t(count));
   hit_ids.reserve(size_t(count));
@@ -567,7 +568,10 @@ extern "C" int rs_mc_evict_lfu_tables(int64_t tables, const int64_t* log2s,
                id_counts[t],      as(id_ptrs[t]),         row_counts[t],     as(raw_id_ptrs[t]),
                as(count_ptrs[t]), held_buckets[t],        as(bucket_start_ptrs[t]),
                buckets[t],        first_buckets[t],       row_offsets[t]};
-  std::vector<LfuPlan> plans(tables);
+  // the plans are kept from call to call, per thread (as the coalescing hash): fresh ones
+  // were fresh pages at every call, all tables' at once
+  static thread_local std::vector<LfuPlan> plans;
+  if (plans.size() < size_t(tables)) plans.resize(tables);
   for (int64_t t = 0; t < tables; ++t)
     if (int code = plan_lfu(args[t], plans[t])) return code;
   for (int64_t t = 0; t < tables; ++t)
