@@ -362,9 +362,9 @@ class ShardedManagedCollisionCollection(nn.Module):
         return local, evictions
 
     def _evict(self, modules: List[MCHManagedCollisionModule]) -> None:
-        """The evictions of the modules whose iteration evicts: those their C++ index runs in
-        one call (LFU without a threshold filter) all in one call
-        (`mc_native.evict_lfu_tables`), the others each on its own, in order."""
+        """The evictions of the modules whose iteration evicts: those that a C++ index runs
+        whole (LFU without a threshold filter) all in one call (`mc_native.evict_lfu_tables`),
+        the others each on its own, in order."""
         batch = []
         for module in modules:
             in_one_call = module.lfu_eviction() if self._native else None
