@@ -17,8 +17,9 @@ with this rank's slice of each module (the global batch's ids of its buckets, as
 module sees them), return local rows and the rows given to new ids.
 
 On CPU the id check, the routing and the remap run in C++ (`recshard.distributed.mc_native`:
-each module's ids in a hash that an eviction updates in place); elsewhere, or without the
-library, in torch ops (`recshard.modules.mc_fused`). Both give the same rows.
+each module's ids in a hash that an eviction updates in place), and the modules evicting at a
+step whose policy is LFU without a threshold filter evict in one C++ call; elsewhere, or
+without the library, in torch ops (`recshard.modules.mc_fused`). Both give the same rows.
 """
 
 from __future__ import annotations
@@ -335,10 +336,13 @@ class ShardedManagedCollisionCollection(nn.Module):
                         seen.add(key)
                         per_table.setdefault(self._feature_to_table[key], []).append(chunk)
             none = torch.empty(0, dtype=torch.int64, device=self._device)
+            due = []
             for table, module in self._managed_collision_modules.items():
                 # every module counts the iteration, those of tables with no ids here too
                 parts = per_table.get(table, [none])
-                module.count(torch.cat(parts) if len(parts) > 1 else parts[0])  # type: ignore
+                if module.record(torch.cat(parts) if len(parts) > 1 else parts[0]):  # type: ignore
+                    due.append(module)
+            self._evict(due)  # type: ignore[arg-type]
         local = [
             KeyedJaggedTensor(
                 kjt.keys(),
@@ -356,6 +360,22 @@ class ShardedManagedCollisionCollection(nn.Module):
             offset = module.row_range()[0]  # type: ignore[operator]
             evictions[table] = None if evicted is None else evicted - offset
         return local, evictions
+
+    def _evict(self, modules: List[MCHManagedCollisionModule]) -> None:
+        """The evictions of the modules whose iteration evicts: those that a C++ index runs
+        whole (LFU without a threshold filter) all in one call (`mc_native.evict_lfu_tables`),
+        the others each on its own, in order."""
+        batch = []
+        for module in modules:
+            in_one_call = module.lfu_eviction() if self._native else None
+            if in_one_call is not None and isinstance(in_one_call[0], mc_native.NativeIdIndex):
+                batch.append((module, in_one_call))
+            else:
+                module.run_eviction()
+        if batch:
+            results = mc_native.evict_lfu_tables([in_one_call for _, in_one_call in batch])
+            for (module, _), (rows, evicted) in zip(batch, results):
+                module.lfu_evicted(rows, evicted)
 
     def global_rows(self, local: KeyedJaggedTensor) -> torch.Tensor:
         """The table rows `[N]` of `remap`'s local rows (its output KJT)."""

@@ -23,12 +23,14 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 import torch
 
 from recshard.lookup.native_library import NativeLibrary
 from recshard.modules.mc_base import FREE
+from recshard.modules.mc_index import LfuEviction
 from recshard.modules.mc_modules import MCHManagedCollisionModule
 from recshard.sparse import KeyedJaggedTensor
 
@@ -55,13 +57,9 @@ def _declare(library: ctypes.CDLL) -> None:
         "rs_mc_find": [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr],
         "rs_mc_remap": [_i64, _ptr, _ptr, _i64, _ptr, _i64] + [_ptr] * 8 + [_i64, _ptr, _ptr, _ptr],
         "rs_mc_contest": [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr],
-        "rs_mc_evict_lfu": [_i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr]
-        + [_i64] * 3
-        + [_ptr] * 2,
+        "rs_mc_evict_lfu_tables": [_i64] + [_ptr] * 14 + [_i64, _ptr, _ptr],
         "rs_mc_check_ids": [_i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr],
-        "rs_mc_draw_uniform": [_i64, _i64, _ptr, _i64, _i64, _i64]
-        + [ctypes.c_float] * 2
-        + [_i64, _i64, _ptr],
+        "rs_mc_draw_uniform": [_i64] + [_ptr] * 11,
         "rs_mc_route": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64]
         + [_ptr] * 3,
     }
@@ -199,51 +197,66 @@ class NativeIdIndex:
         _check(code, "index find")
         return found, rows
 
-    @torch.no_grad()
-    def evict_lfu(
-        self,
-        ids: torch.Tensor,
-        raw_ids: torch.Tensor,
-        counts: torch.Tensor,
-        bucket_starts: torch.Tensor,
-        buckets: int,
-        first_bucket: int,
-        row_offset: int,
-    ) -> Tuple[torch.Tensor, int]:
+    def evict_lfu(self, eviction: LfuEviction) -> Tuple[torch.Tensor, int]:
         """A whole LFU eviction (no threshold filter) of the module this index serves, in one
-        C++ call: the ids seen since the last one (`ids [N]`) coalesced, the held ones' counts
-        added to their rows' (`counts [R]`, in place), the others contesting their buckets'
-        rows (local `bucket_starts [B + 1]`); the winners written into `raw_ids [R]`, `counts`
-        and this index. Returns (global rows that changed hands, sorted; how many of them had
-        been held)."""
-        ids = ids.contiguous()
-        rows = raw_ids.numel()
-        held_buckets = bucket_starts.numel() - 1
-        changed = torch.empty(ids.numel(), dtype=torch.int64)
-        stats = torch.zeros(2, dtype=torch.int64)
-        code = _library().rs_mc_evict_lfu(
-            self.log2,
-            _vector("index keys", self.keys, 1 << self.log2),
-            _vector("index rows", self.rows, 1 << self.log2),
-            self._held,
-            ids.numel(),
-            _vector("ids seen", ids),
-            rows,
-            _vector("raw ids", raw_ids),
-            _vector("counts", counts, rows),
-            held_buckets,
-            _vector("bucket starts", bucket_starts),
-            buckets,
-            first_bucket,
-            row_offset,
-            changed.data_ptr(),
-            stats.data_ptr(),
+        C++ call (`evict_lfu_tables`)."""
+        return evict_lfu_tables([(self, eviction)])[0]
+
+
+@torch.no_grad()
+def evict_lfu_tables(
+    evictions: Sequence[Tuple[NativeIdIndex, LfuEviction]],
+) -> List[Tuple[torch.Tensor, int]]:
+    """Whole LFU evictions (no threshold filter) of several modules, each by its index, in one
+    C++ call (`rs_mc_evict_lfu_tables`): per module, the ids seen since the last one
+    (`ids [N]`) coalesced, the held ones' counts added to their rows' (`counts [R]`, in place),
+    the others contesting their buckets' rows (local `bucket_starts [B + 1]`); the winners
+    written into `raw_ids [R]`, `counts` and the index. Returns per module (global rows that
+    changed hands, sorted; how many of them had been held). Every module's arguments and ids
+    are checked, and all scratch allocated, before the first is written: a refusal or
+    MemoryError changes nothing (only an index found disagreeing with its rows fails midway)."""
+    columns = []
+    for index, e in evictions:
+        ids, rows, slots = e.ids.contiguous(), e.raw_ids.numel(), 1 << index.log2
+        columns.append(
+            (
+                index.log2,
+                _vector("index keys", index.keys, slots),
+                _vector("index rows", index.rows, slots),
+                index._held,
+                ids.numel(),
+                _vector("ids seen", ids),
+                rows,
+                _vector("raw ids", e.raw_ids),
+                _vector("counts", e.counts, rows),
+                e.bucket_starts.numel() - 1,
+                _vector("bucket starts", e.bucket_starts),
+                e.buckets,
+                e.first_bucket,
+                e.row_offset,
+            )
         )
-        self.epoch = next(_EPOCHS)
-        _check(code, "LFU eviction")
-        changes, evicted = stats.tolist()
-        self._held += changes - evicted
-        return changed[:changes], evicted
+    tables, seen = len(columns), sum(column[4] for column in columns)
+    # one row per argument array (`[14, tables]`): row f's address is the f-th array's
+    arguments = torch.tensor(columns, dtype=torch.int64).reshape(tables, 14).t().contiguous()
+    changed = torch.empty(seen, dtype=torch.int64)
+    stats = torch.zeros(tables, 2, dtype=torch.int64)
+    base, stride = arguments.data_ptr(), 8 * tables
+    code = _library().rs_mc_evict_lfu_tables(
+        tables,
+        *(base + f * stride for f in range(14)),
+        seen,
+        changed.data_ptr(),
+        stats.data_ptr(),
+    )
+    results, at, none = [], 0, changed[:0]
+    for (index, _), column, (changes, evicted) in zip(evictions, columns, stats.tolist()):
+        index.epoch = next(_EPOCHS)
+        index._held += changes - evicted  # zeros for a table left unwritten
+        results.append((changed[at : at + changes] if changes else none, evicted))
+        at += column[4]
+    _check(code, "LFU eviction")
+    return results
 
 
 def native_contest(
@@ -297,16 +310,23 @@ class NativeFusedRemap:
         for t, m in enumerate(self._modules):
             self._counts[t] = m._lookup_counts
             m._lookup_counts = self._counts[t]
-        self._indexes: List[NativeIdIndex] = []
+        self._arrays: List[Tuple[NativeIdIndex, torch.Tensor, torch.Tensor]] = []
         self._epochs: List[int] = []
         self._key_ptrs = self._row_ptrs = self._log2s = _int64([])
 
     def _refresh(self) -> None:
         """The modules' index arrays, re-read when one changed (the indexes are held here, so
-        the arrays stay alive while their addresses are in use)."""
+        the arrays stay alive while their addresses are in use; an eviction changes epochs,
+        not arrays: the same arrays need no new addresses)."""
         indexes = [m.id_index() for m in self._modules]
         epochs = [getattr(index, "epoch", -1) for index in indexes]
         if epochs == self._epochs:
+            return
+        if len(indexes) == len(self._arrays) and all(
+            index is held and index.keys is keys and index.rows is rows
+            for index, (held, keys, rows) in zip(indexes, self._arrays)
+        ):
+            self._epochs = epochs
             return
         for module, index in zip(self._modules, indexes):
             if not isinstance(index, NativeIdIndex):
@@ -319,7 +339,8 @@ class NativeFusedRemap:
         self._key_ptrs = _int64(index.keys.data_ptr() for index in indexes)
         self._row_ptrs = _int64(index.rows.data_ptr() for index in indexes)
         self._log2s = _int64(index.log2 for index in indexes)
-        self._indexes, self._epochs = indexes, epochs
+        self._arrays = [(index, index.keys, index.rows) for index in indexes]
+        self._epochs = epochs
 
     def remap(
         self, ids: torch.Tensor, segment_tables: torch.Tensor, segment_lengths: torch.Tensor
@@ -428,25 +449,44 @@ def route(
     return routed, sent_to
 
 
-def draw_uniform(
-    seed: int,
-    dim: int,
-    col_offset: int,
-    low: float,
-    scale: float,
-    out: torch.Tensor,
-    rows: torch.Tensor,
-) -> None:
-    """The default init's numbers of a reset (`recshard.distributed.mc_reset`) in C++, written
-    straight into `out[rows]` (`out [R, cols]` float32, rows contiguous; `rows [N]` in
-    `[0, R)`, the order of the draws); `low` and `scale` are float32 values."""
-    if out.dtype != torch.float32 or out.dim() != 2 or out.device.type != "cpu":
-        raise ValueError(f"reset rows must be a float32 CPU matrix, got {out.dtype} {out.device}")
-    if out.stride(1) != 1 or out.stride(0) < out.size(1):
-        raise ValueError(f"reset rows must be contiguous, got strides {out.stride()}")
-    rows = rows.contiguous()
-    code = _library().rs_mc_draw_uniform(
-        seed, rows.numel(), _vector("reset rows", rows), dim, col_offset, out.size(1),
-        ctypes.c_float(low), ctypes.c_float(scale), out.size(0), out.stride(0), out.data_ptr(),
-    )  # fmt: skip
+@dataclass
+class UniformDraw:
+    """The default init's numbers of one shard's reset (`recshard.distributed.mc_reset`),
+    drawn from `seed` for the columns `[col_offset, col_offset + out.size(1))` of whole rows of
+    `dim` columns, written straight into `out[rows]` (`out [R, cols]` float32, rows contiguous;
+    `rows [N]` in `[0, R)`, the order of the draws); `low` and `scale` are float32 values."""
+
+    seed: int
+    dim: int
+    col_offset: int
+    low: float
+    scale: float
+    out: torch.Tensor
+    rows: torch.Tensor
+
+
+def draw_uniform(draws: Sequence[UniformDraw]) -> None:
+    """Every draw's numbers in one C++ call (`rs_mc_draw_uniform`: all checked before any is
+    written)."""
+    columns, bounds = [], []
+    for draw in draws:
+        out, rows = draw.out, draw.rows.contiguous()
+        if out.dtype != torch.float32 or out.dim() != 2 or out.device.type != "cpu":
+            raise ValueError(
+                f"reset rows must be a float32 CPU matrix, got {out.dtype} {out.device}"
+            )
+        if out.stride(1) != 1 or out.stride(0) < out.size(1):
+            raise ValueError(f"reset rows must be contiguous, got strides {out.stride()}")
+        columns.append(
+            (draw.seed, rows.numel(), _vector("reset rows", rows), draw.dim, draw.col_offset,
+             out.size(1), out.size(0), out.stride(0), out.data_ptr())
+        )  # fmt: skip
+        bounds.append((draw.low, draw.scale))
+    count = len(columns)
+    # one row per argument array: row f's address is the f-th array's
+    arguments = torch.tensor(columns, dtype=torch.int64).reshape(count, 9).t().contiguous()
+    floats = torch.tensor(bounds, dtype=torch.float32).reshape(count, 2).t().contiguous()
+    at = [arguments.data_ptr() + 8 * count * f for f in range(9)]
+    low_at, scale_at = floats.data_ptr(), floats.data_ptr() + 4 * count
+    code = _library().rs_mc_draw_uniform(count, *at[:6], low_at, scale_at, *at[6:])
     _check(code, "reset draw")

@@ -1,7 +1,8 @@
 """The MCH module's eviction step: the ids seen since the last eviction update the metadata of
 the rows they hold or compete for their bucket's rows (`recshard.modules.mc_compete`); an LFU
 policy without a threshold filter runs it in one call of an index that can
-(`LfuEvictingIndex`). A mixin of `MCHManagedCollisionModule`, which supplies the state read
+(`LfuEvictingIndex`; `lfu_eviction` / `lfu_evicted` let a sharded collection run all its
+modules' in one call). A mixin of `MCHManagedCollisionModule`, which supplies the state read
 and written here (see `recshard.modules.mc_modules`)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from recshard.modules.mc_base import FREE
 from recshard.modules.mc_compete import bucket_contest, threshold_passed
 from recshard.modules.mc_eviction import COUNTS, LAST_ACCESS
 from recshard.modules.mc_history import IDS, SEEN_AT, coalesce
-from recshard.modules.mc_index import LfuEvictingIndex
+from recshard.modules.mc_index import LfuEvictingIndex, LfuEviction
 
 
 class MCHEvictionStep(nn.Module):
@@ -32,10 +33,12 @@ class MCHEvictionStep(nn.Module):
         compete for their bucket's rows; the sorted index is updated in place (merged)."""
         if not len(self._history):
             return
-        views = self._history.views()
-        if self._lfu_index is not None:
-            self._evict_lfu_in_one_call(self._lfu_index, views[IDS])
+        in_one_call = self.lfu_eviction()
+        if in_one_call is not None:
+            index, eviction = in_one_call
+            self.lfu_evicted(*index.evict_lfu(eviction))
             return
+        views = self._history.views()
         unique, counts, last = coalesce(views[IDS], views.get(SEEN_AT))
         seen = {COUNTS: counts}
         if last is not None:
@@ -69,19 +72,29 @@ class MCHEvictionStep(nn.Module):
         if rows.numel():
             self._replace_ids(rows, torch.cat([new_ids for _, new_ids in changes]))
 
-    @torch.no_grad()
-    def _evict_lfu_in_one_call(self, index: LfuEvictingIndex, ids: torch.Tensor) -> None:
-        """`_coalesce_and_evict` of an LFU policy without a threshold filter, by `index`
-        (`use_kernels`): the same counts, rows and ids, written in place."""
-        rows, evicted = index.evict_lfu(
-            ids,
-            self._mch_raw_ids,
-            getattr(self, f"_mch_{COUNTS}"),
-            torch.tensor(self._bucket_starts, dtype=torch.int64, device="cpu"),  # host-only
+    def lfu_eviction(self) -> Tuple[LfuEvictingIndex, LfuEviction] | None:
+        """This iteration's eviction as one call of the module's `LfuEvictingIndex`
+        (`use_kernels`, LFU without a threshold filter): (the index, what it evicts from), to
+        be followed by `lfu_evicted`. None when the torch path runs it or nothing was seen."""
+        if self._lfu_index is None or not len(self._history):
+            return None
+        index, bucket_starts = self._lfu_index
+        buffers = self._buffers  # not nn.Module.__getattr__: this runs per module and step
+        eviction = LfuEviction(
+            self._history.views()[IDS],
+            buffers["_mch_raw_ids"],
+            buffers[f"_mch_{COUNTS}"],
+            bucket_starts,
             self._buckets,
             self._bucket_range[0],
             self._row_offset,
         )
+        return index, eviction
+
+    def lfu_evicted(self, rows: torch.Tensor, evicted: int) -> None:
+        """After the index ran `lfu_eviction` (`rows`: global rows that changed hands, sorted;
+        `evicted`: of them, those held before): the history starts anew, the counters count
+        them, the rows wait for `evict`."""
         self._history.clear()
         self._sync_history()
         self._counters["admitted"] += rows.numel()

@@ -5,6 +5,7 @@ after a load, updated by a merge (not a sort) when an eviction hands rows to new
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Protocol, Tuple, runtime_checkable
 
 import torch
@@ -28,6 +29,22 @@ class IdIndex(Protocol):
     def find(self, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@dataclass
+class LfuEviction:
+    """What a module's LFU eviction (no threshold filter) reads and writes, as an
+    `LfuEvictingIndex` runs it: the ids seen since the last one (`ids [N]`), the module's
+    `raw_ids [R]` and `counts [R]` (written in place), its local `bucket_starts [B + 1]` (on
+    the host), `buckets`, `first_bucket` and `row_offset` (rows global: local + offset)."""
+
+    ids: torch.Tensor
+    raw_ids: torch.Tensor
+    counts: torch.Tensor
+    bucket_starts: torch.Tensor
+    buckets: int
+    first_bucket: int
+    row_offset: int
+
+
 @runtime_checkable
 class LfuEvictingIndex(IdIndex, Protocol):
     """An index that also runs a module's whole LFU eviction (no threshold filter) in one call
@@ -35,16 +52,7 @@ class LfuEvictingIndex(IdIndex, Protocol):
     `MCHManagedCollisionModule`'s torch path; returns (global rows that changed hands, sorted;
     how many of them had been held)."""
 
-    def evict_lfu(
-        self,
-        ids: torch.Tensor,
-        raw_ids: torch.Tensor,
-        counts: torch.Tensor,
-        bucket_starts: torch.Tensor,
-        buckets: int,
-        first_bucket: int,
-        row_offset: int,
-    ) -> Tuple[torch.Tensor, int]: ...
+    def evict_lfu(self, eviction: LfuEviction) -> Tuple[torch.Tensor, int]: ...
 
 
 class SortedIdIndex:

@@ -144,7 +144,8 @@ class MCHManagedCollisionModule(MCHEntryState, MCHEvictionStep, ManagedCollision
             self.register_buffer(name, view)
         self._index: IdIndex = SortedIdIndex(dev)  # derived from the state
         self._ranking: Contest = rank_contest
-        self._lfu_index: LfuEvictingIndex | None = None  # a whole LFU eviction in one call
+        # a whole LFU eviction in one call: (the index, its bucket starts)
+        self._lfu_index: Tuple[LfuEvictingIndex, torch.Tensor] | None = None
         self._default_rows = self._default_rows_on(dev)
         self._evicted_rows: List[torch.Tensor] = []
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -258,13 +259,23 @@ class MCHManagedCollisionModule(MCHEntryState, MCHEvictionStep, ManagedCollision
     def count(self, ids: torch.Tensor) -> None:
         """One training iteration's ids `[N]` (of this module's buckets): counted, and the
         eviction run when the iteration is a multiple of `eviction_interval`."""
+        if self.record(ids):
+            self.run_eviction()
+
+    def record(self, ids: torch.Tensor) -> bool:
+        """`count` without the eviction: whether this iteration evicts (then `run_eviction`,
+        or `lfu_eviction` and `lfu_evicted`, before the next)."""
         self._ensure_index()
-        self._current_iter_tensor.add_(1)
-        current = int(self._current_iter_tensor)
+        iteration = self._buffers["_current_iter_tensor"]  # not __getattr__: per module and step
+        iteration.add_(1)  # type: ignore[union-attr]
+        current = int(iteration)  # type: ignore[arg-type]
         self._history.append(ids.detach(), current)
         self._sync_history()
-        if current % self._eviction_interval == 0:
-            self._coalesce_and_evict(current)
+        return current % self._eviction_interval == 0
+
+    def run_eviction(self) -> None:
+        """The eviction of the iteration `record` counted last."""
+        self._coalesce_and_evict(int(self._current_iter_tensor))
 
     def remap(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
         return {name: with_values(jt, self.remap_ids(jt.values())) for name, jt in features.items()}
@@ -308,7 +319,9 @@ class MCHManagedCollisionModule(MCHEntryState, MCHEvictionStep, ManagedCollision
         self._index, self._ranking = index, ranking
         policy = self._eviction_policy
         lfu = type(policy) is LFU_EvictionPolicy and policy.threshold_filtering_func is None
-        self._lfu_index = index if lfu and isinstance(index, LfuEvictingIndex) else None
+        self._lfu_index = None
+        if lfu and isinstance(index, LfuEvictingIndex):  # with its bucket starts on the host
+            self._lfu_index = (index, torch.tensor(self._bucket_starts, device="cpu"))
         self._rebuild_index()
 
     def default_rows(self) -> torch.Tensor:
@@ -341,8 +354,9 @@ class MCHManagedCollisionModule(MCHEntryState, MCHEvictionStep, ManagedCollision
 
     def _ensure_index(self) -> None:
         """Rows written from outside (a checkpoint loaded into the buffer in place, e.g. by
-        torch.distributed.checkpoint): check the new state and rebuild the index."""
-        if self._mch_raw_ids._version != self._index_version:
+        torch.distributed.checkpoint): check the new state and rebuild the index. (The buffer
+        read from `_buffers`: this runs per module at every remap and count.)"""
+        if self._buffers["_mch_raw_ids"]._version != self._index_version:  # type: ignore
             self.validate_state()
 
     # -- state --------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """mc_index.cpp's draws and contest at their edges. `rs_mc_draw_uniform` (the default init's
-re-draws of a managed-collision reset): no rows, column shards at odd offsets and of odd
-widths, one-column tables, rows in any order, strided row matrices, against mc_reset's torch
-ops (the same counter-based numbers); bad arguments refused before any write. `rs_mc_contest`:
-empty buckets, free rows, ties, infinite and NaN scores (NaN ranks as -inf), against
-`rank_contest`."""
+re-draws of a managed-collision reset, several in one call): no rows, column shards at odd
+offsets and of odd widths, one-column tables, rows in any order, strided row matrices, against
+mc_reset's torch ops (the same counter-based numbers); bad arguments refused before any write.
+`rs_mc_contest`: empty buckets, free rows, ties, infinite and NaN scores (NaN ranks as -inf),
+against `rank_contest`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recshard.distributed import mc_native
-from recshard.distributed.mc_reset import as_float32, draw_into
+from recshard.distributed.mc_reset import draw_into, uniform_draw
 from recshard.modules import EmbeddingBagConfig
 from recshard.modules.mc_compete import rank_contest
 
@@ -46,11 +46,9 @@ def test_native_draws_are_the_torch_ops_numbers(
     config = _config(dim)
     pad = data.draw(st.integers(0, 3))
     native = torch.full((row_count, cols + pad), 7.0)[:, :cols]  # rows `cols + pad` apart
-    mc_native.draw_uniform(
-        seed, dim, col_offset, as_float32(-0.37), as_float32(0.91 + 0.37), native, rows
-    )
+    mc_native.draw_uniform([uniform_draw(seed, config, col_offset, native, rows)])
     by_torch = torch.full((cols, row_count), 7.0).t()  # stride(1) != 1: mc_reset's torch ops
-    draw_into(seed, config, col_offset, by_torch, rows)
+    draw_into(uniform_draw(seed, config, col_offset, by_torch, rows))
     assert torch.equal(native.view(torch.int32), by_torch.contiguous().view(torch.int32))
     untouched = torch.ones(row_count, dtype=torch.bool)
     untouched[rows] = False
@@ -58,16 +56,22 @@ def test_native_draws_are_the_torch_ops_numbers(
 
 
 def test_bad_arguments_are_refused_before_any_write() -> None:
-    out = torch.full((4, 3), 7.0)
+    """A bad draw anywhere in a call refuses the whole call: the good draw before it is not
+    written either."""
+    out, good_out = torch.full((4, 3), 7.0), torch.full((4, 3), 7.0)
+    good = mc_native.UniformDraw(1, 3, 0, 0.0, 1.0, good_out, torch.tensor([0, 3]))
     for rows, dim, offset in (
         (torch.tensor([4]), 3, 0),  # a row past the matrix
         (torch.tensor([-1]), 3, 0),
         (torch.tensor([0]), 3, 1),  # columns past the table's dim
         (torch.tensor([0]), 0, 0),
     ):
+        bad = mc_native.UniformDraw(1, dim, offset, 0.0, 1.0, out, rows)
         with pytest.raises(RuntimeError, match="reset draw"):
-            mc_native.draw_uniform(1, dim, offset, 0.0, 1.0, out, rows)
-        assert bool((out == 7.0).all())
+            mc_native.draw_uniform([good, bad])
+        assert bool((out == 7.0).all()) and bool((good_out == 7.0).all())
+    mc_native.draw_uniform([good])
+    assert bool((good_out[[0, 3]] != 7.0).all()) and bool((good_out[[1, 2]] == 7.0).all())
 
 
 _FREE = torch.iinfo(torch.int64).max

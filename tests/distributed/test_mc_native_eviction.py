@@ -14,6 +14,7 @@ import torch
 
 from recshard.distributed import mc_native
 from recshard.modules.mc_eviction import DistanceLFU_EvictionPolicy, average_threshold_filter
+from recshard.modules.mc_index import LfuEviction
 from recshard.modules.mc_modules import LFU_EvictionPolicy, MCHManagedCollisionModule
 from recshard.sparse import JaggedTensor
 
@@ -122,14 +123,14 @@ def test_one_call_eviction_refuses_what_would_break_it() -> None:
     starts = torch.tensor([0, 3, 6])
     ids = torch.tensor([4, 5, 4])
     with pytest.raises(ValueError, match="counts must have 6 elements"):
-        index.evict_lfu(ids, raw_ids, counts[:5], starts, 2, 0, 0)
+        index.evict_lfu(LfuEviction(ids, raw_ids, counts[:5], starts, 2, 0, 0))
     with pytest.raises(ValueError, match="ids seen must be a contiguous 1-D torch.int64"):
-        index.evict_lfu(ids.int(), raw_ids, counts, starts, 2, 0, 0)
+        index.evict_lfu(LfuEviction(ids.int(), raw_ids, counts, starts, 2, 0, 0))
     with pytest.raises(RuntimeError, match="arguments the library refused"):
-        index.evict_lfu(ids, raw_ids, counts, torch.tensor([0, 3, 5]), 2, 0, 0)
+        index.evict_lfu(LfuEviction(ids, raw_ids, counts, torch.tensor([0, 3, 5]), 2, 0, 0))
     with pytest.raises(RuntimeError, match="not holding its bucket"):  # id 4: bucket 0
-        index.evict_lfu(ids, raw_ids[:3], counts[:3], starts[:2].clone(), 2, 1, 0)
-    rows, evicted = index.evict_lfu(ids, raw_ids, counts, starts, 2, 0, 0)
+        index.evict_lfu(LfuEviction(ids, raw_ids[:3], counts[:3], starts[:2].clone(), 2, 1, 0))
+    rows, evicted = index.evict_lfu(LfuEviction(ids, raw_ids, counts, starts, 2, 0, 0))
     # bucket 0 (rows 0, 1; row 2 reserved): id 4, seen twice, gets the lowest ranked free row,
     # the last; bucket 1: id 5 gets row 4
     free = 2**63 - 1

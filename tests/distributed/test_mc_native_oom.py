@@ -59,9 +59,8 @@ def module(index):
     return m
 
 
-if sys.argv[1] == "eviction":
-    index = mc_native.NativeIdIndex()
-    native, reference = module(index), module(None)
+def filled(native, reference):
+    # both modules after a fill of 3000 ids, then half a million ids seen (2000 held)
     first = torch.randint(0, 2**40, (3000,))
     batch = torch.cat([first[:2000], torch.randint(0, 2**40, (1 << 19,))])
     for ids in (first, batch):
@@ -70,14 +69,44 @@ if sys.argv[1] == "eviction":
         if ids is first:
             native._coalesce_and_evict(1), reference._coalesce_and_evict(1)
             assert native.evict().tolist() == reference.evict().tolist()
-    state = lambda: (native._mch_raw_ids, native._mch_counts, index.keys, index.rows)
-    _, ours = capped(lambda: native._coalesce_and_evict(2), state, "LFU eviction")
-    reference._coalesce_and_evict(2)
+    return batch
+
+
+def agree(native, reference, batch):
     assert torch.equal(native._mch_raw_ids, reference._mch_raw_ids)
     assert torch.equal(native._mch_counts, reference._mch_counts)
     assert native.evict().tolist() == reference.evict().tolist()
     features = {"f": JaggedTensor(batch, lengths=torch.tensor([batch.numel()]))}
     assert torch.equal(native(features)["f"].values(), reference(features)["f"].values())
+
+
+def state_of(*modules):
+    index = lambda m: m.id_index()
+    return lambda: [t for m in modules for t in (m._mch_raw_ids, m._mch_counts, index(m).keys,
+                                                  index(m).rows)]
+
+
+if sys.argv[1] == "eviction":
+    native, reference = module(mc_native.NativeIdIndex()), module(None)
+    batch = filled(native, reference)
+    state = state_of(native)
+    _, ours = capped(lambda: native._coalesce_and_evict(2), state, "LFU eviction")
+    reference._coalesce_and_evict(2)
+    agree(native, reference, batch)
+elif sys.argv[1] == "tables":  # two modules' evictions in one call: the second's scratch too
+    natives = [module(mc_native.NativeIdIndex()) for _ in range(2)]
+    references = [module(None) for _ in range(2)]
+    batches = [filled(n, r) for n, r in zip(natives, references)]
+
+    def both():
+        calls = [m.lfu_eviction() for m in natives]
+        for m, (rows, evicted) in zip(natives, mc_native.evict_lfu_tables(calls)):
+            m.lfu_evicted(rows, evicted)
+
+    _, ours = capped(both, state_of(*natives), "LFU eviction")
+    for n, r, b in zip(natives, references, batches):
+        r._coalesce_and_evict(2)
+        agree(n, r, b)
 else:
     rows = torch.zeros(64, dtype=torch.float64)
     held = torch.arange(64)
@@ -91,9 +120,10 @@ print("agree")
 """
 
 
-@pytest.mark.parametrize("call", ["eviction", "contest"])
+@pytest.mark.parametrize("call", ["eviction", "tables", "contest"])
 def test_no_memory_for_scratch_changes_nothing_then_matches_torch(call: str) -> None:
-    """An LFU eviction of half a million ids (2000 held) and a contest of a million new ids,
+    """An LFU eviction of half a million ids (2000 held), two such in one call, and a contest
+    of a million new ids,
     capped at 1, 2, ... MiB past the address space in use: each cap that reaches the C++
     scratch raises MemoryError with the module's ids, counts and index unchanged (before the
     fix: SIGABRT, or counts already added); uncapped, the torch path's rows, ids and counts."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from recshard.distributed import mc_native
-from recshard.distributed.mc_reset import reset_evicted
+from recshard.distributed.mc_reset import draw_into, reset_evicted, uniform_draw
 from recshard.lookup.tables import LocalTable
 from recshard.modules import EmbeddingBagConfig, PoolingType
 from recshard.types import EmbeddingComputeKernel
@@ -104,3 +104,57 @@ def test_a_table_with_its_own_init_fn_gets_it() -> None:
     reset_evicted({"t": torch.tensor([1, 7])}, shards, {}, {"t": config})
     assert torch.equal(weight[[1, 7]], torch.full((2, 4), 0.25))
     assert int((weight != 0).sum()) == 8
+
+
+def _random_init(w: torch.Tensor) -> None:
+    w.uniform_(-1.0, 1.0)  # draws from torch's generator between the default tables' seeds
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_many_tables_draw_what_one_table_at_a_time_drew(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """Default-init tables (one with two column shards, one with none here, one with no rows
+    to reset) around tables with an init_fn that draws from torch's generator: every table's
+    numbers, and the generator after, as a seed drawn per table in table order gives them
+    (the reset before its seeds were drawn together and its draws made in one call)."""
+    if not native:
+        monkeypatch.setenv(mc_native.ENV, "0")
+    names = ["a", "b", "c", "d", "e", "f"]
+    configs = {
+        n: EmbeddingBagConfig(
+            30, 6, name=n, feature_names=[n], init_fn=_random_init if n in "ce" else None
+        )
+        for n in names
+    }
+    cuts = {"a": [(0, 6)], "b": [(0, 2), (2, 4)], "c": [(0, 6)], "d": [], "e": [(0, 6)]}
+    cuts["f"] = [(0, 6)]
+    rows = {n: torch.tensor([3, 29, 0, 11 + k]) for k, n in enumerate(names)}
+    evictions = {**rows, "f": None}
+
+    def shards() -> dict:
+        return {
+            n: [(_shard(configs[n], 30, o, c), torch.full((30, c), 9.0)) for o, c in cuts[n]]
+            for n in names
+        }
+
+    torch.manual_seed(11)
+    got = shards()
+    reset_evicted(evictions, got, {}, configs)
+    after = torch.rand(3)
+    torch.manual_seed(11)
+    want = shards()
+    for n in names:  # one table at a time: a seed per default-init table with shards here
+        if evictions[n] is None or not want[n]:
+            continue
+        if configs[n].init_fn is not None:
+            reset_evicted({n: rows[n]}, {n: want[n]}, {}, {n: configs[n]})
+            continue
+        seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu"))
+        for local, weight in want[n]:
+            draw_into(uniform_draw(seed, configs[n], local.col_offset, weight, rows[n]))
+    assert torch.equal(torch.rand(3), after)
+    for n in names:
+        for (_, mine), (_, theirs) in zip(got[n], want[n]):
+            assert torch.equal(mine, theirs), n
+    assert bool((got["f"][0][1] == 9.0).all()) and bool((got["a"][0][1][rows["a"]] != 9.0).all())

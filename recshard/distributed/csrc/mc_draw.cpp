@@ -70,17 +70,33 @@ MC_CLONES void draw_row(uint64_t seed, uint64_t first, int64_t cols, float low, 
 
 }  // namespace
 
-extern "C" int rs_mc_draw_uniform(int64_t seed, int64_t n, const int64_t* rows, int64_t dim,
-                                  int64_t col_offset, int64_t cols, float low, float scale,
-                                  int64_t row_count, int64_t row_stride, float* out) try {
-  if (n < 0 || dim < 1 || col_offset < 0 || cols < 0 || col_offset + cols > dim ||
-      row_stride < cols || row_count < 0)
-    return ERR_ARGUMENT;
-  for (int64_t j = 0; j < n; ++j)
-    if (rows[j] < 0 || rows[j] >= row_count) return ERR_ARGUMENT;
-  for (int64_t j = 0; j < n; ++j)
-    draw_row(uint64_t(seed), uint64_t(j * dim + col_offset), cols, low, scale,
-             out + rows[j] * row_stride);
+// `draws` resets' numbers in one call, draw d as described above with seed `seeds[d]`, n =
+// `counts[d]` rows `row_ptrs[d]`, `dims[d]`, `col_offsets[d]`, `cols[d]`, `lows[d]`,
+// `scales[d]`, into `out_ptrs[d]` (`row_counts[d]` rows, `row_strides[d]` floats apart). Every
+// draw's arguments and rows are checked before the first number is written.
+extern "C" int rs_mc_draw_uniform(int64_t draws, const int64_t* seeds, const int64_t* counts,
+                                  const int64_t* row_ptrs, const int64_t* dims,
+                                  const int64_t* col_offsets, const int64_t* cols,
+                                  const float* lows, const float* scales,
+                                  const int64_t* row_counts, const int64_t* row_strides,
+                                  const int64_t* out_ptrs) try {
+  if (draws < 0) return ERR_ARGUMENT;
+  for (int64_t d = 0; d < draws; ++d) {
+    const int64_t n = counts[d], dim = dims[d], col_offset = col_offsets[d];
+    if (n < 0 || dim < 1 || col_offset < 0 || cols[d] < 0 || col_offset + cols[d] > dim ||
+        row_strides[d] < cols[d] || row_counts[d] < 0)
+      return ERR_ARGUMENT;
+    const int64_t* rows = reinterpret_cast<const int64_t*>(row_ptrs[d]);
+    for (int64_t j = 0; j < n; ++j)
+      if (rows[j] < 0 || rows[j] >= row_counts[d]) return ERR_ARGUMENT;
+  }
+  for (int64_t d = 0; d < draws; ++d) {
+    const int64_t* rows = reinterpret_cast<const int64_t*>(row_ptrs[d]);
+    float* out = reinterpret_cast<float*>(out_ptrs[d]);
+    for (int64_t j = 0; j < counts[d]; ++j)
+      draw_row(uint64_t(seeds[d]), uint64_t(j * dims[d] + col_offsets[d]), cols[d], lows[d],
+               scales[d], out + rows[j] * row_strides[d]);
+  }
   return 0;
 } catch (...) {
   return exception_code();

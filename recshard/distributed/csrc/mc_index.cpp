@@ -1,8 +1,8 @@
 // Managed collision's per-batch work in C++ (called through ctypes from
 // recshard/distributed/mc_native.py): each table's open-addressing id index (build, erase +
 // insert at an eviction, find), the remap of a whole batch over every table's index in one
-// call, a bucket's eviction contest, and a module's whole LFU eviction (a reset's draws:
-// mc_draw.cpp; id checks and routing: mc_route.cpp).
+// call, a bucket's eviction contest, and the whole LFU evictions of several modules in one
+// call (a reset's draws: mc_draw.cpp; id checks and routing: mc_route.cpp).
 //
 // An index is two int64 arrays of 2**log2 slots: keys (EMPTY = -1: ids are >= 0) and their
 // global rows; linear probing from `key * odd constant`'s top bits, deletion by backward
@@ -348,21 +348,47 @@ extern "C" int rs_mc_contest(int64_t slots, const double* row_scores, const int6
   return exception_code();
 }
 
-// A whole LFU eviction of one module without a threshold filter (MCHManagedCollisionModule.
-// _coalesce_and_evict's result): each of the `count` ids seen since the last one that holds a
-// row adds one to its row's count (`counts[row_count]`, in place); the others are coalesced (a
-// hash of those ids alone, not a sort) and compete, bucket by bucket (local bucket = id % buckets - first_bucket, its rows
-// [bucket_starts[b], bucket_starts[b + 1] - 1): the last is its reserved row) with their counts
-// as scores, ties by id (`contest`). Each row changing hands gets its new id in `raw_ids`
-// (INT64_MAX = free) and `counts`, and in the index (log2/keys/rows, `held` ids, rows global:
-// local + row_offset). Writes the global rows that changed hands to `changed[count]` (sorted)
-// and stats = {rows changed, ids that lost their row}.
-extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64_t held,
-                               int64_t count, const int64_t* ids, int64_t row_count,
-                               int64_t* raw_ids, int64_t* counts, int64_t held_buckets,
-                               const int64_t* bucket_starts, int64_t buckets,
-                               int64_t first_bucket, int64_t row_offset, int64_t* changed,
-                               int64_t* stats) try {
+namespace {
+
+// One table's arguments of an LFU eviction (see rs_mc_evict_lfu_tables).
+struct LfuTable {
+  int64_t log2;
+  int64_t* keys;
+  int64_t* rows;
+  int64_t held, count;
+  const int64_t* ids;
+  int64_t row_count;
+  int64_t* raw_ids;
+  int64_t* counts;
+  int64_t held_buckets;
+  const int64_t* bucket_starts;
+  int64_t buckets, first_bucket, row_offset;
+};
+
+// A new id seen since the last eviction: how often, and its local bucket.
+struct Seen {
+  int64_t id, count, bucket;
+};
+
+// What one table's eviction writes, worked out (`plan_lfu`) before any table is written
+// (`apply_lfu`): the rows of the held ids seen (one count each), the new ids grouped by bucket
+// (bucket b's from starts[b]), and every scratch array of its contests.
+struct LfuPlan {
+  std::vector<int64_t> hit_rows, starts, lose, win;
+  std::vector<Seen> grouped;
+  ContestScratch scratch;
+};
+
+// One table's arguments and history checked, its plan worked out: writes nothing of the table.
+int plan_lfu(const LfuTable& table, LfuPlan& plan) {
+  const int64_t log2 = table.log2, held = table.held, count = table.count;
+  const int64_t row_count = table.row_count, held_buckets = table.held_buckets;
+  const int64_t buckets = table.buckets, first_bucket = table.first_bucket;
+  const int64_t row_offset = table.row_offset;
+  const int64_t* ids = table.ids;
+  const int64_t* rows = table.rows;
+  const int64_t* raw_ids = table.raw_ids;
+  const int64_t* bucket_starts = table.bucket_starts;
   if (!valid_log2(log2) || held < 0 || held > row_count || count < 0 || row_count < 0 ||
       2 * row_count > (int64_t(1) << log2) || held_buckets < 0 || buckets < 1 ||
       first_bucket < 0 || first_bucket + held_buckets > buckets || bucket_starts[0] != 0 ||
@@ -370,13 +396,14 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
     return ERR_ARGUMENT;
   for (int64_t b = 0; b < held_buckets; ++b)
     if (bucket_starts[b + 1] - bucket_starts[b] < 1) return ERR_ARGUMENT;
-  stats[0] = stats[1] = 0;
-  Index index(keys, rows, log2);
+  const Index index(table.keys, table.rows, log2);
   // one pass over the history in arrival order, looked up in the index with prefetches: a
   // held id's row is noted (its count written once every id is checked: an error writes
   // nothing), the others are kept to be coalesced. (Coalescing the whole history first cost a
   // hash as large as the history, a scan of it and a lookup per distinct id besides.)
-  std::vector<int64_t> hit_rows, hit_ids, missed;
+  std::vector<int64_t>& hit_rows = plan.hit_rows;
+  hit_rows.clear();
+  std::vector<int64_t> hit_ids, missed;
   hit_rows.reserve(size_t(count));
   hit_ids.reserve(size_t(count));
   for (int64_t i = 0; i < count; ++i) {
@@ -398,7 +425,7 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
   for (int64_t h = 0; h < hits; ++h) {
     if (h + PREFETCH < hits) {
       __builtin_prefetch(raw_ids + hit_rows[size_t(h + PREFETCH)]);
-      __builtin_prefetch(counts + hit_rows[size_t(h + PREFETCH)]);
+      __builtin_prefetch(table.counts + hit_rows[size_t(h + PREFETCH)]);
     }
     if (raw_ids[hit_rows[size_t(h)]] != hit_ids[size_t(h)]) return ERR_ARGUMENT;
   }
@@ -423,12 +450,10 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
     ++seen_counts[at];
   }
   // their buckets, checked once per distinct id; grouped by bucket (counting sort)
-  struct Seen {
-    int64_t id, count, bucket;
-  };
   std::vector<Seen> news;
   news.reserve(size_t(distinct));
-  std::vector<int64_t> starts(held_buckets + 1, 0);
+  std::vector<int64_t>& starts = plan.starts;
+  starts.assign(held_buckets + 1, 0);
   for (size_t at = 0; at < seen_keys.size(); ++at) {
     const int64_t id = seen_keys[at];
     if (id == EMPTY) continue;
@@ -437,26 +462,42 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
     ++starts[bucket + 1];
     news.push_back({id, seen_counts[at], bucket});
   }
-  // every scratch array allocated before the first write below (to counts): out of memory
-  // changes nothing
+  // every scratch array allocated before the first write (apply_lfu): out of memory changes
+  // nothing
   size_t most_slots = 0, most_news = 0;  // of one contest
   for (int64_t b = 0; b < held_buckets; ++b) {
     most_news = std::max(most_news, size_t(starts[b + 1]));
     starts[b + 1] += starts[b];
     most_slots = std::max(most_slots, size_t(bucket_starts[b + 1] - 1 - bucket_starts[b]));
   }
-  std::vector<Seen> grouped(news.size());
+  std::vector<Seen>& grouped = plan.grouped;
+  grouped.resize(news.size());
   {
     std::vector<int64_t> next(starts.begin(), starts.end() - 1);
     for (const Seen& n : news) grouped[size_t(next[n.bucket]++)] = n;
   }
-  std::vector<int64_t> lose(most_news), win(most_news);
-  ContestScratch scratch;
-  scratch.reserve(most_slots, most_news);
-  for (const int64_t row : hit_rows) ++counts[row];
+  plan.lose.resize(most_news);
+  plan.win.resize(most_news);
+  plan.scratch.reserve(most_slots, most_news);
+  return 0;
+}
+
+// `plan_lfu`'s plan written: counts, the contests' winners into raw ids, counts and the index,
+// the global rows that changed hands into `changed` (sorted), stats = {rows changed, ids that
+// lost their row}. Allocates nothing; fails only on an index that disagrees with the rows
+// (ERR_ABSENT, ERR_FULL), midway.
+int apply_lfu(const LfuTable& table, LfuPlan& plan, int64_t* changed, int64_t* stats) {
+  const int64_t held_buckets = table.held_buckets, row_offset = table.row_offset;
+  const int64_t* bucket_starts = table.bucket_starts;
+  int64_t* raw_ids = table.raw_ids;
+  int64_t* counts = table.counts;
+  const std::vector<int64_t>& starts = plan.starts;
+  Index index(table.keys, table.rows, table.log2);
+  stats[0] = stats[1] = 0;
+  for (const int64_t row : plan.hit_rows) ++counts[row];
   int64_t changes = 0, evicted = 0;
   for (int64_t bucket = 0; bucket < held_buckets; ++bucket) {
-    const Seen* mine = grouped.data() + starts[bucket];
+    const Seen* mine = plan.grouped.data() + starts[bucket];
     const int64_t mine_count = starts[bucket + 1] - starts[bucket];
     if (mine_count == 0) continue;
     const int64_t start = bucket_starts[bucket];
@@ -464,15 +505,15 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
     const int64_t pairs = contest<int64_t>(
         slots, [&](int64_t r) { return counts[start + r]; }, raw_ids + start, mine_count,
         [&](int64_t i) { return mine[i].count; }, [&](int64_t i) { return mine[i].id; },
-        lose.data(), win.data(), scratch);
+        plan.lose.data(), plan.win.data(), plan.scratch);
     const int64_t first_change = changes;
     for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t row = start + lose[p];
+      const int64_t row = start + plan.lose[p];
       if (raw_ids[row] != FREE_ID) {
         if (int code = index.erase(raw_ids[row])) return code;
         ++evicted;
       }
-      const Seen& winner = mine[win[p]];
+      const Seen& winner = mine[plan.win[p]];
       if (int code = index.insert(winner.id, row + row_offset)) return code;
       raw_ids[row] = winner.id;
       counts[row] = winner.count;
@@ -482,6 +523,60 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
   }
   stats[0] = changes;
   stats[1] = evicted;
+  return 0;
+}
+
+}  // namespace
+
+// The whole LFU evictions of `tables` modules without a threshold filter (MCHManagedCollision
+// Module._coalesce_and_evict's result), in one call. Table t: each of the `id_counts[t]` ids
+// seen since its last one (`id_ptrs[t]`) that holds a row adds one to its row's count
+// (`count_ptrs[t]`, `row_counts[t]` rows, in place); the others are coalesced (a hash of those
+// ids alone, not a sort) and compete, bucket by bucket (local bucket = id % buckets -
+// first_bucket, its rows [bucket_starts[b], bucket_starts[b + 1] - 1): the last is its reserved
+// row; `held_buckets[t]` buckets, starts at `bucket_start_ptrs[t]`) with their counts as
+// scores, ties by id (`contest`). Each row changing hands gets its new id in the raw ids
+// (`raw_id_ptrs[t]`, INT64_MAX = free) and counts, and in the index (`log2s`, `key_ptrs`,
+// `row_ptrs`, `helds` ids; rows global: local + `row_offsets[t]`). Writes table t's global rows
+// that changed hands (sorted) to `changed` from the sum of the id counts before t (`changed_count`
+// in all), and stats[2 t] = rows changed, stats[2 t + 1] = ids that lost their row. Every
+// table's arguments and history are checked and all scratch is allocated before the first
+// table is written (an error or out of memory changes nothing), then the tables are written in
+// order; only an index that disagrees with its rows (ERR_ABSENT, ERR_FULL) fails midway, with
+// the tables before it written. The tables' arrays must be distinct.
+extern "C" int rs_mc_evict_lfu_tables(int64_t tables, const int64_t* log2s,
+                                      const int64_t* key_ptrs, const int64_t* row_ptrs,
+                                      const int64_t* helds, const int64_t* id_counts,
+                                      const int64_t* id_ptrs, const int64_t* row_counts,
+                                      const int64_t* raw_id_ptrs, const int64_t* count_ptrs,
+                                      const int64_t* held_buckets,
+                                      const int64_t* bucket_start_ptrs, const int64_t* buckets,
+                                      const int64_t* first_buckets, const int64_t* row_offsets,
+                                      int64_t changed_count, int64_t* changed,
+                                      int64_t* stats) try {
+  if (tables < 0) return ERR_ARGUMENT;
+  std::vector<int64_t> changed_at(size_t(tables) + 1, 0);
+  for (int64_t t = 0; t < tables; ++t) {
+    if (id_counts[t] < 0 || id_counts[t] > changed_count - changed_at[t]) return ERR_ARGUMENT;
+    changed_at[t + 1] = changed_at[t] + id_counts[t];
+  }
+  if (changed_at[tables] != changed_count) return ERR_ARGUMENT;
+  auto as = [](int64_t address) { return reinterpret_cast<int64_t*>(address); };
+  std::vector<LfuTable> args(tables);
+  for (int64_t t = 0; t < tables; ++t)
+    args[t] = {log2s[t],          as(key_ptrs[t]),        as(row_ptrs[t]),   helds[t],
+               id_counts[t],      as(id_ptrs[t]),         row_counts[t],     as(raw_id_ptrs[t]),
+               as(count_ptrs[t]), held_buckets[t],        as(bucket_start_ptrs[t]),
+               buckets[t],        first_buckets[t],       row_offsets[t]};
+  // the plans are kept from call to call, per thread (as the coalescing hash): fresh ones
+  // were fresh pages at every call, all tables' at once
+  static thread_local std::vector<LfuPlan> plans;
+  if (plans.size() < size_t(tables)) plans.resize(tables);
+  for (int64_t t = 0; t < tables; ++t)
+    if (int code = plan_lfu(args[t], plans[t])) return code;
+  for (int64_t t = 0; t < tables; ++t)
+    if (int code = apply_lfu(args[t], plans[t], changed + changed_at[t], stats + 2 * t))
+      return code;
   return 0;
 } catch (...) {
   return exception_code();
