@@ -217,7 +217,8 @@ def evict_lfu_tables(
     MemoryError changes nothing (only an index found disagreeing with its rows fails midway)."""
     columns = []
     for index, e in evictions:
-        ids, rows, slots = e.ids.contiguous(), e.raw_ids.numel(), 1 << index.log2
+        # (ids must be contiguous already: a copy's address would outlive the copy)
+        ids, rows, slots = e.ids, e.raw_ids.numel(), 1 << index.log2
         columns.append(
             (
                 index.log2,
@@ -468,9 +469,10 @@ class UniformDraw:
 def draw_uniform(draws: Sequence[UniformDraw]) -> None:
     """Every draw's numbers in one C++ call (`rs_mc_draw_uniform`: all checked before any is
     written)."""
-    columns, bounds = [], []
+    columns, bounds, kept = [], [], []  # kept: the contiguous rows, alive through the call
     for draw in draws:
         out, rows = draw.out, draw.rows.contiguous()
+        kept.append(rows)
         if out.dtype != torch.float32 or out.dim() != 2 or out.device.type != "cpu":
             raise ValueError(
                 f"reset rows must be a float32 CPU matrix, got {out.dtype} {out.device}"

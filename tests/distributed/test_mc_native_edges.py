@@ -146,3 +146,22 @@ def test_large_contests_with_signed_zeros_and_extremes_are_rank_contests(seed: i
     lose, win = mc_native.native_contest(rows, held, new_scores)
     expected = rank_contest(rows, held, new_scores)
     assert torch.equal(lose, expected[0]) and torch.equal(win, expected[1])
+
+
+def test_draws_of_strided_rows_read_their_own_rows() -> None:
+    """Rows given as strided views (each copied to a contiguous tensor for the C++ call): every
+    draw reads its own rows, as drawn one at a time (the copies stay alive through the call)."""
+    out = torch.zeros(40, 8)
+    draws = [
+        mc_native.UniformDraw(seed, 8, 0, -0.5, 1.0, out, torch.arange(first, 40, 4)[::2])
+        for seed, first in ((11, 0), (12, 1), (13, 2))
+    ]
+    mc_native.draw_uniform(draws)
+    expected = torch.zeros(40, 8)
+    for draw in draws:
+        one = torch.zeros(40, 8)
+        mc_native.draw_uniform(
+            [mc_native.UniformDraw(draw.seed, 8, 0, -0.5, 1.0, one, draw.rows.contiguous())]
+        )
+        expected[draw.rows] = one[draw.rows]
+    assert torch.equal(out, expected)

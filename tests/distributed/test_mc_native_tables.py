@@ -105,6 +105,8 @@ def _call(module: MCHManagedCollisionModule, **changes: object) -> tuple:
         ({"ids": torch.tensor([5, -1])}, "an id outside its range"),
         ({"ids": torch.tensor([6 * 7 + 1])}, "not holding its bucket"),  # bucket 1: not held
         ({"counts": torch.zeros(44, dtype=torch.int64)}, "counts must have 45 elements"),
+        # a strided view: refused, not copied (a copy's address would outlive the copy)
+        ({"ids": torch.tensor([6 * 7 + 2, 0, 6 * 9 + 3, 0])[::2]}, "ids seen must be a contig"),
     ],
 )
 def test_a_bad_table_refuses_the_call_before_any_table_is_written(bad: dict, error: str) -> None:
