@@ -623,21 +623,19 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
     starts[b + 1] += starts[b];
     most_slots = std::max(most_slots, size_t(bucket_starts[b + 1] - 1 - bucket_starts[b]));
   }
-  // grouped by bucket (a counting sort; one bucket's are grouped already)
-  std::vector<Seen> grouped;
-  if (held_buckets > 1) {
-    grouped.resize(news.size());
+  // grouped by bucket (a counting sort)
+  std::vector<Seen> grouped(news.size());
+  {
     std::vector<int64_t> next(starts.begin(), starts.end() - 1);
     for (const Seen& n : news) grouped[size_t(next[n.bucket]++)] = n;
   }
-  const Seen* const by_bucket = held_buckets > 1 ? grouped.data() : news.data();
   std::vector<int64_t> lose(most_news), win(most_news);
   ContestScratch scratch;
   scratch.reserve(most_slots, most_news);
   for (const int64_t row : hit_rows) ++counts[row];
   int64_t changes = 0, evicted = 0;
   for (int64_t bucket = 0; bucket < held_buckets; ++bucket) {
-    const Seen* mine = by_bucket + starts[bucket];
+    const Seen* mine = grouped.data() + starts[bucket];
     const int64_t mine_count = starts[bucket + 1] - starts[bucket];
     if (mine_count == 0) continue;
     const int64_t start = bucket_starts[bucket];
@@ -648,6 +646,11 @@ extern "C" int rs_mc_evict_lfu(int64_t log2, int64_t* keys, int64_t* rows, int64
         lose.data(), win.data(), scratch);
     const int64_t first_change = changes;
     for (int64_t p = 0; p < pairs; ++p) {
+      if (p + PREFETCH < pairs) {  // the index slots of a later pair (a fill's are thousands)
+        index.prefetch(mine[win[p + PREFETCH]].id);
+        const int64_t leaving = raw_ids[start + lose[p + PREFETCH]];
+        if (leaving != FREE_ID) index.prefetch(leaving);
+      }
       const int64_t row = start + lose[p];
       if (raw_ids[row] != FREE_ID) {
         if (int code = index.erase(raw_ids[row])) return code;
