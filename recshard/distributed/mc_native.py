@@ -80,6 +80,7 @@ _LIBRARY = NativeLibrary(
     "csrc/mc_route.cpp",
     "csrc/mc_codes.h",
     "csrc/mc_bucket.h",
+    "csrc/mc_contest.h",
 )
 
 
