@@ -47,6 +47,7 @@ setup(
             depends=[
                 "recshard/distributed/csrc/mc_codes.h",
                 "recshard/distributed/csrc/mc_bucket.h",
+                "recshard/distributed/csrc/mc_contest.h",
             ],
             # no fused multiply-add: a reset's numbers equal their torch twin's bit for bit
             extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off"],

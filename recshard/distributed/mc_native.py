@@ -78,6 +78,7 @@ _LIBRARY = NativeLibrary(
     "csrc/mc_route.cpp",
     "csrc/mc_codes.h",
     "csrc/mc_bucket.h",
+    "csrc/mc_contest.h",
 )
 
 

@@ -167,3 +167,42 @@ def test_fills_of_hundreds_of_ids_up_to_int64_max_match_the_torch_path(
         ids = universe[torch.multinomial(weights, n, replacement=True, generator=gen)]
         _agree_on_a_step(native, reference, ids, step)
     native.validate_state()
+
+
+def _crafted_counts(kind: str, gen: torch.Generator, rows: int) -> torch.Tensor:
+    """Row counts of one kind (see the test below), hits of a step still far from overflow."""
+    small = torch.randint(1, 4, (rows,), generator=gen)
+    pick = torch.randint(0, 4, (rows,), generator=gen)
+    if kind == "ties":
+        return small
+    if kind == "negative":
+        return small - 4
+    if kind == "large":
+        large = torch.tensor([2**40, 2**63 - 1 - 10**6])[pick % 2]
+        return torch.where(pick == 0, small, large + small)
+    wide = torch.randint(-(2**62), 2**62, (rows,), generator=gen)  # "wide"
+    return torch.where(pick == 0, wide, small)
+
+
+@pytest.mark.parametrize("kind", ["ties", "negative", "large", "wide"])
+def test_contests_of_large_tied_buckets_and_extreme_counts_match_the_torch_path(
+    kind: str,
+) -> None:
+    """Buckets of a thousand rows whose counts are rewritten before each step after two fills:
+    most tied at a few counts (the contest's tallies by score, the byte of the held ids that
+    drops most tied rows, new ids tied by the hundred of which a few win), negative, around
+    2**40 and INT64_MAX - 10**6 (tallied from a negative lowest score; rows out of reach), and
+    spread over +-2**62 (a span of scores the tallies refuse: the comparison path)."""
+    gen = torch.Generator().manual_seed(len(kind))
+    native = _module(3000, 3, None, 1, True)
+    reference = _module(3000, 3, None, 1, False)
+    universe = torch.arange(20000) * 2_654_435_761_987 % (2**40)
+    weights = 1.0 / (torch.arange(universe.numel()) + 1.0) ** 0.8
+    for step in range(8):
+        if step >= 2:
+            counts = _crafted_counts(kind, gen, native._mch_counts.numel())
+            native._mch_counts.copy_(counts)
+            reference._mch_counts.copy_(counts)
+        ids = universe[torch.multinomial(weights, 2500, replacement=True, generator=gen)]
+        _agree_on_a_step(native, reference, ids, step)
+    native.validate_state()

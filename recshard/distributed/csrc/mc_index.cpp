@@ -1,8 +1,8 @@
 // Managed collision's per-batch work in C++ (called through ctypes from
 // recshard/distributed/mc_native.py): each table's open-addressing id index (build, erase +
 // insert at an eviction, find), the remap of a whole batch over every table's index in one
-// call, a bucket's eviction contest, and the whole LFU evictions of several modules in one
-// call (a reset's draws: mc_draw.cpp; id checks and routing: mc_route.cpp).
+// call, a bucket's eviction contest (mc_contest.h), and the whole LFU evictions of several
+// modules in one call (a reset's draws: mc_draw.cpp; id checks and routing: mc_route.cpp).
 //
 // An index is two int64 arrays of 2**log2 slots: keys (EMPTY = -1: ids are >= 0) and their
 // global rows; linear probing from `key * odd constant`'s top bits, deletion by backward
@@ -16,17 +16,15 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
-#include <numeric>
-#include <type_traits>
 #include <vector>
 
 #include "mc_bucket.h"
 #include "mc_codes.h"
+#include "mc_contest.h"
 
 namespace {
 
 constexpr int64_t EMPTY = -1;
-constexpr int64_t FREE_ID = INT64_MAX;  // a free row's raw id (recshard.modules.mc_base.FREE)
 constexpr uint64_t MIX = 0x9E3779B97F4A7C15ULL;
 constexpr int64_t PREFETCH = 16;  // lookups ahead whose slots are prefetched
 
@@ -198,138 +196,6 @@ extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
   return exception_code();
 }
 
-namespace {
-
-// A contest's working arrays (`contest`, `radix_sorted`), reserved before an eviction writes
-// anything: a contest over at most `slots` rows and `news` new ids then allocates nothing.
-struct ContestScratch {
-  std::vector<int64_t> rows, order, sorted;
-  std::vector<uint64_t> keys, scores;
-  std::vector<uint32_t> at, spare;
-
-  void reserve(size_t slots, size_t news) {
-    rows.reserve(slots);
-    for (std::vector<int64_t>* v : {&order, &sorted}) v->reserve(news);
-    for (std::vector<uint64_t>* v : {&keys, &scores}) v->reserve(news);
-    for (std::vector<uint32_t>* v : {&at, &spare}) v->reserve(news);
-  }
-};
-
-// `order` (positions of new ids) sorted best first, score high to low, then key low to high,
-// when all of them are wanted (`m`: a fill gives every candidate a row), the scores are
-// integers and there are many: a stable LSD radix sort, 8 bits a pass, by key and then by
-// score, each pass skipped where every value shares its byte. The keys are distinct, so the
-// order is the comparison sort's; but comparing (score, key) on random ids mispredicted about
-// every other branch: most of a first fill's eviction. Returns whether it sorted.
-template <class Score, class NewScore, class NewKey>
-bool radix_sorted(ContestScratch& scratch, int64_t m, NewScore new_score, NewKey new_key) {
-  if constexpr (!std::is_integral_v<Score>) {
-    return false;
-  } else {
-    std::vector<int64_t>& order = scratch.order;
-    const size_t n = order.size();
-    if (int64_t(n) != m || n < 256 || n > UINT32_MAX) return false;
-    constexpr uint64_t SIGN = uint64_t(1) << 63;
-    // ascending unsigned digits: keys low to high, then scores high to low
-    std::vector<uint64_t>& keys = scratch.keys;
-    std::vector<uint64_t>& scores = scratch.scores;
-    keys.resize(n);
-    scores.resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      keys[i] = uint64_t(new_key(order[i])) ^ SIGN;
-      scores[i] = ~(uint64_t(new_score(order[i])) ^ SIGN);
-    }
-    // positions into keys/scores, sorted in passes
-    std::vector<uint32_t>& at = scratch.at;
-    std::vector<uint32_t>& spare = scratch.spare;
-    at.resize(n);
-    spare.resize(n);
-    std::iota(at.begin(), at.end(), 0u);
-    for (const std::vector<uint64_t>* digits : {&keys, &scores}) {
-      uint64_t all_or = 0, all_and = ~uint64_t(0);
-      for (const uint64_t d : *digits) all_or |= d, all_and &= d;
-      for (int shift = 0; shift < 64; shift += 8) {
-        if ((((all_or ^ all_and) >> shift) & 0xFF) == 0) continue;  // one byte for all
-        size_t starts[257] = {0};
-        for (const uint32_t i : at) ++starts[(((*digits)[i] >> shift) & 0xFF) + 1];
-        for (int b = 0; b < 256; ++b) starts[b + 1] += starts[b];
-        for (const uint32_t i : at) spare[starts[((*digits)[i] >> shift) & 0xFF]++] = i;
-        at.swap(spare);
-      }
-    }
-    std::vector<int64_t>& sorted = scratch.sorted;
-    sorted.resize(n);
-    for (size_t i = 0; i < n; ++i) sorted[i] = order[at[i]];
-    order.swap(sorted);
-    return true;
-  }
-}
-
-// One bucket's eviction contest (recshard/modules/mc_compete.py's rank_contest, same result):
-// its `slots` rows (`held[r]`: the id holding row r, INT64_MAX if free; `row_score(r)`) and
-// `news` new ids (`new_score(i)`; ties by `new_key(i)`, their entry order) are ranked by score,
-// highest first: rows by (held id, row) among equal scores, then the new ids. The first slots
-// entries keep or get a row. The j-th best new id gets one exactly when it outscores the j-th
-// worst row (so the winners are a prefix of the new ids best first, the losers of the rows
-// worst first): only the rows scoring below the best new id and the new ids scoring above the
-// worst row are looked at, and only the few that can change hands are sorted. Writes the rows
-// that lose theirs (`lose`) and the new ids that get them (`win`, positions in the new ids),
-// paired in rank order (the best winner takes the best loser); returns their count. Its
-// working arrays are `scratch`'s (they grow here unless reserved for slots and news).
-template <class Score, class RowScore, class NewScore, class NewKey>
-int64_t contest(int64_t slots, RowScore row_score, const int64_t* held, int64_t news,
-                NewScore new_score, NewKey new_key, int64_t* lose, int64_t* win,
-                ContestScratch& scratch) {
-  if (std::min(news, slots) == 0) return 0;
-  Score best_new = new_score(0), worst_row = row_score(0);
-  for (int64_t i = 1; i < news; ++i) best_new = std::max(best_new, new_score(i));
-  for (int64_t r = 1; r < slots; ++r) worst_row = std::min(worst_row, row_score(r));
-  if (!(best_new > worst_row)) return 0;  // nothing changes hands (the common quiet case)
-  // the rows that can lose, the new ids that can win
-  std::vector<int64_t>& rows = scratch.rows;
-  std::vector<int64_t>& order = scratch.order;
-  rows.clear();
-  order.clear();
-  bool free_alike = true;  // all of those rows free with one score (a first fill)
-  for (int64_t r = slots - 1; r >= 0; --r) {
-    if (row_score(r) < best_new) {
-      free_alike &= held[r] == FREE_ID && row_score(r) == row_score(rows.empty() ? r : rows[0]);
-      rows.push_back(r);
-    }
-  }
-  for (int64_t i = 0; i < news; ++i)
-    if (new_score(i) > worst_row) order.push_back(i);
-  const int64_t m = std::min({news, slots, int64_t(rows.size()), int64_t(order.size())});
-  // rows worst first: lower score, then (among equal scores) the later entry
-  auto row_after = [&](int64_t a, int64_t b) {
-    const Score sa = row_score(a), sb = row_score(b);
-    if (sa != sb) return sa < sb;
-    if (held[a] != held[b]) return held[a] > held[b];
-    return a > b;
-  };
-  auto new_before = [&](int64_t a, int64_t b) {
-    const Score sa = new_score(a), sb = new_score(b);
-    return sa != sb ? sa > sb : new_key(a) < new_key(b);
-  };
-  if (!free_alike) {  // else they are in that order already: the later row first
-    std::nth_element(rows.begin(), rows.begin() + (m - 1), rows.end(), row_after);
-    std::sort(rows.begin(), rows.begin() + m, row_after);
-  }
-  if (!radix_sorted<Score>(scratch, m, new_score, new_key)) {
-    std::nth_element(order.begin(), order.begin() + (m - 1), order.end(), new_before);
-    std::sort(order.begin(), order.begin() + m, new_before);
-  }
-  int64_t w = 0;
-  while (w < m && new_score(order[w]) > row_score(rows[w])) ++w;
-  for (int64_t i = 0; i < w; ++i) {
-    lose[i] = rows[w - 1 - i];
-    win[i] = order[i];
-  }
-  return w;
-}
-
-}  // namespace
-
 // `contest` over score arrays: `row_scores[slots]`, `new_scores[news]`; `pairs` its count. A NaN
 // score ranks as -inf (as `rank_contest` ranks it): the comparisons see no NaN, whose order
 // would be undefined in std::sort and nth_element.
@@ -429,38 +295,39 @@ int plan_lfu(const LfuTable& table, LfuPlan& plan) {
     }
     if (raw_ids[hit_rows[size_t(h)]] != hit_ids[size_t(h)]) return ERR_ARGUMENT;
   }
-  // the new ids coalesced: each distinct one and how often it was seen (the hash's arrays are
-  // kept from call to call, per thread: fresh ones were fresh zeroed pages at every call)
+  // the new ids coalesced in one pass: each distinct one in `news` (first seen first, its bucket
+  // checked once) and how often it was seen, found again through a hash of positions in `news`
+  // (its arrays kept from call to call, per thread: fresh ones were fresh zeroed pages at every
+  // call; a scan of the hash for its ids mispredicted at every other slot)
   const int64_t misses = int64_t(missed.size());
   int64_t seen_log2 = 1;
   while ((int64_t(1) << seen_log2) < 2 * misses) ++seen_log2;
-  static thread_local std::vector<int64_t> seen_keys, seen_counts;
-  seen_keys.assign(size_t(1) << seen_log2, EMPTY);
-  seen_counts.resize(size_t(1) << seen_log2);
-  const Index seen(seen_keys.data(), seen_counts.data(), seen_log2);
-  int64_t distinct = 0;
-  for (const int64_t id : missed) {
-    uint64_t at = seen.home(id);
-    while (seen_keys[at] != EMPTY && seen_keys[at] != id) at = (at + 1) & seen.mask;
-    if (seen_keys[at] == EMPTY) {
-      seen_keys[at] = id;
-      seen_counts[at] = 0;
-      ++distinct;
-    }
-    ++seen_counts[at];
-  }
-  // their buckets, checked once per distinct id; grouped by bucket (counting sort)
+  struct SeenSlot {
+    int64_t id, at;  // at: the position in news
+  };
+  static thread_local std::vector<SeenSlot> seen;
+  seen.assign(size_t(1) << seen_log2, SeenSlot{EMPTY, 0});
+  const uint64_t seen_mask = (uint64_t(1) << seen_log2) - 1;
+  const int seen_shift = 64 - int(seen_log2);
+  auto seen_home = [&](int64_t id) { return (uint64_t(id) * MIX) >> seen_shift; };
   std::vector<Seen> news;
-  news.reserve(size_t(distinct));
+  news.reserve(size_t(misses));
   std::vector<int64_t>& starts = plan.starts;
   starts.assign(held_buckets + 1, 0);
-  for (size_t at = 0; at < seen_keys.size(); ++at) {
-    const int64_t id = seen_keys[at];
-    if (id == EMPTY) continue;
+  for (int64_t i = 0; i < misses; ++i) {
+    if (i + PREFETCH < misses) __builtin_prefetch(&seen[seen_home(missed[size_t(i + PREFETCH)])]);
+    const int64_t id = missed[size_t(i)];
+    uint64_t at = seen_home(id);
+    while (seen[at].id != EMPTY && seen[at].id != id) at = (at + 1) & seen_mask;
+    if (seen[at].id == id) {
+      ++news[size_t(seen[at].at)].count;
+      continue;
+    }
     const int64_t bucket = bucket_of(id, buckets) - first_bucket;
     if (bucket < 0 || bucket >= held_buckets) return ERR_BUCKET;
     ++starts[bucket + 1];
-    news.push_back({id, seen_counts[at], bucket});
+    seen[at] = {id, int64_t(news.size())};
+    news.push_back({id, 1, bucket});
   }
   // every scratch array allocated before the first write (apply_lfu): out of memory changes
   // nothing
@@ -470,6 +337,7 @@ int plan_lfu(const LfuTable& table, LfuPlan& plan) {
     starts[b + 1] += starts[b];
     most_slots = std::max(most_slots, size_t(bucket_starts[b + 1] - 1 - bucket_starts[b]));
   }
+  // grouped by bucket (a counting sort)
   std::vector<Seen>& grouped = plan.grouped;
   grouped.resize(news.size());
   {
@@ -508,6 +376,11 @@ int apply_lfu(const LfuTable& table, LfuPlan& plan, int64_t* changed, int64_t* s
         plan.lose.data(), plan.win.data(), plan.scratch);
     const int64_t first_change = changes;
     for (int64_t p = 0; p < pairs; ++p) {
+      if (p + PREFETCH < pairs) {  // the index slots of a later pair (a fill's are thousands)
+        index.prefetch(mine[plan.win[p + PREFETCH]].id);
+        const int64_t leaving = raw_ids[start + plan.lose[p + PREFETCH]];
+        if (leaving != FREE_ID) index.prefetch(leaving);
+      }
       const int64_t row = start + plan.lose[p];
       if (raw_ids[row] != FREE_ID) {
         if (int code = index.erase(raw_ids[row])) return code;
