@@ -1,10 +1,10 @@
 """Managed collision step cost: the sharded MC-EBC against the plain sharded EBC with the same
 plan (row-wise unless `--sharding` says otherwise), on 26 one-feature tables fed raw 64-bit ids
-(uniform or Zipf). Prints one JSON line per distribution (rank 0): median step ms of the plain
-EBC, of MC steps without an eviction and of MC steps with one, the overhead, the same for
-rank 0's CPU time (`*_cpu_ms`, `cpu_overhead`), the mean step over the whole run with its
-evicting steps against the plain EBC's (`run_overhead`, `run_cpu_overhead`), the remap's share
-of an MC step, and the hit rate and evictions.
+(uniform or Zipf), their steps alternating. Prints one JSON line per distribution (rank 0):
+median step ms of the plain EBC, of MC steps without an eviction and of MC steps with one, the
+overhead, the same for rank 0's CPU time (`*_cpu_ms`, `cpu_overhead`), the mean step over the
+whole run with its evicting steps against the plain EBC's (`run_overhead`,
+`run_cpu_overhead`), the remap's share of an MC step, and the hit rate and evictions.
 
     python -m benchmarks.mc --world-size 2 [--rows 10000 --batch 256 --steps 20 --interval 5]
     python -m benchmarks.mc --profile mc_profile.txt   # torch.profiler table of rank 0's steps
@@ -81,21 +81,24 @@ def _plan(module: Any, sharder: Any, sharding: str) -> ShardingPlan:
 
 
 def _time(
-    step: Callable[[KeyedJaggedTensor], None], batches: List[KeyedJaggedTensor]
-) -> Tuple[List[float], List[float]]:
-    """Per timed step: wall ms and this process's CPU ms (`time.process_time`: steadier than
-    wall time on a machine shared with other jobs; blocking waits for the other rank are not
-    in it)."""
-    for kjt in batches[:WARMUP]:
-        step(kjt)
-    wall, cpu = [], []
-    for kjt in batches[WARMUP:]:
-        dist.barrier()
-        start, start_cpu = time.perf_counter(), time.process_time()
-        step(kjt)
-        cpu.append((time.process_time() - start_cpu) * 1e3)
-        wall.append((time.perf_counter() - start) * 1e3)
-    return wall, cpu
+    steps: List[Tuple[Callable[[KeyedJaggedTensor], None], List[KeyedJaggedTensor]]],
+) -> List[Tuple[List[float], List[float]]]:
+    """Per model (a step function and its batches): wall ms and this process's CPU ms of each
+    timed step (`time.process_time`: steadier than wall time on a machine shared with other
+    jobs; blocking waits for the other rank are not in it). The models' steps alternate (step i
+    of each, then step i + 1), so a machine whose speed drifts during the run slows them alike."""
+    for step, inputs in steps:
+        for kjt in inputs[:WARMUP]:
+            step(kjt)
+    times: List[Tuple[List[float], List[float]]] = [([], []) for _ in steps]
+    for i in range(WARMUP, len(steps[0][1])):
+        for (step, inputs), (wall, cpu) in zip(steps, times):
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            step(inputs[i])
+            cpu.append((time.process_time() - start_cpu) * 1e3)
+            wall.append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def _mc_model(args: argparse.Namespace) -> DistributedModelParallel:
@@ -146,11 +149,15 @@ def _measure(args: argparse.Namespace, zipf: bool) -> None:
         KeyedJaggedTensor.from_lengths_sync(b.keys(), b.values() % args.rows, b.lengths())
         for b in batches
     ]
-    plain_wall, plain_cpu = _time(lambda kjt: plain(kjt).values().sum().backward(), folded)
-    plain_ms, plain_cpu_ms = statistics.median(plain_wall), statistics.median(plain_cpu)
     model = _mc_model(args)
     mcc, remap_ms = _timed_remap(model)
-    mc_ms, mc_cpu = _time(lambda kjt: model(kjt)[0].values().sum().backward(), batches)
+    (plain_wall, plain_cpu), (mc_ms, mc_cpu) = _time(
+        [
+            (lambda kjt: plain(kjt).values().sum().backward(), folded),
+            (lambda kjt: model(kjt)[0].values().sum().backward(), batches),
+        ]
+    )
+    plain_ms, plain_cpu_ms = statistics.median(plain_wall), statistics.median(plain_cpu)
     remap_ms = remap_ms[WARMUP:]
     evicts = step_kinds(len(mc_ms), args.interval)
     quiet = [t for t, e in zip(mc_ms, evicts) if not e]
