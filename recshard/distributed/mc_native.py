@@ -125,6 +125,18 @@ def _check(code: int, what: str) -> None:
         raise error(f"managed collision {what}: {_ERRORS.get(code, f'code {code}')}")
 
 
+def _argument_arrays(
+    columns: Sequence[Sequence[float]], width: int, dtype: torch.dtype
+) -> Tuple[torch.Tensor, List[int]]:
+    """Per-item arguments (`columns`: one tuple of `width` values per table or draw) as the
+    C++ side reads them, one array per argument: the `[width, items]` tensor (keep it alive
+    through the call) and each array's address."""
+    items = len(columns)
+    arrays = torch.tensor(columns, dtype=dtype).reshape(items, width).t().contiguous()
+    step = arrays.element_size() * items
+    return arrays, [arrays.data_ptr() + step * f for f in range(width)]
+
+
 class NativeIdIndex:
     """The ids holding a module's rows and their global rows, as `recshard.modules.mc_index.
     SortedIdIndex` offers them (`rebuild`, `replace`, `find`, `epoch`, `len`), in a C++ hash
@@ -239,14 +251,12 @@ def evict_lfu_tables(
             )
         )
     tables, seen = len(columns), sum(column[4] for column in columns)
-    # one row per argument array (`[14, tables]`): row f's address is the f-th array's
-    arguments = torch.tensor(columns, dtype=torch.int64).reshape(tables, 14).t().contiguous()
+    arguments, addresses = _argument_arrays(columns, 14, torch.int64)
     changed = torch.empty(seen, dtype=torch.int64)
     stats = torch.zeros(tables, 2, dtype=torch.int64)
-    base, stride = arguments.data_ptr(), 8 * tables
     code = _library().rs_mc_evict_lfu_tables(
         tables,
-        *(base + f * stride for f in range(14)),
+        *addresses,
         seen,
         changed.data_ptr(),
         stats.data_ptr(),
@@ -467,6 +477,17 @@ class UniformDraw:
     rows: torch.Tensor
 
 
+def drawable(out: torch.Tensor) -> bool:
+    """Whether `draw_uniform` writes into `out`: a float32 CPU matrix of contiguous rows."""
+    return (
+        out.dtype == torch.float32
+        and out.dim() == 2
+        and out.device.type == "cpu"
+        and out.stride(1) == 1
+        and out.stride(0) >= out.size(1)
+    )
+
+
 def draw_uniform(draws: Sequence[UniformDraw]) -> None:
     """Every draw's numbers in one C++ call (`rs_mc_draw_uniform`: all checked before any is
     written)."""
@@ -474,22 +495,17 @@ def draw_uniform(draws: Sequence[UniformDraw]) -> None:
     for draw in draws:
         out, rows = draw.out, draw.rows.contiguous()
         kept.append(rows)
-        if out.dtype != torch.float32 or out.dim() != 2 or out.device.type != "cpu":
+        if not drawable(out):
             raise ValueError(
-                f"reset rows must be a float32 CPU matrix, got {out.dtype} {out.device}"
+                "reset rows must be a float32 CPU matrix of contiguous rows, got "
+                f"{out.dtype} {out.device} strides {out.stride()}"
             )
-        if out.stride(1) != 1 or out.stride(0) < out.size(1):
-            raise ValueError(f"reset rows must be contiguous, got strides {out.stride()}")
         columns.append(
             (draw.seed, rows.numel(), _vector("reset rows", rows), draw.dim, draw.col_offset,
              out.size(1), out.size(0), out.stride(0), out.data_ptr())
         )  # fmt: skip
         bounds.append((draw.low, draw.scale))
-    count = len(columns)
-    # one row per argument array: row f's address is the f-th array's
-    arguments = torch.tensor(columns, dtype=torch.int64).reshape(count, 9).t().contiguous()
-    floats = torch.tensor(bounds, dtype=torch.float32).reshape(count, 2).t().contiguous()
-    at = [arguments.data_ptr() + 8 * count * f for f in range(9)]
-    low_at, scale_at = floats.data_ptr(), floats.data_ptr() + 4 * count
-    code = _library().rs_mc_draw_uniform(count, *at[:6], low_at, scale_at, *at[6:])
+    arguments, at = _argument_arrays(columns, 9, torch.int64)
+    floats, (low_at, scale_at) = _argument_arrays(bounds, 2, torch.float32)
+    code = _library().rs_mc_draw_uniform(len(columns), *at[:6], low_at, scale_at, *at[6:])
     _check(code, "reset draw")

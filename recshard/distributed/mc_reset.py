@@ -57,19 +57,6 @@ def uniform_draw(
     return mc_native.UniformDraw(seed, config.embedding_dim, col_offset, low, scale, target, rows)
 
 
-def _native(draw: mc_native.UniformDraw, library: bool) -> bool:
-    """Whether C++ draws it (`mc_native.draw_uniform`, `library`: enabled on the CPU):
-    straight into float32 CPU rows."""
-    target = draw.out
-    return (
-        library
-        and target.device.type == "cpu"
-        and target.dtype == torch.float32
-        and target.stride(1) == 1
-        and target.stride(0) >= target.size(1)
-    )
-
-
 def draw_into(draw: mc_native.UniformDraw) -> None:
     """`draw`'s numbers from torch ops, the same as `mc_native.draw_uniform`'s (which defines
     them), written into `draw.out[draw.rows]` (any dtype and device)."""
@@ -101,7 +88,7 @@ def _draw(tables: List[str], rows: List[torch.Tensor], weights: Shards, configs:
         for local, weight in weights[table]
     ]
     library = mc_native.enabled(torch.device("cpu"))
-    native = [_native(draw, library) for draw in draws]
+    native = [library and mc_native.drawable(draw.out) for draw in draws]
     if any(native):
         mc_native.draw_uniform([draw for draw, n in zip(draws, native) if n])
     for draw, n in zip(draws, native):

@@ -16,6 +16,21 @@
 namespace {
 
 constexpr int64_t FREE_ID = INT64_MAX;  // a free row's raw id (recshard.modules.mc_base.FREE)
+constexpr uint64_t SIGN = uint64_t(1) << 63;  // x ^ SIGN: int64 order as uint64 order
+
+// New ids best first: score high to low, then key low to high.
+template <class NewScore, class NewKey>
+auto best_first(NewScore new_score, NewKey new_key) {
+  return [=](int64_t a, int64_t b) {
+    const auto sa = new_score(a), sb = new_score(b);
+    return sa != sb ? sa > sb : new_key(a) < new_key(b);
+  };
+}
+
+// Rows of one score, worst first: the later entry (held id high to low, then row high to low).
+inline auto later_entry(const int64_t* held) {
+  return [held](int64_t a, int64_t b) { return held[a] != held[b] ? held[a] > held[b] : a > b; };
+}
 
 // The score classes a contest over integer scores may count (`classes_for`): past that span of
 // scores it compares instead.
@@ -54,7 +69,6 @@ bool radix_sorted(ContestScratch& scratch, int64_t m, NewScore new_score, NewKey
     std::vector<int64_t>& order = scratch.order;
     const size_t n = order.size();
     if (int64_t(n) != m || n < 256 || n > UINT32_MAX) return false;
-    constexpr uint64_t SIGN = uint64_t(1) << 63;
     // ascending unsigned digits: keys low to high, then scores high to low
     std::vector<uint64_t>& keys = scratch.keys;
     std::vector<uint64_t>& scores = scratch.scores;
@@ -179,9 +193,7 @@ int64_t contest_by_classes(int64_t slots, RowScore row_score, const int64_t* hel
     news_above += new_classes[--last_new];
   // rows: a counting sort of the classes below last_row (each scanned from the last row: later
   // rows first), then the tied ones of last_row worst first (held id high to low, then row)
-  auto tie_after = [&](int64_t a, int64_t b) {
-    return held[a] != held[b] ? held[a] > held[b] : a > b;
-  };
+  const auto tie_after = later_entry(held);
   std::vector<int64_t>& losers = scratch.rows;
   std::vector<int64_t>& tied = scratch.tied;
   losers.resize(size_t(w));
@@ -207,7 +219,6 @@ int64_t contest_by_classes(int64_t slots, RowScore row_score, const int64_t* hel
   }
   const size_t tied_rows = size_t(w - rows_below);
   if (!std::is_sorted(tied.begin(), tied.end(), tie_after)) {  // sorted: free rows (a fill)
-    constexpr uint64_t SIGN = uint64_t(1) << 63;
     if (tied_rows < tied.size())
       select_first(
           tied, tied_rows, [&](int64_t r) { return ~(uint64_t(held[r]) ^ SIGN); }, tie_after,
@@ -217,10 +228,7 @@ int64_t contest_by_classes(int64_t slots, RowScore row_score, const int64_t* hel
   std::copy(tied.begin(), tied.begin() + tied_rows, losers.begin() + rows_below);
   // new ids: those of last_new and above best first (a sort of them all, or of those above and
   // the tied ones with the lowest keys when those are a few of many), the first w winning
-  auto new_before = [&](int64_t a, int64_t b) {
-    const int64_t sa = new_score(a), sb = new_score(b);
-    return sa != sb ? sa > sb : new_key(a) < new_key(b);
-  };
+  const auto new_before = best_first(new_score, new_key);
   std::vector<int64_t>& order = scratch.order;
   order.clear();
   tied.clear();
@@ -235,7 +243,6 @@ int64_t contest_by_classes(int64_t slots, RowScore row_score, const int64_t* hel
   }
   const size_t tied_news = size_t(w - news_above);
   if (tied_news * 4 < tied.size()) {
-    constexpr uint64_t SIGN = uint64_t(1) << 63;
     select_first(
         tied, tied_news, [&](int64_t i) { return uint64_t(new_key(i)) ^ SIGN; }, new_before,
         scratch.spare_rows);
@@ -277,9 +284,8 @@ int64_t contest(int64_t slots, RowScore row_score, const int64_t* held, int64_t 
       return contest_by_classes(slots, row_score, held, news, new_score, new_key, worst_row,
                                 size_t(span) + 1, lose, win, scratch);
   }
-  // only the rows scoring below the best new id and the new ids scoring above the worst row are
-  // looked at, and only the few that can change hands are sorted
-  // the rows that can lose, the new ids that can win
+  // only the rows that can lose (scoring below the best new id) and the new ids that can win
+  // (scoring above the worst row) are looked at, and only the few changing hands are sorted
   std::vector<int64_t>& rows = scratch.rows;
   std::vector<int64_t>& order = scratch.order;
   rows.clear();
@@ -295,16 +301,12 @@ int64_t contest(int64_t slots, RowScore row_score, const int64_t* held, int64_t 
     if (new_score(i) > worst_row) order.push_back(i);
   const int64_t m = std::min({news, slots, int64_t(rows.size()), int64_t(order.size())});
   // rows worst first: lower score, then (among equal scores) the later entry
+  const auto later = later_entry(held);
   auto row_after = [&](int64_t a, int64_t b) {
     const Score sa = row_score(a), sb = row_score(b);
-    if (sa != sb) return sa < sb;
-    if (held[a] != held[b]) return held[a] > held[b];
-    return a > b;
+    return sa != sb ? sa < sb : later(a, b);
   };
-  auto new_before = [&](int64_t a, int64_t b) {
-    const Score sa = new_score(a), sb = new_score(b);
-    return sa != sb ? sa > sb : new_key(a) < new_key(b);
-  };
+  const auto new_before = best_first(new_score, new_key);
   if (!free_alike) {  // else they are in that order already: the later row first
     std::nth_element(rows.begin(), rows.begin() + (m - 1), rows.end(), row_after);
     std::sort(rows.begin(), rows.begin() + m, row_after);

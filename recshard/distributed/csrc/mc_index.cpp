@@ -28,6 +28,10 @@ constexpr int64_t EMPTY = -1;
 constexpr uint64_t MIX = 0x9E3779B97F4A7C15ULL;
 constexpr int64_t PREFETCH = 16;  // lookups ahead whose slots are prefetched
 
+// The first slot probed for `key` in a hash of 2**(64 - shift) slots: its product with an odd
+// constant's top bits.
+inline uint64_t home_slot(int64_t key, int shift) { return (uint64_t(key) * MIX) >> shift; }
+
 struct Index {
   int64_t* keys;
   int64_t* rows;
@@ -37,7 +41,7 @@ struct Index {
   Index(int64_t* k, int64_t* r, int64_t log2)
       : keys(k), rows(r), mask((uint64_t(1) << log2) - 1), shift(64 - int(log2)) {}
 
-  uint64_t home(int64_t key) const { return (uint64_t(key) * MIX) >> shift; }
+  uint64_t home(int64_t key) const { return home_slot(key, shift); }
 
   // start loading `key`'s home slot (a batch's indexes are mostly out of cache: a lookup
   // waits on memory, so the next ones' loads are started while it does)
@@ -309,7 +313,7 @@ int plan_lfu(const LfuTable& table, LfuPlan& plan) {
   seen.assign(size_t(1) << seen_log2, SeenSlot{EMPTY, 0});
   const uint64_t seen_mask = (uint64_t(1) << seen_log2) - 1;
   const int seen_shift = 64 - int(seen_log2);
-  auto seen_home = [&](int64_t id) { return (uint64_t(id) * MIX) >> seen_shift; };
+  auto seen_home = [&](int64_t id) { return home_slot(id, seen_shift); };
   std::vector<Seen> news;
   news.reserve(size_t(misses));
   std::vector<int64_t>& starts = plan.starts;
