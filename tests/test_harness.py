@@ -40,6 +40,7 @@ def _sleep_forever(rank: int, world_size: int) -> None:
     time.sleep(3600)
 
 
+@pytest.mark.slow  # ~13 s: the harness's own timeout, not the library's
 def test_stuck_rank_is_killed() -> None:
     # a rank sleeping for an hour: the call returns (with this error) only because the
     # harness kills it at the timeout

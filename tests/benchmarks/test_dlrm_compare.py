@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~14 s: a benchmark's run, not the library's
 def test_dlrm_compare_quick_runs_recshard_side() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "RECSHARD_"))}
     proc = subprocess.run(
@@ -39,6 +42,7 @@ def test_dlrm_compare_quick_runs_recshard_side() -> None:
         assert "ratio" not in record  # no TorchRec side was run
 
 
+@pytest.mark.slow  # a benchmark's run, not the library's
 def test_tbe_floor_quick_prints_every_piece() -> None:
     """`python -m benchmarks.tbe_floor --quick`: fbgemm's forward/backward for fp32 and fp16
     weights against their floors, and the torch pieces."""

@@ -206,6 +206,7 @@ def test_cli_calibrate_under_torchrun(tmp_path):
     assert profile.world_size == 2 and profile.gbps("intra") > 0
 
 
+@pytest.mark.slow  # ~30 s: make test stays under 15 min
 def test_cli_calibrate_then_plan_with_profile(tmp_path):
     out = tmp_path / "profile.json"
     kv_dir = tmp_path / "kv"

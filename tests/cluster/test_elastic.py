@@ -93,6 +93,7 @@ def _kill_one_rank_after(job: Job, checkpoint_dir: Path, step: int, timeout: flo
     return saved
 
 
+@pytest.mark.slow  # ~45 s (two 4-rank jobs); test_dlrm_resume.py restarts in make test
 def test_killed_rank_restarts_and_loses_nothing(cluster: Cluster, tmp_path: Path) -> None:
     # the straight run and the killed one run side by side (independent jobs, own ports)
     straight_dir = tmp_path / "straight" / "ckpt"
@@ -138,6 +139,7 @@ def test_killed_rank_restarts_and_loses_nothing(cluster: Cluster, tmp_path: Path
     assert not different, different
 
 
+@pytest.mark.slow  # ~30 s; tests/test_reliability.py's lost ranks run in make test
 def test_unplugged_host_makes_the_others_fail_naming_it(cluster: Cluster, tmp_path: Path) -> None:
     train = [a if a != "60" else "15" for a in TRAIN]  # --pg-timeout 15
     train[train.index("--steps") + 1] = "100000"  # runs until the link goes down

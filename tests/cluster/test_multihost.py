@@ -62,6 +62,7 @@ def test_ebc_benchmark_runs_on_two_hosts(cluster: Cluster, tmp_path: Path) -> No
     assert all(r["median_step_ms"] > 0 and r["world_size"] == 4 for r in steps.values())
 
 
+@pytest.mark.slow  # ~16 s; the two-host equivalence below runs in make test
 def test_launched_fresh_ranks_start_new_processes_on_every_host(
     cluster: Cluster, tmp_path: Path
 ) -> None:

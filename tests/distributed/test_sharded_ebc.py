@@ -170,7 +170,7 @@ def cases_for(ws: int) -> List[EbcCase]:
     return cases
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow), 4])
 def test_sharded_ebc_equals_unsharded(world_size: int) -> None:
     cases = cases_for(world_size)
     results = run_ranks(world_size, run_all, cases, timeout=600)

@@ -289,7 +289,7 @@ def cases_for(ws: int) -> List[EcCase]:
     return cases
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_sharded_ec_equals_unsharded(world_size: int) -> None:
     results = run_ranks(world_size, run_all, cases_for(world_size), timeout=300)
     failures: Dict[str, List[str]] = {}

@@ -107,7 +107,7 @@ def cases() -> List[FpCase]:
     return out
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sharded_fp_ebc_equals_unsharded(world_size: int) -> None:
     results = run_ranks(world_size, run_all, cases(), timeout=600)
     failures = {}

@@ -149,7 +149,7 @@ def check(results: List[Dict[str, List[str]]]) -> None:
     assert not failures, "\n".join(f"{c}: {p}" for c, p in failures.items())
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sharded_ebc_equals_unsharded_on_variable_batch(world_size: int) -> None:
     check(run_ranks(world_size, run_all, cases_for(world_size), timeout=600))
 
