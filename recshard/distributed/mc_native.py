@@ -62,6 +62,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "rs_mc_draw_uniform": [_i64] + [_ptr] * 11,
         "rs_mc_route": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64]
         + [_ptr] * 3,
+        "rs_mc_record": [_i64, _ptr, _ptr, _i64, _ptr, _i64] + [_ptr] * 6,
     }
     for name, argtypes in signatures.items():
         function = getattr(library, name)
@@ -76,6 +77,7 @@ _LIBRARY = NativeLibrary(
     "csrc/mc_index.cpp",
     "csrc/mc_draw.cpp",
     "csrc/mc_route.cpp",
+    "csrc/mc_record.cpp",
     "csrc/mc_codes.h",
     "csrc/mc_bucket.h",
     "csrc/mc_contest.h",
