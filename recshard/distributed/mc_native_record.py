@@ -16,7 +16,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from recshard.distributed.mc_native import _argument_arrays, _check, _library, _vector
+from recshard.distributed import mc_native
 from recshard.modules.mc_modules import MCHManagedCollisionModule
 from recshard.sparse import KeyedJaggedTensor
 
@@ -35,10 +35,10 @@ class NativeFusedRecord:
         self._modules = list(modules)
         self._table_of_feature = dict(table_of_feature)
         self._layouts: Dict[Tuple[Tuple[str, ...], ...], _Layout] = {}
-        # the tensors `_addresses` last checked, their addresses, and the C++ arguments
+        # the tensors `_addresses` last checked, their addresses, and their arguments
         self._tensors: List[torch.Tensor | None] = []
         self._pointers: List[int] = []
-        self._columns: Tuple[torch.Tensor, List[int]] = (torch.empty(0), [])
+        self._arguments: Tuple[torch.Tensor, List[int]] = (torch.empty(0, device="cpu"), [])
 
     def _layout(self, keys: Tuple[Tuple[str, ...], ...]) -> _Layout:
         """The module of each key of the received KJTs (in order), -1 for a key seen in an
@@ -49,35 +49,22 @@ class NativeFusedRecord:
             for key in (k for kjt_keys in keys for k in kjt_keys):
                 tables.append(-1 if key in seen else self._table_of_feature[key])
                 seen.add(key)
-            layout = (torch.tensor(tables, dtype=torch.int64), tables)
+            layout = (torch.tensor(tables, dtype=torch.int64, device="cpu"), tables)
             self._layouts[keys] = layout
         return layout
 
     def _addresses(
         self, arrays: List[Tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
     ) -> List[int]:
-        """The addresses of every module's history arrays, their capacity and its iteration
-        counter (`[4, T]`: as `rs_mc_record` reads them), checked again whenever one of these
-        tensors or its address changed (a growth, a load, a move: rarely). The tensors are
-        held here, so no new tensor can take an address still in use."""
+        """`mc_native.history_arguments` of every module's (history arrays, iteration counter),
+        checked again only when one of these tensors or its address changed (a growth, a load,
+        a move: rarely). The tensors are held here, so no new one can take an address in use."""
         tensors = [t for trio in arrays for t in trio]
         pointers = [0 if t is None else t.data_ptr() for t in tensors]
-        if pointers == self._pointers and all(map(operator.is_, tensors, self._tensors)):
-            return self._columns[1]
-        columns = []
-        for history_ids, history_seen, iteration in arrays:
-            capacity = history_ids.numel()
-            columns.append(
-                (
-                    _vector("history ids", history_ids),
-                    0 if history_seen is None else _vector("history", history_seen, capacity),
-                    capacity,
-                    _vector("iteration counter", iteration, 1),
-                )
-            )
-        self._columns = _argument_arrays(columns, 4, torch.int64)
-        self._tensors, self._pointers = tensors, pointers
-        return self._columns[1]
+        if pointers != self._pointers or not all(map(operator.is_, tensors, self._tensors)):
+            self._arguments = mc_native.history_arguments(arrays)
+            self._tensors, self._pointers = tensors, pointers
+        return self._arguments[1]
 
     @torch.no_grad()
     def record(self, received: List[KeyedJaggedTensor]) -> List[MCHManagedCollisionModule]:
@@ -88,37 +75,25 @@ class NativeFusedRecord:
         if len(received) == 1:
             ids = received[0].values()
         else:
-            ids = torch.cat([kjt.values() for kjt in received] or [torch.empty(0)])
+            ids = torch.cat([kjt.values() for kjt in received] or [torch.empty(0, device="cpu")])
         ids = ids.to(torch.int64).contiguous()  # kept alive through the call
-        segment_lengths = torch.tensor(lengths_list, dtype=torch.int64)
-        tables = len(self._modules)
-        counts = [0] * tables
+        counts = [0] * len(self._modules)
         for table, length in zip(tables_list, lengths_list):
             if table >= 0:
                 counts[table] += length
         arrays = [m.reserve_record(count) for m, count in zip(self._modules, counts)]
-        ids_at, seen_at, capacity_at, iteration_at = self._addresses(arrays)
-        used = torch.tensor([m.history_length() for m in self._modules], dtype=torch.int64)
-        recorded = torch.empty(2 * tables, dtype=torch.int64)
-        segments = segment_tables.numel()
-        code = _library().rs_mc_record(
-            segments,
-            _vector("segment tables", segment_tables),
-            _vector("segment lengths", segment_lengths, segments),
-            ids.numel(),
-            _vector("ids", ids),
-            tables,
-            ids_at,
-            seen_at,
-            used.data_ptr(),
-            capacity_at,
-            iteration_at,
-            recorded.data_ptr(),
+        arguments = self._addresses(arrays)
+        used = [m.history_length() for m in self._modules]
+        recorded = mc_native.record_histories(
+            ids,
+            segment_tables,
+            torch.tensor(lengths_list, dtype=torch.int64, device="cpu"),
+            torch.tensor(used, dtype=torch.int64, device="cpu"),
+            arguments,
         )
-        _check(code, "history record")
-        values = recorded.tolist()
+        tables = len(self._modules)
         return [
             module
-            for module, iteration, count in zip(self._modules, values, values[tables:])
+            for module, iteration, count in zip(self._modules, recorded, recorded[tables:])
             if module.recorded(count, iteration)
         ]

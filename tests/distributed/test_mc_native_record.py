@@ -167,7 +167,7 @@ def test_a_state_written_in_place_is_checked_before_any_module_records() -> None
 
 def test_a_refused_record_changes_nothing() -> None:
     """A module whose counter is not int64 is refused in Python; a call the C++ side refuses
-    (one module short of room, the last) writes no module."""
+    (a module short of room after another's ids, bad segments) writes no module."""
     modules = _modules()
     recorder = NativeFusedRecord(modules, FEATURES)
     gen = torch.Generator().manual_seed(1)
@@ -192,24 +192,22 @@ def test_a_refused_record_changes_nothing() -> None:
     room = [a[0].numel() for a in arrays]
     room[1] = used[1]  # the second module (after the first's four ids) has no room for one
     ids = torch.arange(5, dtype=torch.int64) * 30
-    pointers = [
+    columns = [  # the arguments as `mc_native.history_arguments` makes them, room[1] too small
         torch.tensor([a[0].data_ptr() for a in arrays]),
         torch.tensor([0 if a[1] is None else a[1].data_ptr() for a in arrays]),
-        torch.tensor(used),
         torch.tensor(room),
         torch.tensor([i.data_ptr() for i in iterations]),
     ]
-    recorded = torch.zeros(2 * len(modules), dtype=torch.int64)
-    library = mc_native._library()
     # no room; lengths past the ids; a negative length; tables outside [-1, 5)
     for tables, lengths in [([0, 1], [4, 1]), ([0, 1], [4, 2]), ([0, 1], [-1, 6]),
                             ([0, 5], [4, 1]), ([-2, 0], [4, 1])]:  # fmt: skip
-        tables, lengths = torch.tensor(tables), torch.tensor(lengths)  # alive through the call
-        code = library.rs_mc_record(
-            2, tables.data_ptr(), lengths.data_ptr(), 5, ids.data_ptr(),
-            len(modules), *(p.data_ptr() for p in pointers), recorded.data_ptr(),
-        )  # fmt: skip
-        assert code == 1, (tables, lengths)
-    assert recorded.eq(0).all()
+        with pytest.raises(RuntimeError, match="arguments the library refused"):
+            mc_native.record_histories(
+                ids,
+                torch.tensor(tables),
+                torch.tensor(lengths),
+                torch.tensor(used),
+                [c.data_ptr() for c in columns],
+            )
     for was, now in zip(before, snapshot()):
         assert all(torch.equal(was[n], now[n]) for n in was)
