@@ -66,7 +66,6 @@ class NativeFusedRecord:
             self._tensors, self._pointers = tensors, pointers
         return self._arguments[1]
 
-    @torch.no_grad()
     def record(self, received: List[KeyedJaggedTensor]) -> List[MCHManagedCollisionModule]:
         """Every module's iteration counted, each key's ids `[N]` (its first KJT's) appended to
         its module's history; returns the modules whose iteration evicts, in order."""
