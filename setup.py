@@ -1,8 +1,8 @@
 """Builds recshard's C++ libraries at install: the CPU embedding kernel (csrc/cpu_tbe.cpp),
 the key_value tables' row I/O (csrc/row_io.cpp) and their row cache's bookkeeping
-(csrc/row_cache.cpp), managed collision's id index, remap and routing
-(recshard/distributed/csrc/mc_index.cpp, mc_draw.cpp, mc_route.cpp), DLRM's pairwise interaction
-(recshard/models/csrc/interaction.cpp).
+(csrc/row_cache.cpp), managed collision's id index, remap, routing and history record
+(recshard/distributed/csrc/mc_index.cpp, mc_draw.cpp, mc_route.cpp, mc_record.cpp), DLRM's
+pairwise interaction (recshard/models/csrc/interaction.cpp).
 
 Plain C++ with no torch headers (seconds to compile); the metadata is in pyproject.toml.
 All are optional: `recshard.lookup.native_tbe` falls back to fbgemm,
@@ -43,6 +43,7 @@ setup(
                 "recshard/distributed/csrc/mc_index.cpp",
                 "recshard/distributed/csrc/mc_draw.cpp",
                 "recshard/distributed/csrc/mc_route.cpp",
+                "recshard/distributed/csrc/mc_record.cpp",
             ],
             depends=[
                 "recshard/distributed/csrc/mc_codes.h",

@@ -17,8 +17,9 @@ with this rank's slice of each module (the global batch's ids of its buckets, as
 module sees them), return local rows and the rows given to new ids.
 
 On CPU the id check, the routing and the remap run in C++ (`recshard.distributed.mc_native`:
-each module's ids in a hash that an eviction updates in place), and the modules evicting at a
-step whose policy is LFU without a threshold filter evict in one C++ call; elsewhere, or
+each module's ids in a hash that an eviction updates in place), so does every module's count
+of a step's ids (one call: `recshard.distributed.mc_native_record`), and the modules evicting
+at a step whose policy is LFU without a threshold filter evict in one C++ call; elsewhere, or
 without the library, in torch ops (`recshard.modules.mc_fused`). Both give the same rows.
 """
 
@@ -39,6 +40,7 @@ from recshard.distributed.mc_layout import (
     holding_ranks,
     is_column_split,
 )
+from recshard.distributed.mc_native_record import NativeFusedRecord
 from recshard.modules.input_checks import check_dtypes_and_weights, check_features, check_one_batch
 from recshard.modules.mc_fused import FusedRemap
 from recshard.modules.mc_modules import (
@@ -170,10 +172,15 @@ class ShardedManagedCollisionCollection(nn.Module):
         }
         self._native = mc_native.enabled(device)
         self._remapper: FusedRemap | mc_native.NativeFusedRemap
+        self._recorder: NativeFusedRecord | None = None
         if self._native:  # each module's ids in a C++ hash, read by one C++ remap call
             for module in modules_list:
                 module.use_kernels(mc_native.NativeIdIndex(), mc_native.native_contest)
             self._remapper = mc_native.NativeFusedRemap(modules_list)
+            self._recorder = NativeFusedRecord(
+                modules_list,
+                {f: self._table_index[t] for f, t in self._feature_to_table.items()},
+            )
         else:
             self._remapper = FusedRemap(modules_list, device)
         self._key_tables: Dict[Tuple[str, ...], torch.Tensor] = {}
@@ -328,21 +335,8 @@ class ShardedManagedCollisionCollection(nn.Module):
         new ids, or None). A column-split table counts each of its features once, however
         many of its column shards this rank holds; one with none here counts the iteration."""
         if self.training:
-            per_table: Dict[str, List[torch.Tensor]] = {}
-            seen = set()
-            for kjt in received:
-                for key, chunk in zip(kjt.keys(), kjt.values().split(kjt.length_per_key())):
-                    if key not in seen:
-                        seen.add(key)
-                        per_table.setdefault(self._feature_to_table[key], []).append(chunk)
-            none = torch.empty(0, dtype=torch.int64, device=self._device)
-            due = []
-            for table, module in self._managed_collision_modules.items():
-                # every module counts the iteration, those of tables with no ids here too
-                parts = per_table.get(table, [none])
-                if module.record(torch.cat(parts) if len(parts) > 1 else parts[0]):  # type: ignore
-                    due.append(module)
-            self._evict(due)  # type: ignore[arg-type]
+            due = self._recorder.record(received) if self._recorder else self._record(received)
+            self._evict(due)
         local = [
             KeyedJaggedTensor(
                 kjt.keys(),
@@ -360,6 +354,24 @@ class ShardedManagedCollisionCollection(nn.Module):
             offset = module.row_range()[0]  # type: ignore[operator]
             evictions[table] = None if evicted is None else evicted - offset
         return local, evictions
+
+    def _record(self, received: List[KeyedJaggedTensor]) -> List[MCHManagedCollisionModule]:
+        """Each module's `record` of its ids (see `remap`); the modules whose iteration evicts."""
+        per_table: Dict[str, List[torch.Tensor]] = {}
+        seen = set()
+        for kjt in received:
+            for key, chunk in zip(kjt.keys(), kjt.values().split(kjt.length_per_key())):
+                if key not in seen:
+                    seen.add(key)
+                    per_table.setdefault(self._feature_to_table[key], []).append(chunk)
+        none = torch.empty(0, dtype=torch.int64, device=self._device)
+        due = []
+        for table, module in self._managed_collision_modules.items():
+            # every module counts the iteration, those of tables with no ids here too
+            parts = per_table.get(table, [none])
+            if module.record(torch.cat(parts) if len(parts) > 1 else parts[0]):  # type: ignore
+                due.append(module)
+        return due  # type: ignore[return-value]
 
     def _evict(self, modules: List[MCHManagedCollisionModule]) -> None:
         """The evictions of the modules whose iteration evicts: those that a C++ index runs

@@ -1,9 +1,11 @@
 """Managed collision's per-batch work in C++ (`csrc/mc_index.cpp`, through ctypes): each
 table's id index, a whole batch's remap over every table in one call, the id range check and
 the routing of raw ids to their owners (`csrc/mc_route.cpp`: a counting sort, not a stable
-argsort), an eviction's bucket contest, a whole LFU eviction without a threshold filter
-(`NativeIdIndex.evict_lfu`), and the default init's numbers for a reset (`csrc/mc_draw.cpp`:
-`draw_uniform`, see `recshard.distributed.mc_reset`).
+argsort), every module's history record of a step in one call (`csrc/mc_record.cpp`:
+`record_histories`, for `recshard.distributed.mc_native_record`), an eviction's bucket contest,
+a whole LFU eviction without a threshold filter (`NativeIdIndex.evict_lfu`), and the default
+init's numbers for a reset (`csrc/mc_draw.cpp`: `draw_uniform`, see
+`recshard.distributed.mc_reset`).
 
 `NativeIdIndex` is an open-addressing hash of the ids holding a module's rows (at most half
 full; an eviction erases and inserts the ids that changed instead of rebuilding); it and
@@ -62,6 +64,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "rs_mc_draw_uniform": [_i64] + [_ptr] * 11,
         "rs_mc_route": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64]
         + [_ptr] * 3,
+        "rs_mc_record": [_i64, _ptr, _ptr, _i64, _ptr, _i64] + [_ptr] * 6,
     }
     for name, argtypes in signatures.items():
         function = getattr(library, name)
@@ -76,6 +79,7 @@ _LIBRARY = NativeLibrary(
     "csrc/mc_index.cpp",
     "csrc/mc_draw.cpp",
     "csrc/mc_route.cpp",
+    "csrc/mc_record.cpp",
     "csrc/mc_codes.h",
     "csrc/mc_bucket.h",
     "csrc/mc_contest.h",
@@ -459,6 +463,59 @@ def route(
         validate=False,
     )
     return routed, sent_to
+
+
+def history_arguments(
+    arrays: Sequence[Tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]],
+) -> Tuple[torch.Tensor, List[int]]:
+    """`record_histories`' per-module arguments from each module's (history ids `[C]`, its
+    iterations `[C]` or None, its iteration counter `[1]`), checked: the `[4, T]` tensor (keep
+    it, and these tensors, alive while it is used) and the address of each argument's array."""
+    columns = []
+    for history_ids, history_seen, iteration in arrays:
+        capacity = history_ids.numel()
+        columns.append(
+            (
+                _vector("history ids", history_ids),
+                0 if history_seen is None else _vector("history", history_seen, capacity),
+                capacity,
+                _vector("iteration counter", iteration, 1),
+            )
+        )
+    return _argument_arrays(columns, 4, torch.int64)
+
+
+def record_histories(
+    ids: torch.Tensor,
+    segment_tables: torch.Tensor,
+    segment_lengths: torch.Tensor,
+    used: torch.Tensor,
+    arguments: List[int],
+) -> List[int]:
+    """One step of T modules in one C++ call (`rs_mc_record`): each module's counter advanced
+    and the ids `[N]` (in segments as `NativeFusedRemap.remap` takes them, table -1: skipped)
+    appended to its history of `used[t]` entries (`arguments`: `history_arguments`' addresses).
+    Returns the new iterations `[T]`, then how many ids each module took `[T]`. The C++ side
+    checks every module's room before its first write: a refusal changes nothing."""
+    tables, segments = used.numel(), segment_tables.numel()
+    recorded = torch.empty(2 * tables, dtype=torch.int64, device="cpu")
+    ids_at, seen_at, capacity_at, iteration_at = arguments
+    code = _library().rs_mc_record(
+        segments,
+        _vector("segment tables", segment_tables),
+        _vector("segment lengths", segment_lengths, segments),
+        ids.numel(),
+        _vector("ids", ids),
+        tables,
+        ids_at,
+        seen_at,
+        _vector("history lengths", used),
+        capacity_at,
+        iteration_at,
+        recorded.data_ptr(),
+    )
+    _check(code, "history record")
+    return recorded.tolist()
 
 
 @dataclass

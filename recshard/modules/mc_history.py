@@ -38,18 +38,35 @@ class History:
     def append(self, ids: torch.Tensor, iteration: int) -> None:
         """Ids `[N]` (int64: no autograd to switch off) seen at `iteration`."""
         count = ids.numel()
-        end = self._used + count
+        self.reserve(count)
         for name, storage in self._storage.items():
-            if end > storage.numel():
-                grown = torch.empty(max(2 * end, 1024), dtype=torch.int64, device=storage.device)
-                grown[: self._used] = storage[: self._used]
-                self._storage[name] = storage = grown
             part = storage.narrow(0, self._used, count)
             if name == IDS:
                 part.copy_(ids)
             else:
                 part.fill_(iteration)
-        self._used = end
+        self._used += count
+
+    def reserve(self, count: int) -> None:
+        """Room for `count` more entries in every array (grown to twice what is needed when
+        short, at least 1024: rarely)."""
+        end = self._used + count
+        for name, storage in self._storage.items():
+            if end > storage.numel():
+                grown = torch.empty(max(2 * end, 1024), dtype=torch.int64, device=storage.device)
+                grown[: self._used] = storage[: self._used]
+                self._storage[name] = grown
+
+    def arrays(self) -> Tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole arrays, spare room included (`IDS`'s, `SEEN_AT`'s if kept), for a writer
+        that fills entries `[len(self), ...)` after `reserve` and then calls `advance`."""
+        return self._storage[IDS], self._storage.get(SEEN_AT)
+
+    def advance(self, count: int) -> None:
+        """`count` entries past the end, written into `arrays()`, now belong to the history."""
+        if self._used + count > self._storage[IDS].numel():
+            raise RuntimeError(f"a history of {self._used} entries cannot take {count} more")
+        self._used += count
 
     def clear(self) -> None:
         self._used = 0

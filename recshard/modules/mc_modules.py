@@ -273,6 +273,23 @@ class MCHManagedCollisionModule(MCHEntryState, MCHEvictionStep, ManagedCollision
         self._sync_history()
         return current % self._eviction_interval == 0
 
+    def reserve_record(self, count: int) -> Tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """`record` split for a writer of several modules' histories at once
+        (`recshard.distributed.mc_native_record`): before it appends `count` ids, the state
+        checked as `record` checks it and room made. Returns what it writes: the history's
+        arrays (`History.arrays`) and the iteration counter `[1]` (it adds 1), then
+        `recorded`."""
+        self._ensure_index()
+        self._history.reserve(count)
+        return (*self._history.arrays(), self._buffers["_current_iter_tensor"])  # type: ignore
+
+    def recorded(self, count: int, iteration: int) -> bool:
+        """After that writer appended `count` ids seen at `iteration` (the counter's new
+        value): they join the history; whether this iteration evicts (as `record`)."""
+        self._history.advance(count)
+        self._sync_history()
+        return iteration % self._eviction_interval == 0
+
     def run_eviction(self) -> None:
         """The eviction of the iteration `record` counted last."""
         self._coalesce_and_evict(int(self._current_iter_tensor))

@@ -5,7 +5,7 @@ refuses; and the sharded collection picks it on CPU unless RECSHARD_NATIVE_MC=0.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -154,7 +154,7 @@ def test_ids_in_range() -> None:
         mc_native.ids_in_range(torch.tensor([0, 1]), tables, lengths, sizes)
 
 
-def _paths(rank: int, ws: int) -> bool:
+def _paths(rank: int, ws: int) -> Tuple[bool, bool]:
     from recshard.distributed import DistributedModelParallel
     from recshard.distributed.mc_embeddingbag import (
         ManagedCollisionEmbeddingBagCollectionSharder,
@@ -173,13 +173,14 @@ def _paths(rank: int, ws: int) -> bool:
         module, sharders=[ManagedCollisionEmbeddingBagCollectionSharder()]
     )
     collection = next(m for m in dmp.modules() if isinstance(m, ShardedManagedCollisionCollection))
-    return collection._native
+    return collection._native, collection._recorder is not None
 
 
 @pytest.mark.parametrize("setting", ["", "0"])
 def test_the_sharded_collection_remaps_in_cpp_unless_told(setting: str) -> None:
+    """It remaps and records each step's ids in C++ (`mc_native_record`), or neither."""
     env = {mc_native.ENV: setting} if setting else {}
-    assert run_ranks(1, _paths, env=env) == [setting != "0"]
+    assert run_ranks(1, _paths, env=env) == [(setting != "0", setting != "0")]
 
 
 @pytest.mark.parametrize("seed", range(40))

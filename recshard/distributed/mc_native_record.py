@@ -1,0 +1,98 @@
+"""A training step's history record of every CPU MCH module of a collection in one C++ call
+(`csrc/mc_record.cpp`): each module's iteration counter goes up by one and the ids it received
+this step, read straight from the received KJTs' values, are appended to its history with that
+iteration, as each module's `MCHManagedCollisionModule.record` of them would (the same arrays,
+entries, order and growth).
+
+Per module, Python only checks the state and makes room before the call (`reserve_record`:
+rarely a growth) and advances the history after it (`recorded`); the C++ side checks every
+address's room before its first write, so a refused call changes nothing.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from recshard.distributed import mc_native
+from recshard.modules.mc_modules import MCHManagedCollisionModule
+from recshard.sparse import KeyedJaggedTensor
+
+# per received layout (the keys of each KJT): the module of each key, -1 for a key seen before
+_Layout = Tuple[torch.Tensor, List[int]]
+
+
+class NativeFusedRecord:
+    """`record` of several CPU MCH modules at once (`record`), for a collection whose ids
+    arrive as KJTs keyed by feature; `table_of_feature` names each feature's module (its
+    position in `modules`)."""
+
+    def __init__(
+        self, modules: Sequence[MCHManagedCollisionModule], table_of_feature: Dict[str, int]
+    ) -> None:
+        self._modules = list(modules)
+        self._table_of_feature = dict(table_of_feature)
+        self._layouts: Dict[Tuple[Tuple[str, ...], ...], _Layout] = {}
+        # the tensors `_addresses` last checked, their addresses, and their arguments
+        self._tensors: List[torch.Tensor | None] = []
+        self._pointers: List[int] = []
+        self._arguments: Tuple[torch.Tensor, List[int]] = (torch.empty(0, device="cpu"), [])
+
+    def _layout(self, keys: Tuple[Tuple[str, ...], ...]) -> _Layout:
+        """The module of each key of the received KJTs (in order), -1 for a key seen in an
+        earlier one (a column-split table's feature: counted once); cached per layout."""
+        layout = self._layouts.get(keys)
+        if layout is None:
+            seen, tables = set(), []
+            for key in (k for kjt_keys in keys for k in kjt_keys):
+                tables.append(-1 if key in seen else self._table_of_feature[key])
+                seen.add(key)
+            layout = (torch.tensor(tables, dtype=torch.int64, device="cpu"), tables)
+            self._layouts[keys] = layout
+        return layout
+
+    def _addresses(
+        self, arrays: List[Tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+    ) -> List[int]:
+        """`mc_native.history_arguments` of every module's (history arrays, iteration counter),
+        checked again only when one of these tensors or its address changed (a growth, a load,
+        a move: rarely). The tensors are held here, so no new one can take an address in use."""
+        tensors = [t for trio in arrays for t in trio]
+        pointers = [0 if t is None else t.data_ptr() for t in tensors]
+        if pointers != self._pointers or not all(map(operator.is_, tensors, self._tensors)):
+            self._arguments = mc_native.history_arguments(arrays)
+            self._tensors, self._pointers = tensors, pointers
+        return self._arguments[1]
+
+    def record(self, received: List[KeyedJaggedTensor]) -> List[MCHManagedCollisionModule]:
+        """Every module's iteration counted, each key's ids `[N]` (its first KJT's) appended to
+        its module's history; returns the modules whose iteration evicts, in order."""
+        segment_tables, tables_list = self._layout(tuple(tuple(kjt.keys()) for kjt in received))
+        lengths_list = [n for kjt in received for n in kjt.length_per_key()]
+        if len(received) == 1:
+            ids = received[0].values()
+        else:
+            ids = torch.cat([kjt.values() for kjt in received] or [torch.empty(0, device="cpu")])
+        ids = ids.to(torch.int64).contiguous()  # kept alive through the call
+        counts = [0] * len(self._modules)
+        for table, length in zip(tables_list, lengths_list):
+            if table >= 0:
+                counts[table] += length
+        arrays = [m.reserve_record(count) for m, count in zip(self._modules, counts)]
+        arguments = self._addresses(arrays)
+        used = [m.history_length() for m in self._modules]
+        recorded = mc_native.record_histories(
+            ids,
+            segment_tables,
+            torch.tensor(lengths_list, dtype=torch.int64, device="cpu"),
+            torch.tensor(used, dtype=torch.int64, device="cpu"),
+            arguments,
+        )
+        tables = len(self._modules)
+        return [
+            module
+            for module, iteration, count in zip(self._modules, recorded, recorded[tables:])
+            if module.recorded(count, iteration)
+        ]
