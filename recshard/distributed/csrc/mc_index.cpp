@@ -7,8 +7,9 @@
 // An index is one int64 array of 2**log2 slots of two values each: slot s's key at 2 s (EMPTY =
 // -1: ids are >= 0) and its global row at 2 s + 1, so a probe that finds a key has its row in
 // the same cache line; linear probing from `key * odd constant`'s top bits, deletion by
-// backward shift (no tombstones), at most half full (Python sizes it). Every array's length is passed
-// and every index into one is checked here; Python checks dtypes, devices and lengths first.
+// backward shift (no tombstones), at most half full (Python sizes it). Every array's length is
+// passed and every index into one is checked here; Python checks dtypes, devices and lengths
+// first.
 // Return codes: 0 ok, then mc_codes.h's ERR_* (mc_native.py turns them into errors). No C++
 // exception leaves a C function; one that fails (out of memory included) changes nothing but
 // where it says so (a malformed index found midway: ERR_ABSENT, ERR_FULL).
@@ -113,9 +114,9 @@ extern "C" int rs_mc_build(int64_t log2, int64_t* slots, int64_t count, const in
 
 // `old_ids` (each held) leave the index, then `new_ids` (none held) come in at `new_rows`;
 // `held` is the count before, for the fill check.
-extern "C" int rs_mc_replace(int64_t log2, int64_t* slots, int64_t held,
-                             int64_t old_count, const int64_t* old_ids, int64_t new_count,
-                             const int64_t* new_ids, const int64_t* new_rows) try {
+extern "C" int rs_mc_replace(int64_t log2, int64_t* slots, int64_t held, int64_t old_count,
+                             const int64_t* old_ids, int64_t new_count, const int64_t* new_ids,
+                             const int64_t* new_rows) try {
   if (!valid_log2(log2) || old_count < 0 || new_count < 0 || old_count > held ||
       2 * (held - old_count + new_count) > (int64_t(1) << log2))
     return ERR_ARGUMENT;
@@ -154,10 +155,11 @@ extern "C" int rs_mc_find(int64_t log2, const int64_t* slots, int64_t count, con
 // Per table t: `slot_ptrs[t]` is its index of 2**log2s[t] slots.
 extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
                            const int64_t* segment_lengths, int64_t count, const int64_t* ids,
-                           int64_t tables, const int64_t* slot_ptrs, const int64_t* log2s, const int64_t* row_offsets,
-                           const int64_t* buckets, const int64_t* first_buckets,
-                           const int64_t* held_buckets, const int64_t* default_starts,
-                           int64_t default_count, const int64_t* defaults, int64_t* out_rows,
+                           int64_t tables, const int64_t* slot_ptrs, const int64_t* log2s,
+                           const int64_t* row_offsets, const int64_t* buckets,
+                           const int64_t* first_buckets, const int64_t* held_buckets,
+                           const int64_t* default_starts, int64_t default_count,
+                           const int64_t* defaults, int64_t* out_rows,
                            int64_t* counts) try {
   int64_t total = 0;
   for (int64_t s = 0; s < segments; ++s) {
@@ -410,13 +412,13 @@ int apply_lfu(const LfuTable& table, LfuPlan& plan, int64_t* changed, int64_t* s
 // row; `held_buckets[t]` buckets, starts at `bucket_start_ptrs[t]`) with their counts as
 // scores, ties by id (`contest`). Each row changing hands gets its new id in the raw ids
 // (`raw_id_ptrs[t]`, INT64_MAX = free) and counts, and in the index (`log2s`, `slot_ptrs`,
-// `helds` ids; rows global: local + `row_offsets[t]`). Writes table t's global rows
-// that changed hands (sorted) to `changed` from the sum of the id counts before t (`changed_count`
-// in all), and stats[2 t] = rows changed, stats[2 t + 1] = ids that lost their row. Every
-// table's arguments and history are checked and all scratch is allocated before the first
-// table is written (an error or out of memory changes nothing), then the tables are written in
-// order; only an index that disagrees with its rows (ERR_ABSENT, ERR_FULL) fails midway, with
-// the tables before it written. The tables' arrays must be distinct.
+// `helds` ids; rows global: local + `row_offsets[t]`). Writes table t's global rows that changed
+// hands (sorted) to `changed` from the sum of the id counts before t (`changed_count` in all),
+// and stats[2 t] = rows changed, stats[2 t + 1] = ids that lost their row. Every table's
+// arguments and history are checked and all scratch is allocated before the first table is
+// written (an error or out of memory changes nothing), then the tables are written in order;
+// only an index that disagrees with its rows (ERR_ABSENT, ERR_FULL) fails midway, with the
+// tables before it written. The tables' arrays must be distinct.
 extern "C" int rs_mc_evict_lfu_tables(int64_t tables, const int64_t* log2s,
                                       const int64_t* slot_ptrs, const int64_t* helds,
                                       const int64_t* id_counts, const int64_t* id_ptrs,
