@@ -23,36 +23,39 @@ pytestmark = pytest.mark.skipif(
 _MIX = 0x9E3779B97F4A7C15  # mc_index.cpp's home_slot: (id * MIX mod 2**64)'s top log2 bits
 
 
-def _home(id: int, log2: int) -> int:
-    return ((id * _MIX) % 2**64) >> (64 - log2)
+def _home(key: int, log2: int) -> int:
+    return ((key * _MIX) % 2**64) >> (64 - log2)
 
 
-def _ids_at(home: int, log2: int, count: int, start: int = 0) -> List[int]:
-    """The first `count` ids from `start` whose home slot is `home`."""
-    ids, id = [], start
+def _ids_at(home: int, log2: int, count: int) -> List[int]:
+    """The `count` smallest ids whose home slot is `home`."""
+    ids, key = [], 0
     while len(ids) < count:
-        if _home(id, log2) == home:
-            ids.append(id)
-        id += 1
+        if _home(key, log2) == home:
+            ids.append(key)
+        key += 1
     return ids
 
 
-def _probed(index: mc_native.NativeIdIndex, id: int) -> int | None:
-    """`id`'s row read from the slots as documented (key at 2 s, row at 2 s + 1), by linear
+def _probed(index: mc_native.NativeIdIndex, key: int) -> int | None:
+    """`key`'s row read from the slots as documented (key at 2 s, row at 2 s + 1), by linear
     probing from its home slot."""
     pairs = index.slots.view(-1, 2).tolist()
-    at = _home(id, index.log2)
+    at = _home(key, index.log2)
     for _ in pairs:
-        key, row = pairs[at]
-        if key == id:
+        held, row = pairs[at]
+        if held == key:
             return row
-        if key == -1:
+        if held == -1:
             return None
         at = (at + 1) % len(pairs)
     return None
 
 
-def _assert_answers(index: mc_native.NativeIdIndex, held: Dict[int, int], others: List[int]):
+def _assert_answers(
+    index: mc_native.NativeIdIndex, held: Dict[int, int], others: List[int]
+) -> None:
+    """`find` and the slots give each held id its row, and the `others` none."""
     queries = list(held) + others
     found, rows = index.find(torch.tensor(queries))
     assert found.tolist() == [q in held for q in queries]
@@ -72,9 +75,9 @@ def test_runs_wrapping_past_the_end_and_shifts_across_it() -> None:
     index = mc_native.NativeIdIndex()
     index.rebuild(raw, 1000)
     assert index.log2 == log2 and index.slots.numel() == 32
-    held = {id: 1000 + r for r, id in enumerate(raw[:6].tolist())}
+    held = {key: 1000 + r for r, key in enumerate(raw[:6].tolist())}
     pairs = index.slots.view(-1, 2)
-    assert pairs[[14, 15, 0, 1, 2, 3]].tolist() == [[id, row] for id, row in held.items()]
+    assert pairs[[14, 15, 0, 1, 2, 3]].tolist() == [[key, row] for key, row in held.items()]
     assert pairs[4:14].tolist() == [[-1, 0]] * 10
     _assert_answers(index, held, [at_14[2], at_15[3], at_0[1]])
     none = torch.tensor([], dtype=torch.int64)
@@ -122,5 +125,5 @@ def test_eviction_and_remap_across_the_end_match_the_torch_path() -> None:
             everything, torch.tensor([0]), torch.tensor([everything.numel()])
         )
         raw = reference._mch_raw_ids.tolist()
-        assert rows.tolist() == [raw.index(id) if id in raw else 7 for id in pool]
+        assert rows.tolist() == [raw.index(key) if key in raw else 7 for key in pool]
     assert native._mch_raw_ids.ne(FREE).sum() == 7
