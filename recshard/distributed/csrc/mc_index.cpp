@@ -50,8 +50,7 @@ struct Index {
   // waits on memory, so the next ones' loads are started while it does; its key and row share
   // a line: the array is 64-byte aligned, a slot 16 bytes) and the slot after it, which lies in
   // the next line for the 1 home in 4 that ends a line (a miss probes on whenever its home is
-  // taken, up to half the slots; without it, evictions of misses alone took ~10% longer
-  // than with keys and rows in two arrays, 8 keys a line)
+  // taken, up to half the slots are, and that line was then waited on)
   void prefetch(int64_t key) const {
     const uint64_t at = home(key);
     __builtin_prefetch(slots + 2 * at);
