@@ -54,12 +54,12 @@ _EPOCHS = itertools.count(1)  # process-wide: no two index states share an epoch
 
 def _declare(library: ctypes.CDLL) -> None:
     signatures = {
-        "rs_mc_build": [_i64, _ptr, _ptr, _i64, _ptr, _ptr],
-        "rs_mc_replace": [_i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr],
-        "rs_mc_find": [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr],
-        "rs_mc_remap": [_i64, _ptr, _ptr, _i64, _ptr, _i64] + [_ptr] * 8 + [_i64, _ptr, _ptr, _ptr],
+        "rs_mc_build": [_i64, _ptr, _i64, _ptr, _ptr],
+        "rs_mc_replace": [_i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr],
+        "rs_mc_find": [_i64, _ptr, _i64, _ptr, _ptr, _ptr],
+        "rs_mc_remap": [_i64, _ptr, _ptr, _i64, _ptr, _i64] + [_ptr] * 7 + [_i64, _ptr, _ptr, _ptr],
         "rs_mc_contest": [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr],
-        "rs_mc_evict_lfu_tables": [_i64] + [_ptr] * 14 + [_i64, _ptr, _ptr],
+        "rs_mc_evict_lfu_tables": [_i64] + [_ptr] * 13 + [_i64, _ptr, _ptr],
         "rs_mc_check_ids": [_i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr],
         "rs_mc_draw_uniform": [_i64] + [_ptr] * 11,
         "rs_mc_route": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64]
@@ -144,14 +144,18 @@ def _argument_arrays(
 class NativeIdIndex:
     """The ids holding a module's rows and their global rows, as `recshard.modules.mc_index.
     SortedIdIndex` offers them (`rebuild`, `replace`, `find`, `epoch`, `len`), in a C++ hash
-    of `2**log2 >= 2 * rows` slots (`keys`, `rows`: int64, key -1 where free)."""
+    of `2**log2 >= 2 * rows` slots: `slots [2 * 2**log2]` int64, slot s's id at `2 s` (-1
+    where free) and its global row at `2 s + 1` (one cache line holds both)."""
 
     def __init__(self) -> None:
         self.log2 = 1
-        self.keys = torch.full((2,), -1, dtype=torch.int64)
-        self.rows = torch.zeros(2, dtype=torch.int64)
+        self.slots = torch.tensor([-1, 0, -1, 0], dtype=torch.int64)
         self._held = 0
         self.epoch = next(_EPOCHS)
+
+    def address(self) -> int:
+        """The address of `slots` for the C++ side, checked to hold 2**log2 slots."""
+        return _vector("index slots", self.slots, 2 << self.log2)
 
     def __len__(self) -> int:
         return self._held
@@ -163,18 +167,16 @@ class NativeIdIndex:
         ids = raw_ids.index_select(0, held).contiguous()
         rows = (held + row_offset).contiguous()
         log2 = max(1, (2 * raw_ids.numel() - 1).bit_length())
-        keys = torch.empty(1 << log2, dtype=torch.int64)
-        slot_rows = torch.zeros(1 << log2, dtype=torch.int64)
+        slots = torch.empty(2 << log2, dtype=torch.int64)
         code = _library().rs_mc_build(
             log2,
-            keys.data_ptr(),
-            slot_rows.data_ptr(),
+            slots.data_ptr(),
             ids.numel(),
             _vector("held ids", ids),
             _vector("held rows", rows, ids.numel()),
         )
         _check(code, "index build")
-        self.log2, self.keys, self.rows, self._held = log2, keys, slot_rows, ids.numel()
+        self.log2, self.slots, self._held = log2, slots, ids.numel()
         self.epoch = next(_EPOCHS)
 
     @torch.no_grad()
@@ -184,8 +186,7 @@ class NativeIdIndex:
         old_ids, new_ids, rows = old_ids.contiguous(), new_ids.contiguous(), rows.contiguous()
         code = _library().rs_mc_replace(
             self.log2,
-            self.keys.data_ptr(),
-            self.rows.data_ptr(),
+            self.address(),
             self._held,
             old_ids.numel(),
             _vector("ids leaving the index", old_ids),
@@ -204,8 +205,7 @@ class NativeIdIndex:
         rows = torch.empty(ids.numel(), dtype=torch.int64)
         code = _library().rs_mc_find(
             self.log2,
-            self.keys.data_ptr(),
-            self.rows.data_ptr(),
+            self.address(),
             ids.numel(),
             _vector("ids", ids),
             found.data_ptr(),
@@ -235,12 +235,11 @@ def evict_lfu_tables(
     columns = []
     for index, e in evictions:
         # (ids must be contiguous already: a copy's address would outlive the copy)
-        ids, rows, slots = e.ids, e.raw_ids.numel(), 1 << index.log2
+        ids, rows = e.ids, e.raw_ids.numel()
         columns.append(
             (
                 index.log2,
-                _vector("index keys", index.keys, slots),
-                _vector("index rows", index.rows, slots),
+                index.address(),
                 index._held,
                 ids.numel(),
                 _vector("ids seen", ids),
@@ -254,8 +253,8 @@ def evict_lfu_tables(
                 e.row_offset,
             )
         )
-    tables, seen = len(columns), sum(column[4] for column in columns)
-    arguments, addresses = _argument_arrays(columns, 14, torch.int64)
+    tables, seen = len(columns), sum(column[3] for column in columns)
+    arguments, addresses = _argument_arrays(columns, 13, torch.int64)
     changed = torch.empty(seen, dtype=torch.int64)
     stats = torch.zeros(tables, 2, dtype=torch.int64)
     code = _library().rs_mc_evict_lfu_tables(
@@ -270,7 +269,7 @@ def evict_lfu_tables(
         index.epoch = next(_EPOCHS)
         index._held += changes - evicted  # zeros for a table left unwritten
         results.append((changed[at : at + changes] if changes else none, evicted))
-        at += column[4]
+        at += column[3]
     _check(code, "LFU eviction")
     return results
 
@@ -326,9 +325,9 @@ class NativeFusedRemap:
         for t, m in enumerate(self._modules):
             self._counts[t] = m._lookup_counts
             m._lookup_counts = self._counts[t]
-        self._arrays: List[Tuple[NativeIdIndex, torch.Tensor, torch.Tensor]] = []
+        self._arrays: List[Tuple[NativeIdIndex, torch.Tensor]] = []
         self._epochs: List[int] = []
-        self._key_ptrs = self._row_ptrs = self._log2s = _int64([])
+        self._slot_ptrs = self._log2s = _int64([])
 
     def _refresh(self) -> None:
         """The modules' index arrays, re-read when one changed (the indexes are held here, so
@@ -339,8 +338,8 @@ class NativeFusedRemap:
         if epochs == self._epochs:
             return
         if len(indexes) == len(self._arrays) and all(
-            index is held and index.keys is keys and index.rows is rows
-            for index, (held, keys, rows) in zip(indexes, self._arrays)
+            index is held and index.slots is slots
+            for index, (held, slots) in zip(indexes, self._arrays)
         ):
             self._epochs = epochs
             return
@@ -350,12 +349,9 @@ class NativeFusedRemap:
                     f"{module._label}: the native remap needs its NativeIdIndex, found "
                     f"{type(index).__name__} (was the module moved off the CPU?)"
                 )
-            _vector("index keys", index.keys, 1 << index.log2)
-            _vector("index rows", index.rows, 1 << index.log2)
-        self._key_ptrs = _int64(index.keys.data_ptr() for index in indexes)
-        self._row_ptrs = _int64(index.rows.data_ptr() for index in indexes)
+        self._slot_ptrs = _int64(index.address() for index in indexes)
         self._log2s = _int64(index.log2 for index in indexes)
-        self._arrays = [(index, index.keys, index.rows) for index in indexes]
+        self._arrays = [(index, index.slots) for index in indexes]
         self._epochs = epochs
 
     def remap(
@@ -376,8 +372,7 @@ class NativeFusedRemap:
             ids.numel(),
             _vector("ids", ids),
             tables,
-            _vector("key addresses", self._key_ptrs, tables),
-            _vector("row addresses", self._row_ptrs, tables),
+            _vector("index addresses", self._slot_ptrs, tables),
             _vector("index sizes", self._log2s, tables),
             _vector("row offsets", self._row_offsets, tables),
             _vector("buckets", self._buckets, tables),

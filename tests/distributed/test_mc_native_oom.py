@@ -82,8 +82,7 @@ def agree(native, reference, batch):
 
 def state_of(*modules):
     index = lambda m: m.id_index()
-    return lambda: [t for m in modules for t in (m._mch_raw_ids, m._mch_counts, index(m).keys,
-                                                  index(m).rows)]
+    return lambda: [t for m in modules for t in (m._mch_raw_ids, m._mch_counts, index(m).slots)]
 
 
 if sys.argv[1] == "eviction":

@@ -120,19 +120,19 @@ def test_a_bad_table_refuses_the_call_before_any_table_is_written(bad: dict, err
             first.run_eviction()
             second.run_eviction()
     before = [
-        [t.clone() for t in (m._mch_raw_ids, m._mch_counts, m.id_index().keys, m.id_index().rows)]
+        [t.clone() for t in (m._mch_raw_ids, m._mch_counts, m.id_index().slots)]
         + [len(m.id_index()), m.history_length()]
         for m in (first, second)
     ]
     with pytest.raises((RuntimeError, ValueError), match=error):
         mc_native.evict_lfu_tables([_call(first), _call(second, **bad)])
     after = [
-        [t for t in (m._mch_raw_ids, m._mch_counts, m.id_index().keys, m.id_index().rows)]
+        [t for t in (m._mch_raw_ids, m._mch_counts, m.id_index().slots)]
         + [len(m.id_index()), m.history_length()]
         for m in (first, second)
     ]
     for was, now in zip(before, after):
-        assert all(torch.equal(a, b) for a, b in zip(was[:4], now[:4])) and was[4:] == now[4:]
+        assert all(torch.equal(a, b) for a, b in zip(was[:3], now[:3])) and was[3:] == now[3:]
     results = mc_native.evict_lfu_tables([_call(first), _call(second)])
     assert results[0][0].numel() == 1 and results[1][0].numel() == 0  # id 8 gets a free row
     assert first._mch_counts[first._mch_raw_ids == 3].tolist() == [4]

@@ -4,10 +4,12 @@
 // call, a bucket's eviction contest (mc_contest.h), and the whole LFU evictions of several
 // modules in one call (a reset's draws: mc_draw.cpp; id checks and routing: mc_route.cpp).
 //
-// An index is two int64 arrays of 2**log2 slots: keys (EMPTY = -1: ids are >= 0) and their
-// global rows; linear probing from `key * odd constant`'s top bits, deletion by backward
-// shift (no tombstones), at most half full (Python sizes it). Every array's length is passed
-// and every index into one is checked here; Python checks dtypes, devices and lengths first.
+// An index is one int64 array of 2**log2 slots of two values each: slot s's key at 2 s (EMPTY =
+// -1: ids are >= 0) and its global row at 2 s + 1, so a probe that finds a key has its row in
+// the same cache line; linear probing from `key * odd constant`'s top bits, deletion by
+// backward shift (no tombstones), at most half full (Python sizes it). Every array's length is
+// passed and every index into one is checked here; Python checks dtypes, devices and lengths
+// first.
 // Return codes: 0 ok, then mc_codes.h's ERR_* (mc_native.py turns them into errors). No C++
 // exception leaves a C function; one that fails (out of memory included) changes nothing but
 // where it says so (a malformed index found midway: ERR_ABSENT, ERR_FULL).
@@ -33,39 +35,43 @@ constexpr int64_t PREFETCH = 16;  // lookups ahead whose slots are prefetched
 inline uint64_t home_slot(int64_t key, int shift) { return (uint64_t(key) * MIX) >> shift; }
 
 struct Index {
-  int64_t* keys;
-  int64_t* rows;
+  int64_t* slots;  // 2 * (mask + 1) values: key, row of slot 0, then of slot 1, ...
   uint64_t mask;
   int shift;
 
-  Index(int64_t* k, int64_t* r, int64_t log2)
-      : keys(k), rows(r), mask((uint64_t(1) << log2) - 1), shift(64 - int(log2)) {}
+  Index(int64_t* s, int64_t log2)
+      : slots(s), mask((uint64_t(1) << log2) - 1), shift(64 - int(log2)) {}
 
   uint64_t home(int64_t key) const { return home_slot(key, shift); }
+  int64_t& key_at(uint64_t at) const { return slots[2 * at]; }
+  int64_t& row_at(uint64_t at) const { return slots[2 * at + 1]; }
 
   // start loading `key`'s home slot (a batch's indexes are mostly out of cache: a lookup
-  // waits on memory, so the next ones' loads are started while it does)
+  // waits on memory, so the next ones' loads are started while it does; its key and row share
+  // a line: the array is 64-byte aligned, a slot 16 bytes) and the slot after it, which lies in
+  // the next line for the 1 home in 4 that ends a line (a miss probes on whenever its home is
+  // taken, up to half the slots are, and that line was then waited on)
   void prefetch(int64_t key) const {
     const uint64_t at = home(key);
-    __builtin_prefetch(keys + at);
-    __builtin_prefetch(rows + at);
+    __builtin_prefetch(slots + 2 * at);
+    __builtin_prefetch(slots + 2 * ((at + 1) & mask));
   }
 
   // slot holding `key`, or -1
   int64_t slot(int64_t key) const {
     for (uint64_t at = home(key), probes = 0; probes <= mask; at = (at + 1) & mask, ++probes) {
-      if (keys[at] == key) return int64_t(at);
-      if (keys[at] == EMPTY) return -1;
+      if (key_at(at) == key) return int64_t(at);
+      if (key_at(at) == EMPTY) return -1;
     }
     return -1;
   }
 
   int insert(int64_t key, int64_t row) {
     for (uint64_t at = home(key), probes = 0; probes <= mask; at = (at + 1) & mask, ++probes) {
-      if (keys[at] == key) return ERR_PRESENT;
-      if (keys[at] == EMPTY) {
-        keys[at] = key;
-        rows[at] = row;
+      if (key_at(at) == key) return ERR_PRESENT;
+      if (key_at(at) == EMPTY) {
+        key_at(at) = key;
+        row_at(at) = row;
         return 0;
       }
     }
@@ -76,17 +82,17 @@ struct Index {
     int64_t found = slot(key);
     if (found < 0) return ERR_ABSENT;
     uint64_t hole = uint64_t(found);
-    for (uint64_t next = (hole + 1) & mask; keys[next] != EMPTY; next = (next + 1) & mask) {
-      uint64_t want = home(keys[next]);
+    for (uint64_t next = (hole + 1) & mask; key_at(next) != EMPTY; next = (next + 1) & mask) {
+      uint64_t want = home(key_at(next));
       // move `next` into the hole unless its home lies cyclically in (hole, next]
       bool stays = hole <= next ? (hole < want && want <= next) : (hole < want || want <= next);
       if (!stays) {
-        keys[hole] = keys[next];
-        rows[hole] = rows[next];
+        key_at(hole) = key_at(next);
+        row_at(hole) = row_at(next);
         hole = next;
       }
     }
-    keys[hole] = EMPTY;
+    key_at(hole) = EMPTY;
     return 0;
   }
 };
@@ -96,12 +102,13 @@ bool valid_log2(int64_t log2) { return log2 >= 1 && log2 <= 40; }
 }  // namespace
 
 
-// An empty index of 2**log2 slots holding `ids[i]` at `rows[i]` (ids distinct, >= 0).
-extern "C" int rs_mc_build(int64_t log2, int64_t* keys, int64_t* rows, int64_t count,
-                           const int64_t* ids, const int64_t* id_rows) try {
+// An index of 2**log2 slots (`slots`: 2 * 2**log2 values) holding `ids[i]` at `rows[i]` (ids
+// distinct, >= 0) and nothing else (free slots: key EMPTY, row 0).
+extern "C" int rs_mc_build(int64_t log2, int64_t* slots, int64_t count, const int64_t* ids,
+                           const int64_t* id_rows) try {
   if (!valid_log2(log2) || count < 0 || 2 * count > (int64_t(1) << log2)) return ERR_ARGUMENT;
-  Index index(keys, rows, log2);
-  for (int64_t at = 0; at <= int64_t(index.mask); ++at) keys[at] = EMPTY;
+  Index index(slots, log2);
+  for (uint64_t at = 0; at <= index.mask; ++at) index.key_at(at) = EMPTY, index.row_at(at) = 0;
   for (int64_t i = 0; i < count; ++i) {
     if (ids[i] < 0) return ERR_ID;
     if (int code = index.insert(ids[i], id_rows[i])) return code;
@@ -113,13 +120,13 @@ extern "C" int rs_mc_build(int64_t log2, int64_t* keys, int64_t* rows, int64_t c
 
 // `old_ids` (each held) leave the index, then `new_ids` (none held) come in at `new_rows`;
 // `held` is the count before, for the fill check.
-extern "C" int rs_mc_replace(int64_t log2, int64_t* keys, int64_t* rows, int64_t held,
-                             int64_t old_count, const int64_t* old_ids, int64_t new_count,
-                             const int64_t* new_ids, const int64_t* new_rows) try {
+extern "C" int rs_mc_replace(int64_t log2, int64_t* slots, int64_t held, int64_t old_count,
+                             const int64_t* old_ids, int64_t new_count, const int64_t* new_ids,
+                             const int64_t* new_rows) try {
   if (!valid_log2(log2) || old_count < 0 || new_count < 0 || old_count > held ||
       2 * (held - old_count + new_count) > (int64_t(1) << log2))
     return ERR_ARGUMENT;
-  Index index(keys, rows, log2);
+  Index index(slots, log2);
   for (int64_t i = 0; i < old_count; ++i)
     if (int code = index.erase(old_ids[i])) return code;
   for (int64_t i = 0; i < new_count; ++i) {
@@ -132,14 +139,14 @@ extern "C" int rs_mc_replace(int64_t log2, int64_t* keys, int64_t* rows, int64_t
 }
 
 // found[i] = whether ids[i] is held; rows[i] its row (0 where not).
-extern "C" int rs_mc_find(int64_t log2, const int64_t* keys, const int64_t* rows, int64_t count,
-                          const int64_t* ids, uint8_t* found, int64_t* out_rows) try {
+extern "C" int rs_mc_find(int64_t log2, const int64_t* slots, int64_t count, const int64_t* ids,
+                          uint8_t* found, int64_t* out_rows) try {
   if (!valid_log2(log2) || count < 0) return ERR_ARGUMENT;
-  Index index(const_cast<int64_t*>(keys), const_cast<int64_t*>(rows), log2);
+  const Index index(const_cast<int64_t*>(slots), log2);
   for (int64_t i = 0; i < count; ++i) {
     int64_t at = index.slot(ids[i]);
     found[i] = at >= 0;
-    out_rows[i] = at >= 0 ? rows[at] : 0;
+    out_rows[i] = at >= 0 ? index.row_at(uint64_t(at)) : 0;
   }
   return 0;
 } catch (...) {
@@ -151,14 +158,14 @@ extern "C" int rs_mc_find(int64_t log2, const int64_t* keys, const int64_t* rows
 // table's `row_offsets`), or its bucket's reserved row `defaults[default_starts[t] + bucket]`
 // (bucket = id % buckets[t] - first_buckets[t], which must be one of the table's
 // `held_buckets[t]`). counts[2 t] += ids of table t, counts[2 t + 1] += those held.
-// Per table t: `key_ptrs[t]` / `row_ptrs[t]` are its index arrays of 2**log2s[t] slots.
+// Per table t: `slot_ptrs[t]` is its index of 2**log2s[t] slots.
 extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
                            const int64_t* segment_lengths, int64_t count, const int64_t* ids,
-                           int64_t tables, const int64_t* key_ptrs, const int64_t* row_ptrs,
-                           const int64_t* log2s, const int64_t* row_offsets,
-                           const int64_t* buckets, const int64_t* first_buckets,
-                           const int64_t* held_buckets, const int64_t* default_starts,
-                           int64_t default_count, const int64_t* defaults, int64_t* out_rows,
+                           int64_t tables, const int64_t* slot_ptrs, const int64_t* log2s,
+                           const int64_t* row_offsets, const int64_t* buckets,
+                           const int64_t* first_buckets, const int64_t* held_buckets,
+                           const int64_t* default_starts, int64_t default_count,
+                           const int64_t* defaults, int64_t* out_rows,
                            int64_t* counts) try {
   int64_t total = 0;
   for (int64_t s = 0; s < segments; ++s) {
@@ -175,8 +182,7 @@ extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
   int64_t at = 0;
   for (int64_t s = 0; s < segments; ++s) {
     const int64_t t = segment_tables[s];
-    const Index index(reinterpret_cast<int64_t*>(key_ptrs[t]),
-                      reinterpret_cast<int64_t*>(row_ptrs[t]), log2s[t]);
+    const Index index(reinterpret_cast<int64_t*>(slot_ptrs[t]), log2s[t]);
     int64_t hits = 0;
     for (int64_t end = at + segment_lengths[s]; at < end; ++at) {
       if (at + PREFETCH < end) index.prefetch(ids[at + PREFETCH]);
@@ -186,7 +192,7 @@ extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
       if (bucket < 0 || bucket >= held_buckets[t]) return ERR_BUCKET;
       const int64_t slot = index.slot(id);
       if (slot >= 0) {
-        out_rows[at] = index.rows[slot] - row_offsets[t];
+        out_rows[at] = index.row_at(uint64_t(slot)) - row_offsets[t];
         ++hits;
       } else {
         out_rows[at] = defaults[default_starts[t] + bucket];
@@ -223,8 +229,7 @@ namespace {
 // One table's arguments of an LFU eviction (see rs_mc_evict_lfu_tables).
 struct LfuTable {
   int64_t log2;
-  int64_t* keys;
-  int64_t* rows;
+  int64_t* slots;
   int64_t held, count;
   const int64_t* ids;
   int64_t row_count;
@@ -256,7 +261,6 @@ int plan_lfu(const LfuTable& table, LfuPlan& plan) {
   const int64_t buckets = table.buckets, first_bucket = table.first_bucket;
   const int64_t row_offset = table.row_offset;
   const int64_t* ids = table.ids;
-  const int64_t* rows = table.rows;
   const int64_t* raw_ids = table.raw_ids;
   const int64_t* bucket_starts = table.bucket_starts;
   if (!valid_log2(log2) || held < 0 || held > row_count || count < 0 || row_count < 0 ||
@@ -266,7 +270,7 @@ int plan_lfu(const LfuTable& table, LfuPlan& plan) {
     return ERR_ARGUMENT;
   for (int64_t b = 0; b < held_buckets; ++b)
     if (bucket_starts[b + 1] - bucket_starts[b] < 1) return ERR_ARGUMENT;
-  const Index index(table.keys, table.rows, log2);
+  const Index index(table.slots, log2);
   // one pass over the history in arrival order, looked up in the index with prefetches: a
   // held id's row is noted (its count written once every id is checked: an error writes
   // nothing), the others are kept to be coalesced. (Coalescing the whole history first cost a
@@ -285,7 +289,7 @@ int plan_lfu(const LfuTable& table, LfuPlan& plan) {
       missed.push_back(id);
       continue;
     }
-    const int64_t row = rows[slot] - row_offset;
+    const int64_t row = index.row_at(uint64_t(slot)) - row_offset;
     if (row < 0 || row >= row_count) return ERR_ARGUMENT;
     hit_rows.push_back(row);
     hit_ids.push_back(id);
@@ -364,7 +368,7 @@ int apply_lfu(const LfuTable& table, LfuPlan& plan, int64_t* changed, int64_t* s
   int64_t* raw_ids = table.raw_ids;
   int64_t* counts = table.counts;
   const std::vector<int64_t>& starts = plan.starts;
-  Index index(table.keys, table.rows, table.log2);
+  Index index(table.slots, table.log2);
   stats[0] = stats[1] = 0;
   for (const int64_t row : plan.hit_rows) ++counts[row];
   int64_t changes = 0, evicted = 0;
@@ -413,20 +417,19 @@ int apply_lfu(const LfuTable& table, LfuPlan& plan, int64_t* changed, int64_t* s
 // first_bucket, its rows [bucket_starts[b], bucket_starts[b + 1] - 1): the last is its reserved
 // row; `held_buckets[t]` buckets, starts at `bucket_start_ptrs[t]`) with their counts as
 // scores, ties by id (`contest`). Each row changing hands gets its new id in the raw ids
-// (`raw_id_ptrs[t]`, INT64_MAX = free) and counts, and in the index (`log2s`, `key_ptrs`,
-// `row_ptrs`, `helds` ids; rows global: local + `row_offsets[t]`). Writes table t's global rows
-// that changed hands (sorted) to `changed` from the sum of the id counts before t (`changed_count`
-// in all), and stats[2 t] = rows changed, stats[2 t + 1] = ids that lost their row. Every
-// table's arguments and history are checked and all scratch is allocated before the first
-// table is written (an error or out of memory changes nothing), then the tables are written in
-// order; only an index that disagrees with its rows (ERR_ABSENT, ERR_FULL) fails midway, with
-// the tables before it written. The tables' arrays must be distinct.
+// (`raw_id_ptrs[t]`, INT64_MAX = free) and counts, and in the index (`log2s`, `slot_ptrs`,
+// `helds` ids; rows global: local + `row_offsets[t]`). Writes table t's global rows that changed
+// hands (sorted) to `changed` from the sum of the id counts before t (`changed_count` in all),
+// and stats[2 t] = rows changed, stats[2 t + 1] = ids that lost their row. Every table's
+// arguments and history are checked and all scratch is allocated before the first table is
+// written (an error or out of memory changes nothing), then the tables are written in order;
+// only an index that disagrees with its rows (ERR_ABSENT, ERR_FULL) fails midway, with the
+// tables before it written. The tables' arrays must be distinct.
 extern "C" int rs_mc_evict_lfu_tables(int64_t tables, const int64_t* log2s,
-                                      const int64_t* key_ptrs, const int64_t* row_ptrs,
-                                      const int64_t* helds, const int64_t* id_counts,
-                                      const int64_t* id_ptrs, const int64_t* row_counts,
-                                      const int64_t* raw_id_ptrs, const int64_t* count_ptrs,
-                                      const int64_t* held_buckets,
+                                      const int64_t* slot_ptrs, const int64_t* helds,
+                                      const int64_t* id_counts, const int64_t* id_ptrs,
+                                      const int64_t* row_counts, const int64_t* raw_id_ptrs,
+                                      const int64_t* count_ptrs, const int64_t* held_buckets,
                                       const int64_t* bucket_start_ptrs, const int64_t* buckets,
                                       const int64_t* first_buckets, const int64_t* row_offsets,
                                       int64_t changed_count, int64_t* changed,
@@ -441,10 +444,10 @@ extern "C" int rs_mc_evict_lfu_tables(int64_t tables, const int64_t* log2s,
   auto as = [](int64_t address) { return reinterpret_cast<int64_t*>(address); };
   std::vector<LfuTable> args(tables);
   for (int64_t t = 0; t < tables; ++t)
-    args[t] = {log2s[t],          as(key_ptrs[t]),        as(row_ptrs[t]),   helds[t],
-               id_counts[t],      as(id_ptrs[t]),         row_counts[t],     as(raw_id_ptrs[t]),
-               as(count_ptrs[t]), held_buckets[t],        as(bucket_start_ptrs[t]),
-               buckets[t],        first_buckets[t],       row_offsets[t]};
+    args[t] = {log2s[t],          as(slot_ptrs[t]),         helds[t],   id_counts[t],
+               as(id_ptrs[t]),    row_counts[t],            as(raw_id_ptrs[t]), as(count_ptrs[t]),
+               held_buckets[t],   as(bucket_start_ptrs[t]), buckets[t], first_buckets[t],
+               row_offsets[t]};
   // the plans are kept from call to call, per thread (as the coalescing hash): fresh ones
   // were fresh pages at every call, all tables' at once
   static thread_local std::vector<LfuPlan> plans;
