@@ -247,15 +247,37 @@ struct Seen {
 
 // What one table's eviction writes, worked out (`plan_lfu`) before any table is written
 // (`apply_lfu`): the rows of the held ids seen (one count each), the new ids grouped by bucket
-// (bucket b's from starts[b]), and every scratch array of its contests.
+// (bucket b's from starts[b]), and the sizes of its largest contest.
 struct LfuPlan {
-  std::vector<int64_t> hit_rows, starts, lose, win;
+  std::vector<int64_t> hit_rows, starts;
   std::vector<Seen> grouped;
+  size_t most_slots = 0, most_news = 0;
+};
+
+// The working arrays of the contests, one set for all tables (the tables are written one after
+// another): reserved for the largest contest of any table before the first write. (A set per
+// table was ~0.4 MB of fresh pages per table at a process's first eviction, and 26 sets in
+// different places of memory at every later one.)
+struct ContestArrays {
+  std::vector<int64_t> lose, win;
   ContestScratch scratch;
+
+  void reserve(size_t slots, size_t news) {
+    lose.resize(news);
+    win.resize(news);
+    scratch.reserve(slots, news);
+  }
+};
+
+// A plan's passes' own arrays, kept from table to table and call to call (per thread): freed
+// and allocated again per table, the larger were fresh pages each time.
+struct PlanArrays {
+  std::vector<int64_t> hit_ids, missed;
+  std::vector<Seen> news;
 };
 
 // One table's arguments and history checked, its plan worked out: writes nothing of the table.
-int plan_lfu(const LfuTable& table, LfuPlan& plan) {
+int plan_lfu(const LfuTable& table, LfuPlan& plan, PlanArrays& arrays) {
   const int64_t log2 = table.log2, held = table.held, count = table.count;
   const int64_t row_count = table.row_count, held_buckets = table.held_buckets;
   const int64_t buckets = table.buckets, first_bucket = table.first_bucket;
@@ -277,7 +299,10 @@ int plan_lfu(const LfuTable& table, LfuPlan& plan) {
   // hash as large as the history, a scan of it and a lookup per distinct id besides.)
   std::vector<int64_t>& hit_rows = plan.hit_rows;
   hit_rows.clear();
-  std::vector<int64_t> hit_ids, missed;
+  std::vector<int64_t>& hit_ids = arrays.hit_ids;
+  std::vector<int64_t>& missed = arrays.missed;
+  hit_ids.clear();
+  missed.clear();
   hit_rows.reserve(size_t(count));
   hit_ids.reserve(size_t(count));
   for (int64_t i = 0; i < count; ++i) {
@@ -318,7 +343,8 @@ int plan_lfu(const LfuTable& table, LfuPlan& plan) {
   const uint64_t seen_mask = (uint64_t(1) << seen_log2) - 1;
   const int seen_shift = 64 - int(seen_log2);
   auto seen_home = [&](int64_t id) { return home_slot(id, seen_shift); };
-  std::vector<Seen> news;
+  std::vector<Seen>& news = arrays.news;
+  news.clear();
   news.reserve(size_t(misses));
   std::vector<int64_t>& starts = plan.starts;
   starts.assign(held_buckets + 1, 0);
@@ -337,9 +363,11 @@ int plan_lfu(const LfuTable& table, LfuPlan& plan) {
     seen[at] = {id, int64_t(news.size())};
     news.push_back({id, 1, bucket});
   }
-  // every scratch array allocated before the first write (apply_lfu): out of memory changes
-  // nothing
-  size_t most_slots = 0, most_news = 0;  // of one contest
+  // the largest contest's sizes, for the contests' arrays (allocated before the first write:
+  // out of memory changes nothing)
+  size_t& most_slots = plan.most_slots;
+  size_t& most_news = plan.most_news;
+  most_slots = most_news = 0;
   for (int64_t b = 0; b < held_buckets; ++b) {
     most_news = std::max(most_news, size_t(starts[b + 1]));
     starts[b + 1] += starts[b];
@@ -352,9 +380,6 @@ int plan_lfu(const LfuTable& table, LfuPlan& plan) {
     std::vector<int64_t> next(starts.begin(), starts.end() - 1);
     for (const Seen& n : news) grouped[size_t(next[n.bucket]++)] = n;
   }
-  plan.lose.resize(most_news);
-  plan.win.resize(most_news);
-  plan.scratch.reserve(most_slots, most_news);
   return 0;
 }
 
@@ -362,7 +387,8 @@ int plan_lfu(const LfuTable& table, LfuPlan& plan) {
 // the global rows that changed hands into `changed` (sorted), stats = {rows changed, ids that
 // lost their row}. Allocates nothing; fails only on an index that disagrees with the rows
 // (ERR_ABSENT, ERR_FULL), midway.
-int apply_lfu(const LfuTable& table, LfuPlan& plan, int64_t* changed, int64_t* stats) {
+int apply_lfu(const LfuTable& table, const LfuPlan& plan, ContestArrays& arrays,
+              int64_t* changed, int64_t* stats) {
   const int64_t held_buckets = table.held_buckets, row_offset = table.row_offset;
   const int64_t* bucket_starts = table.bucket_starts;
   int64_t* raw_ids = table.raw_ids;
@@ -370,6 +396,8 @@ int apply_lfu(const LfuTable& table, LfuPlan& plan, int64_t* changed, int64_t* s
   const std::vector<int64_t>& starts = plan.starts;
   Index index(table.slots, table.log2);
   stats[0] = stats[1] = 0;
+  int64_t* lose = arrays.lose.data();
+  int64_t* win = arrays.win.data();
   for (const int64_t row : plan.hit_rows) ++counts[row];
   int64_t changes = 0, evicted = 0;
   for (int64_t bucket = 0; bucket < held_buckets; ++bucket) {
@@ -381,20 +409,20 @@ int apply_lfu(const LfuTable& table, LfuPlan& plan, int64_t* changed, int64_t* s
     const int64_t pairs = contest<int64_t>(
         slots, [&](int64_t r) { return counts[start + r]; }, raw_ids + start, mine_count,
         [&](int64_t i) { return mine[i].count; }, [&](int64_t i) { return mine[i].id; },
-        plan.lose.data(), plan.win.data(), plan.scratch);
+        lose, win, arrays.scratch);
     const int64_t first_change = changes;
     for (int64_t p = 0; p < pairs; ++p) {
       if (p + PREFETCH < pairs) {  // the index slots of a later pair (a fill's are thousands)
-        index.prefetch(mine[plan.win[p + PREFETCH]].id);
-        const int64_t leaving = raw_ids[start + plan.lose[p + PREFETCH]];
+        index.prefetch(mine[win[p + PREFETCH]].id);
+        const int64_t leaving = raw_ids[start + lose[p + PREFETCH]];
         if (leaving != FREE_ID) index.prefetch(leaving);
       }
-      const int64_t row = start + plan.lose[p];
+      const int64_t row = start + lose[p];
       if (raw_ids[row] != FREE_ID) {
         if (int code = index.erase(raw_ids[row])) return code;
         ++evicted;
       }
-      const Seen& winner = mine[plan.win[p]];
+      const Seen& winner = mine[win[p]];
       if (int code = index.insert(winner.id, row + row_offset)) return code;
       raw_ids[row] = winner.id;
       counts[row] = winner.count;
@@ -448,14 +476,22 @@ extern "C" int rs_mc_evict_lfu_tables(int64_t tables, const int64_t* log2s,
                as(id_ptrs[t]),    row_counts[t],            as(raw_id_ptrs[t]), as(count_ptrs[t]),
                held_buckets[t],   as(bucket_start_ptrs[t]), buckets[t], first_buckets[t],
                row_offsets[t]};
-  // the plans are kept from call to call, per thread (as the coalescing hash): fresh ones
-  // were fresh pages at every call, all tables' at once
+  // the plans and arrays are kept from call to call, per thread (as the coalescing hash):
+  // fresh ones were fresh pages at every call, all tables' at once
   static thread_local std::vector<LfuPlan> plans;
+  static thread_local PlanArrays plan_arrays;
+  static thread_local ContestArrays contest_arrays;
   if (plans.size() < size_t(tables)) plans.resize(tables);
+  size_t most_slots = 0, most_news = 0;
+  for (int64_t t = 0; t < tables; ++t) {
+    if (int code = plan_lfu(args[t], plans[t], plan_arrays)) return code;
+    most_slots = std::max(most_slots, plans[t].most_slots);
+    most_news = std::max(most_news, plans[t].most_news);
+  }
+  contest_arrays.reserve(most_slots, most_news);
   for (int64_t t = 0; t < tables; ++t)
-    if (int code = plan_lfu(args[t], plans[t])) return code;
-  for (int64_t t = 0; t < tables; ++t)
-    if (int code = apply_lfu(args[t], plans[t], changed + changed_at[t], stats + 2 * t))
+    if (int code =
+            apply_lfu(args[t], plans[t], contest_arrays, changed + changed_at[t], stats + 2 * t))
       return code;
   return 0;
 } catch (...) {
