@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from recshard.comm import KJTAllToAll
-from recshard.distributed import mc_native
+from recshard.distributed import mc_library, mc_native
 from recshard.distributed.input_dist import placeholder_kjt
 from recshard.distributed.mc_layout import (
     MC_SHARDING_TYPES,
@@ -170,7 +170,7 @@ class ShardedManagedCollisionCollection(nn.Module):
         self._hashed_features = {
             f for f in self._checked_features if self._table_of(f)._input_hash_func is not None
         }
-        self._native = mc_native.enabled(device)
+        self._native = mc_library.enabled(device)
         self._remapper: FusedRemap | mc_native.NativeFusedRemap
         self._recorder: NativeFusedRecord | None = None
         if self._native:  # each module's ids in a C++ hash, read by one C++ remap call

@@ -1,144 +1,39 @@
-"""Managed collision's per-batch work in C++ (`csrc/mc_index.cpp`, through ctypes): each
-table's id index, a whole batch's remap over every table in one call, the id range check and
-the routing of raw ids to their owners (`csrc/mc_route.cpp`: a counting sort, not a stable
-argsort), every module's history record of a step in one call (`csrc/mc_record.cpp`:
-`record_histories`, for `recshard.distributed.mc_native_record`), an eviction's bucket contest,
-a whole LFU eviction without a threshold filter (`NativeIdIndex.evict_lfu`), and the default
-init's numbers for a reset (`csrc/mc_draw.cpp`: `draw_uniform`, see
-`recshard.distributed.mc_reset`).
+"""Managed collision's per-batch work in C++ (`csrc/mc_index.cpp`, through
+`recshard.distributed.mc_library`): each table's id index, a whole batch's remap over every
+table in one call, the id range check and the routing of raw ids to their owners
+(`csrc/mc_route.cpp`: a counting sort, not a stable argsort), an eviction's bucket contest and
+a whole LFU eviction without a threshold filter of several modules in one call
+(`evict_lfu_tables`). A step's history record is `recshard.distributed.mc_native_record`'s, a
+reset's numbers `recshard.distributed.mc_native_draw`'s.
 
 `NativeIdIndex` is an open-addressing hash of the ids holding a module's rows (at most half
 full; an eviction erases and inserts the ids that changed instead of rebuilding); it and
 `native_contest` are given to each module of a `ShardedManagedCollisionCollection` on CPU
 (`MCHManagedCollisionModule.use_kernels`); `NativeFusedRemap` reads the modules' indexes
 directly, so nothing is rebuilt after an eviction. Without the library (one warning), off the
-CPU, or with `RECSHARD_NATIVE_MC=0` (`enabled`), the collection keeps the modules' sorted
-indexes, the torch contest and `recshard.modules.mc_fused.FusedRemap`.
+CPU, or with `RECSHARD_NATIVE_MC=0` (`mc_library.enabled`), the collection keeps the modules'
+sorted indexes, the torch contest and `recshard.modules.mc_fused.FusedRemap`.
 
 Every tensor the C++ side reads or writes is checked here (int64, 1-D, contiguous, on the CPU,
 its length), and the C++ side checks every index it derives before using it. A C++ call that
-cannot get its scratch memory changes nothing and raises MemoryError (`_check`).
+cannot get its scratch memory changes nothing and raises MemoryError (`mc_library.check`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
-import os
-from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 import torch
 
-from recshard.lookup.native_library import NativeLibrary
+from recshard.distributed import mc_library
 from recshard.modules.mc_base import FREE
 from recshard.modules.mc_index import LfuEviction
 from recshard.modules.mc_modules import MCHManagedCollisionModule
 from recshard.sparse import KeyedJaggedTensor
 
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-_ERRORS = {
-    1: "arguments the library refused",
-    2: "an id inserted twice",
-    3: "an id to erase that is not held",
-    4: "a full index",
-    5: "an id outside its range",
-    6: "an id routed to a rank not holding its bucket",
-    7: "out of memory for scratch (nothing was changed)",
-    8: "a C++ exception (nothing was changed)",
-}
-_NO_MEMORY = 7
-ENV = "RECSHARD_NATIVE_MC"
 _EPOCHS = itertools.count(1)  # process-wide: no two index states share an epoch
-
-
-def _declare(library: ctypes.CDLL) -> None:
-    signatures = {
-        "rs_mc_build": [_i64, _ptr, _i64, _ptr, _ptr],
-        "rs_mc_replace": [_i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr],
-        "rs_mc_find": [_i64, _ptr, _i64, _ptr, _ptr, _ptr],
-        "rs_mc_remap": [_i64, _ptr, _ptr, _i64, _ptr, _i64] + [_ptr] * 7 + [_i64, _ptr, _ptr, _ptr],
-        "rs_mc_contest": [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr],
-        "rs_mc_evict_lfu_tables": [_i64] + [_ptr] * 13 + [_i64, _ptr, _ptr],
-        "rs_mc_check_ids": [_i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr],
-        "rs_mc_draw_uniform": [_i64] + [_ptr] * 11,
-        "rs_mc_route": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64]
-        + [_ptr] * 3,
-        "rs_mc_record": [_i64, _ptr, _ptr, _i64, _ptr, _i64] + [_ptr] * 6,
-    }
-    for name, argtypes in signatures.items():
-        function = getattr(library, name)
-        function.argtypes, function.restype = argtypes, _int
-
-
-_LIBRARY = NativeLibrary(
-    "recshard.distributed._mc_index",
-    "managed collision index library",
-    "managed collision remaps and routes ids with torch ops instead (slower)",
-    _declare,
-    "csrc/mc_index.cpp",
-    "csrc/mc_draw.cpp",
-    "csrc/mc_route.cpp",
-    "csrc/mc_record.cpp",
-    "csrc/mc_codes.h",
-    "csrc/mc_bucket.h",
-    "csrc/mc_contest.h",
-)
-
-
-def available() -> bool:
-    """True when the compiled library loaded (warns once when it did not)."""
-    return _LIBRARY.load() is not None
-
-
-def enabled(device: torch.device) -> bool:
-    """Whether a collection on `device` remaps in C++: on the CPU, with the library built,
-    unless `RECSHARD_NATIVE_MC=0`."""
-    return os.environ.get(ENV, "1") != "0" and device.type == "cpu" and available()
-
-
-def _library() -> ctypes.CDLL:
-    library = _LIBRARY.load()
-    if library is None:
-        raise RuntimeError("recshard.distributed._mc_index is not built")
-    return library
-
-
-def _vector(
-    name: str, tensor: torch.Tensor, numel: int | None = None, dtype: torch.dtype = torch.int64
-) -> int:
-    """`tensor`'s data pointer after checking it is what the C++ side reads: 1-D, contiguous,
-    on the CPU, of `dtype` and (when given) `numel` elements."""
-    if tensor.dtype != dtype or tensor.dim() != 1 or not tensor.is_contiguous():
-        raise ValueError(
-            f"{name} must be a contiguous 1-D {dtype} tensor, got {tensor.dtype} "
-            f"{tuple(tensor.shape)}"
-        )
-    if tensor.device.type != "cpu":
-        raise ValueError(f"{name} must be on the CPU, got {tensor.device}")
-    if numel is not None and tensor.numel() != numel:
-        raise ValueError(f"{name} must have {numel} elements, got {tensor.numel()}")
-    return tensor.data_ptr()
-
-
-def _check(code: int, what: str) -> None:
-    """Raises for a nonzero return code: MemoryError when the C++ side could not allocate its
-    scratch (it changed nothing: the call may be retried), else RuntimeError."""
-    if code:
-        error = MemoryError if code == _NO_MEMORY else RuntimeError
-        raise error(f"managed collision {what}: {_ERRORS.get(code, f'code {code}')}")
-
-
-def _argument_arrays(
-    columns: Sequence[Sequence[float]], width: int, dtype: torch.dtype
-) -> Tuple[torch.Tensor, List[int]]:
-    """Per-item arguments (`columns`: one tuple of `width` values per table or draw) as the
-    C++ side reads them, one array per argument: the `[width, items]` tensor (keep it alive
-    through the call) and each array's address."""
-    items = len(columns)
-    arrays = torch.tensor(columns, dtype=dtype).reshape(items, width).t().contiguous()
-    step = arrays.element_size() * items
-    return arrays, [arrays.data_ptr() + step * f for f in range(width)]
 
 
 class NativeIdIndex:
@@ -155,7 +50,7 @@ class NativeIdIndex:
 
     def address(self) -> int:
         """The address of `slots` for the C++ side, checked to hold 2**log2 slots."""
-        return _vector("index slots", self.slots, 2 << self.log2)
+        return mc_library.vector("index slots", self.slots, 2 << self.log2)
 
     def __len__(self) -> int:
         return self._held
@@ -168,14 +63,14 @@ class NativeIdIndex:
         rows = (held + row_offset).contiguous()
         log2 = max(1, (2 * raw_ids.numel() - 1).bit_length())
         slots = torch.empty(2 << log2, dtype=torch.int64)
-        code = _library().rs_mc_build(
+        code = mc_library.library().rs_mc_build(
             log2,
             slots.data_ptr(),
             ids.numel(),
-            _vector("held ids", ids),
-            _vector("held rows", rows, ids.numel()),
+            mc_library.vector("held ids", ids),
+            mc_library.vector("held rows", rows, ids.numel()),
         )
-        _check(code, "index build")
+        mc_library.check(code, "index build")
         self.log2, self.slots, self._held = log2, slots, ids.numel()
         self.epoch = next(_EPOCHS)
 
@@ -184,18 +79,18 @@ class NativeIdIndex:
         """`old_ids` (each held) leave the index; `new_ids` (none held) come in at global
         `rows`."""
         old_ids, new_ids, rows = old_ids.contiguous(), new_ids.contiguous(), rows.contiguous()
-        code = _library().rs_mc_replace(
+        code = mc_library.library().rs_mc_replace(
             self.log2,
             self.address(),
             self._held,
             old_ids.numel(),
-            _vector("ids leaving the index", old_ids),
+            mc_library.vector("ids leaving the index", old_ids),
             new_ids.numel(),
-            _vector("ids entering the index", new_ids),
-            _vector("their rows", rows, new_ids.numel()),
+            mc_library.vector("ids entering the index", new_ids),
+            mc_library.vector("their rows", rows, new_ids.numel()),
         )
         self.epoch = next(_EPOCHS)
-        _check(code, "index update")
+        mc_library.check(code, "index update")
         self._held += new_ids.numel() - old_ids.numel()
 
     def find(self, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -203,15 +98,15 @@ class NativeIdIndex:
         ids = ids.contiguous()
         found = torch.empty(ids.numel(), dtype=torch.bool)
         rows = torch.empty(ids.numel(), dtype=torch.int64)
-        code = _library().rs_mc_find(
+        code = mc_library.library().rs_mc_find(
             self.log2,
             self.address(),
             ids.numel(),
-            _vector("ids", ids),
+            mc_library.vector("ids", ids),
             found.data_ptr(),
             rows.data_ptr(),
         )
-        _check(code, "index find")
+        mc_library.check(code, "index find")
         return found, rows
 
     def evict_lfu(self, eviction: LfuEviction) -> Tuple[torch.Tensor, int]:
@@ -242,22 +137,22 @@ def evict_lfu_tables(
                 index.address(),
                 index._held,
                 ids.numel(),
-                _vector("ids seen", ids),
+                mc_library.vector("ids seen", ids),
                 rows,
-                _vector("raw ids", e.raw_ids),
-                _vector("counts", e.counts, rows),
+                mc_library.vector("raw ids", e.raw_ids),
+                mc_library.vector("counts", e.counts, rows),
                 e.bucket_starts.numel() - 1,
-                _vector("bucket starts", e.bucket_starts),
+                mc_library.vector("bucket starts", e.bucket_starts),
                 e.buckets,
                 e.first_bucket,
                 e.row_offset,
             )
         )
     tables, seen = len(columns), sum(column[3] for column in columns)
-    arguments, addresses = _argument_arrays(columns, 13, torch.int64)
+    arguments, addresses = mc_library.argument_arrays(columns, 13, torch.int64)
     changed = torch.empty(seen, dtype=torch.int64)
     stats = torch.zeros(tables, 2, dtype=torch.int64)
-    code = _library().rs_mc_evict_lfu_tables(
+    code = mc_library.library().rs_mc_evict_lfu_tables(
         tables,
         *addresses,
         seen,
@@ -270,7 +165,7 @@ def evict_lfu_tables(
         index._held += changes - evicted  # zeros for a table left unwritten
         results.append((changed[at : at + changes] if changes else none, evicted))
         at += column[3]
-    _check(code, "LFU eviction")
+    mc_library.check(code, "LFU eviction")
     return results
 
 
@@ -284,18 +179,18 @@ def native_contest(
     new_scores = new_scores.contiguous()
     lose = torch.empty(min(slots, news), dtype=torch.int64)
     win = torch.empty(min(slots, news), dtype=torch.int64)
-    pairs = _i64(0)
-    code = _library().rs_mc_contest(
+    pairs = ctypes.c_int64(0)
+    code = mc_library.library().rs_mc_contest(
         slots,
-        _vector("row scores", row_scores, slots, torch.float64),
-        _vector("held ids", held),
+        mc_library.vector("row scores", row_scores, slots, torch.float64),
+        mc_library.vector("held ids", held),
         news,
-        _vector("new ids' scores", new_scores, news, torch.float64),
+        mc_library.vector("new ids' scores", new_scores, news, torch.float64),
         lose.data_ptr(),
         win.data_ptr(),
         ctypes.byref(pairs),
     )
-    _check(code, "contest")
+    mc_library.check(code, "contest")
     return lose[: pairs.value], win[: pairs.value]
 
 
@@ -365,26 +260,26 @@ class NativeFusedRemap:
         tables = len(self._modules)
         rows = torch.empty(ids.numel(), dtype=torch.int64)
         segments = segment_tables.numel()
-        code = _library().rs_mc_remap(
+        code = mc_library.library().rs_mc_remap(
             segments,
-            _vector("segment tables", segment_tables),
-            _vector("segment lengths", segment_lengths, segments),
+            mc_library.vector("segment tables", segment_tables),
+            mc_library.vector("segment lengths", segment_lengths, segments),
             ids.numel(),
-            _vector("ids", ids),
+            mc_library.vector("ids", ids),
             tables,
-            _vector("index addresses", self._slot_ptrs, tables),
-            _vector("index sizes", self._log2s, tables),
-            _vector("row offsets", self._row_offsets, tables),
-            _vector("buckets", self._buckets, tables),
-            _vector("first buckets", self._first_buckets, tables),
-            _vector("held buckets", self._held_buckets, tables),
-            _vector("default starts", self._default_starts, tables),
+            mc_library.vector("index addresses", self._slot_ptrs, tables),
+            mc_library.vector("index sizes", self._log2s, tables),
+            mc_library.vector("row offsets", self._row_offsets, tables),
+            mc_library.vector("buckets", self._buckets, tables),
+            mc_library.vector("first buckets", self._first_buckets, tables),
+            mc_library.vector("held buckets", self._held_buckets, tables),
+            mc_library.vector("default starts", self._default_starts, tables),
             self._defaults.numel(),
-            _vector("default rows", self._defaults),
+            mc_library.vector("default rows", self._defaults),
             rows.data_ptr(),
             self._counts.data_ptr(),
         )
-        _check(code, "remap")
+        mc_library.check(code, "remap")
         return rows
 
 
@@ -397,18 +292,18 @@ def ids_in_range(
     """Whether every id `[N]` (in segments as `NativeFusedRemap.remap` takes them) lies in
     `[0, hash_sizes[table])`."""
     segments = segment_tables.numel()
-    code = _library().rs_mc_check_ids(
+    code = mc_library.library().rs_mc_check_ids(
         segments,
-        _vector("segment tables", segment_tables),
-        _vector("segment lengths", segment_lengths, segments),
+        mc_library.vector("segment tables", segment_tables),
+        mc_library.vector("segment lengths", segment_lengths, segments),
         ids.numel(),
-        _vector("ids", ids),
+        mc_library.vector("ids", ids),
         hash_sizes.numel(),
-        _vector("input hash sizes", hash_sizes),
+        mc_library.vector("input hash sizes", hash_sizes),
     )
     if code == 5:
         return False
-    _check(code, "id check")
+    mc_library.check(code, "id check")
     return True
 
 
@@ -430,24 +325,24 @@ def route(
     sent_to = torch.empty(ids.numel(), dtype=torch.int64)
     routed_lengths = torch.empty(world * keys * stride, dtype=torch.int64)
     tables = buckets.numel()
-    code = _library().rs_mc_route(
+    code = mc_library.library().rs_mc_route(
         keys,
         stride,
-        _vector("lengths", lengths, keys * stride),
+        mc_library.vector("lengths", lengths, keys * stride),
         ids.numel(),
-        _vector("ids", ids),
-        _vector("key tables", key_tables, keys),
+        mc_library.vector("ids", ids),
+        mc_library.vector("key tables", key_tables, keys),
         tables,
-        _vector("buckets", buckets, tables),
-        _vector("first owners", first_owners, tables),
+        mc_library.vector("buckets", buckets, tables),
+        mc_library.vector("first owners", first_owners, tables),
         owner_of_bucket.numel(),
-        _vector("owner of bucket", owner_of_bucket),
+        mc_library.vector("owner of bucket", owner_of_bucket),
         world,
         order.data_ptr(),
         sent_to.data_ptr(),
         routed_lengths.data_ptr(),
     )
-    _check(code, "routing")
+    mc_library.check(code, "routing")
     weights = features.weights_or_none()
     routed = KeyedJaggedTensor(
         features.keys() * world,
@@ -458,106 +353,3 @@ def route(
         validate=False,
     )
     return routed, sent_to
-
-
-def history_arguments(
-    arrays: Sequence[Tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]],
-) -> Tuple[torch.Tensor, List[int]]:
-    """`record_histories`' per-module arguments from each module's (history ids `[C]`, its
-    iterations `[C]` or None, its iteration counter `[1]`), checked: the `[4, T]` tensor (keep
-    it, and these tensors, alive while it is used) and the address of each argument's array."""
-    columns = []
-    for history_ids, history_seen, iteration in arrays:
-        capacity = history_ids.numel()
-        columns.append(
-            (
-                _vector("history ids", history_ids),
-                0 if history_seen is None else _vector("history", history_seen, capacity),
-                capacity,
-                _vector("iteration counter", iteration, 1),
-            )
-        )
-    return _argument_arrays(columns, 4, torch.int64)
-
-
-def record_histories(
-    ids: torch.Tensor,
-    segment_tables: torch.Tensor,
-    segment_lengths: torch.Tensor,
-    used: torch.Tensor,
-    arguments: List[int],
-) -> List[int]:
-    """One step of T modules in one C++ call (`rs_mc_record`): each module's counter advanced
-    and the ids `[N]` (in segments as `NativeFusedRemap.remap` takes them, table -1: skipped)
-    appended to its history of `used[t]` entries (`arguments`: `history_arguments`' addresses).
-    Returns the new iterations `[T]`, then how many ids each module took `[T]`. The C++ side
-    checks every module's room before its first write: a refusal changes nothing."""
-    tables, segments = used.numel(), segment_tables.numel()
-    recorded = torch.empty(2 * tables, dtype=torch.int64, device="cpu")
-    ids_at, seen_at, capacity_at, iteration_at = arguments
-    code = _library().rs_mc_record(
-        segments,
-        _vector("segment tables", segment_tables),
-        _vector("segment lengths", segment_lengths, segments),
-        ids.numel(),
-        _vector("ids", ids),
-        tables,
-        ids_at,
-        seen_at,
-        _vector("history lengths", used),
-        capacity_at,
-        iteration_at,
-        recorded.data_ptr(),
-    )
-    _check(code, "history record")
-    return recorded.tolist()
-
-
-@dataclass
-class UniformDraw:
-    """The default init's numbers of one shard's reset (`recshard.distributed.mc_reset`),
-    drawn from `seed` for the columns `[col_offset, col_offset + out.size(1))` of whole rows of
-    `dim` columns, written straight into `out[rows]` (`out [R, cols]` float32, rows contiguous;
-    `rows [N]` in `[0, R)`, the order of the draws); `low` and `scale` are float32 values."""
-
-    seed: int
-    dim: int
-    col_offset: int
-    low: float
-    scale: float
-    out: torch.Tensor
-    rows: torch.Tensor
-
-
-def drawable(out: torch.Tensor) -> bool:
-    """Whether `draw_uniform` writes into `out`: a float32 CPU matrix of contiguous rows."""
-    return (
-        out.dtype == torch.float32
-        and out.dim() == 2
-        and out.device.type == "cpu"
-        and out.stride(1) == 1
-        and out.stride(0) >= out.size(1)
-    )
-
-
-def draw_uniform(draws: Sequence[UniformDraw]) -> None:
-    """Every draw's numbers in one C++ call (`rs_mc_draw_uniform`: all checked before any is
-    written)."""
-    columns, bounds, kept = [], [], []  # kept: the contiguous rows, alive through the call
-    for draw in draws:
-        out, rows = draw.out, draw.rows.contiguous()
-        kept.append(rows)
-        if not drawable(out):
-            raise ValueError(
-                "reset rows must be a float32 CPU matrix of contiguous rows, got "
-                f"{out.dtype} {out.device} strides {out.stride()}"
-            )
-        columns.append(
-            (draw.seed, rows.numel(), _vector("reset rows", rows), draw.dim, draw.col_offset,
-             out.size(1), out.size(0), out.stride(0), out.data_ptr())
-        )  # fmt: skip
-        bounds.append((draw.low, draw.scale))
-    arguments, at = _argument_arrays(columns, 9, torch.int64)
-    floats, (low_at, scale_at) = _argument_arrays(bounds, 2, torch.float32)
-    code = _library().rs_mc_draw_uniform(len(columns), *at[:6], low_at, scale_at, *at[6:])
-    _check(code, "reset draw")

@@ -16,7 +16,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from recshard.distributed import mc_native
+from recshard.distributed import mc_library
 from recshard.modules.mc_modules import MCHManagedCollisionModule
 from recshard.sparse import KeyedJaggedTensor
 
@@ -56,13 +56,13 @@ class NativeFusedRecord:
     def _addresses(
         self, arrays: List[Tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
     ) -> List[int]:
-        """`mc_native.history_arguments` of every module's (history arrays, iteration counter),
-        checked again only when one of these tensors or its address changed (a growth, a load,
+        """`history_arguments` of every module's (history arrays, iteration counter), checked
+        again only when one of these tensors or its address changed (a growth, a load,
         a move: rarely). The tensors are held here, so no new one can take an address in use."""
         tensors = [t for trio in arrays for t in trio]
         pointers = [0 if t is None else t.data_ptr() for t in tensors]
         if pointers != self._pointers or not all(map(operator.is_, tensors, self._tensors)):
-            self._arguments = mc_native.history_arguments(arrays)
+            self._arguments = history_arguments(arrays)
             self._tensors, self._pointers = tensors, pointers
         return self._arguments[1]
 
@@ -83,7 +83,7 @@ class NativeFusedRecord:
         arrays = [m.reserve_record(count) for m, count in zip(self._modules, counts)]
         arguments = self._addresses(arrays)
         used = [m.history_length() for m in self._modules]
-        recorded = mc_native.record_histories(
+        recorded = record_histories(
             ids,
             segment_tables,
             torch.tensor(lengths_list, dtype=torch.int64, device="cpu"),
@@ -96,3 +96,56 @@ class NativeFusedRecord:
             for module, iteration, count in zip(self._modules, recorded, recorded[tables:])
             if module.recorded(count, iteration)
         ]
+
+
+def history_arguments(
+    arrays: Sequence[Tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]],
+) -> Tuple[torch.Tensor, List[int]]:
+    """`record_histories`' per-module arguments from each module's (history ids `[C]`, its
+    iterations `[C]` or None, its iteration counter `[1]`), checked: the `[4, T]` tensor (keep
+    it, and these tensors, alive while it is used) and the address of each argument's array."""
+    columns = []
+    for history_ids, history_seen, iteration in arrays:
+        capacity = history_ids.numel()
+        columns.append(
+            (
+                mc_library.vector("history ids", history_ids),
+                0 if history_seen is None else mc_library.vector("history", history_seen, capacity),
+                capacity,
+                mc_library.vector("iteration counter", iteration, 1),
+            )
+        )
+    return mc_library.argument_arrays(columns, 4, torch.int64)
+
+
+def record_histories(
+    ids: torch.Tensor,
+    segment_tables: torch.Tensor,
+    segment_lengths: torch.Tensor,
+    used: torch.Tensor,
+    arguments: List[int],
+) -> List[int]:
+    """One step of T modules in one C++ call (`rs_mc_record`): each module's counter advanced
+    and the ids `[N]` (in segments as `NativeFusedRemap.remap` takes them, table -1: skipped)
+    appended to its history of `used[t]` entries (`arguments`: `history_arguments`' addresses).
+    Returns the new iterations `[T]`, then how many ids each module took `[T]`. The C++ side
+    checks every module's room before its first write: a refusal changes nothing."""
+    tables, segments = used.numel(), segment_tables.numel()
+    recorded = torch.empty(2 * tables, dtype=torch.int64, device="cpu")
+    ids_at, seen_at, capacity_at, iteration_at = arguments
+    code = mc_library.library().rs_mc_record(
+        segments,
+        mc_library.vector("segment tables", segment_tables),
+        mc_library.vector("segment lengths", segment_lengths, segments),
+        ids.numel(),
+        mc_library.vector("ids", ids),
+        tables,
+        ids_at,
+        seen_at,
+        mc_library.vector("history lengths", used),
+        capacity_at,
+        iteration_at,
+        recorded.data_ptr(),
+    )
+    mc_library.check(code, "history record")
+    return recorded.tolist()

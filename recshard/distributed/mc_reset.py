@@ -19,7 +19,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from recshard.distributed import mc_native
+from recshard.distributed import mc_library, mc_native_draw
 from recshard.lookup.tables import LocalTable
 from recshard.modules.embedding_configs import BaseEmbeddingConfig
 from recshard.modules.mc_embedding_modules import reset_rows
@@ -48,17 +48,19 @@ def uniform_draw(
     col_offset: int,
     target: torch.Tensor,
     rows: torch.Tensor,
-) -> mc_native.UniformDraw:
+) -> mc_native_draw.UniformDraw:
     """The default init's numbers for the columns `[col_offset, col_offset + cols)` of whole
     rows, drawn from `seed` in the order of `rows`, for `target[rows]` (`target [R, cols]`)."""
     assert config.weight_init_min is not None and config.weight_init_max is not None
     low = as_float32(config.weight_init_min)
     scale = as_float32(config.weight_init_max - config.weight_init_min)
-    return mc_native.UniformDraw(seed, config.embedding_dim, col_offset, low, scale, target, rows)
+    return mc_native_draw.UniformDraw(
+        seed, config.embedding_dim, col_offset, low, scale, target, rows
+    )
 
 
-def draw_into(draw: mc_native.UniformDraw) -> None:
-    """`draw`'s numbers from torch ops, the same as `mc_native.draw_uniform`'s (which defines
+def draw_into(draw: mc_native_draw.UniformDraw) -> None:
+    """`draw`'s numbers from torch ops, the same as `mc_native_draw.draw_uniform`'s (which defines
     them), written into `draw.out[draw.rows]` (any dtype and device)."""
     target, rows, dim, col_offset = draw.out, draw.rows, draw.dim, draw.col_offset
     cols, device = target.size(1), target.device
@@ -78,7 +80,7 @@ def draw_into(draw: mc_native.UniformDraw) -> None:
 def _draw(tables: List[str], rows: List[torch.Tensor], weights: Shards, configs: Configs) -> None:
     """The default-init tables' draws (`rows`: each's local rows): one seed each, drawn in
     their order in one call (the numbers and generator state of a call per table), then every
-    shard's numbers, those C++ draws in one call (`mc_native.draw_uniform`)."""
+    shard's numbers, those C++ draws in one call (`mc_native_draw.draw_uniform`)."""
     if not tables:
         return
     seeds = torch.randint(0, 2**62, (len(tables),), dtype=torch.int64, device="cpu").tolist()
@@ -87,10 +89,10 @@ def _draw(tables: List[str], rows: List[torch.Tensor], weights: Shards, configs:
         for table, ids, seed in zip(tables, rows, seeds)
         for local, weight in weights[table]
     ]
-    library = mc_native.enabled(torch.device("cpu"))
-    native = [library and mc_native.drawable(draw.out) for draw in draws]
+    library = mc_library.enabled(torch.device("cpu"))
+    native = [library and mc_native_draw.drawable(draw.out) for draw in draws]
     if any(native):
-        mc_native.draw_uniform([draw for draw, n in zip(draws, native) if n])
+        mc_native_draw.draw_uniform([draw for draw, n in zip(draws, native) if n])
     for draw, n in zip(draws, native):
         if not n:
             draw_into(draw)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from multiprocess import run_ranks
 
-from recshard.distributed import mc_native
+from recshard.distributed import mc_library, mc_native
 from recshard.distributed.mc_modules import route_to_owners
 from recshard.modules.mc_base import FREE
 from recshard.modules.mc_compete import rank_contest
@@ -20,7 +20,7 @@ from recshard.modules.mc_modules import LFU_EvictionPolicy, MCHManagedCollisionM
 from recshard.sparse import JaggedTensor, KeyedJaggedTensor
 
 pytestmark = pytest.mark.skipif(
-    not mc_native.available(), reason="recshard.distributed._mc_index is not built"
+    not mc_library.available(), reason="recshard.distributed._mc_index is not built"
 )
 
 
@@ -179,7 +179,7 @@ def _paths(rank: int, ws: int) -> Tuple[bool, bool]:
 @pytest.mark.parametrize("setting", ["", "0"])
 def test_the_sharded_collection_remaps_in_cpp_unless_told(setting: str) -> None:
     """It remaps and records each step's ids in C++ (`mc_native_record`), or neither."""
-    env = {mc_native.ENV: setting} if setting else {}
+    env = {mc_library.ENV: setting} if setting else {}
     assert run_ranks(1, _paths, env=env) == [(setting != "0", setting != "0")]
 
 

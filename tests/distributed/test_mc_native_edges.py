@@ -14,12 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recshard.distributed import mc_native
+from recshard.distributed import mc_library, mc_native, mc_native_draw
 from recshard.distributed.mc_reset import draw_into, uniform_draw
 from recshard.modules import EmbeddingBagConfig
 from recshard.modules.mc_compete import rank_contest
 
-pytestmark = pytest.mark.skipif(not mc_native.available(), reason="mc_index not built")
+pytestmark = pytest.mark.skipif(not mc_library.available(), reason="mc_index not built")
 
 
 def _config(dim: int) -> EmbeddingBagConfig:
@@ -46,7 +46,7 @@ def test_native_draws_are_the_torch_ops_numbers(
     config = _config(dim)
     pad = data.draw(st.integers(0, 3))
     native = torch.full((row_count, cols + pad), 7.0)[:, :cols]  # rows `cols + pad` apart
-    mc_native.draw_uniform([uniform_draw(seed, config, col_offset, native, rows)])
+    mc_native_draw.draw_uniform([uniform_draw(seed, config, col_offset, native, rows)])
     by_torch = torch.full((cols, row_count), 7.0).t()  # stride(1) != 1: mc_reset's torch ops
     draw_into(uniform_draw(seed, config, col_offset, by_torch, rows))
     assert torch.equal(native.view(torch.int32), by_torch.contiguous().view(torch.int32))
@@ -59,18 +59,18 @@ def test_bad_arguments_are_refused_before_any_write() -> None:
     """A bad draw anywhere in a call refuses the whole call: the good draw before it is not
     written either."""
     out, good_out = torch.full((4, 3), 7.0), torch.full((4, 3), 7.0)
-    good = mc_native.UniformDraw(1, 3, 0, 0.0, 1.0, good_out, torch.tensor([0, 3]))
+    good = mc_native_draw.UniformDraw(1, 3, 0, 0.0, 1.0, good_out, torch.tensor([0, 3]))
     for rows, dim, offset in (
         (torch.tensor([4]), 3, 0),  # a row past the matrix
         (torch.tensor([-1]), 3, 0),
         (torch.tensor([0]), 3, 1),  # columns past the table's dim
         (torch.tensor([0]), 0, 0),
     ):
-        bad = mc_native.UniformDraw(1, dim, offset, 0.0, 1.0, out, rows)
+        bad = mc_native_draw.UniformDraw(1, dim, offset, 0.0, 1.0, out, rows)
         with pytest.raises(RuntimeError, match="reset draw"):
-            mc_native.draw_uniform([good, bad])
+            mc_native_draw.draw_uniform([good, bad])
         assert bool((out == 7.0).all()) and bool((good_out == 7.0).all())
-    mc_native.draw_uniform([good])
+    mc_native_draw.draw_uniform([good])
     assert bool((good_out[[0, 3]] != 7.0).all()) and bool((good_out[[1, 2]] == 7.0).all())
 
 
@@ -153,15 +153,15 @@ def test_draws_of_strided_rows_read_their_own_rows() -> None:
     draw reads its own rows, as drawn one at a time (the copies stay alive through the call)."""
     out = torch.zeros(40, 8)
     draws = [
-        mc_native.UniformDraw(seed, 8, 0, -0.5, 1.0, out, torch.arange(first, 40, 4)[::2])
+        mc_native_draw.UniformDraw(seed, 8, 0, -0.5, 1.0, out, torch.arange(first, 40, 4)[::2])
         for seed, first in ((11, 0), (12, 1), (13, 2))
     ]
-    mc_native.draw_uniform(draws)
+    mc_native_draw.draw_uniform(draws)
     expected = torch.zeros(40, 8)
     for draw in draws:
         one = torch.zeros(40, 8)
-        mc_native.draw_uniform(
-            [mc_native.UniformDraw(draw.seed, 8, 0, -0.5, 1.0, one, draw.rows.contiguous())]
+        mc_native_draw.draw_uniform(
+            [mc_native_draw.UniformDraw(draw.seed, 8, 0, -0.5, 1.0, one, draw.rows.contiguous())]
         )
         expected[draw.rows] = one[draw.rows]
     assert torch.equal(out, expected)

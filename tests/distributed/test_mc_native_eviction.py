@@ -12,14 +12,14 @@ from typing import Tuple
 import pytest
 import torch
 
-from recshard.distributed import mc_native
+from recshard.distributed import mc_library, mc_native
 from recshard.modules.mc_eviction import DistanceLFU_EvictionPolicy, average_threshold_filter
 from recshard.modules.mc_index import LfuEviction
 from recshard.modules.mc_modules import LFU_EvictionPolicy, MCHManagedCollisionModule
 from recshard.sparse import JaggedTensor
 
 pytestmark = pytest.mark.skipif(
-    not mc_native.available(), reason="recshard.distributed._mc_index is not built"
+    not mc_library.available(), reason="recshard.distributed._mc_index is not built"
 )
 
 

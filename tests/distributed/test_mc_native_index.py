@@ -11,13 +11,13 @@ from typing import Dict, List
 import pytest
 import torch
 
-from recshard.distributed import mc_native
+from recshard.distributed import mc_library, mc_native
 from recshard.modules.mc_base import FREE
 from recshard.modules.mc_modules import LFU_EvictionPolicy, MCHManagedCollisionModule
 from recshard.sparse import JaggedTensor
 
 pytestmark = pytest.mark.skipif(
-    not mc_native.available(), reason="recshard.distributed._mc_index is not built"
+    not mc_library.available(), reason="recshard.distributed._mc_index is not built"
 )
 
 _MIX = 0x9E3779B97F4A7C15  # mc_index.cpp's home_slot: (id * MIX mod 2**64)'s top log2 bits

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recshard.distributed import mc_native
+from recshard.distributed import mc_library, mc_native
 from recshard.sparse import KeyedJaggedTensor
 from tests.python_script import run_script
 
 pytestmark = pytest.mark.skipif(
-    not mc_native.available(), reason="recshard.distributed._mc_index is not built"
+    not mc_library.available(), reason="recshard.distributed._mc_index is not built"
 )
 
 # argv: which call. Prints "ours N", N the capped calls that raised the library's MemoryError
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 OUT_OF_MEMORY = r"""
 import resource, sys
 import torch
-from recshard.distributed import mc_native
+from recshard.distributed import mc_library, mc_native
 from recshard.modules.mc_compete import rank_contest
 from recshard.modules.mc_modules import LFU_EvictionPolicy, MCHManagedCollisionModule
 from recshard.sparse import JaggedTensor

@@ -14,7 +14,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from recshard.distributed import mc_native
+from recshard.distributed import mc_library, mc_native, mc_native_record
 from recshard.distributed.mc_native_record import NativeFusedRecord
 from recshard.modules.mc_modules import (
     DistanceLFU_EvictionPolicy,
@@ -25,7 +25,7 @@ from recshard.modules.mc_modules import (
 from recshard.sparse import KeyedJaggedTensor
 
 pytestmark = pytest.mark.skipif(
-    not mc_native.available(), reason="recshard.distributed._mc_index is not built"
+    not mc_library.available(), reason="recshard.distributed._mc_index is not built"
 )
 
 HASH = 2**40
@@ -192,7 +192,7 @@ def test_a_refused_record_changes_nothing() -> None:
     room = [a[0].numel() for a in arrays]
     room[1] = used[1]  # the second module (after the first's four ids) has no room for one
     ids = torch.arange(5, dtype=torch.int64) * 30
-    columns = [  # the arguments as `mc_native.history_arguments` makes them, room[1] too small
+    columns = [  # as `mc_native_record.history_arguments` makes them, room[1] too small
         torch.tensor([a[0].data_ptr() for a in arrays]),
         torch.tensor([0 if a[1] is None else a[1].data_ptr() for a in arrays]),
         torch.tensor(room),
@@ -202,7 +202,7 @@ def test_a_refused_record_changes_nothing() -> None:
     for tables, lengths in [([0, 1], [4, 1]), ([0, 1], [4, 2]), ([0, 1], [-1, 6]),
                             ([0, 5], [4, 1]), ([-2, 0], [4, 1])]:  # fmt: skip
         with pytest.raises(RuntimeError, match="arguments the library refused"):
-            mc_native.record_histories(
+            mc_native_record.record_histories(
                 ids,
                 torch.tensor(tables),
                 torch.tensor(lengths),

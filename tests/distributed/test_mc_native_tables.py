@@ -12,12 +12,12 @@ from typing import List, Tuple
 import pytest
 import torch
 
-from recshard.distributed import mc_native
+from recshard.distributed import mc_library, mc_native
 from recshard.modules.mc_index import LfuEviction
 from recshard.modules.mc_modules import LFU_EvictionPolicy, MCHManagedCollisionModule
 
 pytestmark = pytest.mark.skipif(
-    not mc_native.available(), reason="recshard.distributed._mc_index is not built"
+    not mc_library.available(), reason="recshard.distributed._mc_index is not built"
 )
 
 # (zch, buckets, bucket range): one bucket, a slice of the buckets, buckets of one row and the

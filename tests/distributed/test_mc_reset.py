@@ -12,7 +12,7 @@ from typing import Callable, List, Tuple
 import pytest
 import torch
 
-from recshard.distributed import mc_native
+from recshard.distributed import mc_library
 from recshard.distributed.mc_reset import draw_into, reset_evicted, uniform_draw
 from recshard.lookup.tables import LocalTable
 from recshard.modules import EmbeddingBagConfig, PoolingType
@@ -40,7 +40,9 @@ def _reset(
     return torch.cat([weight for _, weight in shards], 1)
 
 
-@pytest.mark.skipif(not mc_native.available(), reason="recshard.distributed._mc_index is not built")
+@pytest.mark.skipif(
+    not mc_library.available(), reason="recshard.distributed._mc_index is not built"
+)
 @pytest.mark.parametrize(
     "dim, cuts", [(8, [(0, 8)]), (64, [(0, 64)]), (12, [(0, 3), (3, 5), (8, 4)]), (7, [(0, 7)])]
 )
@@ -50,7 +52,7 @@ def test_cpp_and_torch_ops_draw_the_same_numbers(
     config = _config(dim)
     rows = torch.tensor([40, 3, 17, 0, 99, 41])
     native = _reset(config, 100, rows, cuts)
-    monkeypatch.setenv(mc_native.ENV, "0")
+    monkeypatch.setenv(mc_library.ENV, "0")
     torch_ops = _reset(config, 100, rows, cuts)
     assert torch.equal(native, torch_ops)
     assert bool((native[rows] != 9.0).all())
@@ -61,7 +63,7 @@ def test_column_shards_hold_the_columns_of_one_draw_of_whole_rows(
     monkeypatch: pytest.MonkeyPatch, native: bool
 ) -> None:
     if not native:
-        monkeypatch.setenv(mc_native.ENV, "0")
+        monkeypatch.setenv(mc_library.ENV, "0")
     config = _config(16)
     rows = torch.tensor([2, 3, 11])
     whole = _reset(config, 20, rows, [(0, 16)])
@@ -119,7 +121,7 @@ def test_many_tables_draw_what_one_table_at_a_time_drew(
     numbers, and the generator after, as a seed drawn per table in table order gives them
     (the reset before its seeds were drawn together and its draws made in one call)."""
     if not native:
-        monkeypatch.setenv(mc_native.ENV, "0")
+        monkeypatch.setenv(mc_library.ENV, "0")
     names = ["a", "b", "c", "d", "e", "f"]
     configs = {
         n: EmbeddingBagConfig(
