@@ -118,6 +118,6 @@ def argument_arrays(
     C++ side reads them, one array per argument: the `[width, items]` tensor (keep it alive
     through the call) and each array's address."""
     items = len(columns)
-    arrays = torch.tensor(columns, dtype=dtype).reshape(items, width).t().contiguous()
+    arrays = torch.tensor(columns, dtype=dtype, device="cpu").reshape(items, width).t().contiguous()
     step = arrays.element_size() * items
     return arrays, [arrays.data_ptr() + step * f for f in range(width)]
