@@ -121,3 +121,19 @@ def argument_arrays(
     arrays = torch.tensor(columns, dtype=dtype, device="cpu").reshape(items, width).t().contiguous()
     step = arrays.element_size() * items
     return arrays, [arrays.data_ptr() + step * f for f in range(width)]
+
+
+def segment_arguments(
+    ids: torch.Tensor, segment_tables: torch.Tensor, segment_lengths: torch.Tensor
+) -> Tuple[int, int, int, int, int]:
+    """The leading arguments of a call over ids laid out in segments (`segment_lengths[s]` ids
+    of table `segment_tables[s]`), checked: the segment count, both arrays' addresses, the ids'
+    count and address."""
+    segments = segment_tables.numel()
+    return (
+        segments,
+        vector("segment tables", segment_tables),
+        vector("segment lengths", segment_lengths, segments),
+        ids.numel(),
+        vector("ids", ids),
+    )

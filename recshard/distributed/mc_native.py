@@ -259,13 +259,8 @@ class NativeFusedRemap:
         ids = ids.contiguous()
         tables = len(self._modules)
         rows = torch.empty(ids.numel(), dtype=torch.int64)
-        segments = segment_tables.numel()
         code = mc_library.library().rs_mc_remap(
-            segments,
-            mc_library.vector("segment tables", segment_tables),
-            mc_library.vector("segment lengths", segment_lengths, segments),
-            ids.numel(),
-            mc_library.vector("ids", ids),
+            *mc_library.segment_arguments(ids, segment_tables, segment_lengths),
             tables,
             mc_library.vector("index addresses", self._slot_ptrs, tables),
             mc_library.vector("index sizes", self._log2s, tables),
@@ -291,13 +286,8 @@ def ids_in_range(
 ) -> bool:
     """Whether every id `[N]` (in segments as `NativeFusedRemap.remap` takes them) lies in
     `[0, hash_sizes[table])`."""
-    segments = segment_tables.numel()
     code = mc_library.library().rs_mc_check_ids(
-        segments,
-        mc_library.vector("segment tables", segment_tables),
-        mc_library.vector("segment lengths", segment_lengths, segments),
-        ids.numel(),
-        mc_library.vector("ids", ids),
+        *mc_library.segment_arguments(ids, segment_tables, segment_lengths),
         hash_sizes.numel(),
         mc_library.vector("input hash sizes", hash_sizes),
     )

@@ -130,15 +130,11 @@ def record_histories(
     appended to its history of `used[t]` entries (`arguments`: `history_arguments`' addresses).
     Returns the new iterations `[T]`, then how many ids each module took `[T]`. The C++ side
     checks every module's room before its first write: a refusal changes nothing."""
-    tables, segments = used.numel(), segment_tables.numel()
+    tables = used.numel()
     recorded = torch.empty(2 * tables, dtype=torch.int64, device="cpu")
     ids_at, seen_at, capacity_at, iteration_at = arguments
     code = mc_library.library().rs_mc_record(
-        segments,
-        mc_library.vector("segment tables", segment_tables),
-        mc_library.vector("segment lengths", segment_lengths, segments),
-        ids.numel(),
-        mc_library.vector("ids", ids),
+        *mc_library.segment_arguments(ids, segment_tables, segment_lengths),
         tables,
         ids_at,
         seen_at,
