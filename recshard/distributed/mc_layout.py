@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from recshard.modules.mc_modules import (
     ManagedCollisionCollection,
@@ -146,3 +146,16 @@ def bucket_aligned_plan(
         ranks=list(range(world_size)),
         shards=shards,
     )
+
+
+def counted_key_tables(
+    keys: Sequence[Sequence[str]], module_of_feature: Dict[str, int]
+) -> List[int]:
+    """The module of each key of the KJTs a rank received (`keys`: each KJT's, in order), -1
+    for a key an earlier one had: a column-split table's feature arrives once per column shard
+    the rank holds, and its ids count once."""
+    seen, tables = set(), []
+    for key in (k for kjt_keys in keys for k in kjt_keys):
+        tables.append(-1 if key in seen else module_of_feature[key])
+        seen.add(key)
+    return tables

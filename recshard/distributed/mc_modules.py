@@ -37,6 +37,7 @@ from recshard.distributed.mc_layout import (
     MC_SHARDING_TYPES,
     bucket_aligned_plan,
     bucket_ranges,
+    counted_key_tables,
     holding_ranks,
     is_column_split,
 )
@@ -140,6 +141,9 @@ class ShardedManagedCollisionCollection(nn.Module):
         modules_list = list(self._managed_collision_modules.values())
         tables = list(self._managed_collision_modules)
         self._table_index = {t: k for k, t in enumerate(tables)}
+        self._module_of_feature = {
+            f: self._table_index[t] for f, t in self._feature_to_table.items()
+        }
         wire_tables = [self._table_index[self._feature_to_table[f]] for f in wire_features]
         self._wire_tables = torch.tensor(wire_tables, dtype=torch.int64, device=device)
         self._hash_sizes = torch.tensor(
@@ -177,10 +181,7 @@ class ShardedManagedCollisionCollection(nn.Module):
             for module in modules_list:
                 module.use_kernels(mc_native.NativeIdIndex(), mc_native.native_contest)
             self._remapper = mc_native.NativeFusedRemap(modules_list)
-            self._recorder = NativeFusedRecord(
-                modules_list,
-                {f: self._table_index[t] for f, t in self._feature_to_table.items()},
-            )
+            self._recorder = NativeFusedRecord(modules_list, self._module_of_feature)
         else:
             self._remapper = FusedRemap(modules_list, device)
         self._key_tables: Dict[Tuple[str, ...], torch.Tensor] = {}
@@ -357,18 +358,17 @@ class ShardedManagedCollisionCollection(nn.Module):
 
     def _record(self, received: List[KeyedJaggedTensor]) -> List[MCHManagedCollisionModule]:
         """Each module's `record` of its ids (see `remap`); the modules whose iteration evicts."""
-        per_table: Dict[str, List[torch.Tensor]] = {}
-        seen = set()
-        for kjt in received:
-            for key, chunk in zip(kjt.keys(), kjt.values().split(kjt.length_per_key())):
-                if key not in seen:
-                    seen.add(key)
-                    per_table.setdefault(self._feature_to_table[key], []).append(chunk)
+        tables = counted_key_tables([kjt.keys() for kjt in received], self._module_of_feature)
+        chunks = [c for kjt in received for c in kjt.values().split(kjt.length_per_key())]
+        per_module: Dict[int, List[torch.Tensor]] = {}
+        for table, chunk in zip(tables, chunks):
+            if table >= 0:
+                per_module.setdefault(table, []).append(chunk)
         none = torch.empty(0, dtype=torch.int64, device=self._device)
         due = []
-        for table, module in self._managed_collision_modules.items():
+        for table, module in enumerate(self._managed_collision_modules.values()):
             # every module counts the iteration, those of tables with no ids here too
-            parts = per_table.get(table, [none])
+            parts = per_module.get(table, [none])
             if module.record(torch.cat(parts) if len(parts) > 1 else parts[0]):  # type: ignore
                 due.append(module)
         return due  # type: ignore[return-value]

@@ -17,6 +17,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from recshard.distributed import mc_library
+from recshard.distributed.mc_layout import counted_key_tables
 from recshard.modules.mc_modules import MCHManagedCollisionModule
 from recshard.sparse import KeyedJaggedTensor
 
@@ -45,10 +46,7 @@ class NativeFusedRecord:
         earlier one (a column-split table's feature: counted once); cached per layout."""
         layout = self._layouts.get(keys)
         if layout is None:
-            seen, tables = set(), []
-            for key in (k for kjt_keys in keys for k in kjt_keys):
-                tables.append(-1 if key in seen else self._table_of_feature[key])
-                seen.add(key)
+            tables = counted_key_tables(keys, self._table_of_feature)
             layout = (torch.tensor(tables, dtype=torch.int64, device="cpu"), tables)
             self._layouts[keys] = layout
         return layout

@@ -151,3 +151,26 @@ class SequenceModel(nn.Module):
     def forward(self, kjt: KeyedJaggedTensor) -> Dict[str, torch.Tensor]:
         rows, self.remapped = self.sparse(kjt)
         return {f: rows[f].values() * self.mix * (k + 1) for k, f in enumerate(KEYS)}
+
+
+def bucket_universe(module: MCHManagedCollisionModule, spread: bool = True) -> torch.Tensor:
+    """Candidate ids of the module's buckets, from `4 * zch + 50` numbers: scattered over
+    `[0, 2**40)` when `spread` (each of their low five bytes differs), else small and
+    consecutive."""
+    first, last = module.bucket_range()
+    buckets = module.buckets()
+    universe = torch.arange(4 * module.output_size() + 50)
+    if spread:
+        universe = universe * 2_654_435_761_987 % HASH_SIZE
+    return universe[(universe % buckets >= first) & (universe % buckets < last)]
+
+
+def skewed_ids(
+    gen: torch.Generator, universe: torch.Tensor, n: int, exponent: float = 0.7
+) -> torch.Tensor:
+    """`n` draws from `universe`, its k-th id with weight `1 / (k + 1) ** exponent`: repeats,
+    hits and ties among counts."""
+    if n == 0:
+        return universe[:0]
+    weights = 1.0 / (torch.arange(universe.numel()) + 1.0) ** exponent
+    return universe[torch.multinomial(weights, n, replacement=True, generator=gen)]

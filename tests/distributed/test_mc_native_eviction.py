@@ -17,6 +17,7 @@ from recshard.modules.mc_eviction import DistanceLFU_EvictionPolicy, average_thr
 from recshard.modules.mc_index import LfuEviction
 from recshard.modules.mc_modules import LFU_EvictionPolicy, MCHManagedCollisionModule
 from recshard.sparse import JaggedTensor
+from tests.distributed.mc_cases import bucket_universe, skewed_ids
 
 pytestmark = pytest.mark.skipif(
     not mc_library.available(), reason="recshard.distributed._mc_index is not built"
@@ -78,16 +79,11 @@ def test_one_call_lfu_eviction_matches_the_torch_path(
     gen = torch.Generator().manual_seed(seed)
     native = _module(zch, buckets, bucket_range, interval, True)
     reference = _module(zch, buckets, bucket_range, interval, False)
-    first, last = bucket_range or (0, buckets)
-    universe = torch.arange(4 * zch + 50)
-    if spread:
-        universe = universe * 2_654_435_761_987 % (2**40)
-    universe = universe[(universe % buckets >= first) & (universe % buckets < last)]
+    universe = bucket_universe(native, spread)
     for step in range(12):
         # skewed draws from a small universe: repeats, hits, ties among counts
-        weights = 1.0 / (torch.arange(universe.numel()) + 1.0) ** (0.5 + 0.1 * seed)
         n = int(torch.randint(0, 3 * zch, (1,), generator=gen))
-        ids = universe[torch.multinomial(weights, max(n, 1), replacement=True, generator=gen)][:n]
+        ids = skewed_ids(gen, universe, max(n, 1), 0.5 + 0.1 * seed)[:n]
         _agree_on_a_step(native, reference, ids, step)
         assert native.metrics(reset=False) == reference.metrics(reset=False), f"step {step}"
         assert native.history_length() == reference.history_length()

@@ -23,6 +23,7 @@ from recshard.modules.mc_modules import (
     MCHManagedCollisionModule,
 )
 from recshard.sparse import KeyedJaggedTensor
+from tests.distributed.mc_cases import bucket_universe, skewed_ids
 
 pytestmark = pytest.mark.skipif(
     not mc_library.available(), reason="recshard.distributed._mc_index is not built"
@@ -55,14 +56,7 @@ def _modules() -> List[MCHManagedCollisionModule]:
 
 def _ids(gen: torch.Generator, module: MCHManagedCollisionModule, n: int) -> torch.Tensor:
     """`n` skewed draws of the module's buckets' ids (repeats, hits)."""
-    zch, buckets = module.output_size(), module.buckets()
-    first, last = module.bucket_range()
-    universe = torch.arange(4 * zch + 50) * 2_654_435_761_987 % HASH
-    universe = universe[(universe % buckets >= first) & (universe % buckets < last)]
-    weights = 1.0 / (torch.arange(universe.numel()) + 1.0) ** 0.7
-    if n == 0:
-        return universe[:0]
-    return universe[torch.multinomial(weights, n, replacement=True, generator=gen)]
+    return skewed_ids(gen, bucket_universe(module), n)
 
 
 def _kjt(keys: List[str], parts: Dict[str, torch.Tensor]) -> KeyedJaggedTensor:

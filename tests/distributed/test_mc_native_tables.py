@@ -15,6 +15,7 @@ import torch
 from recshard.distributed import mc_library, mc_native
 from recshard.modules.mc_index import LfuEviction
 from recshard.modules.mc_modules import LFU_EvictionPolicy, MCHManagedCollisionModule
+from tests.distributed.mc_cases import bucket_universe, skewed_ids
 
 pytestmark = pytest.mark.skipif(
     not mc_library.available(), reason="recshard.distributed._mc_index is not built"
@@ -39,15 +40,11 @@ def _modules(native: bool) -> List[MCHManagedCollisionModule]:
 
 def _ids(gen: torch.Generator, module: MCHManagedCollisionModule, step: int) -> torch.Tensor:
     """Skewed draws of the module's buckets' ids (repeats, hits, ties); none at some steps."""
-    zch, buckets = module.output_size(), module.buckets()
-    first, last = module.bucket_range()
-    universe = torch.arange(4 * zch + 50) * 2_654_435_761_987 % (2**40)
-    universe = universe[(universe % buckets >= first) & (universe % buckets < last)]
+    zch = module.output_size()
     if (step + zch) % 5 == 0:
-        return universe[:0]
-    weights = 1.0 / (torch.arange(universe.numel()) + 1.0) ** 0.7
+        return torch.empty(0, dtype=torch.int64)
     n = int(torch.randint(1, 3 * zch, (1,), generator=gen))
-    return universe[torch.multinomial(weights, n, replacement=True, generator=gen)]
+    return skewed_ids(gen, bucket_universe(module), n)
 
 
 def _state(module: MCHManagedCollisionModule) -> Tuple[object, ...]:
