@@ -49,6 +49,7 @@ setup(
                 "recshard/distributed/csrc/mc_codes.h",
                 "recshard/distributed/csrc/mc_bucket.h",
                 "recshard/distributed/csrc/mc_contest.h",
+                "recshard/distributed/csrc/mc_segments.h",
             ],
             # no fused multiply-add: a reset's numbers equal their torch twin's bit for bit
             extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off"],

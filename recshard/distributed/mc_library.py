@@ -64,6 +64,7 @@ _LIBRARY = NativeLibrary(
     "csrc/mc_codes.h",
     "csrc/mc_bucket.h",
     "csrc/mc_contest.h",
+    "csrc/mc_segments.h",
 )
 
 

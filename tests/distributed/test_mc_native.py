@@ -119,6 +119,10 @@ def test_native_remap_refuses_ids_outside_its_buckets() -> None:
         remap.remap(torch.tensor([1, 4]), torch.tensor([0]), torch.tensor([2]))
     with pytest.raises(RuntimeError, match="refused"):
         remap.remap(torch.tensor([1, 5]), torch.tensor([0]), torch.tensor([3]))
+    # lengths summing to 2**64 + 1: wrapped, that is the ids' count (read far past them)
+    wrapping = torch.tensor([2**63 - 1, 2**63 - 1, 3])
+    with pytest.raises(RuntimeError, match="refused"):
+        remap.remap(torch.tensor([1]), torch.tensor([0, 0, 0]), wrapping)
 
 
 def test_route_matches_route_to_owners() -> None:
@@ -152,6 +156,9 @@ def test_ids_in_range() -> None:
     assert not mc_native.ids_in_range(torch.tensor([0, 1, -1]), tables, lengths, sizes)
     with pytest.raises(RuntimeError, match="refused"):
         mc_native.ids_in_range(torch.tensor([0, 1]), tables, lengths, sizes)
+    wrapping = torch.tensor([2**63 - 1, 2**63 - 1, 3])  # sums to 2**64 + 1, the ids' count wrapped
+    with pytest.raises(RuntimeError, match="refused"):
+        mc_native.ids_in_range(torch.tensor([0]), torch.tensor([0, 0, 0]), wrapping, sizes)
 
 
 def _paths(rank: int, ws: int) -> Tuple[bool, bool]:

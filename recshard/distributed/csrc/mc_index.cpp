@@ -23,6 +23,7 @@
 #include "mc_bucket.h"
 #include "mc_codes.h"
 #include "mc_contest.h"
+#include "mc_segments.h"
 
 namespace {
 
@@ -167,13 +168,8 @@ extern "C" int rs_mc_remap(int64_t segments, const int64_t* segment_tables,
                            const int64_t* default_starts, int64_t default_count,
                            const int64_t* defaults, int64_t* out_rows,
                            int64_t* counts) try {
-  int64_t total = 0;
-  for (int64_t s = 0; s < segments; ++s) {
-    if (segment_tables[s] < 0 || segment_tables[s] >= tables || segment_lengths[s] < 0)
-      return ERR_ARGUMENT;
-    total += segment_lengths[s];
-  }
-  if (total != count) return ERR_ARGUMENT;
+  if (!valid_segments(segments, segment_tables, segment_lengths, count, tables, false))
+    return ERR_ARGUMENT;
   for (int64_t t = 0; t < tables; ++t) {
     if (!valid_log2(log2s[t]) || buckets[t] < 1 || held_buckets[t] < 0 ||
         default_starts[t] < 0 || default_starts[t] + held_buckets[t] > default_count)

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "mc_codes.h"
+#include "mc_segments.h"
 
 // One training step of `tables` modules. The ids come in segments (`ids[count]`, segment s
 // holding segment_lengths[s] ids of module segment_tables[s], or of no module where that is
@@ -25,16 +26,11 @@ extern "C" int rs_mc_record(int64_t segments, const int64_t* segment_tables,
                             const int64_t* history_seen, const int64_t* used,
                             const int64_t* capacity, const int64_t* iterations,
                             int64_t* recorded) try {
-  if (segments < 0 || count < 0 || tables < 0) return ERR_ARGUMENT;
+  if (tables < 0 || !valid_segments(segments, segment_tables, segment_lengths, count, tables, true))
+    return ERR_ARGUMENT;
   std::vector<int64_t> appended(tables, 0);  // before the first write: a failure writes nothing
-  int64_t total = 0;
-  for (int64_t s = 0; s < segments; ++s) {
-    const int64_t t = segment_tables[s], length = segment_lengths[s];
-    if (t < -1 || t >= tables || length < 0 || length > count - total) return ERR_ARGUMENT;
-    total += length;
-    if (t >= 0) appended[t] += length;
-  }
-  if (total != count) return ERR_ARGUMENT;
+  for (int64_t s = 0; s < segments; ++s)
+    if (segment_tables[s] >= 0) appended[segment_tables[s]] += segment_lengths[s];
   for (int64_t t = 0; t < tables; ++t) {
     if ((history_ids[t] == 0 && capacity[t] > 0) || iterations[t] == 0 || used[t] < 0 ||
         capacity[t] < used[t] ||

@@ -8,21 +8,21 @@
 
 #include "mc_bucket.h"
 #include "mc_codes.h"
+#include "mc_segments.h"
 
 // ERR_ID when an id of segment s (laid out as for rs_mc_remap) is outside
 // [0, hash_sizes[segment_tables[s]]).
 extern "C" int rs_mc_check_ids(int64_t segments, const int64_t* segment_tables,
                                const int64_t* segment_lengths, int64_t count, const int64_t* ids,
                                int64_t tables, const int64_t* hash_sizes) try {
-  int64_t at = 0;
-  for (int64_t s = 0; s < segments; ++s) {
+  if (!valid_segments(segments, segment_tables, segment_lengths, count, tables, false))
+    return ERR_ARGUMENT;
+  for (int64_t s = 0, at = 0; s < segments; ++s) {
     const int64_t t = segment_tables[s];
-    if (t < 0 || t >= tables || segment_lengths[s] < 0 || at + segment_lengths[s] > count)
-      return ERR_ARGUMENT;
     for (int64_t end = at + segment_lengths[s]; at < end; ++at)
       if (ids[at] < 0 || ids[at] >= hash_sizes[t]) return ERR_ID;
   }
-  return at == count ? 0 : ERR_ARGUMENT;
+  return 0;
 } catch (...) {
   return exception_code();
 }
